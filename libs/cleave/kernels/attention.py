@@ -1,0 +1,72 @@
+"""Paged attention over the block-structured KV cache: KV write, prefill and decode.
+
+Torch references live here; Triton kernels sit in their own files and are picked by the
+public functions (`write_kv`, `paged_attention`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cleave.kv.metadata import AttentionMetadata
+
+
+def write_kv_reference(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = padding
+) -> None:
+    """Scatter new K/V into their slots; padding slots (-1) are skipped."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    flat = kv_cache.view(2, num_blocks * block_size, kv_cache.shape[3], kv_cache.shape[4])
+    flat[0, slots] = key[valid].to(kv_cache.dtype)
+    flat[1, slots] = value[valid].to(kv_cache.dtype)
+
+
+def paged_attention_reference(
+    query: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Causal attention of each sequence's new tokens over its whole cached context (GQA)."""
+    block_size = kv_cache.shape[2]
+    num_q_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros_like(query)
+    starts = metadata.query_start_loc.tolist()
+    seq_lens = metadata.seq_lens.tolist()
+    tables = metadata.block_tables.tolist()
+    for b, seq_len in enumerate(seq_lens):
+        q_start, q_end = starts[b], starts[b + 1]
+        query_len = q_end - q_start
+        if query_len == 0 or seq_len == 0:
+            continue
+        num_blocks = (seq_len + block_size - 1) // block_size
+        blocks = torch.tensor(tables[b][:num_blocks], dtype=torch.long, device=query.device)
+        keys = kv_cache[0, blocks].reshape(-1, num_kv_heads, kv_cache.shape[4])[:seq_len]
+        values = kv_cache[1, blocks].reshape(-1, num_kv_heads, kv_cache.shape[4])[:seq_len]
+        keys = keys.float().repeat_interleave(group, dim=1)  # [S, Hq, D]
+        values = values.float().repeat_interleave(group, dim=1)
+        q = query[q_start:q_end].float()  # [Q, Hq, D]
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+        q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        mask = k_pos[None, :] > q_pos[:, None]  # [Q, S]
+        scores.masked_fill_(mask[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
+    return out
+
+
+def write_kv(key, value, kv_cache, slot_mapping) -> None:
+    """Write new K/V into the paged cache (Triton on CUDA, torch otherwise)."""
+    write_kv_reference(key, value, kv_cache, slot_mapping)
+
+
+def paged_attention(query, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention of the batch's new tokens over the paged cache (Triton on CUDA)."""
+    return paged_attention_reference(query, kv_cache, metadata, scale)

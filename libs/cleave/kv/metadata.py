@@ -1,0 +1,87 @@
+"""Attention metadata: how one flattened batch maps onto the paged KV cache.
+
+A step's batch is flattened: the new tokens of every sequence are concatenated into one
+`[num_tokens]` vector (prefill chunks and single decode tokens alike). For sequence `b`
+the new tokens are `query_start_loc[b]:query_start_loc[b + 1]`; they are the *last*
+`query_len` tokens of a context of `seq_lens[b]` tokens, so query `i` of sequence `b` sits
+at position `seq_lens[b] - query_len_b + i` and sees keys `0..position` (causal).
+
+KV cache layout (one tensor for the whole model, so a layer or a block is one slice):
+    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache[layer][0] is K, kv_cache[layer][1] is V.
+A slot is `block_id * block_size + offset`; `slot_mapping[t] == -1` marks a padding
+token whose K/V must not be written anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PAD_SLOT_ID = -1
+
+
+@dataclass
+class AttentionMetadata:
+    """Device tensors (and a few host ints) describing one forward's attention layout.
+
+    Attributes:
+        slot_mapping: [num_tokens] int64 slot of each new token, PAD_SLOT_ID for padding.
+        query_start_loc: [num_seqs + 1] int32 prefix sums of query lengths.
+        seq_lens: [num_seqs] int32 context length of each sequence *including* new tokens.
+        block_tables: [num_seqs, max_blocks_per_seq] int32 block ids (unused tail: 0).
+        max_query_len: host int, longest query in the batch (1 for a pure decode step).
+        max_seq_len: host int, an upper bound on seq_lens (for CUDA graphs: the capacity).
+        num_prefill_tokens: host int, tokens that belong to sequences with query_len > 1.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        max_blocks_per_seq: int | None = None,
+    ) -> "AttentionMetadata":
+        """Build metadata from host lists (tests, eager runs; the graph runner fills buffers)."""
+        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+            raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+        slots: list[int] = []
+        for query_len, seq_len, table in zip(query_lens, seq_lens, block_tables):
+            if query_len > seq_len:
+                raise ValueError(f"query_len {query_len} exceeds seq_len {seq_len}")
+            if len(table) * block_size < seq_len:
+                raise ValueError(f"block table of {len(table)} blocks cannot hold {seq_len} tokens")
+            for pos in range(seq_len - query_len, seq_len):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        width = max_blocks_per_seq or max((len(t) for t in block_tables), default=1) or 1
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        starts = [0]
+        for query_len in query_lens:
+            starts.append(starts[-1] + query_len)
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(block_tables), width),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+        )
