@@ -1,0 +1,156 @@
+"""`ModelConfig`: the parts of a Hugging Face `config.json` that cleave's model reads.
+
+Both config generations are understood: transformers 4 (`rope_theta` + `rope_scaling`,
+`torch_dtype`) and transformers 5 (`rope_parameters`, `dtype`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+# Architectures whose q/k/v projections always carry a bias (Qwen2 has no config flag for it).
+_ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
+# Architectures that RMS-normalise every q and k head before rotary.
+_QK_NORM = {"Qwen3ForCausalLM"}
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float": torch.float32,
+    "half": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a decoder-only causal LM (Llama, Mistral, Qwen2, Qwen3).
+
+    `rope_scaling` is None for plain rotary, else a dict with at least `rope_type`
+    (`linear` or `llama3`) and that type's parameters. `eos_token_ids` holds every id the
+    config names as end-of-sequence (HF allows a single id or a list).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    dtype: torch.dtype = torch.float32
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
+        """Read `config.json` from a checkpoint directory (or the file itself)."""
+        path = Path(path)
+        config_file = path / "config.json" if path.is_dir() else path
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json at {config_file}")
+        with open(config_file, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        """Build from the parsed contents of an HF `config.json`."""
+        architectures = raw.get("architectures") or []
+        if len(architectures) != 1:
+            raise ValueError(
+                f"config.json must name exactly one architecture, got {architectures!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        architecture = architectures[0]
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{architecture} with hidden_act={raw['hidden_act']!r} is not supported (only silu)")
+        if raw.get("mlp_bias"):
+            raise ValueError(f"{architecture} with mlp_bias=True is not supported")
+        num_heads = raw["num_attention_heads"]
+        rope_theta, rope_scaling = _read_rope(raw)
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+        if dtype_name not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype_name!r} in config.json")
+        sliding_window = raw.get("sliding_window")
+        if architecture.startswith("Qwen") and not raw.get("use_sliding_window", False):
+            sliding_window = None
+        return cls(
+            architecture=architecture,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=architecture in _ALWAYS_QKV_BIAS or bool(raw.get("attention_bias", False)),
+            qk_norm=architecture in _QK_NORM,
+            dtype=_DTYPES[dtype_name],
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            sliding_window=sliding_window,
+        )
+
+
+def _read_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling or None) from either config generation."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        scaling = dict(params)
+    else:
+        scaling = dict(raw.get("rope_scaling") or {})
+    rope_theta = float(scaling.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    # transformers 4 wrote the kind as "type"; 5 writes "rope_type".
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    if rope_type == "default":
+        return rope_theta, None
+    return rope_theta, {"rope_type": rope_type, **scaling}

@@ -1,0 +1,216 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flattened, paged batch.
+
+The batch has no batch dimension: `input_ids` and `positions` are `[T]`, the new tokens of
+every sequence concatenated; `AttentionMetadata` says which tokens belong to which sequence
+and where their K/V live in the paged cache. Architecture differences are config flags:
+q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied embeddings, rope scaling.
+
+q/k/v are one `qkv_proj` Linear and gate/up one `gate_up_proj` Linear (the loader fuses the
+HF tensors), so each projection is one GEMM. The forward does no host syncs, so it can be
+captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cleave.kernels.activation import silu_and_mul
+from cleave.kernels.attention import paged_attention, paged_attention_reference, write_kv, write_kv_reference
+from cleave.kernels.dispatch import Impl
+from cleave.kernels.rms_norm import fused_add_rms_norm, rms_norm
+from cleave.kernels.rotary import apply_rotary
+from cleave.kv.metadata import AttentionMetadata
+from cleave.model.config import ModelConfig
+from cleave.model.rope import build_cos_sin_cache
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm weight; `forward(x, residual)` fuses the residual add when one is given."""
+
+    def __init__(self, size: int, eps: float, impl: Impl = "auto") -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.impl: Impl = impl
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # x: [N, size]; residual: [N, size], updated in place to residual + x
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps, impl=self.impl)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, impl=self.impl)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with rotary positions over one layer's paged KV cache."""
+
+    def __init__(self, config: ModelConfig, impl: Impl = "auto") -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = self.head_dim**-0.5
+        self.impl: Impl = impl
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, impl) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, impl) if config.qk_norm else None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, H]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        metadata: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,  # [max_position, D] float32
+    ) -> torch.Tensor:  # [T, H]
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
+        apply_rotary(q, k, positions, cos_sin_cache, is_neox=True, impl=self.impl)
+        if self.impl == "torch":
+            write_kv_reference(k, v, kv_cache, metadata.slot_mapping)
+            out = paged_attention_reference(q, kv_cache, metadata, self.scale)  # [T, Hq, D]
+        else:
+            write_kv(k, v, kv_cache, metadata.slot_mapping)
+            out = paged_attention(q, kv_cache, metadata, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)) with gate and up in one GEMM."""
+
+    def __init__(self, config: ModelConfig, impl: Impl = "auto") -> None:
+        super().__init__()
+        self.impl: Impl = impl
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(hidden)  # [T, 2I]
+        return self.down_proj(silu_and_mul(gate_up, impl=self.impl))  # [T, I] -> [T, H]
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); residual adds fused into the norms."""
+
+    def __init__(self, config: ModelConfig, impl: Impl = "auto") -> None:
+        super().__init__()
+        self.self_attn = Attention(config, impl)
+        self.mlp = MLP(config, impl)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, H]: previous layer's output (the embeddings for layer 0)
+        residual: torch.Tensor | None,  # [T, H] running residual stream, None for layer 0
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, kv_cache, metadata, cos_sin_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM: token ids of a flattened batch -> final hidden states -> logits.
+
+    Module names mirror HF's (`layers.{i}.self_attn.qkv_proj`, ...) without the `model.`
+    prefix; `cos_sin_cache` is a float32 buffer that stays float32 whatever dtype the
+    weights are moved to. `impl` picks the kernel side of every op ("torch" forces the
+    references, e.g. for `torch.compile`).
+    """
+
+    def __init__(self, config: ModelConfig, impl: Impl = "auto") -> None:
+        super().__init__()
+        self.config = config
+        self.impl: Impl = impl
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, impl) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        cache = self._build_cos_sin_cache(self.embed_tokens.weight.device)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def _build_cos_sin_cache(self, device: torch.device) -> torch.Tensor:
+        config = self.config
+        if device.type == "meta":
+            shape = (config.max_position_embeddings, config.head_dim)
+            return torch.empty(shape, dtype=torch.float32, device=device)
+        cache = build_cos_sin_cache(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        return cache.to(device)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # `.to(bfloat16)` would round the rotary table and `to_empty()` would leave it
+        # uninitialised, so it is rebuilt in float32 on whatever device the weights now use.
+        super()._apply(fn, recurse)
+        # Moving from the meta device makes a new Parameter per module, breaking the tie.
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.cos_sin_cache = self._build_cos_sin_cache(self.cos_sin_cache.device)
+        return self
+
+    def set_impl(self, impl: Impl) -> "CausalLM":
+        """Pick the kernel side ("auto", "triton", "torch") for every op of the model."""
+        for module in self.modules():
+            if hasattr(module, "impl"):
+                module.impl = impl
+        return self
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, Hkv, D]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        hidden = self.embed_tokens(input_ids)  # [T, H]
+        residual: torch.Tensor | None = None
+        for index, layer in enumerate(self.layers):
+            hidden, residual = layer(hidden, residual, positions, kv_cache[index], metadata, self.cos_sin_cache)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, H] -> [N, V] float32
+        return self.lm_head(hidden).float()
+
+
+def allocate_kv_cache(
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Zeroed [num_layers, 2, num_blocks, block_size, Hkv, D] cache (dtype defaults to the model's)."""
+    shape = (
+        config.num_hidden_layers,
+        2,
+        num_blocks,
+        block_size,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
+    return torch.zeros(shape, dtype=dtype or config.dtype, device=device)

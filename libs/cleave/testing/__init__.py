@@ -1,0 +1,1 @@
+"""Test helpers shared across cleave's test suites (tiny checkpoints, ...)."""
