@@ -1,13 +1,18 @@
 """Paged attention over the block-structured KV cache: KV write, prefill and decode.
 
-Torch references live here; Triton kernels sit in their own files and are picked by the
-public functions (`write_kv`, `paged_attention`).
+Torch references live here; Triton kernels sit in their own files (`kv_write.py`,
+`attention_prefill.py`, `attention_decode.py`) and are picked by the public functions
+(`write_kv`, `paged_attention`) following the `impl` convention of `dispatch.py`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from cleave.kernels.attention_decode import paged_decode_attention
+from cleave.kernels.attention_prefill import paged_prefill_attention
+from cleave.kernels.dispatch import Impl, use_triton
+from cleave.kernels.kv_write import write_kv_triton
 from cleave.kv.metadata import AttentionMetadata
 
 
@@ -62,11 +67,34 @@ def paged_attention_reference(
     return out
 
 
-def write_kv(key, value, kv_cache, slot_mapping) -> None:
+def write_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = padding
+    impl: Impl = "auto",
+) -> None:
     """Write new K/V into the paged cache (Triton on CUDA, torch otherwise)."""
-    write_kv_reference(key, value, kv_cache, slot_mapping)
+    if use_triton(key, impl):
+        write_kv_triton(key, value, kv_cache, slot_mapping)
+    else:
+        write_kv_reference(key, value, kv_cache, slot_mapping)
 
 
-def paged_attention(query, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention of the batch's new tokens over the paged cache (Triton on CUDA)."""
-    return paged_attention_reference(query, kv_cache, metadata, scale)
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    metadata: AttentionMetadata,
+    scale: float,
+    impl: Impl = "auto",
+) -> torch.Tensor:  # [T, Hq, D]
+    """Attention of the batch's new tokens over the paged cache (Triton on CUDA).
+
+    A decode-only batch (every query length 1) runs the split-KV decode kernel; any batch
+    with a prefill chunk, mixed or not, runs the varlen prefill kernel.
+    """
+    if not use_triton(query, impl):
+        return paged_attention_reference(query, kv_cache, metadata, scale)
+    if metadata.is_decode_only:
+        return paged_decode_attention(query, kv_cache, metadata, scale)
+    return paged_prefill_attention(query, kv_cache, metadata, scale)

@@ -1,0 +1,182 @@
+"""Triton paged attention and KV write against their torch references.
+
+CPU runs use the Triton interpreter (each launch costs ~0.5 s), so shapes stay tiny;
+`@pytest.mark.gpu` tests repeat the comparison at serving shapes on the device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cleave.kernels.attention import (
+    paged_attention,
+    paged_attention_reference,
+    write_kv,
+    write_kv_reference,
+)
+from cleave.kernels.attention_decode import num_decode_splits, paged_decode_attention
+from cleave.kv.metadata import PAD_SLOT_ID, AttentionMetadata
+
+BLOCK_SIZE = 4
+HEAD_DIM = 16
+SCALE = HEAD_DIM**-0.5
+
+
+def random_cache(num_blocks: int, num_kv_heads: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=generator)
+    return cache.to(dtype)  # [2, num_blocks, block_size, Hkv, D]
+
+
+def random_query(num_tokens: int, num_q_heads: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(num_tokens, num_q_heads, HEAD_DIM, generator=generator).to(dtype)
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    return {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+
+
+def test_write_kv_scatters_and_skips_padding_slots():
+    cache = torch.zeros(2, 6, BLOCK_SIZE, 2, HEAD_DIM)
+    key = torch.randn(4, 2, HEAD_DIM)
+    value = torch.randn(4, 2, HEAD_DIM)
+    slots = torch.tensor([5, PAD_SLOT_ID, 17, 8], dtype=torch.int64)
+    expected = cache.clone()
+    write_kv_reference(key, value, expected, slots)
+
+    write_kv(key, value, cache, slots, impl="triton")
+
+    assert torch.equal(cache, expected)
+    flat = cache.view(2, -1, 2, HEAD_DIM)
+    written = {5, 17, 8}
+    untouched = [slot for slot in range(flat.shape[1]) if slot not in written]
+    assert torch.count_nonzero(flat[:, untouched]) == 0
+    assert torch.equal(flat[0, 17], key[2]) and torch.equal(flat[1, 8], value[3])
+
+
+def test_write_kv_casts_to_bf16_cache():
+    cache = torch.zeros(2, 3, BLOCK_SIZE, 1, HEAD_DIM, dtype=torch.bfloat16)
+    key = torch.randn(2, 1, HEAD_DIM)
+    value = torch.randn(2, 1, HEAD_DIM)
+    slots = torch.tensor([1, 9], dtype=torch.int64)
+    expected = cache.clone()
+    write_kv_reference(key, value, expected, slots)
+
+    write_kv(key, value, cache, slots, impl="triton")
+
+    # The interpreter truncates fp32 -> bf16 where torch rounds: one bf16 ulp apart at most.
+    torch.testing.assert_close(cache.float(), expected.float(), atol=0, rtol=2**-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_without_cached_prefix(dtype):
+    cache = random_cache(num_blocks=6, num_kv_heads=1, dtype=dtype)
+    metadata = AttentionMetadata.build([7], [7], [[4, 1]], BLOCK_SIZE)
+    query = random_query(7, 1, dtype)
+
+    out = paged_attention(query, cache, metadata, SCALE, impl="triton")
+
+    expected = paged_attention_reference(query, cache, metadata, SCALE)
+    torch.testing.assert_close(out.float(), expected.float(), **tolerance(dtype))
+
+
+def test_prefill_mixed_batch_with_prefix_gqa_and_noncontiguous_tables():
+    # Sequence 0: 3 new tokens after a 6-token cached prefix; 1: a decode token;
+    # 2: a 5-token prompt with no prefix. Blocks are scattered and out of order.
+    cache = random_cache(num_blocks=12, num_kv_heads=2, dtype=torch.float32)
+    metadata = AttentionMetadata.build(
+        [3, 1, 5], [9, 6, 5], [[7, 2, 10], [9, 3], [11, 5]], BLOCK_SIZE, max_blocks_per_seq=4
+    )
+    query = random_query(9, 4, torch.float32)
+
+    out = paged_attention(query, cache, metadata, SCALE, impl="triton")
+
+    expected = paged_attention_reference(query, cache, metadata, SCALE)
+    torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+
+
+def test_prefill_query_blocks_split_a_long_prompt():
+    cache = random_cache(num_blocks=12, num_kv_heads=1, dtype=torch.float32)
+    metadata = AttentionMetadata.build([19, 2], [21, 30], [list(range(1, 7)), list(range(11, 3, -1))], BLOCK_SIZE)
+    query = random_query(21, 2, torch.float32)
+    from cleave.kernels.attention_prefill import paged_prefill_attention
+
+    out = paged_prefill_attention(query, cache, metadata, SCALE, block_m=16, block_n=16)
+
+    expected = paged_attention_reference(query, cache, metadata, SCALE)
+    torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_with_several_splits_gqa(dtype):
+    cache = random_cache(num_blocks=20, num_kv_heads=2, dtype=dtype)
+    # Seq 0 spans 3 partitions of 16 tokens, seq 1 one partial partition, seq 2 exactly two.
+    metadata = AttentionMetadata.build(
+        [1, 1, 1], [37, 5, 32], [list(range(19, 9, -1)), [3, 8], list(range(1, 9))], BLOCK_SIZE
+    )
+    assert num_decode_splits(metadata.max_seq_len, 16) == 3
+    query = random_query(3, 4, dtype)
+
+    out = paged_decode_attention(query, cache, metadata, SCALE, partition_size=16, block_n=16)
+
+    expected = paged_attention_reference(query, cache, metadata, SCALE)
+    torch.testing.assert_close(out.float(), expected.float(), **tolerance(dtype))
+
+
+def test_decode_capacity_grid_and_padding_rows_give_zeros():
+    # As under a CUDA graph: max_seq_len is the capacity, the last row is padding
+    # (seq_len 0, slot -1) reading nothing; splits past each real length exit early.
+    cache = random_cache(num_blocks=10, num_kv_heads=1, dtype=torch.float32)
+    metadata = AttentionMetadata.build([1, 1], [6, 13], [[2, 5, 0, 0], [9, 1, 4, 7]], BLOCK_SIZE)
+    metadata.seq_lens = torch.tensor([6, 13, 0], dtype=torch.int32)
+    metadata.query_start_loc = torch.arange(4, dtype=torch.int32)
+    metadata.block_tables = torch.cat([metadata.block_tables, torch.zeros(1, 4, dtype=torch.int32)])
+    metadata.max_seq_len = 64
+    query = random_query(3, 2, torch.float32)
+
+    out = paged_attention(query, cache, metadata, SCALE, impl="triton")
+
+    expected = paged_attention_reference(query, cache, metadata, SCALE)
+    torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+    assert torch.count_nonzero(out[2]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_prefill_and_decode_match_reference(dtype):
+    device = torch.device("cuda")
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    block_size, num_kv_heads, num_q_heads, head_dim = 16, 8, 32, 64
+    num_blocks = 1200
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(device, dtype)
+    permutation = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
+    seq_lens = [1, 700, 4099, 9000]
+    tables, used = [], 0
+    for seq_len in seq_lens:
+        count = -(-seq_len // block_size)
+        tables.append(permutation[used : used + count])
+        used += count
+    for query_lens in ([1, 300, 129, 1000], [1, 1, 1, 1]):
+        metadata = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device=device)
+        query = torch.randn(sum(query_lens), num_q_heads, head_dim, generator=generator).to(device, dtype)
+        out = paged_attention(query, cache, metadata, head_dim**-0.5, impl="triton")
+        expected = paged_attention_reference(query, cache, metadata, head_dim**-0.5)
+        torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_write_kv_matches_reference():
+    device = torch.device("cuda")
+    cache = torch.zeros(2, 64, 16, 8, 128, dtype=torch.bfloat16, device=device)
+    key = torch.randn(300, 8, 128, device=device, dtype=torch.bfloat16)
+    value = torch.randn(300, 8, 128, device=device, dtype=torch.bfloat16)
+    slots = torch.randperm(64 * 16, device=device)[:300]
+    slots[::7] = PAD_SLOT_ID
+    expected = cache.clone()
+    write_kv_reference(key, value, expected, slots)
+
+    write_kv(key, value, cache, slots, impl="triton")
+
+    assert torch.equal(cache, expected)
