@@ -1,0 +1,1 @@
+"""Generated stubs of the cleave protos (protos/cleave)."""

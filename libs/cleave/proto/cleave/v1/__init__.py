@@ -1,0 +1,1 @@
+"""Generated stubs of package cleave.v1 (protos/cleave/v1)."""
