@@ -1,10 +1,19 @@
-"""RMSNorm, optionally fused with the residual add (residual updated in place)."""
+"""RMSNorm, optionally fused with the residual add (residual updated in place).
+
+The Triton kernel reads each row once, reduces in fp32 and writes once; with a residual it
+also writes the new residual, so add+norm costs one HBM pass (read x, residual; write
+residual, out). Rounding follows the reference (HF Llama): the normalised row is cast to the
+input dtype before the weight multiply, and the residual sum is rounded to the residual's
+dtype before it is normalised.
+"""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from cleave.kernels.dispatch import Impl, use_triton
+from cleave.kernels.dispatch import Impl, RowLaunch, row_launch, use_triton
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -21,15 +30,89 @@ def fused_add_rms_norm_reference(
     return rms_norm_reference(residual, weight, eps), residual
 
 
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [T, H]
+    residual_ptr,  # [T, H], read and written when HAS_RESIDUAL
+    weight_ptr,  # [H]
+    out_ptr,  # [T, H]
+    num_rows,
+    hidden,
+    x_row_stride,
+    residual_row_stride,
+    out_row_stride,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    mask = (rows[:, None] < num_rows) & (cols[None, :] < hidden)  # [ROWS, BLOCK_H]
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res_ptrs = residual_ptr + rows[:, None] * residual_row_stride + cols[None, :]
+        summed = tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32) + x.to(tl.float32)
+        x = summed.to(residual_ptr.dtype.element_ty)
+        tl.store(res_ptrs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / hidden + eps)  # [ROWS]
+    normed = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+    out = normed * weight[None, :]
+    tl.store(
+        out_ptr + rows[:, None] * out_row_stride + cols[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def _launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    hidden = x.shape[-1]
+    x2 = x if x.dim() == 2 else x.reshape(-1, hidden)  # [T, H]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    num_rows = x2.shape[0]
+    out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
+    if residual is None:
+        res2 = x2
+    else:
+        res2 = residual if residual.dim() == 2 else residual.view(-1, hidden)
+        if res2.stride(-1) != 1:
+            raise ValueError("residual must be contiguous in its last dimension (it is updated in place)")
+    launch: RowLaunch = row_launch(num_rows, hidden)
+    _rms_norm_kernel[launch.grid](
+        x2,
+        res2,
+        weight,
+        out,
+        num_rows,
+        hidden,
+        x2.stride(0),
+        res2.stride(0),
+        hidden,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        ROWS=launch.rows,
+        BLOCK_H=launch.block,
+        num_warps=launch.num_warps,
+    )
+    return out.view(x.shape)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: Impl = "auto") -> torch.Tensor:
     """RMSNorm over the last dimension."""
-    use_triton(x, impl)
-    return rms_norm_reference(x, weight, eps)
+    if not use_triton(x, impl):
+        return rms_norm_reference(x, weight, eps)
+    return _launch(x, None, weight, eps)
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, impl: Impl = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual += x in place, then RMSNorm of the sum; returns (normed, residual)."""
-    use_triton(x, impl)
-    return fused_add_rms_norm_reference(x, residual, weight, eps)
+    if not use_triton(x, impl):
+        return fused_add_rms_norm_reference(x, residual, weight, eps)
+    return _launch(x, residual, weight, eps), residual

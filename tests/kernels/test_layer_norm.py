@@ -1,0 +1,86 @@
+"""LayerNorm and fused add+LayerNorm: Triton kernel vs torch reference."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cleave.kernels.layer_norm import (
+    fused_add_layer_norm,
+    fused_add_layer_norm_reference,
+    layer_norm,
+    layer_norm_reference,
+)
+
+SHAPES = [(13, 1000), (1, 64), (5, 3, 96)]
+
+
+def assert_close_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 1) -> None:
+    """Equal up to `ulps` units in the last place of the dtype (fp32: a tight relative bound)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+        return
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        bits = t.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    distance = (ordered(actual) - ordered(expected)).abs().max().item()
+    assert distance <= ulps, f"{distance} ulps apart"
+
+
+def test_reference_is_torch_layer_norm():
+    x = torch.randn(4, 40)
+    weight, bias = torch.randn(40), torch.randn(40)
+    assert torch.equal(layer_norm_reference(x, weight, bias, 1e-5), F.layer_norm(x, (40,), weight, bias, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_layer_norm_matches_reference(shape, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=dtype) * 2 + 0.5
+    weight = torch.randn(shape[-1], dtype=dtype)
+    bias = torch.randn(shape[-1], dtype=dtype)
+    out = layer_norm(x, weight, bias, 1e-5, impl="triton")
+    assert_close_ulps(out, layer_norm_reference(x, weight, bias, 1e-5))
+
+
+def test_layer_norm_without_affine():
+    torch.manual_seed(1)
+    x = torch.randn(6, 130)
+    torch.testing.assert_close(
+        layer_norm(x, None, None, 1e-5, impl="triton"), F.layer_norm(x, (130,)), rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_fused_add_layer_norm_updates_residual_in_place(shape, dtype):
+    torch.manual_seed(2)
+    x = torch.randn(shape, dtype=dtype)
+    residual = torch.randn(shape, dtype=dtype)
+    expected_residual = residual + x
+    weight = torch.randn(shape[-1], dtype=dtype)
+    bias = torch.randn(shape[-1], dtype=dtype)
+    storage = residual.data_ptr()
+    out, new_residual = fused_add_layer_norm(x, residual, weight, bias, 1e-5, impl="triton")
+    assert new_residual is residual and residual.data_ptr() == storage
+    assert_close_ulps(residual, expected_residual)
+    # normalise what the kernel stored, so a 1-ulp residual difference does not compound
+    assert_close_ulps(out, layer_norm_reference(residual, weight, bias, 1e-5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 4096), (4096, 4096), (333, 5120), (64, 8192)])
+def test_gpu_bf16(shape):
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    residual = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    weight = torch.randn(shape[-1], dtype=torch.bfloat16, device="cuda")
+    bias = torch.randn(shape[-1], dtype=torch.bfloat16, device="cuda")
+    assert_close_ulps(layer_norm(x, weight, bias, 1e-5), layer_norm_reference(x, weight, bias, 1e-5))
+    expected_residual = residual + x
+    out, _ = fused_add_layer_norm(x, residual, weight, bias, 1e-5)
+    assert torch.equal(residual, expected_residual)
+    assert_close_ulps(out, layer_norm_reference(expected_residual, weight, bias, 1e-5))

@@ -1,0 +1,94 @@
+"""RMSNorm and fused add+RMSNorm: Triton kernel vs torch reference."""
+
+import pytest
+import torch
+
+from cleave.kernels.rms_norm import (
+    fused_add_rms_norm,
+    fused_add_rms_norm_reference,
+    rms_norm,
+    rms_norm_reference,
+)
+
+SHAPES = [(13, 1000), (1, 64), (5, 3, 96)]
+
+
+def assert_close_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 1) -> None:
+    """Equal up to `ulps` units in the last place of the dtype (fp32: a tight relative bound)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+        return
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        bits = t.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    distance = (ordered(actual) - ordered(expected)).abs().max().item()
+    assert distance <= ulps, f"{distance} ulps apart"
+
+
+def make_weight(hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    # In bf16 the weights are signed powers of two: the weight multiply is then exact, so the
+    # interpreter's truncating cast of the normed row stays a 1-ulp difference.
+    if dtype == torch.float32:
+        return torch.randn(hidden)
+    exponent = torch.randint(-2, 3, (hidden,)).float()
+    sign = torch.where(torch.rand(hidden) < 0.5, -1.0, 1.0)
+    return (sign * torch.exp2(exponent)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm_matches_reference(shape, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=dtype) * 3
+    weight = make_weight(shape[-1], dtype)
+    out = rms_norm(x, weight, 1e-6, impl="triton")
+    assert_close_ulps(out, rms_norm_reference(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_add_rms_norm_updates_residual_in_place(shape, dtype):
+    torch.manual_seed(1)
+    x = torch.randn(shape, dtype=dtype)
+    residual = torch.randn(shape, dtype=dtype)
+    expected_residual = residual + x
+    weight = make_weight(shape[-1], dtype)
+    storage = residual.data_ptr()
+    out, new_residual = fused_add_rms_norm(x, residual, weight, 1e-5, impl="triton")
+    assert new_residual is residual and residual.data_ptr() == storage
+    assert_close_ulps(residual, expected_residual)
+    # normalise what the kernel stored, so a 1-ulp residual difference does not compound
+    assert_close_ulps(out, rms_norm_reference(residual, weight, 1e-5))
+
+
+def test_fp16_and_strided_rows():
+    torch.manual_seed(2)
+    base = torch.randn(7, 300, dtype=torch.float16)
+    x = base[:, :200]  # [7, 200] rows 300 apart
+    weight = torch.randn(200, dtype=torch.float16)
+    out = rms_norm(x, weight, 1e-6, impl="triton")
+    torch.testing.assert_close(out, rms_norm_reference(x, weight, 1e-6), rtol=2e-3, atol=2e-3)
+
+
+def test_auto_uses_reference_on_cpu():
+    x = torch.randn(3, 8)
+    weight = torch.randn(8)
+    assert torch.equal(rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 4096), (4096, 4096), (333, 5120), (64, 8192)])
+def test_gpu_bf16(shape):
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    residual = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    weight = torch.randn(shape[-1], dtype=torch.bfloat16, device="cuda")
+    # arbitrary bf16 weights: a 1-ulp tie in the normed row can become 2 ulps after the multiply
+    assert_close_ulps(rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6), ulps=2)
+    expected_residual = residual + x
+    out, _ = fused_add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(residual, expected_residual)
+    assert_close_ulps(out, rms_norm_reference(expected_residual, weight, 1e-6), ulps=2)
