@@ -1,0 +1,171 @@
+"""Batch sampling state: per-request `SamplingParams` gathered into device tensors.
+
+Built once per step on the host (one pass over the batch's rows), then consumed by
+`Sampler.sample` without further host work. Rows whose options are "off" get neutral
+values (top_k = vocab, top_p = 1, penalty 1 / 0), and host-side flags let the sampler skip
+whole stages (sort, penalties, noise hashing) that no row in the batch needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from cleave.engine.counter_rng import keys_to_tensor, row_key
+from cleave.engine.sampling_params import SamplingParams
+
+# processor(output_token_ids, logits_row [V]) -> new logits row [V], or None after editing
+# the row in place.
+LogitsProcessor = Callable[[Sequence[int], torch.Tensor], "torch.Tensor | None"]
+
+
+@dataclass
+class RowProcessors:
+    """Logits processors of one batch row and the output tokens they condition on."""
+
+    row: int
+    processors: Sequence[LogitsProcessor]
+    output_token_ids: Sequence[int]
+
+
+@dataclass
+class SamplingTensors:
+    """Sampling options of a batch of B rows over a vocabulary of V tokens.
+
+    Attributes:
+        temperatures: [B] float32, 1.0 on greedy rows (they take the argmax instead).
+        is_greedy: [B] bool.
+        top_k: [B] int64, V where disabled.
+        top_p: [B] float32, 1.0 where disabled.
+        min_p: [B] float32, 0.0 where disabled.
+        repetition_penalties: [B] float32; frequency_penalties / presence_penalties: [B].
+        prompt_mask: [B, V] bool, token occurs in the prompt (None: no repetition penalty).
+        output_counts: [B, V] int32 occurrences in the output (None: no penalties).
+        seeded_rows: [S] int64 rows sampled from counter-based noise (None: no seeded row).
+        seeded_keys: [S, 2] int64 (low, high) words of each seeded row's key.
+        row_processors: rows that carry logits processors.
+        num_logprobs: top-k logprobs to return (max over rows), None when no row asks.
+        all_greedy / needs_top_k / needs_top_p / needs_min_p / needs_penalties: host flags.
+    """
+
+    vocab_size: int
+    temperatures: torch.Tensor
+    is_greedy: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    repetition_penalties: torch.Tensor
+    frequency_penalties: torch.Tensor
+    presence_penalties: torch.Tensor
+    prompt_mask: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None
+    seeded_rows: torch.Tensor | None = None
+    seeded_keys: torch.Tensor | None = None
+    row_processors: list[RowProcessors] = field(default_factory=list)
+    num_logprobs: int | None = None
+    all_greedy: bool = False
+    needs_top_k: bool = False
+    needs_top_p: bool = False
+    needs_min_p: bool = False
+    needs_penalties: bool = False
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        *,
+        vocab_size: int,
+        device: torch.device | str,
+        output_token_ids: Sequence[Sequence[int]],
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        sample_indices: Sequence[int] | None = None,
+        logits_processors: Sequence[Sequence[LogitsProcessor]] | None = None,
+    ) -> SamplingTensors:
+        """Gather one step's rows.
+
+        Args:
+            params: options of each row's request.
+            vocab_size: V, the logits' last dimension.
+            device: where the logits live.
+            output_token_ids: tokens each row has generated so far; its length is the step
+                index that seeded sampling hashes.
+            prompt_token_ids: each row's prompt, read only when a row has a repetition
+                penalty.
+            sample_indices: which of the request's `n` samples each row is (default 0), so
+                seeded samples of one request differ from each other.
+            logits_processors: per-row processors (empty sequence for none).
+        """
+        num_rows = len(params)
+        greedy = [p.is_greedy for p in params]
+        top_k = [vocab_size if p.top_k <= 0 or p.top_k >= vocab_size else p.top_k for p in params]
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        state = cls(
+            vocab_size=vocab_size,
+            temperatures=floats([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=floats([p.top_p for p in params]),
+            min_p=floats([p.min_p for p in params]),
+            repetition_penalties=floats([p.repetition_penalty for p in params]),
+            frequency_penalties=floats([p.frequency_penalty for p in params]),
+            presence_penalties=floats([p.presence_penalty for p in params]),
+        )
+        sampled = [i for i in range(num_rows) if not greedy[i]]
+        state.all_greedy = not sampled
+        state.needs_top_k = any(top_k[i] < vocab_size for i in sampled)
+        state.needs_top_p = any(params[i].top_p < 1.0 for i in sampled)
+        state.needs_min_p = any(params[i].min_p > 0.0 for i in sampled)
+        state._init_penalties(params, vocab_size, device, output_token_ids, prompt_token_ids)
+        state._init_seeds(params, sampled, device, output_token_ids, sample_indices)
+        if logits_processors is not None:
+            state.row_processors = [
+                RowProcessors(row, procs, output_token_ids[row])
+                for row, procs in enumerate(logits_processors)
+                if procs
+            ]
+        requested = [p.logprobs for p in params if p.logprobs is not None]
+        state.num_logprobs = max(requested) if requested else None
+        return state
+
+    def _init_penalties(self, params, vocab_size, device, output_token_ids, prompt_token_ids):
+        has_repetition = any(p.repetition_penalty != 1.0 for p in params)
+        has_additive = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
+        self.needs_penalties = has_repetition or has_additive
+        if not self.needs_penalties:
+            return
+        self.output_counts = token_counts(output_token_ids, vocab_size, device)
+        if has_repetition and prompt_token_ids is not None:
+            self.prompt_mask = token_counts(prompt_token_ids, vocab_size, device) > 0
+
+    def _init_seeds(self, params, sampled, device, output_token_ids, sample_indices):
+        rows = [i for i in sampled if params[i].seed is not None]
+        if not rows:
+            return
+        keys = [
+            row_key(
+                params[i].seed,
+                0 if sample_indices is None else sample_indices[i],
+                len(output_token_ids[i]),
+            )
+            for i in rows
+        ]
+        self.seeded_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.seeded_keys = keys_to_tensor(keys, device)
+
+
+def token_counts(
+    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str
+) -> torch.Tensor:
+    """Occurrences of every token id per row: B lists -> [B, V] int32 (one scatter-add)."""
+    lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
+    flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(token_ids)), lengths)
+    counts = torch.zeros(len(token_ids), vocab_size, dtype=torch.int32, device=device)
+    ones = torch.ones(flat.numel(), dtype=torch.int32, device=device)
+    counts.index_put_((rows.to(device), flat.to(device)), ones, accumulate=True)
+    return counts
