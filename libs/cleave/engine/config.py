@@ -1,0 +1,83 @@
+"""Typed engine configuration, read once at start-up and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits of the scheduler.
+
+    Attributes:
+        max_num_batched_tokens: tokens (prefill chunks plus decode tokens) in one step.
+        max_num_seqs: sequences in one step, and running at once.
+        max_model_len: longest sequence (prompt plus output); longer prompts are rejected and
+            a sequence reaching it finishes with FINISHED_LENGTH.
+        enable_chunked_prefill: split prompts longer than the step's token budget across steps.
+            Without it a prompt runs in one step, so max_num_batched_tokens must cover
+            max_model_len.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 32768
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SchedulerConfig.{name} must be positive, got {getattr(self, name)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len}); enable chunked prefill or raise the budget"
+            )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Shape and policy of the paged KV cache.
+
+    Attributes:
+        block_size: tokens per KV block.
+        num_blocks: blocks in the cache tensor including the reserved null block 0; None
+            means "size from free device memory" (the model runner decides).
+        enable_prefix_caching: reuse full blocks whose chained hash matches.
+        gpu_memory_utilization: fraction of device memory the runner may fill with weights,
+            activations and KV when num_blocks is None.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"CacheConfig.block_size must be positive, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"CacheConfig.num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine (colocated, prefill-only or decode-only) is started with.
+
+    Attributes:
+        model: a local directory or hub id of the weights.
+        dtype: weight and KV dtype name ("bfloat16", "float16", "float32").
+        device: torch device string.
+        seed: base seed for sampling.
+        enforce_eager: run the decode forward eagerly instead of replaying CUDA graphs.
+    """
+
+    model: str
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    seed: int = 0
+    enforce_eager: bool = False
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)

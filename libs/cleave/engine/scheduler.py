@@ -1,0 +1,454 @@
+"""Continuous-batching scheduler: which sequences run this step, with how many tokens.
+
+Interface (one engine step):
+
+    output = scheduler.schedule()                  # SchedulerOutput, typed, CPU only
+    runner.copy_blocks(output.block_copies)        # copy-on-write, before the forward
+    tokens = runner.execute(output)                # one token per output.sampled_seqs entry
+    updated = scheduler.postprocess(output, tokens, stop_checker)
+
+`schedule()` fills a token budget (`max_num_batched_tokens`) with at most `max_num_seqs`
+sequences: first every running sequence, decodes (1 token) before unfinished prefills, then
+waiting sequences in (priority, arrival) order, each possibly resuming from a prefix-cache
+hit. A prompt longer than what is left of the budget is cut into chunks; the rest continues
+next step, ahead of new arrivals. When KV blocks run out, the running sequence with the
+lowest priority (highest number), latest arrival, is preempted: its blocks are freed, it goes
+back to waiting with `num_computed_tokens = 0`, and its prompt *and* generated tokens are
+recomputed on readmission. A step that preempted admits nobody new.
+
+For each `ScheduledSequence` the runner feeds `token_ids` at positions `start_position ..
+start_position + num_new_tokens - 1` using `block_table`, and computes logits only where
+`sample` is True (the entry's last token; prefill complete). The sampler draws one token
+per sequence in `entry.sample_seqs` from that row: the sequence itself, then any `forks`.
+
+n parallel samples (`add_group`) prefill the prompt once: the first sample runs alone; the
+step its prefill completes, the others appear as its `forks`, draw their first tokens from
+its logits, and in `postprocess` take shared references to its blocks (the last, partly
+filled block is copied on the first write, reported in `block_copies`).
+
+`postprocess` records the step (computed tokens, sampled tokens, newly full blocks in the
+prefix cache), then asks `stop_checker(seq)` whether each sequence that got a token should
+finish; the scheduler frees finished sequences' blocks. The engine can also end a sequence
+later with `finish(seq_id, status)`, or a whole request with `abort(request_id)`.
+`finished_seq_ids` in the next output lists every sequence that ended since the previous
+one, so the runner can drop per-sequence state.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Mapping
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from cleave.engine.config import SchedulerConfig
+from cleave.engine.sequence import Sequence, SequenceStatus
+from cleave.errors import InvalidArgument
+from cleave.kv.manager import KVCacheManager
+
+StopChecker = Callable[[Sequence], "SequenceStatus | None"]
+"""Returns a FINISHED_* status when a sequence that just got a token should stop, else None."""
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """One sequence's share of a step.
+
+    Attributes:
+        seq: the sequence (read its sampling_params; do not mutate).
+        num_new_tokens: tokens fed this step (a prefill chunk, or 1 for a decode).
+        token_ids: [num_new_tokens] token ids to feed.
+        start_position: position of token_ids[0]; the context is start_position tokens long
+            before this step and seq_len after it.
+        sample: whether to compute logits of the last fed token and sample (prefill complete).
+        block_table: the sequence's block ids; a live read-only view valid until the next
+            schedule() call.
+        forks: samples of the same request that draw their first token from this entry's
+            logits and share its blocks from the next step on.
+        is_prefill: False only for a decode step (feeding the last sampled token).
+    """
+
+    seq: Sequence
+    num_new_tokens: int
+    token_ids: list[int]
+    start_position: int
+    sample: bool
+    block_table: Seq[int]
+    forks: tuple[Sequence, ...] = ()
+    is_prefill: bool = True
+
+    @property
+    def seq_id(self) -> str:
+        return self.seq.seq_id
+
+    @property
+    def seq_len(self) -> int:
+        """Context length including this step's tokens."""
+        return self.start_position + self.num_new_tokens
+
+    @property
+    def sample_seqs(self) -> tuple[Sequence, ...]:
+        """Sequences that get a token sampled from this entry's logits, in order."""
+        return (self.seq, *self.forks) if self.sample else ()
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What one step runs.
+
+    Attributes:
+        scheduled: entries in batch order (decodes first, then prefill chunks).
+        block_copies: (src, dst) KV block copies to apply before this step's forward.
+        preempted_seq_ids: sequences whose KV was dropped in this step's scheduling.
+        finished_seq_ids: sequences that finished or were aborted since the previous output.
+    """
+
+    scheduled: list[ScheduledSequence]
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted_seq_ids: list[str] = field(default_factory=list)
+    finished_seq_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(entry.num_new_tokens for entry in self.scheduled)
+
+    @property
+    def sampled_seqs(self) -> list[Sequence]:
+        """Sequences that receive a token this step; `postprocess` lists align with this."""
+        return [seq for entry in self.scheduled for seq in entry.sample_seqs]
+
+    @property
+    def query_lens(self) -> list[int]:
+        return [entry.num_new_tokens for entry in self.scheduled]
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [entry.seq_len for entry in self.scheduled]
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """Copies of the block tables, e.g. for `AttentionMetadata.build`."""
+        return [list(entry.block_table) for entry in self.scheduled]
+
+
+@dataclass
+class SchedulerStats:
+    """Cumulative counters since the scheduler started."""
+
+    num_steps: int = 0
+    num_prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model
+    num_decode_tokens: int = 0
+    num_prefix_cache_hit_tokens: int = 0
+    num_preemptions: int = 0
+
+
+class Scheduler:
+    """Admits sequences, plans each step within the token budget and KV capacity, and
+    records its results. See the module docstring for the step protocol."""
+
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        if kv_manager.num_blocks_for(config.max_model_len) > kv_manager.num_usable_blocks:
+            raise ValueError(
+                f"a {config.max_model_len}-token sequence needs {kv_manager.num_blocks_for(config.max_model_len)} "
+                f"KV blocks but the cache has {kv_manager.num_usable_blocks}; lower max_model_len or add blocks"
+            )
+        self.config = config
+        self.kv = kv_manager
+        self.stats = SchedulerStats()
+        self.waiting: list[Sequence] = []  # sorted by _priority_key
+        self.running: list[Sequence] = []
+        self._pending_forks: dict[str, list[Sequence]] = {}  # leader seq_id -> samples to fork
+        self._requests: dict[str, list[Sequence]] = {}
+        self._add_order: dict[str, int] = {}
+        self._next_order = 0
+        self._finished_since_output: list[str] = []
+        self._in_flight: SchedulerOutput | None = None
+
+    # ---- admission ------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + sum(len(forks) for forks in self._pending_forks.values())
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (status WAITING, nothing computed)."""
+        self._check_new(seq)
+        self._register(seq)
+        bisect.insort(self.waiting, seq, key=self._priority_key)
+
+    def add_group(self, seqs: Seq[Sequence]) -> None:
+        """Queue n samples of one prompt: seqs[0] prefills it, the rest are forked from it."""
+        if not seqs:
+            raise ValueError("add_group needs at least one sequence")
+        leader, *rest = seqs
+        for seq in rest:
+            if seq.request_id != leader.request_id or seq.all_token_ids != leader.all_token_ids:
+                raise ValueError(f"{seq.seq_id} is not a sample of {leader.seq_id}: same request and prompt expected")
+        self.add(leader)
+        for seq in rest:
+            self._check_new(seq)
+            self._register(seq)
+            seq.parent_seq_id = leader.seq_id
+        if rest:
+            self._pending_forks[leader.seq_id] = list(rest)
+
+    def add_prefilled(self, seq: Sequence) -> None:
+        """Start decoding a sequence whose KV is already in the cache under `seq.seq_id`.
+
+        For a decode worker: blocks come from `kv.reserve`, the prefill worker's KV fills
+        them, `seq.num_computed_tokens` counts those tokens and the first sampled token has
+        been appended (so exactly one token is left to feed).
+        """
+        if seq.seq_id in self._add_order:
+            raise ValueError(f"sequence {seq.seq_id} was already added")
+        if self.kv.num_tokens(seq.seq_id) != seq.num_computed_tokens or seq.num_uncomputed_tokens < 1:
+            raise ValueError(
+                f"{seq.seq_id}: {self.kv.num_tokens(seq.seq_id)} reserved KV slots, {seq.num_computed_tokens} "
+                f"computed and {seq.num_tokens} total tokens; reserve exactly the computed tokens and append "
+                "the first sampled token before admitting"
+            )
+        self._register(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """End every sample of a request (FINISHED_ABORTED) and free its blocks."""
+        seqs = [seq for seq in self._requests.get(request_id, ()) if not seq.is_finished]
+        for seq in seqs:
+            self._finish(seq, SequenceStatus.FINISHED_ABORTED, promote_forks=False)
+        return seqs
+
+    def finish(self, seq_id: str, status: SequenceStatus) -> Sequence:
+        """End one sequence with a FINISHED_* status (e.g. a stop string found downstream)."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        request_id = seq_id.rsplit("/", 1)[0]
+        for seq in self._requests.get(request_id, ()):
+            if seq.seq_id == seq_id:
+                self._finish(seq, status, promote_forks=True)
+                return seq
+        raise KeyError(f"no unfinished sequence {seq_id!r}")
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step. Call `postprocess` with the result before scheduling again."""
+        if self._in_flight is not None:
+            raise RuntimeError("the previous SchedulerOutput was not postprocessed; call postprocess() first")
+        budget = self.config.max_num_batched_tokens
+        planned: dict[str, tuple[Sequence, int]] = {}
+        preempted: list[str] = []
+
+        decodes_first = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, self._priority_key(s)))
+        for seq in decodes_first:
+            if budget == 0 or len(planned) >= self.config.max_num_seqs:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.kv.allocate_slots(seq.seq_id, num_new):
+                victim = max(self.running, key=self._priority_key)
+                self._preempt(victim)
+                preempted.append(victim.seq_id)
+                if victim.seq_id in planned:
+                    budget += planned.pop(victim.seq_id)[1]
+                if victim is seq:
+                    break
+            else:
+                planned[seq.seq_id] = (seq, num_new)
+                budget -= num_new
+
+        if not preempted:
+            budget = self._admit_waiting(budget, planned)
+
+        self.stats.num_steps += 1
+        output = SchedulerOutput(
+            scheduled=[self._entry(seq, num_new) for seq, num_new in planned.values()],
+            block_copies=self.kv.take_pending_copies(),
+            preempted_seq_ids=preempted,
+            finished_seq_ids=self._finished_since_output,
+        )
+        self._finished_since_output = []
+        self._in_flight = output if output.scheduled else None
+        return output
+
+    def postprocess(
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: Mapping[str, int] | Seq[int],
+        stop_checker: StopChecker | None = None,
+    ) -> list[Sequence]:
+        """Record a finished step; returns the sequences that got a token, in sampled order.
+
+        `sampled_token_ids` maps seq_id to token, or lists one token per `output.sampled_seqs`.
+        Returned sequences that finished (stop_checker, or max_model_len) are already freed.
+        """
+        if output.is_empty:
+            return []
+        if output is not self._in_flight:
+            raise RuntimeError("postprocess() got an output other than the latest one from schedule()")
+        self._in_flight = None
+        tokens = self._tokens_by_seq_id(output, sampled_token_ids)
+        updated: list[Sequence] = []
+        for entry in output.scheduled:
+            seq = entry.seq
+            if seq.is_finished:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens = entry.seq_len
+            if entry.sample:
+                seq.append_token(_token(tokens, seq))
+                updated.append(seq)
+            self.kv.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+            if entry.sample:
+                updated.extend(self._fork_pending(seq, tokens))
+        for seq in updated:
+            status = stop_checker(seq) if stop_checker else None
+            if status is None and seq.num_tokens >= self.config.max_model_len:
+                status = SequenceStatus.FINISHED_LENGTH
+            if status is not None and not seq.is_finished:
+                self._finish(seq, status, promote_forks=True)
+        return updated
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _admit_waiting(self, budget: int, planned: dict[str, tuple[Sequence, int]]) -> int:
+        reserved_forks = sum(len(self._pending_forks.get(s.seq_id, ())) for s in self.running)
+        while self.waiting and budget > 0 and len(planned) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            group_size = 1 + len(self._pending_forks.get(seq.seq_id, ()))
+            if len(self.running) + reserved_forks + group_size > self.config.max_num_seqs:
+                break
+            hit = self.kv.get_computed_blocks(seq.seq_id, seq.all_token_ids)
+            num_new = seq.num_tokens - hit.num_computed_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.kv.allocate_slots(seq.seq_id, num_new, hit):
+                break
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = hit.num_computed_tokens
+            seq.num_cached_tokens = hit.num_computed_tokens
+            self.stats.num_prefix_cache_hit_tokens += hit.num_computed_tokens
+            self.running.append(seq)
+            reserved_forks += group_size - 1
+            planned[seq.seq_id] = (seq, num_new)
+            budget -= num_new
+        return budget
+
+    def _entry(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        start = seq.num_computed_tokens
+        sample = start + num_new == seq.num_tokens
+        is_decode = num_new == 1 and sample and seq.num_output_tokens > 0
+        if is_decode:
+            self.stats.num_decode_tokens += 1
+        else:
+            self.stats.num_prefill_tokens += num_new
+        forks = tuple(self._pending_forks.get(seq.seq_id, ())) if sample else ()
+        return ScheduledSequence(
+            seq=seq,
+            num_new_tokens=num_new,
+            token_ids=seq.all_token_ids[start : start + num_new],
+            start_position=start,
+            sample=sample,
+            block_table=self.kv.block_table_view(seq.seq_id),
+            forks=forks,
+            is_prefill=not is_decode,
+        )
+
+    def _fork_pending(self, leader: Sequence, tokens: Mapping[str, int]) -> list[Sequence]:
+        children = self._pending_forks.pop(leader.seq_id, [])
+        for child in children:
+            self.kv.fork(leader.seq_id, child.seq_id)
+            child.num_computed_tokens = leader.num_computed_tokens
+            child.append_token(_token(tokens, child))
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        return children
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=self._priority_key)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, promote_forks: bool) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq.parent_seq_id in self._pending_forks:
+            pending = self._pending_forks[seq.parent_seq_id]
+            pending.remove(seq)
+            if not pending:
+                del self._pending_forks[seq.parent_seq_id]
+        seq.status = status
+        self.kv.free(seq.seq_id)
+        self._finished_since_output.append(seq.seq_id)
+        orphans = self._pending_forks.pop(seq.seq_id, [])
+        if promote_forks and orphans:
+            new_leader, *rest = orphans
+            new_leader.parent_seq_id = None
+            bisect.insort(self.waiting, new_leader, key=self._priority_key)
+            for child in rest:
+                child.parent_seq_id = new_leader.seq_id
+            if rest:
+                self._pending_forks[new_leader.seq_id] = rest
+        group = self._requests[seq.request_id]
+        group.remove(seq)
+        if not group:
+            del self._requests[seq.request_id]
+        self._add_order.pop(seq.seq_id, None)
+
+    def _check_new(self, seq: Sequence) -> None:
+        if seq.seq_id in self._add_order:
+            raise ValueError(f"sequence {seq.seq_id} was already added")
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens:
+            raise ValueError(f"{seq.seq_id} must be new (WAITING, nothing computed) to be added")
+        if seq.num_tokens >= self.config.max_model_len:
+            raise InvalidArgument(
+                f"prompt has {seq.num_tokens} tokens but max_model_len is {self.config.max_model_len}; "
+                "shorten the prompt to leave room for at least one output token",
+                field="prompt",
+            )
+
+    def _register(self, seq: Sequence) -> None:
+        self._requests.setdefault(seq.request_id, []).append(seq)
+        self._add_order[seq.seq_id] = self._next_order
+        self._next_order += 1
+
+    def _priority_key(self, seq: Sequence) -> tuple[int, float, int]:
+        return (seq.priority, seq.arrival_time, self._add_order[seq.seq_id])
+
+    def _tokens_by_seq_id(self, output: SchedulerOutput, sampled: Mapping[str, int] | Seq[int]) -> Mapping[str, int]:
+        if isinstance(sampled, Mapping):
+            return sampled
+        expected = output.sampled_seqs
+        if len(sampled) != len(expected):
+            raise ValueError(
+                f"got {len(sampled)} sampled tokens for {len(expected)} sampled sequences; "
+                "pass one token per output.sampled_seqs entry (or a dict keyed by seq_id)"
+            )
+        return {seq.seq_id: int(token) for seq, token in zip(expected, sampled)}
+
+
+def _token(tokens: Mapping[str, int], seq: Sequence) -> int:
+    try:
+        return int(tokens[seq.seq_id])
+    except KeyError:
+        raise KeyError(f"no sampled token for {seq.seq_id}; every entry of output.sampled_seqs needs one") from None
