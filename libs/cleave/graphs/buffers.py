@@ -1,0 +1,99 @@
+"""Static decode input buffers that captured graphs read; refilled in place every step.
+
+A CUDA graph replays fixed device addresses, so every step's inputs are copied into the
+same capacity-sized tensors and each bucket's graph was captured over leading slices of
+them. `fill` copies the real rows and resets to padding only the rows (and block-table
+columns) that a previous step left holding real data, so a steady batch costs one
+`copy_` per input and nothing more.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cleave.graphs.buckets import NULL_BLOCK_ID, PAD_POSITION, PAD_SEQ_LEN, PAD_SLOT_ID, PAD_TOKEN_ID
+from cleave.kv.metadata import AttentionMetadata
+
+
+class StaticDecodeBuffers:
+    """Capacity-sized decode inputs (one query token per sequence) for graph capture/replay.
+
+    Attributes:
+        input_ids: [max_batch_size] int64 token ids.
+        positions: [max_batch_size] int64 positions.
+        slot_mapping: [max_batch_size] int64 KV slot of each new token.
+        seq_lens: [max_batch_size] int32 context length including the new token.
+        block_tables: [max_batch_size, max_blocks_per_seq] int32.
+        query_start_loc: [max_batch_size + 1] int32, constant 0..max_batch_size (one token each).
+    """
+
+    def __init__(self, max_batch_size: int, max_blocks_per_seq: int, block_size: int, device: torch.device | str) -> None:
+        self.max_batch_size = max_batch_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_size = block_size
+        self.input_ids = torch.full((max_batch_size,), PAD_TOKEN_ID, dtype=torch.int64, device=device)
+        self.positions = torch.full((max_batch_size,), PAD_POSITION, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_batch_size,), PAD_SLOT_ID, dtype=torch.int64, device=device)
+        self.seq_lens = torch.full((max_batch_size,), PAD_SEQ_LEN, dtype=torch.int32, device=device)
+        self.block_tables = torch.full(
+            (max_batch_size, max_blocks_per_seq), NULL_BLOCK_ID, dtype=torch.int32, device=device
+        )
+        self.query_start_loc = torch.arange(max_batch_size + 1, dtype=torch.int32, device=device)
+        # Extent of real data left by the last fill: rows [0, dirty_rows), columns [0, dirty_width).
+        self.dirty_rows = 0
+        self.dirty_width = 0
+
+    @property
+    def max_seq_len(self) -> int:
+        """Context capacity: what graphs are captured for, so the decode grid is static."""
+        return self.max_blocks_per_seq * self.block_size
+
+    def metadata(self, bucket: int) -> AttentionMetadata:
+        """Views of the first `bucket` rows, as the graph for `bucket` reads them."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bucket],
+            query_start_loc=self.query_start_loc[: bucket + 1],
+            seq_lens=self.seq_lens[:bucket],
+            block_tables=self.block_tables[:bucket],
+            max_query_len=1,
+            max_seq_len=self.max_seq_len,
+        )
+
+    def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> None:
+        """Copy a decode batch into rows [0, batch) and leave every other row as padding.
+
+        `input_ids`, `positions`: [batch]; `metadata` holds one query token per sequence.
+        """
+        batch_size = input_ids.shape[0]
+        width = metadata.block_tables.shape[1]
+        if batch_size > self.max_batch_size:
+            raise ValueError(f"batch of {batch_size} exceeds the graph capacity of {self.max_batch_size}")
+        if width > self.max_blocks_per_seq:
+            raise ValueError(
+                f"block tables of {width} blocks exceed the graph capacity of {self.max_blocks_per_seq}; "
+                "raise max_blocks_per_seq (max model length / block size)"
+            )
+        self.input_ids[:batch_size].copy_(input_ids, non_blocking=True)
+        self.positions[:batch_size].copy_(positions, non_blocking=True)
+        self.slot_mapping[:batch_size].copy_(metadata.slot_mapping, non_blocking=True)
+        self.seq_lens[:batch_size].copy_(metadata.seq_lens, non_blocking=True)
+        self.block_tables[:batch_size, :width].copy_(metadata.block_tables, non_blocking=True)
+        if self.dirty_width > width:
+            self.block_tables[: min(batch_size, self.dirty_rows), width : self.dirty_width].fill_(NULL_BLOCK_ID)
+        if self.dirty_rows > batch_size:
+            self._reset_rows(batch_size, self.dirty_rows)
+        self.dirty_rows = batch_size
+        self.dirty_width = width
+
+    def reset(self) -> None:
+        """Return every row to padding (before capture, so warm-up runs touch no real state)."""
+        self._reset_rows(0, self.max_batch_size)
+        self.dirty_rows = 0
+        self.dirty_width = 0
+
+    def _reset_rows(self, start: int, end: int) -> None:
+        self.input_ids[start:end].fill_(PAD_TOKEN_ID)
+        self.positions[start:end].fill_(PAD_POSITION)
+        self.slot_mapping[start:end].fill_(PAD_SLOT_ID)
+        self.seq_lens[start:end].fill_(PAD_SEQ_LEN)
+        self.block_tables[start:end].fill_(NULL_BLOCK_ID)

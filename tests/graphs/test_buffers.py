@@ -1,0 +1,53 @@
+"""Static decode buffers: real rows copied in place, every other row left as padding."""
+
+import pytest
+import torch
+
+from cleave.graphs.buffers import StaticDecodeBuffers
+from cleave.kv.metadata import PAD_SLOT_ID, AttentionMetadata
+
+BLOCK_SIZE = 4
+
+
+def decode_batch(seq_lens: list[int], tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    metadata = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, BLOCK_SIZE)
+    input_ids = torch.tensor([100 + i for i in range(len(seq_lens))])
+    positions = torch.tensor([seq_len - 1 for seq_len in seq_lens])
+    return input_ids, positions, metadata
+
+
+def test_fill_copies_real_rows_and_bucket_view_shows_padding():
+    buffers = StaticDecodeBuffers(max_batch_size=8, max_blocks_per_seq=4, block_size=BLOCK_SIZE, device="cpu")
+    input_ids, positions, metadata = decode_batch([6, 3, 9], [[5, 2], [7], [1, 3, 8]])
+
+    buffers.fill(input_ids, positions, metadata)
+    view = buffers.metadata(4)
+
+    assert buffers.input_ids[:4].tolist() == [100, 101, 102, 0]
+    assert buffers.positions[:4].tolist() == [5, 2, 8, 0]
+    assert view.slot_mapping.tolist() == [2 * 4 + 1, 7 * 4 + 2, 8 * 4 + 0, PAD_SLOT_ID]
+    assert view.seq_lens.tolist() == [6, 3, 9, 0]
+    assert view.block_tables.tolist() == [[5, 2, 0, 0], [7, 0, 0, 0], [1, 3, 8, 0], [0, 0, 0, 0]]
+    assert view.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert (view.max_query_len, view.max_seq_len) == (1, 16)
+
+
+def test_a_smaller_batch_resets_the_rows_and_columns_the_last_one_used():
+    buffers = StaticDecodeBuffers(max_batch_size=8, max_blocks_per_seq=4, block_size=BLOCK_SIZE, device="cpu")
+    buffers.fill(*decode_batch([13, 10, 9, 16], [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10], [11, 12, 13, 14]]))
+
+    buffers.fill(*decode_batch([2, 7], [[3], [4, 6]]))
+
+    assert buffers.block_tables.tolist()[:5] == [[3, 0, 0, 0], [4, 6, 0, 0], [0] * 4, [0] * 4, [0] * 4]
+    assert buffers.seq_lens.tolist() == [2, 7, 0, 0, 0, 0, 0, 0]
+    assert buffers.slot_mapping.tolist() == [3 * 4 + 1, 6 * 4 + 2] + [PAD_SLOT_ID] * 6
+    assert buffers.input_ids.tolist() == [100, 101] + [0] * 6
+    assert buffers.positions.tolist() == [1, 6] + [0] * 6
+
+
+def test_fill_rejects_batches_beyond_capacity():
+    buffers = StaticDecodeBuffers(max_batch_size=2, max_blocks_per_seq=2, block_size=BLOCK_SIZE, device="cpu")
+    with pytest.raises(ValueError, match="max_blocks_per_seq"):
+        buffers.fill(*decode_batch([9], [[1, 2, 3]]))
+    with pytest.raises(ValueError, match="capacity of 2"):
+        buffers.fill(*decode_batch([1, 1, 1], [[1], [2], [3]]))
