@@ -4,7 +4,9 @@ Reads what transformers reads — `tokenizer.json`, `tokenizer_config.json`, an 
 `chat_template.jinja`, and the eos ids of `config.json` / `generation_config.json` — without
 importing transformers. Chat templates render in the same sandboxed jinja2 environment
 transformers uses (trim_blocks, lstrip_blocks, loopcontrols, `raise_exception`, `tojson`,
-`strftime_now`), with the special tokens as template variables.
+`strftime_now`), with the special tokens as template variables. Special tokens are added
+by tokenizer.json's post-processor alone (transformers 5 ignores `add_bos_token` for
+tokenizer.json-backed tokenizers as well).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import jinja2
 import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import processors
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # Older spellings of a message's reasoning, copied to `reasoning_content` (and `thinking`) as transformers does.
@@ -116,10 +117,6 @@ class Tokenizer:
         if jinja_file.is_file():
             chat_template = jinja_file.read_text(encoding="utf-8")
 
-        if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
-            backend.post_processor = _bos_eos_post_processor(
-                backend, special, bool(config.get("add_bos_token")), bool(config.get("add_eos_token"))
-            )
         extra_eos = _as_id_list(_read_json(path / "config.json").get("eos_token_id"))
         extra_eos += _as_id_list(_read_json(path / "generation_config.json").get("eos_token_id"))
         return cls(
@@ -193,18 +190,3 @@ class Tokenizer:
             messages=chat, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **variables
         )
 
-
-def _bos_eos_post_processor(
-    backend: tokenizers.Tokenizer, special: dict[str, str | None], add_bos: bool, add_eos: bool
-) -> processors.TemplateProcessing:
-    """The post-processor transformers builds from `add_bos_token` / `add_eos_token`."""
-    bos, eos = special.get("bos_token"), special.get("eos_token")
-    add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
-    single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-    pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
-    tokens = []
-    if add_bos:
-        tokens.append((bos, backend.token_to_id(bos)))
-    if add_eos:
-        tokens.append((eos, backend.token_to_id(eos)))
-    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=tokens)
