@@ -1,0 +1,1 @@
+"""Synthetic, verifiable tasks used to train and benchmark the built-in reasoning model."""

@@ -1,0 +1,260 @@
+"""Train the built-in reasoning model: a small Llama that adds numbers inside <think>.
+
+Writes an HF model directory (safetensors weights, config, generation config, tokenizer with
+chat template, cleave_config.json) that transformers and cleave's loader both read.
+
+    python scripts/train_reasoner.py --out libs/cleave/assets/reasoner
+
+Runs on one CPU thread. The sequence the model is trained on is the chat template applied to
+one user turn, then the assistant reply; the loss covers only the reply and its `</s>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import string
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from cleave.tasks import arithmetic
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<think>", "</think>", "<|user|>", "<|assistant|>"]
+WORD_TOKENS = ["What is", "The answer is"]
+CHARACTERS = string.digits + string.ascii_letters + " \n+-*/=_?.,:;!'\"()"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '<|user|>' + message['content'] + eos_token }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<|assistant|>' + message['content'] + eos_token }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that decides the trained weights."""
+
+    seed: int = 0
+    steps: int = 3000
+    stop_step: int | None = None
+    batch_size: int = 32
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    eval_every: int = 250
+    eval_problems: int = 32
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level tokenizer: one token per character, plus special and word tokens."""
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
+    for char in CHARACTERS:
+        vocab[char] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens([AddedToken(t, normalized=False) for t in SPECIAL_TOKENS])
+    backend.add_tokens([AddedToken(t, normalized=False) for t in WORD_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerFast, problem: arithmetic.Problem) -> list[int]:
+    messages = [{"role": "user", "content": arithmetic.format_prompt(problem)}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def make_batch(
+    tokenizer: PreTrainedTokenizerFast, rng: random.Random, batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, attention_mask, labels), each [B, T]; labels only on replies."""
+    rows: list[tuple[list[int], list[int]]] = []
+    for _ in range(batch_size):
+        problem = arithmetic.make_problem(rng)
+        prompt = prompt_ids(tokenizer, problem)
+        reply = tokenizer(arithmetic.format_solution(problem) + tokenizer.eos_token, add_special_tokens=False)
+        rows.append((prompt, reply["input_ids"]))
+    length = max(len(p) + len(r) for p, r in rows)
+    input_ids = torch.full((batch_size, length), tokenizer.pad_token_id)
+    attention_mask = torch.zeros((batch_size, length), dtype=torch.long)
+    labels = torch.full((batch_size, length), IGNORE_INDEX)
+    for row, (prompt, reply) in enumerate(rows):
+        ids = prompt + reply
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention_mask[row, : len(ids)] = 1
+        labels[row, len(prompt) : len(ids)] = torch.tensor(reply)
+    return input_ids, attention_mask, labels
+
+
+@torch.no_grad()
+def generate(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    problems: list[arithmetic.Problem],
+    temperature: float | None,
+    max_new_tokens: int = 200,
+) -> list[str]:
+    """One completion per problem (greedy when temperature is None), special tokens kept."""
+    prompts = [prompt_ids(tokenizer, p) for p in problems]
+    length = max(len(p) for p in prompts)
+    # Left padding so every row's next token sits in the last column.
+    input_ids = torch.full((len(prompts), length), tokenizer.pad_token_id)
+    attention_mask = torch.zeros((len(prompts), length), dtype=torch.long)
+    for row, ids in enumerate(prompts):
+        input_ids[row, length - len(ids) :] = torch.tensor(ids)
+        attention_mask[row, length - len(ids) :] = 1
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {"do_sample": False}
+    output = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **sampling,
+    )
+    return [tokenizer.decode(row[length:], skip_special_tokens=False).split(tokenizer.eos_token)[0] for row in output]
+
+
+def accuracy(completions: list[str], problems: list[arithmetic.Problem]) -> float:
+    return sum(arithmetic.is_correct(c, p.answer) for c, p in zip(completions, problems)) / len(problems)
+
+
+def learning_rate(step: int, config: TrainConfig) -> float:
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * cosine)
+
+
+def build_model(config: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    model_config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        intermediate_size=4 * config.hidden_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaForCausalLM(model_config)
+
+
+def train(config: TrainConfig, snapshot_dir: Path | None = None) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    torch.manual_seed(config.seed)
+    tokenizer = build_tokenizer()
+    model = build_model(config, tokenizer)
+    print(f"parameters: {sum(p.numel() for p in model.parameters()):,}", flush=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=config.weight_decay)
+    rng = random.Random(config.seed)
+    eval_sample = arithmetic.heldout_problems(config.eval_problems, seed=1)
+    last_step = config.stop_step if config.stop_step is not None else config.steps
+    start = time.time()
+    for step in range(last_step):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, config)
+        input_ids, attention_mask, labels = make_batch(tokenizer, rng, config.batch_size)
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if (step + 1) % 50 == 0:
+            print(f"step {step + 1} loss {loss.item():.4f} lr {learning_rate(step, config):.2e} {time.time() - start:.0f}s", flush=True)
+        if (step + 1) % config.eval_every == 0 or step + 1 == last_step:
+            model.eval()
+            greedy = accuracy(generate(model, tokenizer, eval_sample, None), eval_sample)
+            model.train()
+            print(f"step {step + 1} held-out greedy accuracy {greedy:.3f}", flush=True)
+            if snapshot_dir is not None:
+                save(model, tokenizer, snapshot_dir / f"step{step + 1}")
+    return model, tokenizer
+
+
+def evaluate(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, num_problems: int, temperature: float, votes: int) -> dict:
+    """Greedy accuracy, single-sample accuracy at `temperature`, and majority-vote accuracy."""
+    torch.manual_seed(1234)
+    problems = arithmetic.heldout_problems(num_problems, seed=0)
+    greedy = accuracy(generate(model, tokenizer, problems, None), problems)
+    samples = [generate(model, tokenizer, problems, temperature) for _ in range(votes)]
+    sampled = sum(accuracy(s, problems) for s in samples) / votes
+    majority_correct = 0
+    for index, problem in enumerate(problems):
+        answers = [arithmetic.extract_answer(s[index]) for s in samples]
+        counted = Counter(a for a in answers if a is not None).most_common(1)
+        majority_correct += bool(counted) and counted[0][0] == problem.answer
+    return {
+        "heldout_problems": num_problems,
+        "greedy_accuracy": greedy,
+        "temperature": temperature,
+        "sampled_accuracy": sampled,
+        f"majority_at_{votes}_accuracy": majority_correct / num_problems,
+    }
+
+
+def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    # Older transformers read the template only from tokenizer_config.json.
+    tokenizer_config_path = out / "tokenizer_config.json"
+    tokenizer_config = json.loads(tokenizer_config_path.read_text())
+    tokenizer_config["chat_template"] = CHAT_TEMPLATE
+    tokenizer_config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    cleave_config = {"reasoning": {"start_tag": "<think>", "end_tag": "</think>", "starts_in_reasoning": False}}
+    (out / "cleave_config.json").write_text(json.dumps(cleave_config, indent=2) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("libs/cleave/assets/reasoner"))
+    parser.add_argument("--steps", type=int, default=TrainConfig.steps, help="length of the LR schedule")
+    parser.add_argument("--stop-step", type=int, default=None, help="stop early, keeping the --steps schedule")
+    parser.add_argument("--snapshot-dir", type=Path, default=None, help="also save the model at every evaluation")
+    parser.add_argument("--seed", type=int, default=TrainConfig.seed)
+    parser.add_argument("--eval-problems", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--votes", type=int, default=8)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    start = time.time()
+    model, tokenizer = train(TrainConfig(seed=args.seed, steps=args.steps, stop_step=args.stop_step), args.snapshot_dir)
+    print(f"trained in {time.time() - start:.0f}s", flush=True)
+    save(model, tokenizer, args.out)
+    model.eval()
+    print(json.dumps(evaluate(model, tokenizer, args.eval_problems, args.temperature, args.votes), indent=2), flush=True)
+
+
+if __name__ == "__main__":
+    main()
