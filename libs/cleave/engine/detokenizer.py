@@ -1,0 +1,112 @@
+"""Incremental detokenization: one token id in, the new text out.
+
+Decoding token by token and concatenating is wrong twice over: a byte-level BPE token may
+hold only part of a multi-byte UTF-8 character (decoded alone it is U+FFFD), and
+SentencePiece-style decoders drop or add a leading space depending on what precedes a
+token. So, as vLLM does, each step decodes a short window of ids twice — the already
+emitted part `[prefix_offset, read_offset)` and the whole window `[prefix_offset, end)` —
+and emits only the difference. Text that ends in U+FFFD is an unfinished character: it is
+held back until a later token completes it (or `finish()` flushes it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens decoded before the first output token, so the first output token sees the
+# context a leading-space rule needs.
+INITIAL_PREFIX_TOKENS = 5
+
+
+class Decoder(Protocol):
+    """What the detokenizer needs from a tokenizer (`tokenizers.Tokenizer` qualifies)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns one sequence's generated token ids into text, token by token.
+
+    Args:
+        tokenizer: anything with `decode(ids, skip_special_tokens=...)`; for transformers
+            tokenizers disable `clean_up_tokenization_spaces`, which rewrites earlier text.
+        prompt_token_ids: the prompt, whose tail gives the first tokens their context.
+        skip_special_tokens: leave special tokens out of the text.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        # Only ids from `prefix_offset` on are ever decoded again, so the window keeps the
+        # prompt's tail and the output ids; `_window_start` is the absolute index of its
+        # first element.
+        prefix_offset = max(len(prompt_token_ids) - INITIAL_PREFIX_TOKENS, 0)
+        self._window: list[int] = list(prompt_token_ids[prefix_offset:])
+        self._window_start = prefix_offset
+        self._prefix_offset = prefix_offset
+        self._read_offset = len(prompt_token_ids)
+        self._num_output_tokens = 0
+        self._pieces: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far (held-back bytes excluded until completed or flushed)."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens pushed so far."""
+        return self._num_output_tokens
+
+    def push(self, token_id: int) -> str:
+        """Add one generated token; return the text it completes ("" while held back)."""
+        self._window.append(token_id)
+        self._num_output_tokens += 1
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        new_text = self._decode(self._prefix_offset, None)
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self._advance()
+        self._pieces.append(delta)
+        return delta
+
+    def push_many(self, token_ids: Iterable[int]) -> str:
+        """Add several tokens; return their combined new text."""
+        return "".join(self.push(token_id) for token_id in token_ids)
+
+    def finish(self) -> str:
+        """Flush held-back text at the end of generation (an unfinished character becomes
+        U+FFFD, exactly as decoding the whole sequence would show it)."""
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        new_text = self._decode(self._prefix_offset, None)
+        delta = new_text[len(prefix_text) :]
+        self._advance()
+        if delta:
+            self._pieces.append(delta)
+        return delta
+
+    def _advance(self) -> None:
+        self._prefix_offset = self._read_offset
+        self._read_offset = self._window_start + len(self._window)
+        # Drop ids that will never be decoded again.
+        drop = self._prefix_offset - self._window_start
+        if drop > 0:
+            del self._window[:drop]
+            self._window_start = self._prefix_offset
+
+    def _decode(self, start: int, end: int | None) -> str:
+        begin = start - self._window_start
+        stop = None if end is None else end - self._window_start
+        return self._tokenizer.decode(
+            self._window[begin:stop], skip_special_tokens=self._skip_special_tokens
+        )
