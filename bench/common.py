@@ -1,0 +1,147 @@
+"""Shared timing and reporting helpers for GPU benchmarks.
+
+Timing: `median_ms` wraps triton's do_bench (device events, L2 flushed before each rep,
+median); `graph_call_us` captures many calls into one CUDA graph and times its replays, so
+launch gaps vanish and the number is device time per call; `host_call_us` is the wall clock
+per call of an unsynchronised loop, i.e. what a Python caller pays when launches dominate.
+Reporting: `write_results` stores rows as JSON and markdown with the command, machine, date
+and library versions that produced them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import triton
+from triton.testing import do_bench
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Where and with what a benchmark ran."""
+
+    device: str
+    torch: str
+    triton: str
+    cuda: str | None
+    host: str
+    date: str
+
+
+def machine_info() -> Machine:
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return Machine(
+        device=device,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        cuda=torch.version.cuda,
+        host=platform.node(),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def median_ms(fn: Callable[[], object], warmup_ms: int = 10, rep_ms: int = 50) -> float:
+    """Median device time of fn() in milliseconds (triton do_bench, L2 flushed per rep)."""
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def graph_call_us(calls: Sequence[Callable[[], object]], warmup_ms: int = 10, rep_ms: int = 50) -> float:
+    """Device microseconds per call: all `calls` captured into one CUDA graph, replays timed.
+
+    Pass calls over rotating input sets so that large shapes are read from HBM, not L2.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls[:3]:  # compile / autotune / allocate outside the capture
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    return median_ms(graph.replay, warmup_ms, rep_ms) * 1e3 / len(calls)
+
+
+def host_call_us(fn: Callable[[], object], iters: int = 200, trials: int = 5) -> float:
+    """Median over trials of wall-clock microseconds per call of `iters` back-to-back calls."""
+    fn()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        per_call.append((time.perf_counter() - start) * 1e6 / iters)
+    return sorted(per_call)[len(per_call) // 2]
+
+
+def copy_bandwidth_gbs(num_bytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = torch.randn(num_bytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), warmup_ms=25, rep_ms=200)
+    return 2 * num_bytes / (ms * 1e-3) / 1e9
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.1f}" if isinstance(value, float) else str(value)
+
+
+def format_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    """Fixed-width text table of the given columns (floats to 1 decimal)."""
+    cells = [[_cell(row.get(col)) for col in columns] for row in rows]
+    widths = [max(len(col), *(len(r[i]) for r in cells)) for i, col in enumerate(columns)]
+    lines = ["  ".join(col.rjust(w) for col, w in zip(columns, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    return "\n".join(lines)
+
+
+def _markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row.get(col)) for col in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_results(
+    out_dir: str | Path,
+    name: str,
+    rows: Sequence[dict],
+    columns: Sequence[str],
+    summary: dict | None = None,
+    argv: Sequence[str] | None = None,
+) -> tuple[Path, Path]:
+    """Write `name`.json (everything) and `name`.md (header + table) under out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    command = shlex.join(["python", *(sys.argv if argv is None else argv)])
+    machine = asdict(machine_info())
+    payload = {"command": command, "machine": machine, "summary": summary or {}, "rows": list(rows)}
+    json_path = out / f"{name}.json"
+    json_path.write_text(json.dumps(payload, indent=1))
+    header = [
+        f"# {name}",
+        "",
+        f"- command: `{command}`",
+        *(f"- {key}: {value}" for key, value in machine.items()),
+        *(f"- {key}: {value}" for key, value in (summary or {}).items()),
+        "",
+    ]
+    md_path = out / f"{name}.md"
+    md_path.write_text("\n".join(header) + _markdown_table(rows, columns) + "\n")
+    return json_path, md_path
