@@ -85,7 +85,7 @@ def test_gpu_replay_matches_eager_for_every_bucket():
     torch.manual_seed(0)
     config = tiny_config()
     model = CausalLM(config).to(device).eval()
-    num_blocks, max_blocks_per_seq = 2048, 64
+    num_blocks, max_blocks_per_seq = 4096, 64
     kv_cache = allocate_kv_cache(config, num_blocks, BLOCK_SIZE, device=device)
     kv_cache.normal_()
     kv_cache[:, :, 0].zero_()  # the null block
