@@ -16,6 +16,7 @@ from cleave.kernels.attention import (
     write_kv_reference,
 )
 from cleave.kernels.attention_decode import num_decode_splits, paged_decode_attention
+from cleave.kernels.attention_prefill import paged_prefill_attention
 from cleave.kv.metadata import PAD_SLOT_ID, AttentionMetadata
 
 BLOCK_SIZE = 4
@@ -101,7 +102,6 @@ def test_prefill_query_blocks_split_a_long_prompt():
     cache = random_cache(num_blocks=12, num_kv_heads=1, dtype=torch.float32)
     metadata = AttentionMetadata.build([19, 2], [21, 30], [list(range(1, 7)), list(range(11, 3, -1))], BLOCK_SIZE)
     query = random_query(21, 2, torch.float32)
-    from cleave.kernels.attention_prefill import paged_prefill_attention
 
     out = paged_prefill_attention(query, cache, metadata, SCALE, block_m=16, block_n=16)
 

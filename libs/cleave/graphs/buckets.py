@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import bisect
 
+from cleave.kv.block_pool import NULL_BLOCK_ID
 from cleave.kv.metadata import PAD_SLOT_ID
 
 PAD_TOKEN_ID = 0
 PAD_POSITION = 0
 PAD_SEQ_LEN = 0
-NULL_BLOCK_ID = 0
 
 __all__ = [
     "NULL_BLOCK_ID",
