@@ -1,0 +1,252 @@
+"""Typed runtime configuration of the cleave services, read once from flags and environment.
+
+Every flag `--some-name` can also be set with the environment variable `CLEAVE_SOME_NAME`;
+a flag given on the command line wins over the environment, which wins over the default.
+List flags (`--prefill A --prefill B`) read a comma-separated variable (`CLEAVE_PREFILL=A,B`).
+The dataclasses are built once in a service's `__main__` and passed down; nothing below reads
+the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+ENV_PREFIX = "CLEAVE_"
+DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # one KVStore.Put message holds a whole block
+DEFAULT_PORTS = {"gateway": 50051, "prefill": 50061, "decode": 50071, "kvstore": 50081}
+DEFAULT_HTTP_PORT = 8000
+
+
+@dataclass(frozen=True)
+class RpcConfig:
+    """gRPC server settings shared by every service."""
+
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    grace_seconds: float = 10.0  # in-flight calls get this long to finish on SIGTERM
+    reflection: bool = True
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Process-level settings every service has."""
+
+    name: str
+    listen: str  # host:port; port 0 picks a free port
+    port_file: Path | None = None  # the bound port is written here once the server listens
+    log_level: str = "INFO"
+    log_json: bool | None = None  # None: JSON unless stderr is a terminal
+    rpc: RpcConfig = RpcConfig()
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model a service serves."""
+
+    source: str = DEFAULT_MODEL  # HF repo id or local directory
+    served_name: str = ""  # id clients use; empty: `source`
+    max_context_length: int = 0  # 0: from the model's config
+    is_reasoning_model: bool = True
+
+    @property
+    def id(self) -> str:
+        return self.served_name or self.source
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Gateway: public gRPC + OpenAI-compatible HTTP API, routing to workers."""
+
+    service: ServiceConfig
+    model: ModelConfig
+    http_listen: str | None  # None: no HTTP server
+    mode: Literal["disaggregated", "colocated"]
+    prefill_addresses: tuple[str, ...]
+    decode_addresses: tuple[str, ...]
+    gateway_id: str
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """A GPU worker (prefill or decode)."""
+
+    service: ServiceConfig
+    model: ModelConfig
+    worker_id: str
+    device: str  # "cuda", "cuda:1", "cpu"
+    kvstore_address: str | None  # None: no shared KV store
+    num_kv_blocks: int  # 0: size the cache from free device memory
+    kv_listen: str  # host:port of the bulk TCP KV endpoint
+
+
+@dataclass(frozen=True)
+class KVStoreConfig:
+    """The content-addressed KV block store."""
+
+    service: ServiceConfig
+    ram_bytes: int
+    disk_path: Path | None  # None: RAM tier only
+    disk_bytes: int
+
+
+def env_name(flag: str) -> str:
+    """`--http-listen` -> `CLEAVE_HTTP_LISTEN`."""
+    return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
+
+
+def parse_bool(text: str) -> bool:
+    """Parse an environment boolean ("1", "true", "yes", "on" / "0", "false", "no", "off")."""
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}; use true or false")
+
+
+class _FlagSet:
+    """argparse with environment-variable defaults."""
+
+    def __init__(self, prog: str, environ: Mapping[str, str]) -> None:
+        self.parser = argparse.ArgumentParser(prog=prog)
+        self.environ = environ
+        self._list_defaults: dict[str, tuple[str, ...]] = {}
+
+    def add(self, flag: str, default: Any, help: str, **kwargs: Any) -> None:
+        env = env_name(flag)
+        value = self.environ.get(env)
+        if kwargs.get("action") == "append":
+            parsed = tuple(v for v in value.split(",") if v) if value is not None else default
+            help = f"{help} (repeatable; env {env}, comma-separated; default {default})"
+            self.parser.add_argument(flag, help=help, **kwargs)
+            self._list_defaults[flag] = parsed
+            return
+        if kwargs.get("action") is argparse.BooleanOptionalAction and value is not None:
+            try:
+                value = parse_bool(value)
+            except ValueError as exc:
+                raise SystemExit(f"{env}: {exc}") from exc
+        self.parser.add_argument(
+            flag, default=default if value is None else value, help=f"{help} (env {env})", **kwargs
+        )
+
+    def parse(self, argv: Sequence[str] | None) -> argparse.Namespace:
+        args = self.parser.parse_args(argv)
+        for flag, default in self._list_defaults.items():
+            dest = flag.lstrip("-").replace("-", "_")
+            if getattr(args, dest) is None:
+                setattr(args, dest, tuple(default))
+            else:
+                setattr(args, dest, tuple(getattr(args, dest)))
+        return args
+
+
+def _flags(name: str, environ: Mapping[str, str]) -> _FlagSet:
+    flags = _FlagSet(f"python -m services.{name}", environ)
+    flags.add("--listen", f"0.0.0.0:{DEFAULT_PORTS[name]}", "gRPC address host:port (port 0: any)")
+    flags.add("--port-file", None, "write the bound gRPC port to this file", type=Path)
+    flags.add("--log-level", "INFO", "DEBUG, INFO, WARNING or ERROR")
+    flags.add("--log-json", None, "JSON log lines (default: unless stderr is a terminal)",
+              action=argparse.BooleanOptionalAction)
+    flags.add("--max-message-bytes", DEFAULT_MAX_MESSAGE_BYTES, "gRPC message size limit", type=int)
+    flags.add("--grace-seconds", 10.0, "time in-flight calls get to finish on SIGTERM", type=float)
+    return flags
+
+
+def _add_model_flags(flags: _FlagSet) -> None:
+    flags.add("--model", DEFAULT_MODEL, "HF repo id or local model directory")
+    flags.add("--served-model-name", "", "model id clients use (default: --model)")
+    flags.add("--max-context-length", 0, "context length (0: from the model config)", type=int)
+    flags.add("--reasoning-model", True, "the model thinks before answering",
+              action=argparse.BooleanOptionalAction)
+
+
+def _service(name: str, args: argparse.Namespace) -> ServiceConfig:
+    if args.max_message_bytes <= 0:
+        raise SystemExit("--max-message-bytes must be positive")
+    return ServiceConfig(
+        name=name,
+        listen=args.listen,
+        port_file=args.port_file,
+        log_level=args.log_level,
+        log_json=args.log_json,
+        rpc=RpcConfig(max_message_bytes=args.max_message_bytes, grace_seconds=args.grace_seconds),
+    )
+
+
+def _model(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(
+        source=args.model,
+        served_name=args.served_model_name,
+        max_context_length=args.max_context_length,
+        is_reasoning_model=args.reasoning_model,
+    )
+
+
+def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> GatewayConfig:
+    """Parse the gateway's flags (`python -m services.gateway --help`)."""
+    flags = _flags("gateway", environ)
+    _add_model_flags(flags)
+    flags.add("--http-listen", f"0.0.0.0:{DEFAULT_HTTP_PORT}",
+              "OpenAI-compatible HTTP address host:port ('' disables it)")
+    flags.add("--mode", "disaggregated", "how workers are used",
+              choices=("disaggregated", "colocated"))
+    flags.add("--prefill", (), "prefill worker address", action="append")
+    flags.add("--decode", (), "decode worker address", action="append")
+    flags.add("--gateway-id", "gateway-0", "stable id of this gateway on decode workers")
+    args = flags.parse(argv)
+    return GatewayConfig(
+        service=_service("gateway", args),
+        model=_model(args),
+        http_listen=args.http_listen or None,
+        mode=args.mode,
+        prefill_addresses=args.prefill,
+        decode_addresses=args.decode,
+        gateway_id=args.gateway_id,
+    )
+
+
+def worker_config(
+    name: Literal["prefill", "decode"], argv: Sequence[str] | None, environ: Mapping[str, str]
+) -> WorkerConfig:
+    """Parse a prefill or decode worker's flags."""
+    flags = _flags(name, environ)
+    _add_model_flags(flags)
+    flags.add("--worker-id", f"{name}-0", "stable id of this worker")
+    flags.add("--device", "cuda", "torch device the model runs on")
+    flags.add("--kvstore", "", "kvstore address host:port ('' for none)")
+    flags.add("--num-kv-blocks", 0, "KV cache blocks (0: from free device memory)", type=int)
+    flags.add("--kv-listen", "0.0.0.0:0", "bulk TCP KV transfer address host:port")
+    args = flags.parse(argv)
+    if args.num_kv_blocks < 0:
+        raise SystemExit("--num-kv-blocks must be >= 0")
+    return WorkerConfig(
+        service=_service(name, args),
+        model=_model(args),
+        worker_id=args.worker_id,
+        device=args.device,
+        kvstore_address=args.kvstore or None,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_listen=args.kv_listen,
+    )
+
+
+def kvstore_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> KVStoreConfig:
+    """Parse the kvstore's flags."""
+    flags = _flags("kvstore", environ)
+    flags.add("--ram-bytes", 8 * 1024**3, "RAM tier capacity", type=int)
+    flags.add("--disk-path", None, "directory of the disk tier (unset: RAM only)", type=Path)
+    flags.add("--disk-bytes", 64 * 1024**3, "disk tier capacity", type=int)
+    args = flags.parse(argv)
+    if args.ram_bytes <= 0 or args.disk_bytes < 0:
+        raise SystemExit("--ram-bytes must be positive and --disk-bytes >= 0")
+    return KVStoreConfig(
+        service=_service("kvstore", args),
+        ram_bytes=args.ram_bytes,
+        disk_path=args.disk_path,
+        disk_bytes=args.disk_bytes,
+    )

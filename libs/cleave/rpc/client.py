@@ -1,0 +1,22 @@
+"""Client-side helpers: channels with the same message limits as cleave servers."""
+
+from __future__ import annotations
+
+import grpc
+
+from cleave.config import DEFAULT_MAX_MESSAGE_BYTES
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """gRPC channel/server options that allow messages up to max_message_bytes each way."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def aio_channel(
+    address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> grpc.aio.Channel:
+    """An insecure grpc.aio channel to a cleave service at host:port."""
+    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))

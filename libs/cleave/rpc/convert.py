@@ -1,0 +1,372 @@
+"""Protobuf <-> `cleave.rpc.types`, with validation of everything a client can send.
+
+`*_from_proto` functions raise `cleave.errors.InvalidArgument` naming the dotted field path
+(e.g. "sampling.top_p"), which the rpc interceptor turns into INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from cleave.errors import InvalidArgument
+from cleave.proto.cleave.v1 import common_pb2
+from cleave.rpc import types
+from cleave.rpc.errors import error_code_for
+
+MAX_SAMPLES = 1024
+MAX_LOGPROBS = 20
+MAX_TOKEN_ID = 2**31 - 1
+
+DTYPE_ITEMSIZE = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int8": 1, "uint8": 1, "int32": 4, "int64": 8,
+}
+_DTYPE_TO_PROTO = {name: common_pb2.DType.Value(f"DTYPE_{name.upper()}") for name in DTYPE_ITEMSIZE}
+_DTYPE_FROM_PROTO = {value: name for name, value in _DTYPE_TO_PROTO.items()}
+_FINISH_TO_PROTO = {
+    reason: common_pb2.FinishReason.Value(f"FINISH_REASON_{reason.name}")
+    for reason in types.FinishReason
+}
+_FINISH_FROM_PROTO = {value: reason for reason, value in _FINISH_TO_PROTO.items()}
+_TRANSPORT_TO_PROTO = {
+    kind: common_pb2.TransportKind.Value(f"TRANSPORT_KIND_{kind.name}")
+    for kind in types.TransportKind
+}
+_TRANSPORT_FROM_PROTO = {value: kind for kind, value in _TRANSPORT_TO_PROTO.items()}
+_REASONING_FROM_PROTO = {
+    common_pb2.REASONING_MODE_UNSPECIFIED: types.ReasoningMode.DEFAULT,
+    common_pb2.REASONING_MODE_SEPARATE: types.ReasoningMode.SEPARATE,
+    common_pb2.REASONING_MODE_HIDDEN: types.ReasoningMode.HIDDEN,
+    common_pb2.REASONING_MODE_INLINE: types.ReasoningMode.INLINE,
+}
+_REASONING_TO_PROTO = {mode: value for value, mode in _REASONING_FROM_PROTO.items()}
+
+
+def _optional(message, name: str):
+    return getattr(message, name) if message.HasField(name) else None
+
+
+def _check_finite(value: float, field: str) -> None:
+    if not math.isfinite(value):
+        raise InvalidArgument(f"must be a finite number, got {value}", field=field)
+
+
+def token_ids_from_proto(ids: Iterable[int], field: str, allow_empty: bool = False) -> tuple[int, ...]:
+    """Validated token ids (uint32 on the wire; must fit int32 for the engine)."""
+    token_ids = tuple(ids)
+    if not token_ids and not allow_empty:
+        raise InvalidArgument("must contain at least one token id", field=field)
+    for position, token_id in enumerate(token_ids):
+        if token_id > MAX_TOKEN_ID:
+            raise InvalidArgument(f"token id {token_id} is out of range", field=f"{field}[{position}]")
+    return token_ids
+
+
+def sampling_from_proto(
+    message: common_pb2.SamplingParams, field: str = "sampling"
+) -> types.SamplingParams:
+    """Validate SamplingParams; unset message fields keep the defaults."""
+    temperature = _optional(message, "temperature")
+    if temperature is not None:
+        _check_finite(temperature, f"{field}.temperature")
+        if temperature < 0:
+            raise InvalidArgument("must be >= 0 (0 is greedy)", field=f"{field}.temperature")
+    top_p = _optional(message, "top_p")
+    if top_p is not None and not (0.0 < top_p <= 1.0):
+        raise InvalidArgument(f"must be in (0, 1], got {top_p}", field=f"{field}.top_p")
+    if not (0.0 <= message.min_p <= 1.0):
+        raise InvalidArgument(f"must be in [0, 1], got {message.min_p}", field=f"{field}.min_p")
+    n = message.n or 1
+    if n > MAX_SAMPLES:
+        raise InvalidArgument(f"at most {MAX_SAMPLES} samples per request", field=f"{field}.n")
+    logprobs = _optional(message, "logprobs")
+    if logprobs is not None and logprobs > MAX_LOGPROBS:
+        raise InvalidArgument(f"at most {MAX_LOGPROBS} top logprobs", field=f"{field}.logprobs")
+    repetition_penalty = _optional(message, "repetition_penalty")
+    if repetition_penalty is not None:
+        _check_finite(repetition_penalty, f"{field}.repetition_penalty")
+        if repetition_penalty <= 0:
+            raise InvalidArgument("must be > 0 (1 = none)", field=f"{field}.repetition_penalty")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(message, name)
+        _check_finite(value, f"{field}.{name}")
+        if not (-2.0 <= value <= 2.0):
+            raise InvalidArgument(f"must be in [-2, 2], got {value}", field=f"{field}.{name}")
+    if message.max_tokens and message.min_tokens > message.max_tokens:
+        raise InvalidArgument("must not exceed max_tokens", field=f"{field}.min_tokens")
+    for position, stop in enumerate(message.stop):
+        if not stop:
+            raise InvalidArgument("stop strings must not be empty", field=f"{field}.stop[{position}]")
+    return types.SamplingParams(
+        max_tokens=message.max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=message.top_k,
+        min_p=message.min_p,
+        seed=_optional(message, "seed"),
+        stop=tuple(message.stop),
+        stop_token_ids=token_ids_from_proto(
+            message.stop_token_ids, f"{field}.stop_token_ids", allow_empty=True
+        ),
+        n=n,
+        logprobs=logprobs,
+        repetition_penalty=repetition_penalty,
+        frequency_penalty=message.frequency_penalty,
+        presence_penalty=message.presence_penalty,
+        ignore_eos=message.ignore_eos,
+        skip_special_tokens=_optional(message, "skip_special_tokens") is not False,
+        min_tokens=message.min_tokens,
+    )
+
+
+def sampling_to_proto(params: types.SamplingParams) -> common_pb2.SamplingParams:
+    message = common_pb2.SamplingParams(
+        max_tokens=params.max_tokens,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        n=params.n,
+        frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty,
+        ignore_eos=params.ignore_eos,
+        skip_special_tokens=params.skip_special_tokens,
+        min_tokens=params.min_tokens,
+    )
+    for name in ("temperature", "top_p", "seed", "logprobs", "repetition_penalty"):
+        value = getattr(params, name)
+        if value is not None:
+            setattr(message, name, value)
+    return message
+
+
+def reasoning_from_proto(
+    message: common_pb2.ReasoningOptions, field: str = "reasoning"
+) -> types.ReasoningOptions:
+    if message.mode not in _REASONING_FROM_PROTO:
+        raise InvalidArgument(f"unknown reasoning mode {message.mode}", field=f"{field}.mode")
+    max_thinking = _optional(message, "max_thinking_tokens")
+    min_thinking = _optional(message, "min_thinking_tokens")
+    if max_thinking is not None and min_thinking is not None and min_thinking > max_thinking:
+        raise InvalidArgument("must not exceed max_thinking_tokens", field=f"{field}.min_thinking_tokens")
+    return types.ReasoningOptions(
+        mode=_REASONING_FROM_PROTO[message.mode],
+        max_thinking_tokens=max_thinking,
+        min_thinking_tokens=min_thinking,
+        enable_thinking=_optional(message, "enable_thinking"),
+    )
+
+
+def reasoning_to_proto(options: types.ReasoningOptions) -> common_pb2.ReasoningOptions:
+    message = common_pb2.ReasoningOptions(mode=_REASONING_TO_PROTO[options.mode])
+    for name in ("max_thinking_tokens", "min_thinking_tokens", "enable_thinking"):
+        value = getattr(options, name)
+        if value is not None:
+            setattr(message, name, value)
+    return message
+
+
+def finish_reason_to_proto(reason: types.FinishReason | None) -> int:
+    return common_pb2.FINISH_REASON_UNSPECIFIED if reason is None else _FINISH_TO_PROTO[reason]
+
+
+def finish_reason_from_proto(value: int) -> types.FinishReason | None:
+    return _FINISH_FROM_PROTO.get(value)
+
+
+def top_logprobs_to_proto(entries: Sequence[types.TopLogprobs]) -> list[common_pb2.TopLogprobs]:
+    def one(entry: types.TokenLogprob) -> common_pb2.TokenLogprob:
+        return common_pb2.TokenLogprob(
+            token_id=entry.token_id, logprob=entry.logprob, text=entry.text, rank=entry.rank
+        )
+
+    return [
+        common_pb2.TopLogprobs(sampled=one(e.sampled), top=[one(t) for t in e.top]) for e in entries
+    ]
+
+
+def top_logprobs_from_proto(messages: Iterable[common_pb2.TopLogprobs]) -> tuple[types.TopLogprobs, ...]:
+    def one(message: common_pb2.TokenLogprob) -> types.TokenLogprob:
+        return types.TokenLogprob(message.token_id, message.logprob, message.text, message.rank)
+
+    return tuple(types.TopLogprobs(one(m.sampled), tuple(one(t) for t in m.top)) for m in messages)
+
+
+def usage_to_proto(usage: types.Usage) -> common_pb2.Usage:
+    return common_pb2.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        reasoning_tokens=usage.reasoning_tokens,
+        cached_prompt_tokens=usage.cached_prompt_tokens,
+    )
+
+
+def dtype_from_proto(value: int, field: str) -> str:
+    if value not in _DTYPE_FROM_PROTO:
+        raise InvalidArgument("dtype must be set to a known DType", field=field)
+    return _DTYPE_FROM_PROTO[value]
+
+
+def dtype_to_proto(name: str) -> int:
+    if name not in _DTYPE_TO_PROTO:
+        raise ValueError(f"dtype {name!r} has no wire form; use one of {sorted(_DTYPE_TO_PROTO)}")
+    return _DTYPE_TO_PROTO[name]
+
+
+def tensor_from_proto(message: common_pb2.Tensor, field: str) -> types.TensorBytes:
+    """Validate that data holds exactly prod(shape) elements of dtype."""
+    dtype = dtype_from_proto(message.dtype, f"{field}.dtype")
+    shape = tuple(message.shape)
+    if any(size < 0 for size in shape):
+        raise InvalidArgument(f"negative dimension in {list(shape)}", field=f"{field}.shape")
+    expected = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
+    if len(message.data) != expected:
+        raise InvalidArgument(
+            f"holds {len(message.data)} bytes but shape {list(shape)} of {dtype} needs {expected}",
+            field=f"{field}.data",
+        )
+    return types.TensorBytes(dtype=dtype, shape=shape, data=message.data)
+
+
+def tensor_to_proto(tensor: types.TensorBytes) -> common_pb2.Tensor:
+    return common_pb2.Tensor(
+        dtype=dtype_to_proto(tensor.dtype), shape=tensor.shape, data=bytes(tensor.data)
+    )
+
+
+def kv_layout_from_proto(message: common_pb2.KVLayout, field: str = "layout") -> types.KVLayout:
+    if not message.model_id:
+        raise InvalidArgument("must name the model", field=f"{field}.model_id")
+    for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
+        if getattr(message, name) == 0:
+            raise InvalidArgument("must be > 0", field=f"{field}.{name}")
+    return types.KVLayout(
+        model_id=message.model_id,
+        dtype=dtype_from_proto(message.dtype, f"{field}.dtype"),
+        block_size=message.block_size,
+        num_layers=message.num_layers,
+        num_kv_heads=message.num_kv_heads,
+        head_dim=message.head_dim,
+        hash_namespace=message.hash_namespace,
+    )
+
+
+def kv_layout_to_proto(layout: types.KVLayout) -> common_pb2.KVLayout:
+    return common_pb2.KVLayout(
+        model_id=layout.model_id,
+        dtype=dtype_to_proto(layout.dtype),
+        block_size=layout.block_size,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        hash_namespace=layout.hash_namespace,
+    )
+
+
+def transport_from_proto(value: int, field: str) -> types.TransportKind:
+    if value not in _TRANSPORT_FROM_PROTO:
+        raise InvalidArgument("must be TCP, CUDA_IPC or NCCL", field=field)
+    return _TRANSPORT_FROM_PROTO[value]
+
+
+def transport_to_proto(kind: types.TransportKind) -> int:
+    return _TRANSPORT_TO_PROTO[kind]
+
+
+def transfer_handle_from_proto(
+    message: common_pb2.TransferHandle, field: str = "destination"
+) -> types.TransferHandle:
+    transport = transport_from_proto(message.transport, f"{field}.transport")
+    if not message.transfer_id:
+        raise InvalidArgument("must be set", field=f"{field}.transfer_id")
+    if not message.block_ids:
+        raise InvalidArgument("must list the reserved blocks", field=f"{field}.block_ids")
+    if message.num_cached_blocks > len(message.block_ids):
+        raise InvalidArgument("exceeds len(block_ids)", field=f"{field}.num_cached_blocks")
+    if transport is types.TransportKind.TCP and not message.address:
+        raise InvalidArgument("TCP transfers need host:port", field=f"{field}.address")
+    if transport is types.TransportKind.NCCL and not message.nccl_unique_id:
+        raise InvalidArgument("NCCL transfers need a unique id", field=f"{field}.nccl_unique_id")
+    deadline = message.deadline.ToNanoseconds() / 1e9 if message.HasField("deadline") else None
+    return types.TransferHandle(
+        transport=transport,
+        address=message.address,
+        transfer_id=message.transfer_id,
+        block_ids=tuple(message.block_ids),
+        layout=kv_layout_from_proto(message.layout, f"{field}.layout")
+        if message.HasField("layout")
+        else None,
+        nccl_unique_id=message.nccl_unique_id,
+        cuda_ipc_handle=message.cuda_ipc_handle,
+        device_index=_optional(message, "device_index"),
+        deadline_unix_s=deadline,
+        num_cached_blocks=message.num_cached_blocks,
+        worker_id=message.worker_id,
+    )
+
+
+def transfer_handle_to_proto(handle: types.TransferHandle) -> common_pb2.TransferHandle:
+    message = common_pb2.TransferHandle(
+        transport=transport_to_proto(handle.transport),
+        address=handle.address,
+        transfer_id=handle.transfer_id,
+        block_ids=handle.block_ids,
+        nccl_unique_id=handle.nccl_unique_id,
+        cuda_ipc_handle=handle.cuda_ipc_handle,
+        num_cached_blocks=handle.num_cached_blocks,
+        worker_id=handle.worker_id,
+    )
+    if handle.layout is not None:
+        message.layout.CopyFrom(kv_layout_to_proto(handle.layout))
+    if handle.device_index is not None:
+        message.device_index = handle.device_index
+    if handle.deadline_unix_s is not None:
+        deadline = Timestamp()
+        deadline.FromNanoseconds(int(handle.deadline_unix_s * 1e9))
+        message.deadline.CopyFrom(deadline)
+    return message
+
+
+def worker_load_to_proto(load: types.WorkerLoad) -> common_pb2.WorkerLoad:
+    return common_pb2.WorkerLoad(
+        worker_id=load.worker_id,
+        num_running=load.num_running,
+        num_waiting=load.num_waiting,
+        num_free_blocks=load.num_free_blocks,
+        num_total_blocks=load.num_total_blocks,
+        num_queued_prompt_tokens=load.num_queued_prompt_tokens,
+        max_num_running=load.max_num_running,
+        tokens_per_second=load.tokens_per_second,
+    )
+
+
+def worker_load_from_proto(message: common_pb2.WorkerLoad) -> types.WorkerLoad:
+    return types.WorkerLoad(
+        worker_id=message.worker_id,
+        num_running=message.num_running,
+        num_waiting=message.num_waiting,
+        num_free_blocks=message.num_free_blocks,
+        num_total_blocks=message.num_total_blocks,
+        num_queued_prompt_tokens=message.num_queued_prompt_tokens,
+        max_num_running=message.max_num_running,
+        tokens_per_second=message.tokens_per_second,
+    )
+
+
+def error_info_to_proto(error: types.ErrorInfo, request_id: str) -> common_pb2.ErrorDetail:
+    code = getattr(grpc.StatusCode, error.code, grpc.StatusCode.INTERNAL)
+    return common_pb2.ErrorDetail(
+        code=error_code_for(code), message=error.message, field=error.field, request_id=request_id
+    )
+
+
+def require_request_id(request_id: str, field: str = "request_id") -> str:
+    if not request_id:
+        raise InvalidArgument("must be set", field=field)
+    if len(request_id) > 256:
+        raise InvalidArgument("must be at most 256 characters", field=field)
+    return request_id

@@ -1,0 +1,71 @@
+"""Map exceptions raised by servicers and backends to gRPC status codes.
+
+Domain errors (`cleave.errors`) carry the name of their status code; a few built-in
+exceptions have an obvious one; anything else is a bug and becomes INTERNAL, logged with its
+traceback and never echoed to the client. The mapped status also travels as a serialized
+`cleave.v1.ErrorDetail` in the trailing metadata key `cleave-error-bin`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from cleave.errors import CleaveError
+from cleave.proto.cleave.v1 import common_pb2
+
+ERROR_DETAIL_KEY = "cleave-error-bin"
+_BUILTIN_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (NotImplementedError, grpc.StatusCode.UNIMPLEMENTED),
+    (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+)
+
+
+@dataclass(frozen=True)
+class MappedError:
+    """The status a failed call ends with."""
+
+    code: grpc.StatusCode
+    message: str
+    detail: common_pb2.ErrorDetail
+    is_bug: bool  # INTERNAL from an unexpected exception: log the traceback
+
+
+def map_exception(exc: BaseException, request_id: str) -> MappedError:
+    """The gRPC status, client-facing message and ErrorDetail for an exception."""
+    field = ""
+    is_bug = False
+    if isinstance(exc, CleaveError):
+        code = getattr(grpc.StatusCode, exc.status_code, grpc.StatusCode.UNKNOWN)
+        message = str(exc)  # "field: message" when the error names a field
+        field = exc.field or ""
+    else:
+        for exc_type, builtin_code in _BUILTIN_CODES:
+            if isinstance(exc, exc_type):
+                code, message = builtin_code, str(exc) or exc_type.__name__
+                break
+        else:
+            code, is_bug = grpc.StatusCode.INTERNAL, True
+            message = f"internal error ({type(exc).__name__}); request id {request_id}"
+    detail = common_pb2.ErrorDetail(
+        code=error_code_for(code), message=message, field=field, request_id=request_id
+    )
+    return MappedError(code=code, message=message, detail=detail, is_bug=is_bug)
+
+
+def error_code_for(code: grpc.StatusCode) -> int:
+    """The cleave.v1.ErrorCode value that mirrors a gRPC status code."""
+    name = f"ERROR_CODE_{code.name}"
+    if name in common_pb2.ErrorCode.keys():
+        return common_pb2.ErrorCode.Value(name)
+    return common_pb2.ERROR_CODE_INTERNAL
+
+
+def error_detail(error: grpc.RpcError) -> common_pb2.ErrorDetail | None:
+    """Read the ErrorDetail a cleave server attached to a failed call (client side)."""
+    trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == ERROR_DETAIL_KEY:
+            return common_pb2.ErrorDetail.FromString(value)
+    return None

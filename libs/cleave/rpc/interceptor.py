@@ -1,0 +1,150 @@
+"""The server interceptor every cleave service runs: request ids, call logs, error mapping.
+
+For each call it takes the `x-request-id` metadata (or makes one), binds it (and the method)
+into structlog's context variables for every log line the call produces, runs the handler,
+maps a raised exception to a real status code (`cleave.rpc.errors`), returns the request id
+in the trailing metadata and logs one line with method, status code and duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn
+
+import grpc
+import structlog
+
+from cleave.rpc.errors import ERROR_DETAIL_KEY, map_exception
+
+REQUEST_ID_KEY = "x-request-id"
+_QUIET_PREFIXES = ("/grpc.health.", "/grpc.reflection.")  # polled often: log at debug
+_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "cleave_request_id", default=None
+)
+
+
+def current_request_id() -> str | None:
+    """The id of the RPC being handled by the current task, or None outside a call."""
+    return _request_id.get()
+
+
+class _Call:
+    """Per-call state: ids, timing, and the outcome to log."""
+
+    def __init__(self, method: str, request_id: str) -> None:
+        self.method = method
+        self.request_id = request_id
+        self.started = time.perf_counter()
+        quiet = method.startswith(_QUIET_PREFIXES)
+        self.log = structlog.get_logger("cleave.rpc")
+        self.log_level = "debug" if quiet else "info"
+
+    def _finish(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode) -> None:
+        trailing = tuple(context.trailing_metadata() or ())
+        if not any(key == REQUEST_ID_KEY for key, _ in trailing):
+            context.set_trailing_metadata((*trailing, (REQUEST_ID_KEY, self.request_id)))
+        duration_ms = round((time.perf_counter() - self.started) * 1000, 3)
+        level = self.log_level if code == grpc.StatusCode.OK else "warning"
+        getattr(self.log, level)("rpc", code=code.name, duration_ms=duration_ms)
+
+    def succeeded(self, context: grpc.aio.ServicerContext) -> None:
+        self._finish(context, grpc.StatusCode.OK)
+
+    async def failed(self, exc: BaseException, context: grpc.aio.ServicerContext) -> NoReturn:
+        if isinstance(exc, grpc.aio.AbortError):  # the servicer set the status itself
+            self._finish(context, context.code() or grpc.StatusCode.UNKNOWN)
+            raise exc
+        if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+            self._finish(context, grpc.StatusCode.CANCELLED)
+            raise exc
+        mapped = map_exception(exc, self.request_id)
+        if mapped.is_bug:
+            self.log.exception("rpc handler failed", exc_info=exc)
+        context.set_trailing_metadata(
+            ((ERROR_DETAIL_KEY, mapped.detail.SerializeToString()),)
+        )
+        self._finish(context, mapped.code)
+        await context.abort(mapped.code, mapped.message)
+        raise AssertionError("context.abort returned")  # pragma: no cover
+
+    def bind(self) -> Any:
+        _request_id.set(self.request_id)
+        return structlog.contextvars.bound_contextvars(
+            request_id=self.request_id, rpc=self.method
+        )
+
+
+def _unary_response(behavior: Callable[..., Awaitable[Any]], call_for: Callable[[], _Call]):
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        call = call_for()
+        with call.bind():
+            try:
+                response = await behavior(request, context)
+            except BaseException as exc:  # noqa: BLE001 - mapped to a status, then re-raised
+                await call.failed(exc, context)
+            call.succeeded(context)
+            return response
+
+    return handler
+
+
+def _stream_response(behavior: Callable[..., Any], call_for: Callable[[], _Call]):
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        call = call_for()
+        with call.bind():
+            try:
+                result = behavior(request, context)
+                if hasattr(result, "__aiter__"):
+                    async for response in result:
+                        yield response
+                else:  # a coroutine that writes with context.write()
+                    await result
+            except BaseException as exc:  # noqa: BLE001 - mapped to a status, then re-raised
+                await call.failed(exc, context)
+            call.succeeded(context)
+
+    return handler
+
+
+class RequestInterceptor(grpc.aio.ServerInterceptor):
+    """Binds request ids, logs every call and maps exceptions to status codes."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        metadata = handler_call_details.invocation_metadata or ()
+        request_id = next((value for key, value in metadata if key == REQUEST_ID_KEY), None)
+        request_id = str(request_id) if request_id else uuid.uuid4().hex
+
+        def call_for() -> _Call:
+            return _Call(method, request_id)
+
+        kwargs = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                _unary_response(handler.unary_unary, call_for), **kwargs
+            )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                _unary_response(handler.stream_unary, call_for), **kwargs
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _stream_response(handler.unary_stream, call_for), **kwargs
+            )
+        return grpc.stream_stream_rpc_method_handler(
+            _stream_response(handler.stream_stream, call_for), **kwargs
+        )

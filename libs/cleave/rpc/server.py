@@ -1,0 +1,191 @@
+"""`serve()`: the one way every cleave service runs its gRPC server.
+
+A served process goes through NOT_SERVING (bound, loading) -> SERVING (`set_ready()`) ->
+NOT_SERVING (draining, on SIGTERM/SIGINT or `drain()`) -> stopped, after in-flight calls got
+`grace_seconds` to finish. Health is reported per service name and overall (""), so load
+balancers and `cleave health` can wait for readiness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cleave.config import RpcConfig, ServiceConfig
+from cleave.rpc.client import channel_options
+from cleave.rpc.interceptor import RequestInterceptor
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(frozen=True)
+class ServiceRegistration:
+    """A servicer and the generated function that adds it to a server.
+
+    Example: `ServiceRegistration("cleave.v1.Gateway", servicer,
+    gateway_pb2_grpc.add_GatewayServicer_to_server)`.
+    """
+
+    name: str  # full service name, as reflection and health report it
+    servicer: Any
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+
+
+class Server:
+    """A started gRPC server: its bound port, readiness and shutdown."""
+
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        health_servicer: health.aio.HealthServicer,
+        service_names: Sequence[str],
+        host: str,
+        port: int,
+        grace_seconds: float,
+    ) -> None:
+        self._server = server
+        self._health = health_servicer
+        self._service_names = tuple(service_names)
+        self._grace_seconds = grace_seconds
+        self._drain_task: asyncio.Task[None] | None = None
+        self.host = host
+        self.port = port
+        self.log = structlog.get_logger("cleave.rpc").bind(port=port)
+
+    @property
+    def address(self) -> str:
+        """host:port the server listens on (with the real port when 0 was asked for)."""
+        return f"{self.host}:{self.port}"
+
+    async def set_ready(self, ready: bool = True) -> None:
+        """Report SERVING (or NOT_SERVING again) for every service and overall."""
+        status = _SERVING if ready else _NOT_SERVING
+        for name in (*self._service_names, ""):
+            await self._health.set(name, status)
+        self.log.info("ready" if ready else "not ready")
+
+    async def drain(self, grace_seconds: float | None = None) -> None:
+        """Report NOT_SERVING, refuse new calls, give in-flight calls the grace period.
+
+        Safe to call more than once; later calls wait for the first drain to finish.
+        """
+        if self._drain_task is None:
+            grace = self._grace_seconds if grace_seconds is None else grace_seconds
+            self._drain_task = asyncio.ensure_future(self._drain(grace))
+        await asyncio.shield(self._drain_task)
+
+    async def _drain(self, grace_seconds: float) -> None:
+        self.log.info("draining", grace_seconds=grace_seconds)
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace_seconds)
+        self.log.info("stopped")
+
+    async def wait(self) -> None:
+        """Return once the server has stopped (after a drain)."""
+        await self._server.wait_for_termination()
+        if self._drain_task is not None:
+            await self._drain_task
+
+    def handle_signals(self) -> None:
+        """Drain on SIGTERM and SIGINT (the process then leaves `wait()` and exits)."""
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._on_signal, signum)
+
+    def _on_signal(self, signum: int) -> None:
+        self.log.info("signal received", signal=signal.Signals(signum).name)
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self._drain(self._grace_seconds))
+
+
+def _split_host(address: str) -> str:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"listen address {address!r} must be host:port, e.g. 0.0.0.0:50051")
+    return host
+
+
+async def serve(
+    services: Sequence[ServiceRegistration],
+    address: str,
+    config: RpcConfig = RpcConfig(),
+    *,
+    handle_signals: bool = True,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> Server:
+    """Start a gRPC server with health, reflection and the request interceptor.
+
+    The server starts NOT_SERVING; call `Server.set_ready()` once the service can take
+    traffic. Port 0 in `address` binds a free port, reported as `Server.port`.
+    """
+    host = _split_host(address)
+    server = grpc.aio.server(
+        interceptors=[RequestInterceptor(), *interceptors],
+        options=channel_options(config.max_message_bytes),
+    )
+    names = [service.name for service in services]
+    for service in services:
+        service.add_to_server(service.servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in (*names, ""):
+        await health_servicer.set(name, _NOT_SERVING)
+    if config.reflection:
+        reflection.enable_server_reflection(
+            (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {address}: {exc}; is the port already in use?") from exc
+    await server.start()
+    handle = Server(server, health_servicer, names, host, port, config.grace_seconds)
+    if handle_signals:
+        handle.handle_signals()
+    handle.log.info("listening", address=handle.address, services=names)
+    return handle
+
+
+def write_port_file(path: Path, port: int) -> None:
+    """Write the bound port atomically, so a reader never sees a partial file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)
+
+
+class Lifecycle(Protocol):
+    """Start-up and shutdown hooks of a service backend."""
+
+    async def start(self) -> None:
+        """Load models, connect peers; the service reports SERVING after this returns."""
+
+    async def shutdown(self) -> None:
+        """Release resources after the server stopped."""
+
+
+async def run_service(
+    services: Sequence[ServiceRegistration], config: ServiceConfig, backend: Lifecycle
+) -> None:
+    """A service process's life: listen, write the port file, start the backend, report
+    SERVING, serve until SIGTERM/SIGINT, drain, shut the backend down."""
+    server = await serve(services, config.listen, config.rpc)
+    if config.port_file is not None:
+        write_port_file(config.port_file, server.port)
+    try:
+        await backend.start()
+        await server.set_ready()
+        await server.wait()
+    finally:
+        await server.drain()
+        await backend.shutdown()

@@ -1,0 +1,195 @@
+"""Typed domain objects that cross service boundaries, independent of protobuf.
+
+Servicers convert protobuf messages into these (`cleave.rpc.convert`) and hand them to a
+service backend; backends never see protobuf. Token ids are plain ints; tensors are raw
+bytes with a torch dtype name and a shape.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.Enum):
+    """Why a sample stopped (a running sample has no finish reason: None)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+    TIMEOUT = "timeout"
+
+
+class ReasoningMode(enum.Enum):
+    """Where a reasoning model's thinking text goes."""
+
+    DEFAULT = "default"  # SEPARATE for reasoning models, INLINE otherwise
+    SEPARATE = "separate"
+    HIDDEN = "hidden"
+    INLINE = "inline"
+
+
+class TransportKind(enum.Enum):
+    """Bulk KV transport."""
+
+    TCP = "tcp"
+    CUDA_IPC = "cuda_ipc"
+    NCCL = "nccl"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are sampled; None means "model default" (see common.proto)."""
+
+    max_tokens: int = 0  # 0: until the context is full
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int = 0  # 0: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+    logprobs: int | None = None  # number of top alternatives; None: no logprobs
+    repetition_penalty: float | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    min_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ReasoningOptions:
+    """Thinking controls of one request."""
+
+    mode: ReasoningMode = ReasoningMode.DEFAULT
+    max_thinking_tokens: int | None = None
+    min_thinking_tokens: int | None = None
+    enable_thinking: bool | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of one token."""
+
+    token_id: int
+    logprob: float
+    text: str = ""
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class TopLogprobs:
+    """The sampled token's log-probability and the top alternatives at one position."""
+
+    sampled: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token accounting of one request."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """A per-sample failure carried inside a stream (the RPC itself succeeds)."""
+
+    code: str  # grpc.StatusCode name, e.g. "RESOURCE_EXHAUSTED"
+    message: str
+    field: str = ""
+
+
+@dataclass(frozen=True)
+class TensorBytes:
+    """A dense tensor as raw little-endian row-major bytes.
+
+    `dtype` is a torch dtype name ("bfloat16"), so `getattr(torch, dtype)` gives the dtype.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of a model's paged KV cache; KV moves only between equal layouts."""
+
+    model_id: str
+    dtype: str  # torch dtype name
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hash_namespace: str = ""
+
+
+@dataclass(frozen=True)
+class TransferHandle:
+    """KV blocks a decode worker reserved for a prompt, and how to fill them."""
+
+    transport: TransportKind
+    address: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    layout: KVLayout | None = None
+    nccl_unique_id: bytes = b""
+    cuda_ipc_handle: bytes = b""
+    device_index: int | None = None
+    deadline_unix_s: float | None = None  # the reservation is dropped after this time
+    num_cached_blocks: int = 0  # leading blocks the receiver already holds
+    worker_id: str = ""
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What one KV transfer moved and how long it took."""
+
+    transport: TransportKind
+    num_bytes: int
+    seconds: float
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's load, for routing."""
+
+    worker_id: str = ""
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_queued_prompt_tokens: int = 0
+    max_num_running: int = 0
+    tokens_per_second: float = 0.0
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """One sample's new tokens in one engine step."""
+
+    request_id: str
+    sample_index: int
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    logprobs: tuple[TopLogprobs, ...] = ()
+    error: ErrorInfo | None = None
+    num_reasoning_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One engine step's deltas for one gateway."""
+
+    step: int
+    deltas: tuple[RequestDelta, ...] = field(default_factory=tuple)
+    load: WorkerLoad | None = None

@@ -1,0 +1,1 @@
+"""The cleave services; each runs as `python -m services.<name>`."""

@@ -1,0 +1,1 @@
+"""Gateway service: the public gRPC (and OpenAI-compatible HTTP) API of cleave."""

@@ -1,0 +1,208 @@
+"""cleave.v1.Gateway servicer: protobuf <-> `services.gateway.backend` types, nothing else."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from cleave.config import ModelConfig
+from cleave.errors import InvalidArgument, NotFound
+from cleave.proto.cleave.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from cleave.rpc import current_request_id
+from cleave.rpc.convert import (
+    MAX_SAMPLES,
+    finish_reason_to_proto,
+    reasoning_from_proto,
+    require_request_id,
+    sampling_from_proto,
+    token_ids_from_proto,
+    top_logprobs_to_proto,
+    usage_to_proto,
+)
+from cleave.rpc.types import ReasoningOptions, SamplingParams
+from services.gateway.backend import (
+    ChatMessage,
+    CodeTest,
+    GatewayBackend,
+    GenerateChunk,
+    GenerateSpec,
+    Prompt,
+    Scaling,
+    ScalingStrategy,
+    StreamShape,
+    Verifier,
+    VerifierKind,
+)
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+_STRATEGIES = {
+    gateway_pb2.TestTimeScaling.STRATEGY_UNSPECIFIED: ScalingStrategy.NONE,
+    gateway_pb2.TestTimeScaling.STRATEGY_NONE: ScalingStrategy.NONE,
+    gateway_pb2.TestTimeScaling.STRATEGY_MAJORITY_VOTE: ScalingStrategy.MAJORITY_VOTE,
+    gateway_pb2.TestTimeScaling.STRATEGY_BEST_OF_N: ScalingStrategy.BEST_OF_N,
+    gateway_pb2.TestTimeScaling.STRATEGY_GROUP_ROLLOUT: ScalingStrategy.GROUP_ROLLOUT,
+}
+_VERIFIERS = {
+    gateway_pb2.Verifier.KIND_MATH: VerifierKind.MATH,
+    gateway_pb2.Verifier.KIND_CODE: VerifierKind.CODE,
+}
+
+
+def prompt_from_proto(request: gateway_pb2.GenerateRequest) -> Prompt:
+    which = request.WhichOneof("input")
+    if which is None:
+        raise InvalidArgument("set one of text, token_ids or chat", field="input")
+    if request.raw_prompt and which != "text":
+        raise InvalidArgument("raw_prompt applies to text input only", field="raw_prompt")
+    if which == "text":
+        if not request.text:
+            raise InvalidArgument("must not be empty", field="text")
+        return Prompt(text=request.text, raw=request.raw_prompt)
+    if which == "token_ids":
+        return Prompt(token_ids=token_ids_from_proto(request.token_ids.ids, "token_ids.ids"))
+    if not request.chat.messages:
+        raise InvalidArgument("must contain at least one message", field="chat.messages")
+    messages = []
+    for position, message in enumerate(request.chat.messages):
+        if message.role not in CHAT_ROLES:
+            raise InvalidArgument(
+                f"unknown role {message.role!r}; use one of {', '.join(CHAT_ROLES)}",
+                field=f"chat.messages[{position}].role",
+            )
+        messages.append(
+            ChatMessage(message.role, message.content, message.reasoning_content, message.name)
+        )
+    return Prompt(chat=tuple(messages))
+
+
+def scaling_from_proto(message: gateway_pb2.TestTimeScaling, num_samples: int) -> Scaling:
+    if message.strategy not in _STRATEGIES:
+        raise InvalidArgument(f"unknown strategy {message.strategy}", field="scaling.strategy")
+    strategy = _STRATEGIES[message.strategy]
+    if message.num_samples > MAX_SAMPLES:
+        raise InvalidArgument(f"at most {MAX_SAMPLES}", field="scaling.num_samples")
+    verifier = None
+    if message.HasField("verifier"):
+        proto = message.verifier
+        if proto.kind not in _VERIFIERS:
+            raise InvalidArgument("set kind to MATH or CODE", field="scaling.verifier.kind")
+        kind = _VERIFIERS[proto.kind]
+        if kind is VerifierKind.MATH and not proto.expected_answer:
+            raise InvalidArgument("a math verifier needs it", field="scaling.verifier.expected_answer")
+        if kind is VerifierKind.CODE and not proto.tests:
+            raise InvalidArgument("a code verifier needs tests", field="scaling.verifier.tests")
+        timeout_s = proto.timeout.ToNanoseconds() / 1e9 if proto.HasField("timeout") else None
+        if timeout_s is not None and timeout_s <= 0:
+            raise InvalidArgument("must be positive", field="scaling.verifier.timeout")
+        verifier = Verifier(
+            kind=kind,
+            expected_answer=proto.expected_answer,
+            tests=tuple(CodeTest(t.stdin, t.expected_stdout) for t in proto.tests),
+            timeout_s=timeout_s,
+        )
+    needs_verifier = strategy in (ScalingStrategy.BEST_OF_N, ScalingStrategy.GROUP_ROLLOUT)
+    if needs_verifier and verifier is None:
+        raise InvalidArgument(f"{strategy.name} needs a verifier", field="scaling.verifier")
+    return Scaling(
+        strategy=strategy,
+        num_samples=message.num_samples or num_samples,
+        verifier=verifier,
+        return_all_samples=message.return_all_samples,
+    )
+
+
+def chunk_to_proto(
+    chunk: GenerateChunk, request_id: str, model: str
+) -> gateway_pb2.GenerateResponse:
+    response = gateway_pb2.GenerateResponse(request_id=request_id, model=model)
+    for sample in chunk.samples:
+        delta = response.samples.add(
+            index=sample.index,
+            text=sample.text,
+            token_ids=sample.token_ids,
+            reasoning_text=sample.reasoning_text,
+            finish_reason=finish_reason_to_proto(sample.finish_reason),
+            logprobs=top_logprobs_to_proto(sample.logprobs),
+        )
+        for name in ("reward", "advantage", "answer"):
+            if getattr(sample, name) is not None:
+                setattr(delta, name, getattr(sample, name))
+    if chunk.usage is not None:
+        response.usage.CopyFrom(usage_to_proto(chunk.usage))
+    if chunk.selected_index is not None:
+        response.selected_index = chunk.selected_index
+    for votes in chunk.votes:
+        response.votes.answers.add(
+            answer=votes.answer, num_votes=votes.num_votes, sample_indices=votes.sample_indices
+        )
+    return response
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    """Validates requests, hands them to a GatewayBackend, streams the results back."""
+
+    def __init__(self, backend: GatewayBackend, models: Sequence[ModelConfig]) -> None:
+        if not models:
+            raise ValueError("a gateway serves at least one model")
+        self.backend = backend
+        self.models = tuple(models)
+
+    def _resolve_model(self, model: str) -> str:
+        if not model:
+            return self.models[0].id
+        if model not in {entry.id for entry in self.models}:
+            served = ", ".join(entry.id for entry in self.models)
+            raise NotFound(f"model {model!r} is not served here; served: {served}", field="model")
+        return model
+
+    def generate_spec(self, request: gateway_pb2.GenerateRequest) -> GenerateSpec:
+        request_id = request.request_id or current_request_id() or ""
+        sampling = (
+            sampling_from_proto(request.sampling)
+            if request.HasField("sampling")
+            else SamplingParams()
+        )
+        return GenerateSpec(
+            request_id=require_request_id(request_id),
+            model=self._resolve_model(request.model),
+            prompt=prompt_from_proto(request),
+            sampling=sampling,
+            reasoning=reasoning_from_proto(request.reasoning)
+            if request.HasField("reasoning")
+            else ReasoningOptions(),
+            scaling=scaling_from_proto(request.scaling, sampling.n),
+            stream=StreamShape(
+                aggregate=request.stream.aggregate,
+                include_token_ids=request.stream.include_token_ids,
+                continuous_usage=request.stream.continuous_usage,
+            ),
+        )
+
+    async def Generate(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        spec = self.generate_spec(request)
+        async for chunk in self.backend.generate(spec):
+            yield chunk_to_proto(chunk, spec.request_id, spec.model)
+
+    async def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.AbortResponse:
+        found = await self.backend.abort(require_request_id(request.request_id))
+        return common_pb2.AbortResponse(found=found)
+
+    async def ListModels(
+        self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.ListModelsResponse:
+        return gateway_pb2.ListModelsResponse(
+            models=[
+                gateway_pb2.ModelInfo(
+                    id=entry.id,
+                    source=entry.source,
+                    max_context_length=entry.max_context_length,
+                    is_reasoning_model=entry.is_reasoning_model,
+                )
+                for entry in self.models
+            ]
+        )
