@@ -78,12 +78,21 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
         apply_rotary(q, k, positions, cos_sin_cache, is_neox=True, impl=self.impl)
         if self.impl == "torch":
-            write_kv_reference(k, v, kv_cache, metadata.slot_mapping)
-            out = paged_attention_reference(q, kv_cache, metadata, self.scale)  # [T, Hq, D]
+            out = _reference_attention(q, k, v, kv_cache, metadata, self.scale)  # [T, Hq, D]
         else:
             write_kv(k, v, kv_cache, metadata.slot_mapping)
             out = paged_attention(q, kv_cache, metadata, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+@torch.compiler.disable
+def _reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    # The torch reference walks the batch on the host (.tolist()), so under torch.compile it
+    # stays eager and the graphs split cleanly around it.
+    write_kv_reference(k, v, kv_cache, metadata.slot_mapping)
+    return paged_attention_reference(q, kv_cache, metadata, scale)
 
 
 class MLP(nn.Module):
