@@ -15,7 +15,7 @@ from cleave.kernels.attention import (
     write_kv,
     write_kv_reference,
 )
-from cleave.kernels.attention_decode import num_decode_splits, paged_decode_attention
+from cleave.kernels.attention_decode import choose_partition_size, num_decode_splits, paged_decode_attention
 from cleave.kernels.attention_prefill import paged_prefill_attention
 from cleave.kv.metadata import PAD_SLOT_ID, AttentionMetadata
 
@@ -141,6 +141,15 @@ def test_decode_capacity_grid_and_padding_rows_give_zeros():
     expected = paged_attention_reference(query, cache, metadata, SCALE)
     torch.testing.assert_close(out, expected, **tolerance(torch.float32))
     assert torch.count_nonzero(out[2]) == 0
+
+
+@pytest.mark.parametrize(
+    ("max_seq_len", "num_seqs", "partition_size", "num_splits"),
+    [(1024, 1, 512, 2), (131072, 1, 512, 256), (32768, 32, 1024, 32), (32768, 256, 8192, 4), (100, 512, 512, 1)],
+)
+def test_partition_size_fills_batch_one_and_bounds_the_grid(max_seq_len, num_seqs, partition_size, num_splits):
+    chosen = choose_partition_size(max_seq_len, num_seqs, num_kv_heads=8)
+    assert (chosen, num_decode_splits(max_seq_len, chosen)) == (partition_size, num_splits)
 
 
 @pytest.mark.gpu

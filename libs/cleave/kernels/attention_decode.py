@@ -21,7 +21,10 @@ import triton.language as tl
 from cleave.kernels.attention_common import LOG2E, dot_settings
 from cleave.kv.metadata import AttentionMetadata
 
-DEFAULT_PARTITION_SIZE = 512
+MIN_PARTITION_SIZE = 512
+# Split programs per launch worth having: enough to fill the GPU at batch 1, few enough
+# that at a large batch and a long capacity the programs that exit early stay cheap.
+MAX_SPLIT_PROGRAMS = 8192
 
 
 @triton.jit
@@ -172,7 +175,16 @@ def _paged_decode_reduce_kernel(
     )
 
 
-def num_decode_splits(max_seq_len: int, partition_size: int = DEFAULT_PARTITION_SIZE) -> int:
+def choose_partition_size(max_seq_len: int, num_seqs: int, num_kv_heads: int) -> int:
+    """Tokens per split: MIN_PARTITION_SIZE, doubled until the grid fits MAX_SPLIT_PROGRAMS.
+
+    Depends only on host ints (under CUDA graphs: the capacity and the bucket size).
+    """
+    max_splits = max(1, MAX_SPLIT_PROGRAMS // max(1, num_seqs * num_kv_heads))
+    return max(MIN_PARTITION_SIZE, triton.next_power_of_2(triton.cdiv(max(max_seq_len, 1), max_splits)))
+
+
+def num_decode_splits(max_seq_len: int, partition_size: int) -> int:
     """Splits per sequence for a context capacity of `max_seq_len` tokens."""
     return max(1, triton.cdiv(max_seq_len, partition_size))
 
@@ -182,16 +194,21 @@ def paged_decode_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     metadata: AttentionMetadata,
     scale: float,
-    partition_size: int = DEFAULT_PARTITION_SIZE,
+    partition_size: int | None = None,
     block_n: int = 64,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Split-KV decode attention: every sequence's single new token over its paged context."""
+    """Split-KV decode attention: every sequence's single new token over its paged context.
+
+    `partition_size` (tokens per split, a power of two) defaults to `choose_partition_size`.
+    """
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("paged attention needs the head dimension contiguous in query and kv_cache")
+    if partition_size is None:
+        partition_size = choose_partition_size(metadata.max_seq_len, metadata.num_seqs, num_kv_heads)
     if partition_size % block_n or partition_size & (partition_size - 1):
         raise ValueError(f"partition_size {partition_size} must be a power of two and a multiple of {block_n}")
     dot_dtype, precision = dot_settings(query)
