@@ -111,7 +111,13 @@ class CUDAGraphRunner:
 
     def bucket_for(self, batch_size: int, metadata: AttentionMetadata) -> int | None:
         """The captured bucket that will replay this batch, or None to run it eagerly."""
-        if not self.is_captured or not metadata.is_decode_only or metadata.num_seqs != batch_size:
+        if (
+            not self.is_captured
+            or batch_size < 1
+            or not metadata.is_decode_only
+            or metadata.num_seqs != batch_size
+            or metadata.block_tables.shape[1] > self.config.max_blocks_per_seq
+        ):
             return None
         return select_bucket(self.buckets, batch_size)
 
