@@ -21,9 +21,9 @@ KV that will arrive over the network instead of being computed locally.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
-from collections.abc import Sequence
 
 from cleave.kv.block_pool import BlockPool, OutOfBlocksError
 from cleave.kv.prefix_hash import BlockHash, hash_block
