@@ -1,0 +1,1 @@
+"""Decode service: admits prompt KV, runs continuous batching, streams tokens per step."""

@@ -1,0 +1,33 @@
+"""`python -m services.decode`: config, then serve."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+from cleave.config import worker_config
+from cleave.logging import configure_logging
+from cleave.proto.cleave.v1 import decode_pb2, decode_pb2_grpc
+from cleave.rpc import ServiceRegistration, run_service
+from services.decode.backend import DecodeBackend, UnwiredDecodeBackend
+from services.decode.servicer import DecodeServicer
+
+SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+
+
+def registration(servicer: DecodeServicer) -> ServiceRegistration:
+    return ServiceRegistration(SERVICE_NAME, servicer, decode_pb2_grpc.add_DecodeServicer_to_server)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = worker_config("decode", argv, os.environ)
+    configure_logging(config.service.log_level, config.service.log_json)
+    backend: DecodeBackend = UnwiredDecodeBackend(config.worker_id)
+    servicer = DecodeServicer(backend)
+    asyncio.run(run_service([registration(servicer)], config.service, backend))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""KV store service: content-addressed KV blocks in RAM and disk tiers."""

@@ -1,0 +1,33 @@
+"""`python -m services.kvstore`: config, then serve."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+from cleave.config import kvstore_config
+from cleave.logging import configure_logging
+from cleave.proto.cleave.v1 import kvstore_pb2, kvstore_pb2_grpc
+from cleave.rpc import ServiceRegistration, run_service
+from services.kvstore.backend import KVStoreBackend, UnwiredKVStoreBackend
+from services.kvstore.servicer import KVStoreServicer
+
+SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
+
+
+def registration(servicer: KVStoreServicer) -> ServiceRegistration:
+    return ServiceRegistration(SERVICE_NAME, servicer, kvstore_pb2_grpc.add_KVStoreServicer_to_server)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = kvstore_config(argv, os.environ)
+    configure_logging(config.service.log_level, config.service.log_json)
+    backend: KVStoreBackend = UnwiredKVStoreBackend()
+    servicer = KVStoreServicer(backend)
+    asyncio.run(run_service([registration(servicer)], config.service, backend))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

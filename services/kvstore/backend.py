@@ -1,0 +1,102 @@
+"""What the kvstore servicer hands work to.
+
+Blocks are addressed by chained hashes; a layout id (from `connect`) scopes them to one KV
+layout. The RAM + disk LRU store plugs in here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from cleave.rpc.types import KVLayout, TensorBytes
+
+
+@dataclass(frozen=True)
+class KVBlock:
+    """One stored block: K and V of block_size tokens for every layer."""
+
+    hash: bytes
+    parent_hash: bytes  # b"" for the first block of a chain
+    layout_id: str
+    payload: TensorBytes  # [num_layers, 2, block_size, num_kv_heads, head_dim]
+
+
+@dataclass(frozen=True)
+class ConnectResult:
+    """The id of a registered layout."""
+
+    layout_id: str
+    block_num_bytes: int
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """Outcome of one Put stream."""
+
+    num_stored: int
+    num_already_present: int
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Counters since the store started."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_stored: int = 0
+    bytes_served: int = 0
+    evictions: int = 0
+    num_blocks_ram: int = 0
+    num_blocks_disk: int = 0
+
+
+class KVStoreBackend(Protocol):
+    """A KV block store."""
+
+    async def start(self) -> None:
+        """Open the disk tier."""
+
+    async def shutdown(self) -> None:
+        """Flush and close the disk tier."""
+
+    async def connect(self, layout: KVLayout, client_id: str) -> ConnectResult:
+        """Register a layout; equal layouts get equal ids."""
+
+    async def lookup(self, layout_id: str, block_hashes: tuple[bytes, ...]) -> int:
+        """Length of the longest stored prefix of block_hashes."""
+
+    async def put(self, blocks: AsyncIterator[KVBlock]) -> PutResult:
+        """Store blocks (already-present ones are skipped)."""
+
+    def get(self, layout_id: str, block_hashes: tuple[bytes, ...]) -> AsyncIterator[KVBlock]:
+        """The stored prefix of a chain, in order, stopping at the first miss."""
+
+    def stats(self) -> StoreStats:
+        """Current counters."""
+
+
+class UnwiredKVStoreBackend:
+    """A store with no storage yet: its RPCs answer UNIMPLEMENTED, stats are empty."""
+
+    async def start(self) -> None:
+        return None
+
+    async def shutdown(self) -> None:
+        return None
+
+    async def connect(self, layout: KVLayout, client_id: str) -> ConnectResult:
+        raise NotImplementedError("Connect is not wired to a block store yet")
+
+    async def lookup(self, layout_id: str, block_hashes: tuple[bytes, ...]) -> int:
+        raise NotImplementedError("Lookup is not wired to a block store yet")
+
+    async def put(self, blocks: AsyncIterator[KVBlock]) -> PutResult:
+        raise NotImplementedError("Put is not wired to a block store yet")
+
+    def get(self, layout_id: str, block_hashes: tuple[bytes, ...]) -> AsyncIterator[KVBlock]:
+        raise NotImplementedError("Get is not wired to a block store yet")
+
+    def stats(self) -> StoreStats:
+        return StoreStats()

@@ -1,0 +1,1 @@
+"""Prefill service: computes prompt KV and ships it to decode workers."""

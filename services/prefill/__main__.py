@@ -1,0 +1,33 @@
+"""`python -m services.prefill`: config, then serve."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+from cleave.config import worker_config
+from cleave.logging import configure_logging
+from cleave.proto.cleave.v1 import prefill_pb2, prefill_pb2_grpc
+from cleave.rpc import ServiceRegistration, run_service
+from services.prefill.backend import PrefillBackend, UnwiredPrefillBackend
+from services.prefill.servicer import PrefillServicer
+
+SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
+
+
+def registration(servicer: PrefillServicer) -> ServiceRegistration:
+    return ServiceRegistration(SERVICE_NAME, servicer, prefill_pb2_grpc.add_PrefillServicer_to_server)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = worker_config("prefill", argv, os.environ)
+    configure_logging(config.service.log_level, config.service.log_json)
+    backend: PrefillBackend = UnwiredPrefillBackend(config.worker_id)
+    servicer = PrefillServicer(backend, config.model.id)
+    asyncio.run(run_service([registration(servicer)], config.service, backend))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

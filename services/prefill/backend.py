@@ -1,0 +1,71 @@
+"""What the prefill servicer hands work to.
+
+`PrefillBackend` receives a validated `PrefillSpec` (prompt ids, first-token sampling, the
+decode worker's TransferHandle) and returns a `PrefillResult`. The engine-backed
+implementation (kvstore lookup, chunked prefill, layer-by-layer KV send) plugs in here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from cleave.rpc.types import SamplingParams, TopLogprobs, TransferHandle, TransferStats, WorkerLoad
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    """A validated PrefillRequest."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    destination: TransferHandle | None  # None: compute only, the KV stays local
+    store_to_kvstore: bool = False
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """First tokens (one per sample) and accounting of one prefill."""
+
+    first_token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_computed_tokens: int
+    first_token_logprobs: tuple[TopLogprobs, ...] = ()
+    transfer: TransferStats | None = None
+
+
+class PrefillBackend(Protocol):
+    """A prefill worker's engine."""
+
+    async def start(self) -> None:
+        """Load the model and connect to the kvstore."""
+
+    async def shutdown(self) -> None:
+        """Finish or fail queued prefills and release the GPU."""
+
+    async def prefill(self, spec: PrefillSpec) -> PrefillResult:
+        """Compute the prompt's KV, send it to spec.destination, sample the first tokens."""
+
+    def load(self) -> WorkerLoad:
+        """Current load, for routing."""
+
+
+class UnwiredPrefillBackend:
+    """A prefill worker with no engine yet: Prefill answers UNIMPLEMENTED, load is idle."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+
+    async def start(self) -> None:
+        return None
+
+    async def shutdown(self) -> None:
+        return None
+
+    async def prefill(self, spec: PrefillSpec) -> PrefillResult:
+        raise NotImplementedError("Prefill is not wired to an engine yet")
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(worker_id=self.worker_id)

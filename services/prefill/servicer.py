@@ -1,0 +1,78 @@
+"""cleave.v1.Prefill servicer: protobuf <-> `services.prefill.backend` types, nothing else."""
+
+from __future__ import annotations
+
+import grpc
+
+from cleave.errors import InvalidArgument
+from cleave.proto.cleave.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from cleave.rpc.convert import (
+    require_request_id,
+    sampling_from_proto,
+    token_ids_from_proto,
+    top_logprobs_to_proto,
+    transfer_handle_from_proto,
+    transport_to_proto,
+    worker_load_to_proto,
+)
+from cleave.rpc.types import SamplingParams
+from services.prefill.backend import PrefillBackend, PrefillResult, PrefillSpec
+
+
+def prefill_spec_from_proto(request: prefill_pb2.PrefillRequest, model_id: str) -> PrefillSpec:
+    if request.model and request.model != model_id:
+        raise InvalidArgument(
+            f"this worker serves {model_id!r}, not {request.model!r}", field="model"
+        )
+    return PrefillSpec(
+        request_id=require_request_id(request.request_id),
+        prompt_token_ids=token_ids_from_proto(request.prompt_token_ids, "prompt_token_ids"),
+        sampling=sampling_from_proto(request.sampling)
+        if request.HasField("sampling")
+        else SamplingParams(),
+        destination=transfer_handle_from_proto(request.destination)
+        if request.HasField("destination")
+        else None,
+        store_to_kvstore=request.store_to_kvstore,
+    )
+
+
+def prefill_result_to_proto(result: PrefillResult, request_id: str) -> prefill_pb2.PrefillResponse:
+    response = prefill_pb2.PrefillResponse(
+        request_id=request_id,
+        first_token_ids=result.first_token_ids,
+        first_token_logprobs=top_logprobs_to_proto(result.first_token_logprobs),
+        num_prompt_tokens=result.num_prompt_tokens,
+        num_cached_tokens=result.num_cached_tokens,
+        num_computed_tokens=result.num_computed_tokens,
+    )
+    if result.transfer is not None:
+        response.transfer.CopyFrom(
+            prefill_pb2.TransferStats(
+                transport=transport_to_proto(result.transfer.transport),
+                num_bytes=result.transfer.num_bytes,
+                seconds=result.transfer.seconds,
+                num_blocks=result.transfer.num_blocks,
+            )
+        )
+    return response
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    """Validates prefill requests and hands them to a PrefillBackend."""
+
+    def __init__(self, backend: PrefillBackend, model_id: str) -> None:
+        self.backend = backend
+        self.model_id = model_id
+
+    async def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.PrefillResponse:
+        spec = prefill_spec_from_proto(request, self.model_id)
+        result = await self.backend.prefill(spec)
+        return prefill_result_to_proto(result, spec.request_id)
+
+    async def GetLoad(
+        self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.GetLoadResponse:
+        return common_pb2.GetLoadResponse(load=worker_load_to_proto(self.backend.load()))
