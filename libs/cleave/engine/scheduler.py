@@ -192,12 +192,14 @@ class Scheduler:
         if not seqs:
             raise ValueError("add_group needs at least one sequence")
         leader, *rest = seqs
+        if len({seq.seq_id for seq in seqs}) != len(seqs):
+            raise ValueError(f"samples of {leader.request_id} need distinct sample_index values")
         for seq in rest:
             if seq.request_id != leader.request_id or seq.all_token_ids != leader.all_token_ids:
                 raise ValueError(f"{seq.seq_id} is not a sample of {leader.seq_id}: same request and prompt expected")
+            self._check_new(seq)
         self.add(leader)
         for seq in rest:
-            self._check_new(seq)
             self._register(seq)
             seq.parent_seq_id = leader.seq_id
         if rest:
