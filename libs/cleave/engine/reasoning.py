@@ -1,0 +1,230 @@
+"""Reasoning models: split thinking from the answer, and enforce thinking budgets.
+
+`ReasoningParser` works on streamed text: it separates the `<think>...</think>` block from
+the answer, holding back any text that could be the start of a tag split across tokens,
+and counts the tokens spent thinking. It supports both conventions: the model opens the
+block itself (Qwen3: `starts_in_reasoning=False`) or the chat template opened it in the
+prompt (DeepSeek-R1: `starts_in_reasoning=True`).
+
+`ThinkingBudget` works on token ids, as a logits processor of the sampler: it forces the
+end-of-thinking tag once `max_thinking_tokens` thinking tokens were generated and forbids
+it before `min_thinking_tokens`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cleave.engine.sampling_params import SamplingParams
+
+
+class Phase(enum.Enum):
+    """Where a sample is relative to its thinking block."""
+
+    BEFORE = "before"  # the block has not opened yet
+    REASONING = "reasoning"
+    ANSWER = "answer"  # the block closed (or never opened): everything is answer text
+
+
+@dataclass
+class ReasoningDelta:
+    """Text separated from one chunk of output: thinking and answer parts."""
+
+    reasoning: str = ""
+    content: str = ""
+
+
+def _longest_suffix_prefix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:length]):
+            return length
+    return 0
+
+
+class ReasoningParser:
+    """Streaming separation of reasoning text from answer text for one sample.
+
+    Only one thinking block is recognized, at the start of the output (after optional
+    whitespace, which is dropped); text before any start tag that is not whitespace makes
+    the whole output an answer. Tags are removed from both parts.
+
+    Args:
+        start_tag / end_tag: the block's delimiters.
+        starts_in_reasoning: the prompt already opened the block.
+    """
+
+    def __init__(
+        self,
+        start_tag: str = "<think>",
+        end_tag: str = "</think>",
+        starts_in_reasoning: bool = False,
+    ) -> None:
+        self.start_tag = start_tag
+        self.end_tag = end_tag
+        self._phase = Phase.REASONING if starts_in_reasoning else Phase.BEFORE
+        self._held_back = ""
+        self._held_tokens = 0  # tokens whose phase is undecided while in BEFORE
+        self.num_reasoning_tokens = 0
+
+    @property
+    def phase(self) -> Phase:
+        """Current phase."""
+        return self._phase
+
+    def feed(self, text: str, num_tokens: int = 1) -> ReasoningDelta:
+        """Add the text of `num_tokens` new tokens; return what can be shown now."""
+        delta = ReasoningDelta()
+        if self._phase is Phase.BEFORE:
+            self._held_tokens += num_tokens
+            text = self._feed_before(text, delta)
+            if self._phase is Phase.BEFORE:
+                return delta
+            num_tokens = 0
+        if self._phase is Phase.REASONING:
+            self.num_reasoning_tokens += num_tokens
+            text = self._feed_reasoning(text, delta)
+        if self._phase is Phase.ANSWER:
+            delta.content += text
+        return delta
+
+    def finish(self) -> ReasoningDelta:
+        """Flush held-back text at the end of the output."""
+        held, self._held_back = self._held_back, ""
+        if self._phase is Phase.REASONING:
+            return ReasoningDelta(reasoning=held)
+        return ReasoningDelta(content=held)
+
+    def _feed_before(self, text: str, delta: ReasoningDelta) -> str:
+        buffer = self._held_back + text
+        stripped = buffer.lstrip()
+        if stripped.startswith(self.start_tag):
+            self._held_back = ""
+            self._phase = Phase.REASONING
+            self.num_reasoning_tokens += self._held_tokens
+            return stripped[len(self.start_tag) :]
+        if self.start_tag.startswith(stripped):
+            self._held_back = buffer  # whitespace or a partial start tag
+            return ""
+        self._held_back = ""
+        self._phase = Phase.ANSWER
+        return buffer
+
+    def _feed_reasoning(self, text: str, delta: ReasoningDelta) -> str:
+        buffer = self._held_back + text
+        end_at = buffer.find(self.end_tag)
+        if end_at != -1:
+            self._held_back = ""
+            self._phase = Phase.ANSWER
+            delta.reasoning += buffer[:end_at]
+            return buffer[end_at + len(self.end_tag) :]
+        hold = _longest_suffix_prefix(buffer, self.end_tag)
+        self._held_back = buffer[len(buffer) - hold :]
+        delta.reasoning += buffer[: len(buffer) - hold]
+        return ""
+
+
+def _suffix_match(token_ids: Sequence[int], tag: Sequence[int]) -> int:
+    """Longest k < len(tag) such that token_ids ends with tag[:k]."""
+    for length in range(min(len(tag) - 1, len(token_ids)), 0, -1):
+        if list(token_ids[len(token_ids) - length :]) == list(tag[:length]):
+            return length
+    return 0
+
+
+class ThinkingBudget:
+    """Logits processor enforcing a sample's thinking budget by token ids.
+
+    Thinking tokens are those generated inside the block: after the start tag, up to but
+    not including the token that completes the end tag. With `num_thinking_tokens >= max_thinking_tokens` the next token of
+    the end tag is forced (every other logit -inf; a multi-token tag is forced token by
+    token, continuing a tag the model already began). While
+    `num_thinking_tokens < min_thinking_tokens` the token that would complete the end tag
+    gets logit -inf.
+
+    Args:
+        end_token_ids: token ids of the end tag (e.g. `</think>`), in order.
+        max_thinking_tokens / min_thinking_tokens: the budget (None: no maximum).
+        start_token_ids: token ids of the start tag; needed unless starts_in_reasoning.
+        starts_in_reasoning: the prompt already opened the thinking block.
+    """
+
+    def __init__(
+        self,
+        end_token_ids: Sequence[int],
+        max_thinking_tokens: int | None = None,
+        min_thinking_tokens: int = 0,
+        start_token_ids: Sequence[int] | None = None,
+        starts_in_reasoning: bool = True,
+    ) -> None:
+        if not end_token_ids:
+            raise ValueError("end_token_ids must name at least one token (the end tag)")
+        if not starts_in_reasoning and not start_token_ids:
+            raise ValueError("start_token_ids are needed when thinking is not open at the start")
+        self._end = list(end_token_ids)
+        self._start = list(start_token_ids or [])
+        self.max_thinking_tokens = max_thinking_tokens
+        self.min_thinking_tokens = min_thinking_tokens
+        self._phase = Phase.REASONING if starts_in_reasoning else Phase.BEFORE
+        self._recent: list[int] = []  # last few tokens, enough to match either tag
+        self._num_seen = 0
+        self.num_thinking_tokens = 0
+
+    @classmethod
+    def from_params(
+        cls,
+        params: SamplingParams,
+        end_token_ids: Sequence[int],
+        start_token_ids: Sequence[int] | None = None,
+        starts_in_reasoning: bool = True,
+    ) -> ThinkingBudget | None:
+        """A budget for the request's thinking limits, or None when it sets none."""
+        if params.max_thinking_tokens is None and params.min_thinking_tokens == 0:
+            return None
+        return cls(
+            end_token_ids,
+            params.max_thinking_tokens,
+            params.min_thinking_tokens,
+            start_token_ids,
+            starts_in_reasoning,
+        )
+
+    @property
+    def phase(self) -> Phase:
+        """Thinking phase after the tokens seen so far."""
+        return self._phase
+
+    def __call__(self, output_token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        """output_token_ids: the sample's tokens so far; logits: [V], edited in place."""
+        for token_id in output_token_ids[self._num_seen :]:
+            self._observe(token_id)
+        self._num_seen = len(output_token_ids)
+        if self._phase is not Phase.REASONING:
+            return logits
+        partial = _suffix_match(self._recent, self._end)
+        if self.max_thinking_tokens is not None and self.num_thinking_tokens >= self.max_thinking_tokens:
+            forced = self._end[partial]
+            logits.fill_(-torch.inf)
+            logits[forced] = 0.0
+        elif self.num_thinking_tokens < self.min_thinking_tokens and partial == len(self._end) - 1:
+            logits[self._end[-1]] = -torch.inf
+        return logits
+
+    def _observe(self, token_id: int) -> None:
+        self._recent.append(token_id)
+        keep = max(len(self._end), len(self._start))
+        if len(self._recent) > keep:
+            del self._recent[: len(self._recent) - keep]
+        if self._phase is Phase.BEFORE:
+            if self._recent[-len(self._start) :] == self._start:
+                self._phase = Phase.REASONING
+                self._recent.clear()
+        elif self._phase is Phase.REASONING:
+            if self._recent[-len(self._end) :] == self._end:
+                self._phase = Phase.ANSWER
+            else:
+                self.num_thinking_tokens += 1
