@@ -126,3 +126,16 @@ def test_unknown_architecture_lists_supported_ones(tmp_path, tiny_checkpoints):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'; supported: .*LlamaForCausalLM"):
         load_model(path)
+
+
+def test_in_memory_state_dict_matches_files(tiny_checkpoints, hf_models):
+    from cleave.model.loader import empty_model, load_hf_state_dict
+
+    expected = load_model(tiny_checkpoints["qwen3"])
+    model = load_hf_state_dict(empty_model(expected.config), hf_models["qwen3"].state_dict())
+    for name, tensor in expected.state_dict().items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
+    incomplete = dict(hf_models["qwen3"].state_dict())
+    incomplete.pop("model.norm.weight")
+    with pytest.raises(CheckpointError, match=r"state_dict lacks 1 tensor\(s\) the model needs: model\.norm\.weight"):
+        load_hf_state_dict(empty_model(expected.config), incomplete)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,6 +82,57 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+def empty_model(
+    config: ModelConfig,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    impl: Impl = "auto",
+) -> CausalLM:
+    """A `CausalLM` with uninitialised weights allocated once, in `dtype` on `device`."""
+    with torch.device("meta"):
+        model = CausalLM(config, impl=impl)
+    model.to(dtype=dtype or config.dtype)
+    return model.to_empty(device=device)
+
+
+class HFWeightFiller:
+    """Copies HF-named tensors into a `CausalLM`, checking that each slice is written once.
+
+    `fill(name, tensor, source)` places one tensor (`source` names its file in errors);
+    `finish(what)` raises if any parameter slice was never written.
+    """
+
+    def __init__(self, model: CausalLM) -> None:
+        self.config = model.config
+        self.params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
+        self.pending = _expected_rows(model, self.config)
+
+    def wants(self, hf_name: str) -> bool:
+        """False for tensors the model recomputes or ignores (rotary tables, a tied head)."""
+        if _IGNORED.fullmatch(hf_name):
+            return False
+        # HF ties the head to the embeddings even when a copy is stored
+        return not (self.config.tie_word_embeddings and map_hf_name(hf_name, self.config).param_name == "lm_head.weight")
+
+    def fill(self, hf_name: str, tensor: torch.Tensor, source: str) -> None:
+        target = map_hf_name(hf_name, self.config)
+        if target.param_name not in self.params:
+            raise CheckpointError(f"{source}: unexpected tensor {hf_name!r} for {self.config.architecture}")
+        key = (target.param_name, target.row_start)
+        if key not in self.pending:
+            raise CheckpointError(f"{source}: tensor {hf_name!r} appears more than once")
+        _copy_tensor(tensor, self.params[target.param_name], target, hf_name, source)
+        self.pending.pop(key)
+
+    def finish(self, what: str) -> None:
+        if self.pending:
+            missing = sorted(self.pending.values())
+            raise CheckpointError(
+                f"{what} lacks {len(missing)} tensor(s) the model needs: {', '.join(missing[:8])}"
+                + (" ..." if len(missing) > 8 else "")
+            )
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype | None = None,
@@ -96,38 +148,25 @@ def load_model(
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     config = ModelConfig.from_pretrained(path)
-    dtype = dtype or config.dtype
     files = checkpoint_files(path)
-
-    with torch.device("meta"):
-        model = CausalLM(config, impl=impl)
-    model.to(dtype=dtype)
-    model.to_empty(device=device)
-    params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
-    pending = _expected_rows(model, config)
-
+    model = empty_model(config, dtype, device, impl)
+    filler = HFWeightFiller(model)
     for file in files:
         with safe_open(str(file), framework="pt", device=str(device)) as shard:
             for hf_name in shard.keys():
-                if _IGNORED.fullmatch(hf_name):
-                    continue
-                target = map_hf_name(hf_name, config)
-                if config.tie_word_embeddings and target.param_name == "lm_head.weight":
-                    continue  # HF ties the head to the embeddings even when a copy is stored
-                if target.param_name not in params:
-                    raise CheckpointError(f"{file.name}: unexpected tensor {hf_name!r} for {config.architecture}")
-                _copy_tensor(shard.get_tensor(hf_name), params[target.param_name], target, hf_name, file)
-                key = (target.param_name, target.row_start)
-                if key not in pending:
-                    raise CheckpointError(f"{file.name}: tensor {hf_name!r} appears more than once")
-                pending.pop(key)
+                if filler.wants(hf_name):
+                    filler.fill(hf_name, shard.get_tensor(hf_name), file.name)
+    filler.finish(f"checkpoint {path}")
+    return model.eval()
 
-    if pending:
-        missing = sorted(pending.values())
-        raise CheckpointError(
-            f"checkpoint {path} lacks {len(missing)} tensor(s) the model needs: {', '.join(missing[:8])}"
-            + (" ..." if len(missing) > 8 else "")
-        )
+
+def load_hf_state_dict(model: CausalLM, state_dict: Mapping[str, torch.Tensor]) -> CausalLM:
+    """Fill `model` from an in-memory HF state dict (e.g. a transformers model's `state_dict()`)."""
+    filler = HFWeightFiller(model)
+    for hf_name, tensor in state_dict.items():
+        if filler.wants(hf_name):
+            filler.fill(hf_name, tensor, "state_dict")
+    filler.finish("state_dict")
     return model.eval()
 
 
@@ -147,13 +186,11 @@ def _expected_rows(model: CausalLM, config: ModelConfig) -> dict[tuple[str, int 
     return expected
 
 
-def _copy_tensor(
-    tensor: torch.Tensor, param: torch.Tensor, target: _Target, hf_name: str, file: Path
-) -> None:
+def _copy_tensor(tensor: torch.Tensor, param: torch.Tensor, target: _Target, hf_name: str, source: str) -> None:
     destination = param if target.row_start is None else param[target.row_start : target.row_end]
     if tensor.shape != destination.shape:
         raise CheckpointError(
-            f"{file.name}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+            f"{source}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
             f"the model expects {tuple(destination.shape)}"
         )
     with torch.no_grad():
