@@ -111,3 +111,12 @@ def test_mixed_batch_matches_separate_sequences(tiny_checkpoints):
 
     assert (logits[:40] - expected_a).abs().max().item() <= TOLERANCE
     assert (logits[40] - expected_b[20]).abs().max().item() <= TOLERANCE
+
+
+@torch.no_grad()
+def test_triton_kernels_match_transformers(tiny_checkpoints, hf_models):
+    """The same forward with every op on its Triton kernel (the interpreter on CPU)."""
+    model = load_model(tiny_checkpoints["qwen3"], impl="triton")
+    input_ids = prompt_ids(model.config.vocab_size, 24)
+    expected = hf_models["qwen3"](input_ids[None]).logits[0].float()
+    assert (run_chunks(model, input_ids, [16, 8]) - expected).abs().max().item() <= TOLERANCE

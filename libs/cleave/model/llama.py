@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from cleave.kernels.activation import silu_and_mul
-from cleave.kernels.attention import paged_attention, paged_attention_reference, write_kv, write_kv_reference
+from cleave.kernels.attention import paged_attention, write_kv
 from cleave.kernels.dispatch import Impl
 from cleave.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from cleave.kernels.rotary import apply_rotary
@@ -80,8 +80,8 @@ class Attention(nn.Module):
         if self.impl == "torch":
             out = _reference_attention(q, k, v, kv_cache, metadata, self.scale)  # [T, Hq, D]
         else:
-            write_kv(k, v, kv_cache, metadata.slot_mapping)
-            out = paged_attention(q, kv_cache, metadata, self.scale)  # [T, Hq, D]
+            write_kv(k, v, kv_cache, metadata.slot_mapping, impl=self.impl)
+            out = paged_attention(q, kv_cache, metadata, self.scale, impl=self.impl)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -91,8 +91,8 @@ def _reference_attention(
 ) -> torch.Tensor:
     # The torch reference walks the batch on the host (.tolist()), so under torch.compile it
     # stays eager and the graphs split cleanly around it.
-    write_kv_reference(k, v, kv_cache, metadata.slot_mapping)
-    return paged_attention_reference(q, kv_cache, metadata, scale)
+    write_kv(k, v, kv_cache, metadata.slot_mapping, impl="torch")
+    return paged_attention(q, kv_cache, metadata, scale, impl="torch")
 
 
 class MLP(nn.Module):
