@@ -14,8 +14,12 @@ from cleave.kernels.layer_norm import (
 SHAPES = [(13, 1000), (1, 64), (5, 3, 96)]
 
 
-def assert_close_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 1) -> None:
-    """Equal up to `ulps` units in the last place of the dtype (fp32: a tight relative bound)."""
+def assert_close_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 1, atol: float = 1e-5) -> None:
+    """Each element within `ulps` bf16 units in the last place, or within `atol`.
+
+    The atol covers outputs near zero, where the affine bias cancels the normed value and an
+    fp32 rounding difference is many bf16 ulps of the tiny result.
+    """
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
     if actual.dtype == torch.float32:
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
@@ -25,8 +29,8 @@ def assert_close_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 
         bits = t.contiguous().view(torch.int16).to(torch.int32)
         return torch.where(bits < 0, -(bits & 0x7FFF), bits)
 
-    distance = (ordered(actual) - ordered(expected)).abs().max().item()
-    assert distance <= ulps, f"{distance} ulps apart"
+    far = ((ordered(actual) - ordered(expected)).abs() > ulps) & ((actual.float() - expected.float()).abs() > atol)
+    assert not far.any(), f"{int(far.sum())} elements off, e.g. {actual[far][:4]} vs {expected[far][:4]}"
 
 
 def test_reference_is_torch_layer_norm():
@@ -74,13 +78,15 @@ def test_fused_add_layer_norm_updates_residual_in_place(shape, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 4096), (4096, 4096), (333, 5120), (64, 8192)])
 def test_gpu_bf16(shape):
-    torch.manual_seed(0)
-    x = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-    residual = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-    weight = torch.randn(shape[-1], dtype=torch.bfloat16, device="cuda")
-    bias = torch.randn(shape[-1], dtype=torch.bfloat16, device="cuda")
-    assert_close_ulps(layer_norm(x, weight, bias, 1e-5), layer_norm_reference(x, weight, bias, 1e-5))
-    expected_residual = residual + x
-    out, _ = fused_add_layer_norm(x, residual, weight, bias, 1e-5)
-    assert torch.equal(residual, expected_residual)
-    assert_close_ulps(out, layer_norm_reference(expected_residual, weight, bias, 1e-5))
+    # the second round takes the cached launch path, on fresh data
+    for seed in range(2):
+        torch.manual_seed(seed)
+        x = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+        residual = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+        weight = torch.randn(shape[-1], dtype=torch.bfloat16, device="cuda")
+        bias = torch.randn(shape[-1], dtype=torch.bfloat16, device="cuda")
+        assert_close_ulps(layer_norm(x, weight, bias, 1e-5), layer_norm_reference(x, weight, bias, 1e-5))
+        expected_residual = residual + x
+        out, _ = fused_add_layer_norm(x, residual, weight, bias, 1e-5)
+        assert torch.equal(residual, expected_residual)
+        assert_close_ulps(out, layer_norm_reference(expected_residual, weight, bias, 1e-5))

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from cleave.kernels.dispatch import Impl, TileLaunch, tile_launch, use_triton
+from cleave.kernels.dispatch import CachedLauncher, Impl, TileLaunch, tile_launch, use_triton
 
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _SQRT_HALF = tl.constexpr(0.7071067811865476)
@@ -77,6 +77,10 @@ def _gelu_bias_kernel(
     tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_gated_act_launcher = CachedLauncher(_gated_act_kernel)
+_gelu_bias_launcher = CachedLauncher(_gelu_bias_kernel)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     # [..., W] -> [T, W] with unit stride along W (a view whenever possible)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -88,15 +92,11 @@ def _gated(x: torch.Tensor, use_gelu_tanh: bool) -> torch.Tensor:
     num_rows, inter = x2.shape[0], x2.shape[1] // 2
     out = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device)
     launch: TileLaunch = tile_launch(num_rows, inter)
-    _gated_act_kernel[launch.grid](
-        x2,
-        out,
-        inter,
-        x2.stride(0),
-        inter,
-        USE_GELU_TANH=use_gelu_tanh,
-        BLOCK=launch.block,
-        num_warps=launch.num_warps,
+    _gated_act_launcher(
+        launch.grid,
+        (x2, out, inter, x2.stride(0), inter),
+        (use_gelu_tanh, launch.block),
+        launch.num_warps,
     )
     return out.view(*x.shape[:-1], inter)
 
@@ -123,14 +123,7 @@ def gelu_bias(x: torch.Tensor, bias: torch.Tensor, impl: Impl = "auto") -> torch
     num_rows, hidden = x2.shape
     out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
     launch: TileLaunch = tile_launch(num_rows, hidden)
-    _gelu_bias_kernel[launch.grid](
-        x2,
-        bias,
-        out,
-        hidden,
-        x2.stride(0),
-        hidden,
-        BLOCK=launch.block,
-        num_warps=launch.num_warps,
+    _gelu_bias_launcher(
+        launch.grid, (x2, bias, out, hidden, x2.stride(0), hidden), (launch.block,), launch.num_warps
     )
     return out.view(x.shape)

@@ -4,13 +4,16 @@ Every op's public function takes `impl: Impl = "auto"`: "auto" runs the Triton k
 the inputs live on a CUDA device and the torch reference otherwise; "triton" and "torch"
 force one side. CPU tests force "triton" under TRITON_INTERPRET=1 (set by tests/conftest.py
 before triton is imported, since `triton.jit` reads it at decoration time).
+
+It also holds what the ops share about launching: launch shapes for row-wise and elementwise
+kernels, and `CachedLauncher`, which keeps per-call host overhead low on CUDA.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import triton
@@ -83,3 +86,49 @@ def tile_launch(num_rows: int, width: int) -> TileLaunch:
     block = min(triton.next_power_of_2(width), 2048 if num_rows >= 1024 else 1024)
     num_warps = max(1, min(8, block // 256))
     return TileLaunch(grid=(num_rows, triton.cdiv(width, block)), block=block, num_warps=num_warps)
+
+
+def _arg_key(arg: Any) -> Any:
+    # what triton specialises a runtime argument on: dtype and 16-byte alignment of a
+    # pointer; ==1, divisibility by 16 and 64-bit range of an int; nothing for a float
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if isinstance(arg, bool):
+        return arg
+    if isinstance(arg, int):
+        return (arg == 1, arg % 16 == 0, arg > 0x7FFFFFFF)
+    return None
+
+
+class CachedLauncher:
+    """Launches one @triton.jit kernel, reusing its compiled form without triton's binder.
+
+    `kernel[grid](...)` re-derives the specialisation of every argument on every call (about
+    10 us of Python on the serving hosts, more than the kernels themselves at decode sizes).
+    This keeps the compiled kernels in a dict keyed by the same properties (see `_arg_key`)
+    and calls the launcher directly; the first call of each key compiles through triton.
+    Kernels must take their constexprs last; launch hooks (profilers) are not invoked on the
+    cached path. CPU tensors (TRITON_INTERPRET=1) always take triton's own path.
+    """
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self._compiled: dict[tuple, Any] = {}
+
+    def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: tuple, num_warps: int) -> None:
+        first = args[0]
+        if not first.is_cuda:
+            self.kernel[grid](*args, *constexprs, num_warps=num_warps)
+            return
+        device = first.device.index
+        key = (device, num_warps, constexprs, *map(_arg_key, args))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            self._compiled[key] = self.kernel[grid](*args, *constexprs, num_warps=num_warps)
+            return
+        grid_y = grid[1] if len(grid) > 1 else 1
+        grid_z = grid[2] if len(grid) > 2 else 1
+        compiled.run(
+            grid[0], grid_y, grid_z, torch._C._cuda_getCurrentRawStream(device), compiled.function,
+            compiled.packed_metadata, None, None, None, *args, *constexprs,
+        )

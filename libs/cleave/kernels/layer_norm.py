@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from cleave.kernels.dispatch import Impl, RowLaunch, row_launch, use_triton
+from cleave.kernels.dispatch import CachedLauncher, Impl, RowLaunch, row_launch, use_triton
 
 
 def layer_norm_reference(
@@ -79,6 +79,9 @@ def _layer_norm_kernel(
     )
 
 
+_layer_norm_launcher = CachedLauncher(_layer_norm_kernel)
+
+
 def _launch(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -99,24 +102,23 @@ def _launch(
         if res2.stride(-1) != 1:
             raise ValueError("residual must be contiguous in its last dimension (it is updated in place)")
     launch: RowLaunch = row_launch(num_rows, hidden)
-    _layer_norm_kernel[launch.grid](
-        x2,
-        res2,
-        x2 if weight is None else weight,
-        x2 if bias is None else bias,
-        out,
-        num_rows,
-        hidden,
-        x2.stride(0),
-        res2.stride(0),
-        hidden,
-        eps,
-        HAS_RESIDUAL=residual is not None,
-        HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None,
-        ROWS=launch.rows,
-        BLOCK_H=launch.block,
-        num_warps=launch.num_warps,
+    _layer_norm_launcher(
+        launch.grid,
+        (
+            x2,
+            res2,
+            x2 if weight is None else weight,
+            x2 if bias is None else bias,
+            out,
+            num_rows,
+            hidden,
+            x2.stride(0),
+            res2.stride(0),
+            hidden,
+            eps,
+        ),
+        (residual is not None, weight is not None, bias is not None, launch.rows, launch.block),
+        launch.num_warps,
     )
     return out.view(x.shape)
 

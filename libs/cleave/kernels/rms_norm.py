@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cleave.kernels.dispatch import Impl, RowLaunch, row_launch, use_triton
+from cleave.kernels.dispatch import CachedLauncher, Impl, RowLaunch, row_launch, use_triton
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -67,6 +67,9 @@ def _rms_norm_kernel(
     )
 
 
+_rms_norm_launcher = CachedLauncher(_rms_norm_kernel)
+
+
 def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
@@ -83,21 +86,11 @@ def _launch(
         if res2.stride(-1) != 1:
             raise ValueError("residual must be contiguous in its last dimension (it is updated in place)")
     launch: RowLaunch = row_launch(num_rows, hidden)
-    _rms_norm_kernel[launch.grid](
-        x2,
-        res2,
-        weight,
-        out,
-        num_rows,
-        hidden,
-        x2.stride(0),
-        res2.stride(0),
-        hidden,
-        eps,
-        HAS_RESIDUAL=residual is not None,
-        ROWS=launch.rows,
-        BLOCK_H=launch.block,
-        num_warps=launch.num_warps,
+    _rms_norm_launcher(
+        launch.grid,
+        (x2, res2, weight, out, num_rows, hidden, x2.stride(0), res2.stride(0), hidden, eps),
+        (residual is not None, launch.rows, launch.block),
+        launch.num_warps,
     )
     return out.view(x.shape)
 

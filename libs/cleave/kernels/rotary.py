@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cleave.kernels.dispatch import Impl, use_triton
+from cleave.kernels.dispatch import CachedLauncher, Impl, use_triton
 
 _TILE_ELEMENTS = 2048  # q/k elements one program rotates
 
@@ -112,6 +112,9 @@ def _rotary_kernel(
         )
 
 
+_rotary_launcher = CachedLauncher(_rotary_kernel)
+
+
 def apply_rotary(query, key, positions, cos_sin_cache, is_neox: bool = True, impl: Impl = "auto") -> None:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by their positions [T]."""
     if not use_triton(query, impl):
@@ -131,21 +134,21 @@ def apply_rotary(query, key, positions, cos_sin_cache, is_neox: bool = True, imp
     block_half = triton.next_power_of_2(half)
     heads = max(1, min(triton.next_power_of_2(max(num_q_heads, num_kv_heads)), _TILE_ELEMENTS // (2 * block_half)))
     grid = (num_tokens, triton.cdiv(num_q_heads, heads) + triton.cdiv(num_kv_heads, heads))
-    _rotary_kernel[grid](
-        query,
-        key,
-        positions,
-        cos_sin_cache,
-        num_q_heads,
-        num_kv_heads,
-        query.stride(0),
-        query.stride(1),
-        key.stride(0),
-        key.stride(1),
-        cos_sin_cache.stride(0),
-        HALF=half,
-        BLOCK_HALF=block_half,
-        HEADS=heads,
-        IS_NEOX=is_neox,
-        num_warps=4,
+    _rotary_launcher(
+        grid,
+        (
+            query,
+            key,
+            positions,
+            cos_sin_cache,
+            num_q_heads,
+            num_kv_heads,
+            query.stride(0),
+            query.stride(1),
+            key.stride(0),
+            key.stride(1),
+            cos_sin_cache.stride(0),
+        ),
+        (half, block_half, heads, is_neox),
+        4,
     )
