@@ -291,7 +291,11 @@ def transfer_handle_from_proto(
         raise InvalidArgument("TCP transfers need host:port", field=f"{field}.address")
     if transport is types.TransportKind.NCCL and not message.nccl_unique_id:
         raise InvalidArgument("NCCL transfers need a unique id", field=f"{field}.nccl_unique_id")
-    deadline = message.deadline.ToNanoseconds() / 1e9 if message.HasField("deadline") else None
+    deadline = (
+        message.deadline.seconds + message.deadline.nanos / 1e9
+        if message.HasField("deadline")
+        else None
+    )
     return types.TransferHandle(
         transport=transport,
         address=message.address,
@@ -325,9 +329,9 @@ def transfer_handle_to_proto(handle: types.TransferHandle) -> common_pb2.Transfe
     if handle.device_index is not None:
         message.device_index = handle.device_index
     if handle.deadline_unix_s is not None:
-        deadline = Timestamp()
-        deadline.FromNanoseconds(int(handle.deadline_unix_s * 1e9))
-        message.deadline.CopyFrom(deadline)
+        seconds = math.floor(handle.deadline_unix_s)
+        nanos = round((handle.deadline_unix_s - seconds) * 1e9)
+        message.deadline.CopyFrom(Timestamp(seconds=seconds, nanos=min(nanos, 999_999_999)))
     return message
 
 

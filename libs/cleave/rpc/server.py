@@ -132,7 +132,9 @@ async def serve(
     host = _split_host(address)
     server = grpc.aio.server(
         interceptors=[RequestInterceptor(), *interceptors],
-        options=channel_options(config.max_message_bytes),
+        # Without SO_REUSEPORT off, a second process "binds" a port that is in use and the
+        # kernel splits connections between the two.
+        options=[*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)],
     )
     names = [service.name for service in services]
     for service in services:
@@ -148,6 +150,7 @@ async def serve(
     try:
         port = server.add_insecure_port(address)
     except RuntimeError as exc:
+        await server.stop(None)
         raise OSError(f"cannot listen on {address}: {exc}; is the port already in use?") from exc
     await server.start()
     handle = Server(server, health_servicer, names, host, port, config.grace_seconds)

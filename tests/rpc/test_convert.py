@@ -1,0 +1,102 @@
+"""Protobuf <-> domain conversion: validation names the field, round trips are lossless."""
+
+from __future__ import annotations
+
+import pytest
+
+from cleave.errors import InvalidArgument
+from cleave.proto.cleave.v1 import common_pb2
+from cleave.rpc import convert, types
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"temperature": -0.5}, "sampling.temperature"),
+        ({"temperature": float("nan")}, "sampling.temperature"),
+        ({"top_p": 0.0}, "sampling.top_p"),
+        ({"top_p": 1.5}, "sampling.top_p"),
+        ({"min_p": 2.0}, "sampling.min_p"),
+        ({"n": convert.MAX_SAMPLES + 1}, "sampling.n"),
+        ({"logprobs": 21}, "sampling.logprobs"),
+        ({"repetition_penalty": 0.0}, "sampling.repetition_penalty"),
+        ({"presence_penalty": 3.0}, "sampling.presence_penalty"),
+        ({"max_tokens": 4, "min_tokens": 5}, "sampling.min_tokens"),
+        ({"stop": ["ok", ""]}, "sampling.stop[1]"),
+        ({"stop_token_ids": [1, 2**31]}, "sampling.stop_token_ids[1]"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(InvalidArgument) as raised:
+        convert.sampling_from_proto(common_pb2.SamplingParams(**kwargs))
+    assert raised.value.field == field
+
+
+def test_sampling_defaults_and_presence():
+    params = convert.sampling_from_proto(common_pb2.SamplingParams(temperature=0.0))
+    assert params == types.SamplingParams(temperature=0.0)  # explicit 0 is kept: greedy
+    assert convert.sampling_from_proto(common_pb2.SamplingParams()).temperature is None
+    assert convert.sampling_from_proto(common_pb2.SamplingParams(skip_special_tokens=False)).skip_special_tokens is False
+
+
+def test_sampling_round_trip():
+    params = types.SamplingParams(
+        max_tokens=64, temperature=0.7, top_p=0.9, top_k=40, seed=0, stop=("</s>",),
+        stop_token_ids=(2, 7), n=4, logprobs=0, repetition_penalty=1.1, min_tokens=3,
+        skip_special_tokens=False,
+    )
+    wire = common_pb2.SamplingParams.FromString(convert.sampling_to_proto(params).SerializeToString())
+    back = convert.sampling_from_proto(wire)
+    assert back.seed == 0 and back.logprobs == 0  # zero survives thanks to `optional`
+    assert back.temperature == pytest.approx(0.7) and back.top_p == pytest.approx(0.9)
+    assert back == types.SamplingParams(**{**params.__dict__, "temperature": back.temperature,
+                                           "top_p": back.top_p, "repetition_penalty": back.repetition_penalty})
+
+
+def test_transfer_handle_round_trip():
+    layout = types.KVLayout("tiny", "bfloat16", 16, 2, 4, 64, "ns")
+    handle = types.TransferHandle(
+        transport=types.TransportKind.TCP, address="10.0.0.2:7000", transfer_id="t-1",
+        block_ids=(5, 9, 3), layout=layout, device_index=0, deadline_unix_s=1_700_000_000.25,
+        num_cached_blocks=1, worker_id="decode-0",
+    )
+    assert convert.transfer_handle_from_proto(convert.transfer_handle_to_proto(handle)) == handle
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"transfer_id": "t", "block_ids": [1], "address": "h:1"}, "destination.transport"),
+        ({"transport": common_pb2.TRANSPORT_KIND_TCP, "block_ids": [1], "address": "h:1"}, "destination.transfer_id"),
+        ({"transport": common_pb2.TRANSPORT_KIND_TCP, "transfer_id": "t", "address": "h:1"}, "destination.block_ids"),
+        ({"transport": common_pb2.TRANSPORT_KIND_TCP, "transfer_id": "t", "block_ids": [1]}, "destination.address"),
+        ({"transport": common_pb2.TRANSPORT_KIND_NCCL, "transfer_id": "t", "block_ids": [1]}, "destination.nccl_unique_id"),
+    ],
+)
+def test_bad_transfer_handles_name_the_field(kwargs, field):
+    with pytest.raises(InvalidArgument) as raised:
+        convert.transfer_handle_from_proto(common_pb2.TransferHandle(**kwargs))
+    assert raised.value.field == field
+
+
+def test_tensor_bytes_must_match_shape_and_dtype():
+    good = common_pb2.Tensor(dtype=common_pb2.DTYPE_BFLOAT16, shape=[2, 3], data=bytes(12))
+    assert convert.tensor_from_proto(good, "payload") == types.TensorBytes("bfloat16", (2, 3), bytes(12))
+    short = common_pb2.Tensor(dtype=common_pb2.DTYPE_FLOAT32, shape=[2, 3], data=bytes(12))
+    with pytest.raises(InvalidArgument, match="holds 12 bytes but shape \\[2, 3\\] of float32 needs 24") as raised:
+        convert.tensor_from_proto(short, "payload")
+    assert raised.value.field == "payload.data"
+    with pytest.raises(InvalidArgument) as raised:
+        convert.tensor_from_proto(common_pb2.Tensor(shape=[1], data=b"x"), "payload")
+    assert raised.value.field == "payload.dtype"
+
+
+def test_every_wire_dtype_has_an_itemsize():
+    wire_names = {name for name in common_pb2.DType.keys() if name != "DTYPE_UNSPECIFIED"}
+    assert {f"DTYPE_{name.upper()}" for name in convert.DTYPE_ITEMSIZE} == wire_names
+
+
+def test_finish_reasons_map_both_ways():
+    for reason in types.FinishReason:
+        assert convert.finish_reason_from_proto(convert.finish_reason_to_proto(reason)) is reason
+    assert convert.finish_reason_to_proto(None) == common_pb2.FINISH_REASON_UNSPECIFIED
