@@ -17,13 +17,14 @@ def test_compile_model_forces_reference_ops(tiny_checkpoints):
     assert compiled is model
     impls = {module.impl for module in model.modules() if hasattr(module, "impl")}
     assert impls == {"torch"}
+    assert {layer.self_attn.attention_impl for layer in model.layers} == {"auto"}
     assert hasattr(model.forward, "_torchdynamo_orig_callable")
 
 @pytest.mark.slow
 @torch.no_grad()
 def test_compiled_logits_match_eager(tiny_checkpoints):
     eager = load_model(tiny_checkpoints["qwen3"])
-    compiled = compile_model(load_model(tiny_checkpoints["qwen3"]))
+    compiled = compile_model(load_model(tiny_checkpoints["qwen3"]), attention_impl="torch")
     input_ids = prompt_ids(eager.config.vocab_size)
     expected = run_chunks(eager, input_ids, [40, 24])
     assert (run_chunks(compiled, input_ids, [40, 24]) - expected).abs().max().item() <= TOLERANCE

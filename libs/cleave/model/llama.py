@@ -54,6 +54,7 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = self.head_dim**-0.5
         self.impl: Impl = impl
+        self.attention_impl: Impl = impl  # KV write + paged attention; see compiled.py
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, impl) if config.qk_norm else None
@@ -77,22 +78,24 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
         apply_rotary(q, k, positions, cos_sin_cache, is_neox=True, impl=self.impl)
-        if self.impl == "torch":
-            out = _reference_attention(q, k, v, kv_cache, metadata, self.scale)  # [T, Hq, D]
-        else:
-            write_kv(k, v, kv_cache, metadata.slot_mapping, impl=self.impl)
-            out = paged_attention(q, kv_cache, metadata, self.scale, impl=self.impl)  # [T, Hq, D]
+        out = _cached_attention(q, k, v, kv_cache, metadata, self.scale, self.attention_impl)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 @torch.compiler.disable
-def _reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
-) -> torch.Tensor:
-    # The torch reference walks the batch on the host (.tolist()), so under torch.compile it
-    # stays eager and the graphs split cleanly around it.
-    write_kv(k, v, kv_cache, metadata.slot_mapping, impl="torch")
-    return paged_attention(q, kv_cache, metadata, scale, impl="torch")
+def _cached_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    metadata: AttentionMetadata,
+    scale: float,
+    impl: Impl,
+) -> torch.Tensor:  # [T, Hq, D]
+    # Kept out of torch.compile graphs: the Triton kernels are opaque to Dynamo and the torch
+    # reference walks the batch on the host (.tolist()), so graphs split cleanly around it.
+    write_kv(k, v, kv_cache, metadata.slot_mapping, impl=impl)
+    return paged_attention(q, kv_cache, metadata, scale, impl=impl)
 
 
 class MLP(nn.Module):
@@ -180,11 +183,13 @@ class CausalLM(nn.Module):
         self.cos_sin_cache = self._build_cos_sin_cache(self.cos_sin_cache.device)
         return self
 
-    def set_impl(self, impl: Impl) -> "CausalLM":
-        """Pick the kernel side ("auto", "triton", "torch") for every op of the model."""
+    def set_impl(self, impl: Impl, attention_impl: Impl | None = None) -> "CausalLM":
+        """Pick the kernel side ("auto", "triton", "torch") of every op; attention may differ."""
         for module in self.modules():
             if hasattr(module, "impl"):
                 module.impl = impl
+            if isinstance(module, Attention):
+                module.attention_impl = attention_impl or impl
         return self
 
     def forward(
