@@ -40,7 +40,8 @@ class ModelConfig:
 
     `rope_scaling` is None for plain rotary, else a dict with at least `rope_type`
     (`linear` or `llama3`) and that type's parameters. `eos_token_ids` holds every id the
-    config names as end-of-sequence (HF allows a single id or a list).
+    config names as end-of-sequence (HF allows a single id or a list). `sliding_window` is
+    recorded but not applied: attention always sees the whole context.
     """
 
     architecture: str
