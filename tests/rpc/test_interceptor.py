@@ -81,7 +81,7 @@ async def test_each_call_is_logged_with_method_code_and_duration(running):
         with pytest.raises(grpc.aio.AioRpcError):
             await stub.Abort(common_pb2.AbortRequest(request_id="r"), metadata=(("x-request-id", "rid-8"),))
     finally:
-        configure_logging("WARNING", json=False)
+        structlog.reset_defaults()
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
     inside = [line for line in lines if line["event"] == "inside handler"]
     assert [line["request_id"] for line in inside] == ["rid-7", "rid-8"]
