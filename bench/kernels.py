@@ -231,7 +231,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ops", nargs="+", default=[spec.name for spec in OPS], choices=[s.name for s in OPS])
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     parser.add_argument("--rep-ms", type=int, default=40, help="do_bench repetition time per measurement")
-    parser.add_argument("--out", type=Path, default=None, help="directory for kernels.json / kernels.md")
+    parser.add_argument("--out", type=Path, default=None, help="directory for NAME.json / NAME.md")
+    parser.add_argument("--name", default="kernels", help="result file stem under --out")
     return parser.parse_args(argv)
 
 
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(checks))
     if args.out is not None:
         summary = {"copy_bandwidth_gbs": round(copy_gbs, 1), "checks": checks}
-        for path in write_results(args.out, "kernels", rows, COLUMNS, summary):
+        for path in write_results(args.out, args.name, rows, COLUMNS, summary):
             print(f"wrote {path}")
 
 

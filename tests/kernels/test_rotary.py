@@ -6,8 +6,12 @@ import torch
 from cleave.kernels.rotary import apply_rotary, apply_rotary_reference
 
 
-def assert_close_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 1) -> None:
-    """Equal up to `ulps` units in the last place of the dtype (fp32: a tight relative bound)."""
+def assert_close_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 1, atol: float = 1e-5) -> None:
+    """Each element within `ulps` bf16 units in the last place, or within `atol`.
+
+    The atol covers outputs near zero (x1 cos - x2 sin cancelling), where a fused multiply-add
+    on the GPU differs from torch's separately rounded products by many ulps of a tiny result.
+    """
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
     if actual.dtype == torch.float32:
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
@@ -17,8 +21,8 @@ def assert_close_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 
         bits = t.contiguous().view(torch.int16).to(torch.int32)
         return torch.where(bits < 0, -(bits & 0x7FFF), bits)
 
-    distance = (ordered(actual) - ordered(expected)).abs().max().item()
-    assert distance <= ulps, f"{distance} ulps apart"
+    far = ((ordered(actual) - ordered(expected)).abs() > ulps) & ((actual.float() - expected.float()).abs() > atol)
+    assert not far.any(), f"{int(far.sum())} elements off, e.g. {actual[far][:4]} vs {expected[far][:4]}"
 
 
 def make_cache(max_position: int, rotary_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -120,7 +120,7 @@ class CachedLauncher:
         if not first.is_cuda:
             self.kernel[grid](*args, *constexprs, num_warps=num_warps)
             return
-        device = first.device.index
+        device = first.get_device()
         key = (device, num_warps, constexprs, *map(_arg_key, args))
         compiled = self._compiled.get(key)
         if compiled is None:
