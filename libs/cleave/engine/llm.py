@@ -1,0 +1,118 @@
+"""Offline generation: `LLM(model_path, **engine_kwargs).generate(prompts, params)`.
+
+    llm = LLM("path/to/model", max_model_len=4096)
+    outputs = llm.generate(["Hello", "What is 2+2?"], SamplingParams(max_tokens=32))
+    outputs[0].outputs[0].text
+
+Each returned `RequestOutput` is complete (delta=False), in the order of the prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from cleave.engine.llm_engine import LLMEngine, Prompt
+from cleave.engine.outputs import RequestOutput
+from cleave.engine.request import OutputAccumulator
+from cleave.engine.sampling_params import SamplingParams
+
+_SCHEDULER_KEYS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "enable_chunked_prefill")
+_CACHE_KEYS = ("block_size", "num_blocks", "enable_prefix_caching", "gpu_memory_utilization")
+_ENGINE_KEYS = ("dtype", "device", "seed", "enforce_eager")
+
+
+def default_model_path() -> Path | None:
+    """The reasoning model shipped with cleave (`cleave/assets/reasoner`), if present."""
+    path = Path(__file__).resolve().parent.parent / "assets" / "reasoner"
+    return path if (path / "config.json").is_file() else None
+
+
+def build_engine_config(model: str | Path, **kwargs: Any) -> EngineConfig:
+    """EngineConfig from flat keyword arguments (SchedulerConfig, CacheConfig and
+    EngineConfig field names). device defaults to "cuda" when available, else "cpu";
+    dtype to "auto" (the checkpoint's dtype on CUDA, float32 on CPU)."""
+    unknown = set(kwargs) - set(_SCHEDULER_KEYS) - set(_CACHE_KEYS) - set(_ENGINE_KEYS)
+    if unknown:
+        raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
+    scheduler_args = {k: kwargs[k] for k in _SCHEDULER_KEYS if kwargs.get(k) is not None}
+    if not scheduler_args.get("enable_chunked_prefill", True) and "max_num_batched_tokens" not in scheduler_args:
+        scheduler_args["max_num_batched_tokens"] = scheduler_args.get("max_model_len", SchedulerConfig.max_model_len)
+    cache_args = {k: kwargs[k] for k in _CACHE_KEYS if kwargs.get(k) is not None}
+    engine_args = {k: kwargs[k] for k in _ENGINE_KEYS if kwargs.get(k) is not None}
+    engine_args.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+    engine_args.setdefault("dtype", "auto")
+    return EngineConfig(
+        model=str(model),
+        scheduler=SchedulerConfig(**scheduler_args),
+        cache=CacheConfig(**cache_args),
+        **engine_args,
+    )
+
+
+class LLM:
+    """An in-process engine for batch generation.
+
+    Args:
+        model: checkpoint directory (HF layout).
+        **engine_kwargs: see `build_engine_config` (max_model_len, max_num_seqs, block_size,
+            num_blocks, device, dtype, seed, enforce_eager, ...).
+    """
+
+    def __init__(self, model: str | Path, **engine_kwargs: Any) -> None:
+        self.engine = LLMEngine(build_engine_config(model, **engine_kwargs))
+        self._next_id = 0
+
+    @property
+    def tokenizer(self):  # type: ignore[no-untyped-def]
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        raw: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; one complete RequestOutput per prompt, in order.
+
+        A single prompt (a string, a token-id list or a message list) may be passed bare;
+        `params` is one SamplingParams for all prompts or one per prompt.
+        """
+        prompt_list = [prompts] if _is_single_prompt(prompts) else list(prompts)  # type: ignore[list-item]
+        if params is None or isinstance(params, SamplingParams):
+            param_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            param_list = list(params)
+            if len(param_list) != len(prompt_list):
+                raise ValueError(f"got {len(param_list)} SamplingParams for {len(prompt_list)} prompts")
+        accumulators: dict[str, OutputAccumulator] = {}
+        order = []
+        try:
+            for prompt, sampling in zip(prompt_list, param_list):
+                request_id = f"llm-{self._next_id}"
+                self._next_id += 1
+                self.engine.add_request(request_id, prompt, sampling, raw=raw)
+                accumulators[request_id] = OutputAccumulator(request_id)
+                order.append(request_id)
+            while self.engine.has_unfinished():
+                for output in self.engine.step():
+                    if output.request_id in accumulators:
+                        accumulators[output.request_id].add(output)
+        except BaseException:
+            for request_id in order:
+                self.engine.abort(request_id)
+            raise
+        return [accumulators[request_id].result() for request_id in order]
+
+
+def _is_single_prompt(prompts: Any) -> bool:
+    if isinstance(prompts, str):
+        return True
+    if isinstance(prompts, Seq) and prompts and isinstance(prompts[0], (int, dict)):
+        return True
+    return False

@@ -1,0 +1,393 @@
+"""`LLMEngine`: requests in, delta outputs out; one `step()` = schedule -> run -> postprocess.
+
+    step():
+        output  = scheduler.schedule()                  # which sequences, how many tokens
+        sampled = runner.execute(output, processors)    # forward + sampling on the device
+        scheduler.postprocess(output, sampled, on_token)  # on_token: detokenize, stop checks
+        -> one RequestOutput (delta) per request that produced something
+
+The engine is single-threaded; `AsyncEngine` runs it on a thread of its own. Besides
+colocated generation it offers the two halves of disaggregated serving:
+
+- prefill worker: `add_request(..., prefill_only=True)` computes the prompt, samples the
+  first token and finishes the request while keeping its prompt KV blocks; read them with
+  `prefilled_block_table(request_id)` / `kv_cache`, then `release_prefilled(request_id)`.
+- decode worker: `reserve_prefilled(request_id, num_prompt_tokens)` returns the block ids
+  the transport fills; `add_prefilled_request(...)` then decodes from the first token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+
+from cleave.engine.config import EngineConfig
+from cleave.engine.detokenizer import IncrementalDetokenizer
+from cleave.engine.model_runner import ModelRunner, StepStats
+from cleave.engine.outputs import RequestOutput, TokenLogprob
+from cleave.engine.reasoning import ReasoningParser, ThinkingBudget
+from cleave.engine.request import ReasoningConfig, RequestState, SampleState
+from cleave.engine.sampling_params import SamplingParams
+from cleave.engine.sampling_tensors import LogitsProcessor
+from cleave.engine.scheduler import Scheduler
+from cleave.engine.sequence import Sequence, SequenceStatus
+from cleave.engine.stop import StopChecker
+from cleave.errors import InvalidArgument, NotFound
+from cleave.kv.manager import KVCacheManager
+from cleave.kv.prefix_hash import kv_namespace
+from cleave.model.config import ModelConfig
+from cleave.model.loader import load_model
+from cleave.model.tokenizer import Tokenizer
+
+Message = dict[str, Any]
+Prompt = Union[str, Seq[int], Seq[Message]]
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+EXPORT_SUFFIX = "/export"  # KV manager id holding a prefill-only request's prompt blocks
+
+
+def read_reasoning_config(model_dir: str | Path) -> ReasoningConfig | None:
+    """The `reasoning` section of `cleave_config.json` in the model directory, if any."""
+    path = Path(model_dir) / "cleave_config.json"
+    if not path.is_file():
+        return None
+    section = json.loads(path.read_text(encoding="utf-8")).get("reasoning")
+    if not section:
+        return None
+    return ReasoningConfig(
+        start_tag=section.get("start_tag", "<think>"),
+        end_tag=section.get("end_tag", "</think>"),
+        starts_in_reasoning=bool(section.get("starts_in_reasoning", False)),
+    )
+
+
+class LLMEngine:
+    """A model, its KV cache, scheduler and runner, driven one `step()` at a time.
+
+    Args:
+        config: what to load and how to run it; `scheduler.max_model_len` is capped at the
+            model's `max_position_embeddings`; dtype "auto" takes the checkpoint's dtype
+            (float32 on CPU).
+        sync_timing: synchronize the device inside steps so `last_stats` splits device time
+            into forward and sampling (benchmarks).
+    """
+
+    def __init__(self, config: EngineConfig, sync_timing: bool = False) -> None:
+        self._init_model(config)
+        self._init_runner(sync_timing)
+        self._init_scheduler()
+        self._requests: dict[str, RequestState] = {}
+        self._samples: dict[str, SampleState] = {}  # seq_id -> sample
+        self._processors: dict[str, list[LogitsProcessor]] = {}  # seq_id -> logits processors
+        self._pending: dict[str, RequestState] = {}  # requests with news outside a step
+        self._step_logprobs: dict[str, TokenLogprob] = {}
+        self.last_stats = StepStats()
+
+    # ---- start-up -------------------------------------------------------------------------
+
+    def _init_model(self, config: EngineConfig) -> None:
+        path = Path(config.model)
+        self.model_config = ModelConfig.from_pretrained(path)
+        self.tokenizer = Tokenizer.from_pretrained(path)
+        self.reasoning = read_reasoning_config(path)
+        device = torch.device(config.device)
+        if config.dtype == "auto":
+            dtype = self.model_config.dtype if device.type == "cuda" else torch.float32
+        elif config.dtype in _DTYPES:
+            dtype = _DTYPES[config.dtype]
+        else:
+            raise ValueError(f"unsupported dtype {config.dtype!r}; use auto, {', '.join(_DTYPES)}")
+        max_model_len = min(config.scheduler.max_model_len, self.model_config.max_position_embeddings)
+        self.config = replace(config, scheduler=replace(config.scheduler, max_model_len=max_model_len))
+        self.dtype = dtype
+        self.model = load_model(path, dtype=dtype, device=device)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        self._end_tag_ids: list[int] = []
+        self._start_tag_ids: list[int] = []
+        if self.reasoning is not None:
+            self._end_tag_ids = self.tokenizer.encode(self.reasoning.end_tag, add_special_tokens=False)
+            self._start_tag_ids = self.tokenizer.encode(self.reasoning.start_tag, add_special_tokens=False)
+
+    def _init_runner(self, sync_timing: bool) -> None:
+        torch.manual_seed(self.config.seed)
+        self.runner = ModelRunner(self.config, self.model, sync_timing=sync_timing)
+
+    def _init_scheduler(self) -> None:
+        cache = self.config.cache
+        config_file = Path(self.config.model) / "config.json"
+        weights_id = hashlib.sha256(config_file.read_bytes()).hexdigest()[:16]
+        namespace = kv_namespace(
+            model=f"{Path(self.config.model).resolve().name}@{weights_id}",
+            dtype=str(self.dtype).removeprefix("torch."),
+            block_size=cache.block_size,
+        )
+        self.kv = KVCacheManager(self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching, namespace)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The KV cache tensor [num_layers, 2, num_blocks, block_size, Hkv, D]."""
+        return self.runner.kv_cache
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt, raw: bool = False) -> list[int]:
+        """Token ids of a prompt: text (chat template for chat models unless `raw`), a
+        message list (always templated) or token ids (checked against the vocabulary)."""
+        if not prompt:
+            raise InvalidArgument("is empty; send text, messages or at least one token id", field="prompt")
+        if isinstance(prompt, str):
+            if raw or self.tokenizer.chat_template is None:
+                return self.tokenizer.encode(prompt)
+            prompt = [{"role": "user", "content": prompt}]
+        first = prompt[0]
+        if isinstance(first, dict):
+            text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)  # type: ignore[arg-type]
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        token_ids = list(prompt)
+        vocab_size = self.model_config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+            raise InvalidArgument("must be a string, a list of messages or a list of token ids", field="prompt")
+        if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+            raise InvalidArgument(f"token ids must be in [0, {vocab_size}) for this model", field="prompt")
+        return token_ids
+
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        *,
+        raw: bool = False,
+        prefill_only: bool = False,
+    ) -> RequestState:
+        """Tokenize and validate a request and build its state, touching no engine state
+        (safe on another thread). Raises InvalidArgument naming the bad field."""
+        if not isinstance(request_id, str) or not request_id or "/" in request_id:
+            raise InvalidArgument("must be a non-empty string without '/'", field="request_id")
+        params = SamplingParams() if params is None else params
+        prompt_ids = self.encode_prompt(prompt, raw)
+        params.validate(self.max_model_len, len(prompt_ids))
+        if prefill_only and params.n != 1:
+            raise InvalidArgument("must be 1 for a prefill-only request", field="n")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs = [Sequence(request_id, prompt_ids, i, params, priority, arrival) for i in range(params.n)]
+        max_new = params.max_new_tokens(self.max_model_len, len(prompt_ids))
+        samples = [self._new_sample(seq, params, prompt_ids, max_new) for seq in seqs]
+        return RequestState(request_id, prompt_ids, params, samples, prefill_only=prefill_only)
+
+    def _new_sample(self, seq: Sequence, params: SamplingParams, prompt_ids: list[int], max_new: int) -> SampleState:
+        reasoning = None
+        processors: list[LogitsProcessor] = []
+        if self.reasoning is not None:
+            reasoning = ReasoningParser(self.reasoning.start_tag, self.reasoning.end_tag, self.reasoning.starts_in_reasoning)
+            budget = ThinkingBudget.from_params(
+                params, self._end_tag_ids, self._start_tag_ids, self.reasoning.starts_in_reasoning
+            )
+            if budget is not None:
+                processors.append(budget)
+        return SampleState(
+            index=seq.sample_index,
+            seq=seq,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
+            stop_checker=StopChecker(params, self.eos_token_ids, max_new),
+            reasoning=reasoning,
+            include_reasoning=params.include_reasoning,
+            logits_processors=processors,
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        *,
+        raw: bool = False,
+        prefill_only: bool = False,
+    ) -> RequestState:
+        """Validate and queue a request (n samples share one prefill of the prompt)."""
+        state = self.prepare_request(
+            request_id, prompt, params, priority, arrival_time, raw=raw, prefill_only=prefill_only
+        )
+        self.enqueue(state)
+        return state
+
+    def enqueue(self, state: RequestState) -> None:
+        """Queue a request built by `prepare_request`."""
+        if state.request_id in self._requests:
+            raise InvalidArgument(f"{state.request_id!r} is already running; use a unique id", field="request_id")
+        seqs = [sample.seq for sample in state.samples]
+        if len(seqs) > 1:
+            self.scheduler.add_group(seqs)
+        else:
+            self.scheduler.add(seqs[0])
+        self._register(state)
+
+    def _register(self, state: RequestState) -> None:
+        self._requests[state.request_id] = state
+        for sample in state.samples:
+            self._samples[sample.seq.seq_id] = sample
+            if sample.logits_processors:
+                self._processors[sample.seq.seq_id] = sample.logits_processors
+
+    def abort(self, request_id: str) -> bool:
+        """End every sample of a request and free its KV; its final output (finish reason
+        ABORT) comes with the next step. Returns False for an unknown request."""
+        state = self._requests.get(request_id)
+        self.release_prefilled(request_id)
+        if state is None:
+            return False
+        self.scheduler.abort(request_id)
+        for sample in state.samples:
+            sample.end(SequenceStatus.FINISHED_ABORTED)
+        self._pending[request_id] = state
+        return True
+
+    def has_unfinished(self) -> bool:
+        """Whether any request still runs or has an output to report."""
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return a delta output per request with news."""
+        start = time.perf_counter()
+        output = self.scheduler.schedule()
+        scheduled = time.perf_counter()
+        if output.is_empty:
+            self.last_stats = StepStats(schedule_s=scheduled - start)
+            return self._collect(())
+        result = self.runner.execute(output, self._processors)
+        stats = result.stats
+        stats.schedule_s = scheduled - start
+        ran = time.perf_counter()
+        if result.logprobs is not None:
+            self._step_logprobs = {
+                seq.seq_id: logprob for seq, logprob in zip(output.sampled_seqs, result.logprobs) if logprob is not None
+            }
+        updated = self.scheduler.postprocess(output, result.token_ids, self._on_token)
+        self._step_logprobs = {}
+        touched: dict[str, RequestState] = {}
+        for seq in updated:
+            sample = self._samples.get(seq.seq_id)
+            if sample is None:
+                continue
+            if seq.is_finished:
+                sample.end(seq.status)  # no-op unless the scheduler ended it (context full)
+            touched[seq.request_id] = self._requests[seq.request_id]
+        outputs = self._collect(touched.values())
+        stats.postprocess_s = time.perf_counter() - ran
+        self.last_stats = stats
+        return outputs
+
+    def _on_token(self, seq: Sequence) -> SequenceStatus | None:
+        """Scheduler callback per sampled token: text, stop conditions, prefill-only hand-off."""
+        sample = self._samples.get(seq.seq_id)
+        if sample is None:
+            return None
+        status = sample.process_token(seq.last_token_id, self._step_logprobs.get(seq.seq_id))
+        state = self._requests[seq.request_id]
+        if state.prefill_only and status is None:
+            # Keep the prompt's blocks under another id; finishing the sequence frees its own.
+            self.kv.fork(seq.seq_id, seq.request_id + EXPORT_SUFFIX)
+            state.prefill_done = True
+            return SequenceStatus.FINISHED_LENGTH
+        return status
+
+    def _collect(self, touched: Seq[RequestState] | Any) -> list[RequestOutput]:
+        states = list(touched)
+        for request_id, state in self._pending.items():
+            if state not in states:
+                states.append(state)
+        self._pending.clear()
+        outputs = []
+        for state in states:
+            done = state.finished or state.prefill_done
+            if not state.has_news and not done:
+                continue
+            output = state.take_output()
+            output.finished = done
+            outputs.append(output)
+            if done:
+                self._forget(state)
+        return outputs
+
+    def _forget(self, state: RequestState) -> None:
+        if self._requests.get(state.request_id) is state:
+            del self._requests[state.request_id]
+        for sample in state.samples:
+            self._samples.pop(sample.seq.seq_id, None)
+            self._processors.pop(sample.seq.seq_id, None)
+
+    # ---- disaggregation hooks -------------------------------------------------------------
+
+    def prefilled_block_table(self, request_id: str) -> list[int]:
+        """Block ids holding a finished prefill-only request's prompt KV, in token order."""
+        table = self.kv.block_table(request_id + EXPORT_SUFFIX)
+        if not table:
+            raise NotFound(f"no exported prompt KV for request {request_id!r}", field="request_id")
+        return table
+
+    def release_prefilled(self, request_id: str) -> None:
+        """Free the prompt KV a prefill-only request kept (after the caller shipped it)."""
+        self.kv.free(request_id + EXPORT_SUFFIX)
+
+    def reserve_prefilled(self, request_id: str, num_prompt_tokens: int) -> list[int]:
+        """Decode side: allocate blocks for a prompt whose KV will arrive from a prefill
+        worker; returns the block ids to write. Raises OutOfBlocksError (RESOURCE_EXHAUSTED)."""
+        return self.kv.reserve(f"{request_id}/0", num_prompt_tokens)
+
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        first_token: int,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> RequestState:
+        """Decode side: start decoding a request whose prompt KV fills its reserved blocks
+        (reserved here if `reserve_prefilled` was not called). The first token is reported
+        with the next step's outputs, like every later one."""
+        state = self.prepare_request(request_id, list(prompt_token_ids), params, priority, arrival_time)
+        if state.params.n != 1:
+            raise InvalidArgument("must be 1 for a prefilled request", field="n")
+        if request_id in self._requests:
+            raise InvalidArgument(f"{request_id!r} is already running; use a unique id", field="request_id")
+        sample = state.samples[0]
+        seq = sample.seq
+        if not self.kv.has(seq.seq_id):
+            self.kv.reserve(seq.seq_id, seq.num_prompt_tokens)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.append_token(int(first_token))
+        status = sample.process_token(int(first_token))
+        if status is None and seq.num_tokens >= self.max_model_len:
+            status = SequenceStatus.FINISHED_LENGTH
+            sample.end(status)
+        if status is not None:
+            self.kv.release(seq.seq_id)
+            self._pending[request_id] = state
+            return state
+        self.scheduler.add_prefilled(seq)
+        self._register(state)
+        self._pending[request_id] = state
+        return state

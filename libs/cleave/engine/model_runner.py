@@ -1,0 +1,266 @@
+"""`ModelRunner`: the device side of a step — KV cache, forward (or graph replay), sampling.
+
+    runner.execute(scheduler_output, logits_processors) -> RunnerOutput
+        1. apply block copies (copy-on-write of shared blocks, all layers, K and V)
+        2. InputBatch: ids, positions, attention metadata (one host->device copy)
+        3. forward: a decode-only batch replays a captured CUDA graph (logits of every row);
+           anything else runs eagerly and computes logits only for sampling rows
+        4. SamplingTensors of each sampled sequence (built while the forward runs on the GPU)
+        5. sample; expand logits rows for forks; one device->host read of the token ids
+
+The KV cache is one tensor [num_layers, 2, num_blocks, block_size, Hkv, D]. On CUDA its
+size comes from free memory after a profiling forward at the step's token budget; on CPU
+from `CacheConfig.num_blocks` or DEFAULT_CPU_KV_TOKENS.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from cleave.engine.config import EngineConfig
+from cleave.engine.input_batch import InputBatch, InputBatchBuilder, OutputTokens
+from cleave.engine.outputs import TokenLogprob
+from cleave.engine.sampler import Sampler, SamplerOutput
+from cleave.engine.sampling_params import SamplingParams
+from cleave.engine.sampling_tensors import LogitsProcessor, SamplingTensors
+from cleave.engine.scheduler import SchedulerOutput
+from cleave.graphs.runner import CUDAGraphRunner, GraphRunnerConfig
+from cleave.kv.metadata import AttentionMetadata
+from cleave.model.llama import CausalLM, allocate_kv_cache
+
+DEFAULT_CPU_KV_TOKENS = 8192
+# Headroom left free besides the profiled peak: graph pools, allocator fragmentation.
+CUDA_HEADROOM_BYTES = 512 << 20
+
+
+@dataclass
+class StepStats:
+    """Wall-clock seconds of each phase of one engine step (host clock).
+
+    With `sync_timing` on the runner, `forward_s` waits for the device, so it is the
+    forward's device time and `sample_s` the sampler's; otherwise device time lands in
+    whichever phase first reads a result back (sampling).
+    """
+
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    postprocess_s: float = 0.0  # detokenization, stop checks, outputs
+    num_tokens: int = 0
+    num_seqs: int = 0
+    num_sampled: int = 0
+    used_graph: bool = False
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.forward_s + self.sample_s + self.postprocess_s
+
+
+@dataclass
+class RunnerOutput:
+    """Sampled tokens of a step, aligned with `SchedulerOutput.sampled_seqs`.
+
+    Attributes:
+        token_ids: one token per sampled sequence.
+        logprobs: per sampled sequence, its TokenLogprob when its request asked for
+            logprobs, else None; None as a whole when no row asked.
+    """
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None] | None = None
+    stats: StepStats = field(default_factory=StepStats)
+
+
+class ModelRunner:
+    """Owns the model, its KV cache, the sampler and (on CUDA) the decode graphs.
+
+    Args:
+        config: the engine configuration (scheduler limits already resolved against the model).
+        model: the loaded model, on `config.device`.
+        sync_timing: synchronize after the forward so StepStats separate device phases.
+    """
+
+    def __init__(self, config: EngineConfig, model: CausalLM, sync_timing: bool = False) -> None:
+        self.config = config
+        self.model = model
+        self.model_config = model.config
+        self.device = torch.device(config.device)
+        self.block_size = config.cache.block_size
+        self.sync_timing = sync_timing
+        self.kv_dtype = next(model.parameters()).dtype
+        self.vocab_size = model.config.vocab_size
+        self.sampler = Sampler(config.seed)
+        self.inputs = InputBatchBuilder(self.block_size, self.device)
+        self.num_blocks = self._init_num_blocks()
+        self.kv_cache = allocate_kv_cache(self.model_config, self.num_blocks, self.block_size, self.kv_dtype, self.device)
+        self.graph_runner = self._init_graphs()
+
+    # ---- start-up -------------------------------------------------------------------------
+
+    def _init_num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        if self.device.type != "cuda":
+            tokens = max(DEFAULT_CPU_KV_TOKENS, self.config.scheduler.max_model_len)
+            return -(-tokens // self.block_size) + 1
+        peak = self._profile_peak_bytes()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free  # weights, this process's cache, other processes
+        budget = total * cache.gpu_memory_utilization - used_by_others - peak - CUDA_HEADROOM_BYTES
+        num_blocks = int(budget // self._bytes_per_block()) + 1
+        if num_blocks < 2:
+            raise RuntimeError(
+                f"no device memory left for the KV cache ({budget / 2**30:.2f} GiB after weights and "
+                "activations); raise gpu_memory_utilization or lower max_num_batched_tokens / max_num_seqs"
+            )
+        return num_blocks
+
+    def _bytes_per_block(self) -> int:
+        cfg = self.model_config
+        return cfg.num_hidden_layers * 2 * self.block_size * cfg.num_key_value_heads * cfg.head_dim * self.kv_dtype.itemsize
+
+    @torch.inference_mode()
+    def _profile_peak_bytes(self) -> int:
+        """Peak activation bytes of a full-budget prefill plus sampling max_num_seqs rows."""
+        sched = self.config.scheduler
+        num_tokens = sched.max_num_batched_tokens
+        num_rows = min(sched.max_num_seqs, num_tokens)
+        blocks = -(-num_tokens // self.block_size)
+        kv = allocate_kv_cache(self.model_config, blocks + 1, self.block_size, self.kv_dtype, self.device)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        metadata = AttentionMetadata.build([num_tokens], [num_tokens], [list(range(1, blocks + 1))], self.block_size, self.device)
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        hidden = self.model(input_ids, positions, kv, metadata)
+        logits = self.model.compute_logits(hidden[-num_rows:].contiguous())
+        del hidden
+        params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=50)] * num_rows
+        state = SamplingTensors.from_params(
+            params, vocab_size=self.vocab_size, device=self.device, output_token_ids=[[]] * num_rows
+        )
+        self.sampler.sample(logits, state)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del kv, logits
+        torch.cuda.empty_cache()
+        return peak
+
+    def _init_graphs(self) -> CUDAGraphRunner | None:
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        sched = self.config.scheduler
+        graph_config = GraphRunnerConfig(
+            max_batch_size=sched.max_num_seqs,
+            max_blocks_per_seq=-(-sched.max_model_len // self.block_size),
+            block_size=self.block_size,
+        )
+        runner = CUDAGraphRunner(self._decode_step, graph_config, self.device)
+        runner.capture()
+        return runner
+
+    def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        # [B] -> logits [B, V]: every row of a decode batch is a sampling row
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_cache, metadata))
+
+    # ---- one step -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        output: SchedulerOutput,
+        logits_processors: Mapping[str, Seq[LogitsProcessor]] | None = None,
+    ) -> RunnerOutput:
+        """Run one scheduled step; returns one token per `output.sampled_seqs` entry.
+
+        `logits_processors` maps seq_id to that sequence's processors (absent: none).
+        """
+        stats = StepStats(num_seqs=len(output.scheduled))
+        start = time.perf_counter()
+        if output.block_copies:
+            self.copy_blocks(output.block_copies)
+        batch = self.inputs.build(output)
+        stats.num_tokens, stats.num_sampled = batch.num_tokens, len(batch.sampled_seqs)
+        prepared = time.perf_counter()
+        stats.prepare_s = prepared - start
+
+        logits, stats.used_graph = self._forward(batch)
+        if self.sync_timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        forwarded = time.perf_counter()
+        stats.forward_s = forwarded - prepared
+
+        if not batch.sampled_seqs:
+            return RunnerOutput([], None, stats)
+        if batch.sample_rows is not None:
+            logits = logits.index_select(0, batch.sample_rows)  # [R, V] -> [S, V]
+        state = self._sampling_tensors(batch, logits_processors)
+        sampled = self.sampler.sample(logits, state)
+        token_ids = sampled.token_ids.tolist()
+        logprobs = self._logprobs(batch, sampled, token_ids)
+        stats.sample_s = time.perf_counter() - forwarded
+        return RunnerOutput(token_ids, logprobs, stats)
+
+    def copy_blocks(self, copies: Seq[tuple[int, int]]) -> None:
+        """Copy whole KV blocks src -> dst across every layer, K and V (one gather/scatter)."""
+        src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)
+        # kv_cache: [L, 2, NB, BS, Hkv, D]; dsts are fresh blocks, never a src of the same step
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def _forward(self, batch: InputBatch) -> tuple[torch.Tensor, bool]:
+        """Logits [R, V] float32 of the sampling rows (R = entries that sample)."""
+        if self.graph_runner is not None and batch.is_decode_only:
+            bucket = self.graph_runner.bucket_for(batch.num_entries, batch.metadata)
+            if bucket is not None:
+                logits = self.graph_runner.run(batch.input_ids, batch.positions, batch.metadata)  # [E, V]
+                if batch.logits_indices is not None:
+                    logits = logits.index_select(0, batch.logits_indices)
+                return logits, True
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)  # [T, H]
+        if batch.logits_indices is not None:
+            hidden = hidden.index_select(0, batch.logits_indices)  # [R, H]
+        return self.model.compute_logits(hidden), False
+
+    def _sampling_tensors(
+        self, batch: InputBatch, logits_processors: Mapping[str, Seq[LogitsProcessor]] | None
+    ) -> SamplingTensors:
+        seqs = batch.sampled_seqs
+        params = [seq.sampling_params for seq in seqs]
+        needs_prompt = any(p.repetition_penalty != 1.0 for p in params)
+        processors = None
+        if logits_processors:
+            processors = [logits_processors.get(seq.seq_id, ()) for seq in seqs]
+        return SamplingTensors.from_params(
+            params,
+            vocab_size=self.vocab_size,
+            device=self.device,
+            output_token_ids=[OutputTokens(seq) for seq in seqs],
+            prompt_token_ids=[seq.prompt_token_ids for seq in seqs] if needs_prompt else None,
+            sample_indices=[seq.sample_index for seq in seqs],
+            logits_processors=processors,
+        )
+
+    @staticmethod
+    def _logprobs(batch: InputBatch, sampled: SamplerOutput, token_ids: list[int]) -> list[TokenLogprob | None] | None:
+        if sampled.logprobs is None:
+            return None
+        top_ids = sampled.logprobs.top_token_ids.tolist()
+        top_values = sampled.logprobs.top_logprobs.tolist()
+        chosen = sampled.logprobs.sampled_logprobs.tolist()
+        result: list[TokenLogprob | None] = []
+        for row, seq in enumerate(batch.sampled_seqs):
+            k = seq.sampling_params.logprobs
+            if k is None:
+                result.append(None)
+                continue
+            result.append(TokenLogprob(token_ids[row], chosen[row], top_ids[row][:k], top_values[row][:k]))
+        return result

@@ -1,0 +1,238 @@
+"""Per-request engine state: each sample's detokenizer, stop checker and reasoning parser.
+
+Token ids come from the scheduler; text is made here. Per generated token a sample runs
+`StopChecker.process` (which drives its `IncrementalDetokenizer`), then its
+`ReasoningParser` splits the new text into thinking and answer. What a sample produced
+since the last report accumulates in its pending delta until `RequestState.take_output`
+turns the request's news into one `RequestOutput`.
+
+`OutputAccumulator` folds a stream of delta outputs back into one complete output (what
+the offline `LLM.generate` returns).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cleave.engine.detokenizer import IncrementalDetokenizer
+from cleave.engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob, Usage
+from cleave.engine.reasoning import ReasoningParser
+from cleave.engine.sampling_params import SamplingParams
+from cleave.engine.sampling_tensors import LogitsProcessor
+from cleave.engine.sequence import Sequence, SequenceStatus
+from cleave.engine.stop import StopChecker
+
+_STATUS_OF_REASON = {
+    FinishReason.STOP: SequenceStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: SequenceStatus.FINISHED_LENGTH,
+    FinishReason.ABORT: SequenceStatus.FINISHED_ABORTED,
+}
+_REASON_OF_STATUS = {
+    SequenceStatus.FINISHED_STOPPED: FinishReason.STOP,
+    SequenceStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    SequenceStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+@dataclass(frozen=True)
+class ReasoningConfig:
+    """How a reasoning model marks its thinking (from `cleave_config.json`)."""
+
+    start_tag: str = "<think>"
+    end_tag: str = "</think>"
+    starts_in_reasoning: bool = False
+
+
+@dataclass
+class SampleState:
+    """Text-side state of one sample and what it produced since the last report."""
+
+    index: int
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    stop_checker: StopChecker
+    reasoning: ReasoningParser | None
+    include_reasoning: bool
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    cumulative_logprob: float | None = None
+    num_tokens: int = 0
+    # pending delta
+    text: list[str] = field(default_factory=list)
+    reasoning_text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    has_news: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def process_token(self, token_id: int, logprob: TokenLogprob | None = None) -> SequenceStatus | None:
+        """Run one generated token through stop checks, detokenizer and reasoning parser.
+
+        Returns the FINISHED_* status the sequence should take, or None to continue.
+        """
+        self.num_tokens += 1
+        self.token_ids.append(token_id)
+        self.has_news = True
+        if logprob is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.append(logprob)
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprob.logprob
+        update = self.stop_checker.process(token_id, self.detokenizer)
+        self._add_text(update.text)
+        if update.finish_reason is None:
+            return None
+        self._finish(update.finish_reason, update.stop_reason)
+        return _STATUS_OF_REASON[update.finish_reason]
+
+    def end(self, status: SequenceStatus) -> None:
+        """The scheduler ended the sequence (context full, abort): flush and record why."""
+        if self.finished:
+            return
+        if status is not SequenceStatus.FINISHED_ABORTED:
+            self._add_text(self.stop_checker.append_text(self.detokenizer.finish(), final=True).text)
+        self._finish(_REASON_OF_STATUS.get(status, FinishReason.ERROR), None)
+
+    def _add_text(self, text: str) -> None:
+        if self.reasoning is None:
+            if text:
+                self.text.append(text)
+            return
+        delta = self.reasoning.feed(text)
+        if delta.content:
+            self.text.append(delta.content)
+        if delta.reasoning and self.include_reasoning:
+            self.reasoning_text.append(delta.reasoning)
+
+    def _finish(self, reason: FinishReason, stop_reason: str | int | None) -> None:
+        if self.reasoning is not None:
+            delta = self.reasoning.finish()
+            if delta.content:
+                self.text.append(delta.content)
+            if delta.reasoning and self.include_reasoning:
+                self.reasoning_text.append(delta.reasoning)
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.has_news = True
+
+    def take_delta(self) -> CompletionOutput:
+        """What this sample produced since the previous call (running counts are totals)."""
+        output = CompletionOutput(
+            index=self.index,
+            text="".join(self.text),
+            token_ids=self.token_ids,
+            reasoning_text="".join(self.reasoning_text),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=self.logprobs,
+            cumulative_logprob=self.cumulative_logprob,
+            num_tokens=self.num_tokens,
+            num_reasoning_tokens=self.num_reasoning_tokens,
+        )
+        self.text, self.reasoning_text, self.token_ids = [], [], []
+        self.logprobs = [] if self.logprobs is not None else None
+        self.has_news = False
+        return output
+
+    @property
+    def num_reasoning_tokens(self) -> int:
+        return 0 if self.reasoning is None else self.reasoning.num_reasoning_tokens
+
+
+@dataclass
+class RequestState:
+    """One request inside the engine: its prompt, parameters and samples."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[SampleState]
+    prefill_only: bool = False
+    prefill_done: bool = False  # a prefill-only request sampled its first token
+    reported_prompt: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(sample.finished for sample in self.samples)
+
+    @property
+    def has_news(self) -> bool:
+        return any(sample.has_news for sample in self.samples)
+
+    def usage(self) -> Usage:
+        leader = self.samples[0].seq
+        return Usage(
+            prompt_tokens=len(self.prompt_token_ids),
+            completion_tokens=sum(sample.num_tokens for sample in self.samples),
+            reasoning_tokens=sum(sample.num_reasoning_tokens for sample in self.samples),
+            cached_prompt_tokens=min(leader.num_cached_tokens, len(self.prompt_token_ids)),
+        )
+
+    def take_output(self) -> RequestOutput:
+        """A delta RequestOutput of every sample with news (the prompt on the first one)."""
+        outputs = [sample.take_delta() for sample in self.samples if sample.has_news]
+        prompt = [] if self.reported_prompt else self.prompt_token_ids
+        self.reported_prompt = True
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=prompt,
+            outputs=outputs,
+            finished=self.finished,
+            usage=self.usage(),
+            delta=True,
+        )
+
+
+class OutputAccumulator:
+    """Folds delta `RequestOutput`s of one request into a complete (non-delta) one."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = []
+        self._samples: dict[int, CompletionOutput] = {}
+        self._text: dict[int, list[str]] = {}
+        self._reasoning: dict[int, list[str]] = {}
+        self.finished = False
+        self.usage = Usage()
+
+    def add(self, delta: RequestOutput) -> None:
+        if delta.prompt_token_ids:
+            self.prompt_token_ids = list(delta.prompt_token_ids)
+        self.finished = delta.finished
+        self.usage = delta.usage
+        for piece in delta.outputs:
+            sample = self._samples.get(piece.index)
+            if sample is None:
+                sample = self._samples[piece.index] = CompletionOutput(index=piece.index)
+                self._text[piece.index], self._reasoning[piece.index] = [], []
+            self._text[piece.index].append(piece.text)
+            self._reasoning[piece.index].append(piece.reasoning_text)
+            sample.token_ids.extend(piece.token_ids)
+            if piece.logprobs is not None:
+                sample.logprobs = (sample.logprobs or []) + list(piece.logprobs)
+            sample.finish_reason = piece.finish_reason
+            sample.stop_reason = piece.stop_reason
+            sample.cumulative_logprob = piece.cumulative_logprob
+            sample.num_tokens = piece.num_tokens
+            sample.num_reasoning_tokens = piece.num_reasoning_tokens
+
+    def result(self) -> RequestOutput:
+        outputs = []
+        for index in sorted(self._samples):
+            sample = self._samples[index]
+            sample.text = "".join(self._text[index])
+            sample.reasoning_text = "".join(self._reasoning[index])
+            outputs.append(sample)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=self.finished,
+            usage=self.usage,
+            delta=False,
+        )
+
