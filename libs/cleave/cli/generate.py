@@ -1,0 +1,71 @@
+"""`cleave generate [--model DIR] PROMPT`: generate in-process and print the samples.
+
+Without `--model` it uses the reasoning model shipped in `cleave/assets/reasoner`. With
+`--json` every sample is one JSON line: text, token_ids (generated only), reasoning,
+finish_reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def run(args: argparse.Namespace) -> int:
+    # torch and the engine load here, not at import: every `cleave` command imports this module
+    from cleave.engine.llm import LLM, default_model_path
+    from cleave.engine.sampling_params import SamplingParams
+    from cleave.errors import CleaveError
+
+    model = args.model or default_model_path()
+    if model is None:
+        print("no --model given and no shipped model in cleave/assets/reasoner", file=sys.stderr)
+        return 2
+    engine_kwargs = {"seed": args.seed, "device": args.device, "dtype": args.dtype, "max_model_len": args.max_model_len}
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, n=args.n
+    )
+    try:
+        llm = LLM(model, **engine_kwargs)
+        (output,) = llm.generate(args.prompt, params, raw=args.raw)
+    except CleaveError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    for sample in output.outputs:
+        finish_reason = sample.finish_reason.value if sample.finish_reason is not None else None
+        if args.json:
+            record = {
+                "index": sample.index,
+                "text": sample.text,
+                "token_ids": sample.token_ids,
+                "reasoning": sample.reasoning_text,
+                "finish_reason": finish_reason,
+            }
+            print(json.dumps(record, ensure_ascii=False))
+            continue
+        if len(output.outputs) > 1:
+            print(f"--- sample {sample.index} ({finish_reason})")
+        if sample.reasoning_text:
+            print(f"[reasoning] {sample.reasoning_text.strip()}")
+        print(sample.text)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "generate", help="generate text in-process with the engine", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("prompt", help="prompt text (the chat template is applied unless --raw)")
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the shipped reasoner)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens to generate per sample (default 256)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    parser.add_argument("--n", type=int, default=1, help="samples of the prompt (default 1)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per sample")
+    parser.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16 (default auto)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context length cap")
+    parser.set_defaults(handler=run)

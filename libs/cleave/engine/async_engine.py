@@ -1,0 +1,229 @@
+"""`AsyncEngine`: an `LLMEngine` stepping on its own thread, streamed to asyncio callers.
+
+    engine = AsyncEngine(LLMEngine(config))      # starts the step thread
+    async for output in engine.submit("req-1", prompt, params):
+        ...                                      # delta RequestOutputs; the last is finished
+    await engine.shutdown()
+
+The engine is not thread-safe, so it is touched only by the step thread: `submit` and
+`abort` post commands that the thread applies between steps, and the thread hands each
+step's outputs back to the event loop in one `call_soon_threadsafe`. Tokenization and
+validation run in the caller (`prepare_request` has no side effects), so a bad request
+raises InvalidArgument from the first iteration of `submit` before anything is queued.
+Torch releases the GIL in the forward, so the event loop stays responsive while a step
+runs. Leaving an iteration early (break, cancellation, `aclose`) aborts the request and
+frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from cleave.engine.llm_engine import LLMEngine, Prompt
+from cleave.engine.outputs import RequestOutput
+from cleave.engine.sampling_params import SamplingParams
+from cleave.errors import InvalidArgument, Unavailable
+
+T = TypeVar("T")
+
+_STOP = object()
+
+
+class AsyncEngine:
+    """Runs `engine.step()` in a background thread and streams outputs per request.
+
+    Args:
+        engine: the engine to drive; only the step thread touches it after this.
+        idle_wait_s: how long the thread sleeps when idle before re-checking (it is woken
+            at once by new commands).
+    """
+
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.5) -> None:
+        self.engine = engine
+        self._idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()  # guards _streams between the loop and the thread
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="cleave-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side ----------------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._closed
+
+    async def submit(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        *,
+        raw: bool = False,
+        prefill_only: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its delta outputs until the finished one."""
+        self._check_open()
+        state = self.engine.prepare_request(request_id, prompt, params, priority, raw=raw, prefill_only=prefill_only)
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise InvalidArgument(f"{request_id!r} is already running; use a unique id", field="request_id")
+            self._streams[request_id] = (loop, outputs)
+        self._post(("add", state))
+        finished = False
+        try:
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished and not self._closed:
+                self._post(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its stream ends with an ABORT output); unknown ids are ignored."""
+        self._post(("abort", request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the step thread between steps and return its result (e.g.
+        reading a prefilled request's block table, reserving blocks for incoming KV)."""
+        self._check_open()
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._post(("call", fn, future))
+        return await future
+
+    async def shutdown(self) -> None:
+        """Stop the step thread; open streams end with Unavailable."""
+        if self._closed:
+            return
+        self._closed = True
+        self._post(_STOP)
+        await asyncio.to_thread(self._thread.join)
+
+    async def __aenter__(self) -> "AsyncEngine":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Unavailable("the engine is shut down")
+        if self._error is not None:
+            raise Unavailable(f"the engine failed: {self._error!r}")
+
+    def _post(self, command: Any) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # ---- step thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._apply_commands():
+                if self.engine.has_unfinished():
+                    self._deliver(self.engine.step())
+                else:
+                    self._wake.wait(self._idle_wait_s)
+                    self._wake.clear()
+        except BaseException as error:  # the engine's state is unknown now: fail every stream
+            self._error = error
+            self._fail_all(Unavailable(f"the engine failed: {error!r}"))
+            return
+        self._fail_all(Unavailable("the engine shut down"))
+
+    def _apply_commands(self) -> bool:
+        """Apply queued commands; False once shutdown was requested."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            if command is _STOP:
+                return False
+            kind = command[0]
+            if kind == "add":
+                state = command[1]
+                try:
+                    self.engine.enqueue(state)
+                except Exception as error:  # e.g. a duplicate id: fail that stream only
+                    self._deliver_to(state.request_id, error)
+            elif kind == "abort":
+                self.engine.abort(command[1])
+            elif kind == "call":
+                _, fn, future = command
+                try:
+                    result, error = fn(self.engine), None
+                except Exception as exc:
+                    result, error = None, exc
+                future.get_loop().call_soon_threadsafe(_settle, future, result, error)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        with self._lock:
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream[0], []).append((stream[1], output))
+        for loop, items in by_loop.items():
+            _call_soon(loop, _put_all, items)
+
+    def _deliver_to(self, request_id: str, item: Any) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            _call_soon(stream[0], _put_all, [(stream[1], item)])
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            streams = list(self._streams.items())
+        for request_id, _ in streams:
+            self._deliver_to(request_id, error)
+        while True:  # settle pending calls so no awaiter hangs
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command is not _STOP and command[0] == "call":
+                future = command[2]
+                _call_soon(future.get_loop(), _settle, future, None, error)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+        pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for outputs, item in items:
+        outputs.put_nowait(item)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
