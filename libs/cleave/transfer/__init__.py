@@ -1,1 +1,35 @@
-"""cleave.transfer"""
+"""cleave.transfer: KV blocks between workers over one interface and three transports.
+
+Receiver (decode worker): `KVReceiver(kv_cache)`, `await start()`, `expect(transfer_id,
+block_ids, timeout_s=...)` -> `PendingTransfer` (`.handle` for the sender, `await .wait()`).
+Sender (prefill worker): `KVTransferClient().open(handle)` -> `KVSender` with
+`send_layer(layer, cache, block_ids)` / `send_all` / `finish`. `choose_transport` picks
+CUDA_IPC, NCCL or TCP from the two `EndpointInfo`s. `KVStoreClient` talks to services/kvstore.
+"""
+
+from cleave.transfer.block_copy import copy_blocks, copy_blocks_reference
+from cleave.transfer.choose import EndpointInfo, choose_transport, local_endpoint
+from cleave.transfer.cuda_ipc import IpcCacheMap, IpcTensorHandle, export_tensor, import_tensor
+from cleave.transfer.layout import check_layout, layout_mismatch, layout_of, require_same_layout
+from cleave.transfer.receiver import KVReceiver, PendingTransfer
+from cleave.transfer.sender import KVSender, KVTransferClient
+
+__all__ = [
+    "EndpointInfo",
+    "IpcCacheMap",
+    "IpcTensorHandle",
+    "KVReceiver",
+    "KVSender",
+    "KVTransferClient",
+    "PendingTransfer",
+    "check_layout",
+    "choose_transport",
+    "copy_blocks",
+    "copy_blocks_reference",
+    "export_tensor",
+    "import_tensor",
+    "layout_mismatch",
+    "layout_of",
+    "local_endpoint",
+    "require_same_layout",
+]

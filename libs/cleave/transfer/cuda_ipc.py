@@ -1,0 +1,181 @@
+"""CUDA IPC handles of a KV cache as plain bytes, and the sender's mapping of them.
+
+The receiver exports its cache once (`export_tensor(...).to_bytes()` travels in
+`TransferHandle.cuda_ipc_handle`); the sender opens it once per handle (`IpcCacheMap`) and
+copies blocks straight into it (`cleave.transfer.block_copy`). The fields are those torch's
+own `reduce_tensor` produces for a CUDA tensor (`UntypedStorage._share_cuda_()`); we encode
+them ourselves instead of pickling the rebuild call.
+
+Encoding (version 1), all integers little-endian:
+    b"CLVIPC1\\0"
+    str gpu_uuid, u32 device (exporter's index), bytes handle, u64 storage_size_bytes,
+    u64 storage_offset_bytes, bytes ref_counter_handle, u64 ref_counter_offset,
+    bytes event_handle, u8 event_sync_required, str dtype, u64 tensor_offset (elements),
+    u8 ndim, ndim x i64 shape, ndim x i64 stride
+where `bytes`/`str` are u32 length || data.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from cleave.errors import FailedPrecondition, InvalidArgument
+from cleave.transfer.tensors import dtype_name, torch_dtype
+
+MAGIC = b"CLVIPC1\0"
+
+
+@dataclass(frozen=True)
+class IpcTensorHandle:
+    """Everything another process needs to map a CUDA tensor of this one."""
+
+    gpu_uuid: str
+    device: int
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    dtype: str
+    tensor_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    def to_bytes(self) -> bytes:
+        parts = [MAGIC]
+
+        def blob(data: bytes) -> None:
+            parts.append(struct.pack("<I", len(data)))
+            parts.append(data)
+
+        blob(self.gpu_uuid.encode())
+        parts.append(struct.pack("<I", self.device))
+        blob(self.handle)
+        parts.append(struct.pack("<QQ", self.storage_size_bytes, self.storage_offset_bytes))
+        blob(self.ref_counter_handle)
+        parts.append(struct.pack("<Q", self.ref_counter_offset))
+        blob(self.event_handle)
+        parts.append(struct.pack("<B", int(self.event_sync_required)))
+        blob(self.dtype.encode())
+        parts.append(struct.pack("<QB", self.tensor_offset, len(self.shape)))
+        parts.append(struct.pack(f"<{len(self.shape)}q", *self.shape))
+        parts.append(struct.pack(f"<{len(self.stride)}q", *self.stride))
+        return b"".join(parts)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> IpcTensorHandle:
+        reader = _Reader(data)
+        if reader.take(len(MAGIC)) != MAGIC:
+            raise InvalidArgument("not a cleave CUDA IPC handle (bad magic)", field="cuda_ipc_handle")
+        try:
+            gpu_uuid = reader.blob().decode()
+            (device,) = reader.unpack("<I")
+            handle = reader.blob()
+            storage_size, storage_offset = reader.unpack("<QQ")
+            ref_counter_handle = reader.blob()
+            (ref_counter_offset,) = reader.unpack("<Q")
+            event_handle = reader.blob()
+            (event_sync_required,) = reader.unpack("<B")
+            dtype = reader.blob().decode()
+            tensor_offset, ndim = reader.unpack("<QB")
+            shape = reader.unpack(f"<{ndim}q")
+            stride = reader.unpack(f"<{ndim}q")
+        except (struct.error, UnicodeDecodeError) as exc:
+            raise InvalidArgument(f"truncated CUDA IPC handle: {exc}", field="cuda_ipc_handle") from None
+        if reader.remaining:
+            raise InvalidArgument(f"{reader.remaining} trailing bytes in CUDA IPC handle", field="cuda_ipc_handle")
+        torch_dtype(dtype)
+        return cls(gpu_uuid, device, handle, storage_size, storage_offset, ref_counter_handle,
+                   ref_counter_offset, event_handle, bool(event_sync_required), dtype,
+                   tensor_offset, tuple(shape), tuple(stride))
+
+
+class _Reader:
+    def __init__(self, data: bytes) -> None:
+        self._data, self._position = memoryview(data), 0
+
+    @property
+    def remaining(self) -> int:
+        return len(self._data) - self._position
+
+    def take(self, size: int) -> bytes:
+        if size > self.remaining:
+            raise struct.error(f"needs {size} bytes, {self.remaining} left")
+        chunk = bytes(self._data[self._position : self._position + size])
+        self._position += size
+        return chunk
+
+    def unpack(self, fmt: str) -> tuple:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))
+
+    def blob(self) -> bytes:
+        (size,) = self.unpack("<I")
+        return self.take(size)
+
+
+def gpu_uuid(device_index: int) -> str:
+    """UUID of a CUDA device as torch reports it (stable across CUDA_VISIBLE_DEVICES)."""
+    return str(torch.cuda.get_device_properties(device_index).uuid)
+
+
+def local_device_for(uuid: str) -> int:
+    """Index, in this process, of the GPU with `uuid`."""
+    for index in range(torch.cuda.device_count()):
+        if gpu_uuid(index) == uuid:
+            return index
+    raise FailedPrecondition(
+        f"GPU {uuid} is not visible to this process; CUDA IPC needs both ends on one GPU "
+        "(use the NCCL or TCP transport)")
+
+
+def export_tensor(tensor: torch.Tensor) -> IpcTensorHandle:
+    """Share a CUDA tensor's allocation; keep `tensor` alive while peers use the handle."""
+    if not tensor.is_cuda:
+        raise InvalidArgument("only CUDA tensors can be shared through CUDA IPC")
+    storage = tensor.untyped_storage()
+    (device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = storage._share_cuda_()
+    return IpcTensorHandle(
+        gpu_uuid=gpu_uuid(tensor.device.index), device=int(device), handle=bytes(handle),
+        storage_size_bytes=int(size), storage_offset_bytes=int(offset),
+        ref_counter_handle=bytes(ref_handle), ref_counter_offset=int(ref_offset),
+        event_handle=bytes(event_handle or b""), event_sync_required=bool(event_sync),
+        dtype=dtype_name(tensor.dtype), tensor_offset=tensor.storage_offset(),
+        shape=tuple(tensor.shape), stride=tuple(tensor.stride()),
+    )
+
+
+def import_tensor(handle: IpcTensorHandle) -> torch.Tensor:
+    """Map a tensor exported by another process on the same GPU (a view of its memory)."""
+    device = local_device_for(handle.gpu_uuid)
+    torch.cuda._lazy_init()
+    storage = torch.UntypedStorage._new_shared_cuda(
+        device, handle.handle, handle.storage_size_bytes, handle.storage_offset_bytes,
+        handle.ref_counter_handle, handle.ref_counter_offset,
+        handle.event_handle or None, handle.event_sync_required,
+    )
+    tensor = torch.empty(0, dtype=torch_dtype(handle.dtype), device=f"cuda:{device}")
+    return tensor.set_(storage, handle.tensor_offset, handle.shape, handle.stride)
+
+
+class IpcCacheMap:
+    """A sender's opened peer caches, by handle bytes: each handle is opened once."""
+
+    def __init__(self) -> None:
+        self._tensors: dict[bytes, torch.Tensor] = {}
+
+    def open(self, handle_bytes: bytes) -> torch.Tensor:
+        tensor = self._tensors.get(handle_bytes)
+        if tensor is None:
+            tensor = self._tensors[handle_bytes] = import_tensor(IpcTensorHandle.from_bytes(handle_bytes))
+        return tensor
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def clear(self) -> None:
+        self._tensors.clear()

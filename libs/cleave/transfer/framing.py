@@ -1,0 +1,74 @@
+"""Frames of the bulk KV control/data socket.
+
+Sender -> receiver, one frame per chunk:
+    u32 big-endian N || N bytes of `cleave.v1.KVChunkHeader` || header.byte_length raw bytes
+    (TCP transport: the gathered `[2, n, BS, Hkv, D]` tensor; CUDA_IPC and NCCL transports:
+    byte_length is 0, the data went through device memory or NCCL).
+Receiver -> sender, one frame per finished or failed transfer:
+    u32 big-endian N || N bytes of `cleave.v1.ErrorDetail`; `request_id` is the transfer id,
+    `code` is ERROR_CODE_UNSPECIFIED when every layer arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+from google.protobuf.message import DecodeError
+
+from cleave.errors import InvalidArgument
+from cleave.proto.cleave.v1 import common_pb2
+
+MAX_FRAME_BYTES = 1 << 20  # headers hold block ids: 1 MiB is >200k blocks
+READ_SLICE_BYTES = 4 << 20
+_LENGTH = struct.Struct(">I")
+
+
+def encode_frame(message) -> bytes:
+    """Length-prefixed serialized protobuf."""
+    body = message.SerializeToString()
+    if len(body) > MAX_FRAME_BYTES:
+        raise InvalidArgument(f"frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
+    return _LENGTH.pack(len(body)) + body
+
+
+async def _read_message(reader: asyncio.StreamReader, message_type):
+    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    if length > MAX_FRAME_BYTES:
+        raise InvalidArgument(f"frame length {length} exceeds {MAX_FRAME_BYTES}; corrupt stream?")
+    body = await reader.readexactly(length)
+    try:
+        return message_type.FromString(body)
+    except DecodeError as exc:
+        raise InvalidArgument(f"corrupt {message_type.DESCRIPTOR.name}: {exc}") from None
+
+
+async def read_header(reader: asyncio.StreamReader) -> common_pb2.KVChunkHeader:
+    """The next chunk header (raises asyncio.IncompleteReadError at end of stream)."""
+    return await _read_message(reader, common_pb2.KVChunkHeader)
+
+
+async def read_reply(reader: asyncio.StreamReader) -> common_pb2.ErrorDetail:
+    """The next per-transfer result frame."""
+    return await _read_message(reader, common_pb2.ErrorDetail)
+
+
+async def read_payload(reader: asyncio.StreamReader, into: memoryview) -> None:
+    """Fill `into` (a writable byte view) with exactly len(into) bytes from the stream."""
+    position, total = 0, len(into)
+    while position < total:
+        data = await reader.read(min(total - position, READ_SLICE_BYTES))
+        if not data:
+            raise asyncio.IncompleteReadError(bytes(into[:position]), total)
+        into[position : position + len(data)] = data
+        position += len(data)
+
+
+async def skip_payload(reader: asyncio.StreamReader, num_bytes: int) -> None:
+    """Read and drop num_bytes (the payload of a refused chunk)."""
+    remaining = num_bytes
+    while remaining > 0:
+        data = await reader.read(min(remaining, READ_SLICE_BYTES))
+        if not data:
+            raise asyncio.IncompleteReadError(b"", num_bytes)
+        remaining -= len(data)

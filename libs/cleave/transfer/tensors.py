@@ -1,0 +1,80 @@
+"""KV cache blocks as flat bytes: gather a layer's blocks, scatter them back, dtype names.
+
+The paged KV cache is `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`
+(`cleave.kv.metadata`). A transfer moves, per layer, the K and V of a list of blocks: the
+sender gathers them into one contiguous `[2, n, block_size, num_kv_heads, head_dim]` tensor,
+the wire carries its raw little-endian bytes, the receiver scatters them into its own block
+ids. Nothing here is pickled; bytes are reinterpreted through `uint8` views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from cleave.errors import InvalidArgument
+
+KV_CACHE_DIMS = 6  # [L, 2, NB, BS, Hkv, D]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` -> "bfloat16" (the names `cleave.rpc.convert` maps to the wire)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """"bfloat16" -> `torch.bfloat16`."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidArgument(f"unknown dtype {name!r}")
+    return dtype
+
+
+def check_kv_cache(cache: torch.Tensor) -> None:
+    """Raise unless `cache` is a contiguous `[L, 2, NB, BS, Hkv, D]` KV cache."""
+    if cache.dim() != KV_CACHE_DIMS or cache.shape[1] != 2:
+        raise InvalidArgument(
+            f"KV cache must be [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {list(cache.shape)}"
+        )
+    if not cache.is_contiguous():
+        raise InvalidArgument("KV cache must be contiguous")
+
+
+def layer_chunk_shape(cache: torch.Tensor, num_blocks: int) -> tuple[int, ...]:
+    """Shape of one layer's gathered blocks: `[2, num_blocks, BS, Hkv, D]`."""
+    return (2, num_blocks, *cache.shape[3:])
+
+
+def block_index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Block ids as an int64 index tensor on `device`."""
+    return torch.tensor(list(block_ids), dtype=torch.int64, device=device)
+
+
+def gather_layer(cache: torch.Tensor, layer: int, index: torch.Tensor) -> torch.Tensor:
+    """K and V of blocks `index` of one layer as one contiguous tensor.
+
+    cache: [L, 2, NB, BS, Hkv, D]; index: [n] int64 -> [2, n, BS, Hkv, D]
+    """
+    return cache[layer].index_select(1, index)
+
+
+def scatter_layer(cache: torch.Tensor, layer: int, index: torch.Tensor, chunk: torch.Tensor) -> None:
+    """Write a gathered chunk into blocks `index` of one layer, in place.
+
+    cache: [L, 2, NB, BS, Hkv, D]; index: [n]; chunk: [2, n, BS, Hkv, D]
+    """
+    cache[layer].index_copy_(1, index, chunk)
+
+
+def as_bytes(tensor: torch.Tensor) -> memoryview:
+    """Zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("as_bytes needs a contiguous CPU tensor")
+    return memoryview(tensor.view(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def from_bytes(buffer: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """Reinterpret a flat uint8 tensor as `dtype` with `shape` (no copy)."""
+    return buffer.view(dtype).view(tuple(shape))

@@ -1,0 +1,190 @@
+"""TCP transport over real loopback sockets: exact bytes land in the reserved blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import struct
+
+import pytest
+import torch
+
+from cleave.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from cleave.proto.cleave.v1 import common_pb2
+from cleave.rpc.types import KVLayout
+from cleave.transfer import KVReceiver, KVTransferClient
+from cleave.transfer import framing
+
+L, BS, H, D = 3, 4, 2, 8
+
+
+def cache(num_blocks: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(L, 2, num_blocks, BS, H, D, generator=generator).to(dtype)
+
+
+@pytest.fixture
+async def receiver():
+    receiver = KVReceiver(torch.zeros(L, 2, 16, BS, H, D, dtype=torch.bfloat16))
+    await receiver.start()
+    yield receiver
+    await receiver.close()
+
+
+@pytest.fixture
+async def client():
+    client = KVTransferClient()
+    yield client
+    await client.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+async def test_send_all_scatters_exact_bytes(dtype, client):
+    receiver = KVReceiver(torch.zeros(L, 2, 16, BS, H, D, dtype=dtype))
+    await receiver.start()
+    src = cache(10, dtype, seed=1)
+    src_ids, dst_ids = [7, 2, 9, 0], [3, 11, 5, 14]
+    pending = receiver.expect("t1", dst_ids, timeout_s=10)
+    sender = await client.open(pending.handle)
+    stats = await sender.send_all(src, src_ids)
+    received = await pending.wait()
+    dst = receiver.kv_cache
+    # bitwise equal, compared as integers so bf16 NaN/rounding cannot hide a difference
+    assert torch.equal(dst[:, :, dst_ids].view(torch.int16), src[:, :, src_ids].view(torch.int16))
+    untouched = [b for b in range(16) if b not in dst_ids]
+    assert torch.count_nonzero(dst[:, :, untouched]) == 0
+    expected_bytes = L * 2 * len(src_ids) * BS * H * D * src.element_size()
+    assert (stats.num_bytes, received.num_bytes, received.num_blocks) == (expected_bytes, expected_bytes, 4)
+    await receiver.close()
+
+
+async def test_layer_by_layer_with_cached_prefix(receiver, client):
+    src = cache(8, torch.bfloat16, seed=2)
+    pending = receiver.expect("t2", [1, 4, 6, 8, 10], num_cached_blocks=2, timeout_s=10)
+    sender = await client.open(pending.handle)
+    for layer in (2, 0, 1):  # any order; the receiver completes when all layers are in
+        assert not pending.done
+        await sender.send_layer(layer, src, [0, 1, 5, 3, 7])
+        await asyncio.sleep(0)
+    await sender.finish(timeout_s=5)
+    stats = await pending.wait()
+    dst = receiver.kv_cache
+    assert torch.equal(dst[:, :, [6, 8, 10]], src[:, :, [5, 3, 7]])
+    assert torch.count_nonzero(dst[:, :, [1, 4]]) == 0  # cached blocks receive nothing
+    assert stats.num_blocks == 3
+
+
+async def test_concurrent_transfers(receiver, client):
+    sources = [cache(6, torch.bfloat16, seed=10 + i) for i in range(4)]
+    pendings = [receiver.expect(f"c{i}", [4 * i, 4 * i + 1, 4 * i + 3], timeout_s=10) for i in range(4)]
+    senders = [await client.open(p.handle) for p in pendings]
+    await asyncio.gather(*(s.send_all(src, [5, 0, 2]) for s, src in zip(senders, sources)))
+    await asyncio.gather(*(p.wait() for p in pendings))
+    for i, src in enumerate(sources):
+        assert torch.equal(receiver.kv_cache[:, :, [4 * i, 4 * i + 1, 4 * i + 3]], src[:, :, [5, 0, 2]])
+
+
+async def test_timeout_raises_and_late_chunks_are_refused(receiver, client):
+    src = cache(4, torch.bfloat16, seed=3)
+    pending = receiver.expect("slow", [2, 3], timeout_s=0.2)
+    sender = await client.open(pending.handle)
+    await sender.send_layer(0, src, [0, 1])  # never sends layers 1 and 2
+    with pytest.raises(DeadlineExceeded, match="2 of 3 layers missing"):
+        await pending.wait()
+    with pytest.raises(DeadlineExceeded):  # the sender hears the verdict too
+        await sender.send_layer(1, src, [0, 1])
+    # a fresh sender for the expired id is told it is unknown
+    late_client = KVTransferClient()
+    late = await late_client.open(dataclasses.replace(pending.handle, deadline_unix_s=None))
+    await late.send_layer(0, src, [0, 1])
+    await late.send_layer(1, src, [0, 1])
+    await late.send_layer(2, src, [0, 1])
+    with pytest.raises(NotFound, match="unknown transfer id 'slow'"):
+        await late.finish(timeout_s=5)
+    await late_client.close()
+    # the connection still serves other transfers
+    ok = receiver.expect("after", [5], timeout_s=10)
+    await (await client.open(ok.handle)).send_all(src, [3])
+    await ok.wait()
+
+
+async def test_mismatched_layout_is_refused_by_receiver(receiver, client):
+    pending = receiver.expect("wrong", [0, 1], timeout_s=10)
+    sender = await client.open(pending.handle)
+    with pytest.raises(InvalidArgument, match="dtype DTYPE_FLOAT32 differs"):
+        await sender.send_all(cache(4, torch.float32, seed=4), [0, 1], timeout_s=5)
+    with pytest.raises(InvalidArgument):
+        await pending.wait()
+    narrow = torch.zeros(L, 2, 4, BS, H, D // 2, dtype=torch.bfloat16)
+    pending = receiver.expect("narrow", [0, 1], timeout_s=10)
+    with pytest.raises(InvalidArgument, match="shape"):
+        await (await client.open(pending.handle)).send_all(narrow, [0, 1], timeout_s=5)
+
+
+async def test_sender_refuses_handle_layout_mismatch(client):
+    layout = KVLayout("m", "bfloat16", BS, L, H, D)
+    receiver = KVReceiver(torch.zeros(L, 2, 4, BS, H, D, dtype=torch.bfloat16), layout=layout)
+    await receiver.start()
+    pending = receiver.expect("t", [0], timeout_s=10)
+    sender = await client.open(pending.handle)
+    wrong = torch.zeros(L, 2, 4, BS, H + 1, D, dtype=torch.bfloat16)
+    with pytest.raises(FailedPrecondition, match="num_kv_heads"):
+        await sender.send_layer(0, wrong, [0])
+    await receiver.close()
+
+
+async def _raw_exchange(address: str, frames: list[bytes]) -> common_pb2.ErrorDetail:
+    host, _, port = address.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    for frame in frames:
+        writer.write(frame)
+    await writer.drain()
+    reply = await asyncio.wait_for(framing.read_reply(reader), 5)
+    writer.close()
+    return reply
+
+
+async def test_corrupt_and_unknown_headers_rejected(receiver):
+    garbage = struct.pack(">I", 6) + b"\xff\xff\xff\xff\xff\xff"
+    reply = await _raw_exchange(receiver.address, [garbage])
+    assert reply.code == common_pb2.ERROR_CODE_INVALID_ARGUMENT and "corrupt KVChunkHeader" in reply.message
+    oversized = struct.pack(">I", framing.MAX_FRAME_BYTES + 1)
+    reply = await _raw_exchange(receiver.address, [oversized])
+    assert "exceeds" in reply.message
+    header = common_pb2.KVChunkHeader(transfer_id="nope", layer_index=0, block_ids=[0], byte_length=3)
+    reply = await _raw_exchange(receiver.address, [framing.encode_frame(header) + b"abc"])
+    assert (reply.code, reply.request_id) == (common_pb2.ERROR_CODE_NOT_FOUND, "nope")
+
+
+async def test_wrong_block_ids_and_duplicate_layer_fail_the_transfer(receiver):
+    pending = receiver.expect("ids", [1, 2], timeout_s=10)
+    shape = [2, 2, BS, H, D]
+    nbytes = 2 * 2 * BS * H * D * 2
+    header = common_pb2.KVChunkHeader(transfer_id="ids", layer_index=0, block_ids=[2, 1],
+                                      dtype=common_pb2.DTYPE_BFLOAT16, shape=shape, byte_length=nbytes)
+    reply = await _raw_exchange(receiver.address, [framing.encode_frame(header) + bytes(nbytes)])
+    assert "block ids differ" in reply.message
+    with pytest.raises(InvalidArgument, match="block_ids"):
+        await pending.wait()
+    pending = receiver.expect("dup", [1, 2], timeout_s=10)
+    header = common_pb2.KVChunkHeader(transfer_id="dup", layer_index=1, block_ids=[1, 2],
+                                      dtype=common_pb2.DTYPE_BFLOAT16, shape=shape, byte_length=nbytes)
+    frame = framing.encode_frame(header) + bytes(nbytes)
+    reply = await _raw_exchange(receiver.address, [frame, frame])
+    assert "layer 1 arrived twice" in reply.message
+
+
+def test_expect_validates_block_ids():
+    async def run():
+        receiver = KVReceiver(torch.zeros(L, 2, 4, BS, H, D))
+        await receiver.start()
+        try:
+            with pytest.raises(InvalidArgument, match="block id 4 outside"):
+                receiver.expect("x", [0, 4])
+            receiver.expect("x", [0])
+            with pytest.raises(InvalidArgument, match="already registered"):
+                receiver.expect("x", [1])
+        finally:
+            await receiver.close()
+
+    asyncio.run(run())
