@@ -291,9 +291,10 @@ class LLMEngine:
             sample = self._samples.get(seq.seq_id)
             if sample is None:
                 continue
-            if seq.is_finished:
+            state = self._requests[seq.request_id]
+            if seq.is_finished and not state.prefill_done:
                 sample.end(seq.status)  # no-op unless the scheduler ended it (context full)
-            touched[seq.request_id] = self._requests[seq.request_id]
+            touched[seq.request_id] = state
         outputs = self._collect(touched.values())
         stats.postprocess_s = time.perf_counter() - ran
         self.last_stats = stats
