@@ -1,0 +1,112 @@
+"""AsyncEngine: concurrent streams reassemble to the offline result; cancelling frees KV."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from cleave.engine.async_engine import AsyncEngine
+from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from cleave.engine.llm_engine import LLMEngine
+from cleave.engine.outputs import FinishReason
+from cleave.engine.request import OutputAccumulator
+from cleave.engine.sampling_params import SamplingParams
+from cleave.errors import InvalidArgument
+from cleave.testing.tiny_models import write_tiny_checkpoint
+
+PROMPTS = ["Hello world", "What is the capital of France?", "Please write a short poem about the sea.", "1 2 3"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("async-tiny") / "qwen2", "qwen2", seed=3)
+
+
+def make_engine(path: Path) -> LLMEngine:
+    config = EngineConfig(
+        model=str(path), dtype="float32", device="cpu",
+        scheduler=SchedulerConfig(max_model_len=256, max_num_batched_tokens=64), cache=CacheConfig(block_size=8),
+    )
+    return LLMEngine(config)
+
+
+def offline(path: Path, params: list[SamplingParams]) -> dict[str, OutputAccumulator]:
+    engine = make_engine(path)
+    results: dict[str, OutputAccumulator] = {}
+    for index, (prompt, sampling) in enumerate(zip(PROMPTS, params)):
+        engine.add_request(f"r{index}", prompt, sampling)
+        results[f"r{index}"] = OutputAccumulator(f"r{index}")
+    while engine.has_unfinished():
+        for output in engine.step():
+            results[output.request_id].add(output)
+    return results
+
+
+async def test_concurrent_streams_match_offline(checkpoint):
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True, n=3),
+        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=1.0, top_p=0.8, seed=11, ignore_eos=True),
+    ]
+    expected = offline(checkpoint, params)
+
+    async def consume(engine: AsyncEngine, index: int) -> tuple[OutputAccumulator, int]:
+        accumulator, num_deltas = OutputAccumulator(f"r{index}"), 0
+        await asyncio.sleep(0.01 * index)  # arrive at different steps
+        async for output in engine.submit(f"r{index}", PROMPTS[index], params[index]):
+            assert output.delta
+            accumulator.add(output)
+            num_deltas += 1
+        return accumulator, num_deltas
+
+    async with AsyncEngine(make_engine(checkpoint)) as engine:
+        results = await asyncio.gather(*(consume(engine, i) for i in range(len(PROMPTS))))
+        assert await engine.call(lambda e: e.kv.num_free_blocks == e.kv.num_usable_blocks)
+
+    for index, (accumulator, num_deltas) in enumerate(results):
+        got, want = accumulator.result(), expected[f"r{index}"].result()
+        assert got.finished and num_deltas > 1
+        assert [(s.token_ids, s.text, s.finish_reason) for s in got.outputs] == [
+            (s.token_ids, s.text, s.finish_reason) for s in want.outputs
+        ]
+        assert all(s.finish_reason is FinishReason.LENGTH for s in got.outputs)
+
+
+async def test_cancelling_a_stream_aborts_and_frees_blocks(checkpoint):
+    async with AsyncEngine(make_engine(checkpoint)) as engine:
+        seen = asyncio.Event()
+
+        async def consume() -> None:
+            async for _ in engine.submit("long", PROMPTS[2], SamplingParams(max_tokens=200, ignore_eos=True)):
+                seen.set()
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(seen.wait(), timeout=30)
+        assert await engine.call(lambda e: e.num_requests) == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):  # the abort is applied between steps
+            if await engine.call(lambda e: e.num_requests == 0 and e.kv.num_free_blocks == e.kv.num_usable_blocks):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            pytest.fail("the cancelled request still holds KV blocks")
+
+
+async def test_bad_request_and_duplicate_id_raise(checkpoint):
+    async with AsyncEngine(make_engine(checkpoint)) as engine:
+        with pytest.raises(InvalidArgument) as error:
+            async for _ in engine.submit("bad", "hi", SamplingParams(top_p=0.0)):
+                pass
+        assert error.value.field == "top_p"
+        first = engine.submit("dup", "hi", SamplingParams(max_tokens=50, ignore_eos=True))
+        await first.__anext__()
+        with pytest.raises(InvalidArgument) as error:
+            async for _ in engine.submit("dup", "hi", SamplingParams(max_tokens=2)):
+                pass
+        assert error.value.field == "request_id"
+        await first.aclose()
