@@ -51,6 +51,7 @@ class StepStats:
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    sampling_prep_s: float = 0.0  # host part of sample_s: building SamplingTensors
     postprocess_s: float = 0.0  # detokenization, stop checks, outputs
     num_tokens: int = 0
     num_seqs: int = 0
@@ -60,6 +61,11 @@ class StepStats:
     @property
     def total_s(self) -> float:
         return self.schedule_s + self.prepare_s + self.forward_s + self.sample_s + self.postprocess_s
+
+    @property
+    def host_s(self) -> float:
+        """Host-only work of the step: scheduling, input and sampling preparation, postprocess."""
+        return self.schedule_s + self.prepare_s + self.sampling_prep_s + self.postprocess_s
 
 
 @dataclass
@@ -203,6 +209,7 @@ class ModelRunner:
         if batch.sample_rows is not None:
             logits = logits.index_select(0, batch.sample_rows)  # [R, V] -> [S, V]
         state = self._sampling_tensors(batch, logits_processors)
+        stats.sampling_prep_s = time.perf_counter() - forwarded
         sampled = self.sampler.sample(logits, state)
         token_ids = sampled.token_ids.tolist()
         logprobs = self._logprobs(batch, sampled, token_ids)

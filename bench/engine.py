@@ -1,0 +1,189 @@
+"""End-to-end engine benchmark: a Llama-3.2-1B-shaped random bf16 checkpoint on one GPU.
+
+Phase 1 (throughput): `--num-requests` requests of `--prompt-len` random token ids, each
+generating `--output-len` tokens (ignore_eos), submitted at once; reports output tokens/s
+and the mean step-time breakdown by batch size.
+Phase 2 (breakdown): `--breakdown-batch` requests at exactly that many running sequences,
+with the device synchronized after the forward so each phase's time is its own; reports
+scheduling, input preparation, forward (graph replay), sampling and detokenization per
+decode step, and the share of the step spent in host-only work.
+
+    python bench/engine.py --out bench/results/engine
+    python bench/engine.py --num-requests 32 --output-len 128     # a quick run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+COLUMNS = ["phase", "batch", "steps", "step_ms", "schedule_ms", "prepare_ms", "forward_ms", "sample_ms",
+           "sampling_prep_ms", "detokenize_ms", "host_pct", "graph_pct"]
+
+LLAMA_3_2_1B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=2048,
+    intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+    rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=True,
+    hidden_act="silu", dtype="bfloat16", bos_token_id=0, eos_token_id=1,
+)
+
+
+def write_checkpoint(directory: Path, device: str) -> Path:
+    """Random bf16 Llama-3.2-1B-shaped weights (HF names) with the tiny test tokenizer."""
+    import torch
+    from safetensors.torch import save_file
+
+    from cleave.testing.tiny_models import write_tiny_checkpoint
+
+    tiny = write_tiny_checkpoint(directory / "tiny", "llama")
+    model_dir = directory / "llama-1b"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / name, model_dir / name)
+    cfg = LLAMA_3_2_1B
+    hidden, inter, kv = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator, device=device) * 0.02).to(torch.bfloat16).cpu()
+
+    tensors = {"model.embed_tokens.weight": randn(cfg["vocab_size"], hidden),
+               "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    for i in range(cfg["num_hidden_layers"]):
+        prefix = f"model.layers.{i}."
+        tensors.update({
+            prefix + "self_attn.q_proj.weight": randn(hidden, hidden),
+            prefix + "self_attn.k_proj.weight": randn(kv, hidden),
+            prefix + "self_attn.v_proj.weight": randn(kv, hidden),
+            prefix + "self_attn.o_proj.weight": randn(hidden, hidden),
+            prefix + "mlp.gate_proj.weight": randn(inter, hidden),
+            prefix + "mlp.up_proj.weight": randn(inter, hidden),
+            prefix + "mlp.down_proj.weight": randn(hidden, inter),
+            prefix + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            prefix + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+        })
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    (model_dir / "config.json").write_text(json.dumps(cfg, indent=1))
+    return model_dir
+
+
+def make_engine(model_dir: Path, args: argparse.Namespace, max_num_seqs: int, sync_timing: bool):
+    from cleave.engine.llm import build_engine_config
+    from cleave.engine.llm_engine import LLMEngine
+
+    config = build_engine_config(
+        model_dir, device=args.device, dtype="bfloat16", max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        block_size=args.block_size, enforce_eager=args.enforce_eager,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    return LLMEngine(config, sync_timing=sync_timing)
+
+
+def run_requests(engine, num_requests: int, args: argparse.Namespace, seed: int):
+    """Submit every request, step to completion; returns (seconds, output tokens, per-step stats)."""
+    from cleave.engine.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
+    for index in range(num_requests):
+        prompt = [rng.randrange(3, 128000) for _ in range(args.prompt_len)]
+        engine.add_request(f"b{seed}-{index}", prompt, params)
+    steps, num_output = [], 0
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        outputs = engine.step()
+        num_output += sum(len(sample.token_ids) for output in outputs for sample in output.outputs)
+        steps.append(engine.last_stats)
+    return time.perf_counter() - start, num_output, steps
+
+
+def summarize(phase: str, label: str, steps: list) -> dict:
+    def ms(field: str) -> float:
+        return statistics.fmean(getattr(s, field) for s in steps) * 1e3
+
+    step_ms = statistics.fmean(s.total_s for s in steps) * 1e3
+    host_ms = statistics.fmean(s.host_s for s in steps) * 1e3
+    return {
+        "phase": phase, "batch": label, "steps": len(steps), "step_ms": step_ms,
+        "schedule_ms": ms("schedule_s"), "prepare_ms": ms("prepare_s"), "forward_ms": ms("forward_s"),
+        "sample_ms": ms("sample_s"), "sampling_prep_ms": ms("sampling_prep_s"), "detokenize_ms": ms("postprocess_s"),
+        "host_pct": 100.0 * host_ms / step_ms, "graph_pct": 100.0 * sum(s.used_graph for s in steps) / len(steps),
+    }
+
+
+def decode_steps(steps: list, lo: int, hi: int) -> list:
+    return [s for s in steps if s.num_tokens == s.num_seqs and lo <= s.num_seqs <= hi]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=1024)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: prompt + output length")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--breakdown-batch", type=int, default=64, help="0 skips phase 2")
+    parser.add_argument("--breakdown-output-len", type=int, default=256)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default=None, help="directory for engine.json / engine.md")
+    args = parser.parse_args(argv)
+    if args.max_model_len is None:
+        args.max_model_len = args.prompt_len + max(args.output_len, args.breakdown_output_len)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from common import format_table, write_results
+
+    rows, summary = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        model_dir = write_checkpoint(Path(tmp), args.device)
+        engine = make_engine(model_dir, args, args.max_num_seqs, sync_timing=False)
+        summary["startup_s"] = round(time.perf_counter() - start, 1)
+        summary["kv_blocks"] = engine.runner.num_blocks
+        seconds, num_output, steps = run_requests(engine, args.num_requests, args, seed=0)
+        summary.update(requests=args.num_requests, prompt_len=args.prompt_len, output_len=args.output_len,
+                       seconds=round(seconds, 2), output_tokens_per_s=round(num_output / seconds, 1),
+                       steps=len(steps), preemptions=engine.scheduler.stats.num_preemptions)
+        rows.append(summarize("throughput", "all", steps))
+        for lo, hi in ((1, 32), (33, 96), (97, 192), (193, 4096)):
+            selected = decode_steps(steps, lo, hi)
+            if selected:
+                rows.append(summarize("throughput", f"decode {lo}-{hi}", selected))
+        del engine
+
+        if args.breakdown_batch:
+            args.output_len = args.breakdown_output_len
+            engine = make_engine(model_dir, args, args.breakdown_batch, sync_timing=True)
+            _, _, steps = run_requests(engine, args.breakdown_batch, args, seed=1)
+            selected = decode_steps(steps, args.breakdown_batch, args.breakdown_batch)
+            if selected:
+                row = summarize("breakdown (synced)", f"decode {args.breakdown_batch}", selected)
+                rows.append(row)
+                summary[f"host_pct_at_batch_{args.breakdown_batch}"] = round(row["host_pct"], 1)
+                summary[f"step_ms_at_batch_{args.breakdown_batch}"] = round(row["step_ms"], 3)
+
+    print(json.dumps(summary))
+    print(format_table(rows, COLUMNS))
+    if args.out:
+        write_results(args.out, "engine", rows, COLUMNS, summary=summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
