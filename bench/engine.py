@@ -123,6 +123,17 @@ def decode_steps(steps: list, lo: int, hi: int) -> list:
     return [s for s in steps if s.num_tokens == s.num_seqs and lo <= s.num_seqs <= hi]
 
 
+def free_device_memory() -> None:
+    """Return a dropped engine's KV cache and graph pools (reference cycles) to the device."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=256)
@@ -165,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
             selected = decode_steps(steps, lo, hi)
             if selected:
                 rows.append(summarize("throughput", f"decode {lo}-{hi}", selected))
+        print(json.dumps(summary))
+        print(format_table(rows, COLUMNS))
         del engine
+        free_device_memory()
 
         if args.breakdown_batch:
             args.output_len = args.breakdown_output_len
