@@ -10,8 +10,9 @@ from cleave.config import kvstore_config
 from cleave.logging import configure_logging
 from cleave.proto.cleave.v1 import kvstore_pb2, kvstore_pb2_grpc
 from cleave.rpc import ServiceRegistration, run_service
-from services.kvstore.backend import KVStoreBackend, UnwiredKVStoreBackend
+from services.kvstore.backend import KVStoreBackend
 from services.kvstore.servicer import KVStoreServicer
+from services.kvstore.store import BlockStore, StoreConfig
 
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
 
@@ -23,7 +24,9 @@ def registration(servicer: KVStoreServicer) -> ServiceRegistration:
 def main(argv: list[str] | None = None) -> int:
     config = kvstore_config(argv, os.environ)
     configure_logging(config.service.log_level, config.service.log_json)
-    backend: KVStoreBackend = UnwiredKVStoreBackend()
+    backend: KVStoreBackend = BlockStore(
+        StoreConfig(ram_bytes=config.ram_bytes, disk_path=config.disk_path, disk_bytes=config.disk_bytes)
+    )
     servicer = KVStoreServicer(backend)
     asyncio.run(run_service([registration(servicer)], config.service, backend))
     return 0

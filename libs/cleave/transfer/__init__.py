@@ -10,6 +10,13 @@ CUDA_IPC, NCCL or TCP from the two `EndpointInfo`s. `KVStoreClient` talks to ser
 from cleave.transfer.block_copy import copy_blocks, copy_blocks_reference
 from cleave.transfer.choose import EndpointInfo, choose_transport, local_endpoint
 from cleave.transfer.cuda_ipc import IpcCacheMap, IpcTensorHandle, export_tensor, import_tensor
+from cleave.transfer.kvstore_client import (
+    KVStoreClient,
+    KVStorePutResult,
+    KVStoreStats,
+    gather_blocks,
+    scatter_blocks,
+)
 from cleave.transfer.layout import check_layout, layout_mismatch, layout_of, require_same_layout
 from cleave.transfer.receiver import KVReceiver, PendingTransfer
 from cleave.transfer.sender import KVSender, KVTransferClient
@@ -19,6 +26,9 @@ __all__ = [
     "IpcCacheMap",
     "IpcTensorHandle",
     "KVReceiver",
+    "KVStoreClient",
+    "KVStorePutResult",
+    "KVStoreStats",
     "KVSender",
     "KVTransferClient",
     "PendingTransfer",
@@ -27,9 +37,11 @@ __all__ = [
     "copy_blocks",
     "copy_blocks_reference",
     "export_tensor",
+    "gather_blocks",
     "import_tensor",
     "layout_mismatch",
     "layout_of",
     "local_endpoint",
     "require_same_layout",
+    "scatter_blocks",
 ]

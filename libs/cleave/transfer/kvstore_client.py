@@ -1,0 +1,167 @@
+"""Async client of the KVStore service (services/kvstore), for prefill workers.
+
+Blocks travel as `[num_layers, 2, block_size, num_kv_heads, head_dim]` tensors: all layers'
+K and V of one block. `gather_blocks` / `scatter_blocks` convert between those and the
+paged cache `[L, 2, NB, BS, Hkv, D]`.
+
+    client = KVStoreClient("kvstore:50081", client_id="prefill-0")
+    await client.connect(layout)
+    hit = await client.lookup(hashes)                       # leading blocks stored
+    cached = await client.get(hashes[:hit])                 # [BS-token blocks], chain order
+    await client.put(hashes[hit:], gather_blocks(cache, block_ids[hit:]))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cleave.errors import FailedPrecondition, InvalidArgument
+from cleave.proto.cleave.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
+from cleave.rpc.client import aio_channel
+from cleave.rpc.convert import dtype_to_proto, kv_layout_to_proto
+from cleave.rpc.types import KVLayout
+from cleave.transfer.tensors import as_bytes, dtype_name, torch_dtype
+
+
+@dataclass(frozen=True)
+class KVStorePutResult:
+    """Blocks a Put stored, and those it found already present."""
+
+    num_stored: int
+    num_already_present: int
+
+
+@dataclass(frozen=True)
+class KVStoreStats:
+    """The store's counters (see kvstore.proto StatsResponse)."""
+
+    hits: int
+    misses: int
+    bytes_stored: int
+    bytes_served: int
+    evictions: int
+    num_blocks_ram: int
+    num_blocks_disk: int
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+    """Per-block payloads of a paged cache.
+
+    cache: [L, 2, NB, BS, Hkv, D] -> [n, L, 2, BS, Hkv, D] (contiguous, cache's device)
+    """
+    index = torch.tensor(list(block_ids), dtype=torch.int64, device=cache.device)
+    return cache.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
+
+
+def scatter_blocks(cache: torch.Tensor, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+    """Write per-block payloads [n, L, 2, BS, Hkv, D] into blocks `block_ids` of the cache."""
+    index = torch.tensor(list(block_ids), dtype=torch.int64, device=cache.device)
+    cache.index_copy_(2, index, blocks.to(cache.device).permute(1, 2, 0, 3, 4, 5))
+
+
+class KVStoreClient:
+    """One connection to a KV store, bound to one layout after `connect`."""
+
+    def __init__(self, address: str, client_id: str = "", timeout_s: float = 30.0) -> None:
+        self._channel = aio_channel(address)
+        self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
+        self.client_id = client_id
+        self.timeout_s = timeout_s
+        self.layout: KVLayout | None = None
+        self.layout_id = ""
+        self.block_num_bytes = 0
+
+    async def __aenter__(self) -> KVStoreClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def connect(self, layout: KVLayout) -> str:
+        """Register the layout; raises grpc FAILED_PRECONDITION when the store holds another."""
+        response = await self._stub.Connect(
+            kvstore_pb2.ConnectRequest(layout=kv_layout_to_proto(layout), client_id=self.client_id),
+            timeout=self.timeout_s)
+        self.layout, self.layout_id, self.block_num_bytes = layout, response.layout_id, response.block_num_bytes
+        return self.layout_id
+
+    def _require(self) -> KVLayout:
+        if self.layout is None:
+            raise FailedPrecondition("call connect(layout) first")
+        return self.layout
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        layout = self._require()
+        return (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+
+    async def lookup(self, block_hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of the chain the store holds."""
+        self._require()
+        if not block_hashes:
+            return 0
+        response = await self._stub.Lookup(
+            kvstore_pb2.LookupRequest(layout_id=self.layout_id, block_hashes=list(block_hashes)),
+            timeout=self.timeout_s)
+        return response.num_hit_blocks
+
+    def _messages(self, block_hashes: Sequence[bytes], blocks: torch.Tensor,
+                  parent_hash: bytes) -> Iterator[kvstore_pb2.KVBlock]:
+        layout = self._require()
+        dtype = dtype_to_proto(layout.dtype)
+        for position, block_hash in enumerate(block_hashes):
+            payload = blocks[position].cpu().contiguous()
+            yield kvstore_pb2.KVBlock(
+                hash=block_hash, parent_hash=parent_hash if position == 0 else block_hashes[position - 1],
+                layout_id=self.layout_id,
+                payload=common_pb2.Tensor(dtype=dtype, shape=payload.shape, data=bytes(as_bytes(payload))))
+
+    async def put(self, block_hashes: Sequence[bytes], blocks: torch.Tensor,
+                  parent_hash: bytes = b"") -> KVStorePutResult:
+        """Store consecutive blocks of a chain; `parent_hash` is the block before the first.
+
+        blocks: [n, L, 2, BS, Hkv, D] of the layout's dtype (see `gather_blocks`).
+        """
+        layout = self._require()
+        if blocks.shape[0] != len(block_hashes) or tuple(blocks.shape[1:]) != self.block_shape:
+            raise InvalidArgument(
+                f"blocks must be [{len(block_hashes)}, {', '.join(map(str, self.block_shape))}], "
+                f"got {list(blocks.shape)}", field="blocks")
+        if dtype_name(blocks.dtype) != layout.dtype:
+            raise InvalidArgument(f"blocks are {blocks.dtype}, the layout is {layout.dtype}", field="blocks")
+        if not block_hashes:
+            return KVStorePutResult(0, 0)
+        response = await self._stub.Put(self._messages(block_hashes, blocks, parent_hash), timeout=self.timeout_s)
+        return KVStorePutResult(response.num_stored, response.num_already_present)
+
+    async def get(self, block_hashes: Sequence[bytes]) -> torch.Tensor:
+        """The stored leading blocks of the chain: [hit, L, 2, BS, Hkv, D] on the CPU."""
+        layout = self._require()
+        dtype = torch_dtype(layout.dtype)
+        out = torch.empty(len(block_hashes), *self.block_shape, dtype=dtype)
+        if not block_hashes:
+            return out
+        count = 0
+        call = self._stub.Get(
+            kvstore_pb2.GetRequest(layout_id=self.layout_id, block_hashes=list(block_hashes)),
+            timeout=self.timeout_s)
+        async for message in call:
+            if message.hash != block_hashes[count] or tuple(message.payload.shape) != self.block_shape:
+                raise InvalidArgument(f"store answered block {count} with the wrong hash or shape")
+            target = as_bytes(out[count])
+            if len(message.payload.data) != len(target):
+                raise InvalidArgument(f"store answered block {count} with {len(message.payload.data)} bytes")
+            target[:] = message.payload.data
+            count += 1
+        return out[:count]
+
+    async def stats(self) -> KVStoreStats:
+        response = await self._stub.Stats(kvstore_pb2.StatsRequest(), timeout=self.timeout_s)
+        return KVStoreStats(response.hits, response.misses, response.bytes_stored, response.bytes_served,
+                            response.evictions, response.num_blocks_ram, response.num_blocks_disk)

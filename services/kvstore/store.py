@@ -1,0 +1,212 @@
+"""The KV block store behind the KVStore service: one layout, a RAM LRU tier, a disk LRU tier.
+
+Blocks are keyed by their chained prefix hash (`cleave.kv.prefix_hash`); a payload is all
+layers' K and V of one block, `[num_layers, 2, block_size, num_kv_heads, head_dim]` raw bytes
+of the layout's dtype. The store serves exactly one KV layout (the first one connected, or
+the one its disk tier was written with): blocks of different models, dtypes or shapes are
+never mixed. The RAM tier evicts least-recently-used blocks to the disk tier (or drops them
+without one); the disk tier drops its least-recently-used files. Tiers are exclusive: a disk
+hit is promoted back to RAM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import structlog
+
+from cleave.errors import FailedPrecondition, InvalidArgument, NotFound
+from cleave.rpc.convert import DTYPE_ITEMSIZE
+from cleave.rpc.types import KVLayout, TensorBytes
+from services.kvstore.backend import ConnectResult, KVBlock, PutResult, StoreStats
+from services.kvstore.disk import DiskTier
+
+_LAYOUT_FIELDS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "hash_namespace")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Capacities of the tiers; no disk_path means RAM only."""
+
+    ram_bytes: int
+    disk_path: Path | None = None
+    disk_bytes: int = 0
+
+
+def layout_id(layout: KVLayout) -> str:
+    """Stable id of a layout: equal layouts, equal ids, in every process."""
+    canonical = "\n".join(f"{name}={getattr(layout, name)}" for name in _LAYOUT_FIELDS)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def block_shape(layout: KVLayout) -> tuple[int, ...]:
+    """[num_layers, 2, block_size, num_kv_heads, head_dim]"""
+    return (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+
+
+@dataclass
+class _Counters:
+    hits: int = 0
+    misses: int = 0
+    bytes_served: int = 0
+    evictions: int = 0
+
+
+class BlockStore:
+    """Content-addressed KV blocks in RAM and (optionally) on disk; a KVStoreBackend."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self._ram: OrderedDict[bytes, bytes] = OrderedDict()  # hash -> payload, LRU first
+        self._ram_bytes = 0
+        self._disk = DiskTier(config.disk_path, config.disk_bytes) if config.disk_path else None
+        self._layout: KVLayout | None = None
+        self._layout_id = ""
+        self._counters = _Counters()
+        self.log = structlog.get_logger("cleave.kvstore")
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._disk is not None:
+            self._disk.open()
+            stored = self._disk.read_layout()
+            if stored is not None:
+                self._set_layout(stored)
+            self.log.info("disk tier opened", blocks=len(self._disk), bytes=self._disk.num_bytes)
+
+    async def shutdown(self) -> None:
+        """Keep what fits of the RAM tier: write it to disk so a restart finds it."""
+        if self._disk is None:
+            return
+        for block_hash, payload in list(self._ram.items()):
+            self._disk.put(block_hash, payload)
+        self._ram.clear()
+        self._ram_bytes = 0
+
+    # -- layout -----------------------------------------------------------------------------
+
+    def _set_layout(self, layout: KVLayout) -> None:
+        self._layout, self._layout_id = layout, layout_id(layout)
+
+    @property
+    def block_num_bytes(self) -> int:
+        assert self._layout is not None
+        return math.prod(block_shape(self._layout)) * DTYPE_ITEMSIZE[self._layout.dtype]
+
+    async def connect(self, layout: KVLayout, client_id: str) -> ConnectResult:
+        if self._layout is None:
+            self._set_layout(layout)
+            if self._disk is not None:
+                self._disk.write_layout(layout)
+            self.log.info("layout set", client_id=client_id, **asdict(layout))
+        for name in _LAYOUT_FIELDS:
+            mine, theirs = getattr(self._layout, name), getattr(layout, name)
+            if mine != theirs:
+                raise FailedPrecondition(
+                    f"this store holds {name}={mine!r}, the client has {theirs!r}; "
+                    "run one kvstore per KV layout", field=f"layout.{name}")
+        return ConnectResult(layout_id=self._layout_id, block_num_bytes=self.block_num_bytes)
+
+    def _require_layout(self, value: str, field: str = "layout_id") -> KVLayout:
+        if self._layout is None or value != self._layout_id:
+            raise NotFound(f"unknown layout id {value!r}; call Connect first", field=field)
+        return self._layout
+
+    # -- tiers ------------------------------------------------------------------------------
+
+    def _contains(self, block_hash: bytes) -> bool:
+        if block_hash in self._ram:
+            self._ram.move_to_end(block_hash)
+            return True
+        if self._disk is not None and block_hash in self._disk:
+            self._disk.touch(block_hash)
+            return True
+        return False
+
+    def _insert_ram(self, block_hash: bytes, payload: bytes) -> None:
+        self._ram[block_hash] = payload
+        self._ram_bytes += len(payload)
+        while self._ram_bytes > self.config.ram_bytes and self._ram:
+            oldest, data = self._ram.popitem(last=False)
+            self._ram_bytes -= len(data)
+            if self._disk is None:
+                self._counters.evictions += 1
+            else:
+                self._counters.evictions += len(self._disk.put(oldest, data))
+
+    def _read(self, block_hash: bytes) -> bytes | None:
+        payload = self._ram.get(block_hash)
+        if payload is not None:
+            self._ram.move_to_end(block_hash)
+            return payload
+        if self._disk is None:
+            return None
+        payload = self._disk.get(block_hash)
+        if payload is not None:
+            self._disk.remove(block_hash)
+            self._insert_ram(block_hash, payload)
+        return payload
+
+    # -- API --------------------------------------------------------------------------------
+
+    async def lookup(self, layout_id: str, block_hashes: tuple[bytes, ...]) -> int:
+        self._require_layout(layout_id)
+        num_hit = 0
+        for block_hash in block_hashes:
+            if not self._contains(block_hash):
+                break
+            num_hit += 1
+        self._counters.hits += num_hit
+        self._counters.misses += len(block_hashes) - num_hit
+        return num_hit
+
+    async def put(self, blocks: AsyncIterator[KVBlock]) -> PutResult:
+        num_stored = num_present = 0
+        position = 0
+        async for block in blocks:
+            layout = self._require_layout(block.layout_id, f"blocks[{position}].layout_id")
+            payload = block.payload
+            if payload.dtype != layout.dtype or tuple(payload.shape) != block_shape(layout):
+                raise InvalidArgument(
+                    f"payload is {payload.dtype} {list(payload.shape)}, the layout needs "
+                    f"{layout.dtype} {list(block_shape(layout))}", field=f"blocks[{position}].payload")
+            if self._contains(block.hash):
+                num_present += 1
+            else:
+                self._insert_ram(block.hash, bytes(payload.data))
+                num_stored += 1
+            position += 1
+        return PutResult(num_stored=num_stored, num_already_present=num_present)
+
+    async def get(self, layout_id: str, block_hashes: tuple[bytes, ...]) -> AsyncIterator[KVBlock]:
+        layout = self._require_layout(layout_id)
+        shape = block_shape(layout)
+        parent = b""
+        for position, block_hash in enumerate(block_hashes):
+            payload = self._read(block_hash)
+            if payload is None:
+                self._counters.misses += len(block_hashes) - position
+                return
+            self._counters.hits += 1
+            self._counters.bytes_served += len(payload)
+            yield KVBlock(hash=block_hash, parent_hash=parent, layout_id=layout_id,
+                          payload=TensorBytes(layout.dtype, shape, payload))
+            parent = block_hash
+            await asyncio.sleep(0)  # let other calls (and cancellation) in between blocks
+
+    def stats(self) -> StoreStats:
+        disk_blocks = len(self._disk) if self._disk is not None else 0
+        disk_bytes = self._disk.num_bytes if self._disk is not None else 0
+        return StoreStats(
+            hits=self._counters.hits, misses=self._counters.misses,
+            bytes_stored=self._ram_bytes + disk_bytes, bytes_served=self._counters.bytes_served,
+            evictions=self._counters.evictions, num_blocks_ram=len(self._ram),
+            num_blocks_disk=disk_blocks,
+        )
