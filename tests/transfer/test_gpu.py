@@ -1,0 +1,111 @@
+"""GPU transports: CUDA IPC between two processes on one GPU, NCCL between two GPUs,
+TCP from/to CUDA caches, and the block-copy kernel on the device."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cleave.proto.cleave.v1 import common_pb2
+from cleave.rpc.convert import transfer_handle_from_proto
+from cleave.transfer import KVReceiver, KVTransferClient, copy_blocks, copy_blocks_reference
+from tests.transfer.peer import SHAPE
+
+PEER = Path(__file__).with_name("peer.py")
+multigpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+
+def source_cache(device: str) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(7)
+    shape = (SHAPE["num_layers"], 2, SHAPE["num_blocks"], SHAPE["block_size"], SHAPE["num_kv_heads"], SHAPE["head_dim"])
+    return torch.randn(shape, generator=generator).to(torch.bfloat16).to(device)
+
+
+def digest(cache: torch.Tensor, block_ids: list[int]) -> str:
+    blocks = cache[:, :, block_ids].contiguous().cpu()
+    return hashlib.sha256(blocks.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+async def run_peer(transport: str, device: int, dst_ids: list[int], src_ids: list[int],
+                   sender_device: int, nccl_id: bytes = b"") -> None:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, str(PEER), "--transport", transport, "--device", str(device),
+        "--blocks", ",".join(map(str, dst_ids)), "--nccl-id", nccl_id.hex(),
+        stdout=asyncio.subprocess.PIPE)
+    client = KVTransferClient()
+    try:
+        comm_task = None
+        if transport == "nccl":
+            from cleave.transfer.nccl import NcclCommunicator
+
+            comm_task = asyncio.ensure_future(NcclCommunicator.create(nccl_id, rank=0, device=sender_device))
+        line = (await asyncio.wait_for(process.stdout.readline(), 120)).decode().split()
+        assert line[0] == "HANDLE", line
+        handle = transfer_handle_from_proto(common_pb2.TransferHandle.FromString(bytes.fromhex(line[1])))
+        if comm_task is not None:
+            client.add_nccl_peer(handle.address, await comm_task)
+        src = source_cache(f"cuda:{sender_device}")
+        sender = await client.open(handle)
+        for layer in range(src.shape[0]):  # layer by layer, as a prefill forward would
+            await sender.send_layer(layer, src, src_ids)
+        await sender.finish(timeout_s=60)
+        result = (await asyncio.wait_for(process.stdout.readline(), 60)).decode().split()
+        assert result == ["DIGEST", digest(src, src_ids)]
+        assert await process.wait() == 0
+        if transport == "cuda_ipc":
+            assert len(client.ipc_caches) == 1
+    finally:
+        await client.close()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+@pytest.mark.gpu
+async def test_cuda_ipc_two_processes_one_gpu():
+    await run_peer("cuda_ipc", 0, dst_ids=[3, 17, 4, 30, 0], src_ids=[9, 1, 2, 31, 8], sender_device=0)
+
+
+@pytest.mark.gpu
+async def test_tcp_between_cuda_caches():
+    await run_peer("tcp", 0, dst_ids=[5, 6, 2], src_ids=[0, 11, 7], sender_device=0)
+
+
+@pytest.mark.gpu
+async def test_tcp_in_process_cuda_to_cuda():
+    receiver = KVReceiver(torch.zeros_like(source_cache("cuda")))
+    await receiver.start()
+    src = source_cache("cuda")
+    pending = receiver.expect("t", [1, 2, 3], timeout_s=30)
+    client = KVTransferClient()
+    await (await client.open(pending.handle)).send_all(src, [7, 5, 3])
+    await pending.wait()
+    assert torch.equal(receiver.kv_cache[:, :, [1, 2, 3]], src[:, :, [7, 5, 3]])
+    await client.close()
+    await receiver.close()
+
+
+@pytest.mark.gpu
+def test_block_copy_kernel_on_device():
+    src = source_cache("cuda")
+    src_ids = torch.tensor([31, 0, 5, 6], device="cuda")
+    dst_ids = torch.tensor([2, 9, 10, 30], device="cuda")
+    expected, got = torch.zeros_like(src), torch.zeros_like(src)
+    copy_blocks_reference(src, expected, src_ids, dst_ids, range(src.shape[0]))
+    copy_blocks(src, got, src_ids, dst_ids)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.multigpu
+@multigpu
+async def test_nccl_between_two_gpus():
+    from cleave.transfer.nccl import NcclLibrary
+
+    unique_id = NcclLibrary().unique_id()
+    await run_peer("nccl", 1, dst_ids=[4, 5, 6, 20], src_ids=[0, 2, 30, 12], sender_device=0, nccl_id=unique_id)
