@@ -156,7 +156,7 @@ def import_tensor(handle: IpcTensorHandle) -> torch.Tensor:
     storage = torch.UntypedStorage._new_shared_cuda(
         device, handle.handle, handle.storage_size_bytes, handle.storage_offset_bytes,
         handle.ref_counter_handle, handle.ref_counter_offset,
-        handle.event_handle or None, handle.event_sync_required,
+        handle.event_handle, handle.event_sync_required,
     )
     tensor = torch.empty(0, dtype=torch_dtype(handle.dtype), device=f"cuda:{device}")
     return tensor.set_(storage, handle.tensor_offset, handle.shape, handle.stride)

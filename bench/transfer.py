@@ -1,0 +1,173 @@
+"""KV transfer benchmark: a prompt's KV of a Llama-3.2-1B-shaped model between two caches.
+
+KV: 16 layers, 8 KV heads, head_dim 64, bf16, 16-token blocks (32 KiB per token), for 1k- and
+32k-token prompts, on shuffled (non-contiguous) block ids. Rows:
+  - local/torch:  `dst[:, :, d] = src[:, :, s]` in one process (gather + scatter);
+  - local/fused:  `copy_blocks` (one read, one write per byte) in one process;
+  - cuda_ipc/copy: `copy_blocks` into a cache another process exported (device time only);
+  - cuda_ipc/e2e: `KVSender.send_layer` per layer + `finish` (copies, per-layer syncs and
+    control frames), wall clock;
+  - tcp/e2e:      the same over loopback TCP (CUDA -> pinned host -> socket -> host -> CUDA).
+GB/s is bytes moved (KV bytes of the prompt) / time; the target for cuda_ipc is >= 1000.
+
+    python bench/transfer.py --out bench/results/transfer
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from common import format_table, write_results
+
+from cleave.proto.cleave.v1 import common_pb2
+from cleave.rpc.convert import transfer_handle_from_proto, transfer_handle_to_proto
+from cleave.rpc.types import TransportKind
+from cleave.transfer import KVReceiver, KVTransferClient, copy_blocks
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 64, 16, torch.bfloat16
+COLUMNS = ["transport", "mode", "tokens", "blocks", "mb", "ms", "gb_per_s"]
+
+
+def kv_cache(num_blocks: int, device: str) -> torch.Tensor:
+    """[L, 2, NB, BS, Hkv, D] bf16"""
+    return torch.randn(LAYERS, 2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=device).to(DTYPE)
+
+
+def shuffled_ids(num_blocks: int, pool: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randperm(pool, generator=generator)[:num_blocks].tolist()
+
+
+def device_ms(fn, reps: int = 20) -> float:
+    """Median device time of fn() in ms (CUDA events)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def row(transport: str, mode: str, tokens: int, blocks: int, ms: float) -> dict:
+    num_bytes = blocks * LAYERS * 2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    return {"transport": transport, "mode": mode, "tokens": tokens, "blocks": blocks,
+            "mb": num_bytes / 1e6, "ms": ms, "gb_per_s": num_bytes / (ms * 1e-3) / 1e9}
+
+
+async def receiver_main(args: argparse.Namespace) -> None:
+    """Child process: export a cache, print handles for `--reps` transfers, serve them."""
+    cache = torch.zeros(LAYERS, 2, args.pool, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    receiver = KVReceiver(cache)
+    await receiver.start()
+    dst_ids = shuffled_ids(args.blocks, args.pool, seed=2)
+    pendings = [receiver.expect(f"t{i}", dst_ids, timeout_s=600, transport=TransportKind(args.transport))
+                for i in range(args.reps)]
+    for pending in pendings:
+        print("HANDLE", transfer_handle_to_proto(pending.handle).SerializeToString().hex(), flush=True)
+    for pending in pendings:
+        await pending.wait()
+    print("DONE", flush=True)
+    sys.stdin.readline()  # keep the exported cache alive until the parent has measured
+    await receiver.close()
+
+
+async def remote_rows(transport: str, tokens: int, pool: int, reps: int) -> list[dict]:
+    blocks = tokens // BLOCK_SIZE
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--role", "receiver", "--transport", transport, "--blocks", str(blocks),
+         "--pool", str(pool), "--reps", str(reps)], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
+    client = KVTransferClient()
+    rows = []
+    try:
+        handles = []
+        for _ in range(reps):
+            kind, data = child.stdout.readline().split()
+            assert kind == "HANDLE"
+            handles.append(transfer_handle_from_proto(common_pb2.TransferHandle.FromString(bytes.fromhex(data))))
+        src = kv_cache(pool, "cuda")
+        src_ids = shuffled_ids(blocks, pool, seed=1)
+        times = []
+        for handle in handles:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            sender = await client.open(handle)
+            for layer in range(LAYERS):
+                await sender.send_layer(layer, src, src_ids)
+            await sender.finish(timeout_s=600)
+            times.append((time.perf_counter() - start) * 1e3)
+        rows.append(row(transport, "e2e", tokens, blocks, statistics.median(times[1:] or times)))
+        if transport == "cuda_ipc":
+            dst = client.ipc_caches.open(handles[0].cuda_ipc_handle)
+            src_index = torch.tensor(src_ids, device="cuda")
+            dst_index = torch.tensor(shuffled_ids(blocks, pool, seed=2), device="cuda")
+            rows.append(row(transport, "copy", tokens, blocks, device_ms(lambda: copy_blocks(src, dst, src_index, dst_index))))
+        assert child.stdout.readline().strip() == "DONE"
+    finally:
+        await client.close()
+        child.stdin.write("\n")
+        child.stdin.flush()
+        child.wait(timeout=60)
+    return rows
+
+
+def local_rows(tokens: int, pool: int) -> list[dict]:
+    blocks = tokens // BLOCK_SIZE
+    src, dst = kv_cache(pool, "cuda"), kv_cache(pool, "cuda")
+    src_ids = torch.tensor(shuffled_ids(blocks, pool, seed=1), device="cuda")
+    dst_ids = torch.tensor(shuffled_ids(blocks, pool, seed=2), device="cuda")
+
+    def torch_copy() -> None:
+        dst[:, :, dst_ids] = src[:, :, src_ids]
+
+    return [row("local", "torch", tokens, blocks, device_ms(torch_copy)),
+            row("local", "fused", tokens, blocks, device_ms(lambda: copy_blocks(src, dst, src_ids, dst_ids)))]
+
+
+async def main(args: argparse.Namespace) -> None:
+    rows = []
+    for tokens in args.tokens:
+        pool = tokens // BLOCK_SIZE + 64
+        rows += local_rows(tokens, pool)
+        rows += await remote_rows("cuda_ipc", tokens, pool, args.reps)
+        if not args.skip_tcp:
+            rows += await remote_rows("tcp", tokens, pool, min(args.reps, 3))
+        print(format_table(rows, COLUMNS), flush=True)
+    if args.out:
+        ipc = [r["gb_per_s"] for r in rows if r["transport"] == "cuda_ipc" and r["mode"] == "copy"]
+        write_results(args.out, "transfer", rows, COLUMNS,
+                      summary={"target_cuda_ipc_gb_per_s": 1000, "min_cuda_ipc_copy_gb_per_s": min(ipc) if ipc else None})
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 32768], help="prompt lengths")
+    parser.add_argument("--reps", type=int, default=5, help="end-to-end transfers per point")
+    parser.add_argument("--skip-tcp", action="store_true", help="leave out the loopback TCP rows")
+    parser.add_argument("--out", default=None, help="directory for transfer.json / transfer.md")
+    parser.add_argument("--role", choices=["driver", "receiver"], default="driver", help=argparse.SUPPRESS)
+    parser.add_argument("--transport", default="cuda_ipc", help=argparse.SUPPRESS)
+    parser.add_argument("--blocks", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--pool", type=int, default=0, help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    if arguments.role == "receiver":
+        asyncio.run(receiver_main(arguments))
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("bench/transfer.py needs a CUDA device (see --help)")
+        asyncio.run(main(arguments))
