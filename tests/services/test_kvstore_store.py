@@ -12,7 +12,7 @@ import torch
 
 from cleave.kv.prefix_hash import block_hashes
 from cleave.proto.cleave.v1 import common_pb2 as c, kvstore_pb2 as k, kvstore_pb2_grpc
-from cleave.rpc import aio_channel, serve
+from cleave.rpc import serve
 from cleave.rpc.types import KVLayout
 from cleave.transfer.kvstore_client import KVStoreClient, gather_blocks, scatter_blocks
 from services.kvstore.__main__ import registration
