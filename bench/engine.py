@@ -30,9 +30,12 @@ COLUMNS = ["phase", "batch", "steps", "step_ms", "schedule_ms", "prepare_ms", "f
 LLAMA_3_2_1B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=2048,
     intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-    rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=True,
+    rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
     hidden_act="silu", dtype="bfloat16", bos_token_id=0, eos_token_id=1,
 )
+
+
+TEXT_VOCAB = 512  # ids the tiny test tokenizer decodes
 
 
 def write_checkpoint(directory: Path, device: str) -> Path:
@@ -54,7 +57,13 @@ def write_checkpoint(directory: Path, device: str) -> Path:
     def randn(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=generator, device=device) * 0.02).to(torch.bfloat16).cpu()
 
-    tensors = {"model.embed_tokens.weight": randn(cfg["vocab_size"], hidden),
+    # The tokenizer knows TEXT_VOCAB ids; lm_head rows past them are zero and the others
+    # large enough (logit std ~10) that sampled ids decode to real text, so detokenization
+    # costs what it costs on a real model. Llama-3.2-1B ties lm_head to the embedding; an
+    # untied one reads the same bytes per step.
+    lm_head = torch.zeros(cfg["vocab_size"], hidden, dtype=torch.bfloat16)
+    lm_head[:TEXT_VOCAB] = randn(TEXT_VOCAB, hidden) * 11.0
+    tensors = {"model.embed_tokens.weight": randn(cfg["vocab_size"], hidden), "lm_head.weight": lm_head,
                "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
     for i in range(cfg["num_hidden_layers"]):
         prefix = f"model.layers.{i}."
@@ -94,7 +103,7 @@ def run_requests(engine, num_requests: int, args: argparse.Namespace, seed: int)
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
     for index in range(num_requests):
-        prompt = [rng.randrange(3, 128000) for _ in range(args.prompt_len)]
+        prompt = [rng.randrange(3, 128000) for _ in range(args.prompt_len)]  # feeds every embedding row
         engine.add_request(f"b{seed}-{index}", prompt, params)
     steps, num_output = [], 0
     start = time.perf_counter()

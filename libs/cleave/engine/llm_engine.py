@@ -88,6 +88,7 @@ class LLMEngine:
         self._processors: dict[str, list[LogitsProcessor]] = {}  # seq_id -> logits processors
         self._pending: dict[str, RequestState] = {}  # requests with news outside a step
         self._step_logprobs: dict[str, TokenLogprob] = {}
+        self._deferred: dict[str, SampleState] = {}  # seq_id -> sample with ids awaiting text
         self.last_stats = StepStats()
 
     # ---- start-up -------------------------------------------------------------------------
@@ -207,6 +208,7 @@ class LLMEngine:
             reasoning=reasoning,
             include_reasoning=params.include_reasoning,
             logits_processors=processors,
+            defer_text=not params.stop,
         )
 
     def add_request(
@@ -274,9 +276,10 @@ class LLMEngine:
         output = self.scheduler.schedule()
         scheduled = time.perf_counter()
         if output.is_empty:
+            self._flush_text()
             self.last_stats = StepStats(schedule_s=scheduled - start)
             return self._collect(())
-        result = self.runner.execute(output, self._processors)
+        result = self.runner.execute(output, self._processors, while_device_runs=self._flush_text)
         stats = result.stats
         stats.schedule_s = scheduled - start
         ran = time.perf_counter()
@@ -306,13 +309,25 @@ class LLMEngine:
         if sample is None:
             return None
         status = sample.process_token(seq.last_token_id, self._step_logprobs.get(seq.seq_id))
+        if sample.deferred:
+            self._deferred[seq.seq_id] = sample
         state = self._requests[seq.request_id]
         if state.prefill_only and status is None:
             # Keep the prompt's blocks under another id; finishing the sequence frees its own.
+            sample.flush_text()
             self.kv.fork(seq.seq_id, seq.request_id + EXPORT_SUFFIX)
             state.prefill_done = True
             return SequenceStatus.FINISHED_LENGTH
         return status
+
+    def _flush_text(self) -> None:
+        """Detokenize the previous step's deferred tokens (runs while the device computes)."""
+        for sample in self._deferred.values():
+            sample.flush_text()
+            state = self._requests.get(sample.seq.request_id)
+            if state is not None:
+                self._pending[state.request_id] = state
+        self._deferred.clear()
 
     def _collect(self, touched: Seq[RequestState] | Any) -> list[RequestOutput]:
         states = list(touched)
@@ -338,6 +353,7 @@ class LLMEngine:
         for sample in state.samples:
             self._samples.pop(sample.seq.seq_id, None)
             self._processors.pop(sample.seq.seq_id, None)
+            self._deferred.pop(sample.seq.seq_id, None)
 
     # ---- disaggregation hooks -------------------------------------------------------------
 

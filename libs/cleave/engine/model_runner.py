@@ -16,7 +16,7 @@ from `CacheConfig.num_blocks` or DEFAULT_CPU_KV_TOKENS.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -43,8 +43,9 @@ class StepStats:
     """Wall-clock seconds of each phase of one engine step (host clock).
 
     With `sync_timing` on the runner, `forward_s` waits for the device, so it is the
-    forward's device time and `sample_s` the sampler's; otherwise device time lands in
-    whichever phase first reads a result back (sampling).
+    longer of the forward's device time and the overlapped host work (`overlap_s`), and
+    `sample_s` covers sampling; otherwise device time lands in whichever phase first reads
+    a result back (sampling).
     """
 
     schedule_s: float = 0.0
@@ -52,7 +53,8 @@ class StepStats:
     forward_s: float = 0.0
     sample_s: float = 0.0
     sampling_prep_s: float = 0.0  # host part of sample_s: building SamplingTensors
-    postprocess_s: float = 0.0  # detokenization, stop checks, outputs
+    postprocess_s: float = 0.0  # stop checks, detokenization that cannot wait, outputs
+    overlap_s: float = 0.0  # host work done while the forward ran (inside forward_s)
     num_tokens: int = 0
     num_seqs: int = 0
     num_sampled: int = 0
@@ -106,6 +108,9 @@ class ModelRunner:
         self.num_blocks = self._init_num_blocks()
         self.kv_cache = allocate_kv_cache(self.model_config, self.num_blocks, self.block_size, self.kv_dtype, self.device)
         self.graph_runner = self._init_graphs()
+        # (rows, state) of the last step's SamplingTensors while they stay valid; holding the
+        # sequences keeps their ids from being reused by new objects.
+        self._cached_sampling: tuple[list, SamplingTensors] | None = None
 
     # ---- start-up -------------------------------------------------------------------------
 
@@ -184,10 +189,13 @@ class ModelRunner:
         self,
         output: SchedulerOutput,
         logits_processors: Mapping[str, Seq[LogitsProcessor]] | None = None,
+        while_device_runs: Callable[[], None] | None = None,
     ) -> RunnerOutput:
         """Run one scheduled step; returns one token per `output.sampled_seqs` entry.
 
         `logits_processors` maps seq_id to that sequence's processors (absent: none).
+        `while_device_runs` is host work (e.g. detokenizing the previous step) called once
+        the forward is launched, so it overlaps the device's work; its time is `overlap_s`.
         """
         stats = StepStats(num_seqs=len(output.scheduled))
         start = time.perf_counter()
@@ -199,6 +207,10 @@ class ModelRunner:
         stats.prepare_s = prepared - start
 
         logits, stats.used_graph = self._forward(batch)
+        if while_device_runs is not None:
+            overlap_start = time.perf_counter()
+            while_device_runs()
+            stats.overlap_s = time.perf_counter() - overlap_start
         if self.sync_timing and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         forwarded = time.perf_counter()
@@ -241,12 +253,20 @@ class ModelRunner:
         self, batch: InputBatch, logits_processors: Mapping[str, Seq[LogitsProcessor]] | None
     ) -> SamplingTensors:
         seqs = batch.sampled_seqs
+        cached = self._cached_sampling
+        if (
+            cached is not None
+            and not logits_processors
+            and len(cached[0]) == len(seqs)
+            and all(a is b for a, b in zip(cached[0], seqs))
+        ):
+            return cached[1]  # same rows as last step, and nothing in them depends on outputs
         params = [seq.sampling_params for seq in seqs]
         needs_prompt = any(p.repetition_penalty != 1.0 for p in params)
         processors = None
         if logits_processors:
             processors = [logits_processors.get(seq.seq_id, ()) for seq in seqs]
-        return SamplingTensors.from_params(
+        state = SamplingTensors.from_params(
             params,
             vocab_size=self.vocab_size,
             device=self.device,
@@ -255,6 +275,10 @@ class ModelRunner:
             sample_indices=[seq.sample_index for seq in seqs],
             logits_processors=processors,
         )
+        # Seeded noise and penalties change with every token; plain rows do not.
+        reusable = state.seeded_rows is None and not state.needs_penalties and not state.row_processors
+        self._cached_sampling = (list(seqs), state) if reusable else None
+        return state
 
     @staticmethod
     def _logprobs(batch: InputBatch, sampled: SamplerOutput, token_ids: list[int]) -> list[TokenLogprob | None] | None:

@@ -54,6 +54,10 @@ class SampleState:
     reasoning: ReasoningParser | None
     include_reasoning: bool
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    # Without stop strings, stopping depends on token ids alone, so text can be made later
+    # (while the device runs the next step): `deferred` holds ids not yet detokenized.
+    defer_text: bool = False
+    deferred: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     cumulative_logprob: float | None = None
@@ -82,17 +86,41 @@ class SampleState:
                 self.logprobs = []
             self.logprobs.append(logprob)
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprob.logprob
-        update = self.stop_checker.process(token_id, self.detokenizer)
+        if not self.defer_text:
+            update = self.stop_checker.process(token_id, self.detokenizer)
+            self._add_text(update.text)
+            if update.finish_reason is None:
+                return None
+            self._finish(update.finish_reason, update.stop_reason)
+            return _STATUS_OF_REASON[update.finish_reason]
+        token_stop = self.stop_checker.check_token(token_id)
+        if token_stop is None:
+            self.deferred.append(token_id)
+            return None
+        self.flush_text()
+        text = self.detokenizer.push(token_id) if token_stop.include_token_text else ""
+        update = self.stop_checker.append_text(text + self.detokenizer.finish(), final=True)
         self._add_text(update.text)
         if update.finish_reason is None:
-            return None
+            update.finish_reason, update.stop_reason = token_stop.finish_reason, token_stop.stop_reason
         self._finish(update.finish_reason, update.stop_reason)
         return _STATUS_OF_REASON[update.finish_reason]
+
+    def flush_text(self) -> None:
+        """Detokenize the deferred token ids (their text joins the pending delta)."""
+        if not self.deferred:
+            return
+        detokenizer, stop_checker = self.detokenizer, self.stop_checker
+        for token_id in self.deferred:
+            self._add_text(stop_checker.append_text(detokenizer.push(token_id)).text)
+        self.deferred.clear()
+        self.has_news = True
 
     def end(self, status: SequenceStatus) -> None:
         """The scheduler ended the sequence (context full, abort): flush and record why."""
         if self.finished:
             return
+        self.flush_text()
         if status is not SequenceStatus.FINISHED_ABORTED:
             self._add_text(self.stop_checker.append_text(self.detokenizer.finish(), final=True).text)
         self._finish(_REASON_OF_STATUS.get(status, FinishReason.ERROR), None)
