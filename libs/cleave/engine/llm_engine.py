@@ -278,7 +278,7 @@ class LLMEngine:
         if output.is_empty:
             self._flush_text()
             self.last_stats = StepStats(schedule_s=scheduled - start)
-            return self._collect(())
+            return self._collect()
         result = self.runner.execute(output, self._processors, while_device_runs=self._flush_text)
         stats = result.stats
         stats.schedule_s = scheduled - start
@@ -298,7 +298,7 @@ class LLMEngine:
             if seq.is_finished and not state.prefill_done:
                 sample.end(seq.status)  # no-op unless the scheduler ended it (context full)
             touched[seq.request_id] = state
-        outputs = self._collect(touched.values())
+        outputs = self._collect(touched)
         stats.postprocess_s = time.perf_counter() - ran
         self.last_stats = stats
         return outputs
@@ -329,14 +329,11 @@ class LLMEngine:
                 self._pending[state.request_id] = state
         self._deferred.clear()
 
-    def _collect(self, touched: Seq[RequestState] | Any) -> list[RequestOutput]:
-        states = list(touched)
-        for request_id, state in self._pending.items():
-            if state not in states:
-                states.append(state)
-        self._pending.clear()
+    def _collect(self, touched: dict[str, RequestState] | None = None) -> list[RequestOutput]:
+        states = self._pending if touched is None else {**touched, **self._pending}
+        self._pending = {}
         outputs = []
-        for state in states:
+        for state in states.values():
             done = state.finished or state.prefill_done
             if not state.has_news and not done:
                 continue

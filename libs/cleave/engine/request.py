@@ -43,7 +43,7 @@ class ReasoningConfig:
     starts_in_reasoning: bool = False
 
 
-@dataclass
+@dataclass(eq=False)
 class SampleState:
     """Text-side state of one sample and what it produced since the last report."""
 
@@ -171,7 +171,7 @@ class SampleState:
         return 0 if self.reasoning is None else self.reasoning.num_reasoning_tokens
 
 
-@dataclass
+@dataclass(eq=False)
 class RequestState:
     """One request inside the engine: its prompt, parameters and samples."""
 

@@ -66,6 +66,7 @@ class Sequence:
             raise ValueError(f"request {request_id!r} has an empty prompt; send at least one token")
         self.request_id = request_id
         self.sample_index = sample_index
+        self._seq_id = f"{request_id}/{sample_index}"
         self.sampling_params = sampling_params
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -79,7 +80,9 @@ class Sequence:
 
     @property
     def seq_id(self) -> str:
-        return f"{self.request_id}/{self.sample_index}"
+        # request_id and sample_index never change, and the id is read several times per
+        # token in the step loop, so it is built once.
+        return self._seq_id
 
     @property
     def prompt_token_ids(self) -> list[int]:
