@@ -1,0 +1,123 @@
+"""Code verifier: run a completion's program against test cases in the sandbox.
+
+Each test runs in its own fresh sandbox (`cleave.scaling.sandbox`). A test gives the
+program's stdin and expected stdout (compared after stripping trailing whitespace, per line),
+and/or check code run after the program in its namespace (e.g. `assert add(2, 3) == 5`).
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cleave.scaling.answers import extract_code
+from cleave.scaling.sandbox import EXIT_CHECK_FAILED, EXIT_MEMORY, SandboxLimits, SandboxRun, run_sandboxed
+
+
+class FailureReason(str, enum.Enum):
+    """Why a test did not pass."""
+
+    WRONG_ANSWER = "wrong_answer"
+    RUNTIME_ERROR = "runtime_error"
+    TIMEOUT = "timeout"
+    MEMORY = "memory"
+    OUTPUT_LIMIT = "output_limit"
+    NO_CODE = "no_code"
+
+
+@dataclass(frozen=True)
+class CodeTest:
+    """One test case: stdin and expected stdout, and/or check code run after the program."""
+
+    stdin: str = ""
+    expected_stdout: str | None = None
+    check_code: str | None = None
+
+
+@dataclass(frozen=True)
+class TestOutcome:
+    """The result of one test; `reason` is None when it passed."""
+
+    passed: bool
+    reason: FailureReason | None
+    stdout: str
+    stderr: str
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
+class CodeVerification:
+    """All tests of one candidate: reward is the fraction passed; `reason` the first failure's."""
+
+    reward: float
+    outcomes: list[TestOutcome]
+    reason: FailureReason | None
+
+    @property
+    def passed(self) -> bool:
+        """Whether every test passed."""
+        return self.reason is None
+
+
+def _normalize_output(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.rstrip().splitlines())
+
+
+def classify(run: SandboxRun, test: CodeTest) -> FailureReason | None:
+    """The failure reason of one sandboxed run of `test`, or None when it passed."""
+    if run.timed_out:
+        return FailureReason.TIMEOUT
+    if run.output_limited:
+        return FailureReason.OUTPUT_LIMIT
+    if run.returncode == EXIT_MEMORY or "MemoryError" in run.stderr:
+        return FailureReason.MEMORY
+    if run.returncode in (-signal.SIGXCPU, -signal.SIGKILL):  # the CPU-time limit
+        return FailureReason.TIMEOUT
+    if run.returncode == EXIT_CHECK_FAILED:
+        return FailureReason.WRONG_ANSWER
+    if run.returncode != 0:
+        return FailureReason.RUNTIME_ERROR
+    if test.expected_stdout is not None and _normalize_output(run.stdout) != _normalize_output(test.expected_stdout):
+        return FailureReason.WRONG_ANSWER
+    return None
+
+
+class CodeVerifier:
+    """Scores completions by the fraction of `tests` their last code block passes.
+
+    Args:
+        tests: the test cases (at least one).
+        limits: sandbox limits of each test run.
+        language: fence tag of the code block to take from completions.
+    """
+
+    def __init__(self, tests: Sequence[CodeTest], limits: SandboxLimits = SandboxLimits(), language: str = "python"):
+        if not tests:
+            raise ValueError("CodeVerifier needs at least one test case")
+        self.tests = list(tests)
+        self.limits = limits
+        self.language = language
+
+    def verify_program(self, program: str) -> CodeVerification:
+        """Run `program` against every test."""
+        outcomes = []
+        for test in self.tests:
+            run = run_sandboxed(program, stdin=test.stdin, check_code=test.check_code, limits=self.limits)
+            reason = classify(run, test)
+            outcomes.append(TestOutcome(reason is None, reason, run.stdout, run.stderr, run.elapsed_s))
+        num_passed = sum(outcome.passed for outcome in outcomes)
+        first_failure = next((outcome.reason for outcome in outcomes if not outcome.passed), None)
+        return CodeVerification(num_passed / len(outcomes), outcomes, first_failure)
+
+    def verify(self, text: str) -> CodeVerification:
+        """Take the last code block of a completion and run it against every test."""
+        program = extract_code(text, self.language)
+        if program is None:
+            return CodeVerification(0.0, [], FailureReason.NO_CODE)
+        return self.verify_program(program)
+
+    def score(self, text: str) -> float:
+        """Reward of a completion: the fraction of tests passed."""
+        return self.verify(text).reward

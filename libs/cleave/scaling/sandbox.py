@@ -1,0 +1,211 @@
+"""Run untrusted Python in a confined child process.
+
+Layers, outermost first:
+- a fresh temporary directory as cwd, HOME and TMPDIR, removed afterwards;
+- an isolated interpreter (`python -I -S`: no site-packages, no environment variables, no
+  user directories) with a minimal environment;
+- new network and pid namespaces when the kernel permits (root, or unprivileged user
+  namespaces): no interface but a down loopback, and every process the candidate could make
+  dies with the namespace's init;
+- resource limits: CPU seconds, address space, file size, process count (enforced for
+  non-root users only: the kernel exempts root), open files, no core dumps;
+- an audit hook that refuses sockets, process creation, signals to other processes, ctypes,
+  limit changes and any write outside the work directory;
+- a wall-clock deadline after which the whole process group is SIGKILLed, and output capped
+  (past the cap on stdout the run is stopped).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_BOOTSTRAP = Path(__file__).with_name("_sandbox_bootstrap.py")
+EXIT_MEMORY = 86  # _sandbox_bootstrap: the candidate raised MemoryError
+EXIT_CHECK_FAILED = 87  # _sandbox_bootstrap: the check code raised AssertionError
+_READ_CHUNK = 65536
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Limits of one sandboxed run; the layer switches exist so each can be tested alone."""
+
+    wall_timeout_s: float = 5.0
+    cpu_time_s: int = 5
+    memory_bytes: int = 512 * 1024**2
+    file_size_bytes: int = 16 * 1024**2
+    max_processes: int = 64
+    max_open_files: int = 64
+    max_stdout_bytes: int = 1024**2
+    max_stderr_bytes: int = 64 * 1024
+    network_namespace: bool = True
+    pid_namespace: bool = True
+    audit_hook: bool = True
+
+
+@dataclass(frozen=True)
+class SandboxRun:
+    """What one sandboxed run did.
+
+    Attributes:
+        returncode: the process's exit status (negative: killed by that signal).
+        stdout, stderr: captured output, cut at the limits (decoded as UTF-8, replacing errors).
+        timed_out: stopped at the wall-clock deadline.
+        output_limited: stopped because stdout passed `max_stdout_bytes`.
+        elapsed_s: wall-clock seconds from start to the last process reaped.
+        pid: the sandbox's process id, which is also its process group id.
+    """
+
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    output_limited: bool
+    elapsed_s: float
+    pid: int
+
+
+class _Capture:
+    """Reads a child's stdout and stderr together, keeping at most a cap of each."""
+
+    def __init__(self, process: subprocess.Popen, limits: SandboxLimits) -> None:
+        self.selector = selectors.DefaultSelector()
+        self.stdout = process.stdout
+        self.buffers = {process.stdout: bytearray(), process.stderr: bytearray()}
+        self.caps = {process.stdout: limits.max_stdout_bytes, process.stderr: limits.max_stderr_bytes}
+        self.num_stdout_bytes = 0
+        for stream in self.buffers:
+            os.set_blocking(stream.fileno(), False)
+            self.selector.register(stream, selectors.EVENT_READ)
+
+    @property
+    def is_open(self) -> bool:
+        """Whether either stream may still deliver output."""
+        return bool(self.selector.get_map())
+
+    @property
+    def stdout_overflow(self) -> bool:
+        """Whether the child wrote more to stdout than the cap."""
+        return self.num_stdout_bytes > self.caps[self.stdout]
+
+    def pump(self, timeout: float) -> None:
+        """Read whatever is ready within `timeout` seconds."""
+        for key, _ in self.selector.select(timeout):
+            stream = key.fileobj
+            chunk = os.read(stream.fileno(), _READ_CHUNK)
+            if not chunk:
+                self.selector.unregister(stream)
+                continue
+            if stream is self.stdout:
+                self.num_stdout_bytes += len(chunk)
+            buffer = self.buffers[stream]
+            buffer += chunk[: max(0, self.caps[stream] - len(buffer))]
+
+    def drain(self, timeout: float) -> None:
+        """Read until both streams close or `timeout` passes (an escaped writer keeps one open)."""
+        deadline = time.monotonic() + timeout
+        while self.is_open and time.monotonic() < deadline:
+            self.pump(max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        self.selector.close()
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_sandboxed(
+    program: str,
+    *,
+    stdin: str = "",
+    check_code: str | None = None,
+    limits: SandboxLimits = SandboxLimits(),
+) -> SandboxRun:
+    """Run `program` (then `check_code` in its namespace) as an untrusted script."""
+    workdir = tempfile.mkdtemp(prefix="cleave-sandbox-")
+    try:
+        return _run_in(Path(workdir).resolve(), program, stdin, check_code, limits)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run_in(workdir: Path, program: str, stdin: str, check_code: str | None, limits: SandboxLimits) -> SandboxRun:
+    (workdir / "solution.py").write_text(program, encoding="utf-8")
+    if check_code is not None:
+        (workdir / "check.py").write_text(check_code, encoding="utf-8")
+    (workdir / "stdin.txt").write_text(stdin, encoding="utf-8")
+    config = {
+        "workdir": str(workdir),
+        "program_path": str(workdir / "solution.py"),
+        "check_path": str(workdir / "check.py") if check_code is not None else None,
+        "cpu_time_s": limits.cpu_time_s,
+        "memory_bytes": limits.memory_bytes,
+        "file_size_bytes": limits.file_size_bytes,
+        "max_processes": limits.max_processes,
+        "max_open_files": limits.max_open_files,
+        "network_namespace": limits.network_namespace,
+        "pid_namespace": limits.pid_namespace,
+        "audit_hook": limits.audit_hook,
+    }
+    environment = {"HOME": str(workdir), "TMPDIR": str(workdir), "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+    command = [sys.executable, "-I", "-S", "-X", "utf8", str(_BOOTSTRAP), json.dumps(config)]
+    started = time.monotonic()
+    with open(workdir / "stdin.txt", "rb") as stdin_file:
+        process = subprocess.Popen(
+            command,
+            stdin=stdin_file,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=workdir,
+            env=environment,
+            start_new_session=True,
+            close_fds=True,
+        )
+    capture = _Capture(process, limits)
+    deadline = started + limits.wall_timeout_s
+    timed_out = False
+    try:
+        while not capture.stdout_overflow:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
+                break
+            if capture.is_open:
+                capture.pump(min(remaining, 0.1))
+            elif process.poll() is None:
+                try:
+                    process.wait(min(remaining, 0.1))
+                except subprocess.TimeoutExpired:
+                    pass
+            else:
+                break
+    finally:
+        # Also reaps anything the candidate left in its process group after a normal exit.
+        _kill_group(process.pid)
+        returncode = process.wait()
+        capture.drain(timeout=0.5)
+        capture.close()
+        process.stdout.close()
+        process.stderr.close()
+    return SandboxRun(
+        returncode=returncode,
+        stdout=bytes(capture.buffers[process.stdout]).decode("utf-8", "replace"),
+        stderr=bytes(capture.buffers[process.stderr]).decode("utf-8", "replace"),
+        timed_out=timed_out,
+        output_limited=capture.stdout_overflow,
+        elapsed_s=time.monotonic() - started,
+        pid=process.pid,
+    )
