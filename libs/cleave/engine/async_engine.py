@@ -40,10 +40,19 @@ class AsyncEngine:
         engine: the engine to drive; only the step thread touches it after this.
         idle_wait_s: how long the thread sleeps when idle before re-checking (it is woken
             at once by new commands).
+        on_step: called on the step thread with every step's outputs (all requests, also
+            those added through `call` that have no stream), e.g. to batch a step's tokens
+            into one message per consumer.
     """
 
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        idle_wait_s: float = 0.5,
+        on_step: Callable[[list[RequestOutput]], None] | None = None,
+    ) -> None:
         self.engine = engine
+        self._on_step = on_step
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -178,6 +187,8 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         if not outputs:
             return
+        if self._on_step is not None:
+            self._on_step(outputs)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         with self._lock:
             for output in outputs:

@@ -20,6 +20,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the context window
     ABORT = "abort"  # cancelled by the client, a deadline or the server
     ERROR = "error"  # failed inside the engine
+    TIMEOUT = "timeout"  # the request's deadline passed (set by services, not the engine)
 
 
 @dataclass
