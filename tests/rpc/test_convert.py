@@ -6,6 +6,8 @@ import pytest
 
 from cleave.errors import InvalidArgument
 from cleave.proto.cleave.v1 import common_pb2
+from cleave.engine.outputs import FinishReason
+from cleave.engine.sampling_params import SamplingParams
 from cleave.rpc import convert, types
 
 
@@ -34,23 +36,30 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
 
 def test_sampling_defaults_and_presence():
     params = convert.sampling_from_proto(common_pb2.SamplingParams(temperature=0.0))
-    assert params == types.SamplingParams(temperature=0.0)  # explicit 0 is kept: greedy
-    assert convert.sampling_from_proto(common_pb2.SamplingParams()).temperature is None
+    assert params == SamplingParams(temperature=0.0, max_tokens=None)  # explicit 0 is kept: greedy
+    unset = convert.sampling_from_proto(common_pb2.SamplingParams())
+    assert (unset.temperature, unset.top_p, unset.max_tokens, unset.n) == (1.0, 1.0, None, 1)
     assert convert.sampling_from_proto(common_pb2.SamplingParams(skip_special_tokens=False)).skip_special_tokens is False
 
 
+def test_sampling_min_tokens_is_refused_and_reasoning_applies():
+    with pytest.raises(InvalidArgument) as raised:
+        convert.sampling_from_proto(common_pb2.SamplingParams(min_tokens=2))
+    assert raised.value.field == "sampling.min_tokens"
+    options = types.ReasoningOptions(types.ReasoningMode.HIDDEN, max_thinking_tokens=9, min_thinking_tokens=2)
+    params = convert.sampling_from_proto(common_pb2.SamplingParams(), reasoning=options)
+    assert (params.max_thinking_tokens, params.min_thinking_tokens, params.include_reasoning) == (9, 2, False)
+
+
 def test_sampling_round_trip():
-    params = types.SamplingParams(
-        max_tokens=64, temperature=0.7, top_p=0.9, top_k=40, seed=0, stop=("</s>",),
-        stop_token_ids=(2, 7), n=4, logprobs=0, repetition_penalty=1.1, min_tokens=3,
-        skip_special_tokens=False,
+    params = SamplingParams(
+        max_tokens=64, temperature=0.75, top_p=0.875, top_k=40, seed=0, stop=["</s>"],
+        stop_token_ids=[2, 7], n=4, logprobs=0, repetition_penalty=1.125, skip_special_tokens=False,
     )
     wire = common_pb2.SamplingParams.FromString(convert.sampling_to_proto(params).SerializeToString())
     back = convert.sampling_from_proto(wire)
     assert back.seed == 0 and back.logprobs == 0  # zero survives thanks to `optional`
-    assert back.temperature == pytest.approx(0.7) and back.top_p == pytest.approx(0.9)
-    assert back == types.SamplingParams(**{**params.__dict__, "temperature": back.temperature,
-                                           "top_p": back.top_p, "repetition_penalty": back.repetition_penalty})
+    assert back == params  # the floats chosen are exact in float32
 
 
 def test_transfer_handle_round_trip():
@@ -97,6 +106,6 @@ def test_every_wire_dtype_has_an_itemsize():
 
 
 def test_finish_reasons_map_both_ways():
-    for reason in types.FinishReason:
+    for reason in FinishReason:
         assert convert.finish_reason_from_proto(convert.finish_reason_to_proto(reason)) is reason
     assert convert.finish_reason_to_proto(None) == common_pb2.FINISH_REASON_UNSPECIFIED

@@ -1,4 +1,5 @@
-"""Protobuf <-> `cleave.rpc.types`, with validation of everything a client can send.
+"""Protobuf <-> domain types (`cleave.rpc.types`, the engine's `SamplingParams` and
+`FinishReason`), with validation of everything a client can send.
 
 `*_from_proto` functions raise `cleave.errors.InvalidArgument` naming the dotted field path
 (e.g. "sampling.top_p"), which the rpc interceptor turns into INVALID_ARGUMENT.
@@ -12,6 +13,8 @@ from collections.abc import Iterable, Sequence
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from cleave.engine.outputs import FinishReason
+from cleave.engine.sampling_params import SamplingParams
 from cleave.errors import InvalidArgument
 from cleave.proto.cleave.v1 import common_pb2
 from cleave.rpc import types
@@ -29,7 +32,7 @@ _DTYPE_TO_PROTO = {name: common_pb2.DType.Value(f"DTYPE_{name.upper()}") for nam
 _DTYPE_FROM_PROTO = {value: name for name, value in _DTYPE_TO_PROTO.items()}
 _FINISH_TO_PROTO = {
     reason: common_pb2.FinishReason.Value(f"FINISH_REASON_{reason.name}")
-    for reason in types.FinishReason
+    for reason in FinishReason
 }
 _FINISH_FROM_PROTO = {value: reason for reason, value in _FINISH_TO_PROTO.items()}
 _TRANSPORT_TO_PROTO = {
@@ -67,9 +70,13 @@ def token_ids_from_proto(ids: Iterable[int], field: str, allow_empty: bool = Fal
 
 
 def sampling_from_proto(
-    message: common_pb2.SamplingParams, field: str = "sampling"
-) -> types.SamplingParams:
-    """Validate SamplingParams; unset message fields keep the defaults."""
+    message: common_pb2.SamplingParams,
+    field: str = "sampling",
+    reasoning: types.ReasoningOptions | None = None,
+) -> SamplingParams:
+    """Validate SamplingParams into the engine's type; unset fields take the engine defaults
+    (temperature, top_p and repetition_penalty 1.0; max_tokens 0 -> None: fill the context).
+    `reasoning` adds the thinking budget and whether reasoning text is returned."""
     temperature = _optional(message, "temperature")
     if temperature is not None:
         _check_finite(temperature, f"{field}.temperature")
@@ -98,46 +105,66 @@ def sampling_from_proto(
             raise InvalidArgument(f"must be in [-2, 2], got {value}", field=f"{field}.{name}")
     if message.max_tokens and message.min_tokens > message.max_tokens:
         raise InvalidArgument("must not exceed max_tokens", field=f"{field}.min_tokens")
+    if message.min_tokens:
+        raise InvalidArgument("is not supported by the engine yet; leave it 0", field=f"{field}.min_tokens")
     for position, stop in enumerate(message.stop):
         if not stop:
             raise InvalidArgument("stop strings must not be empty", field=f"{field}.stop[{position}]")
-    return types.SamplingParams(
-        max_tokens=message.max_tokens,
-        temperature=temperature,
-        top_p=top_p,
+    params = SamplingParams(
+        max_tokens=message.max_tokens or None,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
         top_k=message.top_k,
         min_p=message.min_p,
         seed=_optional(message, "seed"),
-        stop=tuple(message.stop),
-        stop_token_ids=token_ids_from_proto(
-            message.stop_token_ids, f"{field}.stop_token_ids", allow_empty=True
+        stop=list(message.stop),
+        stop_token_ids=list(
+            token_ids_from_proto(message.stop_token_ids, f"{field}.stop_token_ids", allow_empty=True)
         ),
         n=n,
         logprobs=logprobs,
-        repetition_penalty=repetition_penalty,
+        repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
         frequency_penalty=message.frequency_penalty,
         presence_penalty=message.presence_penalty,
         ignore_eos=message.ignore_eos,
         skip_special_tokens=_optional(message, "skip_special_tokens") is not False,
-        min_tokens=message.min_tokens,
     )
+    if reasoning is not None:
+        apply_reasoning(params, reasoning)
+    try:
+        params.validate()
+    except InvalidArgument as error:
+        raise InvalidArgument(error.message, field=f"{field}.{error.field}") from None
+    return params
 
 
-def sampling_to_proto(params: types.SamplingParams) -> common_pb2.SamplingParams:
+def apply_reasoning(params: SamplingParams, options: types.ReasoningOptions) -> SamplingParams:
+    """Copy thinking budgets and the reasoning mode into `params` (in place; returned)."""
+    params.max_thinking_tokens = options.max_thinking_tokens
+    params.min_thinking_tokens = options.min_thinking_tokens or 0
+    params.include_reasoning = options.mode is not types.ReasoningMode.HIDDEN
+    return params
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    """The wire form of the engine's SamplingParams (thinking fields travel in
+    ReasoningOptions, see `reasoning_to_proto`)."""
     message = common_pb2.SamplingParams(
-        max_tokens=params.max_tokens,
-        top_k=params.top_k,
+        max_tokens=params.max_tokens or 0,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=max(params.top_k, 0),
         min_p=params.min_p,
         stop=params.stop,
         stop_token_ids=params.stop_token_ids,
         n=params.n,
+        repetition_penalty=params.repetition_penalty,
         frequency_penalty=params.frequency_penalty,
         presence_penalty=params.presence_penalty,
         ignore_eos=params.ignore_eos,
         skip_special_tokens=params.skip_special_tokens,
-        min_tokens=params.min_tokens,
     )
-    for name in ("temperature", "top_p", "seed", "logprobs", "repetition_penalty"):
+    for name in ("seed", "logprobs"):
         value = getattr(params, name)
         if value is not None:
             setattr(message, name, value)
@@ -170,11 +197,11 @@ def reasoning_to_proto(options: types.ReasoningOptions) -> common_pb2.ReasoningO
     return message
 
 
-def finish_reason_to_proto(reason: types.FinishReason | None) -> int:
+def finish_reason_to_proto(reason: FinishReason | None) -> int:
     return common_pb2.FINISH_REASON_UNSPECIFIED if reason is None else _FINISH_TO_PROTO[reason]
 
 
-def finish_reason_from_proto(value: int) -> types.FinishReason | None:
+def finish_reason_from_proto(value: int) -> FinishReason | None:
     return _FINISH_FROM_PROTO.get(value)
 
 

@@ -2,7 +2,9 @@
 
 Servicers convert protobuf messages into these (`cleave.rpc.convert`) and hand them to a
 service backend; backends never see protobuf. Token ids are plain ints; tensors are raw
-bytes with a torch dtype name and a shape.
+bytes with a torch dtype name and a shape. Sampling parameters and finish reasons are the
+engine's own types (`cleave.engine.sampling_params.SamplingParams`,
+`cleave.engine.outputs.FinishReason`), re-exported here for convenience.
 """
 
 from __future__ import annotations
@@ -10,15 +12,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from cleave.engine.outputs import FinishReason
+from cleave.engine.sampling_params import SamplingParams
 
-class FinishReason(enum.Enum):
-    """Why a sample stopped (a running sample has no finish reason: None)."""
-
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-    ERROR = "error"
-    TIMEOUT = "timeout"
+__all__ = [
+    "ErrorInfo", "FinishReason", "KVLayout", "ReasoningMode", "ReasoningOptions", "RequestDelta",
+    "SamplingParams", "StepOutput", "TensorBytes", "TokenLogprob", "TopLogprobs", "TransferHandle",
+    "TransferStats", "TransportKind", "Usage", "WorkerLoad",
+]
 
 
 class ReasoningMode(enum.Enum):
@@ -36,28 +37,6 @@ class TransportKind(enum.Enum):
     TCP = "tcp"
     CUDA_IPC = "cuda_ipc"
     NCCL = "nccl"
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How tokens are sampled; None means "model default" (see common.proto)."""
-
-    max_tokens: int = 0  # 0: until the context is full
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int = 0  # 0: disabled
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    n: int = 1
-    logprobs: int | None = None  # number of top alternatives; None: no logprobs
-    repetition_penalty: float | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    min_tokens: int = 0
 
 
 @dataclass(frozen=True)
