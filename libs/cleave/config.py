@@ -81,6 +81,13 @@ class WorkerConfig:
     kvstore_address: str | None  # None: no shared KV store
     num_kv_blocks: int  # 0: size the cache from free device memory
     kv_listen: str  # host:port of the bulk TCP KV endpoint
+    dtype: str = "auto"  # weights and KV: auto (checkpoint's on CUDA, float32 on CPU), bfloat16, ...
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 256  # sequences per engine step
+    max_num_batched_tokens: int = 2048  # tokens per engine step
+    gpu_memory_utilization: float = 0.9  # share of device memory when num_kv_blocks is 0
+    enforce_eager: bool = False  # no CUDA graphs
+    transfer_timeout_s: float = 30.0  # an admitted request's KV must arrive (and Start come) by then
 
 
 @dataclass(frozen=True)
@@ -116,7 +123,7 @@ class _FlagSet:
         self.environ = environ
         self._list_defaults: dict[str, tuple[str, ...]] = {}
 
-    def add(self, flag: str, default: Any, help: str, **kwargs: Any) -> None:
+    def add(self, flag: str, default: Any, help: str, aliases: Sequence[str] = (), **kwargs: Any) -> None:
         env = env_name(flag)
         value = self.environ.get(env)
         if kwargs.get("action") == "append":
@@ -131,7 +138,7 @@ class _FlagSet:
             except ValueError as exc:
                 raise SystemExit(f"{env}: {exc}") from exc
         self.parser.add_argument(
-            flag, default=default if value is None else value, help=f"{help} (env {env})", **kwargs
+            flag, *aliases, default=default if value is None else value, help=f"{help} (env {env})", **kwargs
         )
 
     def parse(self, argv: Sequence[str] | None) -> argparse.Namespace:
@@ -157,8 +164,8 @@ def _flags(name: str, environ: Mapping[str, str]) -> _FlagSet:
     return flags
 
 
-def _add_model_flags(flags: _FlagSet) -> None:
-    flags.add("--model", DEFAULT_MODEL, "HF repo id or local model directory")
+def _add_model_flags(flags: _FlagSet, default_model: str = DEFAULT_MODEL) -> None:
+    flags.add("--model", default_model, "HF repo id or local model directory")
     flags.add("--served-model-name", "", "model id clients use (default: --model)")
     flags.add("--max-context-length", 0, "context length (0: from the model config)", type=int)
     flags.add("--reasoning-model", True, "the model thinks before answering",
@@ -214,16 +221,33 @@ def worker_config(
     name: Literal["prefill", "decode"], argv: Sequence[str] | None, environ: Mapping[str, str]
 ) -> WorkerConfig:
     """Parse a prefill or decode worker's flags."""
+    from cleave.engine.llm import default_model_path
+
+    shipped = default_model_path()
     flags = _flags(name, environ)
-    _add_model_flags(flags)
+    _add_model_flags(flags, str(shipped) if shipped is not None else DEFAULT_MODEL)
     flags.add("--worker-id", f"{name}-0", "stable id of this worker")
     flags.add("--device", "cuda", "torch device the model runs on")
     flags.add("--kvstore", "", "kvstore address host:port ('' for none)")
-    flags.add("--num-kv-blocks", 0, "KV cache blocks (0: from free device memory)", type=int)
-    flags.add("--kv-listen", "0.0.0.0:0", "bulk TCP KV transfer address host:port")
+    flags.add("--num-kv-blocks", 0, "KV cache blocks (0: from free device memory)", type=int,
+              aliases=("--num-blocks",))
+    flags.add("--kv-listen", "0.0.0.0:0", "bulk TCP KV transfer address host:port", aliases=("--transfer-listen",))
+    flags.add("--dtype", "auto", "weights and KV dtype: auto, bfloat16, float16 or float32")
+    flags.add("--block-size", 16, "tokens per KV block", type=int)
+    flags.add("--max-num-seqs", 256, "sequences per engine step", type=int)
+    flags.add("--max-num-batched-tokens", 2048, "tokens per engine step", type=int)
+    flags.add("--gpu-memory-utilization", 0.9, "share of device memory to fill when --num-kv-blocks is 0",
+              type=float)
+    flags.add("--enforce-eager", False, "run eagerly, without CUDA graphs", action=argparse.BooleanOptionalAction)
+    flags.add("--transfer-timeout", 30.0, "seconds an admitted request's KV has to arrive", type=float)
     args = flags.parse(argv)
     if args.num_kv_blocks < 0:
         raise SystemExit("--num-kv-blocks must be >= 0")
+    for flag in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, flag) <= 0:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be positive")
+    if not 0 < args.gpu_memory_utilization <= 1 or args.transfer_timeout <= 0:
+        raise SystemExit("--gpu-memory-utilization must be in (0, 1] and --transfer-timeout positive")
     return WorkerConfig(
         service=_service(name, args),
         model=_model(args),
@@ -232,6 +256,13 @@ def worker_config(
         kvstore_address=args.kvstore or None,
         num_kv_blocks=args.num_kv_blocks,
         kv_listen=args.kv_listen,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        transfer_timeout_s=args.transfer_timeout,
     )
 
 
