@@ -2,8 +2,8 @@
 
 Order matters: namespaces first (they need privileges the later steps give up), then the
 pid-namespace fork, then resource limits, then the audit hook, and only then the candidate.
-Every helper the hook calls is bound as a default argument, so a candidate that rebinds
-module globals or builtins cannot change what the hook checks.
+Every helper the hook calls is bound as a default argument of a globals-free copy, so a
+candidate that rebinds module globals or builtins cannot change what the hook checks.
 """
 
 import gc
@@ -12,6 +12,7 @@ import os
 import resource
 import signal
 import sys
+import types
 
 CLONE_NEWNET = 0x40000000
 CLONE_NEWPID = 0x20000000
@@ -72,8 +73,10 @@ def _wait_and_mirror(child_pid: int) -> None:
     """In the pid namespace's creator: wait for its init and exit the same way."""
     _, status = os.waitpid(child_pid, 0)
     if os.WIFSIGNALED(status):
-        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
-        os.kill(os.getpid(), os.WTERMSIG(status))
+        signal_number = os.WTERMSIG(status)
+        if signal_number not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(signal_number, signal.SIG_DFL)
+        os.kill(os.getpid(), signal_number)
     os._exit(os.waitstatus_to_exitcode(status))
 
 
@@ -90,76 +93,91 @@ def _limit(config: dict) -> None:
         resource.setrlimit(which, (value, value))
 
 
-def _make_resolver(_getcwd=os.getcwd, _readlink=os.readlink, _fsdecode=os.fsdecode, _fspath=os.fspath,
-                   _str=str, _len=len, _OSError=OSError, _PermissionError=PermissionError):
-    def resolve(path, dir_fd=None):
-        """Absolute path with every symlink followed (the kernel's view of `path`)."""
-        text = _fsdecode(_fspath(path))
-        if not text.startswith("/"):
-            base = _getcwd() if dir_fd is None else _readlink("/proc/self/fd/" + _str(dir_fd))
-            text = base + "/" + text
-        parts = []
-        pending = text.split("/")[::-1]
-        hops = 0
-        while pending:
-            part = pending.pop()
-            if part == "" or part == ".":
-                continue
-            if part == "..":
-                if parts:
-                    parts.pop()
-                continue
-            location = "/" + "/".join(parts + [part])
-            try:
-                target = _readlink(location)
-            except _OSError:
-                parts.append(part)
-                continue
-            hops += 1
-            if hops > 40:
-                raise _PermissionError("sandbox: too many symlinks")
-            if target.startswith("/"):
-                parts = []
-            pending.extend(target.split("/")[::-1])
-        return "/" + "/".join(parts)
-
-    return resolve
+def _resolve(path, dir_fd=None, _getcwd=os.getcwd, _readlink=os.readlink, _fsdecode=os.fsdecode,
+             _fspath=os.fspath, _str=str, _OSError=OSError, _PermissionError=PermissionError):
+    """Absolute path with every symlink followed (the kernel's view of `path`)."""
+    text = _fsdecode(_fspath(path))
+    if not text.startswith("/"):
+        base = _getcwd() if dir_fd is None or dir_fd < 0 else _readlink("/proc/self/fd/" + _str(dir_fd))
+        text = base + "/" + text
+    parts = []
+    pending = text.split("/")[::-1]
+    hops = 0
+    while pending:
+        part = pending.pop()
+        if part == "" or part == ".":
+            continue
+        if part == "..":
+            if parts:
+                parts.pop()
+            continue
+        location = "/" + "/".join(parts + [part])
+        try:
+            target = _readlink(location)
+        except _OSError:
+            parts.append(part)
+            continue
+        hops += 1
+        if hops > 40:
+            raise _PermissionError("sandbox: too many symlinks")
+        if target.startswith("/"):
+            parts = []
+        pending.extend(target.split("/")[::-1])
+    return "/" + "/".join(parts)
 
 
-def _make_hook(root, resolve, _blocked=_BLOCKED_EVENTS, _prefixes=_BLOCKED_PREFIXES,
-               _imports=_BLOCKED_IMPORTS, _path_events=_PATH_EVENTS, _write_flags=_WRITE_FLAGS,
-               _int=int, _isinstance=isinstance, _type=type, _len=len, _any=any,
-               _PermissionError=PermissionError):
-    allowed_devices = ("/dev/null",)
+def _inside(path, dir_fd=None, _root="/nonexistent", _resolve=_resolve, _isinstance=isinstance, _int=int,
+            _devices=("/dev/null",)):
+    """Whether writing `path` stays inside the work directory."""
+    if path is None or _isinstance(path, _int):
+        return True
+    real = _resolve(path, dir_fd)
+    return real == _root or real.startswith(_root + "/") or real in _devices
 
-    def inside(path, dir_fd=None):
-        if path is None or _isinstance(path, _int):
-            return True
-        real = resolve(path, dir_fd)
-        return real == root or real.startswith(root + "/") or real in allowed_devices
 
-    def hook(event, args):
-        if event in _blocked or event.startswith(_prefixes):
-            raise _PermissionError("sandbox: " + event + " is not allowed")
-        if event == "import" and args[0] in _imports:
-            raise _PermissionError("sandbox: importing " + args[0] + " is not allowed")
-        if event == "open":
-            path, mode, flags = args
-            writes = (mode is not None and _any(c in mode for c in "wax+")) or (
-                _isinstance(flags, _int) and flags & _write_flags
-            )
-            if writes and not inside(path):
-                raise _PermissionError("sandbox: writing outside the work directory is not allowed")
-        elif event in _path_events:
-            indices, dir_fd_index = _path_events[event]
-            dir_fd = args[dir_fd_index] if dir_fd_index is not None and dir_fd_index < _len(args) else None
-            for index in indices:
-                if not inside(args[index], dir_fd):
-                    raise _PermissionError("sandbox: " + event + " outside the work directory is not allowed")
-        elif event == "object.__setattr__" and _type(args[0]).__name__ == "function":
-            raise _PermissionError("sandbox: rebinding function internals is not allowed")
+def _hook(event, args, _inside=_inside, _blocked=_BLOCKED_EVENTS, _prefixes=_BLOCKED_PREFIXES,
+          _imports=_BLOCKED_IMPORTS, _path_events=_PATH_EVENTS, _write_flags=_WRITE_FLAGS, _int=int,
+          _isinstance=isinstance, _type=type, _len=len, _any=any, _this_file=__file__,
+          _guarded=("__code__", "__defaults__", "__kwdefaults__"), _PermissionError=PermissionError):
+    if event in _blocked or event.startswith(_prefixes):
+        raise _PermissionError("sandbox: " + event + " is not allowed")
+    if event == "import" and args[0] in _imports:
+        raise _PermissionError("sandbox: importing " + args[0] + " is not allowed")
+    if event == "open":
+        path, mode, flags = args
+        writes = (mode is not None and _any(c in mode for c in "wax+")) or (
+            _isinstance(flags, _int) and flags & _write_flags
+        )
+        if writes and not _inside(path):
+            raise _PermissionError("sandbox: writing outside the work directory is not allowed")
+    elif event in _path_events:
+        indices, dir_fd_index = _path_events[event]
+        dir_fd = args[dir_fd_index] if dir_fd_index is not None and dir_fd_index < _len(args) else None
+        for index in indices:
+            if not _inside(args[index], dir_fd):
+                raise _PermissionError("sandbox: " + event + " outside the work directory is not allowed")
+    elif (
+        event == "object.__setattr__"
+        and _type(args[0]).__name__ == "function"
+        and args[1] in _guarded
+        and args[0].__code__.co_filename == _this_file
+    ):
+        raise _PermissionError("sandbox: rebinding the sandbox's functions is not allowed")
 
-    return hook
+
+def _frozen(function, **overrides):
+    """A copy of `function` with some defaults replaced and no globals to tamper with."""
+    code = function.__code__
+    names = code.co_varnames[code.co_argcount - len(function.__defaults__) : code.co_argcount]
+    values = dict(zip(names, function.__defaults__), **overrides)
+    defaults = tuple(values[name] for name in names)
+    return types.FunctionType(code, {"__builtins__": {}}, function.__name__, defaults)
+
+
+def _make_hook(root):
+    """The audit hook for work directory `root`; it reads no globals, closures or builtins."""
+    inside = _frozen(_inside, _root=root, _resolve=_frozen(_resolve))
+    return _frozen(_hook, _inside=inside)
 
 
 def _run_candidate(program_path: str, check_path: str | None) -> int:
@@ -206,7 +224,7 @@ def main() -> None:
     _limit(config)
     sys.argv = ["solution.py"]
     if config["audit_hook"]:
-        sys.addaudithook(_make_hook(root, _make_resolver()))
+        sys.addaudithook(_make_hook(root))
     os._exit(_run_candidate(config["program_path"], config.get("check_path")))
 
 

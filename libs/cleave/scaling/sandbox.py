@@ -120,9 +120,33 @@ class _Capture:
         self.selector.close()
 
 
-def _kill_group(pgid: int) -> None:
+def _child_pids(pid: int) -> list[int]:
     try:
-        os.killpg(pgid, signal.SIGKILL)
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _kill(process: subprocess.Popen) -> None:
+    """SIGKILL the sandbox and everything in its process group, leaving no zombie behind.
+
+    With a pid namespace the candidate runs as the namespace's init, a child of the
+    sandbox process. It is killed first so the sandbox process reaps it (its exit takes the
+    whole namespace with it); killing both at once would orphan it as a zombie of the host's
+    init.
+    """
+    if process.poll() is None:
+        for child in _child_pids(process.pid):
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
 
@@ -193,8 +217,8 @@ def _run_in(workdir: Path, program: str, stdin: str, check_code: str | None, lim
             else:
                 break
     finally:
-        # Also reaps anything the candidate left in its process group after a normal exit.
-        _kill_group(process.pid)
+        # Also ends anything the candidate left in its process group after a normal exit.
+        _kill(process)
         returncode = process.wait()
         capture.drain(timeout=0.5)
         capture.close()
