@@ -1,0 +1,149 @@
+"""Host-side (CPU) cost of one engine decode step, measured on CPU with a tiny model.
+
+Runs the real `LLMEngine` (scheduler, input batching, sampler, detokenizer, stop checks,
+output building) with a tiny random Llama checkpoint on CPU. The tiny forward is cheap, so
+the host phases dominate and can be timed: `--batch` requests of `--prompt-len` random text
+ids each generate exactly `--output-len` tokens (ignore_eos); only decode steps that run
+the full batch are kept. Each phase is reported in ms per decode step:
+
+    schedule     Scheduler.schedule()
+    prepare      block copies + InputBatch (host arrays -> tensors)
+    forward      the tiny model's forward (device work on a GPU; excluded from host)
+    detokenize   the previous step's deferred text (overlaps the forward on a GPU)
+    sampling_prep SamplingTensors (host part of sampling)
+    sample       sampling itself (device work on a GPU; excluded from host)
+    postprocess  scheduler.postprocess, stop checks, output objects
+    host         schedule + prepare + detokenize + sampling_prep + postprocess
+
+    python bench/engine_host.py                          # batch 64 and 256
+    python bench/engine_host.py --batch 64 --profile     # cProfile of the decode loop
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PHASES = ("schedule", "prepare", "forward", "detokenize", "sampling_prep", "sample", "postprocess")
+HOST_PHASES = ("schedule", "prepare", "detokenize", "sampling_prep", "postprocess")
+TEXT_IDS = (8, 500)  # plain BPE tokens of the tiny tokenizer (specials and think tags excluded)
+
+
+def phase_ms(stats) -> dict[str, float]:
+    """One StepStats split into disjoint phases, in milliseconds."""
+    return {
+        "schedule": stats.schedule_s * 1e3,
+        "prepare": stats.prepare_s * 1e3,
+        "forward": (stats.forward_s - stats.overlap_s) * 1e3,
+        "detokenize": stats.overlap_s * 1e3,
+        "sampling_prep": stats.sampling_prep_s * 1e3,
+        "sample": (stats.sample_s - stats.sampling_prep_s) * 1e3,
+        "postprocess": stats.postprocess_s * 1e3,
+    }
+
+
+def make_engine(model_dir: Path, batch: int, args: argparse.Namespace):
+    from cleave.engine.llm import build_engine_config
+    from cleave.engine.llm_engine import LLMEngine
+
+    max_model_len = args.prompt_len + args.output_len + 1
+    blocks_per_seq = -(-max_model_len // args.block_size)
+    config = build_engine_config(
+        model_dir, device="cpu", dtype="float32", max_num_seqs=batch,
+        max_num_batched_tokens=max(batch * args.prompt_len, 2048), max_model_len=max_model_len,
+        block_size=args.block_size, num_blocks=batch * blocks_per_seq + 1, seed=0,
+    )
+    return LLMEngine(config)
+
+
+def run_batch(model_dir: Path, batch: int, args: argparse.Namespace, profiler: cProfile.Profile | None) -> dict:
+    """Decode `batch` requests to completion; mean phase ms over full-batch decode steps."""
+    import torch
+
+    from cleave.engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(1)
+    engine = make_engine(model_dir, batch, args)
+    rng = random.Random(batch)
+    params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
+    for index in range(batch):
+        engine.add_request(f"r{index}", [rng.randrange(*TEXT_IDS) for _ in range(args.prompt_len)], params)
+    rows, num_output = [], 0
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        profiling = profiler is not None and engine.scheduler.num_running == batch and not engine.scheduler.waiting
+        if profiling:
+            profiler.enable()
+        outputs = engine.step()
+        if profiling:
+            profiler.disable()
+        num_output += sum(len(sample.token_ids) for output in outputs for sample in output.outputs)
+        stats = engine.last_stats
+        if stats.num_seqs == batch and stats.num_tokens == batch:
+            rows.append(phase_ms(stats))
+    seconds = time.perf_counter() - start
+    if num_output != batch * args.output_len:
+        raise RuntimeError(f"expected {batch * args.output_len} output tokens, got {num_output}")
+    # Drop the first steps (allocator and cache warm-up).
+    rows = rows[min(5, len(rows) // 4) :]
+    result = {"batch": batch, "steps": len(rows)}
+    for phase in PHASES:
+        result[phase] = statistics.fmean(row[phase] for row in rows)
+    result["host"] = sum(result[phase] for phase in HOST_PHASES)
+    result["step"] = sum(result[phase] for phase in PHASES)
+    result["host_us_per_seq"] = 1e3 * result["host"] / batch
+    result["tokens_per_s"] = num_output / seconds
+    return result
+
+
+def format_rows(results: list[dict]) -> str:
+    columns = ["batch", "steps", *PHASES, "host", "step", "host_us_per_seq"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in results:
+        cells = [str(row[c]) if isinstance(row[c], int) else f"{row[c]:.3f}" for c in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per batch size; the fastest is kept")
+    parser.add_argument("--profile", action="store_true", help="cProfile full-batch steps; print the top functions")
+    parser.add_argument("--json", default=None, help="write the rows to this file")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from cleave.testing.tiny_models import write_tiny_checkpoint
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_tiny_checkpoint(Path(tmp) / "tiny", "llama", max_position_embeddings=4096)
+        for batch in args.batch:
+            profiler = cProfile.Profile() if args.profile else None
+            runs = [run_batch(model_dir, batch, args, profiler) for _ in range(args.repeats)]
+            results.append(min(runs, key=lambda row: row["host"]))
+            if profiler is not None:
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    print(format_rows(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
