@@ -1,38 +1,74 @@
-"""`python -m services.gateway`: config, then serve."""
+"""`python -m services.gateway`: config, then serve gRPC (and the OpenAI HTTP API) in one loop."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import sys
+from dataclasses import replace
 
 import structlog
+from aiohttp import web
 
-from cleave.config import gateway_config
+from cleave.config import GatewayConfig, gateway_config
 from cleave.logging import configure_logging
 from cleave.proto.cleave.v1 import gateway_pb2, gateway_pb2_grpc
 from cleave.rpc import ServiceRegistration, run_service
-from services.gateway.backend import GatewayBackend, UnwiredGatewayBackend
+from services.gateway.http_api import OpenAIApi, bound_port, start_http
+from services.gateway.model import ServedModel
+from services.gateway.router import GatewayOptions, RoutingBackend
 from services.gateway.servicer import GatewayServicer
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+log = structlog.get_logger("cleave.gateway")
 
 
 def registration(servicer: GatewayServicer) -> ServiceRegistration:
     return ServiceRegistration(SERVICE_NAME, servicer, gateway_pb2_grpc.add_GatewayServicer_to_server)
 
 
+class GatewayProcess:
+    """The routing backend plus the HTTP server: started before the gRPC server reports
+    SERVING, stopped after it drained."""
+
+    def __init__(self, backend: RoutingBackend, api: OpenAIApi | None, http_listen: str | None) -> None:
+        self.backend = backend
+        self.api = api
+        self.http_listen = http_listen
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        await self.backend.start()
+        if self.api is not None and self.http_listen:
+            self._runner = await start_http(self.api, self.http_listen)
+            log.info("openai http api listening", port=bound_port(self._runner))
+
+    async def shutdown(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.backend.shutdown()
+
+
+def build(config: GatewayConfig) -> tuple[GatewayServicer, GatewayProcess]:
+    """The servicer and the process lifecycle for a gateway config."""
+    model = ServedModel(config.model)
+    served = replace(config.model, max_context_length=model.max_model_len,
+                     is_reasoning_model=model.is_reasoning_model)
+    backend = RoutingBackend(
+        model, config.prefill_addresses, config.decode_addresses,
+        GatewayOptions(gateway_id=config.gateway_id, mode=config.mode),
+    )
+    servicer = GatewayServicer(backend, [served])
+    token_text = lambda token_id: model.tokenizer.decode([token_id])  # noqa: E731
+    api = OpenAIApi(backend, [served], token_text) if config.http_listen else None
+    return servicer, GatewayProcess(backend, api, config.http_listen)
+
+
 def main(argv: list[str] | None = None) -> int:
     config = gateway_config(argv, os.environ)
     configure_logging(config.service.log_level, config.service.log_json)
-    if config.http_listen:
-        structlog.get_logger("cleave.gateway").warning(
-            "the OpenAI-compatible HTTP API is not part of this build yet; serving gRPC only",
-            http_listen=config.http_listen,
-        )
-    backend: GatewayBackend = UnwiredGatewayBackend()
-    servicer = GatewayServicer(backend, [config.model])
-    asyncio.run(run_service([registration(servicer)], config.service, backend))
+    servicer, process = build(config)
+    asyncio.run(run_service([registration(servicer)], config.service, process))
     return 0
 
 

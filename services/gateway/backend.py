@@ -13,13 +13,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from cleave.rpc.types import (
-    FinishReason,
-    ReasoningOptions,
-    SamplingParams,
-    TopLogprobs,
-    Usage,
-)
+from cleave.engine.outputs import FinishReason
+from cleave.engine.sampling_params import SamplingParams
+from cleave.rpc.types import ReasoningOptions, TopLogprobs, Usage
 
 
 @dataclass(frozen=True)
@@ -102,10 +98,11 @@ class GenerateSpec:
     request_id: str
     model: str
     prompt: Prompt
-    sampling: SamplingParams
+    sampling: SamplingParams  # validated, reasoning options applied
     reasoning: ReasoningOptions
     scaling: Scaling
     stream: StreamShape
+    deadline: float | None = None  # event-loop time (loop.time()) by which the request must end
 
 
 @dataclass(frozen=True)
@@ -116,7 +113,7 @@ class SampleOutput:
     text: str = ""
     token_ids: tuple[int, ...] = ()
     reasoning_text: str = ""
-    finish_reason: FinishReason | None = None
+    finish_reason: FinishReason | None = None  # None: still running
     logprobs: tuple[TopLogprobs, ...] = ()
     reward: float | None = None
     advantage: float | None = None
@@ -152,7 +149,8 @@ class GatewayBackend(Protocol):
         """Abort or finish running requests and close worker channels."""
 
     def generate(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
-        """Run a request; raise cleave.errors (NotFound, ResourceExhausted...) to fail it."""
+        """Run a request; raise cleave.errors (NotFound, ResourceExhausted...) to fail it.
+        Closing the iterator early (client gone, deadline) aborts the request on its worker."""
 
     async def abort(self, request_id: str) -> bool:
         """Abort a running request; False if it is unknown or already finished."""

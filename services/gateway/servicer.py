@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 import grpc
 
@@ -20,7 +23,7 @@ from cleave.rpc.convert import (
     top_logprobs_to_proto,
     usage_to_proto,
 )
-from cleave.rpc.types import ReasoningOptions, SamplingParams
+from cleave.rpc.types import ReasoningOptions
 from services.gateway.backend import (
     ChatMessage,
     CodeTest,
@@ -36,6 +39,7 @@ from services.gateway.backend import (
 )
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+DEADLINE_MARGIN_S = 0.05
 _STRATEGIES = {
     gateway_pb2.TestTimeScaling.STRATEGY_UNSPECIFIED: ScalingStrategy.NONE,
     gateway_pb2.TestTimeScaling.STRATEGY_NONE: ScalingStrategy.NONE,
@@ -158,19 +162,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def generate_spec(self, request: gateway_pb2.GenerateRequest) -> GenerateSpec:
         request_id = request.request_id or current_request_id() or ""
-        sampling = (
-            sampling_from_proto(request.sampling)
-            if request.HasField("sampling")
-            else SamplingParams()
+        reasoning = (
+            reasoning_from_proto(request.reasoning) if request.HasField("reasoning") else ReasoningOptions()
         )
+        # an unset message is all defaults, so both cases go through the same validation
+        sampling = sampling_from_proto(request.sampling, reasoning=reasoning)
         return GenerateSpec(
             request_id=require_request_id(request_id),
             model=self._resolve_model(request.model),
             prompt=prompt_from_proto(request),
             sampling=sampling,
-            reasoning=reasoning_from_proto(request.reasoning)
-            if request.HasField("reasoning")
-            else ReasoningOptions(),
+            reasoning=reasoning,
             scaling=scaling_from_proto(request.scaling, sampling.n),
             stream=StreamShape(
                 aggregate=request.stream.aggregate,
@@ -183,8 +185,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         spec = self.generate_spec(request)
-        async for chunk in self.backend.generate(spec):
-            yield chunk_to_proto(chunk, spec.request_id, spec.model)
+        remaining = context.time_remaining()
+        if remaining is not None:
+            # end a little before the client's deadline, so it gets our DEADLINE_EXCEEDED
+            deadline = asyncio.get_running_loop().time() + max(remaining - DEADLINE_MARGIN_S, 0.0)
+            spec = replace(spec, deadline=deadline)
+        # aclosing: a cancelled call closes the backend's stream at once, which aborts the
+        # request on its worker instead of leaving that to garbage collection
+        async with contextlib.aclosing(self.backend.generate(spec)) as chunks:
+            async for chunk in chunks:
+                yield chunk_to_proto(chunk, spec.request_id, spec.model)
 
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -1,0 +1,102 @@
+"""One Attach stream per decode worker, demultiplexed into per-request queues.
+
+A decode worker sends one `StepOutput` per engine step holding the new tokens of every
+request this gateway owns there; `AttachStream` reads it on a background task and drops
+each `RequestDelta` into the queue of its request. A request registers its queue before it
+is started, so no delta can arrive unclaimed. When the stream breaks, every waiting request
+gets an `Unavailable` error (its worker is lost) and the worker leaves the rotation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+import grpc
+import structlog
+
+from cleave.errors import Unavailable
+from cleave.proto.cleave.v1 import decode_pb2
+from services.gateway.workers import WorkerHandle
+
+log = structlog.get_logger("cleave.gateway.attach")
+# How long to wait for a worker to acknowledge a new Attach stream (initial metadata).
+CONNECT_TIMEOUT_S = 5.0
+
+
+class AttachStream:
+    """The token stream of one decode worker for one gateway.
+
+    Args:
+        worker: the decode worker.
+        gateway_id: this gateway's stable id (the worker routes our requests' tokens by it).
+        on_broken: awaited when the stream ends unexpectedly.
+    """
+
+    def __init__(
+        self,
+        worker: WorkerHandle,
+        gateway_id: str,
+        on_broken: Callable[[WorkerHandle], Awaitable[None]] | None = None,
+    ) -> None:
+        self.worker = worker
+        self.gateway_id = gateway_id
+        self._on_broken = on_broken
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self.is_open = False
+
+    async def open(self) -> None:
+        """Open the stream and wait until the worker acknowledged it."""
+        self._call = self.worker.stub.Attach(decode_pb2.AttachRequest(gateway_id=self.gateway_id))
+        await asyncio.wait_for(self._call.initial_metadata(), CONNECT_TIMEOUT_S)
+        self.is_open = True
+        self._task = asyncio.create_task(self._read(self._call), name=f"attach-{self.worker.address}")
+
+    async def close(self) -> None:
+        self._closing = True
+        self.is_open = False
+        if self._call is not None:
+            self._call.cancel()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def register(self, request_id: str) -> asyncio.Queue:
+        """A queue that receives the request's RequestDelta messages (or an exception)."""
+        if not self.is_open:
+            raise Unavailable(f"decode worker {self.worker.address} has no open token stream")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        return queue
+
+    def unregister(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    async def _read(self, call: grpc.aio.UnaryStreamCall) -> None:
+        error: BaseException | None = None
+        try:
+            async for step in call:
+                if step.HasField("load"):
+                    self.worker.load = step.load
+                for delta in step.deltas:
+                    queue = self._queues.get(delta.request_id)
+                    if queue is not None:
+                        queue.put_nowait(delta)
+            error = Unavailable(f"decode worker {self.worker.address} closed its token stream")
+        except asyncio.CancelledError:
+            error = Unavailable("the gateway is shutting down")
+        except grpc.RpcError as exc:
+            error = Unavailable(f"lost decode worker {self.worker.address}: {exc.code().name}")
+        finally:
+            self.is_open = False
+            for queue in self._queues.values():
+                queue.put_nowait(error)
+            self._queues.clear()
+        if not self._closing:
+            log.warning("attach stream broken", address=self.worker.address, error=str(error))
+            if self._on_broken is not None:
+                await self._on_broken(self.worker)

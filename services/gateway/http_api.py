@@ -1,0 +1,272 @@
+"""OpenAI-compatible HTTP API (aiohttp) over the same `GatewayBackend` as the gRPC API.
+
+    GET  /v1/models
+    POST /v1/completions         prompt: text (no chat template) or token ids
+    POST /v1/chat/completions    messages through the chat template
+
+Streaming answers are server-sent events (`data: {...}\\n\\n`, then `data: [DONE]\\n\\n`).
+Reasoning models put their thinking in `reasoning_content` of the chat message (or delta),
+as vLLM and DeepSeek do, and count it in `usage.completion_tokens_details.reasoning_tokens`.
+A client that disconnects cancels its handler, which aborts the request on the worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from cleave.config import ModelConfig
+from cleave.errors import NotFound
+from cleave.rpc.types import TopLogprobs, Usage
+from services.gateway.backend import GatewayBackend, GenerateChunk, GenerateSpec, SampleOutput
+from services.gateway.openai_request import generate_spec, http_error
+
+log = structlog.get_logger("cleave.gateway.http")
+_CHAT_PARAMS = {"input": "messages", "sampling.logprobs": "top_logprobs"}
+_COMPLETION_PARAMS = {"input": "prompt", "token_ids.ids": "prompt"}
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+    }
+
+
+class OpenAIApi:
+    """The HTTP handlers.
+
+    Args:
+        backend: the gateway's serving logic.
+        models: served models, the first is the default.
+        token_text: token id -> its text (for logprobs).
+    """
+
+    def __init__(self, backend: GatewayBackend, models: Sequence[ModelConfig], token_text) -> None:  # type: ignore[no-untyped-def]
+        self.backend = backend
+        self.models = tuple(models)
+        self.token_text = token_text
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/health", self.health)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        data = [
+            {"id": m.id, "object": "model", "created": 0, "owned_by": "cleave", "root": m.source,
+             "max_model_len": m.max_context_length}
+            for m in self.models
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    def _model(self, body: Any) -> str:
+        name = body.get("model") if isinstance(body, dict) else None
+        if not name:
+            return self.models[0].id
+        if name not in {m.id for m in self.models}:
+            served = ", ".join(m.id for m in self.models)
+            raise NotFound(f"the model {name!r} does not exist here; served: {served}", field="model")
+        return name
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        params = _CHAT_PARAMS if chat else _COMPLETION_PARAMS
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        try:
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                return web.json_response(
+                    {"error": {"message": "the body is not valid JSON", "type": "invalid_request_error",
+                               "param": None, "code": None}}, status=400)
+            spec, stream = generate_spec(body, request_id, self._model(body), chat)
+            shaper = _Shaper(spec, chat, self.token_text, include_usage=_include_usage(body))
+            chunks = self.backend.generate(spec)
+            async with contextlib.aclosing(chunks):
+                if stream:
+                    return await self._stream(request, chunks, shaper)
+                async for chunk in chunks:
+                    shaper.add(chunk)
+                return web.json_response(shaper.complete())
+        except Exception as error:  # every failure becomes an OpenAI error body
+            mapped = http_error(error, params)
+            if mapped.status == 500:
+                log.exception("request failed", request_id=request_id)
+            return web.json_response(mapped.body, status=mapped.status)
+
+    async def _stream(
+        self, request: web.Request, chunks: AsyncIterator[GenerateChunk], shaper: "_Shaper"
+    ) -> web.StreamResponse:
+        first = await anext(chunks, None)  # errors before the first token still get a status
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        try:
+            if first is not None:
+                for event in shaper.events(first):
+                    await response.write(_sse(event))
+                async for chunk in chunks:
+                    for event in shaper.events(chunk):
+                        await response.write(_sse(event))
+            if shaper.include_usage:
+                await response.write(_sse(shaper.usage_event()))
+        except Exception as error:  # after the headers went out, an error travels as an event
+            if isinstance(error, ConnectionResetError):
+                raise
+            await response.write(_sse(http_error(error, {}).body))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _include_usage(body: Any) -> bool:
+    options = body.get("stream_options") if isinstance(body, dict) else None
+    return isinstance(options, dict) and bool(options.get("include_usage"))
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+class _Shaper:
+    """Builds OpenAI response objects from GenerateChunks (whole or streamed)."""
+
+    def __init__(self, spec: GenerateSpec, chat: bool, token_text, include_usage: bool) -> None:  # type: ignore[no-untyped-def]
+        self.spec = spec
+        self.chat = chat
+        self.token_text = token_text
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self.usage = Usage()
+        self.samples: dict[int, dict[str, Any]] = {
+            i: {"text": [], "reasoning": [], "finish_reason": None, "logprobs": []} for i in range(spec.sampling.n)
+        }
+        self._sent_role: set[int] = set()
+
+    def add(self, chunk: GenerateChunk) -> None:
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        for sample in chunk.samples:
+            state = self.samples.setdefault(sample.index, {"text": [], "reasoning": [], "finish_reason": None, "logprobs": []})
+            state["text"].append(sample.text)
+            state["reasoning"].append(sample.reasoning_text)
+            state["logprobs"].extend(sample.logprobs)
+            if sample.finish_reason is not None:
+                state["finish_reason"] = sample.finish_reason.value
+
+    def _logprobs(self, entries: Sequence[TopLogprobs]) -> dict[str, Any] | None:
+        if self.spec.sampling.logprobs is None:
+            return None
+        if self.chat:
+            return {"content": [
+                {"token": self.token_text(e.sampled.token_id), "logprob": e.sampled.logprob, "bytes": None,
+                 "top_logprobs": [{"token": self.token_text(t.token_id), "logprob": t.logprob, "bytes": None}
+                                  for t in e.top]}
+                for e in entries
+            ]}
+        return {
+            "tokens": [self.token_text(e.sampled.token_id) for e in entries],
+            "token_logprobs": [e.sampled.logprob for e in entries],
+            "top_logprobs": [{self.token_text(t.token_id): t.logprob for t in e.top} for e in entries],
+            "text_offset": [],
+        }
+
+    def complete(self) -> dict[str, Any]:
+        choices = []
+        for index in sorted(self.samples):
+            state = self.samples[index]
+            text = "".join(state["text"])
+            choice: dict[str, Any] = {"index": index, "finish_reason": state["finish_reason"],
+                                      "logprobs": self._logprobs(state["logprobs"])}
+            if self.chat:
+                reasoning = "".join(state["reasoning"])
+                choice["message"] = {"role": "assistant", "content": text,
+                                     "reasoning_content": reasoning or None}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        return {
+            "id": self.spec.request_id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.spec.model,
+            "choices": choices,
+            "usage": usage_json(self.usage),
+        }
+
+    def _event(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.spec.request_id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.spec.model,
+            "choices": choices,
+        }
+
+    def events(self, chunk: GenerateChunk) -> list[dict[str, Any]]:
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        events = []
+        for sample in chunk.samples:
+            events.append(self._event([self._choice_delta(sample)]))
+        return events
+
+    def _choice_delta(self, sample: SampleOutput) -> dict[str, Any]:
+        finish = sample.finish_reason.value if sample.finish_reason is not None else None
+        logprobs = self._logprobs(sample.logprobs) if sample.logprobs else None
+        if not self.chat:
+            return {"index": sample.index, "text": sample.text, "logprobs": logprobs, "finish_reason": finish}
+        delta: dict[str, Any] = {}
+        if sample.index not in self._sent_role:
+            self._sent_role.add(sample.index)
+            delta["role"] = "assistant"
+        if sample.text:
+            delta["content"] = sample.text
+        if sample.reasoning_text:
+            delta["reasoning_content"] = sample.reasoning_text
+        return {"index": sample.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    def usage_event(self) -> dict[str, Any]:
+        event = self._event([])
+        event["usage"] = usage_json(self.usage)
+        return event
+
+
+async def start_http(api: OpenAIApi, address: str) -> web.AppRunner:
+    """Serve the API on host:port in the running event loop (port 0: any free port)."""
+    host, _, port = address.rpartition(":")
+    runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host or "0.0.0.0", int(port))
+    await site.start()
+    return runner
+
+
+def bound_port(runner: web.AppRunner) -> int:
+    """The port an HTTP runner listens on."""
+    for site in runner.sites:
+        server = getattr(site, "_server", None)
+        if server is not None and server.sockets:
+            return server.sockets[0].getsockname()[1]
+    raise RuntimeError("the HTTP server is not listening")

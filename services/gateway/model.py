@@ -1,0 +1,110 @@
+"""The served model as the gateway sees it: tokenizer, chat template, context, think tags.
+
+The gateway never loads weights. It reads the checkpoint directory's tokenizer files,
+`config.json` (context length, vocabulary), `generation_config.json` (sampling defaults)
+and `cleave_config.json` (reasoning tags), and turns a `Prompt` into token ids.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cleave.config import ModelConfig as ServedModelConfig
+from cleave.engine.llm_engine import read_reasoning_config
+from cleave.engine.request import ReasoningConfig
+from cleave.errors import InvalidArgument
+from cleave.model.config import ModelConfig
+from cleave.model.tokenizer import Tokenizer
+from services.gateway.backend import Prompt
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """Model defaults for unset sampling fields (`generation_config.json`)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+def _read_defaults(path: Path) -> SamplingDefaults:
+    file = path / "generation_config.json"
+    raw: dict[str, Any] = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
+    return SamplingDefaults(
+        temperature=float(raw.get("temperature", 1.0)) if raw.get("do_sample", True) else 0.0,
+        top_p=float(raw.get("top_p", 1.0)),
+        top_k=int(raw.get("top_k", 0) or 0),
+    )
+
+
+class ServedModel:
+    """Tokenization and limits of one served model.
+
+    Args:
+        config: the model section of the gateway's configuration; `source` must be a local
+            checkpoint directory.
+    """
+
+    def __init__(self, config: ServedModelConfig) -> None:
+        path = Path(config.source)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model {config.source!r} is not a checkpoint directory with config.json; "
+                "download it first and pass its path with --model"
+            )
+        self.config = config
+        self.path = path
+        self.tokenizer = Tokenizer.from_pretrained(path)
+        model_config = ModelConfig.from_pretrained(path)
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = config.max_context_length or model_config.max_position_embeddings
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
+        reasoning = read_reasoning_config(path)
+        self.reasoning: ReasoningConfig | None = reasoning if config.is_reasoning_model else None
+        self.defaults = _read_defaults(path)
+
+    @property
+    def id(self) -> str:
+        return self.config.id
+
+    @property
+    def is_reasoning_model(self) -> bool:
+        return self.reasoning is not None
+
+    def encode(self, prompt: Prompt, enable_thinking: bool | None = None) -> list[int]:
+        """Token ids of a prompt; text and chat go through the chat template unless raw.
+
+        Raises InvalidArgument for token ids outside the vocabulary and for prompts the
+        template renders to nothing.
+        """
+        if prompt.token_ids is not None:
+            bad = next((t for t in prompt.token_ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise InvalidArgument(
+                    f"token id {bad} is outside this model's vocabulary [0, {self.vocab_size})",
+                    field="token_ids.ids",
+                )
+            return list(prompt.token_ids)
+        if prompt.text is not None and (prompt.raw or self.tokenizer.chat_template is None):
+            return self.tokenizer.encode(prompt.text)
+        if prompt.text is not None:
+            messages: list[dict[str, Any]] = [{"role": "user", "content": prompt.text}]
+        else:
+            messages = [
+                {
+                    "role": m.role,
+                    "content": m.content,
+                    "reasoning_content": m.reasoning_content or None,
+                    "name": m.name or None,
+                }
+                for m in prompt.chat or ()
+            ]
+        kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not token_ids:
+            raise InvalidArgument("renders to an empty prompt", field="input")
+        return token_ids

@@ -1,0 +1,195 @@
+"""OpenAI-style JSON requests -> `GenerateSpec`, with OpenAI-style errors.
+
+Sampling options are copied into a `cleave.v1.SamplingParams` message and validated by the
+same `sampling_from_proto` the gRPC API uses, so both APIs accept and reject the same
+values; errors name the OpenAI parameter (`temperature`, `max_tokens`, `messages`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cleave.errors import CleaveError, InvalidArgument
+from cleave.proto.cleave.v1 import common_pb2
+from cleave.rpc.convert import MAX_SAMPLES, sampling_from_proto
+from cleave.rpc.types import ReasoningMode, ReasoningOptions
+from services.gateway.backend import ChatMessage, GenerateSpec, Prompt, Scaling, StreamShape
+
+_HTTP_STATUS = {
+    "INVALID_ARGUMENT": 400,
+    "NOT_FOUND": 404,
+    "FAILED_PRECONDITION": 400,
+    "RESOURCE_EXHAUSTED": 429,
+    "DEADLINE_EXCEEDED": 504,
+    "UNAVAILABLE": 503,
+    "CANCELLED": 499,
+}
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
+_REASONING_MODES = {"separate": ReasoningMode.SEPARATE, "hidden": ReasoningMode.HIDDEN, "inline": ReasoningMode.INLINE}
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class HttpError:
+    """An error response: HTTP status and the OpenAI `{"error": {...}}` body."""
+
+    status: int
+    body: dict[str, Any]
+
+
+def http_error(error: BaseException, param_names: dict[str, str]) -> HttpError:
+    """The HTTP status and OpenAI error body for an exception."""
+    if isinstance(error, CleaveError):
+        status = _HTTP_STATUS.get(error.status_code, 500)
+        param = param_names.get(error.field or "", _openai_param(error.field))
+        code = "model_not_found" if status == 404 and error.field == "model" else None
+        message = error.message if param is None else f"{param}: {error.message}"
+        body = {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}
+        return HttpError(status, {"error": body})
+    body = {"message": "internal server error", "type": "server_error", "param": None, "code": None}
+    return HttpError(500, {"error": body})
+
+
+def _openai_param(field: str | None) -> str | None:
+    if not field:
+        return None
+    for prefix in ("sampling.", "reasoning.", "scaling."):
+        if field.startswith(prefix):
+            return field[len(prefix):]
+    return field
+
+
+def _set(message: common_pb2.SamplingParams, name: str, value: Any, param: str) -> None:
+    try:
+        if isinstance(value, bool) and name not in ("ignore_eos", "skip_special_tokens"):
+            raise TypeError("booleans are not numbers")
+        setattr(message, name, value)
+    except (TypeError, ValueError) as error:
+        raise InvalidArgument(f"has the wrong type or range ({error})", field=param) from None
+
+
+def _stop(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return value
+    raise InvalidArgument("must be a string or a list of strings", field="stop")
+
+
+def _sampling(body: dict[str, Any], chat: bool) -> common_pb2.SamplingParams:
+    message = common_pb2.SamplingParams()
+    max_tokens = body.get("max_completion_tokens") if chat else None
+    max_param = "max_completion_tokens" if max_tokens is not None else "max_tokens"
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    if max_tokens is not None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise InvalidArgument(f"must be a positive integer, got {max_tokens!r}", field=max_param)
+        _set(message, "max_tokens", max_tokens, max_param)
+    for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+                 "top_k", "seed", "ignore_eos", "skip_special_tokens"):
+        value = body.get(name)
+        if value is not None:
+            if name == "top_k" and value == -1:
+                value = 0
+            _set(message, name, value, name)
+    n = body.get("n")
+    if n is not None:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
+            raise InvalidArgument(f"must be an integer in [1, {MAX_SAMPLES}], got {n!r}", field="n")
+        message.n = n
+    message.stop.extend(_stop(body.get("stop")))
+    if chat:
+        if body.get("logprobs"):
+            top = body.get("top_logprobs") or 0
+            _set(message, "logprobs", top, "top_logprobs")
+    elif body.get("logprobs") is not None:
+        _set(message, "logprobs", body["logprobs"], "logprobs")
+    return message
+
+
+def _reasoning(body: dict[str, Any]) -> ReasoningOptions:
+    mode_name = body.get("reasoning_mode")
+    if mode_name is not None and mode_name not in _REASONING_MODES:
+        raise InvalidArgument(f"must be one of {', '.join(_REASONING_MODES)}", field="reasoning_mode")
+    if body.get("include_reasoning") is False:
+        mode_name = "hidden"
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise InvalidArgument("must be an object", field="chat_template_kwargs")
+    enable_thinking = kwargs.get("enable_thinking")
+    max_thinking = body.get("max_thinking_tokens")
+    if max_thinking is not None and (isinstance(max_thinking, bool) or not isinstance(max_thinking, int) or max_thinking < 0):
+        raise InvalidArgument("must be a non-negative integer", field="max_thinking_tokens")
+    return ReasoningOptions(
+        mode=_REASONING_MODES.get(mode_name, ReasoningMode.DEFAULT),
+        max_thinking_tokens=max_thinking,
+        enable_thinking=enable_thinking if isinstance(enable_thinking, bool) else None,
+    )
+
+
+def _content_text(content: Any, position: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise InvalidArgument("only text content parts are supported", field=f"messages[{position}].content")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise InvalidArgument("must be a string or a list of text parts", field=f"messages[{position}].content")
+
+
+def chat_prompt(body: dict[str, Any]) -> Prompt:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidArgument("must be a non-empty list of messages", field="messages")
+    turns = []
+    for position, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
+            raise InvalidArgument(f"needs a role, one of {', '.join(CHAT_ROLES)}", field=f"messages[{position}].role")
+        role = "system" if message["role"] == "developer" else message["role"]
+        turns.append(ChatMessage(
+            role=role,
+            content=_content_text(message.get("content"), position),
+            reasoning_content=str(message.get("reasoning_content") or ""),
+            name=str(message.get("name") or ""),
+        ))
+    return Prompt(chat=tuple(turns))
+
+
+def completion_prompt(body: dict[str, Any]) -> Prompt:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidArgument("must not be empty", field="prompt")
+        return Prompt(text=prompt, raw=True)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        return Prompt(token_ids=tuple(prompt))
+    raise InvalidArgument("must be a non-empty string or list of token ids (one prompt per request)", field="prompt")
+
+
+def generate_spec(body: Any, request_id: str, model: str, chat: bool) -> tuple[GenerateSpec, bool]:
+    """(validated spec, whether to stream) of a /v1/completions or /v1/chat/completions body."""
+    if not isinstance(body, dict):
+        raise InvalidArgument("the request body must be a JSON object", field="body")
+    prompt = chat_prompt(body) if chat else completion_prompt(body)
+    reasoning = _reasoning(body)
+    sampling = sampling_from_proto(_sampling(body, chat), reasoning=reasoning)
+    stream = bool(body.get("stream", False))
+    spec = GenerateSpec(
+        request_id=request_id,
+        model=model,
+        prompt=prompt,
+        sampling=sampling,
+        reasoning=reasoning,
+        scaling=Scaling(num_samples=sampling.n),
+        stream=StreamShape(include_token_ids=True),
+    )
+    return spec, stream

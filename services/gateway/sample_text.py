@@ -1,0 +1,149 @@
+"""Token ids -> client text for one sample: detokenize, cut at stop strings, split reasoning.
+
+Decode workers stream token ids only (one message per engine step for all requests), so
+text is made here, per sample, with the engine's own pieces in the engine's order:
+`StopChecker.process` drives the `IncrementalDetokenizer` and holds back possible stop-string
+prefixes, then `ReasoningParser.feed` splits thinking from the answer. The parser always runs
+on reasoning models, so reasoning tokens are counted in every mode; the mode only decides
+what the client sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from cleave.engine.detokenizer import IncrementalDetokenizer
+from cleave.engine.outputs import FinishReason
+from cleave.engine.reasoning import ReasoningParser
+from cleave.engine.request import ReasoningConfig
+from cleave.engine.sampling_params import SamplingParams
+from cleave.engine.stop import StopChecker
+from cleave.model.tokenizer import Tokenizer
+from cleave.rpc.types import ReasoningMode
+from services.gateway.backend import SampleOutput
+from services.gateway.convert import TokenDelta
+
+
+def resolve_mode(mode: ReasoningMode, reasoning: ReasoningConfig | None) -> ReasoningMode:
+    """DEFAULT -> SEPARATE for reasoning models, INLINE otherwise; no tags -> INLINE."""
+    if reasoning is None:
+        return ReasoningMode.INLINE
+    return ReasoningMode.SEPARATE if mode is ReasoningMode.DEFAULT else mode
+
+
+class SampleText:
+    """Text state of one sample on the gateway.
+
+    Args:
+        index: sample index.
+        tokenizer / prompt_token_ids: what the detokenizer needs.
+        params: the request's resolved sampling params (stop strings, special tokens).
+        eos_token_ids: the model's end-of-sequence ids (their text is never shown).
+        reasoning: the model's think tags, or None for a plain model.
+        mode: SEPARATE, HIDDEN or INLINE (already resolved).
+        include_token_ids: put token ids into every output.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: Collection[int],
+        reasoning: ReasoningConfig | None,
+        mode: ReasoningMode,
+        include_token_ids: bool = False,
+    ) -> None:
+        self.index = index
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self._stop = StopChecker(params, eos_token_ids)
+        self._parser = (
+            ReasoningParser(reasoning.start_tag, reasoning.end_tag, reasoning.starts_in_reasoning)
+            if reasoning is not None
+            else None
+        )
+        self._mode = mode
+        self._include_token_ids = include_token_ids
+        self.token_ids: list[int] = []
+        self.answer_parts: list[str] = []  # answer text (reasoning removed)
+        self.reasoning_parts: list[str] = []
+        self.finish_reason: FinishReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_reasoning_tokens(self) -> int:
+        return 0 if self._parser is None else self._parser.num_reasoning_tokens
+
+    @property
+    def answer_text(self) -> str:
+        """The answer so far (what a verifier or a vote looks at)."""
+        return "".join(self.answer_parts)
+
+    @property
+    def reasoning_text(self) -> str:
+        return "".join(self.reasoning_parts)
+
+    def push(self, delta: TokenDelta) -> SampleOutput | None:
+        """Add one step's tokens; return the client-visible news (None when there is none).
+
+        Tokens after a stop string matched here are dropped: the sample already ended.
+        """
+        if self.finished:
+            return None
+        text: list[str] = []
+        reasoning: list[str] = []
+        new_ids: list[int] = []
+        for token_id in delta.token_ids:
+            new_ids.append(token_id)
+            update = self._stop.process(token_id, self._detokenizer)
+            self._feed(update.text, text, reasoning, num_tokens=1)
+            if update.finished:
+                self.finish_reason = update.finish_reason
+                break
+        self.token_ids.extend(new_ids)
+        if delta.finish_reason is not None and not self.finished:
+            final = self._stop.append_text(
+                "" if delta.finish_reason is FinishReason.ABORT else self._detokenizer.finish(), final=True
+            )
+            self._feed(final.text, text, reasoning, num_tokens=0)
+            self.finish_reason = final.finish_reason or delta.finish_reason
+        if self.finished and self._parser is not None:
+            tail = self._parser.finish()
+            self._route(tail.reasoning, tail.content, text, reasoning)
+        if not (text or reasoning or new_ids or self.finished):
+            return None
+        return SampleOutput(
+            index=self.index,
+            text="".join(text),
+            reasoning_text="".join(reasoning),
+            token_ids=tuple(new_ids) if self._include_token_ids else (),
+            finish_reason=self.finish_reason,
+            logprobs=delta.logprobs[: len(new_ids)],
+        )
+
+    def _feed(self, new_text: str, text: list[str], reasoning: list[str], num_tokens: int) -> None:
+        if self._parser is None:
+            if new_text:
+                text.append(new_text)
+                self.answer_parts.append(new_text)
+            return
+        if self._mode is ReasoningMode.INLINE and new_text:
+            text.append(new_text)
+        parsed = self._parser.feed(new_text, num_tokens=num_tokens)
+        self._route(parsed.reasoning, parsed.content, text, reasoning)
+
+    def _route(self, thought: str, content: str, text: list[str], reasoning: list[str]) -> None:
+        if content:
+            self.answer_parts.append(content)
+        if thought:
+            self.reasoning_parts.append(thought)
+        if self._mode is ReasoningMode.INLINE:
+            return
+        if content:
+            text.append(content)
+        if thought and self._mode is ReasoningMode.SEPARATE:
+            reasoning.append(thought)

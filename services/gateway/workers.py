@@ -1,0 +1,132 @@
+"""The gateway's view of its workers: channels, health, load, and rotation.
+
+Every configured worker gets one channel. A monitor task asks each worker's
+`grpc.health.v1` service and `GetLoad` every `health_interval_s`; a worker that is not
+SERVING (or does not answer in `check_timeout_s`) leaves the rotation and comes back once it
+reports SERVING again. Routing reads `WorkerHandle.load` (last poll) plus the live count of
+requests this gateway routed there (`in_flight`), which is fresher than any poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cleave.proto.cleave.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from cleave.rpc import aio_channel
+
+Role = Literal["prefill", "decode"]
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+log = structlog.get_logger("cleave.gateway.workers")
+
+
+@dataclass(frozen=True)
+class PoolOptions:
+    """How often and how patiently workers are checked."""
+
+    health_interval_s: float = 1.0
+    check_timeout_s: float = 2.0
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    """One worker: its stubs, last known load and whether it is in rotation."""
+
+    role: Role
+    address: str
+    channel: grpc.aio.Channel
+    stub: Any  # PrefillStub or DecodeStub
+    health: health_pb2_grpc.HealthStub
+    healthy: bool = False
+    load: common_pb2.WorkerLoad = field(default_factory=common_pb2.WorkerLoad)
+    in_flight: int = 0  # requests this gateway routed here that have not ended
+    in_flight_prompt_tokens: int = 0  # prompt tokens sent here and not yet prefilled
+
+    @property
+    def worker_id(self) -> str:
+        return self.load.worker_id or self.address
+
+
+ChangeCallback = Callable[[WorkerHandle], Awaitable[None]]
+
+
+class WorkerPool:
+    """All prefill and decode workers of one gateway.
+
+    Args:
+        prefill_addresses / decode_addresses: host:port of each worker.
+        options: check cadence.
+        on_change: awaited after a worker enters or leaves the rotation.
+    """
+
+    def __init__(
+        self,
+        prefill_addresses: Sequence[str],
+        decode_addresses: Sequence[str],
+        options: PoolOptions = PoolOptions(),
+        on_change: ChangeCallback | None = None,
+    ) -> None:
+        self.options = options
+        self._on_change = on_change
+        self.workers: list[WorkerHandle] = [
+            self._handle("prefill", address) for address in prefill_addresses
+        ] + [self._handle("decode", address) for address in decode_addresses]
+        self._monitor: asyncio.Task[None] | None = None
+
+    @staticmethod
+    def _handle(role: Role, address: str) -> WorkerHandle:
+        channel = aio_channel(address)
+        stub = (prefill_pb2_grpc.PrefillStub if role == "prefill" else decode_pb2_grpc.DecodeStub)(channel)
+        return WorkerHandle(role, address, channel, stub, health_pb2_grpc.HealthStub(channel))
+
+    def of_role(self, role: Role, healthy_only: bool = True) -> list[WorkerHandle]:
+        return [w for w in self.workers if w.role == role and (w.healthy or not healthy_only)]
+
+    async def start(self) -> None:
+        """Check every worker once, then keep checking in the background."""
+        await self.check_all()
+        self._monitor = asyncio.create_task(self._run(), name="gateway-worker-monitor")
+
+    async def close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        for worker in self.workers:
+            await worker.channel.close()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.health_interval_s)
+            await self.check_all()
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(worker) for worker in self.workers))
+
+    async def _check(self, worker: WorkerHandle) -> None:
+        timeout = self.options.check_timeout_s
+        try:
+            status = await worker.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            serving = status.status == _SERVING
+            if serving:
+                worker.load = (await worker.stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout)).load
+        except grpc.RpcError:
+            serving = False
+        await self.set_healthy(worker, serving)
+
+    async def set_healthy(self, worker: WorkerHandle, healthy: bool) -> None:
+        """Put a worker into or out of rotation (and tell the owner when that changed)."""
+        if worker.healthy == healthy:
+            return
+        worker.healthy = healthy
+        log.info("worker in rotation" if healthy else "worker out of rotation",
+                 role=worker.role, address=worker.address)
+        if self._on_change is not None:
+            await self._on_change(worker)
