@@ -40,6 +40,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 IGNORE_INDEX = -100
+MAX_POSITIONS = 512
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ def build_model(config: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> Llam
         num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_heads,
         num_key_value_heads=config.num_kv_heads,
-        max_position_embeddings=512,
+        max_position_embeddings=MAX_POSITIONS,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         tie_word_embeddings=True,
@@ -231,6 +232,8 @@ def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path)
     tokenizer_config_path = out / "tokenizer_config.json"
     tokenizer_config = json.loads(tokenizer_config_path.read_text())
     tokenizer_config["chat_template"] = CHAT_TEMPLATE
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"  # a name every transformers knows
+    tokenizer_config["model_max_length"] = MAX_POSITIONS
     tokenizer_config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     cleave_config = {"reasoning": {"start_tag": "<think>", "end_tag": "</think>", "starts_in_reasoning": False}}
     (out / "cleave_config.json").write_text(json.dumps(cleave_config, indent=2) + "\n")

@@ -165,17 +165,29 @@ def is_well_formed(text: str) -> bool:
     return re.fullmatch(r" The answer is \d+\.", after) is not None
 
 
-def step_consistency(text: str) -> float:
+_QUESTION_RE = re.compile(r"What is (\d+) \+ (\d+)\?")
+
+
+def step_consistency(text: str, question: str | None = None) -> float:
     """Fraction of the scratchpad's own checks that hold, in [0, 1]; 0 without a scratchpad.
 
     A verifier that does not know the answer: per line it checks the layout, that the column
     digits are the operands' last characters, the column sum, the carry taken from the line
     before and the new result digit; finally that the stated answer equals the last result.
+    Given the question, it also checks that the first line copied the operands faithfully.
     """
     if THINK_END not in text:
         return 0.0
     lines = text.split(THINK_END, 1)[0].removeprefix(THINK_START).strip("\n").split("\n")
     passed = total = 0
+    question_match = _QUESTION_RE.fullmatch(question) if question is not None else None
+    if question_match is not None:
+        total += 1
+        first = _LINE_RE.match(lines[0])
+        passed += first is not None and (
+            first.group(1).lstrip("_"),
+            first.group(2).lstrip("_"),
+        ) == question_match.groups()
     previous_carry = 0
     previous_digits = ""
     for line in lines:
