@@ -31,7 +31,8 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def run_batch(engine, batch: int, args: argparse.Namespace) -> tuple[dict, list[dict]]:
+def run_batch(engine, batch: int, args: argparse.Namespace, on_progress=None) -> tuple[dict, list[dict]]:
+    """Decode `batch` requests to the end; `on_progress(summary, rows)` runs every 2048 steps."""
     from cleave.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.output_len, temperature=0.8, ignore_eos=True)
@@ -48,7 +49,12 @@ def run_batch(engine, batch: int, args: argparse.Namespace) -> tuple[dict, list[
         if stats.num_tokens == stats.num_seqs == batch:
             context = args.prompt_len + len(steps) + 1
             steps.append((context, stats.forward_s, stats.total_s))
-    seconds = time.perf_counter() - start
+            if on_progress is not None and len(steps) % 2048 == 0:
+                on_progress(*_report(engine, batch, args, steps, num_output, time.perf_counter() - start))
+    return _report(engine, batch, args, steps, num_output, time.perf_counter() - start)
+
+
+def _report(engine, batch: int, args: argparse.Namespace, steps: list, num_output: int, seconds: float):
     model = engine.runner.model
     weights = weight_bytes(model)
     per_token = kv_bytes_per_token(model.config)
@@ -66,8 +72,8 @@ def run_batch(engine, batch: int, args: argparse.Namespace) -> tuple[dict, list[
             "forward_ms": forward_s * 1e3, "step_ms": statistics.median(s[2] for s in window) * 1e3,
             "gb_read": read / 1e9, "roofline_pct": 100.0 * read / forward_s / (args.hbm_tbs * 1e12),
         })
-    summary = {"batch": batch, "output_len": args.output_len, "seconds": round(seconds, 2),
-               "output_tokens_per_s": round(num_output / seconds, 1)}
+    summary = {"batch": batch, "output_len": args.output_len, "decode_steps": len(steps),
+               "seconds": round(seconds, 2), "output_tokens_per_s": round(num_output / seconds, 1)}
     return summary, rows
 
 
@@ -98,13 +104,19 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = write_checkpoint(Path(tmp), args.device)
         for batch in batches:
             engine = make_engine(model_dir, engine_args, max(batch, 1), sync_timing=True)
-            run_summary, batch_rows = run_batch(engine, batch, args)
-            summary["runs"].append(run_summary)
-            rows.extend(batch_rows)
-            print(json.dumps(run_summary), flush=True)
-            print(format_table(batch_rows, COLUMNS), flush=True)
-            if args.out:  # partial results survive a later timeout
-                write_results(args.out, "long_thinking", rows, COLUMNS, summary=summary)
+
+            def save(run_summary: dict, batch_rows: list[dict], done: int = len(rows)) -> None:
+                # partial results survive a later timeout: rewrite this batch's rows in place
+                del rows[done:]
+                rows.extend(batch_rows)
+                summary["runs"][done_runs:] = [run_summary]
+                print(json.dumps(run_summary), flush=True)
+                if args.out:
+                    write_results(args.out, "long_thinking", rows, COLUMNS, summary=summary)
+
+            done_runs = len(summary["runs"])
+            save(*run_batch(engine, batch, args, on_progress=save))
+            print(format_table(rows, COLUMNS), flush=True)
             del engine
             free_device_memory()
     print(format_table(rows, COLUMNS))
