@@ -3,7 +3,8 @@
 A decode worker sends one `StepOutput` per engine step holding the new tokens of every
 request this gateway owns there; `AttachStream` reads it on a background task and drops
 each `RequestDelta` into the queue of its request. A request registers its queue before it
-is started, so no delta can arrive unclaimed. When the stream breaks, every waiting request
+is started, so no delta can arrive unclaimed; the worker keeps deltas published before the
+stream is attached, so a request may start while the stream is still connecting. When the stream breaks, every waiting request
 gets an `Unavailable` error (its worker is lost) and the worker leaves the rotation.
 """
 
@@ -21,8 +22,6 @@ from cleave.proto.cleave.v1 import decode_pb2
 from services.gateway.workers import WorkerHandle
 
 log = structlog.get_logger("cleave.gateway.attach")
-# How long to wait for a worker to acknowledge a new Attach stream (initial metadata).
-CONNECT_TIMEOUT_S = 5.0
 
 
 class AttachStream:
@@ -49,10 +48,9 @@ class AttachStream:
         self._closing = False
         self.is_open = False
 
-    async def open(self) -> None:
-        """Open the stream and wait until the worker acknowledged it."""
+    def open(self) -> None:
+        """Open the stream (the worker buffers our deltas until it is attached)."""
         self._call = self.worker.stub.Attach(decode_pb2.AttachRequest(gateway_id=self.gateway_id))
-        await asyncio.wait_for(self._call.initial_metadata(), CONNECT_TIMEOUT_S)
         self.is_open = True
         self._task = asyncio.create_task(self._read(self._call), name=f"attach-{self.worker.address}")
 

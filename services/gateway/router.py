@@ -3,7 +3,7 @@
 One request, disaggregated:   tokenize -> validate -> pick decode (free blocks, load) ->
     Decode.Admit (reserve blocks) -> pick prefill (load, prefix affinity) -> Prefill (KV
     goes straight to the reserved blocks) -> Decode.Start(first tokens).
-Colocated:                    tokenize -> validate -> pick decode -> Decode.Start(prefill_locally).
+Colocated (and n > 1):        tokenize -> validate -> pick decode -> Decode.Start(prefill_locally).
 Then tokens arrive on the decode worker's Attach stream (one message per engine step for
 all of this gateway's requests), are demultiplexed to the request's queue, turned into
 text per sample (`SampleText`) and streamed as `GenerateChunk`s. `n` samples are one worker
@@ -142,13 +142,7 @@ class RoutingBackend:
         if stream is not None and stream.is_open:
             return
         stream = AttachStream(worker, self.options.gateway_id, on_broken=self._on_stream_broken)
-        try:
-            await stream.open()
-        except (grpc.RpcError, asyncio.TimeoutError) as error:
-            log.warning("cannot attach to decode worker", address=worker.address, error=repr(error))
-            await stream.close()
-            worker.healthy = False
-            return
+        stream.open()
         self._streams[worker.address] = stream
 
     async def _on_stream_broken(self, worker: WorkerHandle) -> None:
@@ -224,7 +218,9 @@ class RoutingBackend:
         reasoning = reasoning_to_proto(spec.reasoning)
         decode = running.decode
         request_id = running.worker_request_id
-        if self.options.mode == "colocated":
+        # A prefill worker hands one sample to the decode worker; n > 1 samples sharing the
+        # prompt KV are prefilled by the decode worker itself.
+        if self.options.mode == "colocated" or spec.sampling.n > 1:
             started = await self._rpc(
                 decode.stub.Start(
                     decode_pb2.StartRequest(

@@ -1,0 +1,125 @@
+"""An in-process cleave stack for gateway tests: kvstore, prefill, decode and gateway servers
+(real servicers and engine backends) on ephemeral ports in the test's event loop."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from cleave.config import ModelConfig
+from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from cleave.rpc import Server, aio_channel, serve
+from services.decode.__main__ import registration as decode_registration
+from services.decode.engine_backend import EngineDecodeBackend
+from services.decode.servicer import DecodeServicer
+from services.gateway.__main__ import registration as gateway_registration
+from services.gateway.http_api import OpenAIApi, bound_port, start_http
+from services.gateway.model import ServedModel
+from services.gateway.router import GatewayOptions, RoutingBackend
+from services.gateway.servicer import GatewayServicer
+from services.gateway.workers import PoolOptions
+from services.kvstore.__main__ import registration as kvstore_registration
+from services.kvstore.servicer import KVStoreServicer
+from services.kvstore.store import BlockStore, StoreConfig
+from services.prefill.__main__ import registration as prefill_registration
+from services.prefill.engine_backend import EnginePrefillBackend
+from services.prefill.servicer import PrefillServicer
+
+MODEL_NAME = "tiny"
+NUM_BLOCKS = 96
+MAX_MODEL_LEN = 256
+REASONING = {"start_tag": "<think>", "end_tag": "</think>", "starts_in_reasoning": True}
+
+
+def write_reasoning_config(model_dir: Path) -> None:
+    """Mark a tiny checkpoint as a reasoning model whose prompt opens the think block."""
+    (model_dir / "cleave_config.json").write_text(json.dumps({"reasoning": REASONING}))
+
+
+def engine_config(model_dir: Path) -> EngineConfig:
+    return EngineConfig(
+        model=str(model_dir), dtype="float32", device="cpu", enforce_eager=True,
+        scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=64),
+        cache=CacheConfig(num_blocks=NUM_BLOCKS),
+    )
+
+
+@dataclass
+class Stack:
+    """Running servers; `gateway_address` / `http_url` are what clients use."""
+
+    servers: list[Server] = field(default_factory=list)
+    backends: list = field(default_factory=list)
+    decode: list[EngineDecodeBackend] = field(default_factory=list)
+    prefill: list[EnginePrefillBackend] = field(default_factory=list)
+    router: RoutingBackend | None = None
+    kvstore_address: str = ""
+    gateway_address: str = ""
+    http_url: str = ""
+    http_runner: object = None
+
+    async def close(self) -> None:
+        if self.http_runner is not None:
+            await self.http_runner.cleanup()  # type: ignore[attr-defined]
+        for server in reversed(self.servers):
+            await server.drain(0)
+        for backend in reversed(self.backends):
+            await backend.shutdown()
+
+
+async def _serve(stack: Stack, registration, backend) -> Server:  # type: ignore[no-untyped-def]
+    if backend is not None:
+        await backend.start()
+        stack.backends.append(backend)
+    server = await serve([registration], "127.0.0.1:0", handle_signals=False)
+    await server.set_ready()
+    stack.servers.append(server)
+    return server
+
+
+async def start_stack(
+    model_dir: Path,
+    mode: Literal["disaggregated", "colocated"] = "disaggregated",
+    num_decode: int = 1,
+    health_interval_s: float = 0.2,
+) -> Stack:
+    """Start kvstore, prefill (disaggregated only), decode worker(s) and the gateway."""
+    stack = Stack()
+    config = engine_config(model_dir)
+    store = BlockStore(StoreConfig(ram_bytes=64 * 1024 * 1024))
+    kv_server = await _serve(stack, kvstore_registration(KVStoreServicer(store)), None)
+    stack.kvstore_address = kv_server.address
+    prefill_addresses = []
+    if mode == "disaggregated":
+        backend = EnginePrefillBackend(config, worker_id="prefill-0", model_id=MODEL_NAME,
+                                       kvstore_address=kv_server.address)
+        server = await _serve(stack, prefill_registration(PrefillServicer(backend, MODEL_NAME)), backend)
+        stack.prefill.append(backend)
+        prefill_addresses.append(server.address)
+    decode_addresses = []
+    for index in range(num_decode):
+        backend = EngineDecodeBackend(config, worker_id=f"decode-{index}", model_id=MODEL_NAME,
+                                      transfer_listen="127.0.0.1:0")
+        server = await _serve(stack, decode_registration(DecodeServicer(backend)), backend)
+        stack.decode.append(backend)
+        decode_addresses.append(server.address)
+    served = ModelConfig(source=str(model_dir), served_name=MODEL_NAME, max_context_length=MAX_MODEL_LEN)
+    model = ServedModel(served)
+    router = RoutingBackend(
+        model, prefill_addresses, decode_addresses,
+        GatewayOptions(gateway_id="gw-test", mode=mode, pool=PoolOptions(health_interval_s=health_interval_s)),
+    )
+    stack.router = router
+    models = [served]
+    gateway = await _serve(stack, gateway_registration(GatewayServicer(router, models)), router)
+    stack.gateway_address = gateway.address
+    api = OpenAIApi(router, models, lambda token_id: model.tokenizer.decode([token_id]))
+    stack.http_runner = await start_http(api, "127.0.0.1:0")
+    stack.http_url = f"http://127.0.0.1:{bound_port(stack.http_runner)}/v1"  # type: ignore[arg-type]
+    return stack
+
+
+def channel(stack: Stack):  # type: ignore[no-untyped-def]
+    return aio_channel(stack.gateway_address)

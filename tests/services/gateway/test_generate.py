@@ -1,0 +1,148 @@
+"""The Gateway gRPC API over real in-process workers, in both modes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from cleave.client import GatewayClient
+from cleave.client.gateway import build_request, collect
+from cleave.engine.sampling_params import SamplingParams
+from cleave.proto.cleave.v1 import common_pb2 as c, gateway_pb2 as g
+from tests.services.gateway.helpers import free_blocks, reference_llm, wait_for_free_blocks
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+PROMPT = "The quick brown fox"
+IDS = g.StreamOptions(include_token_ids=True)
+
+
+async def test_list_models(stack):
+    async with GatewayClient(stack.gateway_address) as client:
+        (model,) = await client.list_models()
+    assert (model.id, model.max_context_length, model.is_reasoning_model) == ("tiny", 256, True)
+
+
+async def test_greedy_tokens_equal_the_in_process_engine(stack, model_dir):
+    prompts = ["The quick brown fox", "Hello world!", "What is the capital of France?"]
+    expected = reference_llm(model_dir).generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
+    async with GatewayClient(stack.gateway_address) as client:
+        results = await asyncio.gather(
+            *(client.complete(p, max_tokens=10, temperature=0.0, stream=IDS) for p in prompts)
+        )
+    for result, reference in zip(results, expected):
+        assert result.samples[0].token_ids == reference.outputs[0].token_ids
+        assert result.samples[0].text == reference.outputs[0].text
+        assert result.samples[0].reasoning_text == reference.outputs[0].reasoning_text
+        assert result.usage.prompt_tokens == len(reference.prompt_token_ids)
+        assert result.usage.completion_tokens == 10
+
+
+async def test_reasoning_modes_split_the_same_tokens(stack, model_dir):
+    tokenizer = reference_llm(model_dir).tokenizer
+    results = {}
+    async with GatewayClient(stack.gateway_address) as client:
+        for mode in (c.REASONING_MODE_SEPARATE, c.REASONING_MODE_HIDDEN, c.REASONING_MODE_INLINE):
+            results[mode] = await client.complete(
+                PROMPT, max_tokens=12, temperature=0.0, stream=IDS,
+                reasoning=c.ReasoningOptions(mode=mode, max_thinking_tokens=4),
+            )
+    separate = results[c.REASONING_MODE_SEPARATE]
+    ids = separate.samples[0].token_ids
+    end_tag = tokenizer.encode("</think>", add_special_tokens=False)
+    assert ids[4:4 + len(end_tag)] == end_tag  # the budget closed thinking after 4 tokens
+    assert separate.samples[0].reasoning_text == tokenizer.decode(ids[:4], skip_special_tokens=True)
+    assert separate.usage.reasoning_tokens == 4 + len(end_tag)
+    hidden = results[c.REASONING_MODE_HIDDEN].samples[0]
+    assert (hidden.reasoning_text, hidden.text) == ("", separate.samples[0].text)
+    inline = results[c.REASONING_MODE_INLINE].samples[0]
+    assert inline.reasoning_text == ""
+    assert inline.text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert inline.text == separate.samples[0].reasoning_text + "</think>" + separate.samples[0].text
+
+
+async def test_stop_string_cuts_the_text(stack):
+    async with GatewayClient(stack.gateway_address) as client:
+        full = await client.complete(PROMPT, max_tokens=16, temperature=0.0, reasoning=c.ReasoningOptions(mode=c.REASONING_MODE_INLINE))
+        text = full.samples[0].text
+        stop = text[5:8]
+        cut = await client.complete(PROMPT, max_tokens=16, temperature=0.0, stop=[stop],
+                                    reasoning=c.ReasoningOptions(mode=c.REASONING_MODE_INLINE))
+    assert cut.samples[0].text == text[: text.index(stop)]
+    assert cut.samples[0].finish_reason == "stop"
+
+
+async def test_n_samples_share_one_request(stack):
+    async with GatewayClient(stack.gateway_address) as client:
+        result = await client.complete(PROMPT, max_tokens=6, temperature=1.0, seed=7, n=3, ignore_eos=True, stream=IDS)
+    assert [s.index for s in result.samples] == [0, 1, 2]
+    assert all(len(s.token_ids) == 6 and s.finish_reason == "length" for s in result.samples)
+    assert result.usage.completion_tokens == 18
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "code", "text"),
+    [
+        ({"temperature": -1.0}, grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature"),
+        ({"model": "other"}, grpc.StatusCode.NOT_FOUND, "model 'other' is not served"),
+        ({"max_tokens": 300}, grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens"),
+    ],
+)
+async def test_bad_requests_fail_with_the_field(stack, request_kwargs, code, text):
+    async with GatewayClient(stack.gateway_address) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await client.complete(PROMPT, **request_kwargs)
+    assert raised.value.code() == code
+    assert text in raised.value.details()
+
+
+async def test_empty_and_oversized_prompts_are_rejected(stack):
+    async with GatewayClient(stack.gateway_address) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as empty:
+            await collect(client.stream(g.GenerateRequest(text="")))
+        with pytest.raises(grpc.aio.AioRpcError) as too_long:
+            await client.complete([5] * 300, max_tokens=1)
+        with pytest.raises(grpc.aio.AioRpcError) as vocabulary:
+            await client.complete([5, 100_000], max_tokens=1)
+    assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text" in empty.value.details()
+    assert too_long.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "input" in too_long.value.details()
+    assert vocabulary.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "vocabulary" in vocabulary.value.details()
+
+
+async def test_client_cancel_aborts_and_frees_blocks(stack):
+    before = free_blocks(stack)
+    async with GatewayClient(stack.gateway_address) as client:
+        call = client.generate(PROMPT, max_tokens=200, ignore_eos=True, temperature=0.0)
+        received = 0
+        async for _ in call:
+            received += 1
+            if received == 2:
+                call.cancel()
+                break
+    assert received == 2
+    assert await wait_for_free_blocks(stack, before) == before
+    assert stack.router._running == {}
+
+
+async def test_abort_rpc_ends_the_stream_with_abort(stack):
+    before = free_blocks(stack)
+    async with GatewayClient(stack.gateway_address) as client:
+        call = client.stream(build_request(PROMPT, request_id="to-abort", max_tokens=200, ignore_eos=True))
+        first = await anext(aiter(call))
+        assert first.request_id == "to-abort"
+        assert await client.abort("to-abort") is True
+        result = await collect(call)
+        assert await client.abort("to-abort") is False
+    assert result.samples[0].finish_reason == "abort"
+    assert await wait_for_free_blocks(stack, before) == before
+
+
+async def test_deadline_aborts_with_deadline_exceeded(stack):
+    before = free_blocks(stack)
+    async with GatewayClient(stack.gateway_address) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await client.complete(PROMPT, timeout=0.3, max_tokens=240, ignore_eos=True, n=8, temperature=1.0)
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert await wait_for_free_blocks(stack, before) == before
