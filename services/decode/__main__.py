@@ -10,7 +10,9 @@ from cleave.config import worker_config
 from cleave.logging import configure_logging
 from cleave.proto.cleave.v1 import decode_pb2, decode_pb2_grpc
 from cleave.rpc import ServiceRegistration, run_service
-from services.decode.backend import DecodeBackend, UnwiredDecodeBackend
+from cleave.worker import engine_config_from_worker
+from services.decode.backend import DecodeBackend
+from services.decode.engine_backend import EngineDecodeBackend
 from services.decode.servicer import DecodeServicer
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
@@ -23,7 +25,13 @@ def registration(servicer: DecodeServicer) -> ServiceRegistration:
 def main(argv: list[str] | None = None) -> int:
     config = worker_config("decode", argv, os.environ)
     configure_logging(config.service.log_level, config.service.log_json)
-    backend: DecodeBackend = UnwiredDecodeBackend(config.worker_id)
+    backend: DecodeBackend = EngineDecodeBackend(
+        engine_config_from_worker(config),
+        worker_id=config.worker_id,
+        model_id=config.model.id,
+        transfer_listen=config.kv_listen,
+        transfer_timeout_s=config.transfer_timeout_s,
+    )
     servicer = DecodeServicer(backend)
     asyncio.run(run_service([registration(servicer)], config.service, backend))
     return 0

@@ -3,7 +3,7 @@
 Per request: `admit` reserves KV blocks and returns a TransferHandle, a prefill worker fills
 them, `start` begins decoding (or prefills locally in colocated mode). Each gateway holds one
 `attach` stream that yields a `StepOutput` per engine step with the new tokens of all its
-requests. The engine-backed implementation plugs in here.
+requests. `services.decode.engine_backend.EngineDecodeBackend` implements it over the engine.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from cleave.engine.sampling_params import SamplingParams
 from cleave.rpc.types import (
     KVLayout,
     ReasoningOptions,
-    SamplingParams,
     StepOutput,
     TopLogprobs,
     TransferHandle,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -24,7 +25,7 @@ from cleave.rpc.convert import (
     transport_to_proto,
     worker_load_to_proto,
 )
-from cleave.rpc.types import SamplingParams, StepOutput
+from cleave.rpc.types import StepOutput
 from services.decode.backend import AdmitSpec, DecodeBackend, HandshakeSpec, StartSpec
 
 
@@ -38,9 +39,7 @@ def admit_spec_from_proto(request: decode_pb2.AdmitRequest) -> AdmitSpec:
     return AdmitSpec(
         request_id=require_request_id(request.request_id),
         prompt_token_ids=token_ids_from_proto(request.prompt_token_ids, "prompt_token_ids"),
-        sampling=sampling_from_proto(request.sampling)
-        if request.HasField("sampling")
-        else SamplingParams(),
+        sampling=sampling_from_proto(request.sampling),  # unset: server defaults
         gateway_id=_require(request.gateway_id, "gateway_id"),
         prefill_worker_id=request.prefill_worker_id,
     )
@@ -138,8 +137,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self, request: decode_pb2.AttachRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.StepOutput]:
         gateway_id = _require(request.gateway_id, "gateway_id")
-        async for output in self.backend.attach(gateway_id):
-            yield step_output_to_proto(output)
+        # Closing the backend's stream when the client goes away detaches the gateway.
+        async with contextlib.aclosing(self.backend.attach(gateway_id)) as stream:
+            async for output in stream:
+                yield step_output_to_proto(output)
 
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -10,7 +10,9 @@ from cleave.config import worker_config
 from cleave.logging import configure_logging
 from cleave.proto.cleave.v1 import prefill_pb2, prefill_pb2_grpc
 from cleave.rpc import ServiceRegistration, run_service
-from services.prefill.backend import PrefillBackend, UnwiredPrefillBackend
+from cleave.worker import engine_config_from_worker
+from services.prefill.backend import PrefillBackend
+from services.prefill.engine_backend import EnginePrefillBackend
 from services.prefill.servicer import PrefillServicer
 
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
@@ -23,7 +25,12 @@ def registration(servicer: PrefillServicer) -> ServiceRegistration:
 def main(argv: list[str] | None = None) -> int:
     config = worker_config("prefill", argv, os.environ)
     configure_logging(config.service.log_level, config.service.log_json)
-    backend: PrefillBackend = UnwiredPrefillBackend(config.worker_id)
+    backend: PrefillBackend = EnginePrefillBackend(
+        engine_config_from_worker(config),
+        worker_id=config.worker_id,
+        model_id=config.model.id,
+        kvstore_address=config.kvstore_address,
+    )
     servicer = PrefillServicer(backend, config.model.id)
     asyncio.run(run_service([registration(servicer)], config.service, backend))
     return 0

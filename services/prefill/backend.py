@@ -2,7 +2,7 @@
 
 `PrefillBackend` receives a validated `PrefillSpec` (prompt ids, first-token sampling, the
 decode worker's TransferHandle) and returns a `PrefillResult`. The engine-backed
-implementation (kvstore lookup, chunked prefill, layer-by-layer KV send) plugs in here.
+implementation is `services.prefill.engine_backend.EnginePrefillBackend`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from cleave.rpc.types import SamplingParams, TopLogprobs, TransferHandle, TransferStats, WorkerLoad
+from cleave.engine.sampling_params import SamplingParams
+from cleave.rpc.types import TopLogprobs, TransferHandle, TransferStats, WorkerLoad
 
 
 @dataclass(frozen=True)

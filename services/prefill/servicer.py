@@ -15,7 +15,6 @@ from cleave.rpc.convert import (
     transport_to_proto,
     worker_load_to_proto,
 )
-from cleave.rpc.types import SamplingParams
 from services.prefill.backend import PrefillBackend, PrefillResult, PrefillSpec
 
 
@@ -27,9 +26,7 @@ def prefill_spec_from_proto(request: prefill_pb2.PrefillRequest, model_id: str) 
     return PrefillSpec(
         request_id=require_request_id(request.request_id),
         prompt_token_ids=token_ids_from_proto(request.prompt_token_ids, "prompt_token_ids"),
-        sampling=sampling_from_proto(request.sampling)
-        if request.HasField("sampling")
-        else SamplingParams(),
+        sampling=sampling_from_proto(request.sampling),  # unset: server defaults
         destination=transfer_handle_from_proto(request.destination)
         if request.HasField("destination")
         else None,

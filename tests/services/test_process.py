@@ -38,7 +38,9 @@ def wait_for_port(port_file: Path, process: subprocess.Popen, timeout_s: float =
 def processes(tmp_path_factory):
     """All four services as processes, started in parallel (imports dominate start-up)."""
     tmp = tmp_path_factory.mktemp("services")
-    env = {**os.environ, "CLEAVE_LOG_JSON": "true", "CLEAVE_HTTP_LISTEN": ""}
+    # The workers load the shipped (tiny) reasoner on the CPU.
+    env = {**os.environ, "CLEAVE_LOG_JSON": "true", "CLEAVE_HTTP_LISTEN": "", "CLEAVE_DEVICE": "cpu",
+           "CLEAVE_NUM_KV_BLOCKS": "64"}
     started = {}
     for name in SERVICES:
         port_file = tmp / f"{name}.port"

@@ -1,0 +1,68 @@
+"""Engine outputs -> stream deltas: what a decode worker puts on a gateway's step stream.
+
+The engine reports, per step, one delta `RequestOutput` per request with news (new token
+ids, text, running counts). The step stream carries token ids only — the gateway holds the
+tokenizer and detokenizes for its clients — plus finish reasons, logprobs and how many of
+the new tokens were thinking tokens (the engine's reasoning count is a running total; the
+delta carries the difference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cleave.engine.outputs import RequestOutput
+from cleave.engine.outputs import TokenLogprob as EngineLogprob
+from cleave.rpc.types import RequestDelta, TokenLogprob, TopLogprobs
+
+
+def top_logprobs_from_engine(logprob: EngineLogprob) -> TopLogprobs:
+    """The engine's logprob of one token as the wire's TopLogprobs (ranks are 1-based; the
+    sampled token's rank is 0 when it is not among the returned alternatives)."""
+    top = tuple(
+        TokenLogprob(token_id=token_id, logprob=value, rank=rank)
+        for rank, (token_id, value) in enumerate(zip(logprob.top_token_ids, logprob.top_logprobs), start=1)
+    )
+    rank = next((entry.rank for entry in top if entry.token_id == logprob.token_id), 0)
+    return TopLogprobs(sampled=TokenLogprob(token_id=logprob.token_id, logprob=logprob.logprob, rank=rank), top=top)
+
+
+class DeltaBuilder:
+    """Converts engine delta outputs into RequestDeltas, tracking per-sample running counts."""
+
+    def __init__(self) -> None:
+        self._reasoning_totals: dict[tuple[str, int], int] = {}
+
+    def build(self, output: RequestOutput, leading_logprobs: Sequence[TopLogprobs] = ()) -> list[RequestDelta]:
+        """Deltas of one request's output (samples without new tokens or a finish are left
+        out). `leading_logprobs` belong to tokens the engine did not sample itself (a prefill
+        worker's first token) and are put before the engine's own for sample 0."""
+        deltas = []
+        for sample in output.outputs:
+            if not sample.token_ids and sample.finish_reason is None:
+                continue
+            key = (output.request_id, sample.index)
+            previous = self._reasoning_totals.get(key, 0)
+            if sample.finish_reason is None:
+                self._reasoning_totals[key] = sample.num_reasoning_tokens
+            else:
+                self._reasoning_totals.pop(key, None)
+            logprobs = tuple(top_logprobs_from_engine(lp) for lp in sample.logprobs or ())
+            if sample.index == 0 and leading_logprobs:
+                logprobs = (*leading_logprobs, *logprobs)
+            if len(logprobs) != len(sample.token_ids):
+                logprobs = ()  # never misalign logprobs with tokens
+            deltas.append(RequestDelta(
+                request_id=output.request_id,
+                sample_index=sample.index,
+                token_ids=tuple(sample.token_ids),
+                finish_reason=sample.finish_reason,
+                logprobs=logprobs,
+                num_reasoning_tokens=max(0, sample.num_reasoning_tokens - previous),
+            ))
+        return deltas
+
+    def forget(self, request_id: str) -> None:
+        """Drop the counts of a request that ended outside the engine."""
+        for key in [key for key in self._reasoning_totals if key[0] == request_id]:
+            del self._reasoning_totals[key]

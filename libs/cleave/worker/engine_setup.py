@@ -1,0 +1,45 @@
+"""An engine built from a worker's typed config, and the KV layout it exposes to peers."""
+
+from __future__ import annotations
+
+import asyncio
+
+from cleave.config import WorkerConfig
+from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from cleave.engine.llm_engine import LLMEngine
+from cleave.rpc.types import KVLayout
+from cleave.transfer.layout import layout_of
+
+
+def engine_config_from_worker(config: WorkerConfig) -> EngineConfig:
+    """EngineConfig of a prefill or decode worker (same math on both, so greedy tokens of a
+    disaggregated request equal those of a colocated one)."""
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        **({"max_model_len": config.model.max_context_length} if config.model.max_context_length else {}),
+    )
+    cache = CacheConfig(
+        block_size=config.block_size,
+        num_blocks=config.num_kv_blocks or None,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+    )
+    return EngineConfig(
+        model=config.model.source,
+        dtype=config.dtype,
+        device=config.device,
+        enforce_eager=config.enforce_eager,
+        scheduler=scheduler,
+        cache=cache,
+    )
+
+
+async def load_engine(config: EngineConfig) -> LLMEngine:
+    """Load weights and allocate the KV cache off the event loop."""
+    return await asyncio.to_thread(LLMEngine, config)
+
+
+def kv_layout_of(engine: LLMEngine, model_id: str) -> KVLayout:
+    """The layout of the engine's KV cache; its hash namespace is the engine's prefix-hash
+    namespace, so kvstore blocks and transfers only match the same weights and dtype."""
+    return layout_of(engine.kv_cache, model_id, engine.kv.namespace.hex())

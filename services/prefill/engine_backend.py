@@ -1,0 +1,216 @@
+"""The engine-backed prefill worker: prompt -> KV in a decode worker's blocks + first token.
+
+    prefill(spec):
+        kvstore prefix -> engine prefix cache      (optional: those tokens are not recomputed)
+        engine prefill-only request                (chunked and batched with other prompts)
+        first token sampled, prompt KV kept under the request's export id
+        KV -> destination's reserved blocks        (the handle's transport, all layers)
+        new full blocks -> kvstore                 (store_to_kvstore)
+        export blocks released                     (always, also on error or cancellation)
+
+The KV is shipped after the prefill completes; layer-by-layer streaming during the forward
+would overlap the send with compute but needs a hook inside the model runner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from cleave.engine.async_engine import AsyncEngine
+from cleave.engine.config import EngineConfig
+from cleave.engine.llm_engine import LLMEngine
+from cleave.errors import CleaveError, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from cleave.rpc.types import KVLayout, TopLogprobs, TransferHandle, TransferStats, WorkerLoad
+from cleave.transfer import KVStoreClient, KVTransferClient
+from cleave.transfer.layout import require_same_layout
+from cleave.worker import kv_layout_of, load_engine, top_logprobs_from_engine
+from services.prefill.backend import PrefillResult, PrefillSpec
+from services.prefill.kvstore_prefix import HOLD_SUFFIX, KVStorePrefix, PrefixFetch
+
+log = structlog.get_logger("cleave.prefill")
+NO_FETCH = PrefixFetch(0, 0, None)
+
+
+@dataclass
+class PrefillCounters:
+    """Cumulative work of this worker (what kvstore and prefix-cache hits saved)."""
+
+    num_prefills: int = 0
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0  # prompt tokens run through the model
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from a cache
+    num_kvstore_blocks_loaded: int = 0
+    num_kvstore_blocks_stored: int = 0
+
+
+class EnginePrefillBackend:
+    """A PrefillBackend over an AsyncEngine, a KV transfer client and an optional kvstore.
+
+    Args:
+        engine_config: the model and engine to load at `start()`.
+        worker_id: stable id for load reports and the kvstore.
+        model_id: model identity of the KV layout decode workers must match.
+        kvstore_address: host:port of a kvstore service, or None.
+    """
+
+    def __init__(
+        self, engine_config: EngineConfig, *, worker_id: str, model_id: str, kvstore_address: str | None = None
+    ) -> None:
+        self.engine_config = engine_config
+        self.worker_id = worker_id
+        self.model_id = model_id
+        self.kvstore_address = kvstore_address
+        self.engine: LLMEngine | None = None
+        self.async_engine: AsyncEngine | None = None
+        self.layout: KVLayout | None = None
+        self.transfers = KVTransferClient()
+        self.kvstore: KVStorePrefix | None = None
+        self.counters = PrefillCounters()
+        self._in_flight: dict[str, int] = {}  # request id -> prompt tokens
+
+    async def start(self) -> None:
+        self.engine = await load_engine(self.engine_config)
+        self.layout = kv_layout_of(self.engine, self.model_id)
+        self.async_engine = AsyncEngine(self.engine)
+        if self.kvstore_address:
+            client = KVStoreClient(self.kvstore_address, client_id=self.worker_id)
+            await client.connect(self.layout)
+            self.kvstore = KVStorePrefix(client, self.engine, self.async_engine)
+
+    async def shutdown(self) -> None:
+        await self.transfers.close()
+        if self.kvstore is not None:
+            await self.kvstore.client.close()
+        if self.async_engine is not None:
+            await self.async_engine.shutdown()
+
+    def _require_engine(self) -> AsyncEngine:
+        if self.async_engine is None:
+            raise FailedPrecondition("the prefill worker is still loading its model; retry shortly")
+        if not self.async_engine.is_running:
+            raise Unavailable("the prefill worker's engine stopped")
+        return self.async_engine
+
+    def _check_destination(self, handle: TransferHandle, num_prompt_tokens: int) -> None:
+        assert self.engine is not None and self.layout is not None
+        if handle.layout is not None:
+            require_same_layout(self.layout, handle.layout, "destination.layout")
+        num_blocks = self.engine.kv.num_blocks_for(num_prompt_tokens)
+        if len(handle.block_ids) != num_blocks:
+            raise InvalidArgument(
+                f"lists {len(handle.block_ids)} blocks but the {num_prompt_tokens}-token prompt fills {num_blocks}",
+                field="destination.block_ids",
+            )
+        if handle.deadline_unix_s is not None and time.time() >= handle.deadline_unix_s:
+            raise DeadlineExceeded("the destination's reservation already expired; admit the request again")
+
+    async def prefill(self, spec: PrefillSpec) -> PrefillResult:
+        async_engine = self._require_engine()
+        request_id, prompt = spec.request_id, list(spec.prompt_token_ids)
+        if spec.sampling.n != 1:
+            raise InvalidArgument(
+                "must be 1 for a prefill (a decode worker continues one sample per prefilled request)",
+                field="sampling.n",
+            )
+        if request_id in self._in_flight:
+            raise InvalidArgument(f"{request_id!r} is already prefilling here; use a unique id", field="request_id")
+        if spec.destination is not None:
+            self._check_destination(spec.destination, len(prompt))
+        self._in_flight[request_id] = len(prompt)
+        fetch = NO_FETCH
+        try:
+            fetch = await self._fetch_prefix(request_id, prompt)
+            first_token, first_logprobs, num_cached = await self._run_prefill(async_engine, request_id, prompt, spec)
+            table = await async_engine.call(lambda e: e.prefilled_block_table(request_id))
+            transfer = None
+            if spec.destination is not None:
+                transfer = await self._send(spec.destination, table)
+            if spec.store_to_kvstore:
+                await self._store(prompt, table, fetch)
+        finally:
+            self._in_flight.pop(request_id, None)
+            await asyncio.shield(self._cleanup(request_id, fetch))
+        num_computed = len(prompt) - num_cached
+        counters = self.counters
+        counters.num_prefills += 1
+        counters.num_prompt_tokens += len(prompt)
+        counters.num_computed_tokens += num_computed
+        counters.num_cached_tokens += num_cached
+        return PrefillResult(
+            first_token_ids=(first_token,),
+            num_prompt_tokens=len(prompt),
+            num_cached_tokens=num_cached,
+            num_computed_tokens=num_computed,
+            first_token_logprobs=first_logprobs,
+            transfer=transfer,
+        )
+
+    async def _run_prefill(
+        self, async_engine: AsyncEngine, request_id: str, prompt: list[int], spec: PrefillSpec
+    ) -> tuple[int, tuple[TopLogprobs, ...], int]:
+        """First token, its logprobs and the cached prompt tokens of a prefill-only request."""
+        token_ids: list[int] = []
+        logprobs: list[TopLogprobs] = []
+        num_cached = 0
+        async for output in async_engine.submit(request_id, prompt, spec.sampling, prefill_only=True):
+            for sample in output.outputs:
+                token_ids.extend(sample.token_ids)
+                logprobs.extend(top_logprobs_from_engine(lp) for lp in sample.logprobs or ())
+            num_cached = output.usage.cached_prompt_tokens
+        if not token_ids:
+            raise Unavailable(f"the engine ended request {request_id!r} without a first token")
+        return token_ids[0], tuple(logprobs[:1]), num_cached
+
+    async def _fetch_prefix(self, request_id: str, prompt: list[int]) -> PrefixFetch:
+        if self.kvstore is None:
+            return NO_FETCH
+        try:
+            fetch = await self.kvstore.fetch(request_id, prompt)
+        except (grpc.aio.AioRpcError, CleaveError) as error:  # the store is an optimisation
+            log.warning("kvstore lookup failed; computing the whole prompt", request_id=request_id, error=str(error))
+            return NO_FETCH
+        self.counters.num_kvstore_blocks_loaded += fetch.num_loaded_blocks
+        return fetch
+
+    async def _send(self, handle: TransferHandle, table: list[int]) -> TransferStats:
+        assert self.engine is not None
+        sender = await self.transfers.open(handle)
+        return await sender.send_all(self.engine.kv_cache, table)
+
+    async def _store(self, prompt: list[int], table: list[int], fetch: PrefixFetch) -> None:
+        if self.kvstore is None:
+            return
+        try:
+            self.counters.num_kvstore_blocks_stored += await self.kvstore.store(prompt, table, fetch.num_store_blocks)
+        except (grpc.aio.AioRpcError, CleaveError) as error:
+            log.warning("kvstore put failed", error=str(error))
+
+    async def _cleanup(self, request_id: str, fetch: PrefixFetch) -> None:
+        """Free the exported prompt blocks and the kvstore hold (no-ops when absent)."""
+        if self.async_engine is None or not self.async_engine.is_running:
+            return
+        hold_id = fetch.hold_id or request_id + HOLD_SUFFIX  # a fetch cut short may hold blocks
+
+        def release(e: LLMEngine) -> None:
+            e.release_prefilled(request_id)
+            e.kv.free(hold_id)
+
+        await self.async_engine.call(release)
+
+    def load(self) -> WorkerLoad:
+        if self.engine is None:
+            return WorkerLoad(worker_id=self.worker_id)
+        kv = self.engine.kv
+        return WorkerLoad(
+            worker_id=self.worker_id,
+            num_running=len(self._in_flight),
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_usable_blocks,
+            num_queued_prompt_tokens=sum(self._in_flight.values()),
+            max_num_running=self.engine.config.scheduler.max_num_seqs,
+        )

@@ -1,0 +1,99 @@
+"""A prefill worker's use of the kvstore: pull a cached prompt prefix into the engine's
+prefix cache before the prefill, push the prompt's new full blocks after it.
+
+Block hashes are the engine's own (`block_hashes` under the engine's KV namespace), so a
+block fetched from the store and registered in the engine's prefix cache is found by the
+scheduler like any locally computed block: those tokens are not recomputed. The fetched
+blocks are held under a private sequence id until the prefill has taken them over, then let
+go (they stay cached).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cleave.engine.async_engine import AsyncEngine
+from cleave.engine.llm_engine import LLMEngine
+from cleave.kv.prefix_hash import block_hashes
+from cleave.transfer import KVStoreClient, gather_blocks, scatter_blocks
+
+HOLD_SUFFIX = "/kvstore"  # KV manager id holding fetched blocks until the prefill runs
+
+
+@dataclass(frozen=True)
+class PrefixFetch:
+    """What a lookup found: blocks in the store, and those loaded into the engine."""
+
+    num_store_blocks: int  # leading prompt blocks the store holds
+    num_loaded_blocks: int  # of those, blocks copied into the engine (not already cached)
+    hold_id: str | None  # KV manager id holding the loaded blocks; release after the prefill
+
+
+class KVStorePrefix:
+    """Prefix reuse through a kvstore for one engine."""
+
+    def __init__(self, client: KVStoreClient, engine: LLMEngine, async_engine: AsyncEngine) -> None:
+        self.client = client
+        self.engine = engine
+        self.async_engine = async_engine
+        self.block_size = engine.kv.block_size
+
+    def hashes(self, prompt: Sequence[int]) -> list[bytes]:
+        """Chained hashes of the prompt's full blocks."""
+        return block_hashes(prompt, self.block_size, self.engine.kv.namespace)
+
+    async def fetch(self, request_id: str, prompt: Sequence[int]) -> PrefixFetch:
+        """Load the stored prefix that the engine does not hold yet into its prefix cache.
+        At most len(prompt) - 1 tokens: the last prompt token always runs for the logits."""
+        usable = (len(prompt) - 1) // self.block_size
+        hashes = self.hashes(prompt)[:usable]
+        num_hit = await self.client.lookup(hashes)
+        if num_hit == 0:
+            return PrefixFetch(0, 0, None)
+        num_local = await self.async_engine.call(lambda e: _num_cached_blocks(e, hashes[:num_hit]))
+        if num_local >= num_hit:
+            return PrefixFetch(num_hit, 0, None)
+        blocks = await self.client.get(hashes[num_local:num_hit])  # [n, L, 2, BS, Hkv, D]
+        num_hit = num_local + blocks.shape[0]
+        hold_id = request_id + HOLD_SUFFIX
+        tokens = list(prompt[: num_hit * self.block_size])
+
+        def load(e: LLMEngine) -> int:
+            kv = e.kv
+            hit = kv.get_computed_blocks(hold_id, tokens + [0])  # + a token: all num_hit blocks may hit
+            if not kv.allocate_slots(hold_id, len(tokens) - hit.num_computed_tokens, hit):
+                kv.free(hold_id)
+                return 0  # no room: the engine computes these tokens itself
+            table = kv.block_table(hold_id)
+            first_new = hit.num_computed_tokens // self.block_size
+            if first_new < num_local:  # local blocks were evicted meanwhile: no payload for them
+                kv.free(hold_id)
+                return 0
+            scatter_blocks(e.kv_cache, table[first_new:], blocks[first_new - num_local :])
+            kv.cache_full_blocks(hold_id, tokens)
+            return len(table) - first_new
+
+        loaded = await self.async_engine.call(load)
+        return PrefixFetch(num_hit, loaded, hold_id if loaded else None)
+
+    async def store(self, prompt: Sequence[int], block_table: Sequence[int], num_stored: int) -> int:
+        """Put the prompt's full blocks after the first `num_stored` (already in the store);
+        returns how many the store newly keeps. `block_table` holds the prompt's KV."""
+        hashes = self.hashes(prompt)
+        if len(hashes) <= num_stored:
+            return 0
+        ids = list(block_table[num_stored : len(hashes)])
+        payload = await self.async_engine.call(lambda e: gather_blocks(e.kv_cache, ids).cpu())
+        parent = hashes[num_stored - 1] if num_stored else b""
+        result = await self.client.put(hashes[num_stored:], payload, parent_hash=parent)
+        return result.num_stored
+
+
+def _num_cached_blocks(engine: LLMEngine, hashes: Sequence[bytes]) -> int:
+    count = 0
+    for block_hash in hashes:
+        if engine.kv.pool.lookup(block_hash) is None:
+            break
+        count += 1
+    return count
