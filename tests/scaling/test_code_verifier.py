@@ -174,3 +174,11 @@ def test_environment_is_isolated():
     run = run_sandboxed("import os, sys\nprint(os.getcwd() == os.environ['HOME'], sys.flags.isolated, sys.flags.no_site)", limits=FAST)
     assert run.stdout.split() == ["True", "1", "1"]
     assert os.environ.get("HOME") != run.stdout
+
+
+def test_total_timeout_budget_covers_all_tests():
+    verifier = CodeVerifier([CodeTest(), CodeTest(), CodeTest()], FAST, total_timeout_s=0.5)
+    started = time.monotonic()
+    verification = verifier.verify_program("while True:\n    pass\n")
+    assert time.monotonic() - started < 2.0
+    assert [outcome.reason for outcome in verification.outcomes] == [FailureReason.TIMEOUT] * 3

@@ -96,3 +96,19 @@ async def test_bad_requests_are_refused():
         await run_scaling(generate_list, ScalingRequest(), Strategy.MAJORITY_VOTE, 0, None)
     with pytest.raises(InvalidArgument):
         await run_scaling(lambda n: [], ScalingRequest(), Strategy.MAJORITY_VOTE, 3, None)
+
+
+async def test_generation_failure_propagates():
+    started = []
+
+    class Verifier:
+        def score(self, text):
+            started.append(text)
+            return 1.0
+
+    async def generate(n):
+        yield "The answer is 1."
+        raise RuntimeError("decode worker lost")
+
+    with pytest.raises(RuntimeError, match="decode worker lost"):
+        await run_scaling(generate, ScalingRequest(), Strategy.MAJORITY_VOTE, 2, Verifier())

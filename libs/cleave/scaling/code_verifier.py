@@ -7,8 +7,10 @@ and/or check code run after the program in its namespace (e.g. `assert add(2, 3)
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import signal
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -91,20 +93,37 @@ class CodeVerifier:
         tests: the test cases (at least one).
         limits: sandbox limits of each test run.
         language: fence tag of the code block to take from completions.
+        total_timeout_s: wall-clock budget for all tests of one candidate (None: no budget).
     """
 
-    def __init__(self, tests: Sequence[CodeTest], limits: SandboxLimits = SandboxLimits(), language: str = "python"):
+    def __init__(
+        self,
+        tests: Sequence[CodeTest],
+        limits: SandboxLimits = SandboxLimits(),
+        language: str = "python",
+        total_timeout_s: float | None = None,
+    ):
         if not tests:
             raise ValueError("CodeVerifier needs at least one test case")
         self.tests = list(tests)
         self.limits = limits
         self.language = language
+        self.total_timeout_s = total_timeout_s
 
     def verify_program(self, program: str) -> CodeVerification:
-        """Run `program` against every test."""
+        """Run `program` against every test; past `total_timeout_s` the rest count as timeouts."""
         outcomes = []
+        started = time.monotonic()
         for test in self.tests:
-            run = run_sandboxed(program, stdin=test.stdin, check_code=test.check_code, limits=self.limits)
+            spent = time.monotonic() - started
+            if self.total_timeout_s is not None and spent >= self.total_timeout_s:
+                outcomes.append(TestOutcome(False, FailureReason.TIMEOUT, "", "", 0.0))
+                continue
+            limits = self.limits
+            if self.total_timeout_s is not None:
+                wall = min(limits.wall_timeout_s, self.total_timeout_s - spent)
+                limits = dataclasses.replace(limits, wall_timeout_s=wall)
+            run = run_sandboxed(program, stdin=test.stdin, check_code=test.check_code, limits=limits)
             reason = classify(run, test)
             outcomes.append(TestOutcome(reason is None, reason, run.stdout, run.stderr, run.elapsed_s))
         num_passed = sum(outcome.passed for outcome in outcomes)

@@ -97,12 +97,20 @@ async def _collect(
         task = asyncio.ensure_future(_score(verifier, candidate.text, limiter)) if verifier else None
         return candidate, task
 
-    if hasattr(generated, "__aiter__"):
-        collected = []
-        async for sample in generated:
-            collected.append(start(sample, len(collected)))
-        return collected
-    return [start(sample, arrival_index) for arrival_index, sample in enumerate(generated)]
+    collected: list[tuple[Candidate, asyncio.Task | None]] = []
+    try:
+        if hasattr(generated, "__aiter__"):
+            async for sample in generated:
+                collected.append(start(sample, len(collected)))
+        else:
+            for sample in generated:
+                collected.append(start(sample, len(collected)))
+    except BaseException:
+        for _, task in collected:
+            if task is not None:
+                task.cancel()
+        raise
+    return collected
 
 
 def _validate(strategy: Strategy, num_samples: int, verifier: Verifier | None) -> None:
