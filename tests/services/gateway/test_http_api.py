@@ -1,0 +1,93 @@
+"""The OpenAI-compatible HTTP API, driven by the real `openai` client."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from cleave.engine.sampling_params import SamplingParams
+from tests.services.gateway.helpers import reference_llm
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+MESSAGES = [{"role": "user", "content": "Why is the sky blue?"}]
+
+
+def client(stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=stack.http_url, api_key="unused", max_retries=0)
+
+
+async def test_models(stack):
+    models = await client(stack).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+async def test_completion_matches_the_engine(stack, model_dir):
+    (reference,) = reference_llm(model_dir).generate("The quick brown fox", SamplingParams(max_tokens=8, temperature=0.0), raw=True)
+    response = await client(stack).completions.create(
+        model="tiny", prompt="The quick brown fox", max_tokens=8, temperature=0.0, extra_body={"reasoning_mode": "inline"}
+    )
+    assert response.choices[0].text == reference.outputs[0].reasoning_text  # no end tag: all of it is thinking
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.completion_tokens == 8
+    assert response.usage.prompt_tokens == len(reference.prompt_token_ids)
+
+
+async def test_chat_separates_reasoning_content(stack, model_dir):
+    (reference,) = reference_llm(model_dir).generate(
+        MESSAGES, SamplingParams(max_tokens=12, temperature=0.0, max_thinking_tokens=3)
+    )
+    response = await client(stack).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_completion_tokens=12, temperature=0.0, seed=3,
+        extra_body={"max_thinking_tokens": 3},
+    )
+    message = response.choices[0].message
+    assert message.content == reference.outputs[0].text
+    assert message.reasoning_content == reference.outputs[0].reasoning_text
+    assert response.usage.completion_tokens_details.reasoning_tokens == reference.outputs[0].num_reasoning_tokens
+
+
+async def test_streaming_chat_deltas_add_up(stack):
+    whole = await client(stack).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=12, temperature=0.0, extra_body={"max_thinking_tokens": 3}
+    )
+    stream = await client(stack).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=12, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"max_thinking_tokens": 3},
+    )
+    content, reasoning, finish, usage = "", "", None, None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            finish = choice.finish_reason or finish
+    assert (content, reasoning) == (whole.choices[0].message.content, whole.choices[0].message.reasoning_content)
+    assert finish == "length"
+    assert usage.completion_tokens == 12
+
+
+async def test_n_and_logprobs(stack):
+    response = await client(stack).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=4, n=2, temperature=1.0, seed=1, logprobs=True, top_logprobs=2,
+    )
+    assert [choice.index for choice in response.choices] == [0, 1]
+    for choice in response.choices:
+        assert len(choice.logprobs.content) == 4
+        assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in choice.logprobs.content)
+
+
+async def test_errors_are_openai_shaped(stack):
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client(stack).chat.completions.create(model="tiny", messages=MESSAGES, temperature=-1)
+    assert bad.value.status_code == 400 and bad.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as empty:
+        await client(stack).chat.completions.create(model="tiny", messages=[])
+    assert empty.value.body["param"] == "messages"
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client(stack).completions.create(model="nope", prompt="hi")
+    assert missing.value.status_code == 404 and missing.value.body["code"] == "model_not_found"
+    async with httpx.AsyncClient() as http:
+        response = await http.post(f"{stack.http_url}/completions", content=b"{not json")
+    assert response.status_code == 400
