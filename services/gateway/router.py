@@ -44,7 +44,7 @@ from services.gateway.backend import GenerateChunk, GenerateSpec, SampleOutput, 
 from services.gateway.convert import request_field, token_delta_from_proto
 from services.gateway.model import ServedModel
 from services.gateway.routing import PrefixAffinity, pick_decode, pick_prefill
-from services.gateway.sample_text import SampleText, resolve_mode
+from services.gateway.sample_text import SampleText, resolve_mode, special_tag_tokens
 from services.gateway.scaling import combine, summary_chunk
 from services.gateway.workers import PoolOptions, WorkerHandle, WorkerPool
 
@@ -117,6 +117,7 @@ class RoutingBackend:
         prefill = prefill_addresses if options.mode == "disaggregated" else ()
         self.pool = WorkerPool(prefill, decode_addresses, options.pool, on_change=self._on_worker_change)
         self.affinity = PrefixAffinity()
+        self._tag_tokens = special_tag_tokens(model.tokenizer, model.reasoning)
         self._streams: dict[str, AttachStream] = {}
         self._running: dict[str, _Running] = {}
         self._background: set[asyncio.Task] = set()
@@ -319,7 +320,7 @@ class RoutingBackend:
         mode = resolve_mode(spec.reasoning.mode, model.reasoning)
         texts = [
             SampleText(i, model.tokenizer, prompt_ids, spec.sampling, model.eos_token_ids, model.reasoning,
-                       mode, spec.stream.include_token_ids)
+                       mode, spec.stream.include_token_ids, self._tag_tokens)
             for i in range(spec.sampling.n)
         ]
         strategy = spec.scaling.strategy

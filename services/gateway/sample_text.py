@@ -24,6 +24,19 @@ from services.gateway.backend import SampleOutput
 from services.gateway.convert import TokenDelta
 
 
+def special_tag_tokens(tokenizer: Tokenizer, reasoning: ReasoningConfig | None) -> dict[int, str]:
+    """Think tags that are single special tokens, by id: detokenizing with
+    skip_special_tokens drops them, so their text is put back for the reasoning parser."""
+    if reasoning is None:
+        return {}
+    tags = {}
+    for tag in (reasoning.start_tag, reasoning.end_tag):
+        ids = tokenizer.encode(tag, add_special_tokens=False)
+        if len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=True) == "":
+            tags[ids[0]] = tag
+    return tags
+
+
 def resolve_mode(mode: ReasoningMode, reasoning: ReasoningConfig | None) -> ReasoningMode:
     """DEFAULT -> SEPARATE for reasoning models, INLINE otherwise; no tags -> INLINE."""
     if reasoning is None:
@@ -42,6 +55,7 @@ class SampleText:
         reasoning: the model's think tags, or None for a plain model.
         mode: SEPARATE, HIDDEN or INLINE (already resolved).
         include_token_ids: put token ids into every output.
+        tag_tokens: `special_tag_tokens(...)` of the model.
     """
 
     def __init__(
@@ -54,8 +68,10 @@ class SampleText:
         reasoning: ReasoningConfig | None,
         mode: ReasoningMode,
         include_token_ids: bool = False,
+        tag_tokens: dict[int, str] | None = None,
     ) -> None:
         self.index = index
+        self._tag_tokens = tag_tokens or {}
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self._stop = StopChecker(params, eos_token_ids)
         self._parser = (
@@ -100,7 +116,8 @@ class SampleText:
         for token_id in delta.token_ids:
             new_ids.append(token_id)
             update = self._stop.process(token_id, self._detokenizer)
-            self._feed(update.text, text, reasoning, num_tokens=1)
+            tag = self._tag_tokens.get(token_id, "")
+            self._feed(update.text + tag, text, reasoning, num_tokens=1)
             if update.finished:
                 self.finish_reason = update.finish_reason
                 break

@@ -75,9 +75,8 @@ class WorkerPool:
     ) -> None:
         self.options = options
         self._on_change = on_change
-        self.workers: list[WorkerHandle] = [
-            self._handle("prefill", address) for address in prefill_addresses
-        ] + [self._handle("decode", address) for address in decode_addresses]
+        self._addresses = [("prefill", a) for a in prefill_addresses] + [("decode", a) for a in decode_addresses]
+        self.workers: list[WorkerHandle] = []  # channels belong to the serving loop: made in start()
         self._monitor: asyncio.Task[None] | None = None
 
     @staticmethod
@@ -90,7 +89,8 @@ class WorkerPool:
         return [w for w in self.workers if w.role == role and (w.healthy or not healthy_only)]
 
     async def start(self) -> None:
-        """Check every worker once, then keep checking in the background."""
+        """Connect, check every worker once, then keep checking in the background."""
+        self.workers = [self._handle(role, address) for role, address in self._addresses]  # type: ignore[arg-type]
         await self.check_all()
         self._monitor = asyncio.create_task(self._run(), name="gateway-worker-monitor")
 

@@ -1,0 +1,117 @@
+"""`cleave up`: run the whole stack (kvstore, prefill, decode, gateway) as local processes.
+
+Prints the gateway's gRPC and HTTP addresses once everything is healthy and runs until
+Ctrl-C / SIGTERM, then stops every process. `--demo` sends one arithmetic question through
+the gRPC gateway, prints the streamed reasoning and the answer, and stops the stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEMO_MAX_TOKENS = 256
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+async def demo(address: str, out=sys.stdout) -> str:  # type: ignore[no-untyped-def]
+    """Ask one held-out arithmetic question; stream reasoning and answer to `out`. Returns
+    the answer text."""
+    from cleave.client import GatewayClient
+    from cleave.tasks.arithmetic import format_prompt, heldout_problems
+
+    problem = heldout_problems(1, seed=int(time.time()) % 1000)[0]
+    print(f"\n> {format_prompt(problem)}", file=out)
+    answer: list[str] = []
+    section = ""
+    async with GatewayClient(address) as client:
+        async for response in client.generate(format_prompt(problem), max_tokens=DEMO_MAX_TOKENS, temperature=0.0):
+            for sample in response.samples:
+                for name, text in (("reasoning", sample.reasoning_text), ("answer", sample.text)):
+                    if not text:
+                        continue
+                    if section != name:
+                        section = name
+                        print(f"\n[{name}]", file=out)
+                    print(text, end="", file=out, flush=True)
+                    if name == "answer":
+                        answer.append(text)
+            if response.HasField("usage"):
+                usage = response.usage
+                print(f"\n\n({usage.completion_tokens} tokens, {usage.reasoning_tokens} of them reasoning; "
+                      f"expected answer {problem.answer})", file=out)
+    return "".join(answer)
+
+
+def run(args: argparse.Namespace) -> int:
+    from cleave.cli._stack import ProcessStack, StackSpec
+    from cleave.engine.llm import default_model_path
+
+    model = Path(args.model) if args.model else default_model_path()
+    if model is None or not (model / "config.json").is_file():
+        print("no --model directory given and no shipped model in cleave/assets/reasoner", file=sys.stderr)
+        return 2
+    spec = StackSpec(
+        model=model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode,
+        grpc_port=args.grpc_port, http_port=None if args.http_port < 0 else args.http_port,
+        device=args.device, num_kv_blocks=args.num_kv_blocks, served_model_name=args.served_model_name,
+        host=args.host,
+    )
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="cleave-up-"))
+    stack = ProcessStack(spec, workdir)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    started = time.monotonic()
+    try:
+        print(f"starting cleave ({spec.mode}, model {model.name}, device {spec.device}); logs in {workdir}", flush=True)
+        stack.start(timeout_s=args.timeout)
+        print(f"cleave is up in {time.monotonic() - started:.1f} s", flush=True)
+        print(f"  gRPC gateway: {stack.gateway_address}", flush=True)
+        if stack.http_url:
+            print(f"  OpenAI HTTP:  {stack.http_url}", flush=True)
+        if args.demo:
+            asyncio.run(demo(stack.gateway_address))
+            return 0
+        print("press Ctrl-C to stop", flush=True)
+        while not stack.exited():
+            time.sleep(0.5)
+        for child in stack.exited():
+            print(f"{child.name} exited with code {child.process.returncode}; stopping", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, TimeoutError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        print("stopping cleave", flush=True)
+        stack.stop()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("up", help="run kvstore, prefill, decode and gateway locally",
+                                   description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the shipped reasoner)")
+    parser.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated",
+                        help="separate prefill and decode workers, or decode workers that prefill too")
+    parser.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated; default 1)")
+    parser.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    parser.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port (0: any free port)")
+    parser.add_argument("--http-port", type=int, default=8000,
+                        help="OpenAI-compatible HTTP port (0: any free port, -1: no HTTP)")
+    parser.add_argument("--host", default="127.0.0.1", help="address every service listens on")
+    parser.add_argument("--device", default="cpu", help="torch device of the workers: cpu or cuda (default cpu)")
+    parser.add_argument("--num-kv-blocks", type=int, default=0, help="KV blocks per worker (0: automatic)")
+    parser.add_argument("--served-model-name", default="", help="model id clients use (default: the path)")
+    parser.add_argument("--workdir", default=None, help="port files and logs (default: a temporary directory)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds each service has to become healthy")
+    parser.add_argument("--demo", action="store_true", help="send one arithmetic question, print, and stop")
+    parser.set_defaults(handler=run)
