@@ -8,7 +8,7 @@ import torch
 from cleave.model.compiled import compile_model
 from cleave.model.loader import load_model
 
-from test_llama_parity import TOLERANCE, prompt_ids, run_chunks
+from tests.model.test_llama_parity import TOLERANCE, prompt_ids, run_chunks
 
 
 def test_compile_model_forces_reference_ops(tiny_checkpoints):
