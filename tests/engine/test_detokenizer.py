@@ -148,3 +148,17 @@ def test_empty_prompt_and_unfinished_character_flush(byte_level):
     assert detok.push_many(ids[:-1]) == ""
     assert detok.finish() == byte_level.decode(ids[:-1])
     assert detok.text.endswith("\ufffd") and detok.num_output_tokens == len(ids) - 1
+
+
+def test_textless_tokens_keep_the_window_bounded(byte_level):
+    special = byte_level.token_to_id("<|endoftext|>")
+    prompt_ids = byte_level.encode("Hello world").ids
+    output_ids = [special] * 200 + byte_level.encode(" fox jumps").ids
+    detok = IncrementalDetokenizer(byte_level, prompt_ids, skip_special_tokens=True)
+    pieces, widest = [], 0
+    for token_id in output_ids:
+        pieces.append(detok.push(token_id))
+        widest = max(widest, len(detok._window))
+    pieces.append(detok.finish())
+    assert "".join(pieces) == " fox jumps"
+    assert widest <= 2 * 16 + 2

@@ -18,6 +18,12 @@ REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded before the first output token, so the first output token sees the
 # context a leading-space rule needs.
 INITIAL_PREFIX_TOKENS = 5
+# Held-back tokens beyond which the window is cut (each push decodes the whole window).
+# Text is held back while new tokens add none (e.g. skipped special tokens) or end in an
+# unfinished character, which spans at most 4 byte-level tokens; past this many, whatever
+# text the window has is emitted as `finish()` would, so a run of textless or invalid-byte
+# tokens costs O(1) per token instead of O(run length).
+MAX_HELD_BACK_TOKENS = 16
 
 
 class Decoder(Protocol):
@@ -69,15 +75,23 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Add one generated token; return the text it completes ("" while held back)."""
-        self._window.append(token_id)
+        window = self._window
+        window.append(token_id)
         self._num_output_tokens += 1
-        prefix_text = self._decode(self._prefix_offset, self._read_offset)
-        new_text = self._decode(self._prefix_offset, None)
-        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+        # The window starts at the prefix offset (`_advance` keeps it so), so only the read
+        # offset needs translating.
+        read = self._read_offset - self._window_start
+        decode, skip = self._tokenizer.decode, self._skip_special_tokens
+        prefix_text = decode(window[:read], skip_special_tokens=skip)
+        new_text = decode(window[:], skip_special_tokens=skip)
+        if (len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR)) and (
+            len(window) - read <= MAX_HELD_BACK_TOKENS
+        ):
             return ""
         delta = new_text[len(prefix_text) :]
         self._advance()
-        self._pieces.append(delta)
+        if delta:
+            self._pieces.append(delta)
         return delta
 
     def push_many(self, token_ids: Iterable[int]) -> str:

@@ -7,6 +7,13 @@
       -> `InputBatch`: views of that one buffer (input ids, positions, attention metadata,
          which hidden rows produce logits, which logits row each sampled sequence draws from)
 
+A pure decode step (one token per entry, every entry samples, no forks) takes a shorter
+path: one int64 host buffer holds input ids, positions, slots and the int32 seq lens (two
+per int64 word, reinterpreted on the device without a kernel), and the block tables stay
+in a persistent [E, W] int32 tensor that is rewritten only when the batch's membership
+changes or a table grows past the width or changes its last block; otherwise a decode only
+writes into a block it already has.
+
 Sampling rows: an entry with `sample` set produces one logits row (its last token); each
 sequence in `entry.sample_seqs` (the entry's own sequence, then its forks) draws one token
 from that row, so `sample_rows` maps sampled sequences to logits rows.
@@ -14,6 +21,7 @@ from that row, so `sample_rows` maps sampled sequences to logits rows.
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -83,6 +91,23 @@ class InputBatch:
         return self.metadata.max_query_len == 1
 
 
+@dataclass
+class _DecodeTables:
+    """Block tables of the previous pure-decode batch, kept for the next one.
+
+    Attributes:
+        seqs: the batch's sequences in row order.
+        lengths / lasts: each row's table length and last block id when it was written.
+        host: [E, W] int32 (pinned on CUDA); device: the same on the model's device.
+    """
+
+    seqs: list[Sequence]
+    lengths: list[int]
+    lasts: list[int]
+    host: torch.Tensor
+    device: torch.Tensor
+
+
 class InputBatchBuilder:
     """Builds `InputBatch`es on one device, reusing a pinned staging buffer on CUDA.
 
@@ -96,9 +121,19 @@ class InputBatchBuilder:
         self.device = device
         self._pin = device.type == "cuda"
         self._staging: torch.Tensor | None = None
+        self._decode_tables: _DecodeTables | None = None
+        self._query_starts: dict[int, torch.Tensor] = {}  # E -> arange(E + 1) int32 on device
 
     def build(self, output: SchedulerOutput) -> InputBatch:
         """Flatten `output` (non-empty) into one host buffer and move it in one copy."""
+        batch = self._build_decode(output)
+        if batch is not None:
+            return batch
+        self._decode_tables = None
+        return self.build_general(output)
+
+    def build_general(self, output: SchedulerOutput) -> InputBatch:
+        """The path for any step (prefill chunks, forks); `build` uses it unless the step is a pure decode."""
         block_size = self.block_size
         token_ids, positions, slots = array("q"), array("q"), array("q")
         query_starts, seq_lens = array("q", [0]), array("q")
@@ -184,6 +219,89 @@ class InputBatchBuilder:
             num_tokens=num_tokens,
             num_entries=num_entries,
         )
+
+    def _build_decode(self, output: SchedulerOutput) -> InputBatch | None:
+        """The pure-decode fast path, or None when `output` is anything else."""
+        if output.has_forks:
+            return None
+        block_size = self.block_size
+        flat = array("q")  # [E] ids, [E] positions, [E] slots, then seq lens as int32 pairs
+        positions, slots = array("q"), array("q")
+        seq_lens = array("i")
+        tables: list[Seq[int]] = []
+        for entry in output.scheduled:
+            if entry.num_new_tokens != 1 or not entry.sample:
+                return None
+            start, table = entry.start_position, entry.block_table
+            flat.append(entry.token_ids[0])
+            positions.append(start)
+            slots.append(table[start // block_size] * block_size + start % block_size)
+            seq_lens.append(start + 1)
+            tables.append(table)
+        num_entries = len(tables)
+        flat.extend(positions)
+        flat.extend(slots)
+        if num_entries % 2:
+            seq_lens.append(0)
+        flat.frombytes(seq_lens.tobytes())
+        device_buffer = self._to_device(flat)
+        seqs = [entry.seq for entry in output.scheduled]
+        metadata = AttentionMetadata(
+            slot_mapping=device_buffer[2 * num_entries : 3 * num_entries],
+            query_start_loc=self._query_start_loc(num_entries),
+            seq_lens=device_buffer[3 * num_entries :].view(torch.int32)[:num_entries],
+            block_tables=self._block_tables(seqs, tables),
+            max_query_len=1,
+            max_seq_len=max(seq_lens),
+        )
+        return InputBatch(
+            input_ids=device_buffer[:num_entries],
+            positions=device_buffer[num_entries : 2 * num_entries],
+            metadata=metadata,
+            logits_indices=None,
+            sample_rows=None,
+            sampled_seqs=seqs,
+            num_tokens=num_entries,
+            num_entries=num_entries,
+        )
+
+    def _query_start_loc(self, num_entries: int) -> torch.Tensor:
+        starts = self._query_starts.get(num_entries)
+        if starts is None:
+            starts = torch.arange(num_entries + 1, dtype=torch.int32, device=self.device)
+            self._query_starts[num_entries] = starts
+        return starts
+
+    def _block_tables(self, seqs: list[Sequence], tables: list[Seq[int]]) -> torch.Tensor:
+        """[E, W] int32 device block tables of a decode batch, reusing the previous step's."""
+        lengths = list(map(len, tables))
+        lasts = [table[-1] for table in tables]
+        kept = self._decode_tables
+        if kept is not None and len(kept.seqs) == len(seqs) and all(map(operator.is_, kept.seqs, seqs)):
+            if lengths == kept.lengths and lasts == kept.lasts:
+                return kept.device
+            if max(lengths) <= kept.host.shape[1]:
+                for row, (length, last) in enumerate(zip(lengths, lasts)):
+                    if length != kept.lengths[row] or last != kept.lasts[row]:
+                        kept.host[row, :length] = torch.tensor(tables[row], dtype=torch.int32)
+                kept.lengths, kept.lasts = lengths, lasts
+                if kept.device is not kept.host:
+                    kept.device.copy_(kept.host, non_blocking=True)
+                return kept.device
+        width = max(lengths)
+        flat = array("i")
+        for table, length in zip(tables, lengths):
+            flat.extend(table)
+            if length < width:
+                flat.frombytes(bytes(4 * (width - length)))  # zero padding: the null block
+        host = torch.frombuffer(flat, dtype=torch.int32).view(len(tables), width).clone()
+        if self._pin:
+            host = host.pin_memory()
+            device = host.to(self.device, non_blocking=True)
+        else:
+            device = host if self.device.type == "cpu" else host.to(self.device)
+        self._decode_tables = _DecodeTables(list(seqs), lengths, lasts, host, device)
+        return device
 
     def _to_device(self, flat: array) -> torch.Tensor:
         host = torch.frombuffer(flat, dtype=torch.int64) if len(flat) else torch.empty(0, dtype=torch.int64)

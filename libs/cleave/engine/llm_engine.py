@@ -37,7 +37,7 @@ from cleave.engine.request import ReasoningConfig, RequestState, SampleState
 from cleave.engine.sampling_params import SamplingParams
 from cleave.engine.sampling_tensors import LogitsProcessor
 from cleave.engine.scheduler import Scheduler
-from cleave.engine.sequence import Sequence, SequenceStatus
+from cleave.engine.sequence import FINISHED_STATUSES, Sequence, SequenceStatus
 from cleave.engine.stop import StopChecker
 from cleave.errors import InvalidArgument, NotFound
 from cleave.kv.manager import KVCacheManager
@@ -89,6 +89,7 @@ class LLMEngine:
         self._pending: dict[str, RequestState] = {}  # requests with news outside a step
         self._step_logprobs: dict[str, TokenLogprob] = {}
         self._deferred: dict[str, SampleState] = {}  # seq_id -> sample with ids awaiting text
+        self._touched: dict[str, RequestState] = {}  # requests that got a token this step
         self.last_stats = StepStats()
 
     # ---- start-up -------------------------------------------------------------------------
@@ -287,17 +288,14 @@ class LLMEngine:
             self._step_logprobs = {
                 seq.seq_id: logprob for seq, logprob in zip(output.sampled_seqs, result.logprobs) if logprob is not None
             }
+        touched = self._touched = {}
         updated = self.scheduler.postprocess(output, result.token_ids, self._on_token)
         self._step_logprobs = {}
-        touched: dict[str, RequestState] = {}
         for seq in updated:
-            sample = self._samples.get(seq.seq_id)
-            if sample is None:
-                continue
-            state = self._requests[seq.request_id]
-            if seq.is_finished and not state.prefill_done:
-                sample.end(seq.status)  # no-op unless the scheduler ended it (context full)
-            touched[seq.request_id] = state
+            if seq.status in FINISHED_STATUSES:
+                sample = self._samples.get(seq.seq_id)
+                if sample is not None and not touched[seq.request_id].prefill_done:
+                    sample.end(seq.status)  # no-op unless the scheduler ended it (context full)
         outputs = self._collect(touched)
         stats.postprocess_s = time.perf_counter() - ran
         self.last_stats = stats
@@ -305,13 +303,15 @@ class LLMEngine:
 
     def _on_token(self, seq: Sequence) -> SequenceStatus | None:
         """Scheduler callback per sampled token: text, stop conditions, prefill-only hand-off."""
-        sample = self._samples.get(seq.seq_id)
+        seq_id = seq.seq_id
+        sample = self._samples.get(seq_id)
         if sample is None:
             return None
-        status = sample.process_token(seq.last_token_id, self._step_logprobs.get(seq.seq_id))
+        logprobs = self._step_logprobs
+        status = sample.process_token(seq.all_token_ids[-1], logprobs.get(seq_id) if logprobs else None)
         if sample.deferred:
-            self._deferred[seq.seq_id] = sample
-        state = self._requests[seq.request_id]
+            self._deferred[seq_id] = sample
+        state = self._touched[seq.request_id] = self._requests[seq.request_id]
         if state.prefill_only and status is None:
             # Keep the prompt's blocks under another id; finishing the sequence frees its own.
             sample.flush_text()
@@ -322,15 +322,23 @@ class LLMEngine:
 
     def _flush_text(self) -> None:
         """Detokenize the previous step's deferred tokens (runs while the device computes)."""
+        requests, pending = self._requests, self._pending
         for sample in self._deferred.values():
             sample.flush_text()
-            state = self._requests.get(sample.seq.request_id)
+            request_id = sample.seq.request_id
+            state = requests.get(request_id)
             if state is not None:
-                self._pending[state.request_id] = state
+                pending[request_id] = state
         self._deferred.clear()
 
     def _collect(self, touched: dict[str, RequestState] | None = None) -> list[RequestOutput]:
-        states = self._pending if touched is None else {**touched, **self._pending}
+        if touched is None:
+            states = self._pending
+        elif self._pending:
+            states = touched
+            states.update(self._pending)
+        else:
+            states = touched
         self._pending = {}
         outputs = []
         for state in states.values():

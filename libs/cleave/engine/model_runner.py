@@ -15,6 +15,7 @@ from `CacheConfig.num_blocks` or DEFAULT_CPU_KV_TOKENS.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
@@ -258,7 +259,7 @@ class ModelRunner:
             cached is not None
             and not logits_processors
             and len(cached[0]) == len(seqs)
-            and all(a is b for a, b in zip(cached[0], seqs))
+            and all(map(operator.is_, cached[0], seqs))
         ):
             return cached[1]  # same rows as last step, and nothing in them depends on outputs
         params = [seq.sampling_params for seq in seqs]

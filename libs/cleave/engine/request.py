@@ -108,12 +108,21 @@ class SampleState:
 
     def flush_text(self) -> None:
         """Detokenize the deferred token ids (their text joins the pending delta)."""
-        if not self.deferred:
+        deferred = self.deferred
+        if not deferred:
             return
         detokenizer, stop_checker = self.detokenizer, self.stop_checker
-        for token_id in self.deferred:
-            self._add_text(stop_checker.append_text(detokenizer.push(token_id)).text)
-        self.deferred.clear()
+        if self.reasoning is None and not stop_checker.has_stop_strings:
+            # Nothing to split or search: the text goes straight to the delta.
+            push, append_plain = detokenizer.push, stop_checker.append_plain
+            for token_id in deferred:
+                text = push(token_id)
+                if text and append_plain(text):
+                    self.text.append(text)
+        else:
+            for token_id in deferred:
+                self._add_text(stop_checker.append_text(detokenizer.push(token_id)).text)
+        deferred.clear()
         self.has_news = True
 
     def end(self, status: SequenceStatus) -> None:
@@ -149,19 +158,24 @@ class SampleState:
 
     def take_delta(self) -> CompletionOutput:
         """What this sample produced since the previous call (running counts are totals)."""
+        text, reasoning_text = self.text, self.reasoning_text
         output = CompletionOutput(
             index=self.index,
-            text="".join(self.text),
+            text=text[0] if len(text) == 1 else "".join(text),
             token_ids=self.token_ids,
-            reasoning_text="".join(self.reasoning_text),
+            reasoning_text="".join(reasoning_text) if reasoning_text else "",
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             logprobs=self.logprobs,
             cumulative_logprob=self.cumulative_logprob,
             num_tokens=self.num_tokens,
-            num_reasoning_tokens=self.num_reasoning_tokens,
+            num_reasoning_tokens=0 if self.reasoning is None else self.reasoning.num_reasoning_tokens,
         )
-        self.text, self.reasoning_text, self.token_ids = [], [], []
+        if text:
+            self.text = []
+        if reasoning_text:
+            self.reasoning_text = []
+        self.token_ids = []
         self.logprobs = [] if self.logprobs is not None else None
         self.has_news = False
         return output
@@ -183,21 +197,34 @@ class RequestState:
     prefill_done: bool = False  # a prefill-only request sampled its first token
     reported_prompt: bool = False
 
+    # Loops rather than all()/any()/sum() over generators: these run once per request per step.
+
     @property
     def finished(self) -> bool:
-        return all(sample.finished for sample in self.samples)
+        for sample in self.samples:
+            if sample.finish_reason is None:
+                return False
+        return True
 
     @property
     def has_news(self) -> bool:
-        return any(sample.has_news for sample in self.samples)
+        for sample in self.samples:
+            if sample.has_news:
+                return True
+        return False
 
     def usage(self) -> Usage:
-        leader = self.samples[0].seq
+        num_prompt = len(self.prompt_token_ids)
+        completion = reasoning = 0
+        for sample in self.samples:
+            completion += sample.num_tokens
+            if sample.reasoning is not None:
+                reasoning += sample.reasoning.num_reasoning_tokens
         return Usage(
-            prompt_tokens=len(self.prompt_token_ids),
-            completion_tokens=sum(sample.num_tokens for sample in self.samples),
-            reasoning_tokens=sum(sample.num_reasoning_tokens for sample in self.samples),
-            cached_prompt_tokens=min(leader.num_cached_tokens, len(self.prompt_token_ids)),
+            prompt_tokens=num_prompt,
+            completion_tokens=completion,
+            reasoning_tokens=reasoning,
+            cached_prompt_tokens=min(self.samples[0].seq.num_cached_tokens, num_prompt),
         )
 
     def take_output(self) -> RequestOutput:

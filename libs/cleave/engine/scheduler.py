@@ -40,9 +40,10 @@ import bisect
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from cleave.engine.config import SchedulerConfig
-from cleave.engine.sequence import Sequence, SequenceStatus
+from cleave.engine.sequence import FINISHED_STATUSES, Sequence, SequenceStatus
 from cleave.errors import InvalidArgument
 from cleave.kv.manager import KVCacheManager
 
@@ -50,9 +51,11 @@ StopChecker = Callable[[Sequence], "SequenceStatus | None"]
 """Returns a FINISHED_* status when a sequence that just got a token should stop, else None."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledSequence:
-    """One sequence's share of a step.
+    """One sequence's share of a step (read-only for everyone but the scheduler).
+
+    Not frozen: a frozen dataclass costs ~1 us per construction, once per sequence per step.
 
     Attributes:
         seq: the sequence (read its sampling_params; do not mutate).
@@ -116,10 +119,15 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(entry.num_new_tokens for entry in self.scheduled)
 
-    @property
+    @cached_property
     def sampled_seqs(self) -> list[Sequence]:
         """Sequences that receive a token this step; `postprocess` lists align with this."""
         return [seq for entry in self.scheduled for seq in entry.sample_seqs]
+
+    @cached_property
+    def has_forks(self) -> bool:
+        """Whether any entry hands its logits to forks (sampled_seqs longer than the sampling entries)."""
+        return any(entry.forks for entry in self.scheduled if entry.sample)
 
     @property
     def query_lens(self) -> list[int]:
@@ -167,6 +175,8 @@ class Scheduler:
         self._next_order = 0
         self._finished_since_output: list[str] = []
         self._in_flight: SchedulerOutput | None = None
+        # `running` sorted by _priority_key, rebuilt after `running` changes (decode fast path).
+        self._running_order: list[Sequence] | None = None
 
     # ---- admission ------------------------------------------------------------------------
 
@@ -223,6 +233,7 @@ class Scheduler:
         self._register(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        self._running_order = None
 
     def abort(self, request_id: str) -> list[Sequence]:
         """End every sample of a request (FINISHED_ABORTED) and free its blocks."""
@@ -248,6 +259,9 @@ class Scheduler:
         """Plan the next step. Call `postprocess` with the result before scheduling again."""
         if self._in_flight is not None:
             raise RuntimeError("the previous SchedulerOutput was not postprocessed; call postprocess() first")
+        output = self._schedule_decodes()
+        if output is not None:
+            return output
         budget = self.config.max_num_batched_tokens
         planned: dict[str, tuple[Sequence, int]] = {}
         preempted: list[str] = []
@@ -301,6 +315,49 @@ class Scheduler:
         if output is not self._in_flight:
             raise RuntimeError("postprocess() got an output other than the latest one from schedule()")
         self._in_flight = None
+        if not isinstance(sampled_token_ids, Mapping) and not output.has_forks:
+            updated = self._record_aligned(output, sampled_token_ids)
+        else:
+            updated = self._record_by_seq_id(output, sampled_token_ids)
+        max_model_len = self.config.max_model_len
+        for seq in updated:
+            status = stop_checker(seq) if stop_checker else None
+            if status is None and len(seq.all_token_ids) >= max_model_len:
+                status = SequenceStatus.FINISHED_LENGTH
+            if status is not None and seq.status not in FINISHED_STATUSES:
+                self._finish(seq, status, promote_forks=True)
+        return updated
+
+    def _record_aligned(self, output: SchedulerOutput, sampled: Seq[int]) -> list[Sequence]:
+        """Record a step without forks: `sampled` holds one token per sampling entry, in order."""
+        scheduled = output.scheduled
+        num_sampling = sum(1 for entry in scheduled if entry.sample)
+        if len(sampled) != num_sampling:
+            raise ValueError(
+                f"got {len(sampled)} sampled tokens for {num_sampling} sampled sequences; "
+                "pass one token per output.sampled_seqs entry (or a dict keyed by seq_id)"
+            )
+        cache_full_blocks = self.kv.cache_full_blocks
+        updated: list[Sequence] = []
+        index = 0
+        for entry in scheduled:
+            seq = entry.seq
+            if entry.sample:
+                token = int(sampled[index])
+                index += 1
+                if seq.status in FINISHED_STATUSES:
+                    continue  # aborted while the step ran
+                seq.num_computed_tokens = entry.start_position + entry.num_new_tokens
+                seq.all_token_ids.append(token)
+                updated.append(seq)
+            elif seq.status in FINISHED_STATUSES:
+                continue
+            else:
+                seq.num_computed_tokens = entry.start_position + entry.num_new_tokens
+            cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+        return updated
+
+    def _record_by_seq_id(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int] | Seq[int]) -> list[Sequence]:
         tokens = self._tokens_by_seq_id(output, sampled_token_ids)
         updated: list[Sequence] = []
         for entry in output.scheduled:
@@ -314,15 +371,59 @@ class Scheduler:
             self.kv.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
             if entry.sample:
                 updated.extend(self._fork_pending(seq, tokens))
-        for seq in updated:
-            status = stop_checker(seq) if stop_checker else None
-            if status is None and seq.num_tokens >= self.config.max_model_len:
-                status = SequenceStatus.FINISHED_LENGTH
-            if status is not None and not seq.is_finished:
-                self._finish(seq, status, promote_forks=True)
         return updated
 
     # ---- internals ------------------------------------------------------------------------
+
+    def _schedule_decodes(self) -> SchedulerOutput | None:
+        """The plan of a pure decode step, or None when the general planner is needed.
+
+        Applies when nothing waits, no fork is pending, every running sequence fits the
+        step's limits with exactly one token to feed, and the pool has a free block for each
+        (a decode needs at most one: a new block at a boundary or a copy-on-write of a shared
+        last block), so nobody is preempted. The plan is then exactly the general one
+        (running sequences in priority order, one token each), built in one pass.
+        """
+        running = self.running
+        num_running = len(running)
+        config = self.config
+        if (
+            not running
+            or self.waiting
+            or self._pending_forks
+            or num_running > config.max_num_seqs
+            or num_running > config.max_num_batched_tokens
+            or self.kv.num_free_blocks < num_running
+        ):
+            return None
+        order = self._running_order
+        if order is None:
+            order = self._running_order = sorted(running, key=self._priority_key)
+        for seq in order:
+            if len(seq.all_token_ids) - seq.num_computed_tokens != 1:
+                return None
+        allocate_slots, block_table_view = self.kv.allocate_slots, self.kv.block_table_view
+        scheduled: list[ScheduledSequence] = []
+        num_decodes = 0
+        for seq in order:
+            seq_id = seq.seq_id
+            if not allocate_slots(seq_id, 1):
+                raise RuntimeError(f"no KV block for decoding {seq_id} although the pool reported enough")
+            tokens = seq.all_token_ids
+            start = len(tokens) - 1
+            is_decode = start >= seq.num_prompt_tokens
+            num_decodes += is_decode
+            scheduled.append(
+                ScheduledSequence(seq, 1, tokens[start:], start, True, block_table_view(seq_id), (), not is_decode)
+            )
+        stats = self.stats
+        stats.num_steps += 1
+        stats.num_decode_tokens += num_decodes
+        stats.num_prefill_tokens += num_running - num_decodes
+        output = SchedulerOutput(scheduled, self.kv.take_pending_copies(), [], self._finished_since_output)
+        self._finished_since_output = []
+        self._in_flight = output
+        return output
 
     def _admit_waiting(self, budget: int, planned: dict[str, tuple[Sequence, int]]) -> int:
         reserved_forks = sum(len(self._pending_forks.get(s.seq_id, ())) for s in self.running)
@@ -345,6 +446,7 @@ class Scheduler:
             seq.num_cached_tokens = hit.num_computed_tokens
             self.stats.num_prefix_cache_hit_tokens += hit.num_computed_tokens
             self.running.append(seq)
+            self._running_order = None
             reserved_forks += group_size - 1
             planned[seq.seq_id] = (seq, num_new)
             budget -= num_new
@@ -378,10 +480,12 @@ class Scheduler:
             child.append_token(_token(tokens, child))
             child.status = SequenceStatus.RUNNING
             self.running.append(child)
+            self._running_order = None
         return children
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._running_order = None
         self.kv.free(seq.seq_id)
         seq.status = SequenceStatus.PREEMPTED
         seq.num_computed_tokens = 0
@@ -392,6 +496,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, status: SequenceStatus, promote_forks: bool) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._running_order = None
         elif seq in self.waiting:
             self.waiting.remove(seq)
         elif seq.parent_seq_id in self._pending_forks:

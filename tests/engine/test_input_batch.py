@@ -1,0 +1,51 @@
+"""InputBatchBuilder: the pure-decode path builds exactly what the general path builds."""
+
+from __future__ import annotations
+
+import torch
+
+from cleave.engine.config import SchedulerConfig
+from cleave.engine.input_batch import InputBatch, InputBatchBuilder
+from cleave.engine.scheduler import Scheduler
+from cleave.engine.sequence import Sequence, SequenceStatus
+from cleave.kv.manager import KVCacheManager
+
+BLOCK = 4
+
+
+def assert_same(fast: InputBatch, general: InputBatch) -> None:
+    for name in ("input_ids", "positions"):
+        assert torch.equal(getattr(fast, name), getattr(general, name)), name
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        a, b = getattr(fast.metadata, name), getattr(general.metadata, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert fast.metadata.max_query_len == general.metadata.max_query_len == 1
+    assert fast.metadata.max_seq_len == general.metadata.max_seq_len
+    assert fast.logits_indices is None and general.logits_indices is None
+    assert fast.sample_rows is None and general.sample_rows is None
+    assert fast.sampled_seqs == general.sampled_seqs
+    assert (fast.num_tokens, fast.num_entries) == (general.num_tokens, general.num_entries)
+
+
+def test_decode_steps_match_general_path_across_blocks_and_membership_changes():
+    kv = KVCacheManager(64, BLOCK)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64), kv)
+    for index, prompt_len in enumerate((3, 5, 9)):
+        scheduler.add(Sequence(f"r{index}", list(range(10, 10 + prompt_len))))
+    builder, reference = InputBatchBuilder(BLOCK, torch.device("cpu")), InputBatchBuilder(BLOCK, torch.device("cpu"))
+    num_fast = 0
+    for step in range(14):
+        output = scheduler.schedule()
+        batch = builder.build(output)
+        general = reference.build_general(output)
+        if all(entry.num_new_tokens == 1 for entry in output.scheduled):
+            assert_same(batch, general)
+            num_fast += 1
+        tokens = [20 + step + row for row in range(len(output.sampled_seqs))]
+        scheduler.postprocess(output, tokens)
+        if step == 6:
+            scheduler.finish("r1/0", SequenceStatus.FINISHED_STOPPED)
+        if step == 9:
+            scheduler.add(Sequence("r3", [1, 2, 3, 4, 5, 6]))
+    assert num_fast >= 10
+    assert [len(kv.block_table(seq.seq_id)) for seq in scheduler.running] == [4, 6, 3]
