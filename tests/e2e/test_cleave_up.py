@@ -1,0 +1,35 @@
+"""`cleave up --demo` starts the stack as processes, answers one question and stops cleanly."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from cleave.engine.llm import default_model_path
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_cleave_up_demo_prints_reasoning_and_answer(mode, tmp_path):
+    if default_model_path() is None:
+        pytest.skip("the shipped reasoner (cleave/assets/reasoner) is not in this checkout")
+    completed = subprocess.run(
+        [sys.executable, "-m", "cleave.cli.main", "up", "--demo", "--mode", mode, "--grpc-port", "0",
+         "--http-port", "0", "--workdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=170,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    out = completed.stdout
+    assert re.search(r"gRPC gateway: 127\.0\.0\.1:\d+", out)
+    assert re.search(r"OpenAI HTTP:  http://127\.0\.0\.1:\d+/v1", out)
+    reasoning = out.split("[reasoning]", 1)[1].split("[answer]", 1)[0]
+    assert re.search(r"\d\+\d\+\d=\d\d", reasoning)  # the scratchpad is reasoning, not answer
+    answer = out.split("[answer]", 1)[1]
+    assert re.search(r"The answer is -?\d+", answer)
+    assert "<think>" not in out and "</think>" not in out
+    assert "stopping cleave" in out
+    logs = {path.name: path.read_text() for path in tmp_path.glob("*.log")}
+    assert set(logs) == {"kvstore.log", "decode-0.log", "gateway.log"} | ({"prefill-0.log"} if mode == "disaggregated" else set())
