@@ -94,3 +94,17 @@ async def test_group_rollout_rewards_and_advantages(two_decoders):
         rewards = [math.score(s.text) for s in result.samples]
     assert [s.reward for s in result.samples] == rewards
     assert [s.advantage for s in result.samples] == pytest.approx(group_advantages(rewards))
+
+
+async def test_best_of_n_selects_the_highest_reward(two_decoders):
+    verifier = g.Verifier(kind=g.Verifier.KIND_MATH, expected_answer="2")
+    scaling = g.TestTimeScaling(strategy=g.TestTimeScaling.STRATEGY_BEST_OF_N, num_samples=4, verifier=verifier,
+                                return_all_samples=True)
+    async with GatewayClient(two_decoders.gateway_address) as client:
+        result = await client.complete(PROMPT, max_tokens=8, temperature=1.0, seed=4, scaling=scaling,
+                                       reasoning=c.ReasoningOptions(max_thinking_tokens=2))
+    with MathVerifier("2") as math:
+        rewards = [math.score(s.text) for s in result.samples]
+    assert [s.reward for s in result.samples] == rewards
+    assert result.selected_index == rewards.index(max(rewards))
+    assert all(s.advantage is None for s in result.samples)
