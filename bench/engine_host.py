@@ -15,6 +15,10 @@ the full batch are kept. Each phase is reported in ms per decode step:
     postprocess  scheduler.postprocess, stop checks, output objects
     host         schedule + prepare + detokenize + sampling_prep + postprocess
 
+Phases are medians over steps. By default the engine's clock is this thread's CPU time
+(`--clock cpu`: torch runs single-threaded here), so other processes on a shared machine
+do not inflate the numbers; `--clock wall` keeps the engine's perf_counter.
+
     python bench/engine_host.py                          # batch 64 and 256
     python bench/engine_host.py --batch 64 --profile     # cProfile of the decode loop
 """
@@ -94,9 +98,11 @@ def run_batch(model_dir: Path, batch: int, args: argparse.Namespace, profiler: c
         raise RuntimeError(f"expected {batch * args.output_len} output tokens, got {num_output}")
     # Drop the first steps (allocator and cache warm-up).
     rows = rows[min(5, len(rows) // 4) :]
+    if not rows:
+        raise RuntimeError("no full-batch decode steps; raise --output-len")
     result = {"batch": batch, "steps": len(rows)}
     for phase in PHASES:
-        result[phase] = statistics.fmean(row[phase] for row in rows)
+        result[phase] = statistics.median(row[phase] for row in rows)
     result["host"] = sum(result[phase] for phase in HOST_PHASES)
     result["step"] = sum(result[phase] for phase in PHASES)
     result["host_us_per_seq"] = 1e3 * result["host"] / batch
@@ -121,6 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=1, help="runs per batch size; the fastest is kept")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="time phases by thread CPU or wall time")
     parser.add_argument("--profile", action="store_true", help="cProfile full-batch steps; print the top functions")
     parser.add_argument("--json", default=None, help="write the rows to this file")
     return parser.parse_args(argv)
@@ -130,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from cleave.testing.tiny_models import write_tiny_checkpoint
 
+    if args.clock == "cpu":
+        # The engine times its phases with time.perf_counter; read this thread's CPU clock instead.
+        time.perf_counter = time.thread_time
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_checkpoint(Path(tmp) / "tiny", "llama", max_position_embeddings=4096)

@@ -177,6 +177,9 @@ class Scheduler:
         self._in_flight: SchedulerOutput | None = None
         # `running` sorted by _priority_key, rebuilt after `running` changes (decode fast path).
         self._running_order: list[Sequence] | None = None
+        # Sequences whose full blocks were indexed up to their computed tokens by the previous
+        # postprocess: a decode that does not complete a block has nothing new to index.
+        self._blocks_indexed: set[str] = set()
 
     # ---- admission ------------------------------------------------------------------------
 
@@ -337,24 +340,30 @@ class Scheduler:
                 f"got {len(sampled)} sampled tokens for {num_sampling} sampled sequences; "
                 "pass one token per output.sampled_seqs entry (or a dict keyed by seq_id)"
             )
-        cache_full_blocks = self.kv.cache_full_blocks
+        cache_full_blocks, indexed = self.kv.cache_full_blocks, self._blocks_indexed
+        block_size = self.kv.block_size
         updated: list[Sequence] = []
         index = 0
         for entry in scheduled:
             seq = entry.seq
+            seq_len = entry.start_position + entry.num_new_tokens
             if entry.sample:
                 token = int(sampled[index])
                 index += 1
                 if seq.status in FINISHED_STATUSES:
                     continue  # aborted while the step ran
-                seq.num_computed_tokens = entry.start_position + entry.num_new_tokens
+                seq.num_computed_tokens = seq_len
                 seq.all_token_ids.append(token)
                 updated.append(seq)
             elif seq.status in FINISHED_STATUSES:
                 continue
             else:
-                seq.num_computed_tokens = entry.start_position + entry.num_new_tokens
-            cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+                seq.num_computed_tokens = seq_len
+            seq_id = seq.seq_id
+            if entry.num_new_tokens == 1 and seq_len % block_size and seq_id in indexed:
+                continue  # no block became full: cache_full_blocks would return at once
+            cache_full_blocks(seq_id, seq.all_token_ids, seq_len)
+            indexed.add(seq_id)
         return updated
 
     def _record_by_seq_id(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int] | Seq[int]) -> list[Sequence]:
@@ -369,6 +378,7 @@ class Scheduler:
                 seq.append_token(_token(tokens, seq))
                 updated.append(seq)
             self.kv.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+            self._blocks_indexed.add(seq.seq_id)
             if entry.sample:
                 updated.extend(self._fork_pending(seq, tokens))
         return updated
@@ -487,6 +497,7 @@ class Scheduler:
         self.running.remove(seq)
         self._running_order = None
         self.kv.free(seq.seq_id)
+        self._blocks_indexed.discard(seq.seq_id)
         seq.status = SequenceStatus.PREEMPTED
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -506,6 +517,7 @@ class Scheduler:
                 del self._pending_forks[seq.parent_seq_id]
         seq.status = status
         self.kv.free(seq.seq_id)
+        self._blocks_indexed.discard(seq.seq_id)
         self._finished_since_output.append(seq.seq_id)
         orphans = self._pending_forks.pop(seq.seq_id, [])
         if promote_forks and orphans:

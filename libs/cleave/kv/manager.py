@@ -160,7 +160,9 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if self._num_blocks_needed(seq_id, num_new_tokens, computed_blocks) > self.pool.num_free_blocks:
             return False
-        state = self._seqs.setdefault(seq_id, _SeqBlocks())
+        state = self._seqs.get(seq_id)
+        if state is None:
+            state = self._seqs[seq_id] = _SeqBlocks()
         if computed_blocks.block_ids:
             self.pool.touch(computed_blocks.block_ids)
             state.block_ids.extend(computed_blocks.block_ids)
@@ -169,7 +171,9 @@ class KVCacheManager:
         if num_new_tokens and self._last_block_shared(state):
             self._copy_on_write(state)
         total_tokens = state.num_tokens + num_new_tokens
-        state.block_ids.extend(self.pool.allocate(self.num_blocks_for(total_tokens) - len(state.block_ids)))
+        num_new_blocks = -(-total_tokens // self.block_size) - len(state.block_ids)
+        if num_new_blocks:  # most decode steps write into the last block they hold
+            state.block_ids.extend(self.pool.allocate(num_new_blocks))
         state.num_tokens = total_tokens
         return True
 
