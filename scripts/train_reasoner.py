@@ -27,6 +27,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 
 from cleave.tasks import arithmetic
 
+THINK_TAGS = ("<think>", "</think>")
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<think>", "</think>", "<|user|>", "<|assistant|>"]
 WORD_TOKENS = ["What is", "The answer is"]
 CHARACTERS = string.digits + string.ascii_letters + " \n+-*/=_?.,:;!'\"()"
@@ -70,7 +71,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         vocab[char] = len(vocab)
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.decoder = decoders.Fuse()
-    backend.add_special_tokens([AddedToken(t, normalized=False) for t in SPECIAL_TOKENS])
+    # the think tags are ordinary (non-special) added tokens, so decoded text keeps them
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=t not in THINK_TAGS) for t in SPECIAL_TOKENS])
     backend.add_tokens([AddedToken(t, normalized=False) for t in WORD_TOKENS])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"

@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 ENV_PREFIX = "CLEAVE_"
-DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
+# The reasoning model shipped inside the package: every service defaults to it, so the stack
+# runs with no download.
+SHIPPED_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "reasoner"
+DEFAULT_MODEL = str(SHIPPED_MODEL_DIR)
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # one KVStore.Put message holds a whole block
 DEFAULT_PORTS = {"gateway": 50051, "prefill": 50061, "decode": 50071, "kvstore": 50081}
 DEFAULT_HTTP_PORT = 8000
@@ -47,7 +50,7 @@ class ServiceConfig:
 class ModelConfig:
     """Which model a service serves."""
 
-    source: str = DEFAULT_MODEL  # HF repo id or local directory
+    source: str = DEFAULT_MODEL  # local model directory (HF layout)
     served_name: str = ""  # id clients use; empty: `source`
     max_context_length: int = 0  # 0: from the model's config
     is_reasoning_model: bool = True
@@ -165,7 +168,7 @@ def _flags(name: str, environ: Mapping[str, str]) -> _FlagSet:
 
 
 def _add_model_flags(flags: _FlagSet, default_model: str = DEFAULT_MODEL) -> None:
-    flags.add("--model", default_model, "HF repo id or local model directory")
+    flags.add("--model", default_model, "model directory (HF layout: config.json, safetensors, tokenizer)")
     flags.add("--served-model-name", "", "model id clients use (default: --model)")
     flags.add("--max-context-length", 0, "context length (0: from the model config)", type=int)
     flags.add("--reasoning-model", True, "the model thinks before answering",
@@ -221,11 +224,8 @@ def worker_config(
     name: Literal["prefill", "decode"], argv: Sequence[str] | None, environ: Mapping[str, str]
 ) -> WorkerConfig:
     """Parse a prefill or decode worker's flags."""
-    from cleave.engine.llm import default_model_path
-
-    shipped = default_model_path()
     flags = _flags(name, environ)
-    _add_model_flags(flags, str(shipped) if shipped is not None else DEFAULT_MODEL)
+    _add_model_flags(flags)
     flags.add("--worker-id", f"{name}-0", "stable id of this worker")
     flags.add("--device", "cuda", "torch device the model runs on")
     flags.add("--kvstore", "", "kvstore address host:port ('' for none)")

@@ -42,12 +42,19 @@ def processes(tmp_path_factory):
     env = {**os.environ, "CLEAVE_LOG_JSON": "true", "CLEAVE_HTTP_LISTEN": "", "CLEAVE_DEVICE": "cpu",
            "CLEAVE_NUM_KV_BLOCKS": "64"}
     started = {}
-    for name in SERVICES:
+
+    def start(name: str, *extra: str) -> None:
         port_file = tmp / f"{name}.port"
         command = [sys.executable, "-m", f"services.{name}", "--listen", "127.0.0.1:0",
-                   "--port-file", str(port_file), "--grace-seconds", "5"]
+                   "--port-file", str(port_file), "--grace-seconds", "5", *extra]
         started[name] = (subprocess.Popen(command, env=env, stderr=subprocess.PIPE), port_file)
+
+    for name in ("prefill", "decode", "kvstore"):
+        start(name)
     ports = {name: wait_for_port(port_file, process) for name, (process, port_file) in started.items()}
+    # The gateway needs a worker to route to: the decode worker, as a colocated one.
+    start("gateway", "--mode", "colocated", "--decode", f"127.0.0.1:{ports['decode']}")
+    ports["gateway"] = wait_for_port(started["gateway"][1], started["gateway"][0])
     yield {name: (started[name][0], ports[name]) for name in SERVICES}
     for process, _ in started.values():
         if process.poll() is None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from cleave.config import SHIPPED_MODEL_DIR
 from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cleave.engine.llm_engine import LLMEngine, Prompt
 from cleave.engine.outputs import RequestOutput
@@ -28,8 +29,7 @@ _ENGINE_KEYS = ("dtype", "device", "seed", "enforce_eager")
 
 def default_model_path() -> Path | None:
     """The reasoning model shipped with cleave (`cleave/assets/reasoner`), if present."""
-    path = Path(__file__).resolve().parent.parent / "assets" / "reasoner"
-    return path if (path / "config.json").is_file() else None
+    return SHIPPED_MODEL_DIR if (SHIPPED_MODEL_DIR / "config.json").is_file() else None
 
 
 def build_engine_config(model: str | Path, **kwargs: Any) -> EngineConfig:
