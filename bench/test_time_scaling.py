@@ -167,10 +167,16 @@ def runner_majority_at_full_group(problems: list[ProblemSamples]) -> float:
     return statistics.mean(asyncio.run(run_all()))
 
 
+def problem_columns(problem: ProblemSamples) -> dict:
+    """A problem with its samples stored column by column (one list per Sample field)."""
+    columns = {name: [getattr(sample, name) for sample in problem.samples] for name in Sample.__dataclass_fields__}
+    return {**{key: value for key, value in asdict(problem).items() if key != "samples"}, "samples": columns}
+
+
 def write_outputs(out: Path, rows: list[dict], summary: dict, problems: list[ProblemSamples]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {**summary, "rows": rows, "problems": [asdict(problem) for problem in problems]}
-    out.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
+    payload = {**summary, "rows": rows, "problems": [problem_columns(problem) for problem in problems]}
+    out.with_suffix(".json").write_text(json.dumps(payload, separators=(",", ":")) + "\n")
 
     header = "| k | majority vote | best-of-N (logprob) | best-of-N (step consistency) | oracle pass@k | tokens / problem |"
     lines = [header, "|---:|---:|---:|---:|---:|---:|"]
@@ -220,7 +226,7 @@ def write_outputs(out: Path, rows: list[dict], summary: dict, problems: list[Pro
     axis.set_ylabel("accuracy")
     axis.set_title(f"Shipped reasoner, {summary['num_problems']} held-out problems, T={summary['temperature']}")
     axis.grid(alpha=0.3)
-    axis.legend(loc="lower right")
+    axis.legend(loc="upper left", fontsize="small")
     figure.tight_layout()
     figure.savefig(out.with_suffix(".png"), dpi=120)
     plt.close(figure)
