@@ -72,6 +72,10 @@ class EngineConfig:
         device: torch device string.
         seed: base seed for sampling.
         enforce_eager: run the decode forward eagerly instead of replaying CUDA graphs.
+        detokenize: make text per token (detokenizer, stop strings, reasoning split). Off,
+            outputs carry token ids only; eos, stop token ids and max_tokens still end a
+            sample, stop strings do not (the caller matches them on its own text), and
+            thinking tokens are counted by the think tags' token ids.
     """
 
     model: str
@@ -79,5 +83,6 @@ class EngineConfig:
     device: str = "cuda"
     seed: int = 0
     enforce_eager: bool = False
+    detokenize: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -9,11 +9,16 @@
 The engine is single-threaded; `AsyncEngine` runs it on a thread of its own. Besides
 colocated generation it offers the two halves of disaggregated serving:
 
-- prefill worker: `add_request(..., prefill_only=True)` computes the prompt, samples the
-  first token and finishes the request while keeping its prompt KV blocks; read them with
+- prefill worker: `add_request(..., prefill_only=True)` computes the prompt once, samples
+  the first token of each of the `n` samples (the same draws a colocated engine makes) and
+  finishes the request while keeping its prompt KV blocks; read them with
   `prefilled_block_table(request_id)` / `kv_cache`, then `release_prefilled(request_id)`.
 - decode worker: `reserve_prefilled(request_id, num_prompt_tokens)` returns the block ids
-  the transport fills; `add_prefilled_request(...)` then decodes from the first token.
+  the transport fills (once for all samples); `add_prefilled_request(..., first_tokens)`
+  then decodes the `n` samples from their first tokens, sharing the prompt's blocks.
+
+With `EngineConfig.detokenize` off (the workers: the gateway makes the text) samples carry
+token ids only; see `cleave.engine.request`.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from cleave.engine.detokenizer import IncrementalDetokenizer
 from cleave.engine.model_runner import ModelRunner, StepStats
 from cleave.engine.outputs import RequestOutput, TokenLogprob
 from cleave.engine.reasoning import ReasoningParser, ThinkingBudget
+from cleave.engine.reasoning_tokens import ReasoningTokenCounter
 from cleave.engine.request import ReasoningConfig, RequestState, SampleState
 from cleave.engine.sampling_params import SamplingParams
 from cleave.engine.sampling_tensors import LogitsProcessor
@@ -183,8 +189,6 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         prompt_ids = self.encode_prompt(prompt, raw)
         params.validate(self.max_model_len, len(prompt_ids))
-        if prefill_only and params.n != 1:
-            raise InvalidArgument("must be 1 for a prefill-only request", field="n")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = [Sequence(request_id, prompt_ids, i, params, priority, arrival) for i in range(params.n)]
         max_new = params.max_new_tokens(self.max_model_len, len(prompt_ids))
@@ -193,9 +197,18 @@ class LLMEngine:
 
     def _new_sample(self, seq: Sequence, params: SamplingParams, prompt_ids: list[int], max_new: int) -> SampleState:
         reasoning = None
+        counter = None
         processors: list[LogitsProcessor] = []
+        detokenize = self.config.detokenize
         if self.reasoning is not None:
-            reasoning = ReasoningParser(self.reasoning.start_tag, self.reasoning.end_tag, self.reasoning.starts_in_reasoning)
+            if detokenize:
+                reasoning = ReasoningParser(
+                    self.reasoning.start_tag, self.reasoning.end_tag, self.reasoning.starts_in_reasoning
+                )
+            elif self._end_tag_ids and (self._start_tag_ids or self.reasoning.starts_in_reasoning):
+                counter = ReasoningTokenCounter(
+                    self._start_tag_ids, self._end_tag_ids, self.reasoning.starts_in_reasoning, self._is_blank_token
+                )
             budget = ThinkingBudget.from_params(
                 params, self._end_tag_ids, self._start_tag_ids, self.reasoning.starts_in_reasoning
             )
@@ -204,13 +217,20 @@ class LLMEngine:
         return SampleState(
             index=seq.sample_index,
             seq=seq,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+            if detokenize
+            else None,
             stop_checker=StopChecker(params, self.eos_token_ids, max_new),
             reasoning=reasoning,
             include_reasoning=params.include_reasoning,
             logits_processors=processors,
             defer_text=not params.stop,
+            reasoning_counter=counter,
         )
+
+    def _is_blank_token(self, token_id: int) -> bool:
+        """Whether a token's text is whitespace only (blank tokens may precede a think tag)."""
+        return not self.tokenizer.decode([token_id], skip_special_tokens=True).strip()
 
     def add_request(
         self,
@@ -312,13 +332,27 @@ class LLMEngine:
         if sample.deferred:
             self._deferred[seq_id] = sample
         state = self._touched[seq.request_id] = self._requests[seq.request_id]
-        if state.prefill_only and status is None:
-            # Keep the prompt's blocks under another id; finishing the sequence frees its own.
-            sample.flush_text()
-            self.kv.fork(seq.seq_id, seq.request_id + EXPORT_SUFFIX)
-            state.prefill_done = True
-            return SequenceStatus.FINISHED_LENGTH
+        if state.prefill_only:
+            return self._prefilled(state, seq, sample, status)
         return status
+
+    def _prefilled(
+        self, state: RequestState, seq: Sequence, sample: SampleState, status: SequenceStatus | None
+    ) -> SequenceStatus:
+        """A prefill-only sample drew its first token: keep the prompt's blocks under the
+        export id (once per request, whether or not the token ends the sample: the decode
+        side has reserved blocks for them either way) and end the sequence."""
+        sample.flush_text()
+        export_id = seq.request_id + EXPORT_SUFFIX
+        if not self.kv.has(export_id):
+            # The sequence holds exactly the prompt's slots: its first token has none yet.
+            self.kv.fork(seq.seq_id, export_id)
+        for other in state.samples:
+            if other.num_tokens == 0:
+                break
+        else:
+            state.prefill_done = True  # every sample has its first token (same step)
+        return status or SequenceStatus.FINISHED_LENGTH
 
     def _flush_text(self) -> None:
         """Detokenize the previous step's deferred tokens (runs while the device computes)."""
@@ -375,41 +409,59 @@ class LLMEngine:
 
     def reserve_prefilled(self, request_id: str, num_prompt_tokens: int) -> list[int]:
         """Decode side: allocate blocks for a prompt whose KV will arrive from a prefill
-        worker; returns the block ids to write. Raises OutOfBlocksError (RESOURCE_EXHAUSTED)."""
+        worker (once, whatever the request's n); returns the block ids to write. Raises
+        OutOfBlocksError (RESOURCE_EXHAUSTED)."""
         return self.kv.reserve(f"{request_id}/0", num_prompt_tokens)
 
     def add_prefilled_request(
         self,
         request_id: str,
         prompt_token_ids: Seq[int],
-        first_token: int,
+        first_tokens: int | Seq[int],
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> RequestState:
         """Decode side: start decoding a request whose prompt KV fills its reserved blocks
-        (reserved here if `reserve_prefilled` was not called). The first token is reported
-        with the next step's outputs, like every later one."""
+        (reserved here if `reserve_prefilled` was not called).
+
+        `first_tokens` holds each sample's first token (`params.n` of them; a bare int for
+        n = 1), drawn by a prefill-only engine. The samples share the prompt's blocks, as
+        samples of a local prefill do: the partly filled last block is copied on a sample's
+        first write. First tokens are reported with the next step's outputs, like every later
+        one; a sample its first token ends (eos, max_tokens) finishes there.
+        """
+        tokens = [int(first_tokens)] if isinstance(first_tokens, int) else [int(t) for t in first_tokens]
         state = self.prepare_request(request_id, list(prompt_token_ids), params, priority, arrival_time)
-        if state.params.n != 1:
-            raise InvalidArgument("must be 1 for a prefilled request", field="n")
+        if len(tokens) != state.params.n:
+            raise InvalidArgument(
+                f"needs one first token per sample ({state.params.n}), got {len(tokens)}", field="first_tokens"
+            )
         if request_id in self._requests:
             raise InvalidArgument(f"{request_id!r} is already running; use a unique id", field="request_id")
-        sample = state.samples[0]
-        seq = sample.seq
-        if not self.kv.has(seq.seq_id):
-            self.kv.reserve(seq.seq_id, seq.num_prompt_tokens)
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        seq.append_token(int(first_token))
-        status = sample.process_token(int(first_token))
-        if status is None and seq.num_tokens >= self.max_model_len:
-            status = SequenceStatus.FINISHED_LENGTH
-            sample.end(status)
-        if status is not None:
-            self.kv.release(seq.seq_id)
-            self._pending[request_id] = state
-            return state
-        self.scheduler.add_prefilled(seq)
-        self._register(state)
+        leader = state.samples[0].seq
+        if not self.kv.has(leader.seq_id):
+            self.kv.reserve(leader.seq_id, leader.num_prompt_tokens)
+        self.kv.cache_full_blocks(leader.seq_id, leader.all_token_ids)  # hashes the forks inherit
+        for sample in state.samples[1:]:
+            self.kv.fork(leader.seq_id, sample.seq.seq_id)
+        running = []
+        for sample, token in zip(state.samples, tokens):
+            seq = sample.seq
+            seq.num_computed_tokens = seq.num_prompt_tokens
+            seq.append_token(token)
+            status = sample.process_token(token)
+            if status is None and seq.num_tokens >= self.max_model_len:
+                status = SequenceStatus.FINISHED_LENGTH
+                sample.end(status)
+            if status is None:
+                running.append(seq)
+            else:
+                seq.status = status
+                self.kv.release(seq.seq_id)
+        for seq in running:
+            self.scheduler.add_prefilled(seq)
+        if running:
+            self._register(state)
         self._pending[request_id] = state
         return state

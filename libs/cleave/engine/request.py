@@ -2,7 +2,9 @@
 
 Token ids come from the scheduler; text is made here. Per generated token a sample runs
 `StopChecker.process` (which drives its `IncrementalDetokenizer`), then its
-`ReasoningParser` splits the new text into thinking and answer. What a sample produced
+`ReasoningParser` splits the new text into thinking and answer. An engine that makes no
+text (`detokenize` off) gives samples no detokenizer: a token then runs through the
+token-id stops only, and a `ReasoningTokenCounter` counts thinking tokens. What a sample produced
 since the last report accumulates in its pending delta until `RequestState.take_output`
 turns the request's news into one `RequestOutput`.
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from cleave.engine.detokenizer import IncrementalDetokenizer
 from cleave.engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob, Usage
 from cleave.engine.reasoning import ReasoningParser
+from cleave.engine.reasoning_tokens import ReasoningTokenCounter
 from cleave.engine.sampling_params import SamplingParams
 from cleave.engine.sampling_tensors import LogitsProcessor
 from cleave.engine.sequence import Sequence, SequenceStatus
@@ -45,15 +48,20 @@ class ReasoningConfig:
 
 @dataclass(eq=False)
 class SampleState:
-    """Text-side state of one sample and what it produced since the last report."""
+    """Text-side state of one sample and what it produced since the last report.
+
+    `detokenizer` None means token ids only: no text, stop strings or reasoning split;
+    `reasoning_counter` then counts thinking tokens by id.
+    """
 
     index: int
     seq: Sequence
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None
     stop_checker: StopChecker
     reasoning: ReasoningParser | None
     include_reasoning: bool
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    reasoning_counter: ReasoningTokenCounter | None = None
     # Without stop strings, stopping depends on token ids alone, so text can be made later
     # (while the device runs the next step): `deferred` holds ids not yet detokenized.
     defer_text: bool = False
@@ -86,6 +94,8 @@ class SampleState:
                 self.logprobs = []
             self.logprobs.append(logprob)
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprob.logprob
+        if self.detokenizer is None:
+            return self._process_token_id(token_id)
         if not self.defer_text:
             update = self.stop_checker.process(token_id, self.detokenizer)
             self._add_text(update.text)
@@ -105,6 +115,16 @@ class SampleState:
             update.finish_reason, update.stop_reason = token_stop.finish_reason, token_stop.stop_reason
         self._finish(update.finish_reason, update.stop_reason)
         return _STATUS_OF_REASON[update.finish_reason]
+
+    def _process_token_id(self, token_id: int) -> SequenceStatus | None:
+        """Token-only path: count thinking tokens, apply the stops decided by the id."""
+        if self.reasoning_counter is not None:
+            self.reasoning_counter.feed(token_id)
+        token_stop = self.stop_checker.check_token(token_id)
+        if token_stop is None:
+            return None
+        self._finish(token_stop.finish_reason, token_stop.stop_reason)
+        return _STATUS_OF_REASON[token_stop.finish_reason]
 
     def flush_text(self) -> None:
         """Detokenize the deferred token ids (their text joins the pending delta)."""
@@ -130,7 +150,7 @@ class SampleState:
         if self.finished:
             return
         self.flush_text()
-        if status is not SequenceStatus.FINISHED_ABORTED:
+        if status is not SequenceStatus.FINISHED_ABORTED and self.detokenizer is not None:
             self._add_text(self.stop_checker.append_text(self.detokenizer.finish(), final=True).text)
         self._finish(_REASON_OF_STATUS.get(status, FinishReason.ERROR), None)
 
@@ -169,7 +189,7 @@ class SampleState:
             logprobs=self.logprobs,
             cumulative_logprob=self.cumulative_logprob,
             num_tokens=self.num_tokens,
-            num_reasoning_tokens=0 if self.reasoning is None else self.reasoning.num_reasoning_tokens,
+            num_reasoning_tokens=self.num_reasoning_tokens,
         )
         if text:
             self.text = []
@@ -182,7 +202,11 @@ class SampleState:
 
     @property
     def num_reasoning_tokens(self) -> int:
-        return 0 if self.reasoning is None else self.reasoning.num_reasoning_tokens
+        if self.reasoning is not None:
+            return self.reasoning.num_reasoning_tokens
+        if self.reasoning_counter is not None:
+            return self.reasoning_counter.num_reasoning_tokens
+        return 0
 
 
 @dataclass(eq=False)
@@ -194,7 +218,7 @@ class RequestState:
     params: SamplingParams
     samples: list[SampleState]
     prefill_only: bool = False
-    prefill_done: bool = False  # a prefill-only request sampled its first token
+    prefill_done: bool = False  # every sample of a prefill-only request drew its first token
     reported_prompt: bool = False
 
     # Loops rather than all()/any()/sum() over generators: these run once per request per step.
@@ -218,8 +242,7 @@ class RequestState:
         completion = reasoning = 0
         for sample in self.samples:
             completion += sample.num_tokens
-            if sample.reasoning is not None:
-                reasoning += sample.reasoning.num_reasoning_tokens
+            reasoning += sample.num_reasoning_tokens
         return Usage(
             prompt_tokens=num_prompt,
             completion_tokens=completion,
