@@ -6,10 +6,13 @@ Life of a disaggregated request on this worker:
                    transfer with the KV receiver, arm the deadline -> TransferHandle
     (prefill worker writes the KV into the reserved blocks over the handle's transport)
     start(spec)    wait for the transfer (bounded by the deadline), then
-                   engine.add_prefilled_request(prompt, first token) -> decoding
+                   engine.add_prefilled_request(prompt, first tokens) -> decoding (n
+                   samples from one reservation: they share the prompt's blocks)
     engine steps   every step's outputs become RequestDeltas, one StepOutput per gateway
 
 Colocated mode skips admit: start(prefill_locally) queues the prompt in the same engine.
+The engine makes no text (`detokenize` off): the step stream carries token ids, and the
+gateway detokenizes, matches stop strings and aborts a request whose stop string matched.
 
 Every way out frees the blocks: a finished or aborted request is freed by the engine; an
 admitted request that is aborted, whose transfer fails or whose deadline passes before Start
@@ -25,7 +28,7 @@ import copy
 import itertools
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cleave.engine.async_engine import AsyncEngine
 from cleave.engine.config import EngineConfig
@@ -121,7 +124,7 @@ class EngineDecodeBackend:
         transfer_timeout_s: float = 30.0,
         load_interval_s: float = 1.0,
     ) -> None:
-        self.engine_config = engine_config
+        self.engine_config = replace(engine_config, detokenize=False)  # the gateway makes the text
         self.worker_id = worker_id
         self.model_id = model_id
         self.transfer_timeout_s = transfer_timeout_s
@@ -185,11 +188,6 @@ class EngineDecodeBackend:
         engine, async_engine, receiver = self._require_engine()
         request_id, prompt = spec.request_id, list(spec.prompt_token_ids)
         self._check_new(request_id)
-        if spec.sampling.n != 1:
-            raise InvalidArgument(
-                "must be 1 for a disaggregated request; start n > 1 in colocated mode (prefill_locally)",
-                field="sampling.n",
-            )
         engine.prepare_request(request_id, prompt, spec.sampling)  # validation only: no engine state
         transport, nccl = await self._transport_for(spec.prefill_worker_id)
         block_ids = await async_engine.call(lambda e: e.reserve_prefilled(request_id, len(prompt)))
@@ -293,9 +291,9 @@ class EngineDecodeBackend:
         if request.timer is not None:
             request.timer.cancel()
         request.leading_logprobs = spec.first_token_logprobs
-        prompt, first_token = request.prompt_token_ids, spec.first_token_ids[0]
+        prompt, first_tokens = request.prompt_token_ids, list(spec.first_token_ids)
         try:
-            await async_engine.call(lambda e: e.add_prefilled_request(request_id, prompt, first_token, params))
+            await async_engine.call(lambda e: e.add_prefilled_request(request_id, prompt, first_tokens, params))
         except CleaveError:
             self._requests.pop(request_id, None)
             self._release_reservation(request_id)

@@ -3,12 +3,14 @@
     prefill(spec):
         kvstore prefix -> engine prefix cache      (optional: those tokens are not recomputed)
         engine prefill-only request                (chunked and batched with other prompts)
-        first token sampled, prompt KV kept under the request's export id
+        first token of each of the n samples sampled, prompt KV kept (once) under the
+        request's export id
         KV -> destination's reserved blocks        (the handle's transport, all layers)
         new full blocks -> kvstore                 (store_to_kvstore)
         export blocks released                     (always, also on error or cancellation)
 
-The KV is shipped after the prefill completes; layer-by-layer streaming during the forward
+The engine makes no text (`detokenize` off): the gateway detokenizes and matches stop
+strings. The KV is shipped after the prefill completes; layer-by-layer streaming during the forward
 would overlap the send with compute but needs a hook inside the model runner.
 """
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import structlog
@@ -61,7 +63,7 @@ class EnginePrefillBackend:
     def __init__(
         self, engine_config: EngineConfig, *, worker_id: str, model_id: str, kvstore_address: str | None = None
     ) -> None:
-        self.engine_config = engine_config
+        self.engine_config = replace(engine_config, detokenize=False)  # token ids are all it returns
         self.worker_id = worker_id
         self.model_id = model_id
         self.kvstore_address = kvstore_address
@@ -112,11 +114,6 @@ class EnginePrefillBackend:
     async def prefill(self, spec: PrefillSpec) -> PrefillResult:
         async_engine = self._require_engine()
         request_id, prompt = spec.request_id, list(spec.prompt_token_ids)
-        if spec.sampling.n != 1:
-            raise InvalidArgument(
-                "must be 1 for a prefill (a decode worker continues one sample per prefilled request)",
-                field="sampling.n",
-            )
         if request_id in self._in_flight:
             raise InvalidArgument(f"{request_id!r} is already prefilling here; use a unique id", field="request_id")
         if spec.destination is not None:
@@ -125,7 +122,7 @@ class EnginePrefillBackend:
         fetch = NO_FETCH
         try:
             fetch = await self._fetch_prefix(request_id, prompt)
-            first_token, first_logprobs, num_cached = await self._run_prefill(async_engine, request_id, prompt, spec)
+            first_tokens, first_logprobs, num_cached = await self._run_prefill(async_engine, request_id, prompt, spec)
             table = await async_engine.call(lambda e: e.prefilled_block_table(request_id))
             transfer = None
             if spec.destination is not None:
@@ -142,7 +139,7 @@ class EnginePrefillBackend:
         counters.num_computed_tokens += num_computed
         counters.num_cached_tokens += num_cached
         return PrefillResult(
-            first_token_ids=(first_token,),
+            first_token_ids=first_tokens,
             num_prompt_tokens=len(prompt),
             num_cached_tokens=num_cached,
             num_computed_tokens=num_computed,
@@ -152,19 +149,25 @@ class EnginePrefillBackend:
 
     async def _run_prefill(
         self, async_engine: AsyncEngine, request_id: str, prompt: list[int], spec: PrefillSpec
-    ) -> tuple[int, tuple[TopLogprobs, ...], int]:
-        """First token, its logprobs and the cached prompt tokens of a prefill-only request."""
-        token_ids: list[int] = []
-        logprobs: list[TopLogprobs] = []
+    ) -> tuple[tuple[int, ...], tuple[TopLogprobs, ...], int]:
+        """Each sample's first token (in sample order), their logprobs when asked for, and
+        the cached prompt tokens of a prefill-only request."""
+        first_tokens: dict[int, int] = {}
+        logprobs: dict[int, TopLogprobs] = {}
         num_cached = 0
         async for output in async_engine.submit(request_id, prompt, spec.sampling, prefill_only=True):
             for sample in output.outputs:
-                token_ids.extend(sample.token_ids)
-                logprobs.extend(top_logprobs_from_engine(lp) for lp in sample.logprobs or ())
+                if sample.token_ids:
+                    first_tokens.setdefault(sample.index, sample.token_ids[0])
+                if sample.logprobs:
+                    logprobs.setdefault(sample.index, top_logprobs_from_engine(sample.logprobs[0]))
             num_cached = output.usage.cached_prompt_tokens
-        if not token_ids:
-            raise Unavailable(f"the engine ended request {request_id!r} without a first token")
-        return token_ids[0], tuple(logprobs[:1]), num_cached
+        num_samples = spec.sampling.n
+        if len(first_tokens) != num_samples:
+            raise Unavailable(f"the engine ended request {request_id!r} without a first token for every sample")
+        samples = range(num_samples)
+        first_logprobs = tuple(logprobs[i] for i in samples) if len(logprobs) == num_samples else ()
+        return tuple(first_tokens[i] for i in samples), first_logprobs, num_cached
 
     async def _fetch_prefix(self, request_id: str, prompt: list[int]) -> PrefixFetch:
         if self.kvstore is None:

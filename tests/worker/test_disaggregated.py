@@ -135,3 +135,46 @@ async def test_kvstore_prefix_is_reused_not_recomputed(checkpoint, reference):
     finally:
         for worker in (first, second, decode, store):
             await worker.close()
+
+
+async def test_disaggregated_seeded_samples_equal_colocated_llm(checkpoint):
+    """n = 4 seeded samples: one prefill and one prompt transfer; the samples equal the
+    in-process LLM's (first tokens from the prefill worker, the rest from the decode worker)."""
+    prompt = prompts(1, seed=7)[0]
+    num_samples, max_tokens = 4, 10
+    sampling = c.SamplingParams(temperature=1.0, seed=99, n=num_samples, max_tokens=max_tokens, ignore_eos=True,
+                                logprobs=2)
+    (expected,) = LLM(checkpoint, **ENGINE_ARGS).generate(
+        [prompt], SamplingParams(temperature=1.0, seed=99, n=num_samples, max_tokens=max_tokens, ignore_eos=True))
+    decode, prefill = await start_decode(checkpoint), await start_prefill(checkpoint)
+    try:
+        reader = AttachReader(decode.stub)
+        total = (await decode.stub.GetLoad(c.GetLoadRequest())).load.num_total_blocks
+        admitted = await decode.stub.Admit(d.AdmitRequest(
+            request_id="n4", prompt_token_ids=prompt, sampling=sampling, gateway_id=GATEWAY,
+            prefill_worker_id="prefill-0"))
+        num_blocks = -(-len(prompt) // 4)
+        assert len(admitted.handle.block_ids) == num_blocks  # the prompt is reserved once
+        assert (await decode.stub.GetLoad(c.GetLoadRequest())).load.num_free_blocks == total - num_blocks
+        prefilled = await prefill.stub.Prefill(p.PrefillRequest(
+            request_id="n4", prompt_token_ids=prompt, sampling=sampling, destination=admitted.handle))
+        assert list(prefilled.first_token_ids) == [s.token_ids[0] for s in expected.outputs]
+        assert prefilled.num_computed_tokens == len(prompt) and prefilled.transfer.num_blocks == num_blocks
+        assert [lp.sampled.token_id for lp in prefilled.first_token_logprobs] == list(prefilled.first_token_ids)
+        await decode.stub.Start(d.StartRequest(
+            request_id="n4", first_token_ids=prefilled.first_token_ids,
+            first_token_logprobs=prefilled.first_token_logprobs, gateway_id=GATEWAY))
+        await reader.wait_finished(["n4"], num_samples=num_samples)
+        for index, sample in enumerate(expected.outputs):
+            assert reader.tokens("n4", index) == sample.token_ids
+            assert reader.finish("n4", index) == c.FINISH_REASON_LENGTH
+            logprobs = [lp for x in reader.deltas("n4") if x.sample_index == index for lp in x.logprobs]
+            assert [lp.sampled.token_id for lp in logprobs] == sample.token_ids
+        assert len({tuple(s.token_ids) for s in expected.outputs}) > 1
+        assert not decode.backend.engine.config.detokenize and not prefill.backend.engine.config.detokenize
+        await wait_pool_full(decode.stub)
+        await wait_pool_full(prefill.stub)
+        await reader.cancel()
+    finally:
+        await decode.close()
+        await prefill.close()

@@ -35,8 +35,9 @@ class DeltaBuilder:
 
     def build(self, output: RequestOutput, leading_logprobs: Sequence[TopLogprobs] = ()) -> list[RequestDelta]:
         """Deltas of one request's output (samples without new tokens or a finish are left
-        out). `leading_logprobs` belong to tokens the engine did not sample itself (a prefill
-        worker's first token) and are put before the engine's own for sample 0."""
+        out). `leading_logprobs` belong to tokens the engine did not sample itself: entry i
+        is the logprob of sample i's first token, drawn by a prefill worker, and goes before
+        the engine's own logprobs of that sample."""
         deltas = []
         for sample in output.outputs:
             if not sample.token_ids and sample.finish_reason is None:
@@ -48,8 +49,8 @@ class DeltaBuilder:
             else:
                 self._reasoning_totals.pop(key, None)
             logprobs = tuple(top_logprobs_from_engine(lp) for lp in sample.logprobs or ())
-            if sample.index == 0 and leading_logprobs:
-                logprobs = (*leading_logprobs, *logprobs)
+            if sample.index < len(leading_logprobs):
+                logprobs = (leading_logprobs[sample.index], *logprobs)
             if len(logprobs) != len(sample.token_ids):
                 logprobs = ()  # never misalign logprobs with tokens
             deltas.append(RequestDelta(

@@ -76,7 +76,7 @@ async def test_admit_errors(decode):
         await decode.stub.Admit(admit(f"fill{index}", prompt=list(range(1, 81))))
     cases = [
         (admit("big", prompt=list(range(1, 41))), grpc.StatusCode.RESOURCE_EXHAUSTED, "4 are free"),
-        (admit("n2", n=2), grpc.StatusCode.INVALID_ARGUMENT, "sampling.n"),
+        (admit("n", n=2000), grpc.StatusCode.INVALID_ARGUMENT, "sampling.n"),
         (admit("vocab", prompt=[10**6]), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
         (admit("long", prompt=list(range(1, 250)), max_tokens=100), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
     ]

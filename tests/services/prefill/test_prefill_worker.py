@@ -51,7 +51,7 @@ async def test_bad_prefills_are_refused(prefill):
     expired.CopyFrom(handle)
     expired.deadline.FromSeconds(int(time.time()) - 1)
     cases = [
-        (p.PrefillRequest(request_id="n", prompt_token_ids=PROMPT, sampling=greedy(4, n=2)), "INVALID_ARGUMENT", "sampling.n"),
+        (p.PrefillRequest(request_id="n", prompt_token_ids=PROMPT, sampling=greedy(4, n=2000)), "INVALID_ARGUMENT", "sampling.n"),
         (p.PrefillRequest(request_id="v", prompt_token_ids=[10**6]), "INVALID_ARGUMENT", "prompt"),
         (p.PrefillRequest(request_id="l", prompt_token_ids=PROMPT, destination=wrong_layout), "FAILED_PRECONDITION", "destination.layout.model_id"),
         (p.PrefillRequest(request_id="s", prompt_token_ids=PROMPT, destination=short), "INVALID_ARGUMENT", "destination.block_ids"),
