@@ -124,3 +124,13 @@ def test_zero_budget_and_from_params():
     assert _generate(budget, [1, 1], 2) == [3, 1]
     with pytest.raises(ValueError):
         ThinkingBudget(end_token_ids=[3], starts_in_reasoning=False)
+
+
+def test_a_cut_block_is_followed_by_the_forced_answer_prefix():
+    budget = ThinkingBudget(end_token_ids=[3], max_thinking_tokens=2, answer_prefix_ids=[8, 9])
+    assert _generate(budget, [1] * 7, 7) == [1, 1, 3, 8, 9, 1, 1]
+
+
+def test_a_block_the_model_closes_itself_gets_no_answer_prefix():
+    budget = ThinkingBudget(end_token_ids=[3], max_thinking_tokens=5, answer_prefix_ids=[8, 9])
+    assert _generate(budget, [1, 3, 1, 1, 1], 5) == [1, 3, 1, 1, 1]

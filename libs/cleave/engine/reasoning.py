@@ -144,13 +144,16 @@ class ThinkingBudget:
     the end tag is forced (every other logit -inf; a multi-token tag is forced token by
     token, continuing a tag the model already began). While
     `num_thinking_tokens < min_thinking_tokens` the token that would complete the end tag
-    gets logit -inf.
+    gets logit -inf. When the budget cut the block short, `answer_prefix_ids` (a model's
+    own answer opening, e.g. " The answer is") are forced next, so a model that would
+    otherwise keep reasoning outside the block goes straight to a well-formed answer.
 
     Args:
         end_token_ids: token ids of the end tag (e.g. `</think>`), in order.
         max_thinking_tokens / min_thinking_tokens: the budget (None: no maximum).
         start_token_ids: token ids of the start tag; needed unless starts_in_reasoning.
         starts_in_reasoning: the prompt already opened the thinking block.
+        answer_prefix_ids: tokens forced after an end tag that the budget imposed.
     """
 
     def __init__(
@@ -160,6 +163,7 @@ class ThinkingBudget:
         min_thinking_tokens: int = 0,
         start_token_ids: Sequence[int] | None = None,
         starts_in_reasoning: bool = True,
+        answer_prefix_ids: Sequence[int] = (),
     ) -> None:
         if not end_token_ids:
             raise ValueError("end_token_ids must name at least one token (the end tag)")
@@ -173,6 +177,9 @@ class ThinkingBudget:
         self._recent: list[int] = []  # last few tokens, enough to match either tag
         self._num_seen = 0
         self.num_thinking_tokens = 0
+        self._answer_prefix = list(answer_prefix_ids)
+        self._was_cut = False  # the budget forced the end tag
+        self._num_answer_tokens = 0
 
     @classmethod
     def from_params(
@@ -181,6 +188,7 @@ class ThinkingBudget:
         end_token_ids: Sequence[int],
         start_token_ids: Sequence[int] | None = None,
         starts_in_reasoning: bool = True,
+        answer_prefix_ids: Sequence[int] = (),
     ) -> ThinkingBudget | None:
         """A budget for the request's thinking limits, or None when it sets none."""
         if params.max_thinking_tokens is None and params.min_thinking_tokens == 0:
@@ -191,6 +199,7 @@ class ThinkingBudget:
             params.min_thinking_tokens,
             start_token_ids,
             starts_in_reasoning,
+            answer_prefix_ids,
         )
 
     @property
@@ -203,18 +212,22 @@ class ThinkingBudget:
         for token_id in output_token_ids[self._num_seen :]:
             self._observe(token_id)
         self._num_seen = len(output_token_ids)
+        if self._phase is Phase.ANSWER and self._was_cut and self._num_answer_tokens < len(self._answer_prefix):
+            return _force(logits, self._answer_prefix[self._num_answer_tokens])
         if self._phase is not Phase.REASONING:
             return logits
         partial = _suffix_match(self._recent, self._end)
         if self.max_thinking_tokens is not None and self.num_thinking_tokens >= self.max_thinking_tokens:
-            forced = self._end[partial]
-            logits.fill_(-torch.inf)
-            logits[forced] = 0.0
-        elif self.num_thinking_tokens < self.min_thinking_tokens and partial == len(self._end) - 1:
+            self._was_cut = True
+            return _force(logits, self._end[partial])
+        if self.num_thinking_tokens < self.min_thinking_tokens and partial == len(self._end) - 1:
             logits[self._end[-1]] = -torch.inf
         return logits
 
     def _observe(self, token_id: int) -> None:
+        if self._phase is Phase.ANSWER:
+            self._num_answer_tokens += 1
+            return
         self._recent.append(token_id)
         keep = max(len(self._end), len(self._start))
         if len(self._recent) > keep:
@@ -228,3 +241,10 @@ class ThinkingBudget:
                 self._phase = Phase.ANSWER
             else:
                 self.num_thinking_tokens += 1
+
+
+def _force(logits: torch.Tensor, token_id: int) -> torch.Tensor:
+    """Make `token_id` the only possible next token (logits: [V], edited in place)."""
+    logits.fill_(-torch.inf)
+    logits[token_id] = 0.0
+    return logits
