@@ -219,9 +219,9 @@ class RoutingBackend:
         reasoning = reasoning_to_proto(spec.reasoning)
         decode = running.decode
         request_id = running.worker_request_id
-        # A prefill worker hands one sample to the decode worker; n > 1 samples sharing the
-        # prompt KV are prefilled by the decode worker itself.
-        if self.options.mode == "colocated" or spec.sampling.n > 1:
+        # n > 1 too: the prefill worker draws every sample's first token from one prefill and
+        # the decode worker's samples share the one prompt reservation.
+        if self.options.mode == "colocated":
             started = await self._rpc(
                 decode.stub.Start(
                     decode_pb2.StartRequest(
