@@ -117,11 +117,14 @@ def test_first_tokens_that_end_samples(checkpoint):
     assert_pool_full(prefill)
 
 
-def test_first_tokens_must_match_n(checkpoint):
-    decode = make_engine(checkpoint)
+def test_first_tokens_must_match_n_and_n_must_fit_a_step(checkpoint):
+    decode = make_engine(checkpoint, max_num_seqs=4)
     with pytest.raises(InvalidArgument) as error:
         decode.add_prefilled_request("x", PROMPT, [5, 6], SamplingParams(n=3))
     assert error.value.field == "first_tokens"
+    with pytest.raises(InvalidArgument) as error:  # a group that could never be admitted
+        decode.add_request("y", PROMPT, SamplingParams(n=5), prefill_only=True)
+    assert error.value.field == "n" and "max_num_seqs (4)" in str(error.value)
     assert_pool_full(decode)
 
 

@@ -189,6 +189,9 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         prompt_ids = self.encode_prompt(prompt, raw)
         params.validate(self.max_model_len, len(prompt_ids))
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        if params.n > max_num_seqs:  # the samples run at once: more could never be admitted
+            raise InvalidArgument(f"must be at most max_num_seqs ({max_num_seqs}) on this engine", field="n")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = [Sequence(request_id, prompt_ids, i, params, priority, arrival) for i in range(params.n)]
         max_new = params.max_new_tokens(self.max_model_len, len(prompt_ids))
