@@ -237,7 +237,8 @@ def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path)
     tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"  # a name every transformers knows
     tokenizer_config["model_max_length"] = MAX_POSITIONS
     tokenizer_config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    cleave_config = {"reasoning": {"start_tag": "<think>", "end_tag": "</think>", "starts_in_reasoning": False}}
+    cleave_config = {"reasoning": {"start_tag": "<think>", "end_tag": "</think>", "starts_in_reasoning": False,
+                                   "answer_prefix": " The answer is"}}
     (out / "cleave_config.json").write_text(json.dumps(cleave_config, indent=2) + "\n")
 
 

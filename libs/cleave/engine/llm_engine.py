@@ -71,6 +71,7 @@ def read_reasoning_config(model_dir: str | Path) -> ReasoningConfig | None:
         start_tag=section.get("start_tag", "<think>"),
         end_tag=section.get("end_tag", "</think>"),
         starts_in_reasoning=bool(section.get("starts_in_reasoning", False)),
+        answer_prefix=section.get("answer_prefix", ""),
     )
 
 
@@ -119,9 +120,11 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._end_tag_ids: list[int] = []
         self._start_tag_ids: list[int] = []
+        self._answer_prefix_ids: list[int] = []
         if self.reasoning is not None:
             self._end_tag_ids = self.tokenizer.encode(self.reasoning.end_tag, add_special_tokens=False)
             self._start_tag_ids = self.tokenizer.encode(self.reasoning.start_tag, add_special_tokens=False)
+            self._answer_prefix_ids = self.tokenizer.encode(self.reasoning.answer_prefix, add_special_tokens=False)
 
     def _init_runner(self, sync_timing: bool) -> None:
         torch.manual_seed(self.config.seed)
@@ -213,7 +216,8 @@ class LLMEngine:
                     self._start_tag_ids, self._end_tag_ids, self.reasoning.starts_in_reasoning, self._is_blank_token
                 )
             budget = ThinkingBudget.from_params(
-                params, self._end_tag_ids, self._start_tag_ids, self.reasoning.starts_in_reasoning
+                params, self._end_tag_ids, self._start_tag_ids, self.reasoning.starts_in_reasoning,
+                self._answer_prefix_ids,
             )
             if budget is not None:
                 processors.append(budget)

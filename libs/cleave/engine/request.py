@@ -44,6 +44,7 @@ class ReasoningConfig:
     start_tag: str = "<think>"
     end_tag: str = "</think>"
     starts_in_reasoning: bool = False
+    answer_prefix: str = ""  # forced after a thinking budget cuts the block (e.g. " The answer is")
 
 
 @dataclass(eq=False)
