@@ -31,7 +31,8 @@ def test_directory_is_small_and_declares_its_reasoning_tags():
     weights = MODEL_DIR / "model.safetensors"
     assert weights.stat().st_size < 8 * 2**20
     cleave_config = json.loads((MODEL_DIR / "cleave_config.json").read_text())
-    assert cleave_config["reasoning"] == {"start_tag": "<think>", "end_tag": "</think>", "starts_in_reasoning": False}
+    assert cleave_config["reasoning"] == {"start_tag": "<think>", "end_tag": "</think>", "starts_in_reasoning": False,
+                                          "answer_prefix": " The answer is"}
     generation_config = json.loads((MODEL_DIR / "generation_config.json").read_text())
     assert generation_config["eos_token_id"] == AutoTokenizer.from_pretrained(MODEL_DIR).convert_tokens_to_ids("</s>")
 
