@@ -4,8 +4,12 @@ A decode worker sends one `StepOutput` per engine step holding the new tokens of
 request this gateway owns there; `AttachStream` reads it on a background task and drops
 each `RequestDelta` into the queue of its request. A request registers its queue before it
 is started, so no delta can arrive unclaimed; the worker keeps deltas published before the
-stream is attached, so a request may start while the stream is still connecting. When the stream breaks, every waiting request
-gets an `Unavailable` error (its worker is lost) and the worker leaves the rotation.
+stream is attached, so a request may start while the stream is still connecting.
+
+When the stream breaks (the worker died, closed it, or `fail()` gave it up after its health
+checks went unanswered), every waiting request gets a `WorkerLost` error after the deltas
+that did arrive, so it can migrate elsewhere, and the worker leaves the rotation. When the
+gateway closes the stream itself (shutdown), they get a plain `Unavailable`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ from cleave.proto.cleave.v1 import decode_pb2
 from services.gateway.workers import WorkerHandle
 
 log = structlog.get_logger("cleave.gateway.attach")
+
+
+class WorkerLost(Unavailable):
+    """The decode worker's token stream broke: its requests there are gone (migrate them)."""
 
 
 class AttachStream:
@@ -46,6 +54,7 @@ class AttachStream:
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._task: asyncio.Task[None] | None = None
         self._closing = False
+        self._failure: str | None = None
         self.is_open = False
 
     def open(self) -> None:
@@ -62,6 +71,13 @@ class AttachStream:
         if self._task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+    def fail(self, reason: str) -> None:
+        """Give the worker up (it stopped answering): waiting requests get `WorkerLost`."""
+        if self._failure is None and self._call is not None and self.is_open:
+            self._failure = reason
+            self.is_open = False
+            self._call.cancel()
 
     def register(self, request_id: str) -> asyncio.Queue:
         """A queue that receives the request's RequestDelta messages (or an exception)."""
@@ -84,12 +100,14 @@ class AttachStream:
                     queue = self._queues.get(delta.request_id)
                     if queue is not None:
                         queue.put_nowait(delta)
-            error = Unavailable(f"decode worker {self.worker.address} closed its token stream")
+            error = WorkerLost(f"decode worker {self.worker.address} closed its token stream")
         except asyncio.CancelledError:
             error = Unavailable("the gateway is shutting down")
         except grpc.RpcError as exc:
-            error = Unavailable(f"lost decode worker {self.worker.address}: {exc.code().name}")
+            error = WorkerLost(f"lost decode worker {self.worker.address}: {exc.code().name}")
         finally:
+            if self._failure is not None and not self._closing:
+                error = WorkerLost(f"lost decode worker {self.worker.address}: {self._failure}")
             self.is_open = False
             for queue in self._queues.values():
                 queue.put_nowait(error)

@@ -11,6 +11,13 @@ request (they share the prompt's KV); test-time scaling combines them at the end
 
 A request that ends early — client cancelled, deadline, gateway stop string, error — is
 aborted on its decode worker, which frees its KV blocks.
+
+A request whose decode worker is lost (its Attach stream broke, or its health checks went
+unanswered) migrates: it restarts as a colocated start on a healthy worker from its prompt
+plus the tokens already streamed (`services.gateway.migration`), at most
+`GatewayOptions.max_migrations` times; the client's stream goes on without a gap. Requests
+with n > 1 are not migrated (their samples diverged, and one worker request holds them all):
+they fail with UNAVAILABLE, as does a request when no healthy worker is left.
 """
 
 from __future__ import annotations
@@ -39,9 +46,10 @@ from cleave.errors import (
 from cleave.proto.cleave.v1 import common_pb2, decode_pb2, prefill_pb2
 from cleave.rpc.convert import reasoning_to_proto, sampling_to_proto
 from cleave.rpc.types import Usage
-from services.gateway.attach import AttachStream
+from services.gateway.attach import AttachStream, WorkerLost
 from services.gateway.backend import GenerateChunk, GenerateSpec, SampleOutput, ScalingStrategy
-from services.gateway.convert import request_field, token_delta_from_proto
+from services.gateway.convert import TokenDelta, request_field, token_delta_from_proto
+from services.gateway.migration import continuation
 from services.gateway.model import ServedModel
 from services.gateway.routing import PrefixAffinity, pick_decode, pick_prefill
 from services.gateway.sample_text import SampleText, resolve_mode, special_tag_tokens
@@ -68,14 +76,20 @@ class GatewayOptions:
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     store_to_kvstore: bool = True  # prefill workers keep new prompt blocks in the kvstore
     pool: PoolOptions = PoolOptions()
+    max_migrations: int = 2  # restarts of one request on another decode worker after losing its own
 
 
 @dataclass
 class _Running:
-    """A request in flight: its id on the workers and the decode worker that streams it."""
+    """A request in flight: its id on the workers, the decode worker that streams it and the
+    queue its deltas arrive in (all three change when it migrates)."""
 
     worker_request_id: str
     decode: WorkerHandle
+    stream: AttachStream
+    queue: asyncio.Queue
+    num_migrations: int = 0
+    attached: bool = True  # registered on `stream` and counted in `decode.in_flight`
 
 
 def merge_outputs(first: SampleOutput | None, second: SampleOutput) -> SampleOutput:
@@ -115,7 +129,9 @@ class RoutingBackend:
         self.model = model
         self.options = options
         prefill = prefill_addresses if options.mode == "disaggregated" else ()
-        self.pool = WorkerPool(prefill, decode_addresses, options.pool, on_change=self._on_worker_change)
+        self.pool = WorkerPool(
+            prefill, decode_addresses, options.pool, on_change=self._on_worker_change, on_lost=self._on_worker_lost
+        )
         self.affinity = PrefixAffinity()
         self._tag_tokens = special_tag_tokens(model.tokenizer, model.reasoning)
         self._streams: dict[str, AttachStream] = {}
@@ -146,6 +162,11 @@ class RoutingBackend:
         stream.open()
         self._streams[worker.address] = stream
 
+    async def _on_worker_lost(self, worker: WorkerHandle) -> None:
+        stream = self._streams.get(worker.address)
+        if worker.role == "decode" and stream is not None:
+            stream.fail(f"{worker.failed_checks} health checks unanswered")
+
     async def _on_stream_broken(self, worker: WorkerHandle) -> None:
         await self.pool.set_healthy(worker, False)
 
@@ -167,12 +188,10 @@ class RoutingBackend:
             )
         return True
 
-    def _fire_abort(self, running: _Running) -> None:
+    def _fire_abort(self, decode: WorkerHandle, worker_request_id: str) -> None:
         async def abort() -> None:
             with contextlib.suppress(grpc.RpcError):
-                await running.decode.stub.Abort(
-                    common_pb2.AbortRequest(request_id=running.worker_request_id), timeout=5.0
-                )
+                await decode.stub.Abort(common_pb2.AbortRequest(request_id=worker_request_id), timeout=5.0)
 
         task = asyncio.create_task(abort())
         self._background.add(task)
@@ -193,25 +212,78 @@ class RoutingBackend:
         if spec.request_id in self._running:
             raise InvalidArgument(f"{spec.request_id!r} is already running; use a unique id", field="request_id")
         prompt_ids, spec = self._prepare(spec)
-        decode = pick_decode(self._decode_candidates(), math.ceil((len(prompt_ids) + 1) / BLOCK_SIZE_ESTIMATE))
-        if decode is None:
-            raise Unavailable("no decode worker is in rotation; check the workers' health and retry")
-        running = _Running(f"req-{uuid.uuid4().hex}", decode)
-        stream = self._streams[decode.address]
-        queue = stream.register(running.worker_request_id)
+        running = self._place(len(prompt_ids))
         self._running[spec.request_id] = running
-        decode.in_flight += 1
         worker_finished = [False] * spec.sampling.n
         try:
             num_cached = await self._start(spec, prompt_ids, running)
-            async for chunk in self._stream(spec, prompt_ids, num_cached, queue, worker_finished):
+            async for chunk in self._stream(spec, prompt_ids, num_cached, running, worker_finished):
                 yield chunk
         finally:
-            stream.unregister(running.worker_request_id)
             self._running.pop(spec.request_id, None)
-            decode.in_flight -= 1
-            if not all(worker_finished):
-                self._fire_abort(running)
+            self._leave(running, abort=not all(worker_finished))
+
+    def _place(self, num_prompt_tokens: int) -> _Running:
+        """Pick a decode worker and register a queue on its stream (before any Start)."""
+        decode = pick_decode(self._decode_candidates(), math.ceil((num_prompt_tokens + 1) / BLOCK_SIZE_ESTIMATE))
+        if decode is None:
+            raise Unavailable("no decode worker is in rotation; check the workers' health and retry")
+        worker_request_id = f"req-{uuid.uuid4().hex}"
+        stream = self._streams[decode.address]
+        queue = stream.register(worker_request_id)
+        decode.in_flight += 1
+        return _Running(worker_request_id, decode, stream, queue)
+
+    def _leave(self, running: _Running, abort: bool) -> None:
+        """Stop listening to the request's worker (and abort it there, unless it ended)."""
+        if not running.attached:
+            return
+        running.attached = False
+        running.stream.unregister(running.worker_request_id)
+        running.decode.in_flight -= 1
+        if abort:
+            self._fire_abort(running.decode, running.worker_request_id)
+
+    async def _migrate(
+        self, spec: GenerateSpec, prompt_ids: list[int], running: _Running, text: SampleText, lost: WorkerLost
+    ) -> TokenDelta | None:
+        """Restart a request whose worker was lost on another one (see `migration`).
+
+        Returns a final delta when the sample has nothing left to generate; raises
+        Unavailable when it cannot move (n > 1, too many migrations, no worker left).
+        """
+        self._leave(running, abort=True)  # the worker may still be alive, only unreachable
+        if spec.sampling.n != 1:
+            raise Unavailable(f"{lost}; requests with n > 1 are not migrated, retry the request") from None
+        resumed = continuation(
+            prompt_ids, text.token_ids, spec.sampling, spec.reasoning,
+            phase=text.reasoning_phase, num_reasoning_tokens=text.num_reasoning_tokens,
+            reasoning=self.model.reasoning, max_model_len=self.model.max_model_len,
+        )
+        if resumed is None:
+            return TokenDelta(sample_index=0, token_ids=(), finish_reason=FinishReason.LENGTH)
+        while True:
+            if running.num_migrations >= self.options.max_migrations:
+                raise Unavailable(
+                    f"{lost}; the request already moved {running.num_migrations} time(s), retry it"
+                ) from None
+            running.num_migrations += 1
+            lost_address = running.decode.address
+            moved = self._place(len(resumed.prompt_token_ids))
+            running.worker_request_id, running.decode = moved.worker_request_id, moved.decode
+            running.stream, running.queue = moved.stream, moved.queue
+            log.warning(
+                "request migrated", request_id=spec.request_id, lost_worker=lost_address,
+                new_worker=moved.decode.address, num_generated=len(text.token_ids),
+                migration=running.num_migrations, reason=str(lost),
+            )
+            moved_spec = replace(spec, sampling=resumed.sampling, reasoning=resumed.reasoning)
+            try:
+                await self._start_colocated(moved_spec, resumed.prompt_token_ids, running)
+                return None
+            except Unavailable as error:
+                lost = WorkerLost(str(error))
+                self._leave(running, abort=True)
 
     async def _start(self, spec: GenerateSpec, prompt_ids: list[int], running: _Running) -> int:
         """Get the request running on its decode worker; returns the cached prompt tokens."""
@@ -222,17 +294,7 @@ class RoutingBackend:
         # n > 1 too: the prefill worker draws every sample's first token from one prefill and
         # the decode worker's samples share the one prompt reservation.
         if self.options.mode == "colocated":
-            started = await self._rpc(
-                decode.stub.Start(
-                    decode_pb2.StartRequest(
-                        request_id=request_id, prefill_locally=True, prompt_token_ids=prompt_ids,
-                        sampling=sampling, reasoning=reasoning, gateway_id=self.options.gateway_id,
-                    ),
-                    timeout=self._remaining(spec),
-                ),
-                decode, "Start",
-            )
-            return started.num_cached_tokens
+            return await self._start_colocated(spec, prompt_ids, running)
         prefill = pick_prefill(self.pool.of_role("prefill"), self.affinity, prompt_ids)
         if prefill is None:
             raise Unavailable("no prefill worker is in rotation; check the workers' health and retry")
@@ -274,6 +336,22 @@ class RoutingBackend:
         )
         return result.num_cached_tokens
 
+    async def _start_colocated(self, spec: GenerateSpec, prompt_ids: list[int], running: _Running) -> int:
+        """Start(prefill_locally): the decode worker prefills the prompt itself."""
+        decode = running.decode
+        started = await self._rpc(
+            decode.stub.Start(
+                decode_pb2.StartRequest(
+                    request_id=running.worker_request_id, prefill_locally=True, prompt_token_ids=prompt_ids,
+                    sampling=sampling_to_proto(spec.sampling), reasoning=reasoning_to_proto(spec.reasoning),
+                    gateway_id=self.options.gateway_id,
+                ),
+                timeout=self._remaining(spec),
+            ),
+            decode, "Start",
+        )
+        return started.num_cached_tokens
+
     async def _rpc(self, call: Awaitable[T], worker: WorkerHandle, method: str) -> T:
         try:
             return await call
@@ -313,7 +391,7 @@ class RoutingBackend:
         spec: GenerateSpec,
         prompt_ids: list[int],
         num_cached: int,
-        queue: asyncio.Queue,
+        running: _Running,
         worker_finished: list[bool],
     ) -> AsyncIterator[GenerateChunk]:
         model = self.model
@@ -340,10 +418,16 @@ class RoutingBackend:
 
         while not all(t.finished for t in texts):
             news: dict[int, SampleOutput] = {}
-            for item in await self._next(spec, queue):
-                if isinstance(item, BaseException):
+            for item in await self._next(spec, running.queue):
+                if isinstance(item, WorkerLost):  # always the last item of its queue
+                    final = await self._migrate(spec, prompt_ids, running, texts[0], item)
+                    if final is None:
+                        continue
+                    delta = final
+                elif isinstance(item, BaseException):
                     raise item
-                delta = token_delta_from_proto(item)
+                else:
+                    delta = token_delta_from_proto(item)
                 if delta.sample_index >= len(texts):
                     continue
                 if delta.finish_reason is not None:

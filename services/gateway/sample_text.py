@@ -14,7 +14,7 @@ from collections.abc import Collection
 
 from cleave.engine.detokenizer import IncrementalDetokenizer
 from cleave.engine.outputs import FinishReason
-from cleave.engine.reasoning import ReasoningParser
+from cleave.engine.reasoning import Phase, ReasoningParser
 from cleave.engine.request import ReasoningConfig
 from cleave.engine.sampling_params import SamplingParams
 from cleave.engine.stop import StopChecker
@@ -93,6 +93,11 @@ class SampleText:
     @property
     def num_reasoning_tokens(self) -> int:
         return 0 if self._parser is None else self._parser.num_reasoning_tokens
+
+    @property
+    def reasoning_phase(self) -> Phase | None:
+        """Where the sample is relative to its thinking block (None for a plain model)."""
+        return None if self._parser is None else self._parser.phase
 
     @property
     def answer_text(self) -> str:

@@ -3,7 +3,9 @@
 Every configured worker gets one channel. A monitor task asks each worker's
 `grpc.health.v1` service and `GetLoad` every `health_interval_s`; a worker that is not
 SERVING (or does not answer in `check_timeout_s`) leaves the rotation and comes back once it
-reports SERVING again. Routing reads `WorkerHandle.load` (last poll) plus the live count of
+reports SERVING again. A worker that answered NOT_SERVING is draining and still finishes what
+it runs; one that has not answered `lost_after_failed_checks` checks in a row is lost, and
+`on_lost` is told (the gateway migrates its requests). Routing reads `WorkerHandle.load` (last poll) plus the live count of
 requests this gateway routed there (`in_flight`), which is fresher than any poll.
 """
 
@@ -33,6 +35,7 @@ class PoolOptions:
 
     health_interval_s: float = 1.0
     check_timeout_s: float = 2.0
+    lost_after_failed_checks: int = 2  # unanswered checks in a row before a worker is lost
 
 
 @dataclass(eq=False)
@@ -48,6 +51,7 @@ class WorkerHandle:
     load: common_pb2.WorkerLoad = field(default_factory=common_pb2.WorkerLoad)
     in_flight: int = 0  # requests this gateway routed here that have not ended
     in_flight_prompt_tokens: int = 0  # prompt tokens sent here and not yet prefilled
+    failed_checks: int = 0  # health checks in a row that got no answer
 
     @property
     def worker_id(self) -> str:
@@ -64,6 +68,7 @@ class WorkerPool:
         prefill_addresses / decode_addresses: host:port of each worker.
         options: check cadence.
         on_change: awaited after a worker enters or leaves the rotation.
+        on_lost: awaited when a worker stopped answering health checks.
     """
 
     def __init__(
@@ -72,9 +77,11 @@ class WorkerPool:
         decode_addresses: Sequence[str],
         options: PoolOptions = PoolOptions(),
         on_change: ChangeCallback | None = None,
+        on_lost: ChangeCallback | None = None,
     ) -> None:
         self.options = options
         self._on_change = on_change
+        self._on_lost = on_lost
         self._addresses = [("prefill", a) for a in prefill_addresses] + [("decode", a) for a in decode_addresses]
         self.workers: list[WorkerHandle] = []  # channels belong to the serving loop: made in start()
         self._monitor: asyncio.Task[None] | None = None
@@ -117,9 +124,15 @@ class WorkerPool:
             serving = status.status == _SERVING
             if serving:
                 worker.load = (await worker.stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout)).load
+            worker.failed_checks = 0
         except grpc.RpcError:
             serving = False
+            worker.failed_checks += 1
         await self.set_healthy(worker, serving)
+        if worker.failed_checks == self.options.lost_after_failed_checks and self._on_lost is not None:
+            log.warning("worker lost: health checks unanswered", role=worker.role, address=worker.address,
+                        failed_checks=worker.failed_checks)
+            await self._on_lost(worker)
 
     async def set_healthy(self, worker: WorkerHandle, healthy: bool) -> None:
         """Put a worker into or out of rotation (and tell the owner when that changed)."""
