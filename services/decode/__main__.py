@@ -11,7 +11,6 @@ from cleave.logging import configure_logging
 from cleave.proto.cleave.v1 import decode_pb2, decode_pb2_grpc
 from cleave.rpc import ServiceRegistration, run_service
 from cleave.worker import engine_config_from_worker
-from services.decode.backend import DecodeBackend
 from services.decode.engine_backend import EngineDecodeBackend
 from services.decode.servicer import DecodeServicer
 
@@ -25,7 +24,7 @@ def registration(servicer: DecodeServicer) -> ServiceRegistration:
 def main(argv: list[str] | None = None) -> int:
     config = worker_config("decode", argv, os.environ)
     configure_logging(config.service.log_level, config.service.log_json)
-    backend: DecodeBackend = EngineDecodeBackend(
+    backend = EngineDecodeBackend(
         engine_config_from_worker(config),
         worker_id=config.worker_id,
         model_id=config.model.id,
@@ -33,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         transfer_timeout_s=config.transfer_timeout_s,
     )
     servicer = DecodeServicer(backend)
-    asyncio.run(run_service([registration(servicer)], config.service, backend))
+    # Prefill workers find this address in the handles and call Handshake there.
+    asyncio.run(run_service([registration(servicer)], config.service, backend,
+                            on_listening=backend.set_control_address))
     return 0
 
 

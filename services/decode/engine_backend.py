@@ -26,6 +26,7 @@ import asyncio
 import collections
 import copy
 import itertools
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -48,7 +49,7 @@ from cleave.rpc.types import (
     TransportKind,
     WorkerLoad,
 )
-from cleave.transfer import EndpointInfo, KVReceiver, PendingTransfer, choose_transport, local_endpoint
+from cleave.transfer import KVReceiver, PendingTransfer, choose_transport, local_endpoint, peer_endpoint
 from cleave.transfer.layout import require_same_layout
 from cleave.worker import DeltaBuilder, kv_layout_of, load_engine
 from services.decode.backend import AdmitSpec, HandshakeResult, HandshakeSpec, StartSpec
@@ -109,6 +110,9 @@ class EngineDecodeBackend:
         transfer_listen: host:port of the bulk KV endpoint (port 0: any free port).
         advertise_host: host senders should connect to (default: the listen host, or the
             hostname when listening on all interfaces).
+        control_address: this worker's gRPC host:port, put in every TransferHandle so a
+            prefill worker can call Handshake here; usually set once the server is bound
+            (`set_control_address`). Empty: prefill workers keep to the handles' TCP.
         transfer_timeout_s: an admitted request's KV must arrive and Start must come within
             this time, or its blocks are freed and it fails with DEADLINE_EXCEEDED.
     """
@@ -123,6 +127,7 @@ class EngineDecodeBackend:
         advertise_host: str | None = None,
         transfer_timeout_s: float = 30.0,
         load_interval_s: float = 1.0,
+        control_address: str = "",
     ) -> None:
         self.engine_config = replace(engine_config, detokenize=False)  # the gateway makes the text
         self.worker_id = worker_id
@@ -130,6 +135,9 @@ class EngineDecodeBackend:
         self.transfer_timeout_s = transfer_timeout_s
         self._transfer_listen = transfer_listen
         self._advertise_host = advertise_host
+        self.control_address = ""
+        if control_address:
+            self.set_control_address(control_address)
         self.engine: LLMEngine | None = None
         self.async_engine: AsyncEngine | None = None
         self.receiver: KVReceiver | None = None
@@ -146,6 +154,14 @@ class EngineDecodeBackend:
         self._tasks: set[asyncio.Task] = set()
 
     # ---- lifecycle ------------------------------------------------------------------------
+
+    def set_control_address(self, address: str) -> None:
+        """The gRPC address this worker listens on (a wildcard host becomes the advertised
+        host, or the hostname), for TransferHandle.control_address."""
+        host, _, port = address.rpartition(":")
+        if host in ("0.0.0.0", "::", "[::]", ""):
+            host = self._advertise_host or socket.gethostname()
+        self.control_address = f"{host}:{port}"
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -201,6 +217,7 @@ class EngineDecodeBackend:
                 transport=transport,
                 nccl=nccl,
                 worker_id=self.worker_id,
+                control_address=self.control_address,
             )
         except BaseException:
             del self._requests[request_id]
@@ -403,14 +420,7 @@ class EngineDecodeBackend:
             require_same_layout(self.layout, spec.layout, "layout")
         device = engine.kv_cache.device
         local = local_endpoint(device, nccl_available=bool(spec.nccl_unique_id))
-        peer_uuid = local.gpu_uuid if local.gpu_uuid in spec.gpu_uuids else (spec.gpu_uuids or ("",))[0]
-        peer = EndpointInfo(
-            host=spec.host,
-            device_kind="cuda" if spec.gpu_uuids else "cpu",
-            gpu_uuid=peer_uuid,
-            transports=frozenset(spec.supported_transports),
-        )
-        transport = choose_transport(peer, local)
+        transport = choose_transport(peer_endpoint(spec.host, spec.gpu_uuids, spec.supported_transports, local), local)
         nccl_task = None
         if transport is TransportKind.NCCL:
             from cleave.transfer.nccl import NcclCommunicator

@@ -5,6 +5,8 @@
         engine prefill-only request                (chunked and batched with other prompts)
         first token of each of the n samples sampled, prompt KV kept (once) under the
         request's export id
+        handshake with the destination's worker    (first transfer to it only: CUDA IPC /
+                                                   NCCL / TCP, see cleave.worker.handshake)
         KV -> destination's reserved blocks        (the handle's transport, all layers)
         new full blocks -> kvstore                 (store_to_kvstore)
         export blocks released                     (always, also on error or cancellation)
@@ -28,9 +30,9 @@ from cleave.engine.config import EngineConfig
 from cleave.engine.llm_engine import LLMEngine
 from cleave.errors import CleaveError, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from cleave.rpc.types import KVLayout, TopLogprobs, TransferHandle, TransferStats, WorkerLoad
-from cleave.transfer import KVStoreClient, KVTransferClient
+from cleave.transfer import KVStoreClient, KVTransferClient, local_endpoint
 from cleave.transfer.layout import require_same_layout
-from cleave.worker import kv_layout_of, load_engine, top_logprobs_from_engine
+from cleave.worker import TransportNegotiator, device_nccl, kv_layout_of, load_engine, top_logprobs_from_engine
 from services.prefill.backend import PrefillResult, PrefillSpec
 from services.prefill.kvstore_prefix import HOLD_SUFFIX, KVStorePrefix, PrefixFetch
 
@@ -71,6 +73,7 @@ class EnginePrefillBackend:
         self.async_engine: AsyncEngine | None = None
         self.layout: KVLayout | None = None
         self.transfers = KVTransferClient()
+        self.negotiator: TransportNegotiator | None = None
         self.kvstore: KVStorePrefix | None = None
         self.counters = PrefillCounters()
         self._in_flight: dict[str, int] = {}  # request id -> prompt tokens
@@ -78,6 +81,11 @@ class EnginePrefillBackend:
     async def start(self) -> None:
         self.engine = await load_engine(self.engine_config)
         self.layout = kv_layout_of(self.engine, self.model_id)
+        device = self.engine.kv_cache.device
+        nccl = device_nccl(device)
+        self.negotiator = TransportNegotiator(
+            self.worker_id, local_endpoint(device, nccl_available=nccl is not None), self.layout,
+            self.transfers, nccl=nccl)
         self.async_engine = AsyncEngine(self.engine)
         if self.kvstore_address:
             client = KVStoreClient(self.kvstore_address, client_id=self.worker_id)
@@ -86,6 +94,8 @@ class EnginePrefillBackend:
 
     async def shutdown(self) -> None:
         await self.transfers.close()
+        if self.negotiator is not None:
+            await self.negotiator.close()
         if self.kvstore is not None:
             await self.kvstore.client.close()
         if self.async_engine is not None:
@@ -181,7 +191,8 @@ class EnginePrefillBackend:
         return fetch
 
     async def _send(self, handle: TransferHandle, table: list[int]) -> TransferStats:
-        assert self.engine is not None
+        assert self.engine is not None and self.negotiator is not None
+        await self.negotiator.prepare(handle)  # once per decode worker; this handle's transport stands
         sender = await self.transfers.open(handle)
         return await sender.send_all(self.engine.kv_cache, table)
 

@@ -337,6 +337,7 @@ def transfer_handle_from_proto(
         deadline_unix_s=deadline,
         num_cached_blocks=message.num_cached_blocks,
         worker_id=message.worker_id,
+        control_address=message.control_address,
     )
 
 
@@ -350,6 +351,7 @@ def transfer_handle_to_proto(handle: types.TransferHandle) -> common_pb2.Transfe
         cuda_ipc_handle=handle.cuda_ipc_handle,
         num_cached_blocks=handle.num_cached_blocks,
         worker_id=handle.worker_id,
+        control_address=handle.control_address,
     )
     if handle.layout is not None:
         message.layout.CopyFrom(kv_layout_to_proto(handle.layout))

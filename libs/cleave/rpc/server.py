@@ -178,11 +178,18 @@ class Lifecycle(Protocol):
 
 
 async def run_service(
-    services: Sequence[ServiceRegistration], config: ServiceConfig, backend: Lifecycle
+    services: Sequence[ServiceRegistration],
+    config: ServiceConfig,
+    backend: Lifecycle,
+    *,
+    on_listening: Callable[[str], None] | None = None,
 ) -> None:
     """A service process's life: listen, write the port file, start the backend, report
-    SERVING, serve until SIGTERM/SIGINT, drain, shut the backend down."""
+    SERVING, serve until SIGTERM/SIGINT, drain, shut the backend down. `on_listening` gets
+    the bound host:port before the backend starts (a decode worker puts it in its handles)."""
     server = await serve(services, config.listen, config.rpc)
+    if on_listening is not None:
+        on_listening(server.address)
     if config.port_file is not None:
         write_port_file(config.port_file, server.port)
     try:

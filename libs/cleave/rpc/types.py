@@ -126,6 +126,7 @@ class TransferHandle:
     deadline_unix_s: float | None = None  # the reservation is dropped after this time
     num_cached_blocks: int = 0  # leading blocks the receiver already holds
     worker_id: str = ""
+    control_address: str = ""  # the receiver's gRPC endpoint, where senders call Handshake
 
 
 @dataclass(frozen=True)

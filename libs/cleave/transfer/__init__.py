@@ -4,11 +4,18 @@ Receiver (decode worker): `KVReceiver(kv_cache)`, `await start()`, `expect(trans
 block_ids, timeout_s=...)` -> `PendingTransfer` (`.handle` for the sender, `await .wait()`).
 Sender (prefill worker): `KVTransferClient().open(handle)` -> `KVSender` with
 `send_layer(layer, cache, block_ids)` / `send_all` / `finish`. `choose_transport` picks
-CUDA_IPC, NCCL or TCP from the two `EndpointInfo`s. `KVStoreClient` talks to services/kvstore.
+CUDA_IPC, NCCL or TCP from the two `EndpointInfo`s (the decode worker's Handshake; the
+prefill side is `cleave.worker.TransportNegotiator`). `KVStoreClient` talks to services/kvstore.
 """
 
 from cleave.transfer.block_copy import copy_blocks, copy_blocks_reference
-from cleave.transfer.choose import EndpointInfo, choose_transport, local_endpoint
+from cleave.transfer.choose import (
+    EndpointInfo,
+    choose_transport,
+    local_endpoint,
+    peer_endpoint,
+    proposed_transports,
+)
 from cleave.transfer.cuda_ipc import IpcCacheMap, IpcTensorHandle, export_tensor, import_tensor
 from cleave.transfer.kvstore_client import (
     KVStoreClient,
@@ -42,6 +49,8 @@ __all__ = [
     "layout_mismatch",
     "layout_of",
     "local_endpoint",
+    "peer_endpoint",
+    "proposed_transports",
     "require_same_layout",
     "scatter_blocks",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,24 @@ class EndpointInfo:
     @property
     def has_gpu(self) -> bool:
         return self.device_kind == "cuda" and bool(self.gpu_uuid)
+
+
+# Most preferred first: a shared GPU beats a GPU link, which beats the host network.
+TRANSPORT_PREFERENCE = (TransportKind.CUDA_IPC, TransportKind.NCCL, TransportKind.TCP)
+
+
+def proposed_transports(endpoint: EndpointInfo) -> tuple[TransportKind, ...]:
+    """`endpoint`'s transports, most preferred first (HandshakeRequest.supported_transports)."""
+    return tuple(kind for kind in TRANSPORT_PREFERENCE if kind in endpoint.transports)
+
+
+def peer_endpoint(host: str, gpu_uuids: Sequence[str], transports: Iterable[TransportKind],
+                  local: EndpointInfo) -> EndpointInfo:
+    """The endpoint a handshake describes, as `local` sees it: of the peer's GPUs, the one
+    `local` runs on when they share one (so `choose_transport` picks CUDA IPC), else its first."""
+    uuid = local.gpu_uuid if local.gpu_uuid and local.gpu_uuid in gpu_uuids else next(iter(gpu_uuids), "")
+    return EndpointInfo(host=host, device_kind="cuda" if uuid else "cpu", gpu_uuid=uuid,
+                        transports=frozenset(transports))
 
 
 def choose_transport(sender: EndpointInfo, receiver: EndpointInfo) -> TransportKind:

@@ -162,10 +162,13 @@ class KVReceiver:
         transport: TransportKind = TransportKind.TCP,
         nccl: NcclCommunicator | None = None,
         worker_id: str = "",
+        control_address: str = "",
     ) -> PendingTransfer:
         """Register a transfer into `block_ids` (prompt order; the first num_cached_blocks
         are already filled and receive nothing). It fails with DeadlineExceeded after
-        `timeout_s` seconds or at `deadline_unix_s`, whichever is first."""
+        `timeout_s` seconds or at `deadline_unix_s`, whichever is first. `worker_id` and
+        `control_address` (the worker's gRPC endpoint) travel in the handle, so a sender
+        can handshake with this worker."""
         if not transfer_id:
             raise InvalidArgument("must be set", field="transfer_id")
         if transfer_id in self._transfers:
@@ -207,6 +210,7 @@ class KVReceiver:
                 None if timeout_s is None else time.time() + timeout_s),
             num_cached_blocks=num_cached_blocks,
             worker_id=worker_id,
+            control_address=control_address,
         )
         return PendingTransfer(self, state, handle)
 
