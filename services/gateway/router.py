@@ -216,7 +216,7 @@ class RoutingBackend:
         self._running[spec.request_id] = running
         worker_finished = [False] * spec.sampling.n
         try:
-            num_cached = await self._start(spec, prompt_ids, running)
+            num_cached = await self._start_anywhere(spec, prompt_ids, running)
             async for chunk in self._stream(spec, prompt_ids, num_cached, running, worker_finished):
                 yield chunk
         finally:
@@ -262,28 +262,44 @@ class RoutingBackend:
         )
         if resumed is None:
             return TokenDelta(sample_index=0, token_ids=(), finish_reason=FinishReason.LENGTH)
+        moved_spec = replace(spec, sampling=resumed.sampling, reasoning=resumed.reasoning)
         while True:
-            if running.num_migrations >= self.options.max_migrations:
-                raise Unavailable(
-                    f"{lost}; the request already moved {running.num_migrations} time(s), retry it"
-                ) from None
-            running.num_migrations += 1
-            lost_address = running.decode.address
-            moved = self._place(len(resumed.prompt_token_ids))
-            running.worker_request_id, running.decode = moved.worker_request_id, moved.decode
-            running.stream, running.queue = moved.stream, moved.queue
-            log.warning(
-                "request migrated", request_id=spec.request_id, lost_worker=lost_address,
-                new_worker=moved.decode.address, num_generated=len(text.token_ids),
-                migration=running.num_migrations, reason=str(lost),
-            )
-            moved_spec = replace(spec, sampling=resumed.sampling, reasoning=resumed.reasoning)
+            self._move(spec.request_id, running, len(resumed.prompt_token_ids), lost, len(text.token_ids))
             try:
                 await self._start_colocated(moved_spec, resumed.prompt_token_ids, running)
                 return None
             except Unavailable as error:
                 lost = WorkerLost(str(error))
                 self._leave(running, abort=True)
+
+    async def _start_anywhere(self, spec: GenerateSpec, prompt_ids: list[int], running: _Running) -> int:
+        """`_start`, moved to another decode worker when its own is lost during the start."""
+        while True:
+            try:
+                return await self._start(spec, prompt_ids, running)
+            except Unavailable as error:
+                if running.decode.healthy and running.stream.is_open:
+                    raise  # not the decode worker (no prefill worker, say): moving would not help
+                self._leave(running, abort=True)
+                self._move(spec.request_id, running, len(prompt_ids), error, num_generated=0)
+
+    def _move(
+        self, request_id: str, running: _Running, num_prompt_tokens: int, reason: CleaveError, num_generated: int
+    ) -> None:
+        """Point a detached request at a new decode worker (raises Unavailable when it may
+        not move again or no worker is left)."""
+        if running.num_migrations >= self.options.max_migrations:
+            raise Unavailable(f"{reason}; the request already moved {running.num_migrations} time(s), retry it")
+        moved = self._place(num_prompt_tokens)
+        log.warning(
+            "request migrated", request_id=request_id, lost_worker=running.decode.address,
+            new_worker=moved.decode.address, num_generated=num_generated,
+            migration=running.num_migrations + 1, reason=str(reason),
+        )
+        running.worker_request_id, running.decode = moved.worker_request_id, moved.decode
+        running.stream, running.queue = moved.stream, moved.queue
+        running.num_migrations += 1
+        running.attached = True
 
     async def _start(self, spec: GenerateSpec, prompt_ids: list[int], running: _Running) -> int:
         """Get the request running on its decode worker; returns the cached prompt tokens."""

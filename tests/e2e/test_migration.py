@@ -1,0 +1,107 @@
+"""A decode worker process SIGKILLed while streaming: every request it served continues on the
+other decode worker and ends with exactly the tokens of an uninterrupted greedy run."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from cleave.cli._stack import ProcessStack, StackSpec
+from cleave.client import GatewayClient
+from cleave.client.gateway import collect
+from cleave.engine.llm import LLM
+from cleave.engine.sampling_params import SamplingParams
+from cleave.proto.cleave.v1 import common_pb2, decode_pb2_grpc, gateway_pb2
+from cleave.rpc import aio_channel
+from tests.e2e.conftest import NUM_KV_BLOCKS
+
+NUM_REQUESTS = 10
+MAX_TOKENS = 48
+TOKENS_BEFORE_KILL = 1  # the fastest stream has this many tokens when the worker dies
+
+
+@pytest.fixture
+def two_decode_stack(e2e_model, tmp_path):
+    spec = StackSpec(model=e2e_model, mode="colocated", num_decode=2, grpc_port=0, http_port=None,
+                     num_kv_blocks=NUM_KV_BLOCKS, log_level="WARNING")
+    stack = ProcessStack(spec, tmp_path / "stack")
+    stack.start(timeout_s=60)
+    yield stack
+    stack.stop()
+
+
+def _request(index: int) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        request_id=f"stream-{index}",
+        text=f"Request {index}: tell me about the quick brown fox and the lazy dog",
+        sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+        stream=gateway_pb2.StreamOptions(include_token_ids=True),
+    )
+
+
+async def _counted(stream, progress: list[int], index: int, on_flowing):  # type: ignore[no-untyped-def]
+    """Pass a Generate stream through, counting its tokens; call `on_flowing` when a stream
+    reaches TOKENS_BEFORE_KILL tokens."""
+    async for response in stream:
+        progress[index] += sum(len(sample.token_ids) for sample in response.samples)
+        if progress[index] >= TOKENS_BEFORE_KILL:
+            on_flowing()
+        yield response
+
+
+@pytest.mark.timeout(120)
+async def test_streams_survive_a_killed_decode_worker(two_decode_stack, e2e_model):
+    stack = two_decode_stack
+    requests = [_request(i) for i in range(NUM_REQUESTS)]
+    reference = LLM(e2e_model, device="cpu", dtype="float32", num_blocks=NUM_KV_BLOCKS, enforce_eager=True)
+    expected = reference.generate([r.text for r in requests],
+                                  SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    victim, survivor = (child for child in stack.children if child.name.startswith("decode"))
+    progress = [0] * NUM_REQUESTS
+    flowing = asyncio.Event()
+    tokens_at_kill: list[int] = []
+
+    def freeze() -> None:
+        # The tiny model streams 48 tokens in a blink: freeze both workers at the first
+        # token so the victim surely dies mid-stream, whatever this process's scheduling.
+        if not flowing.is_set():
+            for worker in (victim, survivor):
+                os.kill(worker.process.pid, signal.SIGSTOP)
+            tokens_at_kill.extend(sorted(progress))
+            flowing.set()
+
+    async with GatewayClient(stack.gateway_address) as client:
+        streams = [
+            asyncio.ensure_future(collect(_counted(client.stream(r), progress, i, freeze)))
+            for i, r in enumerate(requests)
+        ]
+        await asyncio.wait_for(flowing.wait(), timeout=60)
+        victim.process.kill()
+        os.kill(survivor.process.pid, signal.SIGCONT)
+        results = await asyncio.gather(*streams)
+    for result, engine_output in zip(results, expected):
+        (sample,) = result.samples
+        assert sample.token_ids == engine_output.outputs[0].token_ids, result.request_id
+        assert sample.text == engine_output.outputs[0].text
+        assert sample.finish_reason == "length"
+        assert result.usage.completion_tokens == MAX_TOKENS
+        assert result.usage.prompt_tokens == len(engine_output.prompt_token_ids)
+    assert victim.process.wait(timeout=5) == -9
+    migrated = [line for line in gateway_log_lines(stack) if "request migrated" in line]
+    assert migrated, f"no request moved (streams' tokens at the kill: {tokens_at_kill})"
+    load = await _load(survivor)
+    assert (load.num_running, load.num_free_blocks) == (0, load.num_total_blocks)
+
+
+async def _load(worker) -> common_pb2.WorkerLoad:  # type: ignore[no-untyped-def]
+    async with aio_channel(worker.address) as channel:
+        return (await decode_pb2_grpc.DecodeStub(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=5)).load
+
+
+def gateway_log_lines(stack: ProcessStack) -> list[str]:
+    """The gateway's log lines."""
+    stack.gateway.log.flush()
+    return stack.gateway.log_path.read_text(errors="replace").splitlines()
