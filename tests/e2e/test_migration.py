@@ -30,6 +30,9 @@ def two_decode_stack(e2e_model, tmp_path):
     stack = ProcessStack(spec, tmp_path / "stack")
     stack.start(timeout_s=60)
     yield stack
+    for child in stack.children:  # a failed test may leave a worker frozen
+        if child.process.poll() is None:
+            os.kill(child.process.pid, signal.SIGCONT)
     stack.stop()
 
 

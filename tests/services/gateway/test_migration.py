@@ -34,9 +34,17 @@ async def two_workers(request, model_dir):
     await stack.close()
 
 
-async def _stop_worker_mid_stream(stack: Stack, request_id: str, stream) -> tuple[Completion, str]:  # type: ignore[no-untyped-def]
-    """Read the stream until STOP_AFTER_TOKENS tokens came, stop the request's decode worker's
-    server (in-flight calls cancelled, no grace), then read it to the end."""
+async def _stop_server(stack: Stack, address: str) -> None:
+    """The worker's server stops at once (in-flight calls cancelled, no grace)."""
+    server = next(server for server in stack.servers if server.address == address)
+    await server.drain(0)
+
+
+async def _stop_worker_mid_stream(  # type: ignore[no-untyped-def]
+    stack: Stack, request_id: str, stream, lose=_stop_server
+) -> tuple[Completion, str]:
+    """Read the stream until STOP_AFTER_TOKENS tokens came, lose the request's decode worker
+    (`lose(stack, address)`), then read the stream to the end."""
     seen: list[g.GenerateResponse] = []
     async for response in stream:
         seen.append(response)
@@ -44,8 +52,7 @@ async def _stop_worker_mid_stream(stack: Stack, request_id: str, stream) -> tupl
             break
     assert stack.router is not None
     address = stack.router._running[request_id].decode.address
-    server = next(server for server in stack.servers if server.address == address)
-    await server.drain(0)
+    await lose(stack, address)
 
     async def rest():  # type: ignore[no-untyped-def]
         for response in seen:
@@ -78,6 +85,27 @@ async def test_greedy_stream_continues_on_the_other_worker(two_workers, model_di
     assert STOP_AFTER_TOKENS <= moved["num_generated"] < MAX_TOKENS
     full = [backend.load().num_total_blocks for backend in stack.decode]
     assert await wait_for_free_blocks(stack, full) == full
+
+
+async def test_unanswered_health_checks_move_the_stream_and_free_the_old_worker(two_workers, model_dir):
+    async def unreachable(stack: Stack, address: str) -> None:  # alive, but its checks time out
+        assert stack.router is not None
+        (worker,) = [w for w in stack.router.pool.workers if w.address == address]
+        worker.failed_checks = stack.router.pool.options.lost_after_failed_checks
+        await stack.router._on_worker_lost(worker)
+
+    stack = two_workers
+    expected = reference_llm(model_dir).generate(
+        PROMPT, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    )[0]
+    async with GatewayClient(stack.gateway_address) as client:
+        stream = client.generate(PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                 stream=IDS, request_id="unreachable")
+        result, _ = await _stop_worker_mid_stream(stack, "unreachable", stream, lose=unreachable)
+    assert result.samples[0].token_ids == expected.outputs[0].token_ids
+    full = [backend.load().num_total_blocks for backend in stack.decode]
+    assert await wait_for_free_blocks(stack, full) == full
+    assert [backend.load().num_running for backend in stack.decode] == [0, 0]
 
 
 async def test_thinking_budget_counts_the_tokens_before_the_move(two_workers, model_dir):
