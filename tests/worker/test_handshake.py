@@ -78,9 +78,10 @@ def handle(address: str, transport: TransportKind = TransportKind.TCP) -> Transf
                           worker_id=f"id-of-{address}", control_address=address)
 
 
-def negotiator(endpoint: EndpointInfo, workers: FakeDecodeWorkers, **kwargs) -> TransportNegotiator:
-    nccl = FakeRendezvous() if TransportKind.NCCL in endpoint.transports else None
-    return TransportNegotiator("prefill-7", endpoint, LAYOUT, KVTransferClient(), nccl=nccl, call=workers, **kwargs)
+def negotiator(endpoint: EndpointInfo, call, rendezvous: FakeRendezvous | None = None, **kwargs) -> TransportNegotiator:
+    if rendezvous is None and TransportKind.NCCL in endpoint.transports:
+        rendezvous = FakeRendezvous()
+    return TransportNegotiator("prefill-7", endpoint, LAYOUT, KVTransferClient(), nccl=rendezvous, call=call, **kwargs)
 
 
 @pytest.mark.parametrize(("prefill", "decode", "expected"), [
@@ -121,10 +122,9 @@ async def test_one_handshake_per_pair_shared_by_concurrent_transfers():
 
 
 async def test_nccl_link_registers_rank0_communicator_under_the_bulk_address():
-    workers = FakeDecodeWorkers({"decode:1": GPU_B})
-    links = negotiator(GPU_A, workers)
+    workers, rendezvous = FakeDecodeWorkers({"decode:1": GPU_B}), FakeRendezvous()
+    links = negotiator(GPU_A, workers, rendezvous)
     await asyncio.gather(links.prepare(handle("decode:1")), links.prepare(handle("decode:1")))
-    rendezvous = links._nccl
     [(_, request)] = workers.requests
     assert rendezvous.connected == rendezvous.ids == [request.nccl_unique_id]
     communicator = links.transfers.nccl_peer("bulk-of-decode:1")
@@ -154,21 +154,18 @@ async def test_failed_handshake_stays_on_handles_and_retries_after_a_while():
 
 @pytest.mark.parametrize("answer", ["other_layout", "not_offered", "grpc_error"])
 async def test_refused_answers_leave_the_pair_on_tcp(answer):
-    workers = FakeDecodeWorkers({"decode:1": GPU_B})
+    workers = FakeDecodeWorkers({"decode:1": GPU_B}, layout=KVLayout(**{**LAYOUT.__dict__, "head_dim": 16}))
+
+    async def not_offered(address, request):
+        return d.HandshakeResponse(transport=c.TRANSPORT_KIND_NCCL, tcp_address="bulk", worker_id="x")
+
+    async def grpc_error(address, request):
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNIMPLEMENTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   "Handshake is not wired")
+
     if answer == "other_layout":
-        workers.layout = KVLayout(**{**LAYOUT.__dict__, "head_dim": 16})
-        prefill = GPU_A
+        links = negotiator(GPU_A, workers)
     else:
-        prefill = GPU_A_NO_NCCL
-    links = negotiator(prefill, workers)
-    if answer == "not_offered":
-        async def call(address, request):
-            return d.HandshakeResponse(transport=c.TRANSPORT_KIND_NCCL, tcp_address="bulk", worker_id="x")
-        links._call = call
-    elif answer == "grpc_error":
-        async def call(address, request):
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNIMPLEMENTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       "Handshake is not wired")
-        links._call = call
+        links = negotiator(GPU_A_NO_NCCL, not_offered if answer == "not_offered" else grpc_error)
     assert await links.prepare(handle("decode:1")) is None
     assert links.link(handle("decode:1")) is None

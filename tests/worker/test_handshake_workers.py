@@ -67,3 +67,14 @@ async def test_first_transfer_handshakes_once_and_tokens_match_llm(checkpoint):
         await prefill.close()
         await decode.close()
 
+
+
+def test_control_address_replaces_a_wildcard_host(checkpoint):
+    from services.decode.engine_backend import EngineDecodeBackend
+    from tests.worker.cluster import MODEL_ID, engine_config
+
+    backend = EngineDecodeBackend(engine_config(checkpoint), worker_id="d", model_id=MODEL_ID, advertise_host="node-7")
+    backend.set_control_address("0.0.0.0:50071")
+    assert backend.control_address == "node-7:50071"
+    backend.set_control_address("10.1.2.3:41")
+    assert backend.control_address == "10.1.2.3:41"
