@@ -304,10 +304,12 @@ class GetLoadResponse(_message.Message):
     def __init__(self, load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "sample_index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    sample_index: int
+    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
