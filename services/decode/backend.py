@@ -96,8 +96,9 @@ class DecodeBackend(Protocol):
     def attach(self, gateway_id: str) -> AsyncIterator[StepOutput]:
         """The step stream of one gateway; ends when the worker drains."""
 
-    async def abort(self, request_id: str) -> bool:
-        """Abort a request and free its blocks; False if unknown or finished."""
+    async def abort(self, request_id: str, sample_index: int | None = None) -> bool:
+        """Abort a request (or only its sample `sample_index`) and free its blocks; False
+        if unknown or finished."""
 
     def load(self) -> WorkerLoad:
         """Current load, for routing."""
@@ -127,7 +128,7 @@ class UnwiredDecodeBackend:
     def attach(self, gateway_id: str) -> AsyncIterator[StepOutput]:
         raise NotImplementedError("Attach is not wired to an engine yet")
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, sample_index: int | None = None) -> bool:
         raise NotImplementedError("Abort is not wired to an engine yet")
 
     def load(self) -> WorkerLoad:

@@ -373,8 +373,18 @@ class EngineDecodeBackend:
 
     # ---- abort ----------------------------------------------------------------------------
 
-    async def abort(self, request_id: str) -> bool:
-        return self._abort_now(request_id)
+    async def abort(self, request_id: str, sample_index: int | None = None) -> bool:
+        if sample_index is None:
+            return self._abort_now(request_id)
+        request = self._requests.get(request_id)
+        if request is None or not 0 <= sample_index < request.params.n:
+            return False
+        if not request.started:  # samples exist once started; before, only n = 1 has its one
+            return request.params.n == 1 and self._abort_now(request_id)
+        assert self.async_engine is not None
+        # Through the command queue, between steps: the engine frees the sample's blocks and
+        # reports its ABORT with the next step; the request's other samples go on.
+        return await self.async_engine.call(lambda e: e.abort_sample(request_id, sample_index))
 
     def _abort_now(self, request_id: str) -> bool:
         request = self._requests.get(request_id)

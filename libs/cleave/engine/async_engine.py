@@ -110,6 +110,10 @@ class AsyncEngine:
         """Abort a request (its stream ends with an ABORT output); unknown ids are ignored."""
         self._post(("abort", request_id))
 
+    def abort_sample(self, request_id: str, index: int) -> None:
+        """End one sample of a request (`LLMEngine.abort_sample`); unknown ids are ignored."""
+        self._post(("abort_sample", request_id, index))
+
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the step thread between steps and return its result (e.g.
         reading a prefilled request's block table, reserving blocks for incoming KV)."""
@@ -176,6 +180,8 @@ class AsyncEngine:
                     self._deliver_to(state.request_id, error)
             elif kind == "abort":
                 self.engine.abort(command[1])
+            elif kind == "abort_sample":
+                self.engine.abort_sample(command[1], command[2])
             elif kind == "call":
                 _, fn, future = command
                 try:

@@ -288,6 +288,20 @@ class LLMEngine:
         self._pending[request_id] = state
         return True
 
+    def abort_sample(self, request_id: str, index: int) -> bool:
+        """End one sample of a request (finish reason ABORT) and free its KV, e.g. when a
+        stop string matched downstream; the other samples go on. Its final output comes with
+        the next step. Returns False for an unknown request or sample, or one that ended."""
+        state = self._requests.get(request_id)
+        if state is None or not 0 <= index < len(state.samples) or state.samples[index].finished:
+            return False
+        sample = state.samples[index]
+        if not sample.seq.is_finished:
+            self.scheduler.finish(sample.seq.seq_id, SequenceStatus.FINISHED_ABORTED)
+        sample.end(SequenceStatus.FINISHED_ABORTED)
+        self._pending[request_id] = state
+        return True
+
     def has_unfinished(self) -> bool:
         """Whether any request still runs or has an output to report."""
         return self.scheduler.has_unfinished() or bool(self._pending)
