@@ -7,6 +7,12 @@ chat template, cleave_config.json) that transformers and cleave's loader both re
 
 Runs on one CPU thread. The sequence the model is trained on is the chat template applied to
 one user turn, then the assistant reply; the loss covers only the reply and its `</s>`.
+
+A fraction of replies (`truncated_fraction`) have their think block cut at a uniformly random
+token, closed at once and followed by the true answer: `<think>{partial}</think> The answer
+is {answer}.</s>`. That is what a serving engine produces when a thinking budget runs out (it
+forces `</think>` and the `answer_prefix`), so the model learns to answer from partial work.
+The forced `</think>` carries no loss, so the model never learns to close its thinking early.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class TrainConfig:
     num_kv_heads: int = 2
     eval_every: int = 250
     eval_problems: int = 32
+    truncated_fraction: float = 0.15
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -71,9 +78,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         vocab[char] = len(vocab)
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.decoder = decoders.Fuse()
-    # the think tags are ordinary (non-special) added tokens, so decoded text keeps them
-    backend.add_special_tokens([AddedToken(t, normalized=False, special=t not in THINK_TAGS) for t in SPECIAL_TOKENS])
-    backend.add_tokens([AddedToken(t, normalized=False) for t in WORD_TOKENS])
+    # The think tags are ordinary (non-special) added tokens, so decoded text keeps them;
+    # add_special_tokens would mark them special whatever their AddedToken says.
+    backend.add_special_tokens([AddedToken(t, normalized=False) for t in SPECIAL_TOKENS if t not in THINK_TAGS])
+    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in (*THINK_TAGS, *WORD_TOKENS)])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
     )
@@ -87,25 +95,63 @@ def prompt_ids(tokenizer: PreTrainedTokenizerFast, problem: arithmetic.Problem) 
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def reply_tokens(
+    tokenizer: PreTrainedTokenizerFast, problem: arithmetic.Problem, cut: int | None
+) -> tuple[list[int], list[int]]:
+    """(ids, labels) of the assistant reply ending in `</s>`.
+
+    cut None: the full solution, every token labelled. Otherwise the think block keeps only its
+    first `cut` tokens, then `</think>` (unlabelled: an engine forces it mid-thought) and
+    ` The answer is {answer}.</s>`.
+    """
+    if cut is None:
+        ids = tokenizer(arithmetic.format_solution(problem) + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+        return ids, list(ids)
+    opening = tokenizer(THINK_TAGS[0], add_special_tokens=False)["input_ids"]
+    body = thinking_ids(tokenizer, problem)[:cut]
+    closing = tokenizer(THINK_TAGS[1], add_special_tokens=False)["input_ids"]
+    answer = tokenizer(f" {arithmetic.ANSWER_PREFIX} {problem.answer}.{tokenizer.eos_token}", add_special_tokens=False)
+    ids = opening + body + closing + answer["input_ids"]
+    labels = opening + body + [IGNORE_INDEX] * len(closing) + answer["input_ids"]
+    return ids, labels
+
+
+def thinking_ids(tokenizer: PreTrainedTokenizerFast, problem: arithmetic.Problem) -> list[int]:
+    """Token ids strictly inside the full solution's think block (the scratchpad and its newlines)."""
+    solution = arithmetic.format_solution(problem)
+    inside = solution[len(THINK_TAGS[0]) : solution.index(THINK_TAGS[1])]
+    return tokenizer(inside, add_special_tokens=False)["input_ids"]
+
+
 def make_batch(
-    tokenizer: PreTrainedTokenizerFast, rng: random.Random, batch_size: int
+    tokenizer: PreTrainedTokenizerFast,
+    rng: random.Random,
+    batch_size: int,
+    truncation_rng: random.Random,
+    truncated_fraction: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (input_ids, attention_mask, labels), each [B, T]; labels only on replies."""
-    rows: list[tuple[list[int], list[int]]] = []
+    """Right-padded (input_ids, attention_mask, labels), each [B, T]; labels only on replies.
+
+    `truncation_rng` alone decides which replies are cut and where, so the problems drawn from
+    `rng` do not depend on `truncated_fraction`.
+    """
+    rows: list[tuple[list[int], list[int], list[int]]] = []
     for _ in range(batch_size):
         problem = arithmetic.make_problem(rng)
-        prompt = prompt_ids(tokenizer, problem)
-        reply = tokenizer(arithmetic.format_solution(problem) + tokenizer.eos_token, add_special_tokens=False)
-        rows.append((prompt, reply["input_ids"]))
-    length = max(len(p) + len(r) for p, r in rows)
+        cut = None
+        if truncation_rng.random() < truncated_fraction:
+            cut = truncation_rng.randrange(len(thinking_ids(tokenizer, problem)))  # 0 .. length - 1
+        ids, labels = reply_tokens(tokenizer, problem, cut)
+        rows.append((prompt_ids(tokenizer, problem), ids, labels))
+    length = max(len(p) + len(r) for p, r, _ in rows)
     input_ids = torch.full((batch_size, length), tokenizer.pad_token_id)
     attention_mask = torch.zeros((batch_size, length), dtype=torch.long)
     labels = torch.full((batch_size, length), IGNORE_INDEX)
-    for row, (prompt, reply) in enumerate(rows):
+    for row, (prompt, reply, reply_labels) in enumerate(rows):
         ids = prompt + reply
         input_ids[row, : len(ids)] = torch.tensor(ids)
         attention_mask[row, : len(ids)] = 1
-        labels[row, len(prompt) : len(ids)] = torch.tensor(reply)
+        labels[row, len(prompt) : len(ids)] = torch.tensor(reply_labels)
     return input_ids, attention_mask, labels
 
 
@@ -176,13 +222,16 @@ def train(config: TrainConfig, snapshot_dir: Path | None = None) -> tuple[LlamaF
     print(f"parameters: {sum(p.numel() for p in model.parameters()):,}", flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=config.weight_decay)
     rng = random.Random(config.seed)
+    truncation_rng = random.Random(f"truncate-{config.seed}")
     eval_sample = arithmetic.heldout_problems(config.eval_problems, seed=1)
     last_step = config.stop_step if config.stop_step is not None else config.steps
     start = time.time()
     for step in range(last_step):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, config)
-        input_ids, attention_mask, labels = make_batch(tokenizer, rng, config.batch_size)
+        input_ids, attention_mask, labels = make_batch(
+            tokenizer, rng, config.batch_size, truncation_rng, config.truncated_fraction
+        )
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -249,13 +298,17 @@ def main() -> None:
     parser.add_argument("--stop-step", type=int, default=None, help="stop early, keeping the --steps schedule")
     parser.add_argument("--snapshot-dir", type=Path, default=None, help="also save the model at every evaluation")
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
+    parser.add_argument("--truncated-fraction", type=float, default=TrainConfig.truncated_fraction,
+                        help="share of replies whose think block is cut short before the answer")
     parser.add_argument("--eval-problems", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--votes", type=int, default=8)
     args = parser.parse_args()
     torch.set_num_threads(1)
     start = time.time()
-    model, tokenizer = train(TrainConfig(seed=args.seed, steps=args.steps, stop_step=args.stop_step), args.snapshot_dir)
+    model, tokenizer = train(TrainConfig(
+        seed=args.seed, steps=args.steps, stop_step=args.stop_step, truncated_fraction=args.truncated_fraction
+    ), args.snapshot_dir)
     print(f"trained in {time.time() - start:.0f}s", flush=True)
     save(model, tokenizer, args.out)
     model.eval()
