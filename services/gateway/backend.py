@@ -152,8 +152,9 @@ class GatewayBackend(Protocol):
         """Run a request; raise cleave.errors (NotFound, ResourceExhausted...) to fail it.
         Closing the iterator early (client gone, deadline) aborts the request on its worker."""
 
-    async def abort(self, request_id: str) -> bool:
-        """Abort a running request; False if it is unknown or already finished."""
+    async def abort(self, request_id: str, sample_index: int | None = None) -> bool:
+        """Abort a running request (or only its sample `sample_index`: the stream goes on
+        with the others); False if it is unknown or already finished."""
 
 
 class UnwiredGatewayBackend:
@@ -168,5 +169,5 @@ class UnwiredGatewayBackend:
     def generate(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
         raise NotImplementedError("Generate is not wired to prefill/decode workers yet")
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, sample_index: int | None = None) -> bool:
         raise NotImplementedError("Abort is not wired to decode workers yet")

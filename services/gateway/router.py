@@ -10,7 +10,8 @@ text per sample (`SampleText`) and streamed as `GenerateChunk`s. `n` samples are
 request (they share the prompt's KV); test-time scaling combines them at the end.
 
 A request that ends early — client cancelled, deadline, gateway stop string, error — is
-aborted on its decode worker, which frees its KV blocks.
+aborted on its decode worker, which frees its KV blocks. With n > 1, a sample that a stop
+string ends here is aborted alone (`AbortRequest.sample_index`) while the others go on.
 
 A request whose decode worker is lost (its Attach stream broke, or its health checks went
 unanswered) migrates: it restarts as a colocated start on a healthy worker from its prompt
@@ -178,20 +179,26 @@ class RoutingBackend:
 
     # ---- requests -------------------------------------------------------------------------
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, sample_index: int | None = None) -> bool:
         running = self._running.get(request_id)
         if running is None:
             return False
         with contextlib.suppress(grpc.RpcError):
-            await running.decode.stub.Abort(
-                common_pb2.AbortRequest(request_id=running.worker_request_id), timeout=5.0
+            response = await running.decode.stub.Abort(
+                common_pb2.AbortRequest(request_id=running.worker_request_id, sample_index=sample_index), timeout=5.0
             )
+            if sample_index is not None:
+                return response.found
         return True
 
-    def _fire_abort(self, decode: WorkerHandle, worker_request_id: str) -> None:
+    def _fire_abort(self, decode: WorkerHandle, worker_request_id: str, sample_index: int | None = None) -> None:
+        """Abort a request (or one of its samples) on its worker without waiting."""
+
         async def abort() -> None:
             with contextlib.suppress(grpc.RpcError):
-                await decode.stub.Abort(common_pb2.AbortRequest(request_id=worker_request_id), timeout=5.0)
+                await decode.stub.Abort(
+                    common_pb2.AbortRequest(request_id=worker_request_id, sample_index=sample_index), timeout=5.0
+                )
 
         task = asyncio.create_task(abort())
         self._background.add(task)
@@ -423,6 +430,7 @@ class RoutingBackend:
             and not spec.scaling.return_all_samples
         )
         collected: dict[int, SampleOutput] = {}
+        stopped_here: set[int] = set()  # samples the gateway ended (stop strings)
 
         def usage() -> Usage:
             return Usage(
@@ -450,9 +458,17 @@ class RoutingBackend:
                     worker_finished[delta.sample_index] = True
                     if delta.finish_reason is FinishReason.ERROR:
                         log.warning("sample failed on the worker", error=delta.error_message)
-                output = texts[delta.sample_index].push(delta)
+                text = texts[delta.sample_index]
+                output = text.push(delta)
                 if output is not None:
                     news[output.index] = merge_outputs(news.get(output.index), output)
+                if text.finished and not worker_finished[text.index] and text.index not in stopped_here:
+                    # A stop string matched here: the sample stops decoding on its worker now,
+                    # not when the whole request ends (n = 1: the request is aborted as the
+                    # stream ends, below in `generate`).
+                    stopped_here.add(text.index)
+                    if len(texts) > 1:
+                        self._fire_abort(running.decode, running.worker_request_id, text.index)
             for index, output in news.items():
                 collected[index] = merge_outputs(collected.get(index), output)
             if news and not hold:

@@ -199,7 +199,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
-        found = await self.backend.abort(require_request_id(request.request_id))
+        sample_index = request.sample_index if request.HasField("sample_index") else None
+        if sample_index is not None and sample_index < 0:
+            raise InvalidArgument("must be a sample index, 0 or more", field="sample_index")
+        found = await self.backend.abort(require_request_id(request.request_id), sample_index)
         return common_pb2.AbortResponse(found=found)
 
     async def ListModels(

@@ -1,0 +1,58 @@
+"""Streams arrive as they are produced: many Generate messages / SSE chunks per request, in
+both modes and every reasoning mode, thinking before the answer."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from cleave.client import GatewayClient
+from cleave.proto.cleave.v1 import common_pb2 as c, gateway_pb2 as g
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+PROMPT = "The quick brown fox"
+MAX_TOKENS = 40
+THINKING = 20  # then the end tag, then the answer
+MIN_MESSAGES = 15  # of 40 tokens (steps the gateway fell behind on may share a message)
+
+
+@pytest.mark.parametrize("mode", [c.REASONING_MODE_SEPARATE, c.REASONING_MODE_HIDDEN, c.REASONING_MODE_INLINE])
+async def test_generate_streams_tokens_as_they_come(stack, mode):
+    messages = []
+    async with GatewayClient(stack.gateway_address) as client:
+        async for response in client.generate(
+            PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, stream=g.StreamOptions(include_token_ids=True),
+            reasoning=c.ReasoningOptions(mode=mode, max_thinking_tokens=THINKING),
+        ):
+            messages.extend(response.samples)  # the last response carries only the usage
+    assert sum(len(m.token_ids) for m in messages) == MAX_TOKENS
+    with_tokens = [m for m in messages[:-1] if m.token_ids]
+    assert len(with_tokens) >= MIN_MESSAGES, [len(m.token_ids) for m in messages]
+    assert max(len(m.token_ids) for m in messages) <= 4  # never the bulk of the request at once
+    thinking = [i for i, m in enumerate(messages) if m.reasoning_text]
+    answer = [i for i, m in enumerate(messages) if m.text]
+    if mode == c.REASONING_MODE_SEPARATE:
+        assert len(thinking) >= 5 and len(answer) >= 3
+        assert max(thinking) < min(answer)  # thinking streamed first, then the answer
+    elif mode == c.REASONING_MODE_HIDDEN:
+        assert not thinking and len(answer) >= 3
+    else:
+        assert not thinking and len(answer) >= 8
+
+
+async def test_chat_sse_streams_reasoning_then_content(stack):
+    client = openai.AsyncOpenAI(base_url=stack.http_url, api_key="unused", max_retries=0)
+    stream = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX_TOKENS, temperature=0.0,
+        stream=True, extra_body={"max_thinking_tokens": THINKING, "ignore_eos": True},
+    )
+    kinds = []
+    async for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta
+            if getattr(delta, "reasoning_content", None):
+                kinds.append("reasoning")
+            if delta.content:
+                kinds.append("content")
+    assert kinds.count("reasoning") >= 5 and kinds.count("content") >= 3, kinds
+    assert kinds == sorted(kinds, key=lambda kind: kind == "content")  # all thinking, then the answer
