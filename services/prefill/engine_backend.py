@@ -8,8 +8,17 @@
         handshake with the destination's worker    (first transfer to it only: CUDA IPC /
                                                    NCCL / TCP, see cleave.worker.handshake)
         KV -> destination's reserved blocks        (the handle's transport, all layers)
-        new full blocks -> kvstore                 (store_to_kvstore)
-        export blocks released                     (always, also on error or cancellation)
+        first tokens returned
+    then, in the background (store_to_kvstore):
+        new full blocks -> host memory -> kvstore  (`_store_in_background`)
+    export blocks released                         (always, also on error or cancellation:
+                                                   after the send, or once the background
+                                                   task has gathered the blocks to host)
+
+The first token never waits for the kvstore: the put runs as a task the backend tracks
+(shutdown lets it finish for a moment, then cancels it; failures are logged with the
+request id). The prompt's blocks stay held until that task has copied them to host memory,
+so nothing reads a freed block, and its `finally` releases them on every path.
 
 The engine makes no text (`detokenize` off): the gateway detokenizes and matches stop
 strings. The KV is shipped after the prefill completes; layer-by-layer streaming during the forward
@@ -38,6 +47,7 @@ from services.prefill.kvstore_prefix import HOLD_SUFFIX, KVStorePrefix, PrefixFe
 
 log = structlog.get_logger("cleave.prefill")
 NO_FETCH = PrefixFetch(0, 0, None)
+STORE_DRAIN_S = 5.0  # at shutdown, how long background kvstore puts may still run
 
 
 @dataclass
@@ -77,6 +87,7 @@ class EnginePrefillBackend:
         self.kvstore: KVStorePrefix | None = None
         self.counters = PrefillCounters()
         self._in_flight: dict[str, int] = {}  # request id -> prompt tokens
+        self._stores: dict[str, asyncio.Task[None]] = {}  # request id -> its background kvstore put
 
     async def start(self) -> None:
         self.engine = await load_engine(self.engine_config)
@@ -93,6 +104,10 @@ class EnginePrefillBackend:
             self.kvstore = KVStorePrefix(client, self.engine, self.async_engine)
 
     async def shutdown(self) -> None:
+        await self.wait_for_stores(timeout_s=STORE_DRAIN_S)
+        for task in list(self._stores.values()):
+            task.cancel()  # its `finally` still releases the request's blocks
+        await asyncio.gather(*self._stores.values(), return_exceptions=True)
         await self.transfers.close()
         if self.negotiator is not None:
             await self.negotiator.close()
@@ -128,8 +143,12 @@ class EnginePrefillBackend:
             raise InvalidArgument(f"{request_id!r} is already prefilling here; use a unique id", field="request_id")
         if spec.destination is not None:
             self._check_destination(spec.destination, len(prompt))
+        previous = self._stores.get(request_id)
+        if previous is not None:  # the same id again: its blocks are still held by the put
+            await asyncio.wait({previous})
         self._in_flight[request_id] = len(prompt)
         fetch = NO_FETCH
+        handed_off = False  # the background store releases the blocks from then on
         try:
             fetch = await self._fetch_prefix(request_id, prompt)
             first_tokens, first_logprobs, num_cached = await self._run_prefill(async_engine, request_id, prompt, spec)
@@ -137,11 +156,13 @@ class EnginePrefillBackend:
             transfer = None
             if spec.destination is not None:
                 transfer = await self._send(spec.destination, table)
-            if spec.store_to_kvstore:
-                await self._store(prompt, table, fetch)
+            if spec.store_to_kvstore and self.kvstore is not None:
+                self._store_in_background(request_id, prompt, table, fetch)
+                handed_off = True
         finally:
             self._in_flight.pop(request_id, None)
-            await asyncio.shield(self._cleanup(request_id, fetch))
+            if not handed_off:
+                await asyncio.shield(self._cleanup(request_id, fetch))
         num_computed = len(prompt) - num_cached
         counters = self.counters
         counters.num_prefills += 1
@@ -196,13 +217,43 @@ class EnginePrefillBackend:
         sender = await self.transfers.open(handle)
         return await sender.send_all(self.engine.kv_cache, table)
 
-    async def _store(self, prompt: list[int], table: list[int], fetch: PrefixFetch) -> None:
-        if self.kvstore is None:
-            return
+    def _store_in_background(self, request_id: str, prompt: list[int], table: list[int], fetch: PrefixFetch) -> None:
+        task = asyncio.create_task(self._store(request_id, prompt, table, fetch), name=f"kvstore-put-{request_id}")
+        self._stores[request_id] = task
+
+        def forget(done: asyncio.Task[None]) -> None:
+            if self._stores.get(request_id) is done:
+                del self._stores[request_id]
+
+        task.add_done_callback(forget)
+
+    async def _store(self, request_id: str, prompt: list[int], table: list[int], fetch: PrefixFetch) -> None:
+        """Gather the prompt's new full blocks to host memory, free the prompt's KV, put the
+        blocks in the kvstore. Never raises: a failed put only costs a later cache miss."""
+        assert self.kvstore is not None
+        released = False
         try:
-            self.counters.num_kvstore_blocks_stored += await self.kvstore.store(prompt, table, fetch.num_store_blocks)
+            payload = await self.kvstore.gather(prompt, table, fetch.num_store_blocks)
+            await self._cleanup(request_id, fetch)
+            released = True
+            if payload is not None:
+                self.counters.num_kvstore_blocks_stored += await self.kvstore.put(payload)
         except (grpc.aio.AioRpcError, CleaveError) as error:
-            log.warning("kvstore put failed", error=str(error))
+            log.warning("kvstore put failed", request_id=request_id, error=str(error))
+        except Exception:
+            log.exception("kvstore put failed", request_id=request_id)
+        finally:
+            if not released:
+                await self._cleanup(request_id, fetch)
+
+    async def wait_for_stores(self, timeout_s: float | None = None) -> bool:
+        """Wait until the background kvstore puts started so far are done (True), or
+        `timeout_s` passed (False)."""
+        pending = set(self._stores.values())
+        if not pending:
+            return True
+        _, still_running = await asyncio.wait(pending, timeout=timeout_s)
+        return not still_running
 
     async def _cleanup(self, request_id: str, fetch: PrefixFetch) -> None:
         """Free the exported prompt blocks and the kvstore hold (no-ops when absent)."""

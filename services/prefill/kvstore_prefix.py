@@ -1,5 +1,6 @@
 """A prefill worker's use of the kvstore: pull a cached prompt prefix into the engine's
-prefix cache before the prefill, push the prompt's new full blocks after it.
+prefix cache before the prefill, push the prompt's new full blocks after it (gathered to
+host memory, then put, off the request's critical path).
 
 Block hashes are the engine's own (`block_hashes` under the engine's KV namespace), so a
 block fetched from the store and registered in the engine's prefix cache is found by the
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from cleave.engine.async_engine import AsyncEngine
 from cleave.engine.llm_engine import LLMEngine
@@ -28,6 +31,15 @@ class PrefixFetch:
     num_store_blocks: int  # leading prompt blocks the store holds
     num_loaded_blocks: int  # of those, blocks copied into the engine (not already cached)
     hold_id: str | None  # KV manager id holding the loaded blocks; release after the prefill
+
+
+@dataclass(frozen=True)
+class StorePayload:
+    """Prompt blocks on their way to the store, already in host memory."""
+
+    hashes: list[bytes]  # chained hashes of the blocks, in prompt order
+    blocks: torch.Tensor  # [n, L, 2, BS, Hkv, D] on the CPU
+    parent_hash: bytes  # hash of the block before the first one (b"" at the prompt start)
 
 
 class KVStorePrefix:
@@ -77,16 +89,21 @@ class KVStorePrefix:
         loaded = await self.async_engine.call(load)
         return PrefixFetch(num_hit, loaded, hold_id if loaded else None)
 
-    async def store(self, prompt: Sequence[int], block_table: Sequence[int], num_stored: int) -> int:
-        """Put the prompt's full blocks after the first `num_stored` (already in the store);
-        returns how many the store newly keeps. `block_table` holds the prompt's KV."""
+    async def gather(self, prompt: Sequence[int], block_table: Sequence[int], num_stored: int) -> StorePayload | None:
+        """Copy the prompt's full blocks after the first `num_stored` (already in the store)
+        to host memory; None when there are none. `block_table` holds the prompt's KV, which
+        may be freed once this returns."""
         hashes = self.hashes(prompt)
         if len(hashes) <= num_stored:
-            return 0
+            return None
         ids = list(block_table[num_stored : len(hashes)])
-        payload = await self.async_engine.call(lambda e: gather_blocks(e.kv_cache, ids).cpu())
+        blocks = await self.async_engine.call(lambda e: gather_blocks(e.kv_cache, ids).cpu())
         parent = hashes[num_stored - 1] if num_stored else b""
-        result = await self.client.put(hashes[num_stored:], payload, parent_hash=parent)
+        return StorePayload(hashes[num_stored:], blocks, parent)
+
+    async def put(self, payload: StorePayload) -> int:
+        """Send gathered blocks to the store; returns how many it newly keeps."""
+        result = await self.client.put(payload.hashes, payload.blocks, parent_hash=payload.parent_hash)
         return result.num_stored
 
 

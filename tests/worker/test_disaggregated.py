@@ -120,6 +120,7 @@ async def test_kvstore_prefix_is_reused_not_recomputed(checkpoint, reference):
         prompt = prompts(3)[2]
         cold = await disaggregated(decode, first, "kv-a", prompt, store=True)
         assert cold.num_cached_tokens == 0
+        assert await first.backend.wait_for_stores(timeout_s=5.0)  # the put runs after the response
         assert first.backend.counters.num_kvstore_blocks_stored == len(prompt) // 4
         warm = await disaggregated(decode, second, "kv-b", prompt)
         reused = (len(prompt) - 1) // 4 * 4

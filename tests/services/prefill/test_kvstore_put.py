@@ -1,0 +1,108 @@
+"""store_to_kvstore: the first token returns before the kvstore put, which runs in the
+background; the prompt's blocks are released on every path and the stored prefix is found
+by the next worker."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import services.prefill.engine_backend as engine_backend
+from cleave.errors import Unavailable
+from cleave.proto.cleave.v1 import common_pb2 as c
+from cleave.proto.cleave.v1 import prefill_pb2 as p
+from tests.worker.cluster import greedy, start_kvstore, start_prefill, wait_pool_full
+
+PROMPT = list(range(30, 49))  # 19 tokens: 4 full blocks of 4 (+ 3 tokens)
+NUM_FULL_BLOCKS = 4
+
+
+def storing(request_id: str) -> p.PrefillRequest:
+    return p.PrefillRequest(request_id=request_id, prompt_token_ids=PROMPT, sampling=greedy(4), store_to_kvstore=True)
+
+
+async def num_free_blocks(worker) -> int:  # type: ignore[no-untyped-def]
+    return (await worker.stub.GetLoad(c.GetLoadRequest())).load.num_free_blocks
+
+
+@pytest.fixture
+async def kvstore():
+    store = await start_kvstore()
+    yield store.server.address
+    await store.close()
+
+
+def gate(obj, name: str) -> asyncio.Event:  # type: ignore[no-untyped-def]
+    """Make `obj.name` (a coroutine method) wait for the returned event before it runs."""
+    opened = asyncio.Event()
+    original = getattr(obj, name)
+
+    async def gated(*args, **kwargs):  # type: ignore[no-untyped-def]
+        await opened.wait()
+        return await original(*args, **kwargs)
+
+    setattr(obj, name, gated)
+    return opened
+
+
+async def test_first_token_does_not_wait_for_the_put(checkpoint, kvstore):
+    first, second = await start_prefill(checkpoint, kvstore), await start_prefill(checkpoint, kvstore)
+    try:
+        put_allowed = gate(first.backend.kvstore.client, "put")
+        response = await asyncio.wait_for(first.stub.Prefill(storing("a")), timeout=10)
+        assert (response.num_prompt_tokens, response.num_computed_tokens) == (19, 19)
+        assert not await first.backend.wait_for_stores(timeout_s=0.05)  # the put is still waiting
+        assert first.backend.counters.num_kvstore_blocks_stored == 0
+        await wait_pool_full(first.stub)  # gathered to host memory: the blocks are free already
+        put_allowed.set()
+        assert await first.backend.wait_for_stores(timeout_s=5)
+        assert first.backend.counters.num_kvstore_blocks_stored == NUM_FULL_BLOCKS
+        # A cold worker finds the prefix in the store once the put finished.
+        warm = await second.stub.Prefill(p.PrefillRequest(request_id="b", prompt_token_ids=PROMPT, sampling=greedy(4)))
+        assert (warm.num_cached_tokens, warm.num_computed_tokens) == (16, 3)
+        assert warm.first_token_ids == response.first_token_ids
+        assert second.backend.counters.num_kvstore_blocks_loaded == NUM_FULL_BLOCKS
+        for worker in (first, second):
+            await wait_pool_full(worker.stub)
+    finally:
+        for worker in (first, second):
+            await worker.close()
+
+
+async def test_blocks_stay_held_until_gathered_and_a_failed_put_is_only_logged(checkpoint, kvstore):
+    worker = await start_prefill(checkpoint, kvstore)
+    try:
+        total = await num_free_blocks(worker)
+        kvstore_prefix = worker.backend.kvstore
+        gather_allowed = gate(kvstore_prefix, "gather")
+
+        async def failing_put(*args, **kwargs):  # type: ignore[no-untyped-def]
+            raise Unavailable("the kvstore is down")
+
+        kvstore_prefix.client.put = failing_put
+        await worker.stub.Prefill(storing("held"))
+        assert await num_free_blocks(worker) == total - 5  # the prompt's 5 blocks wait for the gather
+        gather_allowed.set()
+        assert await worker.backend.wait_for_stores(timeout_s=5)
+        assert worker.backend.counters.num_kvstore_blocks_stored == 0
+        await wait_pool_full(worker.stub)
+        # The same request id again (its earlier put is done): served like any other.
+        again = await worker.stub.Prefill(storing("held"))
+        assert again.num_cached_tokens == 16
+        assert await worker.backend.wait_for_stores(timeout_s=5)
+        await wait_pool_full(worker.stub)
+    finally:
+        await worker.close()
+
+
+async def test_shutdown_cancels_a_pending_put_and_frees_its_blocks(checkpoint, kvstore, monkeypatch):
+    monkeypatch.setattr(engine_backend, "STORE_DRAIN_S", 0.1)
+    worker = await start_prefill(checkpoint, kvstore)
+    engine = worker.backend.engine
+    gate(worker.backend.kvstore, "gather")  # never opened
+    await worker.stub.Prefill(storing("stuck"))
+    assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks - 5
+    await worker.close()
+    assert await worker.backend.wait_for_stores(timeout_s=0)
+    assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks
