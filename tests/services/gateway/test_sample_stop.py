@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cleave.client import GatewayClient
+from cleave.client.gateway import build_request, collect
 from cleave.engine.outputs import FinishReason
 from cleave.proto.cleave.v1 import common_pb2 as c
 from tests.services.gateway.helpers import free_blocks, wait_for_free_blocks
@@ -69,3 +70,17 @@ async def test_stop_string_ends_one_sample_on_the_worker(stack):
     assert spy.finish[(request_id, 1)] is FinishReason.LENGTH
     assert spy.tokens[(request_id, 1)] == MAX_TOKENS
     assert spy.tokens[(request_id, 0)] < MAX_TOKENS // 2
+
+
+async def test_abort_rpc_with_a_sample_index_ends_only_that_sample(stack):
+    before = free_blocks(stack)
+    async with GatewayClient(stack.gateway_address) as client:
+        call = client.stream(build_request(PROMPT, request_id="half", max_tokens=60, n=2, temperature=1.0, seed=5,
+                                           ignore_eos=True))
+        await anext(aiter(call))
+        found = await client.stub.Abort(c.AbortRequest(request_id="half", sample_index=1))
+        result = await collect(call)
+    assert found.found
+    assert [s.finish_reason for s in result.samples] == ["length", "abort"]
+    assert result.usage.completion_tokens < 2 * 60
+    assert await wait_for_free_blocks(stack, before) == before
