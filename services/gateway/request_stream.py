@@ -1,0 +1,163 @@
+"""One request's tokens, from its queue on the decode worker's stream to `GenerateChunk`s.
+
+The Attach stream puts the request's `TokenDelta`s (or a `WorkerLost` / error, always last)
+in its queue; each sample's deltas become text (`SampleText`), and each batch of ready
+deltas one chunk — or, when the client asked for one aggregated answer or a scaling strategy
+picks among samples, one final chunk. With n > 1, a sample that a stop string ends here is
+aborted alone on the worker while the others go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+
+import structlog
+
+from cleave.engine.outputs import FinishReason
+from cleave.errors import DeadlineExceeded
+from cleave.rpc.types import Usage
+from services.gateway.attach import WorkerLost
+from services.gateway.backend import GenerateChunk, GenerateSpec, SampleOutput, ScalingStrategy
+from services.gateway.convert import TokenDelta, token_delta_from_proto
+from services.gateway.model import ServedModel
+from services.gateway.placement import RunningRequest
+from services.gateway.sample_text import SampleText, resolve_mode
+from services.gateway.scaling import combine, summary_chunk
+from services.gateway.worker_rpc import time_left
+
+log = structlog.get_logger("cleave.gateway")
+# Restarts the request elsewhere; a final delta when the sample has nothing left to generate.
+Migrate = Callable[[SampleText, WorkerLost], Awaitable[TokenDelta | None]]
+
+
+def merge_outputs(first: SampleOutput | None, second: SampleOutput) -> SampleOutput:
+    """Two consecutive outputs of one sample as one."""
+    if first is None:
+        return second
+    return replace(
+        second,
+        text=first.text + second.text,
+        reasoning_text=first.reasoning_text + second.reasoning_text,
+        token_ids=first.token_ids + second.token_ids,
+        logprobs=first.logprobs + second.logprobs,
+        finish_reason=second.finish_reason or first.finish_reason,
+    )
+
+
+async def next_items(spec: GenerateSpec, queue: asyncio.Queue) -> list:
+    """The next queued deltas (at least one, all that are ready)."""
+    try:
+        first = await asyncio.wait_for(queue.get(), time_left(spec.deadline))
+    except asyncio.TimeoutError:
+        raise DeadlineExceeded("the request's deadline passed; allow more time or ask for fewer tokens") from None
+    items = [first]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
+async def stream_samples(
+    spec: GenerateSpec,
+    prompt_ids: list[int],
+    num_cached: int,
+    running: RunningRequest,
+    worker_finished: list[bool],
+    *,
+    model: ServedModel,
+    tag_tokens: dict[int, str],
+    migrate: Migrate,
+    abort_sample: Callable[[int], None],
+) -> AsyncIterator[GenerateChunk]:
+    """The request's chunks until every sample finished; marks `worker_finished[i]` as the
+    worker reports sample i finished (the caller aborts the request unless all are)."""
+    mode = resolve_mode(spec.reasoning.mode, model.reasoning)
+    texts = [
+        SampleText(i, model.tokenizer, prompt_ids, spec.sampling, model.eos_token_ids, model.reasoning,
+                   mode, spec.stream.include_token_ids, tag_tokens)
+        for i in range(spec.sampling.n)
+    ]
+    strategy = spec.scaling.strategy
+    hold = spec.stream.aggregate or (
+        strategy in (ScalingStrategy.MAJORITY_VOTE, ScalingStrategy.BEST_OF_N)
+        and not spec.scaling.return_all_samples
+    )
+    collected: dict[int, SampleOutput] = {}
+    stopped_here: set[int] = set()  # samples the gateway ended (stop strings)
+
+    def usage() -> Usage:
+        return Usage(
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=sum(len(t.token_ids) for t in texts),
+            reasoning_tokens=sum(t.num_reasoning_tokens for t in texts),
+            cached_prompt_tokens=num_cached,
+        )
+
+    while not all(t.finished for t in texts):
+        news: dict[int, SampleOutput] = {}
+        for item in await next_items(spec, running.queue):
+            if isinstance(item, WorkerLost):  # always the last item of its queue
+                final = await migrate(texts[0], item)
+                if final is None:
+                    continue
+                delta = final
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                delta = token_delta_from_proto(item)
+            if delta.sample_index >= len(texts):
+                continue
+            if delta.finish_reason is not None:
+                worker_finished[delta.sample_index] = True
+                if delta.finish_reason is FinishReason.ERROR:
+                    log.warning("sample failed on the worker", error=delta.error_message)
+            text = texts[delta.sample_index]
+            output = text.push(delta)
+            if output is not None:
+                news[output.index] = merge_outputs(news.get(output.index), output)
+            if text.finished and not worker_finished[text.index] and text.index not in stopped_here:
+                # A stop string matched here: the sample stops decoding on its worker now,
+                # not when the whole request ends (n = 1: the request is aborted as the
+                # stream ends, by the caller).
+                stopped_here.add(text.index)
+                if len(texts) > 1:
+                    abort_sample(text.index)
+        for index, output in news.items():
+            collected[index] = merge_outputs(collected.get(index), output)
+        if news and not hold:
+            yield GenerateChunk(
+                samples=tuple(news[i] for i in sorted(news)),
+                usage=usage() if spec.stream.continuous_usage else None,
+            )
+    yield await final_chunk(spec, texts, collected, usage(), hold)
+
+
+async def final_chunk(
+    spec: GenerateSpec,
+    texts: list[SampleText],
+    collected: dict[int, SampleOutput],
+    usage: Usage,
+    hold: bool,
+) -> GenerateChunk:
+    """The last chunk: usage, held samples, and the scaling strategy's verdict."""
+    strategy = spec.scaling.strategy
+    if strategy is ScalingStrategy.NONE:
+        samples = tuple(collected[i] for i in sorted(collected)) if hold else ()
+        return GenerateChunk(samples=samples, usage=usage)
+    result = await combine(spec.request_id, spec.scaling, [scored_text(t) for t in texts])
+    summary = summary_chunk(result)
+    samples = []
+    for entry in summary.samples:
+        shown = hold and (spec.stream.aggregate or entry.index == result.selected_index)
+        body = collected.get(entry.index) if shown else None
+        base = body if body is not None else SampleOutput(index=entry.index, finish_reason=texts[entry.index].finish_reason)
+        samples.append(replace(base, answer=entry.answer, reward=entry.reward, advantage=entry.advantage))
+    return replace(summary, samples=tuple(samples), usage=usage)
+
+
+def scored_text(text: SampleText) -> str:
+    """What a verifier sees: the answer, or an unterminated think block (no answer)."""
+    if text.answer_parts or not text.reasoning_parts:
+        return text.answer_text
+    return "<think>" + text.reasoning_text

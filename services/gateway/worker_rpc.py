@@ -1,0 +1,58 @@
+"""One gRPC call to a worker, with the gateway's error mapping and deadline arithmetic.
+
+A worker's status code becomes the matching `CleaveError` (the client sees the worker's
+reason, prefixed with where it came from); UNAVAILABLE also takes the worker out of rotation;
+anything else is Unavailable, which callers may retry elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import grpc
+
+from cleave.errors import (
+    CleaveError,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from services.gateway.workers import WorkerHandle, WorkerPool
+
+T = TypeVar("T")
+_ERRORS: dict[grpc.StatusCode, type[CleaveError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+}
+
+
+async def call_worker(pool: WorkerPool, call: Awaitable[T], worker: WorkerHandle, method: str) -> T:
+    """Await `call` (a `method` RPC on `worker`), raising its failure as a CleaveError."""
+    try:
+        return await call
+    except grpc.aio.AioRpcError as error:
+        where = f"{method} on {worker.role} worker {worker.address}"
+        error_type = _ERRORS.get(error.code())
+        if error_type is not None:
+            raise error_type(f"{where}: {error.details()}") from None
+        if error.code() is grpc.StatusCode.UNAVAILABLE:
+            await pool.set_healthy(worker, False)
+        raise Unavailable(f"{where} failed ({error.code().name}: {error.details()}); retry") from None
+
+
+def time_left(deadline: float | None) -> float | None:
+    """Seconds until `deadline` (event-loop time), None without one; DeadlineExceeded once past."""
+    if deadline is None:
+        return None
+    remaining = deadline - asyncio.get_running_loop().time()
+    if remaining <= 0:
+        raise DeadlineExceeded("the request's deadline passed; allow more time or ask for fewer tokens")
+    return remaining
