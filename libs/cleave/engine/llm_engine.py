@@ -35,6 +35,14 @@ import torch
 
 from cleave.engine.config import EngineConfig
 from cleave.engine.detokenizer import IncrementalDetokenizer
+from cleave.engine.handoff import (
+    EXPORT_SUFFIX,
+    PrefilledAdmission,
+    PrefillExport,
+    check_first_tokens,
+    end_sample,
+    first_token_list,
+)
 from cleave.engine.model_runner import ModelRunner, StepStats
 from cleave.engine.outputs import RequestOutput, TokenLogprob
 from cleave.engine.reasoning import ReasoningParser, ThinkingBudget
@@ -45,7 +53,7 @@ from cleave.engine.sampling_tensors import LogitsProcessor
 from cleave.engine.scheduler import Scheduler
 from cleave.engine.sequence import FINISHED_STATUSES, Sequence, SequenceStatus
 from cleave.engine.stop import StopChecker
-from cleave.errors import InvalidArgument, NotFound
+from cleave.errors import InvalidArgument
 from cleave.kv.manager import KVCacheManager
 from cleave.kv.prefix_hash import kv_namespace
 from cleave.model.config import ModelConfig
@@ -55,8 +63,9 @@ from cleave.model.tokenizer import Tokenizer
 Message = dict[str, Any]
 Prompt = Union[str, Seq[int], Seq[Message]]
 
+__all__ = ["EXPORT_SUFFIX", "LLMEngine", "Message", "Prompt", "read_reasoning_config"]
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-EXPORT_SUFFIX = "/export"  # KV manager id holding a prefill-only request's prompt blocks
 
 
 def read_reasoning_config(model_dir: str | Path) -> ReasoningConfig | None:
@@ -141,6 +150,8 @@ class LLMEngine:
         )
         self.kv = KVCacheManager(self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching, namespace)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
+        self._export = PrefillExport(self.kv)
+        self._admission = PrefilledAdmission(self.kv, self.scheduler, self.max_model_len)
 
     @property
     def max_model_len(self) -> int:
@@ -293,12 +304,8 @@ class LLMEngine:
         stop string matched downstream; the other samples go on. Its final output comes with
         the next step. Returns False for an unknown request or sample, or one that ended."""
         state = self._requests.get(request_id)
-        if state is None or not 0 <= index < len(state.samples) or state.samples[index].finished:
+        if not end_sample(state, index, self.scheduler):
             return False
-        sample = state.samples[index]
-        if not sample.seq.is_finished:
-            self.scheduler.finish(sample.seq.seq_id, SequenceStatus.FINISHED_ABORTED)
-        sample.end(SequenceStatus.FINISHED_ABORTED)
         self._pending[request_id] = state
         return True
 
@@ -354,26 +361,8 @@ class LLMEngine:
             self._deferred[seq_id] = sample
         state = self._touched[seq.request_id] = self._requests[seq.request_id]
         if state.prefill_only:
-            return self._prefilled(state, seq, sample, status)
+            return self._export.on_first_token(state, seq, sample, status)
         return status
-
-    def _prefilled(
-        self, state: RequestState, seq: Sequence, sample: SampleState, status: SequenceStatus | None
-    ) -> SequenceStatus:
-        """A prefill-only sample drew its first token: keep the prompt's blocks under the
-        export id (once per request, whether or not the token ends the sample: the decode
-        side has reserved blocks for them either way) and end the sequence."""
-        sample.flush_text()
-        export_id = seq.request_id + EXPORT_SUFFIX
-        if not self.kv.has(export_id):
-            # The sequence holds exactly the prompt's slots: its first token has none yet.
-            self.kv.fork(seq.seq_id, export_id)
-        for other in state.samples:
-            if other.num_tokens == 0:
-                break
-        else:
-            state.prefill_done = True  # every sample has its first token (same step)
-        return status or SequenceStatus.FINISHED_LENGTH
 
     def _flush_text(self) -> None:
         """Detokenize the previous step's deferred tokens (runs while the device computes)."""
@@ -415,24 +404,21 @@ class LLMEngine:
             self._processors.pop(sample.seq.seq_id, None)
             self._deferred.pop(sample.seq.seq_id, None)
 
-    # ---- disaggregation hooks -------------------------------------------------------------
+    # ---- disaggregation hooks (see cleave.engine.handoff) ---------------------------------
 
     def prefilled_block_table(self, request_id: str) -> list[int]:
         """Block ids holding a finished prefill-only request's prompt KV, in token order."""
-        table = self.kv.block_table(request_id + EXPORT_SUFFIX)
-        if not table:
-            raise NotFound(f"no exported prompt KV for request {request_id!r}", field="request_id")
-        return table
+        return self._export.block_table(request_id)
 
     def release_prefilled(self, request_id: str) -> None:
         """Free the prompt KV a prefill-only request kept (after the caller shipped it)."""
-        self.kv.free(request_id + EXPORT_SUFFIX)
+        self._export.release(request_id)
 
     def reserve_prefilled(self, request_id: str, num_prompt_tokens: int) -> list[int]:
         """Decode side: allocate blocks for a prompt whose KV will arrive from a prefill
         worker (once, whatever the request's n); returns the block ids to write. Raises
         OutOfBlocksError (RESOURCE_EXHAUSTED)."""
-        return self.kv.reserve(f"{request_id}/0", num_prompt_tokens)
+        return self._admission.reserve(request_id, num_prompt_tokens)
 
     def add_prefilled_request(
         self,
@@ -452,37 +438,12 @@ class LLMEngine:
         first write. First tokens are reported with the next step's outputs, like every later
         one; a sample its first token ends (eos, max_tokens) finishes there.
         """
-        tokens = [int(first_tokens)] if isinstance(first_tokens, int) else [int(t) for t in first_tokens]
+        tokens = first_token_list(first_tokens)
         state = self.prepare_request(request_id, list(prompt_token_ids), params, priority, arrival_time)
-        if len(tokens) != state.params.n:
-            raise InvalidArgument(
-                f"needs one first token per sample ({state.params.n}), got {len(tokens)}", field="first_tokens"
-            )
+        check_first_tokens(tokens, state.params.n)
         if request_id in self._requests:
             raise InvalidArgument(f"{request_id!r} is already running; use a unique id", field="request_id")
-        leader = state.samples[0].seq
-        if not self.kv.has(leader.seq_id):
-            self.kv.reserve(leader.seq_id, leader.num_prompt_tokens)
-        self.kv.cache_full_blocks(leader.seq_id, leader.all_token_ids)  # hashes the forks inherit
-        for sample in state.samples[1:]:
-            self.kv.fork(leader.seq_id, sample.seq.seq_id)
-        running = []
-        for sample, token in zip(state.samples, tokens):
-            seq = sample.seq
-            seq.num_computed_tokens = seq.num_prompt_tokens
-            seq.append_token(token)
-            status = sample.process_token(token)
-            if status is None and seq.num_tokens >= self.max_model_len:
-                status = SequenceStatus.FINISHED_LENGTH
-                sample.end(status)
-            if status is None:
-                running.append(seq)
-            else:
-                seq.status = status
-                self.kv.release(seq.seq_id)
-        for seq in running:
-            self.scheduler.add_prefilled(seq)
-        if running:
+        if self._admission.admit(state, tokens):
             self._register(state)
         self._pending[request_id] = state
         return state

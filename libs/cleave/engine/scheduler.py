@@ -39,119 +39,18 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
-from functools import cached_property
 
 from cleave.engine.config import SchedulerConfig
+from cleave.engine.decode_plan import plan_decodes
+from cleave.engine.scheduler_output import ScheduledSequence, SchedulerOutput, SchedulerStats
 from cleave.engine.sequence import FINISHED_STATUSES, Sequence, SequenceStatus
 from cleave.errors import InvalidArgument
 from cleave.kv.manager import KVCacheManager
 
+__all__ = ["ScheduledSequence", "Scheduler", "SchedulerOutput", "SchedulerStats", "StopChecker"]
+
 StopChecker = Callable[[Sequence], "SequenceStatus | None"]
 """Returns a FINISHED_* status when a sequence that just got a token should stop, else None."""
-
-
-@dataclass(slots=True)
-class ScheduledSequence:
-    """One sequence's share of a step (read-only for everyone but the scheduler).
-
-    Not frozen: a frozen dataclass costs ~1 us per construction, once per sequence per step.
-
-    Attributes:
-        seq: the sequence (read its sampling_params; do not mutate).
-        num_new_tokens: tokens fed this step (a prefill chunk, or 1 for a decode).
-        token_ids: [num_new_tokens] token ids to feed.
-        start_position: position of token_ids[0]; the context is start_position tokens long
-            before this step and seq_len after it.
-        sample: whether to compute logits of the last fed token and sample (prefill complete).
-        block_table: the sequence's block ids; a live read-only view valid until the next
-            schedule() call.
-        forks: samples of the same request that draw their first token from this entry's
-            logits and share its blocks from the next step on.
-        is_prefill: False only for a decode step (feeding the last sampled token).
-    """
-
-    seq: Sequence
-    num_new_tokens: int
-    token_ids: list[int]
-    start_position: int
-    sample: bool
-    block_table: Seq[int]
-    forks: tuple[Sequence, ...] = ()
-    is_prefill: bool = True
-
-    @property
-    def seq_id(self) -> str:
-        return self.seq.seq_id
-
-    @property
-    def seq_len(self) -> int:
-        """Context length including this step's tokens."""
-        return self.start_position + self.num_new_tokens
-
-    @property
-    def sample_seqs(self) -> tuple[Sequence, ...]:
-        """Sequences that get a token sampled from this entry's logits, in order."""
-        return (self.seq, *self.forks) if self.sample else ()
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """What one step runs.
-
-    Attributes:
-        scheduled: entries in batch order (decodes first, then prefill chunks).
-        block_copies: (src, dst) KV block copies to apply before this step's forward.
-        preempted_seq_ids: sequences whose KV was dropped in this step's scheduling.
-        finished_seq_ids: sequences that finished or were aborted since the previous output.
-    """
-
-    scheduled: list[ScheduledSequence]
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    preempted_seq_ids: list[str] = field(default_factory=list)
-    finished_seq_ids: list[str] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(entry.num_new_tokens for entry in self.scheduled)
-
-    @cached_property
-    def sampled_seqs(self) -> list[Sequence]:
-        """Sequences that receive a token this step; `postprocess` lists align with this."""
-        return [seq for entry in self.scheduled for seq in entry.sample_seqs]
-
-    @cached_property
-    def has_forks(self) -> bool:
-        """Whether any entry hands its logits to forks (sampled_seqs longer than the sampling entries)."""
-        return any(entry.forks for entry in self.scheduled if entry.sample)
-
-    @property
-    def query_lens(self) -> list[int]:
-        return [entry.num_new_tokens for entry in self.scheduled]
-
-    @property
-    def seq_lens(self) -> list[int]:
-        return [entry.seq_len for entry in self.scheduled]
-
-    @property
-    def block_tables(self) -> list[list[int]]:
-        """Copies of the block tables, e.g. for `AttentionMetadata.build`."""
-        return [list(entry.block_table) for entry in self.scheduled]
-
-
-@dataclass
-class SchedulerStats:
-    """Cumulative counters since the scheduler started."""
-
-    num_steps: int = 0
-    num_prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model
-    num_decode_tokens: int = 0
-    num_prefix_cache_hit_tokens: int = 0
-    num_preemptions: int = 0
 
 
 class Scheduler:
@@ -388,11 +287,8 @@ class Scheduler:
     def _schedule_decodes(self) -> SchedulerOutput | None:
         """The plan of a pure decode step, or None when the general planner is needed.
 
-        Applies when nothing waits, no fork is pending, every running sequence fits the
-        step's limits with exactly one token to feed, and the pool has a free block for each
-        (a decode needs at most one: a new block at a boundary or a copy-on-write of a shared
-        last block), so nobody is preempted. The plan is then exactly the general one
-        (running sequences in priority order, one token each), built in one pass.
+        Applies when nothing waits, no fork is pending and every running sequence fits the
+        step's limits; `plan_decodes` checks the rest (see `cleave.engine.decode_plan`).
         """
         running = self.running
         num_running = len(running)
@@ -403,29 +299,15 @@ class Scheduler:
             or self._pending_forks
             or num_running > config.max_num_seqs
             or num_running > config.max_num_batched_tokens
-            or self.kv.num_free_blocks < num_running
         ):
             return None
         order = self._running_order
         if order is None:
             order = self._running_order = sorted(running, key=self._priority_key)
-        for seq in order:
-            if len(seq.all_token_ids) - seq.num_computed_tokens != 1:
-                return None
-        allocate_slots, block_table_view = self.kv.allocate_slots, self.kv.block_table_view
-        scheduled: list[ScheduledSequence] = []
-        num_decodes = 0
-        for seq in order:
-            seq_id = seq.seq_id
-            if not allocate_slots(seq_id, 1):
-                raise RuntimeError(f"no KV block for decoding {seq_id} although the pool reported enough")
-            tokens = seq.all_token_ids
-            start = len(tokens) - 1
-            is_decode = start >= seq.num_prompt_tokens
-            num_decodes += is_decode
-            scheduled.append(
-                ScheduledSequence(seq, 1, tokens[start:], start, True, block_table_view(seq_id), (), not is_decode)
-            )
+        plan = plan_decodes(order, self.kv)
+        if plan is None:
+            return None
+        scheduled, num_decodes = plan
         stats = self.stats
         stats.num_steps += 1
         stats.num_decode_tokens += num_decodes
