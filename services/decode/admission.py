@@ -1,0 +1,249 @@
+"""Admission and KV transfers on the decode worker: from Admit to the engine, and every way
+an admitted request's blocks are freed before it gets there.
+
+    admit(spec)          reserve blocks for the prompt (engine.reserve_prefilled), register
+                         the transfer with the KV receiver, arm the deadline -> TransferHandle
+    start_request(spec)  wait for the transfer (bounded by the deadline), then
+                         engine.add_prefilled_request(prompt, first tokens); or, with
+                         prefill_locally, queue the prompt in the engine (colocated)
+
+A transfer that fails, or a deadline that passes before Start, releases the reservation and
+ends the request with one ERROR delta on its gateway's stream; the error is remembered
+(`MAX_REMEMBERED_FAILURES`) so a late Start raises the real reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import copy
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from cleave.engine.async_engine import AsyncEngine
+from cleave.engine.llm_engine import LLMEngine
+from cleave.engine.outputs import FinishReason
+from cleave.engine.sampling_params import SamplingParams
+from cleave.errors import CleaveError, DeadlineExceeded, InvalidArgument, NotFound
+from cleave.kv.prefix_hash import block_hashes
+from cleave.rpc.convert import apply_reasoning
+from cleave.rpc.types import ErrorInfo, RequestDelta, TopLogprobs, TransferHandle
+from cleave.transfer import KVReceiver, PendingTransfer
+from services.decode.backend import AdmitSpec, StartSpec
+from services.decode.gateway_streams import GatewayStreams
+from services.decode.peers import PeerLinks
+
+MAX_REMEMBERED_FAILURES = 4096  # failed admissions kept so a late Start gets the real error
+
+
+@dataclass
+class HeldRequest:
+    """A request this worker holds: admitted (KV on its way) or started (in the engine)."""
+
+    request_id: str
+    gateway_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    transfer: PendingTransfer | None = None
+    timer: asyncio.TimerHandle | None = None
+    started: bool = False  # handed to the engine: from now on the engine frees its blocks
+    leading_logprobs: tuple[TopLogprobs, ...] = ()
+
+
+class AdmissionMixin:
+    """`EngineDecodeBackend`'s Admit and Start (see the module docstring)."""
+
+    worker_id: str
+    control_address: str
+    transfer_timeout_s: float
+    async_engine: AsyncEngine | None
+    streams: GatewayStreams
+    peers: PeerLinks
+    _requests: dict[str, HeldRequest]
+    _failures: collections.OrderedDict[str, CleaveError]
+    _transfer_ids: itertools.count
+    _step: int
+    _loop: asyncio.AbstractEventLoop | None
+    _tasks: set[asyncio.Task]
+
+    if TYPE_CHECKING:
+
+        def _require_engine(self) -> tuple[LLMEngine, AsyncEngine, KVReceiver]: ...
+
+        def _abort_now(self, request_id: str) -> bool: ...
+
+    # ---- admission ------------------------------------------------------------------------
+
+    def _check_new(self, request_id: str) -> None:
+        if request_id in self._requests:
+            raise InvalidArgument(f"{request_id!r} is already on this worker; use a unique id", field="request_id")
+        self._failures.pop(request_id, None)
+
+    async def admit(self, spec: AdmitSpec) -> TransferHandle:
+        engine, async_engine, receiver = self._require_engine()
+        request_id, prompt = spec.request_id, list(spec.prompt_token_ids)
+        self._check_new(request_id)
+        engine.prepare_request(request_id, prompt, spec.sampling)  # validation only: no engine state
+        transport, nccl = await self.peers.transport_for(spec.prefill_worker_id, self.transfer_timeout_s)
+        block_ids = await async_engine.call(lambda e: e.reserve_prefilled(request_id, len(prompt)))
+        request = HeldRequest(request_id, spec.gateway_id, prompt, spec.sampling)
+        self._requests[request_id] = request
+        try:
+            request.transfer = receiver.expect(
+                f"{self.worker_id}/{request_id}/{next(self._transfer_ids)}",
+                block_ids,
+                timeout_s=self.transfer_timeout_s,
+                transport=transport,
+                nccl=nccl,
+                worker_id=self.worker_id,
+                control_address=self.control_address,
+            )
+        except BaseException:
+            del self._requests[request_id]
+            self._release_reservation(request_id)
+            raise
+        assert self._loop is not None
+        request.timer = self._loop.call_later(self.transfer_timeout_s, self._expire, request_id)
+        self._spawn(self._watch_transfer(request))
+        return request.transfer.handle
+
+    async def _watch_transfer(self, request: HeldRequest) -> None:
+        assert request.transfer is not None
+        try:
+            await request.transfer.wait()
+        except CleaveError as error:
+            if self._requests.get(request.request_id) is request and not request.started:
+                self._fail(request.request_id, error)
+
+    def _expire(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        if request is not None and not request.started:
+            self._fail(request_id, DeadlineExceeded(
+                f"request {request_id!r} was not started within {self.transfer_timeout_s:g} s of Admit "
+                "(its KV did not arrive or Start never came); its KV blocks were freed"))
+
+    def _drop_admission(self, request_id: str) -> HeldRequest | None:
+        """Forget an admitted (not started) request and free its reservation."""
+        request = self._requests.get(request_id)
+        if request is None or request.started:
+            return None
+        del self._requests[request_id]
+        if request.timer is not None:
+            request.timer.cancel()
+        if request.transfer is not None and not request.transfer.done:
+            request.transfer.cancel(f"request {request_id!r} was aborted or failed on the decode worker")
+        self._release_reservation(request_id)
+        return request
+
+    def _fail(self, request_id: str, error: CleaveError) -> None:
+        request = self._drop_admission(request_id)
+        if request is None:
+            return
+        self._failures[request_id] = error
+        while len(self._failures) > MAX_REMEMBERED_FAILURES:
+            self._failures.popitem(last=False)
+        info = ErrorInfo(code=error.status_code, message=str(error), field=error.field or "")
+        delta = RequestDelta(request_id, 0, (), FinishReason.ERROR, error=info)
+        self.streams.publish(request.gateway_id, [delta], self._step)
+
+    def _release_reservation(self, request_id: str) -> None:
+        if self.async_engine is not None and self.async_engine.is_running:
+            self._spawn(self.async_engine.call(lambda e: e.kv.release(f"{request_id}/0")))
+
+    def _spawn(self, awaitable) -> None:
+        task = asyncio.ensure_future(awaitable)
+        self._tasks.add(task)
+        task.add_done_callback(_settled(self._tasks))
+
+    # ---- start ----------------------------------------------------------------------------
+
+    async def start_request(self, spec: StartSpec) -> int:
+        if spec.prefill_locally:
+            return await self._start_local(spec)
+        _, async_engine, _ = self._require_engine()
+        request_id = spec.request_id
+        request = self._requests.get(request_id)
+        if request is None:
+            error = self._failures.pop(request_id, None)
+            if error is not None:
+                raise error
+            raise NotFound(f"request {request_id!r} is not admitted on this worker; call Admit first", field="request_id")
+        if request.started or request.transfer is None:
+            raise InvalidArgument(f"request {request_id!r} was already started", field="request_id")
+        if spec.gateway_id and spec.gateway_id != request.gateway_id:
+            raise InvalidArgument(f"differs from the gateway given to Admit ({request.gateway_id!r})", field="gateway_id")
+        if len(spec.first_token_ids) != request.params.n:
+            raise InvalidArgument(f"needs {request.params.n} token(s), one per sample", field="first_token_ids")
+        params = copy.copy(spec.sampling or request.params)
+        if spec.reasoning is not None:
+            apply_reasoning(params, spec.reasoning)
+        try:
+            await request.transfer.wait()  # fails with DeadlineExceeded at the deadline
+        except CleaveError as error:
+            self._fail(request_id, error)
+            self._failures.pop(request_id, None)
+            raise
+        except asyncio.CancelledError:
+            self._abort_now(request_id)
+            raise
+        if self._requests.get(request_id) is not request:  # aborted or failed meanwhile
+            raise self._failures.pop(request_id, None) or NotFound(f"request {request_id!r} was aborted")
+        request.started = True
+        if request.timer is not None:
+            request.timer.cancel()
+        request.leading_logprobs = spec.first_token_logprobs
+        prompt, first_tokens = request.prompt_token_ids, list(spec.first_token_ids)
+        try:
+            await async_engine.call(lambda e: e.add_prefilled_request(request_id, prompt, first_tokens, params))
+        except CleaveError:
+            self._requests.pop(request_id, None)
+            self._release_reservation(request_id)
+            raise
+        return 0
+
+    async def _start_local(self, spec: StartSpec) -> int:
+        engine, async_engine, _ = self._require_engine()
+        request_id, prompt = spec.request_id, list(spec.prompt_token_ids)
+        self._check_new(request_id)
+        assert spec.sampling is not None  # the servicer requires it with prefill_locally
+        params = copy.copy(spec.sampling)
+        if spec.reasoning is not None:
+            apply_reasoning(params, spec.reasoning)
+        state = engine.prepare_request(request_id, prompt, params)
+        self._requests[request_id] = HeldRequest(request_id, spec.gateway_id, prompt, params, started=True)
+
+        def enqueue(e: LLMEngine) -> int:
+            cached = _num_cached_prompt_tokens(e, prompt)
+            e.enqueue(state)
+            return cached
+
+        try:
+            return await async_engine.call(enqueue)
+        except BaseException:
+            self._requests.pop(request_id, None)
+            raise
+
+
+def _settled(tasks: set[asyncio.Task]):
+    def done(task: asyncio.Task) -> None:
+        tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # failures of background releases are already reported elsewhere
+
+    return done
+
+
+def _num_cached_prompt_tokens(engine: LLMEngine, prompt: list[int]) -> int:
+    """Leading prompt tokens whose full blocks are in the engine's prefix cache now (what its
+    scheduler will reuse unless they are evicted first; the last token is always computed)."""
+    if not engine.kv.enable_prefix_caching:
+        return 0
+    block_size = engine.kv.block_size
+    usable = (len(prompt) - 1) // block_size
+    hits = 0
+    for block_hash in block_hashes(prompt[: usable * block_size], block_size, engine.kv.namespace):
+        if engine.kv.pool.lookup(block_hash) is None:
+            break
+        hits += 1
+    return hits * block_size
