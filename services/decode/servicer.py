@@ -10,6 +10,7 @@ import grpc
 from cleave.errors import InvalidArgument
 from cleave.proto.cleave.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from cleave.rpc.convert import (
+    abort_target,
     error_info_to_proto,
     finish_reason_to_proto,
     kv_layout_from_proto,
@@ -145,10 +146,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
-        sample_index = request.sample_index if request.HasField("sample_index") else None
-        if sample_index is not None and sample_index < 0:
-            raise InvalidArgument("must be a sample index, 0 or more", field="sample_index")
-        found = await self.backend.abort(require_request_id(request.request_id), sample_index)
+        found = await self.backend.abort(*abort_target(request))
         return common_pb2.AbortResponse(found=found)
 
     async def GetLoad(

@@ -14,6 +14,7 @@ from cleave.errors import InvalidArgument, NotFound
 from cleave.proto.cleave.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from cleave.rpc import current_request_id
 from cleave.rpc.convert import (
+    abort_target,
     MAX_SAMPLES,
     finish_reason_to_proto,
     reasoning_from_proto,
@@ -199,10 +200,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
-        sample_index = request.sample_index if request.HasField("sample_index") else None
-        if sample_index is not None and sample_index < 0:
-            raise InvalidArgument("must be a sample index, 0 or more", field="sample_index")
-        found = await self.backend.abort(require_request_id(request.request_id), sample_index)
+        found = await self.backend.abort(*abort_target(request))
         return common_pb2.AbortResponse(found=found)
 
     async def ListModels(

@@ -397,6 +397,14 @@ def error_info_to_proto(error: types.ErrorInfo, request_id: str) -> common_pb2.E
     )
 
 
+def abort_target(request: common_pb2.AbortRequest) -> tuple[str, int | None]:
+    """(request id, sample index or None for the whole request) of a validated AbortRequest."""
+    sample_index = request.sample_index if request.HasField("sample_index") else None
+    if sample_index is not None and sample_index < 0:
+        raise InvalidArgument("must be a sample index, 0 or more", field="sample_index")
+    return require_request_id(request.request_id), sample_index
+
+
 def require_request_id(request_id: str, field: str = "request_id") -> str:
     if not request_id:
         raise InvalidArgument("must be set", field=field)
