@@ -15,24 +15,10 @@ from cleave.kernels.activation import (
     silu_and_mul,
     silu_and_mul_reference,
 )
+from tests.kernels.ulp import NEAR_ZERO, assert_close_ulps
 
 SHAPES = [(13, 1000), (1, 64), (2, 3, 96)]
 GATED = [(silu_and_mul, silu_and_mul_reference), (gelu_tanh_and_mul, gelu_tanh_and_mul_reference)]
-
-
-def assert_close_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 1, atol: float = 1e-5) -> None:
-    """Each element within `ulps` bf16 units in the last place, or within `atol` (near zero)."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    if actual.dtype == torch.float32:
-        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-        return
-
-    def ordered(t: torch.Tensor) -> torch.Tensor:
-        bits = t.contiguous().view(torch.int16).to(torch.int32)
-        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
-
-    far = ((ordered(actual) - ordered(expected)).abs() > ulps) & ((actual.float() - expected.float()).abs() > atol)
-    assert not far.any(), f"{int(far.sum())} elements off, e.g. {actual[far][:4]} vs {expected[far][:4]}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -43,7 +29,7 @@ def test_gated_matches_reference(op, reference, shape, dtype):
     x = torch.randn(shape[:-1] + (2 * shape[-1],), dtype=dtype) * 3
     out = op(x, impl="triton")
     assert out.shape == shape and out.dtype == dtype
-    assert_close_ulps(out, reference(x.float()).to(dtype))
+    assert_close_ulps(out, reference(x.float()).to(dtype), atol=NEAR_ZERO)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -53,7 +39,7 @@ def test_gelu_bias_matches_reference(shape, dtype):
     x = torch.randn(shape, dtype=dtype) * 3
     bias = torch.randn(shape[-1], dtype=dtype)
     out = gelu_bias(x, bias, impl="triton")
-    assert_close_ulps(out, gelu_bias_reference(x.float(), bias.float()).to(dtype))
+    assert_close_ulps(out, gelu_bias_reference(x.float(), bias.float()).to(dtype), atol=NEAR_ZERO)
 
 
 def test_gated_reads_strided_rows_in_fp16():
@@ -72,7 +58,7 @@ def test_gpu_bf16(shape):
         torch.manual_seed(seed)
         x = torch.randn(shape[0], 2 * shape[1], dtype=torch.bfloat16, device="cuda") * 3
         for op, reference in GATED:
-            assert_close_ulps(op(x), reference(x.float()).bfloat16())
+            assert_close_ulps(op(x), reference(x.float()).bfloat16(), atol=NEAR_ZERO)
         y = x[:, : shape[1]].contiguous()
         bias = torch.randn(shape[1], dtype=torch.bfloat16, device="cuda")
-        assert_close_ulps(gelu_bias(y, bias), gelu_bias_reference(y.float(), bias.float()).bfloat16())
+        assert_close_ulps(gelu_bias(y, bias), gelu_bias_reference(y.float(), bias.float()).bfloat16(), atol=NEAR_ZERO)

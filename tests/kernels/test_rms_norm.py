@@ -5,27 +5,12 @@ import torch
 
 from cleave.kernels.rms_norm import (
     fused_add_rms_norm,
-    fused_add_rms_norm_reference,
     rms_norm,
     rms_norm_reference,
 )
+from tests.kernels.ulp import assert_close_ulps
 
 SHAPES = [(13, 1000), (1, 64), (5, 3, 96)]
-
-
-def assert_close_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 1) -> None:
-    """Equal up to `ulps` units in the last place of the dtype (fp32: a tight relative bound)."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    if actual.dtype == torch.float32:
-        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-        return
-
-    def ordered(t: torch.Tensor) -> torch.Tensor:
-        bits = t.contiguous().view(torch.int16).to(torch.int32)
-        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
-
-    distance = (ordered(actual) - ordered(expected)).abs().max().item()
-    assert distance <= ulps, f"{distance} ulps apart"
 
 
 def make_weight(hidden: int, dtype: torch.dtype) -> torch.Tensor:

@@ -4,25 +4,7 @@ import pytest
 import torch
 
 from cleave.kernels.rotary import apply_rotary, apply_rotary_reference
-
-
-def assert_close_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 1, atol: float = 1e-5) -> None:
-    """Each element within `ulps` bf16 units in the last place, or within `atol`.
-
-    The atol covers outputs near zero (x1 cos - x2 sin cancelling), where a fused multiply-add
-    on the GPU differs from torch's separately rounded products by many ulps of a tiny result.
-    """
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    if actual.dtype == torch.float32:
-        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-        return
-
-    def ordered(t: torch.Tensor) -> torch.Tensor:
-        bits = t.contiguous().view(torch.int16).to(torch.int32)
-        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
-
-    far = ((ordered(actual) - ordered(expected)).abs() > ulps) & ((actual.float() - expected.float()).abs() > atol)
-    assert not far.any(), f"{int(far.sum())} elements off, e.g. {actual[far][:4]} vs {expected[far][:4]}"
+from tests.kernels.ulp import NEAR_ZERO, assert_close_ulps
 
 
 def make_cache(max_position: int, rotary_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -50,7 +32,7 @@ def test_rotary_matches_reference(tokens, num_q, num_kv, head_dim, rotary_dim, i
     cache = make_cache(100, rotary_dim)
     apply_rotary(*split_qkv(qkv, num_q, num_kv, head_dim), positions, cache, is_neox, impl="triton")
     apply_rotary_reference(*split_qkv(expected, num_q, num_kv, head_dim), positions, cache, is_neox)
-    assert_close_ulps(qkv, expected)
+    assert_close_ulps(qkv, expected, atol=NEAR_ZERO)
     # the pass-through part of each head and the v slice are bit-identical
     q, k = split_qkv(qkv, num_q, num_kv, head_dim)
     q0, k0 = split_qkv(expected, num_q, num_kv, head_dim)
@@ -80,8 +62,8 @@ def test_int32_positions_and_bf16_cache():
     cache = make_cache(20, 32, torch.bfloat16)
     apply_rotary(query, key, positions, cache, True, impl="triton")
     apply_rotary_reference(expected_q, expected_k, positions, cache, True)
-    assert_close_ulps(query, expected_q)
-    assert_close_ulps(key, expected_k)
+    assert_close_ulps(query, expected_q, atol=NEAR_ZERO)
+    assert_close_ulps(key, expected_k, atol=NEAR_ZERO)
 
 
 @pytest.mark.gpu
@@ -97,4 +79,4 @@ def test_gpu_bf16(tokens, num_q, num_kv, head_dim, rotary_dim, is_neox):
         cache = make_cache(32768, rotary_dim).cuda()
         apply_rotary(*split_qkv(qkv, num_q, num_kv, head_dim), positions, cache, is_neox)
         apply_rotary_reference(*split_qkv(expected, num_q, num_kv, head_dim), positions, cache, is_neox)
-        assert_close_ulps(qkv, expected)
+        assert_close_ulps(qkv, expected, atol=NEAR_ZERO)
