@@ -1,0 +1,116 @@
+"""Where a graph-replayed decode step spends its time, kernel by kernel.
+
+Builds the same Llama-3.2-1B-shaped model and paged cache as `bench/decode.py`, captures the
+decode step for each (batch, context), profiles `--steps` replays with the CUDA profiler and
+reports, per kernel name: launches per step, device microseconds per step and the share of
+the step. The gap between the step's wall time and the summed kernel time is what launch
+latency and idle time cost.
+
+    python bench/decode_profile.py --cases 1x1024,64x1024,32x32768 --out bench/results/decode
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import format_table, write_results  # noqa: E402
+from decode import Case, build_model, decode_batch, kv_bytes_per_token, llama_3_2_1b_config, step_ms  # noqa: E402
+
+from cleave.graphs.runner import CUDAGraphRunner, GraphRunnerConfig  # noqa: E402
+from cleave.model.llama import allocate_kv_cache  # noqa: E402
+
+COLUMNS = ["case", "kernel", "per_step", "us_per_step", "pct_of_step"]
+
+
+def kernel_table(fn, steps: int) -> tuple[dict[str, tuple[float, float]], float]:
+    """{kernel name: (launches per step, device us per step)} over `steps` calls, and their sum."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    counts: collections.Counter[str] = collections.Counter()
+    times: collections.Counter[str] = collections.Counter()
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name if len(event.name) <= 70 else event.name[:67] + "..."
+        counts[name] += 1
+        times[name] += event.device_time
+    table = {name: (counts[name] / steps, times[name] / steps) for name in times}
+    return table, sum(times.values()) / steps
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default="1x1024,64x1024,32x32768", help="BATCHxCONTEXT, comma-separated")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=32768)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--top", type=int, default=16, help="kernels listed per case")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+
+    device = torch.device("cuda")
+    config = llama_3_2_1b_config()
+    model = build_model(config, device)
+    cases = [Case(*map(int, item.split("x"))) for item in args.cases.split(",")]
+    num_blocks = max(case.kv_blocks(args.block_size) for case in cases) + 1
+    kv_cache = allocate_kv_cache(config, num_blocks, args.block_size, device=device)
+    kv_cache.normal_(0.0, 1.0)
+
+    def step(input_ids, positions, metadata):
+        return model.compute_logits(model(input_ids, positions, kv_cache, metadata))
+
+    runner = CUDAGraphRunner(
+        step,
+        GraphRunnerConfig(
+            max_batch_size=max(case.batch for case in cases),
+            max_blocks_per_seq=-(-args.max_model_len // args.block_size),
+            block_size=args.block_size,
+        ),
+        device,
+    )
+    rows, summary = [], {"model": "Llama-3.2-1B shape, random bf16 weights", "max_model_len": args.max_model_len}
+    with torch.inference_mode():
+        runner.capture()
+        for case in cases:
+            batch = decode_batch(case, args.block_size, num_blocks, device, seed=case.batch)
+            ms = step_ms(lambda: runner.run(*batch), warmup=5, iters=30)
+            table, kernel_us = kernel_table(lambda: runner.run(*batch), args.steps)
+            label = f"b{case.batch}/ctx{case.context}"
+            summary[label] = {
+                "step_us": round(ms * 1e3, 1),
+                "kernel_us": round(kernel_us, 1),
+                "kernels_per_step": round(sum(n for n, _ in table.values()), 1),
+                "kv_gb": round(case.batch * case.context * kv_bytes_per_token(config) / 1e9, 3),
+            }
+            print(label, summary[label], flush=True)
+            ranked = sorted(table.items(), key=lambda item: -item[1][1])[: args.top]
+            for name, (per_step, us) in ranked:
+                rows.append(
+                    {
+                        "case": label,
+                        "kernel": name,
+                        "per_step": round(per_step, 1),
+                        "us_per_step": round(us, 1),
+                        "pct_of_step": round(100 * us / (ms * 1e3), 1),
+                    }
+                )
+            print(format_table([r for r in rows if r["case"] == label], COLUMNS), flush=True)
+    if args.out:
+        write_results(args.out, "decode_profile", rows, COLUMNS, summary)
+
+
+if __name__ == "__main__":
+    main()
