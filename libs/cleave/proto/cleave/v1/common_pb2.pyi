@@ -256,7 +256,7 @@ class TransferHandle(_message.Message):
     def __init__(self, transport: _Optional[_Union[TransportKind, str]] = ..., address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., nccl_unique_id: _Optional[bytes] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device_index: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_cached_blocks: _Optional[int] = ..., worker_id: _Optional[str] = ..., control_address: _Optional[str] = ...) -> None: ...
 
 class KVChunkHeader(_message.Message):
-    __slots__ = ("transfer_id", "layer_index", "block_ids", "dtype", "shape", "byte_length", "is_last")
+    __slots__ = ("transfer_id", "layer_index", "block_ids", "dtype", "shape", "byte_length", "is_last", "num_layers")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_INDEX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +264,7 @@ class KVChunkHeader(_message.Message):
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     BYTE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     IS_LAST_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     layer_index: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -271,7 +272,8 @@ class KVChunkHeader(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     byte_length: int
     is_last: bool
-    def __init__(self, transfer_id: _Optional[str] = ..., layer_index: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., byte_length: _Optional[int] = ..., is_last: _Optional[bool] = ...) -> None: ...
+    num_layers: int
+    def __init__(self, transfer_id: _Optional[str] = ..., layer_index: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., byte_length: _Optional[int] = ..., is_last: _Optional[bool] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_queued_prompt_tokens", "max_num_running", "tokens_per_second", "worker_id")
