@@ -15,7 +15,7 @@ from cleave.kernels.attention import (
     write_kv,
     write_kv_reference,
 )
-from cleave.kernels.attention_decode import choose_partition_size, num_decode_splits, paged_decode_attention
+from cleave.kernels.attention_decode import choose_num_splits, paged_decode_attention
 from cleave.kernels.attention_prefill import paged_prefill_attention
 from cleave.kv.metadata import PAD_SLOT_ID, AttentionMetadata
 
@@ -109,17 +109,17 @@ def test_prefill_query_blocks_split_a_long_prompt():
     torch.testing.assert_close(out, expected, **tolerance(torch.float32))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_with_several_splits_gqa(dtype):
+@pytest.mark.parametrize(("dtype", "num_splits"), [(torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 1)])
+def test_decode_with_several_splits_gqa(dtype, num_splits):
     cache = random_cache(num_blocks=20, num_kv_heads=2, dtype=dtype)
-    # Seq 0 spans 3 partitions of 16 tokens, seq 1 one partial partition, seq 2 exactly two.
+    # 16-token tiles over 4 splits: seq 0 (3 tiles) uses 3 splits, seq 1 one partial tile,
+    # seq 2 exactly two; with one split the kernel normalises and writes the output itself.
     metadata = AttentionMetadata.build(
         [1, 1, 1], [37, 5, 32], [list(range(19, 9, -1)), [3, 8], list(range(1, 9))], BLOCK_SIZE
     )
-    assert num_decode_splits(metadata.max_seq_len, 16) == 3
     query = random_query(3, 4, dtype)
 
-    out = paged_decode_attention(query, cache, metadata, SCALE, partition_size=16, block_n=16)
+    out = paged_decode_attention(query, cache, metadata, SCALE, num_splits=num_splits, block_n=16)
 
     expected = paged_attention_reference(query, cache, metadata, SCALE)
     torch.testing.assert_close(out.float(), expected.float(), **tolerance(dtype))
@@ -144,12 +144,12 @@ def test_decode_capacity_grid_and_padding_rows_give_zeros():
 
 
 @pytest.mark.parametrize(
-    ("max_seq_len", "num_seqs", "partition_size", "num_splits"),
-    [(1024, 1, 512, 2), (131072, 1, 512, 256), (32768, 32, 1024, 32), (32768, 256, 8192, 4), (100, 512, 512, 1)],
+    ("num_seqs", "max_seq_len", "num_splits"),
+    [(1, 1024, 16), (1, 131072, 128), (1, 100, 2), (32, 32768, 4), (64, 1024, 2), (256, 32768, 1), (512, 100, 1)],
 )
-def test_partition_size_fills_batch_one_and_bounds_the_grid(max_seq_len, num_seqs, partition_size, num_splits):
-    chosen = choose_partition_size(max_seq_len, num_seqs, num_kv_heads=8)
-    assert (chosen, num_decode_splits(max_seq_len, chosen)) == (partition_size, num_splits)
+def test_split_count_fills_the_gpu_from_the_batch_shape(num_seqs, max_seq_len, num_splits):
+    # ~1024 programs over sequences x 8 KV heads, never more splits than 64-token tiles.
+    assert choose_num_splits(num_seqs, 8, max_seq_len) == num_splits
 
 
 @pytest.mark.gpu

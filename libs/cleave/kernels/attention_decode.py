@@ -1,15 +1,18 @@
 """Triton paged decode attention with split-KV (flash-decoding) and GQA packing.
 
-Each sequence has one new query token. Its context is cut into partitions of
-`partition_size` tokens; program (split, sequence, kv head) attends the query heads that
-share that KV head (packed as the M dimension of `tl.dot`, padded to 16) over one
-partition, so each KV block is read from HBM once per KV head. It writes a partial
-result (running max, sum of exponentials, unnormalised accumulator), and a second kernel
-merges the partials of every split into the output.
+Each sequence has one new query token. Its context is cut into `num_splits` equal
+partitions (rounded up to whole `BLOCK_N` tiles); program (split, sequence, kv head)
+attends the query heads that share that KV head (packed as the M dimension of `tl.dot`,
+padded to 16) over one partition, so each KV block is read from HBM once per KV head.
 
-The split count comes from `metadata.max_seq_len`, which under CUDA graphs is the
-configured capacity, so the grid is static; programs whose partition starts past the
-sequence's length exit at once and the reduction reads only the splits that ran.
+The split count depends only on the batch shape (sequences x KV heads, chosen so the grid
+fills the GPU), never on the context: under CUDA graphs the grid is static while each
+partition's length follows the sequence's actual length, read on the device. A short
+context is spread over every split (one or two tiles each, so a batch-1 step is not a
+serial walk over the context) and a long one gets long partitions. With one split the
+kernel normalises and writes the output itself; otherwise each split writes a partial
+result (running max, sum of exponentials, unnormalised accumulator) and a second kernel
+merges the partials of the splits that covered tokens.
 """
 
 from __future__ import annotations
@@ -21,16 +24,25 @@ import triton.language as tl
 from cleave.kernels.attention_common import LOG2E, dot_settings
 from cleave.kv.metadata import AttentionMetadata
 
-MIN_PARTITION_SIZE = 512
-# Split programs per launch worth having: enough to fill the GPU at batch 1, few enough
-# that at a large batch and a long capacity the programs that exit early stay cheap.
-MAX_SPLIT_PROGRAMS = 8192
+# Programs per launch (splits x sequences x KV heads) the split count aims for: a few waves
+# of CTAs on a 132-SM GPU, so that at batch 1 the context is read by many SMs at once.
+TARGET_PROGRAMS = 1024
+MAX_SPLITS = 256
+
+
+@triton.jit
+def _split_range(seq_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[start, end) of `split`'s partition of a `seq_len`-token context (may be empty)."""
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    return start, tl.minimum(seq_len, start + tiles_per_split * BLOCK_N)
 
 
 @triton.jit
 def _paged_decode_split_kernel(
     query_ptr,  # [T, Hq, D]
     cache_ptr,  # [2, num_blocks, block_size, Hkv, D]
+    out_ptr,  # [T, Hq, D], written here when NUM_SPLITS == 1
     part_max_ptr,  # [B, Hq, S] fp32
     part_sum_ptr,  # [B, Hq, S] fp32
     part_acc_ptr,  # [B, Hq, S, D] fp32
@@ -45,11 +57,12 @@ def _paged_decode_split_kernel(
     stride_cache_slot,
     stride_cache_head,
     stride_table_seq,
+    stride_o_token,
+    stride_o_head,
     block_size,
-    num_splits,
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -61,13 +74,12 @@ def _paged_decode_split_kernel(
     kv_head = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    part_start = split * PARTITION_SIZE
-    if part_start >= seq_len:
-        return
+    part_start, part_end = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
     q_token = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) == q_token:
         return
-    part_end = tl.minimum(seq_len, part_start + PARTITION_SIZE)
+    if NUM_SPLITS > 1 and part_start >= seq_len:
+        return
 
     group = tl.arange(0, BLOCK_G)  # [BLOCK_G] query heads of this KV head
     dims = tl.arange(0, BLOCK_D)
@@ -108,7 +120,16 @@ def _paged_decode_split_kernel(
         acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    part_row = (seq.to(tl.int64) * (QUERIES_PER_KV * tl.num_programs(2)) + q_heads) * num_splits + split  # [BLOCK_G]
+    if NUM_SPLITS == 1:
+        # A padding sequence (seq_len 0) ran no tile: write zeros, not 0/0.
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + q_token.to(tl.int64) * stride_o_token + q_heads[:, None] * stride_o_head + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=group_valid[:, None] & dim_valid[None, :],
+        )
+        return
+    part_row = (seq.to(tl.int64) * (QUERIES_PER_KV * tl.num_programs(2)) + q_heads) * NUM_SPLITS + split  # [BLOCK_G]
     tl.store(part_max_ptr + part_row, m_i, mask=group_valid)
     tl.store(part_sum_ptr + part_row, l_i, mask=group_valid)
     tl.store(
@@ -128,9 +149,9 @@ def _paged_decode_reduce_kernel(
     seq_lens_ptr,  # [B] int32
     stride_o_token,
     stride_o_head,
-    num_splits,
     HEAD_DIM: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -140,11 +161,12 @@ def _paged_decode_reduce_kernel(
     if tl.load(query_start_loc_ptr + seq + 1) == q_token:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_valid = (seq_len + PARTITION_SIZE - 1) // PARTITION_SIZE
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    num_valid = tl.cdiv(seq_len, tl.maximum(tiles_per_split, 1) * BLOCK_N)  # splits that covered tokens
 
     dims = tl.arange(0, BLOCK_D)
     dim_valid = dims < HEAD_DIM
-    row0 = (seq.to(tl.int64) * tl.num_programs(1) + q_head) * num_splits
+    row0 = (seq.to(tl.int64) * tl.num_programs(1) + q_head) * NUM_SPLITS
     total_max = tl.full([1], -1.0e30, dtype=tl.float32)
     total_sum = tl.zeros([1], dtype=tl.float32)
     total_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -175,18 +197,15 @@ def _paged_decode_reduce_kernel(
     )
 
 
-def choose_partition_size(max_seq_len: int, num_seqs: int, num_kv_heads: int) -> int:
-    """Tokens per split: MIN_PARTITION_SIZE, doubled until the grid fits MAX_SPLIT_PROGRAMS.
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int = 64) -> int:
+    """Splits per sequence: a power of two that brings the grid to about TARGET_PROGRAMS.
 
-    Depends only on host ints (under CUDA graphs: the capacity and the bucket size).
+    Depends only on host ints (under CUDA graphs: the bucket size and the capacity); never
+    more splits than `block_n`-token tiles in `max_seq_len`.
     """
-    max_splits = max(1, MAX_SPLIT_PROGRAMS // max(1, num_seqs * num_kv_heads))
-    return max(MIN_PARTITION_SIZE, triton.next_power_of_2(triton.cdiv(max(max_seq_len, 1), max_splits)))
-
-
-def num_decode_splits(max_seq_len: int, partition_size: int) -> int:
-    """Splits per sequence for a context capacity of `max_seq_len` tokens."""
-    return max(1, triton.cdiv(max_seq_len, partition_size))
+    wanted = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads)))
+    tiles = triton.cdiv(max(max_seq_len, 1), block_n)
+    return max(1, min(wanted, MAX_SPLITS, triton.next_power_of_2(tiles)))
 
 
 def paged_decode_attention(
@@ -194,12 +213,14 @@ def paged_decode_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     metadata: AttentionMetadata,
     scale: float,
-    partition_size: int | None = None,
+    num_splits: int | None = None,
     block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Split-KV decode attention: every sequence's single new token over its paged context.
 
-    `partition_size` (tokens per split, a power of two) defaults to `choose_partition_size`.
+    `num_splits` (a power of two) defaults to `choose_num_splits`; `block_n` is the KV tile.
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -207,24 +228,28 @@ def paged_decode_attention(
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("paged attention needs the head dimension contiguous in query and kv_cache")
-    if partition_size is None:
-        partition_size = choose_partition_size(metadata.max_seq_len, metadata.num_seqs, num_kv_heads)
-    if partition_size % block_n or partition_size & (partition_size - 1):
-        raise ValueError(f"partition_size {partition_size} must be a power of two and a multiple of {block_n}")
+    num_seqs = metadata.num_seqs
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, metadata.max_seq_len, block_n)
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     dot_dtype, precision = dot_settings(query)
     out = torch.empty_like(query)
-    num_seqs = metadata.num_seqs
     if num_tokens == 0 or num_seqs == 0:
         return out
-    num_splits = num_decode_splits(metadata.max_seq_len, partition_size)
-    part_max = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=query.device)
-    part_sum = torch.empty_like(part_max)
-    part_acc = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
+    if num_splits == 1:  # the split kernel writes `out` itself; the partial buffers are unused
+        part_max = part_sum = part_acc = out
+    else:
+        part_max = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=query.device)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
     queries_per_kv = num_q_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
+    launch = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
     _paged_decode_split_kernel[(num_splits, num_seqs, num_kv_heads)](
         query,
         kv_cache,
+        out,
         part_max,
         part_sum,
         part_acc,
@@ -239,17 +264,21 @@ def paged_decode_attention(
         kv_cache.stride(2),
         kv_cache.stride(3),
         metadata.block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
         kv_cache.shape[2],
-        num_splits,
         QUERIES_PER_KV=queries_per_kv,
         HEAD_DIM=head_dim,
-        PARTITION_SIZE=partition_size,
+        NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(queries_per_kv)),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
+        **launch,
     )
+    if num_splits == 1:
+        return out
     _paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
         out,
         part_max,
@@ -259,10 +288,10 @@ def paged_decode_attention(
         metadata.seq_lens,
         out.stride(0),
         out.stride(1),
-        num_splits,
         HEAD_DIM=head_dim,
-        PARTITION_SIZE=partition_size,
-        BLOCK_S=min(32, triton.next_power_of_2(num_splits)),
+        NUM_SPLITS=num_splits,
+        BLOCK_N=block_n,
+        BLOCK_S=min(32, num_splits),
         BLOCK_D=block_d,
     )
     return out

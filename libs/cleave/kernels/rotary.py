@@ -47,6 +47,8 @@ def apply_rotary_reference(
 def _rotate_heads(
     base_ptr,  # this token's head 0
     head_stride,
+    dst_ptr,  # where the rotated head 0 goes (base_ptr itself to rotate in place)
+    dst_head_stride,
     first_head,
     num_heads,
     cos,  # [BLOCK_HALF] fp32
@@ -65,13 +67,15 @@ def _rotate_heads(
     else:
         first_cols = dims * 2
         second_cols = dims * 2 + 1
+    # each thread loads both elements of its pairs before storing them, so in place is safe
     head_ptrs = base_ptr + heads[:, None].to(tl.int64) * head_stride
+    dst_ptrs = dst_ptr + heads[:, None].to(tl.int64) * dst_head_stride
     x1 = tl.load(head_ptrs + first_cols[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(head_ptrs + second_cols[None, :], mask=mask, other=0.0).to(tl.float32)
     out1 = x1 * cos[None, :] - x2 * sin[None, :]
     out2 = x2 * cos[None, :] + x1 * sin[None, :]
-    tl.store(head_ptrs + first_cols[None, :], out1.to(base_ptr.dtype.element_ty), mask=mask)
-    tl.store(head_ptrs + second_cols[None, :], out2.to(base_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst_ptrs + first_cols[None, :], out1.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst_ptrs + second_cols[None, :], out2.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -101,13 +105,15 @@ def _rotary_kernel(
     sin = tl.load(cache_row + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)
     num_q_blocks = tl.cdiv(num_q_heads, HEADS)
     if head_block < num_q_blocks:
+        q_row = q_ptr + token * q_token_stride
         _rotate_heads(
-            q_ptr + token * q_token_stride, q_head_stride, head_block * HEADS, num_q_heads,
+            q_row, q_head_stride, q_row, q_head_stride, head_block * HEADS, num_q_heads,
             cos, sin, HALF, BLOCK_HALF, HEADS, IS_NEOX,
         )
     else:
+        k_row = k_ptr + token * k_token_stride
         _rotate_heads(
-            k_ptr + token * k_token_stride, k_head_stride, (head_block - num_q_blocks) * HEADS,
+            k_row, k_head_stride, k_row, k_head_stride, (head_block - num_q_blocks) * HEADS,
             num_kv_heads, cos, sin, HALF, BLOCK_HALF, HEADS, IS_NEOX,
         )
 

@@ -17,9 +17,10 @@ from torch import nn
 
 from cleave.kernels.activation import silu_and_mul
 from cleave.kernels.attention import paged_attention, write_kv
-from cleave.kernels.dispatch import Impl
+from cleave.kernels.dispatch import Impl, use_triton
 from cleave.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from cleave.kernels.rotary import apply_rotary
+from cleave.kernels.rotary_kv_write import rotary_write_kv
 from cleave.kv.metadata import AttentionMetadata
 from cleave.model.config import ModelConfig
 from cleave.model.rope import build_cos_sin_cache
@@ -77,8 +78,12 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
-        apply_rotary(q, k, positions, cos_sin_cache, is_neox=True, impl=self.impl)
-        out = _cached_attention(q, k, v, kv_cache, metadata, self.scale, self.attention_impl)  # [T, Hq, D]
+        if use_triton(q, self.impl) and use_triton(q, self.attention_impl):
+            # one kernel rotates q and k and writes k and v into the cache
+            out = _fused_rotary_attention(q, k, v, positions, cos_sin_cache, kv_cache, metadata, self.scale)
+        else:
+            apply_rotary(q, k, positions, cos_sin_cache, is_neox=True, impl=self.impl)
+            out = _cached_attention(q, k, v, kv_cache, metadata, self.scale, self.attention_impl)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -96,6 +101,21 @@ def _cached_attention(
     # reference walks the batch on the host (.tolist()), so graphs split cleanly around it.
     write_kv(k, v, kv_cache, metadata.slot_mapping, impl=impl)
     return paged_attention(q, kv_cache, metadata, scale, impl=impl)
+
+
+@torch.compiler.disable
+def _fused_rotary_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    positions: torch.Tensor,  # [T]
+    cos_sin_cache: torch.Tensor,  # [max_position, D] float32
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    rotary_write_kv(q, k, v, positions, cos_sin_cache, kv_cache, metadata.slot_mapping, is_neox=True, impl="triton")
+    return paged_attention(q, kv_cache, metadata, scale, impl="triton")
 
 
 class MLP(nn.Module):

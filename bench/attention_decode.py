@@ -1,0 +1,96 @@
+"""Paged decode attention alone: achieved KV bandwidth over split counts and tile settings.
+
+For each (batch, context) of a Llama-3.2-1B-shaped layer (32 query heads, 8 KV heads,
+head_dim 64, bf16, 16-token blocks on shuffled block ids), times `paged_decode_attention`
+inside a CUDA graph (so the number is device time, not launch overhead; small cases rotate
+over disjoint block sets bigger than L2 together, so KV comes from HBM) with the default
+split count and with the settings given on the command line, and reports microseconds and
+the fraction of the HBM roofline (K and V bytes read / 4.26 TB/s).
+
+    python bench/attention_decode.py --cases 1x1024,64x1024,32x32768 --out bench/results/decode
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import format_table, graph_call_us, write_results  # noqa: E402
+
+from cleave.kernels.attention_decode import choose_num_splits, paged_decode_attention  # noqa: E402
+from cleave.kv.metadata import AttentionMetadata  # noqa: E402
+
+COLUMNS = ["batch", "context", "num_splits", "block_n", "num_warps", "num_stages", "us", "kv_gb", "roofline_pct"]
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 64, 16
+
+
+def parse_ints(text: str) -> list[int | None]:
+    return [None if item == "auto" else int(item) for item in text.split(",")]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default="1x1024,64x1024,32x32768")
+    parser.add_argument("--capacity", type=int, default=32768, help="max_seq_len the kernel is launched for")
+    parser.add_argument("--splits", default="auto", help="comma-separated, 'auto' = choose_num_splits")
+    parser.add_argument("--block-n", default="64")
+    parser.add_argument("--num-warps", default="4")
+    parser.add_argument("--num-stages", default="auto", help="'auto' = triton's default")
+    parser.add_argument("--hbm-tbs", type=float, default=4.26)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+
+    device = torch.device("cuda")
+    rows = []
+    for item in args.cases.split(","):
+        batch, context = map(int, item.split("x"))
+        per_seq = -(-context // BLOCK_SIZE)
+        kv_gb = 2 * batch * context * KV_HEADS * HEAD_DIM * 2 / 1e9
+        copies = max(1, min(32, int(0.25 / kv_gb)))  # >= 250 MB touched per graph replay
+        num_blocks = copies * batch * per_seq + 1
+        cache = torch.randn(2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+        blocks = list(range(1, num_blocks))
+        random.Random(batch).shuffle(blocks)
+        metadatas = []
+        for copy in range(copies):
+            mine = blocks[copy * batch * per_seq : (copy + 1) * batch * per_seq]
+            metadata = AttentionMetadata.build(
+                [1] * batch, [context] * batch, [mine[i * per_seq : (i + 1) * per_seq] for i in range(batch)],
+                BLOCK_SIZE, device=device, max_blocks_per_seq=-(-args.capacity // BLOCK_SIZE),
+            )
+            metadata.max_seq_len = args.capacity
+            metadatas.append(metadata)
+        query = torch.randn(batch, Q_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+        for splits, block_n, warps, stages in itertools.product(
+            parse_ints(args.splits), parse_ints(args.block_n), parse_ints(args.num_warps), parse_ints(args.num_stages)
+        ):
+            num_splits = splits or choose_num_splits(batch, KV_HEADS, args.capacity, block_n)
+
+            def make_call(metadata: AttentionMetadata):
+                return lambda: paged_decode_attention(
+                    query, cache, metadata, 0.125, num_splits=num_splits, block_n=block_n, num_warps=warps,
+                    num_stages=stages,
+                )
+
+            us = graph_call_us([make_call(m) for m in metadatas])
+            rows.append({
+                "batch": batch, "context": context, "num_splits": num_splits, "block_n": block_n,
+                "num_warps": warps, "num_stages": stages or "-", "us": round(us, 2), "kv_gb": round(kv_gb, 4),
+                "roofline_pct": round(100 * kv_gb / (us * 1e-6) / (args.hbm_tbs * 1e3), 1),
+            })
+            print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+        del cache
+    print(format_table(rows, COLUMNS))
+    if args.out:
+        write_results(args.out, "attention_decode", rows, COLUMNS, {"capacity": args.capacity})
+
+
+if __name__ == "__main__":
+    main()
