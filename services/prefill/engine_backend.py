@@ -21,8 +21,13 @@ request id). The prompt's blocks stay held until that task has copied them to ho
 so nothing reads a freed block, and its `finally` releases them on every path.
 
 The engine makes no text (`detokenize` off): the gateway detokenizes and matches stop
-strings. The KV is shipped after the prefill completes; layer-by-layer streaming during the forward
-would overlap the send with compute but needs a hook inside the model runner.
+strings. Nothing on a request's path waits for the device or for another request: prompts
+that arrive together are prefilled in one engine step, and each one's KV then goes out with
+no per-layer round trip (CUDA IPC: one copy launch on the transfer stream, one control frame,
+one acknowledgement; see `cleave.transfer.sender`), while the kvstore's copy to host runs on
+a thread of its own, not on the engine's. The KV is shipped after the prefill completes;
+layer-by-layer streaming during the forward would overlap the send with compute but needs a
+hook inside the model runner (`KVSender.send_layers` is ready for it).
 """
 
 from __future__ import annotations
@@ -215,7 +220,14 @@ class EnginePrefillBackend:
         assert self.engine is not None and self.negotiator is not None
         await self.negotiator.prepare(handle)  # once per decode worker; this handle's transport stands
         sender = await self.transfers.open(handle)
-        return await sender.send_all(self.engine.kv_cache, table)
+        try:
+            # "complete": the step that wrote this KV returned its sampled tokens to the
+            # host, so its device work is done; the copy starts at once on the transfer's
+            # own stream instead of queueing behind the engine's next step.
+            return await sender.send_all(self.engine.kv_cache, table, ready="complete")
+        finally:
+            # No queued copy may still read these blocks once they are released.
+            await asyncio.shield(sender.close())
 
     def _store_in_background(self, request_id: str, prompt: list[int], table: list[int], fetch: PrefixFetch) -> None:
         task = asyncio.create_task(self._store(request_id, prompt, table, fetch), name=f"kvstore-put-{request_id}")

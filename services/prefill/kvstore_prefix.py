@@ -11,6 +11,7 @@ go (they stay cached).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ import torch
 from cleave.engine.async_engine import AsyncEngine
 from cleave.engine.llm_engine import LLMEngine
 from cleave.kv.prefix_hash import block_hashes
-from cleave.transfer import KVStoreClient, gather_blocks, scatter_blocks
+from cleave.transfer import KVStoreClient, gather_blocks_to_host, scatter_blocks
 
 HOLD_SUFFIX = "/kvstore"  # KV manager id holding fetched blocks until the prefill runs
 
@@ -50,6 +51,14 @@ class KVStorePrefix:
         self.engine = engine
         self.async_engine = async_engine
         self.block_size = engine.kv.block_size
+        self._stream: torch.cuda.Stream | None = None
+
+    def _gather_stream(self) -> torch.cuda.Stream | None:
+        """The side stream host copies run on (None on CPU)."""
+        cache = self.engine.kv_cache
+        if cache.is_cuda and self._stream is None:
+            self._stream = torch.cuda.Stream(cache.device)
+        return self._stream
 
     def hashes(self, prompt: Sequence[int]) -> list[bytes]:
         """Chained hashes of the prompt's full blocks."""
@@ -97,7 +106,9 @@ class KVStorePrefix:
         if len(hashes) <= num_stored:
             return None
         ids = list(block_table[num_stored : len(hashes)])
-        blocks = await self.async_engine.call(lambda e: gather_blocks(e.kv_cache, ids).cpu())
+        # The blocks are held (nobody writes them), so the copy reads them beside the engine's
+        # steps, on a thread and a stream of its own, instead of stalling the step thread.
+        blocks = await asyncio.to_thread(gather_blocks_to_host, self.engine.kv_cache, ids, self._gather_stream())
         parent = hashes[num_stored - 1] if num_stored else b""
         return StorePayload(hashes[num_stored:], blocks, parent)
 

@@ -33,7 +33,12 @@ def digest(cache: torch.Tensor, block_ids: list[int]) -> str:
 
 
 async def run_peer(transport: str, device: int, dst_ids: list[int], src_ids: list[int],
-                   sender_device: int, nccl_id: bytes = b"") -> None:
+                   sender_device: int, nccl_id: bytes = b"", mode: str = "per_layer") -> int:
+    """Send `src_ids` into a peer process's `dst_ids`; returns the CUDA IPC frames written.
+
+    mode: "per_layer" (send_layer per layer, as a prefill forward would), "send_all", or
+    "late_producer" (the KV is written on another stream after a device-side delay and the
+    sender orders its copy after that stream's event)."""
     process = await asyncio.create_subprocess_exec(
         sys.executable, str(PEER), "--transport", transport, "--device", str(device),
         "--blocks", ",".join(map(str, dst_ids)), "--nccl-id", nccl_id.hex(),
@@ -52,14 +57,29 @@ async def run_peer(transport: str, device: int, dst_ids: list[int], src_ids: lis
             client.add_nccl_peer(handle.address, await comm_task)
         src = source_cache(f"cuda:{sender_device}")
         sender = await client.open(handle)
-        for layer in range(src.shape[0]):  # layer by layer, as a prefill forward would
-            await sender.send_layer(layer, src, src_ids)
-        await sender.finish(timeout_s=60)
+        if mode == "send_all":
+            await sender.send_all(src, src_ids, timeout_s=60)
+        elif mode == "late_producer":
+            values, src = src, torch.zeros_like(src)
+            producer = torch.cuda.Stream(src.device)
+            with torch.cuda.stream(producer):
+                torch.cuda._sleep(200_000_000)  # ~0.1 s of device time before the KV exists
+                src.copy_(values)
+                written = torch.cuda.Event()
+                written.record(producer)
+            for layer in range(src.shape[0]):
+                await sender.send_layer(layer, src, src_ids, ready=written)
+            await sender.finish(timeout_s=60)
+        else:
+            for layer in range(src.shape[0]):  # layer by layer, as a prefill forward would
+                await sender.send_layer(layer, src, src_ids)
+            await sender.finish(timeout_s=60)
         result = (await asyncio.wait_for(process.stdout.readline(), 60)).decode().split()
         assert result == ["DIGEST", digest(src, src_ids)]
         assert await process.wait() == 0
         if transport == "cuda_ipc":
             assert len(client.ipc_caches) == 1
+        return sender.num_frames
     finally:
         await client.close()
         if process.returncode is None:
@@ -70,6 +90,21 @@ async def run_peer(transport: str, device: int, dst_ids: list[int], src_ids: lis
 @pytest.mark.gpu
 async def test_cuda_ipc_two_processes_one_gpu():
     await run_peer("cuda_ipc", 0, dst_ids=[3, 17, 4, 30, 0], src_ids=[9, 1, 2, 31, 8], sender_device=0)
+
+
+@pytest.mark.gpu
+async def test_cuda_ipc_send_all_is_one_frame():
+    frames = await run_peer("cuda_ipc", 0, dst_ids=[3, 17, 4, 30, 0], src_ids=[9, 1, 2, 31, 8], sender_device=0,
+                            mode="send_all")
+    assert frames == 1
+
+
+@pytest.mark.gpu
+async def test_cuda_ipc_copies_wait_for_the_producer_event():
+    frames = await run_peer("cuda_ipc", 0, dst_ids=[6, 7, 1], src_ids=[2, 30, 11], sender_device=0,
+                            mode="late_producer")
+    # Copied before the producer wrote, the peer would hold zeros and its digest differ.
+    assert 1 <= frames <= SHAPE["num_layers"]
 
 
 @pytest.mark.gpu

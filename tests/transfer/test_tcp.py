@@ -14,6 +14,7 @@ from cleave.proto.cleave.v1 import common_pb2
 from cleave.rpc.types import KVLayout
 from cleave.transfer import KVReceiver, KVTransferClient
 from cleave.transfer import framing
+from cleave.transfer.tensors import as_bytes
 
 L, BS, H, D = 3, 4, 2, 8
 
@@ -188,3 +189,48 @@ def test_expect_validates_block_ids():
             await receiver.close()
 
     asyncio.run(run())
+
+
+async def test_one_chunk_may_carry_a_run_of_layers(receiver):
+    src = cache(6, torch.bfloat16, seed=3)
+    src_ids, dst_ids = [4, 1], [9, 2]
+    pending = receiver.expect("run", dst_ids, timeout_s=10)
+    payload = src[:, :, src_ids].contiguous()  # [L, 2, n, BS, H, D]: every layer in one chunk
+    header = common_pb2.KVChunkHeader(
+        transfer_id="run", layer_index=0, num_layers=L, block_ids=dst_ids, dtype=common_pb2.DTYPE_BFLOAT16,
+        shape=list(payload.shape), byte_length=payload.numel() * 2, is_last=True)
+    reply = await _raw_exchange(receiver.address, [framing.encode_frame(header) + bytes(as_bytes(payload))])
+    assert reply.code == common_pb2.ERROR_CODE_UNSPECIFIED, reply.message
+    stats = await pending.wait()
+    dst = receiver.kv_cache
+    assert torch.equal(dst[:, :, dst_ids].view(torch.int16), src[:, :, src_ids].view(torch.int16))
+    assert stats.num_bytes == payload.numel() * 2
+
+
+async def test_a_run_overlapping_sent_layers_fails_the_transfer(receiver):
+    pending = receiver.expect("overlap", [1], timeout_s=10)
+    one = common_pb2.KVChunkHeader(transfer_id="overlap", layer_index=1, block_ids=[1], dtype=common_pb2.DTYPE_BFLOAT16,
+                                   shape=[2, 1, BS, H, D], byte_length=2 * BS * H * D * 2)
+    run = common_pb2.KVChunkHeader(transfer_id="overlap", layer_index=0, num_layers=2, block_ids=[1],
+                                   dtype=common_pb2.DTYPE_BFLOAT16, shape=[2, 2, 1, BS, H, D],
+                                   byte_length=2 * 2 * BS * H * D * 2)
+    reply = await _raw_exchange(receiver.address, [
+        framing.encode_frame(one) + bytes(one.byte_length), framing.encode_frame(run) + bytes(run.byte_length)])
+    assert "layer 1 arrived twice" in reply.message
+    with pytest.raises(InvalidArgument, match="arrived twice"):
+        await pending.wait()
+
+
+async def test_send_layers_sends_a_run_and_refuses_it_twice(receiver, client):
+    src = cache(6, torch.bfloat16, seed=4)
+    pending = receiver.expect("layers", [0, 5, 3], timeout_s=10)
+    sender = await client.open(pending.handle)
+    await sender.send_layers(range(0, 2), src, [2, 3, 4])
+    with pytest.raises(InvalidArgument, match="layer 1"):
+        await sender.send_layers(range(1, 3), src, [2, 3, 4])
+    with pytest.raises(FailedPrecondition, match="2 layers sent of 3"):
+        await sender.finish(timeout_s=5)
+    await sender.send_layers(range(2, 3), src, [2, 3, 4])
+    await sender.finish(timeout_s=5)
+    await pending.wait()
+    assert torch.equal(receiver.kv_cache[:, :, [0, 5, 3]].view(torch.int16), src[:, :, [2, 3, 4]].view(torch.int16))

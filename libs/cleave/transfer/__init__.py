@@ -3,7 +3,8 @@
 Receiver (decode worker): `KVReceiver(kv_cache)`, `await start()`, `expect(transfer_id,
 block_ids, timeout_s=...)` -> `PendingTransfer` (`.handle` for the sender, `await .wait()`).
 Sender (prefill worker): `KVTransferClient().open(handle)` -> `KVSender` with
-`send_layer(layer, cache, block_ids)` / `send_all` / `finish`. `choose_transport` picks
+`send_layers(layers, cache, block_ids, ready=...)` / `send_layer` / `send_all` / `finish` /
+`close`. `choose_transport` picks
 CUDA_IPC, NCCL or TCP from the two `EndpointInfo`s (the decode worker's Handshake; the
 prefill side is `cleave.worker.TransportNegotiator`). `KVStoreClient` talks to services/kvstore.
 """
@@ -22,6 +23,7 @@ from cleave.transfer.kvstore_client import (
     KVStorePutResult,
     KVStoreStats,
     gather_blocks,
+    gather_blocks_to_host,
     scatter_blocks,
 )
 from cleave.transfer.layout import check_layout, layout_mismatch, layout_of, require_same_layout
@@ -45,6 +47,7 @@ __all__ = [
     "copy_blocks_reference",
     "export_tensor",
     "gather_blocks",
+    "gather_blocks_to_host",
     "import_tensor",
     "layout_mismatch",
     "layout_of",

@@ -13,7 +13,8 @@ paged cache `[L, 2, NB, BS, Hkv, D]`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,9 @@ from cleave.proto.cleave.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 from cleave.rpc.client import aio_channel
 from cleave.rpc.convert import dtype_to_proto, kv_layout_to_proto
 from cleave.rpc.types import KVLayout
-from cleave.transfer.tensors import as_bytes, dtype_name, torch_dtype
+from cleave.transfer.tensors import as_bytes, device_index, dtype_name, torch_dtype
+
+PUT_BATCH_BLOCKS = 8  # blocks per message batch built off the event loop
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,28 @@ def gather_blocks(cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor
     """
     index = torch.tensor(list(block_ids), dtype=torch.int64, device=cache.device)
     return cache.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
+
+
+def gather_blocks_to_host(cache: torch.Tensor, block_ids: Sequence[int],
+                          stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+    """`gather_blocks` into host memory. On CUDA the gather and the copy to pinned memory run
+    on `stream` and only that stream's work is waited for (meant for a thread beside the
+    engine's: the blocks must be held so that nothing writes them meanwhile).
+
+    cache: [L, 2, NB, BS, Hkv, D] -> [n, L, 2, BS, Hkv, D] on the CPU
+    """
+    if not cache.is_cuda:
+        return gather_blocks(cache, block_ids)
+    stream = stream or torch.cuda.current_stream(cache.device)
+    with torch.cuda.stream(stream):
+        index = device_index(block_ids, cache.device, stream)
+        blocks = cache.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
+        host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
+        host.copy_(blocks, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    done.synchronize()
+    return host
 
 
 def scatter_blocks(cache: torch.Tensor, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
@@ -111,16 +136,28 @@ class KVStoreClient:
             timeout=self.timeout_s)
         return response.num_hit_blocks
 
-    def _messages(self, block_hashes: Sequence[bytes], blocks: torch.Tensor,
-                  parent_hash: bytes) -> Iterator[kvstore_pb2.KVBlock]:
+    def _messages(self, block_hashes: Sequence[bytes], blocks: torch.Tensor, parent_hash: bytes,
+                  positions: range) -> list[kvstore_pb2.KVBlock]:
         layout = self._require()
         dtype = dtype_to_proto(layout.dtype)
-        for position, block_hash in enumerate(block_hashes):
+        messages = []
+        for position in positions:
             payload = blocks[position].cpu().contiguous()
-            yield kvstore_pb2.KVBlock(
-                hash=block_hash, parent_hash=parent_hash if position == 0 else block_hashes[position - 1],
+            messages.append(kvstore_pb2.KVBlock(
+                hash=block_hashes[position],
+                parent_hash=parent_hash if position == 0 else block_hashes[position - 1],
                 layout_id=self.layout_id,
-                payload=common_pb2.Tensor(dtype=dtype, shape=payload.shape, data=bytes(as_bytes(payload))))
+                payload=common_pb2.Tensor(dtype=dtype, shape=payload.shape, data=bytes(as_bytes(payload)))))
+        return messages
+
+    async def _message_stream(self, block_hashes: Sequence[bytes], blocks: torch.Tensor,
+                              parent_hash: bytes) -> AsyncIterator[kvstore_pb2.KVBlock]:
+        """Put's messages, built a few blocks at a time on a thread: copying a long
+        prompt's blocks into messages would otherwise hold the caller's event loop."""
+        for start in range(0, len(block_hashes), PUT_BATCH_BLOCKS):
+            positions = range(start, min(start + PUT_BATCH_BLOCKS, len(block_hashes)))
+            for message in await asyncio.to_thread(self._messages, block_hashes, blocks, parent_hash, positions):
+                yield message
 
     async def put(self, block_hashes: Sequence[bytes], blocks: torch.Tensor,
                   parent_hash: bytes = b"") -> KVStorePutResult:
@@ -137,7 +174,7 @@ class KVStoreClient:
             raise InvalidArgument(f"blocks are {blocks.dtype}, the layout is {layout.dtype}", field="blocks")
         if not block_hashes:
             return KVStorePutResult(0, 0)
-        response = await self._stub.Put(self._messages(block_hashes, blocks, parent_hash), timeout=self.timeout_s)
+        response = await self._stub.Put(self._message_stream(block_hashes, blocks, parent_hash), timeout=self.timeout_s)
         return KVStorePutResult(response.num_stored, response.num_already_present)
 
     async def get(self, block_hashes: Sequence[bytes]) -> torch.Tensor:

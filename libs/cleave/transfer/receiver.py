@@ -2,12 +2,14 @@
 
 The decode worker builds one `KVReceiver` over its KV cache, registers every admitted
 request with `expect()` (the reserved block ids, a deadline) and hands the returned
-`PendingTransfer.handle` to the sender. Chunks arrive per layer (framing in
-`cleave.transfer.framing`):
+`PendingTransfer.handle` to the sender. Chunks arrive per layer or per run of layers
+(`KVChunkHeader.num_layers`; framing in `cleave.transfer.framing`):
   - TCP: the chunk's bytes follow its header and are scattered into the reserved blocks;
   - CUDA_IPC: the sender already wrote the blocks through the exported cache handle, the
-    header only says which layer landed;
+    header only says which layers landed;
   - NCCL: the header announces the chunk, its bytes arrive over the peer's communicator.
+Registering a transfer touches no device (the block index is built on first use, by the
+transports that scatter), so Admit never waits for the decode engine's step.
 A transfer completes once every layer arrived; then the sender gets a result frame and
 `PendingTransfer.wait()` returns. A transfer that is not complete by its deadline fails with
 `DeadlineExceeded` (the caller frees its blocks) and later chunks for it are rejected.
@@ -31,10 +33,11 @@ from cleave.rpc.convert import dtype_to_proto
 from cleave.rpc.errors import error_code_for
 from cleave.rpc.types import KVLayout, TransferHandle, TransferStats, TransportKind
 from cleave.transfer import framing
+from cleave.transfer.layer_frames import LayerLedger, header_layers
 from cleave.transfer.layout import check_layout
 from cleave.transfer.tensors import (
     as_bytes,
-    block_index,
+    device_index,
     check_kv_cache,
     dtype_name,
     from_bytes,
@@ -52,12 +55,12 @@ class _Transfer:
 
     transfer_id: str
     block_ids: tuple[int, ...]  # destination blocks that receive data (cached ones skipped)
-    index: torch.Tensor  # [n] int64 on the cache device
     transport: TransportKind
     nccl: NcclCommunicator | None
     future: asyncio.Future
     started: float
-    layers_done: set[int] = field(default_factory=set)
+    layers: LayerLedger
+    index: torch.Tensor | None = None  # [n] int64 on the cache device, built on first scatter
     num_bytes: int = 0
     writers: list[asyncio.StreamWriter] = field(default_factory=list)
     timer: asyncio.TimerHandle | None = None
@@ -186,11 +189,11 @@ class KVReceiver:
         state = _Transfer(
             transfer_id=transfer_id,
             block_ids=moved,
-            index=block_index(moved, self.kv_cache.device),
             transport=transport,
             nccl=nccl,
             future=loop.create_future(),
             started=time.perf_counter(),
+            layers=LayerLedger(self.num_layers),
         )
         state.future.add_done_callback(lambda f: f.exception() if not f.cancelled() else None)
         delays = [t for t in (timeout_s, None if deadline_unix_s is None else deadline_unix_s - time.time()) if t is not None]
@@ -217,7 +220,7 @@ class KVReceiver:
     # -- completion -------------------------------------------------------------------------
 
     def _expire(self, state: _Transfer) -> None:
-        missing = self.num_layers - len(state.layers_done)
+        missing = state.layers.num_missing
         self._fail(state, DeadlineExceeded(
             f"transfer {state.transfer_id!r} did not complete in time ({missing} of "
             f"{self.num_layers} layers missing); its blocks must be freed"))
@@ -283,41 +286,44 @@ class KVReceiver:
             self._connections.pop(task, None)
             writer.close()
 
-    def _check_chunk(self, state: _Transfer, header: common_pb2.KVChunkHeader) -> tuple[int, ...]:
+    def _check_chunk(self, state: _Transfer, header: common_pb2.KVChunkHeader) -> tuple[range, tuple[int, ...]]:
         cache = self.kv_cache
-        if header.layer_index >= self.num_layers:
-            raise InvalidArgument(f"layer {header.layer_index} outside [0, {self.num_layers})", field="layer_index")
-        if header.layer_index in state.layers_done:
-            raise InvalidArgument(f"layer {header.layer_index} arrived twice", field="layer_index")
+        layers = header_layers(header)
+        state.layers.check(layers, field="layer_index")
         if tuple(header.block_ids) != state.block_ids:
             raise InvalidArgument("block ids differ from the reserved ones", field="block_ids")
         if header.dtype != dtype_to_proto(dtype_name(cache.dtype)):
             raise InvalidArgument(
                 f"dtype {common_pb2.DType.Name(header.dtype)} differs from the cache's {dtype_name(cache.dtype)}",
                 field="dtype")
-        shape = layer_chunk_shape(cache, len(state.block_ids))
+        shape = layer_chunk_shape(cache, len(state.block_ids), len(layers))
         if tuple(header.shape) != shape:
             raise InvalidArgument(f"shape {list(header.shape)} differs from the expected {list(shape)}", field="shape")
         inline = state.transport is TransportKind.TCP
         expected_bytes = cache.element_size() * torch.Size(shape).numel() if inline else 0
         if header.byte_length != expected_bytes:
             raise InvalidArgument(f"byte_length {header.byte_length} != {expected_bytes}", field="byte_length")
-        if header.is_last and len(state.layers_done) + 1 != self.num_layers:
+        if header.is_last and not state.layers.completes(layers):
             raise InvalidArgument("is_last set before every layer was sent", field="is_last")
-        return shape
+        return layers, shape
+
+    def _index(self, state: _Transfer) -> torch.Tensor:
+        if state.index is None:  # on the stream the scatter runs on (the caller's current one)
+            state.index = device_index(state.block_ids, self.kv_cache.device)
+        return state.index
 
     async def _receive_chunk(
         self, state: _Transfer, header: common_pb2.KVChunkHeader, reader: asyncio.StreamReader
     ) -> None:
-        shape = self._check_chunk(state, header)
+        layers, shape = self._check_chunk(state, header)
         cache = self.kv_cache
         chunk_bytes = cache.element_size() * torch.Size(shape).numel()
         if state.transport is TransportKind.TCP:
             staging = torch.empty(header.byte_length, dtype=torch.uint8, pin_memory=cache.is_cuda)
             await framing.read_payload(reader, as_bytes(staging))
-            chunk = from_bytes(staging, cache.dtype, shape)  # [2, n, BS, Hkv, D]
-            await _on_device(cache, lambda: scatter_layer(
-                cache, header.layer_index, state.index, chunk.to(cache.device, non_blocking=True)))
+            chunk = from_bytes(staging, cache.dtype, shape)  # [2, n, BS, Hkv, D] or [k, 2, n, BS, Hkv, D]
+            await _on_device(cache, lambda: _scatter(cache, layers, self._index(state), chunk.to(
+                cache.device, non_blocking=True)))
         elif state.transport is TransportKind.NCCL:
             assert state.nccl is not None
             comm = state.nccl
@@ -325,13 +331,22 @@ class KVReceiver:
             def receive() -> None:
                 buffer = torch.empty(shape, dtype=cache.dtype, device=cache.device)
                 comm.recv(buffer, peer=0)
-                scatter_layer(cache, header.layer_index, state.index, buffer)
+                _scatter(cache, layers, self._index(state), buffer)
 
             await _on_device(cache, receive, stream=comm.stream)
-        state.layers_done.add(header.layer_index)
+        state.layers.add(layers, field="layer_index")
         state.num_bytes += chunk_bytes
-        if len(state.layers_done) == self.num_layers:
+        if state.layers.is_complete:
             self._finish(state, None)
+
+
+def _scatter(cache: torch.Tensor, layers: range, index: torch.Tensor, chunk: torch.Tensor) -> None:
+    """chunk: [2, n, BS, Hkv, D] for one layer, [len(layers), 2, n, BS, Hkv, D] for a run."""
+    if len(layers) == 1:
+        scatter_layer(cache, layers.start, index, chunk)
+        return
+    for position, layer in enumerate(layers):
+        scatter_layer(cache, layer, index, chunk[position])
 
 
 def _reply(transfer_id: str, error: CleaveError | None) -> common_pb2.ErrorDetail:

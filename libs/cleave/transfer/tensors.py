@@ -42,14 +42,32 @@ def check_kv_cache(cache: torch.Tensor) -> None:
         raise InvalidArgument("KV cache must be contiguous")
 
 
-def layer_chunk_shape(cache: torch.Tensor, num_blocks: int) -> tuple[int, ...]:
-    """Shape of one layer's gathered blocks: `[2, num_blocks, BS, Hkv, D]`."""
-    return (2, num_blocks, *cache.shape[3:])
+def layer_chunk_shape(cache: torch.Tensor, num_blocks: int, num_layers: int = 1) -> tuple[int, ...]:
+    """Shape of gathered blocks: `[2, num_blocks, BS, Hkv, D]` for one layer,
+    `[num_layers, 2, num_blocks, BS, Hkv, D]` for a run of layers."""
+    one = (2, num_blocks, *cache.shape[3:])
+    return one if num_layers <= 1 else (num_layers, *one)
 
 
 def block_index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
     """Block ids as an int64 index tensor on `device`."""
     return torch.tensor(list(block_ids), dtype=torch.int64, device=device)
+
+
+def device_index(block_ids: Sequence[int], device: torch.device,
+                 stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+    """Block ids as an int64 index tensor on `device`, without waiting for the device: on
+    CUDA staged in pinned memory and copied asynchronously on `stream` (default: current),
+    so only work queued on that stream after it sees the index.
+
+    -> [n] int64
+    """
+    host = torch.tensor(list(block_ids), dtype=torch.int64)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    host = host.pin_memory()
+    with torch.cuda.stream(stream or torch.cuda.current_stream(device)):
+        return host.to(device, non_blocking=True)  # the caching host allocator keeps `host` until done
 
 
 def gather_layer(cache: torch.Tensor, layer: int, index: torch.Tensor) -> torch.Tensor:
