@@ -4,10 +4,13 @@ Each mode starts the whole stack as processes (`cleave up`'s ProcessStack): disa
 1 prefill + 1 decode worker sharing the device (on one GPU the KV moves by CUDA IPC, which
 the workers negotiate on their first transfer), colocated is 1 decode worker that prefills
 itself. The workload goes through the gateway's gRPC Generate stream:
-  - `--num-users` streaming users, each sending `--requests-per-user` requests one after
-    another (`--prompt-len` random token ids, `--output-len` greedy tokens, ignore_eos),
-    their first requests spread over `--ramp-s` seconds;
-  - meanwhile a `--long-prompt-len` prompt arrives every `--long-interval-s` seconds.
+  - `--num-users` streaming users, each sending requests one after another for
+    `--duration-s` seconds (or `--requests-per-user` requests when the duration is 0;
+    `--prompt-len` random token ids, `--output-len` greedy tokens, ignore_eos), their first
+    requests spread over `--ramp-s` seconds;
+  - meanwhile a `--long-prompt-len` prompt arrives `--long-first-s` seconds after the start
+    and then every `--long-interval-s` seconds while the users run, so the default run sees
+    several of them.
 Reported per mode, for the users' requests: time to first token (p50/p90), time per output
 token after the first (per request, p50/p90), the p99 gap between streamed tokens, and
 output tokens/s of everything served. Every mode is warmed up first (graphs, kernels, the
@@ -15,7 +18,7 @@ transport handshake).
 
     python bench/disagg.py --out bench/results/disagg             # GPU, Llama-3.2-1B-shaped bf16
     python bench/disagg.py --device cpu --num-users 4 --prompt-len 32 --output-len 16 \\
-        --long-prompt-len 256 --long-interval-s 2 --out /tmp/disagg   # CPU smoke, shipped reasoner
+        --duration-s 3 --long-interval-s 1 --out /tmp/disagg   # CPU smoke, shipped reasoner
 """
 
 from __future__ import annotations
@@ -114,24 +117,34 @@ async def run_workload(address: str, args: argparse.Namespace, vocab: int) -> tu
     stub = gateway_pb2_grpc.GatewayStub(channel)
     timings: list[Timing] = []
 
+    started = time.monotonic()
+
+    def more_requests(num_sent: int) -> bool:
+        if args.duration_s > 0:
+            return time.monotonic() - started < args.duration_s
+        return num_sent < args.requests_per_user
+
     async def user(index: int) -> None:
         await asyncio.sleep(args.ramp_s * index / max(args.num_users, 1))
-        for _ in range(args.requests_per_user):
+        num_sent = 0
+        while more_requests(num_sent):
             prompt = random_prompt(rng, args.prompt_len, vocab)
             timings.append(await stream_one(stub, "user", prompt, args.output_len, args))
+            num_sent += 1
 
     async def long_prompts(stop: asyncio.Event) -> list[Timing]:
         pending = []
+        delay = args.long_first_s
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), args.long_interval_s)
+                await asyncio.wait_for(stop.wait(), delay)
             except asyncio.TimeoutError:
                 prompt = random_prompt(rng, args.long_prompt_len, vocab)
                 pending.append(asyncio.ensure_future(
                     stream_one(stub, "long", prompt, args.long_output_len, args)))
+                delay = args.long_interval_s
         return list(await asyncio.gather(*pending))
 
-    started = time.monotonic()
     stop = asyncio.Event()
     longs = asyncio.ensure_future(long_prompts(stop)) if args.long_interval_s > 0 else None
     try:
@@ -223,13 +236,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", help="cuda or cpu")
     parser.add_argument("--modes", default="disaggregated,colocated")
     parser.add_argument("--num-users", type=int, default=50)
-    parser.add_argument("--requests-per-user", type=int, default=1)
+    parser.add_argument("--duration-s", type=float, default=12.0,
+                        help="users send requests until this long after the start (0: --requests-per-user each)")
+    parser.add_argument("--requests-per-user", type=int, default=1, help="with --duration-s 0")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--ramp-s", type=float, default=2.0, help="users' first requests spread over this long")
-    parser.add_argument("--long-prompt-len", type=int, default=8192)
+    parser.add_argument("--long-prompt-len", type=int, default=None,
+                        help="default: 8192 (on cpu 256, within the shipped reasoner's context)")
     parser.add_argument("--long-output-len", type=int, default=16)
-    parser.add_argument("--long-interval-s", type=float, default=3.0, help="0: no long prompts")
+    parser.add_argument("--long-first-s", type=float, default=0.5, help="when the first long prompt arrives")
+    parser.add_argument("--long-interval-s", type=float, default=3.0, help="then one every this long (0: none at all)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-context-length", type=int, default=None,
                         help="default: the longest prompt plus its output, rounded up to 256")
@@ -244,6 +261,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="directory for disagg.json / disagg.md")
     args = parser.parse_args(argv)
+    if args.long_prompt_len is None:
+        args.long_prompt_len = 256 if args.device == "cpu" else 8192
     longest = max(args.prompt_len + args.output_len, args.long_prompt_len + args.long_output_len)
     if args.max_context_length is None:
         args.max_context_length = -(-longest // 256) * 256
@@ -275,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(run_mode(mode, model_dir, args, workdir, vocab))
             print(format_table(rows[-1:], COLUMNS), flush=True)
     summary = {key: getattr(args, key) for key in (
-        "num_users", "requests_per_user", "prompt_len", "output_len", "long_prompt_len", "long_output_len",
-        "long_interval_s", "max_num_batched_tokens", "num_kv_blocks", "reasoning_mode")}
+        "num_users", "duration_s", "requests_per_user", "prompt_len", "output_len", "long_prompt_len", "long_output_len",
+        "long_first_s", "long_interval_s", "max_num_batched_tokens", "num_kv_blocks", "reasoning_mode")}
     summary["model"] = str(args.model or ("shipped reasoner" if args.device == "cpu" else "Llama-3.2-1B-shaped bf16"))
     print(format_table(rows, COLUMNS))
     if args.out:
