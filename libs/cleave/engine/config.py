@@ -76,6 +76,10 @@ class EngineConfig:
             outputs carry token ids only; eos, stop token ids and max_tokens still end a
             sample, stop strings do not (the caller matches them on its own text), and
             thinking tokens are counted by the think tags' token ids.
+        overlap_steps: launch step N+1 on the device before processing step N's tokens on
+            the host (outputs then lag one `step()` call behind the device). None: on for
+            CUDA, off elsewhere (on CPU nothing runs while the host works). False is the
+            plain synchronous loop, for debugging.
     """
 
     model: str
@@ -84,5 +88,13 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     detokenize: bool = True
+    overlap_steps: bool | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+
+    @property
+    def overlaps_steps(self) -> bool:
+        """Whether the engine overlaps steps (`overlap_steps` resolved for the device)."""
+        if self.overlap_steps is None:
+            return self.device.startswith("cuda")
+        return self.overlap_steps

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from cleave.engine.device_copy import tensor_on
+
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 # Odd multipliers below 2**31 (see module docstring) for a 32-bit xorshift-multiply mixer.
@@ -50,7 +52,7 @@ def _mix32(values: torch.Tensor) -> torch.Tensor:
 def keys_to_tensor(keys: list[int], device: torch.device | str) -> torch.Tensor:
     """[S] Python 64-bit keys -> [S, 2] int64 tensor of (low, high) 32-bit words."""
     words = [(key & _MASK32, (key >> 32) & _MASK32) for key in keys]
-    return torch.tensor(words, dtype=torch.int64, device=device).reshape(len(keys), 2)
+    return tensor_on(words, torch.int64, torch.device(device)).reshape(len(keys), 2)
 
 
 def uniform_from_keys(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -17,6 +17,15 @@ writes into a block it already has.
 Sampling rows: an entry with `sample` set produces one logits row (its last token); each
 sequence in `entry.sample_seqs` (the entry's own sequence, then its forks) draws one token
 from that row, so `sample_rows` maps sampled sequences to logits rows.
+
+Stand-ins: a decode entry of an overlapped step may feed `stand_in_token(row)`, a token the
+previous launched step is still sampling. The batch says where they are
+(`stand_in_rows` / `stand_in_sources`, or `all_stand_ins`) and the model runner copies the
+sampled ids into `input_ids` on the device.
+
+Host buffers are reused only after the device has read them: on CUDA two staging buffers
+alternate, each guarded by an event recorded after its copy (with overlapped steps the host
+prepares step N+1 while step N's copy may still be queued).
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from cleave.engine.scheduler import SchedulerOutput
+from cleave.engine.scheduler_output import stand_in_row
 from cleave.engine.sequence import Sequence
 from cleave.kv.metadata import AttentionMetadata
 
@@ -74,6 +84,11 @@ class InputBatch:
             (no forks).
         sampled_seqs: the S sequences that get a token, aligned with `SchedulerOutput.sampled_seqs`.
         num_tokens / num_entries: T and E.
+        stand_in_rows: [K] int64 rows of `input_ids` holding stand-ins, None when there are
+            none or `all_stand_ins`.
+        stand_in_sources: [K] int64 the previous step's sampled row each one takes.
+        all_stand_ins: every input token is the stand-in of the same row of the previous
+            step (a steady decode batch): `input_ids` is that step's first T tokens.
     """
 
     input_ids: torch.Tensor
@@ -84,6 +99,13 @@ class InputBatch:
     sampled_seqs: list[Sequence]
     num_tokens: int
     num_entries: int
+    stand_in_rows: torch.Tensor | None = None
+    stand_in_sources: torch.Tensor | None = None
+    all_stand_ins: bool = False
+
+    @property
+    def has_stand_ins(self) -> bool:
+        return self.all_stand_ins or self.stand_in_rows is not None
 
     @property
     def is_decode_only(self) -> bool:
@@ -99,6 +121,7 @@ class _DecodeTables:
         seqs: the batch's sequences in row order.
         lengths / lasts: each row's table length and last block id when it was written.
         host: [E, W] int32 (pinned on CUDA); device: the same on the model's device.
+        copied: on CUDA, an event recorded after the latest host -> device copy.
     """
 
     seqs: list[Sequence]
@@ -106,6 +129,7 @@ class _DecodeTables:
     lasts: list[int]
     host: torch.Tensor
     device: torch.Tensor
+    copied: torch.cuda.Event | None = None
 
 
 class InputBatchBuilder:
@@ -120,7 +144,11 @@ class InputBatchBuilder:
         self.block_size = block_size
         self.device = device
         self._pin = device.type == "cuda"
-        self._staging: torch.Tensor | None = None
+        # Two pinned staging buffers, alternating, each with the event of its latest copy.
+        self._staging: list[torch.Tensor | None] = [None, None]
+        self._staged: list[torch.cuda.Event | None] = [None, None]
+        self._next_staging = 0
+        self._all_stand_ins: dict[int, array] = {}  # E -> stand_in_token(0..E-1)
         self._decode_tables: _DecodeTables | None = None
         self._query_starts: dict[int, torch.Tensor] = {}  # E -> arange(E + 1) int32 on device
 
@@ -143,12 +171,16 @@ class InputBatchBuilder:
         has_forks = False
         width = 1
         end_token = 0
+        stand_in_rows, stand_in_sources = array("q"), array("q")
         for entry in output.scheduled:
             start, num_new = entry.start_position, entry.num_new_tokens
             end = start + num_new
             table = entry.block_table
             token_ids.extend(entry.token_ids)
             if num_new == 1:
+                if entry.token_ids[0] < 0:
+                    stand_in_rows.append(end_token)
+                    stand_in_sources.append(stand_in_row(entry.token_ids[0]))
                 positions.append(start)
                 slots.append(table[start // block_size] * block_size + start % block_size)
             else:
@@ -184,6 +216,8 @@ class InputBatchBuilder:
             parts.append(logits_rows)
         if has_forks:
             parts.append(sample_rows)
+        if stand_in_rows:
+            parts.extend((stand_in_rows, stand_in_sources))
         lengths = [len(part) for part in parts]
         flat = parts[0]  # extended in place: its own length was read above
         for part in parts[1:]:
@@ -208,7 +242,7 @@ class InputBatchBuilder:
         if needs_logits_index:
             logits_indices, index = views[index], index + 1
         if has_forks:
-            sample_rows_tensor = views[index]
+            sample_rows_tensor, index = views[index], index + 1
         return InputBatch(
             input_ids=views[0],
             positions=views[1],
@@ -218,6 +252,8 @@ class InputBatchBuilder:
             sampled_seqs=sampled_seqs,
             num_tokens=num_tokens,
             num_entries=num_entries,
+            stand_in_rows=views[index] if stand_in_rows else None,
+            stand_in_sources=views[index + 1] if stand_in_rows else None,
         )
 
     def _build_decode(self, output: SchedulerOutput) -> InputBatch | None:
@@ -239,17 +275,22 @@ class InputBatchBuilder:
             seq_lens.append(start + 1)
             tables.append(table)
         num_entries = len(tables)
+        stand_ins = self._stand_ins(flat)
         flat.extend(positions)
         flat.extend(slots)
         if num_entries % 2:
             seq_lens.append(0)
         flat.frombytes(seq_lens.tobytes())
+        seq_lens_end = len(flat)
+        if stand_ins:
+            flat.extend(stand_ins[0])
+            flat.extend(stand_ins[1])
         device_buffer = self._to_device(flat)
         seqs = [entry.seq for entry in output.scheduled]
         metadata = AttentionMetadata(
             slot_mapping=device_buffer[2 * num_entries : 3 * num_entries],
             query_start_loc=self._query_start_loc(num_entries),
-            seq_lens=device_buffer[3 * num_entries :].view(torch.int32)[:num_entries],
+            seq_lens=device_buffer[3 * num_entries : seq_lens_end].view(torch.int32)[:num_entries],
             block_tables=self._block_tables(seqs, tables),
             max_query_len=1,
             max_seq_len=max(seq_lens),
@@ -263,7 +304,28 @@ class InputBatchBuilder:
             sampled_seqs=seqs,
             num_tokens=num_entries,
             num_entries=num_entries,
+            stand_in_rows=device_buffer[seq_lens_end : seq_lens_end + len(stand_ins[0])] if stand_ins else None,
+            stand_in_sources=device_buffer[seq_lens_end + len(stand_ins[0]) :] if stand_ins else None,
+            all_stand_ins=stand_ins == (),
         )
+
+    def _stand_ins(self, token_ids: array) -> tuple[array, array] | tuple[()] | None:
+        """Stand-ins among a decode batch's input ids: None (none), () (row i feeds the
+        stand-in of row i, for every row) or (rows, source rows)."""
+        if not token_ids or min(token_ids) >= 0:
+            return None
+        count = len(token_ids)
+        steady = self._all_stand_ins.get(count)
+        if steady is None:
+            steady = self._all_stand_ins[count] = array("q", range(-1, -1 - count, -1))
+        if token_ids == steady:
+            return ()
+        rows, sources = array("q"), array("q")
+        for row, token in enumerate(token_ids):
+            if token < 0:
+                rows.append(row)
+                sources.append(stand_in_row(token))
+        return rows, sources
 
     def _query_start_loc(self, num_entries: int) -> torch.Tensor:
         starts = self._query_starts.get(num_entries)
@@ -281,12 +343,15 @@ class InputBatchBuilder:
             if lengths == kept.lengths and lasts == kept.lasts:
                 return kept.device
             if max(lengths) <= kept.host.shape[1]:
+                if kept.copied is not None:
+                    kept.copied.synchronize()  # the device has read the host tensor
                 for row, (length, last) in enumerate(zip(lengths, lasts)):
                     if length != kept.lengths[row] or last != kept.lasts[row]:
                         kept.host[row, :length] = torch.tensor(tables[row], dtype=torch.int32)
                 kept.lengths, kept.lasts = lengths, lasts
                 if kept.device is not kept.host:
                     kept.device.copy_(kept.host, non_blocking=True)
+                    kept.copied = self._record_copy(kept.copied)
                 return kept.device
         width = max(lengths)
         flat = array("i")
@@ -295,21 +360,37 @@ class InputBatchBuilder:
             if length < width:
                 flat.frombytes(bytes(4 * (width - length)))  # zero padding: the null block
         host = torch.frombuffer(flat, dtype=torch.int32).view(len(tables), width).clone()
+        copied = None
         if self._pin:
             host = host.pin_memory()
             device = host.to(self.device, non_blocking=True)
+            copied = self._record_copy(None)
         else:
             device = host if self.device.type == "cpu" else host.to(self.device)
-        self._decode_tables = _DecodeTables(list(seqs), lengths, lasts, host, device)
+        self._decode_tables = _DecodeTables(list(seqs), lengths, lasts, host, device, copied)
         return device
+
+    @staticmethod
+    def _record_copy(event: torch.cuda.Event | None) -> torch.cuda.Event:
+        """Mark the copies queued so far (reusing `event` when there is one)."""
+        event = torch.cuda.Event() if event is None else event
+        event.record()
+        return event
 
     def _to_device(self, flat: array) -> torch.Tensor:
         host = torch.frombuffer(flat, dtype=torch.int64) if len(flat) else torch.empty(0, dtype=torch.int64)
         if not self._pin:
             return host.clone() if self.device.type == "cpu" else host.to(self.device)
-        # The previous step's copy has completed: every step ends by reading sampled ids back.
-        if self._staging is None or self._staging.numel() < host.numel():
-            self._staging = torch.empty(max(host.numel(), 1 << 16), dtype=torch.int64, pin_memory=True)
-        staging = self._staging[: host.numel()]
+        index = self._next_staging
+        self._next_staging = 1 - index
+        staged = self._staged[index]
+        if staged is not None:
+            staged.synchronize()  # its copy two steps ago has run
+        buffer = self._staging[index]
+        if buffer is None or buffer.numel() < host.numel():
+            buffer = self._staging[index] = torch.empty(max(host.numel(), 1 << 16), dtype=torch.int64, pin_memory=True)
+        staging = buffer[: host.numel()]
         staging.copy_(host)
-        return staging.to(self.device, non_blocking=True)
+        device = staging.to(self.device, non_blocking=True)
+        self._staged[index] = self._record_copy(staged)
+        return device

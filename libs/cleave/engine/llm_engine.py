@@ -6,6 +6,24 @@
         scheduler.postprocess(output, sampled, on_token)  # on_token: detokenize, stop checks
         -> one RequestOutput (delta) per request that produced something
 
+Overlapped steps (`EngineConfig.overlap_steps`, on for CUDA) reorder this so the device
+never waits for output processing:
+
+    step():
+        output = scheduler.schedule()        # plans from stand-ins for step N-1's tokens
+        launched = runner.launch(output, processors, previous=in_flight)  # N, not awaited
+        scheduler.advance(output)            # N's tokens become stand-ins
+        resolve(in_flight)                   # N-1: wait for its ids only, stop checks, text
+        in_flight = launched
+        -> the outputs of step N-1
+
+Sampled ids stay on the device; step N reads step N-1's from there. The host learns them
+one call later, so a sequence that step N-1's token ends (a stop string, eos, max_tokens)
+was launched once more: that extra token is dropped (`Scheduler.resolve`). A step whose
+tokens the next one needs on the host is resolved at once, as in the plain loop: steps
+with forks (n > 1 prefills), prefill-only requests, and sequences with logits processors
+(thinking budgets) or penalties, whose next sampling reads the output tokens.
+
 The engine is single-threaded; `AsyncEngine` runs it on a thread of its own. Besides
 colocated generation it offers the two halves of disaggregated serving:
 
@@ -41,13 +59,13 @@ from cleave.engine.handoff import (
     end_sample,
     first_token_list,
 )
-from cleave.engine.model_runner import ModelRunner, StepStats
+from cleave.engine.model_runner import LaunchedStep, ModelRunner, RunnerOutput, StepStats
 from cleave.engine.outputs import RequestOutput, TokenLogprob
 from cleave.engine.request import RequestState, SampleState
 from cleave.engine.request_builder import Message, Prompt, RequestBuilder, read_reasoning_config
 from cleave.engine.sampling_params import SamplingParams
 from cleave.engine.sampling_tensors import LogitsProcessor
-from cleave.engine.scheduler import Scheduler
+from cleave.engine.scheduler import Scheduler, SchedulerOutput
 from cleave.engine.sequence import FINISHED_STATUSES, Sequence, SequenceStatus
 from cleave.errors import InvalidArgument
 from cleave.kv.manager import KVCacheManager
@@ -70,12 +88,18 @@ class LLMEngine:
             (float32 on CPU).
         sync_timing: synchronize the device inside steps so `last_stats` splits device time
             into forward and sampling (benchmarks).
+        device_timing: record each step's device time with CUDA events (`StepStats.device_s`)
+            without synchronizing (benchmarks of overlapped steps).
     """
 
-    def __init__(self, config: EngineConfig, sync_timing: bool = False) -> None:
+    def __init__(self, config: EngineConfig, sync_timing: bool = False, device_timing: bool = False) -> None:
         self._init_model(config)
-        self._init_runner(sync_timing)
+        self._init_runner(sync_timing, device_timing)
         self._init_scheduler()
+        self._overlap = self.config.overlaps_steps
+        self._in_flight: LaunchedStep | None = None  # launched and advanced, not yet resolved
+        # Sequences whose tokens the next launch needs on the host (see the module docstring).
+        self._host_bound: set[str] = set()
         self._requests: dict[str, RequestState] = {}
         self._samples: dict[str, SampleState] = {}  # seq_id -> sample
         self._processors: dict[str, list[LogitsProcessor]] = {}  # seq_id -> logits processors
@@ -114,9 +138,9 @@ class LLMEngine:
             self.config.detokenize,
         )
 
-    def _init_runner(self, sync_timing: bool) -> None:
+    def _init_runner(self, sync_timing: bool, device_timing: bool) -> None:
         torch.manual_seed(self.config.seed)
-        self.runner = ModelRunner(self.config, self.model, sync_timing=sync_timing)
+        self.runner = ModelRunner(self.config, self.model, sync_timing=sync_timing, device_timing=device_timing)
 
     def _init_scheduler(self) -> None:
         cache = self.config.cache
@@ -196,10 +220,16 @@ class LLMEngine:
 
     def _register(self, state: RequestState) -> None:
         self._requests[state.request_id] = state
+        params = state.params
+        host_bound = state.prefill_only or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+        host_bound = host_bound or params.presence_penalty != 0.0
         for sample in state.samples:
-            self._samples[sample.seq.seq_id] = sample
+            seq_id = sample.seq.seq_id
+            self._samples[seq_id] = sample
             if sample.logits_processors:
-                self._processors[sample.seq.seq_id] = sample.logits_processors
+                self._processors[seq_id] = sample.logits_processors
+            if host_bound or sample.logits_processors:
+                self._host_bound.add(seq_id)
 
     def abort(self, request_id: str) -> bool:
         """End every sample of a request and free its KV; its final output (finish reason
@@ -226,7 +256,7 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         """Whether any request still runs or has an output to report."""
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or self._in_flight is not None
 
     @property
     def num_requests(self) -> int:
@@ -235,7 +265,14 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return a delta output per request with news."""
+        """Run one scheduled step; return a delta output per request with news (overlapped:
+        the news of the step launched by the previous call)."""
+        start = time.perf_counter()
+        outputs = self._step_overlapped() if self._overlap else self._step_synchronous()
+        self.last_stats.wall_s = time.perf_counter() - start
+        return outputs
+
+    def _step_synchronous(self) -> list[RequestOutput]:
         start = time.perf_counter()
         output = self.scheduler.schedule()
         scheduled = time.perf_counter()
@@ -247,31 +284,88 @@ class LLMEngine:
         stats = result.stats
         stats.schedule_s = scheduled - start
         ran = time.perf_counter()
-        if result.logprobs is not None:
-            self._step_logprobs = {
-                seq.seq_id: logprob for seq, logprob in zip(output.sampled_seqs, result.logprobs) if logprob is not None
-            }
-        touched = self._touched = {}
-        updated = self.scheduler.postprocess(output, result.token_ids, self._on_token)
-        self._step_logprobs = {}
-        for seq in updated:
-            if seq.status in FINISHED_STATUSES:
-                sample = self._samples.get(seq.seq_id)
-                if sample is not None and not touched[seq.request_id].prefill_done:
-                    sample.end(seq.status)  # no-op unless the scheduler ended it (context full)
-        outputs = self._collect(touched)
+        self._touched = {}
+        self._record(output, result, advanced=False)
+        outputs = self._collect(self._touched)
         stats.postprocess_s = time.perf_counter() - ran
         self.last_stats = stats
         return outputs
 
+    def _step_overlapped(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        previous, self._in_flight = self._in_flight, None
+        output = self.scheduler.schedule()
+        scheduled = time.perf_counter()
+        launched = None
+        stats = StepStats()
+        if not output.is_empty:
+            launched = self.runner.launch(output, self._processors, previous)
+            stats = launched.stats
+            if self._can_overlap(output):
+                self.scheduler.advance(output)
+                self._in_flight = launched
+        stats.schedule_s = scheduled - start
+        resolving = time.perf_counter()
+        self._touched = {}
+        if previous is not None:
+            stats.device_s = self._resolve(previous, advanced=True)
+        if launched is not None and self._in_flight is None:
+            self._resolve(launched, advanced=False)  # its tokens are needed before the next launch
+        self._flush_text()
+        outputs = self._collect(self._touched)
+        stats.postprocess_s = time.perf_counter() - resolving
+        self.last_stats = stats
+        return outputs
+
+    def _can_overlap(self, output: SchedulerOutput) -> bool:
+        """Whether the next step may launch before this one's tokens reach the host."""
+        if output.has_forks:
+            return False
+        host_bound = self._host_bound
+        if not host_bound:
+            return True
+        for seq in output.sampled_seqs:
+            if seq.seq_id in host_bound:
+                return False
+        return True
+
+    def _resolve(self, launched: LaunchedStep, advanced: bool) -> float:
+        """Wait for a launched step's tokens and record them; returns its device seconds."""
+        result = self.runner.collect(launched)
+        self._record(launched.output, result, advanced)
+        return result.stats.device_s
+
+    def _record(self, output: SchedulerOutput, result: RunnerOutput, advanced: bool) -> None:
+        """Tokens of a step into the scheduler (stop checks, frees) and the samples' states."""
+        if result.logprobs is not None:
+            self._step_logprobs = {
+                seq.seq_id: logprob for seq, logprob in zip(output.sampled_seqs, result.logprobs) if logprob is not None
+            }
+        if advanced:
+            updated = self.scheduler.resolve(output, result.token_ids, self._on_sampled)
+        else:
+            updated = self.scheduler.postprocess(output, result.token_ids, self._on_token)
+        self._step_logprobs = {}
+        touched = self._touched
+        for seq in updated:
+            if seq.status in FINISHED_STATUSES:
+                sample = self._samples.get(seq.seq_id)
+                state = touched.get(seq.request_id)
+                if sample is not None and state is not None and not state.prefill_done:
+                    sample.end(seq.status)  # no-op unless the scheduler ended it (context full)
+
     def _on_token(self, seq: Sequence) -> SequenceStatus | None:
+        """Scheduler callback per sampled token (its last one): see `_on_sampled`."""
+        return self._on_sampled(seq, seq.all_token_ids[-1])
+
+    def _on_sampled(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
         """Scheduler callback per sampled token: text, stop conditions, prefill-only hand-off."""
         seq_id = seq.seq_id
         sample = self._samples.get(seq_id)
         if sample is None:
             return None
         logprobs = self._step_logprobs
-        status = sample.process_token(seq.all_token_ids[-1], logprobs.get(seq_id) if logprobs else None)
+        status = sample.process_token(token_id, logprobs.get(seq_id) if logprobs else None)
         if sample.deferred:
             self._deferred[seq_id] = sample
         state = self._touched[seq.request_id] = self._requests[seq.request_id]
@@ -315,9 +409,11 @@ class LLMEngine:
         if self._requests.get(state.request_id) is state:
             del self._requests[state.request_id]
         for sample in state.samples:
-            self._samples.pop(sample.seq.seq_id, None)
-            self._processors.pop(sample.seq.seq_id, None)
-            self._deferred.pop(sample.seq.seq_id, None)
+            seq_id = sample.seq.seq_id
+            self._samples.pop(seq_id, None)
+            self._processors.pop(seq_id, None)
+            self._deferred.pop(seq_id, None)
+            self._host_bound.discard(seq_id)
 
     # ---- disaggregation hooks (see cleave.engine.handoff) ---------------------------------
 

@@ -1,12 +1,20 @@
 """`ModelRunner`: the device side of a step — KV cache, forward (or graph replay), sampling.
 
-    runner.execute(scheduler_output, logits_processors) -> RunnerOutput
+    runner.launch(scheduler_output, logits_processors, previous) -> LaunchedStep
         1. apply block copies (copy-on-write of shared blocks, all layers, K and V)
-        2. InputBatch: ids, positions, attention metadata (one host->device copy)
+        2. InputBatch: ids, positions, attention metadata (one host->device copy); stand-in
+           ids are replaced on the device by the tokens `previous` sampled
         3. forward: a decode-only batch replays a captured CUDA graph (logits of every row);
            anything else runs eagerly and computes logits only for sampling rows
         4. SamplingTensors of each sampled sequence (built while the forward runs on the GPU)
-        5. sample; expand logits rows for forks; one device->host read of the token ids
+        5. sample; expand logits rows for forks; queue the device->host copy of the token
+           ids and an event after it. Nothing here waits for the device.
+    runner.collect(launched) -> RunnerOutput      # waits for that event only
+    runner.execute(...) == collect(launch(...))   # the synchronous step
+
+The sampled ids stay on the device (`LaunchedStep.token_ids`) so the next step can be
+launched before they reach the host: that is what lets the engine overlap its host work
+(output processing, scheduling, input preparation) with the device's forward.
 
 The KV cache is one tensor [num_layers, 2, num_blocks, block_size, Hkv, D]. On CUDA its
 size comes from free memory after a profiling forward at the step's token budget; on CPU
@@ -24,9 +32,10 @@ from dataclasses import dataclass, field
 import torch
 
 from cleave.engine.config import EngineConfig
+from cleave.engine.device_copy import to_device
 from cleave.engine.input_batch import InputBatch, InputBatchBuilder, OutputTokens
 from cleave.engine.outputs import TokenLogprob
-from cleave.engine.sampler import Sampler, SamplerOutput
+from cleave.engine.sampler import Sampler
 from cleave.engine.sampling_params import SamplingParams
 from cleave.engine.sampling_tensors import LogitsProcessor, SamplingTensors
 from cleave.engine.scheduler import SchedulerOutput
@@ -46,7 +55,13 @@ class StepStats:
     With `sync_timing` on the runner, `forward_s` waits for the device, so it is the
     longer of the forward's device time and the overlapped host work (`overlap_s`), and
     `sample_s` covers sampling; otherwise device time lands in whichever phase first reads
-    a result back (sampling).
+    a result back (sampling; in overlapped steps, `postprocess_s` when the host is ahead).
+
+    `device_s` is the device's own time for the forward and sampling of one step (CUDA
+    events, with `device_timing` on the runner; else 0), and `wall_s` the whole `step()`
+    call: over many steps, 1 - sum(device_s) / sum(wall_s) is the share of time the device
+    waited for the host. In an overlapped step the schedule/prepare/forward/sample phases
+    belong to the step launched and `postprocess_s` and `device_s` to the one resolved.
     """
 
     schedule_s: float = 0.0
@@ -56,6 +71,8 @@ class StepStats:
     sampling_prep_s: float = 0.0  # host part of sample_s: building SamplingTensors
     postprocess_s: float = 0.0  # stop checks, detokenization that cannot wait, outputs
     overlap_s: float = 0.0  # host work done while the forward ran (inside forward_s)
+    device_s: float = 0.0
+    wall_s: float = 0.0
     num_tokens: int = 0
     num_seqs: int = 0
     num_sampled: int = 0
@@ -86,6 +103,33 @@ class RunnerOutput:
     stats: StepStats = field(default_factory=StepStats)
 
 
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device.
+
+    Attributes:
+        output: the scheduler's plan it runs.
+        sampled_seqs: the S sequences that sample, aligned with `output.sampled_seqs`.
+        token_ids: [S] int64 sampled ids on the device (the next step's stand-ins read
+            them), None when nothing samples.
+        host_token_ids: [S] int64 their host copy (pinned, filled once `ready` passed).
+        host_logprobs: host copies of (top ids [S, K], top logprobs [S, K], sampled [S]),
+            None when no row asked for logprobs.
+        ready: CUDA event after the host copies (None off CUDA: they are done).
+        timing: CUDA events (forward start, sampling end) with device timing on.
+        stats: the host phases of the launch.
+    """
+
+    output: SchedulerOutput
+    sampled_seqs: list
+    token_ids: torch.Tensor | None
+    host_token_ids: torch.Tensor | None
+    host_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    ready: torch.cuda.Event | None
+    timing: tuple[torch.cuda.Event, torch.cuda.Event] | None
+    stats: StepStats
+
+
 class ModelRunner:
     """Owns the model, its KV cache, the sampler and (on CUDA) the decode graphs.
 
@@ -93,15 +137,20 @@ class ModelRunner:
         config: the engine configuration (scheduler limits already resolved against the model).
         model: the loaded model, on `config.device`.
         sync_timing: synchronize after the forward so StepStats separate device phases.
+        device_timing: time each step's forward and sampling with CUDA events
+            (`StepStats.device_s`), without synchronizing.
     """
 
-    def __init__(self, config: EngineConfig, model: CausalLM, sync_timing: bool = False) -> None:
+    def __init__(
+        self, config: EngineConfig, model: CausalLM, sync_timing: bool = False, device_timing: bool = False
+    ) -> None:
         self.config = config
         self.model = model
         self.model_config = model.config
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         self.sync_timing = sync_timing
+        self.device_timing = device_timing and self.device.type == "cuda"
         self.kv_dtype = next(model.parameters()).dtype
         self.vocab_size = model.config.vocab_size
         self.sampler = Sampler(config.seed)
@@ -185,7 +234,6 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(
         self,
         output: SchedulerOutput,
@@ -198,15 +246,40 @@ class ModelRunner:
         `while_device_runs` is host work (e.g. detokenizing the previous step) called once
         the forward is launched, so it overlaps the device's work; its time is `overlap_s`.
         """
+        launched = self.launch(output, logits_processors, None, while_device_runs)
+        waited = time.perf_counter()
+        result = self.collect(launched)
+        result.stats.sample_s += time.perf_counter() - waited
+        return result
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        output: SchedulerOutput,
+        logits_processors: Mapping[str, Seq[LogitsProcessor]] | None = None,
+        previous: LaunchedStep | None = None,
+        while_device_runs: Callable[[], None] | None = None,
+    ) -> LaunchedStep:
+        """Queue one scheduled step on the device without waiting for it.
+
+        Stand-in ids in `output` (see `Scheduler.advance`) take the tokens `previous`
+        sampled. `while_device_runs` runs once the forward is queued (time: `overlap_s`).
+        """
         stats = StepStats(num_seqs=len(output.scheduled))
         start = time.perf_counter()
         if output.block_copies:
             self.copy_blocks(output.block_copies)
         batch = self.inputs.build(output)
+        if batch.has_stand_ins:
+            self._feed_stand_ins(batch, previous)
         stats.num_tokens, stats.num_sampled = batch.num_tokens, len(batch.sampled_seqs)
         prepared = time.perf_counter()
         stats.prepare_s = prepared - start
 
+        timing = None
+        if self.device_timing:
+            timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            timing[0].record()
         logits, stats.used_graph = self._forward(batch)
         if while_device_runs is not None:
             overlap_start = time.perf_counter()
@@ -218,21 +291,72 @@ class ModelRunner:
         stats.forward_s = forwarded - prepared
 
         if not batch.sampled_seqs:
-            return RunnerOutput([], None, stats)
+            if timing is not None:
+                timing[1].record()
+            return LaunchedStep(output, [], None, None, None, self._ready_event(), timing, stats)
         if batch.sample_rows is not None:
             logits = logits.index_select(0, batch.sample_rows)  # [R, V] -> [S, V]
         state = self._sampling_tensors(batch, logits_processors)
         stats.sampling_prep_s = time.perf_counter() - forwarded
         sampled = self.sampler.sample(logits, state)
-        token_ids = sampled.token_ids.tolist()
-        logprobs = self._logprobs(batch, sampled, token_ids)
+        token_ids = sampled.token_ids  # [S] int64
+        host_token_ids = self._to_host(token_ids)
+        host_logprobs = None
+        if sampled.logprobs is not None:
+            lp = sampled.logprobs
+            host_logprobs = (
+                self._to_host(lp.top_token_ids), self._to_host(lp.top_logprobs), self._to_host(lp.sampled_logprobs)
+            )
+        if timing is not None:
+            timing[1].record()
         stats.sample_s = time.perf_counter() - forwarded
+        return LaunchedStep(
+            output, batch.sampled_seqs, token_ids, host_token_ids, host_logprobs, self._ready_event(), timing, stats
+        )
+
+    def collect(self, launched: LaunchedStep) -> RunnerOutput:
+        """Wait for a launched step's sampled ids (only them) and read them on the host."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        stats = launched.stats
+        if launched.timing is not None:
+            stats.device_s = launched.timing[0].elapsed_time(launched.timing[1]) * 1e-3
+        if launched.host_token_ids is None:
+            return RunnerOutput([], None, stats)
+        token_ids = launched.host_token_ids.tolist()
+        logprobs = self._logprobs(launched.sampled_seqs, launched.host_logprobs, token_ids)
         return RunnerOutput(token_ids, logprobs, stats)
+
+    def _feed_stand_ins(self, batch: InputBatch, previous: LaunchedStep | None) -> None:
+        """Replace stand-in input ids by the tokens the previous step sampled (on the device)."""
+        if previous is None or previous.token_ids is None:
+            raise RuntimeError("the step feeds stand-in tokens but no launched step sampled them; advance() the "
+                               "scheduler only for steps launched with the runner and pass that step as `previous`")
+        source = previous.token_ids  # [S_prev]
+        if batch.all_stand_ins:
+            batch.input_ids.copy_(source[: batch.num_tokens])
+        else:
+            batch.input_ids.index_copy_(0, batch.stand_in_rows, source.index_select(0, batch.stand_in_sources))
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of a device tensor, queued (pinned) rather than waited for."""
+        if self.device.type != "cuda":
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        return host
+
+    def _ready_event(self) -> torch.cuda.Event | None:
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def copy_blocks(self, copies: Seq[tuple[int, int]]) -> None:
         """Copy whole KV blocks src -> dst across every layer, K and V (one gather/scatter)."""
-        src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.device)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)
+        pairs = to_device(torch.tensor(copies, dtype=torch.int64).view(-1, 2), self.device)  # [C, 2]
+        src, dst = pairs[:, 0], pairs[:, 1]
         # kv_cache: [L, 2, NB, BS, Hkv, D]; dsts are fresh blocks, never a src of the same step
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
@@ -282,14 +406,14 @@ class ModelRunner:
         return state
 
     @staticmethod
-    def _logprobs(batch: InputBatch, sampled: SamplerOutput, token_ids: list[int]) -> list[TokenLogprob | None] | None:
-        if sampled.logprobs is None:
+    def _logprobs(
+        seqs: list, host_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, token_ids: list[int]
+    ) -> list[TokenLogprob | None] | None:
+        if host_logprobs is None:
             return None
-        top_ids = sampled.logprobs.top_token_ids.tolist()
-        top_values = sampled.logprobs.top_logprobs.tolist()
-        chosen = sampled.logprobs.sampled_logprobs.tolist()
+        top_ids, top_values, chosen = (tensor.tolist() for tensor in host_logprobs)
         result: list[TokenLogprob | None] = []
-        for row, seq in enumerate(batch.sampled_seqs):
+        for row, seq in enumerate(seqs):
             k = seq.sampling_params.logprobs
             if k is None:
                 result.append(None)

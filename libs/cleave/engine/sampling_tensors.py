@@ -3,7 +3,8 @@
 Built once per step on the host (one pass over the batch's rows), then consumed by
 `Sampler.sample` without further host work. Rows whose options are "off" get neutral
 values (top_k = vocab, top_p = 1, penalty 1 / 0), and host-side flags let the sampler skip
-whole stages (sort, penalties, noise hashing) that no row in the batch needs.
+whole stages (sort, penalties, noise hashing) that no row in the batch needs. The per-row
+options travel in two host -> device copies that do not wait for the device.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cleave.engine.counter_rng import keys_to_tensor, row_key
+from cleave.engine.device_copy import tensor_on, to_device
 from cleave.engine.sampling_params import SamplingParams
 
 # processor(output_token_ids, logits_row [V]) -> new logits row [V], or None after editing
@@ -97,23 +99,28 @@ class SamplingTensors:
                 seeded samples of one request differ from each other.
             logits_processors: per-row processors (empty sequence for none).
         """
+        device = torch.device(device)
         num_rows = len(params)
         greedy = [p.is_greedy for p in params]
         top_k = [vocab_size if p.top_k <= 0 or p.top_k >= vocab_size else p.top_k for p in params]
-
-        def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
+        floats = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        floats += [p.top_p for p in params]
+        floats += [p.min_p for p in params]
+        floats += [p.repetition_penalty for p in params]
+        floats += [p.frequency_penalty for p in params]
+        floats += [p.presence_penalty for p in params]
+        rows = tensor_on(floats, torch.float32, device).view(6, num_rows)  # one copy for six options
+        ints = tensor_on(top_k + greedy, torch.int64, device).view(2, num_rows)
         state = cls(
             vocab_size=vocab_size,
-            temperatures=floats([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=floats([p.top_p for p in params]),
-            min_p=floats([p.min_p for p in params]),
-            repetition_penalties=floats([p.repetition_penalty for p in params]),
-            frequency_penalties=floats([p.frequency_penalty for p in params]),
-            presence_penalties=floats([p.presence_penalty for p in params]),
+            temperatures=rows[0],
+            is_greedy=ints[1] != 0,
+            top_k=ints[0],
+            top_p=rows[1],
+            min_p=rows[2],
+            repetition_penalties=rows[3],
+            frequency_penalties=rows[4],
+            presence_penalties=rows[5],
         )
         sampled = [i for i in range(num_rows) if not greedy[i]]
         state.all_greedy = not sampled
@@ -154,7 +161,7 @@ class SamplingTensors:
             )
             for i in rows
         ]
-        self.seeded_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.seeded_rows = tensor_on(rows, torch.int64, device)
         self.seeded_keys = keys_to_tensor(keys, device)
 
 
@@ -165,7 +172,8 @@ def token_counts(
     lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
     flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64)
     rows = torch.repeat_interleave(torch.arange(len(token_ids)), lengths)
+    device = torch.device(device)
     counts = torch.zeros(len(token_ids), vocab_size, dtype=torch.int32, device=device)
     ones = torch.ones(flat.numel(), dtype=torch.int32, device=device)
-    counts.index_put_((rows.to(device), flat.to(device)), ones, accumulate=True)
+    counts.index_put_((to_device(rows, device), to_device(flat, device)), ones, accumulate=True)
     return counts

@@ -32,6 +32,18 @@ finish; the scheduler frees finished sequences' blocks. The engine can also end 
 later with `finish(seq_id, status)`, or a whole request with `abort(request_id)`.
 `finished_seq_ids` in the next output lists every sequence that ended since the previous
 one, so the runner can drop per-sequence state.
+
+Overlapped steps split `postprocess` in two, so the next step can be planned and launched
+before this one's tokens reach the host:
+
+    output = scheduler.schedule(); launch(output)
+    scheduler.advance(output)        # tokens count as computed; stand-in ids for samples
+    next_output = scheduler.schedule()   # plans from the stand-ins; launch(next_output)
+    scheduler.resolve(output, tokens, token_checker)   # real ids, stop checks, frees
+
+A stand-in (`stand_in_token(row)`, negative) sits where the sampled token will go; the
+runner feeds the sampled token itself on the device. A sequence that `resolve` finishes may
+already hold a stand-in of the next launched step: resolving that step drops it.
 """
 
 from __future__ import annotations
@@ -42,15 +54,18 @@ from collections.abc import Sequence as Seq
 
 from cleave.engine.config import SchedulerConfig
 from cleave.engine.decode_plan import plan_decodes
-from cleave.engine.scheduler_output import ScheduledSequence, SchedulerOutput, SchedulerStats
+from cleave.engine.scheduler_output import ScheduledSequence, SchedulerOutput, SchedulerStats, stand_in_token
 from cleave.engine.sequence import FINISHED_STATUSES, Sequence, SequenceStatus
 from cleave.errors import InvalidArgument
 from cleave.kv.manager import KVCacheManager
 
-__all__ = ["ScheduledSequence", "Scheduler", "SchedulerOutput", "SchedulerStats", "StopChecker"]
+__all__ = ["ScheduledSequence", "Scheduler", "SchedulerOutput", "SchedulerStats", "StopChecker", "TokenChecker"]
 
 StopChecker = Callable[[Sequence], "SequenceStatus | None"]
 """Returns a FINISHED_* status when a sequence that just got a token should stop, else None."""
+
+TokenChecker = Callable[[Sequence, int], "SequenceStatus | None"]
+"""`StopChecker` of `resolve`: also gets the token (the sequence may hold later stand-ins)."""
 
 
 class Scheduler:
@@ -227,6 +242,86 @@ class Scheduler:
             if status is None and len(seq.all_token_ids) >= max_model_len:
                 status = SequenceStatus.FINISHED_LENGTH
             if status is not None and seq.status not in FINISHED_STATUSES:
+                self._finish(seq, status, promote_forks=True)
+        return updated
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """Record a launched step before its tokens are known (see the module docstring).
+
+        Every entry's tokens count as computed and each sequence that samples gets the
+        stand-in `stand_in_token(row)`, row being its index in `output.sampled_seqs`;
+        `schedule` may run again at once. Steps with forks share blocks in `postprocess`
+        and cannot be advanced.
+        """
+        if output.is_empty:
+            return
+        if output is not self._in_flight:
+            raise RuntimeError("advance() got an output other than the latest one from schedule()")
+        if output.has_forks:
+            raise ValueError("a step with forks is recorded by postprocess(); it cannot overlap the next one")
+        self._in_flight = None
+        row = 0
+        for entry in output.scheduled:
+            seq = entry.seq
+            if seq.status is SequenceStatus.RUNNING:
+                seq.num_computed_tokens = entry.start_position + entry.num_new_tokens
+                if entry.sample:
+                    seq.all_token_ids.append(stand_in_token(row))
+            row += entry.sample
+
+    def resolve(
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: Seq[int],
+        token_checker: TokenChecker | None = None,
+    ) -> list[Sequence]:
+        """Record the tokens of a step recorded by `advance`; returns the sequences that got
+        one, in sampled order (finished ones already freed), as `postprocess` does.
+
+        `sampled_token_ids` holds one token per `output.sampled_seqs` entry. The token of a
+        sequence that ended after the launch (abort, or a stop found by resolving the step
+        before) is dropped; a sequence preempted after the launch keeps it for its recompute.
+        """
+        if len(sampled_token_ids) != len(output.sampled_seqs):
+            raise ValueError(
+                f"got {len(sampled_token_ids)} sampled tokens for {len(output.sampled_seqs)} sampled sequences; "
+                "pass one token per output.sampled_seqs entry"
+            )
+        scheduled = output.scheduled
+        cache_full_blocks, indexed = self.kv.cache_full_blocks, self._blocks_indexed
+        block_size = self.kv.block_size
+        got: list[tuple[Sequence, int, int]] = []  # (sequence, token, its index)
+        index = 0
+        for entry in scheduled:
+            seq = entry.seq
+            seq_len = entry.start_position + entry.num_new_tokens
+            status = seq.status
+            if entry.sample:
+                token = int(sampled_token_ids[index])
+                index += 1
+                if status in FINISHED_STATUSES:
+                    del seq.all_token_ids[seq_len:]  # the stand-in (and any later one)
+                    continue
+                seq.all_token_ids[seq_len] = token
+                got.append((seq, token, seq_len))
+            if status is not SequenceStatus.RUNNING:
+                continue  # finished, or preempted: its blocks are gone
+            seq_id = seq.seq_id
+            if entry.num_new_tokens == 1 and seq_len % block_size and seq_id in indexed:
+                continue  # no block became full
+            cache_full_blocks(seq_id, seq.all_token_ids, seq_len)
+            indexed.add(seq_id)
+        max_model_len = self.config.max_model_len
+        updated: list[Sequence] = []
+        for seq, token, position in got:
+            updated.append(seq)
+            if seq.status in FINISHED_STATUSES:
+                continue  # a stop checked earlier in this loop ended it (its request aborted)
+            status = token_checker(seq, token) if token_checker else None
+            if status is None and position + 1 >= max_model_len:
+                status = SequenceStatus.FINISHED_LENGTH
+            if status is not None and seq.status not in FINISHED_STATUSES:
+                del seq.all_token_ids[position + 1 :]  # a later step's stand-in: never resolved
                 self._finish(seq, status, promote_forks=True)
         return updated
 

@@ -11,6 +11,17 @@ from functools import cached_property
 from cleave.engine.sequence import Sequence
 
 
+def stand_in_token(row: int) -> int:
+    """The token id a sequence carries for a token still being sampled into `row` of the
+    launched step's `sampled_seqs` (negative, so never a real id; see `Scheduler.advance`)."""
+    return -1 - row
+
+
+def stand_in_row(token_id: int) -> int:
+    """Inverse of `stand_in_token`: the launched step's sampled row a stand-in refers to."""
+    return -1 - token_id
+
+
 @dataclass(slots=True)
 class ScheduledSequence:
     """One sequence's share of a step (read-only for everyone but the scheduler).

@@ -1,0 +1,144 @@
+"""Overlapped engine steps (`overlap_steps=True`) on CPU: exactly the plain loop's outputs
+(tokens, text, stops, logprobs, seeded samples, n > 1, penalties) under chunked prefill,
+preemption and aborts, one `step()` call later, with every KV block returned."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from cleave.engine.llm import LLM, build_engine_config
+from cleave.engine.llm_engine import LLMEngine
+from cleave.engine.outputs import FinishReason
+from cleave.engine.request import OutputAccumulator
+from cleave.engine.sampling_params import SamplingParams
+from cleave.testing.tiny_models import write_tiny_checkpoint
+
+TEXT_IDS = (8, 500)  # plain BPE tokens of the tiny tokenizer
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("overlap") / "llama", "llama")
+
+
+def prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(*TEXT_IDS) for _ in range(rng.randint(4, 40))] for _ in range(count)]
+
+
+def summary(output) -> list[tuple]:
+    return [
+        (s.index, s.token_ids, s.text, s.finish_reason, s.stop_reason, s.num_tokens,
+         None if s.logprobs is None else [(lp.token_id, round(lp.logprob, 5), lp.top_token_ids) for lp in s.logprobs])
+        for s in output.outputs
+    ]
+
+
+def generate_both(checkpoint: Path, prompt_list, params, preemptions=None, **engine_args) -> dict[bool, list]:
+    """Outputs of the synchronous (False) and overlapped (True) engines; `preemptions`
+    collects each engine's preemption count."""
+    results = {}
+    for overlap in (False, True):
+        llm = LLM(checkpoint, device="cpu", overlap_steps=overlap, **engine_args)
+        results[overlap] = [summary(output) for output in llm.generate(prompt_list, params)]
+        engine = llm.engine
+        assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks and not engine.has_unfinished()
+        if preemptions is not None:
+            preemptions[overlap] = engine.scheduler.stats.num_preemptions
+    return results
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        dict(max_model_len=256, max_num_batched_tokens=256),
+        dict(max_model_len=256, max_num_batched_tokens=24),  # chunked
+        dict(max_model_len=96, max_num_batched_tokens=256, block_size=8, num_blocks=15),  # preempting
+    ],
+    ids=["batched", "chunked", "preempt"],
+)
+def test_greedy_equals_the_synchronous_loop(checkpoint, engine_args):
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 24, 24, 16, 24, 9, 1, 24)]
+    preemptions: dict[bool, int] = {}
+    results = generate_both(checkpoint, prompts(8, seed=1), params, preemptions, **engine_args)
+    assert results[True] == results[False]
+    if "num_blocks" in engine_args:
+        assert preemptions[True] > 0 and preemptions[False] > 0
+
+
+def test_every_sampling_option_equals_the_synchronous_loop(checkpoint):
+    prompt_list = prompts(9, seed=2)
+    full, full_second = (
+        output.outputs[0]
+        for output in LLM(checkpoint, device="cpu", max_model_len=256, overlap_steps=False).generate(
+            prompt_list[:2], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        )
+    )
+    stop_text = next(full.text[i : i + 3] for i in range(6, len(full.text) - 3) if "\ufffd" not in full.text[i : i + 3])
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop_text]),  # late stop string
+        SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[full_second.token_ids[3]]),
+        SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=11, n=3, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=1.0, seed=5, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=8, temperature=0.0, frequency_penalty=0.7, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True),  # runs into max_model_len
+        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, n=2),
+        SamplingParams(max_tokens=7, temperature=0.0),
+    ]
+    results = generate_both(checkpoint, prompt_list, params, max_model_len=64, max_num_batched_tokens=64)
+    assert results[True] == results[False]
+    first = results[True][0][0]
+    assert first[3] is FinishReason.STOP and first[4] == stop_text and stop_text not in first[2]
+    stopped = results[True][1][0]
+    assert stopped[1] == full_second.token_ids[: full_second.token_ids.index(stopped[4]) + 1]
+    assert stopped[3] is FinishReason.STOP and stopped[4] == full_second.token_ids[3]
+    assert results[True][6][0][3] is FinishReason.LENGTH
+
+
+def test_abort_while_a_step_is_in_flight(checkpoint):
+    args = dict(device="cpu", max_model_len=128, max_num_batched_tokens=128, seed=0)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    prompt_list = prompts(3, seed=3)
+    expected = {}
+    for overlap in (False, True):
+        engine = LLMEngine(build_engine_config(checkpoint, overlap_steps=overlap, **args))
+        for index, prompt in enumerate(prompt_list):
+            engine.add_request(f"r{index}", prompt, params)
+        accumulators: dict[str, OutputAccumulator] = {}
+
+        def consume(outputs):
+            for output in outputs:
+                accumulators.setdefault(output.request_id, OutputAccumulator(output.request_id)).add(output)
+
+        for _ in range(4):
+            consume(engine.step())
+        assert engine.abort("r1")
+        consume(engine.step())
+        assert accumulators["r1"].finished
+        while engine.has_unfinished():
+            consume(engine.step())
+        results = {key: summary(acc.result()) for key, acc in accumulators.items()}
+        assert results["r1"][0][3] is FinishReason.ABORT
+        assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks
+        expected[overlap] = results
+    assert expected[True]["r0"] == expected[False]["r0"] and expected[True]["r2"] == expected[False]["r2"]
+    # the aborted request's tokens: the overlapped engine reported one step fewer when it ended
+    aborted_sync, aborted_overlap = expected[False]["r1"][0][1], expected[True]["r1"][0][1]
+    assert aborted_overlap == aborted_sync[: len(aborted_overlap)] and len(aborted_overlap) == len(aborted_sync) - 1
+
+
+def test_outputs_lag_one_call_and_stats_are_filled(checkpoint):
+    engine = LLMEngine(build_engine_config(checkpoint, device="cpu", max_model_len=64, overlap_steps=True))
+    engine.add_request("a", prompts(1, seed=4)[0], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert engine.step() == []  # the prefill is launched; its token is read next call
+    stats = engine.last_stats
+    assert stats.num_seqs == 1 and stats.wall_s > 0 and stats.prepare_s > 0
+    counts = [sum(len(s.token_ids) for o in engine.step() for s in o.outputs) for _ in range(3)]
+    assert counts == [1, 1, 1]
+    assert engine.has_unfinished()  # a step launched past max_tokens: resolved and dropped next
+    assert engine.step() == [] and not engine.has_unfinished()
+    assert engine.scheduler.stats.num_decode_tokens == 3  # one launched past max_tokens, dropped
