@@ -24,9 +24,11 @@ import triton.language as tl
 from cleave.kernels.attention_common import LOG2E, dot_settings
 from cleave.kv.metadata import AttentionMetadata
 
-# Programs per launch (splits x sequences x KV heads) the split count aims for: a few waves
-# of CTAs on a 132-SM GPU, so that at batch 1 the context is read by many SMs at once.
-TARGET_PROGRAMS = 1024
+# Programs per launch (splits x sequences x KV heads) the split count aims for: a few
+# resident CTAs per SM of a 132-SM GPU, so that at batch 1 the context is read by many SMs
+# at once, while at batch 64 a sequence keeps one split and needs no reduction (measured
+# on an H200: bench/results/decode/attention_decode.md).
+TARGET_PROGRAMS = 512
 MAX_SPLITS = 256
 
 
@@ -215,7 +217,7 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     block_n: int = 64,
-    num_warps: int = 4,
+    num_warps: int = 2,
     num_stages: int | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Split-KV decode attention: every sequence's single new token over its paged context.

@@ -21,6 +21,7 @@ from cleave.kernels.dispatch import Impl, use_triton
 from cleave.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from cleave.kernels.rotary import apply_rotary
 from cleave.kernels.rotary_kv_write import rotary_write_kv
+from cleave.kernels.small_linear import MAX_ROWS, small_linear
 from cleave.kv.metadata import AttentionMetadata
 from cleave.model.config import ModelConfig
 from cleave.model.rope import build_cos_sin_cache
@@ -128,8 +129,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(hidden)  # [T, 2I]
-        return self.down_proj(silu_and_mul(gate_up, impl=self.impl))  # [T, I] -> [T, H]
+        if hidden.shape[0] <= MAX_ROWS and hidden.is_cuda and use_triton(hidden, self.impl):
+            # decode-sized batch: one weight-streaming kernel computes silu(gate) * up
+            act = small_linear(hidden, self.gate_up_proj.weight, gated=True, block_n=32, block_k=256, num_stages=3)
+        else:
+            act = silu_and_mul(self.gate_up_proj(hidden), impl=self.impl)  # [T, 2I] -> [T, I]
+        return self.down_proj(act)  # [T, I] -> [T, H]
 
 
 class DecoderLayer(nn.Module):
