@@ -42,6 +42,7 @@ import structlog
 from cleave.engine.async_engine import AsyncEngine
 from cleave.engine.config import EngineConfig
 from cleave.engine.llm_engine import LLMEngine
+from cleave.engine.outputs import RequestOutput
 from cleave.errors import CleaveError, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from cleave.rpc.types import KVLayout, TopLogprobs, TransferHandle, TransferStats, WorkerLoad
 from cleave.transfer import KVStoreClient, KVTransferClient, local_endpoint
@@ -93,6 +94,8 @@ class EnginePrefillBackend:
         self.counters = PrefillCounters()
         self._in_flight: dict[str, int] = {}  # request id -> prompt tokens
         self._stores: dict[str, asyncio.Task[None]] = {}  # request id -> its background kvstore put
+        self._tables: dict[str, list[int]] = {}  # request id -> prompt blocks, read on the step thread
+        self._releases: set[asyncio.Task[None]] = set()  # block releases after a response went out
 
     async def start(self) -> None:
         self.engine = await load_engine(self.engine_config)
@@ -102,13 +105,14 @@ class EnginePrefillBackend:
         self.negotiator = TransportNegotiator(
             self.worker_id, local_endpoint(device, nccl_available=nccl is not None), self.layout,
             self.transfers, nccl=nccl)
-        self.async_engine = AsyncEngine(self.engine)
+        self.async_engine = AsyncEngine(self.engine, on_step=self._keep_block_tables)
         if self.kvstore_address:
             client = KVStoreClient(self.kvstore_address, client_id=self.worker_id)
             await client.connect(self.layout)
             self.kvstore = KVStorePrefix(client, self.engine, self.async_engine)
 
     async def shutdown(self) -> None:
+        await asyncio.gather(*self._releases, return_exceptions=True)
         await self.wait_for_stores(timeout_s=STORE_DRAIN_S)
         for task in list(self._stores.values()):
             task.cancel()  # its `finally` still releases the request's blocks
@@ -157,17 +161,27 @@ class EnginePrefillBackend:
         try:
             fetch = await self._fetch_prefix(request_id, prompt)
             first_tokens, first_logprobs, num_cached = await self._run_prefill(async_engine, request_id, prompt, spec)
-            table = await async_engine.call(lambda e: e.prefilled_block_table(request_id))
+            table = self._tables.pop(request_id, None)
+            if table is None:  # not kept by the step (e.g. an engine without the hook)
+                table = await async_engine.call(lambda e: e.prefilled_block_table(request_id))
             transfer = None
             if spec.destination is not None:
                 transfer = await self._send(spec.destination, table)
             if spec.store_to_kvstore and self.kvstore is not None:
                 self._store_in_background(request_id, prompt, table, fetch)
                 handed_off = True
-        finally:
-            self._in_flight.pop(request_id, None)
+        except BaseException:
             if not handed_off:
                 await asyncio.shield(self._cleanup(request_id, fetch))
+            raise
+        finally:
+            self._in_flight.pop(request_id, None)
+            self._tables.pop(request_id, None)
+        if not handed_off:
+            # The KV is delivered: the response need not wait for the engine's next step
+            # boundary to free the blocks. (The release is queued on the step thread before
+            # any later request can reuse this id: commands apply in order.)
+            self._release_in_background(request_id, fetch)
         num_computed = len(prompt) - num_cached
         counters = self.counters
         counters.num_prefills += 1
@@ -182,6 +196,22 @@ class EnginePrefillBackend:
             first_token_logprobs=first_logprobs,
             transfer=transfer,
         )
+
+    def _keep_block_tables(self, outputs: list[RequestOutput]) -> None:
+        """Step thread, right after a step: keep each finished prefill's block table, so
+        sending its KV does not wait for the engine's next step to end."""
+        assert self.engine is not None
+        for output in outputs:
+            if output.finished and output.request_id in self._in_flight:
+                try:
+                    self._tables[output.request_id] = self.engine.prefilled_block_table(output.request_id)
+                except CleaveError:  # ended without exported KV (an error): the caller reports it
+                    pass
+
+    def _release_in_background(self, request_id: str, fetch: PrefixFetch) -> None:
+        task = asyncio.ensure_future(self._cleanup(request_id, fetch))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def _run_prefill(
         self, async_engine: AsyncEngine, request_id: str, prompt: list[int], spec: PrefillSpec

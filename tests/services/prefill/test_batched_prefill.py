@@ -1,6 +1,7 @@
 """Concurrent prefills share engine steps and their transfers overlap: N prompts that arrive
-together cost one engine step on the prefill worker, not N, and none of their KV sends waits
-for another's. Checked by counting engine steps and concurrent sends, not by wall-clock."""
+together cost one engine step on the prefill worker, not N; no KV send waits for another's,
+nor for a round trip to the engine's step thread. Checked by counting engine steps, engine
+calls and concurrent sends, not by wall-clock."""
 
 from __future__ import annotations
 
@@ -33,15 +34,32 @@ class StepCounter:
         return self._step()
 
 
-class SendTracker:
-    """Counts the prefill backend's KV sends in flight at once (wraps `_send`)."""
+class CallCounter:
+    """Counts round trips to the prefill engine's step thread (wraps `AsyncEngine.call`)."""
 
-    def __init__(self, backend) -> None:
+    def __init__(self, async_engine) -> None:
+        self.num_calls = 0
+        self._call = async_engine.call
+        async_engine.call = self
+
+    def __call__(self, fn):
+        self.num_calls += 1
+        return self._call(fn)
+
+
+class SendTracker:
+    """Counts the prefill backend's KV sends in flight at once (wraps `_send`), and the
+    engine round trips made before each send started."""
+
+    def __init__(self, backend, calls: CallCounter) -> None:
         self.in_flight = self.most_in_flight = 0
+        self.calls_before_send: list[int] = []
+        self._calls = calls
         self._send = backend._send
         backend._send = self
 
     async def __call__(self, handle, table):
+        self.calls_before_send.append(self._calls.num_calls)
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
@@ -57,7 +75,8 @@ async def test_concurrent_prefills_run_in_one_step_and_send_together(prefill, ch
     reader = AttachReader(decode.stub)
     try:
         backend = prefill.backend
-        steps, sends = StepCounter(backend.engine), SendTracker(backend)
+        steps, calls = StepCounter(backend.engine), CallCounter(backend.async_engine)
+        sends = SendTracker(backend, calls)
         ids = [f"b{i}" for i in range(NUM_PROMPTS)]
         handles = [(await decode.stub.Admit(d.AdmitRequest(
             request_id=rid, prompt_token_ids=prompt, sampling=greedy(3), gateway_id=GATEWAY,
@@ -73,6 +92,7 @@ async def test_concurrent_prefills_run_in_one_step_and_send_together(prefill, ch
 
         holding = asyncio.ensure_future(backend.async_engine.call(hold))
         await held.wait()
+        calls.num_calls = 0
         calls = [asyncio.ensure_future(prefill.stub.Prefill(p.PrefillRequest(
             request_id=rid, prompt_token_ids=prompt, sampling=greedy(3), destination=handle)))
             for rid, prompt, handle in zip(ids, PROMPTS, handles)]
@@ -83,6 +103,8 @@ async def test_concurrent_prefills_run_in_one_step_and_send_together(prefill, ch
         results = await asyncio.gather(*calls)
         assert steps.num_steps == 1, "the prompts were prefilled in separate engine steps"
         assert sends.most_in_flight >= 2, "the KV sends ran one after another"
+        # The block tables are kept by the step itself: no send waits for another engine step.
+        assert sends.calls_before_send == [0] * NUM_PROMPTS
         assert all(result.transfer.num_blocks == 5 for result in results)
         for rid, prompt, result in zip(ids, PROMPTS, results):
             await decode.stub.Start(d.StartRequest(
