@@ -1,12 +1,22 @@
 """End-to-end engine benchmark: a Llama-3.2-1B-shaped random bf16 checkpoint on one GPU.
 
+Each phase runs in both step loops (`--modes`): `overlap` (the engine launches step N+1
+before it processes step N's tokens; the CUDA default) and `sync` (the plain loop).
+
 Phase 1 (throughput): `--num-requests` requests of `--prompt-len` random token ids, each
 generating `--output-len` tokens (ignore_eos), submitted at once; reports output tokens/s
 and the mean step-time breakdown by batch size.
-Phase 2 (breakdown): `--breakdown-batch` requests at exactly that many running sequences,
-with the device synchronized after the forward so each phase's time is its own; reports
-scheduling, input preparation, forward (graph replay), sampling and detokenization per
-decode step, and the share of the step spent in host-only work.
+Phase 2 (breakdown): `--breakdown-batch` requests at exactly that many running sequences.
+
+Two measures of host overhead per row:
+- `gpu_idle_pct` = 100 * (1 - sum(device_ms) / sum(step_ms)): `device_ms` is each step's
+  forward + sampling time on the GPU (CUDA events around them, no synchronization) and
+  `step_ms` the wall time of each `engine.step()` call, so this is the share of time the
+  GPU had nothing to run because it waited for the host. It is the issue's host share for
+  both loops (in the overlapped loop host work that runs while the GPU computes is free).
+- `host_pct` = host-only phases (schedule, prepare, sampling prep, detokenize/outputs) over
+  the step, only for the `breakdown (synced)` row: the sync loop with the device
+  synchronized after the forward, so each phase's time is its own.
 
     python bench/engine.py --out bench/results/engine
     python bench/engine.py --num-requests 32 --output-len 128     # a quick run
@@ -24,8 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-COLUMNS = ["phase", "batch", "steps", "step_ms", "schedule_ms", "prepare_ms", "forward_ms", "sample_ms",
-           "sampling_prep_ms", "detokenize_ms", "host_pct", "graph_pct"]
+COLUMNS = ["phase", "mode", "batch", "steps", "step_ms", "device_ms", "gpu_idle_pct", "schedule_ms", "prepare_ms",
+           "forward_ms", "sample_ms", "sampling_prep_ms", "detokenize_ms", "host_pct", "graph_pct"]
+MODES = ("overlap", "sync")
 
 LLAMA_3_2_1B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=2048,
@@ -83,7 +94,7 @@ def write_checkpoint(directory: Path, device: str) -> Path:
     return model_dir
 
 
-def make_engine(model_dir: Path, args: argparse.Namespace, max_num_seqs: int, sync_timing: bool):
+def make_engine(model_dir: Path, args: argparse.Namespace, max_num_seqs: int, mode: str, sync_timing: bool = False):
     from cleave.engine.llm import build_engine_config
     from cleave.engine.llm_engine import LLMEngine
 
@@ -91,9 +102,9 @@ def make_engine(model_dir: Path, args: argparse.Namespace, max_num_seqs: int, sy
         model_dir, device=args.device, dtype="bfloat16", max_num_seqs=max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         block_size=args.block_size, enforce_eager=args.enforce_eager,
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_memory_utilization=args.gpu_memory_utilization, overlap_steps=mode == "overlap",
     )
-    return LLMEngine(config, sync_timing=sync_timing)
+    return LLMEngine(config, sync_timing=sync_timing, device_timing=not sync_timing)
 
 
 def run_requests(engine, num_requests: int, args: argparse.Namespace, seed: int):
@@ -114,17 +125,22 @@ def run_requests(engine, num_requests: int, args: argparse.Namespace, seed: int)
     return time.perf_counter() - start, num_output, steps
 
 
-def summarize(phase: str, label: str, steps: list) -> dict:
+def summarize(phase: str, mode: str, label: str, steps: list, synced: bool = False) -> dict:
     def ms(field: str) -> float:
         return statistics.fmean(getattr(s, field) for s in steps) * 1e3
 
-    step_ms = statistics.fmean(s.total_s for s in steps) * 1e3
-    host_ms = statistics.fmean(s.host_s for s in steps) * 1e3
+    wall_s = sum(s.wall_s for s in steps)
+    device_s = sum(s.device_s for s in steps)
+    host_pct = None
+    if synced:  # phases are disjoint only when the device is synchronized inside the step
+        host_pct = 100.0 * sum(s.host_s for s in steps) / sum(s.total_s for s in steps)
     return {
-        "phase": phase, "batch": label, "steps": len(steps), "step_ms": step_ms,
+        "phase": phase, "mode": mode, "batch": label, "steps": len(steps), "step_ms": ms("wall_s"),
+        "device_ms": ms("device_s") if device_s else None,
+        "gpu_idle_pct": 100.0 * (1.0 - device_s / wall_s) if device_s else None,
         "schedule_ms": ms("schedule_s"), "prepare_ms": ms("prepare_s"), "forward_ms": ms("forward_s"),
         "sample_ms": ms("sample_s"), "sampling_prep_ms": ms("sampling_prep_s"), "detokenize_ms": ms("postprocess_s"),
-        "host_pct": 100.0 * host_ms / step_ms, "graph_pct": 100.0 * sum(s.used_graph for s in steps) / len(steps),
+        "host_pct": host_pct, "graph_pct": 100.0 * sum(s.used_graph for s in steps) / len(steps),
     }
 
 
@@ -158,6 +174,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--modes", default=",".join(MODES), help="step loops to run: overlap, sync or both")
     parser.add_argument("--out", default=None, help="directory for engine.json / engine.md")
     args = parser.parse_args(argv)
     if args.max_model_len is None:
@@ -169,37 +186,57 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from common import format_table, write_results
 
-    rows, summary = [], {}
+    modes = [mode for mode in args.modes.split(",") if mode]
+    if not modes or set(modes) - set(MODES):
+        raise SystemExit(f"--modes takes a comma-separated subset of {', '.join(MODES)}")
+    rows, summary = [], {"modes": modes}
+    breakdown_len = args.breakdown_output_len
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         model_dir = write_checkpoint(Path(tmp), args.device)
-        engine = make_engine(model_dir, args, args.max_num_seqs, sync_timing=False)
-        summary["startup_s"] = round(time.perf_counter() - start, 1)
-        summary["kv_blocks"] = engine.runner.num_blocks
-        seconds, num_output, steps = run_requests(engine, args.num_requests, args, seed=0)
-        summary.update(requests=args.num_requests, prompt_len=args.prompt_len, output_len=args.output_len,
-                       seconds=round(seconds, 2), output_tokens_per_s=round(num_output / seconds, 1),
-                       steps=len(steps), preemptions=engine.scheduler.stats.num_preemptions)
-        rows.append(summarize("throughput", "all", steps))
-        for lo, hi in ((1, 32), (33, 96), (97, 192), (193, 4096)):
-            selected = decode_steps(steps, lo, hi)
-            if selected:
-                rows.append(summarize("throughput", f"decode {lo}-{hi}", selected))
-        print(json.dumps(summary))
-        print(format_table(rows, COLUMNS))
-        del engine
-        free_device_memory()
+        summary["checkpoint_s"] = round(time.perf_counter() - start, 1)
+        for mode in modes:
+            start = time.perf_counter()
+            engine = make_engine(model_dir, args, args.max_num_seqs, mode)
+            summary[f"startup_s_{mode}"] = round(time.perf_counter() - start, 1)
+            summary["kv_blocks"] = engine.runner.num_blocks
+            seconds, num_output, steps = run_requests(engine, args.num_requests, args, seed=0)
+            summary.update(requests=args.num_requests, prompt_len=args.prompt_len, output_len=args.output_len)
+            summary[f"seconds_{mode}"] = round(seconds, 2)
+            summary[f"output_tokens_per_s_{mode}"] = round(num_output / seconds, 1)
+            summary[f"steps_{mode}"] = len(steps)
+            summary[f"preemptions_{mode}"] = engine.scheduler.stats.num_preemptions
+            rows.append(summarize("throughput", mode, "all", steps))
+            for lo, hi in ((1, 32), (33, 96), (97, 192), (193, 4096)):
+                selected = decode_steps(steps, lo, hi)
+                if selected:
+                    rows.append(summarize("throughput", mode, f"decode {lo}-{hi}", selected))
+            print(json.dumps(summary))
+            print(format_table(rows, COLUMNS))
+            del engine
+            free_device_memory()
 
         if args.breakdown_batch:
-            args.output_len = args.breakdown_output_len
-            engine = make_engine(model_dir, args, args.breakdown_batch, sync_timing=True)
-            _, _, steps = run_requests(engine, args.breakdown_batch, args, seed=1)
-            selected = decode_steps(steps, args.breakdown_batch, args.breakdown_batch)
-            if selected:
-                row = summarize("breakdown (synced)", f"decode {args.breakdown_batch}", selected)
+            batch = args.breakdown_batch
+            breakdown_args = argparse.Namespace(**{**vars(args), "output_len": breakdown_len})
+            runs = [(mode, False) for mode in modes] + ([("sync", True)] if "sync" in modes else [])
+            for mode, synced in runs:
+                engine = make_engine(model_dir, breakdown_args, batch, mode, sync_timing=synced)
+                _, _, steps = run_requests(engine, batch, breakdown_args, seed=1)
+                selected = decode_steps(steps, batch, batch)
+                del engine
+                free_device_memory()
+                if not selected:
+                    continue
+                phase = "breakdown (synced)" if synced else "breakdown"
+                row = summarize(phase, mode, f"decode {batch}", selected, synced=synced)
                 rows.append(row)
-                summary[f"host_pct_at_batch_{args.breakdown_batch}"] = round(row["host_pct"], 1)
-                summary[f"step_ms_at_batch_{args.breakdown_batch}"] = round(row["step_ms"], 3)
+                if synced:
+                    summary[f"host_pct_synced_at_batch_{batch}"] = round(row["host_pct"], 1)
+                elif row["device_ms"] is not None:  # CUDA events (none on CPU)
+                    summary[f"gpu_idle_pct_at_batch_{batch}_{mode}"] = round(row["gpu_idle_pct"], 1)
+                    summary[f"step_ms_at_batch_{batch}_{mode}"] = round(row["step_ms"], 3)
+                    summary[f"device_ms_at_batch_{batch}_{mode}"] = round(row["device_ms"], 3)
 
     print(json.dumps(summary))
     print(format_table(rows, COLUMNS))

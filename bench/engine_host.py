@@ -12,8 +12,12 @@ the full batch are kept. Each phase is reported in ms per decode step:
     detokenize   the previous step's deferred text (overlaps the forward on a GPU)
     sampling_prep SamplingTensors (host part of sampling)
     sample       sampling itself (device work on a GPU; excluded from host)
-    postprocess  scheduler.postprocess, stop checks, output objects
+    postprocess  scheduler.postprocess, stop checks, output objects (overlapped steps: the
+                 previous step's tokens, with their text)
     host         schedule + prepare + detokenize + sampling_prep + postprocess
+
+`--mode sync` is the plain loop, `--mode overlap` the overlapped steps a CUDA engine runs
+(on CPU nothing overlaps, so this is their host cost), `both` (default) one row each.
 
 Phases are medians over steps. By default the engine's clock is this thread's CPU time
 (`--clock cpu`: torch runs single-threaded here), so other processes on a shared machine
@@ -21,6 +25,7 @@ do not inflate the numbers; `--clock wall` keeps the engine's perf_counter.
 
     python bench/engine_host.py                          # batch 64 and 256
     python bench/engine_host.py --batch 64 --profile     # cProfile of the decode loop
+    python bench/engine_host.py --mode overlap           # only the overlapped steps
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ def phase_ms(stats) -> dict[str, float]:
     }
 
 
-def make_engine(model_dir: Path, batch: int, args: argparse.Namespace):
+def make_engine(model_dir: Path, batch: int, args: argparse.Namespace, overlap: bool):
     from cleave.engine.llm import build_engine_config
     from cleave.engine.llm_engine import LLMEngine
 
@@ -63,19 +68,21 @@ def make_engine(model_dir: Path, batch: int, args: argparse.Namespace):
     config = build_engine_config(
         model_dir, device="cpu", dtype="float32", max_num_seqs=batch,
         max_num_batched_tokens=max(batch * args.prompt_len, 2048), max_model_len=max_model_len,
-        block_size=args.block_size, num_blocks=batch * blocks_per_seq + 1, seed=0,
+        block_size=args.block_size, num_blocks=batch * blocks_per_seq + 1, seed=0, overlap_steps=overlap,
     )
     return LLMEngine(config)
 
 
-def run_batch(model_dir: Path, batch: int, args: argparse.Namespace, profiler: cProfile.Profile | None) -> dict:
-    """Decode `batch` requests to completion; mean phase ms over full-batch decode steps."""
+def run_batch(
+    model_dir: Path, batch: int, args: argparse.Namespace, profiler: cProfile.Profile | None, overlap: bool
+) -> dict:
+    """Decode `batch` requests to completion; median phase ms over full-batch decode steps."""
     import torch
 
     from cleave.engine.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
-    engine = make_engine(model_dir, batch, args)
+    engine = make_engine(model_dir, batch, args, overlap)
     rng = random.Random(batch)
     params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
     for index in range(batch):
@@ -100,7 +107,7 @@ def run_batch(model_dir: Path, batch: int, args: argparse.Namespace, profiler: c
     rows = rows[min(5, len(rows) // 4) :]
     if not rows:
         raise RuntimeError("no full-batch decode steps; raise --output-len")
-    result = {"batch": batch, "steps": len(rows)}
+    result = {"mode": "overlap" if overlap else "sync", "batch": batch, "steps": len(rows)}
     for phase in PHASES:
         result[phase] = statistics.median(row[phase] for row in rows)
     result["host"] = sum(result[phase] for phase in HOST_PHASES)
@@ -111,10 +118,10 @@ def run_batch(model_dir: Path, batch: int, args: argparse.Namespace, profiler: c
 
 
 def format_rows(results: list[dict]) -> str:
-    columns = ["batch", "steps", *PHASES, "host", "step", "host_us_per_seq"]
+    columns = ["mode", "batch", "steps", *PHASES, "host", "step", "host_us_per_seq"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in results:
-        cells = [str(row[c]) if isinstance(row[c], int) else f"{row[c]:.3f}" for c in columns]
+        cells = [f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -127,6 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=1, help="runs per batch size; the fastest is kept")
+    parser.add_argument("--mode", choices=("sync", "overlap", "both"), default="both", help="engine step loop")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="time phases by thread CPU or wall time")
     parser.add_argument("--profile", action="store_true", help="cProfile full-batch steps; print the top functions")
     parser.add_argument("--json", default=None, help="write the rows to this file")
@@ -143,12 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_checkpoint(Path(tmp) / "tiny", "llama", max_position_embeddings=4096)
+        modes = {"sync": (False,), "overlap": (True,), "both": (False, True)}[args.mode]
         for batch in args.batch:
-            profiler = cProfile.Profile() if args.profile else None
-            runs = [run_batch(model_dir, batch, args, profiler) for _ in range(args.repeats)]
-            results.append(min(runs, key=lambda row: row["host"]))
-            if profiler is not None:
-                pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+            for overlap in modes:
+                profiler = cProfile.Profile() if args.profile else None
+                runs = [run_batch(model_dir, batch, args, profiler, overlap) for _ in range(args.repeats)]
+                results.append(min(runs, key=lambda row: row["host"]))
+                if profiler is not None:
+                    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     print(format_rows(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
