@@ -189,3 +189,22 @@ def test_gpu_write_kv_matches_reference():
     write_kv(key, value, cache, slots, impl="triton")
 
     assert torch.equal(cache, expected)
+
+
+def test_decode_split_counters_are_left_zeroed_for_the_next_launch():
+    # As the CUDA-graph buffers do: one zeroed counter buffer reused by every layer and step;
+    # the last split of each (sequence, KV head) merges and resets its counter. Row 2 is padding.
+    cache = random_cache(num_blocks=20, num_kv_heads=2, dtype=torch.float32)
+    metadata = AttentionMetadata.build([1, 1], [37, 9], [list(range(19, 9, -1)), [3, 8, 0]], BLOCK_SIZE)
+    metadata.seq_lens = torch.tensor([37, 9, 0], dtype=torch.int32)
+    metadata.query_start_loc = torch.arange(4, dtype=torch.int32)
+    metadata.block_tables = torch.cat([metadata.block_tables, torch.zeros(1, metadata.block_tables.shape[1], dtype=torch.int32)])
+    metadata.split_counters = torch.zeros(16, dtype=torch.int32)
+    query = random_query(3, 4, torch.float32)
+    expected = paged_attention_reference(query, cache, metadata, SCALE)
+
+    for _ in range(2):
+        out = paged_decode_attention(query, cache, metadata, SCALE, num_splits=4, block_n=16)
+        torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+        assert torch.count_nonzero(metadata.split_counters) == 0
+    assert torch.count_nonzero(out[2]) == 0

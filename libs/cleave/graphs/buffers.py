@@ -14,6 +14,8 @@ import torch
 from cleave.graphs.buckets import NULL_BLOCK_ID, PAD_POSITION, PAD_SEQ_LEN, PAD_SLOT_ID, PAD_TOKEN_ID
 from cleave.kv.metadata import AttentionMetadata
 
+MAX_KV_HEADS = 128  # KV heads per layer the split counters are sized for
+
 
 class StaticDecodeBuffers:
     """Capacity-sized decode inputs (one query token per sequence) for graph capture/replay.
@@ -25,6 +27,8 @@ class StaticDecodeBuffers:
         seq_lens: [max_batch_size] int32 context length including the new token.
         block_tables: [max_batch_size, max_blocks_per_seq] int32.
         query_start_loc: [max_batch_size + 1] int32, constant 0..max_batch_size (one token each).
+        split_counters: [max_batch_size * MAX_KV_HEADS] int32 zeros, the decode attention
+            kernel's scratch (left zeroed by every launch), so graphs carry no memset for it.
     """
 
     def __init__(self, max_batch_size: int, max_blocks_per_seq: int, block_size: int, device: torch.device | str) -> None:
@@ -39,6 +43,7 @@ class StaticDecodeBuffers:
             (max_batch_size, max_blocks_per_seq), NULL_BLOCK_ID, dtype=torch.int32, device=device
         )
         self.query_start_loc = torch.arange(max_batch_size + 1, dtype=torch.int32, device=device)
+        self.split_counters = torch.zeros(max_batch_size * MAX_KV_HEADS, dtype=torch.int32, device=device)
         # Extent of real data left by the last fill: rows [0, dirty_rows), columns [0, dirty_width).
         self.dirty_rows = 0
         self.dirty_width = 0
@@ -57,6 +62,7 @@ class StaticDecodeBuffers:
             block_tables=self.block_tables[:bucket],
             max_query_len=1,
             max_seq_len=self.max_seq_len,
+            split_counters=self.split_counters,
         )
 
     def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> None:

@@ -11,8 +11,11 @@ partition's length follows the sequence's actual length, read on the device. A s
 context is spread over every split (one or two tiles each, so a batch-1 step is not a
 serial walk over the context) and a long one gets long partitions. With one split the
 kernel normalises and writes the output itself; otherwise each split writes a partial
-result (running max, sum of exponentials, unnormalised accumulator) and a second kernel
-merges the partials of the splits that covered tokens.
+result (running max, sum of exponentials, unnormalised accumulator) and counts itself done
+on a per-(sequence, KV head) atomic counter; the split that finishes last merges the
+partials and writes the output, then zeroes the counter for the next launch. One launch
+per layer, no separate reduction kernel. The counters live in `metadata.split_counters`
+(zeroed once, e.g. by the CUDA-graph buffers) or are allocated zeroed per call.
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ MAX_SPLITS = 256
 
 @triton.jit
 def _split_range(seq_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[start, end) of `split`'s partition of a `seq_len`-token context (may be empty)."""
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
-    start = split * tiles_per_split * BLOCK_N
-    return start, tl.minimum(seq_len, start + tiles_per_split * BLOCK_N)
+    """[start, end) of `split`'s partition of a `seq_len`-token context (may be empty), and
+    how many splits cover tokens (at least one, so an empty sequence still writes zeros)."""
+    split_len = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    start = split * split_len
+    num_active = tl.maximum(tl.cdiv(seq_len, tl.maximum(split_len, 1)), 1)
+    return start, tl.minimum(seq_len, start + split_len), num_active
 
 
 @triton.jit
@@ -48,6 +53,7 @@ def _paged_decode_split_kernel(
     part_max_ptr,  # [B, Hq, S] fp32
     part_sum_ptr,  # [B, Hq, S] fp32
     part_acc_ptr,  # [B, Hq, S, D] fp32
+    counters_ptr,  # [>= B * Hkv] int32, zero between launches
     query_start_loc_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32
     block_tables_ptr,  # [B, max_blocks_per_seq] int32
@@ -68,6 +74,8 @@ def _paged_decode_split_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -76,11 +84,11 @@ def _paged_decode_split_kernel(
     kv_head = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    part_start, part_end = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
+    part_start, part_end, num_active = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
     q_token = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) == q_token:
         return
-    if NUM_SPLITS > 1 and part_start >= seq_len:
+    if NUM_SPLITS > 1 and split >= num_active:
         return
 
     group = tl.arange(0, BLOCK_G)  # [BLOCK_G] query heads of this KV head
@@ -131,7 +139,8 @@ def _paged_decode_split_kernel(
             mask=group_valid[:, None] & dim_valid[None, :],
         )
         return
-    part_row = (seq.to(tl.int64) * (QUERIES_PER_KV * tl.num_programs(2)) + q_heads) * NUM_SPLITS + split  # [BLOCK_G]
+    num_q_heads = QUERIES_PER_KV * tl.num_programs(2)
+    part_row = (seq.to(tl.int64) * num_q_heads + q_heads) * NUM_SPLITS + split  # [BLOCK_G]
     tl.store(part_max_ptr + part_row, m_i, mask=group_valid)
     tl.store(part_sum_ptr + part_row, l_i, mask=group_valid)
     tl.store(
@@ -139,63 +148,74 @@ def _paged_decode_split_kernel(
         acc,
         mask=group_valid[:, None] & dim_valid[None, :],
     )
+    # Every thread's partials are written before the counter moves (release); the split
+    # that moves it last sees them all (acquire) and merges.
+    tl.debug_barrier()
+    counter = counters_ptr + seq * tl.num_programs(2) + kv_head
+    finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if finished == num_active - 1:
+        tl.debug_barrier()
+        _merge_splits(
+            out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, q_token, seq, kv_head, num_q_heads, num_active,
+            stride_o_token, stride_o_head, QUERIES_PER_KV, HEAD_DIM, NUM_SPLITS, BLOCK_Q, BLOCK_S, BLOCK_D,
+        )
+        tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
-def _paged_decode_reduce_kernel(
+def _merge_splits(
     out_ptr,  # [T, Hq, D]
     part_max_ptr,  # [B, Hq, S] fp32
     part_sum_ptr,  # [B, Hq, S] fp32
     part_acc_ptr,  # [B, Hq, S, D] fp32
-    query_start_loc_ptr,  # [B + 1] int32
-    seq_lens_ptr,  # [B] int32
+    q_token,
+    seq,
+    kv_head,
+    num_q_heads,
+    num_active,
     stride_o_token,
     stride_o_head,
+    QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    q_head = tl.program_id(1)
-    q_token = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) == q_token:
-        return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
-    num_valid = tl.cdiv(seq_len, tl.maximum(tiles_per_split, 1) * BLOCK_N)  # splits that covered tokens
-
+    """Merge the first `num_active` splits' partials of one KV head's query heads into `out`."""
+    group = tl.arange(0, BLOCK_Q)  # [BLOCK_Q]
+    group_valid = group < QUERIES_PER_KV
+    q_heads = kv_head * QUERIES_PER_KV + group
     dims = tl.arange(0, BLOCK_D)
     dim_valid = dims < HEAD_DIM
-    row0 = (seq.to(tl.int64) * tl.num_programs(1) + q_head) * NUM_SPLITS
-    total_max = tl.full([1], -1.0e30, dtype=tl.float32)
-    total_sum = tl.zeros([1], dtype=tl.float32)
-    total_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for chunk in range(0, num_valid, BLOCK_S):
+    row0 = (seq.to(tl.int64) * num_q_heads + q_heads) * NUM_SPLITS  # [BLOCK_Q]
+    total_max = tl.full([BLOCK_Q], -1.0e30, dtype=tl.float32)
+    total_sum = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    total_acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    for chunk in range(0, num_active, BLOCK_S):
         splits = chunk + tl.arange(0, BLOCK_S)  # [BLOCK_S]
-        split_valid = splits < num_valid
-        part_max = tl.load(part_max_ptr + row0 + splits, mask=split_valid, other=-1.0e30)
-        part_sum = tl.load(part_sum_ptr + row0 + splits, mask=split_valid, other=0.0)
+        valid = group_valid[:, None] & (splits < num_active)[None, :]  # [BLOCK_Q, BLOCK_S]
+        rows = row0[:, None] + splits[None, :]  # [BLOCK_Q, BLOCK_S]
+        part_max = tl.load(part_max_ptr + rows, mask=valid, other=-1.0e30, cache_modifier=".cg")
+        part_sum = tl.load(part_sum_ptr + rows, mask=valid, other=0.0, cache_modifier=".cg")
         part_acc = tl.load(
-            part_acc_ptr + (row0 + splits)[:, None] * HEAD_DIM + dims[None, :],
-            mask=split_valid[:, None] & dim_valid[None, :],
+            part_acc_ptr + rows[:, :, None] * HEAD_DIM + dims[None, None, :],
+            mask=valid[:, :, None] & dim_valid[None, None, :],
             other=0.0,
-        )  # [BLOCK_S, BLOCK_D]
-        new_max = tl.maximum(total_max, tl.max(part_max, axis=0))  # [1]
-        weights = tl.exp2(part_max - new_max)  # [BLOCK_S]
-        rescale = tl.exp2(total_max - new_max)  # [1]
-        total_sum = total_sum * rescale + tl.sum(part_sum * weights, axis=0)
-        total_acc = total_acc * rescale + tl.sum(part_acc * weights[:, None], axis=0)
+            cache_modifier=".cg",
+        )  # [BLOCK_Q, BLOCK_S, BLOCK_D]
+        new_max = tl.maximum(total_max, tl.max(part_max, axis=1))  # [BLOCK_Q]
+        weights = tl.exp2(part_max - new_max[:, None])  # [BLOCK_Q, BLOCK_S]
+        rescale = tl.exp2(total_max - new_max)  # [BLOCK_Q]
+        total_sum = total_sum * rescale + tl.sum(part_sum * weights, axis=1)
+        total_acc = total_acc * rescale[:, None] + tl.sum(part_acc * weights[:, :, None], axis=1)
         total_max = new_max
-
-    # A padding sequence (seq_len 0) ran no split: write zeros, not 0/0.
-    safe_sum = tl.where(total_sum > 0.0, total_sum, 1.0)
-    out = total_acc / safe_sum
+    # A padding sequence (seq_len 0) ran no tile: write zeros, not 0/0.
+    out = total_acc / tl.where(total_sum > 0.0, total_sum, 1.0)[:, None]
     tl.store(
-        out_ptr + q_token.to(tl.int64) * stride_o_token + q_head * stride_o_head + dims,
+        out_ptr + q_token.to(tl.int64) * stride_o_token + q_heads[:, None] * stride_o_head + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=dim_valid,
+        mask=group_valid[:, None] & dim_valid[None, :],
     )
 
 
@@ -240,8 +260,11 @@ def paged_decode_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     if num_splits == 1:  # the split kernel writes `out` itself; the partial buffers are unused
-        part_max = part_sum = part_acc = out
+        part_max = part_sum = part_acc = counters = out
     else:
+        counters = metadata.split_counters
+        if counters is None or counters.numel() < num_seqs * num_kv_heads:
+            counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=query.device)
         part_max = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=query.device)
         part_sum = torch.empty_like(part_max)
         part_acc = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
@@ -255,6 +278,7 @@ def paged_decode_attention(
         part_max,
         part_sum,
         part_acc,
+        counters,
         metadata.query_start_loc,
         metadata.seq_lens,
         metadata.block_tables,
@@ -275,25 +299,10 @@ def paged_decode_attention(
         BLOCK_G=max(16, triton.next_power_of_2(queries_per_kv)),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
+        BLOCK_Q=triton.next_power_of_2(queries_per_kv),
+        BLOCK_S=min(16, num_splits),
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
         **launch,
-    )
-    if num_splits == 1:
-        return out
-    _paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
-        out,
-        part_max,
-        part_sum,
-        part_acc,
-        metadata.query_start_loc,
-        metadata.seq_lens,
-        out.stride(0),
-        out.stride(1),
-        HEAD_DIM=head_dim,
-        NUM_SPLITS=num_splits,
-        BLOCK_N=block_n,
-        BLOCK_S=min(32, num_splits),
-        BLOCK_D=block_d,
     )
     return out
