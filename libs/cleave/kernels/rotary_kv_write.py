@@ -1,8 +1,8 @@
 """Rotary embedding fused with the KV-cache write: one launch per layer instead of two.
 
-Per token, one program rotates every q head in place, rotates every k head straight into
-the token's cache slot (k itself is left as it was: nothing reads it after the write) and
-copies v beside it; a padding token (slot -1) still rotates q but writes no K/V. Columns
+Per token, one program rotates every q head in place and a second rotates every k head
+straight into the token's cache slot (k itself is left as it was: nothing reads it after the
+write) and copies v beside it; a padding token (slot -1) still rotates q but writes no K/V. Columns
 past `rotary_dim` (partial rotary) are copied unrotated. Semantically this is
 `apply_rotary(q, k, ...)` followed by `write_kv(k, v, ...)`, which is the reference.
 """
@@ -62,18 +62,21 @@ def _rotary_kv_write_kernel(
     IS_NEOX: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)  # 0: q, 1: k and v
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if (part == 1) & (slot < 0):
+        return
     position = tl.load(positions_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)
     cos_sin_row = cos_sin_ptr + position * cos_sin_row_stride
     cos = tl.load(cos_sin_row + dims, mask=dims < HALF, other=0.0).to(tl.float32)
     sin = tl.load(cos_sin_row + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)
 
-    q_row = q_ptr + token * q_token_stride
-    _rotate_heads(q_row, q_head_stride, q_row, q_head_stride, 0, num_q_heads, cos, sin,
-                  HALF, BLOCK_HALF, Q_HEADS, IS_NEOX)
-
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot >= 0:
+    if part == 0:
+        q_row = q_ptr + token * q_token_stride
+        _rotate_heads(q_row, q_head_stride, q_row, q_head_stride, 0, num_q_heads, cos, sin,
+                      HALF, BLOCK_HALF, Q_HEADS, IS_NEOX)
+    else:
         k_row = k_ptr + token * k_token_stride
         key_dst = cache_ptr + (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_slot
         _rotate_heads(k_row, k_head_stride, key_dst, stride_cache_head, 0, num_kv_heads, cos, sin,
@@ -120,7 +123,7 @@ def rotary_write_kv(
         return
     half = rotary_dim // 2
     _launcher(
-        (num_tokens,),
+        (num_tokens, 2),  # axis 1: 0 rotates q, 1 writes k and v
         (
             query, key, value, positions, cos_sin_cache, kv_cache, slot_mapping,
             num_q_heads, num_kv_heads, head_dim,
