@@ -1,32 +1,73 @@
-"""Decode-batch GEMV kernel vs F.linear (and fused SwiGLU vs silu(gate) * up)."""
+"""Decode-batch GEMV kernel vs the unfused ops it replaces (norm, F.linear, SwiGLU, residual add)."""
 
 import pytest
 import torch
 
 from cleave.kernels.small_linear import small_linear, small_linear_reference
+from tests.kernels.ulp import assert_close_ulps
+
+
+def make(rows, num_out, num_in, gated, dtype=torch.float32, device="cpu", seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, num_in, generator=generator).to(dtype).to(device)
+    weight = (torch.randn((2 if gated else 1) * num_out, num_in, generator=generator) * 0.1).to(dtype).to(device)
+    norm_weight = (1 + 0.1 * torch.randn(num_in, generator=generator)).to(dtype).to(device)
+    residual = torch.randn(rows, num_out, generator=generator).to(dtype).to(device)
+    return x, weight, norm_weight, residual
 
 
 @pytest.mark.parametrize(("rows", "num_out", "num_in", "gated"), [(1, 40, 48, False), (5, 24, 70, True), (16, 16, 32, False)])
 def test_matches_reference_fp32(rows, num_out, num_in, gated):
-    generator = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, num_in, generator=generator)
-    weight = torch.randn((2 if gated else 1) * num_out, num_in, generator=generator)
+    x, weight, _, _ = make(rows, num_out, num_in, gated)
     out = small_linear(x, weight, gated=gated, impl="triton", block_n=16, block_k=32)
     assert out.shape == (rows, num_out)
     torch.testing.assert_close(out, small_linear_reference(x, weight, gated), rtol=1e-5, atol=1e-5)
 
 
-def test_rejects_too_many_rows_naming_the_limit():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_prologue_and_residual_epilogue(dtype):
+    # qkv-style: normalise the residual stream, project; o-style: add the product in place.
+    x, weight, norm_weight, residual = make(3, 24, 40, False, dtype)
+    normed_out = small_linear(x, weight, norm_weight=norm_weight, eps=1e-5, impl="triton", block_n=16, block_k=16)
+    expected = small_linear_reference(x, weight, norm_weight=norm_weight, eps=1e-5)
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(normed_out.float(), expected.float(), rtol=1e-3 if dtype == torch.float32 else 2e-2, atol=atol)
+
+    ours, theirs = residual.clone(), residual.clone()
+    returned = small_linear(x, weight, add_to=ours, impl="triton", block_n=16, block_k=16)
+    small_linear_reference(x, weight, add_to=theirs)
+    assert returned is ours
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    else:
+        # the product may differ by an ulp before the add; the interpreter also truncates casts
+        assert_close_ulps(ours, theirs, ulps=2, atol=2e-2)
+
+
+def test_gated_with_norm_prologue():
+    x, weight, norm_weight, _ = make(2, 16, 48, True)
+    out = small_linear(x, weight, gated=True, norm_weight=norm_weight, impl="triton", block_n=16, block_k=16)
+    expected = small_linear_reference(x, weight, gated=True, norm_weight=norm_weight)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_rejects_bad_shapes_naming_the_limit():
     with pytest.raises(ValueError, match="at most 16 rows"):
         small_linear(torch.zeros(17, 8), torch.zeros(8, 8), impl="triton")
+    with pytest.raises(ValueError, match="add_to must be"):
+        small_linear(torch.zeros(2, 8), torch.zeros(4, 8), add_to=torch.zeros(2, 5), impl="triton")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("rows", [1, 8])
 def test_gpu_bf16_llama_shapes(rows, gated):
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(rows, 2048, generator=generator, device="cuda").bfloat16()
-    weight = (torch.randn(16384 if gated else 3072, 2048, generator=generator, device="cuda") * 0.02).bfloat16()
-    out = small_linear(x, weight, gated=gated)
-    torch.testing.assert_close(out.float(), small_linear_reference(x, weight, gated).float(), rtol=2e-2, atol=2e-2)
+    x, weight, norm_weight, residual = make(rows, 8192 if gated else 2048, 2048, gated, torch.bfloat16, "cuda")
+    out = small_linear(x, weight, gated=gated, norm_weight=norm_weight)
+    expected = small_linear_reference(x, weight, gated=gated, norm_weight=norm_weight)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    if not gated:
+        ours, theirs = residual.clone(), residual.clone()
+        small_linear(x, weight, add_to=ours)
+        small_linear_reference(x, weight, add_to=theirs)
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-2)

@@ -114,6 +114,19 @@ def test_mixed_batch_matches_separate_sequences(tiny_checkpoints):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_decode_path_matches_transformers(tiny_checkpoints, hf_models, arch):
+    """A 20-token prefill (unfused) then 1-2 token steps on the fused decode-batch kernels
+    (norms inside the projections, residual adds in their epilogues), in the interpreter."""
+    model = load_model(tiny_checkpoints[arch], impl="triton")
+    assert model._decode_kernels_apply(torch.zeros(1, model.config.hidden_size))
+    assert not model._decode_kernels_apply(torch.zeros(20, model.config.hidden_size))
+    input_ids = prompt_ids(model.config.vocab_size, 25)
+    expected = hf_models[arch](input_ids[None]).logits[0].float()
+    assert (run_chunks(model, input_ids, [20, 1, 1, 1, 2]) - expected).abs().max().item() <= TOLERANCE
+
+
+@torch.no_grad()
 def test_triton_kernels_match_transformers(tiny_checkpoints, hf_models):
     """The same forward with every op on its Triton kernel (the interpreter on CPU)."""
     model = load_model(tiny_checkpoints["qwen3"], impl="triton")

@@ -18,7 +18,7 @@ def dot_settings(query: torch.Tensor) -> tuple[tl.dtype, str]:
     is unreliable, so operands are widened to fp32 there.
     """
     if query.dtype not in _TL_DTYPES:
-        raise ValueError(f"paged attention supports fp32, bf16 and fp16 queries, got {query.dtype}")
+        raise ValueError(f"the kernels support fp32, bf16 and fp16 activations, got {query.dtype}")
     if not query.is_cuda:
         return tl.float32, "ieee"
     return _TL_DTYPES[query.dtype], "ieee" if query.dtype == torch.float32 else "tf32"

@@ -1,11 +1,20 @@
 """Linear layers for decode-sized batches (1-16 rows): weight-streaming Triton GEMV.
 
 At a handful of rows a projection is a pass over its weight matrix, so time is bytes of
-weight / HBM bandwidth. Each program owns `BLOCK_N` output features and streams their
-weight rows (contiguous along K in `nn.Linear`'s [N, K] layout) through a pipelined loop;
-the activations are padded to 16 rows for `tl.dot`. `gated=True` fuses SwiGLU: the weight
-is gate_up ([2I, K], gate rows first) and each program computes both halves of its
-features and writes silu(gate) * up, so the [M, 2I] intermediate never reaches HBM.
+weight / HBM bandwidth, plus a few microseconds of launch and ramp per kernel. Each
+program owns `BLOCK_N` output features and streams their weight rows (contiguous along K
+in `nn.Linear`'s [N, K] layout) through a pipelined loop; the activations are padded to 16
+rows for `tl.dot`. What would otherwise be separate kernels around the projection is fused:
+
+- `norm_weight`: the input is the residual stream and is RMS-normalised on the fly (each
+  program recomputes the rows' inverse RMS: the rows are a few KiB, the weights MiBs);
+- `gated=True`: SwiGLU, the weight is gate_up ([2I, K], gate rows first) and each program
+  computes both halves of its features and writes silu(gate) * up;
+- `add_to`: the product is added in place into the residual stream (each program owns its
+  features, so no two programs touch the same element) instead of being written out.
+
+Rounding matches the unfused ops: the normalised input is rounded to the activation dtype
+before the product, the product before it is added, the sum when it is stored.
 """
 
 from __future__ import annotations
@@ -15,89 +24,155 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from cleave.kernels.attention_common import dot_settings
 from cleave.kernels.dispatch import Impl, use_triton
+from cleave.kernels.rms_norm import rms_norm_reference
 
 MAX_ROWS = 16
 
 
 @triton.jit
 def _small_linear_kernel(
-    x_ptr,  # [M, K]
-    w_ptr,  # [N, K] (gated: [2N, K], gate rows then up rows)
-    out_ptr,  # [M, N]
+    x_ptr,  # [M, K] (NORM: the residual stream)
+    w_ptr,  # [N, K] (GATED: [2N, K], gate rows then up rows)
+    norm_w_ptr,  # [K] RMSNorm weight when NORM
+    out_ptr,  # [M, N]; ADD: the residual stream, updated in place
     num_rows,
     num_out,  # N: output features
     num_in,  # K
     stride_x_row,
     stride_w_row,
     stride_out_row,
+    eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr,
     GATED: tl.constexpr,
+    ADD: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     rows = tl.arange(0, BLOCK_M)  # [BLOCK_M]
     feature_valid = features < num_out
     row_valid = rows < num_rows
+    x_rows = x_ptr + rows[:, None] * stride_x_row  # [BLOCK_M, 1]
     w_rows = w_ptr + features.to(tl.int64)[:, None] * stride_w_row  # [BLOCK_N, 1]
     up_offset = num_out.to(tl.int64) * stride_w_row
+
+    if NORM:
+        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, num_in, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_rows + cols[None, :], mask=row_valid[:, None] & (cols < num_in)[None, :], other=0.0)
+            squares += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
+        rstd = tl.math.rsqrt(squares / num_in + eps)  # [BLOCK_M]
+
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, num_in, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         col_valid = cols < num_in
-        x = tl.load(
-            x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=row_valid[:, None] & col_valid[None, :], other=0.0
-        )  # [BLOCK_M, BLOCK_K]
+        x = tl.load(x_rows + cols[None, :], mask=row_valid[:, None] & col_valid[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        if NORM:
+            norm_w = tl.load(norm_w_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)
+            normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
+            x = (normed * norm_w[None, :]).to(x.dtype)
         w_mask = feature_valid[:, None] & col_valid[None, :]
-        w = tl.load(w_rows + cols[None, :], mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
+        x = x.to(DOT_DTYPE)
+        w = tl.load(w_rows + cols[None, :], mask=w_mask, other=0.0).to(DOT_DTYPE)  # [BLOCK_N, BLOCK_K]
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         if GATED:
-            w_up = tl.load(w_rows + up_offset + cols[None, :], mask=w_mask, other=0.0)
+            w_up = tl.load(w_rows + up_offset + cols[None, :], mask=w_mask, other=0.0).to(DOT_DTYPE)
             acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
+
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     out_mask = row_valid[:, None] & feature_valid[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_out_row + features[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    out_ptrs = out_ptr + rows[:, None] * stride_out_row + features[None, :]
+    result = acc.to(out_ptr.dtype.element_ty)
+    if ADD:
+        residual = tl.load(out_ptrs, mask=out_mask, other=0.0)
+        result = (residual.to(tl.float32) + result.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptrs, result, mask=out_mask)
 
 
-def small_linear_reference(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
-    """x [M, K] @ weight.T; gated: silu(gate) * up of the [M, 2I] product, in fp32 then cast."""
+def small_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    gated: bool = False,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    add_to: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The unfused ops: [rms_norm] -> x @ weight.T (fp32, cast) -> [silu(gate) * up] -> [add_to +=]."""
+    if norm_weight is not None:
+        x = rms_norm_reference(x, norm_weight, eps)
     out = F.linear(x.float(), weight.float())
     if gated:
         gate, up = out.chunk(2, dim=-1)
         out = F.silu(gate) * up
-    return out.to(x.dtype)
+    out = out.to(x.dtype)
+    if add_to is None:
+        return out
+    add_to.copy_((add_to.float() + out.float()).to(add_to.dtype))
+    return add_to
+
+
+def default_tiles(num_out: int, num_in: int, gated: bool) -> tuple[int, int, int]:
+    """(block_n, block_k, num_stages) measured best on an H200 for the Llama-3.2-1B projections.
+
+    bench/results/kernels/small_linear.md: narrow outputs stream 16 features per program in
+    512-wide steps (more programs in flight); wide or gated ones take 32 in 256-wide steps.
+    """
+    if gated:
+        return 32, 256, 3
+    if num_out <= 2048:
+        return 16, 512, 5
+    return 32, 256, 5
 
 
 def small_linear(
     x: torch.Tensor,  # [M, K], M <= MAX_ROWS
     weight: torch.Tensor,  # [N, K] (gated: [2I, K])
     gated: bool = False,
+    norm_weight: torch.Tensor | None = None,  # [K]: RMS-normalise x first
+    eps: float = 1e-6,
+    add_to: torch.Tensor | None = None,  # [M, N]: add the product into it in place
     impl: Impl = "auto",
-    block_n: int = 16,
-    block_k: int = 256,
+    block_n: int | None = None,
+    block_k: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 4,
-) -> torch.Tensor:  # [M, N] (gated: [M, I])
-    """x @ weight.T for at most MAX_ROWS rows (gated: fused SwiGLU of gate_up)."""
+    num_stages: int | None = None,
+) -> torch.Tensor:  # [M, N] (gated: [M, I]); `add_to` itself when given
+    """x @ weight.T for at most MAX_ROWS rows, with the fusions described in the module doc."""
     if not use_triton(x, impl):
-        return small_linear_reference(x, weight, gated)
+        return small_linear_reference(x, weight, gated, norm_weight, eps, add_to)
     num_rows, num_in = x.shape
     if num_rows > MAX_ROWS:
         raise ValueError(f"small_linear takes at most {MAX_ROWS} rows, got {num_rows}")
     if weight.shape[1] != num_in or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"need x [M, {weight.shape[1]}] and weight [N, K] contiguous along K, got {tuple(x.shape)}")
     num_out = weight.shape[0] // 2 if gated else weight.shape[0]
-    out = torch.empty((num_rows, num_out), dtype=x.dtype, device=x.device)
+    if add_to is None:
+        out = torch.empty((num_rows, num_out), dtype=x.dtype, device=x.device)
+    elif add_to.shape != (num_rows, num_out) or add_to.stride(1) != 1:
+        raise ValueError(f"add_to must be [{num_rows}, {num_out}] and contiguous along features, got {tuple(add_to.shape)}")
+    else:
+        out = add_to
     if num_rows == 0:
         return out
+    dot_dtype, precision = dot_settings(x)  # the activations' dtype on a GPU; fp32 in the interpreter
+    tiles = default_tiles(num_out, num_in, gated)
+    block_n, block_k = block_n or tiles[0], block_k or tiles[1]
     _small_linear_kernel[(triton.cdiv(num_out, block_n),)](
-        x, weight, out, num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        x, weight, x if norm_weight is None else norm_weight, out,
+        num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0), eps,
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        NORM=norm_weight is not None, GATED=gated, ADD=add_to is not None,
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION=precision,
+        num_warps=num_warps, num_stages=num_stages or tiles[2],
     )
     return out

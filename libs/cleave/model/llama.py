@@ -70,8 +70,32 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
         cos_sin_cache: torch.Tensor,  # [max_position, D] float32
     ) -> torch.Tensor:  # [T, H]
-        num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) D]
+        return self.o_proj(self._attend(qkv, positions, kv_cache, metadata, cos_sin_cache))
+
+    def forward_decode(
+        self,
+        residual: torch.Tensor,  # [T, H] residual stream, T <= MAX_ROWS; updated in place
+        norm: "RMSNorm",  # the layer's input norm, fused into the qkv projection
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+    ) -> None:
+        """residual += o_proj(attention(qkv_proj(norm(residual)))) as decode-batch kernels."""
+        qkv = small_linear(residual, self.qkv_proj.weight, norm_weight=norm.weight, eps=norm.eps)
+        out = self._attend(qkv, positions, kv_cache, metadata, cos_sin_cache)  # [T, Hq D]
+        small_linear(out, self.o_proj.weight, add_to=residual)
+
+    def _attend(
+        self,
+        qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) D]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        metadata: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,  # [max_position, D] float32
+    ) -> torch.Tensor:  # [T, Hq D], before o_proj
+        num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -85,7 +109,7 @@ class Attention(nn.Module):
         else:
             apply_rotary(q, k, positions, cos_sin_cache, is_neox=True, impl=self.impl)
             out = _cached_attention(q, k, v, kv_cache, metadata, self.scale, self.attention_impl)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out.reshape(num_tokens, self.q_size)
 
 
 @torch.compiler.disable
@@ -129,12 +153,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.shape[0] <= MAX_ROWS and hidden.is_cuda and use_triton(hidden, self.impl):
-            # decode-sized batch: one weight-streaming kernel computes silu(gate) * up
-            act = small_linear(hidden, self.gate_up_proj.weight, gated=True, block_n=32, block_k=256, num_stages=3)
-        else:
-            act = silu_and_mul(self.gate_up_proj(hidden), impl=self.impl)  # [T, 2I] -> [T, I]
-        return self.down_proj(act)  # [T, I] -> [T, H]
+        gate_up = self.gate_up_proj(hidden)  # [T, 2I]
+        return self.down_proj(silu_and_mul(gate_up, impl=self.impl))  # [T, I] -> [T, H]
+
+    def forward_decode(self, residual: torch.Tensor, norm: "RMSNorm") -> None:
+        """residual += down(silu(gate) * up) of norm(residual), as two decode-batch kernels."""
+        act = small_linear(residual, self.gate_up_proj.weight, gated=True, norm_weight=norm.weight, eps=norm.eps)
+        small_linear(act, self.down_proj.weight, add_to=residual)  # [T, I] -> += [T, H]
 
 
 class DecoderLayer(nn.Module):
@@ -164,6 +189,19 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(hidden, positions, kv_cache, metadata, cos_sin_cache)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def forward_decode(
+        self,
+        residual: torch.Tensor,  # [T, H], T <= MAX_ROWS: the residual stream, updated in place
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+    ) -> None:
+        """The same block for a decode-sized batch: norms fused into the projections that read
+        them and residual adds into the projections that produce them (four GEMV kernels)."""
+        self.self_attn.forward_decode(residual, self.input_layernorm, positions, kv_cache, metadata, cos_sin_cache)
+        self.mlp.forward_decode(residual, self.post_attention_layernorm)
 
 
 class CausalLM(nn.Module):
@@ -225,11 +263,25 @@ class CausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
         hidden = self.embed_tokens(input_ids)  # [T, H]
+        if self._decode_kernels_apply(hidden):
+            for index, layer in enumerate(self.layers):
+                layer.forward_decode(hidden, positions, kv_cache[index], metadata, self.cos_sin_cache)
+            return self.norm(hidden)
         residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, positions, kv_cache[index], metadata, self.cos_sin_cache)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _decode_kernels_apply(self, hidden: torch.Tensor) -> bool:
+        """Whether this batch runs the fused decode-batch GEMV path: Triton kernels (on CUDA, or
+        forced), 1..MAX_ROWS tokens, no qkv bias."""
+        return (
+            0 < hidden.shape[0] <= MAX_ROWS
+            and not self.config.attention_bias
+            and use_triton(hidden, self.impl)
+            and use_triton(hidden, self.layers[0].self_attn.attention_impl)
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> [N, V] float32
