@@ -180,24 +180,26 @@ class SampleState:
     def take_delta(self) -> CompletionOutput:
         """What this sample produced since the previous call (running counts are totals)."""
         text, reasoning_text = self.text, self.reasoning_text
+        # Positional: this runs once per sample per step.
         output = CompletionOutput(
-            index=self.index,
-            text=text[0] if len(text) == 1 else "".join(text),
-            token_ids=self.token_ids,
-            reasoning_text="".join(reasoning_text) if reasoning_text else "",
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-            logprobs=self.logprobs,
-            cumulative_logprob=self.cumulative_logprob,
-            num_tokens=self.num_tokens,
-            num_reasoning_tokens=self.num_reasoning_tokens,
+            self.index,
+            text[0] if len(text) == 1 else "".join(text),
+            self.token_ids,
+            "".join(reasoning_text) if reasoning_text else "",
+            self.finish_reason,
+            self.stop_reason,
+            self.logprobs,
+            self.cumulative_logprob,
+            self.num_tokens,
+            self.num_reasoning_tokens,
         )
         if text:
             self.text = []
         if reasoning_text:
             self.reasoning_text = []
         self.token_ids = []
-        self.logprobs = [] if self.logprobs is not None else None
+        if self.logprobs is not None:
+            self.logprobs = []
         self.has_news = False
         return output
 
@@ -253,17 +255,24 @@ class RequestState:
 
     def take_output(self) -> RequestOutput:
         """A delta RequestOutput of every sample with news (the prompt on the first one)."""
-        outputs = [sample.take_delta() for sample in self.samples if sample.has_news]
-        prompt = [] if self.reported_prompt else self.prompt_token_ids
+        samples = self.samples
+        prompt = self.prompt_token_ids
+        if self.reported_prompt:
+            prompt = []
         self.reported_prompt = True
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt_token_ids=prompt,
-            outputs=outputs,
-            finished=self.finished,
-            usage=self.usage(),
-            delta=True,
-        )
+        if len(samples) == 1:  # the common case, without the loops of `usage` and `finished`
+            sample = samples[0]
+            outputs = [sample.take_delta()] if sample.has_news else []
+            num_prompt = len(self.prompt_token_ids)
+            usage = Usage(
+                num_prompt,
+                sample.num_tokens,
+                outputs[0].num_reasoning_tokens if outputs else sample.num_reasoning_tokens,
+                min(sample.seq.num_cached_tokens, num_prompt),
+            )
+            return RequestOutput(self.request_id, prompt, outputs, sample.finish_reason is not None, usage, True)
+        outputs = [sample.take_delta() for sample in samples if sample.has_news]
+        return RequestOutput(self.request_id, prompt, outputs, self.finished, self.usage(), True)
 
 
 class OutputAccumulator:
