@@ -138,28 +138,28 @@ def _paged_decode_split_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=group_valid[:, None] & dim_valid[None, :],
         )
-        return
-    num_q_heads = QUERIES_PER_KV * tl.num_programs(2)
-    part_row = (seq.to(tl.int64) * num_q_heads + q_heads) * NUM_SPLITS + split  # [BLOCK_G]
-    tl.store(part_max_ptr + part_row, m_i, mask=group_valid)
-    tl.store(part_sum_ptr + part_row, l_i, mask=group_valid)
-    tl.store(
-        part_acc_ptr + part_row[:, None] * HEAD_DIM + dims[None, :],
-        acc,
-        mask=group_valid[:, None] & dim_valid[None, :],
-    )
-    # Every thread's partials are written before the counter moves (release); the split
-    # that moves it last sees them all (acquire) and merges.
-    tl.debug_barrier()
-    counter = counters_ptr + seq * tl.num_programs(2) + kv_head
-    finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if finished == num_active - 1:
-        tl.debug_barrier()
-        _merge_splits(
-            out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, q_token, seq, kv_head, num_q_heads, num_active,
-            stride_o_token, stride_o_head, QUERIES_PER_KV, HEAD_DIM, NUM_SPLITS, BLOCK_Q, BLOCK_S, BLOCK_D,
+    else:
+        num_q_heads = QUERIES_PER_KV * tl.num_programs(2)
+        part_row = (seq.to(tl.int64) * num_q_heads + q_heads) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(part_max_ptr + part_row, m_i, mask=group_valid)
+        tl.store(part_sum_ptr + part_row, l_i, mask=group_valid)
+        tl.store(
+            part_acc_ptr + part_row[:, None] * HEAD_DIM + dims[None, :],
+            acc,
+            mask=group_valid[:, None] & dim_valid[None, :],
         )
-        tl.atomic_xchg(counter, 0)
+        # Every thread's partials are written before the counter moves (release); the split
+        # that moves it last sees them all (acquire) and merges.
+        tl.debug_barrier()
+        counter = counters_ptr + seq * tl.num_programs(2) + kv_head
+        finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if finished == num_active - 1:
+            tl.debug_barrier()
+            _merge_splits(
+                out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, q_token, seq, kv_head, num_q_heads, num_active,
+                stride_o_token, stride_o_head, QUERIES_PER_KV, HEAD_DIM, NUM_SPLITS, BLOCK_Q, BLOCK_S, BLOCK_D,
+            )
+            tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
@@ -259,8 +259,9 @@ def paged_decode_attention(
     out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    if num_splits == 1:  # the split kernel writes `out` itself; the partial buffers are unused
-        part_max = part_sum = part_acc = counters = out
+    if num_splits == 1:  # the split kernel writes `out` itself; partials and counters are unused
+        part_max = part_sum = part_acc = torch.empty(0, dtype=torch.float32, device=query.device)
+        counters = metadata.seq_lens
     else:
         counters = metadata.split_counters
         if counters is None or counters.numel() < num_seqs * num_kv_heads:
