@@ -140,6 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--no-graphs", action="store_true", help="measure eager mode only")
+    parser.add_argument("--gemv-max-tokens", type=int, default=None,
+                        help="batches up to this size take the fused GEMV path (default: the model's)")
     parser.add_argument("--out", default=None, help="directory for decode.json and decode.md")
     return parser.parse_args(argv)
 
@@ -151,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda")
     config = llama_3_2_1b_config()
     model = build_model(config, device)
+    if args.gemv_max_tokens is not None:
+        model.decode_gemv_max_tokens = args.gemv_max_tokens
     weights = weight_bytes_read(model)
 
     cases = [Case(int(b), int(c)) for c in args.contexts.split(",") for b in args.batches.split(",")]
@@ -208,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         "weights_gb": round(weights / 1e9, 3),
         "block_size": args.block_size,
         "max_model_len": max_model_len,
+        "decode_gemv_max_tokens": model.decode_gemv_max_tokens,
         "hbm_tbs": args.hbm_tbs,
         "skipped_no_memory": ", ".join(f"b{c.batch}/ctx{c.context}" for c in skipped) or "none",
     }

@@ -16,7 +16,9 @@ def make(rows, num_out, num_in, gated, dtype=torch.float32, device="cpu", seed=0
     return x, weight, norm_weight, residual
 
 
-@pytest.mark.parametrize(("rows", "num_out", "num_in", "gated"), [(1, 40, 48, False), (5, 24, 70, True), (16, 16, 32, False)])
+@pytest.mark.parametrize(
+    ("rows", "num_out", "num_in", "gated"), [(1, 40, 48, False), (5, 24, 70, True), (16, 16, 32, False), (40, 16, 24, True)]
+)
 def test_matches_reference_fp32(rows, num_out, num_in, gated):
     x, weight, _, _ = make(rows, num_out, num_in, gated)
     out = small_linear(x, weight, gated=gated, impl="triton", block_n=16, block_k=32)
@@ -52,15 +54,15 @@ def test_gated_with_norm_prologue():
 
 
 def test_rejects_bad_shapes_naming_the_limit():
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        small_linear(torch.zeros(17, 8), torch.zeros(8, 8), impl="triton")
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        small_linear(torch.zeros(65, 8), torch.zeros(8, 8), impl="triton")
     with pytest.raises(ValueError, match="add_to must be"):
         small_linear(torch.zeros(2, 8), torch.zeros(4, 8), add_to=torch.zeros(2, 5), impl="triton")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("rows", [1, 8, 64])
 def test_gpu_bf16_llama_shapes(rows, gated):
     x, weight, norm_weight, residual = make(rows, 8192 if gated else 2048, 2048, gated, torch.bfloat16, "cuda")
     out = small_linear(x, weight, gated=gated, norm_weight=norm_weight)

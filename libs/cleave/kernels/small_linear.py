@@ -1,10 +1,10 @@
-"""Linear layers for decode-sized batches (1-16 rows): weight-streaming Triton GEMV.
+"""Linear layers for decode-sized batches (1-64 rows): weight-streaming Triton GEMV.
 
 At a handful of rows a projection is a pass over its weight matrix, so time is bytes of
 weight / HBM bandwidth, plus a few microseconds of launch and ramp per kernel. Each
 program owns `BLOCK_N` output features and streams their weight rows (contiguous along K
-in `nn.Linear`'s [N, K] layout) through a pipelined loop; the activations are padded to 16
-rows for `tl.dot`. What would otherwise be separate kernels around the projection is fused:
+in `nn.Linear`'s [N, K] layout) through a pipelined loop; the activations are padded to a
+power of two of at least 16 rows for `tl.dot`. What would otherwise be separate kernels around the projection is fused:
 
 - `norm_weight`: the input is the residual stream and is RMS-normalised on the fly (each
   program recomputes the rows' inverse RMS: the rows are a few KiB, the weights MiBs);
@@ -28,7 +28,7 @@ from cleave.kernels.attention_common import dot_settings
 from cleave.kernels.dispatch import Impl, use_triton
 from cleave.kernels.rms_norm import rms_norm_reference
 
-MAX_ROWS = 16
+MAX_ROWS = 64
 
 
 @triton.jit
@@ -120,12 +120,15 @@ def small_linear_reference(
     return add_to
 
 
-def default_tiles(num_out: int, num_in: int, gated: bool) -> tuple[int, int, int]:
+def default_tiles(num_out: int, num_in: int, gated: bool, block_m: int = 16) -> tuple[int, int, int]:
     """(block_n, block_k, num_stages) measured best on an H200 for the Llama-3.2-1B projections.
 
     bench/results/kernels/small_linear.md: narrow outputs stream 16 features per program in
     512-wide steps (more programs in flight); wide or gated ones take 32 in 256-wide steps.
+    More rows take narrower K steps so the pipelined activation tiles fit shared memory.
     """
+    if block_m > 16:
+        return (32, 128, 4) if gated else (16, 128, 4)
     if gated:
         return 32, 256, 3
     if num_out <= 2048:
@@ -137,6 +140,7 @@ def small_linear(
     x: torch.Tensor,  # [M, K], M <= MAX_ROWS
     weight: torch.Tensor,  # [N, K] (gated: [2I, K])
     gated: bool = False,
+    *,
     norm_weight: torch.Tensor | None = None,  # [K]: RMS-normalise x first
     eps: float = 1e-6,
     add_to: torch.Tensor | None = None,  # [M, N]: add the product into it in place
@@ -164,12 +168,13 @@ def small_linear(
     if num_rows == 0:
         return out
     dot_dtype, precision = dot_settings(x)  # the activations' dtype on a GPU; fp32 in the interpreter
-    tiles = default_tiles(num_out, num_in, gated)
+    block_m = max(16, triton.next_power_of_2(num_rows))
+    tiles = default_tiles(num_out, num_in, gated, block_m)
     block_n, block_k = block_n or tiles[0], block_k or tiles[1]
     _small_linear_kernel[(triton.cdiv(num_out, block_n),)](
         x, weight, x if norm_weight is None else norm_weight, out,
         num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0), eps,
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         NORM=norm_weight is not None, GATED=gated, ADD=add_to is not None,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,

@@ -21,10 +21,14 @@ from cleave.kernels.dispatch import Impl, use_triton
 from cleave.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from cleave.kernels.rotary import apply_rotary
 from cleave.kernels.rotary_kv_write import rotary_write_kv
-from cleave.kernels.small_linear import MAX_ROWS, small_linear
+from cleave.kernels.small_linear import small_linear
 from cleave.kv.metadata import AttentionMetadata
 from cleave.model.config import ModelConfig
 from cleave.model.rope import build_cos_sin_cache
+
+# Batches of up to this many tokens run the fused decode-batch GEMV path by default (see
+# `CausalLM.decode_gemv_max_tokens`); above it, cuBLAS GEMMs with separate norm kernels.
+DECODE_GEMV_MAX_TOKENS = 16
 
 
 class RMSNorm(nn.Module):
@@ -75,7 +79,7 @@ class Attention(nn.Module):
 
     def forward_decode(
         self,
-        residual: torch.Tensor,  # [T, H] residual stream, T <= MAX_ROWS; updated in place
+        residual: torch.Tensor,  # [T, H] residual stream, T <= DECODE_GEMV_MAX_TOKENS; updated in place
         norm: "RMSNorm",  # the layer's input norm, fused into the qkv projection
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
@@ -192,7 +196,7 @@ class DecoderLayer(nn.Module):
 
     def forward_decode(
         self,
-        residual: torch.Tensor,  # [T, H], T <= MAX_ROWS: the residual stream, updated in place
+        residual: torch.Tensor,  # [T, H], T <= DECODE_GEMV_MAX_TOKENS: the residual stream, updated in place
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
@@ -221,6 +225,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, impl) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.decode_gemv_max_tokens = DECODE_GEMV_MAX_TOKENS  # <= small_linear.MAX_ROWS
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         cache = self._build_cos_sin_cache(self.embed_tokens.weight.device)
@@ -275,9 +280,9 @@ class CausalLM(nn.Module):
 
     def _decode_kernels_apply(self, hidden: torch.Tensor) -> bool:
         """Whether this batch runs the fused decode-batch GEMV path: Triton kernels (on CUDA, or
-        forced), 1..MAX_ROWS tokens, no qkv bias."""
+        forced), 1..decode_gemv_max_tokens tokens, no qkv bias."""
         return (
-            0 < hidden.shape[0] <= MAX_ROWS
+            0 < hidden.shape[0] <= self.decode_gemv_max_tokens
             and not self.config.attention_bias
             and use_triton(hidden, self.impl)
             and use_triton(hidden, self.layers[0].self_attn.attention_impl)
