@@ -136,6 +136,15 @@ def default_tiles(num_out: int, num_in: int, gated: bool, block_m: int = 16) -> 
     return 32, 256, 5
 
 
+SHARED_MEMORY_BUDGET = 192 << 10  # bytes of pipelined tiles per program (H100/H200: 227 KiB)
+
+
+def _fit_stages(stages: int, block_m: int, weight_rows: int, block_k: int, element_size: int) -> int:
+    """The most pipeline stages up to `stages` whose activation + weight tiles fit the budget."""
+    per_stage = (block_m + weight_rows) * block_k * element_size
+    return max(1, min(stages, SHARED_MEMORY_BUDGET // per_stage))
+
+
 def small_linear(
     x: torch.Tensor,  # [M, K], M <= MAX_ROWS
     weight: torch.Tensor,  # [N, K] (gated: [2I, K])
@@ -170,7 +179,9 @@ def small_linear(
     dot_dtype, precision = dot_settings(x)  # the activations' dtype on a GPU; fp32 in the interpreter
     block_m = max(16, triton.next_power_of_2(num_rows))
     tiles = default_tiles(num_out, num_in, gated, block_m)
-    block_n, block_k = block_n or tiles[0], block_k or tiles[1]
+    block_n = block_n or min(tiles[0], max(16, triton.next_power_of_2(num_out)))
+    block_k = block_k or min(tiles[1] * 2 // x.element_size(), max(16, triton.next_power_of_2(num_in)))
+    num_stages = num_stages or _fit_stages(tiles[2], block_m, block_n * (2 if gated else 1), block_k, x.element_size())
     _small_linear_kernel[(triton.cdiv(num_out, block_n),)](
         x, weight, x if norm_weight is None else norm_weight, out,
         num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0), eps,
@@ -178,6 +189,6 @@ def small_linear(
         NORM=norm_weight is not None, GATED=gated, ADD=add_to is not None,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
-        num_warps=num_warps, num_stages=num_stages or tiles[2],
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
