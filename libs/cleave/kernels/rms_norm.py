@@ -49,19 +49,16 @@ def _rms_norm_kernel(
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
     mask = (rows[:, None] < num_rows) & (cols[None, :] < hidden)  # [ROWS, BLOCK_H]
-    # rows stream through once (evict first); the weight is re-read by every program (keep it)
-    x_ptrs = x_ptr + rows[:, None] * x_row_stride + cols[None, :]
-    x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
         res_ptrs = residual_ptr + rows[:, None] * residual_row_stride + cols[None, :]
-        residual = tl.load(res_ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
-        summed = residual.to(tl.float32) + x.to(tl.float32)
+        summed = tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32) + x.to(tl.float32)
         x = summed.to(residual_ptr.dtype.element_ty)
         tl.store(res_ptrs, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / hidden + eps)  # [ROWS]
     normed = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
-    weight = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
     out = normed * weight[None, :]
     tl.store(
         out_ptr + rows[:, None] * out_row_stride + cols[None, :],
