@@ -54,6 +54,10 @@ from services.prefill.kvstore_prefix import HOLD_SUFFIX, KVStorePrefix, PrefixFe
 log = structlog.get_logger("cleave.prefill")
 NO_FETCH = PrefixFetch(0, 0, None)
 STORE_DRAIN_S = 5.0  # at shutdown, how long background kvstore puts may still run
+# Host copies of prompt blocks on their way to the kvstore, at most. Puts are an optimisation:
+# past this, a prompt's blocks are not stored, so a slow store never backs up into prefill
+# (its lookups sit on every request's path and would queue behind a flood of puts).
+STORE_BACKLOG_BYTES = 256 << 20
 
 
 @dataclass
@@ -66,6 +70,7 @@ class PrefillCounters:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from a cache
     num_kvstore_blocks_loaded: int = 0
     num_kvstore_blocks_stored: int = 0
+    num_kvstore_puts_skipped: int = 0  # prompts not stored: the put backlog was full
 
 
 class EnginePrefillBackend:
@@ -76,10 +81,18 @@ class EnginePrefillBackend:
         worker_id: stable id for load reports and the kvstore.
         model_id: model identity of the KV layout decode workers must match.
         kvstore_address: host:port of a kvstore service, or None.
+        store_backlog_bytes: host bytes of background kvstore puts in flight at most; a
+            prompt that would exceed it is not stored (counted in `num_kvstore_puts_skipped`).
     """
 
     def __init__(
-        self, engine_config: EngineConfig, *, worker_id: str, model_id: str, kvstore_address: str | None = None
+        self,
+        engine_config: EngineConfig,
+        *,
+        worker_id: str,
+        model_id: str,
+        kvstore_address: str | None = None,
+        store_backlog_bytes: int = STORE_BACKLOG_BYTES,
     ) -> None:
         self.engine_config = replace(engine_config, detokenize=False)  # token ids are all it returns
         self.worker_id = worker_id
@@ -94,6 +107,8 @@ class EnginePrefillBackend:
         self.counters = PrefillCounters()
         self._in_flight: dict[str, int] = {}  # request id -> prompt tokens
         self._stores: dict[str, asyncio.Task[None]] = {}  # request id -> its background kvstore put
+        self.store_backlog_bytes = store_backlog_bytes
+        self._store_backlog = 0  # bytes of the puts in `_stores`
         self._tables: dict[str, list[int]] = {}  # request id -> prompt blocks, read on the step thread
         self._releases: set[asyncio.Task[None]] = set()  # block releases after a response went out
 
@@ -168,8 +183,7 @@ class EnginePrefillBackend:
             if spec.destination is not None:
                 transfer = await self._send(spec.destination, table)
             if spec.store_to_kvstore and self.kvstore is not None:
-                self._store_in_background(request_id, prompt, table, fetch)
-                handed_off = True
+                handed_off = self._store_in_background(request_id, prompt, table, fetch)
         except BaseException:
             if not handed_off:
                 await asyncio.shield(self._cleanup(request_id, fetch))
@@ -259,15 +273,25 @@ class EnginePrefillBackend:
             # No queued copy may still read these blocks once they are released.
             await asyncio.shield(sender.close())
 
-    def _store_in_background(self, request_id: str, prompt: list[int], table: list[int], fetch: PrefixFetch) -> None:
+    def _store_in_background(self, request_id: str, prompt: list[int], table: list[int], fetch: PrefixFetch) -> bool:
+        """Start the put (it then owns the prompt's blocks) unless the backlog is full."""
+        assert self.engine is not None
+        num_bytes = len(table) * self.engine.kv_cache[:, :, 0].nbytes
+        if self._store_backlog + num_bytes > self.store_backlog_bytes:
+            self.counters.num_kvstore_puts_skipped += 1
+            log.debug("kvstore put skipped: backlog full", request_id=request_id, backlog_bytes=self._store_backlog)
+            return False
+        self._store_backlog += num_bytes
         task = asyncio.create_task(self._store(request_id, prompt, table, fetch), name=f"kvstore-put-{request_id}")
         self._stores[request_id] = task
 
         def forget(done: asyncio.Task[None]) -> None:
+            self._store_backlog -= num_bytes
             if self._stores.get(request_id) is done:
                 del self._stores[request_id]
 
         task.add_done_callback(forget)
+        return True
 
     async def _store(self, request_id: str, prompt: list[int], table: list[int], fetch: PrefixFetch) -> None:
         """Gather the prompt's new full blocks to host memory, free the prompt's KV, put the

@@ -106,3 +106,25 @@ async def test_shutdown_cancels_a_pending_put_and_frees_its_blocks(checkpoint, k
     await worker.close()
     assert await worker.backend.wait_for_stores(timeout_s=0)
     assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks
+
+
+async def test_a_full_put_backlog_skips_the_store_and_frees_the_blocks(checkpoint, kvstore):
+    worker = await start_prefill(checkpoint, kvstore)
+    try:
+        block_bytes = worker.backend.engine.kv_cache[:, :, 0].nbytes
+        worker.backend.store_backlog_bytes = 5 * block_bytes  # room for one 5-block prompt
+        put_allowed = gate(worker.backend.kvstore.client, "put")
+        await worker.stub.Prefill(storing("first"))  # its put waits: the backlog is full
+        second = await worker.stub.Prefill(storing("second"))
+        assert second.num_computed_tokens + second.num_cached_tokens == 19
+        assert worker.backend.counters.num_kvstore_puts_skipped == 1
+        put_allowed.set()
+        assert await worker.backend.wait_for_stores(timeout_s=5)
+        assert worker.backend.counters.num_kvstore_blocks_stored == NUM_FULL_BLOCKS
+        await wait_pool_full(worker.stub)
+        await worker.stub.Prefill(storing("third"))  # the backlog drained: stored again
+        assert await worker.backend.wait_for_stores(timeout_s=5)
+        assert worker.backend.counters.num_kvstore_puts_skipped == 1
+        await wait_pool_full(worker.stub)
+    finally:
+        await worker.close()
