@@ -86,7 +86,6 @@ def main(argv: list[str] | None = None) -> None:
                 "roofline_pct": round(100 * kv_gb / (us * 1e-6) / (args.hbm_tbs * 1e3), 1),
             })
             print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
-        del cache
     print(format_table(rows, COLUMNS))
     if args.out:
         write_results(args.out, "attention_decode", rows, COLUMNS, {"capacity": args.capacity})

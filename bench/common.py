@@ -1,7 +1,7 @@
 """Shared timing and reporting helpers for GPU benchmarks.
 
 Timing: `median_ms` wraps triton's do_bench (device events, L2 flushed before each rep,
-median); `graph_call_us` captures many calls into one CUDA graph and times its replays, so
+median); `event_times_ms` times whole calls (a forward, a transfer) with one event pair each; `graph_call_us` captures many calls into one CUDA graph and times its replays, so
 launch gaps vanish and the number is device time per call; `host_call_us` is the wall clock
 per call of an unsynchronised loop, i.e. what a Python caller pays when launches dominate.
 Reporting: `write_results` stores rows as JSON and markdown with the command, machine, date
@@ -52,6 +52,22 @@ def machine_info() -> Machine:
 def median_ms(fn: Callable[[], object], warmup_ms: int = 10, rep_ms: int = 50) -> float:
     """Median device time of fn() in milliseconds (triton do_bench, L2 flushed per rep)."""
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def event_times_ms(fn: Callable[[], object], warmup: int = 1, iters: int = 20) -> list[float]:
+    """Milliseconds of each of `iters` calls of fn, one CUDA-event pair per call (L2 not flushed)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
 
 
 def graph_call_us(calls: Sequence[Callable[[], object]], warmup_ms: int = 10, rep_ms: int = 50) -> float:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common import format_table, write_results
+from common import event_times_ms, format_table, write_results
 
 from cleave.graphs.runner import CUDAGraphRunner, GraphRunnerConfig
 from cleave.kv.metadata import AttentionMetadata
@@ -99,16 +99,7 @@ def decode_batch(case: Case, block_size: int, num_blocks: int, device: torch.dev
 
 def step_ms(fn, warmup: int, iters: int) -> float:
     """Median CUDA-event time of one call to fn, in milliseconds."""
-    for _ in range(warmup):
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for start, end in zip(starts, ends):
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in zip(starts, ends))
+    return statistics.median(event_times_ms(fn, warmup, iters))
 
 
 def count_launches(fn) -> tuple[int, int]:

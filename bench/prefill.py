@@ -70,29 +70,11 @@ def prefill_flops(config, num_tokens: int) -> float:
     return linear + attention
 
 
-def time_cuda(fn: Callable[[], object], warmup: int, iters: int) -> list[float]:
-    """Milliseconds per call, one CUDA-event pair per call."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
     import transformers
-    from common import format_table, machine_info
+    from common import event_times_ms, format_table, machine_info
 
     from cleave.kv.metadata import AttentionMetadata
     from cleave.model.compiled import compile_model
@@ -135,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def record(name: str, step: Callable[[], torch.Tensor]) -> torch.Tensor:
         with torch.inference_mode():
-            times = time_cuda(step, args.warmup, args.iters)
+            times = event_times_ms(step, args.warmup, args.iters)
             logits = step()
         median_ms = statistics.median(times)
         tflops = flops / (median_ms * 1e-3) / 1e12

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from common import format_table, write_results
+from common import event_times_ms, format_table, write_results
 
 from cleave.proto.cleave.v1 import common_pb2
 from cleave.rpc.convert import transfer_handle_from_proto, transfer_handle_to_proto
@@ -54,17 +54,7 @@ def shuffled_ids(num_blocks: int, pool: int, seed: int) -> list[int]:
 
 def device_ms(fn, reps: int = 20) -> float:
     """Median device time of fn() in ms (CUDA events)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(event_times_ms(fn, warmup=1, iters=reps))
 
 
 def row(transport: str, mode: str, tokens: int, blocks: int, ms: float, exposed_ms: float | None = None,

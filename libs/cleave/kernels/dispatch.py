@@ -68,6 +68,22 @@ def row_launch(num_rows: int, hidden: int) -> RowLaunch:
     return RowLaunch(grid=(triton.cdiv(num_rows, rows),), rows=rows, block=block, num_warps=num_warps)
 
 
+def as_rows(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., H] and the residual stream [..., H] as [T, H] row views for a row-wise kernel
+    (x copied only if its rows are strided; the residual, updated in place, must not be).
+    Without a residual the second view is x itself."""
+    hidden = x.shape[-1]
+    rows = x if x.dim() == 2 else x.reshape(-1, hidden)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if residual is None:
+        return rows, rows
+    res_rows = residual if residual.dim() == 2 else residual.view(-1, hidden)
+    if res_rows.stride(-1) != 1:
+        raise ValueError("residual must be contiguous in its last dimension (it is updated in place)")
+    return rows, res_rows
+
+
 @dataclass(frozen=True)
 class TileLaunch:
     """Launch shape of an elementwise kernel over [rows, width]: one row x `block` columns."""

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from cleave.kernels.dispatch import CachedLauncher, Impl, RowLaunch, row_launch, use_triton
+from cleave.kernels.dispatch import CachedLauncher, Impl, RowLaunch, as_rows, row_launch, use_triton
 
 
 def layer_norm_reference(
@@ -90,17 +90,9 @@ def _launch(
     eps: float,
 ) -> torch.Tensor:
     hidden = x.shape[-1]
-    x2 = x if x.dim() == 2 else x.reshape(-1, hidden)  # [T, H]
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, res2 = as_rows(x, residual)  # [T, H] each
     num_rows = x2.shape[0]
     out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
-    if residual is None:
-        res2 = x2
-    else:
-        res2 = residual if residual.dim() == 2 else residual.view(-1, hidden)
-        if res2.stride(-1) != 1:
-            raise ValueError("residual must be contiguous in its last dimension (it is updated in place)")
     launch: RowLaunch = row_launch(num_rows, hidden)
     _layer_norm_launcher(
         launch.grid,

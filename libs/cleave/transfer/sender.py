@@ -44,7 +44,6 @@ from cleave.transfer.layout import check_layout
 from cleave.transfer.nccl import NcclCommunicator
 from cleave.transfer.tensors import (
     as_bytes,
-    block_index,
     check_kv_cache,
     device_index,
     dtype_name,
