@@ -208,3 +208,25 @@ def test_decode_split_counters_are_left_zeroed_for_the_next_launch():
         torch.testing.assert_close(out, expected, **tolerance(torch.float32))
         assert torch.count_nonzero(metadata.split_counters) == 0
     assert torch.count_nonzero(out[2]) == 0
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_sliding_window_prefill_and_decode(window):
+    # Prefill: seq 0 has a 9-token cached prefix, seq 1 none; decode: three sequences over
+    # 4 splits, so windows shorter and longer than a split and than the context are covered.
+    cache = random_cache(num_blocks=24, num_kv_heads=2, dtype=torch.float32)
+    prefill = AttentionMetadata.build([12, 7], [21, 7], [[5, 9, 2, 11, 20, 6], [3, 8]], BLOCK_SIZE)
+    query = random_query(19, 4, torch.float32)
+    out = paged_prefill_attention(query, cache, prefill, SCALE, block_m=16, block_n=16, sliding_window=window)
+    expected = paged_attention_reference(query, cache, prefill, SCALE, sliding_window=window)
+    torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+
+    tables = [list(range(19, 9, -1)), [3, 8], list(range(1, 9))]
+    decode = AttentionMetadata.build([1, 1, 1], [37, 5, 32], tables, BLOCK_SIZE)
+    query = random_query(3, 4, torch.float32)
+    out = paged_decode_attention(query, cache, decode, SCALE, num_splits=4, block_n=16, sliding_window=window)
+    expected = paged_attention_reference(query, cache, decode, SCALE, sliding_window=window)
+    torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+    if window < 32:  # the window changes the answer: not the full-context attention
+        full = paged_attention_reference(query, cache, decode, SCALE)
+        assert not torch.allclose(out[0], full[0], atol=1e-3)

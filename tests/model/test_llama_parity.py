@@ -114,6 +114,26 @@ def test_mixed_batch_matches_separate_sequences(tiny_checkpoints):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_sliding_window_matches_transformers(tiny_checkpoints, hf_models, impl):
+    """Mistral with a 6-token window: a prefill chunk that starts inside the window of a cached
+    prefix, then single decode steps, on the references and on the Triton kernels."""
+    model = load_model(tiny_checkpoints["mistral-window"], impl=impl)
+    assert model.config.sliding_window == 6
+    input_ids = prompt_ids(model.config.vocab_size, 22)
+    expected = hf_models["mistral-window"](input_ids[None]).logits[0].float()
+    import transformers
+
+    unwindowed = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_checkpoints["mistral-window"], dtype=torch.float32, sliding_window=None
+    ).eval()
+    full_context = unwindowed(input_ids[None]).logits[0].float()
+    assert (expected[:6] - full_context[:6]).abs().max() <= TOLERANCE
+    assert (expected[6:] - full_context[6:]).abs().max() > 100 * TOLERANCE  # the window matters here
+    assert (run_chunks(model, input_ids, [12, 7, 1, 1, 1]) - expected).abs().max().item() <= TOLERANCE
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_fused_decode_path_matches_transformers(tiny_checkpoints, hf_models, arch):
     """A 20-token prefill (unfused) then 1-2 token steps on the fused decode-batch kernels

@@ -36,8 +36,10 @@ def paged_attention_reference(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Causal attention of each sequence's new tokens over its whole cached context (GQA)."""
+    """Causal attention of each sequence's new tokens over its cached context (GQA); with a
+    `sliding_window` W, the query at position i sees keys i - W + 1 .. i only."""
     block_size = kv_cache.shape[2]
     num_q_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
     group = num_q_heads // num_kv_heads
@@ -61,6 +63,8 @@ def paged_attention_reference(
         q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
         mask = k_pos[None, :] > q_pos[:, None]  # [Q, S]
+        if sliding_window:
+            mask |= k_pos[None, :] <= q_pos[:, None] - sliding_window
         scores.masked_fill_(mask[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
@@ -87,14 +91,16 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     impl: Impl = "auto",
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention of the batch's new tokens over the paged cache (Triton on CUDA).
 
     A decode-only batch (every query length 1) runs the split-KV decode kernel; any batch
-    with a prefill chunk, mixed or not, runs the varlen prefill kernel.
+    with a prefill chunk, mixed or not, runs the varlen prefill kernel. `sliding_window`
+    (Mistral's): each query sees only its last W positions.
     """
     if not use_triton(query, impl):
-        return paged_attention_reference(query, kv_cache, metadata, scale)
+        return paged_attention_reference(query, kv_cache, metadata, scale, sliding_window)
     if metadata.is_decode_only:
-        return paged_decode_attention(query, kv_cache, metadata, scale)
-    return paged_prefill_attention(query, kv_cache, metadata, scale)
+        return paged_decode_attention(query, kv_cache, metadata, scale, sliding_window=sliding_window)
+    return paged_prefill_attention(query, kv_cache, metadata, scale, sliding_window=sliding_window)

@@ -37,12 +37,17 @@ MAX_SPLITS = 256
 
 
 @triton.jit
-def _split_range(seq_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[start, end) of `split`'s partition of a `seq_len`-token context (may be empty), and
-    how many splits cover tokens (at least one, so an empty sequence still writes zeros)."""
-    split_len = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS) * BLOCK_N
-    start = split * split_len
-    num_active = tl.maximum(tl.cdiv(seq_len, tl.maximum(split_len, 1)), 1)
+def _split_range(seq_len, split, window, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr):
+    """[start, end) of `split`'s partition of the keys a `seq_len`-token context's last query
+    sees (all of them, or the last `window` when SLIDING; may be empty), and how many splits
+    cover keys (at least one, so an empty sequence still writes zeros)."""
+    first = 0
+    if SLIDING:
+        first = tl.maximum(seq_len - window, 0)
+    num_keys = seq_len - first
+    split_len = tl.cdiv(tl.cdiv(num_keys, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    start = first + split * split_len
+    num_active = tl.maximum(tl.cdiv(num_keys, tl.maximum(split_len, 1)), 1)
     return start, tl.minimum(seq_len, start + split_len), num_active
 
 
@@ -69,9 +74,11 @@ def _paged_decode_split_kernel(
     stride_o_token,
     stride_o_head,
     block_size,
+    window,  # sliding window in tokens (used when SLIDING)
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SLIDING: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -85,7 +92,7 @@ def _paged_decode_split_kernel(
     kv_head = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    part_start, part_end, num_active = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
+    part_start, part_end, num_active = _split_range(seq_len, split, window, NUM_SPLITS, BLOCK_N, SLIDING)
     q_token = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) == q_token:
         return
@@ -240,8 +247,10 @@ def paged_decode_attention(
     block_n: int = 64,
     num_warps: int = 2,
     num_stages: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Split-KV decode attention: every sequence's single new token over its paged context.
+    """Split-KV decode attention: every sequence's single new token over its paged context
+    (its last `sliding_window` positions only, when given).
 
     `num_splits` (a power of two) defaults to `choose_num_splits`; `block_n` is the KV tile.
     """
@@ -253,7 +262,8 @@ def paged_decode_attention(
         raise ValueError("paged attention needs the head dimension contiguous in query and kv_cache")
     num_seqs = metadata.num_seqs
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, metadata.max_seq_len, block_n)
+        visible = min(metadata.max_seq_len, sliding_window) if sliding_window else metadata.max_seq_len
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, visible, block_n)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     dot_dtype, precision = dot_settings(query)
@@ -295,9 +305,11 @@ def paged_decode_attention(
         out.stride(0),
         out.stride(1),
         kv_cache.shape[2],
+        sliding_window or 0,
         QUERIES_PER_KV=queries_per_kv,
         HEAD_DIM=head_dim,
         NUM_SPLITS=num_splits,
+        SLIDING=bool(sliding_window),
         BLOCK_G=max(16, triton.next_power_of_2(queries_per_kv)),
         BLOCK_N=block_n,
         BLOCK_D=block_d,

@@ -5,7 +5,9 @@ tokens; every key (cached prefix and the new tokens, already written by `write_k
 read from the paged cache through `block_tables`. One program handles one block of
 BLOCK_M queries of one query head of one sequence with a flash-attention online softmax
 in fp32. The grid comes from host ints only (`max_query_len`, `num_seqs`), so the launch
-is CUDA-graph safe; programs past a sequence's query length exit at once.
+is CUDA-graph safe; programs past a sequence's query length exit at once. With a sliding
+window W, a query at position i sees keys i - W + 1 .. i, and the key loop starts at the
+first tile any query of the block can see.
 """
 
 from __future__ import annotations
@@ -37,8 +39,10 @@ def _paged_prefill_kernel(
     stride_cache_head,
     stride_table_seq,
     block_size,
+    window,  # sliding window in tokens (used when SLIDING)
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    SLIDING: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -75,7 +79,10 @@ def _paged_prefill_kernel(
 
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
     kv_end = tl.minimum(seq_len, context_len + (query_block + 1) * BLOCK_M)
-    for start in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if SLIDING:  # the block's first query sees nothing before its own window
+        kv_start = tl.maximum(context_len + query_block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start in range(kv_start, kv_end, BLOCK_N):
         keys_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         key_valid = keys_pos < kv_end
         block_ids = tl.load(table_row + keys_pos // block_size, mask=key_valid, other=0).to(tl.int64)
@@ -90,6 +97,8 @@ def _paged_prefill_kernel(
 
         scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         visible = (keys_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
+        if SLIDING:
+            visible = visible & (keys_pos[None, :] > q_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -116,8 +125,10 @@ def paged_prefill_attention(
     scale: float,
     block_m: int = 64,
     block_n: int = 64,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Causal varlen attention of every sequence's new tokens over its paged context."""
+    """Causal varlen attention of every sequence's new tokens over its paged context
+    (only the last `sliding_window` positions of it per query, when given)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     if num_q_heads % num_kv_heads:
@@ -148,8 +159,10 @@ def paged_prefill_attention(
         kv_cache.stride(3),
         metadata.block_tables.stride(0),
         kv_cache.shape[2],
+        sliding_window or 0,
         QUERIES_PER_KV=num_q_heads // num_kv_heads,
         HEAD_DIM=head_dim,
+        SLIDING=bool(sliding_window),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),

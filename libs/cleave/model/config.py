@@ -40,8 +40,9 @@ class ModelConfig:
 
     `rope_scaling` is None for plain rotary, else a dict with at least `rope_type`
     (`linear` or `llama3`) and that type's parameters. `eos_token_ids` holds every id the
-    config names as end-of-sequence (HF allows a single id or a list). `sliding_window` is
-    recorded but not applied: attention always sees the whole context.
+    config names as end-of-sequence (HF allows a single id or a list). `sliding_window` W
+    (Mistral's; Qwen's only with use_sliding_window) limits each query to its last W
+    positions in every layer; the KV blocks behind the window are still kept.
     """
 
     architecture: str

@@ -59,6 +59,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = self.head_dim**-0.5
+        self.sliding_window = config.sliding_window
         self.impl: Impl = impl
         self.attention_impl: Impl = impl  # KV write + paged attention; see compiled.py
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
@@ -109,10 +110,14 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
         if use_triton(q, self.impl) and use_triton(q, self.attention_impl):
             # one kernel rotates q and k and writes k and v into the cache
-            out = _fused_rotary_attention(q, k, v, positions, cos_sin_cache, kv_cache, metadata, self.scale)
+            out = _fused_rotary_attention(
+                q, k, v, positions, cos_sin_cache, kv_cache, metadata, self.scale, self.sliding_window
+            )
         else:
             apply_rotary(q, k, positions, cos_sin_cache, is_neox=True, impl=self.impl)
-            out = _cached_attention(q, k, v, kv_cache, metadata, self.scale, self.attention_impl)  # [T, Hq, D]
+            out = _cached_attention(
+                q, k, v, kv_cache, metadata, self.scale, self.attention_impl, self.sliding_window
+            )  # [T, Hq, D]
         return out.reshape(num_tokens, self.q_size)
 
 
@@ -125,11 +130,12 @@ def _cached_attention(
     metadata: AttentionMetadata,
     scale: float,
     impl: Impl,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     # Kept out of torch.compile graphs: the Triton kernels are opaque to Dynamo and the torch
     # reference walks the batch on the host (.tolist()), so graphs split cleanly around it.
     write_kv(k, v, kv_cache, metadata.slot_mapping, impl=impl)
-    return paged_attention(q, kv_cache, metadata, scale, impl=impl)
+    return paged_attention(q, kv_cache, metadata, scale, impl=impl, sliding_window=sliding_window)
 
 
 @torch.compiler.disable
@@ -142,9 +148,10 @@ def _fused_rotary_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     rotary_write_kv(q, k, v, positions, cos_sin_cache, kv_cache, metadata.slot_mapping, is_neox=True, impl="triton")
-    return paged_attention(q, kv_cache, metadata, scale, impl="triton")
+    return paged_attention(q, kv_cache, metadata, scale, impl="triton", sliding_window=sliding_window)
 
 
 class MLP(nn.Module):
