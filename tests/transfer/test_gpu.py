@@ -42,7 +42,7 @@ async def run_peer(transport: str, device: int, dst_ids: list[int], src_ids: lis
     process = await asyncio.create_subprocess_exec(
         sys.executable, str(PEER), "--transport", transport, "--device", str(device),
         "--blocks", ",".join(map(str, dst_ids)), "--nccl-id", nccl_id.hex(),
-        stdout=asyncio.subprocess.PIPE)
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     client = KVTransferClient()
     try:
         comm_task = None
@@ -50,8 +50,8 @@ async def run_peer(transport: str, device: int, dst_ids: list[int], src_ids: lis
             from cleave.transfer.nccl import NcclCommunicator
 
             comm_task = asyncio.ensure_future(NcclCommunicator.create(nccl_id, rank=0, device=sender_device))
-        line = (await asyncio.wait_for(process.stdout.readline(), 120)).decode().split()
-        assert line[0] == "HANDLE", line
+        line = (await _peer_line(process, 90)).split()
+        assert line and line[0] == "HANDLE", line
         handle = transfer_handle_from_proto(common_pb2.TransferHandle.FromString(bytes.fromhex(line[1])))
         if comm_task is not None:
             client.add_nccl_peer(handle.address, await comm_task)
@@ -74,7 +74,7 @@ async def run_peer(transport: str, device: int, dst_ids: list[int], src_ids: lis
             for layer in range(src.shape[0]):  # layer by layer, as a prefill forward would
                 await sender.send_layer(layer, src, src_ids)
             await sender.finish(timeout_s=60)
-        result = (await asyncio.wait_for(process.stdout.readline(), 60)).decode().split()
+        result = (await _peer_line(process, 60)).split()
         assert result == ["DIGEST", digest(src, src_ids)]
         assert await process.wait() == 0
         if transport == "cuda_ipc":
@@ -85,6 +85,16 @@ async def run_peer(transport: str, device: int, dst_ids: list[int], src_ids: lis
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+async def _peer_line(process: asyncio.subprocess.Process, timeout_s: float) -> str:
+    """The peer's next stdout line; on a timeout, fail with what the peer wrote to stderr."""
+    try:
+        return (await asyncio.wait_for(process.stdout.readline(), timeout_s)).decode()
+    except asyncio.TimeoutError:
+        process.kill()
+        stderr = (await process.stderr.read()).decode(errors="replace")
+        pytest.fail(f"the receiver process said nothing for {timeout_s} s; its stderr:\n{stderr[-4000:]}")
 
 
 @pytest.mark.gpu
