@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import sys
+import tempfile
 from pathlib import Path
+from typing import IO
 
 import pytest
 import torch
@@ -39,10 +41,11 @@ async def run_peer(transport: str, device: int, dst_ids: list[int], src_ids: lis
     mode: "per_layer" (send_layer per layer, as a prefill forward would), "send_all", or
     "late_producer" (the KV is written on another stream after a device-side delay and the
     sender orders its copy after that stream's event)."""
+    stderr = tempfile.TemporaryFile()  # a file, not a pipe: an unread pipe could block the peer
     process = await asyncio.create_subprocess_exec(
         sys.executable, str(PEER), "--transport", transport, "--device", str(device),
         "--blocks", ",".join(map(str, dst_ids)), "--nccl-id", nccl_id.hex(),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout=asyncio.subprocess.PIPE, stderr=stderr)
     client = KVTransferClient()
     try:
         comm_task = None
@@ -50,7 +53,7 @@ async def run_peer(transport: str, device: int, dst_ids: list[int], src_ids: lis
             from cleave.transfer.nccl import NcclCommunicator
 
             comm_task = asyncio.ensure_future(NcclCommunicator.create(nccl_id, rank=0, device=sender_device))
-        line = (await _peer_line(process, 90)).split()
+        line = (await _peer_line(process, stderr, 90)).split()
         assert line and line[0] == "HANDLE", line
         handle = transfer_handle_from_proto(common_pb2.TransferHandle.FromString(bytes.fromhex(line[1])))
         if comm_task is not None:
@@ -74,7 +77,7 @@ async def run_peer(transport: str, device: int, dst_ids: list[int], src_ids: lis
             for layer in range(src.shape[0]):  # layer by layer, as a prefill forward would
                 await sender.send_layer(layer, src, src_ids)
             await sender.finish(timeout_s=60)
-        result = (await _peer_line(process, 60)).split()
+        result = (await _peer_line(process, stderr, 60)).split()
         assert result == ["DIGEST", digest(src, src_ids)]
         assert await process.wait() == 0
         if transport == "cuda_ipc":
@@ -87,14 +90,16 @@ async def run_peer(transport: str, device: int, dst_ids: list[int], src_ids: lis
             await process.wait()
 
 
-async def _peer_line(process: asyncio.subprocess.Process, timeout_s: float) -> str:
+async def _peer_line(process: asyncio.subprocess.Process, stderr: IO[bytes], timeout_s: float) -> str:
     """The peer's next stdout line; on a timeout, fail with what the peer wrote to stderr."""
     try:
         return (await asyncio.wait_for(process.stdout.readline(), timeout_s)).decode()
     except asyncio.TimeoutError:
         process.kill()
-        stderr = (await process.stderr.read()).decode(errors="replace")
-        pytest.fail(f"the receiver process said nothing for {timeout_s} s; its stderr:\n{stderr[-4000:]}")
+        await process.wait()
+        stderr.seek(0)
+        said = stderr.read().decode(errors="replace")
+        pytest.fail(f"the receiver process said nothing for {timeout_s} s; its stderr:\n{said[-4000:]}")
 
 
 @pytest.mark.gpu
