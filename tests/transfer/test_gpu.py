@@ -88,6 +88,7 @@ async def run_peer(transport: str, device: int, dst_ids: list[int], src_ids: lis
         if process.returncode is None:
             process.kill()
             await process.wait()
+        stderr.close()
 
 
 async def _peer_line(process: asyncio.subprocess.Process, stderr: IO[bytes], timeout_s: float) -> str:
