@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         for rows in args.rows:
             for warps in args.num_warps:
                 block = picked.block
-                grid = (triton_cdiv(tokens, rows),)
+                grid = (triton.cdiv(tokens, rows),)
 
                 def call(s, rows=rows, warps=warps, grid=grid, block=block):
                     _rms_norm_launcher(grid, (s[0], s[1], s[2], out, tokens, hidden, hidden, hidden, hidden, 1e-5),
@@ -64,10 +65,6 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(results, COLUMNS))
     if args.out:
         write_results(args.out, "row_launch_sweep", results, COLUMNS, {"copy_bandwidth_gbs": round(copy_gbs, 1)})
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 if __name__ == "__main__":

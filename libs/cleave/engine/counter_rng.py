@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from cleave.engine.device_copy import tensor_on
+from cleave.device_copy import tensor_on
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cleave.engine.config import EngineConfig
-from cleave.engine.device_copy import to_device
+from cleave.device_copy import to_device
 from cleave.engine.input_batch import InputBatch, InputBatchBuilder, OutputTokens
 from cleave.engine.outputs import TokenLogprob
 from cleave.engine.sampler import Sampler

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from cleave.device_copy import tensor_on
 from cleave.errors import InvalidArgument
 
 KV_CACHE_DIMS = 6  # [L, 2, NB, BS, Hkv, D]
@@ -49,11 +50,6 @@ def layer_chunk_shape(cache: torch.Tensor, num_blocks: int, num_layers: int = 1)
     return one if num_layers <= 1 else (num_layers, *one)
 
 
-def block_index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Block ids as an int64 index tensor on `device`."""
-    return torch.tensor(list(block_ids), dtype=torch.int64, device=device)
-
-
 def device_index(block_ids: Sequence[int], device: torch.device,
                  stream: torch.cuda.Stream | None = None) -> torch.Tensor:
     """Block ids as an int64 index tensor on `device`, without waiting for the device: on
@@ -62,12 +58,11 @@ def device_index(block_ids: Sequence[int], device: torch.device,
 
     -> [n] int64
     """
-    host = torch.tensor(list(block_ids), dtype=torch.int64)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    host = host.pin_memory()
-    with torch.cuda.stream(stream or torch.cuda.current_stream(device)):
-        return host.to(device, non_blocking=True)  # the caching host allocator keeps `host` until done
+    device = torch.device(device)
+    if stream is None or device.type != "cuda":
+        return tensor_on(list(block_ids), torch.int64, device)
+    with torch.cuda.stream(stream):
+        return tensor_on(list(block_ids), torch.int64, device)
 
 
 def gather_layer(cache: torch.Tensor, layer: int, index: torch.Tensor) -> torch.Tensor:

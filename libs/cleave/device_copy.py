@@ -3,7 +3,8 @@
 A plain `tensor.to("cuda")` from pageable memory synchronizes the stream, so a step that
 builds a small tensor while the previous forward runs would stall until that forward ends.
 Copies here go through pinned memory from torch's caching host allocator (which keeps the
-buffer until the queued copy has run) with `non_blocking=True`.
+buffer until the queued copy has run) with `non_blocking=True`. The engine stages its step
+inputs this way and the KV transfer its block indices.
 """
 
 from __future__ import annotations
