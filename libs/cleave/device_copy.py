@@ -1,10 +1,11 @@
-"""Host -> device copies that never wait for the device.
+"""Copies between host and device that never wait for the device.
 
 A plain `tensor.to("cuda")` from pageable memory synchronizes the stream, so a step that
 builds a small tensor while the previous forward runs would stall until that forward ends.
 Copies here go through pinned memory from torch's caching host allocator (which keeps the
 buffer until the queued copy has run) with `non_blocking=True`. The engine stages its step
-inputs this way and the KV transfer its block indices.
+inputs this way and the KV transfer its block indices; `to_host` is the way back (sampled
+ids, KV blocks for the kvstore or TCP), valid once the stream passes the copy.
 """
 
 from __future__ import annotations
@@ -25,3 +26,13 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 def tensor_on(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`torch.tensor(values, dtype=dtype, device=device)` without a stream sync."""
     return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of `tensor` queued on the current stream into pinned memory (read it only
+    after that stream passed this point, e.g. an event recorded after); a CPU tensor itself."""
+    if not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host

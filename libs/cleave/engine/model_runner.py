@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cleave.device_copy import to_device, to_host
 from cleave.engine.config import EngineConfig
-from cleave.device_copy import to_device
 from cleave.engine.input_batch import InputBatch, InputBatchBuilder, OutputTokens
 from cleave.engine.outputs import TokenLogprob
 from cleave.engine.sampler import Sampler
@@ -300,12 +300,12 @@ class ModelRunner:
         stats.sampling_prep_s = time.perf_counter() - forwarded
         sampled = self.sampler.sample(logits, state)
         token_ids = sampled.token_ids  # [S] int64
-        host_token_ids = self._to_host(token_ids)
+        host_token_ids = to_host(token_ids)
         host_logprobs = None
         if sampled.logprobs is not None:
             lp = sampled.logprobs
             host_logprobs = (
-                self._to_host(lp.top_token_ids), self._to_host(lp.top_logprobs), self._to_host(lp.sampled_logprobs)
+                to_host(lp.top_token_ids), to_host(lp.top_logprobs), to_host(lp.sampled_logprobs)
             )
         if timing is not None:
             timing[1].record()
@@ -337,14 +337,6 @@ class ModelRunner:
             batch.input_ids.copy_(source[: batch.num_tokens])
         else:
             batch.input_ids.index_copy_(0, batch.stand_in_rows, source.index_select(0, batch.stand_in_sources))
-
-    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host copy of a device tensor, queued (pinned) rather than waited for."""
-        if self.device.type != "cuda":
-            return tensor
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor, non_blocking=True)
-        return host
 
     def _ready_event(self) -> torch.cuda.Event | None:
         if self.device.type != "cuda":

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cleave.engine.counter_rng import keys_to_tensor, row_key
 from cleave.device_copy import tensor_on, to_device
+from cleave.engine.counter_rng import keys_to_tensor, row_key
 from cleave.engine.sampling_params import SamplingParams
 
 # processor(output_token_ids, logits_row [V]) -> new logits row [V], or None after editing

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cleave.device_copy import to_host
 from cleave.errors import FailedPrecondition, InvalidArgument
 from cleave.proto.cleave.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 from cleave.rpc.client import aio_channel
@@ -73,8 +74,7 @@ def gather_blocks_to_host(cache: torch.Tensor, block_ids: Sequence[int],
     with torch.cuda.stream(stream):
         index = device_index(block_ids, cache.device, stream)
         blocks = cache.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
-        host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
-        host.copy_(blocks, non_blocking=True)
+        host = to_host(blocks)
         done = torch.cuda.Event()
         done.record(stream)
     done.synchronize()

@@ -31,6 +31,7 @@ from typing import Literal, Union
 
 import torch
 
+from cleave.device_copy import to_host
 from cleave.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from cleave.proto.cleave.v1 import common_pb2
 from cleave.rpc.convert import dtype_to_proto
@@ -152,8 +153,7 @@ class KVSender:
         for layer in layers:
             chunk = gather_layer(cache, layer, self._index(src_ids, cache.device))  # [2, n, BS, Hkv, D]
             if chunk.is_cuda:
-                host = torch.empty(chunk.shape, dtype=chunk.dtype, pin_memory=True)
-                host.copy_(chunk, non_blocking=True)
+                host = to_host(chunk)
                 await _wait_stream(torch.cuda.current_stream(chunk.device))
                 chunk = host
             payload = as_bytes(chunk)
