@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import pstats
 import statistics
 import subprocess
 import sys
@@ -103,8 +105,16 @@ async def streamed_transfer(client: KVTransferClient, handle, src: torch.Tensor,
     return (done - start) * 1e3, (done - handed) * 1e3, sender.num_frames
 
 
+def print_profile(profile: cProfile.Profile, title: str, file=sys.stdout) -> None:
+    """The 25 functions with the most own time, then the 25 with the most cumulative time."""
+    print(f"== profile: {title}", file=file)
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(profile, stream=file).sort_stats(key).print_stats(25)
+
+
 async def receiver_main(args: argparse.Namespace) -> None:
     """Child process: export a cache, print handles for `--reps` transfers, serve them."""
+    profile = cProfile.Profile() if args.profile else None
     cache = torch.zeros(LAYERS, 2, args.pool, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     receiver = KVReceiver(cache)
     await receiver.start()
@@ -113,20 +123,27 @@ async def receiver_main(args: argparse.Namespace) -> None:
                 for i in range(args.reps)]
     for pending in pendings:
         print("HANDLE", transfer_handle_to_proto(pending.handle).SerializeToString().hex(), flush=True)
+    if profile is not None:
+        profile.enable()
     for pending in pendings:
         await pending.wait()
+    if profile is not None:
+        profile.disable()
+        print_profile(profile, f"receiver, {args.blocks} blocks", file=sys.stderr)
     print("DONE", flush=True)
     sys.stdin.readline()  # keep the exported cache alive until the parent has measured
     await receiver.close()
 
 
-async def remote_rows(transport: str, tokens: int, pool: int, reps: int, layer_compute_ms: float) -> list[dict]:
+async def remote_rows(transport: str, tokens: int, pool: int, reps: int, layer_compute_ms: float,
+                      profile: bool = False) -> list[dict]:
     blocks = tokens // BLOCK_SIZE
     streamed = transport == "cuda_ipc"
     num_transfers = reps * (2 if streamed else 1)
     child = subprocess.Popen(
         [sys.executable, __file__, "--role", "receiver", "--transport", transport, "--blocks", str(blocks),
-         "--pool", str(pool), "--reps", str(num_transfers)], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
+         "--pool", str(pool), "--reps", str(num_transfers), *(["--profile"] if profile else [])],
+        stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
     client = KVTransferClient()
     rows = []
     try:
@@ -138,13 +155,19 @@ async def remote_rows(transport: str, tokens: int, pool: int, reps: int, layer_c
         src = kv_cache(pool, "cuda")
         src_ids = shuffled_ids(blocks, pool, seed=1)
         times, frames = [], 0
-        for handle in handles[:reps]:
+        profiler = cProfile.Profile() if profile else None
+        for index, handle in enumerate(handles[:reps]):
             torch.cuda.synchronize()
+            if profiler is not None and index == 1:  # past the first transfer's one-off mapping
+                profiler.enable()
             start = time.perf_counter()
             sender = await client.open(handle)
             await sender.send_all(src, src_ids, timeout_s=600)
             times.append((time.perf_counter() - start) * 1e3)
             frames = sender.num_frames
+        if profiler is not None:
+            profiler.disable()
+            print_profile(profiler, f"sender e2e, {transport}, {blocks} blocks, {reps - 1} transfers")
         rows.append(row(transport, "e2e", tokens, blocks, statistics.median(times[1:] or times),
                         frames=frames if streamed else LAYERS))
         if streamed:
@@ -185,7 +208,7 @@ async def main(args: argparse.Namespace) -> None:
     for tokens in args.tokens:
         pool = tokens // BLOCK_SIZE + 64
         rows += local_rows(tokens, pool)
-        rows += await remote_rows("cuda_ipc", tokens, pool, args.reps, args.layer_compute_ms)
+        rows += await remote_rows("cuda_ipc", tokens, pool, args.reps, args.layer_compute_ms, args.profile)
         if not args.skip_tcp:
             rows += await remote_rows("tcp", tokens, pool, min(args.reps, 3), args.layer_compute_ms)
         print(format_table(rows, COLUMNS), flush=True)
@@ -209,6 +232,8 @@ def parse_args() -> argparse.Namespace:
                         help="device time per layer of the emulated forward in the streamed rows "
                              "(an 8k-token prefill of the 1B shape is ~3 ms per layer on an H200)")
     parser.add_argument("--out", default=None, help="directory for transfer.json / transfer.md")
+    parser.add_argument("--profile", action="store_true",
+                        help="print cProfile tables of the cuda_ipc end-to-end sender and of the receiver")
     parser.add_argument("--role", choices=["driver", "receiver"], default="driver", help=argparse.SUPPRESS)
     parser.add_argument("--transport", default="cuda_ipc", help=argparse.SUPPRESS)
     parser.add_argument("--blocks", type=int, default=0, help=argparse.SUPPRESS)

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from cleave.kernels.attention_common import LOG2E, dot_settings
+from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 from cleave.kv.metadata import AttentionMetadata
 
 # Programs per launch (splits x sequences x KV heads) the split count aims for: several
@@ -86,10 +87,13 @@ def _paged_decode_split_kernel(
     BLOCK_S: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     split = tl.program_id(0)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
+    wait_for_producer(PDL)
+    release_dependents(PDL)
 
     seq_len = tl.load(seq_lens_ptr + seq)
     part_start, part_end, num_active = _split_range(seq_len, split, window, NUM_SPLITS, BLOCK_N, SLIDING)
@@ -248,9 +252,11 @@ def paged_decode_attention(
     num_warps: int = 2,
     num_stages: int | None = None,
     sliding_window: int | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Split-KV decode attention: every sequence's single new token over its paged context
-    (its last `sliding_window` positions only, when given).
+    (its last `sliding_window` positions only, when given), with programmatic dependent
+    launch where the device has it and `pdl`.
 
     `num_splits` (a power of two) defaults to `choose_num_splits`; `block_n` is the KV tile.
     """
@@ -282,7 +288,10 @@ def paged_decode_attention(
         part_acc = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
     queries_per_kv = num_q_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    launch = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
+    pdl = pdl_enabled(query, pdl)
+    launch = {"num_warps": num_warps, **launch_options(pdl)}
+    if num_stages is not None:
+        launch["num_stages"] = num_stages
     _paged_decode_split_kernel[(num_splits, num_seqs, num_kv_heads)](
         query,
         kv_cache,
@@ -317,6 +326,7 @@ def paged_decode_attention(
         BLOCK_S=min(16, num_splits),
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
+        PDL=pdl,
         **launch,
     )
     return out

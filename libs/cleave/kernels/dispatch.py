@@ -123,15 +123,17 @@ class CachedLauncher:
     10 us of Python on the serving hosts, more than the kernels themselves at decode sizes).
     This keeps the compiled kernels in a dict keyed by the same properties (see `_arg_key`)
     and calls the launcher directly; the first call of each key compiles through triton.
-    Kernels must take their constexprs last; launch hooks (profilers) are not invoked on the
-    cached path. CPU tensors (TRITON_INTERPRET=1) always take triton's own path.
+    Kernels must take their constexprs last; launch `options` (e.g. `launch_pdl`) are fixed
+    at compile time, so they must follow from the constexprs. Launch hooks (profilers) are
+    not invoked on the cached path. CPU tensors (TRITON_INTERPRET=1) always take triton's own
+    path.
     """
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self._compiled: dict[tuple, Any] = {}
 
-    def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: tuple, num_warps: int) -> None:
+    def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: tuple, num_warps: int, **options: Any) -> None:
         first = args[0]
         if not first.is_cuda:
             self.kernel[grid](*args, *constexprs, num_warps=num_warps)
@@ -140,7 +142,7 @@ class CachedLauncher:
         key = (device, num_warps, constexprs, *map(_arg_key, args))
         compiled = self._compiled.get(key)
         if compiled is None:
-            self._compiled[key] = self.kernel[grid](*args, *constexprs, num_warps=num_warps)
+            self._compiled[key] = self.kernel[grid](*args, *constexprs, num_warps=num_warps, **options)
             return
         grid_y = grid[1] if len(grid) > 1 else 1
         grid_z = grid[2] if len(grid) > 2 else 1

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from cleave.kernels.attention import write_kv_reference
 from cleave.kernels.dispatch import CachedLauncher, Impl, use_triton
+from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 from cleave.kernels.rotary import _rotate_heads, apply_rotary_reference
 
 
@@ -60,9 +61,12 @@ def _rotary_kv_write_kernel(
     BLOCK_D: tl.constexpr,
     PARTIAL: tl.constexpr,
     IS_NEOX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)  # 0: q, 1: k and v
+    wait_for_producer(PDL)
+    release_dependents(PDL)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if (part == 1) & (slot < 0):
         return
@@ -107,8 +111,10 @@ def rotary_write_kv(
     slot_mapping: torch.Tensor,  # [T] int64, -1 = padding
     is_neox: bool = True,
     impl: Impl = "auto",
+    pdl: bool = True,
 ) -> None:
-    """Rotate q in place and write rotated k and v into their cache slots."""
+    """Rotate q in place and write rotated k and v into their cache slots (with programmatic
+    dependent launch where the device has it and `pdl`)."""
     if not use_triton(query, impl):
         rotary_write_kv_reference(query, key, value, positions, cos_sin_cache, kv_cache, slot_mapping, is_neox)
         return
@@ -122,6 +128,7 @@ def rotary_write_kv(
     if num_tokens == 0:
         return
     half = rotary_dim // 2
+    pdl = pdl_enabled(query, pdl)
     _launcher(
         (num_tokens, 2),  # axis 1: 0 rotates q, 1 writes k and v
         (
@@ -140,6 +147,8 @@ def rotary_write_kv(
             triton.next_power_of_2(head_dim),
             rotary_dim < head_dim,
             is_neox,
+            pdl,
         ),
         4,
+        **launch_options(pdl),
     )

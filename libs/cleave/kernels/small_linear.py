@@ -15,6 +15,10 @@ power of two of at least 16 rows for `tl.dot`. What would otherwise be separate 
 
 Rounding matches the unfused ops: the normalised input is rounded to the activation dtype
 before the product, the product before it is added, the sum when it is stored.
+
+On Hopper the kernel launches with programmatic dependent launch (`cleave.kernels.pdl`): its
+programs are scheduled while the previous kernel finishes and wait on the device for its
+output, so launch and ramp-up overlap the previous kernel's tail.
 """
 
 from __future__ import annotations
@@ -26,6 +30,12 @@ import triton.language as tl
 
 from cleave.kernels.attention_common import dot_settings
 from cleave.kernels.dispatch import Impl, use_triton
+from cleave.kernels.pdl import (
+    launch_options,
+    pdl_enabled,
+    release_dependents,
+    wait_for_producer,
+)
 from cleave.kernels.rms_norm import rms_norm_reference
 
 MAX_ROWS = 64
@@ -52,6 +62,7 @@ def _small_linear_kernel(
     ADD: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     rows = tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -60,6 +71,8 @@ def _small_linear_kernel(
     x_rows = x_ptr + rows[:, None] * stride_x_row  # [BLOCK_M, 1]
     w_rows = w_ptr + features.to(tl.int64)[:, None] * stride_w_row  # [BLOCK_N, 1]
     up_offset = num_out.to(tl.int64) * stride_w_row
+    wait_for_producer(PDL)
+    release_dependents(PDL)
 
     if NORM:
         squares = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -158,6 +171,7 @@ def small_linear(
     block_k: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
+    pdl: bool = True,  # launch with PDL where the device has it
 ) -> torch.Tensor:  # [M, N] (gated: [M, I]); `add_to` itself when given
     """x @ weight.T for at most MAX_ROWS rows, with the fusions described in the module doc."""
     if not use_triton(x, impl):
@@ -182,6 +196,7 @@ def small_linear(
     block_n = block_n or min(tiles[0], max(16, triton.next_power_of_2(num_out)))
     block_k = block_k or min(tiles[1] * 2 // x.element_size(), max(16, triton.next_power_of_2(num_in)))
     num_stages = num_stages or _fit_stages(tiles[2], block_m, block_n * (2 if gated else 1), block_k, x.element_size())
+    pdl = pdl_enabled(x, pdl)
     _small_linear_kernel[(triton.cdiv(num_out, block_n),)](
         x, weight, x if norm_weight is None else norm_weight, out,
         num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0), eps,
@@ -189,6 +204,7 @@ def small_linear(
         NORM=norm_weight is not None, GATED=gated, ADD=add_to is not None,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
-        num_warps=num_warps, num_stages=num_stages,
+        PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, **launch_options(pdl),
     )
     return out
