@@ -44,28 +44,28 @@ before this one's tokens reach the host:
 A stand-in (`stand_in_token(row)`, negative) sits where the sampled token will go; the
 runner feeds the sampled token itself on the device. A sequence that `resolve` finishes may
 already hold a stand-in of the next launched step: resolving that step drops it.
+
+`Scheduler` is the facade over one module per role: `scheduler_queues` (waiting/running
+queues, admission order, fork and request groups), `scheduler_blocks` (KV slots, preemption,
+prefix indexing), `scheduler_planner` (the step plan) and `scheduler_recorder` (recording a
+run step, overlapped or not). The plan types live in `scheduler_output`.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 
 from cleave.engine.config import SchedulerConfig
-from cleave.engine.decode_plan import plan_decodes
-from cleave.engine.scheduler_output import ScheduledSequence, SchedulerOutput, SchedulerStats, stand_in_token
-from cleave.engine.sequence import FINISHED_STATUSES, Sequence, SequenceStatus
-from cleave.errors import InvalidArgument
+from cleave.engine.scheduler_blocks import SchedulerBlocks
+from cleave.engine.scheduler_output import ScheduledSequence, SchedulerOutput, SchedulerStats
+from cleave.engine.scheduler_planner import StepPlanner
+from cleave.engine.scheduler_queues import SequenceQueues
+from cleave.engine.scheduler_recorder import StepRecorder, StopChecker, TokenChecker
+from cleave.engine.sequence import Sequence, SequenceStatus
 from cleave.kv.manager import KVCacheManager
 
 __all__ = ["ScheduledSequence", "Scheduler", "SchedulerOutput", "SchedulerStats", "StopChecker", "TokenChecker"]
-
-StopChecker = Callable[[Sequence], "SequenceStatus | None"]
-"""Returns a FINISHED_* status when a sequence that just got a token should stop, else None."""
-
-TokenChecker = Callable[[Sequence, int], "SequenceStatus | None"]
-"""`StopChecker` of `resolve`: also gets the token (the sequence may hold later stand-ins)."""
 
 
 class Scheduler:
@@ -81,56 +81,41 @@ class Scheduler:
         self.config = config
         self.kv = kv_manager
         self.stats = SchedulerStats()
-        self.waiting: list[Sequence] = []  # sorted by _priority_key
-        self.running: list[Sequence] = []
-        self._pending_forks: dict[str, list[Sequence]] = {}  # leader seq_id -> samples to fork
-        self._requests: dict[str, list[Sequence]] = {}
-        self._add_order: dict[str, int] = {}
-        self._next_order = 0
-        self._finished_since_output: list[str] = []
-        self._in_flight: SchedulerOutput | None = None
-        # `running` sorted by _priority_key, rebuilt after `running` changes (decode fast path).
-        self._running_order: list[Sequence] | None = None
-        # Sequences whose full blocks were indexed up to their computed tokens by the previous
-        # postprocess: a decode that does not complete a block has nothing new to index.
-        self._blocks_indexed: set[str] = set()
+        self._queues = SequenceQueues(config.max_model_len)
+        self._blocks = SchedulerBlocks(kv_manager, self._queues, self.stats)
+        self._planner = StepPlanner(config, self._queues, self._blocks, self.stats)
+        self._recorder = StepRecorder(config.max_model_len, self._queues, self._blocks, self._finish_promoting)
 
     # ---- admission ------------------------------------------------------------------------
 
     @property
+    def waiting(self) -> list[Sequence]:
+        """Sequences waiting to (re)start, in priority order: the head is admitted next (read-only)."""
+        return self._queues.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        """Sequences holding KV blocks, in admission order (read-only)."""
+        return self._queues.running
+
+    @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + sum(len(forks) for forks in self._pending_forks.values())
+        return self._queues.num_waiting
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        return len(self._queues.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return self._queues.has_unfinished()
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (status WAITING, nothing computed)."""
-        self._check_new(seq)
-        self._register(seq)
-        bisect.insort(self.waiting, seq, key=self._priority_key)
+        self._queues.add(seq)
 
     def add_group(self, seqs: Seq[Sequence]) -> None:
         """Queue n samples of one prompt: seqs[0] prefills it, the rest are forked from it."""
-        if not seqs:
-            raise ValueError("add_group needs at least one sequence")
-        leader, *rest = seqs
-        if len({seq.seq_id for seq in seqs}) != len(seqs):
-            raise ValueError(f"samples of {leader.request_id} need distinct sample_index values")
-        for seq in rest:
-            if seq.request_id != leader.request_id or seq.all_token_ids != leader.all_token_ids:
-                raise ValueError(f"{seq.seq_id} is not a sample of {leader.seq_id}: same request and prompt expected")
-            self._check_new(seq)
-        self.add(leader)
-        for seq in rest:
-            self._register(seq)
-            seq.parent_seq_id = leader.seq_id
-        if rest:
-            self._pending_forks[leader.seq_id] = list(rest)
+        self._queues.add_group(seqs)
 
     def add_prefilled(self, seq: Sequence) -> None:
         """Start decoding a sequence whose KV is already in the cache under `seq.seq_id`.
@@ -139,7 +124,7 @@ class Scheduler:
         them, `seq.num_computed_tokens` counts those tokens and the first sampled token has
         been appended (so exactly one token is left to feed).
         """
-        if seq.seq_id in self._add_order:
+        if self._queues.is_added(seq.seq_id):
             raise ValueError(f"sequence {seq.seq_id} was already added")
         if self.kv.num_tokens(seq.seq_id) != seq.num_computed_tokens or seq.num_uncomputed_tokens < 1:
             raise ValueError(
@@ -147,14 +132,12 @@ class Scheduler:
                 f"computed and {seq.num_tokens} total tokens; reserve exactly the computed tokens and append "
                 "the first sampled token before admitting"
             )
-        self._register(seq)
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
-        self._running_order = None
+        self._queues.register(seq)
+        self._queues.start_running(seq)
 
     def abort(self, request_id: str) -> list[Sequence]:
         """End every sample of a request (FINISHED_ABORTED) and free its blocks."""
-        seqs = [seq for seq in self._requests.get(request_id, ()) if not seq.is_finished]
+        seqs = [seq for seq in self._queues.request_seqs(request_id) if not seq.is_finished]
         for seq in seqs:
             self._finish(seq, SequenceStatus.FINISHED_ABORTED, promote_forks=False)
         return seqs
@@ -164,7 +147,7 @@ class Scheduler:
         if not status.is_finished:
             raise ValueError(f"{status} is not a finished status")
         request_id = seq_id.rsplit("/", 1)[0]
-        for seq in self._requests.get(request_id, ()):
+        for seq in self._queues.request_seqs(request_id):
             if seq.seq_id == seq_id:
                 self._finish(seq, status, promote_forks=True)
                 return seq
@@ -174,46 +157,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step. Call `postprocess` with the result before scheduling again."""
-        if self._in_flight is not None:
+        if self._recorder.in_flight is not None:
             raise RuntimeError("the previous SchedulerOutput was not postprocessed; call postprocess() first")
-        output = self._schedule_decodes()
-        if output is not None:
-            return output
-        budget = self.config.max_num_batched_tokens
-        planned: dict[str, tuple[Sequence, int]] = {}
-        preempted: list[str] = []
-
-        decodes_first = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, self._priority_key(s)))
-        for seq in decodes_first:
-            if budget == 0 or len(planned) >= self.config.max_num_seqs:
-                break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.kv.allocate_slots(seq.seq_id, num_new):
-                victim = max(self.running, key=self._priority_key)
-                self._preempt(victim)
-                preempted.append(victim.seq_id)
-                if victim.seq_id in planned:
-                    budget += planned.pop(victim.seq_id)[1]
-                if victim is seq:
-                    break
-            else:
-                planned[seq.seq_id] = (seq, num_new)
-                budget -= num_new
-
-        if not preempted:
-            budget = self._admit_waiting(budget, planned)
-
-        self.stats.num_steps += 1
-        output = SchedulerOutput(
-            scheduled=[self._entry(seq, num_new) for seq, num_new in planned.values()],
-            block_copies=self.kv.take_pending_copies(),
-            preempted_seq_ids=preempted,
-            finished_seq_ids=self._finished_since_output,
-        )
-        self._finished_since_output = []
-        self._in_flight = output if output.scheduled else None
+        output = self._planner.plan()
+        self._recorder.expect(output)
         return output
 
     def postprocess(
@@ -227,23 +174,7 @@ class Scheduler:
         `sampled_token_ids` maps seq_id to token, or lists one token per `output.sampled_seqs`.
         Returned sequences that finished (stop_checker, or max_model_len) are already freed.
         """
-        if output.is_empty:
-            return []
-        if output is not self._in_flight:
-            raise RuntimeError("postprocess() got an output other than the latest one from schedule()")
-        self._in_flight = None
-        if not isinstance(sampled_token_ids, Mapping) and not output.has_forks:
-            updated = self._record_aligned(output, sampled_token_ids)
-        else:
-            updated = self._record_by_seq_id(output, sampled_token_ids)
-        max_model_len = self.config.max_model_len
-        for seq in updated:
-            status = stop_checker(seq) if stop_checker else None
-            if status is None and len(seq.all_token_ids) >= max_model_len:
-                status = SequenceStatus.FINISHED_LENGTH
-            if status is not None and seq.status not in FINISHED_STATUSES:
-                self._finish(seq, status, promote_forks=True)
-        return updated
+        return self._recorder.postprocess(output, sampled_token_ids, stop_checker)
 
     def advance(self, output: SchedulerOutput) -> None:
         """Record a launched step before its tokens are known (see the module docstring).
@@ -253,21 +184,7 @@ class Scheduler:
         `schedule` may run again at once. Steps with forks share blocks in `postprocess`
         and cannot be advanced.
         """
-        if output.is_empty:
-            return
-        if output is not self._in_flight:
-            raise RuntimeError("advance() got an output other than the latest one from schedule()")
-        if output.has_forks:
-            raise ValueError("a step with forks is recorded by postprocess(); it cannot overlap the next one")
-        self._in_flight = None
-        row = 0
-        for entry in output.scheduled:
-            seq = entry.seq
-            if seq.status is SequenceStatus.RUNNING:
-                seq.num_computed_tokens = entry.start_position + entry.num_new_tokens
-                if entry.sample:
-                    seq.all_token_ids.append(stand_in_token(row))
-            row += entry.sample
+        self._recorder.advance(output)
 
     def resolve(
         self,
@@ -282,269 +199,13 @@ class Scheduler:
         sequence that ended after the launch (abort, or a stop found by resolving the step
         before) is dropped; a sequence preempted after the launch keeps it for its recompute.
         """
-        if len(sampled_token_ids) != len(output.sampled_seqs):
-            raise ValueError(
-                f"got {len(sampled_token_ids)} sampled tokens for {len(output.sampled_seqs)} sampled sequences; "
-                "pass one token per output.sampled_seqs entry"
-            )
-        scheduled = output.scheduled
-        cache_full_blocks, indexed = self.kv.cache_full_blocks, self._blocks_indexed
-        block_size = self.kv.block_size
-        got: list[tuple[Sequence, int, int]] = []  # (sequence, token, its index)
-        index = 0
-        for entry in scheduled:
-            seq = entry.seq
-            seq_len = entry.start_position + entry.num_new_tokens
-            status = seq.status
-            if entry.sample:
-                token = int(sampled_token_ids[index])
-                index += 1
-                if status in FINISHED_STATUSES:
-                    del seq.all_token_ids[seq_len:]  # the stand-in (and any later one)
-                    continue
-                seq.all_token_ids[seq_len] = token
-                got.append((seq, token, seq_len))
-            if status is not SequenceStatus.RUNNING:
-                continue  # finished, or preempted: its blocks are gone
-            seq_id = seq.seq_id
-            if entry.num_new_tokens == 1 and seq_len % block_size and seq_id in indexed:
-                continue  # no block became full
-            cache_full_blocks(seq_id, seq.all_token_ids, seq_len)
-            indexed.add(seq_id)
-        max_model_len = self.config.max_model_len
-        updated: list[Sequence] = []
-        for seq, token, position in got:
-            updated.append(seq)
-            if seq.status in FINISHED_STATUSES:
-                continue  # a stop checked earlier in this loop ended it (its request aborted)
-            status = token_checker(seq, token) if token_checker else None
-            if status is None and position + 1 >= max_model_len:
-                status = SequenceStatus.FINISHED_LENGTH
-            if status is not None and seq.status not in FINISHED_STATUSES:
-                del seq.all_token_ids[position + 1 :]  # a later step's stand-in: never resolved
-                self._finish(seq, status, promote_forks=True)
-        return updated
-
-    def _record_aligned(self, output: SchedulerOutput, sampled: Seq[int]) -> list[Sequence]:
-        """Record a step without forks: `sampled` holds one token per sampling entry, in order."""
-        scheduled = output.scheduled
-        num_sampling = sum(1 for entry in scheduled if entry.sample)
-        if len(sampled) != num_sampling:
-            raise ValueError(
-                f"got {len(sampled)} sampled tokens for {num_sampling} sampled sequences; "
-                "pass one token per output.sampled_seqs entry (or a dict keyed by seq_id)"
-            )
-        cache_full_blocks, indexed = self.kv.cache_full_blocks, self._blocks_indexed
-        block_size = self.kv.block_size
-        updated: list[Sequence] = []
-        index = 0
-        for entry in scheduled:
-            seq = entry.seq
-            seq_len = entry.start_position + entry.num_new_tokens
-            if entry.sample:
-                token = int(sampled[index])
-                index += 1
-                if seq.status in FINISHED_STATUSES:
-                    continue  # aborted while the step ran
-                seq.num_computed_tokens = seq_len
-                seq.all_token_ids.append(token)
-                updated.append(seq)
-            elif seq.status in FINISHED_STATUSES:
-                continue
-            else:
-                seq.num_computed_tokens = seq_len
-            seq_id = seq.seq_id
-            if entry.num_new_tokens == 1 and seq_len % block_size and seq_id in indexed:
-                continue  # no block became full: cache_full_blocks would return at once
-            cache_full_blocks(seq_id, seq.all_token_ids, seq_len)
-            indexed.add(seq_id)
-        return updated
-
-    def _record_by_seq_id(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int] | Seq[int]) -> list[Sequence]:
-        tokens = self._tokens_by_seq_id(output, sampled_token_ids)
-        updated: list[Sequence] = []
-        for entry in output.scheduled:
-            seq = entry.seq
-            if seq.is_finished:
-                continue  # aborted while the step ran
-            seq.num_computed_tokens = entry.seq_len
-            if entry.sample:
-                seq.append_token(_token(tokens, seq))
-                updated.append(seq)
-            self.kv.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
-            self._blocks_indexed.add(seq.seq_id)
-            if entry.sample:
-                updated.extend(self._fork_pending(seq, tokens))
-        return updated
+        return self._recorder.resolve(output, sampled_token_ids, token_checker)
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _schedule_decodes(self) -> SchedulerOutput | None:
-        """The plan of a pure decode step, or None when the general planner is needed.
-
-        Applies when nothing waits, no fork is pending and every running sequence fits the
-        step's limits; `plan_decodes` checks the rest (see `cleave.engine.decode_plan`).
-        """
-        running = self.running
-        num_running = len(running)
-        config = self.config
-        if (
-            not running
-            or self.waiting
-            or self._pending_forks
-            or num_running > config.max_num_seqs
-            or num_running > config.max_num_batched_tokens
-        ):
-            return None
-        order = self._running_order
-        if order is None:
-            order = self._running_order = sorted(running, key=self._priority_key)
-        plan = plan_decodes(order, self.kv)
-        if plan is None:
-            return None
-        scheduled, num_decodes = plan
-        stats = self.stats
-        stats.num_steps += 1
-        stats.num_decode_tokens += num_decodes
-        stats.num_prefill_tokens += num_running - num_decodes
-        output = SchedulerOutput(scheduled, self.kv.take_pending_copies(), [], self._finished_since_output)
-        self._finished_since_output = []
-        self._in_flight = output
-        return output
-
-    def _admit_waiting(self, budget: int, planned: dict[str, tuple[Sequence, int]]) -> int:
-        reserved_forks = sum(len(self._pending_forks.get(s.seq_id, ())) for s in self.running)
-        while self.waiting and budget > 0 and len(planned) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            group_size = 1 + len(self._pending_forks.get(seq.seq_id, ()))
-            if len(self.running) + reserved_forks + group_size > self.config.max_num_seqs:
-                break
-            hit = self.kv.get_computed_blocks(seq.seq_id, seq.all_token_ids)
-            num_new = seq.num_tokens - hit.num_computed_tokens
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                num_new = budget
-            if not self.kv.allocate_slots(seq.seq_id, num_new, hit):
-                break
-            self.waiting.pop(0)
-            seq.status = SequenceStatus.RUNNING
-            seq.num_computed_tokens = hit.num_computed_tokens
-            seq.num_cached_tokens = hit.num_computed_tokens
-            self.stats.num_prefix_cache_hit_tokens += hit.num_computed_tokens
-            self.running.append(seq)
-            self._running_order = None
-            reserved_forks += group_size - 1
-            planned[seq.seq_id] = (seq, num_new)
-            budget -= num_new
-        return budget
-
-    def _entry(self, seq: Sequence, num_new: int) -> ScheduledSequence:
-        start = seq.num_computed_tokens
-        sample = start + num_new == seq.num_tokens
-        is_decode = num_new == 1 and sample and seq.num_output_tokens > 0
-        if is_decode:
-            self.stats.num_decode_tokens += 1
-        else:
-            self.stats.num_prefill_tokens += num_new
-        forks = tuple(self._pending_forks.get(seq.seq_id, ())) if sample else ()
-        return ScheduledSequence(
-            seq=seq,
-            num_new_tokens=num_new,
-            token_ids=seq.all_token_ids[start : start + num_new],
-            start_position=start,
-            sample=sample,
-            block_table=self.kv.block_table_view(seq.seq_id),
-            forks=forks,
-            is_prefill=not is_decode,
-        )
-
-    def _fork_pending(self, leader: Sequence, tokens: Mapping[str, int]) -> list[Sequence]:
-        children = self._pending_forks.pop(leader.seq_id, [])
-        for child in children:
-            self.kv.fork(leader.seq_id, child.seq_id)
-            child.num_computed_tokens = leader.num_computed_tokens
-            child.append_token(_token(tokens, child))
-            child.status = SequenceStatus.RUNNING
-            self.running.append(child)
-            self._running_order = None
-        return children
-
-    def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self._running_order = None
-        self.kv.free(seq.seq_id)
-        self._blocks_indexed.discard(seq.seq_id)
-        seq.status = SequenceStatus.PREEMPTED
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        self.stats.num_preemptions += 1
-        bisect.insort(self.waiting, seq, key=self._priority_key)
-
     def _finish(self, seq: Sequence, status: SequenceStatus, promote_forks: bool) -> None:
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-            self._running_order = None
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        elif seq.parent_seq_id in self._pending_forks:
-            pending = self._pending_forks[seq.parent_seq_id]
-            pending.remove(seq)
-            if not pending:
-                del self._pending_forks[seq.parent_seq_id]
-        seq.status = status
-        self.kv.free(seq.seq_id)
-        self._blocks_indexed.discard(seq.seq_id)
-        self._finished_since_output.append(seq.seq_id)
-        orphans = self._pending_forks.pop(seq.seq_id, [])
-        if promote_forks and orphans:
-            new_leader, *rest = orphans
-            new_leader.parent_seq_id = None
-            bisect.insort(self.waiting, new_leader, key=self._priority_key)
-            for child in rest:
-                child.parent_seq_id = new_leader.seq_id
-            if rest:
-                self._pending_forks[new_leader.seq_id] = rest
-        group = self._requests[seq.request_id]
-        group.remove(seq)
-        if not group:
-            del self._requests[seq.request_id]
-        self._add_order.pop(seq.seq_id, None)
+        self._queues.finish(seq, status, promote_forks)
+        self._blocks.release(seq.seq_id)
 
-    def _check_new(self, seq: Sequence) -> None:
-        if seq.seq_id in self._add_order:
-            raise ValueError(f"sequence {seq.seq_id} was already added")
-        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens:
-            raise ValueError(f"{seq.seq_id} must be new (WAITING, nothing computed) to be added")
-        if seq.num_tokens >= self.config.max_model_len:
-            raise InvalidArgument(
-                f"prompt has {seq.num_tokens} tokens but max_model_len is {self.config.max_model_len}; "
-                "shorten the prompt to leave room for at least one output token",
-                field="prompt",
-            )
-
-    def _register(self, seq: Sequence) -> None:
-        self._requests.setdefault(seq.request_id, []).append(seq)
-        self._add_order[seq.seq_id] = self._next_order
-        self._next_order += 1
-
-    def _priority_key(self, seq: Sequence) -> tuple[int, float, int]:
-        return (seq.priority, seq.arrival_time, self._add_order[seq.seq_id])
-
-    def _tokens_by_seq_id(self, output: SchedulerOutput, sampled: Mapping[str, int] | Seq[int]) -> Mapping[str, int]:
-        if isinstance(sampled, Mapping):
-            return sampled
-        expected = output.sampled_seqs
-        if len(sampled) != len(expected):
-            raise ValueError(
-                f"got {len(sampled)} sampled tokens for {len(expected)} sampled sequences; "
-                "pass one token per output.sampled_seqs entry (or a dict keyed by seq_id)"
-            )
-        return {seq.seq_id: int(token) for seq, token in zip(expected, sampled)}
-
-
-def _token(tokens: Mapping[str, int], seq: Sequence) -> int:
-    try:
-        return int(tokens[seq.seq_id])
-    except KeyError:
-        raise KeyError(f"no sampled token for {seq.seq_id}; every entry of output.sampled_seqs needs one") from None
+    def _finish_promoting(self, seq: Sequence, status: SequenceStatus) -> None:
+        self._finish(seq, status, promote_forks=True)
