@@ -8,7 +8,9 @@ stream is attached, so a request may start while the stream is still connecting.
 
 When the stream breaks (the worker died, closed it, or `fail()` gave it up after its health
 checks went unanswered), every waiting request gets a `WorkerLost` error after the deltas
-that did arrive, so it can migrate elsewhere, and the worker leaves the rotation. When the
+that did arrive, naming the worker request it ends, so it can migrate elsewhere, and the
+worker leaves the rotation. Several worker requests may share one queue (the samples of one
+gateway request after they moved, each decoding on its own); each gets its own `WorkerLost`. When the
 gateway closes the stream itself (shutdown), they get a plain `Unavailable`.
 """
 
@@ -21,7 +23,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 import structlog
 
-from cleave.errors import Unavailable
+from cleave.errors import CleaveError, Unavailable
 from cleave.proto.cleave.v1 import decode_pb2
 from services.gateway.workers import WorkerHandle
 
@@ -29,7 +31,16 @@ log = structlog.get_logger("cleave.gateway.attach")
 
 
 class WorkerLost(Unavailable):
-    """The decode worker's token stream broke: its requests there are gone (migrate them)."""
+    """The decode worker's token stream broke: its requests there are gone (migrate them).
+
+    Attributes:
+        worker_request_id: the worker request this error was queued for ("" when raised
+            before any was registered).
+    """
+
+    def __init__(self, message: str, worker_request_id: str = "") -> None:
+        super().__init__(message)
+        self.worker_request_id = worker_request_id
 
 
 class AttachStream:
@@ -79,11 +90,13 @@ class AttachStream:
             self.is_open = False
             self._call.cancel()
 
-    def register(self, request_id: str) -> asyncio.Queue:
-        """A queue that receives the request's RequestDelta messages (or an exception)."""
+    def register(self, request_id: str, queue: asyncio.Queue | None = None) -> asyncio.Queue:
+        """A queue (`queue`, or a new one) that receives the request's RequestDelta messages
+        (or an exception)."""
         if not self.is_open:
             raise Unavailable(f"decode worker {self.worker.address} has no open token stream")
-        queue: asyncio.Queue = asyncio.Queue()
+        if queue is None:
+            queue = asyncio.Queue()
         self._queues[request_id] = queue
         return queue
 
@@ -91,7 +104,8 @@ class AttachStream:
         self._queues.pop(request_id, None)
 
     async def _read(self, call: grpc.aio.UnaryStreamCall) -> None:
-        error: BaseException | None = None
+        # What the waiting requests get; an unexpected exception here loses the worker too.
+        error: CleaveError = WorkerLost(f"the token stream of decode worker {self.worker.address} failed")
         try:
             async for step in call:
                 if step.HasField("load"):
@@ -109,8 +123,8 @@ class AttachStream:
             if self._failure is not None and not self._closing:
                 error = WorkerLost(f"lost decode worker {self.worker.address}: {self._failure}")
             self.is_open = False
-            for queue in self._queues.values():
-                queue.put_nowait(error)
+            for request_id, queue in self._queues.items():
+                queue.put_nowait(WorkerLost(error.message, request_id) if isinstance(error, WorkerLost) else error)
             self._queues.clear()
         if not self._closing:
             log.warning("attach stream broken", address=self.worker.address, error=str(error))

@@ -1,22 +1,28 @@
 """What a request lost with its decode worker restarts with on another one.
 
 When a decode worker dies, the gateway still holds everything the client has seen: the
-original prompt ids and, per sample, the tokens already streamed (`SampleText`). The request
-resumes as a colocated start (`Start(prefill_locally=true)`) on a healthy worker:
+original prompt ids and, per sample, the tokens already streamed (`SampleText`). Each
+unfinished sample of the request resumes on its own, as a colocated start
+(`Start(prefill_locally=true)`, n = 1) on a healthy worker; samples that already finished stay
+finished. With n > 1 the samples diverged, so they no longer share a prompt: a request of n
+samples becomes up to n worker requests, one per moved sample.
 
-    prompt      = original prompt ids + tokens already streamed
+    prompt      = original prompt ids + the sample's tokens already streamed
     max_tokens  = what was left of the original budget (max_tokens, or the context window)
     thinking    = budgets less the reasoning tokens already spent (inside the thinking block);
                   none once the block closed; unchanged before it opened
+    seed        = the key the sample's seeded stream had reached (`row_key(seed, sample,
+                  position)`), so moved samples of one request do not share a stream
 
 The gateway keeps the sample's detokenizer, stop checker and reasoning parser, so the client's
-text continues from the same state; usage keeps counting the whole generation against the
-original prompt.
+text, stop strings and logprobs continue from the same state; usage keeps counting the whole
+generation against the original prompt.
 
 Exact for greedy sampling (the continuation is the argmax of the same context). Not exact:
-  - seeded sampling: the per-token random stream is keyed by output position, which restarts
-    at 0 on the new worker, so a seeded request continues with a fresh seeded stream from the
-    migration point (reproducible, but not the tokens an uninterrupted run would give);
+  - seeded sampling: the per-token random stream is keyed by (seed, sample index, output
+    position), and the moved sample restarts as sample 0 at position 0 on the new worker, so
+    it continues with a fresh seeded stream from the migration point (reproducible, but not
+    the tokens an uninterrupted run would give);
   - frequency / presence penalties count output tokens only; the tokens moved into the prompt
     no longer count (repetition_penalty covers prompt and output, so it is unaffected);
   - thinking budgets of models whose output opens the thinking block themselves
@@ -29,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from cleave.engine.counter_rng import row_key
 from cleave.engine.reasoning import Phase
 from cleave.engine.request import ReasoningConfig
 from cleave.engine.sampling_params import SamplingParams
@@ -83,8 +90,10 @@ def continuation(
     num_reasoning_tokens: int,
     reasoning: ReasoningConfig | None,
     max_model_len: int,
+    sample_index: int = 0,
 ) -> Continuation | None:
-    """How one sample (n == 1) continues elsewhere; None when it has nothing left to generate.
+    """How one sample continues elsewhere (as a request of its own, n = 1); None when it has
+    nothing left to generate.
 
     Args:
         prompt_token_ids: the request's original prompt.
@@ -93,6 +102,7 @@ def continuation(
         phase / num_reasoning_tokens: the gateway's reasoning parser state of the sample.
         reasoning: the model's think tags (None for a plain model).
         max_model_len: the model's context window.
+        sample_index: the sample's index in its request (keys its seeded stream).
     """
     left = remaining_tokens(params, max_model_len, len(prompt_token_ids), len(generated_token_ids))
     if left <= 0:
@@ -101,6 +111,7 @@ def continuation(
     sampling = replace(
         params,
         n=1,
+        seed=None if params.seed is None else row_key(params.seed, sample_index, len(generated_token_ids)),
         max_tokens=None if params.max_tokens is None else left,
         max_thinking_tokens=budgets.max_thinking_tokens,
         min_thinking_tokens=budgets.min_thinking_tokens or 0,

@@ -1,9 +1,15 @@
-"""Where a request decodes: the decode worker it is placed on and that worker's Attach stream.
+"""Where a request decodes: the decode workers it runs on and their Attach streams.
 
 `DecodePlacement` keeps one `AttachStream` per healthy decode worker (opened as workers come
-into rotation, failed when one is lost), picks a worker for each request (`routing.pick_decode`
-over the workers whose stream is open), registers the request's queue on that worker's stream
-before any Start, and detaches (and aborts) it when it ends or moves to another worker.
+into rotation, failed when one is lost), picks a worker for each worker request
+(`routing.pick_decode` over the workers whose stream is open), registers the request's queue
+on that worker's stream before any Start, and detaches (and aborts) it when it ends or moves.
+
+A gateway request (`RunningRequest`) runs as one or more worker requests (`WorkerRequest`):
+one for all of its n samples when it starts (they share the prompt's KV); after a migration,
+one per moved sample, since each sample continues from its own tokens. All of them feed the
+request's one queue; each worker request maps its worker-side sample indices back to the
+request's.
 """
 
 from __future__ import annotations
@@ -12,7 +18,8 @@ import asyncio
 import contextlib
 import math
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -28,16 +35,49 @@ BLOCK_SIZE_ESTIMATE = 16  # for "does the prompt fit" routing only; workers deci
 
 
 @dataclass
-class RunningRequest:
-    """A request in flight: its id on the workers, the decode worker that streams it and the
-    queue its deltas arrive in (all three change when it migrates)."""
+class WorkerRequest:
+    """One request on one decode worker: its id there, the worker, the stream its deltas come
+    on, and the gateway request's samples it decodes (worker sample j is request sample
+    `sample_indices[j]`)."""
 
     worker_request_id: str
     decode: WorkerHandle
     stream: AttachStream
-    queue: asyncio.Queue
-    num_migrations: int = 0
+    sample_indices: tuple[int, ...]
     attached: bool = True  # registered on `stream` and counted in `decode.in_flight`
+
+
+@dataclass
+class RunningRequest:
+    """A gateway request in flight: the worker requests decoding its samples (keyed by their
+    worker request id; they change when it migrates), the queue all their deltas arrive in,
+    and how many times it moved."""
+
+    queue: asyncio.Queue
+    parts: dict[str, WorkerRequest] = field(default_factory=dict)
+    num_migrations: int = 0
+
+    @property
+    def decode(self) -> WorkerHandle:
+        """The decode worker of the request's first worker request (for logs and tests)."""
+        return next(iter(self.parts.values())).decode
+
+    def add(self, part: WorkerRequest) -> None:
+        self.parts[part.worker_request_id] = part
+
+    def request_sample(self, worker_request_id: str, worker_sample_index: int) -> int | None:
+        """The request's sample index of a worker's delta; None for a worker request it left."""
+        part = self.parts.get(worker_request_id)
+        if part is None or not 0 <= worker_sample_index < len(part.sample_indices):
+            return None
+        return part.sample_indices[worker_sample_index]
+
+    def part_of(self, sample_index: int) -> tuple[WorkerRequest, int] | None:
+        """The worker request decoding a sample, and the sample's index there."""
+        for part in self.parts.values():
+            if sample_index in part.sample_indices:
+                return part, part.sample_indices.index(sample_index)
+        return None
 
 
 class DecodePlacement:
@@ -92,50 +132,51 @@ class DecodePlacement:
             if (stream := self.streams.get(w.address)) is not None and stream.is_open
         ]
 
-    def place(self, num_prompt_tokens: int) -> RunningRequest:
-        """Pick a decode worker and register a queue on its stream (before any Start)."""
+    def place(self, num_prompt_tokens: int, num_samples: int) -> RunningRequest:
+        """Place a new request's samples as one worker request (they share the prompt's KV)."""
+        running = RunningRequest(asyncio.Queue())
+        running.add(self.place_samples(num_prompt_tokens, tuple(range(num_samples)), running.queue))
+        return running
+
+    def place_samples(self, num_prompt_tokens: int, sample_indices: tuple[int, ...], queue: asyncio.Queue) -> WorkerRequest:
+        """Pick a decode worker for some of a request's samples and register the request's
+        queue on its stream under a new worker request id (before any Start)."""
         decode = pick_decode(self.candidates(), math.ceil((num_prompt_tokens + 1) / BLOCK_SIZE_ESTIMATE))
         if decode is None:
             raise Unavailable("no decode worker is in rotation; check the workers' health and retry")
         worker_request_id = f"req-{uuid.uuid4().hex}"
         stream = self.streams[decode.address]
-        queue = stream.register(worker_request_id)
+        stream.register(worker_request_id, queue)
         decode.in_flight += 1
-        return RunningRequest(worker_request_id, decode, stream, queue)
+        return WorkerRequest(worker_request_id, decode, stream, sample_indices)
 
-    def leave(self, running: RunningRequest, abort: bool) -> None:
-        """Stop listening to the request's worker (and abort it there, unless it ended)."""
-        if not running.attached:
+    def leave(self, running: RunningRequest, part: WorkerRequest, abort: bool) -> None:
+        """Stop listening to a worker request (and abort it there, unless it ended); its
+        deltas still queued are dropped (`RunningRequest.request_sample` no longer knows it)."""
+        running.parts.pop(part.worker_request_id, None)
+        if not part.attached:
             return
-        running.attached = False
-        running.stream.unregister(running.worker_request_id)
-        running.decode.in_flight -= 1
+        part.attached = False
+        part.stream.unregister(part.worker_request_id)
+        part.decode.in_flight -= 1
         if abort:
-            self.fire_abort(running.decode, running.worker_request_id)
+            self.fire_abort(part.decode, part.worker_request_id)
 
-    def move(
-        self,
-        request_id: str,
-        running: RunningRequest,
-        num_prompt_tokens: int,
-        reason: CleaveError,
-        num_generated: int,
-        max_migrations: int,
-    ) -> None:
-        """Point a detached request at a new decode worker (raises Unavailable when it may
-        not move again or no worker is left)."""
+    def leave_all(self, running: RunningRequest, finished: Callable[[int], bool]) -> None:
+        """Leave every worker request; abort those with a sample not `finished` on its worker."""
+        for part in list(running.parts.values()):
+            self.leave(running, part, abort=not all(finished(i) for i in part.sample_indices))
+
+    @staticmethod
+    def count_move(running: RunningRequest, reason: CleaveError, max_migrations: int) -> None:
+        """Count one more migration of the request (raises Unavailable when it may not move
+        again)."""
         if running.num_migrations >= max_migrations:
-            raise Unavailable(f"{reason}; the request already moved {running.num_migrations} time(s), retry it")
-        moved = self.place(num_prompt_tokens)
-        log.warning(
-            "request migrated", request_id=request_id, lost_worker=running.decode.address,
-            new_worker=moved.decode.address, num_generated=num_generated,
-            migration=running.num_migrations + 1, reason=str(reason),
-        )
-        running.worker_request_id, running.decode = moved.worker_request_id, moved.decode
-        running.stream, running.queue = moved.stream, moved.queue
+            raise Unavailable(
+                f"{reason}; the request already moved {running.num_migrations} time(s) "
+                f"(max_migrations={max_migrations}), retry it"
+            )
         running.num_migrations += 1
-        running.attached = True
 
     def fire_abort(self, decode: WorkerHandle, worker_request_id: str, sample_index: int | None = None) -> None:
         """Abort a request (or one of its samples) on its worker without waiting."""

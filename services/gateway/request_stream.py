@@ -1,10 +1,12 @@
 """One request's tokens, from its queue on the decode worker's stream to `GenerateChunk`s.
 
-The Attach stream puts the request's `TokenDelta`s (or a `WorkerLost` / error, always last)
-in its queue; each sample's deltas become text (`SampleText`), and each batch of ready
-deltas one chunk — or, when the client asked for one aggregated answer or a scaling strategy
-picks among samples, one final chunk. With n > 1, a sample that a stop string ends here is
-aborted alone on the worker while the others go on.
+The Attach streams put the request's deltas in its queue, each tagged with its worker request
+and that request's sample index (mapped back to the request's sample here), and a
+`WorkerLost` after the last delta of a worker request whose worker was lost; the samples of
+lost worker requests migrate (`Migrate`) and their stream goes on. Each sample's deltas become
+text (`SampleText`), and each batch of ready deltas one chunk — or, when the client asked for
+one aggregated answer or a scaling strategy picks among samples, one final chunk. With n > 1,
+a sample that a stop string ends here is aborted alone on its worker while the others go on.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from services.gateway.scaling import combine, summary_chunk
 from services.gateway.worker_rpc import time_left
 
 log = structlog.get_logger("cleave.gateway")
-# Restarts the request elsewhere; a final delta when the sample has nothing left to generate.
-Migrate = Callable[[SampleText, WorkerLost], Awaitable[TokenDelta | None]]
+# Restarts the unfinished samples of lost worker requests elsewhere; returns final deltas of
+# the samples that had nothing left to generate.
+Migrate = Callable[[list[WorkerLost], list[SampleText]], Awaitable[list[TokenDelta]]]
 
 
 def merge_outputs(first: SampleOutput | None, second: SampleOutput) -> SampleOutput:
@@ -70,8 +73,9 @@ async def stream_samples(
     migrate: Migrate,
     abort_sample: Callable[[int], None],
 ) -> AsyncIterator[GenerateChunk]:
-    """The request's chunks until every sample finished; marks `worker_finished[i]` as the
-    worker reports sample i finished (the caller aborts the request unless all are)."""
+    """The request's chunks until every sample finished; marks `worker_finished[i]` as a
+    worker reports sample i finished (the caller aborts the worker requests with a sample
+    that is not)."""
     mode = resolve_mode(spec.reasoning.mode, model.reasoning)
     texts = [
         SampleText(i, model.tokenizer, prompt_ids, spec.sampling, model.eos_token_ids, model.reasoning,
@@ -94,35 +98,38 @@ async def stream_samples(
             cached_prompt_tokens=num_cached,
         )
 
+    def take(delta: TokenDelta, news: dict[int, SampleOutput]) -> None:
+        if delta.finish_reason is not None:
+            worker_finished[delta.sample_index] = True
+            if delta.finish_reason is FinishReason.ERROR:
+                log.warning("sample failed on the worker", error=delta.error_message)
+        text = texts[delta.sample_index]
+        output = text.push(delta)
+        if output is not None:
+            news[output.index] = merge_outputs(news.get(output.index), output)
+        if text.finished and not worker_finished[text.index] and text.index not in stopped_here:
+            # A stop string matched here: the sample stops decoding on its worker now, not
+            # when the whole request ends (n = 1: the request is aborted as the stream ends,
+            # by the caller).
+            stopped_here.add(text.index)
+            if len(texts) > 1:
+                abort_sample(text.index)
+
     while not all(t.finished for t in texts):
         news: dict[int, SampleOutput] = {}
+        lost: list[WorkerLost] = []
         for item in await next_items(spec, running.queue):
-            if isinstance(item, WorkerLost):  # always the last item of its queue
-                final = await migrate(texts[0], item)
-                if final is None:
-                    continue
-                delta = final
+            if isinstance(item, WorkerLost):
+                lost.append(item)  # its worker request's deltas all came before it
             elif isinstance(item, BaseException):
                 raise item
             else:
-                delta = token_delta_from_proto(item)
-            if delta.sample_index >= len(texts):
-                continue
-            if delta.finish_reason is not None:
-                worker_finished[delta.sample_index] = True
-                if delta.finish_reason is FinishReason.ERROR:
-                    log.warning("sample failed on the worker", error=delta.error_message)
-            text = texts[delta.sample_index]
-            output = text.push(delta)
-            if output is not None:
-                news[output.index] = merge_outputs(news.get(output.index), output)
-            if text.finished and not worker_finished[text.index] and text.index not in stopped_here:
-                # A stop string matched here: the sample stops decoding on its worker now,
-                # not when the whole request ends (n = 1: the request is aborted as the
-                # stream ends, by the caller).
-                stopped_here.add(text.index)
-                if len(texts) > 1:
-                    abort_sample(text.index)
+                index = running.request_sample(item.request_id, item.sample_index)
+                if index is not None:  # None: a worker request this request left
+                    take(replace(token_delta_from_proto(item), sample_index=index), news)
+        if lost:
+            for delta in await migrate(lost, texts):
+                take(delta, news)
         for index, output in news.items():
             collected[index] = merge_outputs(collected.get(index), output)
         if news and not hold:

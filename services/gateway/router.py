@@ -14,21 +14,25 @@ aborted on its decode worker, which frees its KV blocks. With n > 1, a sample th
 string ends here is aborted alone (`AbortRequest.sample_index`) while the others go on.
 
 A request whose decode worker is lost (its Attach stream broke, or its health checks went
-unanswered) migrates: it restarts as a colocated start on a healthy worker from its prompt
-plus the tokens already streamed (`services.gateway.migration`), at most
-`GatewayOptions.max_migrations` times; the client's stream goes on without a gap. Requests
-with n > 1 are not migrated (their samples diverged, and one worker request holds them all):
-they fail with UNAVAILABLE, as does a request when no healthy worker is left.
+unanswered) migrates: each of its unfinished samples there restarts as a colocated start
+(n = 1) on a healthy worker from the prompt plus that sample's tokens already streamed
+(`services.gateway.migration`); samples that already finished stay finished. From then on
+the request runs as several worker requests (`placement.RunningRequest`), all feeding its one
+queue, and the client's stream goes on without a gap. One loss (or a failed restart) counts
+as one migration of the whole request, at most `GatewayOptions.max_migrations`; past that, or
+when no healthy worker is left, the request fails with UNAVAILABLE naming the lost worker.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
 import grpc
+import structlog
 
 from cleave.engine.outputs import FinishReason
 from cleave.errors import InvalidArgument, Unavailable
@@ -36,14 +40,16 @@ from cleave.proto.cleave.v1 import common_pb2
 from services.gateway.attach import WorkerLost
 from services.gateway.backend import GenerateChunk, GenerateSpec, ScalingStrategy
 from services.gateway.convert import TokenDelta, request_field
-from services.gateway.migration import continuation
+from services.gateway.migration import Continuation, continuation
 from services.gateway.model import ServedModel
-from services.gateway.placement import DecodePlacement, RunningRequest
+from services.gateway.placement import DecodePlacement, RunningRequest, WorkerRequest
 from services.gateway.request_stream import stream_samples
 from services.gateway.routing import PrefixAffinity
 from services.gateway.sample_text import SampleText, special_tag_tokens
 from services.gateway.starts import start_colocated, start_disaggregated
 from services.gateway.workers import PoolOptions, WorkerHandle, WorkerPool
+
+log = structlog.get_logger("cleave.gateway")
 
 
 @dataclass(frozen=True)
@@ -111,13 +117,27 @@ class RoutingBackend:
         running = self._running.get(request_id)
         if running is None:
             return False
+        if sample_index is None:
+            for part in list(running.parts.values()):
+                await self._abort_on_worker(part.decode, part.worker_request_id, None)
+            return True
+        found = running.part_of(sample_index)
+        if found is None:
+            return False  # the sample finished and its worker request was left
+        part, worker_sample_index = found
+        response = await self._abort_on_worker(part.decode, part.worker_request_id, worker_sample_index)
+        return response is None or response.found
+
+    @staticmethod
+    async def _abort_on_worker(
+        decode: WorkerHandle, worker_request_id: str, sample_index: int | None
+    ) -> common_pb2.AbortResponse | None:
+        """Abort on a worker; None when the worker did not answer."""
         with contextlib.suppress(grpc.RpcError):
-            response = await running.decode.stub.Abort(
-                common_pb2.AbortRequest(request_id=running.worker_request_id, sample_index=sample_index), timeout=5.0
+            return await decode.stub.Abort(
+                common_pb2.AbortRequest(request_id=worker_request_id, sample_index=sample_index), timeout=5.0
             )
-            if sample_index is not None:
-                return response.found
-        return True
+        return None
 
     def _prepare(self, spec: GenerateSpec) -> tuple[list[int], GenerateSpec]:
         prompt_ids = self.model.encode(spec.prompt, spec.reasoning.enable_thinking)
@@ -134,15 +154,18 @@ class RoutingBackend:
         if spec.request_id in self._running:
             raise InvalidArgument(f"{spec.request_id!r} is already running; use a unique id", field="request_id")
         prompt_ids, spec = self._prepare(spec)
-        running = self.placement.place(len(prompt_ids))
+        running = self.placement.place(len(prompt_ids), spec.sampling.n)
         self._running[spec.request_id] = running
         worker_finished = [False] * spec.sampling.n
 
-        async def migrate(text: SampleText, lost: WorkerLost) -> TokenDelta | None:
-            return await self._migrate(spec, prompt_ids, running, text, lost)
+        async def migrate(lost: list[WorkerLost], texts: list[SampleText]) -> list[TokenDelta]:
+            return await self._migrate(spec, prompt_ids, running, texts, lost)
 
         def abort_sample(sample_index: int) -> None:
-            self.placement.fire_abort(running.decode, running.worker_request_id, sample_index)
+            found = running.part_of(sample_index)
+            if found is not None:
+                part, worker_sample_index = found
+                self.placement.fire_abort(part.decode, part.worker_request_id, worker_sample_index)
 
         try:
             num_cached = await self._start_anywhere(spec, prompt_ids, running)
@@ -154,14 +177,15 @@ class RoutingBackend:
                 yield chunk
         finally:
             self._running.pop(spec.request_id, None)
-            self.placement.leave(running, abort=not all(worker_finished))
+            self.placement.leave_all(running, finished=lambda index: worker_finished[index])
 
     async def _start(self, spec: GenerateSpec, prompt_ids: list[int], running: RunningRequest) -> int:
         """Get the request running on its decode worker; returns the cached prompt tokens."""
+        (part,) = running.parts.values()
         if self.options.mode == "colocated":
-            return await start_colocated(self.pool, spec, prompt_ids, running, gateway_id=self.options.gateway_id)
+            return await start_colocated(self.pool, spec, prompt_ids, part, gateway_id=self.options.gateway_id)
         return await start_disaggregated(
-            self.pool, self.affinity, spec, prompt_ids, running,
+            self.pool, self.affinity, spec, prompt_ids, part,
             gateway_id=self.options.gateway_id, store_to_kvstore=self.options.store_to_kvstore,
         )
 
@@ -171,43 +195,92 @@ class RoutingBackend:
             try:
                 return await self._start(spec, prompt_ids, running)
             except Unavailable as error:
-                if running.decode.healthy and running.stream.is_open:
+                (part,) = running.parts.values()
+                if part.decode.healthy and part.stream.is_open:
                     raise  # not the decode worker (no prefill worker, say): moving would not help
-                self.placement.leave(running, abort=True)
-                self.placement.move(
-                    spec.request_id, running, len(prompt_ids), error, num_generated=0,
-                    max_migrations=self.options.max_migrations,
-                )
+                self.placement.leave(running, part, abort=True)
+                self.placement.count_move(running, error, self.options.max_migrations)
+                moved = self.placement.place_samples(len(prompt_ids), part.sample_indices, running.queue)
+                running.add(moved)
+                log_move(spec.request_id, running, part.decode, moved, error, num_generated=0)
 
     async def _migrate(
-        self, spec: GenerateSpec, prompt_ids: list[int], running: RunningRequest, text: SampleText, lost: WorkerLost
-    ) -> TokenDelta | None:
-        """Restart a request whose worker was lost on another one (see `migration`).
+        self,
+        spec: GenerateSpec,
+        prompt_ids: list[int],
+        running: RunningRequest,
+        texts: list[SampleText],
+        lost: list[WorkerLost],
+    ) -> list[TokenDelta]:
+        """Restart the unfinished samples of lost worker requests on other workers (see
+        `migration`), each from its own tokens, as one migration of the request.
 
-        Returns a final delta when the sample has nothing left to generate; raises
-        Unavailable when it cannot move (n > 1, too many migrations, no worker left).
+        Returns final deltas of the samples that have nothing left to generate; raises
+        Unavailable when the request may not move again or no worker is left.
         """
-        self.placement.leave(running, abort=True)  # the worker may still be alive, only unreachable
-        if spec.sampling.n != 1:
-            raise Unavailable(f"{lost}; requests with n > 1 are not migrated, retry the request") from None
-        resumed = continuation(
-            prompt_ids, text.token_ids, spec.sampling, spec.reasoning,
-            phase=text.reasoning_phase, num_reasoning_tokens=text.num_reasoning_tokens,
-            reasoning=self.model.reasoning, max_model_len=self.model.max_model_len,
-        )
-        if resumed is None:
-            return TokenDelta(sample_index=0, token_ids=(), finish_reason=FinishReason.LENGTH)
-        moved_spec = replace(spec, sampling=resumed.sampling, reasoning=resumed.reasoning)
-        while True:
-            self.placement.move(
-                spec.request_id, running, len(resumed.prompt_token_ids), lost, len(text.token_ids),
-                max_migrations=self.options.max_migrations,
-            )
-            try:
-                await start_colocated(
-                    self.pool, moved_spec, resumed.prompt_token_ids, running, gateway_id=self.options.gateway_id
+        current = [error for error in lost if error.worker_request_id in running.parts]
+        if not current:
+            return []  # worker requests the request already left (moved during their start)
+        reason: Unavailable = current[0]
+        lost_parts = [running.parts[error.worker_request_id] for error in current]
+        finals: list[TokenDelta] = []
+        pending: list[tuple[int, Continuation, WorkerHandle]] = []
+        for part in lost_parts:
+            self.placement.leave(running, part, abort=True)  # the worker may still be alive, only unreachable
+            for index in part.sample_indices:
+                text = texts[index]
+                if text.finished:
+                    continue  # finished before the loss: stays finished
+                resumed = continuation(
+                    prompt_ids, text.token_ids, spec.sampling, spec.reasoning,
+                    phase=text.reasoning_phase, num_reasoning_tokens=text.num_reasoning_tokens,
+                    reasoning=self.model.reasoning, max_model_len=self.model.max_model_len, sample_index=index,
                 )
-                return None
-            except Unavailable as error:
-                lost = WorkerLost(str(error))
-                self.placement.leave(running, abort=True)
+                if resumed is None:
+                    finals.append(TokenDelta(sample_index=index, token_ids=(), finish_reason=FinishReason.LENGTH))
+                else:
+                    pending.append((index, resumed, part.decode))
+        while pending:
+            self.placement.count_move(running, reason, self.options.max_migrations)
+            # Placed first, all at once: no worker left raises before any start is in flight.
+            moved = [
+                self.placement.place_samples(len(resumed.prompt_token_ids), (index,), running.queue)
+                for index, resumed, _ in pending
+            ]
+            for part, (index, _, lost_worker) in zip(moved, pending):
+                running.add(part)
+                log_move(spec.request_id, running, lost_worker, part, reason, num_generated=len(texts[index].token_ids))
+            outcomes = await asyncio.gather(
+                *(self._start_moved(spec, resumed, part) for part, (_, resumed, _) in zip(moved, pending)),
+                return_exceptions=True,
+            )
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException) and not isinstance(outcome, Unavailable):
+                    raise outcome
+            failed = [(entry, part, error) for entry, part, error in zip(pending, moved, outcomes) if error is not None]
+            for _, part, _ in failed:
+                self.placement.leave(running, part, abort=True)
+            pending = [entry for entry, _, _ in failed]
+            reason = failed[0][2] if failed else reason
+        return finals
+
+    async def _start_moved(self, spec: GenerateSpec, resumed: Continuation, part: WorkerRequest) -> None:
+        """Start one moved sample (Start(prefill_locally), n = 1) on its new worker."""
+        moved_spec = replace(spec, sampling=resumed.sampling, reasoning=resumed.reasoning)
+        await start_colocated(self.pool, moved_spec, resumed.prompt_token_ids, part, gateway_id=self.options.gateway_id)
+
+
+def log_move(
+    request_id: str,
+    running: RunningRequest,
+    lost_worker: WorkerHandle,
+    moved: WorkerRequest,
+    reason: Exception,
+    num_generated: int,
+) -> None:
+    """One log line per moved worker request."""
+    log.warning(
+        "request migrated", request_id=request_id, samples=list(moved.sample_indices),
+        lost_worker=lost_worker.address, new_worker=moved.decode.address, num_generated=num_generated,
+        migration=running.num_migrations, reason=str(reason),
+    )

@@ -4,7 +4,7 @@ Disaggregated (any n: the prefill worker draws every sample's first token from o
 and the decode worker's samples share the one prompt reservation):
     Decode.Admit (reserve blocks) -> pick prefill (load, prefix affinity) -> Prefill (KV goes
     straight to the reserved blocks) -> Decode.Start(first tokens).
-Colocated (and every migrated restart):
+Colocated (and every migrated restart, one per moved sample):
     Decode.Start(prefill_locally): the decode worker prefills the prompt itself.
 
 Both return the prompt tokens a worker's prefix cache already held.
@@ -16,7 +16,7 @@ from cleave.errors import Unavailable
 from cleave.proto.cleave.v1 import decode_pb2, prefill_pb2
 from cleave.rpc.convert import reasoning_to_proto, sampling_to_proto
 from services.gateway.backend import GenerateSpec
-from services.gateway.placement import RunningRequest
+from services.gateway.placement import WorkerRequest
 from services.gateway.routing import PrefixAffinity, pick_prefill
 from services.gateway.worker_rpc import call_worker, time_left
 from services.gateway.workers import WorkerPool
@@ -27,7 +27,7 @@ async def start_disaggregated(
     affinity: PrefixAffinity,
     spec: GenerateSpec,
     prompt_ids: list[int],
-    running: RunningRequest,
+    placed: WorkerRequest,
     *,
     gateway_id: str,
     store_to_kvstore: bool,
@@ -35,8 +35,8 @@ async def start_disaggregated(
     """Admit on the decode worker, prefill on a prefill worker, then Start the decode."""
     sampling = sampling_to_proto(spec.sampling)
     reasoning = reasoning_to_proto(spec.reasoning)
-    decode = running.decode
-    request_id = running.worker_request_id
+    decode = placed.decode
+    request_id = placed.worker_request_id
     prefill = pick_prefill(pool.of_role("prefill"), affinity, prompt_ids)
     if prefill is None:
         raise Unavailable("no prefill worker is in rotation; check the workers' health and retry")
@@ -83,15 +83,15 @@ async def start_disaggregated(
 
 
 async def start_colocated(
-    pool: WorkerPool, spec: GenerateSpec, prompt_ids: list[int], running: RunningRequest, *, gateway_id: str
+    pool: WorkerPool, spec: GenerateSpec, prompt_ids: list[int], placed: WorkerRequest, *, gateway_id: str
 ) -> int:
     """Start(prefill_locally): the decode worker prefills the prompt itself."""
-    decode = running.decode
+    decode = placed.decode
     started = await call_worker(
         pool,
         decode.stub.Start(
             decode_pb2.StartRequest(
-                request_id=running.worker_request_id, prefill_locally=True, prompt_token_ids=prompt_ids,
+                request_id=placed.worker_request_id, prefill_locally=True, prompt_token_ids=prompt_ids,
                 sampling=sampling_to_proto(spec.sampling), reasoning=reasoning_to_proto(spec.reasoning),
                 gateway_id=gateway_id,
             ),

@@ -84,6 +84,7 @@ async def start_stack(
     mode: Literal["disaggregated", "colocated"] = "disaggregated",
     num_decode: int = 1,
     health_interval_s: float = 0.2,
+    max_migrations: int = GatewayOptions.max_migrations,
 ) -> Stack:
     """Start kvstore, prefill (disaggregated only), decode worker(s) and the gateway."""
     stack = Stack()
@@ -109,7 +110,8 @@ async def start_stack(
     model = ServedModel(served)
     router = RoutingBackend(
         model, prefill_addresses, decode_addresses,
-        GatewayOptions(gateway_id="gw-test", mode=mode, pool=PoolOptions(health_interval_s=health_interval_s)),
+        GatewayOptions(gateway_id="gw-test", mode=mode, pool=PoolOptions(health_interval_s=health_interval_s),
+                       max_migrations=max_migrations),
     )
     stack.router = router
     models = [served]

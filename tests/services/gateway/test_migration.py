@@ -1,15 +1,20 @@
 """A request whose decode worker stops mid-stream continues on the other worker: the client's
-stream equals an uninterrupted greedy run, token for token, and every KV block is freed."""
+stream equals an uninterrupted greedy run, token for token, and every KV block is freed.
+With n > 1, each unfinished sample moves on its own and finished ones stay finished."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import grpc
+import openai
 import pytest
 import pytest_asyncio
 import structlog
 
 from cleave.client import GatewayClient
 from cleave.client.gateway import Completion, collect
+from cleave.engine.counter_rng import row_key
 from cleave.engine.reasoning import Phase
 from cleave.engine.request import ReasoningConfig
 from cleave.engine.sampling_params import SamplingParams
@@ -40,27 +45,52 @@ async def _stop_server(stack: Stack, address: str) -> None:
     await server.drain(0)
 
 
-async def _stop_worker_mid_stream(  # type: ignore[no-untyped-def]
-    stack: Stack, request_id: str, stream, lose=_stop_server
-) -> tuple[Completion, str]:
-    """Read the stream until STOP_AFTER_TOKENS tokens came, lose the request's decode worker
-    (`lose(stack, address)`), then read the stream to the end."""
-    seen: list[g.GenerateResponse] = []
+def _num_tokens(responses: list[g.GenerateResponse]) -> int:
+    return sum(len(s.token_ids) for r in responses for s in r.samples)
+
+
+async def _read_until(stream, seen: list[g.GenerateResponse], enough) -> None:  # type: ignore[no-untyped-def]
+    """Append the stream's responses to `seen` until `enough(seen)` holds."""
+    if enough(seen):
+        return
     async for response in stream:
         seen.append(response)
-        if sum(len(s.token_ids) for r in seen for s in r.samples) >= STOP_AFTER_TOKENS:
-            break
+        if enough(seen):
+            return
+
+
+async def _responses_across_loss(  # type: ignore[no-untyped-def]
+    stack: Stack, request_id: str, stream, lose=_stop_server, seen: list[g.GenerateResponse] | None = None
+) -> tuple[list[g.GenerateResponse], str]:
+    """Read the stream until STOP_AFTER_TOKENS tokens came, lose the request's decode worker
+    (`lose(stack, address)`), then read the stream to the end."""
+    seen = [] if seen is None else seen
+    await _read_until(stream, seen, lambda responses: _num_tokens(responses) >= STOP_AFTER_TOKENS)
     assert stack.router is not None
     address = stack.router._running[request_id].decode.address
     await lose(stack, address)
+    async for response in stream:
+        seen.append(response)
+    return seen, address
 
-    async def rest():  # type: ignore[no-untyped-def]
-        for response in seen:
-            yield response
-        async for response in stream:
-            yield response
 
-    return await collect(rest()), address
+async def _replay(responses: list[g.GenerateResponse]):  # type: ignore[no-untyped-def]
+    for response in responses:
+        yield response
+
+
+async def _stop_worker_mid_stream(  # type: ignore[no-untyped-def]
+    stack: Stack, request_id: str, stream, lose=_stop_server
+) -> tuple[Completion, str]:
+    """`_responses_across_loss`, collected."""
+    responses, address = await _responses_across_loss(stack, request_id, stream, lose)
+    return await collect(_replay(responses)), address
+
+
+def _migrations(logs: list[dict]) -> list[tuple[list[int], str, int]]:
+    """(samples, lost worker, migration number) of each "request migrated" log line."""
+    moved = [entry for entry in logs if entry["event"] == "request migrated"]
+    return sorted((entry["samples"], entry["lost_worker"], entry["migration"]) for entry in moved)
 
 
 async def test_greedy_stream_continues_on_the_other_worker(two_workers, model_dir):
@@ -125,14 +155,128 @@ async def test_thinking_budget_counts_the_tokens_before_the_move(two_workers, mo
     assert (sample.text, sample.reasoning_text) == (expected.text, expected.reasoning_text)
 
 
-async def test_n_samples_fail_unavailable_when_their_worker_stops(two_workers):
-    async with GatewayClient(two_workers.gateway_address) as client:
-        stream = client.generate(PROMPT, max_tokens=MAX_TOKENS, temperature=1.0, seed=3, n=2, ignore_eos=True,
-                                 stream=IDS, request_id="pair")
-        with pytest.raises(grpc.aio.AioRpcError) as failure:
-            await _stop_worker_mid_stream(two_workers, "pair", stream)
-    assert failure.value.code() is grpc.StatusCode.UNAVAILABLE
-    assert "n > 1" in failure.value.details()
+@pytest.mark.parametrize("num_samples", [2, 3])
+async def test_greedy_samples_each_continue_on_the_other_worker(two_workers, model_dir, num_samples):
+    stack = two_workers
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, n=num_samples, logprobs=1)
+    expected = reference_llm(model_dir).generate(PROMPT, params)[0]
+    async with GatewayClient(stack.gateway_address) as client:
+        with structlog.testing.capture_logs() as logs:
+            stream = client.generate(PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, n=num_samples,
+                                     logprobs=1, stream=IDS, request_id="samples")
+            responses, stopped = await _responses_across_loss(stack, "samples", stream)
+    result = await collect(_replay(responses))
+    assert [sample.index for sample in result.samples] == list(range(num_samples))
+    for sample, reference in zip(result.samples, expected.outputs, strict=True):
+        assert sample.token_ids == reference.token_ids
+        assert (sample.text, sample.reasoning_text) == (reference.text, reference.reasoning_text)
+        assert sample.finish_reason == "length"
+        logprobs = [entry for r in responses for s in r.samples if s.index == sample.index for entry in s.logprobs]
+        assert [entry.sampled.token_id for entry in logprobs] == reference.token_ids
+        assert [entry.sampled.logprob for entry in logprobs] == pytest.approx(
+            [entry.logprob for entry in reference.logprobs], abs=1e-4
+        )
+    assert result.usage.completion_tokens == num_samples * MAX_TOKENS
+    assert result.usage.reasoning_tokens == num_samples * MAX_TOKENS
+    # One migration of the request; every sample restarted on its own.
+    assert _migrations(logs) == [([index], stopped, 1) for index in range(num_samples)]
+    full = [backend.load().num_total_blocks for backend in stack.decode]
+    assert await wait_for_free_blocks(stack, full) == full
+    assert [backend.load().num_running for backend in stack.decode] == [0, 0]
+
+
+async def test_a_finished_sample_stays_finished_while_the_others_move(two_workers, model_dir):
+    stack = two_workers
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, n=3)
+    expected = reference_llm(model_dir).generate(PROMPT, params)[0]
+
+    def sample_finished(index: int):  # type: ignore[no-untyped-def]
+        return lambda seen: any(s.index == index and s.finish_reason for r in seen for s in r.samples)
+
+    async with GatewayClient(stack.gateway_address) as client:
+        with structlog.testing.capture_logs() as logs:
+            stream = client.generate(PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, n=3,
+                                     stream=IDS, request_id="partial")
+            seen: list[g.GenerateResponse] = []
+            await _read_until(stream, seen, lambda responses: _num_tokens(responses) >= STOP_AFTER_TOKENS)
+            aborted = await client.stub.Abort(c.AbortRequest(request_id="partial", sample_index=1))
+            assert aborted.found
+            await _read_until(stream, seen, sample_finished(1))
+            responses, stopped = await _responses_across_loss(stack, "partial", stream, seen=seen)
+    result = await collect(_replay(responses))
+    kept, cut, kept_too = result.samples
+    assert cut.finish_reason == "abort"
+    assert 0 < len(cut.token_ids) < MAX_TOKENS
+    assert cut.token_ids == expected.outputs[1].token_ids[: len(cut.token_ids)]
+    for sample in (kept, kept_too):
+        assert sample.token_ids == expected.outputs[sample.index].token_ids
+        assert sample.reasoning_text == expected.outputs[sample.index].reasoning_text
+        assert sample.finish_reason == "length"
+    assert result.usage.completion_tokens == 2 * MAX_TOKENS + len(cut.token_ids)
+    assert _migrations(logs) == [([0], stopped, 1), ([2], stopped, 1)]  # the aborted sample stays put
+    full = [backend.load().num_total_blocks for backend in stack.decode]
+    assert await wait_for_free_blocks(stack, full) == full
+
+
+async def test_n_samples_fail_unavailable_past_their_migration_budget(model_dir):
+    stack = await start_stack(model_dir, "colocated", num_decode=3, max_migrations=1)
+    try:
+        async with GatewayClient(stack.gateway_address) as client:
+            stream = client.generate(PROMPT, max_tokens=2 * MAX_TOKENS, temperature=0.0, ignore_eos=True, n=2,
+                                     stream=IDS, request_id="budget")
+            seen: list[g.GenerateResponse] = []
+            await _read_until(stream, seen, lambda responses: _num_tokens(responses) >= STOP_AFTER_TOKENS)
+            assert stack.router is not None
+            await _stop_server(stack, stack.router._running["budget"].decode.address)
+            before = _num_tokens(seen)
+            await _read_until(stream, seen, lambda responses: _num_tokens(responses) >= before + 2)
+            found = stack.router._running["budget"].part_of(0)
+            assert found is not None
+            second = found[0].decode.address
+            with pytest.raises(grpc.aio.AioRpcError) as failure:
+                await _responses_across_loss(stack, "budget", stream, lose=lambda s, _: _stop_server(s, second))
+        assert failure.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert f"lost decode worker {second}" in failure.value.details()
+        assert "already moved 1 time(s) (max_migrations=1)" in failure.value.details()
+        full = [backend.load().num_total_blocks for backend in stack.decode]
+        assert await wait_for_free_blocks(stack, full) == full
+    finally:
+        await stack.close()
+
+
+async def test_openai_stream_of_n_samples_continues_on_the_other_worker(two_workers, model_dir):
+    stack = two_workers
+    messages = [{"role": "user", "content": PROMPT}]
+    (expected,) = reference_llm(model_dir).generate(
+        messages, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, n=2)
+    )
+    api = openai.AsyncOpenAI(base_url=stack.http_url, api_key="unused", max_retries=0)
+    stream = await api.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0.0, n=2, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    reasoning, content, finish = ["", ""], ["", ""], [None, None]
+    usage, num_chunks, stopped = None, 0, ""
+    with structlog.testing.capture_logs() as logs:
+        async for chunk in stream:
+            num_chunks += 1
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                content[choice.index] += choice.delta.content or ""
+                reasoning[choice.index] += getattr(choice.delta, "reasoning_content", None) or ""
+                finish[choice.index] = choice.finish_reason or finish[choice.index]
+            if num_chunks == 3:
+                assert stack.router is not None
+                (running,) = stack.router._running.values()
+                stopped = running.decode.address
+                await _stop_server(stack, stopped)
+    assert _migrations(logs) == [([0], stopped, 1), ([1], stopped, 1)]
+    assert reasoning == [output.reasoning_text for output in expected.outputs]
+    assert content == [output.text for output in expected.outputs]
+    assert finish == ["length", "length"]
+    assert usage is not None and usage.completion_tokens == 2 * MAX_TOKENS
+    full = [backend.load().num_total_blocks for backend in stack.decode]
+    assert await wait_for_free_blocks(stack, full) == full
 
 
 async def test_no_worker_left_fails_unavailable(model_dir):
@@ -165,6 +309,21 @@ def test_continuation_prompt_and_limits():
                         reasoning=OPENS_THINKING, max_model_len=64) is None
     assert continuation([1, 2, 3], list(range(61)), SamplingParams(max_tokens=None), options, phase=None,
                         num_reasoning_tokens=0, reasoning=None, max_model_len=64) is None
+
+
+def test_moved_samples_continue_their_own_seeded_streams():
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=7, n=3)
+    moved = [
+        continuation([1, 2], generated, params, ReasoningOptions(), phase=None, num_reasoning_tokens=0,
+                     reasoning=None, max_model_len=64, sample_index=index)
+        for index, generated in enumerate([[5], [5, 6], [5]])
+    ]
+    assert [m.sampling.seed for m in moved if m is not None] == [row_key(7, 0, 1), row_key(7, 1, 2), row_key(7, 2, 1)]
+    assert len({m.sampling.seed for m in moved if m is not None}) == 3
+    assert [(m.sampling.n, m.sampling.max_tokens) for m in moved if m is not None] == [(1, 9), (1, 8), (1, 9)]
+    unseeded = continuation([1, 2], [5], replace(params, seed=None), ReasoningOptions(), phase=None,
+                            num_reasoning_tokens=0, reasoning=None, max_model_len=64, sample_index=1)
+    assert unseeded is not None and unseeded.sampling.seed is None
 
 
 def test_thinking_budgets_by_phase():
