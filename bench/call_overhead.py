@@ -46,9 +46,17 @@ def main() -> None:
     constexprs = (False, True, True, 1, triton_next_pow2(hidden))
     stream = torch._C._cuda_getCurrentRawStream(0)
 
-    def run_compiled() -> None:
+    tensors, scalars = launch_args[:5], launch_args[5:]
+    pointers = [tensor.data_ptr() for tensor in tensors]
+
+    def run_compiled(args: tuple) -> None:
         compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                     *launch_args, *constexprs)
+                     *args, *constexprs)
+
+    def key() -> tuple:
+        ptrs = [tensor.data_ptr() for tensor in tensors]
+        any(p & 15 for p in ptrs)
+        return (x.get_device(), 4, constexprs, *[t.dtype for t in tensors], *map(dispatch._scalar_key, scalars))
 
     cases = {
         "eager F.layer_norm": lambda: F.layer_norm(x, (hidden,), weight, bias, 1e-5),
@@ -58,10 +66,10 @@ def main() -> None:
         "cleave fused_add_rms_norm": lambda: fused_add_rms_norm(x, residual, weight, 1e-6),
         "torch.empty [1, H]": lambda: torch.empty((1, hidden), dtype=x.dtype, device=x.device),
         "as_rows + row_launch": lambda: (dispatch.as_rows(x, None), dispatch.row_launch(1, hidden)),
-        "specialisation key": lambda: (x.get_device(), *map(dispatch._arg_key, launch_args)),
+        "pointers + specialisation key": key,
         "current raw stream": lambda: torch._C._cuda_getCurrentRawStream(0),
-        "compiled launcher alone": run_compiled,
-        "launcher's C launch alone": _c_launch(compiled, stream, launch_args, constexprs),
+        "compiled launcher, tensor args": lambda: run_compiled(launch_args),
+        "compiled launcher, int pointers": lambda: run_compiled((*pointers, *scalars)),
     }
     rows = []
     for name, fn in cases.items():
@@ -69,8 +77,7 @@ def main() -> None:
             continue
         rows.append({"what": name, "us": host_call_us(fn, iters=2000, trials=7)})
         print(f"{name:32s} {rows[-1]['us']:.2f} us", flush=True)
-    launcher = type(compiled.run)
-    print("launcher:", launcher, inspect.signature(launcher.__call__) if hasattr(launcher, "__call__") else "")
+    print(inspect.getsource(type(compiled.run).__call__))  # what the compiled launcher does in Python
     if args.out:
         write_results(args.out, "call_overhead", rows, COLUMNS, {"hidden": hidden})
     print(format_table(rows, COLUMNS))
@@ -78,28 +85,6 @@ def main() -> None:
 
 def triton_next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
-
-
-def _c_launch(compiled, stream, launch_args, constexprs):
-    """The C launch function under the launcher object, called with the arguments it forwards
-    (None where this triton's launcher is laid out differently)."""
-    run = compiled.run
-    launch = getattr(run, "launch", None)
-    if launch is None or not hasattr(run, "arg_annotations"):
-        return None
-    fixed = (run.launch_cooperative_grid, run.launch_pdl)
-
-    def call() -> None:
-        launch(1, 1, 1, stream, compiled.function, *fixed, compiled.packed_metadata, None, None, None,
-               None, None, run.arg_annotations, run.kernel_signature, (*launch_args, *constexprs))
-
-    try:
-        call()
-    except Exception as error:  # noqa: BLE001 - a different triton layout: report and skip
-        print("C launch layout differs:", error)
-        print(inspect.getsource(type(run).__call__))
-        return None
-    return call
 
 
 if __name__ == "__main__":

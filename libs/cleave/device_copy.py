@@ -10,7 +10,13 @@ ids, KV blocks for the kvstore or TCP), valid once the stream passes the copy.
 
 from __future__ import annotations
 
+from array import array
+
 import torch
+
+# array typecodes of the index dtypes: `torch.frombuffer(array(...))` builds a CPU tensor
+# from a list of ints about 3x faster than `torch.tensor(list)`
+_ARRAY_CODES = {torch.int64: "q", torch.int32: "i"}
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -25,7 +31,10 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def tensor_on(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`torch.tensor(values, dtype=dtype, device=device)` without a stream sync."""
-    return to_device(torch.tensor(values, dtype=dtype), device)
+    code = _ARRAY_CODES.get(dtype)
+    if code is None or not values or not isinstance(values[0], int):  # nested or empty: torch's way
+        return to_device(torch.tensor(values, dtype=dtype), device)
+    return to_device(torch.frombuffer(array(code, values), dtype=dtype), device)
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -175,6 +175,28 @@ async def test_wrong_block_ids_and_duplicate_layer_fail_the_transfer(receiver):
     assert "layer 1 arrived twice" in reply.message
 
 
+async def test_block_ids_are_required_on_the_first_chunk_only(receiver):
+    shape = [2, 2, BS, H, D]
+    nbytes = 2 * 2 * BS * H * D * 2
+
+    def chunk(transfer_id, layer, block_ids, is_last=False):
+        header = common_pb2.KVChunkHeader(transfer_id=transfer_id, layer_index=layer, block_ids=block_ids,
+                                          dtype=common_pb2.DTYPE_BFLOAT16, shape=shape, byte_length=nbytes,
+                                          is_last=is_last)
+        return framing.encode_frame(header) + bytes(nbytes)
+
+    pending = receiver.expect("once", [1, 2], timeout_s=10)
+    frames = [chunk("once", 0, [1, 2])] + [chunk("once", layer, [], layer == L - 1) for layer in range(1, L)]
+    reply = await _raw_exchange(receiver.address, frames)
+    assert reply.code == common_pb2.ERROR_CODE_UNSPECIFIED, reply.message
+    assert (await pending.wait()).num_blocks == 2
+    pending = receiver.expect("none", [1, 2], timeout_s=10)
+    reply = await _raw_exchange(receiver.address, [chunk("none", 0, [])])
+    assert "block ids differ" in reply.message
+    with pytest.raises(InvalidArgument, match="block_ids"):
+        await pending.wait()
+
+
 def test_expect_validates_block_ids():
     async def run():
         receiver = KVReceiver(torch.zeros(L, 2, 4, BS, H, D))

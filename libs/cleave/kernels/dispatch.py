@@ -104,11 +104,9 @@ def tile_launch(num_rows: int, width: int) -> TileLaunch:
     return TileLaunch(grid=(num_rows, triton.cdiv(width, block)), block=block, num_warps=num_warps)
 
 
-def _arg_key(arg: Any) -> Any:
-    # what triton specialises a runtime argument on: dtype and 16-byte alignment of a
-    # pointer; ==1, divisibility by 16 and 64-bit range of an int; nothing for a float
-    if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() % 16 == 0)
+def _scalar_key(arg: Any) -> Any:
+    # what triton specialises a scalar argument on: ==1, divisibility by 16 and 64-bit range
+    # of an int; the value of a bool; nothing for a float
     if isinstance(arg, bool):
         return arg
     if isinstance(arg, int):
@@ -121,25 +119,38 @@ class CachedLauncher:
 
     `kernel[grid](...)` re-derives the specialisation of every argument on every call (about
     10 us of Python on the serving hosts, more than the kernels themselves at decode sizes).
-    This keeps the compiled kernels in a dict keyed by the same properties (see `_arg_key`)
-    and calls the launcher directly; the first call of each key compiles through triton.
-    Kernels must take their constexprs last; launch `options` (e.g. `launch_pdl`) are fixed
-    at compile time, so they must follow from the constexprs. Launch hooks (profilers) are
-    not invoked on the cached path. CPU tensors (TRITON_INTERPRET=1) always take triton's own
-    path.
+    This keeps the compiled kernels in a dict keyed by the same properties and calls the
+    launcher directly, with the tensors' device pointers as integers (the launcher then makes
+    no Python call and no driver query per tensor). The first call of each key compiles
+    through triton, and so does any call with a pointer that is not 16-byte aligned.
+
+    Kernels take their tensor arguments first, then scalars, then constexprs. Launch
+    `options` (e.g. `launch_pdl`) are fixed at compile time, so they must follow from the
+    constexprs. Launch hooks (profilers) are not invoked on the cached path. CPU tensors
+    (TRITON_INTERPRET=1) always take triton's own path.
     """
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self._compiled: dict[tuple, Any] = {}
+        self._num_tensors: int | None = None  # leading tensor arguments (fixed per kernel)
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: tuple, num_warps: int, **options: Any) -> None:
         first = args[0]
         if not first.is_cuda:
             self.kernel[grid](*args, *constexprs, num_warps=num_warps)
             return
+        num_tensors = self._num_tensors
+        if num_tensors is None:
+            num_tensors = self._num_tensors = next(
+                (i for i, arg in enumerate(args) if not isinstance(arg, torch.Tensor)), len(args))
+        tensors, scalars = args[:num_tensors], args[num_tensors:]
+        pointers = [tensor.data_ptr() for tensor in tensors]
+        if any(pointer & 15 for pointer in pointers):  # triton's own path specialises on it
+            self.kernel[grid](*args, *constexprs, num_warps=num_warps, **options)
+            return
         device = first.get_device()
-        key = (device, num_warps, constexprs, *map(_arg_key, args))
+        key = (device, num_warps, constexprs, *[tensor.dtype for tensor in tensors], *map(_scalar_key, scalars))
         compiled = self._compiled.get(key)
         if compiled is None:
             self._compiled[key] = self.kernel[grid](*args, *constexprs, num_warps=num_warps, **options)
@@ -148,5 +159,5 @@ class CachedLauncher:
         grid_z = grid[2] if len(grid) > 2 else 1
         compiled.run(
             grid[0], grid_y, grid_z, torch._C._cuda_getCurrentRawStream(device), compiled.function,
-            compiled.packed_metadata, None, None, None, *args, *constexprs,
+            compiled.packed_metadata, None, None, None, *pointers, *scalars, *constexprs,
         )

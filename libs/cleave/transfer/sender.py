@@ -72,6 +72,7 @@ class KVSender:
         self._pump: FramePump | None = None  # CUDA_IPC frames, written as copies finish
         self._num_layers_framed = 0  # CUDA_IPC: layers whose frame was written
         self._cache: torch.Tensor | None = None
+        self._ids_sent = False  # the first header names the blocks; later ones leave them out
 
     @property
     def num_blocks(self) -> int:
@@ -116,12 +117,16 @@ class KVSender:
         return self._ledger
 
     def _header(self, layers: range, cache: torch.Tensor, byte_length: int, is_last: bool) -> common_pb2.KVChunkHeader:
-        return common_pb2.KVChunkHeader(
+        header = common_pb2.KVChunkHeader(
             transfer_id=self.handle.transfer_id, layer_index=layers.start, num_layers=len(layers),
-            block_ids=self._dst_ids, dtype=dtype_to_proto(dtype_name(cache.dtype)),
+            dtype=dtype_to_proto(dtype_name(cache.dtype)),
             shape=layer_chunk_shape(cache, len(self._dst_ids), len(layers)), byte_length=byte_length,
             is_last=is_last,
         )
+        if not self._ids_sent:
+            header.block_ids.extend(self._dst_ids)
+            self._ids_sent = True
+        return header
 
     async def send_layer(self, layer: int, cache: torch.Tensor, block_ids: Sequence[int],
                          ready: Ready = "current_stream") -> None:
