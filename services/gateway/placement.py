@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
-import structlog
 
 from cleave.errors import CleaveError, Unavailable
 from cleave.proto.cleave.v1 import common_pb2
@@ -30,7 +29,6 @@ from services.gateway.attach import AttachStream
 from services.gateway.routing import pick_decode
 from services.gateway.workers import WorkerHandle, WorkerPool
 
-log = structlog.get_logger("cleave.gateway")
 BLOCK_SIZE_ESTIMATE = 16  # for "does the prompt fit" routing only; workers decide for real
 
 

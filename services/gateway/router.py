@@ -242,13 +242,13 @@ class RoutingBackend:
                     pending.append((index, resumed, part.decode))
         while pending:
             self.placement.count_move(running, reason, self.options.max_migrations)
-            # Placed first, all at once: no worker left raises before any start is in flight.
-            moved = [
-                self.placement.place_samples(len(resumed.prompt_token_ids), (index,), running.queue)
-                for index, resumed, _ in pending
-            ]
-            for part, (index, _, lost_worker) in zip(moved, pending):
+            # Placed first, all at once: no worker left raises before any start is in flight
+            # (the request's end leaves those already placed).
+            moved: list[WorkerRequest] = []
+            for index, resumed, lost_worker in pending:
+                part = self.placement.place_samples(len(resumed.prompt_token_ids), (index,), running.queue)
                 running.add(part)
+                moved.append(part)
                 log_move(spec.request_id, running, lost_worker, part, reason, num_generated=len(texts[index].token_ids))
             outcomes = await asyncio.gather(
                 *(self._start_moved(spec, resumed, part) for part, (_, resumed, _) in zip(moved, pending)),
