@@ -2,13 +2,10 @@
 
 For the Llama-3.2-1B projections (qkv, o, gate_up with fused SwiGLU, down, lm_head) at
 1-16 rows, times each implementation inside CUDA graphs over enough weight copies that
-every call streams its weight from HBM, over a sweep of tile settings and split-K counts
-("auto": `default_split_k`, reported as auto=N), and reports microseconds and the fraction
-of the roofline (weight bytes / 4.26 TB/s). "auto" pipeline stages are fitted to shared
-memory and, when split, to a split's steps.
+every call streams its weight from HBM, over a sweep of tile settings, and reports
+microseconds and the fraction of the roofline (weight bytes / 4.26 TB/s).
 
     python bench/small_linear.py --rows 1 8 --out bench/results/kernels
-    python bench/small_linear.py --rows 1 16 --split-k 1 2 4 8 auto --num-stages auto 3 5
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -28,16 +24,10 @@ from common import format_table, graph_call_us, write_results  # noqa: E402
 
 from cleave.kernels.activation import silu_and_mul  # noqa: E402
 from cleave.kernels.small_linear import small_linear  # noqa: E402
-from cleave.kernels.split_k import default_split_k, device_num_sms  # noqa: E402
 
-COLUMNS = ["shape", "rows", "impl", "block_n", "block_k", "split_k", "num_warps", "num_stages", "us", "roofline_pct"]
+COLUMNS = ["shape", "rows", "impl", "block_n", "block_k", "num_warps", "num_stages", "us", "roofline_pct"]
 SHAPES = {"qkv": (3072, 2048, False), "o": (2048, 2048, False), "gate_up": (16384, 2048, True),
           "down": (2048, 8192, False), "lm_head": (128256, 2048, False)}
-
-
-def auto_or_int(value: str) -> str | int:
-    """A sweep value: an int, or "auto" for the kernel's own choice."""
-    return value if value == "auto" else int(value)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -47,8 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32])
     parser.add_argument("--block-k", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--num-warps", type=int, nargs="+", default=[4])
-    parser.add_argument("--num-stages", type=auto_or_int, nargs="+", default=[3, 5])
-    parser.add_argument("--split-k", type=auto_or_int, nargs="+", default=["auto"])
+    parser.add_argument("--num-stages", type=int, nargs="+", default=[3, 5])
     parser.add_argument("--hbm-tbs", type=float, default=4.26)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -71,24 +60,16 @@ def main(argv: list[str] | None = None) -> None:
                 record("cublas+silu_and_mul", graph_call_us([lambda w=w: silu_and_mul(F.linear(x, w)) for w in weights]))
             else:
                 record("cublas", graph_call_us([lambda w=w: F.linear(x, w) for w in weights]))
-            counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
-            for block_n, block_k, split_k, warps, stages in itertools.product(
-                args.block_n, args.block_k, args.split_k, args.num_warps, args.num_stages
+            for block_n, block_k, warps, stages in itertools.product(
+                args.block_n, args.block_k, args.num_warps, args.num_stages
             ):
-                if split_k == "auto":
-                    split_k = default_split_k(triton.cdiv(num_out, block_n), num_in, block_k, device_num_sms(x.device))
-                    split_label: str | int = f"auto={split_k}"
-                else:
-                    split_label = split_k
-                settings = dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps,
-                                num_stages=None if stages == "auto" else stages)
+                settings = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
                 try:
-                    us = graph_call_us([lambda w=w: small_linear(x, w, gated=gated, counters=counters, **settings)
-                                        for w in weights])
+                    us = graph_call_us([lambda w=w: small_linear(x, w, gated=gated, **settings) for w in weights])
                 except Exception as error:  # noqa: BLE001 - an infeasible tile (shared memory) is skipped
                     print(f"skip {name} {settings}: {type(error).__name__}", flush=True)
                     continue
-                record("triton", us, **{**settings, "split_k": split_label, "num_stages": stages})
+                record("triton", us, **settings)
         del weights
     print(format_table(rows_out, COLUMNS))
     if args.out:

@@ -63,11 +63,7 @@ def test_rejects_bad_shapes_naming_the_limit():
 
 
 # (gated, norm, add_to, reference tolerance) as in the single-split tests above
-SPLIT_CASES = {
-    "plain": (False, False, False, 1e-5),
-    "gated_norm": (True, True, False, 1e-4),
-    "add_to": (False, False, True, 1e-5),
-}
+SPLIT_CASES = {"plain": (False, False, False, 1e-5), "gated_norm": (True, True, False, 1e-4), "add_to": (False, False, True, 1e-5)}
 
 
 def _split_call(inputs, case, split_k, counters):
@@ -172,9 +168,7 @@ def test_gpu_split_k_llama_shapes_deterministic_and_graph_safe(name, rows):
     def call(split_k, target=None):
         if add and target is None:
             target = residual.clone()
-        return small_linear(
-            x, weight, gated, norm_weight=norm_weight, add_to=target, split_k=split_k, counters=counters
-        )
+        return small_linear(x, weight, gated, norm_weight=norm_weight, add_to=target, split_k=split_k, counters=counters)
 
     single, auto = call(1), call(None)
     expected = small_linear_reference(x, weight, gated, norm_weight, add_to=residual.clone() if add else None)

@@ -130,9 +130,7 @@ def _small_linear_kernel(
     if SPLIT_K == 1:
         _write_output(out_ptr, out_offsets, out_mask, acc, acc_up, GATED, ADD)
     else:
-        part_width = num_out  # features per row of a plane: gate then up when GATED
-        if GATED:
-            part_width = num_out * 2
+        part_width = num_out * 2 if GATED else num_out
         part_ptrs = part_ptr + rows[:, None] * part_width + features[None, :]  # split 0's plane
         split_stride = num_rows * part_width  # elements per split's plane
         store_partial(part_ptrs, acc, out_mask, split_stride)

@@ -63,13 +63,11 @@ def steps_per_split(num_in: int, block_k: int, split_k: int) -> int:
 def split_k_range(num_in, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     """[start, end) of K streamed by this program's split (program_id 1): whole BLOCK_K steps,
     so only the last slice ends inside a step, at `num_in`; [0, num_in) when SPLIT_K == 1."""
-    start = 0
-    end = num_in
-    if SPLIT_K > 1:
-        slice_len = tl.cdiv(tl.cdiv(num_in, BLOCK_K), SPLIT_K) * BLOCK_K
-        start = tl.program_id(1) * slice_len
-        end = tl.minimum(num_in, start + slice_len)
-    return start, end
+    if SPLIT_K == 1:
+        return 0, num_in
+    slice_len = tl.cdiv(tl.cdiv(num_in, BLOCK_K), SPLIT_K) * BLOCK_K
+    start = tl.program_id(1) * slice_len
+    return start, tl.minimum(num_in, start + slice_len)
 
 
 @triton.jit

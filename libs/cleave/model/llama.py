@@ -29,8 +29,6 @@ from cleave.model.rope import build_cos_sin_cache
 # Batches of up to this many tokens run the fused decode-batch GEMV path by default (see
 # `CausalLM.decode_gemv_max_tokens`); above it, cuBLAS GEMMs with separate norm kernels.
 DECODE_GEMV_MAX_TOKENS = 16
-# Split-K counters of the decode GEMVs: one per feature tile of the widest projection that splits.
-GEMV_COUNTERS = 4096
 
 
 class RMSNorm(nn.Module):
@@ -88,14 +86,11 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
-        gemv_counters: torch.Tensor | None = None,  # zeroed int32 split-K counters (small_linear)
     ) -> None:
         """residual += o_proj(attention(qkv_proj(norm(residual)))) as decode-batch kernels."""
-        qkv = small_linear(
-            residual, self.qkv_proj.weight, norm_weight=norm.weight, eps=norm.eps, counters=gemv_counters
-        )
+        qkv = small_linear(residual, self.qkv_proj.weight, norm_weight=norm.weight, eps=norm.eps)
         out = self._attend(qkv, positions, kv_cache, metadata, cos_sin_cache)  # [T, Hq D]
-        small_linear(out, self.o_proj.weight, add_to=residual, counters=gemv_counters)
+        small_linear(out, self.o_proj.weight, add_to=residual)
 
     def _attend(
         self,
@@ -172,15 +167,10 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(hidden)  # [T, 2I]
         return self.down_proj(silu_and_mul(gate_up, impl=self.impl))  # [T, I] -> [T, H]
 
-    def forward_decode(
-        self, residual: torch.Tensor, norm: "RMSNorm", gemv_counters: torch.Tensor | None = None
-    ) -> None:
+    def forward_decode(self, residual: torch.Tensor, norm: "RMSNorm") -> None:
         """residual += down(silu(gate) * up) of norm(residual), as two decode-batch kernels."""
-        act = small_linear(  # [T, H] -> [T, I]
-            residual, self.gate_up_proj.weight, gated=True, norm_weight=norm.weight, eps=norm.eps,
-            counters=gemv_counters,
-        )
-        small_linear(act, self.down_proj.weight, add_to=residual, counters=gemv_counters)  # [T, I] -> += [T, H]
+        act = small_linear(residual, self.gate_up_proj.weight, gated=True, norm_weight=norm.weight, eps=norm.eps)
+        small_linear(act, self.down_proj.weight, add_to=residual)  # [T, I] -> += [T, H]
 
 
 class DecoderLayer(nn.Module):
@@ -218,14 +208,11 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
-        gemv_counters: torch.Tensor | None = None,  # zeroed int32 split-K counters, shared by the GEMVs
     ) -> None:
         """The same block for a decode-sized batch: norms fused into the projections that read
         them and residual adds into the projections that produce them (four GEMV kernels)."""
-        self.self_attn.forward_decode(
-            residual, self.input_layernorm, positions, kv_cache, metadata, cos_sin_cache, gemv_counters
-        )
-        self.mlp.forward_decode(residual, self.post_attention_layernorm, gemv_counters)
+        self.self_attn.forward_decode(residual, self.input_layernorm, positions, kv_cache, metadata, cos_sin_cache)
+        self.mlp.forward_decode(residual, self.post_attention_layernorm)
 
 
 class CausalLM(nn.Module):
@@ -250,10 +237,6 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         cache = self._build_cos_sin_cache(self.embed_tokens.weight.device)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-        # small_linear's split-K counters (one per feature tile), zero between kernels, so the
-        # decode GEMVs share them in stream order and CUDA graphs capture no memset.
-        counters = torch.zeros(GEMV_COUNTERS, dtype=torch.int32, device=self.embed_tokens.weight.device)
-        self.register_buffer("gemv_counters", counters, persistent=False)
 
     def _build_cos_sin_cache(self, device: torch.device) -> torch.Tensor:
         config = self.config
@@ -273,7 +256,6 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.cos_sin_cache = self._build_cos_sin_cache(self.cos_sin_cache.device)
-        self.gemv_counters.zero_()  # `to_empty()` leaves it uninitialised
         return self
 
     def set_impl(self, impl: Impl, attention_impl: Impl | None = None) -> "CausalLM":
@@ -295,9 +277,7 @@ class CausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)  # [T, H]
         if self._decode_kernels_apply(hidden):
             for index, layer in enumerate(self.layers):
-                layer.forward_decode(
-                    hidden, positions, kv_cache[index], metadata, self.cos_sin_cache, self.gemv_counters
-                )
+                layer.forward_decode(hidden, positions, kv_cache[index], metadata, self.cos_sin_cache)
             return self.norm(hidden)
         residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
