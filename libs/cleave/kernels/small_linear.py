@@ -19,17 +19,6 @@ before the product, the product before it is added, the sum when it is stored.
 On Hopper the kernel launches with programmatic dependent launch (`cleave.kernels.pdl`): its
 programs are scheduled while the previous kernel finishes and wait on the device for its
 output, so launch and ramp-up overlap the previous kernel's tail.
-
-Split-K (`cleave.kernels.split_k`): a projection with few output tiles leaves SMs idle and
-too few bytes in flight, so the grid is (feature tiles, SPLIT_K) and program (tile, split)
-streams one slice of K. With SPLIT_K > 1 each program stores its fp32 partial into a
-[SPLIT_K, M, N] workspace (gated: [SPLIT_K, M, 2N], gate then up) and counts itself done on
-the tile's int32 counter; the last to arrive sums the partials in split order (bit-identical
-run to run), applies the epilogue above and zeroes the counter. The NORM prologue still
-takes each row's inverse RMS over all of K. With SPLIT_K == 1 there is no workspace and no
-counter. The counters must be zero before a launch and are left zero after it, so one
-buffer serves every launch of a stream (`CausalLM.gemv_counters`): a PDL launch touches
-them only after its wait for the previous kernel.
 """
 
 from __future__ import annotations
@@ -48,15 +37,6 @@ from cleave.kernels.pdl import (
     wait_for_producer,
 )
 from cleave.kernels.rms_norm import rms_norm_reference
-from cleave.kernels.split_k import (
-    default_split_k,
-    device_num_sms,
-    split_k_range,
-    split_k_buffers,
-    steps_per_split,
-    store_partial,
-    sum_partials,
-)
 
 MAX_ROWS = 64
 
@@ -67,8 +47,6 @@ def _small_linear_kernel(
     w_ptr,  # [N, K] (GATED: [2N, K], gate rows then up rows)
     norm_w_ptr,  # [K] RMSNorm weight when NORM
     out_ptr,  # [M, N]; ADD: the residual stream, updated in place
-    part_ptr,  # [SPLIT_K, M, N] fp32 partials (GATED: [SPLIT_K, M, 2N]) when SPLIT_K > 1
-    counters_ptr,  # [>= feature tiles] int32, zero between launches, when SPLIT_K > 1
     num_rows,
     num_out,  # N: output features
     num_in,  # K
@@ -82,13 +60,11 @@ def _small_linear_kernel(
     NORM: tl.constexpr,
     GATED: tl.constexpr,
     ADD: tl.constexpr,
-    SPLIT_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    features = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     rows = tl.arange(0, BLOCK_M)  # [BLOCK_M]
     feature_valid = features < num_out
     row_valid = rows < num_rows
@@ -97,9 +73,8 @@ def _small_linear_kernel(
     up_offset = num_out.to(tl.int64) * stride_w_row
     wait_for_producer(PDL)
     release_dependents(PDL)
-    k_start, k_end = split_k_range(num_in, BLOCK_K, SPLIT_K)  # this split's slice of K
 
-    if NORM:  # over the whole row, whatever the split
+    if NORM:
         squares = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, num_in, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
@@ -109,8 +84,8 @@ def _small_linear_kernel(
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]; slices are whole steps, so only num_in cuts one
+    for k0 in range(0, num_in, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         col_valid = cols < num_in
         x = tl.load(x_rows + cols[None, :], mask=row_valid[:, None] & col_valid[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         if NORM:
@@ -125,37 +100,10 @@ def _small_linear_kernel(
             w_up = tl.load(w_rows + up_offset + cols[None, :], mask=w_mask, other=0.0).to(DOT_DTYPE)
             acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
 
-    out_mask = row_valid[:, None] & feature_valid[None, :]  # [BLOCK_M, BLOCK_N]
-    out_offsets = rows[:, None] * stride_out_row + features[None, :]
-    if SPLIT_K == 1:
-        _write_output(out_ptr, out_offsets, out_mask, acc, acc_up, GATED, ADD)
-    else:
-        part_width = num_out * 2 if GATED else num_out
-        part_ptrs = part_ptr + rows[:, None] * part_width + features[None, :]  # split 0's plane
-        split_stride = num_rows * part_width  # elements per split's plane
-        store_partial(part_ptrs, acc, out_mask, split_stride)
-        if GATED:
-            store_partial(part_ptrs + num_out, acc_up, out_mask, split_stride)
-        # Every thread's partials are written before the counter moves (release); the split
-        # that moves it last sees them all (acquire), reduces and writes the output.
-        tl.debug_barrier()
-        counter = counters_ptr + tile
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            tl.debug_barrier()
-            total = sum_partials(part_ptrs, out_mask, split_stride, SPLIT_K, BLOCK_M, BLOCK_N)
-            total_up = total
-            if GATED:
-                total_up = sum_partials(part_ptrs + num_out, out_mask, split_stride, SPLIT_K, BLOCK_M, BLOCK_N)
-            _write_output(out_ptr, out_offsets, out_mask, total, total_up, GATED, ADD)
-            tl.atomic_xchg(counter, 0)
-
-
-@triton.jit
-def _write_output(out_ptr, out_offsets, out_mask, acc, acc_up, GATED: tl.constexpr, ADD: tl.constexpr):
-    """The epilogue on fp32 products [BLOCK_M, BLOCK_N]: [silu(gate) * up], round, [+= out], store."""
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    out_ptrs = out_ptr + out_offsets
+    out_mask = row_valid[:, None] & feature_valid[None, :]
+    out_ptrs = out_ptr + rows[:, None] * stride_out_row + features[None, :]
     result = acc.to(out_ptr.dtype.element_ty)
     if ADD:
         residual = tl.load(out_ptrs, mask=out_mask, other=0.0)
@@ -224,15 +172,8 @@ def small_linear(
     num_warps: int = 4,
     num_stages: int | None = None,
     pdl: bool = True,  # launch with PDL where the device has it
-    split_k: int | None = None,  # slices of K; None: `default_split_k` for the shape
-    counters: torch.Tensor | None = None,  # [>= N / block_n] int32, zero; None: zeroed per split call
 ) -> torch.Tensor:  # [M, N] (gated: [M, I]); `add_to` itself when given
-    """x @ weight.T for at most MAX_ROWS rows, with the fusions described in the module doc.
-
-    With `split_k` > 1 (the default for grids that would leave SMs idle) the result is the
-    same up to fp32 summation order, and deterministic; `counters` should be a persistent
-    zeroed buffer (it is left zeroed), else each call allocates and clears one.
-    """
+    """x @ weight.T for at most MAX_ROWS rows, with the fusions described in the module doc."""
     if not use_triton(x, impl):
         return small_linear_reference(x, weight, gated, norm_weight, eps, add_to)
     num_rows, num_in = x.shape
@@ -254,27 +195,13 @@ def small_linear(
     tiles = default_tiles(num_out, num_in, gated, block_m)
     block_n = block_n or min(tiles[0], max(16, triton.next_power_of_2(num_out)))
     block_k = block_k or min(tiles[1] * 2 // x.element_size(), max(16, triton.next_power_of_2(num_in)))
-    num_tiles = triton.cdiv(num_out, block_n)
-    if split_k is None:
-        split_k = default_split_k(num_tiles, num_in, block_k, device_num_sms(x.device))
-    if split_k < 1:
-        raise ValueError(f"split_k must be at least 1, got {split_k}")
-    if num_stages is None:
-        num_stages = _fit_stages(tiles[2], block_m, block_n * (2 if gated else 1), block_k, x.element_size())
-        if split_k > 1:  # stages past a split's steps only hold shared memory (fewer CTAs per SM)
-            num_stages = min(num_stages, steps_per_split(num_in, block_k, split_k) + 1)
-    if split_k == 1:  # the kernel writes `out` itself; no workspace, no counters
-        partials, counters = out, out
-    else:
-        partials, counters = split_k_buffers(
-            split_k, num_tiles, num_rows, num_out * (2 if gated else 1), x.device, counters
-        )
+    num_stages = num_stages or _fit_stages(tiles[2], block_m, block_n * (2 if gated else 1), block_k, x.element_size())
     pdl = pdl_enabled(x, pdl)
-    _small_linear_kernel[(num_tiles, split_k)](
-        x, weight, x if norm_weight is None else norm_weight, out, partials, counters,
+    _small_linear_kernel[(triton.cdiv(num_out, block_n),)](
+        x, weight, x if norm_weight is None else norm_weight, out,
         num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0), eps,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        NORM=norm_weight is not None, GATED=gated, ADD=add_to is not None, SPLIT_K=split_k,
+        NORM=norm_weight is not None, GATED=gated, ADD=add_to is not None,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
         PDL=pdl,
