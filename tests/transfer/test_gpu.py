@@ -79,9 +79,13 @@ async def run_peer(transport: str, device: int, dst_ids: list[int], src_ids: lis
             await sender.finish(timeout_s=60)
         result = (await _peer_line(process, stderr, 60)).split()
         assert result == ["DIGEST", digest(src, src_ids)]
-        assert await process.wait() == 0
+        num_mapped = len(client.ipc_caches)
+        # Unmap the peer's cache first: the exporting process waits at exit until no other
+        # process maps its memory, so waiting for its exit while mapping it never ends.
+        await client.close()
+        assert await _peer_exit(process, stderr, 60) == 0
         if transport == "cuda_ipc":
-            assert len(client.ipc_caches) == 1
+            assert num_mapped == 1
         return sender.num_frames
     finally:
         await client.close()
@@ -101,6 +105,18 @@ async def _peer_line(process: asyncio.subprocess.Process, stderr: IO[bytes], tim
         stderr.seek(0)
         said = stderr.read().decode(errors="replace")
         pytest.fail(f"the receiver process said nothing for {timeout_s} s; its stderr:\n{said[-4000:]}")
+
+
+async def _peer_exit(process: asyncio.subprocess.Process, stderr: IO[bytes], timeout_s: float) -> int:
+    """The peer's exit status; if it does not exit in time, fail with its stderr."""
+    try:
+        return await asyncio.wait_for(process.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        process.kill()
+        await process.wait()
+        stderr.seek(0)
+        said = stderr.read().decode(errors="replace")
+        pytest.fail(f"the receiver process did not exit in {timeout_s} s; its stderr:\n{said[-4000:]}")
 
 
 @pytest.mark.gpu
