@@ -197,6 +197,16 @@ async def test_block_ids_are_required_on_the_first_chunk_only(receiver):
         await pending.wait()
 
 
+async def test_receiver_closes_while_a_sender_keeps_its_connection(client):
+    receiver = KVReceiver(torch.zeros(L, 2, 4, BS, H, D))
+    await receiver.start()
+    pending = receiver.expect("live", [0], timeout_s=10)
+    await (await client.open(pending.handle)).send_all(cache(2, torch.float32, seed=5), [1])
+    await pending.wait()
+    # the sender's connection stays open (it is reused for later transfers)
+    await asyncio.wait_for(receiver.close(), 5)
+
+
 def test_expect_validates_block_ids():
     async def run():
         receiver = KVReceiver(torch.zeros(L, 2, 4, BS, H, D))

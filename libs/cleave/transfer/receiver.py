@@ -139,13 +139,16 @@ class KVReceiver:
         for state in list(self._transfers.values()):
             self._fail(state, FailedPrecondition("the receiver is shutting down"))
         if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+            self._server.close()  # stop accepting
         # Closing the sockets ends each connection's read loop (cancelling its task instead
-        # makes asyncio log the cancellation as an error).
+        # makes asyncio log the cancellation as an error). Senders keep their connections
+        # open, and from Python 3.12 `wait_closed` waits for every connection to end, so
+        # they are closed first.
         for writer in self._connections.values():
             writer.close()
         await asyncio.gather(*self._connections, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
 
     def export_cuda_ipc(self) -> bytes:
         """This cache's CUDA IPC handle (exported once), for TransferHandle.cuda_ipc_handle."""
