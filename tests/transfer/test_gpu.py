@@ -95,26 +95,24 @@ async def run_peer(transport: str, device: int, dst_ids: list[int], src_ids: lis
 
 async def _peer_line(process: asyncio.subprocess.Process, stderr: IO[bytes], timeout_s: float) -> str:
     """The peer's next stdout line; on a timeout, fail with what the peer wrote to stderr."""
-    try:
-        return (await asyncio.wait_for(process.stdout.readline(), timeout_s)).decode()
-    except asyncio.TimeoutError:
-        process.kill()
-        await process.wait()
-        stderr.seek(0)
-        said = stderr.read().decode(errors="replace")
-        pytest.fail(f"the receiver process said nothing for {timeout_s} s; its stderr:\n{said[-4000:]}")
+    reading = process.stdout.readline()
+    return (await _bounded(reading, process, stderr, timeout_s, "said nothing")).decode()
 
 
 async def _peer_exit(process: asyncio.subprocess.Process, stderr: IO[bytes], timeout_s: float) -> int:
     """The peer's exit status; if it does not exit in time, fail with its stderr."""
+    return await _bounded(process.wait(), process, stderr, timeout_s, "did not exit")
+
+
+async def _bounded(waiting, process: asyncio.subprocess.Process, stderr: IO[bytes], timeout_s: float, what: str):
     try:
-        return await asyncio.wait_for(process.wait(), timeout_s)
+        return await asyncio.wait_for(waiting, timeout_s)
     except asyncio.TimeoutError:
         process.kill()
         await process.wait()
         stderr.seek(0)
         said = stderr.read().decode(errors="replace")
-        pytest.fail(f"the receiver process did not exit in {timeout_s} s; its stderr:\n{said[-4000:]}")
+        pytest.fail(f"the receiver process {what} for {timeout_s} s; its stderr:\n{said[-4000:]}")
 
 
 @pytest.mark.gpu
