@@ -30,12 +30,7 @@ import triton.language as tl
 
 from cleave.kernels.attention_common import dot_settings
 from cleave.kernels.dispatch import Impl, use_triton
-from cleave.kernels.pdl import (
-    launch_options,
-    pdl_enabled,
-    release_dependents,
-    wait_for_producer,
-)
+from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 from cleave.kernels.rms_norm import rms_norm_reference
 
 MAX_ROWS = 64
