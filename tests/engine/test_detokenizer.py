@@ -10,6 +10,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from cleave.engine.detokenizer import IncrementalDetokenizer
+from cleave.engine.token_pieces import TokenPieces
+from cleave.model.tokenizer import Tokenizer as CleaveTokenizer
 
 CORPUS = [
     "Hello world, this is a small corpus for a tokenizer.",
@@ -162,3 +164,45 @@ def test_textless_tokens_keep_the_window_bounded(byte_level):
     pieces.append(detok.finish())
     assert "".join(pieces) == " fox jumps"
     assert widest <= 2 * 16 + 2
+
+
+# ---- TokenPieces: the decode-free path for byte-level tokenizers ---------------------------
+
+
+def test_token_pieces_only_for_byte_level_decoders_without_clean_up(byte_level, llama_like):
+    assert TokenPieces.for_tokenizer(byte_level) is not None
+    assert TokenPieces.for_tokenizer(CleaveTokenizer(byte_level, {})) is not None
+    assert TokenPieces.for_tokenizer(llama_like) is None  # leading-space rules: context matters
+    assert TokenPieces.for_tokenizer(CleaveTokenizer(byte_level, {}, clean_up_tokenization_spaces=True)) is None
+
+
+def test_token_pieces_exclude_added_and_partial_character_tokens(byte_level):
+    pieces = TokenPieces.for_tokenizer(byte_level)
+    assert pieces.piece(byte_level.token_to_id("<|endoftext|>")) == ""
+    fox = byte_level.encode(" fox").ids
+    assert len(fox) == 1 and pieces.piece(fox[0]) == " fox"
+    crab = byte_level.encode("🦀").ids  # four bytes, no merge: each token is part of a character
+    assert len(crab) >= 2 and all(pieces.piece(token_id) == "" for token_id in crab)
+    assert pieces.table[fox[0]] == " fox"  # looked up once, then kept
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_pieces_path_matches_the_decoding_path(byte_level, skip_special_tokens):
+    """Same deltas, text and finish as decoding every window, on random ids: specials,
+    partial characters, held-back runs and plain pieces interleaved."""
+    rng = random.Random(2)
+    pieces = TokenPieces.for_tokenizer(byte_level)
+    vocab_size = byte_level.get_vocab_size()
+    plain = [i for i in range(vocab_size) if pieces.piece(i)]
+    num_fast = 0
+    for _ in range(20):
+        prompt_ids = byte_level.encode(rng.choice(CORPUS)).ids
+        output_ids = [rng.choice(plain) if rng.random() < 0.6 else rng.randrange(vocab_size) for _ in range(150)]
+        decoding = IncrementalDetokenizer(byte_level, prompt_ids, skip_special_tokens)
+        fast = IncrementalDetokenizer(byte_level, prompt_ids, skip_special_tokens, pieces)
+        for token_id in output_ids:
+            num_fast += fast._read_offset == fast._window_start + len(fast._window) and bool(pieces.piece(token_id))
+            assert fast.push(token_id) == decoding.push(token_id)
+        assert fast.finish() == decoding.finish()
+        assert fast.text == decoding.text == _expected(byte_level, prompt_ids, output_ids, skip_special_tokens)
+    assert num_fast > 1000  # the pieces path ran (most tokens), not only the decoding one

@@ -7,12 +7,20 @@ token. So, as vLLM does, each step decodes a short window of ids twice — the a
 emitted part `[prefix_offset, read_offset)` and the whole window `[prefix_offset, end)` —
 and emits only the difference. Text that ends in U+FFFD is an unfinished character: it is
 held back until a later token completes it (or `finish()` flushes it).
+
+With byte-level tokenizers most tokens append the same text whatever precedes them (their
+`TokenPieces` piece). When nothing is held back, such a token's text is its piece and the
+window state after it is known, so `push` skips both decodes: the same text and state as
+the decoding path, at a dictionary lookup per token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from cleave.engine.token_pieces import TokenPieces
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded before the first output token, so the first output token sees the
@@ -40,6 +48,8 @@ class IncrementalDetokenizer:
             tokenizers disable `clean_up_tokenization_spaces`, which rewrites earlier text.
         prompt_token_ids: the prompt, whose tail gives the first tokens their context.
         skip_special_tokens: leave special tokens out of the text.
+        pieces: `TokenPieces.for_tokenizer(tokenizer)` (shared by the tokenizer's
+            detokenizers), or None to decode every token.
     """
 
     def __init__(
@@ -47,9 +57,12 @@ class IncrementalDetokenizer:
         tokenizer: Decoder,
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
+        pieces: TokenPieces | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._token_pieces = pieces
+        self._piece_table = pieces.table if pieces is not None else None
         # Only ids from `prefix_offset` on are ever decoded again, so the window keeps the
         # prompt's tail and the output ids; `_window_start` is the absolute index of its
         # first element.
@@ -59,14 +72,16 @@ class IncrementalDetokenizer:
         self._prefix_offset = prefix_offset
         self._read_offset = len(prompt_token_ids)
         self._num_output_tokens = 0
-        self._pieces: list[str] = []
+        self._emitted: list[str] = []
+        # Text of window[:read], kept while the offsets stay (held-back pushes decode it once).
+        self._prefix_text: str | None = None
 
     @property
     def text(self) -> str:
         """All text emitted so far (held-back bytes excluded until completed or flushed)."""
-        if len(self._pieces) > 1:
-            self._pieces = ["".join(self._pieces)]
-        return self._pieces[0] if self._pieces else ""
+        if len(self._emitted) > 1:
+            self._emitted = ["".join(self._emitted)]
+        return self._emitted[0] if self._emitted else ""
 
     @property
     def num_output_tokens(self) -> int:
@@ -76,13 +91,32 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one generated token; return the text it completes ("" while held back)."""
         window = self._window
+        table = self._piece_table
+        if table is not None and self._read_offset - self._window_start == len(window):
+            piece = table.get(token_id)
+            if piece is None:
+                piece = self._token_pieces.piece(token_id)  # type: ignore[union-attr]
+            if piece:
+                # What the decoding path computes here: prefix text + piece, emitted whole,
+                # after which `_advance` keeps just this token in the window.
+                start = self._read_offset
+                window.clear()
+                window.append(token_id)
+                self._window_start = self._prefix_offset = start
+                self._read_offset = start + 1
+                self._prefix_text = piece  # the new prefix is this token alone
+                self._num_output_tokens += 1
+                self._emitted.append(piece)
+                return piece
         window.append(token_id)
         self._num_output_tokens += 1
         # The window starts at the prefix offset (`_advance` keeps it so), so only the read
         # offset needs translating.
         read = self._read_offset - self._window_start
         decode, skip = self._tokenizer.decode, self._skip_special_tokens
-        prefix_text = decode(window[:read], skip_special_tokens=skip)
+        prefix_text = self._prefix_text
+        if prefix_text is None:
+            prefix_text = self._prefix_text = decode(window[:read], skip_special_tokens=skip)
         new_text = decode(window[:], skip_special_tokens=skip)
         if (len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR)) and (
             len(window) - read <= MAX_HELD_BACK_TOKENS
@@ -91,7 +125,7 @@ class IncrementalDetokenizer:
         delta = new_text[len(prefix_text) :]
         self._advance()
         if delta:
-            self._pieces.append(delta)
+            self._emitted.append(delta)
         return delta
 
     def push_many(self, token_ids: Iterable[int]) -> str:
@@ -106,10 +140,11 @@ class IncrementalDetokenizer:
         delta = new_text[len(prefix_text) :]
         self._advance()
         if delta:
-            self._pieces.append(delta)
+            self._emitted.append(delta)
         return delta
 
     def _advance(self) -> None:
+        self._prefix_text = None
         self._prefix_offset = self._read_offset
         self._read_offset = self._window_start + len(self._window)
         # Drop ids that will never be decoded again.

@@ -375,14 +375,17 @@ class LLMEngine:
 
     def _flush_text(self) -> None:
         """Detokenize the previous step's deferred tokens (runs while the device computes)."""
+        deferred = self._deferred
+        if not deferred:
+            return
         requests, pending = self._requests, self._pending
-        for sample in self._deferred.values():
+        for sample in deferred.values():
             sample.flush_text()
             request_id = sample.seq.request_id
             state = requests.get(request_id)
             if state is not None:
                 pending[request_id] = state
-        self._deferred.clear()
+        deferred.clear()
 
     def _collect(self, touched: dict[str, RequestState] | None = None) -> list[RequestOutput]:
         if touched is None:
@@ -393,11 +396,18 @@ class LLMEngine:
         else:
             states = touched
         self._pending = {}
-        outputs = []
+        outputs: list[RequestOutput] = []
         for state in states.values():
-            done = state.finished or state.prefill_done
-            if not state.has_news and not done:
-                continue
+            samples = state.samples
+            if len(samples) == 1:  # the common case, without the loops of `finished` and `has_news`
+                sample = samples[0]
+                done = sample.finish_reason is not None or state.prefill_done
+                if not done and not sample.has_news:
+                    continue
+            else:
+                done = state.finished or state.prefill_done
+                if not done and not state.has_news:
+                    continue
             output = state.take_output()
             output.finished = done
             outputs.append(output)

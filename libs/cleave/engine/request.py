@@ -23,7 +23,7 @@ from cleave.engine.reasoning_tokens import ReasoningTokenCounter
 from cleave.engine.sampling_params import SamplingParams
 from cleave.engine.sampling_tensors import LogitsProcessor
 from cleave.engine.sequence import Sequence, SequenceStatus
-from cleave.engine.stop import StopChecker
+from cleave.engine.stop import StopChecker, TokenStop
 
 _STATUS_OF_REASON = {
     FinishReason.STOP: SequenceStatus.FINISHED_STOPPED,
@@ -63,8 +63,9 @@ class SampleState:
     include_reasoning: bool
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
     reasoning_counter: ReasoningTokenCounter | None = None
-    # Without stop strings, stopping depends on token ids alone, so text can be made later
-    # (while the device runs the next step): `deferred` holds ids not yet detokenized.
+    # With a detokenizer and no stop strings, stopping depends on token ids alone, so text
+    # can be made later (while the device runs the next step): `deferred` holds ids not yet
+    # detokenized.
     defer_text: bool = False
     deferred: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -95,22 +96,28 @@ class SampleState:
                 self.logprobs = []
             self.logprobs.append(logprob)
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprob.logprob
+        if self.defer_text:  # the common case first: one id check, text later
+            token_stop = self.stop_checker.check_token(token_id)
+            if token_stop is None:
+                self.deferred.append(token_id)
+                return None
+            return self._finish_deferred(token_id, token_stop)
         if self.detokenizer is None:
             return self._process_token_id(token_id)
-        if not self.defer_text:
-            update = self.stop_checker.process(token_id, self.detokenizer)
-            self._add_text(update.text)
-            if update.finish_reason is None:
-                return None
-            self._finish(update.finish_reason, update.stop_reason)
-            return _STATUS_OF_REASON[update.finish_reason]
-        token_stop = self.stop_checker.check_token(token_id)
-        if token_stop is None:
-            self.deferred.append(token_id)
+        update = self.stop_checker.process(token_id, self.detokenizer)
+        self._add_text(update.text)
+        if update.finish_reason is None:
             return None
+        self._finish(update.finish_reason, update.stop_reason)
+        return _STATUS_OF_REASON[update.finish_reason]
+
+    def _finish_deferred(self, token_id: int, token_stop: TokenStop) -> SequenceStatus:
+        """A deferred-text sample's last token: its text (if it belongs to the output), then the end."""
+        detokenizer = self.detokenizer
+        assert detokenizer is not None  # defer_text implies a detokenizer
         self.flush_text()
-        text = self.detokenizer.push(token_id) if token_stop.include_token_text else ""
-        update = self.stop_checker.append_text(text + self.detokenizer.finish(), final=True)
+        text = detokenizer.push(token_id) if token_stop.include_token_text else ""
+        update = self.stop_checker.append_text(text + detokenizer.finish(), final=True)
         self._add_text(update.text)
         if update.finish_reason is None:
             update.finish_reason, update.stop_reason = token_stop.finish_reason, token_stop.stop_reason
@@ -134,12 +141,11 @@ class SampleState:
             return
         detokenizer, stop_checker = self.detokenizer, self.stop_checker
         if self.reasoning is None and not stop_checker.has_stop_strings:
-            # Nothing to split or search: the text goes straight to the delta.
-            push, append_plain = detokenizer.push, stop_checker.append_plain
-            for token_id in deferred:
-                text = push(token_id)
-                if text and append_plain(text):
-                    self.text.append(text)
+            # Nothing to split or search: the text goes straight to the delta, joined.
+            push = detokenizer.push
+            text = push(deferred[0]) if len(deferred) == 1 else "".join([push(token_id) for token_id in deferred])
+            if text and stop_checker.append_plain(text):
+                self.text.append(text)
         else:
             for token_id in deferred:
                 self._add_text(stop_checker.append_text(detokenizer.push(token_id)).text)

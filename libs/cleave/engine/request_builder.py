@@ -22,6 +22,7 @@ from cleave.engine.sampling_params import SamplingParams
 from cleave.engine.sampling_tensors import LogitsProcessor
 from cleave.engine.sequence import Sequence
 from cleave.engine.stop import StopChecker
+from cleave.engine.token_pieces import TokenPieces
 from cleave.errors import InvalidArgument
 from cleave.model.tokenizer import Tokenizer
 
@@ -75,6 +76,9 @@ class RequestBuilder:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.detokenize = detokenize
+        # One piece table for every detokenizer of this engine (None: the tokenizer's
+        # text depends on neighbouring tokens, every token is decoded).
+        self._pieces = TokenPieces.for_tokenizer(tokenizer) if detokenize else None
         self._end_tag_ids: list[int] = []
         self._start_tag_ids: list[int] = []
         self._answer_prefix_ids: list[int] = []
@@ -154,14 +158,14 @@ class RequestBuilder:
         return SampleState(
             index=seq.sample_index,
             seq=seq,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, self._pieces)
             if detokenize
             else None,
             stop_checker=StopChecker(params, self.eos_token_ids, max_new),
             reasoning=reasoning,
             include_reasoning=params.include_reasoning,
             logits_processors=processors,
-            defer_text=not params.stop,
+            defer_text=detokenize and not params.stop,
             reasoning_counter=counter,
         )
 

@@ -86,6 +86,9 @@ class StopChecker:
         self._stop_token_ids = frozenset(params.stop_token_ids)
         self._eos_token_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
         self._max_new_tokens = max_new_tokens if max_new_tokens is not None else params.max_tokens
+        # One set for the common "no stop id" test; `check_token` tells eos and stop ids apart after.
+        self._any_stop_ids = self._eos_token_ids | self._stop_token_ids
+        self._token_limit = self._max_new_tokens if self._max_new_tokens is not None else float("inf")
         self._num_tokens = 0
         self._held_back = ""
         self._emitted: list[str] = []
@@ -116,11 +119,11 @@ class StopChecker:
     def check_token(self, token_id: int) -> TokenStop | None:
         """Count one generated token and decide stops that depend only on its id."""
         self._num_tokens += 1
-        if token_id in self._eos_token_ids:
-            return TokenStop(FinishReason.STOP, None, include_token_text=False)
-        if token_id in self._stop_token_ids:
+        if token_id in self._any_stop_ids:
+            if token_id in self._eos_token_ids:
+                return TokenStop(FinishReason.STOP, None, include_token_text=False)
             return TokenStop(FinishReason.STOP, token_id, include_token_text=False)
-        if self._max_new_tokens is not None and self._num_tokens >= self._max_new_tokens:
+        if self._num_tokens >= self._token_limit:
             return TokenStop(FinishReason.LENGTH, None, include_token_text=True)
         return None
 
