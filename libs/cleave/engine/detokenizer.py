@@ -59,10 +59,10 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         pieces: TokenPieces | None = None,
     ) -> None:
-        self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._token_pieces = pieces
         self._piece_table = pieces.table if pieces is not None else None
+        self._decode_ids = pieces.decode if pieces is not None else tokenizer.decode
         # Only ids from `prefix_offset` on are ever decoded again, so the window keeps the
         # prompt's tail and the output ids; `_window_start` is the absolute index of its
         # first element.
@@ -113,11 +113,11 @@ class IncrementalDetokenizer:
         # The window starts at the prefix offset (`_advance` keeps it so), so only the read
         # offset needs translating.
         read = self._read_offset - self._window_start
-        decode, skip = self._tokenizer.decode, self._skip_special_tokens
+        decode, skip = self._decode_ids, self._skip_special_tokens
         prefix_text = self._prefix_text
         if prefix_text is None:
-            prefix_text = self._prefix_text = decode(window[:read], skip_special_tokens=skip)
-        new_text = decode(window[:], skip_special_tokens=skip)
+            prefix_text = self._prefix_text = decode(window[:read], skip)
+        new_text = decode(window, skip)
         if (len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR)) and (
             len(window) - read <= MAX_HELD_BACK_TOKENS
         ):
@@ -156,6 +156,4 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, end: int | None) -> str:
         begin = start - self._window_start
         stop = None if end is None else end - self._window_start
-        return self._tokenizer.decode(
-            self._window[begin:stop], skip_special_tokens=self._skip_special_tokens
-        )
+        return self._decode_ids(self._window[begin:stop], self._skip_special_tokens)

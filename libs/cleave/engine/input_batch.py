@@ -260,20 +260,19 @@ class InputBatchBuilder:
         """The pure-decode fast path, or None when `output` is anything else."""
         if output.has_forks:
             return None
-        block_size = self.block_size
-        flat = array("q")  # [E] ids, [E] positions, [E] slots, then seq lens as int32 pairs
-        positions, slots = array("q"), array("q")
-        seq_lens = array("i")
-        tables: list[Seq[int]] = []
-        for entry in output.scheduled:
+        scheduled = output.scheduled
+        for entry in scheduled:
             if entry.num_new_tokens != 1 or not entry.sample:
                 return None
-            start, table = entry.start_position, entry.block_table
-            flat.append(entry.token_ids[0])
-            positions.append(start)
-            slots.append(table[start // block_size] * block_size + start % block_size)
-            seq_lens.append(start + 1)
-            tables.append(table)
+        block_size = self.block_size
+        # One comprehension per column: cheaper than appending to four arrays per entry.
+        tables: list[Seq[int]] = [entry.block_table for entry in scheduled]
+        starts = [entry.start_position for entry in scheduled]
+        flat = array("q", [entry.token_ids[0] for entry in scheduled])  # [E] ids, then the rest below
+        positions = array("q", starts)
+        slots = array("q", [table[start // block_size] * block_size + start % block_size
+                            for table, start in zip(tables, starts)])
+        seq_lens = array("i", [start + 1 for start in starts])
         num_entries = len(tables)
         stand_ins = self._stand_ins(flat)
         flat.extend(positions)
@@ -286,7 +285,7 @@ class InputBatchBuilder:
             flat.extend(stand_ins[0])
             flat.extend(stand_ins[1])
         device_buffer = self._to_device(flat)
-        seqs = [entry.seq for entry in output.scheduled]
+        seqs = [entry.seq for entry in scheduled]
         metadata = AttentionMetadata(
             slot_mapping=device_buffer[2 * num_entries : 3 * num_entries],
             query_start_loc=self._query_start_loc(num_entries),

@@ -66,7 +66,7 @@ from cleave.engine.request_builder import Message, Prompt, RequestBuilder, read_
 from cleave.engine.sampling_params import SamplingParams
 from cleave.engine.sampling_tensors import LogitsProcessor
 from cleave.engine.scheduler import Scheduler, SchedulerOutput
-from cleave.engine.sequence import FINISHED_STATUSES, Sequence, SequenceStatus
+from cleave.engine.sequence import FINISHED_STATUSES, RUNNING, Sequence, SequenceStatus
 from cleave.errors import InvalidArgument
 from cleave.kv.manager import KVCacheManager
 from cleave.kv.prefix_hash import kv_namespace
@@ -346,13 +346,14 @@ class LLMEngine:
         else:
             updated = self.scheduler.postprocess(output, result.token_ids, self._on_token)
         self._step_logprobs = {}
-        touched = self._touched
+        touched, samples = self._touched, self._samples
         for seq in updated:
-            if seq.status in FINISHED_STATUSES:
-                sample = self._samples.get(seq.seq_id)
+            status = seq.status
+            if status is not RUNNING and status in FINISHED_STATUSES:
+                sample = samples.get(seq.seq_id)
                 state = touched.get(seq.request_id)
                 if sample is not None and state is not None and not state.prefill_done:
-                    sample.end(seq.status)  # no-op unless the scheduler ended it (context full)
+                    sample.end(status)  # no-op unless the scheduler ended it (context full)
 
     def _on_token(self, seq: Sequence) -> SequenceStatus | None:
         """Scheduler callback per sampled token (its last one): see `_on_sampled`."""
@@ -368,7 +369,8 @@ class LLMEngine:
         status = sample.process_token(token_id, logprobs.get(seq_id) if logprobs else None)
         if sample.deferred:
             self._deferred[seq_id] = sample
-        state = self._touched[seq.request_id] = self._requests[seq.request_id]
+        request_id = seq.request_id
+        state = self._touched[request_id] = self._requests[request_id]
         if state.prefill_only:
             return self._export.on_first_token(state, seq, sample, status)
         return status

@@ -199,10 +199,11 @@ class SampleState:
             self.num_tokens,
             self.num_reasoning_tokens,
         )
+        # The pieces are joined above, so the lists are reused (the token id list is handed out).
         if text:
-            self.text = []
+            text.clear()
         if reasoning_text:
-            self.reasoning_text = []
+            reasoning_text.clear()
         self.token_ids = []
         if self.logprobs is not None:
             self.logprobs = []
@@ -262,20 +263,23 @@ class RequestState:
     def take_output(self) -> RequestOutput:
         """A delta RequestOutput of every sample with news (the prompt on the first one)."""
         samples = self.samples
-        prompt = self.prompt_token_ids
         if self.reported_prompt:
             prompt = []
-        self.reported_prompt = True
+        else:
+            prompt = self.prompt_token_ids
+            self.reported_prompt = True
         if len(samples) == 1:  # the common case, without the loops of `usage` and `finished`
             sample = samples[0]
-            outputs = [sample.take_delta()] if sample.has_news else []
+            if sample.has_news:
+                delta = sample.take_delta()
+                outputs = [delta]
+                num_reasoning = delta.num_reasoning_tokens
+            else:
+                outputs = []
+                num_reasoning = sample.num_reasoning_tokens
             num_prompt = len(self.prompt_token_ids)
-            usage = Usage(
-                num_prompt,
-                sample.num_tokens,
-                outputs[0].num_reasoning_tokens if outputs else sample.num_reasoning_tokens,
-                min(sample.seq.num_cached_tokens, num_prompt),
-            )
+            num_cached = sample.seq.num_cached_tokens
+            usage = Usage(num_prompt, sample.num_tokens, num_reasoning, num_cached if num_cached < num_prompt else num_prompt)
             return RequestOutput(self.request_id, prompt, outputs, sample.finish_reason is not None, usage, True)
         outputs = [sample.take_delta() for sample in samples if sample.has_news]
         return RequestOutput(self.request_id, prompt, outputs, self.finished, self.usage(), True)

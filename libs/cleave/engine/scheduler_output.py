@@ -93,12 +93,17 @@ class SchedulerOutput:
     @cached_property
     def sampled_seqs(self) -> list[Sequence]:
         """Sequences that receive a token this step; `postprocess` lists align with this."""
-        return [seq for entry in self.scheduled for seq in entry.sample_seqs]
+        if self.has_forks:
+            return [seq for entry in self.scheduled for seq in entry.sample_seqs]
+        return [entry.seq for entry in self.scheduled if entry.sample]
 
     @cached_property
     def has_forks(self) -> bool:
         """Whether any entry hands its logits to forks (sampled_seqs longer than the sampling entries)."""
-        return any(entry.forks for entry in self.scheduled if entry.sample)
+        for entry in self.scheduled:
+            if entry.forks and entry.sample:
+                return True
+        return False
 
     @property
     def query_lens(self) -> list[int]:

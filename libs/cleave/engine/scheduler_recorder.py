@@ -22,7 +22,7 @@ from collections.abc import Sequence as Seq
 from cleave.engine.scheduler_blocks import SchedulerBlocks
 from cleave.engine.scheduler_output import SchedulerOutput, stand_in_token
 from cleave.engine.scheduler_queues import SequenceQueues
-from cleave.engine.sequence import FINISHED_STATUSES, Sequence, SequenceStatus
+from cleave.engine.sequence import FINISHED_STATUSES, RUNNING, Sequence, SequenceStatus
 
 StopChecker = Callable[[Sequence], "SequenceStatus | None"]
 """Returns a FINISHED_* status when a sequence that just got a token should stop, else None."""
@@ -87,7 +87,7 @@ class StepRecorder:
         row = 0
         for entry in output.scheduled:
             seq = entry.seq
-            if seq.status is SequenceStatus.RUNNING:
+            if seq.status is RUNNING:
                 seq.num_computed_tokens = entry.start_position + entry.num_new_tokens
                 if entry.sample:
                     seq.all_token_ids.append(stand_in_token(row))
@@ -108,35 +108,37 @@ class StepRecorder:
         index = 0
         for entry in output.scheduled:
             seq = entry.seq
-            seq_len = entry.start_position + entry.num_new_tokens
+            num_new = entry.num_new_tokens
+            seq_len = entry.start_position + num_new
             status = seq.status
             if entry.sample:
                 token = int(sampled_token_ids[index])
                 index += 1
-                if status in FINISHED_STATUSES:
+                if status is not RUNNING and status in FINISHED_STATUSES:
                     del seq.all_token_ids[seq_len:]  # the stand-in (and any later one)
                     continue
                 seq.all_token_ids[seq_len] = token
                 got.append((seq, token, seq_len))
-            if status is not SequenceStatus.RUNNING:
+            if status is not RUNNING:
                 continue  # finished, or preempted: its blocks are gone
             seq_id = seq.seq_id
-            if entry.num_new_tokens == 1 and seq_len % block_size and seq_id in indexed:
+            if num_new == 1 and seq_len % block_size and seq_id in indexed:
                 continue  # no block became full
             cache_full_blocks(seq_id, seq.all_token_ids, seq_len)
             indexed.add(seq_id)
         max_model_len = self.max_model_len
+        finish = self._finish
         updated: list[Sequence] = []
         for seq, token, position in got:
             updated.append(seq)
-            if seq.status in FINISHED_STATUSES:
+            if seq.status is not RUNNING and seq.status in FINISHED_STATUSES:
                 continue  # a stop checked earlier in this loop ended it (its request aborted)
             status = token_checker(seq, token) if token_checker else None
             if status is None and position + 1 >= max_model_len:
                 status = SequenceStatus.FINISHED_LENGTH
             if status is not None and seq.status not in FINISHED_STATUSES:
                 del seq.all_token_ids[position + 1 :]  # a later step's stand-in: never resolved
-                self._finish(seq, status)
+                finish(seq, status)
         return updated
 
     def _record_aligned(self, output: SchedulerOutput, sampled: Seq[int]) -> list[Sequence]:

@@ -23,6 +23,10 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH = "finished_length"  # max_tokens or the model's context length
     FINISHED_ABORTED = "finished_aborted"  # cancelled, deadline passed, or rejected
 
+    # Members are singletons compared by identity, so identity hashing is exact; Enum's own
+    # __hash__ is a Python call, paid on every `in FINISHED_STATUSES` of the step loop.
+    __hash__ = object.__hash__
+
     @property
     def is_finished(self) -> bool:
         return self in FINISHED_STATUSES
@@ -31,6 +35,9 @@ class SequenceStatus(enum.Enum):
 FINISHED_STATUSES = frozenset(
     {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED}
 )
+# Module-level aliases for the step loop (reading an Enum member off its class costs a lookup
+# through the enum's metaclass).
+RUNNING = SequenceStatus.RUNNING
 
 
 class Sequence:
@@ -41,6 +48,7 @@ class Sequence:
 
     Attributes:
         request_id: the request this sample belongs to.
+        seq_id: "<request_id>/<sample_index>".
         sample_index: 0..n-1 within the request.
         sampling_params: the caller's sampling parameters, carried opaquely to the sampler.
         priority: lower number is served first (0 is the default).
@@ -66,7 +74,8 @@ class Sequence:
             raise ValueError(f"request {request_id!r} has an empty prompt; send at least one token")
         self.request_id = request_id
         self.sample_index = sample_index
-        self._seq_id = f"{request_id}/{sample_index}"
+        # Read several times per token in the step loop: a plain attribute, built once (never reassign).
+        self.seq_id = f"{request_id}/{sample_index}"
         self.sampling_params = sampling_params
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -77,12 +86,6 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_preemptions = 0
-
-    @property
-    def seq_id(self) -> str:
-        # request_id and sample_index never change, and the id is read several times per
-        # token in the step loop, so it is built once.
-        return self._seq_id
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -15,32 +15,36 @@ unfinished or invalid character (their text shows U+FFFD), and tokens without te
 
 Other decoders (SentencePiece's leading-space rules, WordPiece's "##" merges) make a
 token's text depend on its neighbours; `TokenPieces.for_tokenizer` returns None for them.
+
+`TokenPieces.decode` is the backend tokenizer's own `decode` (the same text as the wrapper's
+without its clean-up, which pieces require off), for the ids the detokenizer still decodes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders
 
-from cleave.engine.detokenizer import REPLACEMENT_CHAR, Decoder
+from cleave.engine.detokenizer import REPLACEMENT_CHAR
 
 
 class TokenPieces:
     """Pieces of one tokenizer's tokens, looked up once per token id and kept.
 
     Args:
-        tokenizer: decodes single tokens (`decode([id], skip_special_tokens=False)`); must
-            have a byte-level decoder (see the module docstring; `for_tokenizer` checks).
+        decode: `decode(ids, skip_special_tokens)` of a tokenizer with a byte-level decoder
+            and no clean-up (see the module docstring; `for_tokenizer` checks).
         added_token_ids: ids of the tokenizer's added tokens (never given a piece).
 
     `piece(token_id)` is the token's text, or "" when the token has no piece. The table
     grows to at most the vocabulary size.
     """
 
-    def __init__(self, tokenizer: Decoder, added_token_ids: frozenset[int]) -> None:
-        self._tokenizer = tokenizer
+    def __init__(self, decode: Callable[[list[int], bool], str], added_token_ids: frozenset[int]) -> None:
+        self.decode = decode
         self._added_token_ids = added_token_ids
         self.table: dict[int, str] = {}  # token id -> piece ("" for none); read by the detokenizer
 
@@ -53,7 +57,7 @@ class TokenPieces:
             return None
         if getattr(tokenizer, "clean_up_tokenization_spaces", False):
             return None  # a text rewrite across token boundaries
-        return cls(tokenizer, frozenset(backend.get_added_tokens_decoder()))
+        return cls(backend.decode, frozenset(backend.get_added_tokens_decoder()))
 
     def piece(self, token_id: int) -> str:
         """The token's text when it appends the same text after any ids, else ""."""
@@ -65,5 +69,5 @@ class TokenPieces:
     def _lookup(self, token_id: int) -> str:
         if token_id in self._added_token_ids or token_id < 0:
             return ""
-        text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        text = self.decode([token_id], False)
         return "" if REPLACEMENT_CHAR in text else text
