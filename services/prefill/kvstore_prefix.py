@@ -1,6 +1,6 @@
 """A prefill worker's use of the kvstore: pull a cached prompt prefix into the engine's
 prefix cache before the prefill, push the prompt's new full blocks after it (gathered to
-host memory, then put, off the request's critical path).
+host memory, then put, off the request's critical path, one put at a time).
 
 Block hashes are the engine's own (`block_hashes` under the engine's KV namespace), so a
 block fetched from the store and registered in the engine's prefix cache is found by the
@@ -52,6 +52,7 @@ class KVStorePrefix:
         self.async_engine = async_engine
         self.block_size = engine.kv.block_size
         self._stream: torch.cuda.Stream | None = None
+        self._put_turn = asyncio.Lock()  # one put stream at a time, in arrival order (FIFO)
 
     def _gather_stream(self) -> torch.cuda.Stream | None:
         """The side stream host copies run on (None on CPU)."""
@@ -113,8 +114,14 @@ class KVStorePrefix:
         return StorePayload(hashes[num_stored:], blocks, parent)
 
     async def put(self, payload: StorePayload) -> int:
-        """Send gathered blocks to the store; returns how many it newly keeps."""
-        result = await self.client.put(payload.hashes, payload.blocks, parent_hash=payload.parent_hash)
+        """Send gathered blocks to the store; returns how many it newly keeps.
+
+        Puts go one at a time: the store serves every call on one event loop, so N puts in
+        flight put every request's Lookup (on the prefill's critical path) behind N streams
+        of megabytes, and their encoding threads share this worker's GIL with the engine
+        thread. One stream moves the same bytes per second."""
+        async with self._put_turn:
+            result = await self.client.put(payload.hashes, payload.blocks, parent_hash=payload.parent_hash)
         return result.num_stored
 
 

@@ -21,10 +21,11 @@ import torch
 
 from cleave.device_copy import to_host
 from cleave.errors import FailedPrecondition, InvalidArgument
-from cleave.proto.cleave.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
+from cleave.proto.cleave.v1 import kvstore_pb2, kvstore_pb2_grpc
 from cleave.rpc.client import aio_channel
 from cleave.rpc.convert import dtype_to_proto, kv_layout_to_proto
 from cleave.rpc.types import KVLayout
+from cleave.transfer.kvstore_wire import PUT_METHOD, encode_kv_block
 from cleave.transfer.tensors import as_bytes, device_index, dtype_name, torch_dtype
 
 PUT_BATCH_BLOCKS = 8  # blocks per message batch built off the event loop
@@ -93,6 +94,8 @@ class KVStoreClient:
     def __init__(self, address: str, client_id: str = "", timeout_s: float = 30.0) -> None:
         self._channel = aio_channel(address)
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
+        # Put's messages are wire bytes already (`encode_kv_block`): sent without a serializer.
+        self._put = self._channel.stream_unary(PUT_METHOD, response_deserializer=kvstore_pb2.PutResponse.FromString)
         self.client_id = client_id
         self.timeout_s = timeout_s
         self.layout: KVLayout | None = None
@@ -137,21 +140,20 @@ class KVStoreClient:
         return response.num_hit_blocks
 
     def _messages(self, block_hashes: Sequence[bytes], blocks: torch.Tensor, parent_hash: bytes,
-                  positions: range) -> list[kvstore_pb2.KVBlock]:
+                  positions: range) -> list[bytes]:
+        """Encoded KVBlock messages of some blocks (each payload copied once)."""
         layout = self._require()
         dtype = dtype_to_proto(layout.dtype)
         messages = []
         for position in positions:
-            payload = blocks[position].cpu().contiguous()
-            messages.append(kvstore_pb2.KVBlock(
-                hash=block_hashes[position],
-                parent_hash=parent_hash if position == 0 else block_hashes[position - 1],
-                layout_id=self.layout_id,
-                payload=common_pb2.Tensor(dtype=dtype, shape=payload.shape, data=bytes(as_bytes(payload)))))
+            payload = blocks[position].cpu().contiguous()  # [L, 2, BS, Hkv, D]
+            messages.append(encode_kv_block(
+                block_hashes[position], parent_hash if position == 0 else block_hashes[position - 1],
+                self.layout_id, dtype, payload.shape, as_bytes(payload)))
         return messages
 
     async def _message_stream(self, block_hashes: Sequence[bytes], blocks: torch.Tensor,
-                              parent_hash: bytes) -> AsyncIterator[kvstore_pb2.KVBlock]:
+                              parent_hash: bytes) -> AsyncIterator[bytes]:
         """Put's messages, built a few blocks at a time on a thread: copying a long
         prompt's blocks into messages would otherwise hold the caller's event loop."""
         for start in range(0, len(block_hashes), PUT_BATCH_BLOCKS):
@@ -174,7 +176,7 @@ class KVStoreClient:
             raise InvalidArgument(f"blocks are {blocks.dtype}, the layout is {layout.dtype}", field="blocks")
         if not block_hashes:
             return KVStorePutResult(0, 0)
-        response = await self._stub.Put(self._message_stream(block_hashes, blocks, parent_hash), timeout=self.timeout_s)
+        response = await self._put(self._message_stream(block_hashes, blocks, parent_hash), timeout=self.timeout_s)
         return KVStorePutResult(response.num_stored, response.num_already_present)
 
     async def get(self, block_hashes: Sequence[bytes]) -> torch.Tensor:

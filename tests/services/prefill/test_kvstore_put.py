@@ -128,3 +128,33 @@ async def test_a_full_put_backlog_skips_the_store_and_frees_the_blocks(checkpoin
         await wait_pool_full(worker.stub)
     finally:
         await worker.close()
+
+
+async def test_puts_go_to_the_store_one_at_a_time_in_order():
+    """Concurrent puts queue: the store never sees two put streams of this worker at once."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from cleave.transfer import KVStorePutResult
+    from services.prefill.kvstore_prefix import KVStorePrefix, StorePayload
+
+    events: list[str] = []
+    release = asyncio.Event()
+
+    class SlowClient:
+        async def put(self, hashes, blocks, parent_hash=b""):  # type: ignore[no-untyped-def]
+            events.append(f"start {hashes[0].decode()}")
+            await release.wait()
+            events.append(f"end {hashes[0].decode()}")
+            return KVStorePutResult(num_stored=len(hashes), num_already_present=0)
+
+    engine = SimpleNamespace(kv=SimpleNamespace(block_size=4))
+    prefix = KVStorePrefix(SlowClient(), engine, async_engine=None)  # type: ignore[arg-type]
+    payloads = [StorePayload([name.encode()] * size, torch.zeros(size, 1), b"") for name, size in (("a", 2), ("b", 3), ("c", 1))]
+    puts = [asyncio.ensure_future(prefix.put(payload)) for payload in payloads]
+    await asyncio.sleep(0.05)
+    assert events == ["start a"]  # b and c wait for a's stream to end
+    release.set()
+    assert await asyncio.gather(*puts) == [2, 3, 1]
+    assert events == ["start a", "end a", "start b", "end b", "start c", "end c"]
