@@ -29,18 +29,16 @@ def plan_decodes(order: Seq[Sequence], kv: KVCacheManager) -> tuple[list[Schedul
         token to feed. The plan is then exactly the general planner's, and nobody is
         preempted.
     """
-    if kv.num_free_blocks < len(order):
-        return None
     for seq in order:
         if len(seq.all_token_ids) - seq.num_computed_tokens != 1:
             return None
-    allocate_slots, block_table_view = kv.allocate_slots, kv.block_table_view
+    if not kv.allocate_decode_slots([seq.seq_id for seq in order]):
+        return None
+    block_table_view = kv.block_table_view
     scheduled: list[ScheduledSequence] = []
     num_decodes = 0
     for seq in order:
         seq_id = seq.seq_id
-        if not allocate_slots(seq_id, 1):
-            raise RuntimeError(f"no KV block for decoding {seq_id} although the pool reported enough")
         tokens = seq.all_token_ids
         start = len(tokens) - 1
         is_decode = start >= seq.num_prompt_tokens

@@ -177,6 +177,33 @@ class KVCacheManager:
         state.num_tokens = total_tokens
         return True
 
+    def allocate_decode_slots(self, seq_ids: Sequence[SeqId]) -> bool:
+        """`allocate_slots(seq_id, 1)` for each sequence in order, in one pass (a decode step).
+
+        One more token needs at most one block per sequence (a new block at a block
+        boundary, or a copy-on-write of a shared last block), so this succeeds whenever the
+        pool has a free block per sequence; otherwise it returns False with nothing changed.
+        """
+        pool = self.pool
+        if len(seq_ids) > pool.num_free_blocks:
+            return False
+        seqs, block_size = self._seqs, self.block_size
+        for seq_id in seq_ids:
+            state = seqs.get(seq_id)
+            if state is None:
+                self.allocate_slots(seq_id, 1)
+                continue
+            block_ids = state.block_ids
+            num_tokens = state.num_tokens
+            if num_tokens % block_size and block_ids and pool.ref_count(block_ids[-1]) > 1:
+                self._copy_on_write(state)  # writes into a shared, partly filled last block
+            total_tokens = num_tokens + 1
+            num_new_blocks = -(-total_tokens // block_size) - len(block_ids)
+            if num_new_blocks:
+                block_ids.extend(pool.allocate(num_new_blocks))
+            state.num_tokens = total_tokens
+        return True
+
     def reserve(self, seq_id: SeqId, num_tokens: int) -> list[int]:
         """Allocate a new sequence's blocks for `num_tokens` tokens whose KV arrives remotely.
 
