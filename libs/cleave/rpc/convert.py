@@ -251,12 +251,13 @@ def tensor_from_proto(message: common_pb2.Tensor, field: str) -> types.TensorByt
     if any(size < 0 for size in shape):
         raise InvalidArgument(f"negative dimension in {list(shape)}", field=f"{field}.shape")
     expected = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
-    if len(message.data) != expected:
+    data = message.data  # each read of a bytes field copies it
+    if len(data) != expected:
         raise InvalidArgument(
-            f"holds {len(message.data)} bytes but shape {list(shape)} of {dtype} needs {expected}",
+            f"holds {len(data)} bytes but shape {list(shape)} of {dtype} needs {expected}",
             field=f"{field}.data",
         )
-    return types.TensorBytes(dtype=dtype, shape=shape, data=message.data)
+    return types.TensorBytes(dtype=dtype, shape=shape, data=data)
 
 
 def tensor_to_proto(tensor: types.TensorBytes) -> common_pb2.Tensor:
