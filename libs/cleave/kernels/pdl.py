@@ -18,8 +18,8 @@ environment variable `CLEAVE_PDL=0` the launch flag is off and the kernels compi
 these instructions.
 
 Measured on an H200 (bench/results/decode/decode_pdl.md): 4-5% off a graph-replayed decode
-step of a 1B model at batch 1-64. Prefetching the next projection's weights into L2 before
-the wait was tried and gave nothing.
+step of a 1B model at batch 1-64 in one A/B, no difference beyond noise in a second one.
+Prefetching the next projection's weights into L2 before the wait was tried and gave nothing.
 """
 
 from __future__ import annotations
