@@ -168,13 +168,7 @@ class KVCacheManager:
             state.block_ids.extend(computed_blocks.block_ids)
             state.num_tokens = computed_blocks.num_computed_tokens
             state.num_cached_blocks = len(computed_blocks.block_ids)
-        if num_new_tokens and self._last_block_shared(state):
-            self._copy_on_write(state)
-        total_tokens = state.num_tokens + num_new_tokens
-        num_new_blocks = -(-total_tokens // self.block_size) - len(state.block_ids)
-        if num_new_blocks:  # most decode steps write into the last block they hold
-            state.block_ids.extend(self.pool.allocate(num_new_blocks))
-        state.num_tokens = total_tokens
+        self._grow(state, num_new_tokens)
         return True
 
     def allocate_decode_slots(self, seq_ids: Sequence[SeqId]) -> bool:
@@ -184,25 +178,27 @@ class KVCacheManager:
         boundary, or a copy-on-write of a shared last block), so this succeeds whenever the
         pool has a free block per sequence; otherwise it returns False with nothing changed.
         """
-        pool = self.pool
-        if len(seq_ids) > pool.num_free_blocks:
+        if len(seq_ids) > self.pool.num_free_blocks:
             return False
-        seqs, block_size = self._seqs, self.block_size
+        seqs = self._seqs
         for seq_id in seq_ids:
             state = seqs.get(seq_id)
             if state is None:
                 self.allocate_slots(seq_id, 1)
-                continue
-            block_ids = state.block_ids
-            num_tokens = state.num_tokens
-            if num_tokens % block_size and block_ids and pool.ref_count(block_ids[-1]) > 1:
-                self._copy_on_write(state)  # writes into a shared, partly filled last block
-            total_tokens = num_tokens + 1
-            num_new_blocks = -(-total_tokens // block_size) - len(block_ids)
-            if num_new_blocks:
-                block_ids.extend(pool.allocate(num_new_blocks))
-            state.num_tokens = total_tokens
+            else:
+                self._grow(state, 1)
         return True
+
+    def _grow(self, state: _SeqBlocks, num_new_tokens: int) -> None:
+        """Slots for `num_new_tokens` more tokens (the caller checked the pool has the blocks):
+        a copy of a shared, partly filled last block, then whole new blocks as needed."""
+        if num_new_tokens and self._last_block_shared(state):
+            self._copy_on_write(state)
+        total_tokens = state.num_tokens + num_new_tokens
+        num_new_blocks = -(-total_tokens // self.block_size) - len(state.block_ids)
+        if num_new_blocks:  # most decode steps write into the last block they hold
+            state.block_ids.extend(self.pool.allocate(num_new_blocks))
+        state.num_tokens = total_tokens
 
     def reserve(self, seq_id: SeqId, num_tokens: int) -> list[int]:
         """Allocate a new sequence's blocks for `num_tokens` tokens whose KV arrives remotely.
