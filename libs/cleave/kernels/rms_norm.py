@@ -45,40 +45,26 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    EVEN: tl.constexpr,  # hidden == BLOCK_H and ROWS divides num_rows: no masks
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
     mask = (rows[:, None] < num_rows) & (cols[None, :] < hidden)  # [ROWS, BLOCK_H]
-    x_ptrs = x_ptr + rows[:, None] * x_row_stride + cols[None, :]
-    if EVEN:
-        x = tl.load(x_ptrs)
-    else:
-        x = tl.load(x_ptrs, mask=mask, other=0.0)
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
         res_ptrs = residual_ptr + rows[:, None] * residual_row_stride + cols[None, :]
-        if EVEN:
-            summed = tl.load(res_ptrs).to(tl.float32) + x.to(tl.float32)
-        else:
-            summed = tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32) + x.to(tl.float32)
+        summed = tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32) + x.to(tl.float32)
         x = summed.to(residual_ptr.dtype.element_ty)
-        if EVEN:
-            tl.store(res_ptrs, x)
-        else:
-            tl.store(res_ptrs, x, mask=mask)
+        tl.store(res_ptrs, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / hidden + eps)  # [ROWS]
     normed = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
-    if EVEN:
-        weight = tl.load(weight_ptr + cols).to(tl.float32)
-    else:
-        weight = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
-    out = (normed * weight[None, :]).to(out_ptr.dtype.element_ty)
-    out_ptrs = out_ptr + rows[:, None] * out_row_stride + cols[None, :]
-    if EVEN:
-        tl.store(out_ptrs, out)
-    else:
-        tl.store(out_ptrs, out, mask=mask)
+    weight = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+    out = normed * weight[None, :]
+    tl.store(
+        out_ptr + rows[:, None] * out_row_stride + cols[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 _rms_norm_launcher = CachedLauncher(_rms_norm_kernel)
@@ -95,7 +81,7 @@ def _launch(
     _rms_norm_launcher(
         launch.grid,
         (x2, res2, weight, out, num_rows, hidden, x2.stride(0), res2.stride(0), hidden, eps),
-        (residual is not None, launch.rows, launch.block, hidden == launch.block and num_rows % launch.rows == 0),
+        (residual is not None, launch.rows, launch.block),
         launch.num_warps,
     )
     return out.view(x.shape)
