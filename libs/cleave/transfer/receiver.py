@@ -61,7 +61,6 @@ class _Transfer:
     started: float
     layers: LayerLedger
     index: torch.Tensor | None = None  # [n] int64 on the cache device, built on first scatter
-    ids_checked: bool = False  # a chunk named the block ids (only the first one must)
     num_bytes: int = 0
     writers: list[asyncio.StreamWriter] = field(default_factory=list)
     timer: asyncio.TimerHandle | None = None
@@ -294,10 +293,9 @@ class KVReceiver:
         cache = self.kv_cache
         layers = header_layers(header)
         state.layers.check(layers, field="layer_index")
-        if header.block_ids or not state.ids_checked:  # later chunks may leave them out
-            if tuple(header.block_ids) != state.block_ids:
-                raise InvalidArgument("block ids differ from the reserved ones", field="block_ids")
-            state.ids_checked = True
+        first_chunk = state.layers.num_done == 0  # it must name the block ids; later ones may not
+        if (header.block_ids or first_chunk) and tuple(header.block_ids) != state.block_ids:
+            raise InvalidArgument("block ids differ from the reserved ones", field="block_ids")
         if header.dtype != dtype_to_proto(dtype_name(cache.dtype)):
             raise InvalidArgument(
                 f"dtype {common_pb2.DType.Name(header.dtype)} differs from the cache's {dtype_name(cache.dtype)}",
