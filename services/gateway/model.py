@@ -15,6 +15,7 @@ from typing import Any
 from cleave.config import ModelConfig as ServedModelConfig
 from cleave.engine.llm_engine import read_reasoning_config
 from cleave.engine.request import ReasoningConfig
+from cleave.engine.token_pieces import TokenPieces
 from cleave.errors import InvalidArgument
 from cleave.model.config import ModelConfig
 from cleave.model.tokenizer import Tokenizer
@@ -58,6 +59,8 @@ class ServedModel:
         self.config = config
         self.path = path
         self.tokenizer = Tokenizer.from_pretrained(path)
+        # One piece table for every sample's detokenizer (None: not a byte-level tokenizer).
+        self.token_pieces: TokenPieces | None = TokenPieces.for_tokenizer(self.tokenizer)
         model_config = ModelConfig.from_pretrained(path)
         self.vocab_size = model_config.vocab_size
         self.max_model_len = config.max_context_length or model_config.max_position_embeddings

@@ -79,7 +79,7 @@ async def stream_samples(
     mode = resolve_mode(spec.reasoning.mode, model.reasoning)
     texts = [
         SampleText(i, model.tokenizer, prompt_ids, spec.sampling, model.eos_token_ids, model.reasoning,
-                   mode, spec.stream.include_token_ids, tag_tokens)
+                   mode, spec.stream.include_token_ids, tag_tokens, model.token_pieces)
         for i in range(spec.sampling.n)
     ]
     strategy = spec.scaling.strategy

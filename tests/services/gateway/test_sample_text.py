@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import pytest
+
 from cleave.engine.outputs import FinishReason
 from cleave.engine.request import ReasoningConfig
+from cleave.engine.detokenizer import REPLACEMENT_CHAR
 from cleave.engine.sampling_params import SamplingParams
+from cleave.engine.token_pieces import TokenPieces
 from cleave.model.tokenizer import Tokenizer
 from cleave.rpc.types import ReasoningMode
 from services.gateway.convert import TokenDelta
+from services.gateway.model import ServedModel
 from services.gateway.sample_text import SampleText, special_tag_tokens
 
 THINK = ReasoningConfig("<think>", "</think>", starts_in_reasoning=False)
+# Characters of 2, 3 and 4 UTF-8 bytes that the tiny ASCII-trained BPE splits into byte tokens.
+MULTI_BYTE = "café naïve 日本語 🙂 über — ok"
 
 
 def _tokenizer(model_dir) -> Tokenizer:
@@ -66,3 +73,44 @@ def test_special_think_tokens_still_split(model_dir):
     outputs = _run(text, ids)
     assert "".join(o.reasoning_text for o in outputs) == "12+34"
     assert "".join(o.text for o in outputs) == " The answer is 46."
+
+
+def test_served_model_shares_byte_level_pieces(model_dir):
+    from cleave.config import ModelConfig as ServedModelConfig
+
+    model = ServedModel(ServedModelConfig(source=str(model_dir), served_name="tiny"))
+    assert isinstance(model.token_pieces, TokenPieces)
+
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_pieces_stream_the_same_text_as_decoding_every_token(model_dir, step):
+    """Multi-byte characters split over byte tokens: with the piece table the streamed
+    outputs are the decoding path's, step for step, and join to the whole sequence's decode."""
+    tokenizer = _tokenizer(model_dir)
+    pieces = TokenPieces.for_tokenizer(tokenizer)
+    assert pieces is not None
+    ids = tokenizer.encode(f"The sea {MULTI_BYTE} is </s> blue {MULTI_BYTE}", add_special_tokens=False)
+    assert sum(REPLACEMENT_CHAR in tokenizer.decode([t]) for t in ids) >= 8  # partial byte tokens
+    prompt = tokenizer.encode("Hello 日", add_special_tokens=False)  # ends inside a character
+    params = SamplingParams(max_tokens=None)
+
+    def stream(with_pieces: TokenPieces | None) -> list[tuple[str, str]]:
+        text = SampleText(0, tokenizer, prompt, params, (), None, ReasoningMode.INLINE, pieces=with_pieces)
+        return [(o.text, o.reasoning_text) for o in _run(text, ids, step=step)]
+
+    fast, decoded = stream(pieces), stream(None)
+    assert fast == decoded
+    assert "".join(t for t, _ in fast) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert "".join(t for t, _ in fast).count(MULTI_BYTE) == 2
+    assert sum(1 for piece in pieces.table.values() if piece) >= 10  # the fast path ran
+
+
+def test_pieces_keep_reasoning_split_with_multi_byte_text(model_dir):
+    tokenizer = _tokenizer(model_dir)
+    pieces = TokenPieces.for_tokenizer(tokenizer)
+    ids = tokenizer.encode(f"<think>{MULTI_BYTE}</think> {MULTI_BYTE}", add_special_tokens=False)
+    text = SampleText(0, tokenizer, [1], SamplingParams(max_tokens=None), (), THINK, ReasoningMode.SEPARATE,
+                      pieces=pieces)
+    outputs = _run(text, ids, step=2)
+    assert "".join(o.reasoning_text for o in outputs) == MULTI_BYTE
+    assert "".join(o.text for o in outputs) == f" {MULTI_BYTE}"
