@@ -10,7 +10,7 @@ from cleave.config import worker_config
 from cleave.logging import configure_logging
 from cleave.proto.cleave.v1 import decode_pb2, decode_pb2_grpc
 from cleave.rpc import ServiceRegistration, run_service
-from cleave.worker import engine_config_from_worker
+from cleave.worker import FreezeAfterStart, engine_config_from_worker
 from services.decode.engine_backend import EngineDecodeBackend
 from services.decode.servicer import DecodeServicer
 
@@ -32,8 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         transfer_timeout_s=config.transfer_timeout_s,
     )
     servicer = DecodeServicer(backend)
+    # Model and engine objects live as long as the process: out of the collector's walks.
+    lifecycle = FreezeAfterStart(backend, config.worker_id)
     # Prefill workers find this address in the handles and call Handshake there.
-    asyncio.run(run_service([registration(servicer)], config.service, backend,
+    asyncio.run(run_service([registration(servicer)], config.service, lifecycle,
                             on_listening=backend.set_control_address))
     return 0
 

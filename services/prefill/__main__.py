@@ -10,7 +10,7 @@ from cleave.config import worker_config
 from cleave.logging import configure_logging
 from cleave.proto.cleave.v1 import prefill_pb2, prefill_pb2_grpc
 from cleave.rpc import ServiceRegistration, run_service
-from cleave.worker import engine_config_from_worker
+from cleave.worker import FreezeAfterStart, engine_config_from_worker
 from services.prefill.backend import PrefillBackend
 from services.prefill.engine_backend import EnginePrefillBackend
 from services.prefill.servicer import PrefillServicer
@@ -32,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         kvstore_address=config.kvstore_address,
     )
     servicer = PrefillServicer(backend, config.model.id)
-    asyncio.run(run_service([registration(servicer)], config.service, backend))
+    # Model and engine objects live as long as the process: out of the collector's walks.
+    lifecycle = FreezeAfterStart(backend, config.worker_id)
+    asyncio.run(run_service([registration(servicer)], config.service, lifecycle))
     return 0
 
 
