@@ -71,6 +71,7 @@ class GatewayConfig:
     prefill_addresses: tuple[str, ...]
     decode_addresses: tuple[str, ...]
     gateway_id: str
+    store_to_kvstore: bool = True  # prefill workers put new prompt blocks into the kvstore
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,8 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
     flags.add("--prefill", (), "prefill worker address", action="append")
     flags.add("--decode", (), "decode worker address", action="append")
     flags.add("--gateway-id", "gateway-0", "stable id of this gateway on decode workers")
+    flags.add("--store-to-kvstore", True, "prefill workers put new prompt blocks into the kvstore in the background",
+              action=argparse.BooleanOptionalAction)
     args = flags.parse(argv)
     return GatewayConfig(
         service=_service("gateway", args),
@@ -217,6 +220,7 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
         prefill_addresses=args.prefill,
         decode_addresses=args.decode,
         gateway_id=args.gateway_id,
+        store_to_kvstore=args.store_to_kvstore,
     )
 
 

@@ -56,7 +56,7 @@ def build(config: GatewayConfig) -> tuple[GatewayServicer, GatewayProcess]:
                      is_reasoning_model=model.is_reasoning_model)
     backend = RoutingBackend(
         model, config.prefill_addresses, config.decode_addresses,
-        GatewayOptions(gateway_id=config.gateway_id, mode=config.mode),
+        GatewayOptions(gateway_id=config.gateway_id, mode=config.mode, store_to_kvstore=config.store_to_kvstore),
     )
     servicer = GatewayServicer(backend, [served])
     token_text = lambda token_id: model.tokenizer.decode([token_id])  # noqa: E731

@@ -28,6 +28,24 @@ def test_environment_then_flags():
     assert gateway_config([], env).decode_addresses == ("d1:1", "d2:2")
 
 
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        ([], {}, True),
+        (["--no-store-to-kvstore"], {}, False),
+        ([], {"CLEAVE_STORE_TO_KVSTORE": "off"}, False),
+        (["--store-to-kvstore"], {"CLEAVE_STORE_TO_KVSTORE": "false"}, True),  # the flag wins
+    ],
+)
+def test_gateway_store_to_kvstore_from_flag_and_environment(argv, env, expected):
+    assert gateway_config(argv, env).store_to_kvstore is expected
+
+
+def test_bad_store_to_kvstore_variable_exits_naming_it():
+    with pytest.raises(SystemExit, match="CLEAVE_STORE_TO_KVSTORE"):
+        gateway_config([], {"CLEAVE_STORE_TO_KVSTORE": "sometimes"})
+
+
 def test_worker_and_kvstore_configs():
     worker = worker_config("decode", ["--num-kv-blocks", "512", "--kvstore", "kv:50081"], {"CLEAVE_DEVICE": "cpu"})
     assert (worker.service.listen, worker.device, worker.num_kv_blocks, worker.kvstore_address) == (

@@ -40,6 +40,7 @@ class StackSpec:
     host: str = "127.0.0.1"
     log_level: str = "INFO"
     worker_args: tuple[str, ...] = ()  # extra flags for prefill and decode workers
+    store_to_kvstore: bool = True  # prefill workers put new prompt blocks into the kvstore
 
 
 @dataclass
@@ -140,6 +141,17 @@ class ProcessStack:
             args.append("--enforce-eager")
         return args + list(spec.worker_args)
 
+    def _gateway_args(self, workers: list[Child]) -> list[str]:
+        spec = self.spec
+        args = ["--listen", f"{spec.host}:{spec.grpc_port}", "--model", str(spec.model), "--mode", spec.mode,
+                "--http-listen", f"{spec.host}:{self.http_port}" if self.http_port is not None else "",
+                "--grace-seconds", "5", "--store-to-kvstore" if spec.store_to_kvstore else "--no-store-to-kvstore"]
+        if spec.served_model_name:
+            args += ["--served-model-name", spec.served_model_name]
+        for worker in workers:
+            args += ["--prefill" if worker.name.startswith("prefill") else "--decode", worker.address]
+        return args
+
     def start(self, timeout_s: float = 120.0) -> None:
         """Start everything and return once the gateway is SERVING (stops all on failure)."""
         spec = self.spec
@@ -159,14 +171,7 @@ class ProcessStack:
             self._wait_healthy(workers, timeout_s)
             if spec.http_port is not None:
                 self.http_port = spec.http_port or free_port(spec.host)
-            args = ["--listen", f"{spec.host}:{spec.grpc_port}", "--model", str(spec.model), "--mode", spec.mode,
-                    "--http-listen", f"{spec.host}:{self.http_port}" if self.http_port is not None else "",
-                    "--grace-seconds", "5"]
-            if spec.served_model_name:
-                args += ["--served-model-name", spec.served_model_name]
-            for worker in workers:
-                args += ["--prefill" if worker.name.startswith("prefill") else "--decode", worker.address]
-            gateway = self._spawn("gateway", "services.gateway", args)
+            gateway = self._spawn("gateway", "services.gateway", self._gateway_args(workers))
             self._wait_healthy([gateway], timeout_s)
         except BaseException:
             self.stop()

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         model=model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode,
         grpc_port=args.grpc_port, http_port=None if args.http_port < 0 else args.http_port,
         device=args.device, num_kv_blocks=args.num_kv_blocks, served_model_name=args.served_model_name or model.name,
-        host=args.host,
+        host=args.host, store_to_kvstore=args.store_to_kvstore,
     )
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="cleave-up-"))
     stack = ProcessStack(spec, workdir)
@@ -111,6 +111,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="cpu", help="torch device of the workers: cpu or cuda (default cpu)")
     parser.add_argument("--num-kv-blocks", type=int, default=0, help="KV blocks per worker (0: automatic)")
     parser.add_argument("--served-model-name", default="", help="model id clients use (default: the model directory's name)")
+    parser.add_argument("--store-to-kvstore", action=argparse.BooleanOptionalAction, default=True,
+                        help="prefill workers put new prompt blocks into the kvstore (default on; off for an A/B)")
     parser.add_argument("--workdir", default=None, help="port files and logs (default: a temporary directory)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds each service has to become healthy")
     parser.add_argument("--demo", action="store_true", help="send one arithmetic question, print, and stop")
