@@ -8,17 +8,14 @@ import sys
 
 from cleave.config import kvstore_config
 from cleave.logging import configure_logging
-from cleave.proto.cleave.v1 import kvstore_pb2, kvstore_pb2_grpc
 from cleave.rpc import ServiceRegistration, run_service
 from services.kvstore.backend import KVStoreBackend
-from services.kvstore.servicer import KVStoreServicer
+from services.kvstore.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from services.kvstore.store import BlockStore, StoreConfig
-
-SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
 
 
 def registration(servicer: KVStoreServicer) -> ServiceRegistration:
-    return ServiceRegistration(SERVICE_NAME, servicer, kvstore_pb2_grpc.add_KVStoreServicer_to_server)
+    return ServiceRegistration(SERVICE_NAME, servicer, add_to_server)
 
 
 def main(argv: list[str] | None = None) -> int:

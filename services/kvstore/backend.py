@@ -20,7 +20,7 @@ class KVBlock:
     hash: bytes
     parent_hash: bytes  # b"" for the first block of a chain
     layout_id: str
-    payload: TensorBytes  # [num_layers, 2, block_size, num_kv_heads, head_dim]
+    payload: TensorBytes  # [num_layers, 2, block_size, num_kv_heads, head_dim]; data may be a memoryview
 
 
 @dataclass(frozen=True)

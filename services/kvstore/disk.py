@@ -6,15 +6,24 @@ layouts) and `blocks/<first byte hex>/<hash hex>.kvb`, each file:
     || payload
 Files are written to a temporary name and renamed, so a crash leaves either the old state or
 a whole file; a torn or corrupted file (wrong length, wrong checksum) is detected, deleted and
-treated as absent. Disk I/O runs inline: one block is ~0.5 MB, a page-cache write.
+treated as absent.
+
+The index (what is on disk, LRU order, bytes) changes at once, on the caller's event loop;
+the files are written, read and deleted on one I/O thread, in the order the index changed,
+so a later operation on a block always sees the earlier ones done. A block whose file is not
+written yet is served from the payload it was put with. Checksumming and writing a 16 MiB
+prompt's blocks takes tens of ms; on the event loop that would hold every Lookup behind it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import struct
+import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -27,9 +36,10 @@ SUFFIX = ".kvb"
 _HASH_LEN = struct.Struct("<I")
 _PAYLOAD_LEN = struct.Struct("<Q")
 _DIGEST_BYTES = 32
+Buffer = bytes | memoryview  # a block's payload
 
 
-def _digest(block_hash: bytes, payload: bytes) -> bytes:
+def _digest(block_hash: bytes, payload: Buffer) -> bytes:
     digest = hashlib.blake2b(digest_size=_DIGEST_BYTES)
     digest.update(block_hash)
     digest.update(payload)
@@ -41,13 +51,17 @@ def _header_size(hash_len: int) -> int:
 
 
 class DiskTier:
-    """Blocks on disk with an in-memory LRU index (rebuilt from the directory at open)."""
+    """Blocks on disk with an in-memory LRU index (rebuilt from the directory at open); file
+    I/O on one thread of its own (see the module docstring)."""
 
     def __init__(self, directory: Path, capacity_bytes: int) -> None:
         self.directory = Path(directory)
         self.capacity_bytes = capacity_bytes
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, LRU first
-        self.num_bytes = 0  # payload bytes on disk
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> payload bytes, LRU first
+        self.num_bytes = 0  # payload bytes on disk (or on their way there)
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-disk")  # FIFO
+        self._unwritten: dict[bytes, Buffer] = {}  # indexed blocks whose file is not written yet
+        self._unwritten_lock = threading.Lock()  # the I/O thread drops entries it has written
         self.log = structlog.get_logger("cleave.kvstore.disk").bind(directory=str(directory))
 
     # -- files ------------------------------------------------------------------------------
@@ -115,8 +129,9 @@ class DiskTier:
     def touch(self, block_hash: bytes) -> None:
         self._index.move_to_end(block_hash)
 
-    def put(self, block_hash: bytes, payload: bytes) -> list[bytes]:
-        """Write a block; returns the hashes evicted to make room (oldest first)."""
+    def put(self, block_hash: bytes, payload: Buffer) -> list[bytes]:
+        """Index a block and queue its file; returns the hashes evicted to make room (oldest
+        first). `payload` must not change afterwards (it is written later)."""
         if block_hash in self._index:
             self.touch(block_hash)
             return []
@@ -127,22 +142,33 @@ class DiskTier:
             evicted.append(oldest)
         if len(payload) > self.capacity_bytes:
             return [*evicted, block_hash]  # never fits: dropped
-        path = self._path(block_hash)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with tmp.open("wb") as file:
-            file.write(MAGIC + _HASH_LEN.pack(len(block_hash)) + block_hash
-                       + _PAYLOAD_LEN.pack(len(payload)) + _digest(block_hash, payload))
-            file.write(payload)
-        tmp.replace(path)
         self._index[block_hash] = len(payload)
         self.num_bytes += len(payload)
+        with self._unwritten_lock:
+            self._unwritten[block_hash] = payload
+        self._io.submit(self._write_file, block_hash, payload)
         return evicted
 
-    def get(self, block_hash: bytes) -> bytes | None:
-        """The block's payload, or None (absent, or corrupt: then the file is deleted)."""
-        if block_hash not in self._index:
-            return None
+    def _write_file(self, block_hash: bytes, payload: Buffer) -> None:
+        """On the I/O thread."""
+        path = self._path(block_hash)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            with tmp.open("wb") as file:
+                file.write(MAGIC + _HASH_LEN.pack(len(block_hash)) + block_hash
+                           + _PAYLOAD_LEN.pack(len(payload)) + _digest(block_hash, payload))
+                file.write(payload)
+            tmp.replace(path)
+        except OSError as exc:  # the read finds no file: a miss, and the block is dropped then
+            self.log.error("cannot write block file", path=str(path), error=str(exc))
+        with self._unwritten_lock:
+            if self._unwritten.get(block_hash) is payload:
+                del self._unwritten[block_hash]
+
+    def _read_file(self, block_hash: bytes) -> Buffer | None:
+        """On the I/O thread: the payload of a whole, uncorrupted file, else None (a corrupt
+        file is deleted here, before any later write of the same block)."""
         path = self._path(block_hash)
         try:
             data = path.read_bytes()
@@ -150,15 +176,45 @@ class DiskTier:
             data = b""
         start = _header_size(len(block_hash))
         digest_at = start - _DIGEST_BYTES
-        if len(data) < start or data[: len(MAGIC)] != MAGIC or _digest(block_hash, data[start:]) != data[digest_at:start]:
+        view = memoryview(data)
+        if len(data) < start or data[: len(MAGIC)] != MAGIC or _digest(block_hash, view[start:]) != data[digest_at:start]:
             self.log.warning("dropping corrupt block file", path=str(path))
-            self.remove(block_hash)
+            path.unlink(missing_ok=True)
+            return None
+        return view[start:]
+
+    async def get(self, block_hash: bytes) -> Buffer | None:
+        """The block's payload, or None (absent, or corrupt: then the file is deleted)."""
+        if block_hash not in self._index:
+            return None
+        with self._unwritten_lock:
+            payload = self._unwritten.get(block_hash)
+        if payload is None:
+            loop = asyncio.get_running_loop()
+            payload = await loop.run_in_executor(self._io, self._read_file, block_hash)
+        if block_hash not in self._index:
+            return payload  # removed meanwhile; what was read is still the block's content
+        if payload is None:
+            with self._unwritten_lock:
+                rewritten = block_hash in self._unwritten  # put again while it was read
+            if not rewritten:
+                self.num_bytes -= self._index.pop(block_hash)
             return None
         self.touch(block_hash)
-        return data[start:]
+        return payload
 
     def remove(self, block_hash: bytes) -> None:
         size = self._index.pop(block_hash, None)
         if size is not None:
             self.num_bytes -= size
-            self._path(block_hash).unlink(missing_ok=True)
+            with self._unwritten_lock:
+                self._unwritten.pop(block_hash, None)
+            self._io.submit(self._path(block_hash).unlink, missing_ok=True)
+
+    async def flush(self) -> None:
+        """Wait for every write and delete queued so far."""
+        await asyncio.get_running_loop().run_in_executor(self._io, lambda: None)
+
+    async def close(self) -> None:
+        """Wait for every queued write and delete, then stop the I/O thread."""
+        await asyncio.to_thread(self._io.shutdown, wait=True)

@@ -1,17 +1,29 @@
-"""cleave.v1.KVStore servicer: protobuf <-> `services.kvstore.backend` types, nothing else."""
+"""cleave.v1.KVStore servicer: protobuf <-> `services.kvstore.backend` types, nothing else.
+
+Put and Get carry a block's payload (512 KiB on a 1B model, 16 MiB per 512-token prompt) on
+the store's one event loop, where every prefill's Lookup waits its turn. So their KVBlock
+messages are not protobuf objects: Put's arrive as wire bytes (`add_to_server` registers it
+without a request deserializer) and are read by `decode_kv_block`, the stored payload being a
+view of the bytes gRPC delivered; Get's are written by `encode_kv_block`, one copy each.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Iterable
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from cleave.errors import InvalidArgument
 from cleave.proto.cleave.v1 import kvstore_pb2, kvstore_pb2_grpc
-from cleave.rpc.convert import kv_layout_from_proto, tensor_from_proto, tensor_to_proto
+from cleave.rpc.convert import DTYPE_ITEMSIZE, dtype_from_proto, dtype_to_proto, kv_layout_from_proto
+from cleave.rpc.types import TensorBytes
+from cleave.transfer.kvstore_wire import WireKVBlock, decode_kv_block, encode_kv_block
 from services.kvstore.backend import KVBlock, KVStoreBackend
 
 MAX_HASH_BYTES = 64
+SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
 
 
 def _layout_id(value: str, field: str = "layout_id") -> str:
@@ -32,34 +44,72 @@ def _hashes(values: Iterable[bytes], field: str = "block_hashes") -> tuple[bytes
     return hashes
 
 
-def block_from_proto(message: kvstore_pb2.KVBlock, field: str) -> KVBlock:
-    (block_hash,) = _hashes((message.hash,), field=f"{field}.hash")
-    if len(message.parent_hash) > MAX_HASH_BYTES:
+def _payload(wire: WireKVBlock, field: str) -> TensorBytes:
+    """Validate that data holds exactly prod(shape) elements of dtype (data stays a view)."""
+    dtype = dtype_from_proto(wire.dtype, f"{field}.dtype")
+    if any(size < 0 for size in wire.shape):
+        raise InvalidArgument(f"negative dimension in {list(wire.shape)}", field=f"{field}.shape")
+    expected = math.prod(wire.shape) * DTYPE_ITEMSIZE[dtype]
+    if wire.data.nbytes != expected:
+        raise InvalidArgument(
+            f"holds {wire.data.nbytes} bytes but shape {list(wire.shape)} of {dtype} needs {expected}",
+            field=f"{field}.data")
+    return TensorBytes(dtype=dtype, shape=wire.shape, data=wire.data)
+
+
+def block_from_wire(message: bytes, field: str) -> KVBlock:
+    """A validated block from a KVBlock's wire bytes; its payload views `message`."""
+    try:
+        wire = decode_kv_block(message)
+    except DecodeError as exc:
+        raise InvalidArgument(f"is not a cleave.v1.KVBlock message: {exc}", field=field) from exc
+    (block_hash,) = _hashes((wire.hash,), field=f"{field}.hash")
+    if len(wire.parent_hash) > MAX_HASH_BYTES:
         raise InvalidArgument(f"must be at most {MAX_HASH_BYTES} bytes", field=f"{field}.parent_hash")
-    if not message.HasField("payload"):
+    if not wire.has_payload:
         raise InvalidArgument("must hold the block's KV", field=f"{field}.payload")
     return KVBlock(
         hash=block_hash,
-        parent_hash=message.parent_hash,
-        layout_id=_layout_id(message.layout_id, f"{field}.layout_id"),
-        payload=tensor_from_proto(message.payload, f"{field}.payload"),
+        parent_hash=wire.parent_hash,
+        layout_id=_layout_id(wire.layout_id, f"{field}.layout_id"),
+        payload=_payload(wire, f"{field}.payload"),
     )
 
 
-def block_to_proto(block: KVBlock) -> kvstore_pb2.KVBlock:
-    return kvstore_pb2.KVBlock(
-        hash=block.hash,
-        parent_hash=block.parent_hash,
-        layout_id=block.layout_id,
-        payload=tensor_to_proto(block.payload),
-    )
+def block_to_wire(block: KVBlock) -> bytes:
+    """A block's KVBlock wire bytes (the payload copied once)."""
+    payload = block.payload
+    return encode_kv_block(block.hash, block.parent_hash, block.layout_id, dtype_to_proto(payload.dtype),
+                           payload.shape, memoryview(payload.data))
 
 
-async def _blocks_from_stream(stream: AsyncIterator[kvstore_pb2.KVBlock]) -> AsyncIterator[KVBlock]:
+async def _blocks_from_stream(stream: AsyncIterator[bytes]) -> AsyncIterator[KVBlock]:
     position = 0
     async for message in stream:
-        yield block_from_proto(message, f"blocks[{position}]")
+        yield block_from_wire(message, f"blocks[{position}]")
         position += 1
+
+
+def add_to_server(servicer: KVStoreServicer, server: grpc.aio.Server) -> None:
+    """`kvstore_pb2_grpc.add_KVStoreServicer_to_server`, except that Put receives and Get
+    sends KVBlock wire bytes (no protobuf objects; see the module docstring)."""
+    handlers = {
+        "Connect": grpc.unary_unary_rpc_method_handler(
+            servicer.Connect, request_deserializer=kvstore_pb2.ConnectRequest.FromString,
+            response_serializer=kvstore_pb2.ConnectResponse.SerializeToString),
+        "Lookup": grpc.unary_unary_rpc_method_handler(
+            servicer.Lookup, request_deserializer=kvstore_pb2.LookupRequest.FromString,
+            response_serializer=kvstore_pb2.LookupResponse.SerializeToString),
+        "Put": grpc.stream_unary_rpc_method_handler(
+            servicer.Put, response_serializer=kvstore_pb2.PutResponse.SerializeToString),
+        "Get": grpc.unary_stream_rpc_method_handler(
+            servicer.Get, request_deserializer=kvstore_pb2.GetRequest.FromString),
+        "Stats": grpc.unary_unary_rpc_method_handler(
+            servicer.Stats, request_deserializer=kvstore_pb2.StatsRequest.FromString,
+            response_serializer=kvstore_pb2.StatsResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
@@ -87,7 +137,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return kvstore_pb2.LookupResponse(num_hit_blocks=num_hit_blocks)
 
     async def Put(
-        self, request_iterator: AsyncIterator[kvstore_pb2.KVBlock], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.PutResponse:
         result = await self.backend.put(_blocks_from_stream(request_iterator))
         return kvstore_pb2.PutResponse(
@@ -96,10 +146,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     async def Get(
         self, request: kvstore_pb2.GetRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[kvstore_pb2.KVBlock]:
+    ) -> AsyncIterator[bytes]:
         blocks = self.backend.get(_layout_id(request.layout_id), _hashes(request.block_hashes))
         async for block in blocks:
-            yield block_to_proto(block)
+            yield block_to_wire(block)
 
     async def Stats(
         self, request: kvstore_pb2.StatsRequest, context: grpc.aio.ServicerContext

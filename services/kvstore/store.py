@@ -7,6 +7,10 @@ the one its disk tier was written with): blocks of different models, dtypes or s
 never mixed. The RAM tier evicts least-recently-used blocks to the disk tier (or drops them
 without one); the disk tier drops its least-recently-used files. Tiers are exclusive: a disk
 hit is promoted back to RAM.
+
+A stored payload is the buffer the block arrived in (a view of the Put message gRPC
+delivered, or of a disk file read), never copied on the event loop; disk files are written and
+read on the disk tier's I/O thread.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from cleave.errors import FailedPrecondition, InvalidArgument, NotFound
 from cleave.rpc.convert import DTYPE_ITEMSIZE
 from cleave.rpc.types import KVLayout, TensorBytes
 from services.kvstore.backend import ConnectResult, KVBlock, PutResult, StoreStats
-from services.kvstore.disk import DiskTier
+from services.kvstore.disk import Buffer, DiskTier
 
 _LAYOUT_FIELDS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "hash_namespace")
 
@@ -63,7 +67,7 @@ class BlockStore:
 
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
-        self._ram: OrderedDict[bytes, bytes] = OrderedDict()  # hash -> payload, LRU first
+        self._ram: OrderedDict[bytes, Buffer] = OrderedDict()  # hash -> payload, LRU first
         self._ram_bytes = 0
         self._disk = DiskTier(config.disk_path, config.disk_bytes) if config.disk_path else None
         self._layout: KVLayout | None = None
@@ -75,7 +79,7 @@ class BlockStore:
 
     async def start(self) -> None:
         if self._disk is not None:
-            self._disk.open()
+            await asyncio.to_thread(self._disk.open)
             stored = self._disk.read_layout()
             if stored is not None:
                 self._set_layout(stored)
@@ -89,6 +93,7 @@ class BlockStore:
             self._disk.put(block_hash, payload)
         self._ram.clear()
         self._ram_bytes = 0
+        await self._disk.close()
 
     # -- layout -----------------------------------------------------------------------------
 
@@ -130,7 +135,7 @@ class BlockStore:
             return True
         return False
 
-    def _insert_ram(self, block_hash: bytes, payload: bytes) -> None:
+    def _insert_ram(self, block_hash: bytes, payload: Buffer) -> None:
         self._ram[block_hash] = payload
         self._ram_bytes += len(payload)
         while self._ram_bytes > self.config.ram_bytes and self._ram:
@@ -141,17 +146,22 @@ class BlockStore:
             else:
                 self._counters.evictions += len(self._disk.put(oldest, data))
 
-    def _read(self, block_hash: bytes) -> bytes | None:
+    async def _read(self, block_hash: bytes) -> Buffer | None:
         payload = self._ram.get(block_hash)
         if payload is not None:
             self._ram.move_to_end(block_hash)
             return payload
         if self._disk is None:
             return None
-        payload = self._disk.get(block_hash)
-        if payload is not None:
-            self._disk.remove(block_hash)
-            self._insert_ram(block_hash, payload)
+        payload = await self._disk.get(block_hash)
+        if payload is None:
+            return None
+        promoted = self._ram.get(block_hash)  # by another call while the file was read
+        if promoted is not None:
+            self._ram.move_to_end(block_hash)
+            return promoted
+        self._disk.remove(block_hash)
+        self._insert_ram(block_hash, payload)
         return payload
 
     # -- API --------------------------------------------------------------------------------
@@ -180,7 +190,7 @@ class BlockStore:
             if self._contains(block.hash):
                 num_present += 1
             else:
-                self._insert_ram(block.hash, bytes(payload.data))
+                self._insert_ram(block.hash, payload.data)  # the received buffer, not a copy
                 num_stored += 1
             position += 1
         return PutResult(num_stored=num_stored, num_already_present=num_present)
@@ -190,7 +200,7 @@ class BlockStore:
         shape = block_shape(layout)
         parent = b""
         for position, block_hash in enumerate(block_hashes):
-            payload = self._read(block_hash)
+            payload = await self._read(block_hash)
             if payload is None:
                 self._counters.misses += len(block_hashes) - position
                 return

@@ -25,7 +25,7 @@ from cleave.proto.cleave.v1 import kvstore_pb2, kvstore_pb2_grpc
 from cleave.rpc.client import aio_channel
 from cleave.rpc.convert import dtype_to_proto, kv_layout_to_proto
 from cleave.rpc.types import KVLayout
-from cleave.transfer.kvstore_wire import PUT_METHOD, encode_kv_block
+from cleave.transfer.kvstore_wire import GET_METHOD, PUT_METHOD, decode_kv_block, encode_kv_block
 from cleave.transfer.tensors import as_bytes, device_index, dtype_name, torch_dtype
 
 PUT_BATCH_BLOCKS = 8  # blocks per message batch built off the event loop
@@ -96,6 +96,8 @@ class KVStoreClient:
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
         # Put's messages are wire bytes already (`encode_kv_block`): sent without a serializer.
         self._put = self._channel.stream_unary(PUT_METHOD, response_deserializer=kvstore_pb2.PutResponse.FromString)
+        # Get's are read as wire bytes (`decode_kv_block`): each payload is copied once, into the result.
+        self._get = self._channel.unary_stream(GET_METHOD, request_serializer=kvstore_pb2.GetRequest.SerializeToString)
         self.client_id = client_id
         self.timeout_s = timeout_s
         self.layout: KVLayout | None = None
@@ -187,16 +189,17 @@ class KVStoreClient:
         if not block_hashes:
             return out
         count = 0
-        call = self._stub.Get(
+        call = self._get(
             kvstore_pb2.GetRequest(layout_id=self.layout_id, block_hashes=list(block_hashes)),
             timeout=self.timeout_s)
         async for message in call:
-            if message.hash != block_hashes[count] or tuple(message.payload.shape) != self.block_shape:
+            block = decode_kv_block(message)
+            if block.hash != block_hashes[count] or block.shape != self.block_shape:
                 raise InvalidArgument(f"store answered block {count} with the wrong hash or shape")
             target = as_bytes(out[count])
-            if len(message.payload.data) != len(target):
-                raise InvalidArgument(f"store answered block {count} with {len(message.payload.data)} bytes")
-            target[:] = message.payload.data
+            if block.data.nbytes != target.nbytes:
+                raise InvalidArgument(f"store answered block {count} with {block.data.nbytes} bytes")
+            target[:] = block.data
             count += 1
         return out[:count]
 

@@ -1,0 +1,53 @@
+"""The disk tier's files are checksummed, written and read on its I/O thread, never on the
+event loop, and a block whose file is not written yet is still served."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+import services.kvstore.disk as disk
+from services.kvstore.store import StoreConfig
+from tests.services.test_kvstore_store import BLOCK_BYTES, Store, chain
+
+
+async def test_checksums_run_on_the_io_thread(tmp_path: Path, monkeypatch):
+    threads = []
+    digest = disk._digest
+
+    def recording(block_hash, payload):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        return digest(block_hash, payload)
+
+    monkeypatch.setattr(disk, "_digest", recording)
+    config = StoreConfig(ram_bytes=BLOCK_BYTES, disk_path=tmp_path, disk_bytes=1 << 20)
+    hashes, blocks = chain(4, seed=6)
+    async with Store(config) as store:
+        await store.client.put(hashes, blocks)  # blocks 0-2 evicted to disk: 3 writes
+        await store.backend._disk.flush()
+        assert len(threads) == 3
+        # 3 reads; each promotion to RAM evicts the block before it (3, 0, 1): 3 writes
+        assert torch.equal(await store.client.get(hashes[:3]), blocks[:3])
+        await store.backend._disk.flush()
+        assert len(threads) == 9 and all(name.startswith("kvstore-disk") for name in threads)
+
+
+async def test_unwritten_blocks_are_served_from_memory(tmp_path: Path):
+    config = StoreConfig(ram_bytes=BLOCK_BYTES // 2, disk_path=tmp_path, disk_bytes=1 << 20)
+    hashes, blocks = chain(3, seed=7)
+    async with Store(config) as store:
+        release = threading.Event()
+        store.backend._disk._io.submit(release.wait)  # the I/O thread is busy until released
+        await store.client.put(hashes, blocks)  # each block goes straight to the disk tier
+        assert list(tmp_path.glob("blocks/*/*.kvb")) == []
+        assert await store.client.lookup(hashes) == 3
+        assert torch.equal(await store.client.get(hashes[:2]), blocks[:2])
+        stats = await store.client.stats()
+        assert (stats.num_blocks_ram, stats.num_blocks_disk, stats.bytes_stored) == (0, 3, 3 * BLOCK_BYTES)
+        release.set()
+    names = sorted(path.name for path in tmp_path.glob("blocks/*/*.kvb"))
+    assert names == sorted(h.hex() + disk.SUFFIX for h in hashes)  # written at shutdown at the latest
+    async with Store(config) as store:
+        assert torch.equal(await store.client.get(hashes), blocks)
