@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from cleave.kernels.attention_common import LOG2E, dot_settings
+from cleave.kernels.dispatch import CachedLauncher
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 from cleave.kv.metadata import AttentionMetadata
 
@@ -231,6 +232,9 @@ def _merge_splits(
     )
 
 
+_decode_launcher = CachedLauncher(_paged_decode_split_kernel)
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int = 64) -> int:
     """Splits per sequence: a power of two that brings the grid to about TARGET_PROGRAMS.
 
@@ -289,44 +293,18 @@ def paged_decode_attention(
     queries_per_kv = num_q_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     pdl = pdl_enabled(query, pdl)
-    launch = {"num_warps": num_warps, **launch_options(pdl)}
+    launch = launch_options(pdl)
     if num_stages is not None:
         launch["num_stages"] = num_stages
-    _paged_decode_split_kernel[(num_splits, num_seqs, num_kv_heads)](
-        query,
-        kv_cache,
-        out,
-        part_max,
-        part_sum,
-        part_acc,
-        counters,
-        metadata.query_start_loc,
-        metadata.seq_lens,
-        metadata.block_tables,
-        scale * LOG2E,
-        query.stride(0),
-        query.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        metadata.block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        kv_cache.shape[2],
-        sliding_window or 0,
-        QUERIES_PER_KV=queries_per_kv,
-        HEAD_DIM=head_dim,
-        NUM_SPLITS=num_splits,
-        SLIDING=bool(sliding_window),
-        BLOCK_G=max(16, triton.next_power_of_2(queries_per_kv)),
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        BLOCK_Q=triton.next_power_of_2(queries_per_kv),
-        BLOCK_S=min(16, num_splits),
-        DOT_DTYPE=dot_dtype,
-        DOT_PRECISION=precision,
-        PDL=pdl,
-        **launch,
+    _decode_launcher(
+        (num_splits, num_seqs, num_kv_heads),
+        (query, kv_cache, out, part_max, part_sum, part_acc, counters,
+         metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+         scale * LOG2E, query.stride(0), query.stride(1),
+         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+         metadata.block_tables.stride(0), out.stride(0), out.stride(1), kv_cache.shape[2], sliding_window or 0),
+        (queries_per_kv, head_dim, num_splits, bool(sliding_window), max(16, triton.next_power_of_2(queries_per_kv)),
+         block_n, block_d, triton.next_power_of_2(queries_per_kv), min(16, num_splits), dot_dtype, precision, pdl),
+        num_warps, **launch,
     )
     return out

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from cleave.kernels.attention_common import LOG2E, dot_settings
+from cleave.kernels.dispatch import CachedLauncher
 from cleave.kv.metadata import AttentionMetadata
 
 
@@ -118,6 +119,9 @@ def _paged_prefill_kernel(
     )
 
 
+_prefill_launcher = CachedLauncher(_paged_prefill_kernel)
+
+
 def paged_prefill_attention(
     query: torch.Tensor,  # [T, Hq, D]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
@@ -141,32 +145,15 @@ def paged_prefill_attention(
         return out
     block_m = max(16, min(block_m, triton.next_power_of_2(max(metadata.max_query_len, 1))))
     grid = (triton.cdiv(max(metadata.max_query_len, 1), block_m), metadata.num_seqs, num_q_heads)
-    _paged_prefill_kernel[grid](
-        query,
-        kv_cache,
-        out,
-        metadata.query_start_loc,
-        metadata.seq_lens,
-        metadata.block_tables,
-        scale * LOG2E,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        metadata.block_tables.stride(0),
-        kv_cache.shape[2],
-        sliding_window or 0,
-        QUERIES_PER_KV=num_q_heads // num_kv_heads,
-        HEAD_DIM=head_dim,
-        SLIDING=bool(sliding_window),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        DOT_DTYPE=dot_dtype,
-        DOT_PRECISION=precision,
+    queries_per_kv = num_q_heads // num_kv_heads
+    _prefill_launcher(
+        grid,
+        (query, kv_cache, out, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+         scale * LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+         metadata.block_tables.stride(0), kv_cache.shape[2], sliding_window or 0),
+        (queries_per_kv, head_dim, bool(sliding_window), block_m, block_n,
+         max(16, triton.next_power_of_2(head_dim)), dot_dtype, precision),
+        4,
     )
     return out

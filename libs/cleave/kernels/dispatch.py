@@ -12,6 +12,8 @@ kernels, and `CachedLauncher`, which keeps per-call host overhead low on CUDA.
 from __future__ import annotations
 
 import functools
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -114,50 +116,89 @@ def _scalar_key(arg: Any) -> Any:
     return None
 
 
+def _direct_launch(compiled: Any) -> Callable[..., None] | None:
+    """`launch(grid_x, grid_y, grid_z, stream, args)` straight into a compiled kernel's
+    driver-level launcher, or None where its layout is not the one known here.
+
+    `compiled.run` (triton's `CudaLauncher`) wraps the C launcher in Python that allocates
+    scratch buffers and passes profiler hooks on every call; kernels that need no scratch
+    memory can skip it. Known layout (triton 3.5-3.6): `__call__(gridX, gridY, gridZ, stream,
+    function, *args)` forwarding to `launch(gridX, gridY, gridZ, stream, function,
+    cooperative, pdl, global_scratch, profile_scratch, metadata, launch_metadata,
+    enter_hook, exit_hook, *kernel_args)`.
+    """
+    run = compiled.run
+    launch = getattr(run, "launch", None)
+    if launch is None or any(getattr(run, name, None) != 0 for name in ("global_scratch_size", "profile_scratch_size")):
+        return None
+    try:
+        parameters = list(inspect.signature(type(run).__call__).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    names = [parameter.name for parameter in parameters]
+    if names[:6] != ["self", "gridX", "gridY", "gridZ", "stream", "function"] or len(parameters) != 7 \
+            or parameters[6].kind is not inspect.Parameter.VAR_POSITIONAL or hasattr(run, "arg_annotations"):
+        return None
+    function, metadata = compiled.function, compiled.packed_metadata
+    cooperative, pdl = run.launch_cooperative_grid, run.launch_pdl
+
+    def direct(grid_x: int, grid_y: int, grid_z: int, stream: int, args: list) -> None:
+        launch(grid_x, grid_y, grid_z, stream, function, cooperative, pdl, None, None, metadata, None, None, None, *args)
+
+    return direct
+
+
 class CachedLauncher:
     """Launches one @triton.jit kernel, reusing its compiled form without triton's binder.
 
     `kernel[grid](...)` re-derives the specialisation of every argument on every call (about
     10 us of Python on the serving hosts, more than the kernels themselves at decode sizes).
     This keeps the compiled kernels in a dict keyed by the same properties and calls the
-    launcher directly, with the tensors' device pointers as integers (the launcher then makes
+    driver-level launcher directly (`_direct_launch`; `compiled.run` where its layout is not
+    the known one), with the tensors' device pointers as integers (the launcher then makes
     no Python call and no driver query per tensor). The first call of each key compiles
     through triton, and so does any call with a pointer that is not 16-byte aligned.
 
     Kernels take their tensor arguments first, then scalars, then constexprs. Launch
-    `options` (e.g. `launch_pdl`) are fixed at compile time, so they must follow from the
-    constexprs. Launch hooks (profilers) are not invoked on the cached path. CPU tensors
-    (TRITON_INTERPRET=1) always take triton's own path.
+    `options` (e.g. `launch_pdl`, `num_stages`) are part of the key. Launch hooks
+    (profilers) are not invoked on the cached path. CPU tensors (TRITON_INTERPRET=1) always
+    take triton's own path.
     """
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
-        self._compiled: dict[tuple, Any] = {}
+        self._launches: dict[tuple, Callable[..., None]] = {}
         self._num_tensors: int | None = None  # leading tensor arguments (fixed per kernel)
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: tuple, num_warps: int, **options: Any) -> None:
         first = args[0]
         if not first.is_cuda:
-            self.kernel[grid](*args, *constexprs, num_warps=num_warps)
+            self.kernel[grid](*args, *constexprs, num_warps=num_warps, **options)
             return
         num_tensors = self._num_tensors
         if num_tensors is None:
             num_tensors = self._num_tensors = next(
                 (i for i, arg in enumerate(args) if not isinstance(arg, torch.Tensor)), len(args))
-        tensors, scalars = args[:num_tensors], args[num_tensors:]
+        tensors = args[:num_tensors]
         pointers = [tensor.data_ptr() for tensor in tensors]
         if any(pointer & 15 for pointer in pointers):  # triton's own path specialises on it
             self.kernel[grid](*args, *constexprs, num_warps=num_warps, **options)
             return
+        scalars = args[num_tensors:]
         device = first.get_device()
         key = (device, num_warps, constexprs, *[tensor.dtype for tensor in tensors], *map(_scalar_key, scalars))
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            self._compiled[key] = self.kernel[grid](*args, *constexprs, num_warps=num_warps, **options)
+        if options:
+            key += tuple(options.items())
+        launch = self._launches.get(key)
+        if launch is None:
+            compiled = self.kernel[grid](*args, *constexprs, num_warps=num_warps, **options)
+            self._launches[key] = _direct_launch(compiled) or functools.partial(_run_compiled, compiled)
             return
-        grid_y = grid[1] if len(grid) > 1 else 1
-        grid_z = grid[2] if len(grid) > 2 else 1
-        compiled.run(
-            grid[0], grid_y, grid_z, torch._C._cuda_getCurrentRawStream(device), compiled.function,
-            compiled.packed_metadata, None, None, None, *pointers, *scalars, *constexprs,
-        )
+        launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+               torch._C._cuda_getCurrentRawStream(device), [*pointers, *scalars, *constexprs])
+
+
+def _run_compiled(compiled: Any, grid_x: int, grid_y: int, grid_z: int, stream: int, args: list) -> None:
+    """Launch through the compiled kernel's own launcher (any triton layout)."""
+    compiled.run(grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata,
+                 None, None, None, *args)

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cleave.kernels.dispatch import CachedLauncher
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -60,6 +62,9 @@ def _write_kv_kernel(
     tl.store(dst + stride_cache_kv, value.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
+_launcher = CachedLauncher(_write_kv_kernel)
+
+
 def write_kv_triton(
     key: torch.Tensor,  # [T, Hkv, D]
     value: torch.Tensor,  # [T, Hkv, D]
@@ -72,22 +77,11 @@ def write_kv_triton(
         return
     if key.stride(-1) != 1 or value.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("write_kv needs the head dimension contiguous in key, value and kv_cache")
-    _write_kv_kernel[(num_tokens,)](
-        key,
-        value,
-        kv_cache,
-        slot_mapping,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        kv_cache.shape[2],
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+    _launcher(
+        (num_tokens,),
+        (key, value, kv_cache, slot_mapping,
+         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.shape[2]),
+        (num_kv_heads, head_dim, triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)),
+        4,
     )

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from cleave.kernels.attention_common import dot_settings
-from cleave.kernels.dispatch import Impl, use_triton
+from cleave.kernels.dispatch import CachedLauncher, Impl, use_triton
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 from cleave.kernels.rms_norm import rms_norm_reference
 
@@ -104,6 +104,9 @@ def _small_linear_kernel(
         residual = tl.load(out_ptrs, mask=out_mask, other=0.0)
         result = (residual.to(tl.float32) + result.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptrs, result, mask=out_mask)
+
+
+_launcher = CachedLauncher(_small_linear_kernel)
 
 
 def small_linear_reference(
@@ -192,14 +195,11 @@ def small_linear(
     block_k = block_k or min(tiles[1] * 2 // x.element_size(), max(16, triton.next_power_of_2(num_in)))
     num_stages = num_stages or _fit_stages(tiles[2], block_m, block_n * (2 if gated else 1), block_k, x.element_size())
     pdl = pdl_enabled(x, pdl)
-    _small_linear_kernel[(triton.cdiv(num_out, block_n),)](
-        x, weight, x if norm_weight is None else norm_weight, out,
-        num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0), eps,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        NORM=norm_weight is not None, GATED=gated, ADD=add_to is not None,
-        DOT_DTYPE=dot_dtype,
-        DOT_PRECISION=precision,
-        PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages, **launch_options(pdl),
+    _launcher(
+        (triton.cdiv(num_out, block_n),),
+        (x, weight, x if norm_weight is None else norm_weight, out,
+         num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0), eps),
+        (block_m, block_n, block_k, norm_weight is not None, gated, add_to is not None, dot_dtype, precision, pdl),
+        num_warps, num_stages=num_stages, **launch_options(pdl),
     )
     return out

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from cleave.errors import InvalidArgument
+from cleave.kernels.dispatch import CachedLauncher
 
 MAX_TILE = 2048
 
@@ -40,6 +41,9 @@ def _copy_blocks_kernel(
     src = src_ptr + layer * src_layer_stride + kv * src_kv_stride + src_block * src_block_stride
     dst = dst_ptr + layer * dst_layer_stride + kv * dst_kv_stride + dst_block * dst_block_stride
     tl.store(dst + offsets, tl.load(src + offsets, mask=mask), mask=mask)
+
+
+_launcher = CachedLauncher(_copy_blocks_kernel)
 
 
 def _word_view(cache: torch.Tensor) -> torch.Tensor:
@@ -95,11 +99,12 @@ def copy_blocks(
     block_words = src_words.shape[-1]
     tile = min(MAX_TILE, triton.next_power_of_2(block_words))
     grid = (len(layers) * 2 * num_pairs, triton.cdiv(block_words, tile))
-    _copy_blocks_kernel[grid](
-        src_words, dst_words, src_ids, dst_ids,
-        layers.start, num_pairs,
-        src_words.stride(0), src_words.stride(1), src_words.stride(2),
-        dst_words.stride(0), dst_words.stride(1), dst_words.stride(2),
-        BLOCK_WORDS=block_words, TILE=tile,
+    _launcher(
+        grid,
+        (src_words, dst_words, src_ids, dst_ids, layers.start, num_pairs,
+         src_words.stride(0), src_words.stride(1), src_words.stride(2),
+         dst_words.stride(0), dst_words.stride(1), dst_words.stride(2)),
+        (block_words, tile),
+        4,
     )
 
