@@ -37,6 +37,7 @@ _HASH_LEN = struct.Struct("<I")
 _PAYLOAD_LEN = struct.Struct("<Q")
 _DIGEST_BYTES = 32
 Buffer = bytes | memoryview  # a block's payload
+MAX_UNWRITTEN_BYTES = 256 * 1024 * 1024  # queued writes beyond this make `throttle` wait
 
 
 def _digest(block_hash: bytes, payload: Buffer) -> bytes:
@@ -54,7 +55,7 @@ class DiskTier:
     """Blocks on disk with an in-memory LRU index (rebuilt from the directory at open); file
     I/O on one thread of its own (see the module docstring)."""
 
-    def __init__(self, directory: Path, capacity_bytes: int) -> None:
+    def __init__(self, directory: Path, capacity_bytes: int, max_unwritten_bytes: int = MAX_UNWRITTEN_BYTES) -> None:
         self.directory = Path(directory)
         self.capacity_bytes = capacity_bytes
         self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> payload bytes, LRU first
@@ -62,6 +63,8 @@ class DiskTier:
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-disk")  # FIFO
         self._unwritten: dict[bytes, Buffer] = {}  # indexed blocks whose file is not written yet
         self._unwritten_lock = threading.Lock()  # the I/O thread drops entries it has written
+        self.num_unwritten_bytes = 0
+        self.max_unwritten_bytes = max_unwritten_bytes
         self.log = structlog.get_logger("cleave.kvstore.disk").bind(directory=str(directory))
 
     # -- files ------------------------------------------------------------------------------
@@ -146,8 +149,15 @@ class DiskTier:
         self.num_bytes += len(payload)
         with self._unwritten_lock:
             self._unwritten[block_hash] = payload
+            self.num_unwritten_bytes += len(payload)
         self._io.submit(self._write_file, block_hash, payload)
         return evicted
+
+    async def throttle(self) -> None:
+        """Wait while more than `max_unwritten_bytes` are queued for writing (a writer faster
+        than the disk would otherwise hold ever more payloads in memory)."""
+        if self.num_unwritten_bytes > self.max_unwritten_bytes:
+            await self.flush()
 
     def _write_file(self, block_hash: bytes, payload: Buffer) -> None:
         """On the I/O thread."""
@@ -165,6 +175,7 @@ class DiskTier:
         with self._unwritten_lock:
             if self._unwritten.get(block_hash) is payload:
                 del self._unwritten[block_hash]
+                self.num_unwritten_bytes -= len(payload)
 
     def _read_file(self, block_hash: bytes) -> Buffer | None:
         """On the I/O thread: the payload of a whole, uncorrupted file, else None (a corrupt
@@ -208,7 +219,9 @@ class DiskTier:
         if size is not None:
             self.num_bytes -= size
             with self._unwritten_lock:
-                self._unwritten.pop(block_hash, None)
+                payload = self._unwritten.pop(block_hash, None)
+                if payload is not None:
+                    self.num_unwritten_bytes -= len(payload)
             self._io.submit(self._path(block_hash).unlink, missing_ok=True)
 
     async def flush(self) -> None:

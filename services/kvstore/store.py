@@ -192,6 +192,8 @@ class BlockStore:
             else:
                 self._insert_ram(block.hash, payload.data)  # the received buffer, not a copy
                 num_stored += 1
+                if self._disk is not None:
+                    await self._disk.throttle()
             position += 1
         return PutResult(num_stored=num_stored, num_already_present=num_present)
 

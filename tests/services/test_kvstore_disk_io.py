@@ -3,6 +3,7 @@ event loop, and a block whose file is not written yet is still served."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 
@@ -51,3 +52,23 @@ async def test_unwritten_blocks_are_served_from_memory(tmp_path: Path):
     assert names == sorted(h.hex() + disk.SUFFIX for h in hashes)  # written at shutdown at the latest
     async with Store(config) as store:
         assert torch.equal(await store.client.get(hashes), blocks)
+
+
+async def test_throttle_waits_while_too_much_is_queued(tmp_path: Path):
+    tier = disk.DiskTier(tmp_path, capacity_bytes=1 << 20, max_unwritten_bytes=200)
+    tier.open()
+    release = threading.Event()
+    tier._io.submit(release.wait)
+    tier.put(b"a", b"x" * 100)
+    tier.put(b"b", b"y" * 100)
+    await asyncio.wait_for(tier.throttle(), timeout=5)  # 200 bytes queued: at the limit, no wait
+    tier.put(b"c", b"z" * 100)
+    waiting = asyncio.ensure_future(tier.throttle())
+    await asyncio.sleep(0.05)
+    assert not waiting.done() and tier.num_unwritten_bytes == 300
+    release.set()
+    await asyncio.wait_for(waiting, timeout=5)
+    assert tier.num_unwritten_bytes == 0
+    assert sorted(path.name for path in tmp_path.glob("blocks/*/*.kvb")) == [b"a".hex() + ".kvb", b"b".hex() + ".kvb", b"c".hex() + ".kvb"]
+    assert await tier.get(b"b") == b"y" * 100  # read back from its file
+    await tier.close()
