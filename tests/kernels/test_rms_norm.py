@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from cleave.kernels import rms_norm as rms_norm_module
 from cleave.kernels.rms_norm import (
     fused_add_rms_norm,
     rms_norm,
@@ -49,6 +50,22 @@ def test_fused_add_rms_norm_updates_residual_in_place(shape, dtype):
     assert_close_ulps(out, rms_norm_reference(residual, weight, 1e-5))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 2500), (2, 96)])
+def test_fused_add_rms_norm_reload_kernel(monkeypatch, shape, dtype):
+    # the kernel large calls take: two passes over each row (2500 wide: two 2048-wide steps)
+    monkeypatch.setattr(rms_norm_module, "RELOAD_MIN_ELEMENTS", 0)
+    torch.manual_seed(3)
+    x = torch.randn(shape, dtype=dtype)
+    residual = torch.randn(shape, dtype=dtype)
+    expected_residual = residual + x
+    weight = make_weight(shape[-1], dtype)
+    out, new_residual = fused_add_rms_norm(x, residual, weight, 1e-5, impl="triton")
+    assert new_residual is residual
+    assert_close_ulps(residual, expected_residual)
+    assert_close_ulps(out, rms_norm_reference(residual, weight, 1e-5))
+
+
 def test_fp16_and_strided_rows():
     torch.manual_seed(2)
     base = torch.randn(7, 300, dtype=torch.float16)
@@ -79,6 +96,20 @@ def test_gpu_bf16(shape):
         out, _ = fused_add_rms_norm(x, residual, weight, 1e-6)
         assert torch.equal(residual, expected_residual)
         assert_close_ulps(out, rms_norm_reference(expected_residual, weight, 1e-6), ulps=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(16384, 4096), (1, 1 << 26)])
+def test_gpu_bf16_reload_kernel(shape):
+    # at least RELOAD_MIN_ELEMENTS: the two-pass kernel
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    residual = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    weight = torch.randn(shape[-1], dtype=torch.bfloat16, device="cuda")
+    expected_residual = residual + x
+    out, _ = fused_add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(residual, expected_residual)
+    assert_close_ulps(out, rms_norm_reference(expected_residual, weight, 1e-6), ulps=2)
 
 
 @pytest.mark.gpu
