@@ -31,7 +31,7 @@ from typing import Literal, Union
 
 import torch
 
-from cleave.device_copy import to_host
+from cleave.device_copy import tensor_on, to_host
 from cleave.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from cleave.proto.cleave.v1 import common_pb2
 from cleave.rpc.convert import dtype_to_proto
@@ -69,6 +69,7 @@ class KVSender:
         self._num_bytes = 0
         self._started = time.perf_counter()
         self._index_cache: dict[tuple, torch.Tensor] = {}
+        self._pair_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # CUDA IPC (source, destination)
         self._pump: FramePump | None = None  # CUDA_IPC frames, written as copies finish
         self._num_layers_framed = 0  # CUDA_IPC: layers whose frame was written
         self._cache: torch.Tensor | None = None
@@ -100,6 +101,16 @@ class KVSender:
         if key not in self._index_cache:
             self._index_cache[key] = device_index(ids, device, stream)
         return self._index_cache[key]
+
+    def _pair_index(self, src_ids: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Source and destination block ids as two index tensors staged in one host-to-device
+        copy on the current stream (built once per source-id sequence)."""
+        key = (src_ids, device)
+        pair = self._pair_cache.get(key)
+        if pair is None:
+            both = tensor_on([*src_ids, *self._dst_ids], torch.int64, device)  # [2n]
+            pair = self._pair_cache[key] = (both[: len(src_ids)], both[len(src_ids):])
+        return pair
 
     def _check(self, layers: range, cache: torch.Tensor) -> LayerLedger:
         if self._result.done():
@@ -177,8 +188,8 @@ class KVSender:
         stream = self._client.copy_stream(cache.device)
         _order_after(stream, ready, cache.device)
         with torch.cuda.stream(stream):
-            copy_blocks(cache, dst, self._index(src_ids, cache.device, stream),
-                        self._index(self._dst_ids, cache.device, stream), layers)
+            src_index, dst_index = self._pair_index(src_ids, cache.device)
+            copy_blocks(cache, dst, src_index, dst_index, layers)
             done = torch.cuda.Event()
             done.record(stream)
         if self._pump is None:
