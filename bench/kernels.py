@@ -4,6 +4,9 @@ For each op, hidden size and token count (bf16) it reports device microseconds p
 (CUDA-graph replay over rotating input sets, so large shapes stream from HBM), the effective
 bandwidth (bytes an ideal kernel must read + write, over time), that bandwidth as a percent of
 a measured device copy, and for small token counts the host wall-clock microseconds per call.
+Each implementation is measured `--rounds` times, the implementations taking turns in a
+rotated order, and the median is reported, so drift of the machine during a run does not
+decide a comparison.
 
     python bench/kernels.py --out bench/results/kernels
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import traceback
 from dataclasses import dataclass
@@ -163,9 +167,10 @@ def _input_sets(spec: OpSpec, tokens: int, hidden: int, l2_bytes: int) -> tuple[
     return [spec.make_inputs(tokens, hidden) for _ in range(num_sets)], calls
 
 
-def _measure(fn: Callable, sets: list[tuple], calls: int, tokens: int, rep_ms: int) -> tuple[float, float | None]:
+def _measure(fn: Callable, sets: list[tuple], calls: int, tokens: int, rep_ms: int,
+             with_host: bool = True) -> tuple[float, float | None]:
     device_us = graph_call_us([lambda i=i: fn(*sets[i % len(sets)]) for i in range(calls)], rep_ms=rep_ms)
-    host_us = host_call_us(lambda: fn(*sets[0])) if tokens <= SMALL_TOKENS else None
+    host_us = host_call_us(lambda: fn(*sets[0])) if with_host and tokens <= SMALL_TOKENS else None
     return device_us, host_us
 
 
@@ -187,12 +192,28 @@ def run(args: argparse.Namespace) -> tuple[list[dict], float]:
                 row: dict = {"op": spec.name, "hidden": hidden, "tokens": tokens}
                 sets, calls = _input_sets(spec, tokens, hidden, l2_bytes)
                 impls = {"triton": spec.triton, "eager": spec.reference, "compiled": compiled[spec.name]}
+                samples: dict[str, list[float]] = {impl: [] for impl in args.impls}
+                host: dict[str, float | None] = {}
+                for round_index in range(args.rounds):
+                    # the implementations take turns, in a rotated order each round, so clock
+                    # and thermal drift during the run do not favour one of them
+                    shift = round_index % len(args.impls)
+                    for impl in args.impls[shift:] + args.impls[:shift]:
+                        if impl in host and not samples[impl]:
+                            continue  # failed in an earlier round
+                        try:
+                            device_us, host_us = _measure(impls[impl], sets, calls, tokens, args.rep_ms,
+                                                          with_host=impl not in host)
+                        except Exception:  # one failing variant must not lose the rest of the run
+                            traceback.print_exc()
+                            host[impl] = None
+                            continue
+                        samples[impl].append(device_us)
+                        host.setdefault(impl, host_us)
                 for impl in args.impls:
-                    try:
-                        device_us, host_us = _measure(impls[impl], sets, calls, tokens, args.rep_ms)
-                    except Exception:  # one failing variant must not lose the rest of the run
-                        traceback.print_exc()
+                    if not samples[impl]:
                         continue
+                    device_us, host_us = statistics.median(samples[impl]), host[impl]
                     gbs = spec.bytes_moved(tokens, hidden) / (device_us * 1e-6) / 1e9
                     row[f"{impl}_us"] = device_us
                     row[f"{impl}_gbs"] = gbs
@@ -231,6 +252,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ops", nargs="+", default=[spec.name for spec in OPS], choices=[s.name for s in OPS])
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     parser.add_argument("--rep-ms", type=int, default=40, help="do_bench repetition time per measurement")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="measurements per implementation, taken in turns; the median is reported")
     parser.add_argument("--out", type=Path, default=None, help="directory for NAME.json / NAME.md")
     parser.add_argument("--name", default="kernels", help="result file stem under --out")
     return parser.parse_args(argv)
