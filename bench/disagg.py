@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-COLUMNS = ["mode", "transport", "requests", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms",
+COLUMNS = ["mode", "transport", "kvstore_puts", "requests", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms",
            "itl_p99_ms", "long_prompts", "long_ttft_p50_ms", "output_tok_s", "wall_s"]
 FIRST_TOKEN_ID = 3  # ids below are pad/bos/eos in the shipped tokenizers
 
@@ -214,7 +214,8 @@ def run_mode(mode: str, model_dir: Path, args: argparse.Namespace, workdir: Path
     if args.enforce_eager and args.device != "cpu":
         worker_args.append("--enforce-eager")
     spec = StackSpec(model=model_dir, mode=mode, grpc_port=0, http_port=None, device=args.device,
-                     num_kv_blocks=args.num_kv_blocks, log_level="WARNING", worker_args=tuple(worker_args))
+                     num_kv_blocks=args.num_kv_blocks, log_level="WARNING", worker_args=tuple(worker_args),
+                     store_to_kvstore=args.store_to_kvstore)
     stack = ProcessStack(spec, workdir / mode)
     stack.start(timeout_s=args.start_timeout_s)
     try:
@@ -226,7 +227,7 @@ def run_mode(mode: str, model_dir: Path, args: argparse.Namespace, workdir: Path
         timings, wall_s = asyncio.run(run_workload(stack.gateway_address, args, vocab))
     finally:
         stack.stop()
-    return summarize(mode, transport, timings, wall_s)
+    return {**summarize(mode, transport, timings, wall_s), "kvstore_puts": args.store_to_kvstore}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -259,6 +260,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per request")
     parser.add_argument("--start-timeout-s", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-store-to-kvstore", dest="store_to_kvstore", action="store_false",
+                        help="prefill workers keep no prompt blocks in the kvstore (A/B of the background puts)")
     parser.add_argument("--out", default=None, help="directory for disagg.json / disagg.md")
     args = parser.parse_args(argv)
     if args.long_prompt_len is None:
