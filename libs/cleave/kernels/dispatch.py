@@ -122,10 +122,10 @@ def _direct_launch(compiled: Any) -> Callable[..., None] | None:
 
     `compiled.run` (triton's `CudaLauncher`) wraps the C launcher in Python that allocates
     scratch buffers and passes profiler hooks on every call; kernels that need no scratch
-    memory can skip it. Known layout (triton 3.5-3.6): `__call__(gridX, gridY, gridZ, stream,
-    function, *args)` forwarding to `launch(gridX, gridY, gridZ, stream, function,
-    cooperative, pdl, global_scratch, profile_scratch, metadata, launch_metadata,
-    enter_hook, exit_hook, *kernel_args)`.
+    memory can skip it. Known layout (triton 3.6, checked on the H200): `__call__(gridX,
+    gridY, gridZ, stream, function, *args)` forwarding to `launch(gridX, gridY, gridZ,
+    stream, function, cooperative, pdl, global_scratch, profile_scratch, metadata,
+    launch_metadata, enter_hook, exit_hook, *kernel_args)`.
     """
     run = compiled.run
     launch = getattr(run, "launch", None)
