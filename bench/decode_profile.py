@@ -2,9 +2,11 @@
 
 Builds the same Llama-3.2-1B-shaped model and paged cache as `bench/decode.py`, captures the
 decode step for each (batch, context), profiles `--steps` replays with the CUDA profiler and
-reports, per kernel name: launches per step, device microseconds per step and the share of
-the step. The gap between the step's wall time and the summed kernel time is what launch
-latency and idle time cost.
+reports, per kernel name: launches per step, device microseconds per step, the share of
+the step, and the kernel's share of the critical path: with programmatic dependent launch
+kernels overlap, so each kernel is also charged only the time it extends the step (from
+the later of its start and the previous kernels' end to its own end). What no kernel
+covers is reported as `(idle)`, and split by the kernel that ends each gap.
 
     python bench/decode_profile.py --cases 1x1024,64x1024,32x32768 --out bench/results/decode
 """
@@ -26,11 +28,27 @@ from decode import Case, build_model, decode_batch, kv_bytes_per_token, llama_3_
 from cleave.graphs.runner import CUDAGraphRunner, GraphRunnerConfig  # noqa: E402
 from cleave.model.llama import allocate_kv_cache  # noqa: E402
 
-COLUMNS = ["case", "kernel", "per_step", "us_per_step", "pct_of_step"]
+COLUMNS = ["case", "kernel", "per_step", "us_per_step", "critical_us", "pct_of_step"]
+IDLE = "(idle)"
 
 
-def kernel_table(fn, steps: int) -> tuple[dict[str, tuple[float, float]], float]:
-    """{kernel name: (launches per step, device us per step)} over `steps` calls, and their sum."""
+def critical_path(events) -> dict[str, float]:
+    """{kernel name: microseconds it extends the timeline} for device events; gaps under IDLE."""
+    charged: collections.Counter[str] = collections.Counter()
+    covered_until = None
+    for start, end, name in sorted(events):
+        if covered_until is not None and start > covered_until:
+            charged[IDLE] += start - covered_until
+            charged[f"{IDLE} before {name}"] += start - covered_until
+        begin = start if covered_until is None else max(start, covered_until)
+        charged[name] += max(0.0, end - begin)
+        covered_until = end if covered_until is None else max(covered_until, end)
+    return charged
+
+
+def kernel_table(fn, steps: int) -> tuple[dict[str, tuple[float, float, float]], float]:
+    """{kernel name: (launches per step, device us per step, critical-path us per step)} over
+    `steps` calls, and the summed device time per step."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -41,13 +59,20 @@ def kernel_table(fn, steps: int) -> tuple[dict[str, tuple[float, float]], float]
         torch.cuda.synchronize()
     counts: collections.Counter[str] = collections.Counter()
     times: collections.Counter[str] = collections.Counter()
+    spans = []
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
         name = event.name if len(event.name) <= 70 else event.name[:67] + "..."
         counts[name] += 1
         times[name] += event.device_time
-    table = {name: (counts[name] / steps, times[name] / steps) for name in times}
+        spans.append((event.time_range.start, event.time_range.end, name))
+    # the host's time between one replay and the next counts as idle too
+    critical = critical_path(spans)
+    table = {name: (counts[name] / steps, times[name] / steps, critical[name] / steps) for name in times}
+    for name, idle_us in critical.items():
+        if name.startswith(IDLE):
+            table[name] = (0.0, 0.0, idle_us / steps)
     return table, sum(times.values()) / steps
 
 
@@ -92,18 +117,19 @@ def main(argv: list[str] | None = None) -> None:
             summary[label] = {
                 "step_us": round(ms * 1e3, 1),
                 "kernel_us": round(kernel_us, 1),
-                "kernels_per_step": round(sum(n for n, _ in table.values()), 1),
+                "kernels_per_step": round(sum(n for n, _, _ in table.values()), 1),
                 "kv_gb": round(case.batch * case.context * kv_bytes_per_token(config) / 1e9, 3),
             }
             print(label, summary[label], flush=True)
-            ranked = sorted(table.items(), key=lambda item: -item[1][1])[: args.top]
-            for name, (per_step, us) in ranked:
+            ranked = sorted(table.items(), key=lambda item: -item[1][2])[: args.top]
+            for name, (per_step, us, critical_us) in ranked:
                 rows.append(
                     {
                         "case": label,
                         "kernel": name,
                         "per_step": round(per_step, 1),
                         "us_per_step": round(us, 1),
+                        "critical_us": round(critical_us, 1),
                         "pct_of_step": round(100 * us / (ms * 1e3), 1),
                     }
                 )

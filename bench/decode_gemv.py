@@ -1,0 +1,146 @@
+"""Batch-1 decode projections: the register GEMV vs the tensor-core GEMV vs cuBLAS.
+
+Two measurements on the Llama-3.2-1B projections, both inside CUDA graphs over 16 layers'
+worth of distinct weights (so every call streams its weight from HBM, not L2):
+
+- `sweep`: each projection alone (16 back-to-back calls of one shape), over the register
+  GEMV's tile settings, to pick its defaults;
+- `chain`: the projections of 16 decoder layers in step order (qkv with the input norm, o
+  added into the residual, gate_up with the post-attention norm and SwiGLU, down added into
+  the residual), which is where programmatic dependent launch lets one projection's weight
+  stream start under the previous one's tail.
+
+Bytes are the weights read; the roofline is bytes / 4.26 TB/s.
+
+    python bench/decode_gemv.py --rows 1 --out bench/results/decode
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import format_table, graph_call_us, write_results  # noqa: E402
+
+from cleave.kernels.activation import silu_and_mul  # noqa: E402
+from cleave.kernels.rms_norm import rms_norm  # noqa: E402
+from cleave.kernels.small_linear import small_linear  # noqa: E402
+
+COLUMNS = ["measure", "shape", "rows", "impl", "block_n", "block_k", "num_warps", "pdl", "us", "roofline_pct"]
+HIDDEN, INTERMEDIATE, QKV = 2048, 8192, 3072
+SHAPES = {"qkv": (QKV, HIDDEN, False), "o": (HIDDEN, HIDDEN, False), "gate_up": (INTERMEDIATE, HIDDEN, True),
+          "down": (HIDDEN, INTERMEDIATE, False)}
+SWEEP = {  # (block_n, block_k) tried per shape
+    "qkv": [(2, 2048), (4, 2048), (8, 2048), (16, 2048)],
+    "o": [(2, 2048), (4, 2048), (8, 2048), (16, 2048)],
+    "gate_up": [(1, 2048), (2, 2048), (4, 2048), (8, 2048)],
+    "down": [(1, 8192), (2, 8192), (4, 4096), (4, 8192), (8, 2048)],
+}
+
+
+def make_layers(num_layers: int) -> list[dict[str, torch.Tensor]]:
+    def weight(num_out: int, num_in: int) -> torch.Tensor:
+        return torch.randn(num_out, num_in, device="cuda", dtype=torch.bfloat16) * 0.02
+
+    return [{
+        "qkv": weight(QKV, HIDDEN), "o": weight(HIDDEN, HIDDEN), "gate_up": weight(2 * INTERMEDIATE, HIDDEN),
+        "down": weight(HIDDEN, INTERMEDIATE),
+        "norm1": torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16),
+        "norm2": torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16),
+    } for _ in range(num_layers)]
+
+
+def weight_bytes(name: str) -> int:
+    num_out, num_in, gated = SHAPES[name]
+    return num_out * num_in * 2 * (2 if gated else 1)
+
+
+def chain_calls(layers, residual: torch.Tensor, settings: dict[str, dict], cublas: bool = False):
+    """One callable per layer: the four projections in step order."""
+
+    def layer_call(layer):
+        def run() -> None:
+            if cublas:  # cuBLAS GEMMs with the norms and SwiGLU as separate kernels
+                qkv = F.linear(rms_norm(residual, layer["norm1"], 1e-5), layer["qkv"])
+                residual.add_(F.linear(qkv[:, :HIDDEN], layer["o"]))
+                act = silu_and_mul(F.linear(rms_norm(residual, layer["norm2"], 1e-5), layer["gate_up"]))
+                residual.add_(F.linear(act, layer["down"]))
+                return
+            qkv = small_linear(residual, layer["qkv"], norm_weight=layer["norm1"], **settings["qkv"])
+            small_linear(qkv[:, :HIDDEN], layer["o"], add_to=residual, **settings["o"])
+            act = small_linear(residual, layer["gate_up"], gated=True, norm_weight=layer["norm2"], **settings["gate_up"])
+            small_linear(act, layer["down"], add_to=residual, **settings["down"])
+        return run
+
+    return [layer_call(layer) for layer in layers]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1])
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--skip-sweep", action="store_true")
+    parser.add_argument("--hbm-tbs", type=float, default=4.26)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+
+    layers = make_layers(args.layers)
+    results: list[dict] = []
+
+    def record(measure: str, shape: str, rows: int, impl: str, us: float, nbytes: int, **settings) -> None:
+        results.append({"measure": measure, "shape": shape, "rows": rows, "impl": impl, **settings, "us": round(us, 2),
+                        "roofline_pct": round(100 * nbytes / (us * 1e-6) / (args.hbm_tbs * 1e12), 1)})
+        print(format_table(results[-1:], COLUMNS).splitlines()[-1], flush=True)
+
+    for rows in args.rows:
+        best: dict[str, tuple[float, dict]] = {}
+        if not args.skip_sweep:
+            for name, (num_out, num_in, gated) in SHAPES.items():
+                x = torch.randn(rows, num_in, device="cuda", dtype=torch.bfloat16)
+                weights = [layer[name] for layer in layers]
+                us = graph_call_us([lambda w=w: small_linear(x, w, gated=gated, kernel="dot") for w in weights])
+                record("sweep", name, rows, "dot", us, weight_bytes(name))
+                for block_n, block_k in SWEEP[name]:
+                    if triton.next_power_of_2(rows) * block_n * block_k > 32768:
+                        continue  # the [rows, features, K] products would spill
+                    for warps in args.num_warps:
+                        settings = dict(kernel="fma", block_n=block_n, block_k=block_k, num_warps=warps)
+                        us = graph_call_us([lambda w=w: small_linear(x, w, gated=gated, **settings) for w in weights])
+                        record("sweep", name, rows, "fma", us, weight_bytes(name), block_n=block_n, block_k=block_k,
+                               num_warps=warps)
+                        if name not in best or us < best[name][0]:
+                            best[name] = (us, settings)
+
+        residual = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        step_bytes = args.layers * sum(weight_bytes(name) for name in SHAPES)
+        variants = {
+            "dot": {name: {"kernel": "dot"} for name in SHAPES},
+            "fma": {name: {"kernel": "fma"} for name in SHAPES},
+            "fma_no_pdl": {name: {"kernel": "fma", "pdl": False} for name in SHAPES},
+            "dot_no_pdl": {name: {"kernel": "dot", "pdl": False} for name in SHAPES},
+        }
+        if best:
+            variants["fma_best"] = {name: settings for name, (_, settings) in best.items()}
+        for impl, settings in variants.items():
+            us = graph_call_us(chain_calls(layers, residual, settings)) * args.layers
+            record("chain", "layers", rows, impl, us, step_bytes, pdl="no_pdl" not in impl)
+        us = graph_call_us(chain_calls(layers, residual, {}, cublas=True)) * args.layers
+        record("chain", "layers", rows, "cublas", us, step_bytes)
+        if best:
+            print("best per shape:", {name: settings for name, (_, settings) in best.items()}, flush=True)
+
+    print(format_table(results, COLUMNS))
+    if args.out:
+        write_results(args.out, "decode_gemv", results, COLUMNS)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""GEMV for one to a few rows: weight tiles streamed into registers, no tensor cores.
+
+At batch 1-4 a decode projection is a pass over its weight matrix. `small_linear`'s
+tensor-core kernel pads the rows to 16 and stages weight tiles through shared memory,
+which keeps each program to one per SM and puts shared-memory round trips and a pipeline
+ramp in front of every kernel. Here each program owns `BLOCK_N` output features, loads
+their weight rows straight into registers in `BLOCK_K`-wide tiles (16-byte loads, the next
+tile in flight while the current one is reduced) and multiplies with FMAs. Programs are
+small and use no shared memory beyond the reduction, so several share an SM and a
+programmatic-dependent launch can run them beside the previous kernel's tail.
+
+That overlap is the point: weights are never written by an earlier kernel in the step, so
+each program loads its first weight tile *before* `wait_for_producer()`, and a projection's
+weight stream starts while the attention or projection before it is still finishing. Only
+the activations (and the residual in the epilogue) are read after the wait.
+
+Fusions and rounding are `small_linear`'s: `NORM` RMS-normalises the input rows first (the
+normalised row rounded to the activation dtype, then scaled by the norm weight and rounded
+again), `GATED` computes silu(gate) * up from a [2N, K] gate_up weight, `ADD` adds the
+rounded product into the residual stream in place.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from cleave.kernels.pdl import release_dependents, wait_for_producer
+
+MAX_ROWS = 4  # rows the register GEMV takes
+AUTO_MAX_ROWS = 1  # rows `small_linear` sends here by default: at 2-4 rows the tensor-core kernel wins
+TILE_ELEMENTS = 16384  # products per program per K tile ([rows, features, K]) the registers hold
+
+
+@triton.jit
+def _dot_rows(x, w, BLOCK_M: tl.constexpr):
+    """[BLOCK_M, BLOCK_K] x [BLOCK_N, BLOCK_K] -> [BLOCK_M, BLOCK_N] fp32, by FMAs."""
+    if BLOCK_M == 1:
+        return tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=1)[None, :]
+    return tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [M, K] (NORM: the residual stream)
+    w_ptr,  # [N, K] (GATED: [2N, K], gate rows then up rows)
+    norm_w_ptr,  # [K] RMSNorm weight when NORM
+    out_ptr,  # [M, N]; ADD: the residual stream, updated in place
+    num_rows,
+    num_out,  # N
+    num_in,  # K
+    stride_x_row,
+    stride_w_row,
+    stride_out_row,
+    eps,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr,  # cdiv(K, BLOCK_K)
+    NORM: tl.constexpr,
+    GATED: tl.constexpr,
+    ADD: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    feature_valid = features < num_out
+    cols = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    rows = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    row_valid = rows < num_rows
+    w_rows = w_ptr + features.to(tl.int64)[:, None] * stride_w_row + cols[None, :]  # [BLOCK_N, BLOCK_K]
+    up_offset = num_out.to(tl.int64) * stride_w_row
+    x_rows = x_ptr + rows[:, None] * stride_x_row + cols[None, :]  # [BLOCK_M, BLOCK_K]
+
+    # First weight tile before the wait: no earlier kernel writes weights.
+    w_mask = feature_valid[:, None] & (cols < num_in)[None, :]
+    w = tl.load(w_rows, mask=w_mask, other=0.0)
+    w_up = w
+    if GATED:
+        w_up = tl.load(w_rows + up_offset, mask=w_mask, other=0.0)
+    wait_for_producer(PDL)
+    release_dependents(PDL)
+
+    if NORM:
+        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for t in tl.static_range(K_TILES):
+            x_mask = row_valid[:, None] & (t * BLOCK_K + cols < num_in)[None, :]
+            x = tl.load(x_rows + t * BLOCK_K, mask=x_mask, other=0.0).to(tl.float32)
+            squares += tl.sum(x * x, axis=1)
+        rstd = tl.math.rsqrt(squares / num_in + eps)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for t in tl.static_range(K_TILES):
+        # the next tile's loads go out before this tile is reduced
+        next_w = w
+        next_w_up = w_up
+        if t + 1 < K_TILES:
+            next_mask = feature_valid[:, None] & ((t + 1) * BLOCK_K + cols < num_in)[None, :]
+            next_w = tl.load(w_rows + (t + 1) * BLOCK_K, mask=next_mask, other=0.0)
+            if GATED:
+                next_w_up = tl.load(w_rows + up_offset + (t + 1) * BLOCK_K, mask=next_mask, other=0.0)
+        col_valid = t * BLOCK_K + cols < num_in
+        x = tl.load(x_rows + t * BLOCK_K, mask=row_valid[:, None] & col_valid[None, :], other=0.0)
+        if NORM:
+            norm_w = tl.load(norm_w_ptr + t * BLOCK_K + cols, mask=col_valid, other=0.0).to(tl.float32)
+            normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
+            x = (normed * norm_w[None, :]).to(x.dtype)
+        acc += _dot_rows(x, w, BLOCK_M)
+        if GATED:
+            acc_up += _dot_rows(x, w_up, BLOCK_M)
+        w = next_w
+        w_up = next_w_up
+
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    out_mask = row_valid[:, None] & feature_valid[None, :]
+    out_ptrs = out_ptr + rows[:, None] * stride_out_row + features[None, :]
+    result = acc.to(out_ptr.dtype.element_ty)
+    if ADD:
+        residual = tl.load(out_ptrs, mask=out_mask, other=0.0)
+        result = (residual.to(tl.float32) + result.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptrs, result, mask=out_mask)
+
+
+def gemv_tiles(num_rows: int, num_out: int, num_in: int, gated: bool) -> tuple[int, int, int]:
+    """(block_n, block_k, num_warps) for `num_rows` rows through an N x K projection.
+
+    Measured on an H200 at one row (bench/results/decode/decode_gemv.md): rows up to 2048
+    wide are one K tile, read by many small programs (4 features each for 2048 outputs, 8
+    for more, 2 per half when gated) that the PDL launch can start beside the previous
+    kernel; wider rows (the down projection) take 8 features per program in
+    double-buffered 2048-wide tiles. More rows shrink the tile so the [rows, features, K]
+    products stay in registers.
+    """
+    block_k = min(triton.next_power_of_2(num_in), 2048)
+    if triton.cdiv(num_in, block_k) > 1 or (num_out > 2048 and not gated):
+        block_n = 8
+    else:
+        block_n = 2 if gated else 4
+    block_m = triton.next_power_of_2(num_rows)
+    while block_m * block_n * block_k > TILE_ELEMENTS and block_n > 1:
+        block_n //= 2
+    while block_m * block_n * block_k > TILE_ELEMENTS and block_k > 256:
+        block_k //= 2
+    return min(block_n, triton.next_power_of_2(num_out)), block_k, 4 if gated else 8
