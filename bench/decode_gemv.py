@@ -38,11 +38,13 @@ HIDDEN, INTERMEDIATE, QKV = 2048, 8192, 3072
 SHAPES = {"qkv": (QKV, HIDDEN, False), "o": (HIDDEN, HIDDEN, False), "gate_up": (INTERMEDIATE, HIDDEN, True),
           "down": (HIDDEN, INTERMEDIATE, False)}
 SWEEP = {  # (block_n, block_k) tried per shape
-    "qkv": [(2, 2048), (4, 2048), (8, 2048), (16, 2048)],
-    "o": [(2, 2048), (4, 2048), (8, 2048), (16, 2048)],
-    "gate_up": [(1, 2048), (2, 2048), (4, 2048), (8, 2048)],
-    "down": [(1, 8192), (2, 8192), (4, 4096), (4, 8192), (8, 2048)],
+    "qkv": [(4, 2048), (8, 2048)],
+    "o": [(2, 2048), (4, 2048)],
+    "gate_up": [(1, 2048), (2, 2048), (4, 2048)],
+    "down": [(4, 2048), (8, 2048), (4, 4096)],
+    "lm_head": [(4, 2048), (8, 2048), (16, 2048)],
 }
+LM_HEAD = (128256, HIDDEN, False)  # swept alone (not part of the layer chain)
 
 
 def make_layers(num_layers: int) -> list[dict[str, torch.Tensor]]:
@@ -58,7 +60,7 @@ def make_layers(num_layers: int) -> list[dict[str, torch.Tensor]]:
 
 
 def weight_bytes(name: str) -> int:
-    num_out, num_in, gated = SHAPES[name]
+    num_out, num_in, gated = SHAPES.get(name, LM_HEAD)
     return num_out * num_in * 2 * (2 if gated else 1)
 
 
@@ -103,11 +105,16 @@ def main(argv: list[str] | None = None) -> None:
     for rows in args.rows:
         best: dict[str, tuple[float, dict]] = {}
         if not args.skip_sweep:
-            for name, (num_out, num_in, gated) in SHAPES.items():
+            lm_head = torch.randn(LM_HEAD[0], HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02
+            for name, (num_out, num_in, gated) in [*SHAPES.items(), ("lm_head", LM_HEAD)]:
                 x = torch.randn(rows, num_in, device="cuda", dtype=torch.bfloat16)
-                weights = [layer[name] for layer in layers]
-                us = graph_call_us([lambda w=w: small_linear(x, w, gated=gated, kernel="dot") for w in weights])
-                record("sweep", name, rows, "dot", us, weight_bytes(name))
+                weights = [layer[name] for layer in layers] if name in SHAPES else [lm_head] * 4
+                if name == "lm_head":
+                    us = graph_call_us([lambda w=w: F.linear(x, w) for w in weights])
+                    record("sweep", name, rows, "cublas", us, weight_bytes(name))
+                else:
+                    us = graph_call_us([lambda w=w: small_linear(x, w, gated=gated, kernel="dot") for w in weights])
+                    record("sweep", name, rows, "dot", us, weight_bytes(name))
                 for block_n, block_k in SWEEP[name]:
                     if triton.next_power_of_2(rows) * block_n * block_k > 32768:
                         continue  # the [rows, features, K] products would spill
@@ -128,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
             "dot_no_pdl": {name: {"kernel": "dot", "pdl": False} for name in SHAPES},
         }
         if best:
-            variants["fma_best"] = {name: settings for name, (_, settings) in best.items()}
+            variants["fma_best"] = {name: settings for name, (_, settings) in best.items() if name in SHAPES}
         for impl, settings in variants.items():
             us = graph_call_us(chain_calls(layers, residual, settings)) * args.layers
             record("chain", "layers", rows, impl, us, step_bytes, pdl="no_pdl" not in impl)

@@ -54,6 +54,35 @@ def _split_range(seq_len, split, window, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.c
 
 
 @triton.jit
+def _tile_pointers(
+    cache_ptr, table_row, start, end, kv_head, dims, dim_valid, block_size,
+    stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N: tl.constexpr,
+):
+    """K and V pointers [BLOCK_N, BLOCK_D] of the cached positions [start, start + BLOCK_N)
+    (masked to < end) of one KV head, through the sequence's block table."""
+    keys_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    key_valid = keys_pos < end
+    block_ids = tl.load(table_row + keys_pos // block_size, mask=key_valid, other=0).to(tl.int64)
+    slot_base = block_ids * stride_cache_block + (keys_pos % block_size) * stride_cache_slot + kv_head * stride_cache_head
+    k_ptrs = cache_ptr + slot_base[:, None] + dims[None, :]
+    return k_ptrs, k_ptrs + stride_cache_kv, key_valid, key_valid[:, None] & dim_valid[None, :]
+
+
+@triton.jit
+def _attend_tile(q, k, v, key_valid, m_i, l_i, acc, scale_log2, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax update of (running max, sum, accumulator) with one K/V tile."""
+    scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+    scores = tl.where(key_valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_decode_split_kernel(
     query_ptr,  # [T, Hq, D]
     cache_ptr,  # [2, num_blocks, block_size, Hkv, D]
@@ -93,9 +122,9 @@ def _paged_decode_split_kernel(
     split = tl.program_id(0)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
-    wait_for_producer(PDL)
-    release_dependents(PDL)
 
+    # Sequence lengths, block tables and every cached position but the newest are written
+    # before the previous kernel runs, so the first tile is loaded before waiting on it.
     seq_len = tl.load(seq_lens_ptr + seq)
     part_start, part_end, num_active = _split_range(seq_len, split, window, NUM_SPLITS, BLOCK_N, SLIDING)
     q_token = tl.load(query_start_loc_ptr + seq)
@@ -109,6 +138,20 @@ def _paged_decode_split_kernel(
     group_valid = group < QUERIES_PER_KV
     dim_valid = dims < HEAD_DIM
     q_heads = kv_head * QUERIES_PER_KV + group
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
+    k_ptrs, v_ptrs, key_valid, kv_mask = _tile_pointers(
+        cache_ptr, table_row, part_start, part_end, kv_head, dims, dim_valid, block_size,
+        stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N,
+    )
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    wait_for_producer(PDL)
+    release_dependents(PDL)
+
+    # The newest position's K/V (and the query) may come from the previous kernel: reload.
+    newest = (part_start + tl.arange(0, BLOCK_N) == seq_len - 1)[:, None] & kv_mask
+    k = tl.where(newest, tl.load(k_ptrs, mask=newest, other=0.0), k)
+    v = tl.where(newest, tl.load(v_ptrs, mask=newest, other=0.0), v)
     q = tl.load(
         query_ptr + q_token.to(tl.int64) * stride_q_token + q_heads[:, None] * stride_q_head + dims[None, :],
         mask=group_valid[:, None] & dim_valid[None, :],
@@ -118,30 +161,16 @@ def _paged_decode_split_kernel(
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-
-    table_row = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
-    for start in range(part_start, part_end, BLOCK_N):
-        keys_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        key_valid = keys_pos < part_end
-        block_ids = tl.load(table_row + keys_pos // block_size, mask=key_valid, other=0).to(tl.int64)
-        slot_base = (
-            block_ids * stride_cache_block
-            + (keys_pos % block_size) * stride_cache_slot
-            + kv_head * stride_cache_head
-        )  # [BLOCK_N]
-        kv_mask = key_valid[:, None] & dim_valid[None, :]
-        k = tl.load(cache_ptr + slot_base[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(cache_ptr + stride_cache_kv + slot_base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-
-        scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
-        scores = tl.where(key_valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+    if part_start < part_end:
+        m_i, l_i, acc = _attend_tile(q, k, v, key_valid, m_i, l_i, acc, scale_log2, DOT_DTYPE, DOT_PRECISION)
+    for start in range(part_start + BLOCK_N, part_end, BLOCK_N):
+        k_ptrs, v_ptrs, key_valid, kv_mask = _tile_pointers(
+            cache_ptr, table_row, start, part_end, kv_head, dims, dim_valid, block_size,
+            stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N,
+        )
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        m_i, l_i, acc = _attend_tile(q, k, v, key_valid, m_i, l_i, acc, scale_log2, DOT_DTYPE, DOT_PRECISION)
 
     if NUM_SPLITS == 1:
         # A padding sequence (seq_len 0) ran no tile: write zeros, not 0/0.
