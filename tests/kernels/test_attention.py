@@ -109,7 +109,9 @@ def test_prefill_query_blocks_split_a_long_prompt():
     torch.testing.assert_close(out, expected, **tolerance(torch.float32))
 
 
-@pytest.mark.parametrize(("dtype", "num_splits"), [(torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 1)])
+@pytest.mark.parametrize(
+    ("dtype", "num_splits"), [(torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 1), (torch.float32, 8), (torch.bfloat16, 16)]
+)
 def test_decode_with_several_splits_gqa(dtype, num_splits):
     cache = random_cache(num_blocks=20, num_kv_heads=2, dtype=dtype)
     # 16-token tiles over 4 splits: seq 0 (3 tiles) uses 3 splits, seq 1 one partial tile,

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from cleave.kernels.gemv import RotaryKVWrite
 from cleave.kernels.small_linear import small_linear, small_linear_reference
 from tests.kernels.ulp import assert_close_ulps
 
@@ -72,6 +73,57 @@ def test_kernels_agree_on_every_fusion(kernel, rows, dtype):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     else:
         assert_close_ulps(ours, theirs, ulps=2, atol=2e-2)
+
+
+def _rotary_case(rows, dtype, rotary_dim, is_neox, device="cpu"):
+    generator = torch.Generator().manual_seed(3)
+    num_q_heads, num_kv_heads, head_dim, block_size, num_blocks = 4, 2, 8, 4, 6
+    x, weight, norm_weight, _ = make(rows, (num_q_heads + 2 * num_kv_heads) * head_dim, 24, False, dtype, device)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype).to(device)
+    cos_sin = torch.rand(32, rotary_dim, generator=generator).to(device)
+    positions = torch.tensor([5, 17, 0, 30][:rows], device=device)
+    slots = torch.tensor([9, -1, 22, 3][:rows], device=device)  # row 1 is padding: no cache write
+    rotary = RotaryKVWrite(positions, cos_sin, cache, slots, num_q_heads, num_kv_heads, head_dim, is_neox)
+    return x, weight, norm_weight, rotary
+
+
+@pytest.mark.parametrize(("rows", "dtype", "rotary_dim", "is_neox"), [
+    (1, torch.float32, 8, True), (2, torch.float32, 4, True), (1, torch.bfloat16, 8, True), (3, torch.float32, 8, False),
+])
+def test_rotary_kv_write_epilogue_matches_the_unfused_ops(rows, dtype, rotary_dim, is_neox):
+    x, weight, norm_weight, rotary = _rotary_case(rows, dtype, rotary_dim, is_neox)
+    expected_cache = rotary.kv_cache.clone()
+    expected = small_linear(x, weight, norm_weight=norm_weight, impl="torch",
+                            rotary=RotaryKVWrite(**{**vars(rotary), "kv_cache": expected_cache}))
+    out = small_linear(x, weight, norm_weight=norm_weight, impl="triton", rotary=rotary, block_n=4)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(rotary.kv_cache, expected_cache, rtol=1e-5, atol=1e-5)
+    else:
+        assert_close_ulps(out, expected, ulps=2, atol=2e-2)
+        assert_close_ulps(rotary.kv_cache, expected_cache, ulps=2, atol=2e-2)
+    before = _rotary_case(rows, dtype, rotary_dim, is_neox)[3].kv_cache
+    changed = (rotary.kv_cache != before).any(-1).any(-1).any(0).flatten()  # per slot
+    assert {int(slot) for slot in changed.nonzero()} == {int(slot) for slot in rotary.slot_mapping if slot >= 0}
+
+
+def test_rotary_epilogue_rejects_what_it_cannot_fuse():
+    x, weight, norm_weight, rotary = _rotary_case(1, torch.float32, 8, True)
+    with pytest.raises(ValueError, match="expected"):
+        small_linear(x, weight[:-8], rotary=rotary, impl="triton")
+    with pytest.raises(ValueError, match="epilogue"):
+        small_linear(x, weight, rotary=rotary, impl="triton", kernel="dot")
+
+
+def test_out_dtype_stores_the_rounded_product_widened():
+    x, weight, _, _ = make(1, 20, 40, False, torch.bfloat16)
+    out = small_linear(x, weight, impl="triton", out_dtype=torch.float32, block_k=32)
+    assert out.dtype == torch.float32
+    expected = small_linear_reference(x, weight).float()
+    assert_close_ulps(out.to(torch.bfloat16), expected.to(torch.bfloat16), ulps=1, atol=1e-2)
+    assert torch.equal(out, out.to(torch.bfloat16).float())  # bf16 values, widened
+    with pytest.raises(ValueError, match="out_dtype"):
+        small_linear(x, weight, impl="triton", out_dtype=torch.float32, kernel="dot")
 
 
 def test_rejects_bad_shapes_naming_the_limit():

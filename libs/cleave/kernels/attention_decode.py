@@ -36,6 +36,11 @@ from cleave.kv.metadata import AttentionMetadata
 # bench/results/decode/attention_decode.md).
 TARGET_PROGRAMS = 1024
 MAX_SPLITS = 256
+# From this many splits (batches of up to ~16 sequences) partitions are short and each
+# program's first tile is loaded before the PDL wait; with fewer, longer partitions the
+# peeled first tile costs the pipelined loop more than it hides (batch 32 / 32k: 94% ->
+# 86% of HBM when every launch prefetched).
+PREFETCH_MIN_SPLITS = 8
 
 
 @triton.jit
@@ -117,6 +122,7 @@ def _paged_decode_split_kernel(
     BLOCK_S: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     split = tl.program_id(0)
@@ -124,7 +130,8 @@ def _paged_decode_split_kernel(
     kv_head = tl.program_id(2)
 
     # Sequence lengths, block tables and every cached position but the newest are written
-    # before the previous kernel runs, so the first tile is loaded before waiting on it.
+    # before the previous kernel runs, so with PREFETCH (short partitions, where the load
+    # latency is most of a program's time) the first tile is loaded before waiting on it.
     seq_len = tl.load(seq_lens_ptr + seq)
     part_start, part_end, num_active = _split_range(seq_len, split, window, NUM_SPLITS, BLOCK_N, SLIDING)
     q_token = tl.load(query_start_loc_ptr + seq)
@@ -139,31 +146,34 @@ def _paged_decode_split_kernel(
     dim_valid = dims < HEAD_DIM
     q_heads = kv_head * QUERIES_PER_KV + group
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
-    k_ptrs, v_ptrs, key_valid, kv_mask = _tile_pointers(
-        cache_ptr, table_row, part_start, part_end, kv_head, dims, dim_valid, block_size,
-        stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N,
-    )
-    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    if PREFETCH:
+        k_ptrs, v_ptrs, key_valid, kv_mask = _tile_pointers(
+            cache_ptr, table_row, part_start, part_end, kv_head, dims, dim_valid, block_size,
+            stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N,
+        )
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     wait_for_producer(PDL)
     release_dependents(PDL)
 
-    # The newest position's K/V (and the query) may come from the previous kernel: reload.
-    newest = (part_start + tl.arange(0, BLOCK_N) == seq_len - 1)[:, None] & kv_mask
-    k = tl.where(newest, tl.load(k_ptrs, mask=newest, other=0.0), k)
-    v = tl.where(newest, tl.load(v_ptrs, mask=newest, other=0.0), v)
     q = tl.load(
         query_ptr + q_token.to(tl.int64) * stride_q_token + q_heads[:, None] * stride_q_head + dims[None, :],
         mask=group_valid[:, None] & dim_valid[None, :],
         other=0.0,
     ).to(DOT_DTYPE)  # [BLOCK_G, BLOCK_D]
-
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    if part_start < part_end:
-        m_i, l_i, acc = _attend_tile(q, k, v, key_valid, m_i, l_i, acc, scale_log2, DOT_DTYPE, DOT_PRECISION)
-    for start in range(part_start + BLOCK_N, part_end, BLOCK_N):
+    loop_start = part_start
+    if PREFETCH:
+        # The newest position's K/V may come from the previous kernel: reload it.
+        newest = (part_start + tl.arange(0, BLOCK_N) == seq_len - 1)[:, None] & kv_mask
+        k = tl.where(newest, tl.load(k_ptrs, mask=newest, other=0.0), k)
+        v = tl.where(newest, tl.load(v_ptrs, mask=newest, other=0.0), v)
+        if part_start < part_end:
+            m_i, l_i, acc = _attend_tile(q, k, v, key_valid, m_i, l_i, acc, scale_log2, DOT_DTYPE, DOT_PRECISION)
+        loop_start = part_start + BLOCK_N
+    for start in range(loop_start, part_end, BLOCK_N):
         k_ptrs, v_ptrs, key_valid, kv_mask = _tile_pointers(
             cache_ptr, table_row, start, part_end, kv_head, dims, dim_valid, block_size,
             stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N,
@@ -333,7 +343,8 @@ def paged_decode_attention(
          kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
          metadata.block_tables.stride(0), out.stride(0), out.stride(1), kv_cache.shape[2], sliding_window or 0),
         (queries_per_kv, head_dim, num_splits, bool(sliding_window), max(16, triton.next_power_of_2(queries_per_kv)),
-         block_n, block_d, triton.next_power_of_2(queries_per_kv), min(16, num_splits), dot_dtype, precision, pdl),
+         block_n, block_d, triton.next_power_of_2(queries_per_kv), min(16, num_splits), dot_dtype, precision,
+         num_splits >= PREFETCH_MIN_SPLITS, pdl),
         num_warps, **launch,
     )
     return out

@@ -12,16 +12,31 @@ programmatic-dependent launch can run them beside the previous kernel's tail.
 That overlap is the point: weights are never written by an earlier kernel in the step, so
 each program loads its first weight tile *before* `wait_for_producer()`, and a projection's
 weight stream starts while the attention or projection before it is still finishing. Only
-the activations (and the residual in the epilogue) are read after the wait.
+the activations (and the residual in the epilogue) are read after the wait. For the same
+reason a program releases its dependents first thing, before its own wait: the next
+kernel's programs may then be scheduled while this one still waits on its producer (their
+own wait covers both, as this kernel cannot finish before its producer has).
 
 Fusions and rounding are `small_linear`'s: `NORM` RMS-normalises the input rows first (the
 normalised row rounded to the activation dtype, then scaled by the norm weight and rounded
 again), `GATED` computes silu(gate) * up from a [2N, K] gate_up weight, `ADD` adds the
 rounded product into the residual stream in place.
+
+One more is the qkv projection's own: `ROTARY` (a `RotaryKVWrite`) applies the rotary
+embedding to the q and k heads and writes k and v into their KV-cache slots, which is
+`rotary_write_kv` after the projection, one launch fewer per layer. Each program then owns
+rotary pairs rather than consecutive features (dims i and i + R/2 of a head in the NeoX
+layout, 2i and 2i + 1 in GPT-J's; v heads and dims past the rotary width pair up
+unrotated), so both halves of a rotation are in its registers. The rotation reads the
+projection rounded to the activation dtype, as the unfused kernels do; q lands rotated in
+the output (k and v there are not read again).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
 
@@ -30,6 +45,20 @@ from cleave.kernels.pdl import release_dependents, wait_for_producer
 MAX_ROWS = 4  # rows the register GEMV takes
 AUTO_MAX_ROWS = 1  # rows `small_linear` sends here by default: at 2-4 rows the tensor-core kernel wins
 TILE_ELEMENTS = 16384  # products per program per K tile ([rows, features, K]) the registers hold
+
+
+@dataclass(frozen=True)
+class RotaryKVWrite:
+    """Rotary embedding and KV-cache write, as the epilogue of a qkv projection."""
+
+    positions: torch.Tensor  # [T] int64
+    cos_sin_cache: torch.Tensor  # [max_pos, R] fp32: cos in the first R/2 columns, sin in the rest
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor  # [T] int64, -1 = padding (no write)
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    is_neox: bool = True
 
 
 @triton.jit
@@ -53,6 +82,16 @@ def _gemv_kernel(
     stride_w_row,
     stride_out_row,
     eps,
+    positions_ptr,  # ROTARY: [M] positions
+    cos_sin_ptr,  # ROTARY: [max_pos, 2 * ROT_HALF]
+    cache_ptr,  # ROTARY: [2, num_blocks, block_size, Hkv, HEAD_DIM]
+    slot_mapping_ptr,  # ROTARY: [M] int64, -1 = padding
+    stride_cos_sin,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    block_size,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -60,9 +99,28 @@ def _gemv_kernel(
     NORM: tl.constexpr,
     GATED: tl.constexpr,
     ADD: tl.constexpr,
+    ROTARY: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROT_HALF: tl.constexpr,  # rotary_dim // 2
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    if ROTARY:  # BLOCK_N // 2 rotary pairs, each pair's features side by side
+        pair = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        head = pair // (HEAD_DIM // 2)
+        index = pair % (HEAD_DIM // 2)  # the pair's frequency when rotated
+        rotated = (head < NUM_Q_HEADS + NUM_KV_HEADS) & (index < ROT_HALF)
+        if IS_NEOX:
+            first = tl.where(rotated, index, 2 * index)
+            second = tl.where(rotated, index + ROT_HALF, 2 * index + 1)
+        else:
+            first = 2 * index
+            second = 2 * index + 1
+        features = tl.reshape(tl.join(head * HEAD_DIM + first, head * HEAD_DIM + second), [BLOCK_N])
+    else:
+        features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     feature_valid = features < num_out
     cols = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     rows = tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -71,14 +129,15 @@ def _gemv_kernel(
     up_offset = num_out.to(tl.int64) * stride_w_row
     x_rows = x_ptr + rows[:, None] * stride_x_row + cols[None, :]  # [BLOCK_M, BLOCK_K]
 
-    # First weight tile before the wait: no earlier kernel writes weights.
+    # The next kernel may be scheduled at once, and the first weight tile is loaded before
+    # the wait: no kernel in the step writes weights.
+    release_dependents(PDL)
     w_mask = feature_valid[:, None] & (cols < num_in)[None, :]
     w = tl.load(w_rows, mask=w_mask, other=0.0)
     w_up = w
     if GATED:
         w_up = tl.load(w_rows + up_offset, mask=w_mask, other=0.0)
     wait_for_producer(PDL)
-    release_dependents(PDL)
 
     if NORM:
         squares = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -111,29 +170,77 @@ def _gemv_kernel(
         w = next_w
         w_up = next_w_up
 
+    if ROTARY:
+        _rotate_and_write_kv(
+            acc, rows, row_valid, pair, head, index, rotated, first, second, out_ptr, stride_out_row, num_out,
+            positions_ptr, cos_sin_ptr, cache_ptr, slot_mapping_ptr, stride_cos_sin, stride_cache_kv,
+            stride_cache_block, stride_cache_slot, stride_cache_head, block_size,
+            BLOCK_M, BLOCK_N, HEAD_DIM, ROT_HALF, NUM_Q_HEADS, NUM_KV_HEADS,
+        )
+        return
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     out_mask = row_valid[:, None] & feature_valid[None, :]
     out_ptrs = out_ptr + rows[:, None] * stride_out_row + features[None, :]
-    result = acc.to(out_ptr.dtype.element_ty)
+    result = acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)  # rounded as the activations
     if ADD:
         residual = tl.load(out_ptrs, mask=out_mask, other=0.0)
         result = (residual.to(tl.float32) + result.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptrs, result, mask=out_mask)
 
 
+@triton.jit
+def _rotate_and_write_kv(
+    acc, rows, row_valid, pair, head, index, rotated, first, second, out_ptr, stride_out_row, num_out,
+    positions_ptr, cos_sin_ptr, cache_ptr, slot_mapping_ptr, stride_cos_sin, stride_cache_kv,
+    stride_cache_block, stride_cache_slot, stride_cache_head, block_size,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+):
+    """ROTARY epilogue: rotate the pairs of q and k heads, store every pair into `out` and the
+    k and v pairs into each row's cache slot."""
+    dtype = out_ptr.dtype.element_ty
+    x1, x2 = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))  # [BLOCK_M, BLOCK_N // 2] each
+    x1 = x1.to(dtype).to(tl.float32)
+    x2 = x2.to(dtype).to(tl.float32)
+    position = tl.load(positions_ptr + rows, mask=row_valid, other=0).to(tl.int64)  # [BLOCK_M]
+    angle_mask = row_valid[:, None] & rotated[None, :]
+    cos_sin = cos_sin_ptr + position[:, None] * stride_cos_sin + index[None, :]
+    cos = tl.load(cos_sin, mask=angle_mask, other=1.0).to(tl.float32)
+    sin = tl.load(cos_sin + ROT_HALF, mask=angle_mask, other=0.0).to(tl.float32)
+    out1 = (x1 * cos - x2 * sin).to(dtype)  # unrotated pairs: cos 1, sin 0
+    out2 = (x2 * cos + x1 * sin).to(dtype)
+
+    pair_mask = row_valid[:, None] & (pair < num_out // 2)[None, :]
+    first_cols = head * HEAD_DIM + first
+    second_cols = head * HEAD_DIM + second
+    out_rows = out_ptr + rows[:, None] * stride_out_row
+    tl.store(out_rows + first_cols[None, :], out1, mask=pair_mask)
+    tl.store(out_rows + second_cols[None, :], out2, mask=pair_mask)
+
+    slot = tl.load(slot_mapping_ptr + rows, mask=row_valid, other=-1).to(tl.int64)  # [BLOCK_M]
+    kv_index = head - NUM_Q_HEADS  # k heads, then v heads
+    head_offset = (kv_index // NUM_KV_HEADS) * stride_cache_kv + (kv_index % NUM_KV_HEADS) * stride_cache_head
+    slot_offset = (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_slot
+    dst = cache_ptr + slot_offset[:, None] + head_offset[None, :]  # [BLOCK_M, BLOCK_N // 2]
+    kv_mask = pair_mask & (slot >= 0)[:, None] & (kv_index >= 0)[None, :]
+    cache_dtype = cache_ptr.dtype.element_ty
+    tl.store(dst + first[None, :], out1.to(cache_dtype), mask=kv_mask)
+    tl.store(dst + second[None, :], out2.to(cache_dtype), mask=kv_mask)
+
+
 def gemv_tiles(num_rows: int, num_out: int, num_in: int, gated: bool) -> tuple[int, int, int]:
     """(block_n, block_k, num_warps) for `num_rows` rows through an N x K projection.
 
     Measured on an H200 at one row (bench/results/decode/decode_gemv.md): rows up to 2048
-    wide are one K tile, read by many small programs (4 features each for 2048 outputs, 8
-    for more, 2 per half when gated) that the PDL launch can start beside the previous
-    kernel; wider rows (the down projection) take 8 features per program in
-    double-buffered 2048-wide tiles. More rows shrink the tile so the [rows, features, K]
-    products stay in registers.
+    wide are one K tile, read by many small programs of 4 warps (4 features each, 2 per half
+    when gated) that the PDL launch can start beside the previous kernel; wider rows (the
+    down projection) take 8 features per program and 8 warps over double-buffered 2048-wide
+    tiles. More rows shrink the tile so the [rows, features, K] products stay in registers.
     """
     block_k = min(triton.next_power_of_2(num_in), 2048)
-    if triton.cdiv(num_in, block_k) > 1 or (num_out > 2048 and not gated):
+    multi_tile = triton.cdiv(num_in, block_k) > 1
+    if multi_tile:
         block_n = 8
     else:
         block_n = 2 if gated else 4
@@ -142,4 +249,4 @@ def gemv_tiles(num_rows: int, num_out: int, num_in: int, gated: bool) -> tuple[i
         block_n //= 2
     while block_m * block_n * block_k > TILE_ELEMENTS and block_k > 256:
         block_k //= 2
-    return min(block_n, triton.next_power_of_2(num_out)), block_k, 4 if gated else 8
+    return min(block_n, triton.next_power_of_2(num_out)), block_k, 8 if multi_tile else 4

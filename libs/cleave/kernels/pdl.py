@@ -7,10 +7,13 @@ to `wait_for_producer()` (griddepcontrol.wait), which returns once the previous 
 finished and its writes are visible. Nothing before that wait may read what an earlier
 kernel writes or write what it reads.
 
-Each kernel calls `wait_for_producer()` before touching memory and then
-`release_dependents()` (griddepcontrol.launch_dependents), so the next kernel's programs are
-scheduled as soon as every program of this one is past its wait: at most two kernels are in
-flight. Kernels launched without PDL (torch ops, cuBLAS) keep ordinary stream order around
+Each kernel calls `wait_for_producer()` and then `release_dependents()`
+(griddepcontrol.launch_dependents), so the next kernel's programs are scheduled as soon as
+every program of this one is past its wait. Before the wait a kernel may only read what no
+kernel of the step writes, or what it re-reads after the wait (decode attention's first KV
+tile, `cleave.kernels.attention_decode`). The register GEMV (`cleave.kernels.gemv`) reads
+only weights there and releases its dependents before waiting, so a third kernel may be
+scheduled while it waits. Kernels launched without PDL (torch ops, cuBLAS) keep ordinary stream order around
 them, and CUDA-graph capture records the dependency as a programmatic edge.
 
 Off Hopper, on CPU tensors (the Triton interpreter), with `enabled=False` or with the

@@ -39,9 +39,10 @@ from cleave.kernels.attention_common import dot_settings
 from cleave.kernels.dispatch import CachedLauncher, Impl, use_triton
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
 from cleave.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
-from cleave.kernels.gemv import _gemv_kernel, gemv_tiles
+from cleave.kernels.gemv import RotaryKVWrite, _gemv_kernel, gemv_tiles
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 from cleave.kernels.rms_norm import rms_norm_reference
+from cleave.kernels.rotary_kv_write import rotary_write_kv_reference
 
 MAX_ROWS = 64
 
@@ -182,26 +183,40 @@ def small_linear(
     num_stages: int | None = None,
     pdl: bool = True,  # launch with PDL where the device has it
     kernel: Literal["auto", "dot", "fma"] = "auto",  # tensor cores, or the register GEMV (<= 4 rows)
+    rotary: RotaryKVWrite | None = None,  # qkv projection: rotate q, k and write k, v to the cache
+    out_dtype: torch.dtype | None = None,  # register GEMV: store the (rounded) product as this dtype
 ) -> torch.Tensor:  # [M, N] (gated: [M, I]); `add_to` itself when given
     """x @ weight.T for at most MAX_ROWS rows, with the fusions described in the module doc."""
     if not use_triton(x, impl):
-        return small_linear_reference(x, weight, gated, norm_weight, eps, add_to)
+        out = small_linear_reference(x, weight, gated, norm_weight, eps, add_to)
+        if out_dtype is not None:
+            out = out.to(out_dtype)
+        if rotary is not None:
+            _rotary_write_kv_reference(out, rotary)
+        return out
     num_rows, num_in = x.shape
     if num_rows > MAX_ROWS:
         raise ValueError(f"small_linear takes at most {MAX_ROWS} rows, got {num_rows}")
     if weight.shape[1] != num_in or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"need x [M, {weight.shape[1]}] and weight [N, K] contiguous along K, got {tuple(x.shape)}")
     num_out = weight.shape[0] // 2 if gated else weight.shape[0]
+    if out_dtype not in (None, x.dtype) and (add_to is not None or kernel == "dot"):
+        raise ValueError("out_dtype is for the register GEMV's plain product (no add_to, kernel='dot')")
     if add_to is None:
-        out = torch.empty((num_rows, num_out), dtype=x.dtype, device=x.device)
+        out = torch.empty((num_rows, num_out), dtype=out_dtype or x.dtype, device=x.device)
     elif add_to.shape != (num_rows, num_out) or add_to.stride(1) != 1:
         raise ValueError(f"add_to must be [{num_rows}, {num_out}] and contiguous along features, got {tuple(add_to.shape)}")
     else:
         out = add_to
     if num_rows == 0:
         return out
-    if kernel == "fma" or (kernel == "auto" and num_rows <= GEMV_AUTO_MAX_ROWS):
-        _launch_gemv(x, weight, norm_weight, out, eps, gated, add_to is not None, block_n, block_k, num_warps, pdl)
+    if rotary is not None:
+        _check_rotary(rotary, num_rows, num_out, gated, add_to, kernel)
+    if kernel == "fma" or rotary is not None or out.dtype != x.dtype or (
+        kernel == "auto" and num_rows <= GEMV_AUTO_MAX_ROWS
+    ):
+        _launch_gemv(x, weight, norm_weight, out, eps, gated, add_to is not None, block_n, block_k, num_warps, pdl,
+                     rotary)
         return out
     dot_dtype, precision = dot_settings(x)  # the activations' dtype on a GPU; fp32 in the interpreter
     block_m = max(16, triton.next_power_of_2(num_rows))
@@ -232,6 +247,7 @@ def _launch_gemv(
     block_k: int | None,
     num_warps: int | None,
     pdl: bool,
+    rotary: RotaryKVWrite | None,
 ) -> None:
     """`small_linear` through the register GEMV (cleave.kernels.gemv)."""
     num_rows, num_in = x.shape
@@ -239,14 +255,54 @@ def _launch_gemv(
         raise ValueError(f"the register GEMV takes at most {GEMV_MAX_ROWS} rows, got {num_rows}")
     num_out = out.shape[1]
     tiles = gemv_tiles(num_rows, num_out, num_in, gated)
-    block_n = block_n or tiles[0]
+    block_n = max(block_n or tiles[0], 2 if rotary else 1)
     block_k = block_k or tiles[1]
     pdl = pdl_enabled(x, pdl)
+    if rotary is None:
+        grid = triton.cdiv(num_out, block_n)
+        rotary_args = (x, x, x, x, 0, 0, 0, 0, 0, 1)
+        rotary_constexprs = (False, True, 2, 1, 1, 1)
+    else:
+        grid = triton.cdiv(num_out // 2, block_n // 2)
+        cache = rotary.kv_cache
+        rotary_args = (rotary.positions, rotary.cos_sin_cache, cache, rotary.slot_mapping, rotary.cos_sin_cache.stride(0),
+                       cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), cache.shape[2])
+        rotary_constexprs = (True, rotary.is_neox, rotary.head_dim, rotary.cos_sin_cache.shape[-1] // 2,
+                             rotary.num_q_heads, rotary.num_kv_heads)
     _gemv_launcher(
-        (triton.cdiv(num_out, block_n),),
+        (grid,),
         (x, weight, x if norm_weight is None else norm_weight, out,
-         num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0), eps),
+         num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0), eps, *rotary_args),
         (triton.next_power_of_2(num_rows), block_n, block_k, triton.cdiv(num_in, block_k),
-         norm_weight is not None, gated, add, pdl),
+         norm_weight is not None, gated, add, *rotary_constexprs, pdl),
         num_warps or tiles[2], num_stages=1, **launch_options(pdl),
     )
+
+
+def _check_rotary(
+    rotary: RotaryKVWrite, num_rows: int, num_out: int, gated: bool, add_to: torch.Tensor | None, kernel: str
+) -> None:
+    heads = rotary.num_q_heads + 2 * rotary.num_kv_heads
+    rotary_dim = rotary.cos_sin_cache.shape[-1]
+    if gated or add_to is not None or kernel == "dot":
+        raise ValueError("rotary is the qkv projection's epilogue: not with gated, add_to or kernel='dot'")
+    if num_out != heads * rotary.head_dim or rotary.head_dim % 2:
+        raise ValueError(f"rotary: weight has {num_out} outputs, expected (Hq + 2 Hkv) x head_dim = "
+                         f"{heads} x {rotary.head_dim} with an even head_dim")
+    if rotary_dim > rotary.head_dim or rotary_dim % 2:
+        raise ValueError(f"rotary: need an even rotary_dim <= head_dim, got {rotary_dim} vs {rotary.head_dim}")
+    if rotary.positions.shape[0] < num_rows or rotary.slot_mapping.shape[0] < num_rows:
+        raise ValueError(f"rotary: positions and slot_mapping need {num_rows} rows")
+    if rotary.kv_cache.shape[-2:] != (rotary.num_kv_heads, rotary.head_dim) or rotary.kv_cache.stride(-1) != 1:
+        raise ValueError(f"rotary: kv_cache must be [2, blocks, block_size, {rotary.num_kv_heads}, "
+                         f"{rotary.head_dim}] with unit stride along head_dim, got {tuple(rotary.kv_cache.shape)}")
+
+
+def _rotary_write_kv_reference(qkv: torch.Tensor, rotary: RotaryKVWrite) -> None:
+    """The unfused ops on a projection's output: rotate q and k, write k and v to the cache."""
+    q_size = rotary.num_q_heads * rotary.head_dim
+    kv_size = rotary.num_kv_heads * rotary.head_dim
+    rows = qkv.shape[0]
+    q, k, v = (part.view(rows, -1, rotary.head_dim) for part in qkv.split([q_size, kv_size, kv_size], dim=-1))
+    rotary_write_kv_reference(q, k, v, rotary.positions[:rows], rotary.cos_sin_cache, rotary.kv_cache,
+                              rotary.slot_mapping[:rows], rotary.is_neox)

@@ -18,6 +18,8 @@ from torch import nn
 from cleave.kernels.activation import silu_and_mul
 from cleave.kernels.attention import paged_attention, write_kv
 from cleave.kernels.dispatch import Impl, use_triton
+from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
+from cleave.kernels.gemv import RotaryKVWrite
 from cleave.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from cleave.kernels.rotary import apply_rotary
 from cleave.kernels.rotary_kv_write import rotary_write_kv
@@ -87,9 +89,21 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
     ) -> None:
-        """residual += o_proj(attention(qkv_proj(norm(residual)))) as decode-batch kernels."""
-        qkv = small_linear(residual, self.qkv_proj.weight, norm_weight=norm.weight, eps=norm.eps)
-        out = self._attend(qkv, positions, kv_cache, metadata, cos_sin_cache)  # [T, Hq D]
+        """residual += o_proj(attention(qkv_proj(norm(residual)))) as decode-batch kernels.
+
+        A single token without q/k norms takes the rotary embedding and KV write as the qkv
+        projection's epilogue (one launch fewer per layer)."""
+        num_tokens = residual.shape[0]
+        if num_tokens <= GEMV_AUTO_MAX_ROWS and self.q_norm is None:
+            rotary = RotaryKVWrite(positions, cos_sin_cache, kv_cache, metadata.slot_mapping,
+                                   self.num_heads, self.num_kv_heads, self.head_dim, is_neox=True)
+            qkv = small_linear(residual, self.qkv_proj.weight, norm_weight=norm.weight, eps=norm.eps, rotary=rotary)
+            q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+            out = paged_attention(q, kv_cache, metadata, self.scale, impl="triton", sliding_window=self.sliding_window)
+            out = out.reshape(num_tokens, self.q_size)
+        else:
+            qkv = small_linear(residual, self.qkv_proj.weight, norm_weight=norm.weight, eps=norm.eps)
+            out = self._attend(qkv, positions, kv_cache, metadata, cos_sin_cache)  # [T, Hq D]
         small_linear(out, self.o_proj.weight, add_to=residual)
 
     def _attend(
@@ -297,6 +311,9 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> [N, V] float32
+        if 0 < hidden.shape[0] <= GEMV_AUTO_MAX_ROWS and hidden.is_cuda and use_triton(hidden, self.impl):
+            # the register GEMV beats cuBLAS here, and writes the bf16-rounded logits as fp32
+            return small_linear(hidden, self.lm_head.weight, out_dtype=torch.float32)
         return self.lm_head(hidden).float()
 
 
