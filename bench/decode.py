@@ -6,7 +6,8 @@ step time (median of CUDA-event timings of one synchronised step), tokens/s, ker
 step, bytes read per step (weights + KV) and the fraction of the HBM roofline. It also
 reports `pipelined_ms`: steps issued back to back without a sync in between, so the host's
 input copies and graph launch overlap the previous step on the device, as in the engine's
-overlapped loop; this is the device time per step.
+overlapped loop; this is the device time per step. `host_us` is the host's time per call in
+that loop (input copies, graph launch), which a synchronised step adds to the device's.
 
     python bench/decode.py --out bench/results/decode
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +30,7 @@ from cleave.model.config import ModelConfig
 from cleave.model.llama import CausalLM, allocate_kv_cache
 
 COLUMNS = ["mode", "batch", "context", "step_ms", "tokens_per_s", "kernels", "host_launches", "gb_read", "roofline_pct",
-           "pipelined_ms", "pipelined_roofline_pct"]
+           "pipelined_ms", "pipelined_roofline_pct", "host_us"]
 RESERVED_BYTES = 8 << 30  # activations, logits, graph pools, allocator slack
 
 
@@ -106,21 +108,24 @@ def step_ms(fn, warmup: int, iters: int) -> float:
     return statistics.median(event_times_ms(fn, warmup, iters))
 
 
-def pipelined_ms(fn, warmup: int, iters: int, trials: int = 5) -> float:
-    """Median over trials of milliseconds per step of `iters` back-to-back calls (one sync)."""
+def pipelined_ms(fn, warmup: int, iters: int, trials: int = 5) -> tuple[float, float]:
+    """Medians over trials of (device milliseconds per step, host microseconds per call) of
+    `iters` back-to-back calls with one sync at the end."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    per_step = []
+    per_step, host_us = [], []
     for _ in range(trials):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        began = time.perf_counter()
         for _ in range(iters):
             fn()
+        host_us.append((time.perf_counter() - began) / iters * 1e6)
         end.record()
         end.synchronize()
         per_step.append(start.elapsed_time(end) / iters)
-    return statistics.median(per_step)
+    return statistics.median(per_step), statistics.median(host_us)
 
 
 def count_launches(fn) -> tuple[int, int]:
@@ -203,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
             modes = [("eager", lambda: step(*batch))] + ([] if args.no_graphs else [("graph", lambda: runner.run(*batch))])
             for mode, fn in modes:
                 ms = step_ms(fn, args.warmup, args.iters)
-                back_to_back = pipelined_ms(fn, args.warmup, args.iters)
+                back_to_back, host_us = pipelined_ms(fn, args.warmup, args.iters)
                 kernels, host_launches = count_launches(fn)
                 rows.append(
                     {
@@ -218,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
                         "roofline_pct": round(100 * gb_read / (ms * 1e-3) / (args.hbm_tbs * 1e3), 1),
                         "pipelined_ms": round(back_to_back, 4),
                         "pipelined_roofline_pct": round(100 * gb_read / (back_to_back * 1e-3) / (args.hbm_tbs * 1e3), 1),
+                        "host_us": round(host_us, 1),
                     }
                 )
                 print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
