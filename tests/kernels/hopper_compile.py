@@ -1,0 +1,53 @@
+"""Compile the decode-step kernels for Hopper (sm_90) without a GPU; run by test_hopper_compile.
+
+Must run with TRITON_INTERPRET=0 (a fresh interpreter): under the interpreter `triton.jit`
+functions cannot be compiled. Prints one line per compiled variant.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from cleave.kernels.attention_decode import _paged_decode_split_kernel
+from cleave.kernels.gemv import _gemv_kernel
+
+TARGET = GPUTarget("cuda", 90, 32)
+POINTERS = {  # argument name -> pointer type; every other runtime argument is an i32
+    "x_ptr": "*bf16", "w_ptr": "*bf16", "norm_w_ptr": "*bf16", "out_ptr": "*bf16", "positions_ptr": "*i64",
+    "cos_sin_ptr": "*fp32", "cache_ptr": "*bf16", "slot_mapping_ptr": "*i64", "query_ptr": "*bf16",
+    "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_acc_ptr": "*fp32", "counters_ptr": "*i32",
+    "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",
+}
+FLOATS = {"eps", "scale_log2"}
+
+
+def compile_variant(kernel, constexprs: dict, num_warps: int) -> None:
+    names = inspect.signature(kernel.fn).parameters
+    signature = {
+        name: "constexpr" if name in constexprs else POINTERS.get(name, "fp32" if name in FLOATS else "i32")
+        for name in names
+    }
+    triton.compile(ASTSource(kernel, signature, constexprs), target=TARGET, options={"num_warps": num_warps})
+    print("compiled", kernel.fn.__name__, constexprs, flush=True)
+
+
+def main() -> None:
+    gemv = dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, K_TILES=1, NORM=False, GATED=False, ADD=False, ROTARY=False,
+                IS_NEOX=True, HEAD_DIM=64, ROT_HALF=32, NUM_Q_HEADS=32, NUM_KV_HEADS=8, PDL=True)
+    compile_variant(_gemv_kernel, {**gemv, "NORM": True, "ROTARY": True}, 4)  # qkv + rotary + KV write
+    compile_variant(_gemv_kernel, {**gemv, "NORM": True, "GATED": True, "BLOCK_N": 2}, 4)  # gate_up
+    compile_variant(_gemv_kernel, {**gemv, "ADD": True, "BLOCK_N": 8, "K_TILES": 4}, 8)  # down
+    compile_variant(_gemv_kernel, {**gemv, "BLOCK_M": 4, "BLOCK_N": 2, "PDL": False}, 4)
+    attention = dict(QUERIES_PER_KV=4, HEAD_DIM=64, NUM_SPLITS=16, SLIDING=False, BLOCK_G=16, BLOCK_N=64, BLOCK_D=64,
+                     BLOCK_Q=4, BLOCK_S=16, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", PREFETCH=True, PDL=True)
+    compile_variant(_paged_decode_split_kernel, attention, 2)
+    compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 4, "PREFETCH": False, "SLIDING": True}, 2)
+
+
+if __name__ == "__main__":
+    main()
