@@ -75,6 +75,10 @@ def _gemv_kernel(
     w_ptr,  # [N, K] (GATED: [2N, K], gate rows then up rows)
     norm_w_ptr,  # [K] RMSNorm weight when NORM
     out_ptr,  # [M, N]; ADD: the residual stream, updated in place
+    positions_ptr,  # ROTARY: [M] positions
+    cos_sin_ptr,  # ROTARY: [max_pos, 2 * ROT_HALF]
+    cache_ptr,  # ROTARY: [2, num_blocks, block_size, Hkv, HEAD_DIM]
+    slot_mapping_ptr,  # ROTARY: [M] int64, -1 = padding
     num_rows,
     num_out,  # N
     num_in,  # K
@@ -82,10 +86,6 @@ def _gemv_kernel(
     stride_w_row,
     stride_out_row,
     eps,
-    positions_ptr,  # ROTARY: [M] positions
-    cos_sin_ptr,  # ROTARY: [max_pos, 2 * ROT_HALF]
-    cache_ptr,  # ROTARY: [2, num_blocks, block_size, Hkv, HEAD_DIM]
-    slot_mapping_ptr,  # ROTARY: [M] int64, -1 = padding
     stride_cos_sin,
     stride_cache_kv,
     stride_cache_block,

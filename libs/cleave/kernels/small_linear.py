@@ -18,8 +18,8 @@ before the product, the product before it is added, the sum when it is stored.
 
 A single row goes to the register GEMV of `cleave.kernels.gemv` instead (`kernel="auto"`),
 which loads its first weight tile before waiting on the previous kernel: in a batch-1 step
-of 16 Llama-3.2-1B layers the four projections take 575 us (80% of HBM) against 800 us
-here (bench/results/decode/decode_gemv.md). At 2-4 rows this kernel is faster.
+of 16 Llama-3.2-1B layers the four projections take 564 us (81% of HBM) against 797 us
+here (bench/results/decode/decode_gemv_chain.md). At 2-4 rows this kernel is faster.
 
 On Hopper the kernel launches with programmatic dependent launch (`cleave.kernels.pdl`): its
 programs are scheduled while the previous kernel finishes and wait on the device for its
@@ -260,19 +260,21 @@ def _launch_gemv(
     pdl = pdl_enabled(x, pdl)
     if rotary is None:
         grid = triton.cdiv(num_out, block_n)
-        rotary_args = (x, x, x, x, 0, 0, 0, 0, 0, 1)
+        rotary_tensors = (x, x, x, x)
+        rotary_scalars = (0, 0, 0, 0, 0, 1)
         rotary_constexprs = (False, True, 2, 1, 1, 1)
     else:
         grid = triton.cdiv(num_out // 2, block_n // 2)
         cache = rotary.kv_cache
-        rotary_args = (rotary.positions, rotary.cos_sin_cache, cache, rotary.slot_mapping, rotary.cos_sin_cache.stride(0),
-                       cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), cache.shape[2])
+        rotary_tensors = (rotary.positions, rotary.cos_sin_cache, cache, rotary.slot_mapping)
+        rotary_scalars = (rotary.cos_sin_cache.stride(0), cache.stride(0), cache.stride(1), cache.stride(2),
+                          cache.stride(3), cache.shape[2])
         rotary_constexprs = (True, rotary.is_neox, rotary.head_dim, rotary.cos_sin_cache.shape[-1] // 2,
                              rotary.num_q_heads, rotary.num_kv_heads)
     _gemv_launcher(
         (grid,),
-        (x, weight, x if norm_weight is None else norm_weight, out,
-         num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0), eps, *rotary_args),
+        (x, weight, x if norm_weight is None else norm_weight, out, *rotary_tensors,
+         num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0), eps, *rotary_scalars),
         (triton.next_power_of_2(num_rows), block_n, block_k, triton.cdiv(num_in, block_k),
          norm_weight is not None, gated, add, *rotary_constexprs, pdl),
         num_warps or tiles[2], num_stages=1, **launch_options(pdl),
