@@ -1,4 +1,4 @@
-"""Compile the decode-step kernels for Hopper (sm_90) without a GPU; run by test_hopper_compile.
+"""Compile the decode-step and attention kernels for Hopper (sm_90) without a GPU; run by test_hopper_compile.
 
 Must run with TRITON_INTERPRET=0 (a fresh interpreter): under the interpreter `triton.jit`
 functions cannot be compiled. Prints one line per compiled variant.
@@ -14,6 +14,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from cleave.kernels.attention_decode import _paged_decode_split_kernel
+from cleave.kernels.attention_prefill import _paged_prefill_kernel
 from cleave.kernels.gemv import _gemv_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -47,6 +48,9 @@ def main() -> None:
                      BLOCK_Q=4, BLOCK_S=16, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", PREFETCH=True, PDL=True)
     compile_variant(_paged_decode_split_kernel, attention, 2)
     compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 4, "PREFETCH": False, "SLIDING": True}, 2)
+    prefill = dict(QUERIES_PER_KV=4, HEAD_DIM=64, SLIDING=True, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64,
+                   DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32")
+    compile_variant(_paged_prefill_kernel, prefill, 4)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
@@ -22,3 +23,33 @@ def dot_settings(query: torch.Tensor) -> tuple[tl.dtype, str]:
     if not query.is_cuda:
         return tl.float32, "ieee"
     return _TL_DTYPES[query.dtype], "ieee" if query.dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def kv_tile_pointers(
+    cache_ptr, table_row, start, end, kv_head, dims, dim_valid, block_size,
+    stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N: tl.constexpr,
+):
+    """K and V pointers [BLOCK_N, BLOCK_D] of the cached positions [start, start + BLOCK_N)
+    (masked to < end) of one KV head, through the sequence's block table."""
+    keys_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    key_valid = keys_pos < end
+    block_ids = tl.load(table_row + keys_pos // block_size, mask=key_valid, other=0).to(tl.int64)
+    slot_base = block_ids * stride_cache_block + (keys_pos % block_size) * stride_cache_slot + kv_head * stride_cache_head
+    k_ptrs = cache_ptr + slot_base[:, None] + dims[None, :]
+    return k_ptrs, k_ptrs + stride_cache_kv, key_valid, key_valid[:, None] & dim_valid[None, :]
+
+
+@triton.jit
+def attend_tile(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax update of (running max, sum, accumulator) [M], [M], [M, D] with one K/V
+    tile [N, D] for queries q [M, D]; `visible` ([M, N] or [1, N]) masks the scores."""
+    scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2  # [M, N]
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cleave.kernels.attention_common import LOG2E, dot_settings
+from cleave.kernels.attention_common import LOG2E, attend_tile, dot_settings, kv_tile_pointers
 from cleave.kernels.dispatch import CachedLauncher
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 from cleave.kv.metadata import AttentionMetadata
@@ -56,35 +56,6 @@ def _split_range(seq_len, split, window, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.c
     start = first + split * split_len
     num_active = tl.maximum(tl.cdiv(num_keys, tl.maximum(split_len, 1)), 1)
     return start, tl.minimum(seq_len, start + split_len), num_active
-
-
-@triton.jit
-def _tile_pointers(
-    cache_ptr, table_row, start, end, kv_head, dims, dim_valid, block_size,
-    stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N: tl.constexpr,
-):
-    """K and V pointers [BLOCK_N, BLOCK_D] of the cached positions [start, start + BLOCK_N)
-    (masked to < end) of one KV head, through the sequence's block table."""
-    keys_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    key_valid = keys_pos < end
-    block_ids = tl.load(table_row + keys_pos // block_size, mask=key_valid, other=0).to(tl.int64)
-    slot_base = block_ids * stride_cache_block + (keys_pos % block_size) * stride_cache_slot + kv_head * stride_cache_head
-    k_ptrs = cache_ptr + slot_base[:, None] + dims[None, :]
-    return k_ptrs, k_ptrs + stride_cache_kv, key_valid, key_valid[:, None] & dim_valid[None, :]
-
-
-@triton.jit
-def _attend_tile(q, k, v, key_valid, m_i, l_i, acc, scale_log2, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online-softmax update of (running max, sum, accumulator) with one K/V tile."""
-    scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
-    scores = tl.where(key_valid[None, :], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -147,7 +118,7 @@ def _paged_decode_split_kernel(
     q_heads = kv_head * QUERIES_PER_KV + group
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
     if PREFETCH:
-        k_ptrs, v_ptrs, key_valid, kv_mask = _tile_pointers(
+        k_ptrs, v_ptrs, key_valid, kv_mask = kv_tile_pointers(
             cache_ptr, table_row, part_start, part_end, kv_head, dims, dim_valid, block_size,
             stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N,
         )
@@ -171,16 +142,16 @@ def _paged_decode_split_kernel(
         k = tl.where(newest, tl.load(k_ptrs, mask=newest, other=0.0), k)
         v = tl.where(newest, tl.load(v_ptrs, mask=newest, other=0.0), v)
         if part_start < part_end:
-            m_i, l_i, acc = _attend_tile(q, k, v, key_valid, m_i, l_i, acc, scale_log2, DOT_DTYPE, DOT_PRECISION)
+            m_i, l_i, acc = attend_tile(q, k, v, key_valid[None, :], m_i, l_i, acc, scale_log2, DOT_DTYPE, DOT_PRECISION)
         loop_start = part_start + BLOCK_N
     for start in range(loop_start, part_end, BLOCK_N):
-        k_ptrs, v_ptrs, key_valid, kv_mask = _tile_pointers(
+        k_ptrs, v_ptrs, key_valid, kv_mask = kv_tile_pointers(
             cache_ptr, table_row, start, part_end, kv_head, dims, dim_valid, block_size,
             stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N,
         )
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _attend_tile(q, k, v, key_valid, m_i, l_i, acc, scale_log2, DOT_DTYPE, DOT_PRECISION)
+        m_i, l_i, acc = attend_tile(q, k, v, key_valid[None, :], m_i, l_i, acc, scale_log2, DOT_DTYPE, DOT_PRECISION)
 
     if NUM_SPLITS == 1:
         # A padding sequence (seq_len 0) ran no tile: write zeros, not 0/0.

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cleave.kernels.attention_common import LOG2E, dot_settings
+from cleave.kernels.attention_common import LOG2E, attend_tile, dot_settings, kv_tile_pointers
 from cleave.kernels.dispatch import CachedLauncher
 from cleave.kv.metadata import AttentionMetadata
 
@@ -84,30 +84,17 @@ def _paged_prefill_kernel(
     if SLIDING:  # the block's first query sees nothing before its own window
         kv_start = tl.maximum(context_len + query_block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
     for start in range(kv_start, kv_end, BLOCK_N):
+        k_ptrs, v_ptrs, key_valid, kv_mask = kv_tile_pointers(
+            cache_ptr, table_row, start, kv_end, kv_head, dims, dim_valid, block_size,
+            stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N,
+        )
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         keys_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        key_valid = keys_pos < kv_end
-        block_ids = tl.load(table_row + keys_pos // block_size, mask=key_valid, other=0).to(tl.int64)
-        slot_base = (
-            block_ids * stride_cache_block
-            + (keys_pos % block_size) * stride_cache_slot
-            + kv_head * stride_cache_head
-        )  # [BLOCK_N]
-        kv_mask = key_valid[:, None] & dim_valid[None, :]
-        k = tl.load(cache_ptr + slot_base[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(cache_ptr + stride_cache_kv + slot_base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-
-        scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         visible = (keys_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
         if SLIDING:
             visible = visible & (keys_pos[None, :] > q_pos[:, None] - window)
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_DTYPE, DOT_PRECISION)
 
     # A padding sequence (seq_len 0) sees no key: write zeros, not 0/0.
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
