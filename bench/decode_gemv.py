@@ -1,10 +1,12 @@
-"""Batch-1 decode projections: the register GEMV vs the tensor-core GEMV vs cuBLAS.
+"""Decode projections: the register GEMV (1-4 rows) or the split-K kernel (more rows) vs the
+tensor-core GEMV vs cuBLAS.
 
 Two measurements on the Llama-3.2-1B projections, both inside CUDA graphs over 16 layers'
 worth of distinct weights (so every call streams its weight from HBM, not L2):
 
 - `sweep`: each projection alone (16 back-to-back calls of one shape), over the register
-  GEMV's tile settings, to pick its defaults;
+  GEMV's tile settings (up to 4 rows) or the split-K kernel's (more rows), to pick their
+  defaults, beside cuBLAS and the tensor-core GEMV;
 - `chain`: the projections of 16 decoder layers in step order (qkv with the input norm, o
   added into the residual, gate_up with the post-attention norm and SwiGLU, down added into
   the residual), which is where programmatic dependent launch lets one projection's weight
@@ -13,6 +15,7 @@ worth of distinct weights (so every call streams its weight from HBM, not L2):
 Bytes are the weights read; the roofline is bytes / 4.26 TB/s.
 
     python bench/decode_gemv.py --rows 1 --out bench/results/decode
+    python bench/decode_gemv.py --rows 64 --out bench/results/decode
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import format_table, graph_call_us, write_results  # noqa: E402
 
 from cleave.kernels.activation import silu_and_mul  # noqa: E402
+from cleave.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS  # noqa: E402
 from cleave.kernels.rms_norm import rms_norm  # noqa: E402
 from cleave.kernels.small_linear import small_linear  # noqa: E402
 
-COLUMNS = ["measure", "shape", "rows", "impl", "block_n", "block_k", "num_warps", "pdl", "us", "roofline_pct"]
+COLUMNS = ["measure", "shape", "rows", "impl", "block_n", "block_k", "split_k", "num_stages", "num_warps", "pdl", "us",
+           "roofline_pct"]
 HIDDEN, INTERMEDIATE, QKV = 2048, 8192, 3072
 SHAPES = {"qkv": (QKV, HIDDEN, False), "o": (HIDDEN, HIDDEN, False), "gate_up": (INTERMEDIATE, HIDDEN, True),
           "down": (HIDDEN, INTERMEDIATE, False)}
@@ -45,6 +50,11 @@ SWEEP = {  # (block_n, block_k) tried per shape
     "lm_head": [(4, 2048), (8, 2048), (16, 2048)],
 }
 LM_HEAD = (128256, HIDDEN, False)  # swept alone (not part of the layer chain)
+# split-K kernel settings tried per shape above 4 rows: (block_n, block_k, split_k, num_stages)
+SWEEP_SPLITK = [(block_n, block_k, split_k, stages) for block_n in (32, 64) for block_k in (64, 128)
+                for split_k in (1, 2, 4, 8) for stages in ((3, 4) if block_k == 64 else (3,))]
+# the fusions each projection carries in a decode step
+FUSIONS = {"qkv": "norm", "o": "add", "gate_up": "norm", "down": "add"}
 
 
 def make_layers(num_layers: int) -> list[dict[str, torch.Tensor]]:
@@ -84,6 +94,43 @@ def chain_calls(layers, residual: torch.Tensor, settings: dict[str, dict], cubla
     return [layer_call(layer) for layer in layers]
 
 
+def sweep_splitk(layers, rows: int, record) -> dict[str, tuple[float, dict]]:
+    """Each projection alone with its step fusions: cuBLAS (+ the unfused ops), the tensor-core
+    GEMV, then the split-K kernel over SWEEP_SPLITK. Returns the best split-K settings per shape."""
+    best: dict[str, tuple[float, dict]] = {}
+    counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    for name, (num_out, num_in, gated) in SHAPES.items():
+        x = torch.randn(rows, num_in, device="cuda", dtype=torch.bfloat16)
+        residual = torch.randn(rows, num_out, device="cuda", dtype=torch.bfloat16)
+        norm = layers[0]["norm1"]
+        weights = [layer[name] for layer in layers]
+
+        def call(w, **settings):
+            if FUSIONS[name] == "add":
+                return small_linear(x, w, add_to=residual, **settings)
+            return small_linear(x, w, gated=gated, norm_weight=norm, **settings)
+
+        def cublas(w):
+            if FUSIONS[name] == "add":
+                return residual.add_(F.linear(x, w))
+            out = F.linear(rms_norm(x, norm, 1e-5), w)
+            return silu_and_mul(out) if gated else out
+
+        record("sweep", name, rows, "cublas", graph_call_us([lambda w=w: cublas(w) for w in weights]),
+               weight_bytes(name))
+        record("sweep", name, rows, "dot", graph_call_us([lambda w=w: call(w, kernel="dot") for w in weights]),
+               weight_bytes(name))
+        for block_n, block_k, split_k, stages in SWEEP_SPLITK:
+            settings = dict(kernel="splitk", block_n=block_n, block_k=block_k, split_k=split_k, num_stages=stages,
+                            counters=counters)
+            us = graph_call_us([lambda w=w: call(w, **settings) for w in weights])
+            record("sweep", name, rows, "splitk", us, weight_bytes(name), block_n=block_n, block_k=block_k,
+                   split_k=split_k, num_stages=stages)
+            if name not in best or us < best[name][0]:
+                best[name] = (us, settings)
+    return best
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
@@ -104,7 +151,9 @@ def main(argv: list[str] | None = None) -> None:
 
     for rows in args.rows:
         best: dict[str, tuple[float, dict]] = {}
-        if not args.skip_sweep:
+        if not args.skip_sweep and rows > GEMV_MAX_ROWS:
+            best = sweep_splitk(layers, rows, record)
+        elif not args.skip_sweep:
             lm_head = torch.randn(LM_HEAD[0], HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02
             for name, (num_out, num_in, gated) in [*SHAPES.items(), ("lm_head", LM_HEAD)]:
                 x = torch.randn(rows, num_in, device="cuda", dtype=torch.bfloat16)
@@ -127,22 +176,29 @@ def main(argv: list[str] | None = None) -> None:
                             best[name] = (us, settings)
 
         residual = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
         step_bytes = args.layers * sum(weight_bytes(name) for name in SHAPES)
         variants = {
             "dot": {name: {"kernel": "dot"} for name in SHAPES},
+            "splitk": {name: {"kernel": "splitk", "counters": counters} for name in SHAPES},
             "fma": {name: {"kernel": "fma"} for name in SHAPES},
             "fma_no_pdl": {name: {"kernel": "fma", "pdl": False} for name in SHAPES},
             "dot_no_pdl": {name: {"kernel": "dot", "pdl": False} for name in SHAPES},
         }
+        if rows > GEMV_MAX_ROWS:
+            del variants["fma"], variants["fma_no_pdl"]
+        else:
+            del variants["splitk"]
         if best:
-            variants["fma_best"] = {name: settings for name, (_, settings) in best.items() if name in SHAPES}
+            variants["best"] = {name: settings for name, (_, settings) in best.items() if name in SHAPES}
         for impl, settings in variants.items():
             us = graph_call_us(chain_calls(layers, residual, settings)) * args.layers
             record("chain", "layers", rows, impl, us, step_bytes, pdl="no_pdl" not in impl)
         us = graph_call_us(chain_calls(layers, residual, {}, cublas=True)) * args.layers
         record("chain", "layers", rows, "cublas", us, step_bytes)
         if best:
-            print("best per shape:", {name: settings for name, (_, settings) in best.items()}, flush=True)
+            print("best per shape:", {name: {key: value for key, value in settings.items() if key != "counters"}
+                                      for name, (_, settings) in best.items()}, flush=True)
 
     print(format_table(results, COLUMNS))
     if args.out:

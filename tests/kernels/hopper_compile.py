@@ -16,6 +16,7 @@ from triton.compiler import ASTSource
 from cleave.kernels.attention_decode import _paged_decode_split_kernel
 from cleave.kernels.attention_prefill import _paged_prefill_kernel
 from cleave.kernels.gemv import _gemv_kernel
+from cleave.kernels.splitk_linear import _splitk_linear_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {  # argument name -> pointer type; every other runtime argument is an i32
@@ -23,6 +24,7 @@ POINTERS = {  # argument name -> pointer type; every other runtime argument is a
     "cos_sin_ptr": "*fp32", "cache_ptr": "*bf16", "slot_mapping_ptr": "*i64", "query_ptr": "*bf16",
     "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_acc_ptr": "*fp32", "counters_ptr": "*i32",
     "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",
+    "part_ptr": "*fp32", "sumsq_ptr": "*fp32",
 }
 FLOATS = {"eps", "scale_log2"}
 
@@ -51,6 +53,11 @@ def main() -> None:
     prefill = dict(QUERIES_PER_KV=4, HEAD_DIM=64, SLIDING=True, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64,
                    DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32")
     compile_variant(_paged_prefill_kernel, prefill, 4)
+    splitk = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, NORM=True, GATED=False, ADD=False,
+                  DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", PDL=True)
+    compile_variant(_splitk_linear_kernel, splitk, 4)  # qkv with the input norm
+    compile_variant(_splitk_linear_kernel, {**splitk, "GATED": True, "SPLIT_K": 2}, 4)  # gate_up
+    compile_variant(_splitk_linear_kernel, {**splitk, "NORM": False, "ADD": True, "SPLIT_K": 1, "BLOCK_M": 32}, 4)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,11 @@ from cleave.kv.metadata import AttentionMetadata
 MAX_KV_HEADS = 128  # KV heads per layer the split counters are sized for
 
 
+# Feature blocks of the widest split-K projection (cleave.kernels.splitk_linear), e.g. a
+# 28672-wide gate_up at 64 features per block.
+MIN_SPLIT_COUNTERS = 1024
+
+
 class StaticDecodeBuffers:
     """Capacity-sized decode inputs (one query token per sequence) for graph capture/replay.
 
@@ -27,8 +32,9 @@ class StaticDecodeBuffers:
         seq_lens: [max_batch_size] int32 context length including the new token.
         block_tables: [max_batch_size, max_blocks_per_seq] int32.
         query_start_loc: [max_batch_size + 1] int32, constant 0..max_batch_size (one token each).
-        split_counters: [max_batch_size * MAX_KV_HEADS] int32 zeros, the decode attention
-            kernel's scratch (left zeroed by every launch), so graphs carry no memset for it.
+        split_counters: int32 zeros (max_batch_size x MAX_KV_HEADS, at least
+            MIN_SPLIT_COUNTERS), the scratch of the decode attention and split-K linear
+            kernels (left zeroed by every launch), so graphs carry no memset for it.
     """
 
     def __init__(self, max_batch_size: int, max_blocks_per_seq: int, block_size: int, device: torch.device | str) -> None:
@@ -43,7 +49,9 @@ class StaticDecodeBuffers:
             (max_batch_size, max_blocks_per_seq), NULL_BLOCK_ID, dtype=torch.int32, device=device
         )
         self.query_start_loc = torch.arange(max_batch_size + 1, dtype=torch.int32, device=device)
-        self.split_counters = torch.zeros(max_batch_size * MAX_KV_HEADS, dtype=torch.int32, device=device)
+        self.split_counters = torch.zeros(
+            max(max_batch_size * MAX_KV_HEADS, MIN_SPLIT_COUNTERS), dtype=torch.int32, device=device
+        )
         # Extent of real data left by the last fill: rows [0, dirty_rows), columns [0, dirty_width).
         self.dirty_rows = 0
         self.dirty_width = 0

@@ -43,8 +43,11 @@ from cleave.kernels.gemv import RotaryKVWrite, _gemv_kernel, gemv_tiles
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 from cleave.kernels.rms_norm import rms_norm_reference
 from cleave.kernels.rotary_kv_write import rotary_write_kv_reference
+from cleave.kernels.splitk_linear import launch_splitk_linear
 
 MAX_ROWS = 64
+# Above this many rows `kernel="auto"` takes the split-K kernel (cleave.kernels.splitk_linear).
+SPLITK_MIN_ROWS = 17
 
 
 @triton.jit
@@ -182,9 +185,11 @@ def small_linear(
     num_warps: int | None = None,  # default 4
     num_stages: int | None = None,
     pdl: bool = True,  # launch with PDL where the device has it
-    kernel: Literal["auto", "dot", "fma"] = "auto",  # tensor cores, or the register GEMV (<= 4 rows)
+    kernel: Literal["auto", "dot", "fma", "splitk"] = "auto",  # see the module doc
     rotary: RotaryKVWrite | None = None,  # qkv projection: rotate q, k and write k, v to the cache
     out_dtype: torch.dtype | None = None,  # register GEMV: store the (rounded) product as this dtype
+    split_k: int | None = None,  # split-K kernel: K splits (default: fill the GPU)
+    counters: torch.Tensor | None = None,  # split-K kernel: int32 zeros it may use and leaves zeroed
 ) -> torch.Tensor:  # [M, N] (gated: [M, I]); `add_to` itself when given
     """x @ weight.T for at most MAX_ROWS rows, with the fusions described in the module doc."""
     if not use_triton(x, impl):
@@ -200,8 +205,10 @@ def small_linear(
     if weight.shape[1] != num_in or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"need x [M, {weight.shape[1]}] and weight [N, K] contiguous along K, got {tuple(x.shape)}")
     num_out = weight.shape[0] // 2 if gated else weight.shape[0]
-    if out_dtype not in (None, x.dtype) and (add_to is not None or kernel == "dot"):
-        raise ValueError("out_dtype is for the register GEMV's plain product (no add_to, kernel='dot')")
+    if kernel not in ("auto", "dot", "fma", "splitk"):
+        raise ValueError(f"kernel must be 'auto', 'dot', 'fma' or 'splitk', got {kernel!r}")
+    if out_dtype not in (None, x.dtype) and (add_to is not None or kernel in ("dot", "splitk")):
+        raise ValueError("out_dtype is for the register GEMV's plain product (no add_to, kernel 'auto' or 'fma')")
     if add_to is None:
         out = torch.empty((num_rows, num_out), dtype=out_dtype or x.dtype, device=x.device)
     elif add_to.shape != (num_rows, num_out) or add_to.stride(1) != 1:
@@ -219,6 +226,10 @@ def small_linear(
                      rotary)
         return out
     dot_dtype, precision = dot_settings(x)  # the activations' dtype on a GPU; fp32 in the interpreter
+    if kernel == "splitk" or (kernel == "auto" and num_rows >= SPLITK_MIN_ROWS):
+        launch_splitk_linear(x, weight, norm_weight, out, eps, gated, add_to is not None, dot_dtype, precision,
+                             counters, block_n, block_k, split_k, num_warps, num_stages, pdl)
+        return out
     block_m = max(16, triton.next_power_of_2(num_rows))
     tiles = default_tiles(num_out, num_in, gated, block_m)
     block_n = block_n or min(tiles[0], max(16, triton.next_power_of_2(num_out)))
@@ -286,8 +297,8 @@ def _check_rotary(
 ) -> None:
     heads = rotary.num_q_heads + 2 * rotary.num_kv_heads
     rotary_dim = rotary.cos_sin_cache.shape[-1]
-    if gated or add_to is not None or kernel == "dot":
-        raise ValueError("rotary is the qkv projection's epilogue: not with gated, add_to or kernel='dot'")
+    if gated or add_to is not None or kernel in ("dot", "splitk"):
+        raise ValueError("rotary is the qkv projection's epilogue: not with gated, add_to or kernel 'dot' or 'splitk'")
     if num_out != heads * rotary.head_dim or rotary.head_dim % 2:
         raise ValueError(f"rotary: weight has {num_out} outputs, expected (Hq + 2 Hkv) x head_dim = "
                          f"{heads} x {rotary.head_dim} with an even head_dim")

@@ -33,9 +33,10 @@ class AttentionMetadata:
         block_tables: [num_seqs, max_blocks_per_seq] int32 block ids (unused tail: 0).
         max_query_len: host int, longest query in the batch (1 for a pure decode step).
         max_seq_len: host int, an upper bound on seq_lens (for CUDA graphs: the capacity).
-        split_counters: optional int32 scratch of at least num_seqs x num_kv_heads zeros that
-            the decode attention kernel uses (and leaves zeroed) to find each head's last
-            split; without it the kernel allocates zeroed counters per call.
+        split_counters: optional int32 scratch of zeros that the decode attention kernel (at
+            least num_seqs x num_kv_heads) and the split-K linear kernel (one per feature
+            block) use, one launch after another, to find each output's last split; each
+            launch leaves them zeroed. Without it the kernels allocate zeroed counters per call.
         num_prefill_tokens: host int, tokens that belong to sequences with query_len > 1.
     """
 

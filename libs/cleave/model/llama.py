@@ -102,9 +102,10 @@ class Attention(nn.Module):
             out = paged_attention(q, kv_cache, metadata, self.scale, impl="triton", sliding_window=self.sliding_window)
             out = out.reshape(num_tokens, self.q_size)
         else:
-            qkv = small_linear(residual, self.qkv_proj.weight, norm_weight=norm.weight, eps=norm.eps)
+            qkv = small_linear(residual, self.qkv_proj.weight, norm_weight=norm.weight, eps=norm.eps,
+                               counters=metadata.split_counters)
             out = self._attend(qkv, positions, kv_cache, metadata, cos_sin_cache)  # [T, Hq D]
-        small_linear(out, self.o_proj.weight, add_to=residual)
+        small_linear(out, self.o_proj.weight, add_to=residual, counters=metadata.split_counters)
 
     def _attend(
         self,
@@ -181,10 +182,12 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(hidden)  # [T, 2I]
         return self.down_proj(silu_and_mul(gate_up, impl=self.impl))  # [T, I] -> [T, H]
 
-    def forward_decode(self, residual: torch.Tensor, norm: "RMSNorm") -> None:
-        """residual += down(silu(gate) * up) of norm(residual), as two decode-batch kernels."""
-        act = small_linear(residual, self.gate_up_proj.weight, gated=True, norm_weight=norm.weight, eps=norm.eps)
-        small_linear(act, self.down_proj.weight, add_to=residual)  # [T, I] -> += [T, H]
+    def forward_decode(self, residual: torch.Tensor, norm: "RMSNorm", counters: torch.Tensor | None = None) -> None:
+        """residual += down(silu(gate) * up) of norm(residual), as two decode-batch kernels
+        (`counters`: the split-K kernel's scratch, see AttentionMetadata.split_counters)."""
+        act = small_linear(residual, self.gate_up_proj.weight, gated=True, norm_weight=norm.weight, eps=norm.eps,
+                           counters=counters)
+        small_linear(act, self.down_proj.weight, add_to=residual, counters=counters)  # [T, I] -> += [T, H]
 
 
 class DecoderLayer(nn.Module):
@@ -226,7 +229,7 @@ class DecoderLayer(nn.Module):
         """The same block for a decode-sized batch: norms fused into the projections that read
         them and residual adds into the projections that produce them (four GEMV kernels)."""
         self.self_attn.forward_decode(residual, self.input_layernorm, positions, kv_cache, metadata, cos_sin_cache)
-        self.mlp.forward_decode(residual, self.post_attention_layernorm)
+        self.mlp.forward_decode(residual, self.post_attention_layernorm, metadata.split_counters)
 
 
 class CausalLM(nn.Module):
