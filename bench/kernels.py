@@ -167,10 +167,9 @@ def _input_sets(spec: OpSpec, tokens: int, hidden: int, l2_bytes: int) -> tuple[
     return [spec.make_inputs(tokens, hidden) for _ in range(num_sets)], calls
 
 
-def _measure(fn: Callable, sets: list[tuple], calls: int, tokens: int, rep_ms: int,
-             with_host: bool = True) -> tuple[float, float | None]:
+def _measure(fn: Callable, sets: list[tuple], calls: int, tokens: int, rep_ms: int) -> tuple[float, float | None]:
     device_us = graph_call_us([lambda i=i: fn(*sets[i % len(sets)]) for i in range(calls)], rep_ms=rep_ms)
-    host_us = host_call_us(lambda: fn(*sets[0])) if with_host and tokens <= SMALL_TOKENS else None
+    host_us = host_call_us(lambda: fn(*sets[0])) if tokens <= SMALL_TOKENS else None
     return device_us, host_us
 
 
@@ -193,27 +192,30 @@ def run(args: argparse.Namespace) -> tuple[list[dict], float]:
                 sets, calls = _input_sets(spec, tokens, hidden, l2_bytes)
                 impls = {"triton": spec.triton, "eager": spec.reference, "compiled": compiled[spec.name]}
                 samples: dict[str, list[float]] = {impl: [] for impl in args.impls}
-                host: dict[str, float | None] = {}
+                host: dict[str, list[float]] = {impl: [] for impl in args.impls}
+                failed: set[str] = set()
                 for round_index in range(args.rounds):
                     # the implementations take turns, in a rotated order each round, so clock
-                    # and thermal drift during the run do not favour one of them
+                    # and thermal drift during the run (and the host's noise, for the per-call
+                    # times) do not favour one of them
                     shift = round_index % len(args.impls)
                     for impl in args.impls[shift:] + args.impls[:shift]:
-                        if impl in host and not samples[impl]:
-                            continue  # failed in an earlier round
+                        if impl in failed:
+                            continue
                         try:
-                            device_us, host_us = _measure(impls[impl], sets, calls, tokens, args.rep_ms,
-                                                          with_host=impl not in host)
+                            device_us, host_us = _measure(impls[impl], sets, calls, tokens, args.rep_ms)
                         except Exception:  # one failing variant must not lose the rest of the run
                             traceback.print_exc()
-                            host[impl] = None
+                            failed.add(impl)
                             continue
                         samples[impl].append(device_us)
-                        host.setdefault(impl, host_us)
+                        if host_us is not None:
+                            host[impl].append(host_us)
                 for impl in args.impls:
                     if not samples[impl]:
                         continue
-                    device_us, host_us = statistics.median(samples[impl]), host[impl]
+                    device_us = statistics.median(samples[impl])
+                    host_us = statistics.median(host[impl]) if host[impl] else None
                     gbs = spec.bytes_moved(tokens, hidden) / (device_us * 1e-6) / 1e9
                     row[f"{impl}_us"] = device_us
                     row[f"{impl}_gbs"] = gbs

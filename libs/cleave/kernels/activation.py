@@ -98,7 +98,7 @@ def _gated(x: torch.Tensor, use_gelu_tanh: bool) -> torch.Tensor:
         (use_gelu_tanh, launch.block),
         launch.num_warps,
     )
-    return out.view(*x.shape[:-1], inter)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], inter)
 
 
 def silu_and_mul(x: torch.Tensor, impl: Impl = "auto") -> torch.Tensor:
@@ -126,4 +126,4 @@ def gelu_bias(x: torch.Tensor, bias: torch.Tensor, impl: Impl = "auto") -> torch
     _gelu_bias_launcher(
         launch.grid, (x2, bias, out, hidden, x2.stride(0), hidden), (launch.block,), launch.num_warps
     )
-    return out.view(x.shape)
+    return out if x.dim() == 2 else out.view(x.shape)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -153,21 +154,27 @@ class CachedLauncher:
 
     `kernel[grid](...)` re-derives the specialisation of every argument on every call (about
     10 us of Python on the serving hosts, more than the kernels themselves at decode sizes).
-    This keeps the compiled kernels in a dict keyed by the same properties and calls the
-    driver-level launcher directly (`_direct_launch`; `compiled.run` where its layout is not
-    the known one), with the tensors' device pointers as integers (the launcher then makes
-    no Python call and no driver query per tensor). The first call of each key compiles
-    through triton, and so does any call with a pointer that is not 16-byte aligned.
+    This keeps the driver-level launchers (`_direct_launch`; `compiled.run` where its layout
+    is not the known one) in a dict keyed by the call's device, warps, constexprs, tensor
+    dtypes, launch options and raw scalar values, and calls them with the tensors' device
+    pointers as integers (the launcher then makes no Python call and no driver query per
+    tensor). Keying on the raw scalars costs one tuple per call instead of working out
+    triton's specialisation of each (==1, divisible by 16, 64-bit); a new set of values
+    works that out once and shares the compiled kernel with every set that specialises the
+    same way. The first call of each specialisation compiles through triton, and so does
+    any call with a pointer that is not 16-byte aligned.
 
-    Kernels take their tensor arguments first, then scalars, then constexprs. Launch
-    `options` (e.g. `launch_pdl`, `num_stages`) are part of the key. Launch hooks
+    Kernels take their tensor arguments first, then scalars, then constexprs. Launch hooks
     (profilers) are not invoked on the cached path. CPU tensors (TRITON_INTERPRET=1) always
     take triton's own path.
     """
 
+    MAX_ENTRIES = 4096  # raw-scalar keys kept (prefill token counts vary call to call)
+
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
-        self._launches: dict[tuple, Callable[..., None]] = {}
+        self._launches: dict[tuple, Callable[..., None]] = {}  # raw scalars -> launcher
+        self._compiled: dict[tuple, Callable[..., None]] = {}  # triton's specialisation -> launcher
         self._num_tensors: int | None = None  # leading tensor arguments (fixed per kernel)
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: tuple, num_warps: int, **options: Any) -> None:
@@ -181,21 +188,41 @@ class CachedLauncher:
                 (i for i, arg in enumerate(args) if not isinstance(arg, torch.Tensor)), len(args))
         tensors = args[:num_tensors]
         pointers = [tensor.data_ptr() for tensor in tensors]
-        if any(pointer & 15 for pointer in pointers):  # triton's own path specialises on it
+        if functools.reduce(operator.or_, pointers) & 15:  # triton's own path specialises on it
             self.kernel[grid](*args, *constexprs, num_warps=num_warps, **options)
             return
         scalars = args[num_tensors:]
         device = first.get_device()
-        key = (device, num_warps, constexprs, *[tensor.dtype for tensor in tensors], *map(_scalar_key, scalars))
+        key = (device, num_warps, constexprs, scalars, *[tensor.dtype for tensor in tensors])
         if options:
             key += tuple(options.items())
         launch = self._launches.get(key)
         if launch is None:
-            compiled = self.kernel[grid](*args, *constexprs, num_warps=num_warps, **options)
-            self._launches[key] = _direct_launch(compiled) or functools.partial(_run_compiled, compiled)
-            return
+            launch = self._specialised(key, grid, args, constexprs, num_warps, options)
+            if launch is None:
+                return  # launched while compiling
         launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                torch._C._cuda_getCurrentRawStream(device), [*pointers, *scalars, *constexprs])
+
+    def _specialised(
+        self, key: tuple, grid: tuple[int, ...], args: tuple, constexprs: tuple, num_warps: int, options: dict
+    ) -> Callable[..., None] | None:
+        """The launcher for a new raw-scalar key: the one of its specialisation if compiled,
+        else None after compiling (and launching) through triton."""
+        spec = (*key[:3], *map(_scalar_key, key[3]), *key[4:])
+        launch = self._compiled.get(spec)
+        if launch is None:
+            compiled = self.kernel[grid](*args, *constexprs, num_warps=num_warps, **options)
+            launch = self._compiled[spec] = _direct_launch(compiled) or functools.partial(_run_compiled, compiled)
+            self._remember(key, launch)
+            return None
+        self._remember(key, launch)
+        return launch
+
+    def _remember(self, key: tuple, launch: Callable[..., None]) -> None:
+        if len(self._launches) >= self.MAX_ENTRIES:
+            self._launches.clear()
+        self._launches[key] = launch
 
 
 def _run_compiled(compiled: Any, grid_x: int, grid_y: int, grid_z: int, stream: int, args: list) -> None:

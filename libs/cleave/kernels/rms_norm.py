@@ -126,13 +126,13 @@ def _launch(
     hidden = x.shape[-1]
     x2, res2 = as_rows(x, residual)  # [T, H] each
     num_rows = x2.shape[0]
-    out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x2)  # x2 is dense row-major or strided rows: either way out is contiguous
     if residual is not None and num_rows * hidden >= RELOAD_MIN_ELEMENTS:
         _reload_launcher(
             (num_rows,), (x2, res2, weight, out, x2.stride(0), res2.stride(0), hidden, eps),
             (hidden, min(RELOAD_BLOCK, triton.next_power_of_2(hidden))), RELOAD_WARPS,
         )
-        return out.view(x.shape)
+        return out if x.dim() == 2 else out.view(x.shape)
     launch: RowLaunch = row_launch(num_rows, hidden)
     _rms_norm_launcher(
         launch.grid,
@@ -140,7 +140,7 @@ def _launch(
         (residual is not None, launch.rows, launch.block),
         launch.num_warps,
     )
-    return out.view(x.shape)
+    return out if x.dim() == 2 else out.view(x.shape)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: Impl = "auto") -> torch.Tensor:
