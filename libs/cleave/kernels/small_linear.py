@@ -40,6 +40,7 @@ from cleave.kernels.dispatch import CachedLauncher, Impl, use_triton
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
 from cleave.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from cleave.kernels.gemv import RotaryKVWrite, _gemv_kernel, gemv_tiles
+from cleave.kernels.linear_epilogue import store_linear_output
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 from cleave.kernels.rms_norm import rms_norm_reference
 from cleave.kernels.rotary_kv_write import rotary_write_kv_reference
@@ -109,15 +110,7 @@ def _small_linear_kernel(
             w_up = tl.load(w_rows + up_offset + cols[None, :], mask=w_mask, other=0.0).to(DOT_DTYPE)
             acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
 
-    if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    out_mask = row_valid[:, None] & feature_valid[None, :]
-    out_ptrs = out_ptr + rows[:, None] * stride_out_row + features[None, :]
-    result = acc.to(out_ptr.dtype.element_ty)
-    if ADD:
-        residual = tl.load(out_ptrs, mask=out_mask, other=0.0)
-        result = (residual.to(tl.float32) + result.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptrs, result, mask=out_mask)
+    store_linear_output(acc, acc_up, out_ptr, rows, features, row_valid, feature_valid, stride_out_row, GATED, ADD)
 
 
 _launcher = CachedLauncher(_small_linear_kernel)

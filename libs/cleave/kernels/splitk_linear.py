@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from cleave.kernels.dispatch import CachedLauncher
+from cleave.kernels.linear_epilogue import store_linear_output
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 
 TARGET_PROGRAMS = 256  # about two programs per SM of a 132-SM GPU
@@ -163,15 +164,7 @@ def _splitk_linear_kernel(
         rstd = tl.math.rsqrt(sumsq / num_in + eps)  # [BLOCK_M]
         acc = acc * rstd[:, None]
         acc_up = acc_up * rstd[:, None]
-    if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    out_mask = row_valid[:, None] & feature_valid[None, :]
-    out_ptrs = out_ptr + rows[:, None] * stride_out_row + features[None, :]
-    result = acc.to(out_ptr.dtype.element_ty)
-    if ADD:
-        residual = tl.load(out_ptrs, mask=out_mask, other=0.0)
-        result = (residual.to(tl.float32) + result.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptrs, result, mask=out_mask)
+    store_linear_output(acc, acc_up, out_ptr, rows, features, row_valid, feature_valid, stride_out_row, GATED, ADD)
 
 
 _launcher = CachedLauncher(_splitk_linear_kernel)
