@@ -14,9 +14,13 @@ power of two of at least 16 rows for `tl.dot`. What would otherwise be separate 
   features, so no two programs touch the same element) instead of being written out.
 
 Rounding matches the unfused ops: the normalised input is rounded to the activation dtype
-before the product, the product before it is added, the sum when it is stored.
+before the product, the product before it is added, the sum when it is stored (the split-K
+kernel below scales the product by the inverse RMS instead: one rounding fewer).
 
-A single row goes to the register GEMV of `cleave.kernels.gemv` instead (`kernel="auto"`),
+`kernel="auto"` picks one of three kernels by row count: 17-64 rows go to the split-K kernel
+of `cleave.kernels.splitk_linear` (each program a slice of K, so the [rows, K] activations
+are not re-read from L2 in full by every feature block; the last split reduces), 2-16 rows to
+the tensor-core kernel here, and a single row to the register GEMV of `cleave.kernels.gemv`,
 which loads its first weight tile before waiting on the previous kernel: in a batch-1 step
 of 16 Llama-3.2-1B layers the four projections take 564 us (81% of HBM) against 797 us
 here (bench/results/decode/decode_gemv_chain.md). At 2-4 rows this kernel is faster.
