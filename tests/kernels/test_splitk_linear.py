@@ -53,11 +53,13 @@ def test_auto_takes_split_k_above_sixteen_rows_and_allocates_counters():
     torch.testing.assert_close(out, small_linear_reference(x, weight), rtol=1e-5, atol=1e-5)
 
 
-def test_split_k_choice_fills_the_grid_and_keeps_two_tiles_per_split():
-    assert choose_split_k(num_blocks=32, k_tiles=16) == 8  # o projection at block_n 64: 256 programs
-    assert choose_split_k(num_blocks=128, k_tiles=16) == 2
-    assert choose_split_k(num_blocks=512, k_tiles=16) == 1
-    assert choose_split_k(num_blocks=1, k_tiles=3) == 1  # never a split of less than two tiles
+def test_split_k_choice_fills_the_grid_within_its_bounds():
+    # Llama-3.2-1B at 64 rows, block_n 64, block_k 128
+    assert choose_split_k(num_blocks=32, k_tiles=64, block_k=128, block_m=64) == 8  # down: 256 programs
+    assert choose_split_k(num_blocks=128, k_tiles=16, block_k=128, block_m=64) == 2  # gate_up: 256 programs
+    assert choose_split_k(num_blocks=48, k_tiles=16, block_k=128, block_m=64) == 4  # qkv: partials bound it
+    assert choose_split_k(num_blocks=512, k_tiles=16, block_k=128, block_m=64) == 1
+    assert choose_split_k(num_blocks=1, k_tiles=3, block_k=128, block_m=16) == 1  # two tiles per split at least
 
 
 def test_rejects_what_it_cannot_do():

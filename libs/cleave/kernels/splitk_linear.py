@@ -170,10 +170,17 @@ def _splitk_linear_kernel(
 _launcher = CachedLauncher(_splitk_linear_kernel)
 
 
-def choose_split_k(num_blocks: int, k_tiles: int) -> int:
-    """A power of two that brings the grid to about TARGET_PROGRAMS, keeping >= 2 K tiles per split."""
+def _pow2_floor(value: int) -> int:
+    return 1 << (max(1, value).bit_length() - 1)
+
+
+def choose_split_k(num_blocks: int, k_tiles: int, block_k: int, block_m: int) -> int:
+    """A power of two that brings the grid to about TARGET_PROGRAMS, keeping at least two K
+    tiles per split and the fp32 partials (block_m x 4 bytes per feature and split) at most a
+    quarter of the bf16 weight bytes they stand for (k_per_split x 2 bytes per feature)."""
     wanted = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, max(1, num_blocks)))
-    return max(1, min(wanted, MAX_SPLIT_K, triton.next_power_of_2(max(1, k_tiles // 2))))
+    by_partials = _pow2_floor(k_tiles * block_k // (8 * block_m))
+    return max(1, min(wanted, MAX_SPLIT_K, _pow2_floor(k_tiles // 2), by_partials))
 
 
 def launch_splitk_linear(
@@ -202,7 +209,7 @@ def launch_splitk_linear(
     block_k = block_k or min(128, max(16, triton.next_power_of_2(num_in)))
     num_blocks = triton.cdiv(num_out, block_n)
     k_tiles = triton.cdiv(num_in, block_k)
-    split_k = split_k or choose_split_k(num_blocks, k_tiles)
+    split_k = split_k or choose_split_k(num_blocks, k_tiles, block_k, block_m)
     k_per_split = triton.cdiv(k_tiles, split_k) * block_k
     if split_k > 1:
         n_part = num_out * (2 if gated else 1)
