@@ -211,18 +211,14 @@ class CachedLauncher:
         else None after compiling (and launching) through triton."""
         spec = (*key[:3], *map(_scalar_key, key[3]), *key[4:])
         launch = self._compiled.get(spec)
-        if launch is None:
+        launched = launch is None
+        if launched:
             compiled = self.kernel[grid](*args, *constexprs, num_warps=num_warps, **options)
             launch = self._compiled[spec] = _direct_launch(compiled) or functools.partial(_run_compiled, compiled)
-            self._remember(key, launch)
-            return None
-        self._remember(key, launch)
-        return launch
-
-    def _remember(self, key: tuple, launch: Callable[..., None]) -> None:
         if len(self._launches) >= self.MAX_ENTRIES:
             self._launches.clear()
         self._launches[key] = launch
+        return None if launched else launch
 
 
 def _run_compiled(compiled: Any, grid_x: int, grid_y: int, grid_z: int, stream: int, args: list) -> None:
