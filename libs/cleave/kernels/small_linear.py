@@ -44,7 +44,7 @@ from cleave.kernels.dispatch import CachedLauncher, Impl, use_triton
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
 from cleave.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from cleave.kernels.gemv import RotaryKVWrite, _gemv_kernel, gemv_tiles
-from cleave.kernels.linear_epilogue import store_linear_output
+from cleave.kernels.linear_common import linear_tile, store_linear_output
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 from cleave.kernels.rms_norm import rms_norm_reference
 from cleave.kernels.rotary_kv_write import rotary_write_kv_reference
@@ -78,13 +78,9 @@ def _small_linear_kernel(
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    rows = tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    feature_valid = features < num_out
-    row_valid = rows < num_rows
-    x_rows = x_ptr + rows[:, None] * stride_x_row  # [BLOCK_M, 1]
-    w_rows = w_ptr + features.to(tl.int64)[:, None] * stride_w_row  # [BLOCK_N, 1]
-    up_offset = num_out.to(tl.int64) * stride_w_row
+    rows, features, row_valid, feature_valid, x_rows, w_rows, up_offset = linear_tile(
+        x_ptr, w_ptr, tl.program_id(0), num_rows, num_out, stride_x_row, stride_w_row, BLOCK_M, BLOCK_N
+    )
     wait_for_producer(PDL)
     release_dependents(PDL)
 

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from cleave.kernels.dispatch import CachedLauncher
-from cleave.kernels.linear_epilogue import store_linear_output
+from cleave.kernels.linear_common import linear_tile, store_linear_output
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 
 TARGET_PROGRAMS = 256  # about two programs per SM of a 132-SM GPU
@@ -92,13 +92,9 @@ def _splitk_linear_kernel(
 ):
     block = tl.program_id(0)
     split = tl.program_id(1)
-    features = block * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    rows = tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    feature_valid = features < num_out
-    row_valid = rows < num_rows
-    x_rows = x_ptr + rows[:, None] * stride_x_row  # [BLOCK_M, 1]
-    w_rows = w_ptr + features.to(tl.int64)[:, None] * stride_w_row  # [BLOCK_N, 1]
-    up_offset = num_out.to(tl.int64) * stride_w_row
+    rows, features, row_valid, feature_valid, x_rows, w_rows, up_offset = linear_tile(
+        x_ptr, w_ptr, block, num_rows, num_out, stride_x_row, stride_w_row, BLOCK_M, BLOCK_N
+    )
     k_start = split * k_per_split
     k_end = tl.minimum(num_in, k_start + k_per_split)
 
