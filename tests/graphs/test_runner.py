@@ -80,18 +80,20 @@ def test_disabled_runner_never_captures():
 
 
 @pytest.mark.gpu
-def test_gpu_replay_matches_eager_for_every_bucket():
+@pytest.mark.parametrize("decode_gemv_max_tokens", [16, 64])  # 64: buckets 24 and 32 on the split-K kernel
+def test_gpu_replay_matches_eager_for_every_bucket(decode_gemv_max_tokens):
     device = torch.device("cuda")
     torch.manual_seed(0)
     config = tiny_config()
     model = CausalLM(config).to(device).eval()
+    model.decode_gemv_max_tokens = decode_gemv_max_tokens
     num_blocks, max_blocks_per_seq = 4096, 64
     kv_cache = allocate_kv_cache(config, num_blocks, BLOCK_SIZE, device=device)
     kv_cache.normal_()
     kv_cache[:, :, 0].zero_()  # the null block
 
     def step(input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        return model.compute_logits(model(input_ids, positions, kv_cache, metadata))
+        return model.decode_logits(input_ids, positions, kv_cache, metadata)
 
     runner = CUDAGraphRunner(step, GraphRunnerConfig(32, max_blocks_per_seq, BLOCK_SIZE), device)
     with torch.inference_mode():

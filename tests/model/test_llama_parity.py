@@ -152,6 +152,10 @@ def test_fused_decode_path_matches_transformers(tiny_checkpoints, hf_models, arc
     assert (run_chunks(model, input_ids, [20, 1, 1, 1, 2]) - expected).abs().max().item() <= TOLERANCE
     # decode_logits: the final norm inside the lm_head GEMV
     assert (run_chunks(model, input_ids, [20, 1, 1, 1, 2], True) - expected).abs().max().item() <= TOLERANCE
+    # up to 64 tokens: the 20-token chunk on the split-K projections (their counters allocated per call)
+    model.decode_gemv_max_tokens = 64
+    assert model._decode_kernels_apply(torch.zeros(20, model.config.hidden_size))
+    assert (run_chunks(model, input_ids, [20, 1, 1, 1, 2]) - expected).abs().max().item() <= TOLERANCE
 
 
 @torch.no_grad()
