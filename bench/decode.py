@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     kv_cache.normal_(0.0, 1.0)
 
     def step(input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        return model.decode_logits(input_ids, positions, kv_cache, metadata)
+        return model.compute_logits(model(input_ids, positions, kv_cache, metadata))
 
     max_model_len = args.max_model_len or max(case.context for case in fitting)
     runner = CUDAGraphRunner(

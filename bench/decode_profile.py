@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     kv_cache.normal_(0.0, 1.0)
 
     def step(input_ids, positions, metadata):
-        return model.decode_logits(input_ids, positions, kv_cache, metadata)
+        return model.compute_logits(model(input_ids, positions, kv_cache, metadata))
 
     runner = CUDAGraphRunner(
         step,

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     kv_cache = allocate_kv_cache(config, num_blocks, 16, device=device)
 
     def step(input_ids, positions, metadata):
-        return model.decode_logits(input_ids, positions, kv_cache, metadata)
+        return model.compute_logits(model(input_ids, positions, kv_cache, metadata))
 
     runner = CUDAGraphRunner(
         step, GraphRunnerConfig(max_batch_size=1, max_blocks_per_seq=-(-args.max_model_len // 16), block_size=16), device

@@ -93,7 +93,7 @@ def test_gpu_replay_matches_eager_for_every_bucket(decode_gemv_max_tokens):
     kv_cache[:, :, 0].zero_()  # the null block
 
     def step(input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        return model.decode_logits(input_ids, positions, kv_cache, metadata)
+        return model.compute_logits(model(input_ids, positions, kv_cache, metadata))
 
     runner = CUDAGraphRunner(step, GraphRunnerConfig(32, max_blocks_per_seq, BLOCK_SIZE), device)
     with torch.inference_mode():

@@ -21,22 +21,16 @@ BLOCK_TABLE = [17, 3, 22, 8, 0, 13, 5, 19]
 TOLERANCE = 1e-4
 
 
-def run_chunks(
-    model: CausalLM, input_ids: torch.Tensor, chunk_lens: list[int], decode_logits: bool = False
-) -> torch.Tensor:
-    """Logits [T, V] of one sequence fed as consecutive prefill chunks through a paged cache
-    (single-token chunks through `model.decode_logits` when `decode_logits`)."""
+def run_chunks(model: CausalLM, input_ids: torch.Tensor, chunk_lens: list[int]) -> torch.Tensor:
+    """Logits [T, V] of one sequence fed as consecutive prefill chunks through a paged cache."""
     kv_cache = allocate_kv_cache(model.config, NUM_BLOCKS, BLOCK_SIZE)
     logits, start = [], 0
     for chunk_len in chunk_lens:
         end = start + chunk_len
         blocks = BLOCK_TABLE[: (end + BLOCK_SIZE - 1) // BLOCK_SIZE]
         metadata = AttentionMetadata.build([chunk_len], [end], [blocks], BLOCK_SIZE)
-        if decode_logits and chunk_len == 1:
-            logits.append(model.decode_logits(input_ids[start:end], torch.arange(start, end), kv_cache, metadata))
-        else:
-            hidden = model(input_ids[start:end], torch.arange(start, end), kv_cache, metadata)
-            logits.append(model.compute_logits(hidden))
+        hidden = model(input_ids[start:end], torch.arange(start, end), kv_cache, metadata)
+        logits.append(model.compute_logits(hidden))
         start = end
     return torch.cat(logits)
 
@@ -150,8 +144,6 @@ def test_fused_decode_path_matches_transformers(tiny_checkpoints, hf_models, arc
     input_ids = prompt_ids(model.config.vocab_size, 25)
     expected = hf_models[arch](input_ids[None]).logits[0].float()
     assert (run_chunks(model, input_ids, [20, 1, 1, 1, 2]) - expected).abs().max().item() <= TOLERANCE
-    # decode_logits: the final norm inside the lm_head GEMV
-    assert (run_chunks(model, input_ids, [20, 1, 1, 1, 2], True) - expected).abs().max().item() <= TOLERANCE
     # up to 64 tokens: the 20-token chunk on the split-K projections (their counters allocated per call)
     model.decode_gemv_max_tokens = 64
     assert model._decode_kernels_apply(torch.zeros(20, model.config.hidden_size))

@@ -230,7 +230,7 @@ class ModelRunner:
 
     def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         # [B] -> logits [B, V]: every row of a decode batch is a sampling row
-        return self.model.decode_logits(input_ids, positions, self.kv_cache, metadata)
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_cache, metadata))
 
     # ---- one step -------------------------------------------------------------------------
 

@@ -293,38 +293,14 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, H]
         hidden = self.embed_tokens(input_ids)  # [T, H]
         if self._decode_kernels_apply(hidden):
-            self._forward_decode(hidden, positions, kv_cache, metadata)
+            for index, layer in enumerate(self.layers):
+                layer.forward_decode(hidden, positions, kv_cache[index], metadata, self.cos_sin_cache)
             return self.norm(hidden)
         residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, positions, kv_cache[index], metadata, self.cos_sin_cache)
         hidden, _ = self.norm(hidden, residual)
         return hidden
-
-    def decode_logits(
-        self,
-        input_ids: torch.Tensor,  # [T] int64, one token per sequence
-        positions: torch.Tensor,  # [T] int64
-        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, Hkv, D]
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, V] float32
-        """compute_logits(forward(...)) for a decode step, where every token samples.
-
-        A single token on the fused decode path skips the final norm kernel: the lm_head
-        GEMV normalises its input itself."""
-        hidden = self.embed_tokens(input_ids)  # [T, H]
-        if hidden.shape[0] <= GEMV_AUTO_MAX_ROWS and self._decode_kernels_apply(hidden):
-            self._forward_decode(hidden, positions, kv_cache, metadata)
-            return small_linear(hidden, self.lm_head.weight, norm_weight=self.norm.weight, eps=self.norm.eps,
-                                out_dtype=torch.float32)
-        return self.compute_logits(self.forward(input_ids, positions, kv_cache, metadata))
-
-    def _forward_decode(
-        self, residual: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
-    ) -> None:
-        """Every layer's decode-batch kernels on the residual stream [T, H], in place."""
-        for index, layer in enumerate(self.layers):
-            layer.forward_decode(residual, positions, kv_cache[index], metadata, self.cos_sin_cache)
 
     def _decode_kernels_apply(self, hidden: torch.Tensor) -> bool:
         """Whether this batch runs the fused decode-batch GEMV path: Triton kernels (on CUDA, or
