@@ -70,6 +70,15 @@ def test_rejects_what_it_cannot_do():
         small_linear(x, weight, impl="triton", kernel="cublas")
 
 
+def _assert_within_bf16_rounding(out: torch.Tensor, expected: torch.Tensor) -> None:
+    # The split-K kernel rounds the weight-scaled input once and normalises the product, so
+    # it is held to the fp32 result of the same maths: within a few bf16 ulps of the output's
+    # scale (a lost or doubled split would be off by whole units).
+    scale = expected.abs().max().item()
+    error = (out.float() - expected).abs().max().item()
+    assert error <= 2**-6 * scale, f"max error {error:.4f} for outputs up to {scale:.2f}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [17, 32, 64])
 @pytest.mark.parametrize(("num_out", "num_in", "gated"), [(3072, 2048, False), (8192, 2048, True), (2048, 8192, False)])
@@ -77,11 +86,10 @@ def test_gpu_bf16_llama_shapes(rows, num_out, num_in, gated):
     x, weight, norm_weight, residual = make(rows, num_out, num_in, gated, torch.bfloat16, "cuda")
     counters = torch.zeros(1024, dtype=torch.int32, device="cuda")
     out = small_linear(x, weight, gated=gated, norm_weight=norm_weight, kernel="splitk", counters=counters)
-    expected = small_linear_reference(x, weight, gated=gated, norm_weight=norm_weight)
-    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    expected = small_linear_reference(x.float(), weight.float(), gated=gated, norm_weight=norm_weight.float())
+    _assert_within_bf16_rounding(out, expected)
     if not gated:
-        ours, theirs = residual.clone(), residual.clone()
+        ours = residual.clone()
         small_linear(x, weight, add_to=ours, kernel="splitk", counters=counters)
-        small_linear_reference(x, weight, add_to=theirs)
-        torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-2)
+        _assert_within_bf16_rounding(ours, residual.float() + small_linear_reference(x.float(), weight.float()))
     assert not counters.any()
