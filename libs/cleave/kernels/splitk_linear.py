@@ -25,6 +25,11 @@ Launched with programmatic dependent launch where the device has it: each progra
 first weight tile before waiting on the previous kernel (weights are never written during a
 step), and the counters are only touched after the wait, so consecutive launches can share
 one counter buffer (the previous launch has reset every counter it used by then).
+
+Measured on an H200 (bench/results/decode/splitk): at 64 rows it beats the tensor-core
+kernel of `small_linear` 1.5-2.3x per projection and ties cuBLAS without the norm (o, down),
+but the fused norm makes qkv and gate_up slower than cuBLAS plus a norm kernel (16.7 vs 9.0
+us for qkv), so the model's decode path stays on cuBLAS above 16 tokens.
 """
 
 from __future__ import annotations
