@@ -137,9 +137,10 @@ def test_rejects_bad_shapes_naming_the_limit():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize(("rows", "kernel"), [(1, "fma"), (1, "dot"), (3, "fma"), (8, "auto"), (64, "auto")])
+@pytest.mark.parametrize(("rows", "kernel"), [(1, "fma"), (1, "dot"), (3, "fma"), (8, "auto"), (64, "dot")])
 @pytest.mark.parametrize("num_in", [2048, 8192])
 def test_gpu_bf16_llama_shapes(rows, kernel, gated, num_in):
+    # the kernels that round as the unfused ops do (17-64 rows under "auto": test_splitk_linear)
     x, weight, norm_weight, residual = make(rows, 8192 if gated else 2048, num_in, gated, torch.bfloat16, "cuda")
     out = small_linear(x, weight, gated=gated, norm_weight=norm_weight, kernel=kernel)
     expected = small_linear_reference(x, weight, gated=gated, norm_weight=norm_weight)
