@@ -62,3 +62,14 @@ def test_gpu_bf16(shape):
         y = x[:, : shape[1]].contiguous()
         bias = torch.randn(shape[1], dtype=torch.bfloat16, device="cuda")
         assert_close_ulps(gelu_bias(y, bias), gelu_bias_reference(y.float(), bias.float()).bfloat16(), atol=NEAR_ZERO)
+
+
+def test_many_wide_rows_take_the_wide_launch_and_mask_the_ragged_block():
+    # >= 1024 rows of > 4096 outputs: 4096-column blocks, the second one mostly masked
+    from cleave.kernels.dispatch import tile_launch
+
+    launch = tile_launch(1024, 4100)
+    assert (launch.block, launch.num_warps, launch.grid) == (4096, 16, (1024, 2))
+    torch.manual_seed(3)
+    x = torch.randn(1024, 2 * 4100) * 3
+    assert_close_ulps(silu_and_mul(x, impl="triton"), silu_and_mul_reference(x), atol=NEAR_ZERO)
