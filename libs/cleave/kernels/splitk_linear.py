@@ -47,9 +47,20 @@ MAX_SPLIT_K = 16
 
 
 @triton.jit
+def _weight_tile(w_rows, up_offset, cols, feature_valid, k_end, GATED: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] at columns `cols` (masked to < k_end), and its up
+    half when GATED (else the same tile again)."""
+    w_mask = feature_valid[:, None] & (cols < k_end)[None, :]
+    w = tl.load(w_rows + cols[None, :], mask=w_mask, other=0.0)
+    w_up = w
+    if GATED:
+        w_up = tl.load(w_rows + up_offset + cols[None, :], mask=w_mask, other=0.0)
+    return w, w_up
+
+
+@triton.jit
 def _splitk_tile(
-    x_rows, w_rows, up_offset, norm_w_ptr, cols, row_valid, feature_valid, k_end, w, w_up,
-    acc, acc_up, sumsq,
+    x_rows, norm_w_ptr, cols, row_valid, k_end, w, w_up, acc, acc_up, sumsq,
     NORM: tl.constexpr, GATED: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One K tile: accumulate x[:, cols] (weight-scaled when NORM) @ w.T (and @ w_up.T)."""
@@ -106,30 +117,21 @@ def _splitk_linear_kernel(
     # Weights are not written during a step: the first tile streams in before the wait.
     release_dependents(PDL)
     cols = k_start + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-    w_mask = feature_valid[:, None] & (cols < k_end)[None, :]
-    w = tl.load(w_rows + cols[None, :], mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
-    w_up = w
-    if GATED:
-        w_up = tl.load(w_rows + up_offset + cols[None, :], mask=w_mask, other=0.0)
+    w, w_up = _weight_tile(w_rows, up_offset, cols, feature_valid, k_end, GATED)  # [BLOCK_N, BLOCK_K]
     wait_for_producer(PDL)
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, acc_up, sumsq = _splitk_tile(
-        x_rows, w_rows, up_offset, norm_w_ptr, cols, row_valid, feature_valid, k_end, w, w_up,
-        acc, acc_up, sumsq, NORM, GATED, DOT_DTYPE, DOT_PRECISION,
+        x_rows, norm_w_ptr, cols, row_valid, k_end, w, w_up, acc, acc_up, sumsq, NORM, GATED, DOT_DTYPE, DOT_PRECISION,
     )
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        w_mask = feature_valid[:, None] & (cols < k_end)[None, :]
-        w = tl.load(w_rows + cols[None, :], mask=w_mask, other=0.0)
-        w_up = w
-        if GATED:
-            w_up = tl.load(w_rows + up_offset + cols[None, :], mask=w_mask, other=0.0)
+        w, w_up = _weight_tile(w_rows, up_offset, cols, feature_valid, k_end, GATED)
         acc, acc_up, sumsq = _splitk_tile(
-            x_rows, w_rows, up_offset, norm_w_ptr, cols, row_valid, feature_valid, k_end, w, w_up,
-            acc, acc_up, sumsq, NORM, GATED, DOT_DTYPE, DOT_PRECISION,
+            x_rows, norm_w_ptr, cols, row_valid, k_end, w, w_up, acc, acc_up, sumsq,
+            NORM, GATED, DOT_DTYPE, DOT_PRECISION,
         )
 
     if SPLIT_K > 1:
