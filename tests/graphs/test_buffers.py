@@ -16,11 +16,15 @@ def decode_batch(seq_lens: list[int], tables: list[list[int]]) -> tuple[torch.Te
     return input_ids, positions, metadata
 
 
-def test_fill_copies_real_rows_and_bucket_view_shows_padding():
+IMPLS = pytest.mark.parametrize("impl", ["torch", "triton"])  # triton: one kernel, interpreted on CPU
+
+
+@IMPLS
+def test_fill_copies_real_rows_and_bucket_view_shows_padding(impl):
     buffers = StaticDecodeBuffers(max_batch_size=8, max_blocks_per_seq=4, block_size=BLOCK_SIZE, device="cpu")
     input_ids, positions, metadata = decode_batch([6, 3, 9], [[5, 2], [7], [1, 3, 8]])
 
-    buffers.fill(input_ids, positions, metadata)
+    buffers.fill(input_ids, positions, metadata, impl)
     view = buffers.metadata(4)
 
     assert buffers.input_ids[:4].tolist() == [100, 101, 102, 0]
@@ -32,11 +36,12 @@ def test_fill_copies_real_rows_and_bucket_view_shows_padding():
     assert (view.max_query_len, view.max_seq_len) == (1, 16)
 
 
-def test_a_smaller_batch_resets_the_rows_and_columns_the_last_one_used():
+@IMPLS
+def test_a_smaller_batch_resets_the_rows_and_columns_the_last_one_used(impl):
     buffers = StaticDecodeBuffers(max_batch_size=8, max_blocks_per_seq=4, block_size=BLOCK_SIZE, device="cpu")
-    buffers.fill(*decode_batch([13, 10, 9, 16], [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10], [11, 12, 13, 14]]))
+    buffers.fill(*decode_batch([13, 10, 9, 16], [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10], [11, 12, 13, 14]]), impl)
 
-    buffers.fill(*decode_batch([2, 7], [[3], [4, 6]]))
+    buffers.fill(*decode_batch([2, 7], [[3], [4, 6]]), impl)
 
     assert buffers.block_tables.tolist()[:5] == [[3, 0, 0, 0], [4, 6, 0, 0], [0] * 4, [0] * 4, [0] * 4]
     assert buffers.seq_lens.tolist() == [2, 7, 0, 0, 0, 0, 0, 0]
@@ -51,3 +56,30 @@ def test_fill_rejects_batches_beyond_capacity():
         buffers.fill(*decode_batch([9], [[1, 2, 3]]))
     with pytest.raises(ValueError, match="capacity of 2"):
         buffers.fill(*decode_batch([1, 1, 1], [[1], [2], [3]]))
+
+
+@IMPLS
+def test_a_larger_wider_batch_after_a_small_one_and_strided_sources(impl):
+    buffers = StaticDecodeBuffers(max_batch_size=4, max_blocks_per_seq=6, block_size=BLOCK_SIZE, device="cpu")
+    buffers.fill(*decode_batch([5], [[9, 4]]), impl)
+    packed = torch.arange(40, dtype=torch.int32).view(4, 10)  # a table whose rows are strided
+    input_ids = torch.tensor([[7, 70], [8, 80], [9, 90]])[:, 0]  # a strided column
+    positions = torch.tensor([20, 3, 11], dtype=torch.int32)  # cast to int64 on the way in
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor([33, 44, 55]),
+        query_start_loc=torch.arange(4, dtype=torch.int32),
+        seq_lens=torch.tensor([21, 4, 12], dtype=torch.int32),
+        block_tables=packed[:3, 1:6],
+        max_query_len=1,
+        max_seq_len=24,
+    )
+
+    buffers.fill(input_ids, positions, metadata, impl)
+
+    assert buffers.input_ids.tolist() == [7, 8, 9, 0]
+    assert buffers.positions.tolist() == [20, 3, 11, 0] and buffers.positions.dtype == torch.int64
+    assert buffers.slot_mapping.tolist() == [33, 44, 55, PAD_SLOT_ID]
+    assert buffers.seq_lens.tolist() == [21, 4, 12, 0]
+    assert buffers.block_tables.tolist() == [
+        [1, 2, 3, 4, 5, 0], [11, 12, 13, 14, 15, 0], [21, 22, 23, 24, 25, 0], [0] * 6,
+    ]

@@ -15,6 +15,7 @@ from triton.compiler import ASTSource
 
 from cleave.kernels.attention_decode import _paged_decode_split_kernel
 from cleave.kernels.attention_prefill import _paged_prefill_kernel
+from cleave.kernels.decode_inputs import _fill_decode_inputs_kernel
 from cleave.kernels.gemv import _gemv_kernel
 from cleave.kernels.splitk_linear import _splitk_linear_kernel
 
@@ -24,7 +25,10 @@ POINTERS = {  # argument name -> pointer type; every other runtime argument is a
     "cos_sin_ptr": "*fp32", "cache_ptr": "*bf16", "slot_mapping_ptr": "*i64", "query_ptr": "*bf16",
     "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_acc_ptr": "*fp32", "counters_ptr": "*i32",
     "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",
-    "part_ptr": "*fp32", "sumsq_ptr": "*fp32",
+    "part_ptr": "*fp32", "sumsq_ptr": "*fp32", "key_ptr": "*bf16", "value_ptr": "*bf16",
+    "src_ids_ptr": "*i64", "src_positions_ptr": "*i64", "src_slots_ptr": "*i64", "src_seq_lens_ptr": "*i32",
+    "src_tables_ptr": "*i32", "dst_ids_ptr": "*i64", "dst_positions_ptr": "*i64", "dst_slots_ptr": "*i64",
+    "dst_seq_lens_ptr": "*i32", "dst_tables_ptr": "*i32",
 }
 FLOATS = {"eps", "scale_log2"}
 
@@ -47,9 +51,14 @@ def main() -> None:
     compile_variant(_gemv_kernel, {**gemv, "ADD": True, "BLOCK_N": 8, "K_TILES": 4}, 8)  # down
     compile_variant(_gemv_kernel, {**gemv, "BLOCK_M": 4, "BLOCK_N": 2, "PDL": False}, 4)
     attention = dict(QUERIES_PER_KV=4, HEAD_DIM=64, NUM_SPLITS=16, SLIDING=False, BLOCK_G=16, BLOCK_N=64, BLOCK_D=64,
-                     BLOCK_Q=4, BLOCK_S=16, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", PREFETCH=True, PDL=True)
+                     BLOCK_Q=4, BLOCK_S=16, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", PREFETCH=True, ROTARY=False,
+                     IS_NEOX=True, PDL=True)
     compile_variant(_paged_decode_split_kernel, attention, 2)
     compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 4, "PREFETCH": False, "SLIDING": True}, 2)
+    compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 2, "PREFETCH": False, "ROTARY": True}, 2)
+    compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 8, "ROTARY": True, "IS_NEOX": False}, 2)
+    compile_variant(_fill_decode_inputs_kernel, dict(PAD_TOKEN=0, PAD_POSITION=0, PAD_SLOT=-1, PAD_SEQ_LEN=0,
+                                                     NULL_BLOCK=0, BLOCK_W=1024), 4)
     prefill = dict(QUERIES_PER_KV=4, HEAD_DIM=64, SLIDING=True, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64,
                    DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32")
     compile_variant(_paged_prefill_kernel, prefill, 4)

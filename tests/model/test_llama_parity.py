@@ -148,6 +148,11 @@ def test_fused_decode_path_matches_transformers(tiny_checkpoints, hf_models, arc
     model.decode_gemv_max_tokens = 64
     assert model._decode_kernels_apply(torch.zeros(20, model.config.hidden_size))
     assert (run_chunks(model, input_ids, [20, 1, 1, 1, 2]) - expected).abs().max().item() <= TOLERANCE
+    # no decode-batch projections: single-token steps take the unfused layers, whose decode
+    # attention kernel rotates q/k and writes the new K/V itself
+    model.decode_gemv_max_tokens = 0
+    assert not model._decode_kernels_apply(torch.zeros(1, model.config.hidden_size))
+    assert (run_chunks(model, input_ids, [20, 1, 1, 1, 2]) - expected).abs().max().item() <= TOLERANCE
 
 
 @torch.no_grad()

@@ -3,8 +3,8 @@
 A CUDA graph replays fixed device addresses, so every step's inputs are copied into the
 same capacity-sized tensors and each bucket's graph was captured over leading slices of
 them. `fill` copies the real rows and resets to padding only the rows (and block-table
-columns) that a previous step left holding real data, so a steady batch costs one
-`copy_` per input and nothing more.
+columns) that a previous step left holding real data, all in one kernel launch on CUDA
+(cleave.kernels.decode_inputs).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 
 from cleave.graphs.buckets import NULL_BLOCK_ID, PAD_POSITION, PAD_SEQ_LEN, PAD_SLOT_ID, PAD_TOKEN_ID
+from cleave.kernels.decode_inputs import DecodeInputs, InputPadding, fill_decode_inputs
+from cleave.kernels.dispatch import Impl
 from cleave.kv.metadata import AttentionMetadata
 
 MAX_KV_HEADS = 128  # KV heads per layer the split counters are sized for
@@ -20,6 +22,8 @@ MAX_KV_HEADS = 128  # KV heads per layer the split counters are sized for
 # Feature blocks of the widest split-K projection (cleave.kernels.splitk_linear), e.g. a
 # 28672-wide gate_up at 64 features per block.
 MIN_SPLIT_COUNTERS = 1024
+
+PADDING = InputPadding(PAD_TOKEN_ID, PAD_POSITION, PAD_SLOT_ID, PAD_SEQ_LEN, NULL_BLOCK_ID)
 
 
 class StaticDecodeBuffers:
@@ -52,6 +56,7 @@ class StaticDecodeBuffers:
         self.split_counters = torch.zeros(
             max(max_batch_size * MAX_KV_HEADS, MIN_SPLIT_COUNTERS), dtype=torch.int32, device=device
         )
+        self._static = DecodeInputs(self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables)
         # Extent of real data left by the last fill: rows [0, dirty_rows), columns [0, dirty_width).
         self.dirty_rows = 0
         self.dirty_width = 0
@@ -73,8 +78,11 @@ class StaticDecodeBuffers:
             split_counters=self.split_counters,
         )
 
-    def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> None:
-        """Copy a decode batch into rows [0, batch) and leave every other row as padding.
+    def fill(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, impl: Impl = "auto"
+    ) -> None:
+        """Copy a decode batch into rows [0, batch) and leave every other row as padding
+        (one kernel launch on CUDA).
 
         `input_ids`, `positions`: [batch]; `metadata` holds one query token per sequence.
         """
@@ -87,27 +95,17 @@ class StaticDecodeBuffers:
                 f"block tables of {width} blocks exceed the graph capacity of {self.max_blocks_per_seq}; "
                 "raise max_blocks_per_seq (max model length / block size)"
             )
-        self.input_ids[:batch_size].copy_(input_ids, non_blocking=True)
-        self.positions[:batch_size].copy_(positions, non_blocking=True)
-        self.slot_mapping[:batch_size].copy_(metadata.slot_mapping, non_blocking=True)
-        self.seq_lens[:batch_size].copy_(metadata.seq_lens, non_blocking=True)
-        self.block_tables[:batch_size, :width].copy_(metadata.block_tables, non_blocking=True)
-        if self.dirty_width > width:
-            self.block_tables[: min(batch_size, self.dirty_rows), width : self.dirty_width].fill_(NULL_BLOCK_ID)
-        if self.dirty_rows > batch_size:
-            self._reset_rows(batch_size, self.dirty_rows)
+        source = DecodeInputs(input_ids, positions, metadata.slot_mapping, metadata.seq_lens, metadata.block_tables)
+        fill_decode_inputs(source, self._static, PADDING, self.dirty_rows, self.dirty_width, impl)
         self.dirty_rows = batch_size
         self.dirty_width = width
 
     def reset(self) -> None:
         """Return every row to padding (before capture, so warm-up runs touch no real state)."""
-        self._reset_rows(0, self.max_batch_size)
+        self.input_ids.fill_(PAD_TOKEN_ID)
+        self.positions.fill_(PAD_POSITION)
+        self.slot_mapping.fill_(PAD_SLOT_ID)
+        self.seq_lens.fill_(PAD_SEQ_LEN)
+        self.block_tables.fill_(NULL_BLOCK_ID)
         self.dirty_rows = 0
         self.dirty_width = 0
-
-    def _reset_rows(self, start: int, end: int) -> None:
-        self.input_ids[start:end].fill_(PAD_TOKEN_ID)
-        self.positions[start:end].fill_(PAD_POSITION)
-        self.slot_mapping[start:end].fill_(PAD_SLOT_ID)
-        self.seq_lens[start:end].fill_(PAD_SEQ_LEN)
-        self.block_tables[start:end].fill_(NULL_BLOCK_ID)

@@ -16,6 +16,12 @@ on a per-(sequence, KV head) atomic counter; the split that finishes last merges
 partials and writes the output, then zeroes the counter for the next launch. One launch
 per layer, no separate reduction kernel. The counters live in `metadata.split_counters`
 (zeroed once, e.g. by the CUDA-graph buffers) or are allocated zeroed per call.
+
+With `new_kv` the kernel also takes the layer's rotary embedding and KV write (batches whose
+qkv projection is a cuBLAS GEMM, which has no epilogue to carry them): every program
+rotates its query heads in registers, and the program of each sequence's last split rotates
+the new key into its cache slot and copies the value beside it before reading the tile
+that holds it. One launch per layer fewer.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from dataclasses import dataclass
 
 from cleave.kernels.attention_common import LOG2E, attend_tile, dot_settings, kv_tile_pointers
 from cleave.kernels.dispatch import CachedLauncher
@@ -41,6 +49,44 @@ MAX_SPLITS = 256
 # peeled first tile costs the pipelined loop more than it hides (batch 32 / 32k: 94% ->
 # 86% of HBM when every launch prefetched).
 PREFETCH_MIN_SPLITS = 8
+
+
+@dataclass(frozen=True)
+class NewKV:
+    """Each sequence's new key and value (before rotary), which the decode kernel rotates
+    and writes into the cache itself; the query it is given is unrotated too."""
+
+    key: torch.Tensor  # [T, Hkv, D], may be a strided view of the qkv output
+    value: torch.Tensor  # [T, Hkv, D]
+    positions: torch.Tensor  # [T]
+    cos_sin_cache: torch.Tensor  # [max_pos, D] fp32: cos in the first D/2 columns, sin in the rest
+    slot_mapping: torch.Tensor  # [T] int64, -1 = padding (no write)
+    is_neox: bool = True
+
+
+@triton.jit
+def _rotated_rows(
+    row_ptr, rows, row_stride, rows_valid, dims, cos_sin_row,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr,
+):
+    """[R, BLOCK_D] fp32: head vectors `rows` at `row_ptr` rotated by one position's angles
+    (`cos_sin_row`: cos then sin, HALF each; full-width rotary)."""
+    if IS_NEOX:  # pairs (d, d + HALF)
+        first = dims < HALF
+        partner = tl.where(first, dims + HALF, dims - HALF)
+        pair = tl.where(first, dims, dims - HALF)
+    else:  # pairs (2i, 2i + 1)
+        first = dims % 2 == 0
+        partner = dims ^ 1
+        pair = dims // 2
+    dim_valid = dims < HEAD_DIM
+    mask = rows_valid[:, None] & dim_valid[None, :]
+    ptrs = row_ptr + rows[:, None].to(tl.int64) * row_stride
+    x = tl.load(ptrs + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(ptrs + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    cos = tl.load(cos_sin_row + pair, mask=dim_valid, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_row + HALF + pair, mask=dim_valid, other=0.0).to(tl.float32)
+    return x * cos[None, :] + y * tl.where(first, -sin, sin)[None, :]
 
 
 @triton.jit
@@ -70,6 +116,11 @@ def _paged_decode_split_kernel(
     query_start_loc_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32
     block_tables_ptr,  # [B, max_blocks_per_seq] int32
+    key_ptr,  # ROTARY: [T, Hkv, D] new keys, unrotated
+    value_ptr,  # ROTARY: [T, Hkv, D] new values
+    positions_ptr,  # ROTARY: [T]
+    cos_sin_ptr,  # ROTARY: [max_pos, HEAD_DIM] fp32
+    slot_mapping_ptr,  # ROTARY: [T] int64, -1 = padding
     scale_log2,
     stride_q_token,
     stride_q_head,
@@ -82,6 +133,11 @@ def _paged_decode_split_kernel(
     stride_o_head,
     block_size,
     window,  # sliding window in tokens (used when SLIDING)
+    stride_k_token,
+    stride_k_head,
+    stride_v_token,
+    stride_v_head,
+    stride_cos_sin,
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -94,6 +150,8 @@ def _paged_decode_split_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PREFETCH: tl.constexpr,
+    ROTARY: tl.constexpr,
+    IS_NEOX: tl.constexpr,
     PDL: tl.constexpr,
 ):
     split = tl.program_id(0)
@@ -127,11 +185,34 @@ def _paged_decode_split_kernel(
     wait_for_producer(PDL)
     release_dependents(PDL)
 
-    q = tl.load(
-        query_ptr + q_token.to(tl.int64) * stride_q_token + q_heads[:, None] * stride_q_head + dims[None, :],
-        mask=group_valid[:, None] & dim_valid[None, :],
-        other=0.0,
-    ).to(DOT_DTYPE)  # [BLOCK_G, BLOCK_D]
+    if ROTARY:
+        half: tl.constexpr = HEAD_DIM // 2
+        q_token64 = q_token.to(tl.int64)
+        cos_sin_row = cos_sin_ptr + tl.load(positions_ptr + q_token64).to(tl.int64) * stride_cos_sin
+        q = _rotated_rows(
+            query_ptr + q_token64 * stride_q_token, q_heads, stride_q_head, group_valid, dims, cos_sin_row,
+            HEAD_DIM, half, IS_NEOX,
+        ).to(query_ptr.dtype.element_ty).to(DOT_DTYPE)  # rounded as a rotated query in memory would be
+        slot = tl.load(slot_mapping_ptr + q_token64).to(tl.int64)
+        if (split == num_active - 1) & (slot >= 0):
+            # The newest position lies in the last split: write it, then read it back below.
+            head = kv_head + tl.arange(0, 1)  # [1]
+            one = head == kv_head
+            key = _rotated_rows(key_ptr + q_token64 * stride_k_token, head, stride_k_head, one, dims, cos_sin_row,
+                                HEAD_DIM, half, IS_NEOX)
+            value = tl.load(value_ptr + q_token64 * stride_v_token + head[:, None] * stride_v_head + dims[None, :],
+                            mask=one[:, None] & dim_valid[None, :])
+            slot_ptr = cache_ptr + (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_slot
+            dst = slot_ptr + head[:, None] * stride_cache_head + dims[None, :]
+            tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=one[:, None] & dim_valid[None, :])
+            tl.store(dst + stride_cache_kv, value.to(cache_ptr.dtype.element_ty), mask=one[:, None] & dim_valid[None, :])
+        tl.debug_barrier()  # the whole program sees the written slot
+    else:
+        q = tl.load(
+            query_ptr + q_token.to(tl.int64) * stride_q_token + q_heads[:, None] * stride_q_head + dims[None, :],
+            mask=group_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        ).to(DOT_DTYPE)  # [BLOCK_G, BLOCK_D]
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -267,12 +348,15 @@ def paged_decode_attention(
     num_stages: int | None = None,
     sliding_window: int | None = None,
     pdl: bool = True,
+    new_kv: NewKV | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Split-KV decode attention: every sequence's single new token over its paged context
     (its last `sliding_window` positions only, when given), with programmatic dependent
     launch where the device has it and `pdl`.
 
     `num_splits` (a power of two) defaults to `choose_num_splits`; `block_n` is the KV tile.
+    With `new_kv` the query and the new key are unrotated: the kernel applies the rotary
+    embedding (full head width) and writes the new key and value into their slots first.
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -287,6 +371,16 @@ def paged_decode_attention(
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     dot_dtype, precision = dot_settings(query)
+    rotary = new_kv is not None
+    if new_kv is None:
+        new_kv = NewKV(query, query, metadata.seq_lens, query, metadata.seq_lens)  # unread placeholders
+    elif new_kv.cos_sin_cache.shape[-1] != head_dim or head_dim % 2:
+        raise ValueError(
+            f"fused decode rotary needs an even, full-width rotary dim: cos_sin_cache has "
+            f"{new_kv.cos_sin_cache.shape[-1]} columns for head_dim {head_dim}"
+        )
+    elif new_kv.key.stride(-1) != 1 or new_kv.value.stride(-1) != 1:
+        raise ValueError("new_kv key and value need the head dimension contiguous")
     out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -310,12 +404,15 @@ def paged_decode_attention(
         (num_splits, num_seqs, num_kv_heads),
         (query, kv_cache, out, part_max, part_sum, part_acc, counters,
          metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+         new_kv.key, new_kv.value, new_kv.positions, new_kv.cos_sin_cache, new_kv.slot_mapping,
          scale * LOG2E, query.stride(0), query.stride(1),
          kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-         metadata.block_tables.stride(0), out.stride(0), out.stride(1), kv_cache.shape[2], sliding_window or 0),
+         metadata.block_tables.stride(0), out.stride(0), out.stride(1), kv_cache.shape[2], sliding_window or 0,
+         new_kv.key.stride(0), new_kv.key.stride(1), new_kv.value.stride(0), new_kv.value.stride(1),
+         new_kv.cos_sin_cache.stride(0)),
         (queries_per_kv, head_dim, num_splits, bool(sliding_window), max(16, triton.next_power_of_2(queries_per_kv)),
          block_n, block_d, triton.next_power_of_2(queries_per_kv), min(16, num_splits), dot_dtype, precision,
-         num_splits >= PREFETCH_MIN_SPLITS, pdl),
+         num_splits >= PREFETCH_MIN_SPLITS, rotary, new_kv.is_neox, pdl),
         num_warps, **launch,
     )
     return out

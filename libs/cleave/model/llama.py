@@ -17,6 +17,7 @@ from torch import nn
 
 from cleave.kernels.activation import silu_and_mul
 from cleave.kernels.attention import paged_attention, write_kv
+from cleave.kernels.attention_decode import NewKV, paged_decode_attention
 from cleave.kernels.dispatch import Impl, use_triton
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
 from cleave.kernels.gemv import RotaryKVWrite
@@ -64,6 +65,8 @@ class Attention(nn.Module):
         self.sliding_window = config.sliding_window
         self.impl: Impl = impl
         self.attention_impl: Impl = impl  # KV write + paged attention; see compiled.py
+        # decode-only batches: rotary + KV write inside the decode attention kernel (one launch)
+        self.rotary_in_decode_attention = True
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, impl) if config.qk_norm else None
@@ -126,7 +129,8 @@ class Attention(nn.Module):
         if use_triton(q, self.impl) and use_triton(q, self.attention_impl):
             # one kernel rotates q and k and writes k and v into the cache
             out = _fused_rotary_attention(
-                q, k, v, positions, cos_sin_cache, kv_cache, metadata, self.scale, self.sliding_window
+                q, k, v, positions, cos_sin_cache, kv_cache, metadata, self.scale, self.sliding_window,
+                self.rotary_in_decode_attention,
             )
         else:
             apply_rotary(q, k, positions, cos_sin_cache, is_neox=True, impl=self.impl)
@@ -164,7 +168,12 @@ def _fused_rotary_attention(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    in_decode_kernel: bool = True,
 ) -> torch.Tensor:  # [T, Hq, D]
+    if in_decode_kernel and metadata.is_decode_only and cos_sin_cache.shape[-1] == q.shape[-1]:
+        # one launch: the decode kernel rotates q and k and writes k and v itself
+        new_kv = NewKV(k, v, positions, cos_sin_cache, metadata.slot_mapping, is_neox=True)
+        return paged_decode_attention(q, kv_cache, metadata, scale, sliding_window=sliding_window, new_kv=new_kv)
     rotary_write_kv(q, k, v, positions, cos_sin_cache, kv_cache, metadata.slot_mapping, is_neox=True, impl="triton")
     return paged_attention(q, kv_cache, metadata, scale, impl="triton", sliding_window=sliding_window)
 

@@ -1,0 +1,124 @@
+"""Graph-replayed decode step, variants in turns: one process, one model, one KV cache.
+
+Each variant captures its own `CUDAGraphRunner`; the rounds then time every variant's
+back-to-back steps (device time per step, as `pipelined_ms` in bench/decode.py) one after
+another, so drift of the machine over the run hits all of them alike. Variants:
+
+- `copies`: inputs refilled by per-tensor `copy_`/`fill_` calls, rotary + KV write as
+  their own kernel in batches on cuBLAS projections (the layout before the fused pieces);
+- `fill`: inputs refilled by the one-launch kernel (cleave.kernels.decode_inputs);
+- `fill_rotary`: that, and the rotary + KV write inside the decode attention kernel (the
+  default).
+
+    python bench/decode_ab.py --batches 1,64 --contexts 1024 --rounds 5 --out bench/results/decode/ab
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+
+import torch
+
+from common import format_table, write_results
+from decode import (
+    Case,
+    RESERVED_BYTES,
+    build_model,
+    decode_batch,
+    kv_bytes_per_token,
+    llama_3_2_1b_config,
+    pipelined_ms,
+    weight_bytes_read,
+)
+
+from cleave.graphs.runner import CUDAGraphRunner, GraphRunnerConfig
+from cleave.model.llama import allocate_kv_cache
+
+VARIANTS = {  # name -> (fill impl, rotary inside the decode attention kernel)
+    "copies": ("torch", False),
+    "fill": ("auto", False),
+    "fill_rotary": ("auto", True),
+}
+COLUMNS = ["variant", "batch", "context", "median_us", "min_us", "max_us", "roofline_pct", "rounds_us"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--contexts", default="1024")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=32768, help="graph capacity")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=50, help="back-to-back steps per timing")
+    parser.add_argument("--hbm-tbs", type=float, default=4.26)
+    parser.add_argument("--out", default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = torch.device("cuda")
+    config = llama_3_2_1b_config()
+    model = build_model(config, device)
+    weights = weight_bytes_read(model)
+    cases = [Case(int(b), int(c)) for c in args.contexts.split(",") for b in args.batches.split(",")]
+    num_blocks = max(case.kv_blocks(args.block_size) for case in cases) + 1
+    if num_blocks * args.block_size * kv_bytes_per_token(config) > torch.cuda.mem_get_info()[0] - RESERVED_BYTES:
+        raise SystemExit("the KV cache for these cases does not fit")
+    kv_cache = allocate_kv_cache(config, num_blocks, args.block_size, device=device)
+    kv_cache.normal_(0.0, 1.0)
+
+    def step(input_ids, positions, metadata):
+        return model.compute_logits(model(input_ids, positions, kv_cache, metadata))
+
+    names = args.variants.split(",")
+    runners = {}
+    with torch.inference_mode():
+        for name in names:
+            fill_impl, rotary_in_attention = VARIANTS[name]
+            for layer in model.layers:
+                layer.self_attn.rotary_in_decode_attention = rotary_in_attention
+            runner = CUDAGraphRunner(
+                step,
+                GraphRunnerConfig(max(case.batch for case in cases), -(-args.max_model_len // args.block_size),
+                                  args.block_size),
+                device,
+            )
+            runner.capture()
+            runner.buffers.fill = functools.partial(runner.buffers.fill, impl=fill_impl)
+            runners[name] = runner
+
+        rows = []
+        for case in cases:
+            batch = decode_batch(case, args.block_size, num_blocks, device, seed=case.batch + case.context)
+            gb_read = (weights + case.batch * case.context * kv_bytes_per_token(config)) / 1e9
+            times: dict[str, list[float]] = {name: [] for name in names}
+            for _ in range(args.rounds):
+                for name in names:
+                    ms, _ = pipelined_ms(lambda: runners[name].run(*batch), warmup=3, iters=args.iters)
+                    times[name].append(ms)
+            for name in names:
+                median = statistics.median(times[name])
+                rows.append({
+                    "variant": name, "batch": case.batch, "context": case.context,
+                    "median_us": round(median * 1e3, 1), "min_us": round(min(times[name]) * 1e3, 1),
+                    "max_us": round(max(times[name]) * 1e3, 1),
+                    "roofline_pct": round(100 * gb_read / (median * 1e-3) / (args.hbm_tbs * 1e3), 1),
+                    "rounds_us": " ".join(f"{t * 1e3:.1f}" for t in times[name]),
+                })
+                print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+
+    summary = {"model": "Llama-3.2-1B shape, random bf16 weights", "weights_gb": round(weights / 1e9, 3),
+               "max_model_len": args.max_model_len, "iters": args.iters,
+               "variants": {name: VARIANTS[name] for name in names}}
+    print(format_table(rows, COLUMNS))
+    if args.out:
+        json_path, md_path = write_results(args.out, "decode_ab", rows, COLUMNS, summary)
+        print(f"wrote {json_path} and {md_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Decode attention that also applies the rotary embedding and writes the new K/V, against
+rotary_write_kv_reference followed by paged_attention_reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cleave.kernels.attention import paged_attention_reference
+from cleave.kernels.attention_decode import NewKV, paged_decode_attention
+from cleave.kernels.rotary_kv_write import rotary_write_kv_reference
+from cleave.kv.metadata import AttentionMetadata
+from tests.kernels.test_rotary import make_cache, split_qkv
+from tests.kernels.ulp import NEAR_ZERO, assert_close_ulps
+
+BLOCK_SIZE = 4
+
+
+def run_both(seq_lens, tables, num_q, num_kv, head_dim, dtype, is_neox, num_splits, block_n, device="cpu",
+             sliding_window=None):
+    """(fused output, cache) and (reference output, cache) for one decode step whose new
+    token of sequence i sits at position seq_lens[i] - 1 (a length of 0 is a padding row)."""
+    generator = torch.Generator().manual_seed(sum(seq_lens) + head_dim)
+    num_seqs = len(seq_lens)
+    qkv = torch.randn(num_seqs, (num_q + 2 * num_kv) * head_dim, generator=generator).to(dtype).to(device)
+    num_blocks = 1 + max(max(table) for table in tables if table)
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv, head_dim, generator=generator).to(dtype).to(device)
+    metadata = AttentionMetadata.build([1] * num_seqs, [max(n, 1) for n in seq_lens], tables, BLOCK_SIZE, device=device)
+    padding = torch.tensor([length == 0 for length in seq_lens], device=device)
+    metadata.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    slot_mapping = torch.where(padding, -1, metadata.slot_mapping)
+    positions = torch.tensor([max(length - 1, 0) for length in seq_lens], device=device)
+    cos_sin = make_cache(512, head_dim).to(device)
+
+    def split(data):
+        q, k = split_qkv(data, num_q, num_kv, head_dim)
+        v = data[:, (num_q + num_kv) * head_dim :].view(num_seqs, num_kv, head_dim)
+        return q, k, v
+
+    fused_cache = cache.clone()
+    q, k, v = split(qkv.clone())
+    new_kv = NewKV(k, v, positions, cos_sin, slot_mapping, is_neox)
+    out = paged_decode_attention(q, fused_cache, metadata, head_dim**-0.5, num_splits=num_splits, block_n=block_n,
+                                 sliding_window=sliding_window, new_kv=new_kv)
+
+    q_ref, k_ref, v_ref = split(qkv.clone())
+    rotary_write_kv_reference(q_ref, k_ref, v_ref, positions, cos_sin, cache, slot_mapping, is_neox)
+    expected = paged_attention_reference(q_ref, cache, metadata, head_dim**-0.5, sliding_window=sliding_window)
+    return (out, fused_cache), (expected, cache)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "is_neox", "num_splits"),
+    [(torch.float32, True, 4), (torch.float32, False, 1), (torch.bfloat16, True, 2), (torch.float32, True, 8)],
+)
+def test_rotates_writes_and_attends_like_the_two_step_reference(dtype, is_neox, num_splits):
+    # seq 0 ends mid-block in its third tile, seq 1 is one token, seq 2 fills its tiles exactly,
+    # seq 3 is a padding row (no write, zero output); 8 splits make the first tile prefetched.
+    seq_lens = [23, 1, 16, 0]
+    tables = [[9, 2, 7, 4, 11, 1], [5], [3, 8, 6, 10], [0]]
+    (out, cache), (expected, cache_ref) = run_both(seq_lens, tables, 4, 2, 16, dtype, is_neox, num_splits, block_n=8)
+
+    tolerance = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    torch.testing.assert_close(out[:3].float(), expected[:3].float(), **tolerance)
+    assert torch.count_nonzero(out[3]) == 0
+    # the new keys (rotated) and values landed in their slots; nothing else moved
+    assert_close_ulps(cache, cache_ref, atol=NEAR_ZERO)
+    assert torch.equal(cache[1], cache_ref[1])
+
+
+def test_sliding_window_sees_the_new_token():
+    seq_lens = [19, 6]
+    tables = [[4, 1, 6, 2, 8], [3, 5]]
+    (out, cache), (expected, cache_ref) = run_both(seq_lens, tables, 2, 1, 16, torch.float32, True, 4, block_n=4,
+                                                   sliding_window=7)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+    assert_close_ulps(cache, cache_ref, atol=NEAR_ZERO)
+
+
+def test_rejects_partial_rotary():
+    seq_lens, tables = [3], [[1]]
+    metadata = AttentionMetadata.build([1], seq_lens, tables, BLOCK_SIZE)
+    q, k = torch.zeros(1, 2, 16), torch.zeros(1, 1, 16)
+    cache = torch.zeros(2, 2, BLOCK_SIZE, 1, 16)
+    new_kv = NewKV(k, k, torch.tensor([2]), make_cache(8, 8), metadata.slot_mapping)
+    with pytest.raises(ValueError, match="full-width rotary"):
+        paged_decode_attention(q, cache, metadata, 0.25, new_kv=new_kv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [17, 64])
+def test_gpu_llama_shapes_match_the_two_step_path(batch):
+    generator = torch.Generator().manual_seed(batch)
+    seq_lens = torch.randint(1, 300, (batch,), generator=generator).tolist()
+    per_seq = [-(-length // BLOCK_SIZE) for length in seq_lens]
+    ids = torch.randperm(sum(per_seq), generator=generator) + 1
+    tables, start = [], 0
+    for count in per_seq:
+        tables.append(ids[start : start + count].tolist())
+        start += count
+    (out, cache), (expected, cache_ref) = run_both(seq_lens, tables, 32, 8, 64, torch.bfloat16, True, None,
+                                                   block_n=64, device="cuda")
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    assert_close_ulps(cache, cache_ref, atol=NEAR_ZERO)
