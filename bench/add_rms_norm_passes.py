@@ -38,7 +38,7 @@ def one_pass(x, res, w, out, num_warps: int):
     tokens, hidden = x.shape
     return lambda: _rms_norm_kernel[(tokens,)](
         x, res, w, out, tokens, hidden, hidden, hidden, hidden, 1e-6,
-        HAS_RESIDUAL=True, ROWS=1, BLOCK_H=triton.next_power_of_2(hidden), num_warps=num_warps,
+        HAS_RESIDUAL=True, ROWS=1, BLOCK_H=triton.next_power_of_2(hidden), PDL=False, num_warps=num_warps,
     )
 
 

@@ -16,7 +16,9 @@ from triton.compiler import ASTSource
 from cleave.kernels.attention_decode import _paged_decode_split_kernel
 from cleave.kernels.attention_prefill import _paged_prefill_kernel
 from cleave.kernels.decode_inputs import _fill_decode_inputs_kernel
+from cleave.kernels.embedding import _embedding_kernel
 from cleave.kernels.gemv import _gemv_kernel
+from cleave.kernels.rms_norm import _rms_norm_kernel
 from cleave.kernels.splitk_linear import _splitk_linear_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -28,7 +30,8 @@ POINTERS = {  # argument name -> pointer type; every other runtime argument is a
     "part_ptr": "*fp32", "sumsq_ptr": "*fp32", "key_ptr": "*bf16", "value_ptr": "*bf16",
     "src_ids_ptr": "*i64", "src_positions_ptr": "*i64", "src_slots_ptr": "*i64", "src_seq_lens_ptr": "*i32",
     "src_tables_ptr": "*i32", "dst_ids_ptr": "*i64", "dst_positions_ptr": "*i64", "dst_slots_ptr": "*i64",
-    "dst_seq_lens_ptr": "*i32", "dst_tables_ptr": "*i32",
+    "dst_seq_lens_ptr": "*i32", "dst_tables_ptr": "*i32", "ids_ptr": "*i64", "table_ptr": "*bf16",
+    "residual_ptr": "*bf16", "weight_ptr": "*bf16",
 }
 FLOATS = {"eps", "scale_log2"}
 
@@ -59,6 +62,8 @@ def main() -> None:
     compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 8, "ROTARY": True, "IS_NEOX": False}, 2)
     compile_variant(_fill_decode_inputs_kernel, dict(PAD_TOKEN=0, PAD_POSITION=0, PAD_SLOT=-1, PAD_SEQ_LEN=0,
                                                      NULL_BLOCK=0, BLOCK_W=1024), 4)
+    compile_variant(_embedding_kernel, dict(BLOCK=2048, PDL=True), 8)
+    compile_variant(_rms_norm_kernel, dict(HAS_RESIDUAL=False, ROWS=1, BLOCK_H=2048, PDL=True), 8)
     prefill = dict(QUERIES_PER_KV=4, HEAD_DIM=64, SLIDING=True, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64,
                    DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32")
     compile_variant(_paged_prefill_kernel, prefill, 4)

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from cleave.kernels.dispatch import CachedLauncher, Impl, RowLaunch, as_rows, row_launch, use_triton
+from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -53,10 +54,15 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
     mask = (rows[:, None] < num_rows) & (cols[None, :] < hidden)  # [ROWS, BLOCK_H]
+    # the weight is no kernel's output: load it before waiting on the previous kernel
+    weight = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+    release_dependents(PDL)
+    wait_for_producer(PDL)
     x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
         res_ptrs = residual_ptr + rows[:, None] * residual_row_stride + cols[None, :]
@@ -66,7 +72,6 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / hidden + eps)  # [ROWS]
     normed = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
-    weight = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
     out = normed * weight[None, :]
     tl.store(
         out_ptr + rows[:, None] * out_row_stride + cols[None, :],
@@ -134,11 +139,13 @@ def _launch(
         )
         return out if x.dim() == 2 else out.view(x.shape)
     launch: RowLaunch = row_launch(num_rows, hidden)
+    pdl = pdl_enabled(x2)
     _rms_norm_launcher(
         launch.grid,
         (x2, res2, weight, out, num_rows, hidden, x2.stride(0), res2.stride(0), hidden, eps),
-        (residual is not None, launch.rows, launch.block),
+        (residual is not None, launch.rows, launch.block, pdl),
         launch.num_warps,
+        **launch_options(pdl),
     )
     return out if x.dim() == 2 else out.view(x.shape)
 

@@ -19,6 +19,7 @@ from cleave.kernels.activation import silu_and_mul
 from cleave.kernels.attention import paged_attention, write_kv
 from cleave.kernels.attention_decode import NewKV, paged_decode_attention
 from cleave.kernels.dispatch import Impl, use_triton
+from cleave.kernels.embedding import embedding
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
 from cleave.kernels.gemv import RotaryKVWrite
 from cleave.kernels.rms_norm import fused_add_rms_norm, rms_norm
@@ -300,7 +301,7 @@ class CausalLM(nn.Module):
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, Hkv, D]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
-        hidden = self.embed_tokens(input_ids)  # [T, H]
+        hidden = embedding(input_ids, self.embed_tokens.weight, impl=self.impl)  # [T, H]
         if self._decode_kernels_apply(hidden):
             for index, layer in enumerate(self.layers):
                 layer.forward_decode(hidden, positions, kv_cache[index], metadata, self.cos_sin_cache)
