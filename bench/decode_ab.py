@@ -7,8 +7,9 @@ another, so drift of the machine over the run hits all of them alike. Variants:
 - `copies`: inputs refilled by per-tensor `copy_`/`fill_` calls, rotary + KV write as
   their own kernel in batches on cuBLAS projections (the layout before the fused pieces);
 - `fill`: inputs refilled by the one-launch kernel (cleave.kernels.decode_inputs);
-- `fill_rotary`: that, and the rotary + KV write inside the decode attention kernel (the
-  default).
+- `fill_rotary`: that, and the rotary + KV write inside the decode attention kernel;
+- `fill_rotary_cast`: that, with the logits of cuBLAS batches cast to fp32 by a separate
+  pass (`lm_head(h).float()`) instead of written as fp32 by the GEMM (the default).
 
     python bench/decode_ab.py --batches 1,64 --contexts 1024 --rounds 5 --out bench/results/decode/ab
 """
@@ -34,12 +35,14 @@ from decode import (
 )
 
 from cleave.graphs.runner import CUDAGraphRunner, GraphRunnerConfig
+from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
 from cleave.model.llama import allocate_kv_cache
 
-VARIANTS = {  # name -> (fill impl, rotary inside the decode attention kernel)
-    "copies": ("torch", False),
-    "fill": ("auto", False),
-    "fill_rotary": ("auto", True),
+VARIANTS = {  # name -> (fill impl, rotary inside the decode attention kernel, logits by a cast pass)
+    "copies": ("torch", False, True),
+    "fill": ("auto", False, True),
+    "fill_rotary_cast": ("auto", True, True),
+    "fill_rotary": ("auto", True, False),
 }
 COLUMNS = ["variant", "batch", "context", "median_us", "min_us", "max_us", "roofline_pct", "rounds_us"]
 
@@ -74,15 +77,21 @@ def main(argv: list[str] | None = None) -> None:
     def step(input_ids, positions, metadata):
         return model.compute_logits(model(input_ids, positions, kv_cache, metadata))
 
+    def step_cast_logits(input_ids, positions, metadata):
+        hidden = model(input_ids, positions, kv_cache, metadata)
+        if hidden.shape[0] <= GEMV_AUTO_MAX_ROWS:
+            return model.compute_logits(hidden)
+        return model.lm_head(hidden).float()
+
     names = args.variants.split(",")
     runners = {}
     with torch.inference_mode():
         for name in names:
-            fill_impl, rotary_in_attention = VARIANTS[name]
+            fill_impl, rotary_in_attention, cast_logits = VARIANTS[name]
             for layer in model.layers:
                 layer.self_attn.rotary_in_decode_attention = rotary_in_attention
             runner = CUDAGraphRunner(
-                step,
+                step_cast_logits if cast_logits else step,
                 GraphRunnerConfig(max(case.batch for case in cases), -(-args.max_model_len // args.block_size),
                                   args.block_size),
                 device,

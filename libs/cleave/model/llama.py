@@ -327,6 +327,9 @@ class CausalLM(nn.Module):
         if 0 < hidden.shape[0] <= GEMV_AUTO_MAX_ROWS and hidden.is_cuda and use_triton(hidden, self.impl):
             # the register GEMV beats cuBLAS here, and writes the bf16-rounded logits as fp32
             return small_linear(hidden, self.lm_head.weight, out_dtype=torch.float32)
+        if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and hidden.dim() == 2:
+            # fp32 straight out of the GEMM's accumulator: no [N, V] cast pass after it
+            return torch.mm(hidden, self.lm_head.weight.t(), out_dtype=torch.float32)
         return self.lm_head(hidden).float()
 
 
