@@ -7,9 +7,11 @@ another, so drift of the machine over the run hits all of them alike. Variants:
 - `copies`: inputs refilled by per-tensor `copy_`/`fill_` calls, rotary + KV write as
   their own kernel in batches on cuBLAS projections (the layout before the fused pieces);
 - `fill`: inputs refilled by the one-launch kernel (cleave.kernels.decode_inputs);
-- `fill_rotary`: that, and the rotary + KV write inside the decode attention kernel;
+- `fill_rotary`: that, and the rotary + KV write inside the decode attention kernel
+  (and the logits below);
 - `fill_rotary_cast`: that, with the logits of cuBLAS batches cast to fp32 by a separate
-  pass (`lm_head(h).float()`) instead of written as fp32 by the GEMM (the default).
+  pass (`lm_head(h).float()`) instead of written as fp32 by the GEMM;
+- `fill_pdl_rotary`: `fill_rotary` with the input fill launched with PDL (the default).
 
     python bench/decode_ab.py --batches 1,64 --contexts 1024 --rounds 5 --out bench/results/decode/ab
 """
@@ -38,11 +40,12 @@ from cleave.graphs.runner import CUDAGraphRunner, GraphRunnerConfig
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
 from cleave.model.llama import allocate_kv_cache
 
-VARIANTS = {  # name -> (fill impl, rotary inside the decode attention kernel, logits by a cast pass)
-    "copies": ("torch", False, True),
-    "fill": ("auto", False, True),
-    "fill_rotary_cast": ("auto", True, True),
-    "fill_rotary": ("auto", True, False),
+VARIANTS = {  # name -> (fill impl, fill with PDL, rotary inside the decode attention kernel, logits by a cast pass)
+    "copies": ("torch", False, False, True),
+    "fill": ("auto", False, False, True),
+    "fill_rotary_cast": ("auto", False, True, True),
+    "fill_rotary": ("auto", False, True, False),
+    "fill_pdl_rotary": ("auto", True, True, False),
 }
 COLUMNS = ["variant", "batch", "context", "median_us", "min_us", "max_us", "roofline_pct", "rounds_us"]
 
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     runners = {}
     with torch.inference_mode():
         for name in names:
-            fill_impl, rotary_in_attention, cast_logits = VARIANTS[name]
+            fill_impl, fill_pdl, rotary_in_attention, cast_logits = VARIANTS[name]
             for layer in model.layers:
                 layer.self_attn.rotary_in_decode_attention = rotary_in_attention
             runner = CUDAGraphRunner(
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
                 device,
             )
             runner.capture()
-            runner.buffers.fill = functools.partial(runner.buffers.fill, impl=fill_impl)
+            runner.buffers.fill = functools.partial(runner.buffers.fill, impl=fill_impl, pdl=fill_pdl)
             runners[name] = runner
 
         rows = []

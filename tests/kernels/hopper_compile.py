@@ -61,7 +61,7 @@ def main() -> None:
     compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 2, "PREFETCH": False, "ROTARY": True}, 2)
     compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 8, "ROTARY": True, "IS_NEOX": False}, 2)
     compile_variant(_fill_decode_inputs_kernel, dict(PAD_TOKEN=0, PAD_POSITION=0, PAD_SLOT=-1, PAD_SEQ_LEN=0,
-                                                     NULL_BLOCK=0, BLOCK_W=1024), 4)
+                                                     NULL_BLOCK=0, BLOCK_W=1024, PDL=True), 4)
     compile_variant(_embedding_kernel, dict(BLOCK=2048, PDL=True), 8)
     compile_variant(_rms_norm_kernel, dict(HAS_RESIDUAL=False, ROWS=1, BLOCK_H=2048, PDL=True), 8)
     prefill = dict(QUERIES_PER_KV=4, HEAD_DIM=64, SLIDING=True, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64,

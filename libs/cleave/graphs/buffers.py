@@ -79,7 +79,12 @@ class StaticDecodeBuffers:
         )
 
     def fill(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, impl: Impl = "auto"
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        impl: Impl = "auto",
+        pdl: bool = True,
     ) -> None:
         """Copy a decode batch into rows [0, batch) and leave every other row as padding
         (one kernel launch on CUDA).
@@ -96,7 +101,7 @@ class StaticDecodeBuffers:
                 "raise max_blocks_per_seq (max model length / block size)"
             )
         source = DecodeInputs(input_ids, positions, metadata.slot_mapping, metadata.seq_lens, metadata.block_tables)
-        fill_decode_inputs(source, self._static, PADDING, self.dirty_rows, self.dirty_width, impl)
+        fill_decode_inputs(source, self._static, PADDING, self.dirty_rows, self.dirty_width, impl, pdl)
         self.dirty_rows = batch_size
         self.dirty_width = width
 

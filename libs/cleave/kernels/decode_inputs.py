@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from cleave.kernels.dispatch import CachedLauncher, Impl, use_triton
+from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 
 MAX_TABLE_BLOCK = 1024  # block-table columns per program
 
@@ -80,7 +81,12 @@ def _fill_decode_inputs_kernel(
     PAD_SEQ_LEN: tl.constexpr,
     NULL_BLOCK: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    # Launched right after the previous step's graph, whose kernels read the buffers this
+    # overwrites: wait for it (with PDL, only the launch overlaps its tail).
+    release_dependents(PDL)
+    wait_for_producer(PDL)
     row = tl.program_id(0)
     column_block = tl.program_id(1)
     real = row < batch_size
@@ -112,10 +118,12 @@ def fill_decode_inputs(
     dirty_rows: int,
     dirty_width: int,
     impl: Impl = "auto",
+    pdl: bool = True,
 ) -> None:
     """Copy `src` (B rows, W table columns) into rows [0, B) of the capacity-sized `dst`,
     and reset to `padding` rows [B, dirty_rows) and table columns [W, dirty_width): the
     extent of real data the previous fill left (columns past it already hold padding).
+    With `pdl` (where the device has it) the launch may overlap the previous kernel's tail.
     """
     batch_size = src.input_ids.shape[0]
     width = src.block_tables.shape[1]
@@ -131,14 +139,16 @@ def fill_decode_inputs(
         _fill_torch(src, dst, padding, dirty_rows, dirty_width)
         return
     block_w = min(MAX_TABLE_BLOCK, triton.next_power_of_2(max(clear_width, 1)))
+    pdl = pdl_enabled(dst.input_ids, pdl)
     _fill_launcher(
         (rows, triton.cdiv(max(clear_width, 1), block_w)),
         (src.input_ids, src.positions, src.slot_mapping, src.seq_lens, src.block_tables,
          dst.input_ids, dst.positions, dst.slot_mapping, dst.seq_lens, dst.block_tables,
          src.input_ids.stride(0), src.positions.stride(0), src.slot_mapping.stride(0), src.seq_lens.stride(0),
          src.block_tables.stride(0), dst.block_tables.stride(0), batch_size, width, clear_width),
-        (padding.token_id, padding.position, padding.slot, padding.seq_len, padding.block_id, block_w),
+        (padding.token_id, padding.position, padding.slot, padding.seq_len, padding.block_id, block_w, pdl),
         max(1, min(4, block_w // 128)),
+        **launch_options(pdl),
     )
 
 
