@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import format_table, graph_call_us, write_results  # noqa: E402
 
-from cleave.kernels.attention_decode import choose_num_splits, paged_decode_attention  # noqa: E402
+from cleave.kernels.attention_decode import NUM_STAGES, choose_num_splits, paged_decode_attention  # noqa: E402
 from cleave.kv.metadata import AttentionMetadata  # noqa: E402
 
 COLUMNS = ["batch", "context", "num_splits", "block_n", "num_warps", "num_stages", "us", "kv_gb", "roofline_pct"]
@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--splits", default="auto", help="comma-separated, 'auto' = choose_num_splits")
     parser.add_argument("--block-n", default="64")
     parser.add_argument("--num-warps", default="4")
-    parser.add_argument("--num-stages", default="auto", help="'auto' = triton's default")
+    parser.add_argument("--num-stages", default=str(NUM_STAGES),
+                        help="comma-separated; default: the library's; 'auto' = triton's default")
     parser.add_argument("--hbm-tbs", type=float, default=4.26)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

@@ -49,6 +49,11 @@ MAX_SPLITS = 256
 # peeled first tile costs the pipelined loop more than it hides (batch 32 / 32k: 94% ->
 # 86% of HBM when every launch prefetched).
 PREFETCH_MIN_SPLITS = 8
+# Software-pipeline depth of the KV loop. Timed inside the graph-replayed decode step on an
+# H200 (bench/results/decode/ab/attention_in_step*.md), two stages beat triton's default of
+# three at every shape tried: batch 64 / 1k 1679.6 -> 1672.1 us per step, batch 32 / 32k
+# 9329 -> 9264 us, batch 1 / 1k 791.9 -> 790.1 us; four stages were slower at 32k.
+NUM_STAGES = 2
 
 
 @dataclass(frozen=True)
@@ -345,7 +350,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     block_n: int = 64,
     num_warps: int = 2,
-    num_stages: int | None = None,
+    num_stages: int | None = NUM_STAGES,
     sliding_window: int | None = None,
     pdl: bool = True,
     new_kv: NewKV | None = None,
@@ -354,9 +359,10 @@ def paged_decode_attention(
     (its last `sliding_window` positions only, when given), with programmatic dependent
     launch where the device has it and `pdl`.
 
-    `num_splits` (a power of two) defaults to `choose_num_splits`; `block_n` is the KV tile.
-    With `new_kv` the query and the new key are unrotated: the kernel applies the rotary
-    embedding (full head width) and writes the new key and value into their slots first.
+    `num_splits` (a power of two) defaults to `choose_num_splits`; `block_n` is the KV tile;
+    `num_stages` None leaves the pipeline depth to triton. With `new_kv` the query and the new
+    key are unrotated: the kernel applies the rotary embedding (full head width) and writes
+    the new key and value into their slots first.
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
