@@ -1,13 +1,14 @@
 """One launch that refills the CUDA-graph decode inputs for a step.
 
 A graph replays fixed addresses, so each step's token ids, positions, slots, context
-lengths and block tables are copied into capacity-sized static buffers, the rows past
+lengths and block tables are copied into capacity-sized static buffers, and the rows past
 the batch (and the block-table columns past its width) that an earlier, larger step left
 holding real data are reset to padding. As separate `copy_` and `fill_` calls that is five
-to ten device operations, each with its own launch gap on the stream ahead of the graph; a
-batch-1 step spends about as long on them as on a layer's attention. Here one program
-per row writes the whole row: the real row's values, or padding past the batch, and the
-block-table columns up to the wider of this and the last step's table.
+to ten device operations, each with its own launch gap on the stream ahead of the graph.
+Here one program per row writes the whole row: the real row's values, or padding past the
+batch, and the block-table columns up to the wider of this and the last step's table. On an
+H200 that took a batch-1 / 1k decode step from 812.6 to 801.5 us, and launching it with PDL
+(overlapping the previous step's last kernel) to 797.1 us (bench/results/decode/ab/).
 """
 
 from __future__ import annotations
