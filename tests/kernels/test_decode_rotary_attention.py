@@ -77,13 +77,17 @@ def test_sliding_window_sees_the_new_token():
     assert_close_ulps(cache, cache_ref, atol=NEAR_ZERO)
 
 
-def test_rejects_partial_rotary():
+def test_rejects_partial_rotary_and_strided_heads():
     seq_lens, tables = [3], [[1]]
     metadata = AttentionMetadata.build([1], seq_lens, tables, BLOCK_SIZE)
     q, k = torch.zeros(1, 2, 16), torch.zeros(1, 1, 16)
     cache = torch.zeros(2, 2, BLOCK_SIZE, 1, 16)
     new_kv = NewKV(k, k, torch.tensor([2]), make_cache(8, 8), metadata.slot_mapping)
     with pytest.raises(ValueError, match="full-width rotary"):
+        paged_decode_attention(q, cache, metadata, 0.25, new_kv=new_kv)
+    strided_key = torch.zeros(1, 1, 32)[..., ::2]  # head dimension not contiguous
+    new_kv = NewKV(strided_key, k, torch.tensor([2]), make_cache(8, 16), metadata.slot_mapping)
+    with pytest.raises(ValueError, match="new_kv key and value"):
         paged_decode_attention(q, cache, metadata, 0.25, new_kv=new_kv)
 
 
