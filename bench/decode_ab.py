@@ -20,25 +20,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 
 import torch
 
 from common import format_table, write_results
-from decode import (
-    Case,
-    RESERVED_BYTES,
-    build_model,
-    decode_batch,
-    kv_bytes_per_token,
-    llama_3_2_1b_config,
-    pipelined_ms,
-    weight_bytes_read,
-)
+from decode import Case, decode_batch
+from step_turns import build_step_bench, summary_row, time_in_turns
 
-from cleave.graphs.runner import CUDAGraphRunner, GraphRunnerConfig
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
-from cleave.model.llama import allocate_kv_cache
 
 VARIANTS = {  # name -> (fill impl, fill with PDL, rotary inside the decode attention kernel, logits by a cast pass)
     "copies": ("torch", False, False, True),
@@ -66,22 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    device = torch.device("cuda")
-    config = llama_3_2_1b_config()
-    model = build_model(config, device)
-    weights = weight_bytes_read(model)
     cases = [Case(int(b), int(c)) for c in args.contexts.split(",") for b in args.batches.split(",")]
-    num_blocks = max(case.kv_blocks(args.block_size) for case in cases) + 1
-    if num_blocks * args.block_size * kv_bytes_per_token(config) > torch.cuda.mem_get_info()[0] - RESERVED_BYTES:
-        raise SystemExit("the KV cache for these cases does not fit")
-    kv_cache = allocate_kv_cache(config, num_blocks, args.block_size, device=device)
-    kv_cache.normal_(0.0, 1.0)
-
-    def step(input_ids, positions, metadata):
-        return model.compute_logits(model(input_ids, positions, kv_cache, metadata))
+    bench = build_step_bench(cases, args.block_size, args.max_model_len)
+    model = bench.model
 
     def step_cast_logits(input_ids, positions, metadata):
-        hidden = model(input_ids, positions, kv_cache, metadata)
+        hidden = model(input_ids, positions, bench.kv_cache, metadata)
         if hidden.shape[0] <= GEMV_AUTO_MAX_ROWS:
             return model.compute_logits(hidden)
         return model.lm_head(hidden).float()
@@ -93,37 +72,22 @@ def main(argv: list[str] | None = None) -> None:
             fill_impl, fill_pdl, rotary_in_attention, cast_logits = VARIANTS[name]
             for layer in model.layers:
                 layer.self_attn.rotary_in_decode_attention = rotary_in_attention
-            runner = CUDAGraphRunner(
-                step_cast_logits if cast_logits else step,
-                GraphRunnerConfig(max(case.batch for case in cases), -(-args.max_model_len // args.block_size),
-                                  args.block_size),
-                device,
-            )
-            runner.capture()
+            runner = bench.runner(step_cast_logits if cast_logits else bench.step, max(case.batch for case in cases))
             runner.buffers.fill = functools.partial(runner.buffers.fill, impl=fill_impl, pdl=fill_pdl)
             runners[name] = runner
 
         rows = []
         for case in cases:
-            batch = decode_batch(case, args.block_size, num_blocks, device, seed=case.batch + case.context)
-            gb_read = (weights + case.batch * case.context * kv_bytes_per_token(config)) / 1e9
-            times: dict[str, list[float]] = {name: [] for name in names}
-            for _ in range(args.rounds):
-                for name in names:
-                    ms, _ = pipelined_ms(lambda: runners[name].run(*batch), warmup=3, iters=args.iters)
-                    times[name].append(ms)
-            for name in names:
-                median = statistics.median(times[name])
-                rows.append({
-                    "variant": name, "batch": case.batch, "context": case.context,
-                    "median_us": round(median * 1e3, 1), "min_us": round(min(times[name]) * 1e3, 1),
-                    "max_us": round(max(times[name]) * 1e3, 1),
-                    "roofline_pct": round(100 * gb_read / (median * 1e-3) / (args.hbm_tbs * 1e3), 1),
-                    "rounds_us": " ".join(f"{t * 1e3:.1f}" for t in times[name]),
-                })
+            batch = decode_batch(case, args.block_size, bench.num_blocks, torch.device("cuda"),
+                                 seed=case.batch + case.context)
+            calls = [functools.partial(lambda runner: runner.run(*batch), runners[name]) for name in names]
+            times = time_in_turns(calls, args.rounds, args.iters)
+            for name, samples in zip(names, times):
+                rows.append({"variant": name, "batch": case.batch, "context": case.context,
+                             **summary_row(samples, bench.gb_read(case), args.hbm_tbs)})
                 print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
 
-    summary = {"model": "Llama-3.2-1B shape, random bf16 weights", "weights_gb": round(weights / 1e9, 3),
+    summary = {"model": "Llama-3.2-1B shape, random bf16 weights", "weights_gb": round(bench.weight_bytes / 1e9, 3),
                "max_model_len": args.max_model_len, "iters": args.iters,
                "variants": {name: VARIANTS[name] for name in names}}
     print(format_table(rows, COLUMNS))
