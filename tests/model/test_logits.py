@@ -20,7 +20,7 @@ def test_cpu_logits_are_the_lm_head_product_in_fp32():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 4, 64])  # 1-4: the register GEMV; 64: cuBLAS writing fp32
+@pytest.mark.parametrize("rows", [1, 4, 64])  # 1: the register GEMV; 4 and 64: cuBLAS writing fp32
 def test_gpu_bf16_logits_match_the_fp32_product(rows):
     torch.manual_seed(0)
     config = dataclasses.replace(tiny_config(), vocab_size=32000, hidden_size=512, dtype=torch.bfloat16)
@@ -31,5 +31,5 @@ def test_gpu_bf16_logits_match_the_fp32_product(rows):
         logits = model.compute_logits(hidden)
     expected = hidden.float() @ model.lm_head.weight.float().t()
     assert logits.dtype == torch.float32 and logits.shape == (rows, config.vocab_size)
-    # at most the bf16 rounding of the output (the GEMV path rounds; cuBLAS keeps fp32)
+    # at most the bf16 rounding of the output (the GEMV rounds it; cuBLAS keeps fp32)
     torch.testing.assert_close(logits, expected, atol=1e-2, rtol=2 ** -8)
