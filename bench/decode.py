@@ -87,7 +87,7 @@ def build_model(config: ModelConfig, device: torch.device) -> CausalLM:
         for name, param in model.named_parameters():
             if param.dim() > 1:
                 param.normal_(0.0, 0.02)
-    return model
+    return model.fold_norm_weights()  # as the serving engine does
 
 
 def decode_batch(case: Case, block_size: int, num_blocks: int, device: torch.device, seed: int):

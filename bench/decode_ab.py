@@ -11,7 +11,13 @@ another, so drift of the machine over the run hits all of them alike. Variants:
   (and the logits below);
 - `fill_rotary_cast`: that, with the logits of cuBLAS batches cast to fp32 by a separate
   pass (`lm_head(h).float()`) instead of written as fp32 by the GEMM;
-- `fill_pdl_rotary`: `fill_rotary` with the input fill launched with PDL (the default).
+- `fill_pdl_rotary`: `fill_rotary` with the input fill launched with PDL;
+- `deferred_norms`: that, and batches above the GEMV path's size run without norm kernels:
+  the norm weights are folded into the projections and the decode attention and SwiGLU
+  kernels apply the per-row scale, the o and down GEMMs the residual adds (the default).
+
+The bench model's norm weights are ones, so folding them changes no weight and every variant
+computes the same step.
 
     python bench/decode_ab.py --batches 1,64 --contexts 1024 --rounds 5 --out bench/results/decode/ab
 """
@@ -29,12 +35,15 @@ from step_turns import build_step_bench, summary_row, time_in_turns
 
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
 
-VARIANTS = {  # name -> (fill impl, fill with PDL, rotary inside the decode attention kernel, logits by a cast pass)
-    "copies": ("torch", False, False, True),
-    "fill": ("auto", False, False, True),
-    "fill_rotary_cast": ("auto", False, True, True),
-    "fill_rotary": ("auto", False, True, False),
-    "fill_pdl_rotary": ("auto", True, True, False),
+# name -> (fill impl, fill with PDL, rotary inside the decode attention kernel, logits by a
+# cast pass, norms deferred to the attention and SwiGLU kernels)
+VARIANTS = {
+    "copies": ("torch", False, False, True, False),
+    "fill": ("auto", False, False, True, False),
+    "fill_rotary_cast": ("auto", False, True, True, False),
+    "fill_rotary": ("auto", False, True, False, False),
+    "fill_pdl_rotary": ("auto", True, True, False, False),
+    "deferred_norms": ("auto", True, True, False, True),
 }
 COLUMNS = ["variant", "batch", "context", "median_us", "min_us", "max_us", "roofline_pct", "rounds_us"]
 
@@ -69,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     runners = {}
     with torch.inference_mode():
         for name in names:
-            fill_impl, fill_pdl, rotary_in_attention, cast_logits = VARIANTS[name]
+            fill_impl, fill_pdl, rotary_in_attention, cast_logits, deferred_norms = VARIANTS[name]
+            model.deferred_norm_decode = deferred_norms
             for layer in model.layers:
                 layer.self_attn.rotary_in_decode_attention = rotary_in_attention
             runner = bench.runner(step_cast_logits if cast_logits else bench.step, max(case.batch for case in cases))

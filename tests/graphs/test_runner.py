@@ -80,13 +80,26 @@ def test_disabled_runner_never_captures():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("decode_gemv_max_tokens", [16, 64])  # 64: buckets 24 and 32 on the split-K kernel
-def test_gpu_replay_matches_eager_for_every_bucket(decode_gemv_max_tokens):
+@pytest.mark.parametrize(
+    ("decode_gemv_max_tokens", "fold_norms"),
+    [
+        (16, False),
+        (64, False),  # buckets 24 and 32 on the split-K kernel
+        (16, True),  # buckets 24 and 32 on GEMMs with the norms applied in attention and SwiGLU
+    ],
+)
+def test_gpu_replay_matches_eager_for_every_bucket(decode_gemv_max_tokens, fold_norms):
     device = torch.device("cuda")
     torch.manual_seed(0)
     config = tiny_config()
     model = CausalLM(config).to(device).eval()
     model.decode_gemv_max_tokens = decode_gemv_max_tokens
+    if fold_norms:
+        with torch.no_grad():
+            for layer in model.layers:  # norm weights that matter, then folded into the projections
+                layer.input_layernorm.weight.normal_(1.0, 0.2)
+                layer.post_attention_layernorm.weight.normal_(1.0, 0.2)
+        model.fold_norm_weights()
     num_blocks, max_blocks_per_seq = 4096, 64
     kv_cache = allocate_kv_cache(config, num_blocks, BLOCK_SIZE, device=device)
     kv_cache.normal_()

@@ -15,6 +15,7 @@ from cleave.kernels.activation import (
     silu_and_mul,
     silu_and_mul_reference,
 )
+from cleave.kernels.row_norm import DeferredRMSNorm
 from tests.kernels.ulp import NEAR_ZERO, assert_close_ulps
 
 SHAPES = [(13, 1000), (1, 64), (2, 3, 96)]
@@ -50,6 +51,26 @@ def test_gated_reads_strided_rows_in_fp16():
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op,reference", GATED)
+def test_gated_applies_a_deferred_norm_of_the_residual_rows(op, reference, dtype):
+    # a 2100-wide residual: the inverse RMS is read in 1024-column steps, the last one masked
+    torch.manual_seed(4)
+    x = torch.randn(3, 2 * 96, dtype=dtype) * 3
+    residual = torch.randn(3, 2100, dtype=dtype) * torch.tensor([[0.5], [4.0], [30.0]]).to(dtype)
+    row_norm = DeferredRMSNorm(residual, 1e-6)
+    out = op(x, impl="triton", row_norm=row_norm)
+    expected = reference(x, row_norm)
+    assert expected.dtype == dtype
+    assert_close_ulps(out, expected, atol=NEAR_ZERO)
+    # the norm matters: each row is scaled by about 1 / its residual's scale before the activation
+    assert not torch.allclose(out.float(), reference(x).float(), atol=1e-2)
+    with pytest.raises(ValueError, match="row_norm.source has 2 rows"):
+        op(x, impl="triton", row_norm=DeferredRMSNorm(residual[:2], 1e-6))
+    with pytest.raises(ValueError, match="DeferredRMSNorm.source"):
+        DeferredRMSNorm(residual.t(), 1e-6)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 14336), (4096, 4096), (333, 11008)])
 def test_gpu_bf16(shape):
@@ -59,6 +80,9 @@ def test_gpu_bf16(shape):
         x = torch.randn(shape[0], 2 * shape[1], dtype=torch.bfloat16, device="cuda") * 3
         for op, reference in GATED:
             assert_close_ulps(op(x), reference(x.float()).bfloat16(), atol=NEAR_ZERO)
+        row_norm = DeferredRMSNorm(torch.randn(shape[0], 2048, dtype=torch.bfloat16, device="cuda"), 1e-5)
+        for op, reference in GATED:
+            assert_close_ulps(op(x, row_norm=row_norm), reference(x, row_norm), atol=NEAR_ZERO)
         y = x[:, : shape[1]].contiguous()
         bias = torch.randn(shape[1], dtype=torch.bfloat16, device="cuda")
         assert_close_ulps(gelu_bias(y, bias), gelu_bias_reference(y.float(), bias.float()).bfloat16(), atol=NEAR_ZERO)

@@ -8,6 +8,7 @@ import torch
 
 from cleave.kernels.attention import paged_attention_reference
 from cleave.kernels.attention_decode import NewKV, paged_decode_attention
+from cleave.kernels.row_norm import DeferredRMSNorm, inverse_rms_reference
 from cleave.kernels.rotary_kv_write import rotary_write_kv_reference
 from cleave.kv.metadata import AttentionMetadata
 from tests.kernels.test_rotary import make_cache, split_qkv
@@ -17,9 +18,11 @@ BLOCK_SIZE = 4
 
 
 def run_both(seq_lens, tables, num_q, num_kv, head_dim, dtype, is_neox, num_splits, block_n, device="cpu",
-             sliding_window=None):
+             sliding_window=None, norm_hidden=None, **launch):
     """(fused output, cache) and (reference output, cache) for one decode step whose new
-    token of sequence i sits at position seq_lens[i] - 1 (a length of 0 is a padding row)."""
+    token of sequence i sits at position seq_lens[i] - 1 (a length of 0 is a padding row).
+    With `norm_hidden`, q, k and v are still to be scaled by the inverse RMS of a random
+    [seqs, norm_hidden] residual (a deferred input norm); the reference scales them first."""
     generator = torch.Generator().manual_seed(sum(seq_lens) + head_dim)
     num_seqs = len(seq_lens)
     qkv = torch.randn(num_seqs, (num_q + 2 * num_kv) * head_dim, generator=generator).to(dtype).to(device)
@@ -37,13 +40,18 @@ def run_both(seq_lens, tables, num_q, num_kv, head_dim, dtype, is_neox, num_spli
         v = data[:, (num_q + num_kv) * head_dim :].view(num_seqs, num_kv, head_dim)
         return q, k, v
 
+    row_norm, ref_qkv = None, qkv.clone()
+    if norm_hidden is not None:
+        residual = (3.0 * torch.randn(num_seqs, norm_hidden, generator=generator)).to(dtype).to(device)
+        row_norm = DeferredRMSNorm(residual, 1e-5)
+        ref_qkv = (qkv.float() * inverse_rms_reference(residual, 1e-5)).to(dtype)
     fused_cache = cache.clone()
     q, k, v = split(qkv.clone())
-    new_kv = NewKV(k, v, positions, cos_sin, slot_mapping, is_neox)
+    new_kv = NewKV(k, v, positions, cos_sin, slot_mapping, is_neox, row_norm=row_norm)
     out = paged_decode_attention(q, fused_cache, metadata, head_dim**-0.5, num_splits=num_splits, block_n=block_n,
-                                 sliding_window=sliding_window, new_kv=new_kv)
+                                 sliding_window=sliding_window, new_kv=new_kv, **launch)
 
-    q_ref, k_ref, v_ref = split(qkv.clone())
+    q_ref, k_ref, v_ref = split(ref_qkv)
     rotary_write_kv_reference(q_ref, k_ref, v_ref, positions, cos_sin, cache, slot_mapping, is_neox)
     expected = paged_attention_reference(q_ref, cache, metadata, head_dim**-0.5, sliding_window=sliding_window)
     return (out, fused_cache), (expected, cache)
@@ -77,6 +85,27 @@ def test_sliding_window_sees_the_new_token():
     assert_close_ulps(cache, cache_ref, atol=NEAR_ZERO)
 
 
+@pytest.mark.parametrize(("num_splits", "launch"), [(2, {}), (4, {"heads_first": True, "prefetch": True})])
+def test_deferred_input_norm_scales_q_k_v_by_the_residual_rows(num_splits, launch):
+    # norm_hidden 40: the inverse RMS is read in two 32-column steps, the second one masked
+    seq_lens = [23, 1, 16, 0]
+    tables = [[9, 2, 7, 4, 11, 1], [5], [3, 8, 6, 10], [0]]
+    (out, cache), (expected, cache_ref) = run_both(seq_lens, tables, 4, 2, 16, torch.float32, True, num_splits,
+                                                   block_n=8, norm_hidden=40, **launch)
+    torch.testing.assert_close(out[:3], expected[:3], atol=2e-5, rtol=1e-5)
+    assert torch.count_nonzero(out[3]) == 0
+    assert_close_ulps(cache, cache_ref, atol=NEAR_ZERO)
+
+
+def test_heads_first_grid_matches_the_reference():
+    seq_lens = [23, 1, 16]
+    tables = [[9, 2, 7, 4, 11, 1], [5], [3, 8, 6, 10]]
+    (out, cache), (expected, cache_ref) = run_both(seq_lens, tables, 4, 2, 16, torch.float32, False, 2,
+                                                   block_n=8, heads_first=True)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+    assert_close_ulps(cache, cache_ref, atol=NEAR_ZERO)
+
+
 def test_rejects_partial_rotary_and_strided_heads():
     seq_lens, tables = [3], [[1]]
     metadata = AttentionMetadata.build([1], seq_lens, tables, BLOCK_SIZE)
@@ -106,3 +135,10 @@ def test_gpu_llama_shapes_match_the_two_step_path(batch):
                                                    block_n=64, device="cuda")
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
     assert_close_ulps(cache, cache_ref, atol=NEAR_ZERO)
+    # the deferred input norm of a 2048-wide residual, on both grid orders
+    for heads_first in (False, True):
+        (out, cache), (expected, cache_ref) = run_both(seq_lens, tables, 32, 8, 64, torch.bfloat16, True, None,
+                                                       block_n=64, device="cuda", norm_hidden=2048,
+                                                       heads_first=heads_first)
+        torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(cache.float(), cache_ref.float(), atol=2e-2, rtol=2e-2)

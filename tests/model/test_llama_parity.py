@@ -156,6 +156,30 @@ def test_fused_decode_path_matches_transformers(tiny_checkpoints, hf_models, arc
 
 
 @torch.no_grad()
+@pytest.mark.parametrize(("name", "chunks"), [("llama", [20, 1, 1, 1, 2]), ("mistral-window", [12, 7, 1, 1, 1])])
+def test_folded_norms_match_transformers(tiny_checkpoints, hf_models, name, chunks):
+    """Norm weights folded into qkv_proj / gate_up_proj: the unfused layers (unit-weight norm
+    kernels) on the references, then single-token steps on GEMMs with the norms applied by
+    the decode attention and SwiGLU kernels (the interpreter)."""
+    input_ids = prompt_ids(hf_models[name].config.vocab_size, sum(chunks))
+    expected = hf_models[name](input_ids[None]).logits[0].float()
+    folded = load_model(tiny_checkpoints[name], impl="torch").fold_norm_weights()
+    assert torch.equal(folded.layers[0].input_layernorm.weight, torch.ones(folded.config.hidden_size))
+    assert (run_chunks(folded, input_ids, chunks) - expected).abs().max().item() <= TOLERANCE
+
+    model = load_model(tiny_checkpoints[name], impl="triton")
+    model.decode_gemv_max_tokens = 0  # single tokens too go through the GEMM layout
+    decode = AttentionMetadata.build([1], [5], [[0]], BLOCK_SIZE)
+    hidden = torch.zeros(1, model.config.hidden_size)
+    assert not model._deferred_norms_apply(hidden, decode)  # not folded yet
+    model.fold_norm_weights().fold_norm_weights()  # idempotent
+    assert model._deferred_norms_apply(hidden, decode)
+    assert not model._deferred_norms_apply(torch.zeros(2, model.config.hidden_size),
+                                           AttentionMetadata.build([2], [5], [[0]], BLOCK_SIZE))
+    assert (run_chunks(model, input_ids, chunks) - expected).abs().max().item() <= TOLERANCE
+
+
+@torch.no_grad()
 def test_triton_kernels_match_transformers(tiny_checkpoints, hf_models):
     """The same forward with every op on its Triton kernel (the interpreter on CPU)."""
     model = load_model(tiny_checkpoints["qwen3"], impl="triton")

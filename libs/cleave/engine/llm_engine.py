@@ -126,7 +126,9 @@ class LLMEngine:
         max_model_len = min(config.scheduler.max_model_len, self.model_config.max_position_embeddings)
         self.config = replace(config, scheduler=replace(config.scheduler, max_model_len=max_model_len))
         self.dtype = dtype
-        self.model = load_model(path, dtype=dtype, device=device)
+        # norm weights folded into the projections after them: decode batches on GEMMs then
+        # run without norm kernels (CausalLM.fold_norm_weights)
+        self.model = load_model(path, dtype=dtype, device=device).fold_norm_weights()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._builder = RequestBuilder(
             self.tokenizer,

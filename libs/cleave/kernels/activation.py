@@ -1,6 +1,9 @@
 """Gated-MLP activations (SiLU-and-mul, GeLU(tanh)-and-mul) and GeLU with bias.
 
 Each Triton kernel reads its inputs once, computes in fp32 and rounds once on the store.
+The gated ones can also apply a deferred RMSNorm (`cleave.kernels.row_norm`): gate and up
+are the product of the unnormalised residual stream with norm-folded weights, and each row
+is scaled by the residual row's inverse RMS before the activation.
 """
 
 from __future__ import annotations
@@ -11,18 +14,25 @@ import triton
 import triton.language as tl
 
 from cleave.kernels.dispatch import CachedLauncher, Impl, TileLaunch, tile_launch, use_triton
+from cleave.kernels.row_norm import DeferredRMSNorm, inverse_rms_reference, row_inverse_rms
 
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _SQRT_HALF = tl.constexpr(0.7071067811865476)
 
 
-def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_reference(x: torch.Tensor, row_norm: DeferredRMSNorm | None = None) -> torch.Tensor:
     # x: [T, 2I] = [gate | up] -> [T, I]
+    if row_norm is not None:
+        gate, up = (x.float() * inverse_rms_reference(row_norm.source, row_norm.eps)).chunk(2, dim=-1)
+        return (F.silu(gate) * up).to(x.dtype)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-def gelu_tanh_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+def gelu_tanh_and_mul_reference(x: torch.Tensor, row_norm: DeferredRMSNorm | None = None) -> torch.Tensor:
+    if row_norm is not None:
+        gate, up = (x.float() * inverse_rms_reference(row_norm.source, row_norm.eps)).chunk(2, dim=-1)
+        return (F.gelu(gate, approximate="tanh") * up).to(x.dtype)
     gate, up = x.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
 
@@ -36,11 +46,17 @@ def gelu_bias_reference(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 def _gated_act_kernel(
     x_ptr,  # [T, 2I] = [gate | up]
     out_ptr,  # [T, I]
+    norm_src_ptr,  # ROW_NORM: [T, H] rows whose inverse RMS scales gate and up
     inter,
     x_row_stride,
     out_row_stride,
+    norm_hidden,
+    norm_row_stride,
+    norm_eps,
     USE_GELU_TANH: tl.constexpr,
     BLOCK: tl.constexpr,
+    ROW_NORM: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
@@ -48,6 +64,10 @@ def _gated_act_kernel(
     x_row = x_ptr + row * x_row_stride
     gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    if ROW_NORM:
+        rstd = row_inverse_rms(norm_src_ptr + row * norm_row_stride, norm_hidden, norm_eps, NORM_BLOCK)
+        gate *= rstd
+        up *= rstd
     if USE_GELU_TANH:
         # 0.5 * g * (1 + tanh(u)) == g * sigmoid(2u)
         inner = _SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
@@ -87,32 +107,43 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _gated(x: torch.Tensor, use_gelu_tanh: bool) -> torch.Tensor:
+def _gated(x: torch.Tensor, use_gelu_tanh: bool, row_norm: DeferredRMSNorm | None) -> torch.Tensor:
     x2 = _rows(x)  # [T, 2I]
     num_rows, inter = x2.shape[0], x2.shape[1] // 2
     out = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device)
     launch: TileLaunch = tile_launch(num_rows, inter)
+    if row_norm is None:
+        norm_src, norm_args, norm_block = x2, (0, 0, 0.0), 16
+    else:
+        if row_norm.source.shape[0] != num_rows:
+            raise ValueError(
+                f"row_norm.source has {row_norm.source.shape[0]} rows for an input of {num_rows} rows"
+            )
+        source = row_norm.source
+        norm_src, norm_args, norm_block = source, (source.shape[1], source.stride(0), row_norm.eps), row_norm.block
     _gated_act_launcher(
         launch.grid,
-        (x2, out, inter, x2.stride(0), inter),
-        (use_gelu_tanh, launch.block),
+        (x2, out, norm_src, inter, x2.stride(0), inter, *norm_args),
+        (use_gelu_tanh, launch.block, row_norm is not None, norm_block),
         launch.num_warps,
     )
     return out if x.dim() == 2 else out.view(*x.shape[:-1], inter)
 
 
-def silu_and_mul(x: torch.Tensor, impl: Impl = "auto") -> torch.Tensor:
-    """SiLU(gate) * up for x = [gate | up] along the last dimension: [T, 2I] -> [T, I]."""
+def silu_and_mul(x: torch.Tensor, impl: Impl = "auto", row_norm: DeferredRMSNorm | None = None) -> torch.Tensor:
+    """SiLU(gate) * up for x = [gate | up] along the last dimension: [T, 2I] -> [T, I]; with
+    `row_norm` gate and up are first scaled by its rows' inverse RMS (2-D x only)."""
     if not use_triton(x, impl):
-        return silu_and_mul_reference(x)
-    return _gated(x, use_gelu_tanh=False)
+        return silu_and_mul_reference(x, row_norm)
+    return _gated(x, use_gelu_tanh=False, row_norm=row_norm)
 
 
-def gelu_tanh_and_mul(x: torch.Tensor, impl: Impl = "auto") -> torch.Tensor:
-    """GeLU_tanh(gate) * up for x = [gate | up] along the last dimension: [T, 2I] -> [T, I]."""
+def gelu_tanh_and_mul(x: torch.Tensor, impl: Impl = "auto", row_norm: DeferredRMSNorm | None = None) -> torch.Tensor:
+    """GeLU_tanh(gate) * up for x = [gate | up] along the last dimension: [T, 2I] -> [T, I]; with
+    `row_norm` gate and up are first scaled by its rows' inverse RMS (2-D x only)."""
     if not use_triton(x, impl):
-        return gelu_tanh_and_mul_reference(x)
-    return _gated(x, use_gelu_tanh=True)
+        return gelu_tanh_and_mul_reference(x, row_norm)
+    return _gated(x, use_gelu_tanh=True, row_norm=row_norm)
 
 
 def gelu_bias(x: torch.Tensor, bias: torch.Tensor, impl: Impl = "auto") -> torch.Tensor:

@@ -21,7 +21,10 @@ With `new_kv` the kernel also takes the layer's rotary embedding and KV write (b
 qkv projection is a cuBLAS GEMM, which has no epilogue to carry them): every program
 rotates its query heads in registers, and the program of each sequence's last split rotates
 the new key into its cache slot and copies the value beside it before reading the tile
-that holds it. One launch per layer fewer.
+that holds it. One launch per layer fewer. `NewKV.row_norm` also applies the layer's input
+RMSNorm there (`cleave.kernels.row_norm`): with the norm weight folded into the qkv weight,
+q, k and v are the product of the unnormalised residual stream, and every program scales
+its rows by the inverse RMS of its token's residual row.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import triton.language as tl
 from cleave.kernels.attention_common import LOG2E, attend_tile, dot_settings, kv_tile_pointers
 from cleave.kernels.dispatch import CachedLauncher
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
+from cleave.kernels.row_norm import DeferredRMSNorm, row_inverse_rms
 from cleave.kv.metadata import AttentionMetadata
 
 # Programs per launch (splits x sequences x KV heads) the split count aims for: several
@@ -67,6 +71,8 @@ class NewKV:
     cos_sin_cache: torch.Tensor  # [max_pos, D] fp32: cos in the first D/2 columns, sin in the rest
     slot_mapping: torch.Tensor  # [T] int64, -1 = padding (no write)
     is_neox: bool = True
+    # the layer's input norm, still to be applied to q, key and value (weight folded into qkv)
+    row_norm: DeferredRMSNorm | None = None
 
 
 @triton.jit
@@ -126,6 +132,7 @@ def _paged_decode_split_kernel(
     positions_ptr,  # ROTARY: [T]
     cos_sin_ptr,  # ROTARY: [max_pos, HEAD_DIM] fp32
     slot_mapping_ptr,  # ROTARY: [T] int64, -1 = padding
+    norm_src_ptr,  # ROW_NORM: [T, H] residual rows whose inverse RMS scales q, key and value
     scale_log2,
     stride_q_token,
     stride_q_head,
@@ -143,6 +150,9 @@ def _paged_decode_split_kernel(
     stride_v_token,
     stride_v_head,
     stride_cos_sin,
+    norm_hidden,
+    stride_norm_row,
+    norm_eps,
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -157,11 +167,21 @@ def _paged_decode_split_kernel(
     PREFETCH: tl.constexpr,
     ROTARY: tl.constexpr,
     IS_NEOX: tl.constexpr,
+    ROW_NORM: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    split = tl.program_id(0)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    if HEADS_FIRST:  # grid (KV heads, splits, sequences): a block's heads are read together
+        kv_head = tl.program_id(0)
+        split = tl.program_id(1)
+        seq = tl.program_id(2)
+        num_kv_heads = tl.num_programs(0)
+    else:  # grid (splits, sequences, KV heads)
+        split = tl.program_id(0)
+        seq = tl.program_id(1)
+        kv_head = tl.program_id(2)
+        num_kv_heads = tl.num_programs(2)
 
     # Sequence lengths, block tables and every cached position but the newest are written
     # before the previous kernel runs, so with PREFETCH (short partitions, where the load
@@ -194,10 +214,16 @@ def _paged_decode_split_kernel(
         half: tl.constexpr = HEAD_DIM // 2
         q_token64 = q_token.to(tl.int64)
         cos_sin_row = cos_sin_ptr + tl.load(positions_ptr + q_token64).to(tl.int64) * stride_cos_sin
+        rstd = 1.0
+        if ROW_NORM:
+            rstd = row_inverse_rms(norm_src_ptr + q_token64 * stride_norm_row, norm_hidden, norm_eps, NORM_BLOCK)
         q = _rotated_rows(
             query_ptr + q_token64 * stride_q_token, q_heads, stride_q_head, group_valid, dims, cos_sin_row,
             HEAD_DIM, half, IS_NEOX,
-        ).to(query_ptr.dtype.element_ty).to(DOT_DTYPE)  # rounded as a rotated query in memory would be
+        )
+        if ROW_NORM:
+            q = q * rstd
+        q = q.to(query_ptr.dtype.element_ty).to(DOT_DTYPE)  # rounded as a rotated query in memory would be
         slot = tl.load(slot_mapping_ptr + q_token64).to(tl.int64)
         if (split == num_active - 1) & (slot >= 0):
             # The newest position lies in the last split: write it, then read it back below.
@@ -207,6 +233,9 @@ def _paged_decode_split_kernel(
                                 HEAD_DIM, half, IS_NEOX)
             value = tl.load(value_ptr + q_token64 * stride_v_token + head[:, None] * stride_v_head + dims[None, :],
                             mask=one[:, None] & dim_valid[None, :])
+            if ROW_NORM:
+                key = key * rstd
+                value = value.to(tl.float32) * rstd
             slot_ptr = cache_ptr + (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_slot
             dst = slot_ptr + head[:, None] * stride_cache_head + dims[None, :]
             tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=one[:, None] & dim_valid[None, :])
@@ -248,7 +277,7 @@ def _paged_decode_split_kernel(
             mask=group_valid[:, None] & dim_valid[None, :],
         )
     else:
-        num_q_heads = QUERIES_PER_KV * tl.num_programs(2)
+        num_q_heads = QUERIES_PER_KV * num_kv_heads
         part_row = (seq.to(tl.int64) * num_q_heads + q_heads) * NUM_SPLITS + split  # [BLOCK_G]
         tl.store(part_max_ptr + part_row, m_i, mask=group_valid)
         tl.store(part_sum_ptr + part_row, l_i, mask=group_valid)
@@ -260,7 +289,7 @@ def _paged_decode_split_kernel(
         # Every thread's partials are written before the counter moves (release); the split
         # that moves it last sees them all (acquire) and merges.
         tl.debug_barrier()
-        counter = counters_ptr + seq * tl.num_programs(2) + kv_head
+        counter = counters_ptr + seq * num_kv_heads + kv_head
         finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if finished == num_active - 1:
             tl.debug_barrier()
@@ -354,6 +383,8 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     pdl: bool = True,
     new_kv: NewKV | None = None,
+    prefetch: bool | None = None,
+    heads_first: bool = False,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Split-KV decode attention: every sequence's single new token over its paged context
     (its last `sliding_window` positions only, when given), with programmatic dependent
@@ -363,6 +394,10 @@ def paged_decode_attention(
     `num_stages` None leaves the pipeline depth to triton. With `new_kv` the query and the new
     key are unrotated: the kernel applies the rotary embedding (full head width) and writes
     the new key and value into their slots first.
+
+    `prefetch` (None: from `num_splits`, see PREFETCH_MIN_SPLITS) loads each program's first
+    KV tile before the PDL wait; `heads_first` orders the grid KV head fastest, so the
+    programs reading one block's heads run side by side.
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -387,6 +422,11 @@ def paged_decode_attention(
         )
     elif new_kv.key.stride(-1) != 1 or new_kv.value.stride(-1) != 1:
         raise ValueError("new_kv key and value need the head dimension contiguous")
+    row_norm = new_kv.row_norm if rotary else None
+    if row_norm is not None and row_norm.source.shape[0] != num_tokens:
+        raise ValueError(f"new_kv.row_norm.source has {row_norm.source.shape[0]} rows for {num_tokens} query tokens")
+    norm_src = query if row_norm is None else row_norm.source
+    norm_args = (0, 0, 0.0) if row_norm is None else (row_norm.source.shape[1], row_norm.source.stride(0), row_norm.eps)
     out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -406,19 +446,23 @@ def paged_decode_attention(
     launch = launch_options(pdl)
     if num_stages is not None:
         launch["num_stages"] = num_stages
+    if prefetch is None:
+        prefetch = num_splits >= PREFETCH_MIN_SPLITS
+    grid = (num_kv_heads, num_splits, num_seqs) if heads_first else (num_splits, num_seqs, num_kv_heads)
     _decode_launcher(
-        (num_splits, num_seqs, num_kv_heads),
+        grid,
         (query, kv_cache, out, part_max, part_sum, part_acc, counters,
          metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-         new_kv.key, new_kv.value, new_kv.positions, new_kv.cos_sin_cache, new_kv.slot_mapping,
+         new_kv.key, new_kv.value, new_kv.positions, new_kv.cos_sin_cache, new_kv.slot_mapping, norm_src,
          scale * LOG2E, query.stride(0), query.stride(1),
          kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
          metadata.block_tables.stride(0), out.stride(0), out.stride(1), kv_cache.shape[2], sliding_window or 0,
          new_kv.key.stride(0), new_kv.key.stride(1), new_kv.value.stride(0), new_kv.value.stride(1),
-         new_kv.cos_sin_cache.stride(0)),
+         new_kv.cos_sin_cache.stride(0), *norm_args),
         (queries_per_kv, head_dim, num_splits, bool(sliding_window), max(16, triton.next_power_of_2(queries_per_kv)),
          block_n, block_d, triton.next_power_of_2(queries_per_kv), min(16, num_splits), dot_dtype, precision,
-         num_splits >= PREFETCH_MIN_SPLITS, rotary, new_kv.is_neox, pdl),
+         prefetch, rotary, new_kv.is_neox, row_norm is not None, 16 if row_norm is None else row_norm.block,
+         heads_first, pdl),
         num_warps, **launch,
     )
     return out

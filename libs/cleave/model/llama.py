@@ -8,6 +8,14 @@ q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied embeddings, rope scaling.
 q/k/v are one `qkv_proj` Linear and gate/up one `gate_up_proj` Linear (the loader fuses the
 HF tensors), so each projection is one GEMM. The forward does no host syncs, so it can be
 captured in a CUDA graph.
+
+Decode batches take one of two fused layouts on the Triton kernels. Up to
+`decode_gemv_max_tokens` tokens, GEMV kernels carry the norms in their prologues and the
+residual adds in their epilogues. Above it the projections are cuBLAS GEMMs; once the norm
+weights are folded into the projections after them (`CausalLM.fold_norm_weights`, which
+the serving engine calls), each norm is a per-row scale that the decode attention and
+SwiGLU kernels apply (`cleave.kernels.row_norm`), and the residual adds are the o and down
+GEMMs' own epilogue (beta = 1): five launches a layer, no norm kernel.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
 from cleave.kernels.gemv import RotaryKVWrite
 from cleave.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from cleave.kernels.rotary import apply_rotary
+from cleave.kernels.row_norm import DeferredRMSNorm
 from cleave.kernels.rotary_kv_write import rotary_write_kv
 from cleave.kernels.small_linear import small_linear
 from cleave.kv.metadata import AttentionMetadata
@@ -110,6 +119,30 @@ class Attention(nn.Module):
                                counters=metadata.split_counters)
             out = self._attend(qkv, positions, kv_cache, metadata, cos_sin_cache)  # [T, Hq D]
         small_linear(out, self.o_proj.weight, add_to=residual, counters=metadata.split_counters)
+
+    def forward_deferred_norm(
+        self,
+        residual: torch.Tensor,  # [T, H] residual stream of a decode-only batch; updated in place
+        norm_eps: float,  # the layer's input norm, whose (unit) weight is folded into qkv_proj
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+    ) -> None:
+        """residual += o_proj(attention(qkv_proj(norm(residual)))) with the norm applied by the
+        decode attention kernel (with the rotary embedding and the KV write) and the add by
+        the o GEMM."""
+        num_tokens = residual.shape[0]
+        qkv = torch.mm(residual, self.qkv_proj.weight.t())  # [T, (Hq + 2 Hkv) D], unnormalised
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        new_kv = NewKV(
+            k.view(num_tokens, self.num_kv_heads, self.head_dim), v.view(num_tokens, self.num_kv_heads, self.head_dim),
+            positions, cos_sin_cache, metadata.slot_mapping, is_neox=True,
+            row_norm=DeferredRMSNorm(residual, norm_eps),
+        )
+        out = paged_decode_attention(q.view(num_tokens, self.num_heads, self.head_dim), kv_cache, metadata,
+                                     self.scale, sliding_window=self.sliding_window, new_kv=new_kv)
+        residual.addmm_(out.view(num_tokens, self.q_size), self.o_proj.weight.t())
 
     def _attend(
         self,
@@ -199,6 +232,13 @@ class MLP(nn.Module):
                            counters=counters)
         small_linear(act, self.down_proj.weight, add_to=residual, counters=counters)  # [T, I] -> += [T, H]
 
+    def forward_deferred_norm(self, residual: torch.Tensor, norm_eps: float) -> None:
+        """residual += down(silu(gate) * up) of norm(residual), the norm's weight folded into
+        gate_up_proj and its per-row scale applied by the SwiGLU kernel."""
+        gate_up = torch.mm(residual, self.gate_up_proj.weight.t())  # [T, 2I], unnormalised
+        act = silu_and_mul(gate_up, impl=self.impl, row_norm=DeferredRMSNorm(residual, norm_eps))
+        residual.addmm_(act, self.down_proj.weight.t())
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); residual adds fused into the norms."""
@@ -241,6 +281,22 @@ class DecoderLayer(nn.Module):
         self.self_attn.forward_decode(residual, self.input_layernorm, positions, kv_cache, metadata, cos_sin_cache)
         self.mlp.forward_decode(residual, self.post_attention_layernorm, metadata.split_counters)
 
+    def forward_deferred_norms(
+        self,
+        residual: torch.Tensor,  # [T, H] residual stream of a decode-only batch, updated in place
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+    ) -> None:
+        """The same block on GEMMs with the norm weights folded into qkv_proj and gate_up_proj:
+        the norms are applied by the attention and SwiGLU kernels, the adds by the o and down
+        GEMMs."""
+        self.self_attn.forward_deferred_norm(
+            residual, self.input_layernorm.eps, positions, kv_cache, metadata, cos_sin_cache
+        )
+        self.mlp.forward_deferred_norm(residual, self.post_attention_layernorm.eps)
+
 
 class CausalLM(nn.Module):
     """Decoder-only LM: token ids of a flattened batch -> final hidden states -> logits.
@@ -260,6 +316,8 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.decode_gemv_max_tokens = DECODE_GEMV_MAX_TOKENS  # <= small_linear.MAX_ROWS
+        self.norms_folded = False  # set by fold_norm_weights
+        self.deferred_norm_decode = True  # larger decode batches apply folded norms in kernels
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         cache = self._build_cos_sin_cache(self.embed_tokens.weight.device)
@@ -285,6 +343,29 @@ class CausalLM(nn.Module):
         self.cos_sin_cache = self._build_cos_sin_cache(self.cos_sin_cache.device)
         return self
 
+    @torch.no_grad()
+    def fold_norm_weights(self) -> "CausalLM":
+        """Fold each layer's input and post-attention RMSNorm weights into the projections
+        that read them (qkv_proj, gate_up_proj: W[:, k] *= w[k]) and give the norms unit
+        weights. The model computes the same function, the folded weights rounded once to
+        their dtype; decode batches on GEMMs then need no norm kernels (see the module
+        docstring). The final norm is kept (lm_head may be tied to the embeddings).
+        Idempotent."""
+        if self.norms_folded:
+            return self
+        for layer in self.layers:
+            for norm, projection in (
+                (layer.input_layernorm, layer.self_attn.qkv_proj),
+                (layer.post_attention_layernorm, layer.mlp.gate_up_proj),
+            ):
+                weight = projection.weight
+                for start in range(0, weight.shape[0], 4096):  # bounded fp32 scratch
+                    rows = weight[start : start + 4096]
+                    rows.copy_(rows.float() * norm.weight.float())
+                norm.weight.fill_(1.0)
+        self.norms_folded = True
+        return self
+
     def set_impl(self, impl: Impl, attention_impl: Impl | None = None) -> "CausalLM":
         """Pick the kernel side ("auto", "triton", "torch") of every op; attention may differ."""
         for module in self.modules():
@@ -306,6 +387,10 @@ class CausalLM(nn.Module):
             for index, layer in enumerate(self.layers):
                 layer.forward_decode(hidden, positions, kv_cache[index], metadata, self.cos_sin_cache)
             return self.norm(hidden)
+        if self._deferred_norms_apply(hidden, metadata):
+            for index, layer in enumerate(self.layers):
+                layer.forward_deferred_norms(hidden, positions, kv_cache[index], metadata, self.cos_sin_cache)
+            return self.norm(hidden)
         residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, positions, kv_cache[index], metadata, self.cos_sin_cache)
@@ -320,6 +405,27 @@ class CausalLM(nn.Module):
             and not self.config.attention_bias
             and use_triton(hidden, self.impl)
             and use_triton(hidden, self.layers[0].self_attn.attention_impl)
+        )
+
+    def _deferred_norms_apply(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> bool:
+        """Whether this batch runs the layers with the folded norms applied in the attention
+        and SwiGLU kernels: a decode-only batch on the Triton kernels with the norm weights
+        folded, no qkv bias or q/k norms, a full-width rotary embedding, and the rotary
+        embedding inside the decode attention kernel enabled."""
+        config = self.config
+        attention = self.layers[0].self_attn if self.layers else None
+        return (
+            self.norms_folded
+            and self.deferred_norm_decode
+            and attention is not None
+            and attention.rotary_in_decode_attention
+            and metadata.is_decode_only
+            and hidden.shape[0] > 0
+            and not config.attention_bias
+            and not config.qk_norm
+            and self.cos_sin_cache.shape[-1] == config.head_dim
+            and use_triton(hidden, self.impl)
+            and use_triton(hidden, attention.attention_impl)
         )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
