@@ -8,7 +8,6 @@ import torch
 
 from cleave.kernels.attention import paged_attention_reference
 from cleave.kernels.attention_decode import NewKV, paged_decode_attention
-from cleave.kernels.l2_prefetch import L2Prefetch
 from cleave.kernels.row_norm import DeferredRMSNorm, inverse_rms_reference
 from cleave.kernels.rotary_kv_write import rotary_write_kv_reference
 from cleave.kv.metadata import AttentionMetadata
@@ -143,11 +142,3 @@ def test_gpu_llama_shapes_match_the_two_step_path(batch):
                                                        heads_first=heads_first)
         torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(cache.float(), cache_ref.float(), atol=2e-2, rtol=2e-2)
-    # pulling a weight into L2 on the way changes no bit
-    weight = torch.randn(2048, 2048, dtype=torch.bfloat16, device="cuda")
-    (plain, plain_cache), _ = run_both(seq_lens, tables, 32, 8, 64, torch.bfloat16, True, None, block_n=64,
-                                       device="cuda", norm_hidden=2048)
-    (prefetching, prefetching_cache), _ = run_both(seq_lens, tables, 32, 8, 64, torch.bfloat16, True, None,
-                                                   block_n=64, device="cuda", norm_hidden=2048,
-                                                   l2_prefetch=L2Prefetch((weight, weight[:7])))
-    assert torch.equal(plain, prefetching) and torch.equal(plain_cache, prefetching_cache)
