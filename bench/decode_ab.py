@@ -14,10 +14,7 @@ another, so drift of the machine over the run hits all of them alike. Variants:
 - `fill_pdl_rotary`: `fill_rotary` with the input fill launched with PDL;
 - `deferred_norms`: that, and batches above the GEMV path's size run without norm kernels:
   the norm weights are folded into the projections and the decode attention and SwiGLU
-  kernels apply the per-row scale, the o and down GEMMs the residual adds;
-- `prefetch_o`, `prefetch_down`, `prefetch_o_down` (the default), `prefetch_o_gate_up_down`:
-  that, with the attention kernel pulling the o weight (and the first 4096 rows of gate_up)
-  and the SwiGLU kernel the down weight into L2 (cleave.kernels.l2_prefetch).
+  kernels apply the per-row scale, the o and down GEMMs the residual adds (the default).
 
 The bench model's norm weights are ones, so folding them changes no weight and every variant
 computes the same step.
@@ -37,22 +34,16 @@ from decode import Case, decode_batch
 from step_turns import build_step_bench, summary_row, time_in_turns
 
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
-from cleave.model.llama import DecodePrefetch
 
-NO_PREFETCH = DecodePrefetch(o_proj=False, down_proj=False)
 # name -> (fill impl, fill with PDL, rotary inside the decode attention kernel, logits by a
-# cast pass, norms deferred to the attention and SwiGLU kernels, L2 prefetches of those kernels)
+# cast pass, norms deferred to the attention and SwiGLU kernels)
 VARIANTS = {
-    "copies": ("torch", False, False, True, False, NO_PREFETCH),
-    "fill": ("auto", False, False, True, False, NO_PREFETCH),
-    "fill_rotary_cast": ("auto", False, True, True, False, NO_PREFETCH),
-    "fill_rotary": ("auto", False, True, False, False, NO_PREFETCH),
-    "fill_pdl_rotary": ("auto", True, True, False, False, NO_PREFETCH),
-    "deferred_norms": ("auto", True, True, False, True, NO_PREFETCH),
-    "prefetch_o": ("auto", True, True, False, True, DecodePrefetch(o_proj=True, down_proj=False)),
-    "prefetch_down": ("auto", True, True, False, True, DecodePrefetch(o_proj=False, down_proj=True)),
-    "prefetch_o_down": ("auto", True, True, False, True, DecodePrefetch()),
-    "prefetch_o_gate_up_down": ("auto", True, True, False, True, DecodePrefetch(gate_up_rows=4096)),
+    "copies": ("torch", False, False, True, False),
+    "fill": ("auto", False, False, True, False),
+    "fill_rotary_cast": ("auto", False, True, True, False),
+    "fill_rotary": ("auto", False, True, False, False),
+    "fill_pdl_rotary": ("auto", True, True, False, False),
+    "deferred_norms": ("auto", True, True, False, True),
 }
 COLUMNS = ["variant", "batch", "context", "median_us", "min_us", "max_us", "roofline_pct", "rounds_us"]
 
@@ -87,9 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     runners = {}
     with torch.inference_mode():
         for name in names:
-            fill_impl, fill_pdl, rotary_in_attention, cast_logits, deferred_norms, prefetch = VARIANTS[name]
+            fill_impl, fill_pdl, rotary_in_attention, cast_logits, deferred_norms = VARIANTS[name]
             model.deferred_norm_decode = deferred_norms
-            model.decode_prefetch = prefetch
             for layer in model.layers:
                 layer.self_attn.rotary_in_decode_attention = rotary_in_attention
             runner = bench.runner(step_cast_logits if cast_logits else bench.step, max(case.batch for case in cases))
@@ -109,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
 
     summary = {"model": "Llama-3.2-1B shape, random bf16 weights", "weights_gb": round(bench.weight_bytes / 1e9, 3),
                "max_model_len": args.max_model_len, "iters": args.iters,
-               "variants": {name: [*VARIANTS[name][:5], vars(VARIANTS[name][5])] for name in names}}
+               "variants": {name: VARIANTS[name] for name in names}}
     print(format_table(rows, COLUMNS))
     if args.out:
         json_path, md_path = write_results(args.out, "decode_ab", rows, COLUMNS, summary)

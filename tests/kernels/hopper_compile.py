@@ -33,7 +33,6 @@ POINTERS = {  # argument name -> pointer type; every other runtime argument is a
     "src_tables_ptr": "*i32", "dst_ids_ptr": "*i64", "dst_positions_ptr": "*i64", "dst_slots_ptr": "*i64",
     "dst_seq_lens_ptr": "*i32", "dst_tables_ptr": "*i32", "ids_ptr": "*i64", "table_ptr": "*bf16",
     "residual_ptr": "*bf16", "weight_ptr": "*bf16", "norm_src_ptr": "*bf16",
-    "l2_first_ptr": "*bf16", "l2_second_ptr": "*bf16",
 }
 FLOATS = {"eps", "scale_log2", "norm_eps"}
 
@@ -57,17 +56,15 @@ def main() -> None:
     compile_variant(_gemv_kernel, {**gemv, "BLOCK_M": 4, "BLOCK_N": 2, "PDL": False}, 4)
     attention = dict(QUERIES_PER_KV=4, HEAD_DIM=64, NUM_SPLITS=16, SLIDING=False, BLOCK_G=16, BLOCK_N=64, BLOCK_D=64,
                      BLOCK_Q=4, BLOCK_S=16, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", PREFETCH=True, ROTARY=False,
-                     IS_NEOX=True, ROW_NORM=False, NORM_BLOCK=16, HEADS_FIRST=False, L2_REGIONS=0, PDL=True)
+                     IS_NEOX=True, ROW_NORM=False, NORM_BLOCK=16, HEADS_FIRST=False, PDL=True)
     compile_variant(_paged_decode_split_kernel, attention, 2)
     compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 4, "PREFETCH": False, "SLIDING": True}, 2)
     compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 2, "PREFETCH": False, "ROTARY": True}, 2)
     compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 8, "ROTARY": True, "IS_NEOX": False}, 2)
-    # the deferred input norm (norm weights folded into qkv), KV head fastest, two weights prefetched into L2
+    # the deferred input norm (norm weights folded into qkv), KV head fastest
     compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 2, "PREFETCH": False, "ROTARY": True,
-                                                 "ROW_NORM": True, "NORM_BLOCK": 2048, "HEADS_FIRST": True,
-                                                 "L2_REGIONS": 2}, 2)
-    compile_variant(_gated_act_kernel, dict(USE_GELU_TANH=False, BLOCK=1024, ROW_NORM=True, NORM_BLOCK=2048,
-                                            L2_REGIONS=1), 4)
+                                                 "ROW_NORM": True, "NORM_BLOCK": 1024, "HEADS_FIRST": True}, 2)
+    compile_variant(_gated_act_kernel, dict(USE_GELU_TANH=False, BLOCK=1024, ROW_NORM=True, NORM_BLOCK=1024), 4)
     compile_variant(_fill_decode_inputs_kernel, dict(PAD_TOKEN=0, PAD_POSITION=0, PAD_SLOT=-1, PAD_SEQ_LEN=0,
                                                      NULL_BLOCK=0, BLOCK_W=1024, PDL=True), 4)
     compile_variant(_embedding_kernel, dict(BLOCK=2048, PDL=True), 8)

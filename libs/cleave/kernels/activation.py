@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 
 from cleave.kernels.dispatch import CachedLauncher, Impl, TileLaunch, tile_launch, use_triton
-from cleave.kernels.l2_prefetch import NO_PREFETCH, L2Prefetch, prefetch_regions
 from cleave.kernels.row_norm import DeferredRMSNorm, inverse_rms_reference, row_inverse_rms
 
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
@@ -48,26 +47,17 @@ def _gated_act_kernel(
     x_ptr,  # [T, 2I] = [gate | up]
     out_ptr,  # [T, I]
     norm_src_ptr,  # ROW_NORM: [T, H] rows whose inverse RMS scales gate and up
-    l2_first_ptr,  # L2_REGIONS >= 1: weights pulled into L2 for the kernel after this one
-    l2_second_ptr,  # L2_REGIONS == 2
     inter,
     x_row_stride,
     out_row_stride,
     norm_hidden,
     norm_row_stride,
     norm_eps,
-    l2_first_lines,
-    l2_second_lines,
     USE_GELU_TANH: tl.constexpr,
     BLOCK: tl.constexpr,
     ROW_NORM: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
-    L2_REGIONS: tl.constexpr,
 ):
-    if L2_REGIONS > 0:
-        prefetch_regions(l2_first_ptr, l2_first_lines, l2_second_ptr, l2_second_lines,
-                         tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                         tl.num_programs(0) * tl.num_programs(1), L2_REGIONS)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < inter
@@ -117,9 +107,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _gated(
-    x: torch.Tensor, use_gelu_tanh: bool, row_norm: DeferredRMSNorm | None, l2_prefetch: L2Prefetch = NO_PREFETCH
-) -> torch.Tensor:
+def _gated(x: torch.Tensor, use_gelu_tanh: bool, row_norm: DeferredRMSNorm | None) -> torch.Tensor:
     x2 = _rows(x)  # [T, 2I]
     num_rows, inter = x2.shape[0], x2.shape[1] // 2
     out = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device)
@@ -133,28 +121,21 @@ def _gated(
             )
         source = row_norm.source
         norm_src, norm_args, norm_block = source, (source.shape[1], source.stride(0), row_norm.eps), row_norm.block
-    l2_regions, l2_tensors, l2_lines = l2_prefetch.launch_args(x2)
     _gated_act_launcher(
         launch.grid,
-        (x2, out, norm_src, *l2_tensors, inter, x2.stride(0), inter, *norm_args, *l2_lines),
-        (use_gelu_tanh, launch.block, row_norm is not None, norm_block, l2_regions),
+        (x2, out, norm_src, inter, x2.stride(0), inter, *norm_args),
+        (use_gelu_tanh, launch.block, row_norm is not None, norm_block),
         launch.num_warps,
     )
     return out if x.dim() == 2 else out.view(*x.shape[:-1], inter)
 
 
-def silu_and_mul(
-    x: torch.Tensor,
-    impl: Impl = "auto",
-    row_norm: DeferredRMSNorm | None = None,
-    l2_prefetch: L2Prefetch = NO_PREFETCH,
-) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, impl: Impl = "auto", row_norm: DeferredRMSNorm | None = None) -> torch.Tensor:
     """SiLU(gate) * up for x = [gate | up] along the last dimension: [T, 2I] -> [T, I]; with
-    `row_norm` gate and up are first scaled by its rows' inverse RMS (2-D x only).
-    `l2_prefetch`: weights of the projection after it, pulled into L2 (cleave.kernels.l2_prefetch)."""
+    `row_norm` gate and up are first scaled by its rows' inverse RMS (2-D x only)."""
     if not use_triton(x, impl):
         return silu_and_mul_reference(x, row_norm)
-    return _gated(x, use_gelu_tanh=False, row_norm=row_norm, l2_prefetch=l2_prefetch)
+    return _gated(x, use_gelu_tanh=False, row_norm=row_norm)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor, impl: Impl = "auto", row_norm: DeferredRMSNorm | None = None) -> torch.Tensor:

@@ -37,7 +37,6 @@ import triton.language as tl
 
 from cleave.kernels.attention_common import LOG2E, attend_tile, dot_settings, kv_tile_pointers
 from cleave.kernels.dispatch import CachedLauncher
-from cleave.kernels.l2_prefetch import NO_PREFETCH, L2Prefetch, prefetch_regions
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 from cleave.kernels.row_norm import DeferredRMSNorm, row_inverse_rms
 from cleave.kv.metadata import AttentionMetadata
@@ -134,8 +133,6 @@ def _paged_decode_split_kernel(
     cos_sin_ptr,  # ROTARY: [max_pos, HEAD_DIM] fp32
     slot_mapping_ptr,  # ROTARY: [T] int64, -1 = padding
     norm_src_ptr,  # ROW_NORM: [T, H] residual rows whose inverse RMS scales q, key and value
-    l2_first_ptr,  # L2_REGIONS >= 1: weights pulled into L2 for the kernel after this one
-    l2_second_ptr,  # L2_REGIONS == 2
     scale_log2,
     stride_q_token,
     stride_q_head,
@@ -156,8 +153,6 @@ def _paged_decode_split_kernel(
     norm_hidden,
     stride_norm_row,
     norm_eps,
-    l2_first_lines,
-    l2_second_lines,
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -175,13 +170,8 @@ def _paged_decode_split_kernel(
     ROW_NORM: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
-    L2_REGIONS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if L2_REGIONS > 0:  # before anything else: every program, even those with no keys to read
-        part = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
-        num_parts = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        prefetch_regions(l2_first_ptr, l2_first_lines, l2_second_ptr, l2_second_lines, part, num_parts, L2_REGIONS)
     if HEADS_FIRST:  # grid (KV heads, splits, sequences): a block's heads are read together
         kv_head = tl.program_id(0)
         split = tl.program_id(1)
@@ -395,7 +385,6 @@ def paged_decode_attention(
     new_kv: NewKV | None = None,
     prefetch: bool | None = None,
     heads_first: bool = False,
-    l2_prefetch: L2Prefetch = NO_PREFETCH,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Split-KV decode attention: every sequence's single new token over its paged context
     (its last `sliding_window` positions only, when given), with programmatic dependent
@@ -408,9 +397,7 @@ def paged_decode_attention(
 
     `prefetch` (None: from `num_splits`, see PREFETCH_MIN_SPLITS) loads each program's first
     KV tile before the PDL wait; `heads_first` orders the grid KV head fastest, so the
-    programs reading one block's heads run side by side. `l2_prefetch` names the weights
-    of the projection after attention, which the programs pull into L2 as they start
-    (`cleave.kernels.l2_prefetch`).
+    programs reading one block's heads run side by side.
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -462,21 +449,20 @@ def paged_decode_attention(
     if prefetch is None:
         prefetch = num_splits >= PREFETCH_MIN_SPLITS
     grid = (num_kv_heads, num_splits, num_seqs) if heads_first else (num_splits, num_seqs, num_kv_heads)
-    l2_regions, l2_tensors, l2_lines = l2_prefetch.launch_args(query)
     _decode_launcher(
         grid,
         (query, kv_cache, out, part_max, part_sum, part_acc, counters,
          metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-         new_kv.key, new_kv.value, new_kv.positions, new_kv.cos_sin_cache, new_kv.slot_mapping, norm_src, *l2_tensors,
+         new_kv.key, new_kv.value, new_kv.positions, new_kv.cos_sin_cache, new_kv.slot_mapping, norm_src,
          scale * LOG2E, query.stride(0), query.stride(1),
          kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
          metadata.block_tables.stride(0), out.stride(0), out.stride(1), kv_cache.shape[2], sliding_window or 0,
          new_kv.key.stride(0), new_kv.key.stride(1), new_kv.value.stride(0), new_kv.value.stride(1),
-         new_kv.cos_sin_cache.stride(0), *norm_args, *l2_lines),
+         new_kv.cos_sin_cache.stride(0), *norm_args),
         (queries_per_kv, head_dim, num_splits, bool(sliding_window), max(16, triton.next_power_of_2(queries_per_kv)),
          block_n, block_d, triton.next_power_of_2(queries_per_kv), min(16, num_splits), dot_dtype, precision,
          prefetch, rotary, new_kv.is_neox, row_norm is not None, 16 if row_norm is None else row_norm.block,
-         heads_first, l2_regions, pdl),
+         heads_first, pdl),
         num_warps, **launch,
     )
     return out

@@ -20,8 +20,6 @@ GEMMs' own epilogue (beta = 1): five launches a layer, no norm kernel.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -32,7 +30,6 @@ from cleave.kernels.dispatch import Impl, use_triton
 from cleave.kernels.embedding import embedding
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
 from cleave.kernels.gemv import RotaryKVWrite
-from cleave.kernels.l2_prefetch import NO_PREFETCH, L2Prefetch
 from cleave.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from cleave.kernels.rotary import apply_rotary
 from cleave.kernels.row_norm import DeferredRMSNorm
@@ -45,16 +42,6 @@ from cleave.model.rope import build_cos_sin_cache
 # Batches of up to this many tokens run the fused decode-batch GEMV path by default (see
 # `CausalLM.decode_gemv_max_tokens`); above it, cuBLAS GEMMs with separate norm kernels.
 DECODE_GEMV_MAX_TOKENS = 16
-
-
-@dataclass(frozen=True)
-class DecodePrefetch:
-    """Weights that the layers with deferred norms pull into L2 ahead of the GEMM that reads
-    them, from inside the kernel before it (`cleave.kernels.l2_prefetch`)."""
-
-    o_proj: bool = True  # by the decode attention kernel
-    gate_up_rows: int = 0  # this many leading rows of gate_up_proj, also by the attention kernel
-    down_proj: bool = True  # by the SwiGLU kernel
 
 
 class RMSNorm(nn.Module):
@@ -141,11 +128,10 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
-        l2_prefetch: L2Prefetch = NO_PREFETCH,
     ) -> None:
         """residual += o_proj(attention(qkv_proj(norm(residual)))) with the norm applied by the
         decode attention kernel (with the rotary embedding and the KV write) and the add by
-        the o GEMM; the attention kernel pulls `l2_prefetch` into L2 as it starts."""
+        the o GEMM."""
         num_tokens = residual.shape[0]
         qkv = torch.mm(residual, self.qkv_proj.weight.t())  # [T, (Hq + 2 Hkv) D], unnormalised
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -155,8 +141,7 @@ class Attention(nn.Module):
             row_norm=DeferredRMSNorm(residual, norm_eps),
         )
         out = paged_decode_attention(q.view(num_tokens, self.num_heads, self.head_dim), kv_cache, metadata,
-                                     self.scale, sliding_window=self.sliding_window, new_kv=new_kv,
-                                     l2_prefetch=l2_prefetch)
+                                     self.scale, sliding_window=self.sliding_window, new_kv=new_kv)
         residual.addmm_(out.view(num_tokens, self.q_size), self.o_proj.weight.t())
 
     def _attend(
@@ -247,14 +232,11 @@ class MLP(nn.Module):
                            counters=counters)
         small_linear(act, self.down_proj.weight, add_to=residual, counters=counters)  # [T, I] -> += [T, H]
 
-    def forward_deferred_norm(self, residual: torch.Tensor, norm_eps: float, prefetch_down: bool = False) -> None:
+    def forward_deferred_norm(self, residual: torch.Tensor, norm_eps: float) -> None:
         """residual += down(silu(gate) * up) of norm(residual), the norm's weight folded into
-        gate_up_proj and its per-row scale applied by the SwiGLU kernel (which pulls the down
-        weight into L2 first with `prefetch_down`)."""
+        gate_up_proj and its per-row scale applied by the SwiGLU kernel."""
         gate_up = torch.mm(residual, self.gate_up_proj.weight.t())  # [T, 2I], unnormalised
-        l2_prefetch = L2Prefetch((self.down_proj.weight,)) if prefetch_down else NO_PREFETCH
-        act = silu_and_mul(gate_up, impl=self.impl, row_norm=DeferredRMSNorm(residual, norm_eps),
-                           l2_prefetch=l2_prefetch)
+        act = silu_and_mul(gate_up, impl=self.impl, row_norm=DeferredRMSNorm(residual, norm_eps))
         residual.addmm_(act, self.down_proj.weight.t())
 
 
@@ -306,19 +288,14 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
-        prefetch: DecodePrefetch = DecodePrefetch(),
     ) -> None:
         """The same block on GEMMs with the norm weights folded into qkv_proj and gate_up_proj:
         the norms are applied by the attention and SwiGLU kernels, the adds by the o and down
-        GEMMs; `prefetch` says which weights those kernels pull into L2 for the GEMM after."""
-        after_attention = [self.self_attn.o_proj.weight] if prefetch.o_proj else []
-        if prefetch.gate_up_rows > 0:
-            after_attention.append(self.mlp.gate_up_proj.weight[: prefetch.gate_up_rows])
+        GEMMs."""
         self.self_attn.forward_deferred_norm(
-            residual, self.input_layernorm.eps, positions, kv_cache, metadata, cos_sin_cache,
-            L2Prefetch(tuple(after_attention)),
+            residual, self.input_layernorm.eps, positions, kv_cache, metadata, cos_sin_cache
         )
-        self.mlp.forward_deferred_norm(residual, self.post_attention_layernorm.eps, prefetch.down_proj)
+        self.mlp.forward_deferred_norm(residual, self.post_attention_layernorm.eps)
 
 
 class CausalLM(nn.Module):
@@ -341,7 +318,6 @@ class CausalLM(nn.Module):
         self.decode_gemv_max_tokens = DECODE_GEMV_MAX_TOKENS  # <= small_linear.MAX_ROWS
         self.norms_folded = False  # set by fold_norm_weights
         self.deferred_norm_decode = True  # larger decode batches apply folded norms in kernels
-        self.decode_prefetch = DecodePrefetch()  # weights those batches pull into L2 early
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         cache = self._build_cos_sin_cache(self.embed_tokens.weight.device)
@@ -413,8 +389,7 @@ class CausalLM(nn.Module):
             return self.norm(hidden)
         if self._deferred_norms_apply(hidden, metadata):
             for index, layer in enumerate(self.layers):
-                layer.forward_deferred_norms(hidden, positions, kv_cache[index], metadata, self.cos_sin_cache,
-                                             self.decode_prefetch)
+                layer.forward_deferred_norms(hidden, positions, kv_cache[index], metadata, self.cos_sin_cache)
             return self.norm(hidden)
         residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
