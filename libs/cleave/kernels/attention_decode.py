@@ -53,6 +53,11 @@ MAX_SPLITS = 256
 # peeled first tile costs the pipelined loop more than it hides (batch 32 / 32k: 94% ->
 # 86% of HBM when every launch prefetched).
 PREFETCH_MIN_SPLITS = 8
+# Grid order: KV head fastest, so the programs that read one block's heads (its rows are
+# [block_size, Hkv, D]) run side by side. Inside the graph-replayed decode step on an H200
+# (bench/results/decode/deferred/attention_order*.md): batch 64 / 1k 1638.4 -> 1629.5 and
+# 1757.8 -> 1747.5 us per step in two runs, batch 32 / 32k 9206 -> 9185 and 9341 -> 9037 us.
+HEADS_FIRST = True
 # Software-pipeline depth of the KV loop. Timed inside the graph-replayed decode step on an
 # H200 (bench/results/decode/ab/attention_in_step*.md), two stages beat triton's default of
 # three at every shape tried: batch 64 / 1k 1679.6 -> 1672.1 us per step, batch 32 / 32k
@@ -384,7 +389,7 @@ def paged_decode_attention(
     pdl: bool = True,
     new_kv: NewKV | None = None,
     prefetch: bool | None = None,
-    heads_first: bool = False,
+    heads_first: bool = HEADS_FIRST,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Split-KV decode attention: every sequence's single new token over its paged context
     (its last `sliding_window` positions only, when given), with programmatic dependent

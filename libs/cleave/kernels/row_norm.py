@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_BLOCK = 1024  # columns of the source row read per step
+MAX_BLOCK = 4096  # columns of the source row read per step (one step up to 4096)
 
 
 @dataclass(frozen=True)
