@@ -64,7 +64,7 @@ def main() -> None:
     # the deferred input norm (norm weights folded into qkv), KV head fastest
     compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 2, "PREFETCH": False, "ROTARY": True,
                                                  "ROW_NORM": True, "NORM_BLOCK": 1024, "HEADS_FIRST": True}, 2)
-    compile_variant(_gated_act_kernel, dict(USE_GELU_TANH=False, BLOCK=1024, ROW_NORM=True, NORM_BLOCK=1024), 4)
+    compile_variant(_gated_act_kernel, dict(USE_GELU_TANH=False, BLOCK=1024, ROW_NORM=True, NORM_BLOCK=1024, PDL=True), 4)
     compile_variant(_fill_decode_inputs_kernel, dict(PAD_TOKEN=0, PAD_POSITION=0, PAD_SLOT=-1, PAD_SEQ_LEN=0,
                                                      NULL_BLOCK=0, BLOCK_W=1024, PDL=True), 4)
     compile_variant(_embedding_kernel, dict(BLOCK=2048, PDL=True), 8)

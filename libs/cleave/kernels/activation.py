@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from cleave.kernels.dispatch import CachedLauncher, Impl, TileLaunch, tile_launch, use_triton
+from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 from cleave.kernels.row_norm import DeferredRMSNorm, inverse_rms_reference, row_inverse_rms
 
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
@@ -57,7 +58,10 @@ def _gated_act_kernel(
     BLOCK: tl.constexpr,
     ROW_NORM: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_producer(PDL)
+    release_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < inter
@@ -121,11 +125,13 @@ def _gated(x: torch.Tensor, use_gelu_tanh: bool, row_norm: DeferredRMSNorm | Non
             )
         source = row_norm.source
         norm_src, norm_args, norm_block = source, (source.shape[1], source.stride(0), row_norm.eps), row_norm.block
+    pdl = pdl_enabled(x2)
     _gated_act_launcher(
         launch.grid,
         (x2, out, norm_src, inter, x2.stride(0), inter, *norm_args),
-        (use_gelu_tanh, launch.block, row_norm is not None, norm_block),
+        (use_gelu_tanh, launch.block, row_norm is not None, norm_block, pdl),
         launch.num_warps,
+        **launch_options(pdl),
     )
     return out if x.dim() == 2 else out.view(*x.shape[:-1], inter)
 

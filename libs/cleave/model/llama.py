@@ -131,7 +131,7 @@ class Attention(nn.Module):
     ) -> None:
         """residual += o_proj(attention(qkv_proj(norm(residual)))) with the norm applied by the
         decode attention kernel (with the rotary embedding and the KV write) and the add by
-        the o GEMM."""
+        the o GEMM (beta = 1)."""
         num_tokens = residual.shape[0]
         qkv = torch.mm(residual, self.qkv_proj.weight.t())  # [T, (Hq + 2 Hkv) D], unnormalised
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -234,7 +234,8 @@ class MLP(nn.Module):
 
     def forward_deferred_norm(self, residual: torch.Tensor, norm_eps: float) -> None:
         """residual += down(silu(gate) * up) of norm(residual), the norm's weight folded into
-        gate_up_proj and its per-row scale applied by the SwiGLU kernel."""
+        gate_up_proj and its per-row scale applied by the SwiGLU kernel, the add by the down
+        GEMM (beta = 1)."""
         gate_up = torch.mm(residual, self.gate_up_proj.weight.t())  # [T, 2I], unnormalised
         act = silu_and_mul(gate_up, impl=self.impl, row_norm=DeferredRMSNorm(residual, norm_eps))
         residual.addmm_(act, self.down_proj.weight.t())
