@@ -14,7 +14,12 @@ another, so drift of the machine over the run hits all of them alike. Variants:
 - `fill_pdl_rotary`: `fill_rotary` with the input fill launched with PDL;
 - `deferred_norms`: that, and batches above the GEMV path's size run without norm kernels:
   the norm weights are folded into the projections and the decode attention and SwiGLU
-  kernels apply the per-row scale, the o and down GEMMs the residual adds (the default).
+  kernels apply the per-row scale, the o and down GEMMs the residual adds (the default);
+- `deferred_cublaslt`, `deferred_fp32_reduction`: that, with the GEMMs captured through
+  cuBLASLt (`torch.backends.cuda.preferred_blas_library("cublaslt")`), or with bf16 GEMMs
+  kept from reducing split-K partials in reduced precision
+  (`allow_bf16_reduced_precision_reduction = False`); both change which kernels the BLAS
+  heuristics pick.
 
 The bench model's norm weights are ones, so folding them changes no weight and every variant
 computes the same step.
@@ -25,7 +30,9 @@ computes the same step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 
@@ -44,7 +51,25 @@ VARIANTS = {
     "fill_rotary": ("auto", False, True, False, False),
     "fill_pdl_rotary": ("auto", True, True, False, False),
     "deferred_norms": ("auto", True, True, False, True),
+    "deferred_cublaslt": ("auto", True, True, False, True),
+    "deferred_fp32_reduction": ("auto", True, True, False, True),
 }
+
+
+@contextlib.contextmanager
+def blas_setting(variant: str) -> Iterator[None]:
+    """The BLAS library / reduction setting a variant's graphs are captured with."""
+    library = torch.backends.cuda.preferred_blas_library()
+    reduced = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    if variant == "deferred_cublaslt":
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+    if variant == "deferred_fp32_reduction":
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(library)
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduced
 COLUMNS = ["variant", "batch", "context", "median_us", "min_us", "max_us", "roofline_pct", "rounds_us"]
 
 
@@ -82,7 +107,9 @@ def main(argv: list[str] | None = None) -> None:
             model.deferred_norm_decode = deferred_norms
             for layer in model.layers:
                 layer.self_attn.rotary_in_decode_attention = rotary_in_attention
-            runner = bench.runner(step_cast_logits if cast_logits else bench.step, max(case.batch for case in cases))
+            with blas_setting(name):
+                runner = bench.runner(step_cast_logits if cast_logits else bench.step,
+                                      max(case.batch for case in cases))
             runner.buffers.fill = functools.partial(runner.buffers.fill, impl=fill_impl, pdl=fill_pdl)
             runners[name] = runner
 
