@@ -118,6 +118,10 @@ def test_rejects_partial_rotary_and_strided_heads():
     new_kv = NewKV(strided_key, k, torch.tensor([2]), make_cache(8, 16), metadata.slot_mapping)
     with pytest.raises(ValueError, match="new_kv key and value"):
         paged_decode_attention(q, cache, metadata, 0.25, new_kv=new_kv)
+    two_rows = DeferredRMSNorm(torch.ones(2, 32), 1e-6)  # one query token
+    new_kv = NewKV(k, k, torch.tensor([2]), make_cache(8, 16), metadata.slot_mapping, row_norm=two_rows)
+    with pytest.raises(ValueError, match="new_kv.row_norm.source has 2 rows for 1 rows"):
+        paged_decode_attention(q, cache, metadata, 0.25, new_kv=new_kv)
 
 
 @pytest.mark.gpu

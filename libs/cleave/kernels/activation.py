@@ -15,7 +15,7 @@ import triton.language as tl
 
 from cleave.kernels.dispatch import CachedLauncher, Impl, TileLaunch, tile_launch, use_triton
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
-from cleave.kernels.row_norm import DeferredRMSNorm, inverse_rms_reference, row_inverse_rms
+from cleave.kernels.row_norm import DeferredRMSNorm, inverse_rms_reference, row_inverse_rms, row_norm_args
 
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _SQRT_HALF = tl.constexpr(0.7071067811865476)
@@ -116,20 +116,12 @@ def _gated(x: torch.Tensor, use_gelu_tanh: bool, row_norm: DeferredRMSNorm | Non
     num_rows, inter = x2.shape[0], x2.shape[1] // 2
     out = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device)
     launch: TileLaunch = tile_launch(num_rows, inter)
-    if row_norm is None:
-        norm_src, norm_args, norm_block = x2, (0, 0, 0.0), 16
-    else:
-        if row_norm.source.shape[0] != num_rows:
-            raise ValueError(
-                f"row_norm.source has {row_norm.source.shape[0]} rows for an input of {num_rows} rows"
-            )
-        source = row_norm.source
-        norm_src, norm_args, norm_block = source, (source.shape[1], source.stride(0), row_norm.eps), row_norm.block
+    norm = row_norm_args(row_norm, num_rows, x2, "row_norm")
     pdl = pdl_enabled(x2)
     _gated_act_launcher(
         launch.grid,
-        (x2, out, norm_src, inter, x2.stride(0), inter, *norm_args),
-        (use_gelu_tanh, launch.block, row_norm is not None, norm_block, pdl),
+        (x2, out, norm.source, inter, x2.stride(0), inter, *norm.scalars),
+        (use_gelu_tanh, launch.block, norm.enabled, norm.block, pdl),
         launch.num_warps,
         **launch_options(pdl),
     )

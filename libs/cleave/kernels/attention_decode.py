@@ -38,7 +38,7 @@ import triton.language as tl
 from cleave.kernels.attention_common import LOG2E, attend_tile, dot_settings, kv_tile_pointers
 from cleave.kernels.dispatch import CachedLauncher
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
-from cleave.kernels.row_norm import DeferredRMSNorm, row_inverse_rms
+from cleave.kernels.row_norm import DeferredRMSNorm, row_inverse_rms, row_norm_args
 from cleave.kv.metadata import AttentionMetadata
 
 # Programs per launch (splits x sequences x KV heads) the split count aims for: several
@@ -427,11 +427,7 @@ def paged_decode_attention(
         )
     elif new_kv.key.stride(-1) != 1 or new_kv.value.stride(-1) != 1:
         raise ValueError("new_kv key and value need the head dimension contiguous")
-    row_norm = new_kv.row_norm if rotary else None
-    if row_norm is not None and row_norm.source.shape[0] != num_tokens:
-        raise ValueError(f"new_kv.row_norm.source has {row_norm.source.shape[0]} rows for {num_tokens} query tokens")
-    norm_src = query if row_norm is None else row_norm.source
-    norm_args = (0, 0, 0.0) if row_norm is None else (row_norm.source.shape[1], row_norm.source.stride(0), row_norm.eps)
+    norm = row_norm_args(new_kv.row_norm if rotary else None, num_tokens, query, "new_kv.row_norm")
     out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -458,15 +454,15 @@ def paged_decode_attention(
         grid,
         (query, kv_cache, out, part_max, part_sum, part_acc, counters,
          metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-         new_kv.key, new_kv.value, new_kv.positions, new_kv.cos_sin_cache, new_kv.slot_mapping, norm_src,
+         new_kv.key, new_kv.value, new_kv.positions, new_kv.cos_sin_cache, new_kv.slot_mapping, norm.source,
          scale * LOG2E, query.stride(0), query.stride(1),
          kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
          metadata.block_tables.stride(0), out.stride(0), out.stride(1), kv_cache.shape[2], sliding_window or 0,
          new_kv.key.stride(0), new_kv.key.stride(1), new_kv.value.stride(0), new_kv.value.stride(1),
-         new_kv.cos_sin_cache.stride(0), *norm_args),
+         new_kv.cos_sin_cache.stride(0), *norm.scalars),
         (queries_per_kv, head_dim, num_splits, bool(sliding_window), max(16, triton.next_power_of_2(queries_per_kv)),
          block_n, block_d, triton.next_power_of_2(queries_per_kv), min(16, num_splits), dot_dtype, precision,
-         prefetch, rotary, new_kv.is_neox, row_norm is not None, 16 if row_norm is None else row_norm.block,
+         prefetch, rotary, new_kv.is_neox, norm.enabled, norm.block,
          heads_first, pdl),
         num_warps, **launch,
     )

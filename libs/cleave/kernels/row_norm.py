@@ -47,6 +47,28 @@ class DeferredRMSNorm:
         return min(MAX_BLOCK, triton.next_power_of_2(self.source.shape[1]))
 
 
+@dataclass(frozen=True)
+class RowNormArgs:
+    """A kernel's ROW_NORM arguments: the source tensor, its (hidden, row stride, eps) scalars
+    and the NORM_BLOCK constexpr, or placeholders that the kernel never reads."""
+
+    source: torch.Tensor
+    scalars: tuple[int, int, float]
+    block: int
+    enabled: bool
+
+
+def row_norm_args(row_norm: DeferredRMSNorm | None, num_rows: int, placeholder: torch.Tensor, what: str) -> RowNormArgs:
+    """The launch arguments for `row_norm` applied to a `num_rows`-row product (`what` names
+    the argument in the error when the row counts differ); `placeholder` stands in when None."""
+    if row_norm is None:
+        return RowNormArgs(placeholder, (0, 0, 0.0), 16, False)
+    source = row_norm.source
+    if source.shape[0] != num_rows:
+        raise ValueError(f"{what}.source has {source.shape[0]} rows for {num_rows} rows of product")
+    return RowNormArgs(source, (source.shape[1], source.stride(0), row_norm.eps), row_norm.block, True)
+
+
 def inverse_rms_reference(source: torch.Tensor, eps: float) -> torch.Tensor:
     """[T, 1] float32: 1 / sqrt(mean(x^2) + eps) of each row of `source` [T, H]."""
     return torch.rsqrt(source.float().pow(2).mean(dim=-1, keepdim=True) + eps)
