@@ -53,11 +53,14 @@ MAX_SPLITS = 256
 # peeled first tile costs the pipelined loop more than it hides (batch 32 / 32k: 94% ->
 # 86% of HBM when every launch prefetched).
 PREFETCH_MIN_SPLITS = 8
-# Grid order: KV head fastest, so the programs that read one block's heads (its rows are
-# [block_size, Hkv, D]) run side by side. Inside the graph-replayed decode step on an H200
-# (bench/results/decode/deferred/attention_order*.md): batch 64 / 1k 1638.4 -> 1629.5 and
-# 1757.8 -> 1747.5 us per step in two runs, batch 32 / 32k 9206 -> 9185 and 9341 -> 9037 us.
-HEADS_FIRST = True
+# Grid order for batches of several sequences: KV head fastest, so the programs that read
+# one block's heads (its rows are [block_size, Hkv, D]) run side by side. Inside the
+# graph-replayed decode step on an H200 (bench/results/decode/deferred/attention_order*.md):
+# batch 64 / 1k 1638.4 -> 1629.5 and 1757.8 -> 1747.5 us per step in two runs, batch 32 / 32k
+# 9206 -> 9185 and 9341 -> 9037 us, batch 64 / 32k 17683 -> 16968 us; at batch 1 (one
+# sequence, 128 splits) it was 2 us slower (793.8 -> 795.9 us), so one sequence keeps splits
+# fastest.
+HEADS_FIRST_MIN_SEQS = 2
 # Software-pipeline depth of the KV loop. Timed inside the graph-replayed decode step on an
 # H200 (bench/results/decode/ab/attention_in_step*.md), two stages beat triton's default of
 # three at every shape tried: batch 64 / 1k 1679.6 -> 1672.1 us per step, batch 32 / 32k
@@ -389,7 +392,7 @@ def paged_decode_attention(
     pdl: bool = True,
     new_kv: NewKV | None = None,
     prefetch: bool | None = None,
-    heads_first: bool = HEADS_FIRST,
+    heads_first: bool | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Split-KV decode attention: every sequence's single new token over its paged context
     (its last `sliding_window` positions only, when given), with programmatic dependent
@@ -401,7 +404,8 @@ def paged_decode_attention(
     the new key and value into their slots first.
 
     `prefetch` (None: from `num_splits`, see PREFETCH_MIN_SPLITS) loads each program's first
-    KV tile before the PDL wait; `heads_first` orders the grid KV head fastest, so the
+    KV tile before the PDL wait; `heads_first` (None: from the number of sequences, see
+    HEADS_FIRST_MIN_SEQS) orders the grid KV head fastest, so the
     programs reading one block's heads run side by side.
     """
     num_tokens, num_q_heads, head_dim = query.shape
@@ -449,6 +453,8 @@ def paged_decode_attention(
         launch["num_stages"] = num_stages
     if prefetch is None:
         prefetch = num_splits >= PREFETCH_MIN_SPLITS
+    if heads_first is None:
+        heads_first = num_seqs >= HEADS_FIRST_MIN_SEQS
     grid = (num_kv_heads, num_splits, num_seqs) if heads_first else (num_splits, num_seqs, num_kv_heads)
     _decode_launcher(
         grid,
