@@ -32,8 +32,8 @@ from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
 from cleave.kernels.gemv import RotaryKVWrite
 from cleave.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from cleave.kernels.rotary import apply_rotary
-from cleave.kernels.row_norm import DeferredRMSNorm
 from cleave.kernels.rotary_kv_write import rotary_write_kv
+from cleave.kernels.row_norm import DeferredRMSNorm
 from cleave.kernels.small_linear import small_linear
 from cleave.kv.metadata import AttentionMetadata
 from cleave.model.config import ModelConfig
