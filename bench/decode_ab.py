@@ -70,6 +70,8 @@ def blas_setting(variant: str) -> Iterator[None]:
     finally:
         torch.backends.cuda.preferred_blas_library(library)
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduced
+
+
 COLUMNS = ["variant", "batch", "context", "median_us", "min_us", "max_us", "roofline_pct", "rounds_us"]
 
 

@@ -21,21 +21,22 @@ _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _SQRT_HALF = tl.constexpr(0.7071067811865476)
 
 
+def _gate_up(x: torch.Tensor, row_norm: DeferredRMSNorm | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The halves of x = [gate | up]; with `row_norm`, in fp32 and scaled by its rows' inverse RMS."""
+    if row_norm is not None:
+        x = x.float() * inverse_rms_reference(row_norm.source, row_norm.eps)
+    return x.chunk(2, dim=-1)
+
+
 def silu_and_mul_reference(x: torch.Tensor, row_norm: DeferredRMSNorm | None = None) -> torch.Tensor:
     # x: [T, 2I] = [gate | up] -> [T, I]
-    if row_norm is not None:
-        gate, up = (x.float() * inverse_rms_reference(row_norm.source, row_norm.eps)).chunk(2, dim=-1)
-        return (F.silu(gate) * up).to(x.dtype)
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    gate, up = _gate_up(x, row_norm)
+    return (F.silu(gate) * up).to(x.dtype)
 
 
 def gelu_tanh_and_mul_reference(x: torch.Tensor, row_norm: DeferredRMSNorm | None = None) -> torch.Tensor:
-    if row_norm is not None:
-        gate, up = (x.float() * inverse_rms_reference(row_norm.source, row_norm.eps)).chunk(2, dim=-1)
-        return (F.gelu(gate, approximate="tanh") * up).to(x.dtype)
-    gate, up = x.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
+    gate, up = _gate_up(x, row_norm)
+    return (F.gelu(gate, approximate="tanh") * up).to(x.dtype)
 
 
 def gelu_bias_reference(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

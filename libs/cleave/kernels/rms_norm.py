@@ -23,12 +23,12 @@ import triton.language as tl
 
 from cleave.kernels.dispatch import CachedLauncher, Impl, RowLaunch, as_rows, row_launch, use_triton
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
+from cleave.kernels.row_norm import inverse_rms_reference
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # x: [T, H], weight: [H]
-    variance = x.float().pow(2).mean(dim=-1, keepdim=True)
-    return (x.float() * torch.rsqrt(variance + eps)).to(x.dtype) * weight
+    return (x.float() * inverse_rms_reference(x, eps)).to(x.dtype) * weight
 
 
 def fused_add_rms_norm_reference(
