@@ -32,9 +32,13 @@ class Store:
     async def __aenter__(self) -> Store:
         await self.backend.start()
         self.server = await serve([registration(KVStoreServicer(self.backend))], "127.0.0.1:0", handle_signals=False)
-        await self.server.set_ready()
         self.client = KVStoreClient(self.server.address, client_id="test")
-        await self.client.connect(LAYOUT)
+        try:
+            await self.server.set_ready()
+            await self.client.connect(LAYOUT)
+        except BaseException:
+            await self.__aexit__()  # a failed start leaves no server running
+            raise
         self.stub = kvstore_pb2_grpc.KVStoreStub(self.client._channel)
         return self
 
