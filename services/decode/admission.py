@@ -18,7 +18,7 @@ import asyncio
 import collections
 import copy
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from cleave.engine.async_engine import AsyncEngine
@@ -49,6 +49,10 @@ class HeldRequest:
     timer: asyncio.TimerHandle | None = None
     started: bool = False  # handed to the engine: from now on the engine frees its blocks
     leading_logprobs: tuple[TopLogprobs, ...] = ()
+    # Samples whose first token the client already has (Start.first_tokens_delivered): their
+    # first delta leaves it out.
+    delivered_first: set[int] = field(default_factory=set)
+    aborted_samples: set[int] = field(default_factory=set)  # aborted before Start: end them there
 
 
 class AdmissionMixin:
@@ -192,10 +196,19 @@ class AdmissionMixin:
         request.started = True
         if request.timer is not None:
             request.timer.cancel()
-        request.leading_logprobs = spec.first_token_logprobs
+        if spec.first_tokens_delivered:
+            request.delivered_first = set(range(request.params.n))
+        request.leading_logprobs = spec.first_token_logprobs  # aligns the first delta's logprobs
         prompt, first_tokens = request.prompt_token_ids, list(spec.first_token_ids)
+        aborted = sorted(request.aborted_samples)
+
+        def add(e: LLMEngine) -> None:
+            e.add_prefilled_request(request_id, prompt, first_tokens, params)
+            for index in aborted:
+                e.abort_sample(request_id, index)
+
         try:
-            await async_engine.call(lambda e: e.add_prefilled_request(request_id, prompt, first_tokens, params))
+            await async_engine.call(add)
         except CleaveError:
             self._requests.pop(request_id, None)
             self._release_reservation(request_id)

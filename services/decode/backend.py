@@ -52,6 +52,7 @@ class StartSpec:
     prompt_token_ids: tuple[int, ...] = ()
     sampling: SamplingParams | None = None  # None: the params given to admit
     reasoning: ReasoningOptions | None = None
+    first_tokens_delivered: bool = False  # the client has them: stream only the later tokens
 
 
 @dataclass(frozen=True)

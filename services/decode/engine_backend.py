@@ -152,8 +152,11 @@ class EngineDecodeBackend(AdmissionMixin, StepDeliveryMixin):
         request = self._requests.get(request_id)
         if request is None or not 0 <= sample_index < request.params.n:
             return False
-        if not request.started:  # samples exist once started; before, only n = 1 has its one
-            return request.params.n == 1 and self._abort_now(request_id)
+        if not request.started:  # samples exist once started: end this one as it starts
+            if request.params.n == 1:
+                return self._abort_now(request_id)
+            request.aborted_samples.add(sample_index)
+            return True
         assert self.async_engine is not None
         # Through the command queue, between steps: the engine frees the sample's blocks and
         # reports its ABORT with the next step; the request's other samples go on.

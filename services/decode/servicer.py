@@ -78,6 +78,7 @@ def start_spec_from_proto(request: decode_pb2.StartRequest) -> StartSpec:
         reasoning=reasoning_from_proto(request.reasoning)
         if request.HasField("reasoning")
         else None,
+        first_tokens_delivered=request.first_tokens_delivered and not request.prefill_locally,
     )
 
 

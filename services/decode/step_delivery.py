@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cleave.engine.outputs import RequestOutput
 from cleave.rpc.types import RequestDelta
@@ -39,6 +39,25 @@ class TokenRate:
             return 0.0
         span = max(time.monotonic() - self.events[0][0], 1e-3)
         return sum(count for _, count in self.events) / max(span, 1.0)
+
+
+def without_delivered_first(deltas: list[RequestDelta], delivered: set[int]) -> list[RequestDelta]:
+    """Drop the first token (and its logprobs) of each sample in `delivered` from its first
+    delta, and the sample from `delivered`; a delta left with no token and no finish goes."""
+    kept = []
+    for delta in deltas:
+        if delta.sample_index in delivered:
+            delivered.discard(delta.sample_index)
+            delta = replace(
+                delta,
+                token_ids=delta.token_ids[1:],
+                logprobs=delta.logprobs[1:],
+                num_reasoning_tokens=min(delta.num_reasoning_tokens, len(delta.token_ids) - 1),
+            )
+            if not delta.token_ids and delta.finish_reason is None:
+                continue
+        kept.append(delta)
+    return kept
 
 
 class StepDeliveryMixin:
@@ -69,6 +88,8 @@ class StepDeliveryMixin:
                 continue
             deltas = self._builder.build(output, request.leading_logprobs)
             request.leading_logprobs = ()
+            if request.delivered_first:
+                deltas = without_delivered_first(deltas, request.delivered_first)
             if output.finished:
                 del self._requests[output.request_id]
             num_tokens += sum(len(delta.token_ids) for delta in deltas)

@@ -185,7 +185,7 @@ class RoutingBackend:
         if self.options.mode == "colocated":
             return await start_colocated(self.pool, spec, prompt_ids, part, gateway_id=self.options.gateway_id)
         return await start_disaggregated(
-            self.pool, self.affinity, spec, prompt_ids, part,
+            self.pool, self.affinity, spec, prompt_ids, part, running.queue,
             gateway_id=self.options.gateway_id, store_to_kvstore=self.options.store_to_kvstore,
         )
 

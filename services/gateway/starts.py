@@ -1,9 +1,12 @@
 """Getting a placed request running on its decode worker: the two start paths.
 
 Disaggregated (any n: the prefill worker draws every sample's first token from one prefill,
-and the decode worker's samples share the one prompt reservation):
-    Decode.Admit (reserve blocks) -> pick prefill (load, prefix affinity) -> Prefill (KV goes
-    straight to the reserved blocks) -> Decode.Start(first tokens).
+and the decode worker's samples share the one prompt reservation): one call,
+    Prefill(decode = the placed worker) on a prefill worker picked by load and prefix
+    affinity. The prefill worker admits the request on the decode worker while the prompt
+    runs, ships its KV there and starts the decode; its response carries the first tokens,
+    which go to the client at once (`deliver_first_tokens`), ahead of anything the decode
+    worker's stream already brought for the request.
 Colocated (and every migrated restart, one per moved sample):
     Decode.Start(prefill_locally): the decode worker prefills the prompt itself.
 
@@ -11,6 +14,8 @@ Both return the prompt tokens a worker's prefix cache already held.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from cleave.errors import Unavailable
 from cleave.proto.cleave.v1 import decode_pb2, prefill_pb2
@@ -28,58 +33,51 @@ async def start_disaggregated(
     spec: GenerateSpec,
     prompt_ids: list[int],
     placed: WorkerRequest,
+    queue: asyncio.Queue,
     *,
     gateway_id: str,
     store_to_kvstore: bool,
 ) -> int:
-    """Admit on the decode worker, prefill on a prefill worker, then Start the decode."""
-    sampling = sampling_to_proto(spec.sampling)
-    reasoning = reasoning_to_proto(spec.reasoning)
+    """Prefill on a prefill worker that admits, fills and starts the placed decode worker;
+    the first tokens go into the request's queue first."""
     decode = placed.decode
     request_id = placed.worker_request_id
     prefill = pick_prefill(pool.of_role("prefill"), affinity, prompt_ids)
     if prefill is None:
         raise Unavailable("no prefill worker is in rotation; check the workers' health and retry")
-    admitted = await call_worker(
-        pool,
-        decode.stub.Admit(
-            decode_pb2.AdmitRequest(
-                request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
-                gateway_id=gateway_id, prefill_worker_id=prefill.worker_id,
-            ),
-            timeout=time_left(spec.deadline),
-        ),
-        decode, "Admit",
+    request = prefill_pb2.PrefillRequest(
+        request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(spec.sampling),
+        store_to_kvstore=store_to_kvstore,
+        decode=prefill_pb2.DecodeTarget(
+            address=decode.address, gateway_id=gateway_id, reasoning=reasoning_to_proto(spec.reasoning)),
     )
     prefill.in_flight_prompt_tokens += len(prompt_ids)
     try:
         result = await call_worker(
-            pool,
-            prefill.stub.Prefill(
-                prefill_pb2.PrefillRequest(
-                    request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
-                    destination=admitted.handle, store_to_kvstore=store_to_kvstore,
-                ),
-                timeout=time_left(spec.deadline),
-            ),
-            prefill, "Prefill",
-        )
+            pool, prefill.stub.Prefill(request, timeout=time_left(spec.deadline)), prefill, "Prefill")
     finally:
         prefill.in_flight_prompt_tokens -= len(prompt_ids)
     affinity.record(prompt_ids, prefill.address)
-    await call_worker(
-        pool,
-        decode.stub.Start(
-            decode_pb2.StartRequest(
-                request_id=request_id, first_token_ids=result.first_token_ids,
-                first_token_logprobs=result.first_token_logprobs, prompt_token_ids=prompt_ids,
-                sampling=sampling, reasoning=reasoning, gateway_id=gateway_id,
-            ),
-            timeout=time_left(spec.deadline),
-        ),
-        decode, "Start",
-    )
+    deliver_first_tokens(queue, request_id, result)
     return result.num_cached_tokens
+
+
+def deliver_first_tokens(queue: asyncio.Queue, worker_request_id: str, result: prefill_pb2.PrefillResponse) -> None:
+    """Put each sample's first token (a RequestDelta, as the decode stream's) at the head of
+    the request's queue: the decode worker's stream may already have brought the tokens
+    after it. Nothing consumes the queue until the start returns, and no await separates
+    the drain from the refill."""
+    waiting = []
+    while not queue.empty():
+        waiting.append(queue.get_nowait())
+    logprobs = list(result.first_token_logprobs)
+    for index, token in enumerate(result.first_token_ids):
+        delta = decode_pb2.RequestDelta(request_id=worker_request_id, sample_index=index, token_ids=[token])
+        if len(logprobs) == len(result.first_token_ids):
+            delta.logprobs.append(logprobs[index])
+        queue.put_nowait(delta)
+    for item in waiting:
+        queue.put_nowait(item)
 
 
 async def start_colocated(

@@ -22,6 +22,7 @@ from cleave.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from cleave.rpc.errors import error_detail
 from services.gateway.workers import WorkerHandle, WorkerPool
 
 T = TypeVar("T")
@@ -43,9 +44,16 @@ async def call_worker(pool: WorkerPool, call: Awaitable[T], worker: WorkerHandle
         error_type = _ERRORS.get(error.code())
         if error_type is not None:
             raise error_type(f"{where}: {error.details()}") from None
-        if error.code() is grpc.StatusCode.UNAVAILABLE:
+        if error.code() is grpc.StatusCode.UNAVAILABLE and not _behind(error):
             await pool.set_healthy(worker, False)
         raise Unavailable(f"{where} failed ({error.code().name}: {error.details()}); retry") from None
+
+
+def _behind(error: grpc.aio.AioRpcError) -> bool:
+    """Whether an UNAVAILABLE is about the decode worker a prefill worker called for the
+    request (ErrorDetail.field "decode"), not about the worker that answered."""
+    detail = error_detail(error)
+    return detail is not None and detail.field == "decode"
 
 
 def time_left(deadline: float | None) -> float | None:

@@ -1,7 +1,8 @@
 """What the prefill servicer hands work to.
 
-`PrefillBackend` receives a validated `PrefillSpec` (prompt ids, first-token sampling, the
-decode worker's TransferHandle) and returns a `PrefillResult`. The engine-backed
+`PrefillBackend` receives a validated `PrefillSpec` (prompt ids, first-token sampling, and
+where the KV goes: a decode worker to admit and start the request on, or a TransferHandle
+someone else reserved) and returns a `PrefillResult`. The engine-backed
 implementation is `services.prefill.engine_backend.EnginePrefillBackend`.
 """
 
@@ -11,18 +12,28 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cleave.engine.sampling_params import SamplingParams
-from cleave.rpc.types import TopLogprobs, TransferHandle, TransferStats, WorkerLoad
+from cleave.rpc.types import ReasoningOptions, TopLogprobs, TransferHandle, TransferStats, WorkerLoad
+
+
+@dataclass(frozen=True)
+class DecodeTarget:
+    """The decode worker a prefill worker admits the request on, fills and starts."""
+
+    address: str  # host:port of its Decode service
+    gateway_id: str  # whose Attach stream gets the tokens after the first
+    reasoning: ReasoningOptions | None = None
 
 
 @dataclass(frozen=True)
 class PrefillSpec:
-    """A validated PrefillRequest."""
+    """A validated PrefillRequest (at most one of `destination` and `decode`)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
-    destination: TransferHandle | None  # None: compute only, the KV stays local
+    destination: TransferHandle | None  # blocks reserved by the caller; neither: the KV stays local
     store_to_kvstore: bool = False
+    decode: DecodeTarget | None = None  # admit, fill and start the decode there
 
 
 @dataclass(frozen=True)

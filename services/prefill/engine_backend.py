@@ -1,6 +1,7 @@
 """The engine-backed prefill worker: prompt -> KV in a decode worker's blocks + first token.
 
     prefill(spec):
+        Decode.Admit on spec.decode's worker       (sent at once; see `decode_handoff`)
         kvstore prefix -> engine prefix cache      (optional: those tokens are not recomputed)
         engine prefill-only request                (chunked and batched with other prompts)
         first token of each of the n samples sampled, prompt KV kept (once) under the
@@ -8,6 +9,7 @@
         handshake with the destination's worker    (first transfer to it only: CUDA IPC /
                                                    NCCL / TCP, see cleave.worker.handshake)
         KV -> destination's reserved blocks        (the handle's transport, all layers)
+        Decode.Start(first tokens)                 (spec.decode: in the background)
         first tokens returned
     then, in the background (store_to_kvstore):
         new full blocks -> host memory -> kvstore  (`_store_in_background`)
@@ -49,6 +51,7 @@ from cleave.transfer import KVStoreClient, KVTransferClient, local_endpoint
 from cleave.transfer.layout import require_same_layout
 from cleave.worker import TransportNegotiator, device_nccl, kv_layout_of, load_engine, top_logprobs_from_engine
 from services.prefill.backend import PrefillResult, PrefillSpec
+from services.prefill.decode_handoff import DecodeHandoff, DecodeLinks
 from services.prefill.kvstore_prefix import HOLD_SUFFIX, KVStorePrefix, PrefixFetch
 
 log = structlog.get_logger("cleave.prefill")
@@ -111,6 +114,8 @@ class EnginePrefillBackend:
         self._store_backlog = 0  # bytes of the puts in `_stores`
         self._tables: dict[str, list[int]] = {}  # request id -> prompt blocks, read on the step thread
         self._releases: set[asyncio.Task[None]] = set()  # block releases after a response went out
+        self.decode_links = DecodeLinks()
+        self._handoffs: set[asyncio.Future] = set()  # Start / Abort calls on decode workers
 
     async def start(self) -> None:
         self.engine = await load_engine(self.engine_config)
@@ -128,6 +133,8 @@ class EnginePrefillBackend:
 
     async def shutdown(self) -> None:
         await asyncio.gather(*self._releases, return_exceptions=True)
+        await asyncio.gather(*self._handoffs, return_exceptions=True)
+        await self.decode_links.close()
         await self.wait_for_stores(timeout_s=STORE_DRAIN_S)
         for task in list(self._stores.values()):
             task.cancel()  # its `finally` still releases the request's blocks
@@ -171,6 +178,10 @@ class EnginePrefillBackend:
         if previous is not None:  # the same id again: its blocks are still held by the put
             await asyncio.wait({previous})
         self._in_flight[request_id] = len(prompt)
+        handoff = None
+        if spec.decode is not None:
+            handoff = DecodeHandoff(self.decode_links, spec, self.worker_id, self._spawn_handoff)
+            handoff.admit()  # the decode worker reserves while the prompt runs
         fetch = NO_FETCH
         handed_off = False  # the background store releases the blocks from then on
         try:
@@ -179,12 +190,20 @@ class EnginePrefillBackend:
             table = self._tables.pop(request_id, None)
             if table is None:  # not kept by the step (e.g. an engine without the hook)
                 table = await async_engine.call(lambda e: e.prefilled_block_table(request_id))
+            destination = spec.destination
+            if handoff is not None:
+                destination = await handoff.reserved()
+                self._check_destination(destination, len(prompt))
             transfer = None
-            if spec.destination is not None:
-                transfer = await self._send(spec.destination, table)
+            if destination is not None:
+                transfer = await self._send(destination, table)
+            if handoff is not None:
+                handoff.start(first_tokens, first_logprobs)
             if spec.store_to_kvstore and self.kvstore is not None:
                 handed_off = self._store_in_background(request_id, prompt, table, fetch)
         except BaseException:
+            if handoff is not None:
+                handoff.abort()
             if not handed_off:
                 await asyncio.shield(self._cleanup(request_id, fetch))
             raise
@@ -221,6 +240,11 @@ class EnginePrefillBackend:
                     self._tables[output.request_id] = self.engine.prefilled_block_table(output.request_id)
                 except CleaveError:  # ended without exported KV (an error): the caller reports it
                     pass
+
+    def _spawn_handoff(self, awaitable) -> None:
+        task = asyncio.ensure_future(awaitable)
+        self._handoffs.add(task)
+        task.add_done_callback(self._handoffs.discard)
 
     def _release_in_background(self, request_id: str, fetch: PrefixFetch) -> None:
         task = asyncio.ensure_future(self._cleanup(request_id, fetch))

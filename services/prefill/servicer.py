@@ -7,6 +7,7 @@ import grpc
 from cleave.errors import InvalidArgument
 from cleave.proto.cleave.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from cleave.rpc.convert import (
+    reasoning_from_proto,
     require_request_id,
     sampling_from_proto,
     token_ids_from_proto,
@@ -15,7 +16,7 @@ from cleave.rpc.convert import (
     transport_to_proto,
     worker_load_to_proto,
 )
-from services.prefill.backend import PrefillBackend, PrefillResult, PrefillSpec
+from services.prefill.backend import DecodeTarget, PrefillBackend, PrefillResult, PrefillSpec
 
 
 def prefill_spec_from_proto(request: prefill_pb2.PrefillRequest, model_id: str) -> PrefillSpec:
@@ -31,6 +32,22 @@ def prefill_spec_from_proto(request: prefill_pb2.PrefillRequest, model_id: str) 
         if request.HasField("destination")
         else None,
         store_to_kvstore=request.store_to_kvstore,
+        decode=decode_target_from_proto(request) if request.HasField("decode") else None,
+    )
+
+
+def decode_target_from_proto(request: prefill_pb2.PrefillRequest) -> DecodeTarget:
+    target = request.decode
+    if request.HasField("destination"):
+        raise InvalidArgument("give either destination or decode, not both", field="decode")
+    if not target.address:
+        raise InvalidArgument("must be set", field="decode.address")
+    if not target.gateway_id:
+        raise InvalidArgument("must be set", field="decode.gateway_id")
+    return DecodeTarget(
+        address=target.address,
+        gateway_id=target.gateway_id,
+        reasoning=reasoning_from_proto(target.reasoning) if target.HasField("reasoning") else None,
     )
 
 

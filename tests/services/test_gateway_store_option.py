@@ -66,7 +66,11 @@ async def test_prefill_requests_carry_the_configured_store_to_kvstore(checkpoint
     [(method, request)] = prefill_stub.calls
     assert (method, request.request_id, list(request.prompt_token_ids)) == ("Prefill", "req-1", PROMPT)
     assert request.store_to_kvstore is expected
-    assert [method for method, _ in decode_stub.calls] == ["Admit", "Start"]
+    # One call: the prefill worker admits and starts the request on the decode worker itself.
+    assert (request.decode.address, request.decode.gateway_id) == ("d:1", backend.options.gateway_id)
+    assert decode_stub.calls == []
+    first = running.queue.get_nowait()
+    assert (first.request_id, list(first.token_ids)) == ("req-1", [9])
 
 
 @pytest.mark.parametrize(("flags", "expected"), [([], True), (["--no-store-to-kvstore"], False)])

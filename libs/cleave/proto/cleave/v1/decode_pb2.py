@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from cleave.proto.cleave.v1 import common_pb2 as cleave_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63leave/v1/decode.proto\x12\tcleave.v1\x1a\x16\x63leave/v1/common.proto\"\x98\x01\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.cleave.v1.SamplingParams\x12\x12\n\ngateway_id\x18\x04 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x05 \x01(\t\":\n\rAdmitResponse\x12)\n\x06handle\x18\x01 \x01(\x0b\x32\x19.cleave.v1.TransferHandle\"\x95\x02\n\x0cStartRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x66irst_token_ids\x18\x02 \x03(\r\x12\x34\n\x14\x66irst_token_logprobs\x18\x03 \x03(\x0b\x32\x16.cleave.v1.TopLogprobs\x12\x17\n\x0fprefill_locally\x18\x04 \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\r\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.cleave.v1.SamplingParams\x12.\n\treasoning\x18\x07 \x01(\x0b\x32\x1b.cleave.v1.ReasoningOptions\x12\x12\n\ngateway_id\x18\x08 \x01(\t\"*\n\rStartResponse\x12\x19\n\x11num_cached_tokens\x18\x01 \x01(\r\"#\n\rAttachRequest\x12\x12\n\ngateway_id\x18\x01 \x01(\t\"\xea\x01\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.cleave.v1.FinishReason\x12(\n\x08logprobs\x18\x05 \x03(\x0b\x32\x16.cleave.v1.TopLogprobs\x12%\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x16.cleave.v1.ErrorDetail\x12\x1c\n\x14num_reasoning_tokens\x18\x07 \x01(\r\"h\n\nStepOutput\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\'\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x17.cleave.v1.RequestDelta\x12#\n\x04load\x18\x03 \x01(\x0b\x32\x15.cleave.v1.WorkerLoad\"\xb9\x01\n\x10HandshakeRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x36\n\x14supported_transports\x18\x02 \x03(\x0e\x32\x18.cleave.v1.TransportKind\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x11\n\tgpu_uuids\x18\x04 \x03(\t\x12\x16\n\x0enccl_unique_id\x18\x05 \x01(\x0c\x12#\n\x06layout\x18\x06 \x01(\x0b\x32\x13.cleave.v1.KVLayout\"\xaf\x01\n\x11HandshakeResponse\x12+\n\ttransport\x18\x01 \x01(\x0e\x32\x18.cleave.v1.TransportKind\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x13\n\x0btcp_address\x18\x04 \x01(\t\x12#\n\x06layout\x18\x05 \x01(\x0b\x32\x13.cleave.v1.KVLayout\x12\x11\n\tworker_id\x18\x06 \x01(\t2\x83\x03\n\x06\x44\x65\x63ode\x12:\n\x05\x41\x64mit\x12\x17.cleave.v1.AdmitRequest\x1a\x18.cleave.v1.AdmitResponse\x12:\n\x05Start\x12\x17.cleave.v1.StartRequest\x1a\x18.cleave.v1.StartResponse\x12;\n\x06\x41ttach\x12\x18.cleave.v1.AttachRequest\x1a\x15.cleave.v1.StepOutput0\x01\x12:\n\x05\x41\x62ort\x12\x17.cleave.v1.AbortRequest\x1a\x18.cleave.v1.AbortResponse\x12@\n\x07GetLoad\x12\x19.cleave.v1.GetLoadRequest\x1a\x1a.cleave.v1.GetLoadResponse\x12\x46\n\tHandshake\x12\x1b.cleave.v1.HandshakeRequest\x1a\x1c.cleave.v1.HandshakeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63leave/v1/decode.proto\x12\tcleave.v1\x1a\x16\x63leave/v1/common.proto\"\x98\x01\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.cleave.v1.SamplingParams\x12\x12\n\ngateway_id\x18\x04 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x05 \x01(\t\":\n\rAdmitResponse\x12)\n\x06handle\x18\x01 \x01(\x0b\x32\x19.cleave.v1.TransferHandle\"\xb5\x02\n\x0cStartRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x66irst_token_ids\x18\x02 \x03(\r\x12\x34\n\x14\x66irst_token_logprobs\x18\x03 \x03(\x0b\x32\x16.cleave.v1.TopLogprobs\x12\x17\n\x0fprefill_locally\x18\x04 \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\r\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.cleave.v1.SamplingParams\x12.\n\treasoning\x18\x07 \x01(\x0b\x32\x1b.cleave.v1.ReasoningOptions\x12\x12\n\ngateway_id\x18\x08 \x01(\t\x12\x1e\n\x16\x66irst_tokens_delivered\x18\t \x01(\x08\"*\n\rStartResponse\x12\x19\n\x11num_cached_tokens\x18\x01 \x01(\r\"#\n\rAttachRequest\x12\x12\n\ngateway_id\x18\x01 \x01(\t\"\xea\x01\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.cleave.v1.FinishReason\x12(\n\x08logprobs\x18\x05 \x03(\x0b\x32\x16.cleave.v1.TopLogprobs\x12%\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x16.cleave.v1.ErrorDetail\x12\x1c\n\x14num_reasoning_tokens\x18\x07 \x01(\r\"h\n\nStepOutput\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\'\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x17.cleave.v1.RequestDelta\x12#\n\x04load\x18\x03 \x01(\x0b\x32\x15.cleave.v1.WorkerLoad\"\xb9\x01\n\x10HandshakeRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x36\n\x14supported_transports\x18\x02 \x03(\x0e\x32\x18.cleave.v1.TransportKind\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x11\n\tgpu_uuids\x18\x04 \x03(\t\x12\x16\n\x0enccl_unique_id\x18\x05 \x01(\x0c\x12#\n\x06layout\x18\x06 \x01(\x0b\x32\x13.cleave.v1.KVLayout\"\xaf\x01\n\x11HandshakeResponse\x12+\n\ttransport\x18\x01 \x01(\x0e\x32\x18.cleave.v1.TransportKind\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x13\n\x0btcp_address\x18\x04 \x01(\t\x12#\n\x06layout\x18\x05 \x01(\x0b\x32\x13.cleave.v1.KVLayout\x12\x11\n\tworker_id\x18\x06 \x01(\t2\x83\x03\n\x06\x44\x65\x63ode\x12:\n\x05\x41\x64mit\x12\x17.cleave.v1.AdmitRequest\x1a\x18.cleave.v1.AdmitResponse\x12:\n\x05Start\x12\x17.cleave.v1.StartRequest\x1a\x18.cleave.v1.StartResponse\x12;\n\x06\x41ttach\x12\x18.cleave.v1.AttachRequest\x1a\x15.cleave.v1.StepOutput0\x01\x12:\n\x05\x41\x62ort\x12\x17.cleave.v1.AbortRequest\x1a\x18.cleave.v1.AbortResponse\x12@\n\x07GetLoad\x12\x19.cleave.v1.GetLoadRequest\x1a\x1a.cleave.v1.GetLoadResponse\x12\x46\n\tHandshake\x12\x1b.cleave.v1.HandshakeRequest\x1a\x1c.cleave.v1.HandshakeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,19 +37,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADMITRESPONSE']._serialized_start=216
   _globals['_ADMITRESPONSE']._serialized_end=274
   _globals['_STARTREQUEST']._serialized_start=277
-  _globals['_STARTREQUEST']._serialized_end=554
-  _globals['_STARTRESPONSE']._serialized_start=556
-  _globals['_STARTRESPONSE']._serialized_end=598
-  _globals['_ATTACHREQUEST']._serialized_start=600
-  _globals['_ATTACHREQUEST']._serialized_end=635
-  _globals['_REQUESTDELTA']._serialized_start=638
-  _globals['_REQUESTDELTA']._serialized_end=872
-  _globals['_STEPOUTPUT']._serialized_start=874
-  _globals['_STEPOUTPUT']._serialized_end=978
-  _globals['_HANDSHAKEREQUEST']._serialized_start=981
-  _globals['_HANDSHAKEREQUEST']._serialized_end=1166
-  _globals['_HANDSHAKERESPONSE']._serialized_start=1169
-  _globals['_HANDSHAKERESPONSE']._serialized_end=1344
-  _globals['_DECODE']._serialized_start=1347
-  _globals['_DECODE']._serialized_end=1734
+  _globals['_STARTREQUEST']._serialized_end=586
+  _globals['_STARTRESPONSE']._serialized_start=588
+  _globals['_STARTRESPONSE']._serialized_end=630
+  _globals['_ATTACHREQUEST']._serialized_start=632
+  _globals['_ATTACHREQUEST']._serialized_end=667
+  _globals['_REQUESTDELTA']._serialized_start=670
+  _globals['_REQUESTDELTA']._serialized_end=904
+  _globals['_STEPOUTPUT']._serialized_start=906
+  _globals['_STEPOUTPUT']._serialized_end=1010
+  _globals['_HANDSHAKEREQUEST']._serialized_start=1013
+  _globals['_HANDSHAKEREQUEST']._serialized_end=1198
+  _globals['_HANDSHAKERESPONSE']._serialized_start=1201
+  _globals['_HANDSHAKERESPONSE']._serialized_end=1376
+  _globals['_DECODE']._serialized_start=1379
+  _globals['_DECODE']._serialized_end=1766
 # @@protoc_insertion_point(module_scope)

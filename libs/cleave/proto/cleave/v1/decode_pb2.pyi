@@ -28,7 +28,7 @@ class AdmitResponse(_message.Message):
     def __init__(self, handle: _Optional[_Union[_common_pb2.TransferHandle, _Mapping]] = ...) -> None: ...
 
 class StartRequest(_message.Message):
-    __slots__ = ("request_id", "first_token_ids", "first_token_logprobs", "prefill_locally", "prompt_token_ids", "sampling", "reasoning", "gateway_id")
+    __slots__ = ("request_id", "first_token_ids", "first_token_logprobs", "prefill_locally", "prompt_token_ids", "sampling", "reasoning", "gateway_id", "first_tokens_delivered")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class StartRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REASONING_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKENS_DELIVERED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
@@ -45,7 +46,8 @@ class StartRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     reasoning: _common_pb2.ReasoningOptions
     gateway_id: str
-    def __init__(self, request_id: _Optional[str] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., first_token_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., prefill_locally: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., reasoning: _Optional[_Union[_common_pb2.ReasoningOptions, _Mapping]] = ..., gateway_id: _Optional[str] = ...) -> None: ...
+    first_tokens_delivered: bool
+    def __init__(self, request_id: _Optional[str] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., first_token_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., prefill_locally: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., reasoning: _Optional[_Union[_common_pb2.ReasoningOptions, _Mapping]] = ..., gateway_id: _Optional[str] = ..., first_tokens_delivered: _Optional[bool] = ...) -> None: ...
 
 class StartResponse(_message.Message):
     __slots__ = ("num_cached_tokens",)

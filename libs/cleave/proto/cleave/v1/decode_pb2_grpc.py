@@ -27,8 +27,9 @@ if _version_not_supported:
 
 
 class DecodeStub:
-    """A decode worker. Per request the gateway calls Admit (reserve KV blocks), has a prefill
-    worker fill them, then calls Start; tokens come back on the gateway's Attach stream.
+    """A decode worker. Per request a prefill worker calls Admit (reserve KV blocks) while it
+    computes the prompt, fills the blocks, then calls Start; tokens come back on the gateway's
+    Attach stream. Colocated, the gateway calls Start(prefill_locally) alone.
     """
 
     def __init__(self, channel):
@@ -70,8 +71,9 @@ class DecodeStub:
 
 
 class DecodeServicer:
-    """A decode worker. Per request the gateway calls Admit (reserve KV blocks), has a prefill
-    worker fill them, then calls Start; tokens come back on the gateway's Attach stream.
+    """A decode worker. Per request a prefill worker calls Admit (reserve KV blocks) while it
+    computes the prompt, fills the blocks, then calls Start; tokens come back on the gateway's
+    Attach stream. Colocated, the gateway calls Start(prefill_locally) alone.
     """
 
     def Admit(self, request, context):
@@ -164,8 +166,9 @@ def add_DecodeServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Decode:
-    """A decode worker. Per request the gateway calls Admit (reserve KV blocks), has a prefill
-    worker fill them, then calls Start; tokens come back on the gateway's Attach stream.
+    """A decode worker. Per request a prefill worker calls Admit (reserve KV blocks) while it
+    computes the prompt, fills the blocks, then calls Start; tokens come back on the gateway's
+    Attach stream. Colocated, the gateway calls Start(prefill_locally) alone.
     """
 
     @staticmethod

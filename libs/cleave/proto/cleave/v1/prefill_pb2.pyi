@@ -8,20 +8,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination", "store_to_kvstore", "model")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination", "store_to_kvstore", "model", "decode")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     STORE_TO_KVSTORE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     destination: _common_pb2.TransferHandle
     store_to_kvstore: bool
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[_common_pb2.TransferHandle, _Mapping]] = ..., store_to_kvstore: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
+    decode: DecodeTarget
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[_common_pb2.TransferHandle, _Mapping]] = ..., store_to_kvstore: _Optional[bool] = ..., model: _Optional[str] = ..., decode: _Optional[_Union[DecodeTarget, _Mapping]] = ...) -> None: ...
+
+class DecodeTarget(_message.Message):
+    __slots__ = ("address", "gateway_id", "reasoning")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    gateway_id: str
+    reasoning: _common_pb2.ReasoningOptions
+    def __init__(self, address: _Optional[str] = ..., gateway_id: _Optional[str] = ..., reasoning: _Optional[_Union[_common_pb2.ReasoningOptions, _Mapping]] = ...) -> None: ...
 
 class TransferStats(_message.Message):
     __slots__ = ("transport", "num_bytes", "seconds", "num_blocks")

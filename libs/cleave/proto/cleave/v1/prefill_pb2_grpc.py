@@ -53,9 +53,14 @@ class PrefillServicer:
     """
 
     def Prefill(self, request, context):
-        """Computes the prompt's KV (reusing kvstore blocks), sends it to `destination` layer by
-        layer and returns the first sampled token(s). Errors: INVALID_ARGUMENT, FAILED_PRECONDITION
-        (layout mismatch), RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, UNAVAILABLE (destination lost).
+        """Computes the prompt's KV (reusing kvstore blocks), sends it to the decode worker's blocks
+        and returns the first sampled token(s). With `decode`, the worker reserves the blocks on
+        that decode worker itself (Decode.Admit, while the prompt runs) and, once the KV is there,
+        starts the decode (Decode.Start) without holding the response back: the caller streams
+        the first tokens at once and the later ones arrive on its Attach stream. With
+        `destination`, the caller reserved the blocks and starts the decode itself.
+        Errors: INVALID_ARGUMENT, FAILED_PRECONDITION (layout mismatch), RESOURCE_EXHAUSTED,
+        DEADLINE_EXCEEDED, UNAVAILABLE (destination lost: ErrorDetail.field is "decode").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
