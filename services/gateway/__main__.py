@@ -14,7 +14,9 @@ from cleave.config import GatewayConfig, gateway_config
 from cleave.logging import configure_logging
 from cleave.proto.cleave.v1 import gateway_pb2, gateway_pb2_grpc
 from cleave.rpc import ServiceRegistration, run_service
+from cleave.tracing import TRACING_OFF, Tracing, setup_tracing
 from services.gateway.http_api import OpenAIApi, bound_port, start_http
+from services.gateway.disagg_policy import DisaggregationPolicy
 from services.gateway.model import ServedModel
 from services.gateway.router import GatewayOptions, RoutingBackend
 from services.gateway.servicer import GatewayServicer
@@ -49,26 +51,34 @@ class GatewayProcess:
         await self.backend.shutdown()
 
 
-def build(config: GatewayConfig) -> tuple[GatewayServicer, GatewayProcess]:
-    """The servicer and the process lifecycle for a gateway config."""
+def build(config: GatewayConfig, tracing: Tracing = TRACING_OFF) -> tuple[GatewayServicer, GatewayProcess]:
+    """The servicer and the process lifecycle for a gateway config (HTTP requests get
+    server spans in `tracing`)."""
     model = ServedModel(config.model)
     served = replace(config.model, max_context_length=model.max_model_len,
                      is_reasoning_model=model.is_reasoning_model)
     backend = RoutingBackend(
         model, config.prefill_addresses, config.decode_addresses,
-        GatewayOptions(gateway_id=config.gateway_id, mode=config.mode, store_to_kvstore=config.store_to_kvstore),
+        GatewayOptions(
+            gateway_id=config.gateway_id, mode=config.mode, store_to_kvstore=config.store_to_kvstore,
+            policy=DisaggregationPolicy(config.local_prefill_max_tokens, config.remote_prefill_max_queue_tokens),
+        ),
     )
     servicer = GatewayServicer(backend, [served])
     token_text = lambda token_id: model.tokenizer.decode([token_id])  # noqa: E731
-    api = OpenAIApi(backend, [served], token_text) if config.http_listen else None
+    api = OpenAIApi(backend, [served], token_text, tracing=tracing) if config.http_listen else None
     return servicer, GatewayProcess(backend, api, config.http_listen)
 
 
 def main(argv: list[str] | None = None) -> int:
     config = gateway_config(argv, os.environ)
     configure_logging(config.service.log_level, config.service.log_json)
-    servicer, process = build(config)
-    asyncio.run(run_service([registration(servicer)], config.service, process))
+    tracing = setup_tracing(config.service.tracing)
+    try:
+        servicer, process = build(config, tracing)
+        asyncio.run(run_service([registration(servicer)], config.service, process, tracing=tracing))
+    finally:
+        tracing.shutdown()
     return 0
 
 

@@ -1,9 +1,11 @@
 """`RoutingBackend`: the gateway's serving logic over prefill and decode workers.
 
 One request: tokenize -> validate -> place it on a decode worker (`placement`: free blocks,
-load) -> start it there (`starts`: disaggregated — Admit, Prefill on a prefill worker picked
-by load and prefix affinity, Start with the first tokens — for any n, the samples sharing one
-prefill; colocated — Start(prefill_locally)) -> stream it (`request_stream`): tokens arrive on
+load) -> start it there (`starts`: disaggregated — one Prefill on a prefill worker picked by
+load and prefix affinity, which admits and starts the decode worker itself, its first tokens
+streamed at once — for any n, the samples sharing one prefill; colocated —
+Start(prefill_locally); conditional — per request, by `disagg_policy`) -> stream it
+(`request_stream`): tokens arrive on
 the decode worker's Attach stream (one message per engine step for all of this gateway's
 requests), are demultiplexed to the request's queue, turned into text per sample
 (`SampleText`) and streamed as `GenerateChunk`s. `n` samples are one worker request (they
@@ -37,9 +39,11 @@ import structlog
 from cleave.engine.outputs import FinishReason
 from cleave.errors import InvalidArgument, Unavailable
 from cleave.proto.cleave.v1 import common_pb2
+from cleave.tracing import span
 from services.gateway.attach import WorkerLost
 from services.gateway.backend import GenerateChunk, GenerateSpec, ScalingStrategy
 from services.gateway.convert import TokenDelta, request_field
+from services.gateway.disagg_policy import ConditionalPrefill, DisaggregationPolicy
 from services.gateway.migration import Continuation, continuation
 from services.gateway.model import ServedModel
 from services.gateway.placement import DecodePlacement, RunningRequest, WorkerRequest
@@ -57,8 +61,9 @@ class GatewayOptions:
     """How the gateway uses its workers."""
 
     gateway_id: str = "gateway-0"
-    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    mode: Literal["disaggregated", "colocated", "conditional"] = "disaggregated"
     store_to_kvstore: bool = True  # prefill workers keep new prompt blocks in the kvstore
+    policy: DisaggregationPolicy = DisaggregationPolicy()  # conditional mode: where each request prefills
     pool: PoolOptions = PoolOptions()
     max_migrations: int = 2  # restarts of one request on another decode worker after losing its own
 
@@ -81,16 +86,17 @@ class RoutingBackend:
     ) -> None:
         if not decode_addresses:
             raise ValueError("the gateway needs at least one decode worker (--decode)")
-        if options.mode == "disaggregated" and not prefill_addresses:
-            raise ValueError("disaggregated mode needs at least one prefill worker (--prefill)")
+        if options.mode != "colocated" and not prefill_addresses:
+            raise ValueError(f"{options.mode} mode needs at least one prefill worker (--prefill)")
         self.model = model
         self.options = options
-        prefill = prefill_addresses if options.mode == "disaggregated" else ()
+        prefill = prefill_addresses if options.mode != "colocated" else ()
         self.pool = WorkerPool(
             prefill, decode_addresses, options.pool, on_change=self._on_worker_change, on_lost=self._on_worker_lost
         )
         self.placement = DecodePlacement(self.pool, options.gateway_id)
         self.affinity = PrefixAffinity()
+        self.conditional = ConditionalPrefill(options.policy)
         self._tag_tokens = special_tag_tokens(model.tokenizer, model.reasoning)
         self._running: dict[str, RunningRequest] = {}
 
@@ -140,7 +146,8 @@ class RoutingBackend:
         return None
 
     def _prepare(self, spec: GenerateSpec) -> tuple[list[int], GenerateSpec]:
-        prompt_ids = self.model.encode(spec.prompt, spec.reasoning.enable_thinking)
+        with span("gateway.tokenize", request_id=spec.request_id):
+            prompt_ids = self.model.encode(spec.prompt, spec.reasoning.enable_thinking)
         sampling = spec.sampling
         if spec.scaling.strategy is not ScalingStrategy.NONE:
             sampling = replace(sampling, n=spec.scaling.num_samples)
@@ -182,12 +189,20 @@ class RoutingBackend:
     async def _start(self, spec: GenerateSpec, prompt_ids: list[int], running: RunningRequest) -> int:
         """Get the request running on its decode worker; returns the cached prompt tokens."""
         (part,) = running.parts.values()
-        if self.options.mode == "colocated":
+        if not self._prefills_remotely(part, prompt_ids):
             return await start_colocated(self.pool, spec, prompt_ids, part, gateway_id=self.options.gateway_id)
         return await start_disaggregated(
             self.pool, self.affinity, spec, prompt_ids, part, running.queue,
             gateway_id=self.options.gateway_id, store_to_kvstore=self.options.store_to_kvstore,
         )
+
+    def _prefills_remotely(self, part: WorkerRequest, prompt_ids: list[int]) -> bool:
+        mode = self.options.mode
+        if mode != "conditional":
+            return mode == "disaggregated"
+        remote = self.conditional.remote(part.decode, self.pool.of_role("prefill"), prompt_ids)
+        self.conditional.record(part.decode, prompt_ids)
+        return remote
 
     async def _start_anywhere(self, spec: GenerateSpec, prompt_ids: list[int], running: RunningRequest) -> int:
         """`_start`, moved to another decode worker when its own is lost during the start."""

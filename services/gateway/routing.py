@@ -61,7 +61,8 @@ class PrefixAffinity:
             self._owner.popitem(last=False)
 
 
-def _prefill_load(worker: WorkerHandle) -> int:
+def prefill_load(worker: WorkerHandle) -> int:
+    """Prompt tokens queued on a prefill worker (its report plus this gateway's calls in flight)."""
     return worker.load.num_queued_prompt_tokens + worker.in_flight_prompt_tokens
 
 
@@ -71,11 +72,11 @@ def pick_prefill(
     """The prefill worker for a prompt, or None when no worker is in rotation."""
     if not workers:
         return None
-    least = min(workers, key=_prefill_load)
+    least = min(workers, key=prefill_load)
     owner, num_blocks = affinity.lookup(prompt_token_ids)
     if owner is not None and num_blocks > 0:
         preferred = next((w for w in workers if w.address == owner), None)
-        if preferred is not None and _prefill_load(preferred) <= _prefill_load(least) + AFFINITY_SLACK_TOKENS:
+        if preferred is not None and prefill_load(preferred) <= prefill_load(least) + AFFINITY_SLACK_TOKENS:
             return preferred
     return least
 

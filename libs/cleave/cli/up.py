@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cleave.cli._memory_split import DEFAULT_GPU_MEMORY_UTILIZATION, MemorySplit
+
 DEMO_MAX_TOKENS = 256
 
 
@@ -64,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         grpc_port=args.grpc_port, http_port=None if args.http_port < 0 else args.http_port,
         device=args.device, num_kv_blocks=args.num_kv_blocks, served_model_name=args.served_model_name or model.name,
         host=args.host, store_to_kvstore=args.store_to_kvstore,
+        trace_dir=Path(args.trace_dir) if args.trace_dir else None,
+        gpu_memory_utilization=args.gpu_memory_utilization, gpu_memory_split=args.gpu_memory_split,
     )
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="cleave-up-"))
     stack = ProcessStack(spec, workdir)
@@ -71,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         print(f"starting cleave ({spec.mode}, model {model.name}, device {spec.device}); logs in {workdir}", flush=True)
+        shares = stack.memory_shares()
+        if shares:
+            listed = ", ".join(f"{name} {share:g}" for name, share in shares.items())
+            print(f"  GPU memory shares: {listed}", flush=True)
         stack.start(timeout_s=args.timeout)
         print(f"cleave is up in {time.monotonic() - started:.1f} s", flush=True)
         print(f"  gRPC gateway: {stack.gateway_address}", flush=True)
@@ -96,11 +104,25 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _utilization(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _memory_split(text: str) -> MemorySplit:
+    try:
+        return MemorySplit.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("up", help="run kvstore, prefill, decode and gateway locally",
                                    description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the shipped reasoner)")
-    parser.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated",
+    parser.add_argument("--mode", choices=("disaggregated", "colocated", "conditional"), default="disaggregated",
                         help="separate prefill and decode workers, or decode workers that prefill too")
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated; default 1)")
     parser.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
@@ -110,10 +132,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     parser.add_argument("--device", default="cpu", help="torch device of the workers: cpu or cuda (default cpu)")
     parser.add_argument("--num-kv-blocks", type=int, default=0, help="KV blocks per worker (0: automatic)")
+    parser.add_argument("--gpu-memory-utilization", type=_utilization, default=DEFAULT_GPU_MEMORY_UTILIZATION,
+                        help="share of each GPU the workers on it use together (default 0.9)")
+    parser.add_argument("--gpu-memory-split", type=_memory_split, default=MemorySplit(), metavar="PREFILL:DECODE",
+                        help="how workers sharing a GPU divide that share, by role weight (default 1:2: "
+                             "1 prefill + 1 decode get 0.3 and 0.6; 1:1 splits equally)")
     parser.add_argument("--served-model-name", default="", help="model id clients use (default: the model directory's name)")
     parser.add_argument("--store-to-kvstore", action=argparse.BooleanOptionalAction, default=True,
                         help="prefill workers put new prompt blocks into the kvstore (default on; off for an A/B)")
     parser.add_argument("--workdir", default=None, help="port files and logs (default: a temporary directory)")
+    parser.add_argument("--trace-dir", default=None,
+                        help="each service writes its trace spans to <dir>/<name>.jsonl (read them with bench/hops.py)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds each service has to become healthy")
     parser.add_argument("--demo", action="store_true", help="send one arithmetic question, print, and stop")
     parser.set_defaults(handler=run)

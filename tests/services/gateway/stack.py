@@ -15,6 +15,7 @@ from services.decode.__main__ import registration as decode_registration
 from services.decode.engine_backend import EngineDecodeBackend
 from services.decode.servicer import DecodeServicer
 from services.gateway.__main__ import registration as gateway_registration
+from services.gateway.disagg_policy import DisaggregationPolicy
 from services.gateway.http_api import OpenAIApi, bound_port, start_http
 from services.gateway.model import ServedModel
 from services.gateway.router import GatewayOptions, RoutingBackend
@@ -81,19 +82,20 @@ async def _serve(stack: Stack, registration, backend) -> Server:  # type: ignore
 
 async def start_stack(
     model_dir: Path,
-    mode: Literal["disaggregated", "colocated"] = "disaggregated",
+    mode: Literal["disaggregated", "colocated", "conditional"] = "disaggregated",
     num_decode: int = 1,
     health_interval_s: float = 0.2,
     max_migrations: int = GatewayOptions.max_migrations,
+    policy: DisaggregationPolicy = DisaggregationPolicy(),
 ) -> Stack:
-    """Start kvstore, prefill (disaggregated only), decode worker(s) and the gateway."""
+    """Start kvstore, prefill (not colocated), decode worker(s) and the gateway."""
     stack = Stack()
     config = engine_config(model_dir)
     store = BlockStore(StoreConfig(ram_bytes=64 * 1024 * 1024))
     kv_server = await _serve(stack, kvstore_registration(KVStoreServicer(store)), None)
     stack.kvstore_address = kv_server.address
     prefill_addresses = []
-    if mode == "disaggregated":
+    if mode != "colocated":
         backend = EnginePrefillBackend(config, worker_id="prefill-0", model_id=MODEL_NAME,
                                        kvstore_address=kv_server.address)
         server = await _serve(stack, prefill_registration(PrefillServicer(backend, MODEL_NAME)), backend)
@@ -111,7 +113,7 @@ async def start_stack(
     router = RoutingBackend(
         model, prefill_addresses, decode_addresses,
         GatewayOptions(gateway_id="gw-test", mode=mode, pool=PoolOptions(health_interval_s=health_interval_s),
-                       max_migrations=max_migrations),
+                       max_migrations=max_migrations, policy=policy),
     )
     stack.router = router
     models = [served]

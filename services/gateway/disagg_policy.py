@@ -1,0 +1,58 @@
+"""Conditional disaggregation: per request, prefill on a prefill worker or on the decode
+worker that will decode it.
+
+A remote prefill keeps a long prompt's compute off the decode worker's steps (no stall for
+the requests streaming there) but costs a hop and a KV transfer; a local one costs nothing
+extra for a short prompt, or for one whose prefix the decode worker already caches. So a
+request prefills remotely only when all of these hold:
+  - the prompt tokens its decode worker does not already cache exceed `local_max_tokens`;
+  - a prefill worker is in rotation, and the least loaded one has at most
+    `remote_max_queue_tokens` prompt tokens queued (past that, waiting there costs more than
+    interleaving the prompt with the decode steps).
+What the decode workers cache is tracked here from the prompts the gateway sent them (the
+same chained block hashes as prefill affinity), as an estimate: the worker decides for real.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.gateway.routing import AFFINITY_BLOCK_SIZE, PrefixAffinity, prefill_load
+from services.gateway.workers import WorkerHandle
+
+
+@dataclass(frozen=True)
+class DisaggregationPolicy:
+    """Thresholds of conditional mode (see the module docstring)."""
+
+    local_max_tokens: int = 1024
+    remote_max_queue_tokens: int = 65536
+
+    def __post_init__(self) -> None:
+        if self.local_max_tokens < 0 or self.remote_max_queue_tokens < 0:
+            raise ValueError("the conditional-disaggregation thresholds must be >= 0")
+
+
+class ConditionalPrefill:
+    """Decides where each request of a conditional-mode gateway prefills."""
+
+    def __init__(self, policy: DisaggregationPolicy) -> None:
+        self.policy = policy
+        self.decode_prefixes = PrefixAffinity()  # prompt prefix -> decode worker holding it
+
+    def cached_on(self, decode: WorkerHandle, prompt_ids: Sequence[int]) -> int:
+        """Leading prompt tokens the decode worker likely caches."""
+        owner, num_blocks = self.decode_prefixes.lookup(prompt_ids)
+        return num_blocks * AFFINITY_BLOCK_SIZE if owner == decode.address else 0
+
+    def remote(self, decode: WorkerHandle, prefill_workers: Sequence[WorkerHandle], prompt_ids: Sequence[int]) -> bool:
+        """Whether the request should prefill on a prefill worker."""
+        uncached = len(prompt_ids) - self.cached_on(decode, prompt_ids)
+        if uncached <= self.policy.local_max_tokens or not prefill_workers:
+            return False
+        return min(prefill_load(worker) for worker in prefill_workers) <= self.policy.remote_max_queue_tokens
+
+    def record(self, decode: WorkerHandle, prompt_ids: Sequence[int]) -> None:
+        """The request's prompt is now (being) cached on `decode`."""
+        self.decode_prefixes.record(prompt_ids, decode.address)
