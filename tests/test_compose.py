@@ -62,6 +62,15 @@ def test_gpu_workers_reserve_nvidia_devices(compose):
     assert "deploy" not in compose["services"]["gateway"]
 
 
+def test_workers_on_one_gpu_can_split_its_memory(compose):
+    # CLEAVE_PREFILL_GPU_MEMORY / CLEAVE_DECODE_GPU_MEMORY become each worker's share
+    for name in ("prefill", "decode"):
+        service = compose["services"][name]
+        assert service["environment"]["CLEAVE_GPU_MEMORY_UTILIZATION"] == f"${{CLEAVE_{name.upper()}_GPU_MEMORY:-0.9}}"
+        config = worker_config(name, service["command"][3:], {"CLEAVE_GPU_MEMORY_UTILIZATION": "0.3"})
+        assert config.gpu_memory_utilization == 0.3
+
+
 def test_start_order_waits_for_health(compose):
     services = compose["services"]
     assert services["gateway"]["depends_on"] == {

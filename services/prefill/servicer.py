@@ -24,6 +24,7 @@ def prefill_spec_from_proto(request: prefill_pb2.PrefillRequest, model_id: str) 
         raise InvalidArgument(
             f"this worker serves {model_id!r}, not {request.model!r}", field="model"
         )
+    decode = decode_target_from_proto(request) if request.HasField("decode") else None
     return PrefillSpec(
         request_id=require_request_id(request.request_id),
         prompt_token_ids=token_ids_from_proto(request.prompt_token_ids, "prompt_token_ids"),
@@ -32,7 +33,7 @@ def prefill_spec_from_proto(request: prefill_pb2.PrefillRequest, model_id: str) 
         if request.HasField("destination")
         else None,
         store_to_kvstore=request.store_to_kvstore,
-        decode=decode_target_from_proto(request) if request.HasField("decode") else None,
+        decode=decode,
     )
 
 

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
 from cleave.config import worker_config
+from cleave.engine.config import EngineConfig
+from cleave.engine.memory_budget import InsufficientDeviceMemory
 from cleave.engine.llm import default_model_path
 from cleave.engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
 from cleave.rpc.types import TopLogprobs
 from cleave.rpc.types import TokenLogprob as WireLogprob
-from cleave.worker import DeltaBuilder, engine_config_from_worker, top_logprobs_from_engine
+from cleave.worker import DeltaBuilder, engine_config_from_worker, load_engine, top_logprobs_from_engine
+from cleave.worker import engine_setup
 
 
 def test_worker_flags_become_the_engine_config():
@@ -42,3 +51,42 @@ def test_deltas_carry_new_tokens_reasoning_counts_and_logprobs():
     (delta,) = builder.build(last)
     assert (delta.token_ids, delta.num_reasoning_tokens, delta.finish_reason, delta.logprobs) == (
         (4,), 0, FinishReason.STOP, ())
+
+
+# A worker process whose engine finds its share of cuda:0 taken: 10 GiB free of 80, share 0.6.
+REFUSING_WORKER = """
+import sys
+import cleave.worker.engine_setup as setup
+from cleave.engine.memory_budget import DeviceMemory, kv_blocks_for_share
+
+def refuse(config):
+    kv_blocks_for_share(DeviceMemory("cuda:0", 10 * 2**30, 80 * 2**30, 2**30), 0.6, 2**30, 2**20)
+
+setup.LLMEngine = refuse
+from services.{role}.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_load_engine_turns_a_memory_refusal_into_a_clean_exit(monkeypatch):
+    def refuse(config):
+        raise InsufficientDeviceMemory("cuda:0 has 1.00 GiB free of 80.00 GiB")
+
+    monkeypatch.setattr(engine_setup, "LLMEngine", refuse)
+    with pytest.raises(SystemExit) as caught:
+        asyncio.run(load_engine(EngineConfig(model="unused", device="cuda")))
+    assert caught.value.code == "error: cuda:0 has 1.00 GiB free of 80.00 GiB"
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_worker_without_its_memory_share_exits_with_the_reason(role):
+    result = subprocess.run(
+        [sys.executable, "-c", REFUSING_WORKER.format(role=role), "--listen", "127.0.0.1:0", "--device", "cpu",
+         "--kv-listen", "127.0.0.1:0", "--no-log-json", "--grace-seconds", "1"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("error: cuda:0 has 10.00 GiB free of 80.00 GiB")
+    assert "--gpu-memory-utilization 0.6" in last_line and "--num-kv-blocks" in last_line

@@ -17,8 +17,9 @@ launched before they reach the host: that is what lets the engine overlap its ho
 (output processing, scheduling, input preparation) with the device's forward.
 
 The KV cache is one tensor [num_layers, 2, num_blocks, block_size, Hkv, D]. On CUDA its
-size comes from free memory after a profiling forward at the step's token budget; on CPU
-from `CacheConfig.num_blocks` or DEFAULT_CPU_KV_TOKENS.
+size is what is left of this process's share of the device (`gpu_memory_utilization` of
+its total memory, `memory_budget`) after the weights and a profiling forward at the step's
+token budget; on CPU from `CacheConfig.num_blocks` or DEFAULT_CPU_KV_TOKENS.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 from cleave.device_copy import to_device, to_host
 from cleave.engine.config import EngineConfig
 from cleave.engine.input_batch import InputBatch, InputBatchBuilder, OutputTokens
+from cleave.engine.memory_budget import DeviceMemory, kv_blocks_for_share
 from cleave.engine.outputs import TokenLogprob
 from cleave.engine.sampler import Sampler
 from cleave.engine.sampling_params import SamplingParams
@@ -44,8 +46,6 @@ from cleave.kv.metadata import AttentionMetadata
 from cleave.model.llama import CausalLM, allocate_kv_cache
 
 DEFAULT_CPU_KV_TOKENS = 8192
-# Headroom left free besides the profiled peak: graph pools, allocator fragmentation.
-CUDA_HEADROOM_BYTES = 512 << 20
 
 
 @dataclass
@@ -171,17 +171,13 @@ class ModelRunner:
         if self.device.type != "cuda":
             tokens = max(DEFAULT_CPU_KV_TOKENS, self.config.scheduler.max_model_len)
             return -(-tokens // self.block_size) + 1
+        # gpu_memory_utilization is this process's share of the device's total memory (see
+        # memory_budget): workers sharing a GPU never count each other's memory as theirs.
         peak = self._profile_peak_bytes()
         free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free  # weights, this process's cache, other processes
-        budget = total * cache.gpu_memory_utilization - used_by_others - peak - CUDA_HEADROOM_BYTES
-        num_blocks = int(budget // self._bytes_per_block()) + 1
-        if num_blocks < 2:
-            raise RuntimeError(
-                f"no device memory left for the KV cache ({budget / 2**30:.2f} GiB after weights and "
-                "activations); raise gpu_memory_utilization or lower max_num_batched_tokens / max_num_seqs"
-            )
-        return num_blocks
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        memory = DeviceMemory(f"cuda:{index}", free, total, torch.cuda.memory_reserved(self.device))
+        return kv_blocks_for_share(memory, cache.gpu_memory_utilization, peak, self._bytes_per_block())
 
     def _bytes_per_block(self) -> int:
         cfg = self.model_config

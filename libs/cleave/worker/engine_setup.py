@@ -7,6 +7,7 @@ import asyncio
 from cleave.config import WorkerConfig
 from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cleave.engine.llm_engine import LLMEngine
+from cleave.engine.memory_budget import InsufficientDeviceMemory
 from cleave.rpc.types import KVLayout
 from cleave.transfer.layout import layout_of
 
@@ -35,8 +36,15 @@ def engine_config_from_worker(config: WorkerConfig) -> EngineConfig:
 
 
 async def load_engine(config: EngineConfig) -> LLMEngine:
-    """Load weights and allocate the KV cache off the event loop."""
-    return await asyncio.to_thread(LLMEngine, config)
+    """Load weights and allocate the KV cache off the event loop.
+
+    A worker whose device cannot give it its memory share exits with the reason (SystemExit:
+    one line on stderr, exit code 1, no traceback); the server's shutdown still runs.
+    """
+    try:
+        return await asyncio.to_thread(LLMEngine, config)
+    except InsufficientDeviceMemory as error:
+        raise SystemExit(f"error: {error}") from None
 
 
 def kv_layout_of(engine: LLMEngine, model_id: str) -> KVLayout:

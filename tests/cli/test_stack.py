@@ -1,0 +1,104 @@
+"""ProcessStack's child command lines: each GPU worker carries its share of the device's
+memory (no process is started: Popen and the health wait are replaced)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cleave.cli import _stack
+from cleave.cli._memory_split import MemorySplit
+from cleave.cli._stack import ProcessStack, StackSpec
+from cleave.cli.main import build_parser
+
+
+class FakeProcess:
+    """Records the command; exits at once when signalled."""
+
+    def __init__(self, command: list[str], **kwargs: object) -> None:
+        self.command = command
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        self.returncode = 0
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+    def kill(self) -> None:
+        self.returncode = -9
+
+
+@pytest.fixture
+def started(monkeypatch, tmp_path):
+    """start() a spec without processes; returns {child name: its command line}."""
+    monkeypatch.setattr(_stack.subprocess, "Popen", FakeProcess)
+
+    def healthy(self, children, timeout_s):
+        for child in children:
+            child.address = f"127.0.0.1:{50000 + len(self.children)}"
+
+    monkeypatch.setattr(ProcessStack, "_wait_healthy", healthy)
+
+    def start(spec: StackSpec) -> dict[str, list[str]]:
+        stack = ProcessStack(spec, tmp_path / "stack")
+        stack.start()
+        commands = {child.name: child.process.command for child in stack.children}
+        stack.stop()
+        return commands
+
+    return start
+
+
+def _flag(command: list[str], flag: str) -> str | None:
+    return command[command.index(flag) + 1] if flag in command else None
+
+
+def test_one_prefill_one_decode_on_one_gpu_split_its_memory(started):
+    commands = started(StackSpec(model=Path("/m"), device="cuda"))
+    assert list(commands) == ["kvstore", "prefill-0", "decode-0", "gateway"]
+    assert commands["prefill-0"][2] == "services.prefill" and commands["decode-0"][2] == "services.decode"
+    assert _flag(commands["prefill-0"], "--gpu-memory-utilization") == "0.3"
+    assert _flag(commands["decode-0"], "--gpu-memory-utilization") == "0.6"
+    assert _flag(commands["decode-0"], "--num-kv-blocks") == "0"  # sized from the share
+    assert "--gpu-memory-utilization" not in commands["gateway"] + commands["kvstore"]
+
+
+def test_two_prefill_two_decode_and_explicit_blocks(started):
+    commands = started(StackSpec(model=Path("/m"), device="cuda:1", num_prefill=2, num_decode=2, num_kv_blocks=500))
+    shares = {name: _flag(command, "--gpu-memory-utilization") for name, command in commands.items()
+              if name.startswith(("prefill", "decode"))}
+    assert shares == {"prefill-0": "0.15", "prefill-1": "0.15", "decode-0": "0.3", "decode-1": "0.3"}
+    assert {_flag(commands[name], "--num-kv-blocks") for name in shares} == {"500"}  # blocks are what was asked
+
+
+def test_colocated_decode_gets_the_whole_utilization_and_split_is_overridable(started):
+    commands = started(StackSpec(model=Path("/m"), mode="colocated", device="cuda"))
+    assert [name for name in commands if name.startswith(("prefill", "decode"))] == ["decode-0"]
+    assert _flag(commands["decode-0"], "--gpu-memory-utilization") == "0.9"
+    commands = started(StackSpec(model=Path("/m"), device="cuda", gpu_memory_utilization=0.8,
+                                 gpu_memory_split=MemorySplit(1, 1)))
+    assert _flag(commands["prefill-0"], "--gpu-memory-utilization") == "0.4"
+    assert _flag(commands["decode-0"], "--gpu-memory-utilization") == "0.4"
+
+
+def test_cpu_workers_carry_no_share(started):
+    commands = started(StackSpec(model=Path("/m")))
+    assert "--gpu-memory-utilization" not in commands["prefill-0"] + commands["decode-0"]
+    assert _flag(commands["decode-0"], "--num-kv-blocks") == str(_stack.DEFAULT_CPU_KV_BLOCKS)
+
+
+def test_cleave_up_flags(capsys):
+    args = build_parser().parse_args(["up", "--device", "cuda", "--gpu-memory-split", "1:1",
+                                      "--gpu-memory-utilization", "0.8"])
+    assert (args.gpu_memory_split, args.gpu_memory_utilization) == (MemorySplit(1, 1), 0.8)
+    defaults = build_parser().parse_args(["up"])
+    assert (defaults.gpu_memory_split, defaults.gpu_memory_utilization) == (MemorySplit(1, 2), 0.9)
+    for bad in (["--gpu-memory-split", "2"], ["--gpu-memory-utilization", "1.2"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["up", *bad])
+    assert "PREFILL:DECODE" in capsys.readouterr().err
