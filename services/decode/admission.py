@@ -1,15 +1,16 @@
 """Admission and KV transfers on the decode worker: from Admit to the engine, and every way
 an admitted request's blocks are freed before it gets there.
 
-    admit(spec)          reserve blocks for the prompt (engine.reserve_prefilled), register
+    admit(spec)          reserve blocks for the prompt (engine.handoff.reserve), register
                          the transfer with the KV receiver, arm the deadline -> TransferHandle
     start_request(spec)  wait for the transfer (bounded by the deadline), then
-                         engine.add_prefilled_request(prompt, first tokens); or, with
+                         engine.handoff.receive(prompt, first tokens); or, with
                          prefill_locally, queue the prompt in the engine (colocated)
 
 A transfer that fails, or a deadline that passes before Start, releases the reservation and
 ends the request with one ERROR delta on its gateway's stream; the error is remembered
-(`MAX_REMEMBERED_FAILURES`) so a late Start raises the real reason.
+(`MAX_REMEMBERED_FAILURES`) so a late Start raises the real reason. The reservation is this
+worker's until `handoff.receive` returns, the engine's from then on (`KVHandoff`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from cleave.engine.llm_engine import LLMEngine
 from cleave.engine.outputs import FinishReason
 from cleave.engine.sampling_params import SamplingParams
 from cleave.errors import CleaveError, DeadlineExceeded, InvalidArgument, NotFound
-from cleave.kv.prefix_hash import block_hashes
 from cleave.rpc.convert import apply_reasoning
 from cleave.rpc.types import ErrorInfo, RequestDelta, TopLogprobs, TransferHandle
 from cleave.transfer import KVReceiver, PendingTransfer
@@ -90,7 +90,7 @@ class AdmissionMixin:
         self._check_new(request_id)
         engine.prepare_request(request_id, prompt, spec.sampling)  # validation only: no engine state
         transport, nccl = await self.peers.transport_for(spec.prefill_worker_id, self.transfer_timeout_s)
-        block_ids = await async_engine.call(lambda e: e.reserve_prefilled(request_id, len(prompt)))
+        block_ids = await async_engine.call(lambda e: e.handoff.reserve(request_id, len(prompt)))
         request = HeldRequest(request_id, spec.gateway_id, prompt, spec.sampling)
         self._requests[request_id] = request
         try:
@@ -153,7 +153,7 @@ class AdmissionMixin:
 
     def _release_reservation(self, request_id: str) -> None:
         if self.async_engine is not None and self.async_engine.is_running:
-            self._spawn(self.async_engine.call(lambda e: e.kv.release(f"{request_id}/0")))
+            self._spawn(self.async_engine.call(lambda e: e.handoff.release(request_id)))
 
     def _spawn(self, awaitable) -> None:
         task = asyncio.ensure_future(awaitable)
@@ -203,7 +203,7 @@ class AdmissionMixin:
         aborted = sorted(request.aborted_samples)
 
         def add(e: LLMEngine) -> None:
-            e.add_prefilled_request(request_id, prompt, first_tokens, params)
+            e.handoff.receive(request_id, prompt, first_tokens, params)
             for index in aborted:
                 e.abort_sample(request_id, index)
 
@@ -227,7 +227,7 @@ class AdmissionMixin:
         self._requests[request_id] = HeldRequest(request_id, spec.gateway_id, prompt, params, started=True)
 
         def enqueue(e: LLMEngine) -> int:
-            cached = _num_cached_prompt_tokens(e, prompt)
+            cached = e.handoff.cached_prefix(prompt)
             e.enqueue(state)
             return cached
 
@@ -246,17 +246,3 @@ def _settled(tasks: set[asyncio.Task]):
 
     return done
 
-
-def _num_cached_prompt_tokens(engine: LLMEngine, prompt: list[int]) -> int:
-    """Leading prompt tokens whose full blocks are in the engine's prefix cache now (what its
-    scheduler will reuse unless they are evicted first; the last token is always computed)."""
-    if not engine.kv.enable_prefix_caching:
-        return 0
-    block_size = engine.kv.block_size
-    usable = (len(prompt) - 1) // block_size
-    hits = 0
-    for block_hash in block_hashes(prompt[: usable * block_size], block_size, engine.kv.namespace):
-        if engine.kv.pool.lookup(block_hash) is None:
-            break
-        hits += 1
-    return hits * block_size

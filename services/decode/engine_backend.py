@@ -2,11 +2,11 @@
 
 Life of a disaggregated request on this worker:
 
-    admit(spec)    reserve blocks for the prompt (engine.reserve_prefilled), register the
+    admit(spec)    reserve blocks for the prompt (engine.handoff.reserve), register the
                    transfer with the KV receiver, arm the deadline -> TransferHandle
     (prefill worker writes the KV into the reserved blocks over the handle's transport)
     start(spec)    wait for the transfer (bounded by the deadline), then
-                   engine.add_prefilled_request(prompt, first tokens) -> decoding (n
+                   engine.handoff.receive(prompt, first tokens) -> decoding (n
                    samples from one reservation: they share the prompt's blocks)
     engine steps   every step's outputs become RequestDeltas, one StepOutput per gateway
 
@@ -188,7 +188,7 @@ class EngineDecodeBackend(AdmissionMixin, StepDeliveryMixin):
         if self.engine is None:
             return WorkerLoad(worker_id=self.worker_id)
         running = sum(1 for request in self._requests.values() if request.started)
-        kv = self.engine.kv
+        kv = self.engine.handoff.snapshot()
         return WorkerLoad(
             worker_id=self.worker_id,
             num_running=running,

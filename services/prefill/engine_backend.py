@@ -4,8 +4,8 @@
         Decode.Admit on spec.decode's worker       (sent at once; see `decode_handoff`)
         kvstore prefix -> engine prefix cache      (optional: those tokens are not recomputed)
         engine prefill-only request                (chunked and batched with other prompts)
-        first token of each of the n samples sampled, prompt KV kept (once) under the
-        request's export id
+        first token of each of the n samples sampled, prompt KV kept (once) as the
+        request's export (engine.handoff.export)
         handshake with the destination's worker    (first transfer to it only: CUDA IPC /
                                                    NCCL / TCP, see cleave.worker.handshake)
         KV -> destination's reserved blocks        (the handle's transport, all layers)
@@ -52,10 +52,10 @@ from cleave.transfer.layout import require_same_layout
 from cleave.worker import TransportNegotiator, device_nccl, kv_layout_of, load_engine, top_logprobs_from_engine
 from services.prefill.backend import PrefillResult, PrefillSpec
 from services.prefill.decode_handoff import DecodeHandoff, DecodeLinks
-from services.prefill.kvstore_prefix import HOLD_SUFFIX, KVStorePrefix, PrefixFetch
+from services.prefill.kvstore_prefix import KVStorePrefix, PrefixFetch
 
 log = structlog.get_logger("cleave.prefill")
-NO_FETCH = PrefixFetch(0, 0, None)
+NO_FETCH = PrefixFetch(0, 0)
 STORE_DRAIN_S = 5.0  # at shutdown, how long background kvstore puts may still run
 # Host copies of prompt blocks on their way to the kvstore, at most. Puts are an optimisation:
 # past this, a prompt's blocks are not stored, so a slow store never backs up into prefill
@@ -158,7 +158,7 @@ class EnginePrefillBackend:
         assert self.engine is not None and self.layout is not None
         if handle.layout is not None:
             require_same_layout(self.layout, handle.layout, "destination.layout")
-        num_blocks = self.engine.kv.num_blocks_for(num_prompt_tokens)
+        num_blocks = self.engine.handoff.num_blocks_for(num_prompt_tokens)
         if len(handle.block_ids) != num_blocks:
             raise InvalidArgument(
                 f"lists {len(handle.block_ids)} blocks but the {num_prompt_tokens}-token prompt fills {num_blocks}",
@@ -189,7 +189,7 @@ class EnginePrefillBackend:
             first_tokens, first_logprobs, num_cached = await self._run_prefill(async_engine, request_id, prompt, spec)
             table = self._tables.pop(request_id, None)
             if table is None:  # not kept by the step (e.g. an engine without the hook)
-                table = await async_engine.call(lambda e: e.prefilled_block_table(request_id))
+                table = await async_engine.call(lambda e: e.handoff.export(request_id))
             destination = spec.destination
             if handoff is not None:
                 destination = await handoff.reserved()
@@ -205,7 +205,7 @@ class EnginePrefillBackend:
             if handoff is not None:
                 handoff.abort()
             if not handed_off:
-                await asyncio.shield(self._cleanup(request_id, fetch))
+                await asyncio.shield(self._cleanup(request_id))
             raise
         finally:
             self._in_flight.pop(request_id, None)
@@ -214,7 +214,7 @@ class EnginePrefillBackend:
             # The KV is delivered: the response need not wait for the engine's next step
             # boundary to free the blocks. (The release is queued on the step thread before
             # any later request can reuse this id: commands apply in order.)
-            self._release_in_background(request_id, fetch)
+            self._release_in_background(request_id)
         num_computed = len(prompt) - num_cached
         counters = self.counters
         counters.num_prefills += 1
@@ -237,7 +237,7 @@ class EnginePrefillBackend:
         for output in outputs:
             if output.finished and output.request_id in self._in_flight:
                 try:
-                    self._tables[output.request_id] = self.engine.prefilled_block_table(output.request_id)
+                    self._tables[output.request_id] = self.engine.handoff.export(output.request_id)
                 except CleaveError:  # ended without exported KV (an error): the caller reports it
                     pass
 
@@ -246,8 +246,8 @@ class EnginePrefillBackend:
         self._handoffs.add(task)
         task.add_done_callback(self._handoffs.discard)
 
-    def _release_in_background(self, request_id: str, fetch: PrefixFetch) -> None:
-        task = asyncio.ensure_future(self._cleanup(request_id, fetch))
+    def _release_in_background(self, request_id: str) -> None:
+        task = asyncio.ensure_future(self._cleanup(request_id))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
@@ -324,7 +324,7 @@ class EnginePrefillBackend:
         released = False
         try:
             payload = await self.kvstore.gather(prompt, table, fetch.num_store_blocks)
-            await self._cleanup(request_id, fetch)
+            await self._cleanup(request_id)
             released = True
             if payload is not None:
                 self.counters.num_kvstore_blocks_stored += await self.kvstore.put(payload)
@@ -334,7 +334,7 @@ class EnginePrefillBackend:
             log.exception("kvstore put failed", request_id=request_id)
         finally:
             if not released:
-                await self._cleanup(request_id, fetch)
+                await self._cleanup(request_id)
 
     async def wait_for_stores(self, timeout_s: float | None = None) -> bool:
         """Wait until the background kvstore puts started so far are done (True), or
@@ -345,22 +345,22 @@ class EnginePrefillBackend:
         _, still_running = await asyncio.wait(pending, timeout=timeout_s)
         return not still_running
 
-    async def _cleanup(self, request_id: str, fetch: PrefixFetch) -> None:
-        """Free the exported prompt blocks and the kvstore hold (no-ops when absent)."""
+    async def _cleanup(self, request_id: str) -> None:
+        """Free the exported prompt blocks and the kvstore hold (no-ops when absent; a
+        fetch cut short may hold blocks, so the hold is released in any case)."""
         if self.async_engine is None or not self.async_engine.is_running:
             return
-        hold_id = fetch.hold_id or request_id + HOLD_SUFFIX  # a fetch cut short may hold blocks
 
         def release(e: LLMEngine) -> None:
-            e.release_prefilled(request_id)
-            e.kv.free(hold_id)
+            e.handoff.release_export(request_id)
+            e.handoff.release_hold(request_id)
 
         await self.async_engine.call(release)
 
     def load(self) -> WorkerLoad:
         if self.engine is None:
             return WorkerLoad(worker_id=self.worker_id)
-        kv = self.engine.kv
+        kv = self.engine.handoff.snapshot()
         return WorkerLoad(
             worker_id=self.worker_id,
             num_running=len(self._in_flight),

@@ -5,8 +5,8 @@ host memory, then put, off the request's critical path, one put at a time).
 Block hashes are the engine's own (`block_hashes` under the engine's KV namespace), so a
 block fetched from the store and registered in the engine's prefix cache is found by the
 scheduler like any locally computed block: those tokens are not recomputed. The fetched
-blocks are held under a private sequence id until the prefill has taken them over, then let
-go (they stay cached).
+blocks are held (`engine.handoff.hold_prefix`) until the prefill has taken them over; the
+backend then lets go of the hold (`release_hold`, on every path), and they stay cached.
 """
 
 from __future__ import annotations
@@ -19,11 +19,7 @@ import torch
 
 from cleave.engine.async_engine import AsyncEngine
 from cleave.engine.llm_engine import LLMEngine
-from cleave.kv.prefix_hash import block_hashes
 from cleave.transfer import KVStoreClient, gather_blocks_to_host, scatter_blocks
-
-HOLD_SUFFIX = "/kvstore"  # KV manager id holding fetched blocks until the prefill runs
-
 
 @dataclass(frozen=True)
 class PrefixFetch:
@@ -31,7 +27,6 @@ class PrefixFetch:
 
     num_store_blocks: int  # leading prompt blocks the store holds
     num_loaded_blocks: int  # of those, blocks copied into the engine (not already cached)
-    hold_id: str | None  # KV manager id holding the loaded blocks; release after the prefill
 
 
 @dataclass(frozen=True)
@@ -50,7 +45,7 @@ class KVStorePrefix:
         self.client = client
         self.engine = engine
         self.async_engine = async_engine
-        self.block_size = engine.kv.block_size
+        self.block_size = engine.handoff.block_size
         self._stream: torch.cuda.Stream | None = None
         self._put_turn = asyncio.Lock()  # one put stream at a time, in arrival order (FIFO)
 
@@ -63,41 +58,38 @@ class KVStorePrefix:
 
     def hashes(self, prompt: Sequence[int]) -> list[bytes]:
         """Chained hashes of the prompt's full blocks."""
-        return block_hashes(prompt, self.block_size, self.engine.kv.namespace)
+        return self.engine.handoff.block_hashes(prompt)
 
     async def fetch(self, request_id: str, prompt: Sequence[int]) -> PrefixFetch:
         """Load the stored prefix that the engine does not hold yet into its prefix cache.
-        At most len(prompt) - 1 tokens: the last prompt token always runs for the logits."""
+        At most len(prompt) - 1 tokens: the last prompt token always runs for the logits.
+        Blocks may stay held for the request even when none were loaded: the caller releases
+        the hold (`engine.handoff.release_hold`) after the prefill, on every path."""
         usable = (len(prompt) - 1) // self.block_size
         hashes = self.hashes(prompt)[:usable]
         num_hit = await self.client.lookup(hashes)
         if num_hit == 0:
-            return PrefixFetch(0, 0, None)
-        num_local = await self.async_engine.call(lambda e: _num_cached_blocks(e, hashes[:num_hit]))
+            return PrefixFetch(0, 0)
+        num_local = await self.async_engine.call(lambda e: e.handoff.num_cached_blocks(hashes[:num_hit]))
         if num_local >= num_hit:
-            return PrefixFetch(num_hit, 0, None)
+            return PrefixFetch(num_hit, 0)
         blocks = await self.client.get(hashes[num_local:num_hit])  # [n, L, 2, BS, Hkv, D]
         num_hit = num_local + blocks.shape[0]
-        hold_id = request_id + HOLD_SUFFIX
         tokens = list(prompt[: num_hit * self.block_size])
 
         def load(e: LLMEngine) -> int:
-            kv = e.kv
-            hit = kv.get_computed_blocks(hold_id, tokens + [0])  # + a token: all num_hit blocks may hit
-            if not kv.allocate_slots(hold_id, len(tokens) - hit.num_computed_tokens, hit):
-                kv.free(hold_id)
+            hold = e.handoff.hold_prefix(request_id, tokens)
+            if hold is None:
                 return 0  # no room: the engine computes these tokens itself
-            table = kv.block_table(hold_id)
-            first_new = hit.num_computed_tokens // self.block_size
-            if first_new < num_local:  # local blocks were evicted meanwhile: no payload for them
-                kv.free(hold_id)
+            if hold.num_cached_blocks < num_local:  # local blocks were evicted meanwhile: no payload for them
+                e.handoff.release_hold(request_id)
                 return 0
-            scatter_blocks(e.kv_cache, table[first_new:], blocks[first_new - num_local :])
-            kv.cache_full_blocks(hold_id, tokens)
-            return len(table) - first_new
+            scatter_blocks(e.kv_cache, hold.new_block_ids, blocks[hold.num_cached_blocks - num_local :])
+            e.handoff.publish_hold(request_id, tokens)
+            return len(hold.new_block_ids)
 
         loaded = await self.async_engine.call(load)
-        return PrefixFetch(num_hit, loaded, hold_id if loaded else None)
+        return PrefixFetch(num_hit, loaded)
 
     async def gather(self, prompt: Sequence[int], block_table: Sequence[int], num_stored: int) -> StorePayload | None:
         """Copy the prompt's full blocks after the first `num_stored` (already in the store)
@@ -124,11 +116,3 @@ class KVStorePrefix:
             result = await self.client.put(payload.hashes, payload.blocks, parent_hash=payload.parent_hash)
         return result.num_stored
 
-
-def _num_cached_blocks(engine: LLMEngine, hashes: Sequence[bytes]) -> int:
-    count = 0
-    for block_hash in hashes:
-        if engine.kv.pool.lookup(block_hash) is None:
-            break
-        count += 1
-    return count

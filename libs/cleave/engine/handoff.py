@@ -1,41 +1,158 @@
-"""The disaggregation hand-off of `LLMEngine`: prompt KV kept for export on a prefill
-worker, reserved and admitted on a decode worker, and the end of a single sample.
+"""The KV hand-off of `LLMEngine`: one typed API, `engine.handoff` (a `KVHandoff`), for
+everything a worker does with KV blocks that cross the engine's boundary.
 
-`PrefillExport` (prefill side) keeps a prefill-only request's prompt blocks under
-`request_id + EXPORT_SUFFIX` once its samples drew their first tokens, until the caller has
-shipped them. `PrefilledAdmission` (decode side) reserves blocks for a prompt whose KV
-arrives from elsewhere and starts decoding the request's samples from their first tokens.
-Both hold explicit references to the engine's KV manager (and scheduler); the engine's
-public methods delegate here and keep the request bookkeeping.
+The services never touch the engine's `KVCacheManager`: the manager ids that blocks are
+kept under (a request's export, its kvstore hold, its first sample's reservation) are
+composed here and nowhere else, and block ids go out as plain lists (what transports write).
+
+    prefill worker                              decode worker
+    ------------------------------------------  ------------------------------------------
+    kvstore: num_cached_blocks(hashes)          reserve(request_id, num_prompt_tokens)
+             hold_prefix -> fill -> publish_hold    -> block ids the transport fills
+    add_request(..., prefill_only=True)         receive(request_id, prompt, first tokens)
+    export(request_id) -> block ids to send         -> the engine decodes the samples
+    release_export(request_id)                  release(request_id): never received
+    release_hold(request_id)                    cached_prefix(prompt): colocated admission
+    snapshot(): free / usable blocks (load reports, both sides)
+
+Block ownership: each block a method takes is freed exactly once, by its one owner.
+- Export (prefill side): from the step that finishes a prefill-only request its prompt
+  blocks belong to the caller until `release_export` (or `LLMEngine.abort`).
+- Reservation (decode side): `reserve`'s blocks belong to the caller until `receive`
+  returns, from then on to the engine, which frees the samples' blocks when they finish or
+  are aborted; a reservation that is never received is freed by `release`.
+- kvstore hold (prefill side): `hold_prefix`'s blocks belong to the caller until
+  `release_hold`; blocks it published stay in the prefix cache (free but reusable) after.
+Every release is idempotent (a no-op when nothing is held), so an owner may call it on each
+of its exit paths.
+
+Threads: every method runs on the engine's step thread (`AsyncEngine.call`), except the
+pure ones (`block_size`, `num_blocks_for`, `block_hashes`) and `snapshot`, which any thread
+may call (a snapshot read off the step thread may mix two steps' counts, fine for load).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Protocol
 
 from cleave.engine.request import RequestState, SampleState
+from cleave.engine.sampling_params import SamplingParams
 from cleave.engine.scheduler import Scheduler
 from cleave.engine.sequence import Sequence, SequenceStatus
 from cleave.errors import InvalidArgument, NotFound
 from cleave.kv.manager import KVCacheManager
+from cleave.kv.prefix_hash import block_hashes
 
-EXPORT_SUFFIX = "/export"  # KV manager id holding a prefill-only request's prompt blocks
+# KV manager ids, private to this module: `<request_id><suffix>`; a reservation is the
+# first sample's own sequence id (`Sequence.seq_id` of sample 0).
+_EXPORT_SUFFIX = "/export"  # a prefill-only request's prompt blocks, until shipped
+_HOLD_SUFFIX = "/kvstore"  # blocks fetched from the kvstore, until the prefill has taken them
 
 
-class PrefillExport:
-    """Prefill side: keeps and hands out the prompt KV of prefill-only requests."""
+def _first_sample_id(request_id: str) -> str:
+    return f"{request_id}/0"
 
-    def __init__(self, kv: KVCacheManager) -> None:
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """The engine's KV block counts at one moment (what a worker's load report carries)."""
+
+    num_free_blocks: int  # blocks no sequence holds (cached free blocks count as free)
+    num_usable_blocks: int  # every block but the null block
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_usable_blocks - self.num_free_blocks
+
+
+@dataclass(frozen=True)
+class PrefixHold:
+    """Blocks `hold_prefix` holds for a prompt's leading full blocks, in prompt order:
+    the first `num_cached_blocks` were in the prefix cache already (shared, hold their KV);
+    `new_block_ids` follow them and must be filled by the caller before `publish_hold`."""
+
+    num_cached_blocks: int
+    new_block_ids: list[int]
+
+
+class RequestIntake(Protocol):
+    """The engine's request bookkeeping that `KVHandoff.receive` admits a request into."""
+
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> RequestState: ...
+
+    def check_new_request(self, request_id: str) -> None: ...
+
+    def track_received(self, state: RequestState, running: bool) -> None: ...
+
+
+class KVHandoff:
+    """The engine's KV hand-off between workers (see the module docstring for the flow,
+    the ownership of blocks and threads).
+
+    Args:
+        kv: the engine's KV cache manager; only this object touches it for the services.
+        scheduler: the engine's scheduler, which received samples join.
+        max_model_len: context limit a received sample's first token may already reach.
+        requests: the engine's request bookkeeping (`LLMEngine` itself).
+    """
+
+    def __init__(self, kv: KVCacheManager, scheduler: Scheduler, max_model_len: int, requests: RequestIntake) -> None:
         self.kv = kv
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.requests = requests
+
+    # ---- both sides -----------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block (any thread)."""
+        return self.kv.block_size
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens (any thread)."""
+        return self.kv.num_blocks_for(num_tokens)
+
+    def block_hashes(self, token_ids: Seq[int]) -> list[bytes]:
+        """Chained hashes of the full blocks of `token_ids` under the engine's KV namespace:
+        the prefix cache's keys and the kvstore's (any thread)."""
+        return block_hashes(token_ids, self.kv.block_size, self.kv.namespace)
+
+    def snapshot(self) -> KVSnapshot:
+        """Free and usable block counts now (both sides' `load()`; any thread)."""
+        return KVSnapshot(self.kv.num_free_blocks, self.kv.num_usable_blocks)
+
+    def num_cached_blocks(self, hashes: Seq[bytes]) -> int:
+        """How many leading `hashes` name blocks in the prefix cache now (prefill side:
+        the kvstore skips what the engine holds; decode side: `cached_prefix`)."""
+        pool = self.kv.pool
+        count = 0
+        for block_hash in hashes:
+            if pool.lookup(block_hash) is None:
+                break
+            count += 1
+        return count
+
+    # ---- prefill side: the prompt KV of prefill-only requests ----------------------------
 
     def on_first_token(
         self, state: RequestState, seq: Sequence, sample: SampleState, status: SequenceStatus | None
     ) -> SequenceStatus:
-        """A prefill-only sample drew its first token: keep the prompt's blocks under the
-        export id (once per request, whether or not the token ends the sample: the decode
-        side has reserved blocks for them either way) and end the sequence."""
+        """Engine only (its sampling callback): a prefill-only sample drew its first token:
+        keep the prompt's blocks as the request's export (once per request, whether or not
+        the token ends the sample: the decode side has reserved blocks for them either way)
+        and end the sequence."""
         sample.flush_text()
-        export_id = seq.request_id + EXPORT_SUFFIX
+        export_id = seq.request_id + _EXPORT_SUFFIX
         if not self.kv.has(export_id):
             # The sequence holds exactly the prompt's slots: its first token has none yet.
             self.kv.fork(seq.seq_id, export_id)
@@ -46,32 +163,98 @@ class PrefillExport:
             state.prefill_done = True  # every sample has its first token (same step)
         return status or SequenceStatus.FINISHED_LENGTH
 
-    def block_table(self, request_id: str) -> list[int]:
-        """Block ids holding a finished prefill-only request's prompt KV, in token order."""
-        table = self.kv.block_table(request_id + EXPORT_SUFFIX)
+    def export(self, request_id: str) -> list[int]:
+        """Prefill side: block ids holding a finished prefill-only request's prompt KV, in
+        token order, to send. The caller owns them until `release_export`. Raises NotFound
+        when the request kept none."""
+        table = self.kv.block_table(request_id + _EXPORT_SUFFIX)
         if not table:
             raise NotFound(f"no exported prompt KV for request {request_id!r}", field="request_id")
         return table
 
-    def release(self, request_id: str) -> None:
-        """Free the prompt KV a prefill-only request kept (no-op when none is kept)."""
-        self.kv.free(request_id + EXPORT_SUFFIX)
+    def release_export(self, request_id: str) -> None:
+        """Prefill side: free the prompt KV a prefill-only request kept, once it is shipped
+        (no-op when none is kept)."""
+        self.kv.free(request_id + _EXPORT_SUFFIX)
 
+    # ---- prefill side: a kvstore prefix held until the prefill takes it over -------------
 
-class PrefilledAdmission:
-    """Decode side: blocks for a prompt computed elsewhere, and its samples' admission."""
+    def hold_prefix(self, request_id: str, token_ids: Seq[int]) -> PrefixHold | None:
+        """Prefill side (kvstore): hold blocks for `token_ids` (a prompt's leading full
+        blocks) under the request's hold; blocks the prefix cache has are shared, the rest
+        are new. None, with nothing held, when the pool lacks free blocks. The caller owns
+        the hold until `release_hold`, also when it fills nothing."""
+        hold_id = request_id + _HOLD_SUFFIX
+        tokens = list(token_ids)
+        hit = self.kv.get_computed_blocks(hold_id, tokens + [0])  # + a token: every block may hit
+        if not self.kv.allocate_slots(hold_id, len(tokens) - hit.num_computed_tokens, hit):
+            self.kv.free(hold_id)
+            return None
+        num_cached = hit.num_computed_tokens // self.kv.block_size
+        return PrefixHold(num_cached, self.kv.block_table(hold_id)[num_cached:])
 
-    def __init__(self, kv: KVCacheManager, scheduler: Scheduler, max_model_len: int) -> None:
-        self.kv = kv
-        self.scheduler = scheduler
-        self.max_model_len = max_model_len
+    def publish_hold(self, request_id: str, token_ids: Seq[int]) -> None:
+        """Prefill side (kvstore): the held blocks for `token_ids` are filled: index them in
+        the prefix cache, where the request's prefill (and any other) finds them."""
+        self.kv.cache_full_blocks(request_id + _HOLD_SUFFIX, list(token_ids))
+
+    def release_hold(self, request_id: str) -> None:
+        """Prefill side (kvstore): let go of the request's hold after its prefill (no-op
+        when none); published blocks stay cached."""
+        self.kv.free(request_id + _HOLD_SUFFIX)
+
+    # ---- decode side: a prompt computed elsewhere -----------------------------------------
 
     def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int]:
-        """Allocate the prompt's blocks under the first sample's id; returns their ids.
-        Raises OutOfBlocksError (RESOURCE_EXHAUSTED)."""
-        return self.kv.reserve(f"{request_id}/0", num_prompt_tokens)
+        """Decode side: allocate the blocks a prompt's KV arrives in (once, whatever the
+        request's n); returns their ids, in token order, for the transport. The caller owns
+        them until `receive` returns (then the engine does) or `release`. Raises
+        OutOfBlocksError (RESOURCE_EXHAUSTED)."""
+        return self.kv.reserve(_first_sample_id(request_id), num_prompt_tokens)
 
-    def admit(self, state: RequestState, first_tokens: Seq[int]) -> bool:
+    def release(self, request_id: str) -> None:
+        """Decode side: free a reservation that will not be received (the transfer failed,
+        the deadline passed, the request was aborted or `receive` raised); no-op when none."""
+        self.kv.release(_first_sample_id(request_id))
+
+    def receive(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        first_tokens: int | Seq[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> RequestState:
+        """Decode side: start decoding a request whose prompt KV fills its reservation
+        (reserved here if `reserve` was not called); from now on the engine owns its blocks.
+
+        `first_tokens` holds each sample's first token (`params.n` of them; a bare int for
+        n = 1), drawn by a prefill-only engine. The samples share the prompt's blocks, as
+        samples of a local prefill do: the partly filled last block is copied on a sample's
+        first write. First tokens are reported with the next step's outputs, like every later
+        one; a sample its first token ends (eos, max_tokens) finishes there. Raises
+        InvalidArgument (nothing taken: the reservation is still the caller's).
+        """
+        tokens = first_token_list(first_tokens)
+        state = self.requests.prepare_request(request_id, list(prompt_token_ids), params, priority, arrival_time)
+        check_first_tokens(tokens, state.params.n)
+        self.requests.check_new_request(request_id)
+        self.requests.track_received(state, self._admit(state, tokens))
+        return state
+
+    def cached_prefix(self, prompt_token_ids: Seq[int]) -> int:
+        """Decode side (colocated admission): leading prompt tokens whose full blocks the
+        prefix cache holds now, what the scheduler will reuse unless they are evicted first
+        (the last prompt token is always computed; 0 with prefix caching off)."""
+        if not self.kv.enable_prefix_caching:
+            return 0
+        block_size = self.kv.block_size
+        usable = (len(prompt_token_ids) - 1) // block_size
+        hashes = self.block_hashes(list(prompt_token_ids[: usable * block_size]))
+        return self.num_cached_blocks(hashes) * block_size
+
+    def _admit(self, state: RequestState, first_tokens: Seq[int]) -> bool:
         """Share the prompt's blocks among the samples, feed each its first token and queue
         those it does not end; returns whether any sample runs on."""
         leader = state.samples[0].seq

@@ -30,10 +30,15 @@ colocated generation it offers the two halves of disaggregated serving:
 - prefill worker: `add_request(..., prefill_only=True)` computes the prompt once, samples
   the first token of each of the `n` samples (the same draws a colocated engine makes) and
   finishes the request while keeping its prompt KV blocks; read them with
-  `prefilled_block_table(request_id)` / `kv_cache`, then `release_prefilled(request_id)`.
-- decode worker: `reserve_prefilled(request_id, num_prompt_tokens)` returns the block ids
-  the transport fills (once for all samples); `add_prefilled_request(..., first_tokens)`
-  then decodes the `n` samples from their first tokens, sharing the prompt's blocks.
+  `handoff.export(request_id)` / `kv_cache`, then `handoff.release_export(request_id)`.
+- decode worker: `handoff.reserve(request_id, num_prompt_tokens)` returns the block ids
+  the transport fills (once for all samples); `handoff.receive(..., first_tokens)` then
+  decodes the `n` samples from their first tokens, sharing the prompt's blocks.
+
+`handoff` (a `cleave.engine.handoff.KVHandoff`) is the one way workers reach the KV blocks
+that cross the engine's boundary, the kvstore's prefix holds included; it states who owns
+(and frees) which blocks. `prefilled_block_table`, `release_prefilled`, `reserve_prefilled`
+and `add_prefilled_request` are its older names on the engine.
 
 With `EngineConfig.detokenize` off (the workers: the gateway makes the text) samples carry
 token ids only; see `cleave.engine.request`. Requests are built by `cleave.engine.request_builder`;
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import weakref
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 from pathlib import Path
@@ -51,14 +57,7 @@ from pathlib import Path
 import torch
 
 from cleave.engine.config import EngineConfig
-from cleave.engine.handoff import (
-    EXPORT_SUFFIX,
-    PrefilledAdmission,
-    PrefillExport,
-    check_first_tokens,
-    end_sample,
-    first_token_list,
-)
+from cleave.engine.handoff import KVHandoff, end_sample
 from cleave.engine.model_runner import LaunchedStep, ModelRunner, RunnerOutput, StepStats
 from cleave.engine.outputs import RequestOutput, TokenLogprob
 from cleave.engine.request import RequestState, SampleState
@@ -74,7 +73,7 @@ from cleave.model.config import ModelConfig
 from cleave.model.loader import load_model
 from cleave.model.tokenizer import Tokenizer
 
-__all__ = ["EXPORT_SUFFIX", "LLMEngine", "Message", "Prompt", "read_reasoning_config"]
+__all__ = ["LLMEngine", "Message", "Prompt", "read_reasoning_config"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -155,8 +154,8 @@ class LLMEngine:
         )
         self.kv = KVCacheManager(self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching, namespace)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
-        self._export = PrefillExport(self.kv)
-        self._admission = PrefilledAdmission(self.kv, self.scheduler, self.max_model_len)
+        # A weak reference back: no cycle, so a dropped engine frees its KV cache at once.
+        self.handoff = KVHandoff(self.kv, self.scheduler, self.max_model_len, requests=weakref.proxy(self))
 
     @property
     def max_model_len(self) -> int:
@@ -374,7 +373,7 @@ class LLMEngine:
         request_id = seq.request_id
         state = self._touched[request_id] = self._requests[request_id]
         if state.prefill_only:
-            return self._export.on_first_token(state, seq, sample, status)
+            return self.handoff.on_first_token(state, seq, sample, status)
         return status
 
     def _flush_text(self) -> None:
@@ -429,21 +428,19 @@ class LLMEngine:
             self._deferred.pop(seq_id, None)
             self._host_bound.discard(seq_id)
 
-    # ---- disaggregation hooks (see cleave.engine.handoff) ---------------------------------
+    # ---- disaggregation hooks: `handoff` (see cleave.engine.handoff) ---------------------
 
     def prefilled_block_table(self, request_id: str) -> list[int]:
-        """Block ids holding a finished prefill-only request's prompt KV, in token order."""
-        return self._export.block_table(request_id)
+        """Block ids holding a finished prefill-only request's prompt KV (`handoff.export`)."""
+        return self.handoff.export(request_id)
 
     def release_prefilled(self, request_id: str) -> None:
-        """Free the prompt KV a prefill-only request kept (after the caller shipped it)."""
-        self._export.release(request_id)
+        """Free the prompt KV a prefill-only request kept (`handoff.release_export`)."""
+        self.handoff.release_export(request_id)
 
     def reserve_prefilled(self, request_id: str, num_prompt_tokens: int) -> list[int]:
-        """Decode side: allocate blocks for a prompt whose KV will arrive from a prefill
-        worker (once, whatever the request's n); returns the block ids to write. Raises
-        OutOfBlocksError (RESOURCE_EXHAUSTED)."""
-        return self._admission.reserve(request_id, num_prompt_tokens)
+        """Decode side: blocks for a prompt whose KV arrives from elsewhere (`handoff.reserve`)."""
+        return self.handoff.reserve(request_id, num_prompt_tokens)
 
     def add_prefilled_request(
         self,
@@ -454,21 +451,17 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> RequestState:
-        """Decode side: start decoding a request whose prompt KV fills its reserved blocks
-        (reserved here if `reserve_prefilled` was not called).
+        """Decode side: decode a request from its samples' first tokens (`handoff.receive`)."""
+        return self.handoff.receive(request_id, prompt_token_ids, first_tokens, params, priority, arrival_time)
 
-        `first_tokens` holds each sample's first token (`params.n` of them; a bare int for
-        n = 1), drawn by a prefill-only engine. The samples share the prompt's blocks, as
-        samples of a local prefill do: the partly filled last block is copied on a sample's
-        first write. First tokens are reported with the next step's outputs, like every later
-        one; a sample its first token ends (eos, max_tokens) finishes there.
-        """
-        tokens = first_token_list(first_tokens)
-        state = self.prepare_request(request_id, list(prompt_token_ids), params, priority, arrival_time)
-        check_first_tokens(tokens, state.params.n)
+    def check_new_request(self, request_id: str) -> None:
+        """`handoff.receive`: raise InvalidArgument when `request_id` is already running."""
         if request_id in self._requests:
             raise InvalidArgument(f"{request_id!r} is already running; use a unique id", field="request_id")
-        if self._admission.admit(state, tokens):
+
+    def track_received(self, state: RequestState, running: bool) -> None:
+        """`handoff.receive`: track a received request (when a sample runs on) and report it
+        (first tokens, or its end) with the next step."""
+        if running:
             self._register(state)
-        self._pending[request_id] = state
-        return state
+        self._pending[state.request_id] = state
