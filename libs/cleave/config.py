@@ -23,6 +23,7 @@ DEFAULT_MODEL = str(SHIPPED_MODEL_DIR)
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # one KVStore.Put message holds a whole block
 DEFAULT_PORTS = {"gateway": 50051, "prefill": 50061, "decode": 50071, "kvstore": 50081}
 DEFAULT_HTTP_PORT = 8000
+OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,20 @@ class RpcConfig:
 
 
 @dataclass(frozen=True)
+class TracingConfig:
+    """Where a process's OpenTelemetry spans go (`cleave.tracing.setup_tracing`); neither set:
+    tracing is off and costs nothing."""
+
+    service_name: str  # the resource's service.name, e.g. "cleave-decode"
+    otlp_endpoint: str | None = None  # OTLP/HTTP collector base URL; spans are POSTed to <url>/v1/traces
+    trace_file: Path | None = None  # one JSON object per finished span, appended
+
+    @property
+    def enabled(self) -> bool:
+        return self.otlp_endpoint is not None or self.trace_file is not None
+
+
+@dataclass(frozen=True)
 class ServiceConfig:
     """Process-level settings every service has."""
 
@@ -44,6 +59,7 @@ class ServiceConfig:
     log_level: str = "INFO"
     log_json: bool | None = None  # None: JSON unless stderr is a terminal
     rpc: RpcConfig = RpcConfig()
+    tracing: TracingConfig = TracingConfig(service_name="cleave")  # off unless an exporter is set
 
 
 @dataclass(frozen=True)
@@ -67,11 +83,13 @@ class GatewayConfig:
     service: ServiceConfig
     model: ModelConfig
     http_listen: str | None  # None: no HTTP server
-    mode: Literal["disaggregated", "colocated"]
+    mode: Literal["disaggregated", "colocated", "conditional"]
     prefill_addresses: tuple[str, ...]
     decode_addresses: tuple[str, ...]
     gateway_id: str
     store_to_kvstore: bool = True  # prefill workers put new prompt blocks into the kvstore
+    local_prefill_max_tokens: int = 1024  # conditional mode: longer uncached prompts prefill remotely
+    remote_prefill_max_queue_tokens: int = 65536  # conditional mode: ... unless the prefill queue is longer
 
 
 @dataclass(frozen=True)
@@ -89,7 +107,9 @@ class WorkerConfig:
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 256  # sequences per engine step
     max_num_batched_tokens: int = 2048  # tokens per engine step
-    gpu_memory_utilization: float = 0.9  # share of device memory when num_kv_blocks is 0
+    # this process's share of the device's total memory (weights, activations, KV cache);
+    # workers sharing one GPU get shares that sum to at most 1 (`cleave up` splits 0.9)
+    gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # no CUDA graphs
     transfer_timeout_s: float = 30.0  # an admitted request's KV must arrive (and Start come) by then
 
@@ -165,6 +185,10 @@ def _flags(name: str, environ: Mapping[str, str]) -> _FlagSet:
               action=argparse.BooleanOptionalAction)
     flags.add("--max-message-bytes", DEFAULT_MAX_MESSAGE_BYTES, "gRPC message size limit", type=int)
     flags.add("--grace-seconds", 10.0, "time in-flight calls get to finish on SIGTERM", type=float)
+    flags.add("--trace-file", None, "append this process's trace spans to this JSON-lines file", type=Path)
+    # the OpenTelemetry variable is the default, so collectors set up for any OTel app just work
+    flags.add("--otlp-endpoint", environ.get(OTLP_ENDPOINT_ENV) or None,
+              f"OTLP/HTTP collector URL; spans go to <url>/v1/traces (default: {OTLP_ENDPOINT_ENV})")
     return flags
 
 
@@ -186,6 +210,8 @@ def _service(name: str, args: argparse.Namespace) -> ServiceConfig:
         log_level=args.log_level,
         log_json=args.log_json,
         rpc=RpcConfig(max_message_bytes=args.max_message_bytes, grace_seconds=args.grace_seconds),
+        tracing=TracingConfig(service_name=f"cleave-{name}", otlp_endpoint=args.otlp_endpoint or None,
+                              trace_file=args.trace_file),
     )
 
 
@@ -204,8 +230,12 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
     _add_model_flags(flags)
     flags.add("--http-listen", f"0.0.0.0:{DEFAULT_HTTP_PORT}",
               "OpenAI-compatible HTTP address host:port ('' disables it)")
-    flags.add("--mode", "disaggregated", "how workers are used",
-              choices=("disaggregated", "colocated"))
+    flags.add("--mode", "disaggregated", "how workers are used (conditional: per request, by prompt length, "
+              "decode-side cache and prefill queue)", choices=("disaggregated", "colocated", "conditional"))
+    flags.add("--local-prefill-max-tokens", 1024, "conditional mode: uncached prompt tokens a decode worker "
+              "prefills itself; longer prompts go to a prefill worker", type=int)
+    flags.add("--remote-prefill-max-queue-tokens", 65536, "conditional mode: prefill locally when every "
+              "prefill worker has more prompt tokens queued than this", type=int)
     flags.add("--prefill", (), "prefill worker address", action="append")
     flags.add("--decode", (), "decode worker address", action="append")
     flags.add("--gateway-id", "gateway-0", "stable id of this gateway on decode workers")
@@ -221,6 +251,8 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
         decode_addresses=args.decode,
         gateway_id=args.gateway_id,
         store_to_kvstore=args.store_to_kvstore,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
+        remote_prefill_max_queue_tokens=args.remote_prefill_max_queue_tokens,
     )
 
 
@@ -240,7 +272,9 @@ def worker_config(
     flags.add("--block-size", 16, "tokens per KV block", type=int)
     flags.add("--max-num-seqs", 256, "sequences per engine step", type=int)
     flags.add("--max-num-batched-tokens", 2048, "tokens per engine step", type=int)
-    flags.add("--gpu-memory-utilization", 0.9, "share of device memory to fill when --num-kv-blocks is 0",
+    flags.add("--gpu-memory-utilization", 0.9,
+              "share of the device's total memory this worker may use for weights, activations and KV "
+              "(workers on one GPU: shares summing to at most 1; the KV cache fills it when --num-kv-blocks is 0)",
               type=float)
     flags.add("--enforce-eager", False, "run eagerly, without CUDA graphs", action=argparse.BooleanOptionalAction)
     flags.add("--transfer-timeout", 30.0, "seconds an admitted request's KV has to arrive", type=float)

@@ -10,6 +10,7 @@ from cleave.config import worker_config
 from cleave.logging import configure_logging
 from cleave.proto.cleave.v1 import decode_pb2, decode_pb2_grpc
 from cleave.rpc import ServiceRegistration, run_service
+from cleave.tracing import setup_tracing
 from cleave.worker import FreezeAfterStart, engine_config_from_worker
 from services.decode.engine_backend import EngineDecodeBackend
 from services.decode.servicer import DecodeServicer
@@ -24,6 +25,7 @@ def registration(servicer: DecodeServicer) -> ServiceRegistration:
 def main(argv: list[str] | None = None) -> int:
     config = worker_config("decode", argv, os.environ)
     configure_logging(config.service.log_level, config.service.log_json)
+    tracing = setup_tracing(config.service.tracing)
     backend = EngineDecodeBackend(
         engine_config_from_worker(config),
         worker_id=config.worker_id,
@@ -35,8 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     # Model and engine objects live as long as the process: out of the collector's walks.
     lifecycle = FreezeAfterStart(backend, config.worker_id)
     # Prefill workers find this address in the handles and call Handshake there.
-    asyncio.run(run_service([registration(servicer)], config.service, lifecycle,
-                            on_listening=backend.set_control_address))
+    try:
+        asyncio.run(run_service([registration(servicer)], config.service, lifecycle,
+                                on_listening=backend.set_control_address, tracing=tracing))
+    finally:
+        tracing.shutdown()
     return 0
 
 

@@ -8,10 +8,13 @@ Streaming answers are server-sent events (`data: {...}\\n\\n`, then `data: [DONE
 Reasoning models put their thinking in `reasoning_content` of the chat message (or delta),
 as vLLM and DeepSeek do, and count it in `usage.completion_tokens_details.reasoning_tokens`.
 A client that disconnects cancels its handler, which aborts the request on the worker.
+Every request runs in a server span under its `traceparent` header (`cleave.tracing`; a
+malformed one is a 400 naming it); a stream's first chunk with tokens is `gateway.first_byte`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -23,8 +26,9 @@ import structlog
 from aiohttp import web
 
 from cleave.config import ModelConfig
-from cleave.errors import NotFound
+from cleave.errors import InvalidArgument, NotFound
 from cleave.rpc.types import TopLogprobs, Usage
+from cleave.tracing import NOOP_SPAN, TRACEPARENT, TRACESTATE, TRACING_OFF, Tracing, annotate, span
 from services.gateway.backend import GatewayBackend, GenerateChunk, GenerateSpec, SampleOutput
 from services.gateway.openai_request import generate_spec, http_error
 
@@ -50,20 +54,47 @@ class OpenAIApi:
         backend: the gateway's serving logic.
         models: served models, the first is the default.
         token_text: token id -> its text (for logprobs).
+        tracing: where each request's server span goes (off by default).
     """
 
-    def __init__(self, backend: GatewayBackend, models: Sequence[ModelConfig], token_text) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, backend: GatewayBackend, models: Sequence[ModelConfig], token_text,  # type: ignore[no-untyped-def]
+                 tracing: Tracing = TRACING_OFF) -> None:
         self.backend = backend
         self.models = tuple(models)
         self.token_text = token_text
+        self.tracing = tracing
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._traced])
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/health", self.health)
         return app
+
+    @web.middleware
+    async def _traced(self, request: web.Request, handler) -> web.StreamResponse:  # type: ignore[no-untyped-def]
+        """Run the handler in the request's server span (ended once the response, streamed
+        or not, is complete)."""
+        try:
+            server_span = self.tracing.start_server_span(
+                f"{request.method} {request.path}", request.headers.get(TRACEPARENT), request.headers.get(TRACESTATE),
+                **{"http.method": request.method, "http.route": request.path},
+            )
+        except InvalidArgument as error:
+            mapped = http_error(error, {})
+            return web.json_response(mapped.body, status=mapped.status)
+        try:
+            response = await handler(request)
+        except asyncio.CancelledError:  # the client went away: not the server's fault
+            server_span.end(cancelled=True)
+            raise
+        except BaseException as error:
+            server_span.end(error=type(error).__name__)
+            raise
+        server_span.end(error=f"HTTP {response.status}" if response.status >= 500 else None,
+                        **{"http.status_code": response.status})
+        return response
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -94,6 +125,7 @@ class OpenAIApi:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         params = _CHAT_PARAMS if chat else _COMPLETION_PARAMS
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        annotate(request_id=request_id)
         try:
             try:
                 body = await request.json()
@@ -124,8 +156,10 @@ class OpenAIApi:
         await response.prepare(request)
         try:
             if first is not None:
-                for event in shaper.events(first):
-                    await response.write(_sse(event))
+                # a chunk with samples carries tokens; one without ends a request that made none
+                with span("gateway.first_byte", request_id=shaper.spec.request_id) if first.samples else NOOP_SPAN:
+                    for event in shaper.events(first):
+                        await response.write(_sse(event))
                 async for chunk in chunks:
                     for event in shaper.events(chunk):
                         await response.write(_sse(event))

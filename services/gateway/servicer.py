@@ -25,6 +25,7 @@ from cleave.rpc.convert import (
     usage_to_proto,
 )
 from cleave.rpc.types import ReasoningOptions
+from cleave.tracing import mark
 from services.gateway.backend import (
     ChatMessage,
     CodeTest,
@@ -194,7 +195,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # aclosing: a cancelled call closes the backend's stream at once, which aborts the
         # request on its worker instead of leaving that to garbage collection
         async with contextlib.aclosing(self.backend.generate(spec)) as chunks:
+            sent_tokens = False
             async for chunk in chunks:
+                if not sent_tokens and chunk.samples:  # samples carry tokens
+                    sent_tokens = True
+                    mark("gateway.first_byte", request_id=spec.request_id)
                 yield chunk_to_proto(chunk, spec.request_id, spec.model)
 
     async def Abort(

@@ -9,6 +9,7 @@ import sys
 from cleave.config import kvstore_config
 from cleave.logging import configure_logging
 from cleave.rpc import ServiceRegistration, run_service
+from cleave.tracing import setup_tracing
 from services.kvstore.backend import KVStoreBackend
 from services.kvstore.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from services.kvstore.store import BlockStore, StoreConfig
@@ -21,11 +22,15 @@ def registration(servicer: KVStoreServicer) -> ServiceRegistration:
 def main(argv: list[str] | None = None) -> int:
     config = kvstore_config(argv, os.environ)
     configure_logging(config.service.log_level, config.service.log_json)
+    tracing = setup_tracing(config.service.tracing)
     backend: KVStoreBackend = BlockStore(
         StoreConfig(ram_bytes=config.ram_bytes, disk_path=config.disk_path, disk_bytes=config.disk_bytes)
     )
     servicer = KVStoreServicer(backend)
-    asyncio.run(run_service([registration(servicer)], config.service, backend))
+    try:
+        asyncio.run(run_service([registration(servicer)], config.service, backend, tracing=tracing))
+    finally:
+        tracing.shutdown()
     return 0
 
 

@@ -10,6 +10,7 @@ from cleave.config import worker_config
 from cleave.logging import configure_logging
 from cleave.proto.cleave.v1 import prefill_pb2, prefill_pb2_grpc
 from cleave.rpc import ServiceRegistration, run_service
+from cleave.tracing import setup_tracing
 from cleave.worker import FreezeAfterStart, engine_config_from_worker
 from services.prefill.backend import PrefillBackend
 from services.prefill.engine_backend import EnginePrefillBackend
@@ -25,6 +26,7 @@ def registration(servicer: PrefillServicer) -> ServiceRegistration:
 def main(argv: list[str] | None = None) -> int:
     config = worker_config("prefill", argv, os.environ)
     configure_logging(config.service.log_level, config.service.log_json)
+    tracing = setup_tracing(config.service.tracing)
     backend: PrefillBackend = EnginePrefillBackend(
         engine_config_from_worker(config),
         worker_id=config.worker_id,
@@ -34,7 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     servicer = PrefillServicer(backend, config.model.id)
     # Model and engine objects live as long as the process: out of the collector's walks.
     lifecycle = FreezeAfterStart(backend, config.worker_id)
-    asyncio.run(run_service([registration(servicer)], config.service, lifecycle))
+    try:
+        asyncio.run(run_service([registration(servicer)], config.service, lifecycle, tracing=tracing))
+    finally:
+        tracing.shutdown()
     return 0
 
 

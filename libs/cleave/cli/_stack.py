@@ -4,7 +4,8 @@ Each service is `python -m services.<name>` on an ephemeral port it reports thro
 `--port-file`; a service counts as up once `grpc.health.v1` says SERVING. Workers start in
 parallel after the kvstore, the gateway last (it routes only to healthy workers). `stop()`
 sends SIGTERM to every child (gateway first), waits for them to drain and kills stragglers.
-Each child's output goes to `<workdir>/<name>.log`.
+Each child's output goes to `<workdir>/<name>.log`; with `StackSpec.trace_dir` each child
+also writes its trace spans to `<trace_dir>/<name>.jsonl` (`bench/hops.py` reads them).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
 
+from cleave.cli._memory_split import DEFAULT_GPU_MEMORY_UTILIZATION, MemorySplit, PlacedWorker, memory_shares
 from cleave.cli.health import EXIT_SERVING, check
 
 DEFAULT_CPU_KV_BLOCKS = 1024
@@ -29,7 +31,7 @@ class StackSpec:
     """What to start."""
 
     model: Path
-    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    mode: Literal["disaggregated", "colocated", "conditional"] = "disaggregated"
     num_prefill: int = 1
     num_decode: int = 1
     grpc_port: int = 50051  # 0: any free port
@@ -40,7 +42,12 @@ class StackSpec:
     host: str = "127.0.0.1"
     log_level: str = "INFO"
     worker_args: tuple[str, ...] = ()  # extra flags for prefill and decode workers
+    gateway_args: tuple[str, ...] = ()  # extra flags for the gateway
     store_to_kvstore: bool = True  # prefill workers put new prompt blocks into the kvstore
+    trace_dir: Path | None = None  # each child writes its spans to <trace_dir>/<name>.jsonl
+    # GPU workers on one device split this share of its memory by role weight (_memory_split)
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    gpu_memory_split: MemorySplit = MemorySplit()
 
 
 @dataclass
@@ -100,6 +107,8 @@ class ProcessStack:
         log = open(log_path, "wb")
         command = [sys.executable, "-m", module, "--port-file", str(port_file),
                    "--log-level", self.spec.log_level, "--no-log-json", *args]
+        if self.spec.trace_dir is not None:
+            command += ["--trace-file", str(self.spec.trace_dir / f"{name}.jsonl")]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # own session: a terminal's Ctrl-C reaches only `cleave up`, which stops the children in order
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -129,6 +138,19 @@ class ProcessStack:
             if pending:
                 time.sleep(0.1)
 
+    def placed_workers(self) -> list[PlacedWorker]:
+        """The prefill and decode workers `start()` runs, in start order, with their devices
+        (every worker on `spec.device`: CUDA_VISIBLE_DEVICES is inherited by all)."""
+        spec = self.spec
+        num_prefill = spec.num_prefill if spec.mode != "colocated" else 0
+        return ([PlacedWorker(f"prefill-{index}", "prefill", spec.device) for index in range(num_prefill)]
+                + [PlacedWorker(f"decode-{index}", "decode", spec.device) for index in range(spec.num_decode)])
+
+    def memory_shares(self) -> dict[str, float]:
+        """Worker name -> its `--gpu-memory-utilization` (GPU workers only)."""
+        spec = self.spec
+        return memory_shares(self.placed_workers(), spec.gpu_memory_utilization, spec.gpu_memory_split)
+
     def _worker_args(self, worker_id: str, kvstore: str) -> list[str]:
         spec = self.spec
         blocks = spec.num_kv_blocks or (DEFAULT_CPU_KV_BLOCKS if spec.device == "cpu" else 0)
@@ -139,6 +161,9 @@ class ProcessStack:
             args += ["--served-model-name", spec.served_model_name]
         if spec.device == "cpu":
             args.append("--enforce-eager")
+        share = self.memory_shares().get(worker_id)
+        if share is not None:  # passed with --num-kv-blocks too; the worker then allocates the blocks asked for
+            args += ["--gpu-memory-utilization", f"{share:g}"]
         return args + list(spec.worker_args)
 
     def _gateway_args(self, workers: list[Child]) -> list[str]:
@@ -150,7 +175,7 @@ class ProcessStack:
             args += ["--served-model-name", spec.served_model_name]
         for worker in workers:
             args += ["--prefill" if worker.name.startswith("prefill") else "--decode", worker.address]
-        return args
+        return args + list(spec.gateway_args)
 
     def start(self, timeout_s: float = 120.0) -> None:
         """Start everything and return once the gateway is SERVING (stops all on failure)."""
@@ -160,14 +185,9 @@ class ProcessStack:
             kvstore = self._spawn("kvstore", "services.kvstore", [
                 "--listen", f"{spec.host}:0", "--ram-bytes", str(1024**3), "--grace-seconds", "2"])
             self._wait_healthy([kvstore], timeout_s)
-            workers = []
-            num_prefill = spec.num_prefill if spec.mode == "disaggregated" else 0
-            for index in range(num_prefill):
-                workers.append(self._spawn(f"prefill-{index}", "services.prefill",
-                                           self._worker_args(f"prefill-{index}", kvstore.address)))
-            for index in range(spec.num_decode):
-                workers.append(self._spawn(f"decode-{index}", "services.decode",
-                                           self._worker_args(f"decode-{index}", kvstore.address)))
+            workers = [self._spawn(placed.name, f"services.{placed.role}",
+                                   self._worker_args(placed.name, kvstore.address))
+                       for placed in self.placed_workers()]
             self._wait_healthy(workers, timeout_s)
             if spec.http_port is not None:
                 self.http_port = spec.http_port or free_port(spec.host)

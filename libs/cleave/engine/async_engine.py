@@ -12,7 +12,8 @@ validation run in the caller (`prepare_request` has no side effects), so a bad r
 raises InvalidArgument from the first iteration of `submit` before anything is queued.
 Torch releases the GIL in the forward, so the event loop stays responsive while a step
 runs. Leaving an iteration early (break, cancellation, `aclose`) aborts the request and
-frees its KV blocks.
+frees its KV blocks. A request submitted inside a traced request gets its engine spans
+(`engine.queue_wait`, `engine.prefill_forward`) from `step_trace`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, TypeVar
 from cleave.engine.llm_engine import LLMEngine, Prompt
 from cleave.engine.outputs import RequestOutput
 from cleave.engine.sampling_params import SamplingParams
+from cleave.engine.step_trace import StepTrace, TraceOrigin
 from cleave.errors import InvalidArgument, Unavailable
 
 T = TypeVar("T")
@@ -60,6 +62,7 @@ class AsyncEngine:
         self._lock = threading.Lock()  # guards _streams between the loop and the thread
         self._error: BaseException | None = None
         self._closed = False
+        self.step_trace = StepTrace()  # touched by the step thread only
         self._thread = threading.Thread(target=self._run, name="cleave-engine", daemon=True)
         self._thread.start()
 
@@ -88,7 +91,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise InvalidArgument(f"{request_id!r} is already running; use a unique id", field="request_id")
             self._streams[request_id] = (loop, outputs)
-        self._post(("add", state))
+        self._post(("add", state, TraceOrigin.capture()))
         finished = False
         try:
             while True:
@@ -152,7 +155,8 @@ class AsyncEngine:
         try:
             while self._apply_commands():
                 if self.engine.has_unfinished():
-                    self._deliver(self.engine.step())
+                    step = self.engine.step
+                    self._deliver(self.step_trace.step(step) if self.step_trace.watched else step())
                 else:
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()
@@ -173,11 +177,14 @@ class AsyncEngine:
                 return False
             kind = command[0]
             if kind == "add":
-                state = command[1]
+                _, state, origin = command
                 try:
                     self.engine.enqueue(state)
                 except Exception as error:  # e.g. a duplicate id: fail that stream only
                     self._deliver_to(state.request_id, error)
+                else:
+                    if origin is not None:
+                        self.step_trace.watch(state, origin)
             elif kind == "abort":
                 self.engine.abort(command[1])
             elif kind == "abort_sample":

@@ -1,10 +1,12 @@
-"""Client-side helpers: channels with the same message limits as cleave servers."""
+"""Client-side helpers: channels with the same message limits as cleave servers, carrying
+the caller's trace context (`cleave.rpc.client_tracing`)."""
 
 from __future__ import annotations
 
 import grpc
 
 from cleave.config import DEFAULT_MAX_MESSAGE_BYTES
+from cleave.rpc.client_tracing import TRACE_INTERCEPTORS
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -18,5 +20,8 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
 def aio_channel(
     address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 ) -> grpc.aio.Channel:
-    """An insecure grpc.aio channel to a cleave service at host:port."""
-    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+    """An insecure grpc.aio channel to a cleave service at host:port; calls made inside a
+    traced request send its `traceparent`."""
+    return grpc.aio.insecure_channel(
+        address, options=channel_options(max_message_bytes), interceptors=TRACE_INTERCEPTORS
+    )

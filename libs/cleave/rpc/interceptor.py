@@ -1,9 +1,12 @@
-"""The server interceptor every cleave service runs: request ids, call logs, error mapping.
+"""The server interceptor every cleave service runs: request ids, traces, call logs, error mapping.
 
 For each call it takes the `x-request-id` metadata (or makes one), binds it (and the method)
-into structlog's context variables for every log line the call produces, runs the handler,
-maps a raised exception to a real status code (`cleave.rpc.errors`), returns the request id
-in the trailing metadata and logs one line with method, status code and duration.
+into structlog's context variables for every log line the call produces, starts the call's
+SERVER span under the caller's `traceparent` (`cleave.tracing`; a malformed one fails the
+call with INVALID_ARGUMENT naming it), runs the handler with that span current, maps a
+raised exception to a real status code (`cleave.rpc.errors`), returns the request id in the
+trailing metadata, ends the span (a stream's when the stream ends) and logs one line with
+method, status code and duration.
 """
 
 from __future__ import annotations
@@ -19,9 +22,16 @@ import grpc
 import structlog
 
 from cleave.rpc.errors import ERROR_DETAIL_KEY, map_exception
+from cleave.tracing import NOOP_SERVER_SPAN, TRACEPARENT, TRACESTATE, TRACING_OFF, Tracing
 
 REQUEST_ID_KEY = "x-request-id"
 _QUIET_PREFIXES = ("/grpc.health.", "/grpc.reflection.")  # polled often: log at debug
+# Codes that mark a server span failed (OpenTelemetry's gRPC conventions): the server's
+# faults, not the caller's (INVALID_ARGUMENT, NOT_FOUND, CANCELLED...)
+_SERVER_FAULTS = frozenset({
+    grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS,
+})
 _request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "cleave_request_id", default=None
 )
@@ -35,13 +45,26 @@ def current_request_id() -> str | None:
 class _Call:
     """Per-call state: ids, timing, and the outcome to log."""
 
-    def __init__(self, method: str, request_id: str) -> None:
+    def __init__(
+        self, method: str, request_id: str, trace_headers: tuple[str | None, str | None], tracing: Tracing
+    ) -> None:
         self.method = method
         self.request_id = request_id
         self.started = time.perf_counter()
         quiet = method.startswith(_QUIET_PREFIXES)
         self.log = structlog.get_logger("cleave.rpc")
         self.log_level = "debug" if quiet else "info"
+        self._trace_headers = trace_headers
+        self._tracing = TRACING_OFF if quiet else tracing  # health polls make no spans
+        self._span = NOOP_SERVER_SPAN
+
+    def start_span(self) -> None:
+        """Check the caller's traceparent (InvalidArgument when malformed) and make this
+        call's server span current; call inside the handler's try."""
+        traceparent, tracestate = self._trace_headers
+        self._span = self._tracing.start_server_span(
+            self.method.lstrip("/"), traceparent, tracestate, request_id=self.request_id
+        )
 
     def _finish(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode) -> None:
         trailing = tuple(context.trailing_metadata() or ())
@@ -49,6 +72,7 @@ class _Call:
             context.set_trailing_metadata((*trailing, (REQUEST_ID_KEY, self.request_id)))
         duration_ms = round((time.perf_counter() - self.started) * 1000, 3)
         level = self.log_level if code == grpc.StatusCode.OK else "warning"
+        self._span.end(error=code.name if code in _SERVER_FAULTS else None, **{"rpc.grpc.status_code": code.name})
         getattr(self.log, level)("rpc", code=code.name, duration_ms=duration_ms)
 
     def succeeded(self, context: grpc.aio.ServicerContext) -> None:
@@ -78,11 +102,17 @@ class _Call:
         )
 
 
+def _metadata_value(metadata: Any, key: str) -> str | None:
+    value = next((value for name, value in metadata if name == key), None)
+    return None if value is None else str(value)
+
+
 def _unary_response(behavior: Callable[..., Awaitable[Any]], call_for: Callable[[], _Call]):
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
         call = call_for()
         with call.bind():
             try:
+                call.start_span()
                 response = await behavior(request, context)
             except BaseException as exc:  # noqa: BLE001 - mapped to a status, then re-raised
                 await call.failed(exc, context)
@@ -97,6 +127,7 @@ def _stream_response(behavior: Callable[..., Any], call_for: Callable[[], _Call]
         call = call_for()
         with call.bind():
             try:
+                call.start_span()
                 result = behavior(request, context)
                 if hasattr(result, "__aiter__"):
                     async for response in result:
@@ -111,7 +142,14 @@ def _stream_response(behavior: Callable[..., Any], call_for: Callable[[], _Call]
 
 
 class RequestInterceptor(grpc.aio.ServerInterceptor):
-    """Binds request ids, logs every call and maps exceptions to status codes."""
+    """Binds request ids, traces and logs every call and maps exceptions to status codes.
+
+    Args:
+        tracing: where server spans go (`cleave.tracing.setup_tracing`); off by default.
+    """
+
+    def __init__(self, tracing: Tracing = TRACING_OFF) -> None:
+        self.tracing = tracing
 
     async def intercept_service(
         self,
@@ -125,9 +163,11 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         metadata = handler_call_details.invocation_metadata or ()
         request_id = next((value for key, value in metadata if key == REQUEST_ID_KEY), None)
         request_id = str(request_id) if request_id else uuid.uuid4().hex
+        trace_headers = (_metadata_value(metadata, TRACEPARENT), _metadata_value(metadata, TRACESTATE))
+        tracing = self.tracing
 
         def call_for() -> _Call:
-            return _Call(method, request_id)
+            return _Call(method, request_id, trace_headers, tracing)
 
         kwargs = {
             "request_deserializer": handler.request_deserializer,

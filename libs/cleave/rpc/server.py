@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from cleave.config import RpcConfig, ServiceConfig
 from cleave.rpc.client import channel_options
 from cleave.rpc.interceptor import RequestInterceptor
+from cleave.tracing import TRACING_OFF, Tracing
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -123,15 +124,17 @@ async def serve(
     *,
     handle_signals: bool = True,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    tracing: Tracing = TRACING_OFF,
 ) -> Server:
     """Start a gRPC server with health, reflection and the request interceptor.
 
     The server starts NOT_SERVING; call `Server.set_ready()` once the service can take
-    traffic. Port 0 in `address` binds a free port, reported as `Server.port`.
+    traffic. Port 0 in `address` binds a free port, reported as `Server.port`. Every call
+    gets a server span in `tracing` (`cleave.tracing.setup_tracing`).
     """
     host = _split_host(address)
     server = grpc.aio.server(
-        interceptors=[RequestInterceptor(), *interceptors],
+        interceptors=[RequestInterceptor(tracing), *interceptors],
         # Without SO_REUSEPORT off, a second process "binds" a port that is in use and the
         # kernel splits connections between the two.
         options=[*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)],
@@ -183,11 +186,13 @@ async def run_service(
     backend: Lifecycle,
     *,
     on_listening: Callable[[str], None] | None = None,
+    tracing: Tracing = TRACING_OFF,
 ) -> None:
     """A service process's life: listen, write the port file, start the backend, report
     SERVING, serve until SIGTERM/SIGINT, drain, shut the backend down. `on_listening` gets
-    the bound host:port before the backend starts (a decode worker puts it in its handles)."""
-    server = await serve(services, config.listen, config.rpc)
+    the bound host:port before the backend starts (a decode worker puts it in its handles);
+    `tracing` gets a server span per call."""
+    server = await serve(services, config.listen, config.rpc, tracing=tracing)
     if on_listening is not None:
         on_listening(server.address)
     if config.port_file is not None:
