@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -84,6 +83,9 @@ def setup_tracing(config: TracingConfig) -> Tracing:
         return Tracing(config, None)
     provider = TracerProvider(resource=Resource.create({SERVICE_NAME: config.service_name}))
     if config.otlp_endpoint is not None:
+        # Imported only when asked for: the exporter pulls in requests and the OTLP protos.
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
         exporter = OTLPSpanExporter(endpoint=otlp_traces_url(config.otlp_endpoint))
         provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=MAX_QUEUED_SPANS))
     if config.trace_file is not None:

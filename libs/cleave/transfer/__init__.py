@@ -2,13 +2,16 @@
 
 Receiver (decode worker): `KVReceiver(kv_cache)`, `await start()`, `expect(transfer_id,
 block_ids, timeout_s=...)` -> `PendingTransfer` (`.handle` for the sender, `await .wait()`).
-Sender (prefill worker): `KVTransferClient().open(handle)` -> `KVSender` with
-`send_layers(layers, cache, block_ids, ready=...)` / `send_layer` / `send_all` / `finish` /
-`close`. `choose_transport` picks
-CUDA_IPC, NCCL or TCP from the two `EndpointInfo`s (the decode worker's Handshake; the
-prefill side is `cleave.worker.TransportNegotiator`). `KVStoreClient` talks to services/kvstore.
+Sender (prefill worker): `KVTransferClient().open(handle)` -> a `KVSender` (`BaseKVSender`)
+with `send_layers(layers, cache, block_ids, ready=...)` / `send_layer` / `send_all` /
+`finish` / `close`. The two ends of a transfer are `BaseKVSender` / `BaseKVReceiver`
+(`base`), one pair per transport module: `cuda_ipc`, `nccl`, `tcp`, and `memory` (both ends
+in one process, for tests). `choose_transport` picks CUDA_IPC, NCCL or TCP from the two
+`EndpointInfo`s (the decode worker's Handshake; the prefill side is
+`cleave.worker.TransportNegotiator`). `KVStoreClient` talks to services/kvstore.
 """
 
+from cleave.transfer.base import BaseKVReceiver, BaseKVSender
 from cleave.transfer.block_copy import copy_blocks, copy_blocks_reference
 from cleave.transfer.choose import (
     EndpointInfo,
@@ -31,6 +34,8 @@ from cleave.transfer.receiver import KVReceiver, PendingTransfer
 from cleave.transfer.sender import KVSender, KVTransferClient
 
 __all__ = [
+    "BaseKVReceiver",
+    "BaseKVSender",
     "EndpointInfo",
     "IpcCacheMap",
     "IpcTensorHandle",

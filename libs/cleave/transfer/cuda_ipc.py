@@ -1,12 +1,17 @@
-"""CUDA IPC handles of a KV cache as plain bytes, and the sender's mapping of them.
+"""CUDA IPC transport: the sender copies straight into the receiver's cache on the same GPU.
 
 The receiver exports its cache once (`export_tensor(...).to_bytes()` travels in
-`TransferHandle.cuda_ipc_handle`); the sender opens it once per handle (`IpcCacheMap`) and
-copies blocks straight into it (`cleave.transfer.block_copy`). The fields are those torch's
-own `reduce_tensor` produces for a CUDA tensor (`UntypedStorage._share_cuda_()`); we encode
-them ourselves instead of pickling the rebuild call.
+`TransferHandle.cuda_ipc_handle`); the sender opens it once per handle (`IpcCacheMap`).
+`CudaIpcKVSender` copies a run of layers, after the producer's event, on the client's copy
+stream in one fused launch (`cleave.transfer.block_copy`); a `FramePump` writes the chunk
+header (no bytes) once the copy's event completed, merging runs that finished together.
+Nothing waits per layer: `send_layers` returns at once, and only the pump waits on the
+copy's event (not on the device, and not on the receiver). `CudaIpcKVReceiver` has nothing
+to land: the header says which layers are already in the blocks.
 
-Encoding (version 1), all integers little-endian:
+The handle's fields are those torch's own `reduce_tensor` produces for a CUDA tensor
+(`UntypedStorage._share_cuda_()`); we encode them ourselves instead of pickling the rebuild
+call. Encoding (version 1), all integers little-endian:
     b"CLVIPC1\\0"
     str gpu_uuid, u32 device (exporter's index), bytes handle, u64 storage_size_bytes,
     u64 storage_offset_bytes, bytes ref_counter_handle, u64 ref_counter_offset,
@@ -18,11 +23,19 @@ where `bytes`/`str` are u32 length || data.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from cleave.device_copy import tensor_on
 from cleave.errors import FailedPrecondition, InvalidArgument
+from cleave.rpc.types import TransferHandle
+from cleave.transfer.base import BaseKVReceiver, BaseKVSender, Payload
+from cleave.transfer.block_copy import copy_blocks
+from cleave.transfer.connection import BulkConnection
+from cleave.transfer.frame_pump import EventCompletion, FramePump
+from cleave.transfer.streams import Ready, order_after
 from cleave.transfer.tensors import dtype_name, torch_dtype
 
 MAGIC = b"CLVIPC1\0"
@@ -179,3 +192,79 @@ class IpcCacheMap:
 
     def clear(self) -> None:
         self._tensors.clear()
+
+
+class CudaIpcKVSender(BaseKVSender):
+    """Copies runs of layers into the receiver's mapped cache on the copy stream; frames
+    each run once its copy finished.
+
+    Args:
+        caches: the client's opened peer caches (the handle's is opened on first send).
+        copy_stream: the stream copies run on, per device (apart from the engine's).
+    """
+
+    def __init__(self, handle: TransferHandle, connection: BulkConnection, caches: IpcCacheMap,
+                 copy_stream: Callable[[torch.device], torch.cuda.Stream]) -> None:
+        super().__init__(handle, connection)
+        self._connection = connection
+        self._caches = caches
+        self._copy_stream = copy_stream
+        self._pair_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (source, destination)
+        self._pump: FramePump | None = None  # frames, written as copies finish
+        self._num_layers_framed = 0
+
+    @property
+    def num_frames(self) -> int:
+        return self._pump.num_frames if self._pump is not None else 0
+
+    def _pair_index(self, src_ids: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Source and destination block ids as two index tensors staged in one host-to-device
+        copy on the current stream (built once per source-id sequence)."""
+        key = (src_ids, device)
+        pair = self._pair_cache.get(key)
+        if pair is None:
+            both = tensor_on([*src_ids, *self._dst_ids], torch.int64, device)  # [2n]
+            pair = self._pair_cache[key] = (both[: len(src_ids)], both[len(src_ids):])
+        return pair
+
+    async def _send_run(self, layers: range, cache: torch.Tensor, src_ids: tuple[int, ...], ready: Ready,
+                        is_last: bool) -> None:
+        if not cache.is_cuda:
+            raise FailedPrecondition("the CUDA IPC transport needs a CUDA KV cache")
+        dst = self._caches.open(self.handle.cuda_ipc_handle)
+        if dst.shape[0] != cache.shape[0] or dst.shape[3:] != cache.shape[3:] or dst.dtype != cache.dtype:
+            raise FailedPrecondition(
+                f"receiver cache {dst.dtype} {list(dst.shape)} does not match {cache.dtype} {list(cache.shape)}")
+        stream = self._copy_stream(cache.device)
+        order_after(stream, ready, cache.device)
+        with torch.cuda.stream(stream):
+            src_index, dst_index = self._pair_index(src_ids, cache.device)
+            copy_blocks(cache, dst, src_index, dst_index, layers)
+            done = torch.cuda.Event()
+            done.record(stream)
+        if self._pump is None:
+            self._pump = FramePump(self._write_frame)
+        # The receiver reads the blocks once the header arrives: the pump writes it after `done`.
+        self._pump.submit(layers, EventCompletion(done))
+
+    async def _write_frame(self, layers: range) -> None:
+        assert self._cache is not None and self._ledger is not None
+        self._num_layers_framed += len(layers)
+        is_last = self._num_layers_framed == self._ledger.num_layers
+        async with self._connection.lock:
+            await self._connection.write_chunk(self._header(layers, self._cache, 0, is_last))
+
+    async def _flush(self) -> None:
+        if self._pump is not None:
+            await self._pump.flush()
+
+    async def _stop(self) -> None:
+        if self._pump is not None:
+            await self._pump.close()
+
+
+class CudaIpcKVReceiver(BaseKVReceiver):
+    """Nothing to land: the sender wrote the blocks before their header was sent."""
+
+    async def _land(self, layers: range, shape: tuple[int, ...], payload: Payload) -> None:
+        return None

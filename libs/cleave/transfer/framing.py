@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import struct
 
+import grpc
 from google.protobuf.message import DecodeError
 
-from cleave.errors import InvalidArgument
+from cleave.errors import CleaveError, InvalidArgument
 from cleave.proto.cleave.v1 import common_pb2
+from cleave.rpc.errors import error_code_for
 
 MAX_FRAME_BYTES = 1 << 20  # headers hold block ids: 1 MiB is >200k blocks
 READ_SLICE_BYTES = 4 << 20
@@ -30,6 +32,15 @@ def encode_frame(message) -> bytes:
     if len(body) > MAX_FRAME_BYTES:
         raise InvalidArgument(f"frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
     return _LENGTH.pack(len(body)) + body
+
+
+def verdict(transfer_id: str, error: CleaveError | None) -> common_pb2.ErrorDetail:
+    """The result frame of a transfer: code UNSPECIFIED on success, else the error's code."""
+    reply = common_pb2.ErrorDetail(request_id=transfer_id)
+    if error is not None:
+        reply.code = error_code_for(getattr(grpc.StatusCode, error.status_code, grpc.StatusCode.UNKNOWN))
+        reply.message = str(error)
+    return reply
 
 
 async def _read_message(reader: asyncio.StreamReader, message_type):

@@ -1,13 +1,14 @@
-"""Receiving end of KV transfers: a bulk endpoint (asyncio TCP server) over the receiver's cache.
+"""Receiving side of a worker: `KVReceiver`, a bulk endpoint (asyncio TCP server) over its cache.
 
 The decode worker builds one `KVReceiver` over its KV cache, registers every admitted
 request with `expect()` (the reserved block ids, a deadline) and hands the returned
-`PendingTransfer.handle` to the sender. Chunks arrive per layer or per run of layers
-(`KVChunkHeader.num_layers`; framing in `cleave.transfer.framing`):
-  - TCP: the chunk's bytes follow its header and are scattered into the reserved blocks;
-  - CUDA_IPC: the sender already wrote the blocks through the exported cache handle, the
-    header only says which layers landed;
-  - NCCL: the header announces the chunk, its bytes arrive over the peer's communicator.
+`PendingTransfer.handle` to the sender. Each expected transfer gets a receiving end of its
+transport (`cleave.transfer.base.BaseKVReceiver`): `TcpKVReceiver` (the chunk's bytes follow
+its header and are scattered into the reserved blocks), `CudaIpcKVReceiver` (the sender
+already wrote the blocks through the exported cache handle; the header only says which layers
+landed) or `NcclKVReceiver` (the header announces the chunk, its bytes arrive over the peer's
+communicator). Chunks arrive per layer or per run of layers (`KVChunkHeader.num_layers`;
+framing in `cleave.transfer.framing`); this endpoint only routes each header to its end.
 Registering a transfer touches no device (the block index is built on first use, by the
 transports that scatter), so Admit never waits for the decode engine's step.
 A transfer completes once every layer arrived; then the sender gets a result frame and
@@ -21,74 +22,43 @@ import asyncio
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-import grpc
 import torch
 
-from cleave.errors import CleaveError, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from cleave.errors import CleaveError, FailedPrecondition, InvalidArgument, NotFound
 from cleave.proto.cleave.v1 import common_pb2
-from cleave.rpc.convert import dtype_to_proto
-from cleave.rpc.errors import error_code_for
 from cleave.rpc.types import KVLayout, TransferHandle, TransferStats, TransportKind
 from cleave.transfer import framing
-from cleave.transfer.layer_frames import LayerLedger, header_layers
+from cleave.transfer.base import BaseKVReceiver
+from cleave.transfer.cuda_ipc import CudaIpcKVReceiver, export_tensor
 from cleave.transfer.layout import check_layout
-from cleave.transfer.tensors import (
-    as_bytes,
-    device_index,
-    check_kv_cache,
-    dtype_name,
-    from_bytes,
-    layer_chunk_shape,
-    scatter_layer,
-)
-
-if TYPE_CHECKING:
-    from cleave.transfer.nccl import NcclCommunicator
-
-
-@dataclass
-class _Transfer:
-    """Receiver-side state of one expected transfer."""
-
-    transfer_id: str
-    block_ids: tuple[int, ...]  # destination blocks that receive data (cached ones skipped)
-    transport: TransportKind
-    nccl: NcclCommunicator | None
-    future: asyncio.Future
-    started: float
-    layers: LayerLedger
-    index: torch.Tensor | None = None  # [n] int64 on the cache device, built on first scatter
-    num_bytes: int = 0
-    writers: list[asyncio.StreamWriter] = field(default_factory=list)
-    timer: asyncio.TimerHandle | None = None
+from cleave.transfer.nccl import NcclCommunicator, NcclKVReceiver
+from cleave.transfer.tcp import TcpKVReceiver
+from cleave.transfer.tensors import check_kv_cache
 
 
 class PendingTransfer:
     """A registered transfer: its handle for the sender, and completion for the receiver."""
 
-    def __init__(self, receiver: KVReceiver, state: _Transfer, handle: TransferHandle) -> None:
-        self._receiver = receiver
-        self._state = state
+    def __init__(self, end: BaseKVReceiver, handle: TransferHandle) -> None:
+        self._end = end
         self.handle = handle
 
     @property
     def transfer_id(self) -> str:
-        return self._state.transfer_id
+        return self._end.transfer_id
 
     @property
     def done(self) -> bool:
-        return self._state.future.done()
+        return self._end.is_settled
 
     async def wait(self) -> TransferStats:
         """Stats once every layer arrived; raises DeadlineExceeded (or the chunk's error)."""
-        return await asyncio.shield(self._state.future)
+        return await asyncio.shield(self._end.future)
 
     def cancel(self, reason: str = "cancelled by the receiver") -> None:
         """Drop the registration; later chunks are rejected."""
-        self._receiver._fail(self._state, NotFound(reason))
+        self._end.fail(NotFound(reason))
 
 
 class KVReceiver:
@@ -113,7 +83,7 @@ class KVReceiver:
         self.layout = layout
         self._host, self._port = host, port
         self._advertise_host = advertise_host or (socket.gethostname() if host in ("0.0.0.0", "::") else host)
-        self._transfers: dict[str, _Transfer] = {}
+        self._transfers: dict[str, BaseKVReceiver] = {}
         self._server: asyncio.base_events.Server | None = None
         self._connections: dict[asyncio.Task, asyncio.StreamWriter] = {}
         self._ipc_handle: bytes | None = None
@@ -135,8 +105,8 @@ class KVReceiver:
 
     async def close(self) -> None:
         """Stop listening, fail every pending transfer, close connections."""
-        for state in list(self._transfers.values()):
-            self._fail(state, FailedPrecondition("the receiver is shutting down"))
+        for end in list(self._transfers.values()):
+            end.fail(FailedPrecondition("the receiver is shutting down"))
         if self._server is not None:
             self._server.close()  # stop accepting
         # Closing the sockets ends each connection's read loop (cancelling its task instead
@@ -152,8 +122,6 @@ class KVReceiver:
     def export_cuda_ipc(self) -> bytes:
         """This cache's CUDA IPC handle (exported once), for TransferHandle.cuda_ipc_handle."""
         if self._ipc_handle is None:
-            from cleave.transfer.cuda_ipc import export_tensor
-
             self._ipc_handle = export_tensor(self.kv_cache).to_bytes()
         return self._ipc_handle
 
@@ -187,22 +155,7 @@ class KVReceiver:
                 raise InvalidArgument(f"block id {block_id} outside [0, {num_blocks})", field=f"block_ids[{position}]")
         if transport is TransportKind.NCCL and nccl is None:
             raise InvalidArgument("NCCL transfers need the peer's communicator", field="nccl")
-        loop = asyncio.get_running_loop()
-        moved = tuple(block_ids[num_cached_blocks:])
-        state = _Transfer(
-            transfer_id=transfer_id,
-            block_ids=moved,
-            transport=transport,
-            nccl=nccl,
-            future=loop.create_future(),
-            started=time.perf_counter(),
-            layers=LayerLedger(self.num_layers),
-        )
-        state.future.add_done_callback(lambda f: f.exception() if not f.cancelled() else None)
-        delays = [t for t in (timeout_s, None if deadline_unix_s is None else deadline_unix_s - time.time()) if t is not None]
-        if delays:
-            state.timer = loop.call_later(max(0.0, min(delays)), self._expire, state)
-        self._transfers[transfer_id] = state
+        end = self._receiving_end(transport, transfer_id, block_ids[num_cached_blocks:], nccl)
         handle = TransferHandle(
             transport=transport,
             address=self.address,
@@ -218,36 +171,25 @@ class KVReceiver:
             worker_id=worker_id,
             control_address=control_address,
         )
-        return PendingTransfer(self, state, handle)
+        delays = [t for t in (timeout_s, None if deadline_unix_s is None else deadline_unix_s - time.time()) if t is not None]
+        if delays:
+            end.expire_after(min(delays))
+        self._transfers[transfer_id] = end
+        return PendingTransfer(end, handle)
 
-    # -- completion -------------------------------------------------------------------------
+    def _receiving_end(self, transport: TransportKind, transfer_id: str, block_ids: Sequence[int],
+                       nccl: NcclCommunicator | None) -> BaseKVReceiver:
+        """The receiving end of one transfer over `transport`."""
+        if transport is TransportKind.NCCL:
+            return NcclKVReceiver(self.kv_cache, transfer_id, block_ids, comm=nccl, transport=transport,
+                                  on_settled=self._forget)
+        end_type = CudaIpcKVReceiver if transport is TransportKind.CUDA_IPC else TcpKVReceiver
+        return end_type(self.kv_cache, transfer_id, block_ids, transport=transport, on_settled=self._forget)
 
-    def _expire(self, state: _Transfer) -> None:
-        missing = state.layers.num_missing
-        self._fail(state, DeadlineExceeded(
-            f"transfer {state.transfer_id!r} did not complete in time ({missing} of "
-            f"{self.num_layers} layers missing); its blocks must be freed"))
-
-    def _finish(self, state: _Transfer, error: CleaveError | None) -> None:
-        if self._transfers.get(state.transfer_id) is state:
-            del self._transfers[state.transfer_id]
-        if state.timer is not None:
-            state.timer.cancel()
-        if state.future.done():
-            return
-        if error is None:
-            state.future.set_result(TransferStats(
-                transport=state.transport, num_bytes=state.num_bytes,
-                seconds=time.perf_counter() - state.started, num_blocks=len(state.block_ids)))
-        else:
-            state.future.set_exception(error)
-        frame = framing.encode_frame(_reply(state.transfer_id, error))
-        for writer in state.writers:
-            if not writer.is_closing():
-                writer.write(frame)
-
-    def _fail(self, state: _Transfer, error: CleaveError) -> None:
-        self._finish(state, error)
+    def _forget(self, end: BaseKVReceiver) -> None:
+        """Drop a settled transfer: later chunks for its id are refused as unknown."""
+        if self._transfers.get(end.transfer_id) is end:
+            del self._transfers[end.transfer_id]
 
     # -- connections ------------------------------------------------------------------------
 
@@ -265,22 +207,21 @@ class KVReceiver:
                         code=common_pb2.ERROR_CODE_INVALID_ARGUMENT, message=str(error))))
                     await writer.drain()
                     return
-                state = self._transfers.get(header.transfer_id)
+                end = self._transfers.get(header.transfer_id)
                 try:
-                    if state is None:
+                    if end is None:
                         raise NotFound(
                             f"unknown transfer id {header.transfer_id!r} "
                             "(expired, finished or never registered)")
-                    if writer not in state.writers:
-                        state.writers.append(writer)
-                    await self._receive_chunk(state, header, reader)
+                    if writer not in end.writers:
+                        end.writers.append(writer)
+                    await end.accept(header, reader)
                 except CleaveError as error:
-                    # Refuse this transfer, skip its chunk's bytes and keep serving the
-                    # other transfers that share the connection.
-                    if state is not None:
-                        self._fail(state, error)
-                    else:
-                        writer.write(framing.encode_frame(_reply(header.transfer_id, error)))
+                    # The end failed its transfer (and told the sender); an unknown id is
+                    # answered here. Skip the chunk's bytes and keep serving the other
+                    # transfers that share the connection.
+                    if end is None:
+                        writer.write(framing.encode_frame(framing.verdict(header.transfer_id, error)))
                     await framing.skip_payload(reader, header.byte_length)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -288,88 +229,3 @@ class KVReceiver:
         finally:
             self._connections.pop(task, None)
             writer.close()
-
-    def _check_chunk(self, state: _Transfer, header: common_pb2.KVChunkHeader) -> tuple[range, tuple[int, ...]]:
-        cache = self.kv_cache
-        layers = header_layers(header)
-        state.layers.check(layers, field="layer_index")
-        first_chunk = state.layers.num_done == 0  # it must name the block ids; later ones may not
-        if (header.block_ids or first_chunk) and tuple(header.block_ids) != state.block_ids:
-            raise InvalidArgument("block ids differ from the reserved ones", field="block_ids")
-        if header.dtype != dtype_to_proto(dtype_name(cache.dtype)):
-            raise InvalidArgument(
-                f"dtype {common_pb2.DType.Name(header.dtype)} differs from the cache's {dtype_name(cache.dtype)}",
-                field="dtype")
-        shape = layer_chunk_shape(cache, len(state.block_ids), len(layers))
-        if tuple(header.shape) != shape:
-            raise InvalidArgument(f"shape {list(header.shape)} differs from the expected {list(shape)}", field="shape")
-        inline = state.transport is TransportKind.TCP
-        expected_bytes = cache.element_size() * torch.Size(shape).numel() if inline else 0
-        if header.byte_length != expected_bytes:
-            raise InvalidArgument(f"byte_length {header.byte_length} != {expected_bytes}", field="byte_length")
-        if header.is_last and not state.layers.completes(layers):
-            raise InvalidArgument("is_last set before every layer was sent", field="is_last")
-        return layers, shape
-
-    def _index(self, state: _Transfer) -> torch.Tensor:
-        if state.index is None:  # on the stream the scatter runs on (the caller's current one)
-            state.index = device_index(state.block_ids, self.kv_cache.device)
-        return state.index
-
-    async def _receive_chunk(
-        self, state: _Transfer, header: common_pb2.KVChunkHeader, reader: asyncio.StreamReader
-    ) -> None:
-        layers, shape = self._check_chunk(state, header)
-        cache = self.kv_cache
-        chunk_bytes = cache.element_size() * torch.Size(shape).numel()
-        if state.transport is TransportKind.TCP:
-            staging = torch.empty(header.byte_length, dtype=torch.uint8, pin_memory=cache.is_cuda)
-            await framing.read_payload(reader, as_bytes(staging))
-            chunk = from_bytes(staging, cache.dtype, shape)  # [2, n, BS, Hkv, D] or [k, 2, n, BS, Hkv, D]
-            await _on_device(cache, lambda: _scatter(cache, layers, self._index(state), chunk.to(
-                cache.device, non_blocking=True)))
-        elif state.transport is TransportKind.NCCL:
-            assert state.nccl is not None
-            comm = state.nccl
-
-            def receive() -> None:
-                buffer = torch.empty(shape, dtype=cache.dtype, device=cache.device)
-                comm.recv(buffer, peer=0)
-                _scatter(cache, layers, self._index(state), buffer)
-
-            await _on_device(cache, receive, stream=comm.stream)
-        state.layers.add(layers, field="layer_index")
-        state.num_bytes += chunk_bytes
-        if state.layers.is_complete:
-            self._finish(state, None)
-
-
-def _scatter(cache: torch.Tensor, layers: range, index: torch.Tensor, chunk: torch.Tensor) -> None:
-    """chunk: [2, n, BS, Hkv, D] for one layer, [len(layers), 2, n, BS, Hkv, D] for a run."""
-    if len(layers) == 1:
-        scatter_layer(cache, layers.start, index, chunk)
-        return
-    for position, layer in enumerate(layers):
-        scatter_layer(cache, layer, index, chunk[position])
-
-
-def _reply(transfer_id: str, error: CleaveError | None) -> common_pb2.ErrorDetail:
-    """The result frame of a transfer: code UNSPECIFIED on success."""
-    reply = common_pb2.ErrorDetail(request_id=transfer_id)
-    if error is not None:
-        reply.code = error_code_for(getattr(grpc.StatusCode, error.status_code, grpc.StatusCode.UNKNOWN))
-        reply.message = str(error)
-    return reply
-
-
-async def _on_device(cache: torch.Tensor, work, stream=None) -> None:
-    """Run `work` (enqueues device work); on CUDA wait for it off the event loop."""
-    if not cache.is_cuda:
-        work()
-        return
-    stream = stream or torch.cuda.current_stream(cache.device)
-    with torch.cuda.stream(stream):
-        work()
-        event = torch.cuda.Event()
-        event.record(stream)
-    await asyncio.to_thread(event.synchronize)

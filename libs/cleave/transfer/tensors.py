@@ -81,6 +81,19 @@ def scatter_layer(cache: torch.Tensor, layer: int, index: torch.Tensor, chunk: t
     cache[layer].index_copy_(1, index, chunk)
 
 
+def scatter_layers(cache: torch.Tensor, layers: range, index: torch.Tensor, chunk: torch.Tensor) -> None:
+    """Write a gathered chunk of one layer or a run of layers into blocks `index`, in place.
+
+    cache: [L, 2, NB, BS, Hkv, D]; index: [n];
+    chunk: [2, n, BS, Hkv, D] for one layer, [len(layers), 2, n, BS, Hkv, D] for a run
+    """
+    if len(layers) == 1:
+        scatter_layer(cache, layers.start, index, chunk)
+        return
+    for position, layer in enumerate(layers):
+        scatter_layer(cache, layer, index, chunk[position])
+
+
 def as_bytes(tensor: torch.Tensor) -> memoryview:
     """Zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
