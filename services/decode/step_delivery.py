@@ -88,6 +88,9 @@ class StepDeliveryMixin:
                 continue
             deltas = self._builder.build(output, request.leading_logprobs)
             request.leading_logprobs = ()
+            if request.trace_start is not None:
+                request.trace_start.record(request.request_id)
+                request.trace_start = None
             if request.delivered_first:
                 deltas = without_delivered_first(deltas, request.delivered_first)
             if output.finished:

@@ -47,6 +47,7 @@ from cleave.engine.llm_engine import LLMEngine
 from cleave.engine.outputs import RequestOutput
 from cleave.errors import CleaveError, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from cleave.rpc.types import KVLayout, TopLogprobs, TransferHandle, TransferStats, WorkerLoad
+from cleave.tracing import span
 from cleave.transfer import KVStoreClient, KVTransferClient, local_endpoint
 from cleave.transfer.layout import require_same_layout
 from cleave.worker import TransportNegotiator, device_nccl, kv_layout_of, load_engine, top_logprobs_from_engine
@@ -192,11 +193,13 @@ class EnginePrefillBackend:
                 table = await async_engine.call(lambda e: e.handoff.export(request_id))
             destination = spec.destination
             if handoff is not None:
-                destination = await handoff.reserved()
+                with span("prefill.admit_wait"):  # only what the forward did not hide
+                    destination = await handoff.reserved()
                 self._check_destination(destination, len(prompt))
             transfer = None
             if destination is not None:
-                transfer = await self._send(destination, table)
+                with span("prefill.kv_send", num_blocks=len(table)):
+                    transfer = await self._send(destination, table)
             if handoff is not None:
                 handoff.start(first_tokens, first_logprobs)
             if spec.store_to_kvstore and self.kvstore is not None:
