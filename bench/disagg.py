@@ -89,7 +89,7 @@ def run_mode(mode: str, model_dir: Path, args: argparse.Namespace, workdir: Path
         worker_args.append("--enforce-eager")
     spec = StackSpec(model=model_dir, mode=mode, grpc_port=0, http_port=0 if args.api == "http" else None,
                      device=args.device, num_kv_blocks=args.num_kv_blocks, log_level="WARNING",
-                     worker_args=tuple(worker_args), gateway_args=tuple(args.gateway_arg),
+                     worker_args=tuple(worker_args), gateway_args=tuple(args.gateway_arg), num_gateways=args.gateways,
                      store_to_kvstore=args.store_to_kvstore, trace_dir=workdir / mode / "traces" if args.trace else None)
     stack = ProcessStack(spec, workdir / mode)
     stack.start(timeout_s=args.start_timeout_s)
@@ -182,6 +182,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="per worker (default: every user's request plus 4 long prompts, with room to spare)")
     parser.add_argument("--block-size", type=int, default=16, help="only used to size the default KV cache")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--gateways", type=int, default=1, help="gateway processes sharing one port")
     parser.add_argument("--gateway-arg", action="append", default=[],
                         help="extra gateway flag, repeatable (e.g. --gateway-arg=--local-prefill-max-tokens=2048)")
     parser.add_argument("--reasoning-mode", choices=sorted(REASONING_MODES), default="inline",
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             "preset", "api", "client_procs", "num_users", "duration_s", "requests_per_user", "prompt_len",
             "prompt_words", "output_len", "long_prompt_len", "long_output_len", "long_first_s", "long_interval_s",
             "long_arrival", "slo_ttft_ms", "slo_tpot_ms", "max_num_batched_tokens", "max_context_length",
-            "num_kv_blocks", "reasoning_mode")}
+            "num_kv_blocks", "reasoning_mode", "gateways", "gateway_arg")}
         default_model = "shipped reasoner" if args.device == "cpu" else "Llama-3.2-1B-shaped bf16"
         summary["model"] = str(args.model or default_model)
         name = "disagg-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,6 +33,10 @@ class RpcConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_seconds: float = 10.0  # in-flight calls get this long to finish on SIGTERM
     reflection: bool = True
+    # Bind with SO_REUSEPORT, so replicas of a stateless service (gateways) share one port
+    # and the kernel spreads connections over them. Off by default: then a second process
+    # on a port in use fails at start instead of silently taking half its connections.
+    share_port: bool = False
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,7 @@ class GatewayConfig:
     decode_addresses: tuple[str, ...]
     gateway_id: str
     store_to_kvstore: bool = True  # prefill workers put new prompt blocks into the kvstore
+    share_port: bool = False  # gRPC and HTTP ports shared with other gateway replicas (SO_REUSEPORT)
     local_prefill_max_tokens: int = 1024  # conditional mode: longer uncached prompts prefill remotely
     remote_prefill_max_queue_tokens: int = 65536  # conditional mode: ... unless the prefill queue is longer
 
@@ -236,14 +241,19 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
               "prefills itself; longer prompts go to a prefill worker", type=int)
     flags.add("--remote-prefill-max-queue-tokens", 65536, "conditional mode: prefill locally when every "
               "prefill worker has more prompt tokens queued than this", type=int)
+    flags.add("--share-port", False, "share the gRPC and HTTP ports with other gateway replicas (SO_REUSEPORT: "
+              "each replica has its own --gateway-id; the kernel spreads connections over them)",
+              action=argparse.BooleanOptionalAction)
     flags.add("--prefill", (), "prefill worker address", action="append")
     flags.add("--decode", (), "decode worker address", action="append")
     flags.add("--gateway-id", "gateway-0", "stable id of this gateway on decode workers")
     flags.add("--store-to-kvstore", True, "prefill workers put new prompt blocks into the kvstore in the background",
               action=argparse.BooleanOptionalAction)
     args = flags.parse(argv)
+    service = _service("gateway", args)
     return GatewayConfig(
-        service=_service("gateway", args),
+        service=replace(service, rpc=replace(service.rpc, share_port=args.share_port)),
+        share_port=args.share_port,
         model=_model(args),
         http_listen=args.http_listen or None,
         mode=args.mode,

@@ -33,16 +33,19 @@ class GatewayProcess:
     """The routing backend plus the HTTP server: started before the gRPC server reports
     SERVING, stopped after it drained."""
 
-    def __init__(self, backend: RoutingBackend, api: OpenAIApi | None, http_listen: str | None) -> None:
+    def __init__(
+        self, backend: RoutingBackend, api: OpenAIApi | None, http_listen: str | None, share_port: bool = False
+    ) -> None:
         self.backend = backend
         self.api = api
         self.http_listen = http_listen
+        self.share_port = share_port
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
         await self.backend.start()
         if self.api is not None and self.http_listen:
-            self._runner = await start_http(self.api, self.http_listen)
+            self._runner = await start_http(self.api, self.http_listen, self.share_port)
             log.info("openai http api listening", port=bound_port(self._runner))
 
     async def shutdown(self) -> None:
@@ -67,7 +70,7 @@ def build(config: GatewayConfig, tracing: Tracing = TRACING_OFF) -> tuple[Gatewa
     servicer = GatewayServicer(backend, [served])
     token_text = lambda token_id: model.tokenizer.decode([token_id])  # noqa: E731
     api = OpenAIApi(backend, [served], token_text, tracing=tracing) if config.http_listen else None
-    return servicer, GatewayProcess(backend, api, config.http_listen)
+    return servicer, GatewayProcess(backend, api, config.http_listen, config.share_port)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -287,12 +287,13 @@ class _Shaper:
         return event
 
 
-async def start_http(api: OpenAIApi, address: str) -> web.AppRunner:
-    """Serve the API on host:port in the running event loop (port 0: any free port)."""
+async def start_http(api: OpenAIApi, address: str, share_port: bool = False) -> web.AppRunner:
+    """Serve the API on host:port in the running event loop (port 0: any free port;
+    `share_port`: SO_REUSEPORT, for gateway replicas on one port)."""
     host, _, port = address.rpartition(":")
     runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host or "0.0.0.0", int(port))
+    site = web.TCPSite(runner, host or "0.0.0.0", int(port), reuse_port=share_port or None)
     await site.start()
     return runner
 

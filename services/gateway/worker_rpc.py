@@ -13,26 +13,11 @@ from typing import TypeVar
 
 import grpc
 
-from cleave.errors import (
-    CleaveError,
-    DeadlineExceeded,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-    Unavailable,
-)
-from cleave.rpc.errors import error_detail
+from cleave.errors import DeadlineExceeded, Unavailable
+from cleave.rpc.errors import error_detail, error_type_for
 from services.gateway.workers import WorkerHandle, WorkerPool
 
 T = TypeVar("T")
-_ERRORS: dict[grpc.StatusCode, type[CleaveError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-}
 
 
 async def call_worker(pool: WorkerPool, call: Awaitable[T], worker: WorkerHandle, method: str) -> T:
@@ -41,7 +26,7 @@ async def call_worker(pool: WorkerPool, call: Awaitable[T], worker: WorkerHandle
         return await call
     except grpc.aio.AioRpcError as error:
         where = f"{method} on {worker.role} worker {worker.address}"
-        error_type = _ERRORS.get(error.code())
+        error_type = error_type_for(error.code())
         if error_type is not None:
             raise error_type(f"{where}: {error.details()}") from None
         if error.code() is grpc.StatusCode.UNAVAILABLE and not _behind(error):

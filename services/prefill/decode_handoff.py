@@ -26,30 +26,16 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 import structlog
 
-from cleave.errors import (
-    CleaveError,
-    DeadlineExceeded,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-    Unavailable,
-)
+from cleave.errors import CleaveError, Unavailable
 from cleave.proto.cleave.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from cleave.rpc.client import aio_channel
 from cleave.rpc.convert import reasoning_to_proto, sampling_to_proto, top_logprobs_to_proto, transfer_handle_from_proto
+from cleave.rpc.errors import error_type_for
 from cleave.rpc.types import TopLogprobs, TransferHandle
 from services.prefill.backend import PrefillSpec
 
 log = structlog.get_logger("cleave.prefill")
 CONTROL_TIMEOUT_S = 30.0  # Admit, Start and Abort on the decode worker
-_ERRORS: dict[grpc.StatusCode, type[CleaveError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-}
 Spawn = Callable[[Awaitable[object]], None]
 
 
@@ -75,7 +61,7 @@ class DecodeLinks:
 def decode_error(error: grpc.aio.AioRpcError, method: str, address: str) -> CleaveError:
     """A decode worker's failed call as the error this prefill call ends with."""
     where = f"{method} on decode worker {address}"
-    error_type = _ERRORS.get(error.code())
+    error_type = error_type_for(error.code())
     if error_type is not None:
         return error_type(f"{where}: {error.details()}")
     return Unavailable(f"{where} failed ({error.code().name}: {error.details()}); retry", field="decode")

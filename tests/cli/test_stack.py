@@ -102,3 +102,22 @@ def test_cleave_up_flags(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["up", *bad])
     assert "PREFILL:DECODE" in capsys.readouterr().err
+
+
+def test_gateway_replicas_share_the_first_ones_port_under_their_own_ids(started):
+    commands = started(StackSpec(model=Path("/m"), num_gateways=3, grpc_port=0, http_port=8123))
+    gateways = [name for name in commands if name.startswith("gateway")]
+    assert gateways == ["gateway", "gateway-1", "gateway-2"]
+    first_port = _flag(commands["gateway"], "--listen").rpartition(":")[2]
+    assert first_port == "0"
+    for index, name in enumerate(gateways):
+        assert "--share-port" in commands[name]
+        assert _flag(commands[name], "--gateway-id") == f"gateway-{index}"
+        assert _flag(commands[name], "--http-listen") == "127.0.0.1:8123"
+    # replicas bind the port the first gateway reported
+    assert {_flag(commands[name], "--listen") for name in gateways[1:]} == {"127.0.0.1:50004"}  # the fake health wait numbers ports by child count
+
+
+def test_one_gateway_does_not_share_its_port(started):
+    commands = started(StackSpec(model=Path("/m")))
+    assert "--share-port" not in commands["gateway"] and "--gateway-id" not in commands["gateway"]

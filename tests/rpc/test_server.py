@@ -123,6 +123,22 @@ async def test_binding_a_used_port_fails_with_a_clear_error():
     await server.drain(0)
 
 
+async def test_replicas_that_share_the_port_both_bind_it():
+    first = await start(SlowAbortServicer(0), config=RpcConfig(share_port=True))
+    registration = ServiceRegistration(
+        GATEWAY, SlowAbortServicer(0), gateway_pb2_grpc.add_GatewayServicer_to_server
+    )
+    second = await serve([registration], f"127.0.0.1:{first.port}", RpcConfig(share_port=True), handle_signals=False)
+    try:
+        assert second.port == first.port
+        await first.drain(0)  # the port keeps answering through the second replica
+        async with aio_channel(f"127.0.0.1:{first.port}") as channel:
+            response = await gateway_pb2_grpc.GatewayStub(channel).Abort(common_pb2.AbortRequest(request_id="known"))
+        assert response.found
+    finally:
+        await second.drain(0)
+
+
 async def test_bad_listen_address_is_rejected():
     with pytest.raises(ValueError, match="host:port"):
         await serve([], "no-port-here", handle_signals=False)

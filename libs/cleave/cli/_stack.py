@@ -43,6 +43,7 @@ class StackSpec:
     log_level: str = "INFO"
     worker_args: tuple[str, ...] = ()  # extra flags for prefill and decode workers
     gateway_args: tuple[str, ...] = ()  # extra flags for the gateway
+    num_gateways: int = 1  # gateway replicas sharing the gRPC and HTTP ports (SO_REUSEPORT)
     store_to_kvstore: bool = True  # prefill workers put new prompt blocks into the kvstore
     trace_dir: Path | None = None  # each child writes its spans to <trace_dir>/<name>.jsonl
     # GPU workers on one device split this share of its memory by role weight (_memory_split)
@@ -166,15 +167,18 @@ class ProcessStack:
             args += ["--gpu-memory-utilization", f"{share:g}"]
         return args + list(spec.worker_args)
 
-    def _gateway_args(self, workers: list[Child]) -> list[str]:
+    def _gateway_args(self, workers: list[Child], index: int = 0, port: int | str | None = None) -> list[str]:
         spec = self.spec
-        args = ["--listen", f"{spec.host}:{spec.grpc_port}", "--model", str(spec.model), "--mode", spec.mode,
+        port = spec.grpc_port if port is None else port
+        args = ["--listen", f"{spec.host}:{port}", "--model", str(spec.model), "--mode", spec.mode,
                 "--http-listen", f"{spec.host}:{self.http_port}" if self.http_port is not None else "",
                 "--grace-seconds", "5", "--store-to-kvstore" if spec.store_to_kvstore else "--no-store-to-kvstore"]
         if spec.served_model_name:
             args += ["--served-model-name", spec.served_model_name]
         for worker in workers:
             args += ["--prefill" if worker.name.startswith("prefill") else "--decode", worker.address]
+        if spec.num_gateways > 1:
+            args += ["--share-port", "--gateway-id", f"gateway-{index}"]
         return args + list(spec.gateway_args)
 
     def start(self, timeout_s: float = 120.0) -> None:
@@ -193,6 +197,12 @@ class ProcessStack:
                 self.http_port = spec.http_port or free_port(spec.host)
             gateway = self._spawn("gateway", "services.gateway", self._gateway_args(workers))
             self._wait_healthy([gateway], timeout_s)
+            # Replicas bind the first one's port; each attaches to the decode workers under
+            # its own gateway id, and the kernel spreads client connections over them.
+            replicas = [self._spawn(f"gateway-{index}", "services.gateway",
+                                    self._gateway_args(workers, index, gateway.address.rpartition(":")[2]))
+                        for index in range(1, spec.num_gateways)]
+            self._wait_healthy(replicas, timeout_s)
         except BaseException:
             self.stop()
             raise

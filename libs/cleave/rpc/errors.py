@@ -12,10 +12,24 @@ from dataclasses import dataclass
 
 import grpc
 
-from cleave.errors import CleaveError
+from cleave.errors import (
+    CleaveError,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from cleave.proto.cleave.v1 import common_pb2
 
 ERROR_DETAIL_KEY = "cleave-error-bin"
+_ERRORS_BY_CODE: dict[grpc.StatusCode, type[CleaveError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+}
 _BUILTIN_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (NotImplementedError, grpc.StatusCode.UNIMPLEMENTED),
     (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
@@ -60,6 +74,12 @@ def error_code_for(code: grpc.StatusCode) -> int:
     if name in common_pb2.ErrorCode.keys():
         return common_pb2.ErrorCode.Value(name)
     return common_pb2.ERROR_CODE_INTERNAL
+
+
+def error_type_for(code: grpc.StatusCode) -> type[CleaveError] | None:
+    """The domain error a peer's status code maps back to (client side), or None for codes
+    that say the peer itself failed (UNAVAILABLE, INTERNAL, ...)."""
+    return _ERRORS_BY_CODE.get(code)
 
 
 def error_detail(error: grpc.RpcError) -> common_pb2.ErrorDetail | None:

@@ -135,9 +135,9 @@ async def serve(
     host = _split_host(address)
     server = grpc.aio.server(
         interceptors=[RequestInterceptor(tracing), *interceptors],
-        # Without SO_REUSEPORT off, a second process "binds" a port that is in use and the
-        # kernel splits connections between the two.
-        options=[*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)],
+        # With SO_REUSEPORT a second process "binds" a port that is in use and the kernel
+        # splits connections between the two: only replicas that mean to share ask for it.
+        options=[*channel_options(config.max_message_bytes), ("grpc.so_reuseport", int(config.share_port))],
     )
     names = [service.name for service in services]
     for service in services:
