@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import itertools
 import json
 import os
 import sys
@@ -53,7 +54,7 @@ from serve_load import (  # noqa: E402
     FIRST_TOKEN_ID, Slo, Workload, max_chat_tokens, run_load, summarize, warm_up,
 )
 
-COLUMNS = ["mode", "api", "transport", "kvstore_puts", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms",
+COLUMNS = ["mode", "gateways", "api", "transport", "kvstore_puts", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms",
            "tpot_p50_ms", "tpot_p90_ms", "itl_p99_ms", "long_prompts", "long_ttft_p50_ms", "output_tok_s",
            "goodput_rps", "slo_pct", "wall_s"]
 MODES = ("disaggregated", "colocated", "conditional")
@@ -80,7 +81,8 @@ async def negotiated_transport(decode_address: str, prefill_worker_id: str) -> s
     return c.TransportKind.Name(admitted.handle.transport).removeprefix("TRANSPORT_KIND_").lower()
 
 
-def run_mode(mode: str, model_dir: Path, args: argparse.Namespace, workdir: Path, vocab: int) -> dict:
+def run_mode(mode: str, num_gateways: int, model_dir: Path, args: argparse.Namespace, workdir: Path,
+             vocab: int) -> dict:
     from cleave.cli._stack import ProcessStack, StackSpec
 
     worker_args = ["--max-num-batched-tokens", str(args.max_num_batched_tokens),
@@ -89,9 +91,9 @@ def run_mode(mode: str, model_dir: Path, args: argparse.Namespace, workdir: Path
         worker_args.append("--enforce-eager")
     spec = StackSpec(model=model_dir, mode=mode, grpc_port=0, http_port=0 if args.api == "http" else None,
                      device=args.device, num_kv_blocks=args.num_kv_blocks, log_level="WARNING",
-                     worker_args=tuple(worker_args), gateway_args=tuple(args.gateway_arg), num_gateways=args.gateways,
-                     store_to_kvstore=args.store_to_kvstore, trace_dir=workdir / mode / "traces" if args.trace else None)
-    stack = ProcessStack(spec, workdir / mode)
+                     worker_args=tuple(worker_args), gateway_args=tuple(args.gateway_arg), num_gateways=num_gateways,
+                     store_to_kvstore=args.store_to_kvstore, trace_dir=workdir / f"{mode}-{num_gateways}" / "traces" if args.trace else None)
+    stack = ProcessStack(spec, workdir / f"{mode}-{num_gateways}")
     stack.start(timeout_s=args.start_timeout_s)
     try:
         load = workload(args, stack.gateway_address, stack.http_url, vocab)
@@ -103,7 +105,7 @@ def run_mode(mode: str, model_dir: Path, args: argparse.Namespace, workdir: Path
         timings, wall_s = run_load(load, args.client_procs)
     finally:
         stack.stop()
-    row = {"mode": mode, "api": args.api, "transport": transport, "kvstore_puts": args.store_to_kvstore,
+    row = {"mode": mode, "gateways": num_gateways, "api": args.api, "transport": transport, "kvstore_puts": args.store_to_kvstore,
            "client_procs": args.client_procs, **summarize(timings, wall_s, Slo(args.slo_ttft_ms, args.slo_tpot_ms))}
     if row["errors"]:
         print(f"{mode}: {row['errors']} requests failed, the first with: {row['first_error']}", file=sys.stderr)
@@ -182,7 +184,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="per worker (default: every user's request plus 4 long prompts, with room to spare)")
     parser.add_argument("--block-size", type=int, default=16, help="only used to size the default KV cache")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--gateways", type=int, default=1, help="gateway processes sharing one port")
+    parser.add_argument("--gateways", type=lambda text: [int(n) for n in text.split(",")], default=[1],
+                        help="gateway processes sharing one port; a comma-separated list runs each mode with each")
     parser.add_argument("--gateway-arg", action="append", default=[],
                         help="extra gateway flag, repeatable (e.g. --gateway-arg=--local-prefill-max-tokens=2048)")
     parser.add_argument("--reasoning-mode", choices=sorted(REASONING_MODES), default="inline",
@@ -252,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         name = "disagg-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         rows: list[dict] = []
         written: tuple[Path, ...] = ()
-        for mode in args.modes.split(","):
-            rows.append(run_mode(mode, model_dir, args, workdir, vocab))
+        for mode, num_gateways in itertools.product(args.modes.split(","), args.gateways):
+            rows.append(run_mode(mode, num_gateways, model_dir, args, workdir, vocab))
             print(format_table(rows[-1:], COLUMNS), flush=True)
             if args.out:  # after every mode, so a failure later keeps the modes that ran
                 written = write_results(args.out, name, rows, COLUMNS, summary)
