@@ -296,6 +296,10 @@ class EnginePrefillBackend:
             # host, so its device work is done; the copy starts at once on the transfer's
             # own stream instead of queueing behind the engine's next step.
             return await sender.send_all(self.engine.kv_cache, table, ready="complete")
+        except (OSError, asyncio.IncompleteReadError) as error:  # the bulk connection broke
+            raise Unavailable(
+                f"the KV transfer to decode worker {handle.worker_id or handle.address} broke mid-transfer "
+                f"({type(error).__name__}: {error}); its blocks were freed, retry", field="decode") from None
         finally:
             # No queued copy may still read these blocks once they are released.
             await asyncio.shield(sender.close())

@@ -153,3 +153,36 @@ async def test_start_with_delivered_first_tokens_streams_only_the_rest(checkpoin
     finally:
         await prefill.close()
         await decode.close()
+
+
+async def test_a_transfer_that_fails_mid_layer_frees_both_ends(checkpoint, monkeypatch):
+    """The bulk connection drops after the first layer: the call fails with UNAVAILABLE naming
+    the decode worker, the decode worker's reservation and the prefill's export are freed."""
+    from cleave.transfer import connection
+
+    decode, prefill = await start_decode(checkpoint), await start_prefill(checkpoint)
+    real_write = connection.BulkConnection.write_chunk
+    writes = 0
+
+    async def drop_after_one_layer(self, header, payload):  # type: ignore[no-untyped-def]
+        nonlocal writes
+        writes += 1
+        if writes > 1:
+            raise ConnectionResetError("injected: connection reset mid-transfer")
+        await real_write(self, header, payload)
+
+    monkeypatch.setattr(connection.BulkConnection, "write_chunk", drop_after_one_layer)
+    try:
+        reader = AttachReader(decode.stub)
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await prefill.stub.Prefill(request("torn", prompts(1)[0], decode.server.address))
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
+        assert error_detail(failed.value).field == "decode"
+        assert "mid-transfer" in failed.value.details()
+        await wait_pool_full(decode.stub, timeout_s=10)
+        await wait_pool_full(prefill.stub, timeout_s=10)
+        assert reader.tokens("torn") == []
+        await reader.cancel()
+    finally:
+        await prefill.close()
+        await decode.close()
