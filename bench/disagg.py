@@ -81,7 +81,7 @@ async def negotiated_transport(decode_address: str, prefill_worker_id: str) -> s
     return c.TransportKind.Name(admitted.handle.transport).removeprefix("TRANSPORT_KIND_").lower()
 
 
-def run_mode(mode: str, num_gateways: int, model_dir: Path, args: argparse.Namespace, workdir: Path,
+def run_mode(mode: str, num_gateways: int, puts: bool, model_dir: Path, args: argparse.Namespace, workdir: Path,
              vocab: int) -> dict:
     from cleave.cli._stack import ProcessStack, StackSpec
 
@@ -92,8 +92,8 @@ def run_mode(mode: str, num_gateways: int, model_dir: Path, args: argparse.Names
     spec = StackSpec(model=model_dir, mode=mode, grpc_port=0, http_port=0 if args.api == "http" else None,
                      device=args.device, num_kv_blocks=args.num_kv_blocks, log_level="WARNING",
                      worker_args=tuple(worker_args), gateway_args=tuple(args.gateway_arg), num_gateways=num_gateways,
-                     store_to_kvstore=args.store_to_kvstore, trace_dir=workdir / f"{mode}-{num_gateways}" / "traces" if args.trace else None)
-    stack = ProcessStack(spec, workdir / f"{mode}-{num_gateways}")
+                     store_to_kvstore=puts, trace_dir=workdir / f"{mode}-{num_gateways}-{puts}" / "traces" if args.trace else None)
+    stack = ProcessStack(spec, workdir / f"{mode}-{num_gateways}-{puts}")
     stack.start(timeout_s=args.start_timeout_s)
     try:
         load = workload(args, stack.gateway_address, stack.http_url, vocab)
@@ -105,7 +105,7 @@ def run_mode(mode: str, num_gateways: int, model_dir: Path, args: argparse.Names
         timings, wall_s = run_load(load, args.client_procs)
     finally:
         stack.stop()
-    row = {"mode": mode, "gateways": num_gateways, "api": args.api, "transport": transport, "kvstore_puts": args.store_to_kvstore,
+    row = {"mode": mode, "gateways": num_gateways, "api": args.api, "transport": transport, "kvstore_puts": puts,
            "client_procs": args.client_procs, **summarize(timings, wall_s, Slo(args.slo_ttft_ms, args.slo_tpot_ms))}
     if row["errors"]:
         print(f"{mode}: {row['errors']} requests failed, the first with: {row['first_error']}", file=sys.stderr)
@@ -193,8 +193,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per request")
     parser.add_argument("--start-timeout-s", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-store-to-kvstore", dest="store_to_kvstore", action="store_false",
-                        help="prefill workers keep no prompt blocks in the kvstore (A/B of the background puts)")
+    parser.add_argument("--kvstore-puts", type=lambda text: [{"on": True, "off": False}[v] for v in text.split(",")],
+                        default=[True], help="on, off or on,off: prefill workers put prompt blocks in the kvstore "
+                        "(a list runs each mode both ways)")
     parser.add_argument("--out", default=None, help="directory for disagg-<UTC time>.json / .md (never overwritten)")
     parser.add_argument("--trace", action="store_true",
                         help="trace every request; print each mode's per-hop latencies (bench/hops.py), kept under 'hops'")
@@ -255,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         name = "disagg-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         rows: list[dict] = []
         written: tuple[Path, ...] = ()
-        for mode, num_gateways in itertools.product(args.modes.split(","), args.gateways):
-            rows.append(run_mode(mode, num_gateways, model_dir, args, workdir, vocab))
+        for mode, num_gateways, puts in itertools.product(args.modes.split(","), args.gateways, args.kvstore_puts):
+            rows.append(run_mode(mode, num_gateways, puts, model_dir, args, workdir, vocab))
             print(format_table(rows[-1:], COLUMNS), flush=True)
             if args.out:  # after every mode, so a failure later keeps the modes that ran
                 written = write_results(args.out, name, rows, COLUMNS, summary)
