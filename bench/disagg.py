@@ -81,8 +81,9 @@ async def negotiated_transport(decode_address: str, prefill_worker_id: str) -> s
     return c.TransportKind.Name(admitted.handle.transport).removeprefix("TRANSPORT_KIND_").lower()
 
 
-def run_mode(mode: str, num_gateways: int, puts: bool, model_dir: Path, args: argparse.Namespace, workdir: Path,
-             vocab: int) -> dict:
+def run_mode(mode: str, num_gateways: int, puts: bool, api: str, model_dir: Path, args: argparse.Namespace,
+             workdir: Path, vocab: int) -> dict:
+    args = argparse.Namespace(**{**vars(args), "api": api})
     from cleave.cli._stack import ProcessStack, StackSpec
 
     worker_args = ["--max-num-batched-tokens", str(args.max_num_batched_tokens),
@@ -92,8 +93,8 @@ def run_mode(mode: str, num_gateways: int, puts: bool, model_dir: Path, args: ar
     spec = StackSpec(model=model_dir, mode=mode, grpc_port=0, http_port=0 if args.api == "http" else None,
                      device=args.device, num_kv_blocks=args.num_kv_blocks, log_level="WARNING",
                      worker_args=tuple(worker_args), gateway_args=tuple(args.gateway_arg), num_gateways=num_gateways,
-                     store_to_kvstore=puts, trace_dir=workdir / f"{mode}-{num_gateways}-{puts}" / "traces" if args.trace else None)
-    stack = ProcessStack(spec, workdir / f"{mode}-{num_gateways}-{puts}")
+                     store_to_kvstore=puts, trace_dir=workdir / f"{mode}-{num_gateways}-{puts}-{api}" / "traces" if args.trace else None)
+    stack = ProcessStack(spec, workdir / f"{mode}-{num_gateways}-{puts}-{api}")
     stack.start(timeout_s=args.start_timeout_s)
     try:
         load = workload(args, stack.gateway_address, stack.http_url, vocab)
@@ -121,6 +122,13 @@ def workload(args: argparse.Namespace, grpc_address: str, http_url: str | None, 
     """The load of a run: the flags, the stack's addresses and the ids prompts are drawn from."""
     given = {"grpc_address": grpc_address, "http_url": http_url, "vocab": vocab}
     return Workload(**given, **{f.name: getattr(args, f.name) for f in fields(Workload) if f.name not in given})
+
+
+def api_list(text: str) -> str:
+    """grpc, http, or both comma-separated."""
+    if not text or any(api not in ("grpc", "http") for api in text.split(",")):
+        raise argparse.ArgumentTypeError(f"{text!r}: want grpc, http or grpc,http")
+    return text
 
 
 def length_range(text: str) -> tuple[int, int]:
@@ -155,8 +163,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="http64 or mixed: a workload's defaults (see above); other flags override them")
     parser.add_argument("--modes", default="disaggregated,colocated", help=f"comma-separated, of {', '.join(MODES)}")
-    parser.add_argument("--api", choices=("grpc", "http"), default="grpc",
-                        help="users stream over the gateway's gRPC Generate or its OpenAI chat completions")
+    parser.add_argument("--api", type=api_list, default="grpc",
+                        help="users stream over the gateway's gRPC Generate (grpc) or its OpenAI chat completions "
+                        "(http); grpc,http runs each mode both ways")
     parser.add_argument("--client-procs", type=int, default=None,
                         help="client processes the users are split across (default: min(8, cores/2) on cuda, 1 on cpu)")
     parser.add_argument("--num-users", type=int, default=50)
@@ -245,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         elif model_dir is None:
             model_dir = write_model(workdir / "model", args.device)
         vocab = min(json.loads((model_dir / "config.json").read_text())["vocab_size"], 512)
-        size_cache(args, max_chat_tokens(model_dir, args.prompt_words[1]) if args.api == "http" else args.prompt_len[1])
+        apis = args.api.split(",")
+        size_cache(args, max(max_chat_tokens(model_dir, args.prompt_words[1]) if "http" in apis else 0,
+                             args.prompt_len[1] if "grpc" in apis else 0))
         summary = {key: getattr(args, key) for key in (
             "preset", "api", "client_procs", "num_users", "duration_s", "requests_per_user", "prompt_len",
             "prompt_words", "output_len", "long_prompt_len", "long_output_len", "long_first_s", "long_interval_s",
@@ -256,8 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         name = "disagg-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         rows: list[dict] = []
         written: tuple[Path, ...] = ()
-        for mode, num_gateways, puts in itertools.product(args.modes.split(","), args.gateways, args.kvstore_puts):
-            rows.append(run_mode(mode, num_gateways, puts, model_dir, args, workdir, vocab))
+        for mode, num_gateways, puts, api in itertools.product(
+                args.modes.split(","), args.gateways, args.kvstore_puts, apis):
+            rows.append(run_mode(mode, num_gateways, puts, api, model_dir, args, workdir, vocab))
             print(format_table(rows[-1:], COLUMNS), flush=True)
             if args.out:  # after every mode, so a failure later keeps the modes that ran
                 written = write_results(args.out, name, rows, COLUMNS, summary)
