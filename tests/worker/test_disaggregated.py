@@ -121,15 +121,18 @@ async def test_kvstore_prefix_is_reused_not_recomputed(checkpoint, reference):
         cold = await disaggregated(decode, first, "kv-a", prompt, store=True)
         assert cold.num_cached_tokens == 0
         assert await first.backend.wait_for_stores(timeout_s=5.0)  # the put runs after the response
+        assert first.backend.counters.num_kvstore_blocks_stored == 0  # a prefix seen once is not stored
+        await disaggregated(decode, first, "kv-a2", prompt, store=True)  # the prefix repeats: stored
+        assert await first.backend.wait_for_stores(timeout_s=5.0)
         assert first.backend.counters.num_kvstore_blocks_stored == len(prompt) // 4
         warm = await disaggregated(decode, second, "kv-b", prompt)
         reused = (len(prompt) - 1) // 4 * 4
         assert (warm.num_cached_tokens, warm.num_computed_tokens) == (reused, len(prompt) - reused)
         assert second.backend.counters.num_computed_tokens == len(prompt) - reused
         assert second.backend.counters.num_kvstore_blocks_loaded == reused // 4
-        await reader.wait_finished(["kv-a", "kv-b"])
+        await reader.wait_finished(["kv-a", "kv-a2", "kv-b"])
         # KV fetched from the store, then shipped to decode, gives the same tokens.
-        assert reader.tokens("kv-a") == reader.tokens("kv-b") == reference[2]
+        assert reader.tokens("kv-a") == reader.tokens("kv-a2") == reader.tokens("kv-b") == reference[2]
         for worker in (first, second, decode):
             await wait_pool_full(worker.stub)
         await reader.cancel()

@@ -33,6 +33,12 @@ async def kvstore():
     await store.close()
 
 
+def seen_before(worker, prompt: list[int] = PROMPT) -> None:  # type: ignore[no-untyped-def]
+    """Make the worker remember having computed the prompt once: its blocks go to the store."""
+    kvstore = worker.backend.kvstore
+    kvstore.repeated(kvstore.hashes(prompt))
+
+
 def gate(obj, name: str) -> asyncio.Event:  # type: ignore[no-untyped-def]
     """Make `obj.name` (a coroutine method) wait for the returned event before it runs."""
     opened = asyncio.Event()
@@ -49,6 +55,7 @@ def gate(obj, name: str) -> asyncio.Event:  # type: ignore[no-untyped-def]
 async def test_first_token_does_not_wait_for_the_put(checkpoint, kvstore):
     first, second = await start_prefill(checkpoint, kvstore), await start_prefill(checkpoint, kvstore)
     try:
+        seen_before(first)
         put_allowed = gate(first.backend.kvstore.client, "put")
         response = await asyncio.wait_for(first.stub.Prefill(storing("a")), timeout=10)
         assert (response.num_prompt_tokens, response.num_computed_tokens) == (19, 19)
@@ -113,6 +120,7 @@ async def test_a_full_put_backlog_skips_the_store_and_frees_the_blocks(checkpoin
     try:
         block_bytes = worker.backend.engine.kv_cache[:, :, 0].nbytes
         worker.backend.store_backlog_bytes = 5 * block_bytes  # room for one 5-block prompt
+        seen_before(worker)
         put_allowed = gate(worker.backend.kvstore.client, "put")
         await worker.stub.Prefill(storing("first"))  # its put waits: the backlog is full
         second = await worker.stub.Prefill(storing("second"))
@@ -158,3 +166,24 @@ async def test_puts_go_to_the_store_one_at_a_time_in_order():
     release.set()
     assert await asyncio.gather(*puts) == [2, 3, 1]
     assert events == ["start a", "end a", "start b", "end b", "start c", "end c"]
+
+
+async def test_only_blocks_this_worker_computed_before_go_to_the_store(checkpoint, kvstore):
+    """A prompt seen for the first time is not stored; the second time, its repeated leading
+    blocks are (a prompt sharing two blocks with an earlier one stores those two)."""
+    worker = await start_prefill(checkpoint, kvstore)
+    try:
+        await worker.stub.Prefill(storing("once"))
+        assert await worker.backend.wait_for_stores(timeout_s=5)
+        assert worker.backend.counters.num_kvstore_blocks_stored == 0
+        shared = PROMPT[:8] + [200 + i for i in range(11)]  # the first two blocks repeat
+        await worker.stub.Prefill(p.PrefillRequest(request_id="shared", prompt_token_ids=shared,
+                                                   sampling=greedy(4), store_to_kvstore=True))
+        assert await worker.backend.wait_for_stores(timeout_s=5)
+        assert worker.backend.counters.num_kvstore_blocks_stored == 2
+        await worker.stub.Prefill(storing("twice"))  # blocks 3-4 repeat now too
+        assert await worker.backend.wait_for_stores(timeout_s=5)
+        assert worker.backend.counters.num_kvstore_blocks_stored == NUM_FULL_BLOCKS
+        await wait_pool_full(worker.stub)
+    finally:
+        await worker.close()
