@@ -33,7 +33,10 @@ async def test_generate_streams_tokens_as_they_come(stack, mode):
     answer = [i for i, m in enumerate(messages) if m.text]
     if mode == c.REASONING_MODE_SEPARATE:
         assert len(thinking) >= 5 and len(answer) >= 3
-        assert max(thinking) < min(answer)  # thinking streamed first, then the answer
+        # thinking streamed first, then the answer; a busy gateway may merge the step that
+        # closes the thinking with the first answer tokens into one message
+        assert max(thinking) <= min(answer)
+        assert all(not m.text for m in messages[:min(answer)])
     elif mode == c.REASONING_MODE_HIDDEN:
         assert not thinking and len(answer) >= 3
     else:
