@@ -36,7 +36,6 @@ async def test_generate_streams_tokens_as_they_come(stack, mode):
         # thinking streamed first, then the answer; a busy gateway may merge the step that
         # closes the thinking with the first answer tokens into one message
         assert max(thinking) <= min(answer)
-        assert all(not m.text for m in messages[:min(answer)])
     elif mode == c.REASONING_MODE_HIDDEN:
         assert not thinking and len(answer) >= 3
     else:
