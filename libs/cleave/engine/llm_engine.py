@@ -24,6 +24,10 @@ tokens the next one needs on the host is resolved at once, as in the plain loop:
 with forks (n > 1 prefills), prefill-only requests, and sequences with logits processors
 (thinking budgets) or penalties, whose next sampling reads the output tokens.
 
+`watch_layers` (None: off) is called on the step thread with each step's plan before its
+launch; a `LayerProgress` it returns hears each layer of that step's forward (see
+`cleave.engine.layer_progress`; the prefill worker streams KV with it).
+
 The engine is single-threaded; `AsyncEngine` runs it on a thread of its own. Besides
 colocated generation it offers the two halves of disaggregated serving:
 
@@ -50,6 +54,7 @@ from __future__ import annotations
 import hashlib
 import time
 import weakref
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 from pathlib import Path
@@ -58,6 +63,7 @@ import torch
 
 from cleave.engine.config import EngineConfig
 from cleave.engine.handoff import KVHandoff, end_sample
+from cleave.engine.layer_progress import LayerProgress
 from cleave.engine.model_runner import LaunchedStep, ModelRunner, RunnerOutput, StepStats
 from cleave.engine.outputs import RequestOutput, TokenLogprob
 from cleave.engine.request import RequestState, SampleState
@@ -107,6 +113,8 @@ class LLMEngine:
         self._deferred: dict[str, SampleState] = {}  # seq_id -> sample with ids awaiting text
         self._touched: dict[str, RequestState] = {}  # requests that got a token this step
         self.last_stats = StepStats()
+        # step plan -> the LayerProgress of its forward, or None (step thread; see the docstring)
+        self.watch_layers: Callable[[SchedulerOutput], LayerProgress | None] | None = None
 
     # ---- start-up -------------------------------------------------------------------------
 
@@ -281,7 +289,10 @@ class LLMEngine:
             self._flush_text()
             self.last_stats = StepStats(schedule_s=scheduled - start)
             return self._collect()
-        result = self.runner.execute(output, self._processors, while_device_runs=self._flush_text)
+        progress = self.watch_layers(output) if self.watch_layers is not None else None
+        result = self.runner.execute(
+            output, self._processors, while_device_runs=self._flush_text, layer_progress=progress
+        )
         stats = result.stats
         stats.schedule_s = scheduled - start
         ran = time.perf_counter()
@@ -300,7 +311,8 @@ class LLMEngine:
         launched = None
         stats = StepStats()
         if not output.is_empty:
-            launched = self.runner.launch(output, self._processors, previous)
+            progress = self.watch_layers(output) if self.watch_layers is not None else None
+            launched = self.runner.launch(output, self._processors, previous, layer_progress=progress)
             stats = launched.stats
             if self._can_overlap(output):
                 self.scheduler.advance(output)

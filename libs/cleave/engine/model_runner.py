@@ -12,6 +12,11 @@
     runner.collect(launched) -> RunnerOutput      # waits for that event only
     runner.execute(...) == collect(launch(...))   # the synchronous step
 
+A step may carry a `LayerProgress` (`cleave.engine.layer_progress`): the eager forward then
+reports each decoder layer once it queued its KV write (a forward hook on each layer for the
+duration of that forward; the model file stays the maths), e.g. so a prefill worker ships a
+layer's KV while the next layers compute. Without one nothing is registered or recorded.
+
 The sampled ids stay on the device (`LaunchedStep.token_ids`) so the next step can be
 launched before they reach the host: that is what lets the engine overlap its host work
 (output processing, scheduling, input preparation) with the device's forward.
@@ -35,6 +40,7 @@ import torch
 from cleave.device_copy import to_device, to_host
 from cleave.engine.config import EngineConfig
 from cleave.engine.input_batch import InputBatch, InputBatchBuilder, OutputTokens
+from cleave.engine.layer_progress import LayerProgress
 from cleave.engine.memory_budget import DeviceMemory, kv_blocks_for_share
 from cleave.engine.outputs import TokenLogprob
 from cleave.engine.sampler import Sampler
@@ -235,14 +241,16 @@ class ModelRunner:
         output: SchedulerOutput,
         logits_processors: Mapping[str, Seq[LogitsProcessor]] | None = None,
         while_device_runs: Callable[[], None] | None = None,
+        layer_progress: LayerProgress | None = None,
     ) -> RunnerOutput:
         """Run one scheduled step; returns one token per `output.sampled_seqs` entry.
 
         `logits_processors` maps seq_id to that sequence's processors (absent: none).
         `while_device_runs` is host work (e.g. detokenizing the previous step) called once
         the forward is launched, so it overlaps the device's work; its time is `overlap_s`.
+        `layer_progress` hears each layer of the forward (see `launch`).
         """
-        launched = self.launch(output, logits_processors, None, while_device_runs)
+        launched = self.launch(output, logits_processors, None, while_device_runs, layer_progress)
         waited = time.perf_counter()
         result = self.collect(launched)
         result.stats.sample_s += time.perf_counter() - waited
@@ -255,11 +263,14 @@ class ModelRunner:
         logits_processors: Mapping[str, Seq[LogitsProcessor]] | None = None,
         previous: LaunchedStep | None = None,
         while_device_runs: Callable[[], None] | None = None,
+        layer_progress: LayerProgress | None = None,
     ) -> LaunchedStep:
         """Queue one scheduled step on the device without waiting for it.
 
         Stand-in ids in `output` (see `Scheduler.advance`) take the tokens `previous`
         sampled. `while_device_runs` runs once the forward is queued (time: `overlap_s`).
+        `layer_progress` hears every layer once, in order, before this returns: per layer
+        in an eager forward, all at once after a graph replay.
         """
         stats = StepStats(num_seqs=len(output.scheduled))
         start = time.perf_counter()
@@ -276,7 +287,9 @@ class ModelRunner:
         if self.device_timing:
             timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             timing[0].record()
-        logits, stats.used_graph = self._forward(batch)
+        logits, stats.used_graph = self._forward(batch, layer_progress)
+        if layer_progress is not None:
+            layer_progress.finish()  # layers that ran without the hook (graph, fused decode path)
         if while_device_runs is not None:
             overlap_start = time.perf_counter()
             while_device_runs()
@@ -348,7 +361,7 @@ class ModelRunner:
         # kv_cache: [L, 2, NB, BS, Hkv, D]; dsts are fresh blocks, never a src of the same step
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
-    def _forward(self, batch: InputBatch) -> tuple[torch.Tensor, bool]:
+    def _forward(self, batch: InputBatch, layer_progress: LayerProgress | None = None) -> tuple[torch.Tensor, bool]:
         """Logits [R, V] float32 of the sampling rows (R = entries that sample)."""
         if self.graph_runner is not None and batch.is_decode_only:
             bucket = self.graph_runner.bucket_for(batch.num_entries, batch.metadata)
@@ -357,10 +370,27 @@ class ModelRunner:
                 if batch.logits_indices is not None:
                     logits = logits.index_select(0, batch.logits_indices)
                 return logits, True
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)  # [T, H]
+        if layer_progress is None:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)  # [T, H]
+        else:
+            hidden = self._forward_reporting_layers(batch, layer_progress)
         if batch.logits_indices is not None:
             hidden = hidden.index_select(0, batch.logits_indices)  # [R, H]
         return self.model.compute_logits(hidden), False
+
+    def _forward_reporting_layers(self, batch: InputBatch, layer_progress: LayerProgress) -> torch.Tensor:
+        """The eager forward with `layer_progress.on_layer_done(i)` right after decoder layer
+        i returns (its KV write is queued then): a forward hook per layer, for this call only."""
+
+        def hook_for(index: int) -> Callable[..., None]:
+            return lambda module, args, output: layer_progress.on_layer_done(index)
+
+        handles = [layer.register_forward_hook(hook_for(index)) for index, layer in enumerate(self.model.layers)]
+        try:
+            return self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)  # [T, H]
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def _sampling_tensors(
         self, batch: InputBatch, logits_processors: Mapping[str, Seq[LogitsProcessor]] | None

@@ -58,12 +58,12 @@ class SendTracker:
         self._send = backend._send
         backend._send = self
 
-    async def __call__(self, handle, table):
+    async def __call__(self, handle, table, *stream):
         self.calls_before_send.append(self._calls.num_calls)
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
-            return await self._send(handle, table)
+            return await self._send(handle, table, *stream)
         finally:
             self.in_flight -= 1
 
