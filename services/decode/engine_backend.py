@@ -62,6 +62,8 @@ class EngineDecodeBackend(AdmissionMixin, StepDeliveryMixin):
             (`set_control_address`). Empty: prefill workers keep to the handles' TCP.
         transfer_timeout_s: an admitted request's KV must arrive and Start must come within
             this time, or its blocks are freed and it fails with DEADLINE_EXCEEDED.
+        internal_token: bulk KV connections must open with this shared secret (`cleave.rpc.auth`);
+            None: any connection is read.
     """
 
     def __init__(
@@ -75,8 +77,10 @@ class EngineDecodeBackend(AdmissionMixin, StepDeliveryMixin):
         transfer_timeout_s: float = 30.0,
         load_interval_s: float = 1.0,
         control_address: str = "",
+        internal_token: str | None = None,
     ) -> None:
         self.engine_config = replace(engine_config, detokenize=False)  # the gateway makes the text
+        self._internal_token = internal_token  # prefill workers' bulk KV connections must open with it
         self.worker_id = worker_id
         self.model_id = model_id
         self.transfer_timeout_s = transfer_timeout_s
@@ -116,7 +120,8 @@ class EngineDecodeBackend(AdmissionMixin, StepDeliveryMixin):
         self.layout = kv_layout_of(self.engine, self.model_id)
         host, _, port = self._transfer_listen.rpartition(":")
         self.receiver = KVReceiver(
-            self.engine.kv_cache, host=host, port=int(port), advertise_host=self._advertise_host, layout=self.layout
+            self.engine.kv_cache, host=host, port=int(port), advertise_host=self._advertise_host, layout=self.layout,
+            internal_token=self._internal_token,
         )
         await self.receiver.start()
         self.async_engine = AsyncEngine(self.engine, on_step=self._on_step)

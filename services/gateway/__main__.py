@@ -14,11 +14,13 @@ from cleave.config import GatewayConfig, gateway_config
 from cleave.logging import configure_logging
 from cleave.proto.cleave.v1 import gateway_pb2, gateway_pb2_grpc
 from cleave.rpc import ServiceRegistration, run_service
+from cleave.rpc.auth import api_key_auth
 from cleave.tracing import TRACING_OFF, Tracing, setup_tracing
 from services.gateway.http_api import OpenAIApi, bound_port, start_http
 from services.gateway.disagg_policy import DisaggregationPolicy
 from services.gateway.model import ServedModel
 from services.gateway.router import GatewayOptions, RoutingBackend
+from services.gateway.workers import PoolOptions
 from services.gateway.servicer import GatewayServicer
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
@@ -57,7 +59,7 @@ class GatewayProcess:
 def build(config: GatewayConfig, tracing: Tracing = TRACING_OFF) -> tuple[GatewayServicer, GatewayProcess]:
     """The servicer and the process lifecycle for a gateway config (HTTP requests get
     server spans in `tracing`)."""
-    model = ServedModel(config.model)
+    model = ServedModel(config.model, max_prompt_bytes=config.max_prompt_bytes)
     served = replace(config.model, max_context_length=model.max_model_len,
                      is_reasoning_model=model.is_reasoning_model)
     backend = RoutingBackend(
@@ -65,11 +67,14 @@ def build(config: GatewayConfig, tracing: Tracing = TRACING_OFF) -> tuple[Gatewa
         GatewayOptions(
             gateway_id=config.gateway_id, mode=config.mode, store_to_kvstore=config.store_to_kvstore,
             policy=DisaggregationPolicy(config.local_prefill_max_tokens, config.remote_prefill_max_queue_tokens),
+            pool=PoolOptions(internal_token=config.service.internal_token),
         ),
     )
     servicer = GatewayServicer(backend, [served])
     token_text = lambda token_id: model.tokenizer.decode([token_id])  # noqa: E731
-    api = OpenAIApi(backend, [served], token_text, tracing=tracing) if config.http_listen else None
+    api = (OpenAIApi(backend, [served], token_text, tracing=tracing, api_key=config.api_key,
+                     max_request_bytes=config.max_request_bytes)
+           if config.http_listen else None)
     return servicer, GatewayProcess(backend, api, config.http_listen, config.share_port)
 
 
@@ -79,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     tracing = setup_tracing(config.service.tracing)
     try:
         servicer, process = build(config, tracing)
-        asyncio.run(run_service([registration(servicer)], config.service, process, tracing=tracing))
+        # the public service asks for the API key, not the internal token (which it sends to workers)
+        asyncio.run(run_service([registration(servicer)], config.service, process, tracing=tracing,
+                                auth=api_key_auth(config.api_key)))
     finally:
         tracing.shutdown()
     return 0

@@ -10,6 +10,9 @@ as vLLM and DeepSeek do, and count it in `usage.completion_tokens_details.reason
 A client that disconnects cancels its handler, which aborts the request on the worker.
 Every request runs in a server span under its `traceparent` header (`cleave.tracing`; a
 malformed one is a 400 naming it); a stream's first chunk with tokens is `gateway.first_byte`.
+With an API key, every /v1 route asks for `Authorization: Bearer <key>` (401 otherwise).
+A body over `max_request_bytes` is a 413, one that is not JSON a 400 (`http_body`); every
+other malformed field is a 400 naming it (`openai_request`).
 """
 
 from __future__ import annotations
@@ -25,16 +28,18 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from cleave.config import ModelConfig
-from cleave.errors import InvalidArgument, NotFound
+from cleave.config import DEFAULT_MAX_REQUEST_BYTES, ModelConfig
+from cleave.errors import InvalidArgument, NotFound, Unauthenticated
+from cleave.rpc.auth import bearer_matches
 from cleave.rpc.types import TopLogprobs, Usage
 from cleave.tracing import NOOP_SPAN, TRACEPARENT, TRACESTATE, TRACING_OFF, Tracing, annotate, span
 from services.gateway.backend import GatewayBackend, GenerateChunk, GenerateSpec, SampleOutput
+from services.gateway.http_body import expect_handler, read_json
 from services.gateway.openai_request import generate_spec, http_error
 
 log = structlog.get_logger("cleave.gateway.http")
-_CHAT_PARAMS = {"input": "messages", "sampling.logprobs": "top_logprobs"}
-_COMPLETION_PARAMS = {"input": "prompt", "token_ids.ids": "prompt"}
+_CHAT_PARAMS = {"input": "messages", "chat.messages": "messages", "sampling.logprobs": "top_logprobs"}
+_COMPLETION_PARAMS = {"input": "prompt", "text": "prompt", "token_ids.ids": "prompt"}
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
@@ -55,20 +60,27 @@ class OpenAIApi:
         models: served models, the first is the default.
         token_text: token id -> its text (for logprobs).
         tracing: where each request's server span goes (off by default).
+        max_request_bytes: larger request bodies are refused with 413 (`http_body`).
+        api_key: every /v1 route asks for `Authorization: Bearer <api_key>` (401 otherwise;
+            /health stays open); None: no key asked.
     """
 
     def __init__(self, backend: GatewayBackend, models: Sequence[ModelConfig], token_text,  # type: ignore[no-untyped-def]
-                 tracing: Tracing = TRACING_OFF) -> None:
+                 tracing: Tracing = TRACING_OFF, api_key: str | None = None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self.backend = backend
+        self.max_request_bytes = max_request_bytes
+        self.api_key = api_key
         self.models = tuple(models)
         self.token_text = token_text
         self.tracing = tracing
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._traced])
+        app = web.Application(client_max_size=self.max_request_bytes, middlewares=[self._traced, self._authorized])
         app.router.add_get("/v1/models", self.list_models)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        within_limit = expect_handler(self.max_request_bytes)
+        app.router.add_post("/v1/completions", self.completions, expect_handler=within_limit)
+        app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=within_limit)
         app.router.add_get("/health", self.health)
         return app
 
@@ -96,6 +108,17 @@ class OpenAIApi:
                         **{"http.status_code": response.status})
         return response
 
+    @web.middleware
+    async def _authorized(self, request: web.Request, handler) -> web.StreamResponse:  # type: ignore[no-untyped-def]
+        """Refuse a /v1 request without the API key (401, OpenAI's error shape)."""
+        if self.api_key is None or not request.path.startswith("/v1") or bearer_matches(
+                request.headers.get("Authorization"), self.api_key):
+            return await handler(request)
+        sent = "a wrong API key" if "Authorization" in request.headers else "no API key"
+        mapped = http_error(Unauthenticated(
+            f"{sent} was sent; send 'Authorization: Bearer <key>' with the gateway's --api-key"), {})
+        return web.json_response(mapped.body, status=mapped.status, headers={"WWW-Authenticate": "Bearer"})
+
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -117,6 +140,8 @@ class OpenAIApi:
         name = body.get("model") if isinstance(body, dict) else None
         if not name:
             return self.models[0].id
+        if not isinstance(name, str):
+            raise InvalidArgument(f"must be a model id string, got {type(name).__name__}", field="model")
         if name not in {m.id for m in self.models}:
             served = ", ".join(m.id for m in self.models)
             raise NotFound(f"the model {name!r} does not exist here; served: {served}", field="model")
@@ -127,12 +152,7 @@ class OpenAIApi:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         annotate(request_id=request_id)
         try:
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                return web.json_response(
-                    {"error": {"message": "the body is not valid JSON", "type": "invalid_request_error",
-                               "param": None, "code": None}}, status=400)
+            body = await read_json(request, self.max_request_bytes)
             spec, stream = generate_spec(body, request_id, self._model(body), chat)
             shaper = _Shaper(spec, chat, self.token_text, include_usage=_include_usage(body))
             chunks = self.backend.generate(spec)

@@ -3,6 +3,10 @@
 The gateway never loads weights. It reads the checkpoint directory's tokenizer files,
 `config.json` (context length, vocabulary), `generation_config.json` (sampling defaults)
 and `cleave_config.json` (reasoning tags), and turns a `Prompt` into token ids.
+
+Before tokenizing, a prompt's text is measured in UTF-8 bytes: no token covers more bytes
+than the vocabulary's longest, so text over `max_model_len` times that many bytes cannot fit
+the context whatever it tokenizes to, and is refused without running the tokenizer.
 """
 
 from __future__ import annotations
@@ -47,9 +51,11 @@ class ServedModel:
     Args:
         config: the model section of the gateway's configuration; `source` must be a local
             checkpoint directory.
+        max_prompt_bytes: prompt text over this many UTF-8 bytes is refused before
+            tokenizing; 0: `max_model_len` times the longest token's bytes.
     """
 
-    def __init__(self, config: ServedModelConfig) -> None:
+    def __init__(self, config: ServedModelConfig, max_prompt_bytes: int = 0) -> None:
         path = Path(config.source)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
@@ -68,6 +74,7 @@ class ServedModel:
         reasoning = read_reasoning_config(path)
         self.reasoning: ReasoningConfig | None = reasoning if config.is_reasoning_model else None
         self.defaults = _read_defaults(path)
+        self.max_prompt_bytes = max_prompt_bytes or self.max_model_len * _longest_token_bytes(self.tokenizer)
 
     @property
     def id(self) -> str:
@@ -76,6 +83,27 @@ class ServedModel:
     @property
     def is_reasoning_model(self) -> bool:
         return self.reasoning is not None
+
+    def check_prompt_size(self, prompt: Prompt) -> int:
+        """The prompt's size in bytes (text: UTF-8; token ids: 4 each), without tokenizing.
+
+        Raises InvalidArgument naming `text` or `chat.messages` when the text is over
+        `max_prompt_bytes`: more than the context could hold.
+        """
+        if prompt.token_ids is not None:
+            return 4 * len(prompt.token_ids)
+        if prompt.text is not None:
+            field, num_bytes = "text", _utf8_len(prompt.text)
+        else:
+            # content alone: templates may drop earlier turns' reasoning, never their content
+            field, num_bytes = "chat.messages", sum(_utf8_len(m.content) for m in prompt.chat or ())
+        if num_bytes > self.max_prompt_bytes:
+            raise InvalidArgument(
+                f"is {num_bytes} bytes of text, more than this model's context of {self.max_model_len} tokens "
+                f"can hold (at most {self.max_prompt_bytes} bytes); shorten the prompt",
+                field=field,
+            )
+        return num_bytes
 
     def encode(self, prompt: Prompt, enable_thinking: bool | None = None) -> list[int]:
         """Token ids of a prompt; text and chat go through the chat template unless raw.
@@ -92,7 +120,7 @@ class ServedModel:
                 )
             return list(prompt.token_ids)
         if prompt.text is not None and (prompt.raw or self.tokenizer.chat_template is None):
-            return self.tokenizer.encode(prompt.text)
+            return self.tokenizer.encode_without_gil(prompt.text)
         if prompt.text is not None:
             messages: list[dict[str, Any]] = [{"role": "user", "content": prompt.text}]
         else:
@@ -107,7 +135,24 @@ class ServedModel:
             ]
         kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        token_ids = self.tokenizer.encode_without_gil(text, add_special_tokens=False)
         if not token_ids:
             raise InvalidArgument("renders to an empty prompt", field="input")
         return token_ids
+
+
+def _utf8_len(text: str) -> int:
+    # gRPC strings are valid UTF-8 and HTTP text was checked; surrogatepass only keeps a
+    # measurement from raising
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def _longest_token_bytes(tokenizer: Tokenizer) -> int:
+    """The most UTF-8 bytes of any token's string in the vocabulary (added tokens included).
+
+    Byte-level vocabularies spell each byte as one character of up to 2 bytes, so this may
+    overstate a token's text by up to 2x: the bound stays safe (it never refuses a prompt
+    that fits), only looser.
+    """
+    vocabulary = tokenizer.backend.get_vocab(with_added_tokens=True)
+    return max((len(token.encode("utf-8", "surrogatepass")) for token in vocabulary), default=1) or 1

@@ -18,6 +18,7 @@ from services.gateway.backend import ChatMessage, GenerateSpec, Prompt, Scaling,
 
 _HTTP_STATUS = {
     "INVALID_ARGUMENT": 400,
+    "UNAUTHENTICATED": 401,
     "NOT_FOUND": 404,
     "FAILED_PRECONDITION": 400,
     "RESOURCE_EXHAUSTED": 429,
@@ -25,9 +26,19 @@ _HTTP_STATUS = {
     "UNAVAILABLE": 503,
     "CANCELLED": 499,
 }
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+                413: "invalid_request_error", 429: "rate_limit_error"}
+_BODY_TOO_LARGE = 413
+MAX_UINT32 = 2**32 - 1  # the protobuf fields a request's integers travel in
 _REASONING_MODES = {"separate": ReasoningMode.SEPARATE, "hidden": ReasoningMode.HIDDEN, "inline": ReasoningMode.INLINE}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class BodyTooLarge(CleaveError):
+    """An HTTP body over the gateway's `--max-request-bytes` (HTTP 413; gRPC's own limit
+    answers RESOURCE_EXHAUSTED)."""
+
+    status_code = "RESOURCE_EXHAUSTED"
 
 
 @dataclass(frozen=True)
@@ -41,9 +52,10 @@ class HttpError:
 def http_error(error: BaseException, param_names: dict[str, str]) -> HttpError:
     """The HTTP status and OpenAI error body for an exception."""
     if isinstance(error, CleaveError):
-        status = _HTTP_STATUS.get(error.status_code, 500)
+        status = _BODY_TOO_LARGE if isinstance(error, BodyTooLarge) else _HTTP_STATUS.get(error.status_code, 500)
         param = param_names.get(error.field or "", _openai_param(error.field))
         code = "model_not_found" if status == 404 and error.field == "model" else None
+        code = "invalid_api_key" if status == 401 else code
         message = error.message if param is None else f"{param}: {error.message}"
         body = {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}
         return HttpError(status, {"error": body})
@@ -69,13 +81,28 @@ def _set(message: common_pb2.SamplingParams, name: str, value: Any, param: str) 
         raise InvalidArgument(f"has the wrong type or range ({error})", field=param) from None
 
 
+def text_field(value: Any, field: str) -> str:
+    """A string that can be sent on as UTF-8 (JSON's "\\ud800" escapes decode to lone
+    surrogates, which cannot)."""
+    if not isinstance(value, str):
+        raise InvalidArgument(f"must be a string, got {type(value).__name__}", field=field)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidArgument(
+            f"is not valid Unicode text ({error.reason} at character {error.start}); "
+            "send UTF-8 text without lone surrogate escapes", field=field
+        ) from None
+    return value
+
+
 def _stop(value: Any) -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and all(isinstance(item, str) for item in value):
-        return value
+        return [text_field(value, "stop")]
+    if isinstance(value, list):
+        return [text_field(item, f"stop[{position}]") for position, item in enumerate(value)]
     raise InvalidArgument("must be a string or a list of strings", field="stop")
 
 
@@ -113,7 +140,7 @@ def _sampling(body: dict[str, Any], chat: bool) -> common_pb2.SamplingParams:
 
 def _reasoning(body: dict[str, Any]) -> ReasoningOptions:
     mode_name = body.get("reasoning_mode")
-    if mode_name is not None and mode_name not in _REASONING_MODES:
+    if mode_name is not None and (not isinstance(mode_name, str) or mode_name not in _REASONING_MODES):
         raise InvalidArgument(f"must be one of {', '.join(_REASONING_MODES)}", field="reasoning_mode")
     if body.get("include_reasoning") is False:
         mode_name = "hidden"
@@ -122,8 +149,10 @@ def _reasoning(body: dict[str, Any]) -> ReasoningOptions:
         raise InvalidArgument("must be an object", field="chat_template_kwargs")
     enable_thinking = kwargs.get("enable_thinking")
     max_thinking = body.get("max_thinking_tokens")
-    if max_thinking is not None and (isinstance(max_thinking, bool) or not isinstance(max_thinking, int) or max_thinking < 0):
-        raise InvalidArgument("must be a non-negative integer", field="max_thinking_tokens")
+    if max_thinking is not None and (isinstance(max_thinking, bool) or not isinstance(max_thinking, int)
+                                     or not 0 <= max_thinking <= MAX_UINT32):
+        raise InvalidArgument(f"must be an integer in [0, {MAX_UINT32}], got {max_thinking!r}",
+                              field="max_thinking_tokens")
     return ReasoningOptions(
         mode=_REASONING_MODES.get(mode_name, ReasoningMode.DEFAULT),
         max_thinking_tokens=max_thinking,
@@ -132,16 +161,25 @@ def _reasoning(body: dict[str, Any]) -> ReasoningOptions:
 
 
 def _content_text(content: Any, position: int) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
+    field = f"messages[{position}].content"
+    if isinstance(content, str):
+        return text_field(content, field)
     if isinstance(content, list):
         parts = []
-        for part in content:
+        for index, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text":
-                raise InvalidArgument("only text content parts are supported", field=f"messages[{position}].content")
-            parts.append(str(part.get("text", "")))
+                raise InvalidArgument("only text content parts are supported", field=f"{field}[{index}]")
+            parts.append(text_field(part.get("text"), f"{field}[{index}].text"))
         return "".join(parts)
-    raise InvalidArgument("must be a string or a list of text parts", field=f"messages[{position}].content")
+    raise InvalidArgument(f"must be a string or a list of text parts, got {_json_type(content)}", field=field)
+
+
+def _json_type(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _optional_text(value: Any, field: str) -> str:
+    return "" if value is None else text_field(value, field)
 
 
 def chat_prompt(body: dict[str, Any]) -> Prompt:
@@ -156,8 +194,8 @@ def chat_prompt(body: dict[str, Any]) -> Prompt:
         turns.append(ChatMessage(
             role=role,
             content=_content_text(message.get("content"), position),
-            reasoning_content=str(message.get("reasoning_content") or ""),
-            name=str(message.get("name") or ""),
+            reasoning_content=_optional_text(message.get("reasoning_content"), f"messages[{position}].reasoning_content"),
+            name=_optional_text(message.get("name"), f"messages[{position}].name"),
         ))
     return Prompt(chat=tuple(turns))
 
@@ -169,7 +207,7 @@ def completion_prompt(body: dict[str, Any]) -> Prompt:
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidArgument("must not be empty", field="prompt")
-        return Prompt(text=prompt, raw=True)
+        return Prompt(text=text_field(prompt, "prompt"), raw=True)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
         return Prompt(token_ids=tuple(prompt))
     raise InvalidArgument("must be a non-empty string or list of token ids (one prompt per request)", field="prompt")
@@ -182,7 +220,9 @@ def generate_spec(body: Any, request_id: str, model: str, chat: bool) -> tuple[G
     prompt = chat_prompt(body) if chat else completion_prompt(body)
     reasoning = _reasoning(body)
     sampling = sampling_from_proto(_sampling(body, chat), reasoning=reasoning)
-    stream = bool(body.get("stream", False))
+    stream = False if body.get("stream") is None else body["stream"]
+    if not isinstance(stream, bool):
+        raise InvalidArgument(f"must be true or false, got {stream!r}", field="stream")
     spec = GenerateSpec(
         request_id=request_id,
         model=model,

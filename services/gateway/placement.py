@@ -136,10 +136,16 @@ class DecodePlacement:
         running.add(self.place_samples(num_prompt_tokens, tuple(range(num_samples)), running.queue))
         return running
 
-    def place_samples(self, num_prompt_tokens: int, sample_indices: tuple[int, ...], queue: asyncio.Queue) -> WorkerRequest:
+    def place_samples(
+        self, num_prompt_tokens: int, sample_indices: tuple[int, ...], queue: asyncio.Queue,
+        avoid: WorkerHandle | None = None,
+    ) -> WorkerRequest:
         """Pick a decode worker for some of a request's samples and register the request's
-        queue on its stream under a new worker request id (before any Start)."""
-        decode = pick_decode(self.candidates(), math.ceil((num_prompt_tokens + 1) / BLOCK_SIZE_ESTIMATE))
+        queue on its stream under a new worker request id (before any Start); `avoid` is
+        used only when no other worker is in rotation."""
+        candidates = self.candidates()
+        others = [worker for worker in candidates if worker is not avoid]
+        decode = pick_decode(others or candidates, math.ceil((num_prompt_tokens + 1) / BLOCK_SIZE_ESTIMATE))
         if decode is None:
             raise Unavailable("no decode worker is in rotation; check the workers' health and retry")
         worker_request_id = f"req-{uuid.uuid4().hex}"

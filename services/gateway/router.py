@@ -1,12 +1,13 @@
 """`RoutingBackend`: the gateway's serving logic over prefill and decode workers.
 
-One request: tokenize -> validate -> place it on a decode worker (`placement`: free blocks,
-load) -> start it there (`starts`: disaggregated — one Prefill on a prefill worker picked by
-load and prefix affinity, which admits and starts the decode worker itself, its first tokens
-streamed at once — for any n, the samples sharing one prefill; colocated —
-Start(prefill_locally); conditional — per request, by `disagg_policy`) -> stream it
-(`request_stream`): tokens arrive on
-the decode worker's Attach stream (one message per engine step for all of this gateway's
+One request: check the prompt's size in bytes -> tokenize (in a worker thread unless the
+prompt is short, so a long one never stalls the event loop) -> validate -> place it on a
+decode worker (`placement`: free blocks, load) -> start it there (`starts`: disaggregated —
+one Prefill on a prefill worker picked by load and prefix affinity, which admits and starts
+the decode worker itself, its first tokens streamed at once — for any n, the samples
+sharing one prefill; colocated — Start(prefill_locally); conditional — per request, by
+`disagg_policy`) -> stream it (`request_stream`): tokens arrive on the decode worker's
+Attach stream (one message per engine step for all of this gateway's
 requests), are demultiplexed to the request's queue, turned into text per sample
 (`SampleText`) and streamed as `GenerateChunk`s. `n` samples are one worker request (they
 share the prompt's KV); test-time scaling combines them at the end.
@@ -29,7 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -54,6 +57,9 @@ from services.gateway.starts import start_colocated, start_disaggregated
 from services.gateway.workers import PoolOptions, WorkerHandle, WorkerPool
 
 log = structlog.get_logger("cleave.gateway")
+# Prompts up to this many bytes tokenize on the event loop: a thread hop would cost more.
+INLINE_TOKENIZE_MAX_BYTES = 1024
+TOKENIZE_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,7 @@ class RoutingBackend:
         self.conditional = ConditionalPrefill(options.policy)
         self._tag_tokens = special_tag_tokens(model.tokenizer, model.reasoning)
         self._running: dict[str, RunningRequest] = {}
+        self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="gateway-tokenize")
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -110,6 +117,7 @@ class RoutingBackend:
             await self.abort(request_id)
         await self.placement.close()
         await self.pool.close()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _on_worker_change(self, worker: WorkerHandle) -> None:
         await self.placement.on_worker_change(worker)
@@ -145,6 +153,15 @@ class RoutingBackend:
             )
         return None
 
+    async def _prepare_off_loop(self, spec: GenerateSpec) -> tuple[list[int], GenerateSpec]:
+        """`_prepare` after the prompt's size check; in a worker thread unless it is short."""
+        if self.model.check_prompt_size(spec.prompt) <= INLINE_TOKENIZE_MAX_BYTES:
+            return self._prepare(spec)
+        # the copied context makes the thread's gateway.tokenize span a child of the request's
+        context = contextvars.copy_context()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, context.run, self._prepare, spec)
+
     def _prepare(self, spec: GenerateSpec) -> tuple[list[int], GenerateSpec]:
         with span("gateway.tokenize", request_id=spec.request_id):
             prompt_ids = self.model.encode(spec.prompt, spec.reasoning.enable_thinking)
@@ -158,9 +175,9 @@ class RoutingBackend:
         return prompt_ids, replace(spec, sampling=sampling)
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
-        if spec.request_id in self._running:
+        prompt_ids, spec = await self._prepare_off_loop(spec)
+        if spec.request_id in self._running:  # checked after the await, right before the id is taken
             raise InvalidArgument(f"{spec.request_id!r} is already running; use a unique id", field="request_id")
-        prompt_ids, spec = self._prepare(spec)
         running = self.placement.place(len(prompt_ids), spec.sampling.n)
         self._running[spec.request_id] = running
         worker_finished = [False] * spec.sampling.n
@@ -211,11 +228,13 @@ class RoutingBackend:
                 return await self._start(spec, prompt_ids, running)
             except Unavailable as error:
                 (part,) = running.parts.values()
-                if part.decode.healthy and part.stream.is_open:
+                decode_failed = error.field == "decode"  # a prefill worker could not reach it or ship the KV
+                if part.decode.healthy and part.stream.is_open and not decode_failed:
                     raise  # not the decode worker (no prefill worker, say): moving would not help
                 self.placement.leave(running, part, abort=True)
                 self.placement.count_move(running, error, self.options.max_migrations)
-                moved = self.placement.place_samples(len(prompt_ids), part.sample_indices, running.queue)
+                moved = self.placement.place_samples(len(prompt_ids), part.sample_indices, running.queue,
+                                                     avoid=part.decode)
                 running.add(moved)
                 log_move(spec.request_id, running, part.decode, moved, error, num_generated=0)
 

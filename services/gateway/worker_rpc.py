@@ -29,9 +29,11 @@ async def call_worker(pool: WorkerPool, call: Awaitable[T], worker: WorkerHandle
         error_type = error_type_for(error.code())
         if error_type is not None:
             raise error_type(f"{where}: {error.details()}") from None
-        if error.code() is grpc.StatusCode.UNAVAILABLE and not _behind(error):
+        behind = _behind(error)
+        if error.code() is grpc.StatusCode.UNAVAILABLE and not behind:
             await pool.set_healthy(worker, False)
-        raise Unavailable(f"{where} failed ({error.code().name}: {error.details()}); retry") from None
+        raise Unavailable(f"{where} failed ({error.code().name}: {error.details()}); retry",
+                          field="decode" if behind else None) from None
 
 
 def _behind(error: grpc.aio.AioRpcError) -> bool:

@@ -31,11 +31,12 @@ log = structlog.get_logger("cleave.gateway.workers")
 
 @dataclass(frozen=True)
 class PoolOptions:
-    """How often and how patiently workers are checked."""
+    """How workers are reached, and how often and how patiently they are checked."""
 
     health_interval_s: float = 1.0
     check_timeout_s: float = 2.0
     lost_after_failed_checks: int = 2  # unanswered checks in a row before a worker is lost
+    internal_token: str | None = field(default=None, repr=False)  # sent on every call to a worker
 
 
 @dataclass(eq=False)
@@ -86,9 +87,8 @@ class WorkerPool:
         self.workers: list[WorkerHandle] = []  # channels belong to the serving loop: made in start()
         self._monitor: asyncio.Task[None] | None = None
 
-    @staticmethod
-    def _handle(role: Role, address: str) -> WorkerHandle:
-        channel = aio_channel(address)
+    def _handle(self, role: Role, address: str) -> WorkerHandle:
+        channel = aio_channel(address, internal_token=self.options.internal_token)
         stub = (prefill_pb2_grpc.PrefillStub if role == "prefill" else decode_pb2_grpc.DecodeStub)(channel)
         return WorkerHandle(role, address, channel, stub, health_pb2_grpc.HealthStub(channel))
 

@@ -9,6 +9,7 @@ import sys
 from cleave.config import kvstore_config
 from cleave.logging import configure_logging
 from cleave.rpc import ServiceRegistration, run_service
+from cleave.rpc.auth import internal_auth
 from cleave.tracing import setup_tracing
 from services.kvstore.backend import KVStoreBackend
 from services.kvstore.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
@@ -28,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     servicer = KVStoreServicer(backend)
     try:
-        asyncio.run(run_service([registration(servicer)], config.service, backend, tracing=tracing))
+        asyncio.run(run_service([registration(servicer)], config.service, backend, tracing=tracing,
+                                auth=internal_auth(config.service.internal_token)))
     finally:
         tracing.shutdown()
     return 0

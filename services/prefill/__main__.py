@@ -10,6 +10,7 @@ from cleave.config import worker_config
 from cleave.logging import configure_logging
 from cleave.proto.cleave.v1 import prefill_pb2, prefill_pb2_grpc
 from cleave.rpc import ServiceRegistration, run_service
+from cleave.rpc.auth import internal_auth
 from cleave.tracing import setup_tracing
 from cleave.worker import FreezeAfterStart, engine_config_from_worker
 from services.prefill.backend import PrefillBackend
@@ -32,12 +33,14 @@ def main(argv: list[str] | None = None) -> int:
         worker_id=config.worker_id,
         model_id=config.model.id,
         kvstore_address=config.kvstore_address,
+        internal_token=config.service.internal_token,
     )
     servicer = PrefillServicer(backend, config.model.id)
     # Model and engine objects live as long as the process: out of the collector's walks.
     lifecycle = FreezeAfterStart(backend, config.worker_id)
     try:
-        asyncio.run(run_service([registration(servicer)], config.service, lifecycle, tracing=tracing))
+        asyncio.run(run_service([registration(servicer)], config.service, lifecycle, tracing=tracing,
+                                auth=internal_auth(config.service.internal_token)))
     finally:
         tracing.shutdown()
     return 0

@@ -42,14 +42,15 @@ Spawn = Callable[[Awaitable[object]], None]
 class DecodeLinks:
     """One channel per decode worker address, opened on first use, closed at shutdown."""
 
-    def __init__(self) -> None:
+    def __init__(self, internal_token: str | None = None) -> None:
+        self._internal_token = internal_token
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, decode_pb2_grpc.DecodeStub] = {}
 
     def stub(self, address: str) -> decode_pb2_grpc.DecodeStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = self._channels[address] = aio_channel(address)
+            channel = self._channels[address] = aio_channel(address, internal_token=self._internal_token)
             stub = self._stubs[address] = decode_pb2_grpc.DecodeStub(channel)
         return stub
 

@@ -8,7 +8,9 @@
         request's export (engine.handoff.export)
         handshake with the destination's worker    (first transfer to it only: CUDA IPC /
                                                    NCCL / TCP, see cleave.worker.handshake)
-        KV -> destination's reserved blocks        (the handle's transport, all layers)
+        KV -> destination's reserved blocks        (the handle's transport, all layers; or
+                                                   layer by layer during the final chunk's
+                                                   forward, see `layer_stream`)
         Decode.Start(first tokens)                 (spec.decode: in the background)
         first tokens returned
     then, in the background (store_to_kvstore):
@@ -27,9 +29,16 @@ strings. Nothing on a request's path waits for the device or for another request
 that arrive together are prefilled in one engine step, and each one's KV then goes out with
 no per-layer round trip (CUDA IPC: one copy launch on the transfer stream, one control frame,
 one acknowledgement; see `cleave.transfer.sender`), while the kvstore's copy to host runs on
-a thread of its own, not on the engine's. The KV is shipped after the prefill completes;
-layer-by-layer streaming during the forward would overlap the send with compute but needs a
-hook inside the model runner (`KVSender.send_layers` is ready for it).
+a thread of its own, not on the engine's.
+
+Layer streaming (`layer_streaming`, "auto": CUDA IPC handles only): when the destination is
+known before the step that runs the prompt's final chunk starts (a `destination` in the
+request, or a decode reservation that came back in time), each layer's KV is copied as soon
+as that layer's forward queued it, ordered after its CUDA event, so the copy overlaps the
+remaining layers (`services.prefill.layer_stream`). Otherwise, and for TCP (each layer would
+be gathered and written on the event loop while the engine computes), the KV goes after the
+step as above. Only the final chunk's forward overlaps: a chunked prompt's earlier chunks
+are sent with it, layer by layer.
 """
 
 from __future__ import annotations
@@ -46,18 +55,21 @@ from cleave.engine.config import EngineConfig
 from cleave.engine.llm_engine import LLMEngine
 from cleave.engine.outputs import RequestOutput
 from cleave.errors import CleaveError, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
-from cleave.rpc.types import KVLayout, TopLogprobs, TransferHandle, TransferStats, WorkerLoad
+from cleave.rpc.types import KVLayout, TopLogprobs, TransferHandle, TransferStats, TransportKind, WorkerLoad
 from cleave.tracing import span
-from cleave.transfer import KVStoreClient, KVTransferClient, local_endpoint
+from cleave.transfer import KVSender, KVStoreClient, KVTransferClient, local_endpoint
 from cleave.transfer.layout import require_same_layout
 from cleave.worker import TransportNegotiator, device_nccl, kv_layout_of, load_engine, top_logprobs_from_engine
+from cleave.worker.handshake import grpc_handshake
 from services.prefill.backend import PrefillResult, PrefillSpec
 from services.prefill.decode_handoff import DecodeHandoff, DecodeLinks
 from services.prefill.kvstore_prefix import KVStorePrefix, PrefixFetch
+from services.prefill.layer_stream import LAYER_STREAMING_MODES, LayerStream, LayerStreaming, LayerStreams
 
 log = structlog.get_logger("cleave.prefill")
 NO_FETCH = PrefixFetch(0, 0)
 STORE_DRAIN_S = 5.0  # at shutdown, how long background kvstore puts may still run
+HANDSHAKE_TIMEOUT_S = 30.0  # one Decode.Handshake call
 # Host copies of prompt blocks on their way to the kvstore, at most. Puts are an optimisation:
 # past this, a prompt's blocks are not stored, so a slow store never backs up into prefill
 # (its lookups sit on every request's path and would queue behind a flood of puts).
@@ -85,8 +97,12 @@ class EnginePrefillBackend:
         worker_id: stable id for load reports and the kvstore.
         model_id: model identity of the KV layout decode workers must match.
         kvstore_address: host:port of a kvstore service, or None.
+        internal_token: the stack's shared secret (`cleave.rpc.auth`), sent on calls to decode
+            workers and the kvstore and on bulk KV connections; None: sent nowhere.
         store_backlog_bytes: host bytes of background kvstore puts in flight at most; a
             prompt that would exceed it is not stored (counted in `num_kvstore_puts_skipped`).
+        layer_streaming: "auto" streams KV layer by layer during the forward over CUDA IPC,
+            "on" over any transport (tests, TCP on CPU), "off" never.
     """
 
     def __init__(
@@ -97,15 +113,21 @@ class EnginePrefillBackend:
         model_id: str,
         kvstore_address: str | None = None,
         store_backlog_bytes: int = STORE_BACKLOG_BYTES,
+        layer_streaming: LayerStreaming = "auto",
+        internal_token: str | None = None,
     ) -> None:
+        if layer_streaming not in LAYER_STREAMING_MODES:
+            raise ValueError(f"layer_streaming must be one of {', '.join(LAYER_STREAMING_MODES)}, "
+                             f"not {layer_streaming!r}")
         self.engine_config = replace(engine_config, detokenize=False)  # token ids are all it returns
         self.worker_id = worker_id
         self.model_id = model_id
         self.kvstore_address = kvstore_address
+        self._internal_token = internal_token  # sent on calls to decode workers and the kvstore
         self.engine: LLMEngine | None = None
         self.async_engine: AsyncEngine | None = None
         self.layout: KVLayout | None = None
-        self.transfers = KVTransferClient()
+        self.transfers = KVTransferClient(internal_token)
         self.negotiator: TransportNegotiator | None = None
         self.kvstore: KVStorePrefix | None = None
         self.counters = PrefillCounters()
@@ -115,8 +137,10 @@ class EnginePrefillBackend:
         self._store_backlog = 0  # bytes of the puts in `_stores`
         self._tables: dict[str, list[int]] = {}  # request id -> prompt blocks, read on the step thread
         self._releases: set[asyncio.Task[None]] = set()  # block releases after a response went out
-        self.decode_links = DecodeLinks()
+        self.decode_links = DecodeLinks(internal_token)
         self._handoffs: set[asyncio.Future] = set()  # Start / Abort calls on decode workers
+        self.layer_streaming = layer_streaming
+        self.layer_streams: LayerStreams | None = None  # set at start() unless streaming is off
 
     async def start(self) -> None:
         self.engine = await load_engine(self.engine_config)
@@ -125,10 +149,14 @@ class EnginePrefillBackend:
         nccl = device_nccl(device)
         self.negotiator = TransportNegotiator(
             self.worker_id, local_endpoint(device, nccl_available=nccl is not None), self.layout,
-            self.transfers, nccl=nccl)
+            self.transfers, nccl=nccl, call=grpc_handshake(HANDSHAKE_TIMEOUT_S, self._internal_token))
+        if self.layer_streaming != "off":
+            cache = self.engine.kv_cache
+            self.layer_streams = LayerStreams(asyncio.get_running_loop(), cache.shape[0], cache.device)
+            self.engine.watch_layers = self.layer_streams.watch  # before the step thread starts
         self.async_engine = AsyncEngine(self.engine, on_step=self._keep_block_tables)
         if self.kvstore_address:
-            client = KVStoreClient(self.kvstore_address, client_id=self.worker_id)
+            client = KVStoreClient(self.kvstore_address, client_id=self.worker_id, internal_token=self._internal_token)
             await client.connect(self.layout)
             self.kvstore = KVStorePrefix(client, self.engine, self.async_engine)
 
@@ -183,11 +211,16 @@ class EnginePrefillBackend:
         if spec.decode is not None:
             handoff = DecodeHandoff(self.decode_links, spec, self.worker_id, self._spawn_handoff)
             handoff.admit()  # the decode worker reserves while the prompt runs
+        opening = self._open_layer_stream(request_id, spec.destination or handoff, len(prompt))
         fetch = NO_FETCH
         handed_off = False  # the background store releases the blocks from then on
+        stream: LayerStream | None = None
         try:
             fetch = await self._fetch_prefix(request_id, prompt)
+            if opening is not None and spec.destination is not None:
+                await asyncio.wait({opening})  # a known destination streams from the first step on
             first_tokens, first_logprobs, num_cached = await self._run_prefill(async_engine, request_id, prompt, spec)
+            stream = await self._take_layer_stream(request_id, opening)
             table = self._tables.pop(request_id, None)
             if table is None:  # not kept by the step (e.g. an engine without the hook)
                 table = await async_engine.call(lambda e: e.handoff.export(request_id))
@@ -198,8 +231,10 @@ class EnginePrefillBackend:
                 self._check_destination(destination, len(prompt))
             transfer = None
             if destination is not None:
-                with span("prefill.kv_send", num_blocks=len(table)):
-                    transfer = await self._send(destination, table)
+                streamed = stream is not None and stream.is_claimed
+                with span("prefill.kv_send", num_blocks=len(table), layer_streamed=streamed):
+                    sending, stream = stream, None  # `_send` closes it
+                    transfer = await self._send(destination, table, sending)
             if handoff is not None:
                 handoff.start(first_tokens, first_logprobs)
             if spec.store_to_kvstore and self.kvstore is not None:
@@ -207,6 +242,10 @@ class EnginePrefillBackend:
         except BaseException:
             if handoff is not None:
                 handoff.abort()
+            if stream is None:
+                stream = await asyncio.shield(self._take_layer_stream(request_id, opening, cancel=True))
+            if stream is not None:  # no copy may read the blocks once they are released
+                await asyncio.shield(stream.close())
             if not handed_off:
                 await asyncio.shield(self._cleanup(request_id))
             raise
@@ -287,22 +326,76 @@ class EnginePrefillBackend:
         self.counters.num_kvstore_blocks_loaded += fetch.num_loaded_blocks
         return fetch
 
-    async def _send(self, handle: TransferHandle, table: list[int]) -> TransferStats:
-        assert self.engine is not None and self.negotiator is not None
-        await self.negotiator.prepare(handle)  # once per decode worker; this handle's transport stands
-        sender = await self.transfers.open(handle)
-        try:
+    async def _send(self, handle: TransferHandle, table: list[int], stream: LayerStream | None = None) -> TransferStats:
+        """The prompt's KV into the handle's blocks: the layers a claimed `stream` sent during
+        the step (waits for its verdict), else all layers now (with the stream's sender when
+        one was opened too late to be claimed). Closes the sender."""
+        assert self.engine is not None
+        if stream is not None and stream.is_claimed:
+            close = stream.close
+            if stream.block_ids != table:
+                await asyncio.shield(close())
+                raise FailedPrecondition(f"the layers were sent from blocks {stream.block_ids} but the prompt's KV "
+                                         f"is in {table}; this is a bug in the prefill worker")
+            sending = stream.result()
+        else:
+            sender = stream.sender if stream is not None else await self._open_sender(handle)
+            close = sender.close
             # "complete": the step that wrote this KV returned its sampled tokens to the
             # host, so its device work is done; the copy starts at once on the transfer's
             # own stream instead of queueing behind the engine's next step.
-            return await sender.send_all(self.engine.kv_cache, table, ready="complete")
+            sending = sender.send_all(self.engine.kv_cache, table, ready="complete")
+        try:
+            return await sending
         except (OSError, asyncio.IncompleteReadError) as error:  # the bulk connection broke
             raise Unavailable(
                 f"the KV transfer to decode worker {handle.worker_id or handle.address} broke mid-transfer "
                 f"({type(error).__name__}: {error}); its blocks were freed, retry", field="decode") from None
         finally:
             # No queued copy may still read these blocks once they are released.
-            await asyncio.shield(sender.close())
+            await asyncio.shield(close())
+
+    async def _open_sender(self, handle: TransferHandle) -> KVSender:
+        assert self.negotiator is not None
+        await self.negotiator.prepare(handle)  # once per decode worker; this handle's transport stands
+        return await self.transfers.open(handle)
+
+    def _open_layer_stream(
+        self, request_id: str, destination: TransferHandle | DecodeHandoff | None, num_prompt_tokens: int
+    ) -> asyncio.Task[None] | None:
+        """Start opening the request's layer stream (None: streaming is off or there is no
+        destination); see `_offer_layer_stream`."""
+        if self.layer_streams is None or destination is None:
+            return None
+        return asyncio.ensure_future(self._offer_layer_stream(request_id, destination, num_prompt_tokens))
+
+    async def _offer_layer_stream(
+        self, request_id: str, destination: TransferHandle | DecodeHandoff, num_prompt_tokens: int
+    ) -> None:
+        """Once the destination is known, open its sender and offer the stream to the step
+        that runs the prompt's final chunk. Any error leaves the KV to the send after the
+        step, which meets the error again and reports it."""
+        assert self.engine is not None and self.layer_streams is not None
+        try:
+            handle = destination if isinstance(destination, TransferHandle) else await destination.reserved()
+            if self.layer_streaming == "auto" and handle.transport is not TransportKind.CUDA_IPC:
+                return  # TCP and NCCL: sent after the step
+            self._check_destination(handle, num_prompt_tokens)
+            sender = await self._open_sender(handle)
+        except Exception as error:  # reported by the send after the step
+            log.debug("no layer stream; the KV goes after the step", request_id=request_id, error=str(error))
+            return
+        self.layer_streams.offer(request_id, LayerStream(sender, self.engine.kv_cache))
+
+    async def _take_layer_stream(self, request_id: str, opening: asyncio.Task[None] | None,
+                                 cancel: bool = False) -> LayerStream | None:
+        """Withdraw the request's stream once its opening settled (claimed by the step or not)."""
+        if opening is None or self.layer_streams is None:
+            return None
+        if cancel:
+            opening.cancel()
+        await asyncio.wait({opening})
+        return self.layer_streams.take(request_id)
 
     def _store_in_background(self, request_id: str, prompt: list[int], table: list[int], fetch: PrefixFetch) -> bool:
         """Start the put (it then owns the prompt's blocks) unless the backlog is full."""

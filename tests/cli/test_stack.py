@@ -14,10 +14,11 @@ from cleave.cli.main import build_parser
 
 
 class FakeProcess:
-    """Records the command; exits at once when signalled."""
+    """Records the command and environment; exits at once when signalled."""
 
     def __init__(self, command: list[str], **kwargs: object) -> None:
         self.command = command
+        self.env = kwargs.get("env")
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -121,3 +122,34 @@ def test_gateway_replicas_share_the_first_ones_port_under_their_own_ids(started)
 def test_one_gateway_does_not_share_its_port(started):
     commands = started(StackSpec(model=Path("/m")))
     assert "--share-port" not in commands["gateway"] and "--gateway-id" not in commands["gateway"]
+
+
+def test_every_child_gets_the_stacks_token_in_its_environment_never_on_its_command_line(monkeypatch, tmp_path):
+    monkeypatch.setattr(_stack.subprocess, "Popen", FakeProcess)
+    monkeypatch.setattr(ProcessStack, "_wait_healthy", lambda self, children, timeout_s: None)
+    monkeypatch.setenv("CLEAVE_INTERNAL_TOKEN_FILE", "/elsewhere/token")  # would give the children another secret
+    stacks = [ProcessStack(StackSpec(model=Path("/m"), num_gateways=2), tmp_path / f"stack-{i}") for i in range(2)]
+    for stack in stacks:
+        stack.start()
+        stack.stop()
+    first, second = stacks
+    assert first.internal_token != second.internal_token and len(first.internal_token) >= 32  # one per stack
+    assert first.internal_token not in repr(first)
+    names = [child.name for child in first.children]
+    assert names == ["kvstore", "prefill-0", "decode-0", "gateway", "gateway-1"]
+    for child in first.children:
+        env = child.process.env
+        assert env["CLEAVE_INTERNAL_TOKEN"] == first.internal_token, child.name
+        assert "CLEAVE_INTERNAL_TOKEN_FILE" not in env and env["PYTHONUNBUFFERED"] == "1"
+        assert not any(first.internal_token in arg for arg in child.process.command), child.name
+        assert "--internal-token-file" not in child.process.command
+
+
+def test_a_childs_environment_parses_to_the_stacks_token(tmp_path):
+    from cleave.config import gateway_config, kvstore_config, worker_config
+
+    stack = ProcessStack(StackSpec(model=Path("/m")), tmp_path)
+    env = stack.child_env({"HOME": "/root"})
+    assert env["HOME"] == "/root"
+    for config in (gateway_config([], env), worker_config("decode", [], env), kvstore_config([], env)):
+        assert config.service.internal_token == stack.internal_token

@@ -95,12 +95,12 @@ async def test_streams_survive_a_killed_decode_worker(two_decode_stack, e2e_mode
     assert victim.process.wait(timeout=5) == -9
     migrated = [line for line in gateway_log_lines(stack) if "request migrated" in line]
     assert migrated, f"no request moved (streams' tokens at the kill: {tokens_at_kill})"
-    load = await _load(survivor)
+    load = await _load(survivor, stack.internal_token)
     assert (load.num_running, load.num_free_blocks) == (0, load.num_total_blocks)
 
 
-async def _load(worker) -> common_pb2.WorkerLoad:  # type: ignore[no-untyped-def]
-    async with aio_channel(worker.address) as channel:
+async def _load(worker, internal_token: str) -> common_pb2.WorkerLoad:  # type: ignore[no-untyped-def]
+    async with aio_channel(worker.address, internal_token=internal_token) as channel:
         return (await decode_pb2_grpc.DecodeStub(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=5)).load
 
 

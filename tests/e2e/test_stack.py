@@ -12,7 +12,14 @@ from cleave.client import GatewayClient
 from cleave.client.gateway import collect
 from cleave.engine.llm import LLM
 from cleave.engine.sampling_params import SamplingParams
-from cleave.proto.cleave.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, kvstore_pb2, kvstore_pb2_grpc
+from cleave.proto.cleave.v1 import (
+    common_pb2,
+    decode_pb2_grpc,
+    gateway_pb2,
+    kvstore_pb2,
+    kvstore_pb2_grpc,
+    prefill_pb2_grpc,
+)
 from cleave.rpc import aio_channel
 from tests.e2e.conftest import NUM_KV_BLOCKS
 
@@ -40,7 +47,7 @@ async def _decode_loads(stack) -> list[common_pb2.WorkerLoad]:
     loads = []
     for child in stack.children:
         if child.name.startswith("decode"):
-            async with aio_channel(child.address) as channel:
+            async with aio_channel(child.address, internal_token=stack.internal_token) as channel:
                 response = await decode_pb2_grpc.DecodeStub(channel).GetLoad(common_pb2.GetLoadRequest())
                 loads.append(response.load)
     return loads
@@ -48,7 +55,7 @@ async def _decode_loads(stack) -> list[common_pb2.WorkerLoad]:
 
 async def _kvstore_stats(stack) -> kvstore_pb2.StatsResponse:
     kvstore = next(child for child in stack.children if child.name == "kvstore")
-    async with aio_channel(kvstore.address) as channel:
+    async with aio_channel(kvstore.address, internal_token=stack.internal_token) as channel:
         return await kvstore_pb2_grpc.KVStoreStub(channel).Stats(kvstore_pb2.StatsRequest())
 
 
@@ -89,3 +96,25 @@ async def test_cancelled_streams_free_their_blocks(process_stack):
                 break
             await asyncio.sleep(0.1)
     assert all(load.num_free_blocks == load.num_total_blocks and load.num_running == 0 for load in loads), loads
+
+
+
+def _internal_call(child, channel):  # type: ignore[no-untyped-def]
+    """One call on a stack child that only other services of the stack may make."""
+    if child.name == "kvstore":
+        return kvstore_pb2_grpc.KVStoreStub(channel).Stats(kvstore_pb2.StatsRequest())
+    stub_class = decode_pb2_grpc.DecodeStub if child.name.startswith("decode") else prefill_pb2_grpc.PrefillStub
+    return stub_class(channel).GetLoad(common_pb2.GetLoadRequest())
+
+
+async def test_workers_and_kvstore_refuse_callers_without_the_stacks_token(process_stack):
+    internal = [child for child in process_stack.children if not child.name.startswith("gateway")]
+    assert {child.name for child in internal} >= {"kvstore", "decode-0"}
+    for child in internal:
+        for token in (None, "guess"):
+            async with aio_channel(child.address, internal_token=token) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await _internal_call(child, channel)
+                assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED, (child.name, token)
+        async with aio_channel(child.address, internal_token=process_stack.internal_token) as channel:
+            await _internal_call(child, channel)

@@ -12,7 +12,8 @@ from cleave.config import DEFAULT_MAX_MESSAGE_BYTES, gateway_config, kvstore_con
 def test_defaults():
     config = gateway_config([], {})
     assert config.service.listen == "0.0.0.0:50051"
-    assert config.service.rpc.max_message_bytes == DEFAULT_MAX_MESSAGE_BYTES == 256 * 1024 * 1024
+    # the gateway takes prompts, not KV: a lower limit than the workers' (see test_input_limits)
+    assert config.service.rpc.max_message_bytes == 32 * 1024 * 1024 < DEFAULT_MAX_MESSAGE_BYTES == 256 * 1024 * 1024
     assert config.http_listen == "0.0.0.0:8000" and config.mode == "disaggregated"
     assert config.prefill_addresses == () and config.service.log_json is None
 
@@ -49,7 +50,8 @@ def test_bad_store_to_kvstore_variable_exits_naming_it():
 def test_worker_and_kvstore_configs():
     worker = worker_config("decode", ["--num-kv-blocks", "512", "--kvstore", "kv:50081"], {"CLEAVE_DEVICE": "cpu"})
     assert (worker.service.listen, worker.device, worker.num_kv_blocks, worker.kvstore_address) == (
-        "0.0.0.0:50071", "cpu", 512, "kv:50081")
+        "127.0.0.1:50071", "cpu", 512, "kv:50081")  # internal services default to loopback
+    assert worker.kv_listen == "127.0.0.1:0"
     store = kvstore_config(["--disk-path", "/data/kv"], {"CLEAVE_RAM_BYTES": "1024"})
     assert (store.ram_bytes, store.disk_path) == (1024, Path("/data/kv"))
 
@@ -61,3 +63,35 @@ def test_worker_and_kvstore_configs():
 def test_invalid_values_exit_with_a_message(argv, env):
     with pytest.raises(SystemExit):
         worker_config("prefill", argv, env)
+
+
+def test_internal_token_from_environment_or_file_and_hidden_from_repr(tmp_path):
+    assert worker_config("decode", [], {}).service.internal_token is None  # auth off
+    config = kvstore_config([], {"CLEAVE_INTERNAL_TOKEN": "from-env"})
+    assert config.service.internal_token == "from-env" and "from-env" not in repr(config)
+    token_file = tmp_path / "token"
+    token_file.write_text("from-file\n")
+    argv = ["--internal-token-file", str(token_file)]
+    assert worker_config("prefill", argv, {"CLEAVE_INTERNAL_TOKEN": "from-env"}).service.internal_token == "from-file"
+    assert gateway_config([], {"CLEAVE_INTERNAL_TOKEN_FILE": str(token_file)}).service.internal_token == "from-file"
+    token_file.write_text("")
+    with pytest.raises(SystemExit, match="is empty"):
+        worker_config("decode", argv, {})
+    with pytest.raises(SystemExit, match="cannot read"):
+        worker_config("decode", ["--internal-token-file", str(tmp_path / "missing")], {})
+
+
+def test_api_key_from_flag_or_environment_off_when_unset():
+    assert gateway_config([], {}).api_key is None
+    assert gateway_config([], {"CLEAVE_API_KEY": ""}).api_key is None  # compose passes an empty one
+    config = gateway_config([], {"CLEAVE_API_KEY": "sk-env"})
+    assert config.api_key == "sk-env" and "sk-env" not in repr(config)
+    assert gateway_config(["--api-key", "sk-flag"], {"CLEAVE_API_KEY": "sk-env"}).api_key == "sk-flag"
+
+
+def test_internal_services_listen_on_loopback_by_default_the_gateway_everywhere():
+    assert kvstore_config([], {}).service.listen == "127.0.0.1:50081"
+    assert worker_config("prefill", [], {}).service.listen == "127.0.0.1:50061"
+    assert worker_config("decode", [], {}).kv_listen == "127.0.0.1:0"
+    assert gateway_config([], {}).service.listen == "0.0.0.0:50051"
+    assert worker_config("decode", ["--listen", "0.0.0.0:50071"], {}).service.listen == "0.0.0.0:50071"

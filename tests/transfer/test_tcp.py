@@ -9,7 +9,7 @@ import struct
 import pytest
 import torch
 
-from cleave.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from cleave.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from cleave.proto.cleave.v1 import common_pb2
 from cleave.rpc.types import KVLayout
 from cleave.transfer import KVReceiver, KVTransferClient
@@ -266,3 +266,42 @@ async def test_send_layers_sends_a_run_and_refuses_it_twice(receiver, client):
     await sender.finish(timeout_s=5)
     await pending.wait()
     assert torch.equal(receiver.kv_cache[:, :, [0, 5, 3]].view(torch.int16), src[:, :, [2, 3, 4]].view(torch.int16))
+
+
+@pytest.mark.parametrize("sender_token", [None, "guess"], ids=["no-token", "wrong-token"])
+async def test_a_receiver_with_an_internal_token_refuses_senders_without_it(sender_token):
+    receiver = KVReceiver(torch.zeros(L, 2, 16, BS, H, D), internal_token="s3cret")
+    await receiver.start()
+    outsider, insider = KVTransferClient(sender_token), KVTransferClient("s3cret")
+    try:
+        src = cache(4, torch.float32, seed=5)
+        forged = receiver.expect("t-forged", [1, 2], timeout_s=10)
+        sender = await outsider.open(forged.handle)
+        with pytest.raises(Unavailable, match="closed the connection"):  # before any chunk is read
+            await sender.send_all(src, [0, 1])
+            await sender.finish(timeout_s=5)
+        assert not forged.done and torch.count_nonzero(receiver.kv_cache) == 0
+        # the same transfer, sent with the token, lands
+        sender = await insider.open(forged.handle)
+        await sender.send_all(src, [0, 1])
+        await forged.wait()
+        assert torch.equal(receiver.kv_cache[:, :, [1, 2]], src[:, :, [0, 1]])
+    finally:
+        await outsider.close()
+        await insider.close()
+        await receiver.close()
+
+
+async def test_a_refused_connection_is_told_why():
+    receiver = KVReceiver(torch.zeros(L, 2, 4, BS, H, D), internal_token="s3cret")
+    await receiver.start()
+    host, _, port = receiver.address.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(framing.encode_hello("guess"))
+        reply = await framing.read_reply(reader)
+        assert "internal token is wrong" in reply.message and "CLEAVE_INTERNAL_TOKEN" in reply.message
+        assert await reader.read() == b""  # then closed
+    finally:
+        writer.close()
+        await receiver.close()

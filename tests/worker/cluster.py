@@ -1,8 +1,10 @@
-"""In-process prefill, decode and kvstore servers on ephemeral ports, as a gateway sees them."""
+"""In-process prefill, decode and kvstore servers on ephemeral ports, as a gateway sees them:
+each asks for the internal token (`INTERNAL_TOKEN`), which the stubs and the prefill worker send."""
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,7 @@ from cleave.proto.cleave.v1 import common_pb2 as c
 from cleave.proto.cleave.v1 import decode_pb2 as d
 from cleave.proto.cleave.v1 import decode_pb2_grpc, kvstore_pb2_grpc, prefill_pb2_grpc
 from cleave.rpc import aio_channel, serve
+from cleave.rpc.auth import internal_auth
 from services.decode.__main__ import registration as decode_registration
 from services.decode.engine_backend import EngineDecodeBackend
 from services.decode.servicer import DecodeServicer
@@ -28,6 +31,7 @@ from services.prefill.servicer import PrefillServicer
 MODEL_ID = "tiny"
 ENGINE_ARGS: dict[str, Any] = dict(device="cpu", dtype="float32", block_size=4, num_blocks=65, max_model_len=256)
 GATEWAY = "gw-1"
+INTERNAL_TOKEN = secrets.token_urlsafe(16)
 
 
 def engine_config(path: Path, **overrides: Any):
@@ -51,21 +55,21 @@ class Running:
 
 async def _run(registration, backend, stub_class) -> Running:
     await backend.start()
-    server = await serve([registration], "127.0.0.1:0", handle_signals=False)
+    server = await serve([registration], "127.0.0.1:0", handle_signals=False, auth=internal_auth(INTERNAL_TOKEN))
     await server.set_ready()
-    channel = aio_channel(server.address)
+    channel = aio_channel(server.address, internal_token=INTERNAL_TOKEN)
     return Running(server, backend, channel, stub_class(channel))
 
 
 async def start_decode(path: Path, transfer_timeout_s: float = 10.0, **overrides: Any) -> Running:
     backend = EngineDecodeBackend(engine_config(path, **overrides), worker_id="decode-0", model_id=MODEL_ID,
-                                  transfer_timeout_s=transfer_timeout_s)
+                                  transfer_timeout_s=transfer_timeout_s, internal_token=INTERNAL_TOKEN)
     return await _run(decode_registration(DecodeServicer(backend)), backend, decode_pb2_grpc.DecodeStub)
 
 
 async def start_prefill(path: Path, kvstore: str | None = None, **overrides: Any) -> Running:
     backend = EnginePrefillBackend(engine_config(path, **overrides), worker_id="prefill-0", model_id=MODEL_ID,
-                                   kvstore_address=kvstore)
+                                   kvstore_address=kvstore, internal_token=INTERNAL_TOKEN)
     return await _run(prefill_registration(PrefillServicer(backend, MODEL_ID)), backend, prefill_pb2_grpc.PrefillStub)
 
 

@@ -6,22 +6,27 @@ parallel after the kvstore, the gateway last (it routes only to healthy workers)
 sends SIGTERM to every child (gateway first), waits for them to drain and kills stragglers.
 Each child's output goes to `<workdir>/<name>.log`; with `StackSpec.trace_dir` each child
 also writes its trace spans to `<trace_dir>/<name>.jsonl` (`bench/hops.py` reads them).
+Every stack makes its own random internal token (`cleave.rpc.auth`) and hands it to each
+child in its environment (CLEAVE_INTERNAL_TOKEN), never on the command line, which `ps` shows.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
 
 from cleave.cli._memory_split import DEFAULT_GPU_MEMORY_UTILIZATION, MemorySplit, PlacedWorker, memory_shares
 from cleave.cli.health import EXIT_SERVING, check
+from cleave.config import INTERNAL_TOKEN_ENV
 
 DEFAULT_CPU_KV_BLOCKS = 1024
 
@@ -88,6 +93,9 @@ class ProcessStack:
     workdir: Path
     children: list[Child] = field(default_factory=list)
     http_port: int | None = None
+    # the secret the stack's services send each other; a caller of a worker or the kvstore
+    # (tests, benchmarks) passes it to `aio_channel(..., internal_token=)`
+    internal_token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     @property
     def gateway(self) -> Child:
@@ -110,12 +118,18 @@ class ProcessStack:
                    "--log-level", self.spec.log_level, "--no-log-json", *args]
         if self.spec.trace_dir is not None:
             command += ["--trace-file", str(self.spec.trace_dir / f"{name}.jsonl")]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = self.child_env(os.environ)
         # own session: a terminal's Ctrl-C reaches only `cleave up`, which stops the children in order
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         child = Child(name, process, port_file, log_path, log)
         self.children.append(child)
         return child
+
+    def child_env(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """A child's environment: `environ` with this stack's internal token (a token file
+        named there would give the children another secret than the stack's)."""
+        env = {key: value for key, value in environ.items() if key != f"{INTERNAL_TOKEN_ENV}_FILE"}
+        return {**env, "PYTHONUNBUFFERED": "1", INTERNAL_TOKEN_ENV: self.internal_token}
 
     def _wait_healthy(self, children: list[Child], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 import tempfile
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 from cleave.cli._memory_split import DEFAULT_GPU_MEMORY_UTILIZATION, MemorySplit
+from cleave.config import API_KEY_ENV
 
 DEMO_MAX_TOKENS = 256
 
@@ -24,9 +26,9 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-async def demo(address: str, out=sys.stdout) -> str:  # type: ignore[no-untyped-def]
+async def demo(address: str, out=sys.stdout, api_key: str | None = None) -> str:  # type: ignore[no-untyped-def]
     """Ask one held-out arithmetic question; stream reasoning and answer to `out`. Returns
-    the answer text."""
+    the answer text. `api_key`: the gateway's, when it asks for one."""
     from cleave.client import GatewayClient
     from cleave.tasks.arithmetic import format_prompt, heldout_problems
 
@@ -34,7 +36,7 @@ async def demo(address: str, out=sys.stdout) -> str:  # type: ignore[no-untyped-
     print(f"\n> {format_prompt(problem)}", file=out)
     answer: list[str] = []
     section = ""
-    async with GatewayClient(address) as client:
+    async with GatewayClient(address, api_key=api_key) as client:
         async for response in client.generate(format_prompt(problem), max_tokens=DEMO_MAX_TOKENS, temperature=0.0):
             for sample in response.samples:
                 for name, text in (("reasoning", sample.reasoning_text), ("answer", sample.text)):
@@ -88,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
         if stack.http_url:
             print(f"  OpenAI HTTP:  {stack.http_url}", flush=True)
         if args.demo:
-            asyncio.run(demo(stack.gateway_address))
+            # the gateway inherited CLEAVE_API_KEY, if it is set: the demo sends the same key
+            asyncio.run(demo(stack.gateway_address, api_key=os.environ.get(API_KEY_ENV) or None))
             return 0
         print("press Ctrl-C to stop", flush=True)
         while not stack.exited():

@@ -75,11 +75,12 @@ def build_request(
 
 
 class GatewayClient:
-    """An asyncio client of one gateway (host:port)."""
+    """An asyncio client of one gateway (host:port); `api_key`: the gateway's --api-key,
+    sent as `authorization: Bearer <key>` on every call (None: the gateway asks for none)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, api_key: str | None = None) -> None:
         self.address = address
-        self.channel = aio_channel(address)
+        self.channel = aio_channel(address, api_key=api_key)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
     async def __aenter__(self) -> "GatewayClient":

@@ -152,6 +152,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_without_gil(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`encode` through the batch API, which releases the GIL while the Rust tokenizer runs
+        (`encode` holds it): a long text tokenized in a worker thread leaves the event loop's
+        thread running."""
+        return self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         # transformers skips this clean-up for BPE models because it corrupts their output

@@ -1,11 +1,13 @@
 """Client-side helpers: channels with the same message limits as cleave servers, carrying
-the caller's trace context (`cleave.rpc.client_tracing`)."""
+the caller's trace context (`cleave.rpc.client_tracing`) and, when given, the internal token
+or API key (`cleave.rpc.auth`)."""
 
 from __future__ import annotations
 
 import grpc
 
 from cleave.config import DEFAULT_MAX_MESSAGE_BYTES
+from cleave.rpc.auth import call_metadata, metadata_interceptors
 from cleave.rpc.client_tracing import TRACE_INTERCEPTORS
 
 
@@ -18,10 +20,16 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
 
 
 def aio_channel(
-    address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    address: str,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    *,
+    internal_token: str | None = None,
+    api_key: str | None = None,
 ) -> grpc.aio.Channel:
     """An insecure grpc.aio channel to a cleave service at host:port; calls made inside a
-    traced request send its `traceparent`."""
+    traced request send its `traceparent`, and every call sends `internal_token` (calls
+    between cleave services) or `api_key` (a client of the gateway) when given."""
+    secrets = metadata_interceptors(call_metadata(internal_token, api_key))
     return grpc.aio.insecure_channel(
-        address, options=channel_options(max_message_bytes), interceptors=TRACE_INTERCEPTORS
+        address, options=channel_options(max_message_bytes), interceptors=[*TRACE_INTERCEPTORS, *secrets]
     )

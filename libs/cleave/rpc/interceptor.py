@@ -1,7 +1,8 @@
 """The server interceptor every cleave service runs: request ids, traces, call logs, error mapping.
 
 For each call it takes the `x-request-id` metadata (or makes one), binds it (and the method)
-into structlog's context variables for every log line the call produces, starts the call's
+into structlog's context variables for every log line the call produces, checks the caller's
+secret when the server asks for one (`cleave.rpc.auth`: UNAUTHENTICATED otherwise), starts the call's
 SERVER span under the caller's `traceparent` (`cleave.tracing`; a malformed one fails the
 call with INVALID_ARGUMENT naming it), runs the handler with that span current, maps a
 raised exception to a real status code (`cleave.rpc.errors`), returns the request id in the
@@ -21,6 +22,7 @@ from typing import Any, NoReturn
 import grpc
 import structlog
 
+from cleave.rpc.auth import MetadataAuth
 from cleave.rpc.errors import ERROR_DETAIL_KEY, map_exception
 from cleave.tracing import NOOP_SERVER_SPAN, TRACEPARENT, TRACESTATE, TRACING_OFF, Tracing
 
@@ -46,9 +48,11 @@ class _Call:
     """Per-call state: ids, timing, and the outcome to log."""
 
     def __init__(
-        self, method: str, request_id: str, trace_headers: tuple[str | None, str | None], tracing: Tracing
+        self, method: str, request_id: str, trace_headers: tuple[str | None, str | None], tracing: Tracing,
+        authenticate: Callable[[], None] = lambda: None,
     ) -> None:
         self.method = method
+        self.authenticate = authenticate  # raises Unauthenticated; call inside the handler's try
         self.request_id = request_id
         self.started = time.perf_counter()
         quiet = method.startswith(_QUIET_PREFIXES)
@@ -112,6 +116,7 @@ def _unary_response(behavior: Callable[..., Awaitable[Any]], call_for: Callable[
         call = call_for()
         with call.bind():
             try:
+                call.authenticate()
                 call.start_span()
                 response = await behavior(request, context)
             except BaseException as exc:  # noqa: BLE001 - mapped to a status, then re-raised
@@ -127,6 +132,7 @@ def _stream_response(behavior: Callable[..., Any], call_for: Callable[[], _Call]
         call = call_for()
         with call.bind():
             try:
+                call.authenticate()
                 call.start_span()
                 result = behavior(request, context)
                 if hasattr(result, "__aiter__"):
@@ -146,10 +152,13 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
 
     Args:
         tracing: where server spans go (`cleave.tracing.setup_tracing`); off by default.
+        auth: the secret every call but health and reflection must carry (`cleave.rpc.auth`);
+            None: calls are not authenticated.
     """
 
-    def __init__(self, tracing: Tracing = TRACING_OFF) -> None:
+    def __init__(self, tracing: Tracing = TRACING_OFF, auth: MetadataAuth | None = None) -> None:
         self.tracing = tracing
+        self.auth = auth
 
     async def intercept_service(
         self,
@@ -165,9 +174,14 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         request_id = str(request_id) if request_id else uuid.uuid4().hex
         trace_headers = (_metadata_value(metadata, TRACEPARENT), _metadata_value(metadata, TRACESTATE))
         tracing = self.tracing
+        auth = self.auth
+
+        def authenticate() -> None:
+            if auth is not None:
+                auth.check(method, metadata)
 
         def call_for() -> _Call:
-            return _Call(method, request_id, trace_headers, tracing)
+            return _Call(method, request_id, trace_headers, tracing, authenticate)
 
         kwargs = {
             "request_deserializer": handler.request_deserializer,

@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cleave.config import RpcConfig, ServiceConfig
+from cleave.rpc.auth import MetadataAuth
 from cleave.rpc.client import channel_options
 from cleave.rpc.interceptor import RequestInterceptor
 from cleave.tracing import TRACING_OFF, Tracing
@@ -125,16 +126,19 @@ async def serve(
     handle_signals: bool = True,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     tracing: Tracing = TRACING_OFF,
+    auth: MetadataAuth | None = None,
 ) -> Server:
     """Start a gRPC server with health, reflection and the request interceptor.
 
     The server starts NOT_SERVING; call `Server.set_ready()` once the service can take
     traffic. Port 0 in `address` binds a free port, reported as `Server.port`. Every call
-    gets a server span in `tracing` (`cleave.tracing.setup_tracing`).
+    gets a server span in `tracing` (`cleave.tracing.setup_tracing`). With `auth`
+    (`cleave.rpc.auth.internal_auth`, `api_key_auth`) every call but health and reflection
+    must carry its secret, or ends UNAUTHENTICATED.
     """
     host = _split_host(address)
     server = grpc.aio.server(
-        interceptors=[RequestInterceptor(tracing), *interceptors],
+        interceptors=[RequestInterceptor(tracing, auth), *interceptors],
         # With SO_REUSEPORT a second process "binds" a port that is in use and the kernel
         # splits connections between the two: only replicas that mean to share ask for it.
         options=[*channel_options(config.max_message_bytes), ("grpc.so_reuseport", int(config.share_port))],
@@ -187,12 +191,14 @@ async def run_service(
     *,
     on_listening: Callable[[str], None] | None = None,
     tracing: Tracing = TRACING_OFF,
+    auth: MetadataAuth | None = None,
 ) -> None:
     """A service process's life: listen, write the port file, start the backend, report
     SERVING, serve until SIGTERM/SIGINT, drain, shut the backend down. `on_listening` gets
     the bound host:port before the backend starts (a decode worker puts it in its handles);
-    `tracing` gets a server span per call."""
-    server = await serve(services, config.listen, config.rpc, tracing=tracing)
+    `tracing` gets a server span per call; `auth` checks every call's secret (the gateway's
+    API key; internal services pass `internal_auth(config.internal_token)`)."""
+    server = await serve(services, config.listen, config.rpc, tracing=tracing, auth=auth)
     if on_listening is not None:
         on_listening(server.address)
     if config.port_file is not None:

@@ -46,12 +46,16 @@ class BulkConnection:
         self._reader_task = asyncio.ensure_future(self._read_results())
 
     @classmethod
-    async def open(cls, address: str, timeout_s: float = 10.0) -> BulkConnection:
+    async def open(cls, address: str, timeout_s: float = 10.0, internal_token: str | None = None) -> BulkConnection:
+        """Connect; with `internal_token` the connection opens with it (`framing.encode_hello`),
+        written ahead of the first chunk."""
         host, _, port = address.rpartition(":")
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
         except (OSError, asyncio.TimeoutError) as exc:
             raise Unavailable(f"cannot reach the KV receiver at {address}: {exc}") from None
+        if internal_token is not None:
+            writer.write(framing.encode_hello(internal_token))
         return cls(address, reader, writer)
 
     @property

@@ -1,5 +1,8 @@
 """Frames of the bulk KV control/data socket.
 
+Sender -> receiver, first, when the stack has an internal token (`cleave.rpc.auth`):
+    b"CLVKV1" || u32 big-endian N || N bytes of the token (UTF-8); a receiver that has a token
+    closes a connection that opens otherwise.
 Sender -> receiver, one frame per chunk:
     u32 big-endian N || N bytes of `cleave.v1.KVChunkHeader` || header.byte_length raw bytes
     (TCP transport: the gathered `[2, n, BS, Hkv, D]` tensor; CUDA_IPC and NCCL transports:
@@ -17,13 +20,15 @@ import struct
 import grpc
 from google.protobuf.message import DecodeError
 
-from cleave.errors import CleaveError, InvalidArgument
+from cleave.errors import CleaveError, InvalidArgument, Unauthenticated
 from cleave.proto.cleave.v1 import common_pb2
 from cleave.rpc.errors import error_code_for
 
 MAX_FRAME_BYTES = 1 << 20  # headers hold block ids: 1 MiB is >200k blocks
 READ_SLICE_BYTES = 4 << 20
 _LENGTH = struct.Struct(">I")
+HELLO_MAGIC = b"CLVKV1"
+MAX_TOKEN_BYTES = 4096
 
 
 def encode_frame(message) -> bytes:
@@ -41,6 +46,23 @@ def verdict(transfer_id: str, error: CleaveError | None) -> common_pb2.ErrorDeta
         reply.code = error_code_for(getattr(grpc.StatusCode, error.status_code, grpc.StatusCode.UNKNOWN))
         reply.message = str(error)
     return reply
+
+
+def encode_hello(internal_token: str) -> bytes:
+    """The first bytes a sender writes on a connection: the stack's internal token."""
+    body = internal_token.encode()
+    return HELLO_MAGIC + _LENGTH.pack(len(body)) + body
+
+
+async def read_hello(reader: asyncio.StreamReader) -> bytes:
+    """The token a connection opened with (Unauthenticated when it opened with anything else)."""
+    if await reader.readexactly(len(HELLO_MAGIC)) != HELLO_MAGIC:
+        raise Unauthenticated("the bulk KV connection did not open with the internal token; start the "
+                              "sender with the same CLEAVE_INTERNAL_TOKEN as this receiver")
+    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    if length > MAX_TOKEN_BYTES:
+        raise Unauthenticated(f"internal token of {length} bytes exceeds {MAX_TOKEN_BYTES}")
+    return await reader.readexactly(length)
 
 
 async def _read_message(reader: asyncio.StreamReader, message_type):

@@ -91,8 +91,10 @@ def scatter_blocks(cache: torch.Tensor, block_ids: Sequence[int], blocks: torch.
 class KVStoreClient:
     """One connection to a KV store, bound to one layout after `connect`."""
 
-    def __init__(self, address: str, client_id: str = "", timeout_s: float = 30.0) -> None:
-        self._channel = aio_channel(address)
+    def __init__(
+        self, address: str, client_id: str = "", timeout_s: float = 30.0, internal_token: str | None = None
+    ) -> None:
+        self._channel = aio_channel(address, internal_token=internal_token)
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
         # Put's messages are wire bytes already (`encode_kv_block`): sent without a serializer.
         self._put = self._channel.stream_unary(PUT_METHOD, response_deserializer=kvstore_pb2.PutResponse.FromString)

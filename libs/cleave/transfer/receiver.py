@@ -14,18 +14,22 @@ transports that scatter), so Admit never waits for the decode engine's step.
 A transfer completes once every layer arrived; then the sender gets a result frame and
 `PendingTransfer.wait()` returns. A transfer that is not complete by its deadline fails with
 `DeadlineExceeded` (the caller frees its blocks) and later chunks for it are rejected.
+With an internal token, a connection must open with it (`framing.read_hello`) or is closed
+before any chunk is read: transfer ids are guessable, the token is not.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import socket
 import time
 from collections.abc import Sequence
 
+import structlog
 import torch
 
-from cleave.errors import CleaveError, FailedPrecondition, InvalidArgument, NotFound
+from cleave.errors import CleaveError, FailedPrecondition, InvalidArgument, NotFound, Unauthenticated
 from cleave.proto.cleave.v1 import common_pb2
 from cleave.rpc.types import KVLayout, TransferHandle, TransferStats, TransportKind
 from cleave.transfer import framing
@@ -35,6 +39,9 @@ from cleave.transfer.layout import check_layout
 from cleave.transfer.nccl import NcclCommunicator, NcclKVReceiver
 from cleave.transfer.tcp import TcpKVReceiver
 from cleave.transfer.tensors import check_kv_cache
+
+HELLO_TIMEOUT_S = 10.0  # a connection that sends no token in this time is closed
+log = structlog.get_logger("cleave.transfer")
 
 
 class PendingTransfer:
@@ -75,8 +82,10 @@ class KVReceiver:
         port: int = 0,
         advertise_host: str | None = None,
         layout: KVLayout | None = None,
+        internal_token: str | None = None,
     ) -> None:
         check_kv_cache(kv_cache)
+        self._internal_token = None if internal_token is None else internal_token.encode()
         if layout is not None:
             check_layout(layout, kv_cache)
         self.kv_cache = kv_cache
@@ -193,10 +202,30 @@ class KVReceiver:
 
     # -- connections ------------------------------------------------------------------------
 
+    async def _authenticated(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Whether the connection opened with the internal token (always, without one); a
+        refused sender gets an error frame naming why, then the connection closes."""
+        if self._internal_token is None:
+            return True
+        try:
+            token = await asyncio.wait_for(framing.read_hello(reader), HELLO_TIMEOUT_S)
+            if not hmac.compare_digest(token, self._internal_token):
+                raise Unauthenticated("the bulk KV connection's internal token is wrong; start the sender "
+                                      "with the same CLEAVE_INTERNAL_TOKEN as this receiver")
+        except (Unauthenticated, asyncio.TimeoutError) as error:
+            reason = str(error) or f"no internal token in {HELLO_TIMEOUT_S:g} s"
+            log.warning("refused a bulk KV connection", peer=str(writer.get_extra_info("peername")), reason=reason)
+            writer.write(framing.encode_frame(framing.verdict("", Unauthenticated(reason))))
+            await writer.drain()
+            return False
+        return True
+
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         self._connections[task] = writer
         try:
+            if not await self._authenticated(reader, writer):
+                return
             while True:
                 try:
                     header = await framing.read_header(reader)

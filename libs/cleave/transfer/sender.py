@@ -30,7 +30,8 @@ KVSender = BaseKVSender
 class KVTransferClient:
     """A worker's sending side: bulk connections, mapped CUDA IPC caches, NCCL peers."""
 
-    def __init__(self) -> None:
+    def __init__(self, internal_token: str | None = None) -> None:
+        self._internal_token = internal_token  # every bulk connection opens with it
         self._connections: dict[str, BulkConnection] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
         self._nccl: dict[str, NcclCommunicator] = {}
@@ -59,7 +60,8 @@ class KVTransferClient:
         async with lock:
             connection = self._connections.get(address)
             if connection is None or connection.is_closed:
-                connection = self._connections[address] = await BulkConnection.open(address)
+                connection = self._connections[address] = await BulkConnection.open(
+                    address, internal_token=self._internal_token)
             return connection
 
     async def open(self, handle: TransferHandle) -> BaseKVSender:

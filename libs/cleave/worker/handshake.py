@@ -88,11 +88,12 @@ def device_nccl(device: torch.device | str) -> DeviceNccl | None:
         return None
 
 
-def grpc_handshake(timeout_s: float) -> HandshakeCall:
-    """Calls Decode.Handshake at an address over a channel opened for that one call."""
+def grpc_handshake(timeout_s: float, internal_token: str | None = None) -> HandshakeCall:
+    """Calls Decode.Handshake at an address over a channel opened for that one call (sending
+    the internal token when there is one)."""
 
     async def call(address: str, request: decode_pb2.HandshakeRequest) -> decode_pb2.HandshakeResponse:
-        channel = aio_channel(address)
+        channel = aio_channel(address, internal_token=internal_token)
         try:
             return await decode_pb2_grpc.DecodeStub(channel).Handshake(request, timeout=timeout_s)
         finally:

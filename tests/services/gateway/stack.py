@@ -1,9 +1,11 @@
 """An in-process cleave stack for gateway tests: kvstore, prefill, decode and gateway servers
-(real servicers and engine backends) on ephemeral ports in the test's event loop."""
+(real servicers and engine backends) on ephemeral ports in the test's event loop. The internal
+servers ask for `INTERNAL_TOKEN`, as under `cleave up`; the gateway asks for `api_key` if given."""
 
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -11,6 +13,7 @@ from typing import Literal
 from cleave.config import ModelConfig
 from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cleave.rpc import Server, aio_channel, serve
+from cleave.rpc.auth import MetadataAuth, api_key_auth, internal_auth
 from services.decode.__main__ import registration as decode_registration
 from services.decode.engine_backend import EngineDecodeBackend
 from services.decode.servicer import DecodeServicer
@@ -32,6 +35,7 @@ MODEL_NAME = "tiny"
 NUM_BLOCKS = 96
 MAX_MODEL_LEN = 256
 REASONING = {"start_tag": "<think>", "end_tag": "</think>", "starts_in_reasoning": True}
+INTERNAL_TOKEN = secrets.token_urlsafe(16)
 
 
 def write_reasoning_config(model_dir: Path) -> None:
@@ -70,11 +74,12 @@ class Stack:
             await backend.shutdown()
 
 
-async def _serve(stack: Stack, registration, backend) -> Server:  # type: ignore[no-untyped-def]
+async def _serve(stack: Stack, registration, backend,  # type: ignore[no-untyped-def]
+                 auth: MetadataAuth | None = internal_auth(INTERNAL_TOKEN)) -> Server:
     if backend is not None:
         await backend.start()
         stack.backends.append(backend)
-    server = await serve([registration], "127.0.0.1:0", handle_signals=False)
+    server = await serve([registration], "127.0.0.1:0", handle_signals=False, auth=auth)
     await server.set_ready()
     stack.servers.append(server)
     return server
@@ -87,8 +92,10 @@ async def start_stack(
     health_interval_s: float = 0.2,
     max_migrations: int = GatewayOptions.max_migrations,
     policy: DisaggregationPolicy = DisaggregationPolicy(),
+    api_key: str | None = None,
 ) -> Stack:
-    """Start kvstore, prefill (not colocated), decode worker(s) and the gateway."""
+    """Start kvstore, prefill (not colocated), decode worker(s) and the gateway (asking
+    clients for `api_key` when given)."""
     stack = Stack()
     config = engine_config(model_dir)
     store = BlockStore(StoreConfig(ram_bytes=64 * 1024 * 1024))
@@ -97,14 +104,14 @@ async def start_stack(
     prefill_addresses = []
     if mode != "colocated":
         backend = EnginePrefillBackend(config, worker_id="prefill-0", model_id=MODEL_NAME,
-                                       kvstore_address=kv_server.address)
+                                       kvstore_address=kv_server.address, internal_token=INTERNAL_TOKEN)
         server = await _serve(stack, prefill_registration(PrefillServicer(backend, MODEL_NAME)), backend)
         stack.prefill.append(backend)
         prefill_addresses.append(server.address)
     decode_addresses = []
     for index in range(num_decode):
         backend = EngineDecodeBackend(config, worker_id=f"decode-{index}", model_id=MODEL_NAME,
-                                      transfer_listen="127.0.0.1:0")
+                                      transfer_listen="127.0.0.1:0", internal_token=INTERNAL_TOKEN)
         server = await _serve(stack, decode_registration(DecodeServicer(backend)), backend)
         stack.decode.append(backend)
         decode_addresses.append(server.address)
@@ -112,14 +119,15 @@ async def start_stack(
     model = ServedModel(served)
     router = RoutingBackend(
         model, prefill_addresses, decode_addresses,
-        GatewayOptions(gateway_id="gw-test", mode=mode, pool=PoolOptions(health_interval_s=health_interval_s),
+        GatewayOptions(gateway_id="gw-test", mode=mode, pool=PoolOptions(health_interval_s=health_interval_s, internal_token=INTERNAL_TOKEN),
                        max_migrations=max_migrations, policy=policy),
     )
     stack.router = router
     models = [served]
-    gateway = await _serve(stack, gateway_registration(GatewayServicer(router, models)), router)
+    gateway = await _serve(stack, gateway_registration(GatewayServicer(router, models)), router,
+                           auth=api_key_auth(api_key))
     stack.gateway_address = gateway.address
-    api = OpenAIApi(router, models, lambda token_id: model.tokenizer.decode([token_id]))
+    api = OpenAIApi(router, models, lambda token_id: model.tokenizer.decode([token_id]), api_key=api_key)
     stack.http_runner = await start_http(api, "127.0.0.1:0")
     stack.http_url = f"http://127.0.0.1:{bound_port(stack.http_runner)}/v1"  # type: ignore[arg-type]
     return stack

@@ -335,3 +335,32 @@ def test_thinking_budgets_by_phase():
     model_opens = ReasoningConfig(start_tag="<think>", end_tag="</think>", starts_in_reasoning=False)
     assert thinking_budgets(options, Phase.REASONING, 4, model_opens) == options
     assert thinking_budgets(options, None, 4, None) == options
+
+
+async def test_a_decode_worker_the_prefill_worker_cannot_reach_is_moved_off(model_dir):
+    """Disaggregated: the prefill worker's Admit on the placed decode worker fails UNAVAILABLE;
+    the request moves to the other decode worker and streams the greedy tokens."""
+    import grpc as grpc_module
+
+    stack = await start_stack(model_dir, "disaggregated", num_decode=2, health_interval_s=0.2)
+    try:
+        victim, survivor = stack.router.pool.of_role("decode")
+        survivor.in_flight += 10  # placement picks the victim first
+        links = stack.prefill[0].decode_links
+        real_stub = links.stub
+
+        class Unreachable:
+            async def Admit(self, request, timeout=None):  # type: ignore[no-untyped-def]
+                raise grpc_module.aio.AioRpcError(grpc_module.StatusCode.UNAVAILABLE, grpc_module.aio.Metadata(),
+                                                  grpc_module.aio.Metadata(), details="injected: connection refused")
+
+        links.stub = lambda address: Unreachable() if address == victim.address else real_stub(address)
+        expected = reference_llm(model_dir).generate(["Hello there"], SamplingParams(max_tokens=8, temperature=0.0))
+        async with GatewayClient(stack.gateway_address) as client:
+            result = await client.complete("Hello there", max_tokens=8, temperature=0.0,
+                                           stream=g.StreamOptions(include_token_ids=True))
+        assert result.samples[0].token_ids == expected[0].outputs[0].token_ids
+        assert victim.healthy  # one failed admission does not take the worker out of rotation
+        survivor.in_flight -= 10
+    finally:
+        await stack.close()

@@ -1,0 +1,142 @@
+"""Who may call a cleave service: the internal token between services, the API key on the gateway.
+
+Both are one shared secret in one metadata entry, checked the same way:
+
+- internal token: every call a service makes to another (gateway -> prefill/decode,
+  prefill -> decode, workers -> kvstore, Handshake) carries `x-cleave-internal-token: <token>`,
+  added by the channel (`aio_channel(..., internal_token=)`); prefill, decode and kvstore
+  refuse a call without it, or with another, as UNAUTHENTICATED.
+- API key: the gateway's public gRPC service asks for `authorization: Bearer <key>`, the
+  same header its HTTP API asks for (`bearer_matches`).
+
+Health and reflection stay open, so probes and `grpcurl list` need no secret. A secret of
+None turns its check off. Secrets are compared with `hmac.compare_digest`.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from cleave.errors import Unauthenticated
+
+INTERNAL_TOKEN_KEY = "x-cleave-internal-token"
+AUTHORIZATION_KEY = "authorization"  # gRPC metadata keys are lower case; HTTP's is `Authorization`
+OPEN_METHOD_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
+
+
+def _same_secret(sent: str, expected: str) -> bool:
+    return hmac.compare_digest(sent.encode(), expected.encode())
+
+
+def bearer(api_key: str) -> str:
+    """The `Authorization` value that carries `api_key`."""
+    return f"Bearer {api_key}"
+
+
+def bearer_matches(authorization: str | None, api_key: str) -> bool:
+    """Whether an `Authorization` header (or metadata value) carries `api_key`."""
+    return authorization is not None and _same_secret(authorization, bearer(api_key))
+
+
+@dataclass(frozen=True)
+class MetadataAuth:
+    """Refuses calls whose `key` metadata is not `expected` (health and reflection excepted).
+
+    Run by `cleave.rpc.RequestInterceptor` before the handler; a refusal is UNAUTHENTICATED
+    and names the missing entry and how to set it.
+    """
+
+    key: str
+    expected: str = field(repr=False)
+    what: str  # the secret, as refusals name it: "the internal token"
+    how_to_fix: str
+
+    def check(self, method: str, metadata: Iterable[tuple[str, Any]]) -> None:
+        """Raise Unauthenticated unless `method` is open or `metadata` carries the secret."""
+        if method.startswith(OPEN_METHOD_PREFIXES):
+            return
+        sent = next((value for key, value in metadata if key == self.key), None)
+        if sent is None:
+            raise Unauthenticated(f"{method} needs {self.what} in the '{self.key}' metadata; {self.how_to_fix}")
+        if isinstance(sent, bytes) or not _same_secret(sent, self.expected):
+            raise Unauthenticated(f"{method}: {self.what} in '{self.key}' is wrong; {self.how_to_fix}")
+
+
+def internal_auth(token: str | None) -> MetadataAuth | None:
+    """The check prefill, decode and kvstore run (None: no token configured, calls open)."""
+    if token is None:
+        return None
+    return MetadataAuth(
+        INTERNAL_TOKEN_KEY, token, "the internal token",
+        "start every service of the stack with the same CLEAVE_INTERNAL_TOKEN (or --internal-token-file); "
+        "`cleave up` and docker-compose.yml do this",
+    )
+
+
+def api_key_auth(api_key: str | None) -> MetadataAuth | None:
+    """The check on the gateway's public gRPC service (None: no --api-key, calls open)."""
+    if api_key is None:
+        return None
+    return MetadataAuth(
+        AUTHORIZATION_KEY, bearer(api_key), "the API key",
+        "send 'authorization: Bearer <key>' with the gateway's --api-key (GatewayClient(api_key=...))",
+    )
+
+
+def call_metadata(internal_token: str | None = None, api_key: str | None = None) -> tuple[tuple[str, str], ...]:
+    """The metadata a channel adds to every call for these secrets (unset ones add nothing)."""
+    pairs = []
+    if internal_token is not None:
+        pairs.append((INTERNAL_TOKEN_KEY, internal_token))
+    if api_key is not None:
+        pairs.append((AUTHORIZATION_KEY, bearer(api_key)))
+    return tuple(pairs)
+
+
+Continuation = Callable[[grpc.aio.ClientCallDetails, Any], Awaitable[Any]]
+
+
+class _AddMetadata:
+    """Adds fixed metadata pairs to a call's details (a caller's own entries are kept)."""
+
+    def __init__(self, pairs: tuple[tuple[str, str], ...]) -> None:
+        self._pairs = pairs
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = tuple(details.metadata or ())
+        sent = {key for key, _ in metadata}
+        added = tuple(pair for pair in self._pairs if pair[0] not in sent)
+        return details._replace(metadata=grpc.aio.Metadata(*metadata, *added))  # type: ignore[attr-defined]
+
+
+class _UnaryUnary(_AddMetadata, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        return await continuation(self._details(client_call_details), request)
+
+
+class _UnaryStream(_AddMetadata, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        return await continuation(self._details(client_call_details), request)
+
+
+class _StreamUnary(_AddMetadata, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation: Continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+        return await continuation(self._details(client_call_details), request_iterator)
+
+
+class _StreamStream(_AddMetadata, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+        return await continuation(self._details(client_call_details), request_iterator)
+
+
+def metadata_interceptors(pairs: tuple[tuple[str, str], ...]) -> tuple[grpc.aio.ClientInterceptor, ...]:
+    """Client interceptors adding `pairs` to every call, one per call type (grpc.aio files
+    an interceptor under the first type it implements); none when `pairs` is empty."""
+    if not pairs:
+        return ()
+    return (_UnaryUnary(pairs), _UnaryStream(pairs), _StreamUnary(pairs), _StreamStream(pairs))

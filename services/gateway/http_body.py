@@ -1,0 +1,59 @@
+"""An HTTP request's JSON body, read within the gateway's `--max-request-bytes`.
+
+A body whose Content-Length is over the limit is refused with 413 before it is read — for
+`Expect: 100-continue` before the client sends it, so the client never uploads it; a
+chunked body is cut off by aiohttp's `client_max_size` (the same limit) once it passes it.
+A body that is not JSON (bad UTF-8, bad syntax, nesting deeper than the parser's recursion
+limit) is a 400 naming `body`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_urldispatcher import _default_expect_handler  # "100 Continue", as aiohttp answers it
+
+from cleave.errors import InvalidArgument
+from services.gateway.openai_request import BodyTooLarge, http_error
+
+
+def body_too_large(max_bytes: int, num_bytes: int | None) -> BodyTooLarge:
+    size = f"{num_bytes} bytes" if num_bytes is not None else "more"
+    return BodyTooLarge(
+        f"the request body is {size}; this gateway accepts at most {max_bytes} bytes (--max-request-bytes)",
+        field="body",
+    )
+
+
+def expect_handler(max_bytes: int):  # type: ignore[no-untyped-def]
+    """An aiohttp `expect_handler` that answers 413 instead of "100 Continue" when the
+    announced body is over `max_bytes`."""
+
+    async def check(request: web.Request) -> web.StreamResponse | None:
+        if request.content_length is not None and request.content_length > max_bytes:
+            mapped = http_error(body_too_large(max_bytes, request.content_length), {})
+            response = web.json_response(mapped.body, status=mapped.status)
+            response.force_close()  # the body was never sent: the connection can't carry another request
+            return response
+        return await _default_expect_handler(request)
+
+    return check
+
+
+async def read_json(request: web.Request, max_bytes: int) -> Any:
+    """The parsed body; raises BodyTooLarge over `max_bytes`, InvalidArgument (field
+    `body`) when it is not JSON."""
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise body_too_large(max_bytes, request.content_length)
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise body_too_large(max_bytes, None) from None
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise InvalidArgument("is nested too deeply to parse", field="body") from None
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
+        raise InvalidArgument(f"is not valid JSON ({error})", field="body") from None

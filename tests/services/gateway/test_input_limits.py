@@ -1,0 +1,297 @@
+"""Bounded input at the gateway: body and message size limits (413 / RESOURCE_EXHAUSTED),
+prompts refused by their UTF-8 size before the tokenizer runs, long prompts tokenized off
+the event loop, and a 400 naming the field for every malformed HTTP body.
+
+The routing backend here has workers that never answer: every request is refused or
+tokenized before it would need one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from cleave.config import (
+    DEFAULT_GATEWAY_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ModelConfig,
+    RpcConfig,
+    gateway_config,
+    worker_config,
+)
+from cleave.engine.outputs import FinishReason
+from cleave.proto.cleave.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from cleave.rpc import aio_channel, serve
+from cleave.rpc.errors import error_detail
+from cleave.rpc.types import Usage
+from services.gateway.__main__ import registration
+from services.gateway.backend import GenerateChunk, SampleOutput
+from services.gateway.http_api import OpenAIApi, bound_port, start_http
+from services.gateway.model import ServedModel
+from services.gateway.router import INLINE_TOKENIZE_MAX_BYTES, GatewayOptions, RoutingBackend
+from services.gateway.servicer import GatewayServicer
+from tests.tracing.helpers import by_name, memory_tracing
+
+MAX_MODEL_LEN = 256
+MAX_REQUEST_BYTES = 256 * 1024
+UNREACHABLE = "127.0.0.1:9"  # discard port: nothing answers
+
+
+class CountingTokenizer:
+    """Wraps the model's tokenizer call; `before_encode` runs in the calling thread first."""
+
+    def __init__(self, model: ServedModel) -> None:
+        self.encode = model.tokenizer.encode_without_gil
+        self.calls = 0
+        self.before_encode = lambda: None
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.calls += 1
+        self.before_encode()
+        return self.encode(text, add_special_tokens=add_special_tokens)
+
+
+@pytest.fixture
+async def gateway(model_dir, monkeypatch):
+    """A routing backend (workers unreachable) behind the HTTP API and a gRPC server with
+    small limits; yields (http client, grpc channel, tokenizer wrapper, spans)."""
+    model = ServedModel(ModelConfig(source=str(model_dir), served_name="tiny", max_context_length=MAX_MODEL_LEN))
+    tokenizer = CountingTokenizer(model)
+    monkeypatch.setattr(model.tokenizer, "encode_without_gil", tokenizer)
+    backend = RoutingBackend(model, [UNREACHABLE], [UNREACHABLE], GatewayOptions(mode="disaggregated"))
+    tracing, spans = memory_tracing("cleave-gateway")
+    api = OpenAIApi(backend, [model.config], str, tracing=tracing, max_request_bytes=MAX_REQUEST_BYTES)
+    runner = await start_http(api, "127.0.0.1:0")
+    server = await serve([registration(GatewayServicer(backend, [model.config]))], "127.0.0.1:0",
+                         RpcConfig(max_message_bytes=MAX_REQUEST_BYTES), handle_signals=False)
+    await server.set_ready()
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{bound_port(runner)}", timeout=10) as client, \
+            aio_channel(server.address) as channel:
+        yield client, channel, tokenizer, spans
+    await server.drain(0)
+    await runner.cleanup()
+    await backend.shutdown()
+
+
+# ---- size limits --------------------------------------------------------------------------
+
+
+def test_the_gateway_receives_smaller_grpc_messages_than_workers():
+    assert gateway_config([], {}).service.rpc.max_message_bytes == DEFAULT_GATEWAY_MAX_MESSAGE_BYTES
+    assert worker_config("decode", [], {}).service.rpc.max_message_bytes == DEFAULT_MAX_MESSAGE_BYTES
+    assert DEFAULT_GATEWAY_MAX_MESSAGE_BYTES < DEFAULT_MAX_MESSAGE_BYTES
+    config = gateway_config(["--max-request-bytes", "1000", "--max-prompt-bytes", "500"], {})
+    assert (config.max_request_bytes, config.max_prompt_bytes) == (1000, 500)
+
+
+async def test_grpc_message_over_the_limit_is_resource_exhausted(gateway):
+    _, channel, tokenizer, _ = gateway
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    request = gateway_pb2.GenerateRequest(text="x" * (MAX_REQUEST_BYTES + 1))
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        async for _ in stub.Generate(request):
+            pass
+    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert str(MAX_REQUEST_BYTES) in raised.value.details()
+    assert tokenizer.calls == 0
+
+
+class GatedBackend:
+    """Streams one chunk, then waits for `go` before the last one."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+
+    async def generate(self, spec):  # type: ignore[no-untyped-def]
+        yield GenerateChunk(samples=(SampleOutput(index=0, text="a", token_ids=(1,)),))
+        await self.go.wait()
+        yield GenerateChunk(samples=(SampleOutput(index=0, text="b", token_ids=(2,), finish_reason=FinishReason.STOP),),
+                            usage=Usage(prompt_tokens=1, completion_tokens=2))
+
+
+async def test_body_over_the_limit_is_413_while_a_stream_goes_on():
+    backend = GatedBackend()
+    api = OpenAIApi(backend, [ModelConfig(source="tiny")], str, max_request_bytes=MAX_REQUEST_BYTES)
+    runner = await start_http(api, "127.0.0.1:0")
+    base_url = f"http://127.0.0.1:{bound_port(runner)}"
+    try:
+        async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+            body = {"prompt": "hi", "max_tokens": 2, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=body) as stream:
+                lines = stream.aiter_lines()
+                assert (await anext(lines)).startswith("data: ")  # the first chunk arrived
+                huge = {"prompt": "x" * (2 * MAX_REQUEST_BYTES)}
+                response = await client.post("/v1/completions", json=huge)
+                assert response.status_code == 413
+                error = response.json()["error"]
+                assert error["param"] == "body" and str(MAX_REQUEST_BYTES) in error["message"]
+
+                async def chunked():  # no Content-Length: cut off by aiohttp's client_max_size
+                    for _ in range(4):
+                        yield b" " * (MAX_REQUEST_BYTES // 2)
+
+                response = await client.post("/v1/completions", content=chunked())
+                assert response.status_code == 413 and str(MAX_REQUEST_BYTES) in response.json()["error"]["message"]
+                backend.go.set()
+                rest = [line async for line in lines if line]
+            assert rest[-1] == "data: [DONE]" and '"text": "b"' in rest[-2]
+        # the real client sees the same 413
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as raised:
+            await client.completions.create(model="tiny", prompt="x" * (2 * MAX_REQUEST_BYTES))
+        assert raised.value.status_code == 413
+    finally:
+        await runner.cleanup()
+
+
+async def _raw_post(port: int, head: str, body: bytes = b"") -> tuple[bytes, asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head.encode() + body)
+    await writer.drain()
+    status = await asyncio.wait_for(reader.readline(), timeout=5)
+    return status, reader, writer
+
+
+async def test_expect_100_continue_over_the_limit_is_413_before_the_body():
+    api = OpenAIApi(GatedBackend(), [ModelConfig(source="tiny")], str, max_request_bytes=MAX_REQUEST_BYTES)
+    runner = await start_http(api, "127.0.0.1:0")
+    port = bound_port(runner)
+    try:
+        head = ("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                "Expect: 100-continue\r\nContent-Length: {}\r\n\r\n")
+        status, reader, writer = await _raw_post(port, head.format(10 * MAX_REQUEST_BYTES))
+        assert status.startswith(b"HTTP/1.1 413")  # answered without the body ever being sent
+        writer.close()
+        body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+        status, reader, writer = await _raw_post(port, head.format(len(body)))
+        assert status.startswith(b"HTTP/1.1 100")  # within the limit: go on
+        writer.close()
+    finally:
+        await runner.cleanup()
+
+
+# ---- prompt size before tokenizing ----------------------------------------------------------
+
+
+async def test_prompt_over_the_byte_bound_is_refused_without_tokenizing(gateway):
+    client, channel, tokenizer, _ = gateway
+    over = "é" * MAX_MODEL_LEN * 64  # well under the body limit, far over what 256 tokens can hold
+    response = await client.post("/v1/completions", json={"prompt": over})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    assert "bytes" in response.json()["error"]["message"]
+    response = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": over}]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as raised:
+        await openai.AsyncOpenAI(base_url=str(client.base_url).rstrip("/") + "/v1", api_key="unused", max_retries=0) \
+            .completions.create(model="tiny", prompt=over)
+    assert raised.value.body["param"] == "prompt"
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    with pytest.raises(grpc.aio.AioRpcError) as raised_rpc:
+        async for _ in stub.Generate(gateway_pb2.GenerateRequest(text=over)):
+            pass
+    assert raised_rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error_detail(raised_rpc.value).field == "text"
+    assert tokenizer.calls == 0
+
+
+async def test_long_prompt_tokenizes_in_a_thread_under_the_request_span(gateway):
+    client, _, tokenizer, spans = gateway
+    tokenizing, health_answered = threading.Event(), threading.Event()
+    answered_while_tokenizing = []
+
+    def hold_until_health_answers() -> None:
+        # on the event loop this would block the health check below: the wait times out
+        tokenizing.set()
+        answered_while_tokenizing.append(health_answered.wait(timeout=5))
+
+    tokenizer.before_encode = hold_until_health_answers
+    prompt = "ab " * (INLINE_TOKENIZE_MAX_BYTES // 2)  # over the inline size, within the byte bound
+    request = asyncio.create_task(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}))
+    assert await asyncio.to_thread(tokenizing.wait, 5)
+    assert (await client.get("/health")).status_code == 200
+    health_answered.set()
+    response = await request
+    assert answered_while_tokenizing == [True]
+    assert response.status_code in (400, 503)  # too long for the context, or no worker answers
+    server = by_name(spans.get_finished_spans(), "POST /v1/completions")
+    tokenize = by_name(spans.get_finished_spans(), "gateway.tokenize")
+    assert tokenize.parent.span_id == server.context.span_id
+
+
+# ---- malformed bodies -----------------------------------------------------------------------
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = {"role": "user", "content": "hi"}
+
+
+def _chat(**fields) -> bytes:  # type: ignore[no-untyped-def]
+    return json.dumps({"messages": [USER], **fields}).encode()
+
+
+def _message(**fields) -> bytes:  # type: ignore[no-untyped-def]
+    return json.dumps({"messages": [{**USER, **fields}]}).encode()
+
+
+MALFORMED = [
+    (CHAT, b'{"messages": [', "body"),
+    (CHAT, b"[1, 2]", "body"),
+    (CHAT, b'"hello"', "body"),
+    (CHAT, b"[" * 100_000 + b"]" * 100_000, "body"),
+    (CHAT, b'{"messages": "\xff\xfe"}', "body"),
+    (CHAT, _chat(model=5), "model"),
+    (CHAT, _chat(model=["tiny"]), "model"),
+    (CHAT, json.dumps({"messages": "hi"}).encode(), "messages"),
+    (CHAT, _message(content=None), "messages[0].content"),
+    (CHAT, _message(content=5), "messages[0].content"),
+    (CHAT, _message(content=[{"type": "image_url", "image_url": {"url": "x"}}]), "messages[0].content[0]"),
+    (CHAT, _message(content=[{"type": "text", "text": 5}]), "messages[0].content[0].text"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
+    (CHAT, _message(name=["x"]), "messages[0].name"),
+    (COMPLETIONS, b'{"prompt": "\\udfff"}', "prompt"),
+    (CHAT, _chat(max_thinking_tokens=1e12), "max_thinking_tokens"),
+    (CHAT, _chat(max_thinking_tokens=10**12), "max_thinking_tokens"),
+    (CHAT, _chat(max_tokens=-1), "max_tokens"),
+    (CHAT, _chat(max_tokens=1e30), "max_tokens"),
+    (COMPLETIONS, json.dumps({"prompt": "hi", "max_tokens": 10**30}).encode(), "max_tokens"),
+    (CHAT, _chat(temperature="hot"), "temperature"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature"),
+    (CHAT, _chat(seed=10**30), "seed"),
+    (CHAT, _chat(stream="yes"), "stream"),
+    (CHAT, _chat(reasoning_mode=["inline"]), "reasoning_mode"),
+    (CHAT, _chat(stop=[1]), "stop[0]"),
+    (CHAT, _chat(n=0), "n"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), MALFORMED, ids=[str(i) for i in range(len(MALFORMED))])
+async def test_malformed_body_is_a_400_naming_the_field(gateway, path, body, param):
+    client, _, tokenizer, _ = gateway
+    response = await client.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["type"]) == (param, "invalid_request_error")
+    assert error["message"].startswith(f"{param}: ")
+    assert tokenizer.calls == 0
+
+
+@pytest.mark.parametrize(("field", "value", "path"), [
+    ("max_tokens", 2**32 - 1, "sampling.max_tokens"),
+    ("n", 2**32 - 1, "sampling.n"),
+    ("logprobs", 2**32 - 1, "sampling.logprobs"),
+])
+async def test_grpc_out_of_range_fields_are_invalid_argument(gateway, field, value, path):
+    _, channel, _, _ = gateway
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    request = gateway_pb2.GenerateRequest(text="hi", sampling=common_pb2.SamplingParams(**{field: value}))
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        async for _ in stub.Generate(request):
+            pass
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error_detail(raised.value).field == path
