@@ -131,3 +131,22 @@ async def wait_pool_full(stub, timeout_s: float = 5.0) -> c.WorkerLoad:
             return load
         assert time.monotonic() < deadline, f"KV pool not back to full: {load}"
         await asyncio.sleep(0.02)
+
+
+class BrokenBulkConnection:
+    """Makes every bulk KV connection fail with ConnectionResetError after `num_chunks` chunk
+    writes (counted in `writes`): a transfer torn mid-layer."""
+
+    def __init__(self, monkeypatch, num_chunks: int) -> None:  # type: ignore[no-untyped-def]
+        from cleave.transfer import connection
+
+        self.writes = 0
+        real_write = connection.BulkConnection.write_chunk
+
+        async def write_then_break(bulk, header, payload=None):  # type: ignore[no-untyped-def]
+            self.writes += 1
+            if self.writes > num_chunks:
+                raise ConnectionResetError("injected: connection reset mid-transfer")
+            await real_write(bulk, header, payload)
+
+        monkeypatch.setattr(connection.BulkConnection, "write_chunk", write_then_break)

@@ -17,7 +17,16 @@ from cleave.proto.cleave.v1 import common_pb2 as c
 from cleave.proto.cleave.v1 import decode_pb2 as d
 from cleave.proto.cleave.v1 import prefill_pb2 as p
 from cleave.rpc.errors import error_detail
-from tests.worker.cluster import ENGINE_ARGS, GATEWAY, AttachReader, greedy, start_decode, start_prefill, wait_pool_full
+from tests.worker.cluster import (
+    ENGINE_ARGS,
+    GATEWAY,
+    AttachReader,
+    BrokenBulkConnection,
+    greedy,
+    start_decode,
+    start_prefill,
+    wait_pool_full,
+)
 
 MAX_TOKENS = 10
 
@@ -158,20 +167,8 @@ async def test_start_with_delivered_first_tokens_streams_only_the_rest(checkpoin
 async def test_a_transfer_that_fails_mid_layer_frees_both_ends(checkpoint, monkeypatch):
     """The bulk connection drops after the first layer: the call fails with UNAVAILABLE naming
     the decode worker, the decode worker's reservation and the prefill's export are freed."""
-    from cleave.transfer import connection
-
     decode, prefill = await start_decode(checkpoint), await start_prefill(checkpoint)
-    real_write = connection.BulkConnection.write_chunk
-    writes = 0
-
-    async def drop_after_one_layer(self, header, payload):  # type: ignore[no-untyped-def]
-        nonlocal writes
-        writes += 1
-        if writes > 1:
-            raise ConnectionResetError("injected: connection reset mid-transfer")
-        await real_write(self, header, payload)
-
-    monkeypatch.setattr(connection.BulkConnection, "write_chunk", drop_after_one_layer)
+    BrokenBulkConnection(monkeypatch, num_chunks=1)
     try:
         reader = AttachReader(decode.stub)
         with pytest.raises(grpc.aio.AioRpcError) as failed:

@@ -23,7 +23,8 @@ from cleave.transfer.memory import MemoryEndpoint, MemoryTransferClient
 from services.prefill.backend import PrefillSpec
 from services.prefill.engine_backend import EnginePrefillBackend
 from tests.worker.cluster import (
-    ENGINE_ARGS, GATEWAY, MODEL_ID, AttachReader, engine_config, greedy, start_decode, start_prefill, wait_pool_full,
+    ENGINE_ARGS, GATEWAY, MODEL_ID, AttachReader, BrokenBulkConnection, engine_config, greedy, start_decode,
+    start_prefill, wait_pool_full,
 )
 
 MAX_TOKENS = 8
@@ -144,27 +145,15 @@ async def test_layer_streamed_prefill_over_tcp_decodes_the_llm_tokens(checkpoint
 
 
 async def test_a_layer_stream_that_fails_mid_layer_frees_both_ends(checkpoint, monkeypatch):
-    from cleave.transfer import connection
-
     decode, prefill = await start_decode(checkpoint), await start_prefill(checkpoint)
     prefill.backend.layer_streaming = "on"
-    real_write = connection.BulkConnection.write_chunk
-    writes = 0
-
-    async def drop_after_one_layer(self, header, payload):  # type: ignore[no-untyped-def]
-        nonlocal writes
-        writes += 1
-        if writes > 1:
-            raise ConnectionResetError("injected: connection reset mid-transfer")
-        await real_write(self, header, payload)
-
-    monkeypatch.setattr(connection.BulkConnection, "write_chunk", drop_after_one_layer)
+    broken = BrokenBulkConnection(monkeypatch, num_chunks=1)
     try:
         reader = AttachReader(decode.stub)
         with pytest.raises(grpc.aio.AioRpcError) as failed:
             await prefill_after_admit(prefill, prefill_request("torn", PROMPTS[0], decode.server.address))
         assert prefill.backend.layer_streams.num_claimed == 1
-        assert writes == 2  # layer 0 went, layer 1 broke
+        assert broken.writes == 2  # layer 0 went, layer 1 broke
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
         assert error_detail(failed.value).field == "decode"
         assert "mid-transfer" in failed.value.details()
