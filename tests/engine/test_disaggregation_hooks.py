@@ -57,13 +57,13 @@ def prefill_and_decode(path: Path, params: SamplingParams, **overrides) -> tuple
     assert output.finished and [s.index for s in output.outputs] == list(range(params.n))
     first_tokens = [s.token_ids[0] for s in output.outputs]
     assert prefill.scheduler.stats.num_prefill_tokens == len(PROMPT)  # one prefill for all samples
-    source = prefill.prefilled_block_table("x")
-    target = decode.reserve_prefilled("x", len(PROMPT))
+    source = prefill.handoff.export("x")
+    target = decode.handoff.reserve("x", len(PROMPT))
     assert len(source) == len(target) == 3
     decode.kv_cache[:, :, target] = prefill.kv_cache[:, :, source]
-    prefill.release_prefilled("x")
+    prefill.handoff.release_export("x")
     assert_pool_full(prefill)
-    decode.add_prefilled_request("x", PROMPT, first_tokens, params)
+    decode.handoff.receive("x", PROMPT, first_tokens, params)
     return first_tokens, run(decode), decode
 
 
@@ -83,8 +83,8 @@ def test_seeded_samples_equal_colocated(checkpoint):
 
 def test_prefilled_samples_share_the_prompt_blocks(checkpoint):
     decode = make_engine(checkpoint)
-    reserved = decode.reserve_prefilled("x", len(PROMPT))
-    decode.add_prefilled_request("x", PROMPT, [5, 6, 7], SamplingParams(max_tokens=4, n=3, seed=1, ignore_eos=True))
+    reserved = decode.handoff.reserve("x", len(PROMPT))
+    decode.handoff.receive("x", PROMPT, [5, 6, 7], SamplingParams(max_tokens=4, n=3, seed=1, ignore_eos=True))
     decode.step()  # every sample writes its first token: copy-on-write of the partial block
     tables = [decode.kv.block_table(f"x/{i}") for i in range(3)]
     assert all(table[:2] == reserved[:2] for table in tables)
@@ -101,8 +101,8 @@ def test_first_tokens_that_end_samples(checkpoint):
     decode = make_engine(checkpoint)
     eos = min(decode.eos_token_ids)
     params = SamplingParams(max_tokens=5, temperature=0.0, n=2)
-    decode.reserve_prefilled("x", len(PROMPT))
-    decode.add_prefilled_request("x", PROMPT, [eos, 17], params)
+    decode.handoff.reserve("x", len(PROMPT))
+    decode.handoff.receive("x", PROMPT, [eos, 17], params)
     result = run(decode)["x"].result()
     assert result.outputs[0].token_ids == [eos] and result.outputs[0].finish_reason is FinishReason.STOP
     assert len(result.outputs[1].token_ids) <= 5 and result.outputs[1].token_ids[0] == 17
@@ -112,15 +112,15 @@ def test_first_tokens_that_end_samples(checkpoint):
     prefill.add_request("one", PROMPT, SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True)
     (output,) = prefill.step()
     assert output.finished and output.outputs[0].finish_reason is FinishReason.LENGTH
-    assert len(prefill.prefilled_block_table("one")) == 3
-    prefill.release_prefilled("one")
+    assert len(prefill.handoff.export("one")) == 3
+    prefill.handoff.release_export("one")
     assert_pool_full(prefill)
 
 
 def test_first_tokens_must_match_n_and_n_must_fit_a_step(checkpoint):
     decode = make_engine(checkpoint, max_num_seqs=4)
     with pytest.raises(InvalidArgument) as error:
-        decode.add_prefilled_request("x", PROMPT, [5, 6], SamplingParams(n=3))
+        decode.handoff.receive("x", PROMPT, [5, 6], SamplingParams(n=3))
     assert error.value.field == "first_tokens"
     with pytest.raises(InvalidArgument) as error:  # a group that could never be admitted
         decode.add_request("y", PROMPT, SamplingParams(n=5), prefill_only=True)

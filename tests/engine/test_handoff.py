@@ -105,7 +105,7 @@ def test_export_after_a_prefill_only_request_then_release(checkpoint):
     assert output.finished and [len(sample.token_ids) for sample in output.outputs] == [1, 1]
     assert handoff.export("p") == [1, 2, 3]  # the prompt's blocks, in token order, kept once for both samples
     assert used(engine) == 3  # the samples ended; only the export holds blocks
-    assert engine.prefilled_block_table("p") == [1, 2, 3]  # the engine's older name
+    assert engine.handoff.export("p") == [1, 2, 3]  # the engine's older name
     handoff.release_export("p")
     assert used(engine) == 0
     with pytest.raises(NotFound):

@@ -264,13 +264,13 @@ def test_prefill_only_then_prefilled_decode_matches_colocated(checkpoints):
     prefill.add_request("x", prompt, params, prefill_only=True)
     (first,) = [o for o in prefill.step()]
     assert first.finished and len(first.outputs[0].token_ids) == 1 and first.outputs[0].finish_reason is None
-    source = prefill.prefilled_block_table("x")
-    target = decode.reserve_prefilled("x", len(prompt))
+    source = prefill.handoff.export("x")
+    target = decode.handoff.reserve("x", len(prompt))
     decode.kv_cache[:, :, target] = prefill.kv_cache[:, :, source]
-    prefill.release_prefilled("x")
+    prefill.handoff.release_export("x")
     assert_pool_empty(prefill)
 
-    decode.add_prefilled_request("x", prompt, first.outputs[0].token_ids[0], params)
+    decode.handoff.receive("x", prompt, first.outputs[0].token_ids[0], params)
     got: dict[str, OutputAccumulator] = {}
     run_to_completion(decode, got)
     assert got["x"].result().outputs[0].token_ids == expected["x"].result().outputs[0].token_ids

@@ -41,8 +41,7 @@ colocated generation it offers the two halves of disaggregated serving:
 
 `handoff` (a `cleave.engine.handoff.KVHandoff`) is the one way workers reach the KV blocks
 that cross the engine's boundary, the kvstore's prefix holds included; it states who owns
-(and frees) which blocks. `prefilled_block_table`, `release_prefilled`, `reserve_prefilled`
-and `add_prefilled_request` are its older names on the engine.
+(and frees) which blocks.
 
 With `EngineConfig.detokenize` off (the workers: the gateway makes the text) samples carry
 token ids only; see `cleave.engine.request`. Requests are built by `cleave.engine.request_builder`;
@@ -244,7 +243,7 @@ class LLMEngine:
         """End every sample of a request and free its KV; its final output (finish reason
         ABORT) comes with the next step. Returns False for an unknown request."""
         state = self._requests.get(request_id)
-        self.release_prefilled(request_id)
+        self.handoff.release_export(request_id)
         if state is None:
             return False
         self.scheduler.abort(request_id)
@@ -441,30 +440,6 @@ class LLMEngine:
             self._host_bound.discard(seq_id)
 
     # ---- disaggregation hooks: `handoff` (see cleave.engine.handoff) ---------------------
-
-    def prefilled_block_table(self, request_id: str) -> list[int]:
-        """Block ids holding a finished prefill-only request's prompt KV (`handoff.export`)."""
-        return self.handoff.export(request_id)
-
-    def release_prefilled(self, request_id: str) -> None:
-        """Free the prompt KV a prefill-only request kept (`handoff.release_export`)."""
-        self.handoff.release_export(request_id)
-
-    def reserve_prefilled(self, request_id: str, num_prompt_tokens: int) -> list[int]:
-        """Decode side: blocks for a prompt whose KV arrives from elsewhere (`handoff.reserve`)."""
-        return self.handoff.reserve(request_id, num_prompt_tokens)
-
-    def add_prefilled_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Seq[int],
-        first_tokens: int | Seq[int],
-        params: SamplingParams | None = None,
-        priority: int = 0,
-        arrival_time: float | None = None,
-    ) -> RequestState:
-        """Decode side: decode a request from its samples' first tokens (`handoff.receive`)."""
-        return self.handoff.receive(request_id, prompt_token_ids, first_tokens, params, priority, arrival_time)
 
     def check_new_request(self, request_id: str) -> None:
         """`handoff.receive`: raise InvalidArgument when `request_id` is already running."""
