@@ -14,14 +14,16 @@ import sys
 
 def run(args: argparse.Namespace) -> int:
     # torch and the engine load here, not at import: every `cleave` command imports this module
-    from cleave.engine.llm import LLM, default_model_path
+    from cleave.cli._model import ModelNotFound, model_dir
+
+    try:
+        model = model_dir(args.model)
+    except ModelNotFound as error:  # before torch and the engine load: seconds, not a traceback
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    from cleave.engine.llm import LLM
     from cleave.engine.sampling_params import SamplingParams
     from cleave.errors import CleaveError
-
-    model = args.model or default_model_path()
-    if model is None:
-        print("no --model given and no shipped model in cleave/assets/reasoner", file=sys.stderr)
-        return 2
     engine_kwargs = {"seed": args.seed, "device": args.device, "dtype": args.dtype, "max_model_len": args.max_model_len}
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, n=args.n

@@ -56,15 +56,16 @@ async def demo(address: str, out=sys.stdout, api_key: str | None = None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cleave.cli._model import ModelNotFound, model_dir
     from cleave.cli._stack import ProcessStack, StackSpec
-    from cleave.engine.llm import default_model_path
 
     if args.gateways < 1:
         print(f"--gateways must be at least 1, got {args.gateways}", file=sys.stderr)
         return 2
-    model = Path(args.model) if args.model else default_model_path()
-    if model is None or not (model / "config.json").is_file():
-        print("no --model directory given and no shipped model in cleave/assets/reasoner", file=sys.stderr)
+    try:
+        model = model_dir(args.model)
+    except ModelNotFound as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
     spec = StackSpec(
         model=model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode, num_gateways=args.gateways,

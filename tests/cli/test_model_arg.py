@@ -1,0 +1,24 @@
+"""`cleave generate` and `cleave up` name a missing or unusable --model in one line (exit 2),
+before loading anything."""
+
+from __future__ import annotations
+
+import pytest
+
+from cleave.cli.main import main
+
+
+@pytest.mark.parametrize("command", [["generate", "hello"], ["up"]])
+def test_a_missing_model_directory_is_one_line_naming_it(command, capsys, tmp_path):
+    missing = tmp_path / "nonexistent"
+    assert main([command[0], "--model", str(missing), *command[1:]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: --model {missing}: no such directory"
+
+
+@pytest.mark.parametrize("command", [["generate", "hello"], ["up"]])
+def test_a_directory_without_config_is_not_a_checkpoint(command, capsys, tmp_path):
+    assert main([command[0], "--model", str(tmp_path), *command[1:]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --model {tmp_path}: not a checkpoint directory (it has no config.json)")
+    assert "\n" not in err
