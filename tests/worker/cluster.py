@@ -150,3 +150,17 @@ class BrokenBulkConnection:
             await real_write(bulk, header, payload)
 
         monkeypatch.setattr(connection.BulkConnection, "write_chunk", write_then_break)
+
+
+async def check_torn_transfer(error: grpc.aio.AioRpcError, decode: Running, prefill: Running,
+                              reader: AttachReader, request_id: str) -> None:
+    """A prefill whose KV transfer broke: UNAVAILABLE naming the decode worker, both pools
+    back to full, nothing streamed for the request."""
+    from cleave.rpc.errors import error_detail
+
+    assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+    assert error_detail(error).field == "decode"
+    assert "mid-transfer" in error.details()
+    await wait_pool_full(decode.stub, timeout_s=10)
+    await wait_pool_full(prefill.stub, timeout_s=10)
+    assert reader.tokens(request_id) == []
