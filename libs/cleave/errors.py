@@ -15,9 +15,13 @@ class CleaveError(Exception):
         message: human-readable explanation that says how to fix the problem.
         field: the request parameter at fault (e.g. "top_p"), or None.
         status_code: name of the grpc.StatusCode member a service maps this error to.
+        retry_after_s: how long a caller should wait before retrying (sent as gRPC trailing
+            metadata `retry-after-ms` and HTTP `Retry-After`), or None when a retry as such
+            would not help.
     """
 
     status_code: str = "UNKNOWN"
+    retry_after_s: float | None = None
 
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
@@ -64,6 +68,7 @@ class Unavailable(CleaveError):
     """A worker or peer cannot be reached or is draining; the caller may retry elsewhere."""
 
     status_code = "UNAVAILABLE"
+    retry_after_s = 1.0  # health checks run about once a second: a worker may be back by then
 
 
 class Unauthenticated(CleaveError):

@@ -73,7 +73,7 @@ def build(config: GatewayConfig, tracing: Tracing = TRACING_OFF) -> tuple[Gatewa
     servicer = GatewayServicer(backend, [served])
     token_text = lambda token_id: model.tokenizer.decode([token_id])  # noqa: E731
     api = (OpenAIApi(backend, [served], token_text, tracing=tracing, api_key=config.api_key,
-                     max_request_bytes=config.max_request_bytes)
+                     max_request_bytes=config.max_request_bytes, routability=backend.routability)
            if config.http_listen else None)
     return servicer, GatewayProcess(backend, api, config.http_listen, config.share_port)
 
@@ -85,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         servicer, process = build(config, tracing)
         # the public service asks for the API key, not the internal token (which it sends to workers)
+        # health follows the workers: NOT_SERVING while no request could be routed
         asyncio.run(run_service([registration(servicer)], config.service, process, tracing=tracing,
-                                auth=api_key_auth(config.api_key)))
+                                auth=api_key_auth(config.api_key), readiness=process.backend.routability))
     finally:
         tracing.shutdown()
     return 0

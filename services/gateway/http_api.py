@@ -3,6 +3,9 @@
     GET  /v1/models
     POST /v1/completions         prompt: text (no chat template) or token ids
     POST /v1/chat/completions    messages through the chat template
+    GET  /health                 liveness: 200 while the process serves HTTP
+    GET  /ready                  readiness: 200 while a request can be routed to a worker,
+                                 else 503 with the reason and `Retry-After`
 
 Streaming answers are server-sent events (`data: {...}\\n\\n`, then `data: [DONE]\\n\\n`).
 Reasoning models put their thinking in `reasoning_content` of the chat message (or delta),
@@ -12,7 +15,8 @@ Every request runs in a server span under its `traceparent` header (`cleave.trac
 malformed one is a 400 naming it); a stream's first chunk with tokens is `gateway.first_byte`.
 With an API key, every /v1 route asks for `Authorization: Bearer <key>` (401 otherwise).
 A body over `max_request_bytes` is a 413, one that is not JSON a 400 (`http_body`); every
-other malformed field is a 400 naming it (`openai_request`).
+other malformed field is a 400 naming it (`openai_request`). A request refused because no
+worker can take it is a 503 with `Retry-After`.
 """
 
 from __future__ import annotations
@@ -29,13 +33,14 @@ import structlog
 from aiohttp import web
 
 from cleave.config import DEFAULT_MAX_REQUEST_BYTES, ModelConfig
-from cleave.errors import InvalidArgument, NotFound, Unauthenticated
+from cleave.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
 from cleave.rpc.auth import bearer_matches
 from cleave.rpc.types import TopLogprobs, Usage
 from cleave.tracing import NOOP_SPAN, TRACEPARENT, TRACESTATE, TRACING_OFF, Tracing, annotate, span
 from services.gateway.backend import GatewayBackend, GenerateChunk, GenerateSpec, SampleOutput
 from services.gateway.http_body import expect_handler, read_json
-from services.gateway.openai_request import generate_spec, http_error
+from services.gateway.openai_request import generate_spec, http_error, retry_after_headers
+from services.gateway.readiness import Routability
 
 log = structlog.get_logger("cleave.gateway.http")
 _CHAT_PARAMS = {"input": "messages", "chat.messages": "messages", "sampling.logprobs": "top_logprobs"}
@@ -62,13 +67,17 @@ class OpenAIApi:
         tracing: where each request's server span goes (off by default).
         max_request_bytes: larger request bodies are refused with 413 (`http_body`).
         api_key: every /v1 route asks for `Authorization: Bearer <api_key>` (401 otherwise;
-            /health stays open); None: no key asked.
+            /health and /ready stay open); None: no key asked.
+        routability: what `/ready` reports (`RoutingBackend.routability`); None: ready
+            whenever the process serves.
     """
 
     def __init__(self, backend: GatewayBackend, models: Sequence[ModelConfig], token_text,  # type: ignore[no-untyped-def]
                  tracing: Tracing = TRACING_OFF, api_key: str | None = None,
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 routability: Routability | None = None) -> None:
         self.backend = backend
+        self.routability = routability
         self.max_request_bytes = max_request_bytes
         self.api_key = api_key
         self.models = tuple(models)
@@ -82,6 +91,7 @@ class OpenAIApi:
         app.router.add_post("/v1/completions", self.completions, expect_handler=within_limit)
         app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=within_limit)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
         return app
 
     @web.middleware
@@ -120,7 +130,18 @@ class OpenAIApi:
         return web.json_response(mapped.body, status=mapped.status, headers={"WWW-Authenticate": "Bearer"})
 
     async def health(self, request: web.Request) -> web.Response:
+        """Liveness: the process answers (Kubernetes livenessProbe; restarting the gateway
+        would not bring workers back)."""
         return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """Readiness: 200 while a request can be routed, else 503 with why (Kubernetes
+        readinessProbe, load balancers)."""
+        reason = self.routability.reason if self.routability is not None else None
+        if reason is None:
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "unavailable", "reason": reason}, status=503,
+                                 headers=retry_after_headers(Unavailable.retry_after_s))
 
     async def list_models(self, request: web.Request) -> web.Response:
         data = [
@@ -166,7 +187,7 @@ class OpenAIApi:
             mapped = http_error(error, params)
             if mapped.status == 500:
                 log.exception("request failed", request_id=request_id)
-            return web.json_response(mapped.body, status=mapped.status)
+            return web.json_response(mapped.body, status=mapped.status, headers=mapped.headers)
 
     async def _stream(
         self, request: web.Request, chunks: AsyncIterator[GenerateChunk], shaper: "_Shaper"

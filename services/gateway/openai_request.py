@@ -7,7 +7,8 @@ values; errors name the OpenAI parameter (`temperature`, `max_tokens`, `messages
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 from cleave.errors import CleaveError, InvalidArgument
@@ -43,10 +44,17 @@ class BodyTooLarge(CleaveError):
 
 @dataclass(frozen=True)
 class HttpError:
-    """An error response: HTTP status and the OpenAI `{"error": {...}}` body."""
+    """An error response: HTTP status, the OpenAI `{"error": {...}}` body and extra headers
+    (`Retry-After` when the error says when to retry)."""
 
     status: int
     body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def retry_after_headers(retry_after_s: float | None) -> dict[str, str]:
+    """`Retry-After` in whole seconds (HTTP has no finer unit), rounded up; none for None."""
+    return {} if retry_after_s is None else {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
 
 
 def http_error(error: BaseException, param_names: dict[str, str]) -> HttpError:
@@ -58,7 +66,7 @@ def http_error(error: BaseException, param_names: dict[str, str]) -> HttpError:
         code = "invalid_api_key" if status == 401 else code
         message = error.message if param is None else f"{param}: {error.message}"
         body = {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}
-        return HttpError(status, {"error": body})
+        return HttpError(status, {"error": body}, retry_after_headers(error.retry_after_s))
     body = {"message": "internal server error", "type": "server_error", "param": None, "code": None}
     return HttpError(500, {"error": body})
 

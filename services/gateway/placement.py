@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import math
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -84,11 +84,17 @@ class DecodePlacement:
     Args:
         pool: the gateway's workers (health, load).
         gateway_id: this gateway's id on the workers' Attach streams.
+        on_stream_closed: awaited after a worker's stream broke (and the worker left the
+            rotation), so the owner can see `candidates()` shrink.
     """
 
-    def __init__(self, pool: WorkerPool, gateway_id: str) -> None:
+    def __init__(
+        self, pool: WorkerPool, gateway_id: str,
+        on_stream_closed: Callable[[WorkerHandle], Awaitable[None]] | None = None,
+    ) -> None:
         self.pool = pool
         self.gateway_id = gateway_id
+        self._on_stream_closed = on_stream_closed
         self.streams: dict[str, AttachStream] = {}
         self._background: set[asyncio.Task] = set()
 
@@ -113,6 +119,8 @@ class DecodePlacement:
 
     async def _on_stream_broken(self, worker: WorkerHandle) -> None:
         await self.pool.set_healthy(worker, False)
+        if self._on_stream_closed is not None:  # also when the worker had left the rotation already
+            await self._on_stream_closed(worker)
 
     async def close(self) -> None:
         """Close every stream and wait for the aborts still being sent."""

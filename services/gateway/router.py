@@ -50,6 +50,7 @@ from services.gateway.disagg_policy import ConditionalPrefill, DisaggregationPol
 from services.gateway.migration import Continuation, continuation
 from services.gateway.model import ServedModel
 from services.gateway.placement import DecodePlacement, RunningRequest, WorkerRequest
+from services.gateway.readiness import Routability, unroutable_reason
 from services.gateway.request_stream import stream_samples
 from services.gateway.routing import PrefixAffinity
 from services.gateway.sample_text import SampleText, special_tag_tokens
@@ -81,6 +82,9 @@ class RoutingBackend:
         model: the served model (tokenizer, limits, think tags).
         prefill_addresses / decode_addresses: the workers; colocated mode uses decode only.
         options: gateway id, mode, health-check cadence.
+
+    `routability` says whether a request can be routed now and tells its watchers (the
+    gateway's gRPC health) at every change of the workers' rotation or Attach streams.
     """
 
     def __init__(
@@ -100,7 +104,8 @@ class RoutingBackend:
         self.pool = WorkerPool(
             prefill, decode_addresses, options.pool, on_change=self._on_worker_change, on_lost=self._on_worker_lost
         )
-        self.placement = DecodePlacement(self.pool, options.gateway_id)
+        self.placement = DecodePlacement(self.pool, options.gateway_id, on_stream_closed=self._on_stream_closed)
+        self.routability = Routability(self._unroutable_reason)
         self.affinity = PrefixAffinity()
         self.conditional = ConditionalPrefill(options.policy)
         self._tag_tokens = special_tag_tokens(model.tokenizer, model.reasoning)
@@ -111,6 +116,7 @@ class RoutingBackend:
 
     async def start(self) -> None:
         await self.pool.start()
+        await self.routability.update()  # when no worker came into rotation, nothing else would
 
     async def shutdown(self) -> None:
         for request_id in list(self._running):
@@ -121,9 +127,17 @@ class RoutingBackend:
 
     async def _on_worker_change(self, worker: WorkerHandle) -> None:
         await self.placement.on_worker_change(worker)
+        await self.routability.update()
 
     async def _on_worker_lost(self, worker: WorkerHandle) -> None:
         await self.placement.on_worker_lost(worker)
+        await self.routability.update()
+
+    async def _on_stream_closed(self, worker: WorkerHandle) -> None:
+        await self.routability.update()
+
+    def _unroutable_reason(self) -> str | None:
+        return unroutable_reason(self.options.mode, len(self.pool.of_role("prefill")), len(self.placement.candidates()))
 
     # ---- requests -------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import structlog
 from cleave import errors
 from cleave.logging import configure_logging
 from cleave.proto.cleave.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from cleave.rpc import ServiceRegistration, aio_channel, current_request_id, error_detail, serve
+from cleave.rpc import RETRY_AFTER_KEY, ServiceRegistration, aio_channel, current_request_id, error_detail, serve
 
 
 class ScriptedServicer(gateway_pb2_grpc.GatewayServicer):
@@ -115,6 +115,8 @@ async def test_domain_errors_map_to_their_status_code(running, error_class):
     detail = error_detail(raised.value)
     assert detail.field == "sampling.top_p" and detail.request_id == "rid-1"
     assert common_pb2.ErrorCode.Name(detail.code) == f"ERROR_CODE_{error_class.status_code}"
+    retry_after = [value for key, value in raised.value.trailing_metadata() or () if key == RETRY_AFTER_KEY]
+    assert retry_after == (["1000"] if error_class is errors.Unavailable else [])  # only UNAVAILABLE is retried
 
 
 async def test_unexpected_exception_is_internal_without_leaking_its_message(running):

@@ -153,3 +153,37 @@ async def test_message_size_limit_is_applied():
         assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert (await stub.Abort(common_pb2.AbortRequest(request_id="known"))).found
     await server.drain(0)
+
+
+class FlagReadiness:
+    """A `Readiness` a test flips by hand."""
+
+    def __init__(self, is_ready: bool) -> None:
+        self.is_ready = is_ready
+        self._watchers = []
+
+    def watch(self, on_change) -> None:
+        self._watchers.append(on_change)
+
+    async def set(self, is_ready: bool) -> None:
+        self.is_ready = is_ready
+        for on_change in self._watchers:
+            await on_change(is_ready)
+
+
+async def test_health_follows_readiness_and_draining_wins():
+    server = await start(SlowAbortServicer(0))
+    readiness = FlagReadiness(False)
+    async with aio_channel(server.address) as channel:
+        await server.follow(readiness)
+        assert [await health_status(channel, name) for name in (GATEWAY, "")] == [NOT_SERVING, NOT_SERVING]
+        await readiness.set(True)
+        assert [await health_status(channel, name) for name in (GATEWAY, "")] == [SERVING, SERVING]
+        await readiness.set(False)
+        assert await health_status(channel, "") == NOT_SERVING
+        await readiness.set(True)
+    await server.drain(0)
+    await readiness.set(True)  # a worker coming back while the server drains changes nothing
+    # the server no longer answers: ask its health servicer directly
+    answer = await server._health.Check(health_pb2.HealthCheckRequest(service=""), None)
+    assert answer.status == NOT_SERVING

@@ -5,10 +5,11 @@ interceptor (request ids, call logs, exceptions -> status codes) and SIGTERM dra
 """
 
 from cleave.rpc.client import aio_channel, channel_options
-from cleave.rpc.errors import ERROR_DETAIL_KEY, error_detail, map_exception
+from cleave.rpc.errors import ERROR_DETAIL_KEY, RETRY_AFTER_KEY, error_detail, map_exception
 from cleave.rpc.interceptor import REQUEST_ID_KEY, RequestInterceptor, current_request_id
 from cleave.rpc.server import (
     Lifecycle,
+    Readiness,
     Server,
     ServiceRegistration,
     run_service,
@@ -19,7 +20,9 @@ from cleave.rpc.server import (
 __all__ = [
     "ERROR_DETAIL_KEY",
     "REQUEST_ID_KEY",
+    "RETRY_AFTER_KEY",
     "Lifecycle",
+    "Readiness",
     "RequestInterceptor",
     "Server",
     "ServiceRegistration",

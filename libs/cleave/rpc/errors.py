@@ -3,7 +3,8 @@
 Domain errors (`cleave.errors`) carry the name of their status code; a few built-in
 exceptions have an obvious one; anything else is a bug and becomes INTERNAL, logged with its
 traceback and never echoed to the client. The mapped status also travels as a serialized
-`cleave.v1.ErrorDetail` in the trailing metadata key `cleave-error-bin`.
+`cleave.v1.ErrorDetail` in the trailing metadata key `cleave-error-bin`; an error that says
+when to retry (`CleaveError.retry_after_s`, e.g. UNAVAILABLE) adds `retry-after-ms`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from cleave.errors import (
 from cleave.proto.cleave.v1 import common_pb2
 
 ERROR_DETAIL_KEY = "cleave-error-bin"
+RETRY_AFTER_KEY = "retry-after-ms"
 _ERRORS_BY_CODE: dict[grpc.StatusCode, type[CleaveError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
@@ -44,16 +46,27 @@ class MappedError:
     message: str
     detail: common_pb2.ErrorDetail
     is_bug: bool  # INTERNAL from an unexpected exception: log the traceback
+    retry_after_ms: int | None = None  # when the caller may retry, if the error says
+
+    def trailing_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        """The ErrorDetail, and `retry-after-ms` when the error says when to retry."""
+        detail = ((ERROR_DETAIL_KEY, self.detail.SerializeToString()),)
+        if self.retry_after_ms is None:
+            return detail
+        return (*detail, (RETRY_AFTER_KEY, str(self.retry_after_ms)))
 
 
 def map_exception(exc: BaseException, request_id: str) -> MappedError:
     """The gRPC status, client-facing message and ErrorDetail for an exception."""
     field = ""
     is_bug = False
+    retry_after_ms = None
     if isinstance(exc, CleaveError):
         code = getattr(grpc.StatusCode, exc.status_code, grpc.StatusCode.UNKNOWN)
         message = str(exc)  # "field: message" when the error names a field
         field = exc.field or ""
+        if exc.retry_after_s is not None:
+            retry_after_ms = round(exc.retry_after_s * 1000)
     else:
         for exc_type, builtin_code in _BUILTIN_CODES:
             if isinstance(exc, exc_type):
@@ -65,7 +78,7 @@ def map_exception(exc: BaseException, request_id: str) -> MappedError:
     detail = common_pb2.ErrorDetail(
         code=error_code_for(code), message=message, field=field, request_id=request_id
     )
-    return MappedError(code=code, message=message, detail=detail, is_bug=is_bug)
+    return MappedError(code=code, message=message, detail=detail, is_bug=is_bug, retry_after_ms=retry_after_ms)
 
 
 def error_code_for(code: grpc.StatusCode) -> int:

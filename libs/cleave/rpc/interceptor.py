@@ -23,7 +23,7 @@ import grpc
 import structlog
 
 from cleave.rpc.auth import MetadataAuth
-from cleave.rpc.errors import ERROR_DETAIL_KEY, map_exception
+from cleave.rpc.errors import map_exception
 from cleave.tracing import NOOP_SERVER_SPAN, TRACEPARENT, TRACESTATE, TRACING_OFF, Tracing
 
 REQUEST_ID_KEY = "x-request-id"
@@ -92,9 +92,7 @@ class _Call:
         mapped = map_exception(exc, self.request_id)
         if mapped.is_bug:
             self.log.exception("rpc handler failed", exc_info=exc)
-        context.set_trailing_metadata(
-            ((ERROR_DETAIL_KEY, mapped.detail.SerializeToString()),)
-        )
+        context.set_trailing_metadata(mapped.trailing_metadata())
         self._finish(context, mapped.code)
         await context.abort(mapped.code, mapped.message)
         raise AssertionError("context.abort returned")  # pragma: no cover

@@ -3,7 +3,9 @@
 A served process goes through NOT_SERVING (bound, loading) -> SERVING (`set_ready()`) ->
 NOT_SERVING (draining, on SIGTERM/SIGINT or `drain()`) -> stopped, after in-flight calls got
 `grace_seconds` to finish. Health is reported per service name and overall (""), so load
-balancers and `cleave health` can wait for readiness.
+balancers and `cleave health` can wait for readiness. A service whose readiness depends on
+others (the gateway: on its workers) hands `run_service` a `Readiness`, and health follows it
+between SERVING and NOT_SERVING after start-up; draining wins over it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -61,6 +63,7 @@ class Server:
         self._service_names = tuple(service_names)
         self._grace_seconds = grace_seconds
         self._drain_task: asyncio.Task[None] | None = None
+        self._health_lock = asyncio.Lock()  # one set_ready at a time: the last one asked wins everywhere
         self.host = host
         self.port = port
         self.log = structlog.get_logger("cleave.rpc").bind(port=port)
@@ -71,11 +74,20 @@ class Server:
         return f"{self.host}:{self.port}"
 
     async def set_ready(self, ready: bool = True) -> None:
-        """Report SERVING (or NOT_SERVING again) for every service and overall."""
+        """Report SERVING (or NOT_SERVING again) for every service and overall; ignored once
+        draining (which reports NOT_SERVING for good)."""
         status = _SERVING if ready else _NOT_SERVING
-        for name in (*self._service_names, ""):
-            await self._health.set(name, status)
+        async with self._health_lock:
+            if self._drain_task is not None:
+                return
+            for name in (*self._service_names, ""):
+                await self._health.set(name, status)
         self.log.info("ready" if ready else "not ready")
+
+    async def follow(self, readiness: Readiness) -> None:
+        """Report `readiness` now, then every change of it (until draining)."""
+        readiness.watch(self.set_ready)
+        await self.set_ready(readiness.is_ready)
 
     async def drain(self, grace_seconds: float | None = None) -> None:
         """Report NOT_SERVING, refuse new calls, give in-flight calls the grace period.
@@ -174,6 +186,21 @@ def write_port_file(path: Path, port: int) -> None:
     tmp.replace(path)
 
 
+ReadyCallback = Callable[[bool], Awaitable[None]]
+
+
+class Readiness(Protocol):
+    """Whether a started service can take traffic now, for a service where that changes
+    after start-up (the gateway is ready while a worker can take a request)."""
+
+    @property
+    def is_ready(self) -> bool:
+        """True when the service can take a request now."""
+
+    def watch(self, on_change: ReadyCallback) -> None:
+        """Have `on_change(is_ready)` awaited whenever `is_ready` changes."""
+
+
 class Lifecycle(Protocol):
     """Start-up and shutdown hooks of a service backend."""
 
@@ -192,12 +219,14 @@ async def run_service(
     on_listening: Callable[[str], None] | None = None,
     tracing: Tracing = TRACING_OFF,
     auth: MetadataAuth | None = None,
+    readiness: Readiness | None = None,
 ) -> None:
     """A service process's life: listen, write the port file, start the backend, report
     SERVING, serve until SIGTERM/SIGINT, drain, shut the backend down. `on_listening` gets
     the bound host:port before the backend starts (a decode worker puts it in its handles);
     `tracing` gets a server span per call; `auth` checks every call's secret (the gateway's
-    API key; internal services pass `internal_auth(config.internal_token)`)."""
+    API key; internal services pass `internal_auth(config.internal_token)`); with
+    `readiness`, health follows it after start-up instead of staying SERVING."""
     server = await serve(services, config.listen, config.rpc, tracing=tracing, auth=auth)
     if on_listening is not None:
         on_listening(server.address)
@@ -205,7 +234,10 @@ async def run_service(
         write_port_file(config.port_file, server.port)
     try:
         await backend.start()
-        await server.set_ready()
+        if readiness is None:
+            await server.set_ready()
+        else:
+            await server.follow(readiness)
         await server.wait()
     finally:
         await server.drain()

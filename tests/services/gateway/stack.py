@@ -12,7 +12,7 @@ from typing import Literal
 
 from cleave.config import ModelConfig
 from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from cleave.rpc import Server, aio_channel, serve
+from cleave.rpc import Readiness, Server, aio_channel, serve
 from cleave.rpc.auth import MetadataAuth, api_key_auth, internal_auth
 from services.decode.__main__ import registration as decode_registration
 from services.decode.engine_backend import EngineDecodeBackend
@@ -75,12 +75,18 @@ class Stack:
 
 
 async def _serve(stack: Stack, registration, backend,  # type: ignore[no-untyped-def]
-                 auth: MetadataAuth | None = internal_auth(INTERNAL_TOKEN)) -> Server:
+                 auth: MetadataAuth | None = internal_auth(INTERNAL_TOKEN),
+                 readiness: Readiness | None = None) -> Server:
+    """Start a backend and serve it, SERVING at once or (with `readiness`) following it, as
+    `run_service` does."""
     if backend is not None:
         await backend.start()
         stack.backends.append(backend)
     server = await serve([registration], "127.0.0.1:0", handle_signals=False, auth=auth)
-    await server.set_ready()
+    if readiness is None:
+        await server.set_ready()
+    else:
+        await server.follow(readiness)
     stack.servers.append(server)
     return server
 
@@ -125,9 +131,10 @@ async def start_stack(
     stack.router = router
     models = [served]
     gateway = await _serve(stack, gateway_registration(GatewayServicer(router, models)), router,
-                           auth=api_key_auth(api_key))
+                           auth=api_key_auth(api_key), readiness=router.routability)
     stack.gateway_address = gateway.address
-    api = OpenAIApi(router, models, lambda token_id: model.tokenizer.decode([token_id]), api_key=api_key)
+    api = OpenAIApi(router, models, lambda token_id: model.tokenizer.decode([token_id]), api_key=api_key,
+                    routability=router.routability)
     stack.http_runner = await start_http(api, "127.0.0.1:0")
     stack.http_url = f"http://127.0.0.1:{bound_port(stack.http_runner)}/v1"  # type: ignore[arg-type]
     return stack

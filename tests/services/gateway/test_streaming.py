@@ -28,7 +28,9 @@ async def test_generate_streams_tokens_as_they_come(stack, mode):
     assert sum(len(m.token_ids) for m in messages) == MAX_TOKENS
     with_tokens = [m for m in messages[:-1] if m.token_ids]
     assert len(with_tokens) >= MIN_MESSAGES, [len(m.token_ids) for m in messages]
-    assert max(len(m.token_ids) for m in messages) <= 4  # never the bulk of the request at once
+    # never the bulk of the request at once (a loaded gateway may merge the few steps the
+    # decode worker made while the prefill worker's answer with the first token was on its way)
+    assert max(len(m.token_ids) for m in messages) <= MAX_TOKENS // 4
     thinking = [i for i, m in enumerate(messages) if m.reasoning_text]
     answer = [i for i, m in enumerate(messages) if m.text]
     if mode == c.REASONING_MODE_SEPARATE:
