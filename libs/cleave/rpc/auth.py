@@ -16,11 +16,9 @@ None turns its check off. Secrets are compared with `hmac.compare_digest`.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
-
-import grpc
 
 from cleave.errors import Unauthenticated
 
@@ -96,47 +94,3 @@ def call_metadata(internal_token: str | None = None, api_key: str | None = None)
     if api_key is not None:
         pairs.append((AUTHORIZATION_KEY, bearer(api_key)))
     return tuple(pairs)
-
-
-Continuation = Callable[[grpc.aio.ClientCallDetails, Any], Awaitable[Any]]
-
-
-class _AddMetadata:
-    """Adds fixed metadata pairs to a call's details (a caller's own entries are kept)."""
-
-    def __init__(self, pairs: tuple[tuple[str, str], ...]) -> None:
-        self._pairs = pairs
-
-    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = tuple(details.metadata or ())
-        sent = {key for key, _ in metadata}
-        added = tuple(pair for pair in self._pairs if pair[0] not in sent)
-        return details._replace(metadata=grpc.aio.Metadata(*metadata, *added))  # type: ignore[attr-defined]
-
-
-class _UnaryUnary(_AddMetadata, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation: Continuation, client_call_details, request):  # type: ignore[no-untyped-def]
-        return await continuation(self._details(client_call_details), request)
-
-
-class _UnaryStream(_AddMetadata, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation: Continuation, client_call_details, request):  # type: ignore[no-untyped-def]
-        return await continuation(self._details(client_call_details), request)
-
-
-class _StreamUnary(_AddMetadata, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation: Continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
-        return await continuation(self._details(client_call_details), request_iterator)
-
-
-class _StreamStream(_AddMetadata, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation: Continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
-        return await continuation(self._details(client_call_details), request_iterator)
-
-
-def metadata_interceptors(pairs: tuple[tuple[str, str], ...]) -> tuple[grpc.aio.ClientInterceptor, ...]:
-    """Client interceptors adding `pairs` to every call, one per call type (grpc.aio files
-    an interceptor under the first type it implements); none when `pairs` is empty."""
-    if not pairs:
-        return ()
-    return (_UnaryUnary(pairs), _UnaryStream(pairs), _StreamUnary(pairs), _StreamStream(pairs))

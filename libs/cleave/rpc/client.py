@@ -7,8 +7,9 @@ from __future__ import annotations
 import grpc
 
 from cleave.config import DEFAULT_MAX_MESSAGE_BYTES
-from cleave.rpc.auth import call_metadata, metadata_interceptors
-from cleave.rpc.client_tracing import TRACE_INTERCEPTORS
+from cleave.rpc.auth import call_metadata
+from cleave.rpc.call_details import details_interceptors, with_metadata
+from cleave.rpc.client_tracing import with_trace_context
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -29,7 +30,10 @@ def aio_channel(
     """An insecure grpc.aio channel to a cleave service at host:port; calls made inside a
     traced request send its `traceparent`, and every call sends `internal_token` (calls
     between cleave services) or `api_key` (a client of the gateway) when given."""
-    secrets = metadata_interceptors(call_metadata(internal_token, api_key))
+    secrets = call_metadata(internal_token, api_key)
+    rewrites = [with_trace_context]
+    if secrets:
+        rewrites.append(lambda details: with_metadata(details, secrets))
     return grpc.aio.insecure_channel(
-        address, options=channel_options(max_message_bytes), interceptors=[*TRACE_INTERCEPTORS, *secrets]
+        address, options=channel_options(max_message_bytes), interceptors=details_interceptors(*rewrites)
     )
