@@ -41,18 +41,27 @@ class ConditionalPrefill:
         self.policy = policy
         self.decode_prefixes = PrefixAffinity()  # prompt prefix -> decode worker holding it
 
-    def cached_on(self, decode: WorkerHandle, prompt_ids: Sequence[int]) -> int:
+    def cached_on(self, decode: WorkerHandle, prompt_ids: Sequence[int], hashes: Sequence[bytes] | None = None) -> int:
         """Leading prompt tokens the decode worker likely caches."""
-        owner, num_blocks = self.decode_prefixes.lookup(prompt_ids)
+        owner, num_blocks = self.decode_prefixes.lookup(prompt_ids, hashes)
         return num_blocks * AFFINITY_BLOCK_SIZE if owner == decode.address else 0
 
-    def remote(self, decode: WorkerHandle, prefill_workers: Sequence[WorkerHandle], prompt_ids: Sequence[int]) -> bool:
-        """Whether the request should prefill on a prefill worker."""
-        uncached = len(prompt_ids) - self.cached_on(decode, prompt_ids)
+    def remote(self, decode: WorkerHandle, prefill_workers: Sequence[WorkerHandle], prompt_ids: Sequence[int],
+               hashes: Sequence[bytes] | None = None) -> bool:
+        """Whether the request should prefill on a prefill worker (`hashes`: the prompt's
+        `decode_prefixes.hashes`, when the caller has them already)."""
+        uncached = len(prompt_ids) - self.cached_on(decode, prompt_ids, hashes)
         if uncached <= self.policy.local_max_tokens or not prefill_workers:
             return False
         return min(prefill_load(worker) for worker in prefill_workers) <= self.policy.remote_max_queue_tokens
 
-    def record(self, decode: WorkerHandle, prompt_ids: Sequence[int]) -> None:
+    def record(self, decode: WorkerHandle, prompt_ids: Sequence[int], hashes: Sequence[bytes] | None = None) -> None:
         """The request's prompt is now (being) cached on `decode`."""
-        self.decode_prefixes.record(prompt_ids, decode.address)
+        self.decode_prefixes.record(prompt_ids, decode.address, hashes)
+
+    def choose(self, decode: WorkerHandle, prefill_workers: Sequence[WorkerHandle], prompt_ids: Sequence[int]) -> bool:
+        """`remote`, then `record` (the prompt goes to `decode` either way), hashing it once."""
+        hashes = self.decode_prefixes.hashes(prompt_ids)
+        remote = self.remote(decode, prefill_workers, prompt_ids, hashes)
+        self.record(decode, prompt_ids, hashes)
+        return remote

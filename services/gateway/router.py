@@ -231,9 +231,7 @@ class RoutingBackend:
         mode = self.options.mode
         if mode != "conditional":
             return mode == "disaggregated"
-        remote = self.conditional.remote(part.decode, self.pool.of_role("prefill"), prompt_ids)
-        self.conditional.record(part.decode, prompt_ids)
-        return remote
+        return self.conditional.choose(part.decode, self.pool.of_role("prefill"), prompt_ids)
 
     async def _start_anywhere(self, spec: GenerateSpec, prompt_ids: list[int], running: RunningRequest) -> int:
         """`_start`, moved to another decode worker when its own is lost during the start."""

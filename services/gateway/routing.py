@@ -39,22 +39,24 @@ class PrefixAffinity:
         self.capacity = capacity
         self._owner: OrderedDict[bytes, str] = OrderedDict()
 
-    def _hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+    def hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """The chained hashes of a prompt's leading blocks, as `lookup` and `record` take them."""
         return block_hashes(token_ids[: self.block_size * self.max_blocks], self.block_size)
 
-    def lookup(self, token_ids: Sequence[int]) -> tuple[str | None, int]:
-        """(address of the worker holding the longest known prefix, its length in blocks)."""
+    def lookup(self, token_ids: Sequence[int], hashes: Sequence[bytes] | None = None) -> tuple[str | None, int]:
+        """(address of the worker holding the longest known prefix, its length in blocks);
+        `hashes`: the prompt's `hashes`, when the caller has them already."""
         owner, length = None, 0
-        for position, block_hash in enumerate(self._hashes(token_ids)):
+        for position, block_hash in enumerate(self.hashes(token_ids) if hashes is None else hashes):
             address = self._owner.get(block_hash)
             if address is None:
                 break
             owner, length = address, position + 1
         return owner, length
 
-    def record(self, token_ids: Sequence[int], address: str) -> None:
+    def record(self, token_ids: Sequence[int], address: str, hashes: Sequence[bytes] | None = None) -> None:
         """Remember that `address` now holds the prompt's leading blocks."""
-        for block_hash in self._hashes(token_ids):
+        for block_hash in self.hashes(token_ids) if hashes is None else hashes:
             self._owner[block_hash] = address
             self._owner.move_to_end(block_hash)
         while len(self._owner) > self.capacity:
