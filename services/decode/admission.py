@@ -19,11 +19,8 @@ import asyncio
 import collections
 import copy
 import itertools
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-from opentelemetry.context import Context
 
 from cleave.engine.async_engine import AsyncEngine
 from cleave.engine.llm_engine import LLMEngine
@@ -33,30 +30,13 @@ from cleave.engine.step_trace import TraceOrigin
 from cleave.errors import CleaveError, DeadlineExceeded, InvalidArgument, NotFound
 from cleave.rpc.convert import apply_reasoning
 from cleave.rpc.types import ErrorInfo, RequestDelta, TopLogprobs, TransferHandle
-from cleave.tracing import current_context, record_span, span
+from cleave.tracing import span
 from cleave.transfer import KVReceiver, PendingTransfer
 from services.decode.backend import AdmitSpec, StartSpec
 from services.decode.gateway_streams import GatewayStreams
 from services.decode.peers import PeerLinks
 
 MAX_REMEMBERED_FAILURES = 4096  # failed admissions kept so a late Start gets the real error
-
-
-@dataclass(frozen=True)
-class StepTraceStart:
-    """When Start arrived and its trace context: `decode.first_step` runs from there to the
-    request's first published delta (None context: not traced, nothing is recorded)."""
-
-    context: Context | None
-    start_ns: int
-
-    @staticmethod
-    def now() -> StepTraceStart | None:
-        context = current_context()
-        return None if context is None else StepTraceStart(context, time.time_ns())
-
-    def record(self, request_id: str) -> None:
-        record_span("decode.first_step", self.start_ns, time.time_ns(), parent=self.context, request_id=request_id)
 
 
 @dataclass
@@ -75,7 +55,8 @@ class HeldRequest:
     # first delta leaves it out.
     delivered_first: set[int] = field(default_factory=set)
     aborted_samples: set[int] = field(default_factory=set)  # aborted before Start: end them there
-    trace_start: StepTraceStart | None = None  # Start's trace context, until the first step's delta
+    # Start's trace context and time, until the first published delta (`decode.first_step`)
+    trace_start: TraceOrigin | None = None
 
 
 class AdmissionMixin:
@@ -218,7 +199,7 @@ class AdmissionMixin:
         if self._requests.get(request_id) is not request:  # aborted or failed meanwhile
             raise self._failures.pop(request_id, None) or NotFound(f"request {request_id!r} was aborted")
         request.started = True
-        request.trace_start = StepTraceStart.now()
+        request.trace_start = TraceOrigin.capture()
         if request.timer is not None:
             request.timer.cancel()
         if spec.first_tokens_delivered:
@@ -249,10 +230,9 @@ class AdmissionMixin:
         if spec.reasoning is not None:
             apply_reasoning(params, spec.reasoning)
         state = engine.prepare_request(request_id, prompt, params)
-        self._requests[request_id] = HeldRequest(
-            request_id, spec.gateway_id, prompt, params, started=True, trace_start=StepTraceStart.now())
-
         origin = TraceOrigin.capture()
+        self._requests[request_id] = HeldRequest(
+            request_id, spec.gateway_id, prompt, params, started=True, trace_start=origin)
 
         def enqueue(e: LLMEngine) -> int:
             cached = e.handoff.cached_prefix(prompt)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from cleave.engine.outputs import RequestOutput
 from cleave.rpc.types import RequestDelta
+from cleave.tracing import record_span
 from cleave.worker import DeltaBuilder
 from services.decode.admission import HeldRequest
 from services.decode.gateway_streams import GatewayStreams
@@ -89,7 +90,9 @@ class StepDeliveryMixin:
             deltas = self._builder.build(output, request.leading_logprobs)
             request.leading_logprobs = ()
             if request.trace_start is not None:
-                request.trace_start.record(request.request_id)
+                start = request.trace_start
+                record_span("decode.first_step", start.arrival_ns, time.time_ns(), parent=start.context,
+                            request_id=request.request_id)
                 request.trace_start = None
             if request.delivered_first:
                 deltas = without_delivered_first(deltas, request.delivered_first)
