@@ -13,6 +13,11 @@ ENV PYTHONUNBUFFERED=1 \
     HF_HOME=/models \
     CLEAVE_LOG_JSON=true
 
+# Triton builds its driver launcher with the system C compiler the first time a worker starts.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /app
 # torch first, from the chosen index, in its own layer: it is most of the image.
 RUN pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0

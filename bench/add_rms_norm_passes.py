@@ -22,7 +22,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import format_table, graph_call_us, write_results  # noqa: E402
+from common import format_table, graph_call_us, run_name, write_results  # noqa: E402
 
 from cleave.kernels.rms_norm import (  # noqa: E402
     _add_rms_norm_reload_kernel,
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
 
     print(format_table(rows, COLUMNS))
     if args.out:
-        write_results(args.out, "add_rms_norm_passes", rows, COLUMNS)
+        write_results(args.out, run_name("add_rms_norm_passes"), rows, COLUMNS)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import format_table, graph_call_us, write_results  # noqa: E402
+from common import format_table, graph_call_us, run_name, write_results  # noqa: E402
 
 from cleave.kernels.attention_decode import NUM_STAGES, choose_num_splits, paged_decode_attention  # noqa: E402
 from cleave.kv.metadata import AttentionMetadata  # noqa: E402
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
             print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
     print(format_table(rows, COLUMNS))
     if args.out:
-        write_results(args.out, "attention_decode", rows, COLUMNS, {"capacity": args.capacity})
+        write_results(args.out, run_name("attention_decode"), rows, COLUMNS, {"capacity": args.capacity})
 
 
 if __name__ == "__main__":

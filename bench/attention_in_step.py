@@ -17,7 +17,7 @@ import json
 
 import torch
 
-from common import format_table, write_results
+from common import format_table, run_name, write_results
 from decode import Case, decode_batch
 from step_turns import build_step_bench, summary_row, time_in_turns
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(rows, COLUMNS))
     if args.out:
         summary = {"model": "Llama-3.2-1B shape, random bf16 weights", "max_model_len": args.max_model_len}
-        json_path, md_path = write_results(args.out, "attention_in_step", rows, COLUMNS, summary)
+        json_path, md_path = write_results(args.out, run_name("attention_in_step"), rows, COLUMNS, summary)
         print(f"wrote {json_path} and {md_path}")
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import format_table, host_call_us, write_results  # noqa: E402
+from common import format_table, host_call_us, run_name, write_results  # noqa: E402
 
 from cleave.kernels import dispatch  # noqa: E402
 from cleave.kernels.activation import gelu_bias  # noqa: E402
@@ -71,7 +71,7 @@ def main() -> None:
         rows.append({"what": name, "us": host_call_us(fn, iters=2000, trials=7)})
         print(f"{name:32s} {rows[-1]['us']:.2f} us", flush=True)
     if args.out:
-        write_results(args.out, "call_overhead", rows, COLUMNS, {"hidden": hidden})
+        write_results(args.out, run_name("call_overhead"), rows, COLUMNS, {"hidden": hidden})
     print(format_table(rows, COLUMNS))
 
 

@@ -5,7 +5,9 @@ median); `event_times_ms` times whole calls (a forward, a transfer) with one eve
 launch gaps vanish and the number is device time per call; `host_call_us` is the wall clock
 per call of an unsynchronised loop, i.e. what a Python caller pays when launches dominate.
 Reporting: `write_results` stores rows as JSON and markdown with the command, machine, date
-and library versions that produced them.
+and library versions that produced them. Scripts name each run's files with `run_name`
+(`decode-20261203T184539Z.json`), so a rerun adds a result beside the committed ones instead
+of replacing the numbers a document cites.
 """
 
 from __future__ import annotations
@@ -134,6 +136,23 @@ def _markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def utc_stamp(now: datetime.datetime | None = None) -> str:
+    """UTC time as `20261203T184539Z`: sorts by time and is safe in a file name."""
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    return now.astimezone(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def run_name(stem: str, now: datetime.datetime | None = None) -> str:
+    """`stem-<UTC time>`, the file stem of one run's results."""
+    return f"{stem}-{utc_stamp(now)}"
+
+
+def run_path(path: str | Path, now: datetime.datetime | None = None) -> Path:
+    """`dir/stem.ext` -> `dir/stem-<UTC time>.ext`, for scripts whose flag names a file."""
+    path = Path(path)
+    return path.with_name(run_name(path.stem, now) + path.suffix)
+
+
 def write_results(
     out_dir: str | Path,
     name: str,
@@ -142,7 +161,11 @@ def write_results(
     summary: dict | None = None,
     argv: Sequence[str] | None = None,
 ) -> tuple[Path, Path]:
-    """Write `name`.json (everything) and `name`.md (header + table) under out_dir."""
+    """Write `name`.json (everything) and `name`.md (header + table) under out_dir.
+
+    Pass `run_name(stem)` as `name`: a run may rewrite its own files (partial results saved
+    after each part), and the UTC time keeps every other run's files apart.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     command = shlex.join(["python", *(sys.argv if argv is None else argv)])

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common import event_times_ms, format_table, write_results
+from common import event_times_ms, format_table, run_name, write_results
 
 from cleave.graphs.runner import CUDAGraphRunner, GraphRunnerConfig
 from cleave.kv.metadata import AttentionMetadata
@@ -165,7 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-graphs", action="store_true", help="measure eager mode only")
     parser.add_argument("--gemv-max-tokens", type=int, default=None,
                         help="batches up to this size take the fused GEMV path (default: the model's)")
-    parser.add_argument("--out", default=None, help="directory for decode.json and decode.md")
+    parser.add_argument("--out", default=None, help="directory for decode-<UTC time>.json / .md")
     return parser.parse_args(argv)
 
 
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(rows, COLUMNS))
     print(summary)
     if args.out:
-        json_path, md_path = write_results(args.out, "decode", rows, COLUMNS, summary)
+        json_path, md_path = write_results(args.out, run_name("decode"), rows, COLUMNS, summary)
         print(f"wrote {json_path} and {md_path}")
 
 

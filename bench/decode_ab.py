@@ -36,7 +36,7 @@ from collections.abc import Iterator
 
 import torch
 
-from common import format_table, write_results
+from common import format_table, run_name, write_results
 from decode import Case, decode_batch
 from step_turns import build_step_bench, summary_row, time_in_turns
 
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
                "variants": {name: VARIANTS[name] for name in names}}
     print(format_table(rows, COLUMNS))
     if args.out:
-        json_path, md_path = write_results(args.out, "decode_ab", rows, COLUMNS, summary)
+        json_path, md_path = write_results(args.out, run_name("decode_ab"), rows, COLUMNS, summary)
         print(f"wrote {json_path} and {md_path}")
 
 

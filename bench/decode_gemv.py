@@ -30,7 +30,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import format_table, graph_call_us, write_results  # noqa: E402
+from common import format_table, graph_call_us, run_name, write_results  # noqa: E402
 
 from cleave.kernels.activation import silu_and_mul  # noqa: E402
 from cleave.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS  # noqa: E402
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
 
     print(format_table(results, COLUMNS))
     if args.out:
-        write_results(args.out, "decode_gemv", results, COLUMNS)
+        write_results(args.out, run_name("decode_gemv"), results, COLUMNS)
 
 
 if __name__ == "__main__":

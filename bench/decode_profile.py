@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import format_table, write_results  # noqa: E402
+from common import format_table, run_name, write_results  # noqa: E402
 from decode import Case, build_model, decode_batch, kv_bytes_per_token, llama_3_2_1b_config, step_ms  # noqa: E402
 
 from cleave.graphs.runner import CUDAGraphRunner, GraphRunnerConfig  # noqa: E402
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
             print(format_table([r for r in rows if r["case"] == label], COLUMNS), flush=True)
     if args.out:
-        write_results(args.out, "decode_profile", rows, COLUMNS, summary)
+        write_results(args.out, run_name("decode_profile"), rows, COLUMNS, summary)
 
 
 if __name__ == "__main__":

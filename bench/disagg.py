@@ -2,7 +2,8 @@
 
 Each mode starts the whole stack as processes (`cleave up`'s ProcessStack): disaggregated is
 1 prefill + 1 decode worker sharing the device (on one GPU the KV moves by CUDA IPC, which
-the workers negotiate on their first transfer), colocated is 1 decode worker that prefills
+the workers negotiate on their first transfer; the two run under the stack's MPS daemon unless
+`--mps off`, the `mps` column says whether they did), colocated is 1 decode worker that prefills
 itself, conditional starts what disaggregated starts and lets the gateway choose per request.
 The load (bench/serve_load.py) comes from `--client-procs` client processes, so that the
 client is not what limits the stream (how the HTTP stream's tokens are counted: bench/serve_clients.py):
@@ -10,7 +11,9 @@ client is not what limits the stream (how the HTTP stream's tokens are counted: 
     `--duration-s` seconds (or `--requests-per-user` requests when the duration is 0), their
     first requests spread over `--ramp-s` seconds. Over gRPC (`--api grpc`) a request is
     `--prompt-len` random token ids; over the OpenAI API (`--api http`) a streamed chat
-    completion of `--prompt-words` random words. Either way `--output-len` greedy tokens,
+    completion of random words, as many as make about `--prompt-len` tokens with the served
+    tokenizer and its chat template (or `--prompt-words` words when given), so that the two
+    APIs carry prompts of the same length in tokens. Either way `--output-len` greedy tokens,
     ignore_eos. Lengths are N or LOW-HIGH (drawn uniformly per request);
   - meanwhile a `--long-prompt-len` prompt arrives `--long-first-s` seconds after the start
     and then every `--long-interval-s` seconds (the mean of exponential gaps with
@@ -23,7 +26,8 @@ and their share (`slo_pct`). Every mode is warmed up first (graphs, kernels, the
 handshake). All modes of a run go into one `disagg-<UTC time>.json/.md` under `--out`.
 
 Presets (explicit flags still win):
-  --preset http64   64 users over HTTP, 200-400-word chats, 128 output tokens, no long prompts
+  --preset http64   64 users over HTTP, chats of 256-512 tokens (200-400 words of English text
+                    with a subword tokenizer), 128 output tokens, no long prompts
   --preset mixed    48 users of 256-1024-token prompts and 128-256 output tokens, plus
                     8k-32k-token prompts arriving as a Poisson process (one per 2 s), for 60 s
 
@@ -44,22 +48,22 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serve_clients import REASONING_MODES  # noqa: E402 - bench/ is on the path now
 from serve_load import (  # noqa: E402
-    FIRST_TOKEN_ID, Slo, Workload, max_chat_tokens, run_load, summarize, warm_up,
+    FIRST_TOKEN_ID, Slo, Workload, max_chat_tokens, run_load, summarize, warm_up, words_for_tokens,
 )
 
-COLUMNS = ["mode", "gateways", "api", "transport", "kvstore_puts", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms",
+COLUMNS = ["mode", "gateways", "api", "transport", "mps", "prefill_sm_pct", "metrics", "kvstore_puts", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms",
            "tpot_p50_ms", "tpot_p90_ms", "itl_p99_ms", "long_prompts", "long_ttft_p50_ms", "output_tok_s",
            "goodput_rps", "slo_pct", "wall_s"]
 MODES = ("disaggregated", "colocated", "conditional")
 PRESETS = {
-    "http64": dict(api="http", num_users=64, prompt_words=(200, 400), output_len=(128, 128), long_interval_s=0.0),
+    "http64": dict(api="http", num_users=64, prompt_len=(256, 512), output_len=(128, 128), long_interval_s=0.0),
     "mixed": dict(num_users=48, prompt_len=(256, 1024), output_len=(128, 256), long_prompt_len=(8192, 32768),
                   long_interval_s=2.0, long_arrival="poisson", duration_s=60.0),
 }
@@ -82,8 +86,8 @@ async def negotiated_transport(decode_address: str, prefill_worker_id: str, inte
     return c.TransportKind.Name(admitted.handle.transport).removeprefix("TRANSPORT_KIND_").lower()
 
 
-def run_mode(mode: str, num_gateways: int, puts: bool, api: str, model_dir: Path, args: argparse.Namespace,
-             workdir: Path, vocab: int) -> dict:
+def run_mode(mode: str, num_gateways: int, puts: bool, api: str, mps: str, sm_percent: int, metrics: bool,
+             model_dir: Path, args: argparse.Namespace, workdir: Path, vocab: int) -> dict:
     args = argparse.Namespace(**{**vars(args), "api": api})
     from cleave.cli._stack import ProcessStack, StackSpec
 
@@ -94,9 +98,13 @@ def run_mode(mode: str, num_gateways: int, puts: bool, api: str, model_dir: Path
     spec = StackSpec(model=model_dir, mode=mode, grpc_port=0, http_port=0 if args.api == "http" else None,
                      device=args.device, num_kv_blocks=args.num_kv_blocks, log_level="WARNING",
                      worker_args=tuple(worker_args), gateway_args=tuple(args.gateway_arg), num_gateways=num_gateways,
-                     store_to_kvstore=puts, trace_dir=workdir / f"{mode}-{num_gateways}-{puts}-{api}" / "traces" if args.trace else None)
-    stack = ProcessStack(spec, workdir / f"{mode}-{num_gateways}-{puts}-{api}")
+                     store_to_kvstore=puts, mps=mps, prefill_sm_percent=sm_percent if sm_percent < 100 else None,
+                     metrics=metrics)
+    name = f"{mode}-{num_gateways}-{puts}-{api}-{mps}-{sm_percent}-{metrics}"
+    spec = replace(spec, trace_dir=workdir / name / "traces" if args.trace else None)
+    stack = ProcessStack(spec, workdir / name)
     stack.start(timeout_s=args.start_timeout_s)
+    under_mps = stack.mps is not None
     try:
         load = workload(args, stack.gateway_address, stack.http_url, vocab)
         asyncio.run(warm_up(load, min(args.num_users, 8)))
@@ -107,7 +115,9 @@ def run_mode(mode: str, num_gateways: int, puts: bool, api: str, model_dir: Path
         timings, wall_s = run_load(load, args.client_procs)
     finally:
         stack.stop()
-    row = {"mode": mode, "gateways": num_gateways, "api": args.api, "transport": transport, "kvstore_puts": puts,
+    row = {"mode": mode, "gateways": num_gateways, "api": args.api, "transport": transport, "mps": under_mps,
+           "prefill_sm_pct": sm_percent if under_mps and mode != "colocated" else 100, "metrics": metrics,
+           "kvstore_puts": puts,
            "client_procs": args.client_procs, **summarize(timings, wall_s, Slo(args.slo_ttft_ms, args.slo_tpot_ms))}
     if row["errors"]:
         print(f"{mode}: {row['errors']} requests failed, the first with: {row['first_error']}", file=sys.stderr)
@@ -123,6 +133,14 @@ def workload(args: argparse.Namespace, grpc_address: str, http_url: str | None, 
     """The load of a run: the flags, the stack's addresses and the ids prompts are drawn from."""
     given = {"grpc_address": grpc_address, "http_url": http_url, "vocab": vocab}
     return Workload(**given, **{f.name: getattr(args, f.name) for f in fields(Workload) if f.name not in given})
+
+
+def mps_list(text: str) -> list[str]:
+    """auto, on, off, or a comma-separated list of them."""
+    settings = text.split(",")
+    if any(setting not in ("auto", "on", "off") for setting in settings):
+        raise argparse.ArgumentTypeError(f"expected auto, on, off or a list of them, got {text!r}")
+    return settings
 
 
 def api_list(text: str) -> str:
@@ -173,9 +191,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--duration-s", type=float, default=12.0,
                         help="users send requests until this long after the start (0: --requests-per-user each)")
     parser.add_argument("--requests-per-user", type=int, default=1, help="with --duration-s 0")
-    parser.add_argument("--prompt-len", type=length_range, default="512", help="token ids, N or LOW-HIGH (--api grpc)")
+    parser.add_argument("--prompt-len", type=length_range, default="512",
+                        help="prompt tokens, N or LOW-HIGH (over HTTP: chats of about this many tokens)")
     parser.add_argument("--prompt-words", type=length_range, default=None,
-                        help="words of text, N or LOW-HIGH (--api http; default 200-400, on cpu 16-32)")
+                        help="words of text, N or LOW-HIGH (--api http; default: about --prompt-len tokens, "
+                        "on cpu 16-32 words)")
     parser.add_argument("--output-len", type=length_range, default="256", help="N or LOW-HIGH")
     parser.add_argument("--ramp-s", type=float, default=2.0, help="users' first requests spread over this long")
     parser.add_argument("--long-prompt-len", type=length_range, default=None,
@@ -206,6 +226,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kvstore-puts", type=lambda text: [{"on": True, "off": False}[v] for v in text.split(",")],
                         default=[True], help="on, off or on,off: prefill workers put prompt blocks in the kvstore "
                         "(a list runs each mode both ways)")
+    parser.add_argument("--mps", type=mps_list, default=["auto"],
+                        help="auto, on, off or a list (off,on runs each mode both ways): GPU workers sharing the "
+                        "device run under the stack's MPS daemon (cleave up --mps; colocated has one worker, so "
+                        "auto leaves it without)")
+    parser.add_argument("--prefill-sm-percent", type=lambda text: [int(v) for v in text.split(",")], default=[100],
+                        help="under MPS, the percent of SMs prefill workers may occupy (100: all); a list runs "
+                        "each mode with each (cleave up --prefill-sm-percent)")
+    parser.add_argument("--metrics", type=lambda text: [{"on": True, "off": False}[v] for v in text.split(",")],
+                        default=[True], help="on, off or on,off: every process serves Prometheus metrics "
+                        "(cleave up --metrics; a list runs each mode both ways, for the cost of the metrics)")
     parser.add_argument("--out", default=None, help="directory for disagg-<UTC time>.json / .md (never overwritten)")
     parser.add_argument("--trace", action="store_true",
                         help="trace every request; print each mode's per-hop latencies (bench/hops.py), kept under 'hops'")
@@ -219,8 +249,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cpu = args.device == "cpu"
     if args.long_prompt_len is None:
         args.long_prompt_len = (256, 256) if cpu else (8192, 8192)
-    if args.prompt_words is None:
-        args.prompt_words = (16, 32) if cpu else (200, 400)
+    if args.prompt_words is None and cpu:
+        args.prompt_words = (16, 32)
     if args.client_procs is None:
         args.client_procs = 1 if cpu else max(1, min(8, (os.cpu_count() or 2) // 2))
     return args
@@ -256,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = write_model(workdir / "model", args.device)
         vocab = min(json.loads((model_dir / "config.json").read_text())["vocab_size"], 512)
         apis = args.api.split(",")
+        if args.prompt_words is None:  # chats as long in tokens as the gRPC prompts
+            args.prompt_words = words_for_tokens(model_dir, args.prompt_len)
         size_cache(args, max(max_chat_tokens(model_dir, args.prompt_words[1]) if "http" in apis else 0,
                              args.prompt_len[1] if "grpc" in apis else 0))
         summary = {key: getattr(args, key) for key in (
@@ -268,9 +300,13 @@ def main(argv: list[str] | None = None) -> int:
         name = "disagg-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         rows: list[dict] = []
         written: tuple[Path, ...] = ()
-        for mode, num_gateways, puts, api in itertools.product(
-                args.modes.split(","), args.gateways, args.kvstore_puts, apis):
-            rows.append(run_mode(mode, num_gateways, puts, api, model_dir, args, workdir, vocab))
+        for mode, num_gateways, puts, api, mps, sm_percent, metrics in itertools.product(
+                args.modes.split(","), args.gateways, args.kvstore_puts, apis, args.mps, args.prefill_sm_percent,
+                args.metrics):
+            if mode == "colocated" and (mps, sm_percent) != (args.mps[0], args.prefill_sm_percent[0]):
+                continue  # one worker: no MPS to share and no prefill worker to cap
+            rows.append(run_mode(mode, num_gateways, puts, api, mps, sm_percent, metrics, model_dir, args, workdir,
+                                 vocab))
             print(format_table(rows[-1:], COLUMNS), flush=True)
             if args.out:  # after every mode, so a failure later keeps the modes that ran
                 written = write_results(args.out, name, rows, COLUMNS, summary)

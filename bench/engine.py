@@ -109,7 +109,7 @@ def make_engine(model_dir: Path, args: argparse.Namespace, max_num_seqs: int, mo
 
 def run_requests(engine, num_requests: int, args: argparse.Namespace, seed: int):
     """Submit every request, step to completion; returns (seconds, output tokens, per-step stats)."""
-    from cleave.engine.sampling_params import SamplingParams
+    from cleave.generation.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
@@ -175,7 +175,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--modes", default=",".join(MODES), help="step loops to run: overlap, sync or both")
-    parser.add_argument("--out", default=None, help="directory for engine.json / engine.md")
+    parser.add_argument("--out", default=None, help="directory for engine-<UTC time>.json / .md")
     args = parser.parse_args(argv)
     if args.max_model_len is None:
         args.max_model_len = args.prompt_len + max(args.output_len, args.breakdown_output_len)
@@ -184,7 +184,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from common import format_table, write_results
+    from common import format_table, run_name, write_results
 
     modes = [mode for mode in args.modes.split(",") if mode]
     if not modes or set(modes) - set(MODES):
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary))
     print(format_table(rows, COLUMNS))
     if args.out:
-        write_results(args.out, "engine", rows, COLUMNS, summary=summary)
+        write_results(args.out, run_name("engine"), rows, COLUMNS, summary=summary)
     return 0
 
 

@@ -41,6 +41,11 @@ import tempfile
 import time
 from pathlib import Path
 
+BENCH = Path(__file__).resolve().parent
+# bench/kernels.py would shadow the `kernels` package transformers imports: bench/ goes last.
+if sys.path and Path(sys.path[0] or ".").resolve() == BENCH:
+    sys.path.append(sys.path.pop(0))
+
 PHASES = ("schedule", "prepare", "forward", "detokenize", "sampling_prep", "sample", "postprocess")
 HOST_PHASES = ("schedule", "prepare", "detokenize", "sampling_prep", "postprocess")
 TEXT_IDS = (8, 500)  # plain BPE tokens of the tiny tokenizer (specials and think tags excluded)
@@ -79,7 +84,7 @@ def run_batch(
     """Decode `batch` requests to completion; median phase ms over full-batch decode steps."""
     import torch
 
-    from cleave.engine.sampling_params import SamplingParams
+    from cleave.generation.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
     engine = make_engine(model_dir, batch, args, overlap)
@@ -137,7 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mode", choices=("sync", "overlap", "both"), default="both", help="engine step loop")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="time phases by thread CPU or wall time")
     parser.add_argument("--profile", action="store_true", help="cProfile full-batch steps; print the top functions")
-    parser.add_argument("--json", default=None, help="write the rows to this file")
+    parser.add_argument("--json", default=None, help="rows to STEM-<UTC time>.json beside this path")
     return parser.parse_args(argv)
 
 
@@ -161,7 +166,11 @@ def main(argv: list[str] | None = None) -> int:
                     pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     print(format_rows(results))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        from common import run_path
+
+        out = run_path(args.json)
+        out.write_text(json.dumps(results, indent=1))
+        print(f"wrote {out}")
     return 0
 
 

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import format_table, write_results  # noqa: E402
+from common import format_table, run_name, write_results  # noqa: E402
 from decode import Case, build_model, decode_batch, llama_3_2_1b_config  # noqa: E402
 
 from cleave.graphs.runner import CUDAGraphRunner, GraphRunnerConfig  # noqa: E402
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
     print(format_table(rows, COLUMNS))
     if args.out:
-        write_results(args.out, "graph_runner_host", rows, COLUMNS, {"batch": 1, "context": args.context})
+        write_results(args.out, run_name("graph_runner_host"), rows, COLUMNS, {"batch": 1, "context": args.context})
 
 
 if __name__ == "__main__":

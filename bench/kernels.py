@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth_gbs, format_table, graph_call_us, host_call_us, write_results  # noqa: E402
+from common import copy_bandwidth_gbs, format_table, graph_call_us, host_call_us, run_name, write_results  # noqa: E402
 
 from cleave.kernels.activation import (  # noqa: E402
     gelu_bias,
@@ -256,7 +256,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rep-ms", type=int, default=40, help="do_bench repetition time per measurement")
     parser.add_argument("--rounds", type=int, default=3,
                         help="measurements per implementation, taken in turns; the median is reported")
-    parser.add_argument("--out", type=Path, default=None, help="directory for NAME.json / NAME.md")
+    parser.add_argument("--out", type=Path, default=None, help="directory for NAME-<UTC time>.json / .md")
     parser.add_argument("--name", default="kernels", help="result file stem under --out")
     return parser.parse_args(argv)
 
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(checks))
     if args.out is not None:
         summary = {"copy_bandwidth_gbs": round(copy_gbs, 1), "checks": checks}
-        for path in write_results(args.out, args.name, rows, COLUMNS, summary):
+        for path in write_results(args.out, run_name(args.name), rows, COLUMNS, summary):
             print(f"wrote {path}")
 
 

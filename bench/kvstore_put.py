@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from common import format_table, write_results
+from common import format_table, run_name, write_results
 
 from cleave.kv.prefix_hash import block_hashes
 from cleave.proto.cleave.v1 import kvstore_pb2
@@ -258,7 +258,8 @@ def main() -> None:
     if args.store:
         asyncio.run(store_main(args))
         return
-    profile_file = Path(args.out) / f"{args.name}_profile.txt"
+    name = run_name(args.name)
+    profile_file = Path(args.out) / f"{name}_profile.txt"
     profile_file.parent.mkdir(parents=True, exist_ok=True)
     store = StoreProcess(args, profile_file)
     try:
@@ -273,7 +274,7 @@ def main() -> None:
     if args.profile:  # profiled times are inflated: only the profile is kept
         print(f"profile: {profile_file}")
     else:
-        write_results(args.out, args.name, rows, COLUMNS, summary)
+        write_results(args.out, name, rows, COLUMNS, summary)
 
 
 if __name__ == "__main__":

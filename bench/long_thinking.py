@@ -33,7 +33,7 @@ def weight_bytes(model) -> int:
 
 def run_batch(engine, batch: int, args: argparse.Namespace, on_progress=None) -> tuple[dict, list[dict]]:
     """Decode `batch` requests to the end; `on_progress(summary, rows)` runs every 2048 steps."""
-    from cleave.engine.sampling_params import SamplingParams
+    from cleave.generation.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.output_len, temperature=0.8, ignore_eos=True)
     for index in range(batch):
@@ -84,14 +84,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=16384)
     parser.add_argument("--hbm-tbs", type=float, default=4.26)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--out", default=None, help="directory for long_thinking.json / .md")
+    parser.add_argument("--out", default=None, help="directory for long_thinking-<UTC time>.json / .md")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(Path(__file__).parent))
-    from common import format_table, write_results
+    from common import format_table, run_name, write_results
     from engine import free_device_memory, make_engine, write_checkpoint
 
     batches = [int(b) for b in args.batches.split(",")]
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device, max_num_batched_tokens=8192, max_model_len=args.prompt_len + args.output_len,
         block_size=16, enforce_eager=False, gpu_memory_utilization=0.9,
     )
+    name = run_name("long_thinking")  # one file for the run, rewritten as batches finish
     rows, summary = [], {"prompt_len": args.prompt_len, "output_len": args.output_len, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_checkpoint(Path(tmp), args.device)
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 summary["runs"][done_runs:] = [run_summary]
                 print(json.dumps(run_summary), flush=True)
                 if args.out:
-                    write_results(args.out, "long_thinking", rows, COLUMNS, summary=summary)
+                    write_results(args.out, name, rows, COLUMNS, summary=summary)
 
             done_runs = len(summary["runs"])
             save(*run_batch(engine, batch, args, on_progress=save))

@@ -6,7 +6,7 @@ are apart. Time is the median of CUDA-event timings after warm-up; TFLOP/s count
 linear layers (2 * params * tokens, lm_head for the last token only) plus causal attention
 (QK^T and PV over the lower triangle: 2 * 2 * T^2 / 2 * Hq * D per layer).
 
-    python bench/prefill.py --out bench/results/prefill.json
+    python bench/prefill.py --out bench/results/prefill.json   # writes prefill-<UTC time>.json
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ LLAMA_3_2_1B = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="where to write the JSON results")
+    parser.add_argument("--out", type=Path, required=True, help="JSON results path; the run writes STEM-<UTC time>.json beside it")
     parser.add_argument("--tokens", type=int, default=8192, help="prompt length (one sequence)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
     import transformers
-    from common import event_times_ms, format_table, machine_info
+    from common import event_times_ms, format_table, machine_info, run_path
 
     from cleave.kv.metadata import AttentionMetadata
     from cleave.model.compiled import compile_model
@@ -162,9 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         "results": rows,
         "comparison": comparison,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2), encoding="utf-8")
-    print(f"wrote {args.out}")
+    out = run_path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2), encoding="utf-8")
+    print(f"wrote {out}")
     return 0
 
 

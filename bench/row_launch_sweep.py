@@ -22,7 +22,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import copy_bandwidth_gbs, format_table, graph_call_us, write_results  # noqa: E402
+from common import copy_bandwidth_gbs, format_table, graph_call_us, run_name, write_results  # noqa: E402
 
 from cleave.kernels.activation import _gated_act_launcher, silu_and_mul_reference  # noqa: E402
 from cleave.kernels.dispatch import row_launch, tile_launch  # noqa: E402
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(results, COLUMNS))
     if args.out:
         name = "row_launch_sweep" if args.op == "add_rms_norm" else f"launch_sweep_{args.op}"
-        write_results(args.out, name, results, COLUMNS, {"copy_bandwidth_gbs": round(copy_gbs, 1)})
+        write_results(args.out, run_name(name), results, COLUMNS, {"copy_bandwidth_gbs": round(copy_gbs, 1)})
 
 
 if __name__ == "__main__":

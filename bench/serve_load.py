@@ -290,3 +290,16 @@ def max_chat_tokens(model_dir: Path, num_words: int) -> int:
     widest = max(WORDS, key=lambda word: len(tokenizer.encode(" " + word, add_special_tokens=False)))
     text = tokenizer.apply_chat_template([{"role": "user", "content": " ".join([widest] * num_words)}])
     return len(tokenizer.encode(text, add_special_tokens=False)) + 8
+
+
+def words_for_tokens(model_dir: Path, num_tokens: tuple[int, int]) -> tuple[int, int]:
+    """Word counts of chats about `num_tokens` tokens long (LOW, HIGH), chat template included,
+    with the model's tokenizer: its mean tokens per word of WORDS (a word and its space)."""
+    from cleave.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    per_word = sum(len(tokenizer.encode(" " + word, add_special_tokens=False)) for word in WORDS) / len(WORDS)
+    empty = tokenizer.apply_chat_template([{"role": "user", "content": ""}])
+    overhead = len(tokenizer.encode(empty, add_special_tokens=False))
+    low, high = (max(1, round((tokens - overhead) / per_word)) for tokens in num_tokens)
+    return low, high

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import format_table, graph_call_us, write_results  # noqa: E402
+from common import format_table, graph_call_us, run_name, write_results  # noqa: E402
 
 from cleave.kernels.activation import silu_and_mul  # noqa: E402
 from cleave.kernels.small_linear import small_linear  # noqa: E402
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         del weights
     print(format_table(rows_out, COLUMNS))
     if args.out:
-        write_results(args.out, "small_linear", rows_out, COLUMNS)
+        write_results(args.out, run_name("small_linear"), rows_out, COLUMNS)
 
 
 if __name__ == "__main__":

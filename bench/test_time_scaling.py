@@ -11,7 +11,7 @@ on several random k-subsets of them:
 Tokens spent per problem = prompt tokens once (shared KV) + completion tokens of the k samples.
 The k=32 majority vote also goes through `run_scaling`, the gateway's code path.
 
-    python bench/test_time_scaling.py --problems 100 --device cpu
+    python bench/test_time_scaling.py --problems 100 --device cpu   # results/test_time_scaling-<UTC time>.*
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def full_text(output) -> str:
 
 def draw_samples(args: argparse.Namespace) -> tuple[list[ProblemSamples], dict]:
     from cleave.engine.llm import LLM, default_model_path
-    from cleave.engine.sampling_params import SamplingParams
+    from cleave.generation.sampling_params import SamplingParams
     from cleave.scaling import MathVerifier, extract_final_answer, normalize_answer
     from cleave.tasks.arithmetic import format_prompt, heldout_problems, step_consistency
 
@@ -244,7 +244,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "test_time_scaling")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "test_time_scaling",
+                        help="path stem; the run writes STEM-<UTC time>.json / .md / .png")
     args = parser.parse_args()
 
     problems, timing = draw_samples(args)
@@ -267,8 +268,11 @@ def main() -> None:
         "runner_majority_full_group": runner_majority_at_full_group(problems),
         "timing": timing,
     }
-    write_outputs(args.out, rows, summary, problems)
-    print(Path(args.out).with_suffix(".md").read_text())
+    from common import run_path
+
+    out = run_path(args.out.with_suffix(""))
+    write_outputs(out, rows, summary, problems)
+    print(out.with_suffix(".md").read_text())
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from common import event_times_ms, format_table, graph_call_us, write_results
+from common import event_times_ms, format_table, graph_call_us, run_name, write_results
 
 from cleave.proto.cleave.v1 import common_pb2
 from cleave.rpc.convert import transfer_handle_from_proto, transfer_handle_to_proto
@@ -224,7 +224,7 @@ async def main(args: argparse.Namespace) -> None:
             rates = [r["gb_per_s"] for r in rows if r["transport"] == "cuda_ipc" and r["mode"] == mode]
             return min(rates) if rates else None
 
-        write_results(args.out, "transfer", rows, COLUMNS, summary={
+        write_results(args.out, run_name("transfer"), rows, COLUMNS, summary={
             "target_cuda_ipc_gb_per_s": 1000, "min_cuda_ipc_copy_gb_per_s": ipc("copy"),
             "min_cuda_ipc_e2e_gb_per_s": ipc("e2e"), "min_cuda_ipc_streamed_exposed_gb_per_s": ipc("streamed"),
             "layer_compute_ms": args.layer_compute_ms})
@@ -238,7 +238,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layer-compute-ms", type=float, default=3.0,
                         help="device time per layer of the emulated forward in the streamed rows "
                              "(an 8k-token prefill of the 1B shape is ~3 ms per layer on an H200)")
-    parser.add_argument("--out", default=None, help="directory for transfer.json / transfer.md")
+    parser.add_argument("--out", default=None, help="directory for transfer-<UTC time>.json / .md")
     parser.add_argument("--profile", action="store_true",
                         help="print cProfile tables of the cuda_ipc end-to-end sender and of the receiver")
     parser.add_argument("--role", choices=["driver", "receiver"], default="driver", help=argparse.SUPPRESS)

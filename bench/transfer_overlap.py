@@ -100,7 +100,7 @@ def run_steps(engine) -> None:  # type: ignore[no-untyped-def]
 
 async def prefill_once(engine, streams, mode: str, prompt: list[int], dst: torch.Tensor, request_id: str,
                        copy_stream: torch.cuda.Stream | None) -> dict:  # type: ignore[no-untyped-def]
-    from cleave.engine.sampling_params import SamplingParams
+    from cleave.generation.sampling_params import SamplingParams
     from services.prefill.layer_stream import LayerStream
 
     cache = engine.kv_cache
@@ -190,11 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = asyncio.run(run(args, Path(directory)))
     if str(BENCH) not in sys.path:
         sys.path.append(str(BENCH))
-    from common import format_table, write_results
+    from common import format_table, run_name, write_results
 
     print(format_table(rows, COLUMNS))
     if args.out is not None:
-        write_results(args.out, "transfer_overlap", rows, COLUMNS, argv=argv)
+        write_results(args.out, run_name("transfer_overlap"), rows, COLUMNS, argv=argv)
     return 0
 
 

@@ -5,8 +5,16 @@ chat template, cleave_config.json) that transformers and cleave's loader both re
 
     python scripts/train_reasoner.py --out libs/cleave/assets/reasoner
 
-Runs on one CPU thread. The sequence the model is trained on is the chat template applied to
-one user turn, then the assistant reply; the loss covers only the reply and its `</s>`.
+Deterministic: the same command with the same library versions, on a CPU with the same
+instruction set, writes a bit-identical model.safetensors (torch's CPU kernels round
+differently on AVX2 and AVX512, so the record names the one used). Every random source is
+seeded from `--seed` (python, numpy, torch, the problem stream, the truncation draws), torch
+runs one thread and refuses nondeterministic kernels, and the thread-count variables are set
+before torch starts its thread pools. The JSON printed at the end (also `--record FILE`)
+names the versions, the CPU and the weights' sha256.
+
+The sequence the model is trained on is the chat template applied to one user turn, then the
+assistant reply; the loss covers only the reply and its `</s>`.
 
 A fraction of replies (`truncated_fraction`) have their think block cut at a uniformly random
 token, closed at once and followed by the true answer: `<think>{partial}</think> The answer
@@ -18,16 +26,32 @@ The forced `</think>` carries no loss, so the model never learns to close its th
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
+import os
+import platform
 import random
+import shlex
 import string
+import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+# Read once, when OpenMP/MKL and cuBLAS start, i.e. at torch's first parallel or CUDA work;
+# so they are set before torch is imported. Only when run as a script: importing this module
+# leaves the caller's environment alone.
+DETERMINISTIC_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+if __name__ == "__main__":
+    os.environ.update(DETERMINISTIC_ENV)
+
+import numpy
+import safetensors
+import tokenizers
 import torch
+import transformers
 from tokenizers import AddedToken, Tokenizer, decoders, models
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -66,7 +90,7 @@ class TrainConfig:
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
-    eval_every: int = 250
+    eval_every: int = 250  # 0: no evaluation during training
     eval_problems: int = 32
     truncated_fraction: float = 0.15
 
@@ -215,8 +239,46 @@ def build_model(config: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> Llam
     return LlamaForCausalLM(model_config)
 
 
+def make_deterministic(seed: int) -> None:
+    """Seed every global random source and make torch run one thread and deterministic kernels.
+
+    The problem stream and the truncation draws have their own seeded `random.Random`s; the
+    global generators seeded here cover weight init and anything a library draws.
+    """
+    random.seed(seed)
+    numpy.random.seed(seed)
+    torch.manual_seed(seed)  # CPU and every CUDA device
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.set_num_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already fixed once inter-op work has run in this process
+        pass
+
+
+def versions() -> dict[str, str]:
+    """The library versions the trained weights depend on."""
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "safetensors": safetensors.__version__,
+    }
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def train(config: TrainConfig, snapshot_dir: Path | None = None) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
-    torch.manual_seed(config.seed)
+    make_deterministic(config.seed)
     tokenizer = build_tokenizer()
     model = build_model(config, tokenizer)
     print(f"parameters: {sum(p.numel() for p in model.parameters()):,}", flush=True)
@@ -239,7 +301,7 @@ def train(config: TrainConfig, snapshot_dir: Path | None = None) -> tuple[LlamaF
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % 50 == 0:
             print(f"step {step + 1} loss {loss.item():.4f} lr {learning_rate(step, config):.2e} {time.time() - start:.0f}s", flush=True)
-        if (step + 1) % config.eval_every == 0 or step + 1 == last_step:
+        if config.eval_every > 0 and ((step + 1) % config.eval_every == 0 or step + 1 == last_step):
             model.eval()
             greedy = accuracy(generate(model, tokenizer, eval_sample, None), eval_sample)
             model.train()
@@ -250,23 +312,32 @@ def train(config: TrainConfig, snapshot_dir: Path | None = None) -> tuple[LlamaF
 
 
 def evaluate(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, num_problems: int, temperature: float, votes: int) -> dict:
-    """Greedy accuracy, single-sample accuracy at `temperature`, and majority-vote accuracy."""
+    """Accuracy on held-out problems: greedy, and of `votes` samples at `temperature` one
+    sample (mean), their majority vote and the best of them by `step_consistency`.
+
+    Reseeds torch first, so each temperature's numbers do not depend on what ran before.
+    """
     torch.manual_seed(1234)
     problems = arithmetic.heldout_problems(num_problems, seed=0)
     greedy = accuracy(generate(model, tokenizer, problems, None), problems)
     samples = [generate(model, tokenizer, problems, temperature) for _ in range(votes)]
     sampled = sum(accuracy(s, problems) for s in samples) / votes
-    majority_correct = 0
+    majority_correct = best_correct = 0
     for index, problem in enumerate(problems):
-        answers = [arithmetic.extract_answer(s[index]) for s in samples]
+        texts = [s[index] for s in samples]
+        answers = [arithmetic.extract_answer(text) for text in texts]
         counted = Counter(a for a in answers if a is not None).most_common(1)
         majority_correct += bool(counted) and counted[0][0] == problem.answer
+        # The verifier sees the question, never the answer; the earliest sample wins ties.
+        best = max(range(votes), key=lambda vote: arithmetic.step_consistency(texts[vote], problem.question))
+        best_correct += arithmetic.is_correct(texts[best], problem.answer)
     return {
         "heldout_problems": num_problems,
         "greedy_accuracy": greedy,
         "temperature": temperature,
         "sampled_accuracy": sampled,
         f"majority_at_{votes}_accuracy": majority_correct / num_problems,
+        f"best_of_{votes}_step_consistency_accuracy": best_correct / num_problems,
     }
 
 
@@ -291,7 +362,7 @@ def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path)
     (out / "cleave_config.json").write_text(json.dumps(cleave_config, indent=2) + "\n")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("libs/cleave/assets/reasoner"))
     parser.add_argument("--steps", type=int, default=TrainConfig.steps, help="length of the LR schedule")
@@ -300,19 +371,44 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
     parser.add_argument("--truncated-fraction", type=float, default=TrainConfig.truncated_fraction,
                         help="share of replies whose think block is cut short before the answer")
-    parser.add_argument("--eval-problems", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    parser.add_argument("--hidden-size", type=int, default=TrainConfig.hidden_size)
+    parser.add_argument("--num-layers", type=int, default=TrainConfig.num_layers)
+    parser.add_argument("--eval-every", type=int, default=TrainConfig.eval_every,
+                        help="steps between held-out checks while training (0: none)")
+    parser.add_argument("--eval-problems", type=int, default=200, help="final evaluation's problems (0: skip it)")
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--votes", type=int, default=8)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    parser.add_argument("--record", type=Path, default=None, help="also write the final JSON record to this file")
+    args = parser.parse_args(argv)
+    config = TrainConfig(
+        seed=args.seed, steps=args.steps, stop_step=args.stop_step, truncated_fraction=args.truncated_fraction,
+        batch_size=args.batch_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
+        eval_every=args.eval_every,
+    )
     start = time.time()
-    model, tokenizer = train(TrainConfig(
-        seed=args.seed, steps=args.steps, stop_step=args.stop_step, truncated_fraction=args.truncated_fraction
-    ), args.snapshot_dir)
-    print(f"trained in {time.time() - start:.0f}s", flush=True)
+    model, tokenizer = train(config, args.snapshot_dir)
+    train_seconds = time.time() - start
+    print(f"trained in {train_seconds:.0f}s", flush=True)
     save(model, tokenizer, args.out)
-    model.eval()
-    print(json.dumps(evaluate(model, tokenizer, args.eval_problems, args.temperature, args.votes), indent=2), flush=True)
+    record = {
+        "command": shlex.join(["python", *sys.argv]) if argv is None else shlex.join(["python", __file__, *argv]),
+        "config": asdict(config),
+        "versions": versions(),
+        "torch_threads": torch.get_num_threads(),
+        # CPU kernels round differently per instruction set: bit-identical needs the same one.
+        "cpu": {"machine": platform.machine(), "capability": torch.backends.cpu.get_cpu_capability()},
+        "train_seconds": round(train_seconds, 1),
+        "model_sha256": file_sha256(args.out / "model.safetensors"),
+    }
+    if args.eval_problems > 0:
+        model.eval()
+        record["evaluation"] = evaluate(model, tokenizer, args.eval_problems, args.temperature, args.votes)
+    text = json.dumps(record, indent=2)
+    if args.record is not None:
+        args.record.parent.mkdir(parents=True, exist_ok=True)
+        args.record.write_text(text + "\n")
+    print(text, flush=True)
 
 
 if __name__ == "__main__":

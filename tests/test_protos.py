@@ -35,7 +35,7 @@ def test_check_fails_when_a_proto_changes(gen_protos, tmp_path, capsys):
 
     common = proto_root / "cleave" / "v1" / "common.proto"
     common.write_text(common.read_text().replace("  uint32 min_tokens = 16;\n",
-                                                 "  uint32 min_tokens = 16;\n  bool echo = 17;\n"))
+                                                 "  uint32 min_tokens = 16;\n  bool echo = 99;\n"))
     assert gen_protos.main(argv) == 1
     err = capsys.readouterr().err
     assert "common_pb2.py" in err and "common_pb2.pyi" in err

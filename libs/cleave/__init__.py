@@ -7,7 +7,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 # `import cleave` stays cheap (the CLI imports it on every health probe); these load on use.
-_LAZY = {"LLM": "cleave.engine.llm", "SamplingParams": "cleave.engine.sampling_params"}
+_LAZY = {"LLM": "cleave.engine.llm", "SamplingParams": "cleave.generation.sampling_params"}
 
 
 def __getattr__(name: str) -> Any:

@@ -65,6 +65,15 @@ class TracingConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """Where a process serves its Prometheus metrics (`cleave.metrics`); absent: not served."""
+
+    port: int  # 0: any free port
+    host: str = ""  # empty: the host of the service's gRPC --listen (internal services stay on loopback)
+    port_file: Path | None = None  # the bound port is written here once it listens
+
+
+@dataclass(frozen=True)
 class ServiceConfig:
     """Process-level settings every service has."""
 
@@ -78,6 +87,7 @@ class ServiceConfig:
     # Shared secret sent on every call to another cleave service; prefill, decode and kvstore
     # also require it on their own calls (health and reflection stay open). None: auth off.
     internal_token: str | None = field(default=None, repr=False)
+    metrics: MetricsConfig | None = None  # --metrics-port; None: no metrics server
 
 
 @dataclass(frozen=True)
@@ -109,6 +119,7 @@ class GatewayConfig:
     share_port: bool = False  # gRPC and HTTP ports shared with other gateway replicas (SO_REUSEPORT)
     local_prefill_max_tokens: int = 1024  # conditional mode: longer uncached prompts prefill remotely
     remote_prefill_max_queue_tokens: int = 65536  # conditional mode: ... unless the prefill queue is longer
+    remote_prefill_idle_tokens: int = 0  # conditional mode: short prompts too go to a prefill worker this idle
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # HTTP body limit (413 above it)
     # prompt text refused before tokenizing above this many UTF-8 bytes; 0: the most the
     # context could hold (max_model_len * the longest token's bytes)
@@ -137,6 +148,9 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # no CUDA graphs
     transfer_timeout_s: float = 30.0  # an admitted request's KV must arrive (and Start come) by then
+    max_queued_admissions: int = 256  # decode: Admits waiting for free KV blocks at most (then RESOURCE_EXHAUSTED)
+    # prefill: kvstore prefixes shorter than this are neither fetched nor put (a round trip costs more)
+    kvstore_min_prefix_tokens: int = 256
 
 
 @dataclass(frozen=True)
@@ -218,6 +232,10 @@ def _flags(name: str, environ: Mapping[str, str], max_message_bytes: int = DEFAU
     flags.add("--internal-token-file", None, f"file holding the shared secret between cleave services "
               f"(default: env {INTERNAL_TOKEN_ENV}; neither: internal calls are not authenticated)", type=Path)
     flags.parser.set_defaults(internal_token=environ.get(INTERNAL_TOKEN_ENV) or None)
+    flags.add("--metrics-port", None, "serve Prometheus metrics at http://<host>:<port>/metrics "
+              "(0: any free port; unset: no metrics server)", type=int)
+    flags.add("--metrics-host", "", "address the metrics server binds (default: the --listen host)")
+    flags.add("--metrics-port-file", None, "write the bound metrics port to this file", type=Path)
     return flags
 
 
@@ -256,13 +274,26 @@ def _service(name: str, args: argparse.Namespace) -> ServiceConfig:
         tracing=TracingConfig(service_name=f"cleave-{name}", otlp_endpoint=args.otlp_endpoint or None,
                               trace_file=args.trace_file),
         internal_token=_internal_token(args),
+        metrics=_metrics(args),
     )
 
 
+def _metrics(args: argparse.Namespace) -> MetricsConfig | None:
+    if args.metrics_port is None:
+        if args.metrics_port_file is not None:
+            raise SystemExit("--metrics-port-file needs --metrics-port (0: any free port)")
+        return None
+    if not 0 <= args.metrics_port <= 65535:
+        raise SystemExit(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
+    return MetricsConfig(port=args.metrics_port, host=args.metrics_host, port_file=args.metrics_port_file)
+
+
 def _model(args: argparse.Namespace) -> ModelConfig:
+    shipped = args.model in ("", DEFAULT_MODEL)  # empty: compose's unset CLEAVE_MODEL
     return ModelConfig(
-        source=args.model,
-        served_name=args.served_model_name,
+        source=args.model or DEFAULT_MODEL,
+        # the shipped model is "reasoner" to clients, as under `cleave up`, not its install path
+        served_name=args.served_model_name or (SHIPPED_MODEL_DIR.name if shipped else ""),
         max_context_length=args.max_context_length,
         is_reasoning_model=args.reasoning_model,
     )
@@ -280,6 +311,9 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
               "prefills itself; longer prompts go to a prefill worker", type=int)
     flags.add("--remote-prefill-max-queue-tokens", 65536, "conditional mode: prefill locally when every "
               "prefill worker has more prompt tokens queued than this", type=int)
+    flags.add("--remote-prefill-idle-tokens", 0, "conditional mode: a prompt short enough to prefill locally "
+              "still goes to a prefill worker that has at most this many prompt tokens queued, so an idle "
+              "prefill worker takes load off the decode steps (0: short prompts always prefill locally)", type=int)
     flags.add("--share-port", False, "share the gRPC and HTTP ports with other gateway replicas (SO_REUSEPORT: "
               "each replica has its own --gateway-id; the kernel spreads connections over them)",
               action=argparse.BooleanOptionalAction)
@@ -309,6 +343,7 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
         store_to_kvstore=args.store_to_kvstore,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         remote_prefill_max_queue_tokens=args.remote_prefill_max_queue_tokens,
+        remote_prefill_idle_tokens=args.remote_prefill_idle_tokens,
         max_request_bytes=args.max_request_bytes,
         max_prompt_bytes=args.max_prompt_bytes,
         api_key=args.api_key or None,
@@ -337,6 +372,13 @@ def worker_config(
               type=float)
     flags.add("--enforce-eager", False, "run eagerly, without CUDA graphs", action=argparse.BooleanOptionalAction)
     flags.add("--transfer-timeout", 30.0, "seconds an admitted request's KV has to arrive", type=float)
+    flags.add("--max-queued-admissions", 256,
+              "decode: admissions that wait in order for free KV blocks when the pool is full; one more is "
+              "RESOURCE_EXHAUSTED with a retry hint", type=int)
+    flags.add("--kvstore-min-prefix-tokens", 256,
+              "prefill: a prompt prefix goes to or comes from the kvstore only when at least this many of its "
+              "tokens are not cached here already (shorter ones cost more in round trips than their compute)",
+              type=int)
     args = flags.parse(argv)
     if args.num_kv_blocks < 0:
         raise SystemExit("--num-kv-blocks must be >= 0")
@@ -345,6 +387,10 @@ def worker_config(
             raise SystemExit(f"--{flag.replace('_', '-')} must be positive")
     if not 0 < args.gpu_memory_utilization <= 1 or args.transfer_timeout <= 0:
         raise SystemExit("--gpu-memory-utilization must be in (0, 1] and --transfer-timeout positive")
+    if args.max_queued_admissions < 0:
+        raise SystemExit("--max-queued-admissions must be >= 0")
+    if args.kvstore_min_prefix_tokens < 0:
+        raise SystemExit("--kvstore-min-prefix-tokens must be >= 0")
     return WorkerConfig(
         service=_service(name, args),
         model=_model(args),
@@ -360,6 +406,8 @@ def worker_config(
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         transfer_timeout_s=args.transfer_timeout,
+        max_queued_admissions=args.max_queued_admissions,
+        kvstore_min_prefix_tokens=args.kvstore_min_prefix_tokens,
     )
 
 
@@ -368,7 +416,8 @@ def kvstore_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> KV
     flags = _flags("kvstore", environ)
     flags.add("--ram-bytes", 8 * 1024**3, "RAM tier capacity", type=int)
     flags.add("--disk-path", None, "directory of the disk tier (unset: RAM only)", type=Path)
-    flags.add("--disk-bytes", 64 * 1024**3, "disk tier capacity", type=int)
+    flags.add("--disk-bytes", 64 * 1024**3, "disk tier capacity: the store's, as the disk "
+              "holds every block and RAM caches the recent ones", type=int)
     args = flags.parse(argv)
     if args.ram_bytes <= 0 or args.disk_bytes < 0:
         raise SystemExit("--ram-bytes must be positive and --disk-bytes >= 0")

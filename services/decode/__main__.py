@@ -8,6 +8,7 @@ import sys
 
 from cleave.config import worker_config
 from cleave.logging import configure_logging
+from cleave.metrics.worker import worker_metrics
 from cleave.proto.cleave.v1 import decode_pb2, decode_pb2_grpc
 from cleave.rpc import ServiceRegistration, run_service
 from cleave.rpc.auth import internal_auth
@@ -34,15 +35,18 @@ def main(argv: list[str] | None = None) -> int:
         transfer_listen=config.kv_listen,
         transfer_timeout_s=config.transfer_timeout_s,
         internal_token=config.service.internal_token,
+        max_queued_admissions=config.max_queued_admissions,
     )
     servicer = DecodeServicer(backend)
     # Model and engine objects live as long as the process: out of the collector's walks.
     lifecycle = FreezeAfterStart(backend, config.worker_id)
+    lifecycle, metrics = worker_metrics(config, lifecycle, lambda: backend.engine)  # type: ignore[attr-defined]
     # Prefill workers find this address in the handles and call Handshake there.
     try:
         asyncio.run(run_service([registration(servicer)], config.service, lifecycle,
                                 on_listening=backend.set_control_address, tracing=tracing,
-                                auth=internal_auth(config.service.internal_token)))
+                                auth=internal_auth(config.service.internal_token), work=backend,
+                                metrics=metrics))
     finally:
         tracing.shutdown()
     return 0

@@ -1,8 +1,9 @@
 """Admission and KV transfers on the decode worker: from Admit to the engine, and every way
 an admitted request's blocks are freed before it gets there.
 
-    admit(spec)          reserve blocks for the prompt (engine.handoff.reserve), register
-                         the transfer with the KV receiver, arm the deadline -> TransferHandle
+    admit(spec)          reserve blocks for the prompt (engine.handoff.reserve; waiting in
+                         `admission_queue` while the pool is full), register the transfer
+                         with the KV receiver, arm the deadline -> TransferHandle
     start_request(spec)  wait for the transfer (bounded by the deadline), then
                          engine.handoff.receive(prompt, first tokens); or, with
                          prefill_locally, queue the prompt in the engine (colocated)
@@ -24,14 +25,16 @@ from typing import TYPE_CHECKING
 
 from cleave.engine.async_engine import AsyncEngine
 from cleave.engine.llm_engine import LLMEngine
-from cleave.engine.outputs import FinishReason
-from cleave.engine.sampling_params import SamplingParams
 from cleave.engine.step_trace import TraceOrigin
-from cleave.errors import CleaveError, DeadlineExceeded, InvalidArgument, NotFound
+from cleave.errors import CleaveError, DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted
+from cleave.generation.outputs import FinishReason
+from cleave.generation.sampling_params import SamplingParams
 from cleave.rpc.convert import apply_reasoning
+from cleave.rpc.drain import DrainGate
 from cleave.rpc.types import ErrorInfo, RequestDelta, TopLogprobs, TransferHandle
 from cleave.tracing import span
 from cleave.transfer import KVReceiver, PendingTransfer
+from services.decode.admission_queue import AdmissionQueue
 from services.decode.backend import AdmitSpec, StartSpec
 from services.decode.gateway_streams import GatewayStreams
 from services.decode.peers import PeerLinks
@@ -74,6 +77,8 @@ class AdmissionMixin:
     _step: int
     _loop: asyncio.AbstractEventLoop | None
     _tasks: set[asyncio.Task]
+    gate: DrainGate
+    admissions: AdmissionQueue
 
     if TYPE_CHECKING:
 
@@ -90,11 +95,20 @@ class AdmissionMixin:
 
     async def admit(self, spec: AdmitSpec) -> TransferHandle:
         engine, async_engine, receiver = self._require_engine()
+        self.gate.check()
         request_id, prompt = spec.request_id, list(spec.prompt_token_ids)
         self._check_new(request_id)
         engine.prepare_request(request_id, prompt, spec.sampling)  # validation only: no engine state
         transport, nccl = await self.peers.transport_for(spec.prefill_worker_id, self.transfer_timeout_s)
-        block_ids = await async_engine.call(lambda e: e.handoff.reserve(request_id, len(prompt)))
+        needed, usable = engine.handoff.num_blocks_for(len(prompt)), engine.handoff.snapshot().num_usable_blocks
+        if needed > usable:
+            raise ResourceExhausted(f"the {len(prompt)}-token prompt needs {needed} KV blocks; this decode worker "
+                                    f"has {usable} in all", field="prompt_token_ids")
+        block_ids = await self.admissions.reserve(
+            lambda: async_engine.call(lambda e: e.handoff.reserve(request_id, len(prompt))))
+        if self.gate.is_draining:  # the drain began while this admission waited
+            self._release_reservation(request_id)
+            raise self.gate.error()
         request = HeldRequest(request_id, spec.gateway_id, prompt, spec.sampling)
         self._requests[request_id] = request
         try:
@@ -158,7 +172,13 @@ class AdmissionMixin:
 
     def _release_reservation(self, request_id: str) -> None:
         if self.async_engine is not None and self.async_engine.is_running:
-            self._spawn(self.async_engine.call(lambda e: e.handoff.release(request_id)))
+            self._spawn(self._release(self.async_engine, request_id))
+
+    async def _release(self, async_engine: AsyncEngine, request_id: str) -> None:
+        try:
+            await async_engine.call(lambda e: e.handoff.release(request_id))
+        finally:
+            self.admissions.wake()  # a waiting admission may fit now
 
     def _spawn(self, awaitable) -> None:
         task = asyncio.ensure_future(awaitable)
@@ -223,6 +243,7 @@ class AdmissionMixin:
 
     async def _start_local(self, spec: StartSpec) -> int:
         engine, async_engine, _ = self._require_engine()
+        self.gate.check()
         request_id, prompt = spec.request_id, list(spec.prompt_token_ids)
         self._check_new(request_id)
         assert spec.sampling is not None  # the servicer requires it with prefill_locally

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from cleave.engine.sampling_params import SamplingParams
+from cleave.generation.sampling_params import SamplingParams
 from cleave.rpc.types import (
     KVLayout,
     ReasoningOptions,
@@ -88,6 +88,9 @@ class DecodeBackend(Protocol):
     async def shutdown(self) -> None:
         """Finish or abort running requests and release the GPU."""
 
+    async def drain(self) -> None:
+        """Refuse new requests; return once the admitted ones finished (`cleave.rpc.Drainable`)."""
+
     async def admit(self, spec: AdmitSpec) -> TransferHandle:
         """Reserve blocks for the prompt; raise ResourceExhausted when they do not fit."""
 
@@ -106,34 +109,3 @@ class DecodeBackend(Protocol):
 
     async def handshake(self, spec: HandshakeSpec) -> HandshakeResult:
         """Pick a transport with a prefill worker (and join its NCCL communicator)."""
-
-
-class UnwiredDecodeBackend:
-    """A decode worker with no engine yet: its RPCs answer UNIMPLEMENTED, load is idle."""
-
-    def __init__(self, worker_id: str) -> None:
-        self.worker_id = worker_id
-
-    async def start(self) -> None:
-        return None
-
-    async def shutdown(self) -> None:
-        return None
-
-    async def admit(self, spec: AdmitSpec) -> TransferHandle:
-        raise NotImplementedError("Admit is not wired to a KV cache yet")
-
-    async def start_request(self, spec: StartSpec) -> int:
-        raise NotImplementedError("Start is not wired to an engine yet")
-
-    def attach(self, gateway_id: str) -> AsyncIterator[StepOutput]:
-        raise NotImplementedError("Attach is not wired to an engine yet")
-
-    async def abort(self, request_id: str, sample_index: int | None = None) -> bool:
-        raise NotImplementedError("Abort is not wired to an engine yet")
-
-    def load(self) -> WorkerLoad:
-        return WorkerLoad(worker_id=self.worker_id)
-
-    async def handshake(self, spec: HandshakeSpec) -> HandshakeResult:
-        raise NotImplementedError("Handshake is not wired to a KV transport yet")

@@ -35,12 +35,14 @@ from dataclasses import replace
 from cleave.engine.async_engine import AsyncEngine
 from cleave.engine.config import EngineConfig
 from cleave.engine.llm_engine import LLMEngine
-from cleave.engine.outputs import FinishReason
 from cleave.errors import CleaveError, FailedPrecondition, Unavailable
+from cleave.generation.outputs import FinishReason
+from cleave.rpc.drain import DrainGate, wait_until
 from cleave.rpc.types import KVLayout, RequestDelta, StepOutput, WorkerLoad
 from cleave.transfer import KVReceiver
 from cleave.worker import DeltaBuilder, kv_layout_of, load_engine
 from services.decode.admission import AdmissionMixin, HeldRequest
+from services.decode.admission_queue import DEFAULT_MAX_QUEUED_ADMISSIONS, AdmissionQueue
 from services.decode.backend import HandshakeResult, HandshakeSpec
 from services.decode.gateway_streams import GatewayStreams
 from services.decode.peers import PeerLinks
@@ -64,6 +66,8 @@ class EngineDecodeBackend(AdmissionMixin, StepDeliveryMixin):
             this time, or its blocks are freed and it fails with DEADLINE_EXCEEDED.
         internal_token: bulk KV connections must open with this shared secret (`cleave.rpc.auth`);
             None: any connection is read.
+        max_queued_admissions: Admits that may wait for free KV blocks at once
+            (`admission_queue`); one more is RESOURCE_EXHAUSTED.
     """
 
     def __init__(
@@ -78,6 +82,7 @@ class EngineDecodeBackend(AdmissionMixin, StepDeliveryMixin):
         load_interval_s: float = 1.0,
         control_address: str = "",
         internal_token: str | None = None,
+        max_queued_admissions: int = DEFAULT_MAX_QUEUED_ADMISSIONS,
     ) -> None:
         self.engine_config = replace(engine_config, detokenize=False)  # the gateway makes the text
         self._internal_token = internal_token  # prefill workers' bulk KV connections must open with it
@@ -103,6 +108,8 @@ class EngineDecodeBackend(AdmissionMixin, StepDeliveryMixin):
         self._step = 0  # written by the engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
+        self.gate = DrainGate(f"decode worker {worker_id}")
+        self.admissions = AdmissionQueue(max_queued_admissions)
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -125,6 +132,14 @@ class EngineDecodeBackend(AdmissionMixin, StepDeliveryMixin):
         )
         await self.receiver.start()
         self.async_engine = AsyncEngine(self.engine, on_step=self._on_step)
+
+    async def drain(self) -> None:
+        """Refuse new requests (Admit, a local Start), let the held ones finish and their
+        last deltas go out, then end the gateways' streams cleanly (`cleave.rpc.Drainable`)."""
+        self.gate.close()
+        self.admissions.fail_all(self.gate.error())  # waiting for blocks: not admitted yet
+        await wait_until(lambda: not self._requests and self.streams.is_flushed())
+        self.streams.close()
 
     async def shutdown(self) -> None:
         self.streams.close()
@@ -197,7 +212,7 @@ class EngineDecodeBackend(AdmissionMixin, StepDeliveryMixin):
         return WorkerLoad(
             worker_id=self.worker_id,
             num_running=running,
-            num_waiting=len(self._requests) - running,
+            num_waiting=len(self._requests) - running + self.admissions.num_waiting,  # admitted or queued
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_usable_blocks,
             max_num_running=self.engine.config.scheduler.max_num_seqs,

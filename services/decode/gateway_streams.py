@@ -90,6 +90,10 @@ class GatewayStreams:
                 if not self._closed:
                     self._on_detach(gateway_id)
 
+    def is_flushed(self) -> bool:
+        """Whether every attached gateway's stream took all its deltas."""
+        return not any(outbox.deltas for outbox in self._outboxes.values() if outbox.owner is not None)
+
     def close(self) -> None:
         """End every stream (the worker drains)."""
         self._closed = True

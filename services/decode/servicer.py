@@ -109,6 +109,7 @@ def step_output_to_proto(output: StepOutput) -> decode_pb2.StepOutput:
             finish_reason=finish_reason_to_proto(delta.finish_reason),
             logprobs=top_logprobs_to_proto(delta.logprobs),
             num_reasoning_tokens=delta.num_reasoning_tokens,
+            prompt_logprobs=top_logprobs_to_proto(delta.prompt_logprobs),
         )
         if delta.error is not None:
             entry.error.CopyFrom(error_info_to_proto(delta.error, delta.request_id))

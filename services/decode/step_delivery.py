@@ -13,11 +13,12 @@ import collections
 import time
 from dataclasses import dataclass, field, replace
 
-from cleave.engine.outputs import RequestOutput
+from cleave.generation.outputs import RequestOutput
 from cleave.rpc.types import RequestDelta
 from cleave.tracing import record_span
 from cleave.worker import DeltaBuilder
 from services.decode.admission import HeldRequest
+from services.decode.admission_queue import AdmissionQueue
 from services.decode.gateway_streams import GatewayStreams
 
 RATE_WINDOW_S = 5.0
@@ -70,6 +71,7 @@ class StepDeliveryMixin:
     _rate: TokenRate
     _step: int  # written by the engine thread only
     _loop: asyncio.AbstractEventLoop | None
+    admissions: AdmissionQueue
 
     def _on_step(self, outputs: list[RequestOutput]) -> None:
         """Engine thread: hand the whole step to the event loop in one callback."""
@@ -103,3 +105,4 @@ class StepDeliveryMixin:
         self._rate.add(num_tokens)
         for gateway_id, deltas in by_gateway.items():
             self.streams.publish(gateway_id, deltas, step)
+        self.admissions.wake()  # the step may have freed blocks (finished or preempted requests)

@@ -12,16 +12,20 @@ from aiohttp import web
 
 from cleave.config import GatewayConfig, gateway_config
 from cleave.logging import configure_logging
+from cleave.metrics import GatewayMetrics, MetricLabels, ServiceMetrics
+from cleave.model.source import ModelNotFound
 from cleave.proto.cleave.v1 import gateway_pb2, gateway_pb2_grpc
 from cleave.rpc import ServiceRegistration, run_service
 from cleave.rpc.auth import api_key_auth
 from cleave.tracing import TRACING_OFF, Tracing, setup_tracing
-from services.gateway.http_api import OpenAIApi, bound_port, start_http
+from services.gateway.client_errors import ClientSafeBackend
 from services.gateway.disagg_policy import DisaggregationPolicy
+from services.gateway.http_api import OpenAIApi, bound_port, start_http
+from services.gateway.metered import MeteredBackend
 from services.gateway.model import ServedModel
 from services.gateway.router import GatewayOptions, RoutingBackend
-from services.gateway.workers import PoolOptions
 from services.gateway.servicer import GatewayServicer
+from services.gateway.workers import PoolOptions
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 log = structlog.get_logger("cleave.gateway")
@@ -56,38 +60,56 @@ class GatewayProcess:
         await self.backend.shutdown()
 
 
-def build(config: GatewayConfig, tracing: Tracing = TRACING_OFF) -> tuple[GatewayServicer, GatewayProcess]:
+def build(config: GatewayConfig, tracing: Tracing = TRACING_OFF,
+          metrics: ServiceMetrics | None = None) -> tuple[GatewayServicer, GatewayProcess]:
     """The servicer and the process lifecycle for a gateway config (HTTP requests get
-    server spans in `tracing`)."""
+    server spans in `tracing`; requests are metered into `metrics`' registry, which the HTTP
+    API also serves at /metrics)."""
+    metrics = metrics or gateway_metrics(config)
     model = ServedModel(config.model, max_prompt_bytes=config.max_prompt_bytes)
+    requests = GatewayMetrics(metrics.registry, metrics.labels, model.max_model_len)
     served = replace(config.model, max_context_length=model.max_model_len,
                      is_reasoning_model=model.is_reasoning_model)
     backend = RoutingBackend(
         model, config.prefill_addresses, config.decode_addresses,
         GatewayOptions(
             gateway_id=config.gateway_id, mode=config.mode, store_to_kvstore=config.store_to_kvstore,
-            policy=DisaggregationPolicy(config.local_prefill_max_tokens, config.remote_prefill_max_queue_tokens),
+            policy=DisaggregationPolicy(config.local_prefill_max_tokens, config.remote_prefill_max_queue_tokens,
+                                        config.remote_prefill_idle_tokens),
             pool=PoolOptions(internal_token=config.service.internal_token),
         ),
+        observer=requests,
     )
-    servicer = GatewayServicer(backend, [served])
+    metered = ClientSafeBackend(MeteredBackend(backend, requests))  # what both public APIs reach
+    servicer = GatewayServicer(metered, [served])
     token_text = lambda token_id: model.tokenizer.decode([token_id])  # noqa: E731
-    api = (OpenAIApi(backend, [served], token_text, tracing=tracing, api_key=config.api_key,
-                     max_request_bytes=config.max_request_bytes, routability=backend.routability)
+    api = (OpenAIApi(metered, [served], token_text, tracing=tracing, api_key=config.api_key,
+                     max_request_bytes=config.max_request_bytes, routability=backend.routability,
+                     metrics_registry=metrics.registry, served_model=model)
            if config.http_listen else None)
     return servicer, GatewayProcess(backend, api, config.http_listen, config.share_port)
+
+
+def gateway_metrics(config: GatewayConfig) -> ServiceMetrics:
+    """The gateway's registry, labelled with the served model and the gateway id."""
+    return ServiceMetrics(MetricLabels(config.model.id, config.gateway_id), config.service.metrics)
 
 
 def main(argv: list[str] | None = None) -> int:
     config = gateway_config(argv, os.environ)
     configure_logging(config.service.log_level, config.service.log_json)
     tracing = setup_tracing(config.service.tracing)
+    metrics = gateway_metrics(config)
     try:
-        servicer, process = build(config, tracing)
+        try:
+            servicer, process = build(config, tracing, metrics)
+        except ModelNotFound as error:  # one line naming --model, no traceback
+            raise SystemExit(f"error: {error}") from None
         # the public service asks for the API key, not the internal token (which it sends to workers)
         # health follows the workers: NOT_SERVING while no request could be routed
         asyncio.run(run_service([registration(servicer)], config.service, process, tracing=tracing,
-                                auth=api_key_auth(config.api_key), readiness=process.backend.routability))
+                                auth=api_key_auth(config.api_key), readiness=process.backend.routability,
+                                work=process.backend, metrics=metrics))
     finally:
         tracing.shutdown()
     return 0

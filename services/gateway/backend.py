@@ -2,8 +2,8 @@
 
 `GatewayBackend` is the seam between protobuf and the serving logic: the servicer validates a
 GenerateRequest into a `GenerateSpec` and streams the backend's `GenerateChunk`s back. The
-routing backend (tokenize, pick workers, Admit/Prefill/Start, fan out Attach streams) plugs
-in here; until it does, `UnwiredGatewayBackend` answers UNIMPLEMENTED.
+implementation is `services.gateway.router.RoutingBackend` (tokenize, pick workers,
+Admit/Prefill/Start, fan out Attach streams), wrapped in `services.gateway.metered.MeteredBackend`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from cleave.engine.outputs import FinishReason
-from cleave.engine.sampling_params import SamplingParams
+from cleave.generation.outputs import FinishReason
+from cleave.generation.sampling_params import SamplingParams
 from cleave.rpc.types import ReasoningOptions, TopLogprobs, Usage
+from cleave.scaling.code_verifier import CodeTest
+from cleave.scaling.strategies import AnswerVotes, Strategy
 
 
 @dataclass(frozen=True)
@@ -30,21 +32,16 @@ class ChatMessage:
 
 @dataclass(frozen=True)
 class Prompt:
-    """Exactly one of text, token_ids or chat is set."""
+    """Exactly one of text, token_ids or chat is set.
+
+    The gateway's alone: it tokenizes (`services.gateway.model.ServedModel`), so workers and
+    the engine only ever see token ids.
+    """
 
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
     chat: tuple[ChatMessage, ...] | None = None
     raw: bool = False  # text is the literal prompt: no chat template
-
-
-class ScalingStrategy(enum.Enum):
-    """How parallel samples are combined."""
-
-    NONE = "none"
-    MAJORITY_VOTE = "majority_vote"
-    BEST_OF_N = "best_of_n"
-    GROUP_ROLLOUT = "group_rollout"
 
 
 class VerifierKind(enum.Enum):
@@ -55,16 +52,13 @@ class VerifierKind(enum.Enum):
 
 
 @dataclass(frozen=True)
-class CodeTest:
-    """One stdin -> expected stdout case."""
+class VerifierSpec:
+    """Which verifier a request asks for, and its inputs.
 
-    stdin: str
-    expected_stdout: str
-
-
-@dataclass(frozen=True)
-class Verifier:
-    """Scores a finished sample."""
+    A request-side description, not the scorer itself: `services.gateway.scaling` builds the
+    `cleave.scaling.Verifier` (a MathVerifier or CodeVerifier with a `score(text)` method)
+    from it once the samples are in. The code tests are `cleave.scaling.CodeTest`s as they are.
+    """
 
     kind: VerifierKind
     expected_answer: str = ""
@@ -76,9 +70,9 @@ class Verifier:
 class Scaling:
     """Test-time scaling of one request."""
 
-    strategy: ScalingStrategy = ScalingStrategy.NONE
+    strategy: Strategy = Strategy.NONE
     num_samples: int = 1
-    verifier: Verifier | None = None
+    verifier: VerifierSpec | None = None
     return_all_samples: bool = False
 
 
@@ -121,15 +115,6 @@ class SampleOutput:
 
 
 @dataclass(frozen=True)
-class AnswerVotes:
-    """Votes for one distinct answer."""
-
-    answer: str
-    num_votes: int
-    sample_indices: tuple[int, ...]
-
-
-@dataclass(frozen=True)
 class GenerateChunk:
     """One message of the Generate stream."""
 
@@ -137,6 +122,10 @@ class GenerateChunk:
     usage: Usage | None = None
     selected_index: int | None = None
     votes: tuple[AnswerVotes, ...] = ()
+    # with sampling.prompt_logprobs, on one chunk: scores of the prompt tokens after the first,
+    # and the prompt's token ids
+    prompt_logprobs: tuple[TopLogprobs, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 class GatewayBackend(Protocol):
@@ -155,19 +144,3 @@ class GatewayBackend(Protocol):
     async def abort(self, request_id: str, sample_index: int | None = None) -> bool:
         """Abort a running request (or only its sample `sample_index`: the stream goes on
         with the others); False if it is unknown or already finished."""
-
-
-class UnwiredGatewayBackend:
-    """A gateway with no routing logic yet: Generate and Abort answer UNIMPLEMENTED."""
-
-    async def start(self) -> None:
-        return None
-
-    async def shutdown(self) -> None:
-        return None
-
-    def generate(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
-        raise NotImplementedError("Generate is not wired to prefill/decode workers yet")
-
-    async def abort(self, request_id: str, sample_index: int | None = None) -> bool:
-        raise NotImplementedError("Abort is not wired to decode workers yet")

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from cleave.engine.outputs import FinishReason
 from cleave.errors import InvalidArgument
+from cleave.generation.outputs import FinishReason
 from cleave.rpc.convert import finish_reason_from_proto, top_logprobs_from_proto
 from cleave.rpc.types import TopLogprobs
 
@@ -32,6 +32,7 @@ class TokenDelta:
     finish_reason: FinishReason | None = None
     logprobs: tuple[TopLogprobs, ...] = ()
     error_message: str = ""
+    prompt_logprobs: tuple[TopLogprobs, ...] = ()  # the request's prompt tokens after the first
 
 
 def token_delta_from_proto(delta: Any) -> TokenDelta:
@@ -42,6 +43,7 @@ def token_delta_from_proto(delta: Any) -> TokenDelta:
         finish_reason=finish_reason_from_proto(delta.finish_reason),
         logprobs=top_logprobs_from_proto(delta.logprobs),
         error_message=delta.error.message if delta.HasField("error") else "",
+        prompt_logprobs=top_logprobs_from_proto(delta.prompt_logprobs),
     )
 
 

@@ -4,11 +4,14 @@ worker that will decode it.
 A remote prefill keeps a long prompt's compute off the decode worker's steps (no stall for
 the requests streaming there) but costs a hop and a KV transfer; a local one costs nothing
 extra for a short prompt, or for one whose prefix the decode worker already caches. So a
-request prefills remotely only when all of these hold:
-  - the prompt tokens its decode worker does not already cache exceed `local_max_tokens`;
-  - a prefill worker is in rotation, and the least loaded one has at most
-    `remote_max_queue_tokens` prompt tokens queued (past that, waiting there costs more than
-    interleaving the prompt with the decode steps).
+request prefills remotely when a prefill worker is in rotation and either
+  - the prompt tokens its decode worker does not already cache exceed `local_max_tokens`,
+    and the least loaded prefill worker has at most `remote_max_queue_tokens` prompt tokens
+    queued (past that, waiting there costs more than interleaving the prompt with the decode
+    steps); or
+  - the least loaded prefill worker has at most `remote_idle_tokens` queued, however short
+    the prompt: a prefill worker with room takes the prompt off the decode worker's steps
+    (0, the default, turns this off).
 What the decode workers cache is tracked here from the prompts the gateway sent them (the
 same chained block hashes as prefill affinity), as an estimate: the worker decides for real.
 """
@@ -28,9 +31,10 @@ class DisaggregationPolicy:
 
     local_max_tokens: int = 1024
     remote_max_queue_tokens: int = 65536
+    remote_idle_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.local_max_tokens < 0 or self.remote_max_queue_tokens < 0:
+        if self.local_max_tokens < 0 or self.remote_max_queue_tokens < 0 or self.remote_idle_tokens < 0:
             raise ValueError("the conditional-disaggregation thresholds must be >= 0")
 
 
@@ -50,10 +54,13 @@ class ConditionalPrefill:
                hashes: Sequence[bytes] | None = None) -> bool:
         """Whether the request should prefill on a prefill worker (`hashes`: the prompt's
         `decode_prefixes.hashes`, when the caller has them already)."""
-        uncached = len(prompt_ids) - self.cached_on(decode, prompt_ids, hashes)
-        if uncached <= self.policy.local_max_tokens or not prefill_workers:
+        if not prefill_workers:
             return False
-        return min(prefill_load(worker) for worker in prefill_workers) <= self.policy.remote_max_queue_tokens
+        queued = min(prefill_load(worker) for worker in prefill_workers)
+        if self.policy.remote_idle_tokens and queued <= self.policy.remote_idle_tokens:
+            return True
+        uncached = len(prompt_ids) - self.cached_on(decode, prompt_ids, hashes)
+        return uncached > self.policy.local_max_tokens and queued <= self.policy.remote_max_queue_tokens
 
     def record(self, decode: WorkerHandle, prompt_ids: Sequence[int], hashes: Sequence[bytes] | None = None) -> None:
         """The request's prompt is now (being) cached on `decode`."""

@@ -1,8 +1,11 @@
 """OpenAI-compatible HTTP API (aiohttp) over the same `GatewayBackend` as the gRPC API.
 
     GET  /v1/models
-    POST /v1/completions         prompt: text (no chat template) or token ids
+    GET  /v1/models/{id}
+    POST /v1/completions         prompt: text (no chat template) or token ids, or a list of
+                                 them; `echo` (`completions_batch`)
     POST /v1/chat/completions    messages through the chat template
+    POST /tokenize, /detokenize  vLLM's extension routes (`tokenize_api`)
     GET  /health                 liveness: 200 while the process serves HTTP
     GET  /ready                  readiness: 200 while a request can be routed to a worker,
                                  else 503 with the reason and `Retry-After`
@@ -15,14 +18,16 @@ Every request runs in a server span under its `traceparent` header (`cleave.trac
 malformed one is a 400 naming it); a stream's first chunk with tokens is `gateway.first_byte`.
 With an API key, every /v1 route asks for `Authorization: Bearer <key>` (401 otherwise).
 A body over `max_request_bytes` is a 413, one that is not JSON a 400 (`http_body`); every
-other malformed field is a 400 naming it (`openai_request`). A request refused because no
-worker can take it is a 503 with `Retry-After`.
+other malformed field is a 400 naming it (`openai_request`), and so is a field the gateway
+cannot honour (`openai_fields`); unknown paths are OpenAI-shaped 404s (`http_errors`). A
+request refused because no worker can take it is a 503 with `Retry-After`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import time
 import uuid
@@ -31,16 +36,23 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from cleave.config import DEFAULT_MAX_REQUEST_BYTES, ModelConfig
 from cleave.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
+from cleave.metrics.exposition import metrics_handler
 from cleave.rpc.auth import bearer_matches
 from cleave.rpc.types import TopLogprobs, Usage
 from cleave.tracing import NOOP_SPAN, TRACEPARENT, TRACESTATE, TRACING_OFF, Tracing, annotate, span
-from services.gateway.backend import GatewayBackend, GenerateChunk, GenerateSpec, SampleOutput
+from services.gateway.backend import GatewayBackend, GenerateChunk, GenerateSpec, Prompt, SampleOutput
+from services.gateway.completions_batch import complete_batch
 from services.gateway.http_body import expect_handler, read_json
-from services.gateway.openai_request import generate_spec, http_error, retry_after_headers
+from services.gateway.http_errors import json_routing_errors
+from services.gateway.model import ServedModel
+from services.gateway.openai_request import completion_prompts, generate_spec, http_error, retry_after_headers
 from services.gateway.readiness import Routability
+from services.gateway.request_names import resolve_model
+from services.gateway.tokenize_api import detokenize, tokenize
 
 log = structlog.get_logger("cleave.gateway.http")
 _CHAT_PARAMS = {"input": "messages", "chat.messages": "messages", "sampling.logprobs": "top_logprobs"}
@@ -70,28 +82,41 @@ class OpenAIApi:
             /health and /ready stay open); None: no key asked.
         routability: what `/ready` reports (`RoutingBackend.routability`); None: ready
             whenever the process serves.
+        metrics_registry: served at `/metrics` (Prometheus text, no API key); None: no route.
+        served_model: the tokenizer behind `/tokenize`, `/detokenize` and completions' `echo` of
+            token-id prompts; None: no tokenize routes.
     """
 
     def __init__(self, backend: GatewayBackend, models: Sequence[ModelConfig], token_text,  # type: ignore[no-untyped-def]
                  tracing: Tracing = TRACING_OFF, api_key: str | None = None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 routability: Routability | None = None) -> None:
+                 routability: Routability | None = None, metrics_registry: CollectorRegistry | None = None,
+                 served_model: ServedModel | None = None) -> None:
         self.backend = backend
+        self.metrics_registry = metrics_registry
         self.routability = routability
         self.max_request_bytes = max_request_bytes
         self.api_key = api_key
         self.models = tuple(models)
         self.token_text = token_text
+        self.served_model = served_model
         self.tracing = tracing
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_request_bytes, middlewares=[self._traced, self._authorized])
+        app = web.Application(client_max_size=self.max_request_bytes,
+                              middlewares=[self._traced, self._authorized, json_routing_errors])
         app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/models/{model_id:.+}", self.get_model)
         within_limit = expect_handler(self.max_request_bytes)
         app.router.add_post("/v1/completions", self.completions, expect_handler=within_limit)
         app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=within_limit)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
+        if self.served_model is not None:  # vLLM's extension routes (lm-eval's harness uses them)
+            app.router.add_post("/tokenize", self._tokenizer_route(tokenize), expect_handler=within_limit)
+            app.router.add_post("/detokenize", self._tokenizer_route(detokenize), expect_handler=within_limit)
+        if self.metrics_registry is not None:
+            app.router.add_get("/metrics", metrics_handler(self.metrics_registry))
         return app
 
     @web.middleware
@@ -144,12 +169,28 @@ class OpenAIApi:
                                  headers=retry_after_headers(Unavailable.retry_after_s))
 
     async def list_models(self, request: web.Request) -> web.Response:
-        data = [
-            {"id": m.id, "object": "model", "created": 0, "owned_by": "cleave", "root": m.source,
-             "max_model_len": m.max_context_length}
-            for m in self.models
-        ]
-        return web.json_response({"object": "list", "data": data})
+        return web.json_response({"object": "list", "data": [_model_card(m) for m in self.models]})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        """`GET /v1/models/{id}` (ids may hold slashes: `ORG/NAME`)."""
+        model_id = request.match_info["model_id"]
+        try:
+            resolve_model(self.models, model_id)
+        except NotFound as error:
+            mapped = http_error(error, {})
+            return web.json_response(mapped.body, status=mapped.status)
+        return web.json_response(_model_card(next(m for m in self.models if m.id == model_id)))
+
+    def _tokenizer_route(self, answer):  # type: ignore[no-untyped-def]
+        async def handle(request: web.Request) -> web.Response:
+            try:
+                body = await read_json(request, self.max_request_bytes)
+                self._model(body)
+                return web.json_response(await answer(self.served_model, body))
+            except Exception as error:
+                mapped = http_error(error, {})
+                return web.json_response(mapped.body, status=mapped.status, headers=mapped.headers)
+        return handle
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=False)
@@ -158,15 +199,7 @@ class OpenAIApi:
         return await self._serve(request, chat=True)
 
     def _model(self, body: Any) -> str:
-        name = body.get("model") if isinstance(body, dict) else None
-        if not name:
-            return self.models[0].id
-        if not isinstance(name, str):
-            raise InvalidArgument(f"must be a model id string, got {type(name).__name__}", field="model")
-        if name not in {m.id for m in self.models}:
-            served = ", ".join(m.id for m in self.models)
-            raise NotFound(f"the model {name!r} does not exist here; served: {served}", field="model")
-        return name
+        return resolve_model(self.models, body.get("model") if isinstance(body, dict) else None)
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         params = _CHAT_PARAMS if chat else _COMPLETION_PARAMS
@@ -174,7 +207,12 @@ class OpenAIApi:
         annotate(request_id=request_id)
         try:
             body = await read_json(request, self.max_request_bytes)
-            spec, stream = generate_spec(body, request_id, self._model(body), chat)
+            model = self._model(body)
+            if not chat and isinstance(body, dict):
+                prompts = completion_prompts(body)
+                if len(prompts) > 1 or body.get("echo"):
+                    return web.json_response(await self._complete_batch(body, request_id, model, prompts))
+            spec, stream = generate_spec(body, request_id, model, chat)
             shaper = _Shaper(spec, chat, self.token_text, include_usage=_include_usage(body))
             chunks = self.backend.generate(spec)
             async with contextlib.aclosing(chunks):
@@ -188,6 +226,21 @@ class OpenAIApi:
             if mapped.status == 500:
                 log.exception("request failed", request_id=request_id)
             return web.json_response(mapped.body, status=mapped.status, headers=mapped.headers)
+
+    async def _complete_batch(self, body: dict[str, Any], request_id: str, model: str,
+                              prompts: list[Prompt]) -> dict[str, Any]:
+        answer, usage = await complete_batch(self.backend, body, request_id, model, prompts,
+                                             lambda spec: _Shaper(spec, False, self.token_text, include_usage=False),
+                                             self._prompt_text, self.token_text)
+        return {**answer, "usage": usage_json(usage)}
+
+    def _prompt_text(self, prompt: Prompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        ids = list(prompt.token_ids or ())
+        if self.served_model is not None:
+            return self.served_model.tokenizer.decode(ids)
+        return "".join(self.token_text(token_id) for token_id in ids)
 
     async def _stream(
         self, request: web.Request, chunks: AsyncIterator[GenerateChunk], shaper: "_Shaper"
@@ -215,6 +268,11 @@ class OpenAIApi:
         return response
 
 
+def _model_card(model: ModelConfig) -> dict[str, Any]:
+    return {"id": model.id, "object": "model", "created": 0, "owned_by": "cleave", "root": model.source,
+            "max_model_len": model.max_context_length}
+
+
 def _include_usage(body: Any) -> bool:
     options = body.get("stream_options") if isinstance(body, dict) else None
     return isinstance(options, dict) and bool(options.get("include_usage"))
@@ -238,10 +296,15 @@ class _Shaper:
             i: {"text": [], "reasoning": [], "finish_reason": None, "logprobs": []} for i in range(spec.sampling.n)
         }
         self._sent_role: set[int] = set()
+        self._streamed_chars: dict[int, int] = {}  # completions: characters of text streamed per sample
+        self.prompt_logprobs: tuple[TopLogprobs, ...] = ()  # with prompt logprobs asked (echo)
+        self.prompt_token_ids: tuple[int, ...] = ()
 
     def add(self, chunk: GenerateChunk) -> None:
         if chunk.usage is not None:
             self.usage = chunk.usage
+        if chunk.prompt_token_ids:
+            self.prompt_logprobs, self.prompt_token_ids = chunk.prompt_logprobs, chunk.prompt_token_ids
         for sample in chunk.samples:
             state = self.samples.setdefault(sample.index, {"text": [], "reasoning": [], "finish_reason": None, "logprobs": []})
             state["text"].append(sample.text)
@@ -250,7 +313,9 @@ class _Shaper:
             if sample.finish_reason is not None:
                 state["finish_reason"] = sample.finish_reason.value
 
-    def _logprobs(self, entries: Sequence[TopLogprobs]) -> dict[str, Any] | None:
+    def _logprobs(self, entries: Sequence[TopLogprobs], text_start: int = 0) -> dict[str, Any] | None:
+        """OpenAI logprobs of `entries`; completions' `text_offset` counts from `text_start`
+        (the characters of the choice's text before the first entry)."""
         if self.spec.sampling.logprobs is None:
             return None
         if self.chat:
@@ -260,11 +325,13 @@ class _Shaper:
                                   for t in e.top]}
                 for e in entries
             ]}
+        tokens = [self.token_text(e.sampled.token_id) for e in entries]
         return {
-            "tokens": [self.token_text(e.sampled.token_id) for e in entries],
+            "tokens": tokens,
             "token_logprobs": [e.sampled.logprob for e in entries],
             "top_logprobs": [{self.token_text(t.token_id): t.logprob for t in e.top} for e in entries],
-            "text_offset": [],
+            "text_offset": list(itertools.accumulate((len(token) for token in tokens[:-1]), initial=text_start))
+            if tokens else [],
         }
 
     def complete(self) -> dict[str, Any]:
@@ -309,7 +376,9 @@ class _Shaper:
 
     def _choice_delta(self, sample: SampleOutput) -> dict[str, Any]:
         finish = sample.finish_reason.value if sample.finish_reason is not None else None
-        logprobs = self._logprobs(sample.logprobs) if sample.logprobs else None
+        text_start = self._streamed_chars.get(sample.index, 0)
+        self._streamed_chars[sample.index] = text_start + len(sample.text)
+        logprobs = self._logprobs(sample.logprobs, text_start) if sample.logprobs else None
         if not self.chat:
             return {"index": sample.index, "text": sample.text, "logprobs": logprobs, "finish_reason": finish}
         delta: dict[str, Any] = {}

@@ -35,10 +35,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from cleave.engine.counter_rng import row_key
-from cleave.engine.reasoning import Phase
-from cleave.engine.request import ReasoningConfig
-from cleave.engine.sampling_params import SamplingParams
+from cleave.generation.reasoning import Phase, ReasoningConfig
+from cleave.generation.sampling_params import SamplingParams
+from cleave.generation.seed_keys import row_key
 from cleave.rpc.types import ReasoningOptions
 
 
@@ -111,6 +110,7 @@ def continuation(
     sampling = replace(
         params,
         n=1,
+        prompt_logprobs=None,  # the client has the prompt's scores; the new prompt holds output too
         seed=None if params.seed is None else row_key(params.seed, sample_index, len(generated_token_ids)),
         max_tokens=None if params.max_tokens is None else left,
         max_thinking_tokens=budgets.max_thinking_tokens,

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from cleave.config import ModelConfig as ServedModelConfig
-from cleave.engine.llm_engine import read_reasoning_config
-from cleave.engine.request import ReasoningConfig
-from cleave.engine.token_pieces import TokenPieces
 from cleave.errors import InvalidArgument
-from cleave.model.config import ModelConfig
+from cleave.generation.reasoning import ReasoningConfig, read_reasoning_config
+from cleave.generation.token_pieces import TokenPieces
+from cleave.model.source import resolve_model_dir
+from cleave.model.text_config import TextConfig
 from cleave.model.tokenizer import Tokenizer
 from services.gateway.backend import Prompt
 
@@ -49,25 +49,20 @@ class ServedModel:
     """Tokenization and limits of one served model.
 
     Args:
-        config: the model section of the gateway's configuration; `source` must be a local
-            checkpoint directory.
+        config: the model section of the gateway's configuration; `source` is a checkpoint
+            directory or a Hub id (`cleave.model.source`).
         max_prompt_bytes: prompt text over this many UTF-8 bytes is refused before
             tokenizing; 0: `max_model_len` times the longest token's bytes.
     """
 
     def __init__(self, config: ServedModelConfig, max_prompt_bytes: int = 0) -> None:
-        path = Path(config.source)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model {config.source!r} is not a checkpoint directory with config.json; "
-                "download it first and pass its path with --model"
-            )
+        path = resolve_model_dir(config.source)  # ModelNotFound: one line naming --model
         self.config = config
         self.path = path
         self.tokenizer = Tokenizer.from_pretrained(path)
         # One piece table for every sample's detokenizer (None: not a byte-level tokenizer).
         self.token_pieces: TokenPieces | None = TokenPieces.for_tokenizer(self.tokenizer)
-        model_config = ModelConfig.from_pretrained(path)
+        model_config = TextConfig.from_pretrained(path)
         self.vocab_size = model_config.vocab_size
         self.max_model_len = config.max_context_length or model_config.max_position_embeddings
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)

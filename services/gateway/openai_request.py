@@ -8,7 +8,7 @@ values; errors name the OpenAI parameter (`temperature`, `max_tokens`, `messages
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cleave.errors import CleaveError, InvalidArgument
@@ -16,6 +16,8 @@ from cleave.proto.cleave.v1 import common_pb2
 from cleave.rpc.convert import MAX_SAMPLES, sampling_from_proto
 from cleave.rpc.types import ReasoningMode, ReasoningOptions
 from services.gateway.backend import ChatMessage, GenerateSpec, Prompt, Scaling, StreamShape
+from services.gateway.openai_fields import refuse_unsupported
+from services.gateway.request_names import chat_role
 
 _HTTP_STATUS = {
     "INVALID_ARGUMENT": 400,
@@ -32,7 +34,7 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404:
 _BODY_TOO_LARGE = 413
 MAX_UINT32 = 2**32 - 1  # the protobuf fields a request's integers travel in
 _REASONING_MODES = {"separate": ReasoningMode.SEPARATE, "hidden": ReasoningMode.HIDDEN, "inline": ReasoningMode.INLINE}
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_PROMPTS = 1024  # prompts in one /v1/completions request (lm-eval sends batches of them)
 
 
 class BodyTooLarge(CleaveError):
@@ -81,11 +83,16 @@ def _openai_param(field: str | None) -> str | None:
 
 
 def _set(message: common_pb2.SamplingParams, name: str, value: Any, param: str) -> None:
+    if name in ("ignore_eos", "skip_special_tokens"):
+        if not isinstance(value, bool):  # protobuf would take any int, and overflow on a huge one
+            raise InvalidArgument(f"must be true or false, got {value!r}", field=param)
+        setattr(message, name, value)
+        return
     try:
-        if isinstance(value, bool) and name not in ("ignore_eos", "skip_special_tokens"):
+        if isinstance(value, bool):
             raise TypeError("booleans are not numbers")
         setattr(message, name, value)
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, OverflowError) as error:
         raise InvalidArgument(f"has the wrong type or range ({error})", field=param) from None
 
 
@@ -121,9 +128,12 @@ def _sampling(body: dict[str, Any], chat: bool) -> common_pb2.SamplingParams:
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
     if max_tokens is not None:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise InvalidArgument(f"must be a positive integer, got {max_tokens!r}", field=max_param)
-        _set(message, "max_tokens", max_tokens, max_param)
+        lowest = 0 if not chat and body.get("echo") is True else 1  # echo alone: score the prompt
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < lowest:
+            wanted = "a non-negative" if lowest == 0 else "a positive"
+            raise InvalidArgument(f"must be {wanted} integer, got {max_tokens!r}", field=max_param)
+        # max_tokens 0 still samples one token, which the response leaves out (`CompletionEcho`)
+        _set(message, "max_tokens", max(1, max_tokens), max_param)
     for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
                  "top_k", "seed", "ignore_eos", "skip_special_tokens"):
         value = body.get(name)
@@ -143,6 +153,8 @@ def _sampling(body: dict[str, Any], chat: bool) -> common_pb2.SamplingParams:
             _set(message, "logprobs", top, "top_logprobs")
     elif body.get("logprobs") is not None:
         _set(message, "logprobs", body["logprobs"], "logprobs")
+        if body.get("echo") is True:  # the echoed prompt's tokens get logprobs too
+            _set(message, "prompt_logprobs", body["logprobs"], "logprobs")
     return message
 
 
@@ -196,9 +208,9 @@ def chat_prompt(body: dict[str, Any]) -> Prompt:
         raise InvalidArgument("must be a non-empty list of messages", field="messages")
     turns = []
     for position, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
-            raise InvalidArgument(f"needs a role, one of {', '.join(CHAT_ROLES)}", field=f"messages[{position}].role")
-        role = "system" if message["role"] == "developer" else message["role"]
+        if not isinstance(message, dict):
+            raise InvalidArgument(f"must be a message object, got {_json_type(message)}", field=f"messages[{position}]")
+        role = chat_role(message.get("role"), f"messages[{position}].role")
         turns.append(ChatMessage(
             role=role,
             content=_content_text(message.get("content"), position),
@@ -208,25 +220,67 @@ def chat_prompt(body: dict[str, Any]) -> Prompt:
     return Prompt(chat=tuple(turns))
 
 
-def completion_prompt(body: dict[str, Any]) -> Prompt:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+def _one_prompt(prompt: Any, field: str) -> Prompt:
     if isinstance(prompt, str):
         if not prompt:
-            raise InvalidArgument("must not be empty", field="prompt")
-        return Prompt(text=text_field(prompt, "prompt"), raw=True)
+            raise InvalidArgument("must not be empty", field=field)
+        return Prompt(text=text_field(prompt, field), raw=True)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
         return Prompt(token_ids=tuple(prompt))
-    raise InvalidArgument("must be a non-empty string or list of token ids (one prompt per request)", field="prompt")
+    raise InvalidArgument("must be a non-empty string or list of token ids", field=field)
 
 
-def generate_spec(body: Any, request_id: str, model: str, chat: bool) -> tuple[GenerateSpec, bool]:
-    """(validated spec, whether to stream) of a /v1/completions or /v1/chat/completions body."""
+def completion_prompts(body: dict[str, Any]) -> list[Prompt]:
+    """The prompts of a /v1/completions body: one string or token-id list, or a list of them
+    (one choice group per prompt, in order)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(item, (str, list)) for item in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise InvalidArgument(f"holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request", field="prompt")
+        return [_one_prompt(item, f"prompt[{position}]") for position, item in enumerate(prompt)]
+    if isinstance(prompt, (str, list)):
+        return [_one_prompt(prompt, "prompt")]
+    raise InvalidArgument("must be a string, a list of token ids, or a list of either", field="prompt")
+
+
+def completion_prompt(body: dict[str, Any]) -> Prompt:
+    """The one prompt of a /v1/completions body (a batch of one counts)."""
+    prompts = completion_prompts(body)
+    if len(prompts) != 1:
+        raise InvalidArgument("must hold one prompt here", field="prompt")
+    return prompts[0]
+
+
+@dataclass(frozen=True)
+class CompletionEcho:
+    """`echo` of a /v1/completions body: put the prompt (and with `logprobs`, its tokens'
+    logprobs) before the completion; `prompt_only` (max_tokens 0) leaves the sampled token
+    out, scoring the prompt alone."""
+
+    echo: bool = False
+    prompt_only: bool = False
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> CompletionEcho:
+        echo = body.get("echo")
+        if echo is not None and not isinstance(echo, bool):
+            raise InvalidArgument(f"must be true or false, got {echo!r}", field="echo")
+        return cls(echo=bool(echo), prompt_only=bool(echo) and body.get("max_tokens") == 0)
+
+
+def generate_spec(body: Any, request_id: str, model: str, chat: bool,
+                  prompt: Prompt | None = None) -> tuple[GenerateSpec, bool]:
+    """(validated spec, whether to stream) of a /v1/completions or /v1/chat/completions body;
+    `prompt` overrides the body's (one prompt of a completions batch)."""
     if not isinstance(body, dict):
         raise InvalidArgument("the request body must be a JSON object", field="body")
-    prompt = chat_prompt(body) if chat else completion_prompt(body)
+    refuse_unsupported(body, chat)
+    if prompt is None:
+        prompt = chat_prompt(body) if chat else completion_prompt(body)
     reasoning = _reasoning(body)
+    if not chat and reasoning.mode is ReasoningMode.DEFAULT:
+        # a raw completion is the model's text whole, thinking included (as vLLM returns it)
+        reasoning = replace(reasoning, mode=ReasoningMode.INLINE)
     sampling = sampling_from_proto(_sampling(body, chat), reasoning=reasoning)
     stream = False if body.get("stream") is None else body["stream"]
     if not isinstance(stream, bool):

@@ -156,11 +156,23 @@ class DecodePlacement:
         decode = pick_decode(others or candidates, math.ceil((num_prompt_tokens + 1) / BLOCK_SIZE_ESTIMATE))
         if decode is None:
             raise Unavailable("no decode worker is in rotation; check the workers' health and retry")
+        return self._register(decode, sample_indices, queue)
+
+    def _register(self, decode: WorkerHandle, sample_indices: tuple[int, ...], queue: asyncio.Queue) -> WorkerRequest:
         worker_request_id = f"req-{uuid.uuid4().hex}"
         stream = self.streams[decode.address]
         stream.register(worker_request_id, queue)
         decode.in_flight += 1
         return WorkerRequest(worker_request_id, decode, stream, sample_indices)
+
+    def renew(self, running: RunningRequest, part: WorkerRequest) -> WorkerRequest:
+        """Give a worker request a new id on the same decode worker, leaving (and aborting)
+        the old one: a start that failed half-way may have left a reservation under the old
+        id there, which the abort frees and which the next start must not collide with."""
+        renewed = self._register(part.decode, part.sample_indices, running.queue)  # raises before leaving
+        self.leave(running, part, abort=True)
+        running.add(renewed)
+        return renewed
 
     def leave(self, running: RunningRequest, part: WorkerRequest, abort: bool) -> None:
         """Stop listening to a worker request (and abort it there, unless it ended); its
@@ -194,7 +206,7 @@ class DecodePlacement:
         """Abort a request (or one of its samples) on its worker without waiting."""
 
         async def abort() -> None:
-            with contextlib.suppress(grpc.RpcError):
+            with contextlib.suppress(grpc.RpcError, grpc.aio.UsageError):  # UsageError: the gateway stopped
                 await decode.stub.Abort(
                     common_pb2.AbortRequest(request_id=worker_request_id, sample_index=sample_index), timeout=5.0
                 )

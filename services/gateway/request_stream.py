@@ -17,11 +17,12 @@ from dataclasses import replace
 
 import structlog
 
-from cleave.engine.outputs import FinishReason
 from cleave.errors import DeadlineExceeded
-from cleave.rpc.types import Usage
+from cleave.generation.outputs import FinishReason
+from cleave.rpc.types import TopLogprobs, Usage
+from cleave.scaling.strategies import Strategy
 from services.gateway.attach import WorkerLost
-from services.gateway.backend import GenerateChunk, GenerateSpec, SampleOutput, ScalingStrategy
+from services.gateway.backend import GenerateChunk, GenerateSpec, SampleOutput
 from services.gateway.convert import TokenDelta, token_delta_from_proto
 from services.gateway.model import ServedModel
 from services.gateway.placement import RunningRequest
@@ -51,8 +52,9 @@ def merge_outputs(first: SampleOutput | None, second: SampleOutput) -> SampleOut
 
 async def next_items(spec: GenerateSpec, queue: asyncio.Queue) -> list:
     """The next queued deltas (at least one, all that are ready)."""
+    timeout = time_left(spec.deadline)  # raises once past it, before a get() is made
     try:
-        first = await asyncio.wait_for(queue.get(), time_left(spec.deadline))
+        first = await asyncio.wait_for(queue.get(), timeout)
     except asyncio.TimeoutError:
         raise DeadlineExceeded("the request's deadline passed; allow more time or ask for fewer tokens") from None
     items = [first]
@@ -84,11 +86,12 @@ async def stream_samples(
     ]
     strategy = spec.scaling.strategy
     hold = spec.stream.aggregate or (
-        strategy in (ScalingStrategy.MAJORITY_VOTE, ScalingStrategy.BEST_OF_N)
+        strategy in (Strategy.MAJORITY_VOTE, Strategy.BEST_OF_N)
         and not spec.scaling.return_all_samples
     )
     collected: dict[int, SampleOutput] = {}
     stopped_here: set[int] = set()  # samples the gateway ended (stop strings)
+    prompt_scores: list[tuple[TopLogprobs, ...]] = []  # sent by a worker, until a chunk carries them
 
     def usage() -> Usage:
         return Usage(
@@ -99,6 +102,8 @@ async def stream_samples(
         )
 
     def take(delta: TokenDelta, news: dict[int, SampleOutput]) -> None:
+        if delta.prompt_logprobs:
+            prompt_scores.append(delta.prompt_logprobs)
         if delta.finish_reason is not None:
             worker_finished[delta.sample_index] = True
             if delta.finish_reason is FinishReason.ERROR:
@@ -133,11 +138,23 @@ async def stream_samples(
         for index, output in news.items():
             collected[index] = merge_outputs(collected.get(index), output)
         if news and not hold:
-            yield GenerateChunk(
+            yield with_prompt_scores(GenerateChunk(
                 samples=tuple(news[i] for i in sorted(news)),
                 usage=usage() if spec.stream.continuous_usage else None,
-            )
-    yield await final_chunk(spec, texts, collected, usage(), hold)
+            ), prompt_scores, prompt_ids)
+    yield with_prompt_scores(await final_chunk(spec, texts, collected, usage(), hold), prompt_scores, prompt_ids)
+
+
+def with_prompt_scores(
+    chunk: GenerateChunk, pending: list[tuple[TopLogprobs, ...]], prompt_ids: list[int]
+) -> GenerateChunk:
+    """`chunk` carrying the prompt's scores, if a worker sent them since the last chunk
+    (they arrive once per request, with its first tokens)."""
+    if not pending:
+        return chunk
+    scores = pending.pop(0)
+    pending.clear()  # a migrated sample's new worker does not score again; be safe if one did
+    return replace(chunk, prompt_logprobs=tuple(scores), prompt_token_ids=tuple(prompt_ids))
 
 
 async def final_chunk(
@@ -149,7 +166,7 @@ async def final_chunk(
 ) -> GenerateChunk:
     """The last chunk: usage, held samples, and the scaling strategy's verdict."""
     strategy = spec.scaling.strategy
-    if strategy is ScalingStrategy.NONE:
+    if strategy is Strategy.NONE:
         samples = tuple(collected[i] for i in sorted(collected)) if hold else ()
         return GenerateChunk(samples=samples, usage=usage)
     result = await combine(spec.request_id, spec.scaling, [scored_text(t) for t in texts])

@@ -39,12 +39,14 @@ from typing import Literal
 import grpc
 import structlog
 
-from cleave.engine.outputs import FinishReason
 from cleave.errors import InvalidArgument, Unavailable
+from cleave.generation.outputs import FinishReason
 from cleave.proto.cleave.v1 import common_pb2
+from cleave.rpc.drain import DrainGate, wait_until
+from cleave.scaling.strategies import Strategy
 from cleave.tracing import span
 from services.gateway.attach import WorkerLost
-from services.gateway.backend import GenerateChunk, GenerateSpec, ScalingStrategy
+from services.gateway.backend import GenerateChunk, GenerateSpec
 from services.gateway.convert import TokenDelta, request_field
 from services.gateway.disagg_policy import ConditionalPrefill, DisaggregationPolicy
 from services.gateway.migration import Continuation, continuation
@@ -52,15 +54,17 @@ from services.gateway.model import ServedModel
 from services.gateway.placement import DecodePlacement, RunningRequest, WorkerRequest
 from services.gateway.readiness import Routability, unroutable_reason
 from services.gateway.request_stream import stream_samples
+from services.gateway.route_observer import NO_ROUTE_OBSERVER, RouteObserver
 from services.gateway.routing import PrefixAffinity
 from services.gateway.sample_text import SampleText, special_tag_tokens
-from services.gateway.starts import start_colocated, start_disaggregated
+from services.gateway.starts import PrefillFailed, start_colocated, start_disaggregated
 from services.gateway.workers import PoolOptions, WorkerHandle, WorkerPool
 
 log = structlog.get_logger("cleave.gateway")
 # Prompts up to this many bytes tokenize on the event loop: a thread hop would cost more.
 INLINE_TOKENIZE_MAX_BYTES = 1024
 TOKENIZE_THREADS = 4
+MAX_PREFILL_RETRIES = 1  # other prefill workers tried after one fails a request's Prefill
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class RoutingBackend:
         prefill_addresses: Sequence[str],
         decode_addresses: Sequence[str],
         options: GatewayOptions = GatewayOptions(),
+        observer: RouteObserver = NO_ROUTE_OBSERVER,
     ) -> None:
         if not decode_addresses:
             raise ValueError("the gateway needs at least one decode worker (--decode)")
@@ -100,6 +105,7 @@ class RoutingBackend:
             raise ValueError(f"{options.mode} mode needs at least one prefill worker (--prefill)")
         self.model = model
         self.options = options
+        self.observer = observer  # hears where requests start and when they move (metrics)
         prefill = prefill_addresses if options.mode != "colocated" else ()
         self.pool = WorkerPool(
             prefill, decode_addresses, options.pool, on_change=self._on_worker_change, on_lost=self._on_worker_lost
@@ -110,6 +116,8 @@ class RoutingBackend:
         self.conditional = ConditionalPrefill(options.policy)
         self._tag_tokens = special_tag_tokens(model.tokenizer, model.reasoning)
         self._running: dict[str, RunningRequest] = {}
+        self._num_generating = 0  # generate() calls past the drain gate that have not ended
+        self.gate = DrainGate(f"gateway {options.gateway_id}")
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="gateway-tokenize")
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -117,6 +125,13 @@ class RoutingBackend:
     async def start(self) -> None:
         await self.pool.start()
         await self.routability.update()  # when no worker came into rotation, nothing else would
+
+    async def drain(self) -> None:
+        """Refuse new requests (gRPC UNAVAILABLE, HTTP 503, both with a retry hint; HTTP
+        `/ready` 503), return once every admitted one has ended (`cleave.rpc.Drainable`)."""
+        self.gate.close()
+        await self.routability.update()
+        await wait_until(lambda: self._num_generating == 0)
 
     async def shutdown(self) -> None:
         for request_id in list(self._running):
@@ -137,6 +152,8 @@ class RoutingBackend:
         await self.routability.update()
 
     def _unroutable_reason(self) -> str | None:
+        if self.gate.is_draining:
+            return str(self.gate.error())
         return unroutable_reason(self.options.mode, len(self.pool.of_role("prefill")), len(self.placement.candidates()))
 
     # ---- requests -------------------------------------------------------------------------
@@ -180,7 +197,7 @@ class RoutingBackend:
         with span("gateway.tokenize", request_id=spec.request_id):
             prompt_ids = self.model.encode(spec.prompt, spec.reasoning.enable_thinking)
         sampling = spec.sampling
-        if spec.scaling.strategy is not ScalingStrategy.NONE:
+        if spec.scaling.strategy is not Strategy.NONE:
             sampling = replace(sampling, n=spec.scaling.num_samples)
         try:
             sampling.validate(self.model.max_model_len, len(prompt_ids))
@@ -189,6 +206,16 @@ class RoutingBackend:
         return prompt_ids, replace(spec, sampling=sampling)
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
+        self.gate.check()
+        self._num_generating += 1
+        try:
+            async with contextlib.aclosing(self._generate(spec)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self._num_generating -= 1
+
+    async def _generate(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
         prompt_ids, spec = await self._prepare_off_loop(spec)
         if spec.request_id in self._running:  # checked after the await, right before the id is taken
             raise InvalidArgument(f"{spec.request_id!r} is already running; use a unique id", field="request_id")
@@ -218,14 +245,36 @@ class RoutingBackend:
             self.placement.leave_all(running, finished=lambda index: worker_finished[index])
 
     async def _start(self, spec: GenerateSpec, prompt_ids: list[int], running: RunningRequest) -> int:
-        """Get the request running on its decode worker; returns the cached prompt tokens."""
+        """Get the request running on its decode worker; returns the cached prompt tokens.
+
+        A prefill worker that fails the call is retried once on another prefill worker in
+        rotation; when that fails too (or there is none), the decode worker prefills the
+        prompt itself (the colocated path) before the request fails. Each new try runs under
+        a new worker request id (`DecodePlacement.renew`)."""
         (part,) = running.parts.values()
-        if not self._prefills_remotely(part, prompt_ids):
+        remote = self._prefills_remotely(part, prompt_ids)
+        self.observer.routed(spec.request_id, remote, part.decode.worker_id)
+        if not remote:
             return await start_colocated(self.pool, spec, prompt_ids, part, gateway_id=self.options.gateway_id)
-        return await start_disaggregated(
-            self.pool, self.affinity, spec, prompt_ids, part, running.queue,
-            gateway_id=self.options.gateway_id, store_to_kvstore=self.options.store_to_kvstore,
-        )
+        failed: list[WorkerHandle] = []
+        while True:
+            try:
+                return await start_disaggregated(
+                    self.pool, self.affinity, spec, prompt_ids, part, running.queue,
+                    gateway_id=self.options.gateway_id, store_to_kvstore=self.options.store_to_kvstore,
+                    avoid=failed,
+                )
+            except PrefillFailed as error:
+                failed.append(error.worker)
+                part = self.placement.renew(running, part)
+                others = [w for w in self.pool.of_role("prefill") if w not in failed]
+                if len(failed) > MAX_PREFILL_RETRIES or not others:
+                    log.warning("prefill failed; prefilling on the decode worker", request_id=spec.request_id,
+                                prefill=error.worker.address, decode=part.decode.address, reason=error.message)
+                    return await start_colocated(self.pool, spec, prompt_ids, part,
+                                                 gateway_id=self.options.gateway_id)
+                log.warning("prefill failed; retrying on another prefill worker", request_id=spec.request_id,
+                            prefill=error.worker.address, reason=error.message)
 
     def _prefills_remotely(self, part: WorkerRequest, prompt_ids: list[int]) -> bool:
         mode = self.options.mode
@@ -245,6 +294,7 @@ class RoutingBackend:
                     raise  # not the decode worker (no prefill worker, say): moving would not help
                 self.placement.leave(running, part, abort=True)
                 self.placement.count_move(running, error, self.options.max_migrations)
+                self.observer.migrated(spec.request_id)
                 moved = self.placement.place_samples(len(prompt_ids), part.sample_indices, running.queue,
                                                      avoid=part.decode)
                 running.add(moved)
@@ -288,6 +338,7 @@ class RoutingBackend:
                     pending.append((index, resumed, part.decode))
         while pending:
             self.placement.count_move(running, reason, self.options.max_migrations)
+            self.observer.migrated(spec.request_id)
             # Placed first, all at once: no worker left raises before any start is in flight
             # (the request's end leaves those already placed).
             moved: list[WorkerRequest] = []

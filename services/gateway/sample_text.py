@@ -14,13 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from cleave.engine.detokenizer import IncrementalDetokenizer
-from cleave.engine.outputs import FinishReason
-from cleave.engine.reasoning import Phase, ReasoningParser
-from cleave.engine.request import ReasoningConfig
-from cleave.engine.sampling_params import SamplingParams
-from cleave.engine.stop import StopChecker
-from cleave.engine.token_pieces import TokenPieces
+from cleave.generation.detokenizer import IncrementalDetokenizer
+from cleave.generation.outputs import FinishReason
+from cleave.generation.reasoning import Phase, ReasoningConfig, ReasoningParser
+from cleave.generation.sampling_params import SamplingParams
+from cleave.generation.stop import StopChecker
+from cleave.generation.token_pieces import TokenPieces
 from cleave.model.tokenizer import Tokenizer
 from cleave.rpc.types import ReasoningMode
 from services.gateway.backend import SampleOutput

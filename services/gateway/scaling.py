@@ -10,37 +10,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cleave.scaling import CodeTest as ScalingCodeTest
 from cleave.scaling import CodeVerifier, MathVerifier, ScalingRequest, ScalingResult, Strategy, run_scaling
+from cleave.scaling.code_verifier import MAX_CANDIDATE_TIMEOUT_S
 from cleave.scaling.sandbox import SandboxLimits
-from services.gateway.backend import (
-    AnswerVotes,
-    GenerateChunk,
-    SampleOutput,
-    Scaling,
-    ScalingStrategy,
-    Verifier,
-    VerifierKind,
-)
+from services.gateway.backend import GenerateChunk, SampleOutput, Scaling, VerifierKind, VerifierSpec
 
-_STRATEGIES = {
-    ScalingStrategy.NONE: Strategy.NONE,
-    ScalingStrategy.MAJORITY_VOTE: Strategy.MAJORITY_VOTE,
-    ScalingStrategy.BEST_OF_N: Strategy.BEST_OF_N,
-    ScalingStrategy.GROUP_ROLLOUT: Strategy.GROUP_ROLLOUT,
-}
 DEFAULT_MATH_TIMEOUT_S = 2.0
 
 
-def build_verifier(verifier: Verifier | None) -> MathVerifier | CodeVerifier | None:
+def build_verifier(verifier: VerifierSpec | None) -> MathVerifier | CodeVerifier | None:
     """The cleave.scaling verifier for a request's Verifier spec."""
     if verifier is None:
         return None
     if verifier.kind is VerifierKind.MATH:
         return MathVerifier(verifier.expected_answer, timeout_s=verifier.timeout_s or DEFAULT_MATH_TIMEOUT_S)
     limits = SandboxLimits() if verifier.timeout_s is None else SandboxLimits(wall_timeout_s=verifier.timeout_s)
-    tests = [ScalingCodeTest(stdin=t.stdin, expected_stdout=t.expected_stdout) for t in verifier.tests]
-    return CodeVerifier(tests, limits)
+    return CodeVerifier(verifier.tests, limits, total_timeout_s=MAX_CANDIDATE_TIMEOUT_S)
 
 
 async def combine(request_id: str, scaling: Scaling, texts: Sequence[str]) -> ScalingResult:
@@ -50,7 +35,7 @@ async def combine(request_id: str, scaling: Scaling, texts: Sequence[str]) -> Sc
         return await run_scaling(
             lambda n: list(texts),
             ScalingRequest(request_id=request_id),
-            _STRATEGIES[scaling.strategy],
+            scaling.strategy,
             len(texts),
             verifier,
         )
@@ -70,7 +55,7 @@ def summary_chunk(result: ScalingResult) -> GenerateChunk:
         )
         for candidate in result.candidates
     )
-    votes = tuple(AnswerVotes(v.answer, v.num_votes, tuple(v.sample_indices)) for v in result.votes)
+    votes = tuple(result.votes)
     return GenerateChunk(
         samples=samples,
         selected_index=result.selected_index,

@@ -10,7 +10,7 @@ from dataclasses import replace
 import grpc
 
 from cleave.config import ModelConfig
-from cleave.errors import InvalidArgument, NotFound
+from cleave.errors import InvalidArgument
 from cleave.proto.cleave.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from cleave.rpc import current_request_id
 from cleave.rpc.convert import (
@@ -25,29 +25,31 @@ from cleave.rpc.convert import (
     usage_to_proto,
 )
 from cleave.rpc.types import ReasoningOptions
+from cleave.scaling.code_verifier import MAX_CODE_TESTS
+from cleave.scaling.sandbox import MAX_WALL_TIMEOUT_S
 from cleave.tracing import mark
+from cleave.scaling.code_verifier import CodeTest
+from cleave.scaling.strategies import Strategy
 from services.gateway.backend import (
     ChatMessage,
-    CodeTest,
     GatewayBackend,
     GenerateChunk,
     GenerateSpec,
     Prompt,
     Scaling,
-    ScalingStrategy,
     StreamShape,
-    Verifier,
     VerifierKind,
+    VerifierSpec,
 )
+from services.gateway.request_names import chat_role, resolve_model
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 DEADLINE_MARGIN_S = 0.05
 _STRATEGIES = {
-    gateway_pb2.TestTimeScaling.STRATEGY_UNSPECIFIED: ScalingStrategy.NONE,
-    gateway_pb2.TestTimeScaling.STRATEGY_NONE: ScalingStrategy.NONE,
-    gateway_pb2.TestTimeScaling.STRATEGY_MAJORITY_VOTE: ScalingStrategy.MAJORITY_VOTE,
-    gateway_pb2.TestTimeScaling.STRATEGY_BEST_OF_N: ScalingStrategy.BEST_OF_N,
-    gateway_pb2.TestTimeScaling.STRATEGY_GROUP_ROLLOUT: ScalingStrategy.GROUP_ROLLOUT,
+    gateway_pb2.TestTimeScaling.STRATEGY_UNSPECIFIED: Strategy.NONE,
+    gateway_pb2.TestTimeScaling.STRATEGY_NONE: Strategy.NONE,
+    gateway_pb2.TestTimeScaling.STRATEGY_MAJORITY_VOTE: Strategy.MAJORITY_VOTE,
+    gateway_pb2.TestTimeScaling.STRATEGY_BEST_OF_N: Strategy.BEST_OF_N,
+    gateway_pb2.TestTimeScaling.STRATEGY_GROUP_ROLLOUT: Strategy.GROUP_ROLLOUT,
 }
 _VERIFIERS = {
     gateway_pb2.Verifier.KIND_MATH: VerifierKind.MATH,
@@ -71,14 +73,8 @@ def prompt_from_proto(request: gateway_pb2.GenerateRequest) -> Prompt:
         raise InvalidArgument("must contain at least one message", field="chat.messages")
     messages = []
     for position, message in enumerate(request.chat.messages):
-        if message.role not in CHAT_ROLES:
-            raise InvalidArgument(
-                f"unknown role {message.role!r}; use one of {', '.join(CHAT_ROLES)}",
-                field=f"chat.messages[{position}].role",
-            )
-        messages.append(
-            ChatMessage(message.role, message.content, message.reasoning_content, message.name)
-        )
+        role = chat_role(message.role, f"chat.messages[{position}].role")
+        messages.append(ChatMessage(role, message.content, message.reasoning_content, message.name))
     return Prompt(chat=tuple(messages))
 
 
@@ -98,16 +94,20 @@ def scaling_from_proto(message: gateway_pb2.TestTimeScaling, num_samples: int) -
             raise InvalidArgument("a math verifier needs it", field="scaling.verifier.expected_answer")
         if kind is VerifierKind.CODE and not proto.tests:
             raise InvalidArgument("a code verifier needs tests", field="scaling.verifier.tests")
+        if len(proto.tests) > MAX_CODE_TESTS:
+            raise InvalidArgument(f"at most {MAX_CODE_TESTS} tests, got {len(proto.tests)}",
+                                  field="scaling.verifier.tests")
         timeout_s = proto.timeout.ToNanoseconds() / 1e9 if proto.HasField("timeout") else None
-        if timeout_s is not None and timeout_s <= 0:
-            raise InvalidArgument("must be positive", field="scaling.verifier.timeout")
-        verifier = Verifier(
+        if timeout_s is not None and not 0 < timeout_s <= MAX_WALL_TIMEOUT_S:
+            raise InvalidArgument(f"must be positive and at most {MAX_WALL_TIMEOUT_S:g}s per test, got {timeout_s:g}s",
+                                  field="scaling.verifier.timeout")
+        verifier = VerifierSpec(
             kind=kind,
             expected_answer=proto.expected_answer,
             tests=tuple(CodeTest(t.stdin, t.expected_stdout) for t in proto.tests),
             timeout_s=timeout_s,
         )
-    needs_verifier = strategy in (ScalingStrategy.BEST_OF_N, ScalingStrategy.GROUP_ROLLOUT)
+    needs_verifier = strategy in (Strategy.BEST_OF_N, Strategy.GROUP_ROLLOUT)
     if needs_verifier and verifier is None:
         raise InvalidArgument(f"{strategy.name} needs a verifier", field="scaling.verifier")
     return Scaling(
@@ -121,7 +121,9 @@ def scaling_from_proto(message: gateway_pb2.TestTimeScaling, num_samples: int) -
 def chunk_to_proto(
     chunk: GenerateChunk, request_id: str, model: str
 ) -> gateway_pb2.GenerateResponse:
-    response = gateway_pb2.GenerateResponse(request_id=request_id, model=model)
+    response = gateway_pb2.GenerateResponse(request_id=request_id, model=model,
+                                            prompt_logprobs=top_logprobs_to_proto(chunk.prompt_logprobs),
+                                            prompt_token_ids=chunk.prompt_token_ids)
     for sample in chunk.samples:
         delta = response.samples.add(
             index=sample.index,
@@ -154,14 +156,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.backend = backend
         self.models = tuple(models)
 
-    def _resolve_model(self, model: str) -> str:
-        if not model:
-            return self.models[0].id
-        if model not in {entry.id for entry in self.models}:
-            served = ", ".join(entry.id for entry in self.models)
-            raise NotFound(f"model {model!r} is not served here; served: {served}", field="model")
-        return model
-
     def generate_spec(self, request: gateway_pb2.GenerateRequest) -> GenerateSpec:
         request_id = request.request_id or current_request_id() or ""
         reasoning = (
@@ -171,7 +165,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         sampling = sampling_from_proto(request.sampling, reasoning=reasoning)
         return GenerateSpec(
             request_id=require_request_id(request_id),
-            model=self._resolve_model(request.model),
+            model=resolve_model(self.models, request.model),
             prompt=prompt_from_proto(request),
             sampling=sampling,
             reasoning=reasoning,

@@ -10,12 +10,15 @@ and the decode worker's samples share the one prompt reservation): one call,
 Colocated (and every migrated restart, one per moved sample):
     Decode.Start(prefill_locally): the decode worker prefills the prompt itself.
 
-Both return the prompt tokens a worker's prefix cache already held.
+Both return the prompt tokens a worker's prefix cache already held. A Prefill that fails on
+the prefill worker itself (not on the decode worker behind it) raises `PrefillFailed`, naming
+that worker, so the caller can retry elsewhere (`RoutingBackend._start`).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 from cleave.errors import Unavailable
 from cleave.proto.cleave.v1 import decode_pb2, prefill_pb2
@@ -24,7 +27,20 @@ from services.gateway.backend import GenerateSpec
 from services.gateway.placement import WorkerRequest
 from services.gateway.routing import PrefixAffinity, pick_prefill
 from services.gateway.worker_rpc import call_worker, time_left
-from services.gateway.workers import WorkerPool
+from services.gateway.workers import WorkerHandle, WorkerPool
+
+
+class PrefillFailed(Unavailable):
+    """The prefill worker failed the call (it died, stopped or refused while draining); the
+    decode worker behind it was not the problem.
+
+    Attributes:
+        worker: the prefill worker that failed.
+    """
+
+    def __init__(self, message: str, worker: WorkerHandle) -> None:
+        super().__init__(message)
+        self.worker = worker
 
 
 async def start_disaggregated(
@@ -37,12 +53,13 @@ async def start_disaggregated(
     *,
     gateway_id: str,
     store_to_kvstore: bool,
+    avoid: Sequence[WorkerHandle] = (),
 ) -> int:
-    """Prefill on a prefill worker that admits, fills and starts the placed decode worker;
-    the first tokens go into the request's queue first."""
+    """Prefill on a prefill worker (not one of `avoid`) that admits, fills and starts the
+    placed decode worker; the first tokens go into the request's queue first."""
     decode = placed.decode
     request_id = placed.worker_request_id
-    prefill = pick_prefill(pool.of_role("prefill"), affinity, prompt_ids)
+    prefill = pick_prefill([w for w in pool.of_role("prefill") if w not in avoid], affinity, prompt_ids)
     if prefill is None:
         raise Unavailable("no prefill worker is in rotation; check the workers' health and retry")
     request = prefill_pb2.PrefillRequest(
@@ -55,6 +72,10 @@ async def start_disaggregated(
     try:
         result = await call_worker(
             pool, prefill.stub.Prefill(request, timeout=time_left(spec.deadline)), prefill, "Prefill")
+    except Unavailable as error:
+        if error.field == "decode":
+            raise
+        raise PrefillFailed(error.message, prefill) from None
     finally:
         prefill.in_flight_prompt_tokens -= len(prompt_ids)
     affinity.record(prompt_ids, prefill.address)
@@ -75,6 +96,8 @@ def deliver_first_tokens(queue: asyncio.Queue, worker_request_id: str, result: p
         delta = decode_pb2.RequestDelta(request_id=worker_request_id, sample_index=index, token_ids=[token])
         if len(logprobs) == len(result.first_token_ids):
             delta.logprobs.append(logprobs[index])
+        if index == 0:  # the prompt's scores travel once, with the first sample's first token
+            delta.prompt_logprobs.extend(result.prompt_logprobs)
         queue.put_nowait(delta)
     for item in waiting:
         queue.put_nowait(item)

@@ -8,6 +8,7 @@ import sys
 
 from cleave.config import kvstore_config
 from cleave.logging import configure_logging
+from cleave.metrics import KVStoreMetrics, MetricLabels, ServiceMetrics
 from cleave.rpc import ServiceRegistration, run_service
 from cleave.rpc.auth import internal_auth
 from cleave.tracing import setup_tracing
@@ -28,9 +29,13 @@ def main(argv: list[str] | None = None) -> int:
         StoreConfig(ram_bytes=config.ram_bytes, disk_path=config.disk_path, disk_bytes=config.disk_bytes)
     )
     servicer = KVStoreServicer(backend)
+    metrics = None
+    if config.service.metrics is not None:  # the store serves any model's layout: no model_name
+        metrics = ServiceMetrics(MetricLabels("", "kvstore"), config.service.metrics)
+        KVStoreMetrics(metrics.registry, metrics.labels, backend.stats)  # type: ignore[arg-type]
     try:
         asyncio.run(run_service([registration(servicer)], config.service, backend, tracing=tracing,
-                                auth=internal_auth(config.service.internal_token)))
+                                auth=internal_auth(config.service.internal_token), metrics=metrics))
     finally:
         tracing.shutdown()
     return 0

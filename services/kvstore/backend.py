@@ -1,7 +1,7 @@
 """What the kvstore servicer hands work to.
 
 Blocks are addressed by chained hashes; a layout id (from `connect`) scopes them to one KV
-layout. The RAM + disk LRU store plugs in here.
+layout. The RAM + disk LRU store (`services.kvstore.store.BlockStore`) implements it.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ class StoreStats:
     evictions: int = 0
     num_blocks_ram: int = 0
     num_blocks_disk: int = 0
+    num_bytes_ram: int = 0
+    num_bytes_disk: int = 0
+    checksum_failures: int = 0  # corrupt disk files dropped
 
 
 class KVStoreBackend(Protocol):
@@ -75,28 +78,3 @@ class KVStoreBackend(Protocol):
 
     def stats(self) -> StoreStats:
         """Current counters."""
-
-
-class UnwiredKVStoreBackend:
-    """A store with no storage yet: its RPCs answer UNIMPLEMENTED, stats are empty."""
-
-    async def start(self) -> None:
-        return None
-
-    async def shutdown(self) -> None:
-        return None
-
-    async def connect(self, layout: KVLayout, client_id: str) -> ConnectResult:
-        raise NotImplementedError("Connect is not wired to a block store yet")
-
-    async def lookup(self, layout_id: str, block_hashes: tuple[bytes, ...]) -> int:
-        raise NotImplementedError("Lookup is not wired to a block store yet")
-
-    async def put(self, blocks: AsyncIterator[KVBlock]) -> PutResult:
-        raise NotImplementedError("Put is not wired to a block store yet")
-
-    def get(self, layout_id: str, block_hashes: tuple[bytes, ...]) -> AsyncIterator[KVBlock]:
-        raise NotImplementedError("Get is not wired to a block store yet")
-
-    def stats(self) -> StoreStats:
-        return StoreStats()

@@ -4,9 +4,16 @@ Blocks are keyed by their chained prefix hash (`cleave.kv.prefix_hash`); a paylo
 layers' K and V of one block, `[num_layers, 2, block_size, num_kv_heads, head_dim]` raw bytes
 of the layout's dtype. The store serves exactly one KV layout (the first one connected, or
 the one its disk tier was written with): blocks of different models, dtypes or shapes are
-never mixed. The RAM tier evicts least-recently-used blocks to the disk tier (or drops them
-without one); the disk tier drops its least-recently-used files. Tiers are exclusive: a disk
-hit is promoted back to RAM.
+never mixed.
+
+Without a disk tier the store is RAM only, an LRU cache: a Put is acknowledged once its
+blocks are in memory, and a restart loses them. With a disk tier the disk holds every block
+and the RAM tier caches the recently used ones (a subset): a Put is acknowledged only after
+each new block's file is written and fsynced and the directories are synced
+(`DiskTier.sync`, once per Put), so an acknowledged block survives a crash; the disk tier's
+capacity is the store's, and a block it evicts leaves RAM too. A disk hit is copied into RAM,
+its file stays. Lookup never counts a block whose file it has not verified: a corrupt file
+found there is a miss and is deleted.
 
 A stored payload is the buffer the block arrived in (a view of the Put message gRPC
 delivered, or of a disk file read), never copied on the event loop; disk files are written and
@@ -79,18 +86,16 @@ class BlockStore:
 
     async def start(self) -> None:
         if self._disk is not None:
+            stored = await asyncio.to_thread(self._disk.read_layout)  # before open: it may move blocks aside
             await asyncio.to_thread(self._disk.open)
-            stored = self._disk.read_layout()
             if stored is not None:
                 self._set_layout(stored)
             self.log.info("disk tier opened", blocks=len(self._disk), bytes=self._disk.num_bytes)
 
     async def shutdown(self) -> None:
-        """Keep what fits of the RAM tier: write it to disk so a restart finds it."""
+        """Finish the disk tier's writes (every block is on disk already: RAM is its cache)."""
         if self._disk is None:
             return
-        for block_hash, payload in list(self._ram.items()):
-            self._disk.put(block_hash, payload)
         self._ram.clear()
         self._ram_bytes = 0
         await self._disk.close()
@@ -127,29 +132,59 @@ class BlockStore:
     # -- tiers ------------------------------------------------------------------------------
 
     def _contains(self, block_hash: bytes) -> bool:
+        """Whether the block is stored (its disk file possibly not verified yet); refreshes it."""
+        in_disk = self._disk is not None and block_hash in self._disk
+        if in_disk:
+            self._disk.touch(block_hash)  # type: ignore[union-attr]
         if block_hash in self._ram:
             self._ram.move_to_end(block_hash)
             return True
-        if self._disk is not None and block_hash in self._disk:
-            self._disk.touch(block_hash)
-            return True
-        return False
+        return in_disk
 
     def _insert_ram(self, block_hash: bytes, payload: Buffer) -> None:
+        """Cache a block in RAM; without a disk tier what falls out of RAM is evicted."""
         self._ram[block_hash] = payload
         self._ram_bytes += len(payload)
         while self._ram_bytes > self.config.ram_bytes and self._ram:
-            oldest, data = self._ram.popitem(last=False)
+            _, data = self._ram.popitem(last=False)
             self._ram_bytes -= len(data)
             if self._disk is None:
                 self._counters.evictions += 1
-            else:
-                self._counters.evictions += len(self._disk.put(oldest, data))
+
+    def _drop_ram(self, block_hash: bytes) -> None:
+        data = self._ram.pop(block_hash, None)
+        if data is not None:
+            self._ram_bytes -= len(data)
+
+    def _store(self, block_hash: bytes, payload: Buffer) -> None:
+        """A new block: on disk (queued; `DiskTier.sync` makes it durable) and cached in RAM."""
+        if self._disk is not None:
+            evicted = self._disk.put(block_hash, payload)
+            for oldest in evicted:
+                self._drop_ram(oldest)
+            self._counters.evictions += len(evicted)
+            if block_hash in evicted:
+                return  # larger than the disk tier: not stored
+        self._insert_ram(block_hash, payload)
+
+    async def _verified_prefix(self, block_hashes: tuple[bytes, ...]) -> int:
+        """How many of these stored blocks lead the chain with their files verified (a corrupt
+        file found here is deleted, and its block dropped from the store)."""
+        if self._disk is None:
+            return len(block_hashes)
+        unverified = [h for h in block_hashes if h not in self._ram and not self._disk.is_verified(h)]
+        corrupt = await self._disk.verify(unverified) if unverified else set()
+        for position, block_hash in enumerate(block_hashes):
+            if block_hash in corrupt or not self._contains(block_hash):
+                return position
+        return len(block_hashes)
 
     async def _read(self, block_hash: bytes) -> Buffer | None:
         payload = self._ram.get(block_hash)
         if payload is not None:
             self._ram.move_to_end(block_hash)
+            if self._disk is not None and block_hash in self._disk:
+                self._disk.touch(block_hash)
             return payload
         if self._disk is None:
             return None
@@ -160,19 +195,20 @@ class BlockStore:
         if promoted is not None:
             self._ram.move_to_end(block_hash)
             return promoted
-        self._disk.remove(block_hash)
-        self._insert_ram(block_hash, payload)
+        if block_hash in self._disk:  # not evicted while it was read
+            self._insert_ram(block_hash, payload)
         return payload
 
     # -- API --------------------------------------------------------------------------------
 
     async def lookup(self, layout_id: str, block_hashes: tuple[bytes, ...]) -> int:
         self._require_layout(layout_id)
-        num_hit = 0
+        num_present = 0
         for block_hash in block_hashes:
             if not self._contains(block_hash):
                 break
-            num_hit += 1
+            num_present += 1
+        num_hit = await self._verified_prefix(block_hashes[:num_present])
         self._counters.hits += num_hit
         self._counters.misses += len(block_hashes) - num_hit
         return num_hit
@@ -190,11 +226,13 @@ class BlockStore:
             if self._contains(block.hash):
                 num_present += 1
             else:
-                self._insert_ram(block.hash, payload.data)  # the received buffer, not a copy
+                self._store(block.hash, payload.data)  # the received buffer, not a copy
                 num_stored += 1
                 if self._disk is not None:
                     await self._disk.throttle()
             position += 1
+        if self._disk is not None:
+            await self._disk.sync()  # the acknowledgement promises the blocks are on disk
         return PutResult(num_stored=num_stored, num_already_present=num_present)
 
     async def get(self, layout_id: str, block_hashes: tuple[bytes, ...]) -> AsyncIterator[KVBlock]:
@@ -218,7 +256,8 @@ class BlockStore:
         disk_bytes = self._disk.num_bytes if self._disk is not None else 0
         return StoreStats(
             hits=self._counters.hits, misses=self._counters.misses,
-            bytes_stored=self._ram_bytes + disk_bytes, bytes_served=self._counters.bytes_served,
+            bytes_stored=disk_bytes if self._disk is not None else self._ram_bytes, bytes_served=self._counters.bytes_served,
             evictions=self._counters.evictions, num_blocks_ram=len(self._ram),
-            num_blocks_disk=disk_blocks,
+            num_blocks_disk=disk_blocks, num_bytes_ram=self._ram_bytes, num_bytes_disk=disk_bytes,
+            checksum_failures=self._disk.num_corrupt_files if self._disk is not None else 0,
         )

@@ -8,6 +8,8 @@ import sys
 
 from cleave.config import worker_config
 from cleave.logging import configure_logging
+from cleave.metrics import PrefillTransferMetrics
+from cleave.metrics.worker import worker_metrics
 from cleave.proto.cleave.v1 import prefill_pb2, prefill_pb2_grpc
 from cleave.rpc import ServiceRegistration, run_service
 from cleave.rpc.auth import internal_auth
@@ -33,14 +35,20 @@ def main(argv: list[str] | None = None) -> int:
         worker_id=config.worker_id,
         model_id=config.model.id,
         kvstore_address=config.kvstore_address,
+        kvstore_min_prefix_tokens=config.kvstore_min_prefix_tokens,
         internal_token=config.service.internal_token,
     )
     servicer = PrefillServicer(backend, config.model.id)
     # Model and engine objects live as long as the process: out of the collector's walks.
     lifecycle = FreezeAfterStart(backend, config.worker_id)
+    lifecycle, metrics = worker_metrics(config, lifecycle, lambda: backend.engine)  # type: ignore[attr-defined]
+    if metrics is not None:
+        PrefillTransferMetrics(metrics.registry, metrics.labels, lambda: backend.counters,  # type: ignore[attr-defined]
+                               lambda: backend.negotiator)  # type: ignore[attr-defined]
     try:
         asyncio.run(run_service([registration(servicer)], config.service, lifecycle, tracing=tracing,
-                                auth=internal_auth(config.service.internal_token)))
+                                auth=internal_auth(config.service.internal_token), work=backend,
+                                metrics=metrics))
     finally:
         tracing.shutdown()
     return 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from cleave.engine.sampling_params import SamplingParams
+from cleave.generation.sampling_params import SamplingParams
 from cleave.rpc.types import ReasoningOptions, TopLogprobs, TransferHandle, TransferStats, WorkerLoad
 
 
@@ -46,6 +46,7 @@ class PrefillResult:
     num_computed_tokens: int
     first_token_logprobs: tuple[TopLogprobs, ...] = ()
     transfer: TransferStats | None = None
+    prompt_logprobs: tuple[TopLogprobs, ...] = ()  # with sampling.prompt_logprobs: prompt tokens after the first
 
 
 class PrefillBackend(Protocol):
@@ -57,27 +58,11 @@ class PrefillBackend(Protocol):
     async def shutdown(self) -> None:
         """Finish or fail queued prefills and release the GPU."""
 
+    async def drain(self) -> None:
+        """Refuse new requests; return once the admitted ones finished (`cleave.rpc.Drainable`)."""
+
     async def prefill(self, spec: PrefillSpec) -> PrefillResult:
         """Compute the prompt's KV, send it to spec.destination, sample the first tokens."""
 
     def load(self) -> WorkerLoad:
         """Current load, for routing."""
-
-
-class UnwiredPrefillBackend:
-    """A prefill worker with no engine yet: Prefill answers UNIMPLEMENTED, load is idle."""
-
-    def __init__(self, worker_id: str) -> None:
-        self.worker_id = worker_id
-
-    async def start(self) -> None:
-        return None
-
-    async def shutdown(self) -> None:
-        return None
-
-    async def prefill(self, spec: PrefillSpec) -> PrefillResult:
-        raise NotImplementedError("Prefill is not wired to an engine yet")
-
-    def load(self) -> WorkerLoad:
-        return WorkerLoad(worker_id=self.worker_id)

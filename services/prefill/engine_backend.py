@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 import structlog
@@ -53,8 +53,10 @@ import structlog
 from cleave.engine.async_engine import AsyncEngine
 from cleave.engine.config import EngineConfig
 from cleave.engine.llm_engine import LLMEngine
-from cleave.engine.outputs import RequestOutput
 from cleave.errors import CleaveError, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from cleave.generation.outputs import RequestOutput
+from cleave.metrics.transfer import TransferTotals, add_transfer
+from cleave.rpc.drain import DrainGate, wait_until
 from cleave.rpc.types import KVLayout, TopLogprobs, TransferHandle, TransferStats, TransportKind, WorkerLoad
 from cleave.tracing import span
 from cleave.transfer import KVSender, KVStoreClient, KVTransferClient, local_endpoint
@@ -63,7 +65,7 @@ from cleave.worker import TransportNegotiator, device_nccl, kv_layout_of, load_e
 from cleave.worker.handshake import grpc_handshake
 from services.prefill.backend import PrefillResult, PrefillSpec
 from services.prefill.decode_handoff import DecodeHandoff, DecodeLinks
-from services.prefill.kvstore_prefix import KVStorePrefix, PrefixFetch
+from services.prefill.kvstore_prefix import DEFAULT_MIN_PREFIX_TOKENS, KVStorePrefix, PrefixFetch
 from services.prefill.layer_stream import LAYER_STREAMING_MODES, LayerStream, LayerStreaming, LayerStreams
 
 log = structlog.get_logger("cleave.prefill")
@@ -87,6 +89,7 @@ class PrefillCounters:
     num_kvstore_blocks_loaded: int = 0
     num_kvstore_blocks_stored: int = 0
     num_kvstore_puts_skipped: int = 0  # prompts not stored: the put backlog was full
+    transfers: dict[str, TransferTotals] = field(default_factory=dict)  # transport name -> KV sent over it
 
 
 class EnginePrefillBackend:
@@ -103,6 +106,8 @@ class EnginePrefillBackend:
             prompt that would exceed it is not stored (counted in `num_kvstore_puts_skipped`).
         layer_streaming: "auto" streams KV layer by layer during the forward over CUDA IPC,
             "on" over any transport (tests, TCP on CPU), "off" never.
+        kvstore_min_prefix_tokens: prefixes shorter than this are neither fetched from nor
+            put into the kvstore (`KVStorePrefix`).
     """
 
     def __init__(
@@ -115,6 +120,7 @@ class EnginePrefillBackend:
         store_backlog_bytes: int = STORE_BACKLOG_BYTES,
         layer_streaming: LayerStreaming = "auto",
         internal_token: str | None = None,
+        kvstore_min_prefix_tokens: int = DEFAULT_MIN_PREFIX_TOKENS,
     ) -> None:
         if layer_streaming not in LAYER_STREAMING_MODES:
             raise ValueError(f"layer_streaming must be one of {', '.join(LAYER_STREAMING_MODES)}, "
@@ -123,6 +129,7 @@ class EnginePrefillBackend:
         self.worker_id = worker_id
         self.model_id = model_id
         self.kvstore_address = kvstore_address
+        self.kvstore_min_prefix_tokens = kvstore_min_prefix_tokens
         self._internal_token = internal_token  # sent on calls to decode workers and the kvstore
         self.engine: LLMEngine | None = None
         self.async_engine: AsyncEngine | None = None
@@ -141,6 +148,7 @@ class EnginePrefillBackend:
         self._handoffs: set[asyncio.Future] = set()  # Start / Abort calls on decode workers
         self.layer_streaming = layer_streaming
         self.layer_streams: LayerStreams | None = None  # set at start() unless streaming is off
+        self.gate = DrainGate(f"prefill worker {worker_id}")
 
     async def start(self) -> None:
         self.engine = await load_engine(self.engine_config)
@@ -158,7 +166,13 @@ class EnginePrefillBackend:
         if self.kvstore_address:
             client = KVStoreClient(self.kvstore_address, client_id=self.worker_id, internal_token=self._internal_token)
             await client.connect(self.layout)
-            self.kvstore = KVStorePrefix(client, self.engine, self.async_engine)
+            self.kvstore = KVStorePrefix(client, self.engine, self.async_engine, self.kvstore_min_prefix_tokens)
+
+    async def drain(self) -> None:
+        """Refuse new prefills, return once the admitted ones answered and their decode
+        starts went out (`cleave.rpc.Drainable`); background kvstore puts finish at shutdown."""
+        self.gate.close()
+        await wait_until(lambda: not self._in_flight and not self._handoffs)
 
     async def shutdown(self) -> None:
         await asyncio.gather(*self._releases, return_exceptions=True)
@@ -198,6 +212,7 @@ class EnginePrefillBackend:
 
     async def prefill(self, spec: PrefillSpec) -> PrefillResult:
         async_engine = self._require_engine()
+        self.gate.check()
         request_id, prompt = spec.request_id, list(spec.prompt_token_ids)
         if request_id in self._in_flight:
             raise InvalidArgument(f"{request_id!r} is already prefilling here; use a unique id", field="request_id")
@@ -216,10 +231,12 @@ class EnginePrefillBackend:
         handed_off = False  # the background store releases the blocks from then on
         stream: LayerStream | None = None
         try:
-            fetch = await self._fetch_prefix(request_id, prompt)
+            if spec.sampling.prompt_logprobs is None:  # a scored prompt runs whole: nothing to fetch
+                fetch = await self._fetch_prefix(request_id, prompt)
             if opening is not None and spec.destination is not None:
                 await asyncio.wait({opening})  # a known destination streams from the first step on
-            first_tokens, first_logprobs, num_cached = await self._run_prefill(async_engine, request_id, prompt, spec)
+            first_tokens, first_logprobs, num_cached, prompt_logprobs = await self._run_prefill(
+                async_engine, request_id, prompt, spec)
             stream = await self._take_layer_stream(request_id, opening)
             table = self._tables.pop(request_id, None)
             if table is None:  # not kept by the step (e.g. an engine without the hook)
@@ -235,10 +252,13 @@ class EnginePrefillBackend:
                 with span("prefill.kv_send", num_blocks=len(table), layer_streamed=streamed):
                     sending, stream = stream, None  # `_send` closes it
                     transfer = await self._send(destination, table, sending)
+                add_transfer(self.counters.transfers, transfer)
             if handoff is not None:
                 handoff.start(first_tokens, first_logprobs)
             if spec.store_to_kvstore and self.kvstore is not None:
                 handed_off = self._store_in_background(request_id, prompt, table, fetch)
+            elif self.kvstore is not None:
+                self.kvstore.remember(prompt)  # computed here: later fetches need not ask the engine
         except BaseException:
             if handoff is not None:
                 handoff.abort()
@@ -270,6 +290,7 @@ class EnginePrefillBackend:
             num_computed_tokens=num_computed,
             first_token_logprobs=first_logprobs,
             transfer=transfer,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _keep_block_tables(self, outputs: list[RequestOutput]) -> None:
@@ -295,13 +316,16 @@ class EnginePrefillBackend:
 
     async def _run_prefill(
         self, async_engine: AsyncEngine, request_id: str, prompt: list[int], spec: PrefillSpec
-    ) -> tuple[tuple[int, ...], tuple[TopLogprobs, ...], int]:
-        """Each sample's first token (in sample order), their logprobs when asked for, and
-        the cached prompt tokens of a prefill-only request."""
+    ) -> tuple[tuple[int, ...], tuple[TopLogprobs, ...], int, tuple[TopLogprobs, ...]]:
+        """Each sample's first token (in sample order), their logprobs when asked for, the
+        cached prompt tokens of a prefill-only request, and the prompt's scores (tokens after
+        the first) when asked for."""
         first_tokens: dict[int, int] = {}
         logprobs: dict[int, TopLogprobs] = {}
+        prompt_logprobs: list[TopLogprobs] = []
         num_cached = 0
         async for output in async_engine.submit(request_id, prompt, spec.sampling, prefill_only=True):
+            prompt_logprobs.extend(top_logprobs_from_engine(lp) for lp in output.prompt_logprobs or () if lp is not None)
             for sample in output.outputs:
                 if sample.token_ids:
                     first_tokens.setdefault(sample.index, sample.token_ids[0])
@@ -313,7 +337,7 @@ class EnginePrefillBackend:
             raise Unavailable(f"the engine ended request {request_id!r} without a first token for every sample")
         samples = range(num_samples)
         first_logprobs = tuple(logprobs[i] for i in samples) if len(logprobs) == num_samples else ()
-        return tuple(first_tokens[i] for i in samples), first_logprobs, num_cached
+        return tuple(first_tokens[i] for i in samples), first_logprobs, num_cached, tuple(prompt_logprobs)
 
     async def _fetch_prefix(self, request_id: str, prompt: list[int]) -> PrefixFetch:
         if self.kvstore is None:

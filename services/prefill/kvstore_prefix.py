@@ -10,6 +10,14 @@ process's samples than the model forward, and the prompts queued behind it. So a
 to the store the second time this worker computes its chained hash (a bounded memory of the
 hashes it computed, `SEEN_CAPACITY`); since hashes chain, that is a prefix that repeated.
 
+Short prefixes stay out of the store both ways (`min_prefix_tokens`): a fetch costs a Lookup
+round trip, a wait for the engine thread's next step boundary (to ask its prefix cache what
+it holds) and a Get, which is more than computing a few blocks; chat prompts that share
+only their template's first block would otherwise pay it on every request. A fetch skips
+that engine round trip for blocks this worker computed lately (its memory of hashes):
+those are most likely still in its prefix cache, where the scheduler finds them anyway,
+and if they were evicted the prompt is computed, as on any miss.
+
 Block hashes are the engine's own (`block_hashes` under the engine's KV namespace), so a
 block fetched from the store and registered in the engine's prefix cache is found by the
 scheduler like any locally computed block: those tokens are not recomputed. The fetched
@@ -48,16 +56,20 @@ class StorePayload:
 
 
 SEEN_CAPACITY = 1 << 18  # block hashes remembered (32 bytes each: ~8 MB with the dict)
+DEFAULT_MIN_PREFIX_TOKENS = 256
 
 
 class KVStorePrefix:
     """Prefix reuse through a kvstore for one engine."""
 
-    def __init__(self, client: KVStoreClient, engine: LLMEngine, async_engine: AsyncEngine) -> None:
+    def __init__(self, client: KVStoreClient, engine: LLMEngine, async_engine: AsyncEngine,
+                 min_prefix_tokens: int = DEFAULT_MIN_PREFIX_TOKENS) -> None:
         self.client = client
         self.engine = engine
         self.async_engine = async_engine
         self.block_size = engine.handoff.block_size
+        # blocks a fetch must be able to load, and a put to send, to be worth its round trips
+        self.min_blocks = max(1, -(-min_prefix_tokens // self.block_size))
         self._stream: torch.cuda.Stream | None = None
         self._put_turn = asyncio.Lock()  # one put stream at a time, in arrival order (FIFO)
         self._seen: OrderedDict[bytes, None] = OrderedDict()  # block hashes computed here, LRU
@@ -79,10 +91,12 @@ class KVStorePrefix:
         Blocks may stay held for the request even when none were loaded: the caller releases
         the hold (`engine.handoff.release_hold`) after the prefill, on every path."""
         usable = (len(prompt) - 1) // self.block_size
+        if usable < self.min_blocks:
+            return PrefixFetch(0, 0)  # too short to be worth a lookup
         hashes = self.hashes(prompt)[:usable]
         num_hit = await self.client.lookup(hashes)
-        if num_hit == 0:
-            return PrefixFetch(0, 0)
+        if num_hit - self.num_seen(hashes[:num_hit]) < self.min_blocks:
+            return PrefixFetch(num_hit, 0)  # little the engine would not compute (or hold) itself
         num_local = await self.async_engine.call(lambda e: e.handoff.num_cached_blocks(hashes[:num_hit]))
         if num_local >= num_hit:
             return PrefixFetch(num_hit, 0)
@@ -110,7 +124,7 @@ class KVStorePrefix:
         may be freed once this returns."""
         hashes = self.hashes(prompt)
         num_repeated = self.repeated(hashes)
-        if num_repeated <= num_stored:
+        if num_repeated - num_stored < self.min_blocks:
             return None
         hashes = hashes[:num_repeated]
         ids = list(block_table[num_stored:num_repeated])
@@ -120,12 +134,21 @@ class KVStorePrefix:
         parent = hashes[num_stored - 1] if num_stored else b""
         return StorePayload(hashes[num_stored:], blocks, parent)
 
+    def num_seen(self, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of `hashes` this worker computed lately (remembers nothing)."""
+        num_seen = 0
+        while num_seen < len(hashes) and hashes[num_seen] in self._seen:
+            num_seen += 1
+        return num_seen
+
+    def remember(self, prompt: Sequence[int]) -> None:
+        """Note a prompt this worker computed without putting it (see `repeated`)."""
+        self.repeated(self.hashes(prompt))
+
     def repeated(self, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of a prompt this worker computed before; then remembers
         all of them."""
-        num_repeated = 0
-        while num_repeated < len(hashes) and hashes[num_repeated] in self._seen:
-            num_repeated += 1
+        num_repeated = self.num_seen(hashes)
         for block_hash in hashes:
             self._seen[block_hash] = None
             self._seen.move_to_end(block_hash)

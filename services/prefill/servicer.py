@@ -57,6 +57,7 @@ def prefill_result_to_proto(result: PrefillResult, request_id: str) -> prefill_p
         request_id=request_id,
         first_token_ids=result.first_token_ids,
         first_token_logprobs=top_logprobs_to_proto(result.first_token_logprobs),
+        prompt_logprobs=top_logprobs_to_proto(result.prompt_logprobs),
         num_prompt_tokens=result.num_prompt_tokens,
         num_cached_tokens=result.num_cached_tokens,
         num_computed_tokens=result.num_computed_tokens,

@@ -16,6 +16,7 @@ def test_cpu_smoke_run_writes_a_row_per_mode_and_prompt(tmp_path):
     argv = ["--device", "cpu", "--shape", "tiny", "--tokens", "40", "--iters", "1", "--warmup", "0",
             "--out", str(tmp_path)]
     assert module.main(argv) == 0
-    rows = json.loads((tmp_path / "transfer_overlap.json").read_text())["rows"]
+    (result,) = tmp_path.glob("transfer_overlap-*.json")  # one file per run, named by its UTC time
+    rows = json.loads(result.read_text())["rows"]
     assert [(row["mode"], row["tokens"]) for row in rows] == [("after", 40), ("layers", 40)]
     assert all(row["landed_ms"] >= row["step_ms"] > 0 for row in rows)

@@ -25,6 +25,9 @@ def test_cleave_up_demo_prints_reasoning_and_answer(mode, tmp_path):
     out = completed.stdout
     assert re.search(r"gRPC gateway: 127\.0\.0\.1:\d+", out)
     assert re.search(r"OpenAI HTTP:  http://127\.0\.0\.1:\d+/v1", out)
+    metrics = dict(re.findall(r"metrics:\s+(\S+) (http://127\.0\.0\.1:\d+/metrics)", out))
+    assert set(metrics) == {"kvstore", "decode-0", "gateway"} | ({"prefill-0"} if mode == "disaggregated" else set())
+    assert len(set(metrics.values())) == len(metrics)  # a port of its own each
     reasoning = out.split("[reasoning]", 1)[1].split("[answer]", 1)[0]
     assert re.search(r"\d\+\d\+\d=\d\d", reasoning)  # the scratchpad is reasoning, not answer
     answer = out.split("[answer]", 1)[1]

@@ -13,10 +13,10 @@ from cleave.cli._stack import ProcessStack, StackSpec
 from cleave.client import GatewayClient
 from cleave.client.gateway import collect
 from cleave.engine.llm import LLM
-from cleave.engine.sampling_params import SamplingParams
+from cleave.generation.sampling_params import SamplingParams
 from cleave.proto.cleave.v1 import common_pb2, decode_pb2_grpc, gateway_pb2
 from cleave.rpc import aio_channel
-from tests.e2e.conftest import NUM_KV_BLOCKS
+from tests.e2e.conftest import NUM_KV_BLOCKS, START_HANG_S
 
 NUM_REQUESTS = 10
 MAX_TOKENS = 48
@@ -28,7 +28,7 @@ def two_decode_stack(e2e_model, tmp_path):
     spec = StackSpec(model=e2e_model, mode="colocated", num_decode=2, grpc_port=0, http_port=None,
                      num_kv_blocks=NUM_KV_BLOCKS, log_level="WARNING")
     stack = ProcessStack(spec, tmp_path / "stack")
-    stack.start(timeout_s=60)
+    stack.start(timeout_s=START_HANG_S)
     yield stack
     for child in stack.children:  # a failed test may leave a worker frozen
         if child.process.poll() is None:
@@ -55,7 +55,7 @@ async def _counted(stream, progress: list[int], index: int, on_flowing):  # type
         yield response
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 async def test_streams_survive_a_killed_decode_worker(two_decode_stack, e2e_model):
     stack = two_decode_stack
     requests = [_request(i) for i in range(NUM_REQUESTS)]

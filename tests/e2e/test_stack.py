@@ -11,7 +11,7 @@ import pytest
 from cleave.client import GatewayClient
 from cleave.client.gateway import collect
 from cleave.engine.llm import LLM
-from cleave.engine.sampling_params import SamplingParams
+from cleave.generation.sampling_params import SamplingParams
 from cleave.proto.cleave.v1 import (
     common_pb2,
     decode_pb2_grpc,
@@ -59,7 +59,7 @@ async def _kvstore_stats(stack) -> kvstore_pb2.StatsResponse:
         return await kvstore_pb2_grpc.KVStoreStub(channel).Stats(kvstore_pb2.StatsRequest())
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 async def test_fifty_concurrent_streams_match_the_engine(process_stack, e2e_model):
     texts = prompts()
     reference = LLM(e2e_model, device="cpu", dtype="float32",

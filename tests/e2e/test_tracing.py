@@ -12,7 +12,7 @@ import pytest
 
 from cleave.cli._stack import ProcessStack, StackSpec
 from cleave.client import GatewayClient
-from tests.e2e.conftest import NUM_KV_BLOCKS
+from tests.e2e.conftest import NUM_KV_BLOCKS, START_HANG_S
 
 CALLER = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 HOPS = Path(__file__).resolve().parents[2] / "bench" / "hops.py"
@@ -33,14 +33,14 @@ def traced_stack(e2e_model, tmp_path_factory):
     spec = StackSpec(model=e2e_model, grpc_port=0, http_port=0, num_kv_blocks=NUM_KV_BLOCKS, log_level="WARNING",
                      trace_dir=workdir / "traces")
     stack = ProcessStack(spec, workdir)
-    stack.start(timeout_s=90)
+    stack.start(timeout_s=START_HANG_S)
     try:
         yield stack
     finally:
         stack.stop()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)
 async def test_a_request_is_one_trace_across_the_services(traced_stack):
     async with GatewayClient(traced_stack.gateway_address) as client:
         async for _ in client.generate("Tell me about tracing across services", max_tokens=4, temperature=0.0):

@@ -10,10 +10,10 @@ import pytest
 from cleave.engine.async_engine import AsyncEngine
 from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cleave.engine.llm_engine import LLMEngine
-from cleave.engine.outputs import FinishReason
 from cleave.engine.request import OutputAccumulator
-from cleave.engine.sampling_params import SamplingParams
 from cleave.errors import InvalidArgument
+from cleave.generation.outputs import FinishReason
+from cleave.generation.sampling_params import SamplingParams
 from cleave.testing.tiny_models import write_tiny_checkpoint
 
 PROMPTS = ["Hello world", "What is the capital of France?", "Please write a short poem about the sea.", "1 2 3"]

@@ -8,7 +8,7 @@ import sys
 
 from cleave.cli.main import build_parser
 from cleave.engine.llm import LLM
-from cleave.engine.sampling_params import SamplingParams
+from cleave.generation.sampling_params import SamplingParams
 from cleave.testing.tiny_models import write_tiny_checkpoint
 
 

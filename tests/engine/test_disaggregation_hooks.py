@@ -15,10 +15,10 @@ import pytest
 from cleave.config import SHIPPED_MODEL_DIR
 from cleave.engine.llm import LLM, build_engine_config
 from cleave.engine.llm_engine import LLMEngine
-from cleave.engine.outputs import FinishReason
 from cleave.engine.request import OutputAccumulator
-from cleave.engine.sampling_params import SamplingParams
 from cleave.errors import InvalidArgument
+from cleave.generation.outputs import FinishReason
+from cleave.generation.sampling_params import SamplingParams
 from cleave.testing.tiny_models import write_tiny_checkpoint
 
 ENGINE_ARGS = dict(device="cpu", dtype="float32", block_size=4, num_blocks=80, max_model_len=128)

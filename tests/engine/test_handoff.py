@@ -13,10 +13,10 @@ import pytest
 from cleave.engine.handoff import KVSnapshot, PrefixHold
 from cleave.engine.llm import build_engine_config
 from cleave.engine.llm_engine import LLMEngine
-from cleave.engine.outputs import RequestOutput
 from cleave.engine.request import OutputAccumulator
-from cleave.engine.sampling_params import SamplingParams
 from cleave.errors import InvalidArgument, NotFound
+from cleave.generation.outputs import RequestOutput
+from cleave.generation.sampling_params import SamplingParams
 from cleave.kv.block_pool import OutOfBlocksError
 from cleave.testing.tiny_models import write_tiny_checkpoint
 

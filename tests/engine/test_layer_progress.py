@@ -11,7 +11,7 @@ import torch
 from cleave.engine.layer_progress import LayerProgress
 from cleave.engine.llm import build_engine_config
 from cleave.engine.llm_engine import LLMEngine
-from cleave.engine.sampling_params import SamplingParams
+from cleave.generation.sampling_params import SamplingParams
 from cleave.testing.tiny_models import write_tiny_checkpoint
 
 NUM_LAYERS = 3

@@ -12,10 +12,10 @@ import torch
 from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cleave.engine.llm import LLM
 from cleave.engine.llm_engine import LLMEngine
-from cleave.engine.outputs import FinishReason
 from cleave.engine.request import OutputAccumulator
-from cleave.engine.sampling_params import SamplingParams
 from cleave.errors import InvalidArgument
+from cleave.generation.outputs import FinishReason
+from cleave.generation.sampling_params import SamplingParams
 from cleave.testing.tiny_models import ARCHITECTURES, write_tiny_checkpoint
 
 NUM_PROMPTS = 16

@@ -11,9 +11,9 @@ import pytest
 
 from cleave.engine.llm import LLM, build_engine_config
 from cleave.engine.llm_engine import LLMEngine
-from cleave.engine.outputs import FinishReason
 from cleave.engine.request import OutputAccumulator
-from cleave.engine.sampling_params import SamplingParams
+from cleave.generation.outputs import FinishReason
+from cleave.generation.sampling_params import SamplingParams
 from cleave.testing.tiny_models import write_tiny_checkpoint
 
 TEXT_IDS = (8, 500)  # plain BPE tokens of the tiny tokenizer

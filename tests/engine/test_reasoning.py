@@ -7,10 +7,11 @@ import random
 import pytest
 import torch
 
-from cleave.engine.reasoning import Phase, ReasoningParser, ThinkingBudget
 from cleave.engine.sampler import Sampler
-from cleave.engine.sampling_params import SamplingParams
 from cleave.engine.sampling_tensors import SamplingTensors
+from cleave.engine.thinking_budget import ThinkingBudget
+from cleave.generation.reasoning import Phase, ReasoningParser
+from cleave.generation.sampling_params import SamplingParams
 
 
 def _run(parser: ReasoningParser, chunks: list[str]) -> tuple[str, str, list]:

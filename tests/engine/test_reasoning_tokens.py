@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cleave.engine.reasoning import Phase, ReasoningParser
 from cleave.engine.reasoning_tokens import ReasoningTokenCounter
+from cleave.generation.reasoning import Phase, ReasoningParser
 
 # A toy vocabulary: multi-token tags "<think>" = [1, 2], "</think>" = [3, 4]; 9 is a blank.
 TEXT = {1: "<thi", 2: "nk>", 3: "</thi", 4: "nk>", 5: "a", 6: "b", 7: "c", 9: " "}

@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
-from cleave.engine.counter_rng import keys_to_tensor, row_key, uniform_from_keys
+from cleave.engine.counter_rng import keys_to_tensor, uniform_from_keys
 from cleave.engine.sampler import Sampler, apply_penalties
-from cleave.engine.sampling_params import SamplingParams
 from cleave.engine.sampling_tensors import SamplingTensors
+from cleave.generation.sampling_params import SamplingParams
+from cleave.generation.seed_keys import row_key
 
 # Chi-square critical values at p = 0.001, by degrees of freedom.
 CHI2_P001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}

@@ -10,8 +10,8 @@ import pytest
 from cleave.engine.async_engine import AsyncEngine
 from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cleave.engine.llm_engine import LLMEngine
-from cleave.engine.sampling_params import SamplingParams
 from cleave.engine.step_trace import TraceOrigin
+from cleave.generation.sampling_params import SamplingParams
 from cleave.testing.tiny_models import write_tiny_checkpoint
 from tests.tracing.helpers import by_name, memory_tracing, traced_caller
 

@@ -1,4 +1,5 @@
-"""Compile the decode-step and attention kernels for Hopper (sm_90) without a GPU; run by test_hopper_compile.
+"""Compile the decode-step, attention and fused MoE kernels for Hopper (sm_90) without a GPU; run by
+test_hopper_compile.
 
 Must run with TRITON_INTERPRET=0 (a fresh interpreter): under the interpreter `triton.jit`
 functions cannot be compiled. Prints one line per compiled variant.
@@ -18,6 +19,13 @@ from cleave.kernels.attention_decode import _paged_decode_split_kernel
 from cleave.kernels.attention_prefill import _paged_prefill_kernel
 from cleave.kernels.decode_inputs import _fill_decode_inputs_kernel
 from cleave.kernels.embedding import _embedding_kernel
+from cleave.kernels.fused_moe import (
+    _align_count_kernel,
+    _align_offsets_kernel,
+    _align_scatter_kernel,
+    _moe_gemm_kernel,
+    _route_kernel,
+)
 from cleave.kernels.gemv import _gemv_kernel
 from cleave.kernels.rms_norm import _rms_norm_kernel
 from cleave.kernels.splitk_linear import _splitk_linear_kernel
@@ -32,15 +40,20 @@ POINTERS = {  # argument name -> pointer type; every other runtime argument is a
     "src_ids_ptr": "*i64", "src_positions_ptr": "*i64", "src_slots_ptr": "*i64", "src_seq_lens_ptr": "*i32",
     "src_tables_ptr": "*i32", "dst_ids_ptr": "*i64", "dst_positions_ptr": "*i64", "dst_slots_ptr": "*i64",
     "dst_seq_lens_ptr": "*i32", "dst_tables_ptr": "*i32", "ids_ptr": "*i64", "table_ptr": "*bf16",
-    "residual_ptr": "*bf16", "weight_ptr": "*bf16", "norm_src_ptr": "*bf16",
+    "residual_ptr": "*bf16", "weight_ptr": "*bf16", "norm_src_ptr": "*bf16", "sinks_ptr": "*fp32",
+    "logits_ptr": "*bf16", "out_weights_ptr": "*fp32", "out_ids_ptr": "*i32", "topk_ids_ptr": "*i32",
+    "counts_ptr": "*i32", "offsets_ptr": "*i32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
+    "num_padded_ptr": "*i32", "a_ptr": "*bf16", "b_ptr": "*bf16", "bias_ptr": "*bf16", "c_ptr": "*bf16",
+    "topk_weights_ptr": "*fp32",
 }
-FLOATS = {"eps", "scale_log2", "norm_eps"}
+FLOATS = {"eps", "scale_log2", "norm_eps", "alpha", "limit"}
 
 
-def compile_variant(kernel, constexprs: dict, num_warps: int) -> None:
+def compile_variant(kernel, constexprs: dict, num_warps: int, pointers: dict | None = None) -> None:
     names = inspect.signature(kernel.fn).parameters
+    types = {**POINTERS, **(pointers or {})}
     signature = {
-        name: "constexpr" if name in constexprs else POINTERS.get(name, "fp32" if name in FLOATS else "i32")
+        name: "constexpr" if name in constexprs else types.get(name, "fp32" if name in FLOATS else "i32")
         for name in names
     }
     triton.compile(ASTSource(kernel, signature, constexprs), target=TARGET, options={"num_warps": num_warps})
@@ -56,7 +69,7 @@ def main() -> None:
     compile_variant(_gemv_kernel, {**gemv, "BLOCK_M": 4, "BLOCK_N": 2, "PDL": False}, 4)
     attention = dict(QUERIES_PER_KV=4, HEAD_DIM=64, NUM_SPLITS=16, SLIDING=False, BLOCK_G=16, BLOCK_N=64, BLOCK_D=64,
                      BLOCK_Q=4, BLOCK_S=16, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", PREFETCH=True, ROTARY=False,
-                     IS_NEOX=True, ROW_NORM=False, NORM_BLOCK=16, HEADS_FIRST=False, PDL=True)
+                     IS_NEOX=True, ROW_NORM=False, NORM_BLOCK=16, HEADS_FIRST=False, PDL=True, HAS_SINKS=False)
     compile_variant(_paged_decode_split_kernel, attention, 2)
     compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 4, "PREFETCH": False, "SLIDING": True}, 2)
     compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 2, "PREFETCH": False, "ROTARY": True}, 2)
@@ -64,14 +77,30 @@ def main() -> None:
     # the deferred input norm (norm weights folded into qkv), KV head fastest
     compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 2, "PREFETCH": False, "ROTARY": True,
                                                  "ROW_NORM": True, "NORM_BLOCK": 1024, "HEADS_FIRST": True}, 2)
+    # gpt-oss: attention sinks with a window, merged across splits and in one split
+    compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 4, "SLIDING": True, "ROTARY": True,
+                                                 "HAS_SINKS": True}, 2)
+    compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 1, "HAS_SINKS": True}, 2)
     compile_variant(_gated_act_kernel, dict(USE_GELU_TANH=False, BLOCK=1024, ROW_NORM=True, NORM_BLOCK=1024, PDL=True), 4)
     compile_variant(_fill_decode_inputs_kernel, dict(PAD_TOKEN=0, PAD_POSITION=0, PAD_SLOT=-1, PAD_SEQ_LEN=0,
                                                      NULL_BLOCK=0, BLOCK_W=1024, PDL=True), 4)
     compile_variant(_embedding_kernel, dict(BLOCK=2048, PDL=True), 8)
     compile_variant(_rms_norm_kernel, dict(HAS_RESIDUAL=False, ROWS=1, BLOCK_H=2048, PDL=True), 8)
-    prefill = dict(QUERIES_PER_KV=4, HEAD_DIM=64, SLIDING=True, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64,
+    prefill = dict(QUERIES_PER_KV=4, HEAD_DIM=64, SLIDING=True, HAS_SINKS=False, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64,
                    DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32")
     compile_variant(_paged_prefill_kernel, prefill, 4)
+    compile_variant(_paged_prefill_kernel, {**prefill, "HAS_SINKS": True}, 4)
+    # fused MoE (Qwen3-30B-A3B: 128 experts, top-8)
+    compile_variant(_route_kernel, dict(TOP_K=8, BLOCK_K=8, BLOCK_E=128, RENORMALIZE=True), 4)
+    compile_variant(_align_count_kernel, dict(BLOCK_E=128, BLOCK_T=64), 4)
+    compile_variant(_align_offsets_kernel, dict(BLOCK_SIZE=64, BLOCK_E=128, BLOCK_P=64, BLOCK_T=64), 8)
+    compile_variant(_align_scatter_kernel, dict(BLOCK_E=128, BLOCK_T=64), 4)
+    moe = dict(ROW_DIV=8, GATED=True, CLAMPED=False, HAS_BIAS=False, MUL_WEIGHT=False, BLOCK_M=16, BLOCK_N=64,
+               BLOCK_K=64, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32")
+    compile_variant(_moe_gemm_kernel, moe, 4)  # gate_up + SwiGLU
+    compile_variant(_moe_gemm_kernel, {**moe, "CLAMPED": True, "HAS_BIAS": True, "BLOCK_M": 64}, 8)  # gpt-oss
+    compile_variant(_moe_gemm_kernel, {**moe, "ROW_DIV": 1, "GATED": False, "MUL_WEIGHT": True}, 4,
+                    pointers={"c_ptr": "*fp32"})  # down, weighted, fp32 per-slot output
     splitk = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, NORM=True, GATED=False, ADD=False,
                   DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", PDL=True)
     compile_variant(_splitk_linear_kernel, splitk, 4)  # qkv with the input norm

@@ -232,3 +232,31 @@ def test_sliding_window_prefill_and_decode(window):
     if window < 32:  # the window changes the answer: not the full-context attention
         full = paged_attention_reference(query, cache, decode, SCALE)
         assert not torch.allclose(out[0], full[0], atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_attention_sinks_prefill_and_decode(window):
+    """gpt-oss's per-head sink logits (one large, one tiny, two ordinary), with and without a
+    window, in the prefill kernel and the decode kernel with one split and with four."""
+    sinks = torch.tensor([3.0, -20.0, 0.5, -1.0])
+    cache = random_cache(num_blocks=24, num_kv_heads=2, dtype=torch.float32)
+    prefill = AttentionMetadata.build([12, 7], [21, 7], [[5, 9, 2, 11, 20, 6], [3, 8]], BLOCK_SIZE)
+    query = random_query(19, 4, torch.float32)
+    expected = paged_attention_reference(query, cache, prefill, SCALE, sliding_window=window, sinks=sinks)
+    plain = paged_attention_reference(query, cache, prefill, SCALE, sliding_window=window)
+    assert (expected[:, 0] - plain[:, 0]).abs().max() > 0.1  # a large sink takes weight
+    torch.testing.assert_close(expected[:, 1], plain[:, 1], atol=1e-6, rtol=0)  # a tiny one none
+    out = paged_prefill_attention(query, cache, prefill, SCALE, block_m=16, block_n=16, sliding_window=window,
+                                  sinks=sinks)
+    torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+
+    tables = [list(range(19, 9, -1)), [3, 8], list(range(1, 9))]
+    decode = AttentionMetadata.build([1, 1, 1], [37, 5, 32], tables, BLOCK_SIZE)
+    query = random_query(3, 4, torch.float32)
+    expected = paged_attention_reference(query, cache, decode, SCALE, sliding_window=window, sinks=sinks)
+    for num_splits in (1, 4):
+        out = paged_decode_attention(query, cache, decode, SCALE, num_splits=num_splits, block_n=16,
+                                     sliding_window=window, sinks=sinks)
+        torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+    out = paged_attention(query, cache, decode, SCALE, impl="triton", sliding_window=window, sinks=sinks)
+    torch.testing.assert_close(out, expected, **tolerance(torch.float32))

@@ -58,8 +58,8 @@ def test_unsupported_configs_fail_clearly():
         ModelConfig.from_dict({**BASE, "architectures": ["PhiForCausalLM"]})
     with pytest.raises(ValueError, match="hidden_act='gelu'"):
         ModelConfig.from_dict({**BASE, "hidden_act": "gelu"})
-    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
-        compute_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="unsupported rope_type 'longrope'"):
+        compute_inv_freq(64, 10000.0, {"rope_type": "longrope", "factor": 4.0})
 
 
 @pytest.mark.parametrize(
@@ -68,8 +68,11 @@ def test_unsupported_configs_fail_clearly():
         {"rope_type": "default", "rope_theta": 10000.0},
         {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
         {"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA3_SCALING},
+        {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+         "truncate": False, "original_max_position_embeddings": 4096},  # gpt-oss's
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4096},
     ],
-    ids=["default", "linear", "llama3"],
+    ids=["default", "linear", "llama3", "yarn-gpt-oss", "yarn-truncated"],
 )
 def test_cos_sin_cache_matches_transformers_bit_for_bit(rope_parameters):
     hf_config = transformers.LlamaConfig(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from cleave.errors import InvalidArgument
+from cleave.generation.outputs import FinishReason
+from cleave.generation.sampling_params import SamplingParams
 from cleave.proto.cleave.v1 import common_pb2
-from cleave.engine.outputs import FinishReason
-from cleave.engine.sampling_params import SamplingParams
 from cleave.rpc import convert, types
 
 

@@ -7,17 +7,19 @@ import pytest
 from cleave.config import ModelConfig
 from cleave.rpc import aio_channel, serve
 from services.decode.__main__ import registration as decode_registration
-from services.decode.backend import UnwiredDecodeBackend
 from services.decode.servicer import DecodeServicer
 from services.gateway.__main__ import registration as gateway_registration
-from services.gateway.backend import UnwiredGatewayBackend
 from services.gateway.servicer import GatewayServicer
 from services.kvstore.__main__ import registration as kvstore_registration
-from services.kvstore.backend import UnwiredKVStoreBackend
 from services.kvstore.servicer import KVStoreServicer
 from services.prefill.__main__ import registration as prefill_registration
-from services.prefill.backend import UnwiredPrefillBackend
 from services.prefill.servicer import PrefillServicer
+from tests.services.doubles import (
+    UnwiredDecodeBackend,
+    UnwiredGatewayBackend,
+    UnwiredKVStoreBackend,
+    UnwiredPrefillBackend,
+)
 
 MODEL = ModelConfig(source="org/tiny-model", served_name="tiny", max_context_length=4096)
 

@@ -12,7 +12,7 @@ import pytest
 from cleave.cli import up
 from cleave.cli._stack import ProcessStack, StackSpec
 from cleave.config import gateway_config
-from cleave.engine.sampling_params import SamplingParams
+from cleave.generation.sampling_params import SamplingParams
 from cleave.proto.cleave.v1 import decode_pb2 as d
 from cleave.proto.cleave.v1 import prefill_pb2 as p
 from cleave.rpc.types import ReasoningOptions

@@ -10,12 +10,13 @@ from cleave.proto.cleave.v1 import kvstore_pb2 as k, kvstore_pb2_grpc
 from cleave.rpc import aio_channel, serve
 from cleave.rpc.types import FinishReason, SamplingParams, TensorBytes, Usage
 from services.gateway.__main__ import registration as gateway_registration
-from services.gateway.backend import GenerateChunk, SampleOutput, UnwiredGatewayBackend
+from services.gateway.backend import GenerateChunk, SampleOutput
 from services.gateway.servicer import GatewayServicer
 from services.kvstore.__main__ import registration as kvstore_registration
-from services.kvstore.backend import PutResult, UnwiredKVStoreBackend
+from services.kvstore.backend import PutResult
 from services.kvstore.servicer import KVStoreServicer
 from tests.services.conftest import MODEL
+from tests.services.doubles import UnwiredGatewayBackend, UnwiredKVStoreBackend
 
 
 class EchoGatewayBackend(UnwiredGatewayBackend):

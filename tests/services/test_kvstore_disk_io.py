@@ -26,13 +26,12 @@ async def test_checksums_run_on_the_io_thread(tmp_path: Path, monkeypatch):
     config = StoreConfig(ram_bytes=BLOCK_BYTES, disk_path=tmp_path, disk_bytes=1 << 20)
     hashes, blocks = chain(4, seed=6)
     async with Store(config) as store:
-        await store.client.put(hashes, blocks)  # blocks 0-2 evicted to disk: 3 writes
-        await store.backend._disk.flush()
-        assert len(threads) == 3
-        # 3 reads; each promotion to RAM evicts the block before it (3, 0, 1): 3 writes
+        await store.client.put(hashes, blocks)  # every block written to disk: 4 writes
+        assert len(threads) == 4
+        # RAM holds block 3 only: 3 reads, and no writes (the files are there already)
         assert torch.equal(await store.client.get(hashes[:3]), blocks[:3])
         await store.backend._disk.flush()
-        assert len(threads) == 9 and all(name.startswith("kvstore-disk") for name in threads)
+        assert len(threads) == 7 and all(name.startswith("kvstore-disk") for name in threads)
 
 
 async def test_unwritten_blocks_are_served_from_memory(tmp_path: Path):
@@ -41,17 +40,29 @@ async def test_unwritten_blocks_are_served_from_memory(tmp_path: Path):
     async with Store(config) as store:
         release = threading.Event()
         store.backend._disk._io.submit(release.wait)  # the I/O thread is busy until released
-        await store.client.put(hashes, blocks)  # each block goes straight to the disk tier
-        assert list(tmp_path.glob("blocks/*/*.kvb")) == []
-        assert await store.client.lookup(hashes) == 3
-        assert torch.equal(await store.client.get(hashes[:2]), blocks[:2])
-        stats = await store.client.stats()
-        assert (stats.num_blocks_ram, stats.num_blocks_disk, stats.bytes_stored) == (0, 3, 3 * BLOCK_BYTES)
-        release.set()
-    names = sorted(path.name for path in tmp_path.glob("blocks/*/*.kvb"))
-    assert names == sorted(h.hex() + disk.SUFFIX for h in hashes)  # written at shutdown at the latest
+        try:
+            put = asyncio.ensure_future(store.client.put(hashes, blocks))
+            await _wait_until(lambda: len(store.backend._disk) == 3)  # indexed, not written
+            assert list(tmp_path.glob("blocks/*/*.kvb")) == []
+            assert await store.client.lookup(hashes) == 3
+            assert torch.equal(await store.client.get(hashes[:2]), blocks[:2])
+            stats = await store.client.stats()
+            assert (stats.num_blocks_ram, stats.num_blocks_disk, stats.bytes_stored) == (0, 3, 3 * BLOCK_BYTES)
+            assert not put.done()  # the acknowledgement waits for the files
+        finally:
+            release.set()
+        assert (await put).num_stored == 3
+        names = sorted(path.name for path in tmp_path.glob("blocks/*/*.kvb"))
+        assert names == sorted(h.hex() + disk.SUFFIX for h in hashes)  # on disk once acknowledged
     async with Store(config) as store:
         assert torch.equal(await store.client.get(hashes), blocks)
+
+
+async def _wait_until(condition, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
 
 
 async def test_throttle_waits_while_too_much_is_queued(tmp_path: Path):

@@ -135,20 +135,21 @@ async def test_disk_tier_survives_restart(tmp_path: Path):
     config = StoreConfig(ram_bytes=2 * BLOCK_BYTES, disk_path=tmp_path, disk_bytes=3 * BLOCK_BYTES)
     hashes, blocks = chain(6, seed=2)
     async with Store(config) as store:
-        await store.client.put(hashes[:4], blocks[:4])
+        await store.client.put(hashes[:3], blocks[:3])
         stats = await store.client.stats()
-        assert (stats.num_blocks_ram, stats.num_blocks_disk, stats.evictions) == (2, 2, 0)
-        assert torch.equal(await store.client.get(hashes[:4]), blocks[:4])  # disk hits promoted
-        await store.client.put(hashes[4:], blocks[4:])
+        # the disk holds every block, RAM caches the two most recent
+        assert (stats.num_blocks_ram, stats.num_blocks_disk, stats.evictions) == (2, 3, 0)
+        assert torch.equal(await store.client.get(hashes[:3]), blocks[:3])  # block 0 read from disk
+        await store.client.put(hashes[3:], blocks[3:], parent_hash=hashes[2])
         stats = await store.client.stats()
-        # 6 blocks, 2 in RAM, 3 on disk: the least recently used one was dropped
-        assert (stats.num_blocks_ram, stats.num_blocks_disk, stats.evictions) == (2, 3, 1)
-        assert stats.bytes_stored == 5 * BLOCK_BYTES
-        assert await store.client.lookup(hashes) == 0  # block 0 was the oldest
-        assert await store.client.lookup(hashes[1:]) == 5
-    async with Store(config) as store:  # restart: the layout and the RAM tier were saved
+        # 6 blocks, room for 3 on disk: the least recently used three were dropped, from RAM too
+        assert (stats.num_blocks_ram, stats.num_blocks_disk, stats.evictions) == (2, 3, 3)
+        assert stats.bytes_stored == 3 * BLOCK_BYTES
+        assert await store.client.lookup(hashes) == 0
+        assert await store.client.lookup(hashes[3:]) == 3
+    async with Store(config) as store:  # restart: the layout and every block were kept
         stats = await store.client.stats()
-        assert (stats.num_blocks_ram, stats.num_blocks_disk) == (0, 3)  # disk capacity bounds the flush
+        assert (stats.num_blocks_ram, stats.num_blocks_disk) == (0, 3)
         assert await store.client.lookup(hashes[3:]) == 3
         assert torch.equal(await store.client.get(hashes[3:]), blocks[3:])
         with pytest.raises(grpc.aio.AioRpcError) as raised:

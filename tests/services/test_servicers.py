@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from google.protobuf.duration_pb2 import Duration
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -49,6 +50,8 @@ CASES = [
     ("Gateway", "Generate", g.GenerateRequest(text="hi", reasoning=c.ReasoningOptions(max_thinking_tokens=1, min_thinking_tokens=2)), INVALID, "reasoning.min_thinking_tokens"),
     ("Gateway", "Generate", g.GenerateRequest(text="hi", scaling=g.TestTimeScaling(strategy=g.TestTimeScaling.STRATEGY_BEST_OF_N)), INVALID, "scaling.verifier: BEST_OF_N needs a verifier"),
     ("Gateway", "Generate", g.GenerateRequest(text="hi", scaling=g.TestTimeScaling(verifier=g.Verifier(kind=g.Verifier.KIND_CODE))), INVALID, "scaling.verifier.tests"),
+    ("Gateway", "Generate", g.GenerateRequest(text="hi", scaling=g.TestTimeScaling(verifier=g.Verifier(kind=g.Verifier.KIND_CODE, tests=[g.CodeTest()] * 65))), INVALID, "scaling.verifier.tests: at most 64 tests, got 65"),
+    ("Gateway", "Generate", g.GenerateRequest(text="hi", scaling=g.TestTimeScaling(verifier=g.Verifier(kind=g.Verifier.KIND_CODE, tests=[g.CodeTest()], timeout=Duration(seconds=10**9)))), INVALID, "scaling.verifier.timeout: must be positive and at most 30s per test"),
     ("Gateway", "Generate", g.GenerateRequest(text="hi", model="tiny"), UNIMPLEMENTED, "Generate is not wired"),
     ("Gateway", "Abort", c.AbortRequest(), INVALID, "request_id: must be set"),
     ("Gateway", "Abort", c.AbortRequest(request_id="r"), UNIMPLEMENTED, "Abort is not wired"),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cleave.engine.llm import LLM, default_model_path
-from cleave.engine.sampling_params import SamplingParams
+from cleave.generation.sampling_params import SamplingParams
 from cleave.tasks import arithmetic
 
 NUM_PROBLEMS = 10

@@ -61,15 +61,21 @@ async def _run(registration, backend, stub_class) -> Running:
     return Running(server, backend, channel, stub_class(channel))
 
 
-async def start_decode(path: Path, transfer_timeout_s: float = 10.0, **overrides: Any) -> Running:
+async def start_decode(path: Path, transfer_timeout_s: float = 10.0, max_queued_admissions: int = 256,
+                       **overrides: Any) -> Running:
     backend = EngineDecodeBackend(engine_config(path, **overrides), worker_id="decode-0", model_id=MODEL_ID,
-                                  transfer_timeout_s=transfer_timeout_s, internal_token=INTERNAL_TOKEN)
+                                  transfer_timeout_s=transfer_timeout_s, internal_token=INTERNAL_TOKEN,
+                                  max_queued_admissions=max_queued_admissions)
     return await _run(decode_registration(DecodeServicer(backend)), backend, decode_pb2_grpc.DecodeStub)
 
 
-async def start_prefill(path: Path, kvstore: str | None = None, **overrides: Any) -> Running:
+async def start_prefill(path: Path, kvstore: str | None = None, kvstore_min_prefix_tokens: int = 1,
+                        **overrides: Any) -> Running:
+    """A prefill worker; its kvstore use starts at one block (the tests' prompts are a few
+    4-token blocks long)."""
     backend = EnginePrefillBackend(engine_config(path, **overrides), worker_id="prefill-0", model_id=MODEL_ID,
-                                   kvstore_address=kvstore, internal_token=INTERNAL_TOKEN)
+                                   kvstore_address=kvstore, internal_token=INTERNAL_TOKEN,
+                                   kvstore_min_prefix_tokens=kvstore_min_prefix_tokens)
     return await _run(prefill_registration(PrefillServicer(backend, MODEL_ID)), backend, prefill_pb2_grpc.PrefillStub)
 
 

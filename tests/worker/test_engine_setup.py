@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from cleave.config import worker_config
+from cleave.config import SHIPPED_MODEL_DIR, worker_config
 from cleave.engine.config import EngineConfig
-from cleave.engine.memory_budget import InsufficientDeviceMemory
 from cleave.engine.llm import default_model_path
-from cleave.engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
+from cleave.engine.memory_budget import InsufficientDeviceMemory
+from cleave.generation.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
 from cleave.rpc.types import TopLogprobs
 from cleave.rpc.types import TokenLogprob as WireLogprob
 from cleave.worker import DeltaBuilder, engine_config_from_worker, load_engine, top_logprobs_from_engine
@@ -74,7 +74,7 @@ def test_load_engine_turns_a_memory_refusal_into_a_clean_exit(monkeypatch):
 
     monkeypatch.setattr(engine_setup, "LLMEngine", refuse)
     with pytest.raises(SystemExit) as caught:
-        asyncio.run(load_engine(EngineConfig(model="unused", device="cuda")))
+        asyncio.run(load_engine(EngineConfig(model=str(SHIPPED_MODEL_DIR), device="cuda")))  # resolves, then refuses
     assert caught.value.code == "error: cuda:0 has 1.00 GiB free of 80.00 GiB"
 
 

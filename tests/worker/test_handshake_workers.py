@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from cleave.engine.llm import LLM
-from cleave.engine.sampling_params import SamplingParams
+from cleave.generation.sampling_params import SamplingParams
 from cleave.proto.cleave.v1 import common_pb2 as c
 from cleave.proto.cleave.v1 import decode_pb2 as d
 from cleave.proto.cleave.v1 import prefill_pb2 as p

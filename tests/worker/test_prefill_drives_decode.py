@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from cleave.engine.llm import LLM
-from cleave.engine.sampling_params import SamplingParams
+from cleave.generation.sampling_params import SamplingParams
 from cleave.proto.cleave.v1 import common_pb2 as c
 from cleave.proto.cleave.v1 import decode_pb2 as d
 from cleave.proto.cleave.v1 import prefill_pb2 as p
@@ -74,8 +74,34 @@ async def test_one_call_prefills_admits_and_starts(checkpoint, reference):
         await decode.close()
 
 
-async def test_a_full_decode_pool_is_resource_exhausted_and_frees_the_prefill(checkpoint):
+async def test_a_full_decode_pool_queues_the_admission_until_blocks_free(checkpoint):
     decode, prefill = await start_decode(checkpoint), await start_prefill(checkpoint)
+    try:
+        reader = AttachReader(decode.stub)
+        # Another request holds 60 of the decode worker's 64 usable blocks.
+        await decode.stub.Admit(d.AdmitRequest(
+            request_id="hog", prompt_token_ids=[7] * 240, sampling=greedy(1), gateway_id=GATEWAY))
+        waiting = asyncio.ensure_future(prefill.stub.Prefill(
+            request("queued", prompts(1)[0] + [9] * 20, decode.server.address)))  # needs more than the 4 left
+        deadline = asyncio.get_running_loop().time() + 10
+        while decode.backend.admissions.num_waiting == 0:  # the Admit waits for blocks, not refused
+            assert asyncio.get_running_loop().time() < deadline and not waiting.done()
+            await asyncio.sleep(0.01)
+        await decode.stub.Abort(c.AbortRequest(request_id="hog"))
+        result = await asyncio.wait_for(waiting, 10)
+        await reader.wait_finished(["queued"])
+        assert len([*result.first_token_ids, *reader.tokens("queued")]) == MAX_TOKENS
+        assert reader.finish("queued") == c.FINISH_REASON_LENGTH
+        await wait_pool_full(decode.stub)
+        await wait_pool_full(prefill.stub)
+        await reader.cancel()
+    finally:
+        await prefill.close()
+        await decode.close()
+
+
+async def test_a_full_decode_pool_past_the_queue_bound_is_resource_exhausted(checkpoint):
+    decode, prefill = await start_decode(checkpoint, max_queued_admissions=0), await start_prefill(checkpoint)
     try:
         # Another request holds 60 of the decode worker's 64 usable blocks.
         await decode.stub.Admit(d.AdmitRequest(
@@ -83,7 +109,7 @@ async def test_a_full_decode_pool_is_resource_exhausted_and_frees_the_prefill(ch
         with pytest.raises(grpc.aio.AioRpcError) as failed:
             await prefill.stub.Prefill(request("big", prompts(1)[0] + [9] * 20, decode.server.address))
         assert failed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "decode worker" in failed.value.details()
+        assert "decode worker" in failed.value.details() and "--max-queued-admissions" in failed.value.details()
         await decode.stub.Abort(c.AbortRequest(request_id="hog"))
         await wait_pool_full(decode.stub)
         await wait_pool_full(prefill.stub)

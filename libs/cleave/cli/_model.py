@@ -1,27 +1,27 @@
-"""The checkpoint a `cleave` command serves: `--model DIR`, or the shipped reasoner."""
+"""The checkpoint a `cleave` command serves: `--model DIR` or `ORG/NAME[@REVISION]` (a Hugging
+Face Hub id, through `cleave.model.source`), or the shipped reasoner."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from cleave.config import SHIPPED_MODEL_DIR
+from cleave.model.source import ModelNotFound, hub_id, resolve_model_dir
 
-
-class ModelNotFound(Exception):
-    """`--model` names no usable checkpoint directory; the message says which and why."""
+__all__ = ["ModelNotFound", "model_dir", "served_name"]
 
 
 def model_dir(model_arg: str | None) -> Path:
     """The checkpoint directory for `--model` (None: the shipped reasoner); raises
     ModelNotFound with a one-line reason when there is none to load."""
-    if not model_arg:
-        if not (SHIPPED_MODEL_DIR / "config.json").is_file():
-            raise ModelNotFound(f"no --model given and no shipped model in {SHIPPED_MODEL_DIR}")
-        return SHIPPED_MODEL_DIR
-    path = Path(model_arg)
-    if not path.is_dir():
-        raise ModelNotFound(f"--model {model_arg}: no such directory")
-    if not (path / "config.json").is_file():
-        raise ModelNotFound(f"--model {model_arg}: not a checkpoint directory (it has no config.json); give a "
-                            "directory with config.json, the *.safetensors weights and the tokenizer files")
-    return path
+    return resolve_model_dir(model_arg or "", SHIPPED_MODEL_DIR)
+
+
+def served_name(model_arg: str | None, directory: Path) -> str:
+    """The id clients use for a model by default: its Hub id (without the revision), else
+    the directory's name."""
+    if model_arg and not Path(model_arg).expanduser().exists():
+        parsed = hub_id(model_arg)
+        if parsed is not None:
+            return parsed[0]
+    return directory.name

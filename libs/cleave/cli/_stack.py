@@ -1,17 +1,25 @@
 """The cleave stack as local processes: kvstore, prefill worker(s), decode worker(s), gateway.
 
 Each service is `python -m services.<name>` on an ephemeral port it reports through
-`--port-file`; a service counts as up once `grpc.health.v1` says SERVING. Workers start in
-parallel after the kvstore, the gateway last (it routes only to healthy workers). `stop()`
+`--port-file`; a service counts as up once `grpc.health.v1` says SERVING. The gateway's ports
+are checked free before anything starts. Workers start in parallel after the kvstore, the
+gateway last (it routes only to healthy workers). `restart(child)` starts a dead child again
+with the same command on the same address (`cleave.cli._supervisor` decides when). `stop()`
 sends SIGTERM to every child (gateway first), waits for them to drain and kills stragglers.
+Children get SIGTERM from the kernel if the stack's process dies first (`_ownership`).
 Each child's output goes to `<workdir>/<name>.log`; with `StackSpec.trace_dir` each child
 also writes its trace spans to `<trace_dir>/<name>.jsonl` (`bench/hops.py` reads them).
+With `StackSpec.metrics` (on by default) each child serves Prometheus metrics on a port of its
+own (`--metrics-port 0`, reported in `<workdir>/<name>.metrics.port`; gateway replicas too; a
+restarted child gets its port back), and `<workdir>/prometheus-targets.json` lists them for a
+Prometheus `file_sd_configs` entry.
 Every stack makes its own random internal token (`cleave.rpc.auth`) and hands it to each
 child in its environment (CLEAVE_INTERNAL_TOKEN), never on the command line, which `ps` shows.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -24,7 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
 
+from cleave.cli._mps import ACTIVE_THREAD_PERCENTAGE_ENV, MpsDaemon, MpsSetting, MpsUnavailable, wants_mps
 from cleave.cli._memory_split import DEFAULT_GPU_MEMORY_UTILIZATION, MemorySplit, PlacedWorker, memory_shares
+from cleave.cli._ownership import check_ports_free, die_with_parent
 from cleave.cli.health import EXIT_SERVING, check
 from cleave.config import INTERNAL_TOKEN_ENV
 
@@ -54,11 +64,17 @@ class StackSpec:
     # GPU workers on one device split this share of its memory by role weight (_memory_split)
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     gpu_memory_split: MemorySplit = MemorySplit()
+    metrics: bool = True  # each child serves Prometheus metrics on a port of its own
+    # GPU workers sharing one device run under an MPS daemon of the stack's (_mps): auto, on, off
+    mps: MpsSetting = "auto"
+    # under MPS, the share of the SMs a prefill worker may occupy (None: all), so its long
+    # compute-bound kernels leave decode steps SMs to run on (`_mps`)
+    prefill_sm_percent: int | None = None
 
 
 @dataclass
 class Child:
-    """One started service process."""
+    """One started service process (and how to start it again)."""
 
     name: str
     process: subprocess.Popen
@@ -66,6 +82,9 @@ class Child:
     log_path: Path
     log: IO[bytes]
     address: str = ""
+    module: str = ""
+    args: tuple[str, ...] = ()
+    started_at: float = field(default_factory=time.monotonic)
 
     def log_tail(self, num_lines: int = 20) -> str:
         self.log.flush()
@@ -96,6 +115,7 @@ class ProcessStack:
     # the secret the stack's services send each other; a caller of a worker or the kvstore
     # (tests, benchmarks) passes it to `aio_channel(..., internal_token=)`
     internal_token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
+    mps: MpsDaemon | None = None  # the stack's MPS daemon while it runs
 
     @property
     def gateway(self) -> Child:
@@ -110,26 +130,105 @@ class ProcessStack:
         return None if self.http_port is None else f"http://{self.spec.host}:{self.http_port}/v1"
 
     def _spawn(self, name: str, module: str, args: list[str]) -> Child:
+        child = self._launch(name, module, args, open(self.workdir / f"{name}.log", "wb"))
+        self.children.append(child)
+        return child
+
+    def _launch(self, name: str, module: str, args: list[str], log: IO[bytes]) -> Child:
         port_file = self.workdir / f"{name}.port"
         port_file.unlink(missing_ok=True)
         log_path = self.workdir / f"{name}.log"
-        log = open(log_path, "wb")
         command = [sys.executable, "-m", module, "--port-file", str(port_file),
                    "--log-level", self.spec.log_level, "--no-log-json", *args]
         if self.spec.trace_dir is not None:
             command += ["--trace-file", str(self.spec.trace_dir / f"{name}.jsonl")]
+        if self.spec.metrics:
+            # a restarted child keeps its metrics port, so the targets file stays right
+            previous = self.metrics_addresses().get(name)
+            metrics_port = previous.rpartition(":")[2] if previous else "0"
+            metrics_port_file = self.metrics_port_file(name)
+            metrics_port_file.unlink(missing_ok=True)
+            command += ["--metrics-port", metrics_port, "--metrics-port-file", str(metrics_port_file)]
         env = self.child_env(os.environ)
+        if name.startswith("prefill") and self.mps is not None and self.spec.prefill_sm_percent:
+            env[ACTIVE_THREAD_PERCENTAGE_ENV] = str(self.spec.prefill_sm_percent)
         # own session: a terminal's Ctrl-C reaches only `cleave up`, which stops the children in order
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        child = Child(name, process, port_file, log_path, log)
-        self.children.append(child)
-        return child
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                   preexec_fn=die_with_parent())
+        return Child(name, process, port_file, log_path, log, module=module, args=tuple(args))
+
+    def metrics_port_file(self, name: str) -> Path:
+        """Where the child `name` reports its metrics port."""
+        return self.workdir / f"{name}.metrics.port"
+
+    def metrics_addresses(self) -> dict[str, str]:
+        """Child name -> host:port of its /metrics, for the children that reported one (read
+        now: a restarted child reports a new port)."""
+        addresses = {}
+        for child in self.children:
+            path = self.metrics_port_file(child.name)
+            text = path.read_text().strip() if path.is_file() else ""
+            if text:
+                addresses[child.name] = f"{self.spec.host}:{int(text)}"
+        return addresses
+
+    @property
+    def prometheus_targets_file(self) -> Path:
+        return self.workdir / "prometheus-targets.json"
+
+    def write_prometheus_targets(self) -> Path:
+        """Write every child's metrics address as Prometheus file-based service discovery
+        (`file_sd_configs: [{files: [<this file>]}]`), each target labelled with its service
+        name; returns the file."""
+        targets = [{"targets": [address], "labels": {"service": name}}
+                   for name, address in self.metrics_addresses().items()]
+        path = self.prometheus_targets_file
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(targets, indent=2) + "\n")
+        tmp.replace(path)
+        return path
+
+    def restart(self, child: Child) -> Child:
+        """Start an exited child again with its command, listening where it listened (its
+        peers keep the address); its log continues in the same file. Returns the new Child,
+        which replaces the old one in `children`; it reports its port file as it comes up."""
+        assert child.process.poll() is not None, f"{child.name} is still running"
+        args = list(child.args)
+        if child.address and "--listen" in args:
+            args[args.index("--listen") + 1] = child.address
+        child.log.close()
+        log = open(child.log_path, "ab")
+        log.write(f"\n---- {child.name} restarted ----\n".encode())
+        log.flush()
+        restarted = self._launch(child.name, child.module, args, log)
+        restarted.address = child.address
+        self.children[self.children.index(child)] = restarted
+        return restarted
+
+    def is_serving(self, child: Child) -> bool:
+        """Whether a child answers SERVING now (one health check)."""
+        return bool(child.address) and check(child.address, timeout_s=1.0)[0] == EXIT_SERVING
 
     def child_env(self, environ: Mapping[str, str]) -> dict[str, str]:
         """A child's environment: `environ` with this stack's internal token (a token file
         named there would give the children another secret than the stack's)."""
         env = {key: value for key, value in environ.items() if key != f"{INTERNAL_TOKEN_ENV}_FILE"}
-        return {**env, "PYTHONUNBUFFERED": "1", INTERNAL_TOKEN_ENV: self.internal_token}
+        mps = self.mps.env if self.mps is not None else {}
+        return {**env, **mps, "PYTHONUNBUFFERED": "1", INTERNAL_TOKEN_ENV: self.internal_token}
+
+    def _start_mps(self) -> None:
+        """Start the stack's MPS daemon when its GPU workers share a device (`_mps`); with
+        `mps="auto"` a host that cannot run one goes on without it, with a warning."""
+        spec = self.spec
+        num_gpu_workers = sum(1 for placed in self.placed_workers() if placed.device.startswith("cuda"))
+        if not wants_mps(spec.mps, spec.device, num_gpu_workers):
+            return
+        try:
+            self.mps = MpsDaemon.start(self.workdir / "mps", dict(os.environ))
+        except MpsUnavailable as error:
+            if spec.mps == "on":
+                raise
+            print(f"warning: GPU workers share the device without MPS: {error}", file=sys.stderr)
 
     def _wait_healthy(self, children: list[Child], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -199,7 +298,12 @@ class ProcessStack:
         """Start everything and return once the gateway is SERVING (stops all on failure)."""
         spec = self.spec
         self.workdir.mkdir(parents=True, exist_ok=True)
+        ports = [(spec.grpc_port, "gateway gRPC, --grpc-port")]
+        if spec.http_port is not None:
+            ports.append((spec.http_port, "gateway HTTP, --http-port"))
+        check_ports_free(spec.host, ports)
         try:
+            self._start_mps()
             kvstore = self._spawn("kvstore", "services.kvstore", [
                 "--listen", f"{spec.host}:0", "--ram-bytes", str(1024**3), "--grace-seconds", "2"])
             self._wait_healthy([kvstore], timeout_s)
@@ -217,6 +321,8 @@ class ProcessStack:
                                     self._gateway_args(workers, index, gateway.address.rpartition(":")[2]))
                         for index in range(1, spec.num_gateways)]
             self._wait_healthy(replicas, timeout_s)
+            if spec.metrics:
+                self.write_prometheus_targets()
         except BaseException:
             self.stop()
             raise
@@ -238,3 +344,6 @@ class ProcessStack:
                 child.process.kill()
                 child.process.wait()
             child.log.close()
+        if self.mps is not None:  # after its clients: a daemon told to quit waits for them
+            self.mps.stop()
+            self.mps = None

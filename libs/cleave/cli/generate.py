@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     from cleave.engine.llm import LLM
-    from cleave.engine.sampling_params import SamplingParams
+    from cleave.generation.sampling_params import SamplingParams
     from cleave.errors import CleaveError
     engine_kwargs = {"seed": args.seed, "device": args.device, "dtype": args.dtype, "max_model_len": args.max_model_len}
     params = SamplingParams(
@@ -59,7 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "generate", help="generate text in-process with the engine", description=__doc__.splitlines()[0]
     )
     parser.add_argument("prompt", help="prompt text (the chat template is applied unless --raw)")
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: the shipped reasoner)")
+    parser.add_argument("--model", default=None, help="checkpoint directory or Hugging Face Hub id ORG/NAME[@REVISION] "
+                        "(default: the shipped reasoner)")
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens to generate per sample (default 256)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1)")

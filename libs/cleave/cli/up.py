@@ -1,7 +1,10 @@
 """`cleave up`: run the whole stack (kvstore, prefill, decode, gateway) as local processes.
 
 Prints the gateway's gRPC and HTTP addresses once everything is healthy and runs until
-Ctrl-C / SIGTERM, then stops every process. `--demo` sends one arithmetic question through
+Ctrl-C / SIGTERM / SIGHUP (its terminal closed), then stops every process. A child that dies
+meanwhile is restarted on its address with backoff (`_supervisor`); the children die with
+`cleave up` however it ends (`_ownership`), and a closed stdout (`cleave up | tee log` after
+Ctrl-C) never keeps it from stopping them. `--demo` sends one arithmetic question through
 the gRPC gateway, prints the streamed reasoning and the answer, and stops the stack.
 """
 
@@ -24,6 +27,27 @@ DEMO_MAX_TOKENS = 256
 
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+def _say(text: str, file=None) -> None:  # type: ignore[no-untyped-def]
+    """Print one line; a closed pipe (the reader of `cleave up | tee` is gone) silences the
+    rest of the output instead of raising out of the shutdown."""
+    out = file if file is not None else sys.stdout
+    try:
+        print(text, file=out, flush=True)
+    except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
+        _silence(out)
+
+
+def _silence(out) -> None:  # type: ignore[no-untyped-def]
+    """Point a broken stream's descriptor at /dev/null, so the interpreter's last flush
+    does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, out.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 async def demo(address: str, out=sys.stdout, api_key: str | None = None) -> str:  # type: ignore[no-untyped-def]
@@ -56,8 +80,9 @@ async def demo(address: str, out=sys.stdout, api_key: str | None = None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cleave.cli._model import ModelNotFound, model_dir
+    from cleave.cli._model import ModelNotFound, model_dir, served_name
     from cleave.cli._stack import ProcessStack, StackSpec
+    from cleave.cli._supervisor import RestartPolicy, Supervisor
 
     if args.gateways < 1:
         print(f"--gateways must be at least 1, got {args.gateways}", file=sys.stderr)
@@ -70,45 +95,53 @@ def run(args: argparse.Namespace) -> int:
     spec = StackSpec(
         model=model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode, num_gateways=args.gateways,
         grpc_port=args.grpc_port, http_port=None if args.http_port < 0 else args.http_port,
-        device=args.device, num_kv_blocks=args.num_kv_blocks, served_model_name=args.served_model_name or model.name,
+        device=args.device, num_kv_blocks=args.num_kv_blocks, served_model_name=args.served_model_name or served_name(args.model, model),
         host=args.host, store_to_kvstore=args.store_to_kvstore,
         trace_dir=Path(args.trace_dir) if args.trace_dir else None,
         gpu_memory_utilization=args.gpu_memory_utilization, gpu_memory_split=args.gpu_memory_split,
+        metrics=args.metrics, mps=args.mps,
     )
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="cleave-up-"))
     stack = ProcessStack(spec, workdir)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous = {signum: signal.signal(signum, _raise_interrupt) for signum in (signal.SIGTERM, signal.SIGHUP)}
     started = time.monotonic()
     try:
-        print(f"starting cleave ({spec.mode}, model {model.name}, device {spec.device}); logs in {workdir}", flush=True)
+        _say(f"starting cleave ({spec.mode}, model {model.name}, device {spec.device}); logs in {workdir}")
         shares = stack.memory_shares()
         if shares:
             listed = ", ".join(f"{name} {share:g}" for name, share in shares.items())
-            print(f"  GPU memory shares: {listed}", flush=True)
+            _say(f"  GPU memory shares: {listed}")
         stack.start(timeout_s=args.timeout)
-        print(f"cleave is up in {time.monotonic() - started:.1f} s", flush=True)
-        print(f"  gRPC gateway: {stack.gateway_address}", flush=True)
+        _say(f"cleave is up in {time.monotonic() - started:.1f} s")
+        _say(f"  gRPC gateway: {stack.gateway_address}")
         if stack.http_url:
-            print(f"  OpenAI HTTP:  {stack.http_url}", flush=True)
+            _say(f"  OpenAI HTTP:  {stack.http_url}")
+        for name, address in stack.metrics_addresses().items():
+            _say(f"  metrics:      {name} http://{address}/metrics")
+        if spec.metrics:
+            _say(f"  Prometheus targets: {stack.prometheus_targets_file}")
         if args.demo:
             # the gateway inherited CLEAVE_API_KEY, if it is set: the demo sends the same key
             asyncio.run(demo(stack.gateway_address, api_key=os.environ.get(API_KEY_ENV) or None))
             return 0
-        print("press Ctrl-C to stop", flush=True)
-        while not stack.exited():
+        _say("press Ctrl-C to stop")
+        supervisor = Supervisor(stack, RestartPolicy(max_fast_crashes=args.max_fast_crashes),
+                                say=lambda line: _say(line, sys.stderr))
+        while True:
             time.sleep(0.5)
-        for child in stack.exited():
-            print(f"{child.name} exited with code {child.process.returncode}; stopping", file=sys.stderr)
-        return 1
+            supervisor.poll()
     except KeyboardInterrupt:
         return 0
-    except (RuntimeError, TimeoutError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    except (RuntimeError, TimeoutError) as error:  # GaveUp and PortInUse among them
+        _say(f"error: {error}", sys.stderr)
+        return 2 if not stack.children else 1
     finally:
-        print("stopping cleave", flush=True)
-        stack.stop()
-        signal.signal(signal.SIGTERM, previous)
+        try:
+            _say("stopping cleave")
+        finally:
+            stack.stop()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
 
 def _utilization(text: str) -> float:
@@ -128,7 +161,8 @@ def _memory_split(text: str) -> MemorySplit:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("up", help="run kvstore, prefill, decode and gateway locally",
                                    description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: the shipped reasoner)")
+    parser.add_argument("--model", default=None, help="checkpoint directory or Hugging Face Hub id ORG/NAME[@REVISION] "
+                        "(default: the shipped reasoner)")
     parser.add_argument("--mode", choices=("disaggregated", "colocated", "conditional"), default="disaggregated",
                         help="separate prefill and decode workers, or decode workers that prefill too")
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated; default 1)")
@@ -147,12 +181,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--gpu-memory-split", type=_memory_split, default=MemorySplit(), metavar="PREFILL:DECODE",
                         help="how workers sharing a GPU divide that share, by role weight (default 1:2: "
                              "1 prefill + 1 decode get 0.3 and 0.6; 1:1 splits equally)")
+    parser.add_argument("--mps", choices=("auto", "on", "off"), default="auto",
+                        help="run GPU workers that share a device under an NVIDIA MPS daemon of the stack's, so "
+                             "their kernels run side by side instead of in time slices (auto: when two or more "
+                             "workers share the device and nvidia-cuda-mps-control is on PATH)")
     parser.add_argument("--served-model-name", default="", help="model id clients use (default: the model directory's name)")
     parser.add_argument("--store-to-kvstore", action=argparse.BooleanOptionalAction, default=True,
                         help="prefill workers put new prompt blocks into the kvstore (default on; off for an A/B)")
     parser.add_argument("--workdir", default=None, help="port files and logs (default: a temporary directory)")
+    parser.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
+                        help="each process serves Prometheus metrics on a free port of its own, listed in "
+                             "<workdir>/prometheus-targets.json (default on)")
     parser.add_argument("--trace-dir", default=None,
                         help="each service writes its trace spans to <dir>/<name>.jsonl (read them with bench/hops.py)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds each service has to become healthy")
+    parser.add_argument("--max-fast-crashes", type=int, default=5,
+                        help="give up (and stop the stack) after a service crashed this many times in a row, "
+                             "each soon after its start (default 5); dead services are restarted until then")
     parser.add_argument("--demo", action="store_true", help="send one arithmetic question, print, and stop")
     parser.set_defaults(handler=run)

@@ -23,11 +23,11 @@ _EXPORTS = {
     "LLMEngine": "cleave.engine.llm_engine",
     "ModelRunner": "cleave.engine.model_runner",
     "StepStats": "cleave.engine.model_runner",
-    "CompletionOutput": "cleave.engine.outputs",
-    "FinishReason": "cleave.engine.outputs",
-    "RequestOutput": "cleave.engine.outputs",
-    "Usage": "cleave.engine.outputs",
-    "SamplingParams": "cleave.engine.sampling_params",
+    "CompletionOutput": "cleave.generation.outputs",
+    "FinishReason": "cleave.generation.outputs",
+    "RequestOutput": "cleave.generation.outputs",
+    "Usage": "cleave.generation.outputs",
+    "SamplingParams": "cleave.generation.sampling_params",
 }
 
 __all__ = sorted(_EXPORTS)

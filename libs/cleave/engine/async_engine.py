@@ -25,10 +25,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from cleave.engine.llm_engine import LLMEngine, Prompt
-from cleave.engine.outputs import RequestOutput
-from cleave.engine.sampling_params import SamplingParams
 from cleave.engine.step_trace import StepTrace, TraceOrigin
 from cleave.errors import InvalidArgument, Unavailable
+from cleave.generation.outputs import RequestOutput
+from cleave.generation.sampling_params import SamplingParams
 
 T = TypeVar("T")
 

@@ -3,7 +3,7 @@
 A seeded request must sample the same tokens whatever else shares its batch and wherever
 its row sits. Instead of a stateful generator per request, every random number is a pure
 function of (seed, sample index, step, token id): the host mixes the first three into one
-64-bit key per row (`row_key`), and the device hashes the key with every token id in one
+64-bit key per row (`cleave.generation.seed_keys.row_key`), and the device hashes the key with every token id in one
 batched pass of int64 ops (`exponential_noise`). Integer hashing gives the same bits on any
 device; only the final float log may differ by an ulp between CPU and GPU.
 
@@ -18,26 +18,9 @@ import torch
 from cleave.device_copy import tensor_on
 
 _MASK32 = 0xFFFFFFFF
-_MASK64 = 0xFFFFFFFFFFFFFFFF
 # Odd multipliers below 2**31 (see module docstring) for a 32-bit xorshift-multiply mixer.
 _MUL_A = 0x21F0AAAD
 _MUL_B = 0x735A2D97
-
-
-def splitmix64(value: int) -> int:
-    """SplitMix64 finalizer of a Python int (host side, exact 64-bit arithmetic)."""
-    value = (value + 0x9E3779B97F4A7C15) & _MASK64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return value ^ (value >> 31)
-
-
-def row_key(seed: int, sample_index: int, step: int) -> int:
-    """64-bit key of one sampling decision: sample `sample_index` of a request, output
-    position `step`. Negative seeds are taken modulo 2**64."""
-    key = splitmix64(seed & _MASK64)
-    key = splitmix64(key ^ (sample_index & _MASK64))
-    return splitmix64(key ^ (step & _MASK64))
 
 
 def _mix32(values: torch.Tensor) -> torch.Tensor:

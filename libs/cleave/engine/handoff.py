@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cleave.engine.request import RequestState, SampleState
-from cleave.engine.sampling_params import SamplingParams
 from cleave.engine.scheduler import Scheduler
 from cleave.engine.sequence import Sequence, SequenceStatus
 from cleave.errors import InvalidArgument, NotFound
+from cleave.generation.sampling_params import SamplingParams
 from cleave.kv.manager import KVCacheManager
 from cleave.kv.prefix_hash import block_hashes
 

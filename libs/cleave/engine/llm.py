@@ -18,9 +18,10 @@ import torch
 from cleave.config import SHIPPED_MODEL_DIR
 from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cleave.engine.llm_engine import LLMEngine, Prompt
-from cleave.engine.outputs import RequestOutput
 from cleave.engine.request import OutputAccumulator
-from cleave.engine.sampling_params import SamplingParams
+from cleave.generation.outputs import RequestOutput
+from cleave.generation.sampling_params import SamplingParams
+from cleave.model.source import resolve_model_dir
 
 _SCHEDULER_KEYS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "enable_chunked_prefill")
 _CACHE_KEYS = ("block_size", "num_blocks", "enable_prefix_caching", "gpu_memory_utilization")
@@ -35,7 +36,8 @@ def default_model_path() -> Path | None:
 def build_engine_config(model: str | Path, **kwargs: Any) -> EngineConfig:
     """EngineConfig from flat keyword arguments (SchedulerConfig, CacheConfig and
     EngineConfig field names). device defaults to "cuda" when available, else "cpu";
-    dtype to "auto" (the checkpoint's dtype on CUDA, float32 on CPU)."""
+    dtype to "auto" (the checkpoint's dtype on CUDA, float32 on CPU). `model` is a checkpoint
+    directory or a Hugging Face Hub id ORG/NAME[@REVISION] (`cleave.model.source`)."""
     unknown = set(kwargs) - set(_SCHEDULER_KEYS) - set(_CACHE_KEYS) - set(_ENGINE_KEYS)
     if unknown:
         raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
@@ -47,7 +49,7 @@ def build_engine_config(model: str | Path, **kwargs: Any) -> EngineConfig:
     engine_args.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
     engine_args.setdefault("dtype", "auto")
     return EngineConfig(
-        model=str(model),
+        model=str(resolve_model_dir(str(model))),
         scheduler=SchedulerConfig(**scheduler_args),
         cache=CacheConfig(**cache_args),
         **engine_args,

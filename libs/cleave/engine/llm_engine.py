@@ -64,21 +64,22 @@ from cleave.engine.config import EngineConfig
 from cleave.engine.handoff import KVHandoff, end_sample
 from cleave.engine.layer_progress import LayerProgress
 from cleave.engine.model_runner import LaunchedStep, ModelRunner, RunnerOutput, StepStats
-from cleave.engine.outputs import RequestOutput, TokenLogprob
 from cleave.engine.request import RequestState, SampleState
-from cleave.engine.request_builder import Message, Prompt, RequestBuilder, read_reasoning_config
-from cleave.engine.sampling_params import SamplingParams
+from cleave.engine.request_builder import Message, Prompt, RequestBuilder
 from cleave.engine.sampling_tensors import LogitsProcessor
 from cleave.engine.scheduler import Scheduler, SchedulerOutput
 from cleave.engine.sequence import FINISHED_STATUSES, RUNNING, Sequence, SequenceStatus
 from cleave.errors import InvalidArgument
+from cleave.generation.outputs import RequestOutput, TokenLogprob
+from cleave.generation.reasoning import read_reasoning_config
+from cleave.generation.sampling_params import SamplingParams
 from cleave.kv.manager import KVCacheManager
 from cleave.kv.prefix_hash import kv_namespace
 from cleave.model.config import ModelConfig
 from cleave.model.loader import load_model
 from cleave.model.tokenizer import Tokenizer
 
-__all__ = ["LLMEngine", "Message", "Prompt", "read_reasoning_config"]
+__all__ = ["LLMEngine", "Message", "Prompt"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -114,6 +115,8 @@ class LLMEngine:
         self.last_stats = StepStats()
         # step plan -> the LayerProgress of its forward, or None (step thread; see the docstring)
         self.watch_layers: Callable[[SchedulerOutput], LayerProgress | None] | None = None
+        # called on the step thread with each step's `last_stats` (metrics: O(1) per step); None: off
+        self.step_observer: Callable[[StepStats], None] | None = None
 
     # ---- start-up -------------------------------------------------------------------------
 
@@ -278,6 +281,8 @@ class LLMEngine:
         start = time.perf_counter()
         outputs = self._step_overlapped() if self._overlap else self._step_synchronous()
         self.last_stats.wall_s = time.perf_counter() - start
+        if self.step_observer is not None:
+            self.step_observer(self.last_stats)
         return outputs
 
     def _step_synchronous(self) -> list[RequestOutput]:
@@ -349,6 +354,10 @@ class LLMEngine:
 
     def _record(self, output: SchedulerOutput, result: RunnerOutput, advanced: bool) -> None:
         """Tokens of a step into the scheduler (stop checks, frees) and the samples' states."""
+        for chunk in result.prompt_logprobs:  # before the tokens: a finished request is forgotten
+            state = self._requests.get(chunk.seq.request_id)
+            if state is not None and state.add_prompt_logprobs(chunk.first_position, chunk.entries):
+                self._touched[state.request_id] = state
         if result.logprobs is not None:
             self._step_logprobs = {
                 seq.seq_id: logprob for seq, logprob in zip(output.sampled_seqs, result.logprobs) if logprob is not None

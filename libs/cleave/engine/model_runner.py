@@ -42,11 +42,12 @@ from cleave.engine.config import EngineConfig
 from cleave.engine.input_batch import InputBatch, InputBatchBuilder, OutputTokens
 from cleave.engine.layer_progress import LayerProgress
 from cleave.engine.memory_budget import DeviceMemory, kv_blocks_for_share
-from cleave.engine.outputs import TokenLogprob
+from cleave.engine.prompt_logprobs import PromptLogprobChunk, PromptRows, prompt_logprob_rows, score_prompt_rows
 from cleave.engine.sampler import Sampler
-from cleave.engine.sampling_params import SamplingParams
 from cleave.engine.sampling_tensors import LogitsProcessor, SamplingTensors
 from cleave.engine.scheduler import SchedulerOutput
+from cleave.generation.outputs import TokenLogprob
+from cleave.generation.sampling_params import SamplingParams
 from cleave.graphs.runner import CUDAGraphRunner, GraphRunnerConfig
 from cleave.kv.metadata import AttentionMetadata
 from cleave.model.llama import CausalLM, allocate_kv_cache
@@ -102,11 +103,14 @@ class RunnerOutput:
         token_ids: one token per sampled sequence.
         logprobs: per sampled sequence, its TokenLogprob when its request asked for
             logprobs, else None; None as a whole when no row asked.
+        prompt_logprobs: scores of the prompt tokens this step's prefill chunks ran, for the
+            requests that asked (`cleave.engine.prompt_logprobs`).
     """
 
     token_ids: list[int]
     logprobs: list[TokenLogprob | None] | None = None
     stats: StepStats = field(default_factory=StepStats)
+    prompt_logprobs: list[PromptLogprobChunk] = field(default_factory=list)
 
 
 @dataclass
@@ -134,6 +138,7 @@ class LaunchedStep:
     ready: torch.cuda.Event | None
     timing: tuple[torch.cuda.Event, torch.cuda.Event] | None
     stats: StepStats
+    prompt_logprobs: list[PromptLogprobChunk] = field(default_factory=list)  # on the host already
 
 
 class ModelRunner:
@@ -287,7 +292,8 @@ class ModelRunner:
         if self.device_timing:
             timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             timing[0].record()
-        logits, stats.used_graph = self._forward(batch, layer_progress)
+        prompt_rows = prompt_logprob_rows(output, batch.num_tokens)
+        logits, stats.used_graph, prompt_logprobs = self._forward(batch, layer_progress, prompt_rows)
         if layer_progress is not None:
             layer_progress.finish()  # layers that ran without the hook (graph, fused decode path)
         if while_device_runs is not None:
@@ -302,7 +308,7 @@ class ModelRunner:
         if not batch.sampled_seqs:
             if timing is not None:
                 timing[1].record()
-            return LaunchedStep(output, [], None, None, None, self._ready_event(), timing, stats)
+            return LaunchedStep(output, [], None, None, None, self._ready_event(), timing, stats, prompt_logprobs)
         if batch.sample_rows is not None:
             logits = logits.index_select(0, batch.sample_rows)  # [R, V] -> [S, V]
         state = self._sampling_tensors(batch, logits_processors)
@@ -320,7 +326,8 @@ class ModelRunner:
             timing[1].record()
         stats.sample_s = time.perf_counter() - forwarded
         return LaunchedStep(
-            output, batch.sampled_seqs, token_ids, host_token_ids, host_logprobs, self._ready_event(), timing, stats
+            output, batch.sampled_seqs, token_ids, host_token_ids, host_logprobs, self._ready_event(), timing, stats,
+            prompt_logprobs,
         )
 
     def collect(self, launched: LaunchedStep) -> RunnerOutput:
@@ -331,10 +338,10 @@ class ModelRunner:
         if launched.timing is not None:
             stats.device_s = launched.timing[0].elapsed_time(launched.timing[1]) * 1e-3
         if launched.host_token_ids is None:
-            return RunnerOutput([], None, stats)
+            return RunnerOutput([], None, stats, launched.prompt_logprobs)
         token_ids = launched.host_token_ids.tolist()
         logprobs = self._logprobs(launched.sampled_seqs, launched.host_logprobs, token_ids)
-        return RunnerOutput(token_ids, logprobs, stats)
+        return RunnerOutput(token_ids, logprobs, stats, launched.prompt_logprobs)
 
     def _feed_stand_ins(self, batch: InputBatch, previous: LaunchedStep | None) -> None:
         """Replace stand-in input ids by the tokens the previous step sampled (on the device)."""
@@ -361,22 +368,26 @@ class ModelRunner:
         # kv_cache: [L, 2, NB, BS, Hkv, D]; dsts are fresh blocks, never a src of the same step
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
-    def _forward(self, batch: InputBatch, layer_progress: LayerProgress | None = None) -> tuple[torch.Tensor, bool]:
-        """Logits [R, V] float32 of the sampling rows (R = entries that sample)."""
-        if self.graph_runner is not None and batch.is_decode_only:
+    def _forward(
+        self, batch: InputBatch, layer_progress: LayerProgress | None = None, prompt_rows: Seq[PromptRows] = ()
+    ) -> tuple[torch.Tensor, bool, list[PromptLogprobChunk]]:
+        """Logits [R, V] float32 of the sampling rows (R = entries that sample), whether a
+        graph ran, and the scores of `prompt_rows` (eager: they need every hidden row)."""
+        if self.graph_runner is not None and batch.is_decode_only and not prompt_rows:
             bucket = self.graph_runner.bucket_for(batch.num_entries, batch.metadata)
             if bucket is not None:
                 logits = self.graph_runner.run(batch.input_ids, batch.positions, batch.metadata)  # [E, V]
                 if batch.logits_indices is not None:
                     logits = logits.index_select(0, batch.logits_indices)
-                return logits, True
+                return logits, True, []
         if layer_progress is None:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)  # [T, H]
         else:
             hidden = self._forward_reporting_layers(batch, layer_progress)
+        prompt_logprobs = score_prompt_rows(hidden, list(prompt_rows), self.model.compute_logits) if prompt_rows else []
         if batch.logits_indices is not None:
             hidden = hidden.index_select(0, batch.logits_indices)  # [R, H]
-        return self.model.compute_logits(hidden), False
+        return self.model.compute_logits(hidden), False, prompt_logprobs
 
     def _forward_reporting_layers(self, batch: InputBatch, layer_progress: LayerProgress) -> torch.Tensor:
         """The eager forward with `layer_progress.on_layer_done(i)` right after decoder layer

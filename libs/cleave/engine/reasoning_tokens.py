@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from cleave.engine.reasoning import Phase
+from cleave.generation.reasoning import Phase
 
 
 class ReasoningTokenCounter:

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cleave.engine.detokenizer import IncrementalDetokenizer
-from cleave.engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob, Usage
-from cleave.engine.reasoning import ReasoningParser
 from cleave.engine.reasoning_tokens import ReasoningTokenCounter
-from cleave.engine.sampling_params import SamplingParams
 from cleave.engine.sampling_tensors import LogitsProcessor
 from cleave.engine.sequence import Sequence, SequenceStatus
-from cleave.engine.stop import StopChecker, TokenStop
+from cleave.generation.detokenizer import IncrementalDetokenizer
+from cleave.generation.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob, Usage
+from cleave.generation.reasoning import ReasoningParser
+from cleave.generation.sampling_params import SamplingParams
+from cleave.generation.stop import StopChecker, TokenStop
 
 _STATUS_OF_REASON = {
     FinishReason.STOP: SequenceStatus.FINISHED_STOPPED,
@@ -35,16 +35,6 @@ _REASON_OF_STATUS = {
     SequenceStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     SequenceStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
-
-
-@dataclass(frozen=True)
-class ReasoningConfig:
-    """How a reasoning model marks its thinking (from `cleave_config.json`)."""
-
-    start_tag: str = "<think>"
-    end_tag: str = "</think>"
-    starts_in_reasoning: bool = False
-    answer_prefix: str = ""  # forced after a thinking budget cuts the block (e.g. " The answer is")
 
 
 @dataclass(eq=False)
@@ -230,6 +220,9 @@ class RequestState:
     prefill_only: bool = False
     prefill_done: bool = False  # every sample of a prefill-only request drew its first token
     reported_prompt: bool = False
+    # with params.prompt_logprobs: scores of the prompt tokens so far ([None] for the first)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    num_prompt_logprobs_reported: int = 0
 
     # Loops rather than all()/any()/sum() over generators: these run once per request per step.
 
@@ -260,8 +253,34 @@ class RequestState:
             cached_prompt_tokens=min(self.samples[0].seq.num_cached_tokens, num_prompt),
         )
 
+    def add_prompt_logprobs(self, first_position: int, entries: list[TokenLogprob]) -> bool:
+        """Scores of the prompt tokens from `first_position` on; False (and nothing kept)
+        when they are not the next ones (a preempted request re-running its prompt)."""
+        if not self.prompt_logprobs:
+            self.prompt_logprobs.append(None)  # the first prompt token has no score
+        if first_position != len(self.prompt_logprobs):
+            return False
+        self.prompt_logprobs.extend(entries)
+        return True
+
+    def _take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        if self.params.prompt_logprobs is None:
+            return None
+        if not self.prompt_logprobs and len(self.prompt_token_ids) == 1:
+            self.prompt_logprobs.append(None)  # a one-token prompt has nothing to score
+        new = self.prompt_logprobs[self.num_prompt_logprobs_reported :]
+        self.num_prompt_logprobs_reported = len(self.prompt_logprobs)
+        return new
+
     def take_output(self) -> RequestOutput:
         """A delta RequestOutput of every sample with news (the prompt on the first one)."""
+        if self.params.prompt_logprobs is not None:
+            output = self._take_output()
+            output.prompt_logprobs = self._take_prompt_logprobs()
+            return output
+        return self._take_output()
+
+    def _take_output(self) -> RequestOutput:
         samples = self.samples
         if self.reported_prompt:
             prompt = []
@@ -296,12 +315,15 @@ class OutputAccumulator:
         self._reasoning: dict[int, list[str]] = {}
         self.finished = False
         self.usage = Usage()
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, delta: RequestOutput) -> None:
         if delta.prompt_token_ids:
             self.prompt_token_ids = list(delta.prompt_token_ids)
         self.finished = delta.finished
         self.usage = delta.usage
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = (self.prompt_logprobs or []) + list(delta.prompt_logprobs)
         for piece in delta.outputs:
             sample = self._samples.get(piece.index)
             if sample is None:
@@ -332,5 +354,6 @@ class OutputAccumulator:
             finished=self.finished,
             usage=self.usage,
             delta=False,
+            prompt_logprobs=self.prompt_logprobs,
         )
 

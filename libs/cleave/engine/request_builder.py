@@ -8,42 +8,25 @@ its stop checker, a detokenizer (engines that make text) or a reasoning token co
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence as Seq
-from pathlib import Path
 from typing import Any, Union
 
-from cleave.engine.detokenizer import IncrementalDetokenizer
-from cleave.engine.reasoning import ReasoningParser, ThinkingBudget
 from cleave.engine.reasoning_tokens import ReasoningTokenCounter
-from cleave.engine.request import ReasoningConfig, RequestState, SampleState
-from cleave.engine.sampling_params import SamplingParams
+from cleave.engine.request import RequestState, SampleState
 from cleave.engine.sampling_tensors import LogitsProcessor
 from cleave.engine.sequence import Sequence
-from cleave.engine.stop import StopChecker
-from cleave.engine.token_pieces import TokenPieces
+from cleave.engine.thinking_budget import ThinkingBudget
 from cleave.errors import InvalidArgument
+from cleave.generation.detokenizer import IncrementalDetokenizer
+from cleave.generation.reasoning import ReasoningConfig, ReasoningParser
+from cleave.generation.sampling_params import SamplingParams
+from cleave.generation.stop import StopChecker
+from cleave.generation.token_pieces import TokenPieces
 from cleave.model.tokenizer import Tokenizer
 
 Message = dict[str, Any]
 Prompt = Union[str, Seq[int], Seq[Message]]
-
-
-def read_reasoning_config(model_dir: str | Path) -> ReasoningConfig | None:
-    """The `reasoning` section of `cleave_config.json` in the model directory, if any."""
-    path = Path(model_dir) / "cleave_config.json"
-    if not path.is_file():
-        return None
-    section = json.loads(path.read_text(encoding="utf-8")).get("reasoning")
-    if not section:
-        return None
-    return ReasoningConfig(
-        start_tag=section.get("start_tag", "<think>"),
-        end_tag=section.get("end_tag", "</think>"),
-        starts_in_reasoning=bool(section.get("starts_in_reasoning", False)),
-        answer_prefix=section.get("answer_prefix", ""),
-    )
 
 
 class RequestBuilder:

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from cleave.device_copy import tensor_on, to_device
-from cleave.engine.counter_rng import keys_to_tensor, row_key
-from cleave.engine.sampling_params import SamplingParams
+from cleave.engine.counter_rng import keys_to_tensor
+from cleave.generation.sampling_params import SamplingParams
+from cleave.generation.seed_keys import row_key
 
 # processor(output_token_ids, logits_row [V]) -> new logits row [V], or None after editing
 # the row in place.

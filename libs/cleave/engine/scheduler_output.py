@@ -127,4 +127,5 @@ class SchedulerStats:
     num_prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model
     num_decode_tokens: int = 0
     num_prefix_cache_hit_tokens: int = 0
+    num_prefix_cache_query_tokens: int = 0  # tokens of admitted sequences looked up in the prefix cache
     num_preemptions: int = 0

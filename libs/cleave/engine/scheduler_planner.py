@@ -18,6 +18,7 @@ from cleave.engine.scheduler_blocks import SchedulerBlocks
 from cleave.engine.scheduler_output import ScheduledSequence, SchedulerOutput, SchedulerStats
 from cleave.engine.scheduler_queues import SequenceQueues
 from cleave.engine.sequence import Sequence, SequenceStatus
+from cleave.kv.manager import NO_HIT
 
 
 class StepPlanner:
@@ -107,7 +108,9 @@ class StepPlanner:
             group_size = 1 + len(pending_forks.get(seq.seq_id, ()))
             if len(queues.running) + reserved_forks + group_size > config.max_num_seqs:
                 break
-            hit = kv.get_computed_blocks(seq.seq_id, seq.all_token_ids)
+            # prompt logprobs need every prompt position's logits: no prefix-cache hit
+            wants_prompt_logprobs = getattr(seq.sampling_params, "prompt_logprobs", None) is not None
+            hit = NO_HIT if wants_prompt_logprobs else kv.get_computed_blocks(seq.seq_id, seq.all_token_ids)
             num_new = seq.num_tokens - hit.num_computed_tokens
             if num_new > budget:
                 if not config.enable_chunked_prefill:
@@ -119,6 +122,8 @@ class StepPlanner:
             seq.num_computed_tokens = hit.num_computed_tokens
             seq.num_cached_tokens = hit.num_computed_tokens
             self._stats.num_prefix_cache_hit_tokens += hit.num_computed_tokens
+            if kv.enable_prefix_caching:
+                self._stats.num_prefix_cache_query_tokens += seq.num_tokens
             queues.start_running(seq)
             reserved_forks += group_size - 1
             planned[seq.seq_id] = (seq, num_new)

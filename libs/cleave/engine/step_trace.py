@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from opentelemetry.context import Context
 
-from cleave.engine.outputs import RequestOutput
 from cleave.engine.request import RequestState
+from cleave.generation.outputs import RequestOutput
 from cleave.tracing import current_context, record_span
 
 

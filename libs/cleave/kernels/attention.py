@@ -37,9 +37,11 @@ def paged_attention_reference(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each sequence's new tokens over its cached context (GQA); with a
-    `sliding_window` W, the query at position i sees keys i - W + 1 .. i only."""
+    `sliding_window` W, the query at position i sees keys i - W + 1 .. i only; `sinks` adds
+    one logit per query head to each softmax (a sink that takes weight and gives no value)."""
     block_size = kv_cache.shape[2]
     num_q_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
     group = num_q_heads // num_kv_heads
@@ -66,7 +68,11 @@ def paged_attention_reference(
         if sliding_window:
             mask |= k_pos[None, :] <= q_pos[:, None] - sliding_window
         scores.masked_fill_(mask[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            sink_column = sinks.float()[:, None, None].expand(-1, query_len, 1)  # [Hq, Q, 1]
+            probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
     return out
 
@@ -92,15 +98,17 @@ def paged_attention(
     scale: float,
     impl: Impl = "auto",
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention of the batch's new tokens over the paged cache (Triton on CUDA).
 
     A decode-only batch (every query length 1) runs the split-KV decode kernel; any batch
     with a prefill chunk, mixed or not, runs the varlen prefill kernel. `sliding_window`
-    (Mistral's): each query sees only its last W positions.
+    (Mistral's): each query sees only its last W positions. `sinks` [Hq] (gpt-oss): one
+    extra logit per query head in every softmax.
     """
     if not use_triton(query, impl):
-        return paged_attention_reference(query, kv_cache, metadata, scale, sliding_window)
+        return paged_attention_reference(query, kv_cache, metadata, scale, sliding_window, sinks)
     if metadata.is_decode_only:
-        return paged_decode_attention(query, kv_cache, metadata, scale, sliding_window=sliding_window)
-    return paged_prefill_attention(query, kv_cache, metadata, scale, sliding_window=sliding_window)
+        return paged_decode_attention(query, kv_cache, metadata, scale, sliding_window=sliding_window, sinks=sinks)
+    return paged_prefill_attention(query, kv_cache, metadata, scale, sliding_window=sliding_window, sinks=sinks)

@@ -53,3 +53,14 @@ def attend_tile(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_DTYPE: tl.const
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def add_sinks(sinks_ptr, heads, head_valid, m_i, l_i, acc):
+    """Fold one learned logit per query head (attention sinks, gpt-oss) into the softmax:
+    it joins the denominator and contributes no value. (m, l, acc) [M], [M], [M, D] in the
+    log2 domain of `attend_tile`; the sink is in natural-log units, unscaled."""
+    sink = tl.load(sinks_ptr + heads, mask=head_valid, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_new)
+    return m_new, l_i * alpha + tl.exp2(sink - m_new), acc * alpha[:, None]

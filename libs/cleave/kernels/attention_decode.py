@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cleave.kernels.attention_common import LOG2E, attend_tile, dot_settings, kv_tile_pointers
+from cleave.kernels.attention_common import LOG2E, add_sinks, attend_tile, dot_settings, kv_tile_pointers
 from cleave.kernels.dispatch import CachedLauncher
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 from cleave.kernels.row_norm import DeferredRMSNorm, row_inverse_rms, row_norm_args
@@ -141,6 +141,7 @@ def _paged_decode_split_kernel(
     cos_sin_ptr,  # ROTARY: [max_pos, HEAD_DIM] fp32
     slot_mapping_ptr,  # ROTARY: [T] int64, -1 = padding
     norm_src_ptr,  # ROW_NORM: [T, H] residual rows whose inverse RMS scales q, key and value
+    sinks_ptr,  # HAS_SINKS: [Hq] per-head sink logits
     scale_log2,
     stride_q_token,
     stride_q_head,
@@ -179,6 +180,7 @@ def _paged_decode_split_kernel(
     NORM_BLOCK: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
     PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     if HEADS_FIRST:  # grid (KV heads, splits, sequences): a block's heads are read together
         kv_head = tl.program_id(0)
@@ -277,6 +279,8 @@ def _paged_decode_split_kernel(
         m_i, l_i, acc = attend_tile(q, k, v, key_valid[None, :], m_i, l_i, acc, scale_log2, DOT_DTYPE, DOT_PRECISION)
 
     if NUM_SPLITS == 1:
+        if HAS_SINKS:
+            m_i, l_i, acc = add_sinks(sinks_ptr, q_heads, group_valid, m_i, l_i, acc)
         # A padding sequence (seq_len 0) ran no tile: write zeros, not 0/0.
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
@@ -302,8 +306,9 @@ def _paged_decode_split_kernel(
         if finished == num_active - 1:
             tl.debug_barrier()
             _merge_splits(
-                out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, q_token, seq, kv_head, num_q_heads, num_active,
-                stride_o_token, stride_o_head, QUERIES_PER_KV, HEAD_DIM, NUM_SPLITS, BLOCK_Q, BLOCK_S, BLOCK_D,
+                out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, sinks_ptr, q_token, seq, kv_head, num_q_heads,
+                num_active, stride_o_token, stride_o_head, QUERIES_PER_KV, HEAD_DIM, NUM_SPLITS, BLOCK_Q, BLOCK_S,
+                BLOCK_D, HAS_SINKS,
             )
             tl.atomic_xchg(counter, 0)
 
@@ -314,6 +319,7 @@ def _merge_splits(
     part_max_ptr,  # [B, Hq, S] fp32
     part_sum_ptr,  # [B, Hq, S] fp32
     part_acc_ptr,  # [B, Hq, S, D] fp32
+    sinks_ptr,  # HAS_SINKS: [Hq]
     q_token,
     seq,
     kv_head,
@@ -327,6 +333,7 @@ def _merge_splits(
     BLOCK_Q: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """Merge the first `num_active` splits' partials of one KV head's query heads into `out`."""
     group = tl.arange(0, BLOCK_Q)  # [BLOCK_Q]
@@ -356,6 +363,8 @@ def _merge_splits(
         total_sum = total_sum * rescale + tl.sum(part_sum * weights, axis=1)
         total_acc = total_acc * rescale[:, None] + tl.sum(part_acc * weights[:, :, None], axis=1)
         total_max = new_max
+    if HAS_SINKS:
+        total_max, total_sum, total_acc = add_sinks(sinks_ptr, q_heads, group_valid, total_max, total_sum, total_acc)
     # A padding sequence (seq_len 0) ran no tile: write zeros, not 0/0.
     out = total_acc / tl.where(total_sum > 0.0, total_sum, 1.0)[:, None]
     tl.store(
@@ -393,10 +402,12 @@ def paged_decode_attention(
     new_kv: NewKV | None = None,
     prefetch: bool | None = None,
     heads_first: bool | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Split-KV decode attention: every sequence's single new token over its paged context
     (its last `sliding_window` positions only, when given), with programmatic dependent
-    launch where the device has it and `pdl`.
+    launch where the device has it and `pdl`. `sinks` [Hq]: one extra softmax logit per
+    query head with no value (gpt-oss), folded in where the output is normalised.
 
     `num_splits` (a power of two) defaults to `choose_num_splits`; `block_n` is the KV tile;
     `num_stages` None leaves the pipeline depth to triton. With `new_kv` the query and the new
@@ -461,7 +472,7 @@ def paged_decode_attention(
         (query, kv_cache, out, part_max, part_sum, part_acc, counters,
          metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
          new_kv.key, new_kv.value, new_kv.positions, new_kv.cos_sin_cache, new_kv.slot_mapping, norm.source,
-         scale * LOG2E, query.stride(0), query.stride(1),
+         sinks if sinks is not None else query, scale * LOG2E, query.stride(0), query.stride(1),
          kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
          metadata.block_tables.stride(0), out.stride(0), out.stride(1), kv_cache.shape[2], sliding_window or 0,
          new_kv.key.stride(0), new_kv.key.stride(1), new_kv.value.stride(0), new_kv.value.stride(1),
@@ -469,7 +480,7 @@ def paged_decode_attention(
         (queries_per_kv, head_dim, num_splits, bool(sliding_window), max(16, triton.next_power_of_2(queries_per_kv)),
          block_n, block_d, triton.next_power_of_2(queries_per_kv), min(16, num_splits), dot_dtype, precision,
          prefetch, rotary, new_kv.is_neox, norm.enabled, norm.block,
-         heads_first, pdl),
+         heads_first, pdl, sinks is not None),
         num_warps, **launch,
     )
     return out

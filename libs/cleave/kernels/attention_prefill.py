@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cleave.kernels.attention_common import LOG2E, attend_tile, dot_settings, kv_tile_pointers
+from cleave.kernels.attention_common import LOG2E, add_sinks, attend_tile, dot_settings, kv_tile_pointers
 from cleave.kernels.dispatch import CachedLauncher
 from cleave.kv.metadata import AttentionMetadata
 
@@ -29,6 +29,7 @@ def _paged_prefill_kernel(
     query_start_loc_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32
     block_tables_ptr,  # [B, max_blocks_per_seq] int32
+    sinks_ptr,  # HAS_SINKS: [Hq] fp32 per-head sink logits
     scale_log2,  # softmax scale * log2(e)
     stride_q_token,
     stride_q_head,
@@ -44,6 +45,7 @@ def _paged_prefill_kernel(
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SLIDING: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -96,6 +98,9 @@ def _paged_prefill_kernel(
             visible = visible & (keys_pos[None, :] > q_pos[:, None] - window)
         m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_DTYPE, DOT_PRECISION)
 
+    if HAS_SINKS:
+        heads = q_head + tl.zeros([BLOCK_M], dtype=tl.int32)
+        m_i, l_i, acc = add_sinks(sinks_ptr, heads, row_valid, m_i, l_i, acc)
     # A padding sequence (seq_len 0) sees no key: write zeros, not 0/0.
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -117,9 +122,11 @@ def paged_prefill_attention(
     block_m: int = 64,
     block_n: int = 64,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq] fp32
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal varlen attention of every sequence's new tokens over its paged context
-    (only the last `sliding_window` positions of it per query, when given)."""
+    (only the last `sliding_window` positions of it per query, when given; `sinks`: one
+    extra softmax logit per query head, with no value)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     if num_q_heads % num_kv_heads:
@@ -136,10 +143,11 @@ def paged_prefill_attention(
     _prefill_launcher(
         grid,
         (query, kv_cache, out, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+         sinks if sinks is not None else query,
          scale * LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
          kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
          metadata.block_tables.stride(0), kv_cache.shape[2], sliding_window or 0),
-        (queries_per_kv, head_dim, bool(sliding_window), block_m, block_n,
+        (queries_per_kv, head_dim, bool(sliding_window), sinks is not None, block_m, block_n,
          max(16, triton.next_power_of_2(head_dim)), dot_dtype, precision),
         4,
     )

@@ -13,17 +13,23 @@ from typing import Any
 
 import torch
 
+from cleave.model.text_config import TextConfig
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "GptOssForCausalLM",
 )
 
 # Architectures whose q/k/v projections always carry a bias (Qwen2 has no config flag for it).
 _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
 # Architectures that RMS-normalise every q and k head before rotary.
-_QK_NORM = {"Qwen3ForCausalLM"}
+_QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
+# Quantised checkpoints cleave can load, per architecture (weights dequantised at load).
+_QUANTIZATIONS = {"GptOssForCausalLM": ("mxfp4",)}
 
 _DTYPES = {
     "float32": torch.float32,
@@ -42,7 +48,16 @@ class ModelConfig:
     (`linear` or `llama3`) and that type's parameters. `eos_token_ids` holds every id the
     config names as end-of-sequence (HF allows a single id or a list). `sliding_window` W
     (Mistral's; Qwen's only with use_sliding_window) limits each query to its last W
-    positions in every layer; the KV blocks behind the window are still kept.
+    positions in every layer, or only in the layers `layer_types` marks
+    "sliding_attention" (gpt-oss); the KV blocks behind the window are still kept.
+
+    Mixture-of-experts models (Qwen3-MoE, gpt-oss) set `num_experts` > 0: the layers in
+    `moe_layers` replace the dense MLP with a router over `num_experts` experts of width
+    `moe_intermediate_size`, `num_experts_per_tok` of them per token, their weights
+    renormalised to sum to one when `norm_topk_prob`. gpt-oss adds biases (`o_proj_bias`,
+    `router_bias`, `expert_bias`), a clamped SwiGLU (`swiglu_limit`, `swiglu_alpha`), and
+    per-head attention sinks; `quantization` names the format its expert weights are stored
+    in ("mxfp4"), dequantised at load.
     """
 
     architecture: str
@@ -64,6 +79,19 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -76,6 +104,25 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types names {len(self.layer_types)} layers, the model has {self.num_hidden_layers}"
+            )
+        if self.moe_layers and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})"
+            )
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: full attention)."""
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
 
     @property
     def q_size(self) -> int:
@@ -111,17 +158,23 @@ class ModelConfig:
             raise ValueError(f"{architecture} with mlp_bias=True is not supported")
         num_heads = raw["num_attention_heads"]
         rope_theta, rope_scaling = _read_rope(raw)
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        text = TextConfig.from_dict(raw)
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
         if dtype_name not in _DTYPES:
             raise ValueError(f"unsupported dtype {dtype_name!r} in config.json")
         sliding_window = raw.get("sliding_window")
         if architecture.startswith("Qwen") and not raw.get("use_sliding_window", False):
             sliding_window = None
+        layer_types = None
+        if architecture == "GptOssForCausalLM":  # transformers' default: sliding, full, sliding, ...
+            layer_types = raw.get("layer_types") or [
+                "sliding_attention" if (index + 1) % 2 else "full_attention"
+                for index in range(raw["num_hidden_layers"])
+            ]
         return cls(
+            **_read_moe(architecture, raw),
             architecture=architecture,
-            vocab_size=raw["vocab_size"],
+            vocab_size=text.vocab_size,
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
             num_hidden_layers=raw["num_hidden_layers"],
@@ -131,15 +184,55 @@ class ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            max_position_embeddings=text.max_position_embeddings,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=architecture in _ALWAYS_QKV_BIAS or bool(raw.get("attention_bias", False)),
             qk_norm=architecture in _QK_NORM,
             dtype=_DTYPES[dtype_name],
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            bos_token_id=text.bos_token_id,
+            eos_token_ids=text.eos_token_ids,
             sliding_window=sliding_window,
+            layer_types=tuple(layer_types) if layer_types else None,
         )
+
+
+def _read_moe(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts and gpt-oss fields of `ModelConfig` (none for dense models),
+    after refusing any quantisation the architecture cannot load."""
+    quantization = raw.get("quantization_config")
+    method = None
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        supported = _QUANTIZATIONS.get(architecture, ())
+        if method not in supported:
+            raise ValueError(
+                f"{architecture} with quantization_config quant_method={method!r} is not supported"
+                + (f" (supported: {', '.join(supported)})" if supported else "; use an unquantised checkpoint")
+            )
+    num_layers = raw["num_hidden_layers"]
+    if architecture == "Qwen3MoeForCausalLM":
+        num_experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
+        step = raw.get("decoder_sparse_step", 1) or 1
+        dense_only = set(raw.get("mlp_only_layers") or ())
+        moe_layers = tuple(
+            index for index in range(num_layers)
+            if num_experts > 0 and index not in dense_only and (index + 1) % step == 0
+        )
+        return dict(
+            num_experts=num_experts, num_experts_per_tok=raw.get("num_experts_per_tok", 0),
+            moe_intermediate_size=raw.get("moe_intermediate_size", 0),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)), moe_layers=moe_layers,
+        )
+    if architecture == "GptOssForCausalLM":
+        return dict(
+            num_experts=raw["num_local_experts"], num_experts_per_tok=raw["num_experts_per_tok"],
+            moe_intermediate_size=raw["intermediate_size"], norm_topk_prob=True,
+            moe_layers=tuple(range(num_layers)), attention_sinks=True,
+            o_proj_bias=bool(raw.get("attention_bias", True)), router_bias=True, expert_bias=True,
+            swiglu_limit=float(raw.get("swiglu_limit", 7.0)), swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+            quantization=method,
+        )
+    return {}
 
 
 def _read_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

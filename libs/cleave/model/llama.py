@@ -1,9 +1,12 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flattened, paged batch.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, gpt-oss) over a flattened, paged batch.
 
 The batch has no batch dimension: `input_ids` and `positions` are `[T]`, the new tokens of
 every sequence concatenated; `AttentionMetadata` says which tokens belong to which sequence
 and where their K/V live in the paged cache. Architecture differences are config flags:
-q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied embeddings, rope scaling.
+q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied embeddings, rope scaling, sparse
+MoE blocks in place of the MLP (`cleave.model.moe`), o_proj bias, per-layer sliding windows
+and attention sinks (gpt-oss). The fused decode layouts below are for dense layers without
+sinks or an o_proj bias; other models run the unfused layers on every batch.
 
 q/k/v are one `qkv_proj` Linear and gate/up one `gate_up_proj` Linear (the loader fuses the
 HF tensors), so each projection is one GEMM. The forward does no host syncs, so it can be
@@ -37,6 +40,7 @@ from cleave.kernels.row_norm import DeferredRMSNorm
 from cleave.kernels.small_linear import small_linear
 from cleave.kv.metadata import AttentionMetadata
 from cleave.model.config import ModelConfig
+from cleave.model.moe import SparseMoeBlock
 from cleave.model.rope import build_cos_sin_cache
 
 # Batches of up to this many tokens run the fused decode-batch GEMV path by default (see
@@ -63,22 +67,24 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with rotary positions over one layer's paged KV cache."""
+    """Grouped-query self-attention with rotary positions over one layer's paged KV cache;
+    with `sinks` [Hq] (gpt-oss), one learned logit per head joins every softmax."""
 
-    def __init__(self, config: ModelConfig, impl: Impl = "auto") -> None:
+    def __init__(self, config: ModelConfig, impl: Impl = "auto", layer: int = 0) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = self.head_dim**-0.5
-        self.sliding_window = config.sliding_window
+        self.sliding_window = config.layer_sliding_window(layer)
         self.impl: Impl = impl
         self.attention_impl: Impl = impl  # KV write + paged attention; see compiled.py
         # decode-only batches: rotary + KV write inside the decode attention kernel (one launch)
         self.rotary_in_decode_attention = True
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, impl) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, impl) if config.qk_norm else None
 
@@ -112,7 +118,8 @@ class Attention(nn.Module):
                                    self.num_heads, self.num_kv_heads, self.head_dim, is_neox=True)
             qkv = small_linear(residual, self.qkv_proj.weight, norm_weight=norm.weight, eps=norm.eps, rotary=rotary)
             q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
-            out = paged_attention(q, kv_cache, metadata, self.scale, impl="triton", sliding_window=self.sliding_window)
+            out = paged_attention(q, kv_cache, metadata, self.scale, impl="triton", sliding_window=self.sliding_window,
+                                  sinks=self.sinks)
             out = out.reshape(num_tokens, self.q_size)
         else:
             qkv = small_linear(residual, self.qkv_proj.weight, norm_weight=norm.weight, eps=norm.eps,
@@ -141,7 +148,7 @@ class Attention(nn.Module):
             row_norm=DeferredRMSNorm(residual, norm_eps),
         )
         out = paged_decode_attention(q.view(num_tokens, self.num_heads, self.head_dim), kv_cache, metadata,
-                                     self.scale, sliding_window=self.sliding_window, new_kv=new_kv)
+                                     self.scale, sliding_window=self.sliding_window, new_kv=new_kv, sinks=self.sinks)
         residual.addmm_(out.view(num_tokens, self.q_size), self.o_proj.weight.t())
 
     def _attend(
@@ -164,12 +171,12 @@ class Attention(nn.Module):
             # one kernel rotates q and k and writes k and v into the cache
             out = _fused_rotary_attention(
                 q, k, v, positions, cos_sin_cache, kv_cache, metadata, self.scale, self.sliding_window,
-                self.rotary_in_decode_attention,
+                self.rotary_in_decode_attention, self.sinks,
             )
         else:
             apply_rotary(q, k, positions, cos_sin_cache, is_neox=True, impl=self.impl)
             out = _cached_attention(
-                q, k, v, kv_cache, metadata, self.scale, self.attention_impl, self.sliding_window
+                q, k, v, kv_cache, metadata, self.scale, self.attention_impl, self.sliding_window, self.sinks
             )  # [T, Hq, D]
         return out.reshape(num_tokens, self.q_size)
 
@@ -184,11 +191,12 @@ def _cached_attention(
     scale: float,
     impl: Impl,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]
 ) -> torch.Tensor:  # [T, Hq, D]
     # Kept out of torch.compile graphs: the Triton kernels are opaque to Dynamo and the torch
     # reference walks the batch on the host (.tolist()), so graphs split cleanly around it.
     write_kv(k, v, kv_cache, metadata.slot_mapping, impl=impl)
-    return paged_attention(q, kv_cache, metadata, scale, impl=impl, sliding_window=sliding_window)
+    return paged_attention(q, kv_cache, metadata, scale, impl=impl, sliding_window=sliding_window, sinks=sinks)
 
 
 @torch.compiler.disable
@@ -203,13 +211,15 @@ def _fused_rotary_attention(
     scale: float,
     sliding_window: int | None = None,
     in_decode_kernel: bool = True,
+    sinks: torch.Tensor | None = None,  # [Hq]
 ) -> torch.Tensor:  # [T, Hq, D]
     if in_decode_kernel and metadata.is_decode_only and cos_sin_cache.shape[-1] == q.shape[-1]:
         # one launch: the decode kernel rotates q and k and writes k and v itself
         new_kv = NewKV(k, v, positions, cos_sin_cache, metadata.slot_mapping, is_neox=True)
-        return paged_decode_attention(q, kv_cache, metadata, scale, sliding_window=sliding_window, new_kv=new_kv)
+        return paged_decode_attention(q, kv_cache, metadata, scale, sliding_window=sliding_window, new_kv=new_kv,
+                                      sinks=sinks)
     rotary_write_kv(q, k, v, positions, cos_sin_cache, kv_cache, metadata.slot_mapping, is_neox=True, impl="triton")
-    return paged_attention(q, kv_cache, metadata, scale, impl="triton", sliding_window=sliding_window)
+    return paged_attention(q, kv_cache, metadata, scale, impl="triton", sliding_window=sliding_window, sinks=sinks)
 
 
 class MLP(nn.Module):
@@ -242,12 +252,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); residual adds fused into the norms."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); residual adds fused into the norms.
+    The mlp is a `SparseMoeBlock` in the config's `moe_layers`."""
 
-    def __init__(self, config: ModelConfig, impl: Impl = "auto") -> None:
+    def __init__(self, config: ModelConfig, impl: Impl = "auto", layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(config, impl)
-        self.mlp = MLP(config, impl)
+        self.self_attn = Attention(config, impl, layer)
+        is_sparse = layer in config.moe_layers
+        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(config, impl) if is_sparse else MLP(config, impl)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl)
 
@@ -313,12 +325,14 @@ class CausalLM(nn.Module):
         self.config = config
         self.impl: Impl = impl
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, impl) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, impl, index) for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.decode_gemv_max_tokens = DECODE_GEMV_MAX_TOKENS  # <= small_linear.MAX_ROWS
         self.norms_folded = False  # set by fold_norm_weights
         self.deferred_norm_decode = True  # larger decode batches apply folded norms in kernels
+        # the fused decode layouts fold norms into dense projections and drop o_proj biases
+        self.has_fused_decode_layouts = not (config.is_moe or config.attention_sinks or config.o_proj_bias)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         cache = self._build_cos_sin_cache(self.embed_tokens.weight.device)
@@ -351,8 +365,8 @@ class CausalLM(nn.Module):
         weights. The model computes the same function, the folded weights rounded once to
         their dtype; decode batches on GEMMs then need no norm kernels (see the module
         docstring). The final norm is kept (lm_head may be tied to the embeddings).
-        Idempotent."""
-        if self.norms_folded:
+        Idempotent; a model without the fused decode layouts (MoE, sinks) is left as it is."""
+        if self.norms_folded or not self.has_fused_decode_layouts:
             return self
         for layer in self.layers:
             for norm, projection in (
@@ -403,6 +417,7 @@ class CausalLM(nn.Module):
         forced), 1..decode_gemv_max_tokens tokens, no qkv bias."""
         return (
             0 < hidden.shape[0] <= self.decode_gemv_max_tokens
+            and self.has_fused_decode_layouts
             and not self.config.attention_bias
             and use_triton(hidden, self.impl)
             and use_triton(hidden, self.layers[0].self_attn.attention_impl)
@@ -417,6 +432,7 @@ class CausalLM(nn.Module):
         attention = self.layers[0].self_attn if self.layers else None
         return (
             self.norms_folded
+            and self.has_fused_decode_layouts
             and self.deferred_norm_decode
             and attention is not None
             and attention.rotary_in_decode_attention

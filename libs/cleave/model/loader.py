@@ -5,6 +5,12 @@ every checkpoint tensor is read straight onto that device and copied into its pa
 its rows of a fused `qkv_proj` / `gate_up_proj`), so peak memory is the model plus one tensor.
 Every parameter row must be written exactly once: missing, unexpected and misshapen tensors
 fail with the file and tensor named.
+
+MoE experts are stacked per layer (`cleave.model.moe`): Qwen3-MoE's per-expert gate/up/down
+tensors fill one expert's rows each; gpt-oss's stacked `gate_up_proj` [E, H, 2I] (gate and
+up interleaved column by column) and `down_proj` [E, I, H] are de-interleaved and
+transposed. gpt-oss's MXFP4 experts (`*_blocks` + `*_scales`) are dequantised as they load
+(`cleave.model.mxfp4`).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from safetensors import safe_open
 from cleave.kernels.dispatch import Impl
 from cleave.model.config import ModelConfig
 from cleave.model.llama import CausalLM
+from cleave.model.mxfp4 import dequantize_mxfp4
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -35,11 +42,20 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class _Target:
-    """Where one HF tensor goes: a parameter, and for fused weights its row range."""
+    """Where one HF tensor goes: a parameter, for stacked experts one expert's slice, for
+    fused weights its row range; `layout` says how the HF tensor is rearranged first
+    ("transposed": last two dims swapped; "interleaved": gate/up alternate along the last
+    dim, de-interleaved to [gate | up]; "interleaved_transposed": both)."""
 
     param_name: str
     row_start: int | None = None
     row_end: int | None = None
+    expert: int | None = None
+    layout: str | None = None
+
+    @property
+    def key(self) -> tuple[str, int | None, int | None]:
+        return (self.param_name, self.expert, self.row_start)
 
 
 def _fused_targets(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
@@ -54,6 +70,15 @@ def _fused_targets(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
     }
 
 
+# gpt-oss's stacked expert tensors: HF name suffix -> (parameter, layout)
+_GPT_OSS_EXPERTS = {
+    "gate_up_proj": ("w13", "interleaved_transposed"),
+    "gate_up_proj_bias": ("w13_bias", "interleaved"),
+    "down_proj": ("w2", "transposed"),
+    "down_proj_bias": ("w2_bias", None),
+}
+
+
 def map_hf_name(hf_name: str, config: ModelConfig) -> _Target:
     """Where an HF tensor name goes in `CausalLM` (the parameter may not exist)."""
     name = hf_name.removeprefix("model.")
@@ -62,7 +87,41 @@ def map_hf_name(hf_name: str, config: ModelConfig) -> _Target:
         layer, projection, kind = match.groups()
         fused, start, end = _fused_targets(config)[projection]
         return _Target(f"{layer}.{fused}.{kind}", start, end)
+    match = re.fullmatch(r"(layers\.\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", name)
+    if match:  # Qwen3-MoE, one expert's projection
+        layer, expert, projection = match.groups()
+        inter = config.moe_intermediate_size
+        if projection == "down":
+            return _Target(f"{layer}.mlp.experts.w2", expert=int(expert))
+        start = 0 if projection == "gate" else inter
+        return _Target(f"{layer}.mlp.experts.w13", start, start + inter, expert=int(expert))
+    match = re.fullmatch(r"(layers\.\d+)\.mlp\.experts\.((?:gate_up|down)_proj(?:_bias)?)", name)
+    if match:
+        layer, tensor = match.groups()
+        if config.architecture == "GptOssForCausalLM":
+            param, layout = _GPT_OSS_EXPERTS[tensor]
+            return _Target(f"{layer}.mlp.experts.{param}", layout=layout)
+        # stacked like the model's (transformers' in-memory Qwen3-MoE layout)
+        return _Target(f"{layer}.mlp.experts.{'w13' if tensor == 'gate_up_proj' else 'w2'}")
+    match = re.fullmatch(r"(layers\.\d+)\.mlp\.gate\.weight", name)
+    if match and config.is_moe:  # Qwen3-MoE's router
+        return _Target(f"{match.group(1)}.mlp.router.weight")
     return _Target(name)
+
+
+def _hf_name(param_name: str, config: ModelConfig) -> str:
+    """The HF tensor that fills a whole (unsplit) parameter, for error messages."""
+    if param_name == "lm_head.weight":
+        return param_name
+    match = re.fullmatch(r"(layers\.\d+)\.mlp\.(router|experts)\.(\w+)", param_name)
+    if match:
+        layer, part, leaf = match.groups()
+        if part == "router":
+            router = "router" if config.architecture == "GptOssForCausalLM" else "gate"
+            return f"model.{layer}.mlp.{router}.{leaf}"
+        hf_leaf = {param: suffix for suffix, (param, _) in _GPT_OSS_EXPERTS.items()}[leaf]
+        return f"model.{layer}.mlp.experts.{hf_leaf}"
+    return f"model.{param_name}"
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -99,13 +158,15 @@ class HFWeightFiller:
     """Copies HF-named tensors into a `CausalLM`, checking that each slice is written once.
 
     `fill(name, tensor, source)` places one tensor (`source` names its file in errors);
-    `finish(what)` raises if any parameter slice was never written.
+    `finish(what)` raises if any parameter slice was never written. An MXFP4 pair
+    (`X_blocks`, `X_scales`) is held until both halves have arrived, then dequantised into X.
     """
 
     def __init__(self, model: CausalLM) -> None:
         self.config = model.config
         self.params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
         self.pending = _expected_rows(model, self.config)
+        self.quantized_halves: dict[str, torch.Tensor] = {}  # "X_blocks" / "X_scales" awaiting the other
 
     def wants(self, hf_name: str) -> bool:
         """False for tensors the model recomputes or ignores (rotary tables, a tied head)."""
@@ -115,16 +176,31 @@ class HFWeightFiller:
         return not (self.config.tie_word_embeddings and map_hf_name(hf_name, self.config).param_name == "lm_head.weight")
 
     def fill(self, hf_name: str, tensor: torch.Tensor, source: str) -> None:
+        if hf_name.endswith(("_blocks", "_scales")) and self.config.quantization == "mxfp4":
+            base, half = hf_name.rsplit("_", 1)
+            other = f"{base}_{'scales' if half == 'blocks' else 'blocks'}"
+            if other not in self.quantized_halves:
+                self.quantized_halves[hf_name] = tensor
+                return
+            pair = {half: tensor, other.rsplit("_", 1)[1]: self.quantized_halves.pop(other)}
+            param = self.params.get(map_hf_name(base, self.config).param_name)
+            dtype = param.dtype if param is not None else torch.bfloat16
+            # [E, out, in] as stored; HF's stacked gpt-oss tensors are [E, in, out]
+            tensor = dequantize_mxfp4(pair["blocks"], pair["scales"], dtype).transpose(-1, -2)
+            hf_name = base
         target = map_hf_name(hf_name, self.config)
         if target.param_name not in self.params:
             raise CheckpointError(f"{source}: unexpected tensor {hf_name!r} for {self.config.architecture}")
-        key = (target.param_name, target.row_start)
-        if key not in self.pending:
+        if target.key not in self.pending:
             raise CheckpointError(f"{source}: tensor {hf_name!r} appears more than once")
         _copy_tensor(tensor, self.params[target.param_name], target, hf_name, source)
-        self.pending.pop(key)
+        self.pending.pop(target.key)
 
     def finish(self, what: str) -> None:
+        if self.quantized_halves:
+            raise CheckpointError(
+                f"{what} has MXFP4 tensors without their other half: {', '.join(sorted(self.quantized_halves))}"
+            )
         if self.pending:
             missing = sorted(self.pending.values())
             raise CheckpointError(
@@ -170,24 +246,51 @@ def load_hf_state_dict(model: CausalLM, state_dict: Mapping[str, torch.Tensor]) 
     return model.eval()
 
 
-def _expected_rows(model: CausalLM, config: ModelConfig) -> dict[tuple[str, int | None], str]:
-    """(parameter, first row) -> HF tensor name, for every slice the checkpoint must supply."""
+def _expected_rows(model: CausalLM, config: ModelConfig) -> dict[tuple[str, int | None, int | None], str]:
+    """(parameter, expert, first row) -> HF tensor name, for every slice the checkpoint must
+    supply (Qwen3-MoE's experts one expert's gate, up and down at a time)."""
     fused = _fused_targets(config)
-    expected: dict[tuple[str, int | None], str] = {}
+    expected: dict[tuple[str, int | None, int | None], str] = {}
+    per_expert = config.architecture == "Qwen3MoeForCausalLM"
     for name, _ in model.named_parameters():
+        experts = re.fullmatch(r"(layers\.\d+)\.mlp\.experts\.(w13|w2)", name)
+        if experts is not None and per_expert:
+            layer, param = experts.groups()
+            for expert in range(config.num_experts):
+                prefix = f"model.{layer}.mlp.experts.{expert}"
+                if param == "w2":
+                    expected[(name, expert, None)] = f"{prefix}.down_proj.weight"
+                else:
+                    expected[(name, expert, 0)] = f"{prefix}.gate_proj.weight"
+                    expected[(name, expert, config.moe_intermediate_size)] = f"{prefix}.up_proj.weight"
+            continue
         parts = re.fullmatch(r"(layers\.\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)", name)
         if parts is None:
-            expected[(name, None)] = f"model.{name}" if name != "lm_head.weight" else name
+            expected[(name, None, None)] = _hf_name(name, config)
             continue
         layer, fused_name, kind = parts.groups()
         for hf_projection, (target, start, _) in fused.items():
             if target == fused_name:
-                expected[(name, start)] = f"model.{layer}.{hf_projection}.{kind}"
+                expected[(name, None, start)] = f"model.{layer}.{hf_projection}.{kind}"
     return expected
 
 
+def _rearranged(tensor: torch.Tensor, layout: str | None) -> torch.Tensor:
+    """An HF expert tensor in the model's layout (see `_Target`)."""
+    if layout in ("transposed", "interleaved_transposed"):
+        tensor = tensor.transpose(-1, -2)  # [E, in, out] -> [E, out, in]
+    if layout == "interleaved_transposed":
+        return torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)  # rows: gate, up, gate, ... -> [gate | up]
+    if layout == "interleaved":
+        return torch.cat((tensor[..., 0::2], tensor[..., 1::2]), dim=-1)
+    return tensor
+
+
 def _copy_tensor(tensor: torch.Tensor, param: torch.Tensor, target: _Target, hf_name: str, source: str) -> None:
-    destination = param if target.row_start is None else param[target.row_start : target.row_end]
+    tensor = _rearranged(tensor, target.layout)
+    destination = param if target.expert is None else param[target.expert]
+    if target.row_start is not None:
+        destination = destination[target.row_start : target.row_end]
     if tensor.shape != destination.shape:
         raise CheckpointError(
             f"{source}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "

@@ -8,6 +8,7 @@ from cleave.rpc.client import aio_channel, channel_options
 from cleave.rpc.errors import ERROR_DETAIL_KEY, RETRY_AFTER_KEY, error_detail, map_exception
 from cleave.rpc.interceptor import REQUEST_ID_KEY, RequestInterceptor, current_request_id
 from cleave.rpc.server import (
+    Drainable,
     Lifecycle,
     Readiness,
     Server,
@@ -18,6 +19,7 @@ from cleave.rpc.server import (
 )
 
 __all__ = [
+    "Drainable",
     "ERROR_DETAIL_KEY",
     "REQUEST_ID_KEY",
     "RETRY_AFTER_KEY",

@@ -13,9 +13,9 @@ from collections.abc import Iterable, Sequence
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from cleave.engine.outputs import FinishReason
-from cleave.engine.sampling_params import SamplingParams
 from cleave.errors import InvalidArgument
+from cleave.generation.outputs import FinishReason
+from cleave.generation.sampling_params import SamplingParams
 from cleave.proto.cleave.v1 import common_pb2
 from cleave.rpc import types
 from cleave.rpc.errors import error_code_for
@@ -91,8 +91,10 @@ def sampling_from_proto(
     if n > MAX_SAMPLES:
         raise InvalidArgument(f"at most {MAX_SAMPLES} samples per request", field=f"{field}.n")
     logprobs = _optional(message, "logprobs")
-    if logprobs is not None and logprobs > MAX_LOGPROBS:
-        raise InvalidArgument(f"at most {MAX_LOGPROBS} top logprobs", field=f"{field}.logprobs")
+    prompt_logprobs = _optional(message, "prompt_logprobs")
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and value > MAX_LOGPROBS:
+            raise InvalidArgument(f"at most {MAX_LOGPROBS} top logprobs", field=f"{field}.{name}")
     repetition_penalty = _optional(message, "repetition_penalty")
     if repetition_penalty is not None:
         _check_finite(repetition_penalty, f"{field}.repetition_penalty")
@@ -123,6 +125,7 @@ def sampling_from_proto(
         ),
         n=n,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
         frequency_penalty=message.frequency_penalty,
         presence_penalty=message.presence_penalty,
@@ -164,7 +167,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         ignore_eos=params.ignore_eos,
         skip_special_tokens=params.skip_special_tokens,
     )
-    for name in ("seed", "logprobs"):
+    for name in ("seed", "logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None:
             setattr(message, name, value)

@@ -1,8 +1,11 @@
 """`serve()`: the one way every cleave service runs its gRPC server.
 
 A served process goes through NOT_SERVING (bound, loading) -> SERVING (`set_ready()`) ->
-NOT_SERVING (draining, on SIGTERM/SIGINT or `drain()`) -> stopped, after in-flight calls got
-`grace_seconds` to finish. Health is reported per service name and overall (""), so load
+NOT_SERVING (draining, on SIGTERM/SIGINT or `drain()`) -> stopped. A service with a `Drainable`
+backend drains for real: health says NOT_SERVING at once, the backend refuses new work
+(UNAVAILABLE with a retry hint) while health, load, abort and token streams stay open, and
+admitted work gets `grace_seconds` to finish before the server stops; without one, in-flight
+calls get the grace period (`grpc.aio.Server.stop`). Health is reported per service name and overall (""), so load
 balancers and `cleave health` can wait for readiness. A service whose readiness depends on
 others (the gateway: on its workers) hands `run_service` a `Readiness`, and health follows it
 between SERVING and NOT_SERVING after start-up; draining wins over it.
@@ -16,7 +19,7 @@ import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 import structlog
@@ -28,6 +31,9 @@ from cleave.rpc.auth import MetadataAuth
 from cleave.rpc.client import channel_options
 from cleave.rpc.interceptor import RequestInterceptor
 from cleave.tracing import TRACING_OFF, Tracing
+
+if TYPE_CHECKING:
+    from cleave.metrics.service import ServiceMetrics
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -63,6 +69,7 @@ class Server:
         self._service_names = tuple(service_names)
         self._grace_seconds = grace_seconds
         self._drain_task: asyncio.Task[None] | None = None
+        self._work: Drainable | None = None
         self._health_lock = asyncio.Lock()  # one set_ready at a time: the last one asked wins everywhere
         self.host = host
         self.port = port
@@ -89,6 +96,10 @@ class Server:
         readiness.watch(self.set_ready)
         await self.set_ready(readiness.is_ready)
 
+    def drain_work_of(self, work: Drainable) -> None:
+        """Have a drain wait for `work`'s admitted requests before the server stops."""
+        self._work = work
+
     async def drain(self, grace_seconds: float | None = None) -> None:
         """Report NOT_SERVING, refuse new calls, give in-flight calls the grace period.
 
@@ -101,8 +112,16 @@ class Server:
 
     async def _drain(self, grace_seconds: float) -> None:
         self.log.info("draining", grace_seconds=grace_seconds)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_seconds
         await self._health.enter_graceful_shutdown()
-        await self._server.stop(grace_seconds)
+        if self._work is not None and grace_seconds > 0:
+            try:
+                await asyncio.wait_for(self._work.drain(), grace_seconds)
+                self.log.info("drained: admitted work finished")
+            except asyncio.TimeoutError:
+                self.log.warning("grace period over with work still running", grace_seconds=grace_seconds)
+        await self._server.stop(max(deadline - loop.time(), 0.0))
         self.log.info("stopped")
 
     async def wait(self) -> None:
@@ -139,6 +158,7 @@ async def serve(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     tracing: Tracing = TRACING_OFF,
     auth: MetadataAuth | None = None,
+    metrics_interceptor: grpc.aio.ServerInterceptor | None = None,
 ) -> Server:
     """Start a gRPC server with health, reflection and the request interceptor.
 
@@ -146,11 +166,13 @@ async def serve(
     traffic. Port 0 in `address` binds a free port, reported as `Server.port`. Every call
     gets a server span in `tracing` (`cleave.tracing.setup_tracing`). With `auth`
     (`cleave.rpc.auth.internal_auth`, `api_key_auth`) every call but health and reflection
-    must carry its secret, or ends UNAUTHENTICATED.
+    must carry its secret, or ends UNAUTHENTICATED. `metrics_interceptor`
+    (`cleave.rpc.metrics_interceptor`) runs outermost, so it sees the status callers get.
     """
     host = _split_host(address)
+    outermost = [metrics_interceptor] if metrics_interceptor is not None else []
     server = grpc.aio.server(
-        interceptors=[RequestInterceptor(tracing, auth), *interceptors],
+        interceptors=[*outermost, RequestInterceptor(tracing, auth), *interceptors],
         # With SO_REUSEPORT a second process "binds" a port that is in use and the kernel
         # splits connections between the two: only replicas that mean to share ask for it.
         options=[*channel_options(config.max_message_bytes), ("grpc.so_reuseport", int(config.share_port))],
@@ -201,6 +223,15 @@ class Readiness(Protocol):
         """Have `on_change(is_ready)` awaited whenever `is_ready` changes."""
 
 
+class Drainable(Protocol):
+    """A backend whose admitted work a drain waits for."""
+
+    async def drain(self) -> None:
+        """Refuse new work from now on (Unavailable, which carries a retry hint) and return
+        once every admitted request has finished and its last output went out; the server
+        bounds the wait by its grace period, then stops."""
+
+
 class Lifecycle(Protocol):
     """Start-up and shutdown hooks of a service backend."""
 
@@ -220,18 +251,28 @@ async def run_service(
     tracing: Tracing = TRACING_OFF,
     auth: MetadataAuth | None = None,
     readiness: Readiness | None = None,
+    work: Drainable | None = None,
+    metrics: ServiceMetrics | None = None,
 ) -> None:
     """A service process's life: listen, write the port file, start the backend, report
     SERVING, serve until SIGTERM/SIGINT, drain, shut the backend down. `on_listening` gets
     the bound host:port before the backend starts (a decode worker puts it in its handles);
     `tracing` gets a server span per call; `auth` checks every call's secret (the gateway's
     API key; internal services pass `internal_auth(config.internal_token)`); with
-    `readiness`, health follows it after start-up instead of staying SERVING."""
-    server = await serve(services, config.listen, config.rpc, tracing=tracing, auth=auth)
+    `readiness`, health follows it after start-up instead of staying SERVING; with `work`, a
+    drain refuses new work and waits for the admitted (see `Drainable`); with `metrics`,
+    every call is counted and the registry is served on its port from before the backend
+    starts until after it shut down."""
+    server = await serve(services, config.listen, config.rpc, tracing=tracing, auth=auth,
+                         metrics_interceptor=metrics.interceptor if metrics is not None else None)
+    if work is not None:
+        server.drain_work_of(work)
     if on_listening is not None:
         on_listening(server.address)
     if config.port_file is not None:
         write_port_file(config.port_file, server.port)
+    if metrics is not None:
+        metrics.start(server.host)
     try:
         await backend.start()
         if readiness is None:
@@ -242,3 +283,5 @@ async def run_service(
     finally:
         await server.drain()
         await backend.shutdown()
+        if metrics is not None:
+            metrics.close()

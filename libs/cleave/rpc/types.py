@@ -3,8 +3,8 @@
 Servicers convert protobuf messages into these (`cleave.rpc.convert`) and hand them to a
 service backend; backends never see protobuf. Token ids are plain ints; tensors are raw
 bytes with a torch dtype name and a shape. Sampling parameters and finish reasons are the
-engine's own types (`cleave.engine.sampling_params.SamplingParams`,
-`cleave.engine.outputs.FinishReason`), re-exported here for convenience.
+engine's own types (`cleave.generation.sampling_params.SamplingParams`,
+`cleave.generation.outputs.FinishReason`), re-exported here for convenience.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from cleave.engine.outputs import FinishReason
-from cleave.engine.sampling_params import SamplingParams
+from cleave.generation.outputs import FinishReason
+from cleave.generation.sampling_params import SamplingParams
 
 __all__ = [
     "ErrorInfo", "FinishReason", "KVLayout", "ReasoningMode", "ReasoningOptions", "RequestDelta",
@@ -51,7 +51,13 @@ class ReasoningOptions:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """Log-probability of one token."""
+    """Log-probability of one token, as it crosses a service boundary.
+
+    Not `cleave.generation.outputs.TokenLogprob`: the engine's holds a sampled token with
+    parallel lists of alternative ids and logprobs, as the sampler produces them; this one
+    is a single token with its text and rank, and `TopLogprobs` groups one position's
+    sampled token with its alternatives, as the wire and the OpenAI API present them.
+    """
 
     token_id: int
     logprob: float
@@ -69,7 +75,12 @@ class TopLogprobs:
 
 @dataclass(frozen=True)
 class Usage:
-    """Token accounting of one request."""
+    """Token accounting of one request, as it crosses a service boundary.
+
+    The fields of `cleave.generation.outputs.Usage`, but frozen: the engine's is a running
+    counter it mutates every step, while this is a snapshot that streams and responses may
+    share without copying.
+    """
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -164,6 +175,7 @@ class RequestDelta:
     logprobs: tuple[TopLogprobs, ...] = ()
     error: ErrorInfo | None = None
     num_reasoning_tokens: int = 0
+    prompt_logprobs: tuple[TopLogprobs, ...] = ()  # prompt tokens after the first (once per request)
 
 
 @dataclass(frozen=True)

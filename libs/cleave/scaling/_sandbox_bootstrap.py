@@ -1,9 +1,32 @@
-"""Runs inside the sandboxed interpreter (`python -I -S this_file CONFIG_JSON`); not imported.
+"""Runs inside the sandboxed interpreter (`python -I -S -B this_file CONFIG_JSON`); not imported.
 
-Order matters: namespaces first (they need privileges the later steps give up), then the
-pid-namespace fork, then resource limits, then the audit hook, and only then the candidate.
-Every helper the hook calls is bound as a default argument of a globals-free copy, so a
-candidate that rebinds module globals or builtins cannot change what the hook checks.
+Order matters: each step needs privileges a later one gives up.
+1. Namespaces, each asked for on its own so a kernel that refuses one still grants the
+   others: user (only when not root: it gives the mount and pid namespaces to an ordinary
+   user; the user keeps its own uid inside), mount, pid, network, ipc, uts.
+2. With a pid namespace, a fork: the child is the namespace's init and runs the candidate;
+   the parent only waits and exits the same way.
+3. The filesystem view (mount namespace): every mount read-only, nosuid, nodev; the
+   directories that hold other users' and this user's private files (`_HIDDEN_DIRS`) replaced
+   by empty tmpfs, with only the interpreter's prefix and the work directory bound back;
+   the work directory the one writable place; /proc a fresh procfs of the pid namespace
+   (or, where the kernel refuses that, an empty one).
+4. Resource limits (CPU seconds, address space, file size, processes, open files, no core).
+5. The uid: as root, every uid and gid becomes the configured unprivileged one (nobody by
+   default), which also drops every capability; as an ordinary user the uid stays and the
+   capabilities the user namespace gave are dropped. Then no_new_privs.
+6. The audit hook, defence in depth only: with steps 1-5 in place a candidate that gets past
+   it is still an unprivileged process that sees a read-only filesystem without secrets, no
+   network and no other process.
+A JSON report of what steps 1-5 achieved goes to the status pipe (fd in the config) before
+the candidate runs; the pipe is closed first, so the candidate cannot write to it.
+
+No seccomp or landlock filter: the uid drop and the namespaces already take away what a
+filter would (other processes, the network, writes outside the work directory, reading
+private files), and a hand-written BPF program per architecture is a larger risk than it
+removes. Every helper the hook calls is bound as a default argument of a globals-free copy,
+and the tables it reads are immutable, so a candidate that rebinds module globals, builtins
+or mutable containers cannot change what the hook checks.
 """
 
 import gc
@@ -14,12 +37,27 @@ import signal
 import sys
 import types
 
-CLONE_NEWNET = 0x40000000
-CLONE_NEWPID = 0x20000000
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
-PR_SET_PDEATHSIG = 1
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
+MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC = 0x1, 0x2, 0x4, 0x8
+AT_FDCWD, AT_RECURSIVE = -100, 0x8000
+SYS_MOUNT_SETATTR = 442  # one number on every architecture (asm-generic table, Linux 5.12+)
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP = 1, 38, 24
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
 EXIT_MEMORY = 86
 EXIT_CHECK_FAILED = 87
+# Where private files live: each is replaced by an empty tmpfs (paths the sandbox needs inside
+# them are bound back). /tmp holds pytest's and other services' scratch files, /root and
+# /home keys and tokens, /run sockets and secrets.
+_HIDDEN_DIRS = ("/root", "/home", "/tmp", "/var/tmp", "/run", "/dev/shm", "/mnt", "/media", "/srv")
+_NAMESPACES = (("mount", CLONE_NEWNS), ("pid", CLONE_NEWPID), ("network", CLONE_NEWNET),
+               ("ipc", CLONE_NEWIPC), ("uts", CLONE_NEWUTS))
 
 _BLOCKED_EVENTS = frozenset(
     {
@@ -31,36 +69,144 @@ _BLOCKED_EVENTS = frozenset(
 )
 _BLOCKED_PREFIXES = ("socket.", "ctypes.", "_ctypes.")
 _BLOCKED_IMPORTS = frozenset({"_posixsubprocess", "_ctypes", "ctypes"})
-_PATH_EVENTS = {  # event -> indices of path arguments that get written, and of their dir_fd
-    "os.remove": ((0,), 1), "os.rmdir": ((0,), 1), "os.mkdir": ((0,), 2),
-    "os.rename": ((0, 1), None), "os.link": ((0, 1), None), "os.symlink": ((1,), 2),
-    "os.chmod": ((0,), 2), "os.chown": ((0,), 3), "os.truncate": ((0,), None),
-    "os.utime": ((0,), 3), "os.chflags": ((0,), None), "os.lchflags": ((0,), None),
-    "os.setxattr": ((0,), None), "os.removexattr": ((0,), None), "os.mkfifo": ((0,), 2),
-    "os.mknod": ((0,), 3), "shutil.rmtree": ((0,), 1), "shutil.copyfile": ((1,), None),
-}
+# event, indices of path arguments that get written, index of their dir_fd: a tuple, not a
+# dict, so nothing the candidate can reach is mutable
+_PATH_EVENTS = (
+    ("os.remove", (0,), 1), ("os.rmdir", (0,), 1), ("os.mkdir", (0,), 2),
+    ("os.rename", (0, 1), None), ("os.link", (0, 1), None), ("os.symlink", (1,), 2),
+    ("os.chmod", (0,), 2), ("os.chown", (0,), 3), ("os.truncate", (0,), None),
+    ("os.utime", (0,), 3), ("os.chflags", (0,), None), ("os.lchflags", (0,), None),
+    ("os.setxattr", (0,), None), ("os.removexattr", (0,), None), ("os.mkfifo", (0,), 2),
+    ("os.mknod", (0,), 3), ("shutil.rmtree", (0,), 1), ("shutil.copyfile", (1,), None),
+    ("sqlite3.connect", (0,), None),
+)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 
-def _unshare(use_network: bool, use_pid: bool) -> bool:
-    """Enter new namespaces; returns whether a pid namespace was entered."""
-    if not (use_network or use_pid):
-        return False
-    import ctypes
+class _Kernel:
+    """The few system calls Python 3.11's os module lacks, through libc."""
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    flags = (CLONE_NEWNET if use_network else 0) | (CLONE_NEWPID if use_pid else 0)
-    user = 0 if os.geteuid() == 0 else CLONE_NEWUSER
-    for attempt in (flags | user, (flags & ~CLONE_NEWPID) | user):
-        if attempt & ~CLONE_NEWUSER and libc.unshare(attempt) == 0:
-            return bool(attempt & CLONE_NEWPID)
-    return False
+    def __init__(self) -> None:
+        import ctypes
+
+        self.ctypes = ctypes
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+        self.libc.syscall.restype = ctypes.c_long
+
+    def _check(self, result: int, what: str) -> None:
+        if result != 0:
+            errno = self.ctypes.get_errno()
+            raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+    def unshare(self, flags: int) -> bool:
+        return self.libc.unshare(flags) == 0
+
+    def mount(self, source, target: str, fstype, flags: int, data=None) -> None:
+        encode = lambda value: None if value is None else value.encode()  # noqa: E731
+        self._check(self.libc.mount(encode(source), target.encode(), encode(fstype), flags, encode(data)),
+                    f"mount {target}")
+
+    def mount_setattr(self, path: str, flags: int, attr_set: int, attr_clr: int = 0) -> None:
+        attr = (self.ctypes.c_uint64 * 4)(attr_set, attr_clr, 0, 0)
+        result = self.libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path.encode(), flags, self.ctypes.byref(attr),
+                                   self.ctypes.sizeof(attr))
+        self._check(result, f"mount_setattr {path}")
+
+    def prctl(self, option: int, value: int) -> None:
+        self._check(self.libc.prctl(option, value, 0, 0, 0), f"prctl {option}")
+
+    def drop_capabilities(self) -> None:
+        """Empty the bounding, effective, permitted and inheritable sets."""
+        for capability in range(64):
+            if self.libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0) != 0:
+                break  # past the last capability this kernel knows
+        header = (self.ctypes.c_uint32 * 2)(LINUX_CAPABILITY_VERSION_3, 0)
+        data = (self.ctypes.c_uint32 * 6)()
+        self._check(self.libc.capset(self.ctypes.byref(header), self.ctypes.byref(data)), "capset")
 
 
-def _set_parent_death_signal() -> None:
-    import ctypes
+def _unshare(kernel: _Kernel, config: dict, report: dict) -> None:
+    """Enter every namespace the kernel grants; `report["namespaces"]` lists them."""
+    wanted = {"mount": config["mount_namespace"], "pid": config["pid_namespace"],
+              "network": config["network_namespace"], "ipc": True, "uts": True}
+    if not any(wanted.values()):
+        return
+    if os.geteuid() != 0:
+        uid, gid = os.getuid(), os.getgid()
+        if not kernel.unshare(CLONE_NEWUSER):
+            return
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as file:
+                file.write(text)
+        report["namespaces"].append("user")
+    for name, flag in _NAMESPACES:
+        if wanted[name] and kernel.unshare(flag):
+            report["namespaces"].append(name)
 
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+def _is_under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def _build_view(kernel: _Kernel, workdir: str, report: dict) -> None:
+    """The read-only filesystem view of step 3 (in the new mount namespace)."""
+    kernel.mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates to the host
+    exposed = sorted({os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix), workdir})
+    handles = {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in exposed}
+    try:
+        hidden = [d for d in _HIDDEN_DIRS if os.path.isdir(d) and not os.path.islink(d)
+                  and not any(_is_under(d, path) for path in exposed)]
+        for directory in hidden:
+            kernel.mount("tmpfs", directory, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=64k")
+        for path, handle in handles.items():
+            if path == workdir or any(_is_under(path, directory) for directory in hidden):
+                os.makedirs(path, exist_ok=True)
+                kernel.mount(f"/proc/self/fd/{handle}", path, None, MS_BIND | MS_REC)
+    finally:
+        for handle in handles.values():
+            os.close(handle)
+    report["hidden_dirs"] = hidden
+    kernel.mount_setattr("/", AT_RECURSIVE, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
+    kernel.mount_setattr(workdir, 0, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, attr_clr=MOUNT_ATTR_RDONLY)
+    report["read_only_root"] = True
+    os.chdir(workdir)  # the old cwd is the directory under the new mount, now read-only
+
+
+def _mount_proc(kernel: _Kernel, in_pid_namespace: bool, report: dict) -> None:
+    """This pid namespace's own /proc, or an empty one where that is refused (a container
+    whose /proc has parts masked refuses a new procfs to a user namespace)."""
+    if in_pid_namespace:
+        try:
+            kernel.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY)
+            report["proc"] = "private"
+            return
+        except OSError:
+            pass
+    kernel.mount("tmpfs", "/proc", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k")
+    report["proc"] = "empty"
+
+
+def _isolate_filesystem(kernel: _Kernel, config: dict, report: dict) -> None:
+    if "mount" not in report["namespaces"]:
+        return
+    try:
+        _build_view(kernel, config["workdir"], report)
+        _mount_proc(kernel, "pid" in report["namespaces"], report)
+    except OSError as error:
+        report["errors"].append(str(error))
+
+
+def _drop_privileges(kernel: _Kernel, config: dict, report: dict) -> None:
+    """Step 5: the unprivileged uid (as root), no capabilities, no_new_privs."""
+    if os.geteuid() == 0 and config["run_as_uid"] is not None:
+        os.setgroups([])
+        os.setresgid(config["run_as_gid"], config["run_as_gid"], config["run_as_gid"])
+        os.setresuid(config["run_as_uid"], config["run_as_uid"], config["run_as_uid"])
+    if "user" in report["namespaces"]:
+        kernel.drop_capabilities()
+    kernel.prctl(PR_SET_NO_NEW_PRIVS, 1)
+    report["uid"], report["gid"] = os.getuid(), os.getgid()
 
 
 def _forget_ctypes() -> None:
@@ -127,20 +273,31 @@ def _resolve(path, dir_fd=None, _getcwd=os.getcwd, _readlink=os.readlink, _fsdec
 
 
 def _inside(path, dir_fd=None, _root="/nonexistent", _resolve=_resolve, _isinstance=isinstance, _int=int,
-            _devices=("/dev/null",)):
-    """Whether writing `path` stays inside the work directory."""
-    if path is None or _isinstance(path, _int):
+            _str=str, _readlink=os.readlink, _OSError=OSError, _devices=("/dev/null",)):
+    """Whether writing `path` (a path, or an open descriptor's file) stays inside the work
+    directory."""
+    if path is None:
         return True
+    if _isinstance(path, _int):
+        try:
+            target = _readlink("/proc/self/fd/" + _str(path))
+        except _OSError:
+            return False  # cannot tell where it points: refuse
+        if not target.startswith("/"):
+            return True  # a pipe, socket or anonymous file
+        path = target
     real = _resolve(path, dir_fd)
     return real == _root or real.startswith(_root + "/") or real in _devices
 
 
 def _hook(event, args, _inside=_inside, _blocked=_BLOCKED_EVENTS, _prefixes=_BLOCKED_PREFIXES,
           _imports=_BLOCKED_IMPORTS, _path_events=_PATH_EVENTS, _write_flags=_WRITE_FLAGS, _int=int,
-          _isinstance=isinstance, _type=type, _len=len, _any=any, _this_file=__file__,
+          _isinstance=isinstance, _type=type, _len=len, _any=any, _str=str, _this_file=__file__,
           _guarded=("__code__", "__defaults__", "__kwdefaults__"), _PermissionError=PermissionError):
     if event in _blocked or event.startswith(_prefixes):
         raise _PermissionError("sandbox: " + event + " is not allowed")
+    if event == "sqlite3.connect" and "file:" in _str(args[0]):
+        raise _PermissionError("sandbox: sqlite URIs are not allowed")
     if event == "import" and args[0] in _imports:
         raise _PermissionError("sandbox: importing " + args[0] + " is not allowed")
     if event == "open":
@@ -150,13 +307,16 @@ def _hook(event, args, _inside=_inside, _blocked=_BLOCKED_EVENTS, _prefixes=_BLO
         )
         if writes and not _inside(path):
             raise _PermissionError("sandbox: writing outside the work directory is not allowed")
-    elif event in _path_events:
-        indices, dir_fd_index = _path_events[event]
-        dir_fd = args[dir_fd_index] if dir_fd_index is not None and dir_fd_index < _len(args) else None
-        for index in indices:
-            if not _inside(args[index], dir_fd):
-                raise _PermissionError("sandbox: " + event + " outside the work directory is not allowed")
-    elif (
+    else:
+        for name, indices, dir_fd_index in _path_events:
+            if name != event:
+                continue
+            dir_fd = args[dir_fd_index] if dir_fd_index is not None and dir_fd_index < _len(args) else None
+            for index in indices:
+                if not _inside(args[index], dir_fd):
+                    raise _PermissionError("sandbox: " + event + " outside the work directory is not allowed")
+            return
+    if (
         event == "object.__setattr__"
         and _type(args[0]).__name__ == "function"
         and args[1] in _guarded
@@ -211,20 +371,32 @@ def _run_candidate(program_path: str, check_path: str | None) -> int:
     return 0
 
 
-def main() -> None:
-    config = json.loads(sys.argv[1])
-    root = config["workdir"]
-    in_pid_namespace = _unshare(config["network_namespace"], config["pid_namespace"])
-    if in_pid_namespace:
+def _isolate(config: dict) -> dict:
+    """Steps 1-5 of the module docstring; returns the report of what holds."""
+    report = {"namespaces": [], "read_only_root": False, "hidden_dirs": [], "proc": "host", "errors": []}
+    kernel = _Kernel()
+    _unshare(kernel, config, report)
+    if "pid" in report["namespaces"]:
         child_pid = os.fork()
         if child_pid != 0:
+            os.close(config["status_fd"])  # only the candidate's side reports
             _wait_and_mirror(child_pid)
-        _set_parent_death_signal()
-    _forget_ctypes()
+        kernel.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    _isolate_filesystem(kernel, config, report)
     _limit(config)
+    _drop_privileges(kernel, config, report)
+    return report
+
+
+def main() -> None:
+    config = json.loads(sys.argv[1])
+    report = _isolate(config)
+    _forget_ctypes()
+    with os.fdopen(config["status_fd"], "w") as status:
+        status.write(json.dumps(report))
     sys.argv = ["solution.py"]
     if config["audit_hook"]:
-        sys.addaudithook(_make_hook(root))
+        sys.addaudithook(_make_hook(config["workdir"]))
     os._exit(_run_candidate(config["program_path"], config.get("check_path")))
 
 

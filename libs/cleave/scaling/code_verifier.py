@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from cleave.scaling.answers import extract_code
 from cleave.scaling.sandbox import EXIT_CHECK_FAILED, EXIT_MEMORY, SandboxLimits, SandboxRun, run_sandboxed
 
+MAX_CODE_TESTS = 64  # test cases one verifier runs per candidate
+MAX_CANDIDATE_TIMEOUT_S = 120.0  # wall-clock budget of all of one candidate's tests, at most
+
 
 class FailureReason(str, enum.Enum):
     """Why a test did not pass."""
@@ -105,6 +108,8 @@ class CodeVerifier:
     ):
         if not tests:
             raise ValueError("CodeVerifier needs at least one test case")
+        if len(tests) > MAX_CODE_TESTS:
+            raise ValueError(f"CodeVerifier runs at most {MAX_CODE_TESTS} test cases, got {len(tests)}")
         self.tests = list(tests)
         self.limits = limits
         self.language = language

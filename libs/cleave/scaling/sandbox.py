@@ -1,24 +1,32 @@
 """Run untrusted Python in a confined child process.
 
-Layers, outermost first:
+Layers, outermost first (`_sandbox_bootstrap` says how each is built and in which order):
 - a fresh temporary directory as cwd, HOME and TMPDIR, removed afterwards;
-- an isolated interpreter (`python -I -S`: no site-packages, no environment variables, no
-  user directories) with a minimal environment;
-- new network and pid namespaces when the kernel permits (root, or unprivileged user
-  namespaces): no interface but a down loopback, and every process the candidate could make
-  dies with the namespace's init;
-- resource limits: CPU seconds, address space, file size, process count (enforced for
-  non-root users only: the kernel exempts root), open files, no core dumps;
+- an isolated interpreter (`python -I -S -B`: no site-packages, no environment variables, no
+  user directories, no bytecode writes) with a minimal environment;
+- namespaces where the kernel grants them (as root; as an ordinary user through a user
+  namespace): mount (every mount read-only, private directories such as /root, /home and /tmp
+  replaced by empty ones, the work directory the one writable place), pid (the candidate
+  sees only its own processes, under a /proc of its own), network (a down loopback only),
+  ipc and uts;
+- an unprivileged uid: as root the candidate runs as `SandboxLimits.run_as_uid` (nobody by
+  default), with no capabilities and no_new_privs, so it can read only what anyone may read
+  and the resource limits bind it;
+- resource limits: CPU seconds, address space, file size, process count, open files, no core
+  dumps;
 - an audit hook that refuses sockets, process creation, signals to other processes, ctypes,
-  limit changes and any write outside the work directory;
+  limit changes and any write outside the work directory (defence in depth);
 - a wall-clock deadline after which the whole process group is SIGKILLed, and output capped
   (past the cap on stdout the run is stopped).
+Where the kernel refuses a namespace the run goes on with the layers that hold, and
+`SandboxRun.isolation` says which did.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pwd
 import selectors
 import shutil
 import signal
@@ -33,6 +41,8 @@ _BOOTSTRAP = Path(__file__).with_name("_sandbox_bootstrap.py")
 EXIT_MEMORY = 86  # _sandbox_bootstrap: the candidate raised MemoryError
 EXIT_CHECK_FAILED = 87  # _sandbox_bootstrap: the check code raised AssertionError
 _READ_CHUNK = 65536
+MAX_WALL_TIMEOUT_S = 30.0  # the longest wall-clock limit one test may ask for
+_NOBODY = 65534  # the conventional uid and gid of nobody, where the user database lacks it
 
 
 @dataclass(frozen=True)
@@ -49,7 +59,47 @@ class SandboxLimits:
     max_stderr_bytes: int = 64 * 1024
     network_namespace: bool = True
     pid_namespace: bool = True
+    mount_namespace: bool = True
     audit_hook: bool = True
+    drop_privileges: bool = True  # as root; off only to test the other layers alone
+    run_as_uid: int | None = None  # as root: the candidate's uid; None: nobody's
+    run_as_gid: int | None = None  # as root: the candidate's gid; None: the uid's group
+
+    def __post_init__(self) -> None:
+        if not 0 < self.wall_timeout_s <= MAX_WALL_TIMEOUT_S:
+            raise ValueError(f"wall_timeout_s must be in (0, {MAX_WALL_TIMEOUT_S}], got {self.wall_timeout_s}")
+
+
+@dataclass(frozen=True)
+class SandboxIsolation:
+    """What the kernel granted one run (the bootstrap's report).
+
+    Attributes:
+        namespaces: those entered, of "user", "mount", "pid", "network", "ipc", "uts".
+        uid, gid: the candidate's ids.
+        read_only_root: every mount but the work directory is read-only.
+        hidden_dirs: private directories replaced by empty ones.
+        proc: "private" (this pid namespace's), "empty", or "host" (the host's /proc).
+        errors: why a step that was tried did not hold.
+    """
+
+    namespaces: tuple[str, ...]
+    uid: int
+    gid: int
+    read_only_root: bool
+    hidden_dirs: tuple[str, ...]
+    proc: str
+    errors: tuple[str, ...]
+
+    @classmethod
+    def from_report(cls, text: str) -> SandboxIsolation | None:
+        try:
+            report = json.loads(text)
+            return cls(tuple(report["namespaces"]), int(report["uid"]), int(report["gid"]),
+                       bool(report["read_only_root"]), tuple(report["hidden_dirs"]), str(report["proc"]),
+                       tuple(report["errors"]))
+        except (ValueError, KeyError, TypeError):
+            return None
 
 
 @dataclass(frozen=True)
@@ -63,6 +113,7 @@ class SandboxRun:
         output_limited: stopped because stdout passed `max_stdout_bytes`.
         elapsed_s: wall-clock seconds from start to the last process reaped.
         pid: the sandbox's process id, which is also its process group id.
+        isolation: what the kernel granted, or None when the sandbox failed before saying.
     """
 
     returncode: int
@@ -72,6 +123,7 @@ class SandboxRun:
     output_limited: bool
     elapsed_s: float
     pid: int
+    isolation: SandboxIsolation | None = None
 
 
 class _Capture:
@@ -166,11 +218,47 @@ def run_sandboxed(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _candidate_ids(limits: SandboxLimits) -> tuple[int, int] | None:
+    """The uid and gid the candidate runs as when this process is root (None otherwise)."""
+    if os.geteuid() != 0 or not limits.drop_privileges:
+        return None
+    uid = limits.run_as_uid
+    if uid is None:
+        try:
+            uid = pwd.getpwnam("nobody").pw_uid
+        except KeyError:
+            uid = _NOBODY
+    gid = limits.run_as_gid
+    if gid is None:
+        try:
+            gid = pwd.getpwuid(uid).pw_gid
+        except KeyError:
+            gid = uid
+    if uid == 0 or gid == 0:
+        raise ValueError("the sandbox never runs a candidate as uid or gid 0; set run_as_uid/run_as_gid")
+    return uid, gid
+
+
+def _read_status(status_read: int) -> SandboxIsolation | None:
+    chunks = []
+    os.set_blocking(status_read, False)
+    try:
+        while chunk := os.read(status_read, _READ_CHUNK):
+            chunks.append(chunk)
+    except BlockingIOError:
+        pass
+    return SandboxIsolation.from_report(b"".join(chunks).decode("utf-8", "replace"))
+
+
 def _run_in(workdir: Path, program: str, stdin: str, check_code: str | None, limits: SandboxLimits) -> SandboxRun:
     (workdir / "solution.py").write_text(program, encoding="utf-8")
     if check_code is not None:
         (workdir / "check.py").write_text(check_code, encoding="utf-8")
     (workdir / "stdin.txt").write_text(stdin, encoding="utf-8")
+    ids = _candidate_ids(limits)
+    if ids is not None:
+        os.chown(workdir, *ids)  # the one place the candidate may write
+    status_read, status_write = os.pipe()
     config = {
         "workdir": str(workdir),
         "program_path": str(workdir / "solution.py"),
@@ -182,22 +270,30 @@ def _run_in(workdir: Path, program: str, stdin: str, check_code: str | None, lim
         "max_open_files": limits.max_open_files,
         "network_namespace": limits.network_namespace,
         "pid_namespace": limits.pid_namespace,
+        "mount_namespace": limits.mount_namespace,
         "audit_hook": limits.audit_hook,
+        "run_as_uid": None if ids is None else ids[0],
+        "run_as_gid": None if ids is None else ids[1],
+        "status_fd": status_write,
     }
     environment = {"HOME": str(workdir), "TMPDIR": str(workdir), "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
-    command = [sys.executable, "-I", "-S", "-X", "utf8", str(_BOOTSTRAP), json.dumps(config)]
+    command = [sys.executable, "-I", "-S", "-B", "-X", "utf8", str(_BOOTSTRAP), json.dumps(config)]
     started = time.monotonic()
-    with open(workdir / "stdin.txt", "rb") as stdin_file:
-        process = subprocess.Popen(
-            command,
-            stdin=stdin_file,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=workdir,
-            env=environment,
-            start_new_session=True,
-            close_fds=True,
-        )
+    try:
+        with open(workdir / "stdin.txt", "rb") as stdin_file:
+            process = subprocess.Popen(
+                command,
+                stdin=stdin_file,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=workdir,
+                env=environment,
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=(status_write,),
+            )
+    finally:
+        os.close(status_write)
     capture = _Capture(process, limits)
     deadline = started + limits.wall_timeout_s
     timed_out = False
@@ -224,6 +320,8 @@ def _run_in(workdir: Path, program: str, stdin: str, check_code: str | None, lim
         capture.close()
         process.stdout.close()
         process.stderr.close()
+        isolation = _read_status(status_read)
+        os.close(status_read)
     return SandboxRun(
         returncode=returncode,
         stdout=bytes(capture.buffers[process.stdout]).decode("utf-8", "replace"),
@@ -232,4 +330,5 @@ def _run_in(workdir: Path, program: str, stdin: str, check_code: str | None, lim
         output_limited=capture.stdout_overflow,
         elapsed_s=time.monotonic() - started,
         pid=process.pid,
+        isolation=isolation,
     )

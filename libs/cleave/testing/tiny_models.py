@@ -1,4 +1,5 @@
-"""Tiny random HF checkpoints (Llama, Qwen2, Qwen3, Mistral) with a locally trained tokenizer.
+"""Tiny random HF checkpoints (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, gpt-oss) with a locally
+trained tokenizer.
 
 `write_tiny_checkpoint` writes what a Hub checkpoint holds — config.json, safetensors
 weights, tokenizer.json, tokenizer_config.json (with a chat template) and
@@ -18,6 +19,8 @@ from typing import Any
 import torch
 
 ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral")
+# Mixture-of-experts architectures (written by the same function, tested on their own).
+MOE_ARCHITECTURES: tuple[str, ...] = ("qwen3-moe", "gpt-oss")
 
 SPECIAL_TOKENS = ("<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
 # Reasoning markers are added tokens but not special ones (as in Qwen3), so they survive
@@ -116,8 +119,30 @@ def _hf_config(architecture: str, vocab_size: int, bos_id: int, eos_id: int, ove
     elif architecture == "mistral":
         common.update(tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
         config_class = transformers.MistralConfig
+    elif architecture == "qwen3-moe":
+        # three layers, the middle one dense: sparse and dense MLPs side by side
+        common.update(
+            tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+        )
+        config_class = transformers.Qwen3MoeConfig
+    elif architecture == "gpt-oss":
+        # a 6-token window on the first layer, full attention on the second; a SwiGLU limit
+        # the random activations cross
+        common.update(
+            tie_word_embeddings=False, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"], sliding_window=6, swiglu_limit=1.0,
+            attention_bias=True,
+            rope_parameters={
+                "rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 256,
+            },
+        )
+        config_class = transformers.GptOssConfig
     else:
-        raise ValueError(f"unknown tiny architecture {architecture!r}; choose from {', '.join(ARCHITECTURES)}")
+        choices = ", ".join((*ARCHITECTURES, *MOE_ARCHITECTURES))
+        raise ValueError(f"unknown tiny architecture {architecture!r}; choose from {choices}")
     common.update(overrides)
     return config_class(**common)
 
@@ -153,8 +178,10 @@ def write_tiny_checkpoint(
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.add_(0.1 * torch.randn_like(param))
-                elif name.endswith(".bias"):
+                elif name.endswith((".bias", "_bias")):
                     param.normal_(0.0, 0.1)
+                elif name.endswith(("mlp.gate.weight", "router.weight", ".sinks")):
+                    param.normal_(0.0, 0.5)  # distinct routing and sinks that matter
     model = model.to(dtype)
     save_kwargs: dict[str, Any] = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **save_kwargs)

@@ -4,15 +4,15 @@ The engine reports, per step, one delta `RequestOutput` per request with news (n
 ids, text, running counts). The step stream carries token ids only — the gateway holds the
 tokenizer and detokenizes for its clients — plus finish reasons, logprobs and how many of
 the new tokens were thinking tokens (the engine's reasoning count is a running total; the
-delta carries the difference).
+delta carries the difference), and a prompt's scores when the request asked for them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cleave.engine.outputs import RequestOutput
-from cleave.engine.outputs import TokenLogprob as EngineLogprob
+from cleave.generation.outputs import RequestOutput
+from cleave.generation.outputs import TokenLogprob as EngineLogprob
 from cleave.rpc.types import RequestDelta, TokenLogprob, TopLogprobs
 
 
@@ -38,7 +38,8 @@ class DeltaBuilder:
         out). `leading_logprobs` belong to tokens the engine did not sample itself: entry i
         is the logprob of sample i's first token, drawn by a prefill worker, and goes before
         the engine's own logprobs of that sample."""
-        deltas = []
+        deltas: list[RequestDelta] = []
+        prompt_logprobs = tuple(top_logprobs_from_engine(lp) for lp in output.prompt_logprobs or () if lp is not None)
         for sample in output.outputs:
             if not sample.token_ids and sample.finish_reason is None:
                 continue
@@ -60,7 +61,10 @@ class DeltaBuilder:
                 finish_reason=sample.finish_reason,
                 logprobs=logprobs,
                 num_reasoning_tokens=max(0, sample.num_reasoning_tokens - previous),
+                prompt_logprobs=() if deltas else prompt_logprobs,  # on the request's first delta here
             ))
+        if prompt_logprobs and not deltas:  # scores without tokens: a delta of their own
+            deltas.append(RequestDelta(output.request_id, 0, (), prompt_logprobs=prompt_logprobs))
         return deltas
 
     def forget(self, request_id: str) -> None:

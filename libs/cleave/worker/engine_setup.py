@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from cleave.config import WorkerConfig
 from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cleave.engine.llm_engine import LLMEngine
 from cleave.engine.memory_budget import InsufficientDeviceMemory
+from cleave.model.source import ModelNotFound, resolve_model_dir
 from cleave.rpc.types import KVLayout
 from cleave.transfer.layout import layout_of
 
@@ -39,10 +41,15 @@ async def load_engine(config: EngineConfig) -> LLMEngine:
     """Load weights and allocate the KV cache off the event loop.
 
     A worker whose device cannot give it its memory share exits with the reason (SystemExit:
-    one line on stderr, exit code 1, no traceback); the server's shutdown still runs.
+    one line on stderr, exit code 1, no traceback); the server's shutdown still runs. So does
+    one whose `--model` is neither a checkpoint directory nor a Hub id it can fetch
+    (`cleave.model.source`).
     """
     try:
-        return await asyncio.to_thread(LLMEngine, config)
+        model_dir = await asyncio.to_thread(resolve_model_dir, config.model)
+        return await asyncio.to_thread(LLMEngine, replace(config, model=str(model_dir)))
+    except ModelNotFound as error:
+        raise SystemExit(f"error: {error}") from None
     except InsufficientDeviceMemory as error:
         raise SystemExit(f"error: {error}") from None
 

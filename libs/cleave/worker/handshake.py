@@ -146,6 +146,7 @@ class TransportNegotiator:
         self._attempts: dict[tuple[str, str], _Attempt] = {}
         self._communicators: list[NcclCommunicator] = []
         self.num_handshakes = 0
+        self.num_handshake_failures = 0
 
     def link(self, handle: TransferHandle) -> PeerLink | None:
         """The negotiated link with the handle's decode worker, if there is one yet."""
@@ -176,6 +177,7 @@ class TransportNegotiator:
         try:
             return await self._handshake(handle)
         except (CleaveError, grpc.aio.AioRpcError, OSError) as error:
+            self.num_handshake_failures += 1
             log.warning("transport handshake failed; transfers to this decode worker stay on their "
                         "handles' transport", decode_worker=handle.worker_id, address=handle.control_address,
                         retry_after_s=self.retry_after_s, error=_describe(error))

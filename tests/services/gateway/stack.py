@@ -18,6 +18,7 @@ from services.decode.__main__ import registration as decode_registration
 from services.decode.engine_backend import EngineDecodeBackend
 from services.decode.servicer import DecodeServicer
 from services.gateway.__main__ import registration as gateway_registration
+from services.gateway.client_errors import ClientSafeBackend
 from services.gateway.disagg_policy import DisaggregationPolicy
 from services.gateway.http_api import OpenAIApi, bound_port, start_http
 from services.gateway.model import ServedModel
@@ -99,6 +100,7 @@ async def start_stack(
     max_migrations: int = GatewayOptions.max_migrations,
     policy: DisaggregationPolicy = DisaggregationPolicy(),
     api_key: str | None = None,
+    num_prefill: int = 1,
 ) -> Stack:
     """Start kvstore, prefill (not colocated), decode worker(s) and the gateway (asking
     clients for `api_key` when given)."""
@@ -108,8 +110,8 @@ async def start_stack(
     kv_server = await _serve(stack, kvstore_registration(KVStoreServicer(store)), None)
     stack.kvstore_address = kv_server.address
     prefill_addresses = []
-    if mode != "colocated":
-        backend = EnginePrefillBackend(config, worker_id="prefill-0", model_id=MODEL_NAME,
+    for index in range(num_prefill if mode != "colocated" else 0):
+        backend = EnginePrefillBackend(config, worker_id=f"prefill-{index}", model_id=MODEL_NAME,
                                        kvstore_address=kv_server.address, internal_token=INTERNAL_TOKEN)
         server = await _serve(stack, prefill_registration(PrefillServicer(backend, MODEL_NAME)), backend)
         stack.prefill.append(backend)
@@ -130,11 +132,11 @@ async def start_stack(
     )
     stack.router = router
     models = [served]
-    gateway = await _serve(stack, gateway_registration(GatewayServicer(router, models)), router,
+    gateway = await _serve(stack, gateway_registration(GatewayServicer(ClientSafeBackend(router), models)), router,
                            auth=api_key_auth(api_key), readiness=router.routability)
     stack.gateway_address = gateway.address
-    api = OpenAIApi(router, models, lambda token_id: model.tokenizer.decode([token_id]), api_key=api_key,
-                    routability=router.routability)
+    api = OpenAIApi(ClientSafeBackend(router), models, lambda token_id: model.tokenizer.decode([token_id]), api_key=api_key,
+                    routability=router.routability, served_model=model)
     stack.http_runner = await start_http(api, "127.0.0.1:0")
     stack.http_url = f"http://127.0.0.1:{bound_port(stack.http_runner)}/v1"  # type: ignore[arg-type]
     return stack

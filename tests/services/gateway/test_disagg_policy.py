@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from cleave.client import GatewayClient
-from cleave.engine.sampling_params import SamplingParams
+from cleave.generation.sampling_params import SamplingParams
 from cleave.proto.cleave.v1 import gateway_pb2 as g
 from cleave.rpc.types import WorkerLoad
 from services.gateway.disagg_policy import ConditionalPrefill, DisaggregationPolicy
@@ -54,9 +54,23 @@ def test_a_long_prefill_queue_keeps_long_prompts_local():
     assert not choice.remote(decode, [busy], list(range(200)))
 
 
+def test_an_idle_prefill_worker_takes_short_prompts_too():
+    choice = ConditionalPrefill(DisaggregationPolicy(local_max_tokens=32, remote_max_queue_tokens=1000,
+                                                     remote_idle_tokens=64))
+    decode = worker("decode", "d:1")
+    idle, busier = worker("prefill", "p:1", queued=64), worker("prefill", "p:2", queued=65)
+    assert choice.remote(decode, [idle], list(range(5)))  # short, but the prefill worker has room
+    assert not choice.remote(decode, [busier], list(range(5)))  # past the idle bound: local as before
+    assert choice.remote(decode, [busier], list(range(33)))  # long prompts: the queue bound still rules
+    assert not choice.remote(decode, [], list(range(5)))
+    assert not ConditionalPrefill(POLICY).remote(decode, [worker("prefill", "p:3")], list(range(5)))  # off by default
+
+
 def test_thresholds_must_not_be_negative():
     with pytest.raises(ValueError, match="thresholds"):
         DisaggregationPolicy(local_max_tokens=-1)
+    with pytest.raises(ValueError, match="thresholds"):
+        DisaggregationPolicy(remote_idle_tokens=-1)
 
 
 async def test_conditional_stack_serves_both_paths_token_for_token(model_dir):

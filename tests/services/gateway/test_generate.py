@@ -9,7 +9,7 @@ import pytest
 
 from cleave.client import GatewayClient
 from cleave.client.gateway import build_request, collect
-from cleave.engine.sampling_params import SamplingParams
+from cleave.generation.sampling_params import SamplingParams
 from cleave.proto.cleave.v1 import common_pb2 as c, gateway_pb2 as g
 from tests.services.gateway.helpers import free_blocks, reference_llm, wait_for_free_blocks
 

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from cleave.engine.sampling_params import SamplingParams
+from cleave.generation.sampling_params import SamplingParams
 from tests.services.gateway.helpers import reference_llm
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

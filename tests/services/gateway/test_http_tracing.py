@@ -10,7 +10,7 @@ import pytest
 from opentelemetry.trace import SpanKind
 
 from cleave.config import ModelConfig
-from cleave.engine.outputs import FinishReason
+from cleave.generation.outputs import FinishReason
 from cleave.rpc.types import Usage
 from services.gateway.backend import GenerateChunk, SampleOutput
 from services.gateway.http_api import OpenAIApi, bound_port, start_http

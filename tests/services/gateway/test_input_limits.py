@@ -25,7 +25,7 @@ from cleave.config import (
     gateway_config,
     worker_config,
 )
-from cleave.engine.outputs import FinishReason
+from cleave.generation.outputs import FinishReason
 from cleave.proto.cleave.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from cleave.rpc import aio_channel, serve
 from cleave.rpc.errors import error_detail

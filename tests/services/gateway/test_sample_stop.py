@@ -7,7 +7,7 @@ import pytest
 
 from cleave.client import GatewayClient
 from cleave.client.gateway import build_request, collect
-from cleave.engine.outputs import FinishReason
+from cleave.generation.outputs import FinishReason
 from cleave.proto.cleave.v1 import common_pb2 as c
 from tests.services.gateway.helpers import free_blocks, wait_for_free_blocks
 

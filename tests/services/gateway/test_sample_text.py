@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from cleave.engine.outputs import FinishReason
-from cleave.engine.request import ReasoningConfig
-from cleave.engine.detokenizer import REPLACEMENT_CHAR
-from cleave.engine.sampling_params import SamplingParams
-from cleave.engine.token_pieces import TokenPieces
+from cleave.generation.detokenizer import REPLACEMENT_CHAR
+from cleave.generation.outputs import FinishReason
+from cleave.generation.reasoning import ReasoningConfig
+from cleave.generation.sampling_params import SamplingParams
+from cleave.generation.token_pieces import TokenPieces
 from cleave.model.tokenizer import Tokenizer
 from cleave.rpc.types import ReasoningMode
 from services.gateway.convert import TokenDelta

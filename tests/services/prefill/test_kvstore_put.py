@@ -187,3 +187,51 @@ async def test_only_blocks_this_worker_computed_before_go_to_the_store(checkpoin
         await wait_pool_full(worker.stub)
     finally:
         await worker.close()
+
+
+async def test_short_prefixes_stay_out_of_the_store_and_recent_ones_skip_the_engine(checkpoint, kvstore):
+    """With a threshold of 3 blocks (12 tokens): a prompt with fewer usable blocks is not
+    even looked up, a repeated prefix shorter than that is not put, and a stored prefix this
+    worker computed lately is left to its prefix cache without asking the engine thread."""
+    worker = await start_prefill(checkpoint, kvstore, kvstore_min_prefix_tokens=12)
+    client, prefix = worker.backend.kvstore.client, worker.backend.kvstore
+    lookups: list[int] = []
+    original_lookup = client.lookup
+
+    async def counted_lookup(hashes):  # type: ignore[no-untyped-def]
+        lookups.append(len(hashes))
+        return await original_lookup(hashes)
+
+    client.lookup = counted_lookup
+    try:
+        short = PROMPT[:11]  # 2 full blocks; (11 - 1) // 4 = 2 usable for a fetch: both < 3
+        for request_id in ("short-1", "short-2"):
+            await worker.stub.Prefill(p.PrefillRequest(request_id=request_id, prompt_token_ids=short,
+                                                       sampling=greedy(2), store_to_kvstore=True))
+        assert await worker.backend.wait_for_stores(timeout_s=5)
+        assert lookups == [] and worker.backend.counters.num_kvstore_blocks_stored == 0  # 2 repeated blocks < 3
+        shared = PROMPT[:8] + [200 + i for i in range(11)]  # only two blocks in common with PROMPT
+        await worker.stub.Prefill(p.PrefillRequest(request_id="shared", prompt_token_ids=shared,
+                                                   sampling=greedy(2), store_to_kvstore=True))
+        assert await worker.backend.wait_for_stores(timeout_s=5)
+        assert worker.backend.counters.num_kvstore_blocks_stored == 0  # 2 repeated blocks < 3
+        await worker.stub.Prefill(storing("full-1"))
+        await worker.stub.Prefill(storing("full-2"))  # all 4 blocks repeat now
+        assert await worker.backend.wait_for_stores(timeout_s=5)
+        assert worker.backend.counters.num_kvstore_blocks_stored == NUM_FULL_BLOCKS
+        calls = 0
+        original_call = worker.backend.async_engine.call
+
+        async def counted_call(fn):  # type: ignore[no-untyped-def]
+            nonlocal calls
+            calls += 1
+            return await original_call(fn)
+
+        worker.backend.async_engine.call = counted_call
+        fetch = await prefix.fetch("again", PROMPT)  # stored, and computed here: no engine round trip
+        assert (fetch.num_store_blocks, fetch.num_loaded_blocks, calls) == (NUM_FULL_BLOCKS, 0, 0)
+        worker.backend.async_engine.call = original_call
+        await wait_pool_full(worker.stub)
+    finally:
+        client.lookup = original_lookup
+        await worker.close()

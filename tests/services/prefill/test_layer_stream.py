@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cleave.engine.llm import LLM
-from cleave.engine.sampling_params import SamplingParams
+from cleave.generation.sampling_params import SamplingParams
 from cleave.proto.cleave.v1 import decode_pb2 as d
 from cleave.proto.cleave.v1 import prefill_pb2 as p
 from cleave.transfer.block_copy import copy_blocks

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cleave.engine.llm import build_engine_config
-from cleave.engine.sampling_params import SamplingParams
+from cleave.generation.sampling_params import SamplingParams
 from cleave.testing.tiny_models import write_tiny_checkpoint
 from cleave.transfer.block_copy import copy_blocks
 from cleave.transfer.memory import MemoryEndpoint, MemoryTransferClient

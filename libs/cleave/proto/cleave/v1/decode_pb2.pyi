@@ -62,7 +62,7 @@ class AttachRequest(_message.Message):
     def __init__(self, gateway_id: _Optional[str] = ...) -> None: ...
 
 class RequestDelta(_message.Message):
-    __slots__ = ("request_id", "sample_index", "token_ids", "finish_reason", "logprobs", "error", "num_reasoning_tokens")
+    __slots__ = ("request_id", "sample_index", "token_ids", "finish_reason", "logprobs", "error", "num_reasoning_tokens", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class RequestDelta(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sample_index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -77,7 +78,8 @@ class RequestDelta(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
     error: _common_pb2.ErrorDetail
     num_reasoning_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., error: _Optional[_Union[_common_pb2.ErrorDetail, _Mapping]] = ..., num_reasoning_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., error: _Optional[_Union[_common_pb2.ErrorDetail, _Mapping]] = ..., num_reasoning_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StepOutput(_message.Message):
     __slots__ = ("step", "deltas", "load")

@@ -162,20 +162,24 @@ class VoteSummary(_message.Message):
     def __init__(self, answers: _Optional[_Iterable[_Union[AnswerVotes, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "samples", "usage", "selected_index", "votes", "model")
+    __slots__ = ("request_id", "samples", "usage", "selected_index", "votes", "model", "prompt_logprobs", "prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     SELECTED_INDEX_FIELD_NUMBER: _ClassVar[int]
     VOTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     samples: _containers.RepeatedCompositeFieldContainer[SampleDelta]
     usage: _common_pb2.Usage
     selected_index: int
     votes: VoteSummary
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[SampleDelta, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., selected_index: _Optional[int] = ..., votes: _Optional[_Union[VoteSummary, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[SampleDelta, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., selected_index: _Optional[int] = ..., votes: _Optional[_Union[VoteSummary, _Mapping]] = ..., model: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

@@ -83,7 +83,9 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Put(self, request_iterator, context):
-        """Stores blocks; blocks already present are skipped.
+        """Stores blocks; blocks already present are skipped. With a disk tier the response comes
+        only after every new block is written and fsynced (it survives a crash of the store);
+        a RAM-only store is a cache, and its blocks are lost when it stops.
         Errors: INVALID_ARGUMENT (payload does not match the layout), NOT_FOUND (layout id).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from cleave.proto.cleave.v1 import common_pb2 as cleave_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63leave/v1/prefill.proto\x12\tcleave.v1\x1a\x16\x63leave/v1/common.proto\"\xed\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.cleave.v1.SamplingParams\x12.\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x19.cleave.v1.TransferHandle\x12\x18\n\x10store_to_kvstore\x18\x05 \x01(\x08\x12\r\n\x05model\x18\x06 \x01(\t\x12\'\n\x06\x64\x65\x63ode\x18\x07 \x01(\x0b\x32\x17.cleave.v1.DecodeTarget\"c\n\x0c\x44\x65\x63odeTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\ngateway_id\x18\x02 \x01(\t\x12.\n\treasoning\x18\x03 \x01(\x0b\x32\x1b.cleave.v1.ReasoningOptions\"t\n\rTransferStats\x12+\n\ttransport\x18\x01 \x01(\x0e\x32\x18.cleave.v1.TransportKind\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\"\xf3\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x66irst_token_ids\x18\x02 \x03(\r\x12\x34\n\x14\x66irst_token_logprobs\x18\x03 \x03(\x0b\x32\x16.cleave.v1.TopLogprobs\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12*\n\x08transfer\x18\x07 \x01(\x0b\x32\x18.cleave.v1.TransferStats2\x8d\x01\n\x07Prefill\x12@\n\x07Prefill\x12\x19.cleave.v1.PrefillRequest\x1a\x1a.cleave.v1.PrefillResponse\x12@\n\x07GetLoad\x12\x19.cleave.v1.GetLoadRequest\x1a\x1a.cleave.v1.GetLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63leave/v1/prefill.proto\x12\tcleave.v1\x1a\x16\x63leave/v1/common.proto\"\xed\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.cleave.v1.SamplingParams\x12.\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x19.cleave.v1.TransferHandle\x12\x18\n\x10store_to_kvstore\x18\x05 \x01(\x08\x12\r\n\x05model\x18\x06 \x01(\t\x12\'\n\x06\x64\x65\x63ode\x18\x07 \x01(\x0b\x32\x17.cleave.v1.DecodeTarget\"c\n\x0c\x44\x65\x63odeTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\ngateway_id\x18\x02 \x01(\t\x12.\n\treasoning\x18\x03 \x01(\x0b\x32\x1b.cleave.v1.ReasoningOptions\"t\n\rTransferStats\x12+\n\ttransport\x18\x01 \x01(\x0e\x32\x18.cleave.v1.TransportKind\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\"\xa4\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x66irst_token_ids\x18\x02 \x03(\r\x12\x34\n\x14\x66irst_token_logprobs\x18\x03 \x03(\x0b\x32\x16.cleave.v1.TopLogprobs\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12*\n\x08transfer\x18\x07 \x01(\x0b\x32\x18.cleave.v1.TransferStats\x12/\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x16.cleave.v1.TopLogprobs2\x8d\x01\n\x07Prefill\x12@\n\x07Prefill\x12\x19.cleave.v1.PrefillRequest\x1a\x1a.cleave.v1.PrefillResponse\x12@\n\x07GetLoad\x12\x19.cleave.v1.GetLoadRequest\x1a\x1a.cleave.v1.GetLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,7 +39,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRANSFERSTATS']._serialized_start=403
   _globals['_TRANSFERSTATS']._serialized_end=519
   _globals['_PREFILLRESPONSE']._serialized_start=522
-  _globals['_PREFILLRESPONSE']._serialized_end=765
-  _globals['_PREFILL']._serialized_start=768
-  _globals['_PREFILL']._serialized_end=909
+  _globals['_PREFILLRESPONSE']._serialized_end=814
+  _globals['_PREFILL']._serialized_start=817
+  _globals['_PREFILL']._serialized_end=958
 # @@protoc_insertion_point(module_scope)

@@ -48,7 +48,7 @@ class TransferStats(_message.Message):
     def __init__(self, transport: _Optional[_Union[_common_pb2.TransportKind, str]] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_ids", "first_token_logprobs", "num_prompt_tokens", "num_cached_tokens", "num_computed_tokens", "transfer")
+    __slots__ = ("request_id", "first_token_ids", "first_token_logprobs", "num_prompt_tokens", "num_cached_tokens", "num_computed_tokens", "transfer", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class PrefillResponse(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
@@ -63,4 +64,5 @@ class PrefillResponse(_message.Message):
     num_cached_tokens: int
     num_computed_tokens: int
     transfer: TransferStats
-    def __init__(self, request_id: _Optional[str] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., first_token_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., first_token_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,304 @@
+"""Mixture-of-experts: the fused MoE layer against its references, and a Qwen3-30B-A3B-shaped
+decode step.
+
+Two parts (Qwen3-30B-A3B shapes by default: hidden 2048, 128 experts of width 768, top-8,
+bf16, weights random and built in device memory):
+
+- `layer`: the MoE block alone (router GEMM included) at 1, 16, 64, 512 and 8192 tokens:
+  `cleave.kernels.fused_moe` (Triton), the torch reference, the reference under
+  torch.compile, and transformers' own `Qwen3MoeSparseMoeBlock` on the same weights. Each
+  row carries the fused result's largest difference from the reference, the experts the
+  tokens touch, and the roofline: touched expert bytes / 4.26 TB/s.
+- `decode`: one decode step of the whole model (48 layers, 32 q / 4 kv heads of 128) at
+  batch 1 and 64 over a `--context`-token KV cache, captured in a CUDA graph and replayed.
+  Its roofline counts every byte the step must read: attention and router weights, the
+  touched experts (counted per layer from the routing of that very step), the KV cache, the
+  embedding rows and lm_head.
+
+    python bench/moe.py                                  # both parts; bench/results/moe/
+    python bench/moe.py --part layer --tokens 1,64,8192
+    python bench/moe.py --part decode --batch 1,64 --context 2048
+    python bench/moe.py --dry-run                        # tiny shapes on the CPU: checks the script
+
+`--dry-run` runs every method once at toy sizes (the Triton kernels in the interpreter,
+torch.compile skipped), so the script's wiring is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+# A CPU dry run runs the Triton kernels in the interpreter, which triton reads when it is
+# imported (below, through common) and when each kernel is decorated.
+if __name__ == "__main__" and "--dry-run" in sys.argv[1:] and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import format_table, graph_call_us, median_ms, run_name, write_results  # noqa: E402
+
+HBM_BYTES_PER_S = 4.26e12  # H200 device copy, read + write (bench/results/kernels)
+LAYER_COLUMNS = ["tokens", "method", "us", "roofline_us", "roofline_pct", "touched_experts", "max_diff"]
+DECODE_COLUMNS = ["batch", "context", "us", "roofline_us", "roofline_pct", "touched_experts_per_layer", "bytes_gb"]
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The MoE block's shape (and, for the decode step, the rest of the model's)."""
+
+    hidden: int = 2048
+    inter: int = 768
+    experts: int = 128
+    top_k: int = 8
+    layers: int = 48
+    heads: int = 32
+    kv_heads: int = 4
+    head_dim: int = 128
+    vocab: int = 151936
+
+
+TINY = MoEShape(hidden=64, inter=32, experts=8, top_k=2, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=512)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--part", choices=("layer", "decode", "all"), default="all")
+    parser.add_argument("--tokens", default="1,16,64,512,8192", help="token counts of the layer part")
+    parser.add_argument("--batch", default="1,64", help="batch sizes of the decode part")
+    parser.add_argument("--context", type=int, default=1024, help="tokens already in each sequence's KV cache")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile reference")
+    parser.add_argument("--no-transformers", action="store_true", help="skip transformers' MoE block")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "moe"))
+    parser.add_argument("--name", default=None, help="results file stem (default: moe-<part>)")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, one call per method")
+    args = parser.parse_args(argv)
+    args.tokens = [int(value) for value in args.tokens.split(",")]
+    args.batch = [int(value) for value in args.batch.split(",")]
+    if args.dry_run:
+        args.tokens = [min(value, 3) for value in args.tokens[:2]]
+        args.batch = [min(value, 2) for value in args.batch[:2]]
+        args.context = min(args.context, 8)
+        args.no_compile = True
+    return args
+
+
+class Timer:
+    """Device time on the GPU (median, L2 flushed); one wall-clock call on the CPU (dry run)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def us(self, fn: Callable[[], object]) -> float:
+        if self.device.type == "cuda":
+            return median_ms(fn) * 1e3
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e6
+
+
+def expert_bytes(shape: MoEShape, dtype: torch.dtype) -> int:
+    """Bytes of one expert's three projections."""
+    return 3 * shape.hidden * shape.inter * torch.finfo(dtype).bits // 8
+
+
+def layer_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    from cleave.kernels.fused_moe import fused_moe, route
+    from cleave.kernels.moe_reference import fused_moe_reference
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    w13 = torch.randn(shape.experts, 2 * shape.inter, shape.hidden, device=device, dtype=dtype, generator=generator)
+    w13 *= shape.hidden**-0.5
+    w2 = torch.randn(shape.experts, shape.hidden, shape.inter, device=device, dtype=dtype, generator=generator)
+    w2 *= shape.inter**-0.5
+    router = torch.randn(shape.experts, shape.hidden, device=device, dtype=dtype, generator=generator)
+    router *= shape.hidden**-0.5
+    hf_block = None if args.no_transformers else _transformers_block(shape, w13, w2, router)
+    compiled = None if args.no_compile else torch.compile(fused_moe_reference)
+    timer = Timer(device)
+    rows = []
+    for num_tokens in args.tokens:
+        hidden = torch.randn(num_tokens, shape.hidden, device=device, dtype=dtype, generator=generator)
+        impl = "triton"
+
+        def fused() -> torch.Tensor:
+            return fused_moe(hidden, w13, w2, hidden @ router.t(), shape.top_k, True, impl=impl)
+
+        def reference() -> torch.Tensor:
+            return fused_moe_reference(hidden, w13, w2, hidden @ router.t(), shape.top_k, True)
+
+        methods: dict[str, Callable[[], torch.Tensor]] = {"fused": fused, "reference": reference}
+        if compiled is not None:
+            methods["reference+compile"] = lambda: compiled(hidden, w13, w2, hidden @ router.t(), shape.top_k, True)
+        if hf_block is not None:
+            methods["transformers"] = lambda: hf_block(hidden[None])[0]
+        with torch.no_grad():
+            expected = reference()
+            _, ids = route(hidden @ router.t(), shape.top_k, True, impl="torch")
+            touched = int(ids.unique().numel())
+            roofline_us = touched * expert_bytes(shape, dtype) / HBM_BYTES_PER_S * 1e6
+            for method, fn in methods.items():
+                try:
+                    out = fn()
+                    us = timer.us(fn)
+                except Exception as error:  # noqa: BLE001 - a failed baseline is a row, not a crash
+                    rows.append({"tokens": num_tokens, "method": method, "error": f"{type(error).__name__}: {error}"})
+                    continue
+                rows.append({
+                    "tokens": num_tokens, "method": method, "us": us, "roofline_us": roofline_us,
+                    "roofline_pct": 100 * roofline_us / us, "touched_experts": touched,
+                    "max_diff": float((out.float() - expected.float()).abs().max()),
+                })
+    return rows
+
+
+def _transformers_block(shape: MoEShape, w13: torch.Tensor, w2: torch.Tensor, router: torch.Tensor):
+    """transformers' Qwen3MoeSparseMoeBlock holding the same weights (its stacked layout is ours)."""
+    # bench/ is on sys.path, and its kernels.py would pass for the `kernels` package that
+    # transformers looks for while importing its models
+    bench_dir = str(Path(__file__).resolve().parent)
+    saved_path = list(sys.path)
+    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(bench_dir)]
+    try:
+        import transformers
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    finally:
+        sys.path[:] = saved_path
+
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=shape.hidden, moe_intermediate_size=shape.inter, num_experts=shape.experts,
+        num_experts_per_tok=shape.top_k, norm_topk_prob=True,
+    )
+    block = Qwen3MoeSparseMoeBlock(config).to(device=w13.device, dtype=w13.dtype).eval()
+    with torch.no_grad():
+        block.experts.gate_up_proj.copy_(w13)
+        block.experts.down_proj.copy_(w2)
+        block.gate.weight.copy_(router)
+    return block
+
+
+def decode_model_config(shape: MoEShape, max_len: int):
+    from cleave.model.config import ModelConfig
+
+    return ModelConfig(
+        architecture="Qwen3MoeForCausalLM", vocab_size=shape.vocab, hidden_size=shape.hidden,
+        intermediate_size=6144, num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, rope_theta=1000000.0,
+        max_position_embeddings=max_len, qk_norm=True, dtype=torch.bfloat16, num_experts=shape.experts,
+        num_experts_per_tok=shape.top_k, moe_intermediate_size=shape.inter, norm_topk_prob=True,
+        moe_layers=tuple(range(shape.layers)),
+    )
+
+
+def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    from cleave.kv.metadata import AttentionMetadata
+    from cleave.model.llama import allocate_kv_cache
+    from cleave.model.loader import empty_model
+
+    max_len = args.context + 1
+    config = decode_model_config(shape, max(max_len, 64))
+    model = empty_model(config, dtype=dtype, device=device)
+    generator = torch.Generator(device=device).manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    model.eval()
+    timer_device = device
+    rows = []
+    blocks_per_seq = -(-max_len // args.block_size)
+    for batch in args.batch:
+        kv_cache = allocate_kv_cache(config, batch * blocks_per_seq + 1, args.block_size, dtype, device)
+        tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(batch)]
+        metadata = AttentionMetadata.build([1] * batch, [max_len] * batch, tables, args.block_size, device=device)
+        input_ids = torch.randint(0, shape.vocab, (batch,), device=device, generator=generator)
+        positions = torch.full((batch,), args.context, device=device, dtype=torch.long)
+
+        def step() -> torch.Tensor:
+            return model.compute_logits(model(input_ids, positions, kv_cache, metadata))
+
+        touched = _touched_experts(model, step)
+        with torch.no_grad():
+            if timer_device.type == "cuda":
+                us = graph_call_us([step])
+            else:
+                us = Timer(device).us(step)
+        num_bytes = _decode_bytes(shape, dtype, batch, args.context, touched)
+        roofline_us = num_bytes / HBM_BYTES_PER_S * 1e6
+        rows.append({
+            "batch": batch, "context": args.context, "us": us, "roofline_us": roofline_us,
+            "roofline_pct": 100 * roofline_us / us, "touched_experts_per_layer": sum(touched) / len(touched),
+            "bytes_gb": num_bytes / 1e9,
+        })
+    return rows
+
+
+def _touched_experts(model, step: Callable[[], torch.Tensor]) -> list[int]:
+    """Distinct experts each MoE layer routes this step's tokens to (one eager run, hooked)."""
+    from cleave.kernels.fused_moe import route
+    from cleave.model.moe import SparseMoeBlock
+
+    counts: list[int] = []
+
+    def record(module, args, logits) -> None:  # noqa: ANN001
+        block = owners[id(module)]
+        _, ids = route(logits, block.top_k, block.renormalize, impl="torch")
+        counts.append(int(ids.unique().numel()))
+
+    owners = {id(m.router): m for m in model.modules() if isinstance(m, SparseMoeBlock)}
+    handles = [m.router.register_forward_hook(record) for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    try:
+        with torch.no_grad():
+            step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return counts
+
+
+def _decode_bytes(shape: MoEShape, dtype: torch.dtype, batch: int, context: int, touched: list[int]) -> int:
+    """Bytes one decode step must read: weights it uses, the KV cache, embeddings, lm_head."""
+    element = torch.finfo(dtype).bits // 8
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    attention = shape.hidden * (q + 2 * kv) + q * shape.hidden + 2 * shape.hidden + 2 * shape.head_dim
+    router = shape.experts * shape.hidden
+    weights = shape.layers * (attention + router) * element + sum(touched) * expert_bytes(shape, dtype)
+    kv_cache = shape.layers * batch * (context + 1) * 2 * kv * element
+    return weights + kv_cache + (batch + shape.vocab) * shape.hidden * element
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, list[dict]]:
+    args = parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit("bench/moe.py needs a CUDA device (or --dry-run for tiny shapes on the CPU)")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = TINY if args.dry_run else MoEShape()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    results: dict[str, list[dict]] = {}
+    if args.part in ("layer", "all"):
+        rows = layer_rows(args, shape, device, dtype)
+        print(format_table(rows, LAYER_COLUMNS))
+        write_results(args.out, run_name(f"{args.name or 'moe'}-layer"), rows, LAYER_COLUMNS, summary={"shape": asdict(shape)},
+                      argv=["bench/moe.py", *(argv if argv is not None else sys.argv[1:])])
+        results["layer"] = rows
+    if args.part in ("decode", "all"):
+        rows = decode_rows(args, shape, device, dtype)
+        print(format_table(rows, DECODE_COLUMNS))
+        write_results(args.out, run_name(f"{args.name or 'moe'}-decode"), rows, DECODE_COLUMNS, summary={"shape": asdict(shape)},
+                      argv=["bench/moe.py", *(argv if argv is not None else sys.argv[1:])])
+        results["decode"] = rows
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Reasoning models: how they mark thinking, and splitting thinking text from the answer.
+
+`ReasoningConfig` is the model's tags (from `cleave_config.json`). `ReasoningParser` works
+on streamed text: it separates the `<think>...</think>` block from the answer, holding back
+any text that could be the start of a tag split across tokens, and counts the tokens spent
+thinking. It supports both conventions: the model opens the block itself (Qwen3:
+`starts_in_reasoning=False`) or the chat template opened it in the prompt (DeepSeek-R1:
+`starts_in_reasoning=True`).
+
+Torch-free: the gateway splits text with it; the engine's `ThinkingBudget` enforces budgets
+on token ids and shares `Phase`.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ReasoningConfig:
+    """How a reasoning model marks its thinking (from `cleave_config.json`)."""
+
+    start_tag: str = "<think>"
+    end_tag: str = "</think>"
+    starts_in_reasoning: bool = False
+    answer_prefix: str = ""  # forced after a thinking budget cuts the block (e.g. " The answer is")
+
+
+def read_reasoning_config(model_dir: str | Path) -> ReasoningConfig | None:
+    """The `reasoning` section of `cleave_config.json` in the model directory, if any."""
+    path = Path(model_dir) / "cleave_config.json"
+    if not path.is_file():
+        return None
+    section = json.loads(path.read_text(encoding="utf-8")).get("reasoning")
+    if not section:
+        return None
+    return ReasoningConfig(
+        start_tag=section.get("start_tag", "<think>"),
+        end_tag=section.get("end_tag", "</think>"),
+        starts_in_reasoning=bool(section.get("starts_in_reasoning", False)),
+        answer_prefix=section.get("answer_prefix", ""),
+    )
+
+
+class Phase(enum.Enum):
+    """Where a sample is relative to its thinking block."""
+
+    BEFORE = "before"  # the block has not opened yet
+    REASONING = "reasoning"
+    ANSWER = "answer"  # the block closed (or never opened): everything is answer text
+
+
+@dataclass
+class ReasoningDelta:
+    """Text separated from one chunk of output: thinking and answer parts."""
+
+    reasoning: str = ""
+    content: str = ""
+
+
+def _longest_suffix_prefix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:length]):
+            return length
+    return 0
+
+
+class ReasoningParser:
+    """Streaming separation of reasoning text from answer text for one sample.
+
+    Only one thinking block is recognized, at the start of the output (after optional
+    whitespace, which is dropped); text before any start tag that is not whitespace makes
+    the whole output an answer. Tags are removed from both parts.
+
+    Args:
+        start_tag / end_tag: the block's delimiters.
+        starts_in_reasoning: the prompt already opened the block.
+    """
+
+    def __init__(
+        self,
+        start_tag: str = "<think>",
+        end_tag: str = "</think>",
+        starts_in_reasoning: bool = False,
+    ) -> None:
+        self.start_tag = start_tag
+        self.end_tag = end_tag
+        self._phase = Phase.REASONING if starts_in_reasoning else Phase.BEFORE
+        self._held_back = ""
+        self._held_tokens = 0  # tokens whose phase is undecided while in BEFORE
+        self.num_reasoning_tokens = 0
+
+    @property
+    def phase(self) -> Phase:
+        """Current phase."""
+        return self._phase
+
+    def feed(self, text: str, num_tokens: int = 1) -> ReasoningDelta:
+        """Add the text of `num_tokens` new tokens; return what can be shown now."""
+        delta = ReasoningDelta()
+        if self._phase is Phase.BEFORE:
+            self._held_tokens += num_tokens
+            text = self._feed_before(text, delta)
+            if self._phase is Phase.BEFORE:
+                return delta
+            num_tokens = 0
+        if self._phase is Phase.REASONING:
+            self.num_reasoning_tokens += num_tokens
+            text = self._feed_reasoning(text, delta)
+        if self._phase is Phase.ANSWER:
+            delta.content += text
+        return delta
+
+    def finish(self) -> ReasoningDelta:
+        """Flush held-back text at the end of the output."""
+        held, self._held_back = self._held_back, ""
+        if self._phase is Phase.REASONING:
+            return ReasoningDelta(reasoning=held)
+        return ReasoningDelta(content=held)
+
+    def _feed_before(self, text: str, delta: ReasoningDelta) -> str:
+        buffer = self._held_back + text
+        stripped = buffer.lstrip()
+        if stripped.startswith(self.start_tag):
+            self._held_back = ""
+            self._phase = Phase.REASONING
+            self.num_reasoning_tokens += self._held_tokens
+            return stripped[len(self.start_tag) :]
+        if self.start_tag.startswith(stripped):
+            self._held_back = buffer  # whitespace or a partial start tag
+            return ""
+        self._held_back = ""
+        self._phase = Phase.ANSWER
+        return buffer
+
+    def _feed_reasoning(self, text: str, delta: ReasoningDelta) -> str:
+        buffer = self._held_back + text
+        end_at = buffer.find(self.end_tag)
+        if end_at != -1:
+            self._held_back = ""
+            self._phase = Phase.ANSWER
+            delta.reasoning += buffer[:end_at]
+            return buffer[end_at + len(self.end_tag) :]
+        hold = _longest_suffix_prefix(buffer, self.end_tag)
+        self._held_back = buffer[len(buffer) - hold :]
+        delta.reasoning += buffer[: len(buffer) - hold]
+        return ""

@@ -1,0 +1,223 @@
+"""Per-request sampling parameters and their validation.
+
+`SamplingParams` is the typed form of a request's generation options as the gateway
+receives them; `validate()` rejects bad values with `InvalidArgument` naming the field, so
+a service answers INVALID_ARGUMENT before any work is scheduled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from cleave.errors import InvalidArgument
+
+# OpenAI caps top_logprobs at 20; larger values cost a [B, K] top-k per step for little use.
+MAX_LOGPROBS = 20
+# OpenAI's documented range for frequency and presence penalties.
+MAX_ABS_ADDITIVE_PENALTY = 2.0
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+# Below this temperature a row is sampled greedily (argmax).
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Generation options of one request (shared by its `n` samples).
+
+    Attributes:
+        max_tokens: most tokens to generate per sample; None fills the context window.
+        temperature: softmax temperature; 0 means greedy (argmax).
+        top_p: nucleus mass in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; 0 or -1 disables it.
+        min_p: drop tokens whose probability is below min_p * max probability; 0 disables it.
+        seed: makes sampling reproducible, independent of batch composition; None: random.
+        stop: strings that end generation; the matched string is not part of the output.
+        stop_token_ids: token ids that end generation (their text is not part of the output).
+        ignore_eos: keep generating past the model's end-of-sequence token.
+        n: number of independent samples for the prompt (they share the prompt's KV).
+        logprobs: return the chosen token's logprob and this many top alternatives (0..20);
+            None returns no logprobs.
+        prompt_logprobs: return each prompt token's logprob (the first has none) and this many
+            top alternatives (0..20); None returns none. The prompt then runs through the
+            model whole: it takes no prefix-cache hit.
+        repetition_penalty: HF-style multiplicative penalty over prompt and output tokens;
+            1 disables it.
+        frequency_penalty: OpenAI-style, subtracted once per previous occurrence in the
+            output; in [-2, 2].
+        presence_penalty: OpenAI-style, subtracted once if the token occurred in the output;
+            in [-2, 2].
+        skip_special_tokens: leave special tokens out of the detokenized text.
+        max_thinking_tokens: force the end-of-thinking tag after this many thinking tokens;
+            None: unlimited.
+        min_thinking_tokens: suppress the end-of-thinking tag until this many thinking tokens.
+        include_reasoning: return the reasoning text beside the answer (else drop it).
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    skip_special_tokens: bool = True
+    max_thinking_tokens: int | None = None
+    min_thinking_tokens: int = 0
+    include_reasoning: bool = True
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the sample is the argmax token (temperature 0)."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def max_new_tokens(self, max_model_len: int, prompt_len: int) -> int:
+        """Tokens this request may generate per sample within a `max_model_len` context."""
+        room = max_model_len - prompt_len
+        return room if self.max_tokens is None else min(self.max_tokens, room)
+
+    def validate(self, max_model_len: int | None = None, prompt_len: int | None = None) -> None:
+        """Raise `InvalidArgument` naming the first bad field; return None when all are valid.
+
+        Args:
+            max_model_len: the model's context window; enables the length check.
+            prompt_len: tokens in the prompt; with max_model_len checks prompt + max_tokens.
+        """
+        self._validate_sampling()
+        self._validate_penalties()
+        self._validate_lists()
+        self._validate_reasoning()
+        self._validate_length(max_model_len, prompt_len)
+
+    def _validate_sampling(self) -> None:
+        _require_real("temperature", self.temperature)
+        if self.temperature < 0:
+            raise InvalidArgument(
+                f"must be >= 0 (0 means greedy), got {self.temperature}", field="temperature"
+            )
+        _require_real("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgument(
+                f"must be in (0, 1] (1 disables nucleus sampling), got {self.top_p}",
+                field="top_p",
+            )
+        _require_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise InvalidArgument(
+                f"must be >= 1, or 0 / -1 to disable it, got {self.top_k}", field="top_k"
+            )
+        _require_real("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise InvalidArgument(
+                f"must be in [0, 1] (0 disables it), got {self.min_p}", field="min_p"
+            )
+        _require_int("n", self.n)
+        if self.n < 1:
+            raise InvalidArgument(f"must be >= 1, got {self.n}", field="n")
+        if self.seed is not None:
+            _require_int("seed", self.seed)
+            if not SEED_MIN <= self.seed <= SEED_MAX:
+                raise InvalidArgument(
+                    f"must fit in 64 bits ({SEED_MIN}..{SEED_MAX}), got {self.seed}",
+                    field="seed",
+                )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _require_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise InvalidArgument(
+                        f"must be in [0, {MAX_LOGPROBS}] (or unset for none), got {value}", field=name
+                    )
+
+    def _validate_penalties(self) -> None:
+        _require_real("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise InvalidArgument(
+                f"must be > 0 (1 disables it), got {self.repetition_penalty}",
+                field="repetition_penalty",
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _require_real(name, value)
+            if abs(value) > MAX_ABS_ADDITIVE_PENALTY:
+                raise InvalidArgument(
+                    f"must be in [-{MAX_ABS_ADDITIVE_PENALTY}, {MAX_ABS_ADDITIVE_PENALTY}], "
+                    f"got {value}",
+                    field=name,
+                )
+
+    def _validate_lists(self) -> None:
+        if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):
+            raise InvalidArgument("must be a list of strings", field="stop")
+        if any(s == "" for s in self.stop):
+            raise InvalidArgument("must not contain an empty string", field="stop")
+        for token_id in self.stop_token_ids:
+            _require_int("stop_token_ids", token_id)
+            if token_id < 0:
+                raise InvalidArgument(
+                    f"token ids must be >= 0, got {token_id}", field="stop_token_ids"
+                )
+
+    def _validate_reasoning(self) -> None:
+        if self.max_thinking_tokens is not None:
+            _require_int("max_thinking_tokens", self.max_thinking_tokens)
+            if self.max_thinking_tokens < 0:
+                raise InvalidArgument(
+                    f"must be >= 0 (or unset for no limit), got {self.max_thinking_tokens}",
+                    field="max_thinking_tokens",
+                )
+        _require_int("min_thinking_tokens", self.min_thinking_tokens)
+        if self.min_thinking_tokens < 0:
+            raise InvalidArgument(
+                f"must be >= 0, got {self.min_thinking_tokens}", field="min_thinking_tokens"
+            )
+        if (
+            self.max_thinking_tokens is not None
+            and self.min_thinking_tokens > self.max_thinking_tokens
+        ):
+            raise InvalidArgument(
+                f"({self.min_thinking_tokens}) must not exceed max_thinking_tokens "
+                f"({self.max_thinking_tokens}); lower it or raise max_thinking_tokens",
+                field="min_thinking_tokens",
+            )
+
+    def _validate_length(self, max_model_len: int | None, prompt_len: int | None) -> None:
+        if self.max_tokens is not None:
+            _require_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise InvalidArgument(f"must be >= 1, got {self.max_tokens}", field="max_tokens")
+        if max_model_len is None or prompt_len is None:
+            return
+        if prompt_len >= max_model_len:
+            raise InvalidArgument(
+                f"has {prompt_len} tokens but the model's context is {max_model_len} tokens; "
+                "shorten the prompt to leave room for at least one generated token",
+                field="prompt",
+            )
+        if self.max_tokens is not None and prompt_len + self.max_tokens > max_model_len:
+            raise InvalidArgument(
+                f"{self.max_tokens} plus the prompt's {prompt_len} tokens exceeds the "
+                f"model's context of {max_model_len}; set max_tokens to at most "
+                f"{max_model_len - prompt_len}",
+                field="max_tokens",
+            )
+
+
+def _require_real(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidArgument(f"must be a finite number, got {value!r}", field=name)
+
+
+def _require_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"must be an integer, got {value!r}", field=name)

@@ -1,0 +1,397 @@
+"""Fused mixture-of-experts layer: routing, token-to-expert alignment, grouped GEMMs.
+
+The layer runs as six launches and one reduction, none of which reads a value back to the
+host, so it can be captured in a CUDA graph:
+
+1. `route`: per token, softmax over the router logits, top-k (ties: the lower expert id),
+   renormalised when asked -> weights [T, k] fp32, ids [T, k] int32.
+2. `align_block_size` (three small launches): the T*k (token, slot) entries grouped by
+   expert, each group padded to a multiple of BLOCK_M with a sentinel. Every output has a
+   size fixed by T, k, E and BLOCK_M (T*k + E*(BLOCK_M - 1) entries at most); the padded
+   length lives on the device.
+3. First grouped GEMM: each program takes one BLOCK_M block of entries (all one expert's)
+   and BLOCK_N columns of both its gate and up rows, and applies the gated activation in
+   its epilogue -> intermediate [T*k, I].
+4. Second grouped GEMM: intermediate @ w2[expert].T (+ bias), times the entry's routing
+   weight in the epilogue -> [T*k, H] fp32; then a sum over the k slots -> [T, H], rounded
+   once (no atomics, so the result is deterministic).
+
+Blocks past the padded length return at once, so the grid is sized for the worst case.
+The design follows vLLM's Triton fused_moe. Torch references are in `moe_reference.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from cleave.kernels.attention_common import dot_settings
+from cleave.kernels.dispatch import Impl, use_triton
+from cleave.kernels.moe_reference import SILU, MoEActivation, fused_experts_reference, route_reference
+
+
+ALIGN_MAX_PROGRAMS = 64  # chunks the alignment's count and scatter kernels split the entries into
+
+
+@dataclass(frozen=True)
+class AlignedEntries:
+    """The (token, slot) entries grouped by expert for the grouped GEMMs.
+
+    `sorted_ids` [max_padded] int32: flat entry ids (token * k + slot), grouped by expert and
+    padded with `num_entries`; `expert_ids` [max_padded / block_size] int32: the expert of
+    each block (-1 past the padded length); `num_padded` [1] int32: the padded length.
+    """
+
+    sorted_ids: torch.Tensor
+    expert_ids: torch.Tensor
+    num_padded: torch.Tensor
+    block_size: int
+    num_entries: int
+
+
+@dataclass(frozen=True)
+class MoELaunch:
+    """Tile sizes of the grouped GEMMs."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+def moe_launch(num_entries: int, num_experts: int, out_features: int, in_features: int) -> MoELaunch:
+    """Tiles for the grouped GEMMs: BLOCK_M follows the entries per expert, so a decode
+    batch spread over many experts pads each group to 16 rows, not 64 (prefill)."""
+    per_expert = num_entries / num_experts
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    block_n = max(16, min(64, triton.next_power_of_2(out_features)))
+    block_k = max(16, min(64, triton.next_power_of_2(in_features)))
+    return MoELaunch(block_m, block_n, block_k, num_warps=4 if block_m <= 16 else 8)
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,  # [T, E]
+    out_weights_ptr,  # [T, TOP_K] fp32
+    out_ids_ptr,  # [T, TOP_K] int32
+    num_experts,
+    stride_logits,
+    TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < num_experts
+    logits = tl.load(logits_ptr + row * stride_logits + experts, mask=valid, other=float("-inf")).to(tl.float32)
+    exps = tl.where(valid, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
+    remaining = tl.where(valid, exps / tl.sum(exps, axis=0), -1.0)  # [E] probabilities
+    slots = tl.arange(0, BLOCK_K)
+    chosen_weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    chosen_ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for slot in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=0)
+        best_id = tl.min(tl.where(remaining == best, experts, BLOCK_E), axis=0)  # ties: lower id
+        chosen_weights = tl.where(slots == slot, best, chosen_weights)
+        chosen_ids = tl.where(slots == slot, best_id, chosen_ids)
+        remaining = tl.where(experts == best_id, -1.0, remaining)
+    if RENORMALIZE:
+        chosen_weights = chosen_weights / tl.sum(chosen_weights, axis=0)
+    tl.store(out_weights_ptr + row * TOP_K + slots, chosen_weights, mask=slots < TOP_K)
+    tl.store(out_ids_ptr + row * TOP_K + slots, chosen_ids, mask=slots < TOP_K)
+
+
+@triton.jit
+def _align_count_kernel(
+    topk_ids_ptr,  # [N] flat entries' expert ids
+    counts_ptr,  # [P, BLOCK_E] int32: entries per expert in each program's chunk
+    num_entries,
+    chunk,  # entries per program, a multiple of BLOCK_T
+    BLOCK_E: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    program = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(program * chunk, (program + 1) * chunk, BLOCK_T):
+        entries = start + tl.arange(0, BLOCK_T)
+        ids = tl.load(topk_ids_ptr + entries, mask=entries < num_entries, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    tl.store(counts_ptr + program * BLOCK_E + experts, counts)
+
+
+@triton.jit
+def _align_offsets_kernel(
+    counts_ptr,  # [P, BLOCK_E] int32
+    offsets_ptr,  # [P, BLOCK_E] int32: where each chunk's first entry of each expert goes
+    expert_ids_ptr,  # [max_blocks]
+    num_padded_ptr,  # [1]
+    num_programs,
+    num_experts,
+    max_blocks,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    # One program: pad each expert's count to BLOCK_SIZE, prefix-sum over experts (group
+    # starts) and over chunks (each chunk's place within its groups), label the blocks.
+    programs = tl.arange(0, BLOCK_P)
+    experts = tl.arange(0, BLOCK_E)
+    cells = programs[:, None] * BLOCK_E + experts[None, :]
+    program_valid = (programs < num_programs)[:, None]
+    counts = tl.load(counts_ptr + cells, mask=program_valid, other=0)  # [P, E]
+    before = tl.cumsum(counts, axis=0) - counts  # entries of earlier chunks, per expert
+    padded = (tl.sum(counts, axis=0) + BLOCK_SIZE - 1) // BLOCK_SIZE * BLOCK_SIZE
+    ends = tl.cumsum(padded, axis=0)  # [E] end of each expert's group
+    total = tl.sum(padded, axis=0)
+    tl.store(num_padded_ptr, total)
+    tl.store(offsets_ptr + cells, (ends - padded)[None, :] + before, mask=program_valid)
+    for start in range(0, max_blocks, BLOCK_T):
+        blocks = start + tl.arange(0, BLOCK_T)
+        first = blocks * BLOCK_SIZE
+        # the block's expert = how many groups end at or before its first entry
+        expert = tl.sum(((first[:, None] >= ends[None, :]) & (experts[None, :] < num_experts)).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + blocks, tl.where(first < total, expert, -1), mask=blocks < max_blocks)
+
+
+@triton.jit
+def _align_scatter_kernel(
+    topk_ids_ptr,  # [N]
+    offsets_ptr,  # [P, BLOCK_E]
+    sorted_ids_ptr,  # [max_padded], prefilled with N
+    num_entries,
+    num_experts,
+    chunk,
+    BLOCK_E: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    program = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    next_place = tl.load(offsets_ptr + program * BLOCK_E + experts)  # [E]
+    for start in range(program * chunk, (program + 1) * chunk, BLOCK_T):
+        entries = start + tl.arange(0, BLOCK_T)
+        ids = tl.load(topk_ids_ptr + entries, mask=entries < num_entries, other=-1)
+        one_hot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [BLOCK_T, E]
+        places = next_place[None, :] + tl.cumsum(one_hot, axis=0) - 1  # in entry order within each expert
+        place = tl.sum(tl.where(one_hot == 1, places, 0), axis=1)
+        is_entry = (entries < num_entries) & (ids >= 0) & (ids < num_experts)
+        tl.store(sorted_ids_ptr + place, entries, mask=is_entry)
+        next_place += tl.sum(one_hot, axis=0)
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr,  # [rows, K]: hidden [T, K] (ROW_DIV = top_k) or intermediate [T*k, K] (ROW_DIV = 1)
+    b_ptr,  # [E, N or 2N, K]
+    bias_ptr,  # [E, N or 2N] when HAS_BIAS
+    c_ptr,  # [T*k, N]
+    topk_weights_ptr,  # [T*k] fp32 when MUL_WEIGHT
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_padded_ptr,
+    N,
+    K,
+    num_entries,
+    stride_a,
+    stride_be,
+    stride_bn,
+    stride_bias,
+    stride_c,
+    alpha,
+    limit,
+    ROW_DIV: tl.constexpr,
+    GATED: tl.constexpr,
+    CLAMPED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    entry = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM]
+    row_valid = entry < num_entries
+    a_rows = a_ptr + (entry // ROW_DIV) * stride_a  # [BM]
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    col_valid = cols < N
+    b_expert = b_ptr + expert * stride_be
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_valid = ks < K
+        a = tl.load(a_rows[:, None] + ks[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+        b_mask = k_valid[:, None] & col_valid[None, :]
+        b = tl.load(b_expert + cols[None, :] * stride_bn + ks[:, None], mask=b_mask, other=0.0)  # [BK, BN]
+        acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+        if GATED:
+            b_up = tl.load(b_expert + (cols + N)[None, :] * stride_bn + ks[:, None], mask=b_mask, other=0.0)
+            acc_up = tl.dot(a.to(DOT_DTYPE), b_up.to(DOT_DTYPE), acc_up, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        bias_row = bias_ptr + expert * stride_bias
+        acc += tl.load(bias_row + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_row + N + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        if CLAMPED:
+            gate = tl.minimum(acc, limit)
+            up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+            acc = (up + 1.0) * gate * tl.sigmoid(gate * alpha)
+        else:
+            acc = acc * tl.sigmoid(acc) * acc_up
+    if MUL_WEIGHT:
+        acc = acc * tl.load(topk_weights_ptr + entry, mask=row_valid, other=0.0)[:, None]
+    c_ptrs = c_ptr + entry[:, None] * stride_c + cols[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
+
+
+def route(
+    router_logits: torch.Tensor,  # [T, E]
+    top_k: int,
+    renormalize: bool = True,
+    impl: Impl = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] fp32, ids [T, k] int32
+    """Top-k experts per token and their routing weights (see `route_reference`)."""
+    if not use_triton(router_logits, impl):
+        return route_reference(router_logits, top_k, renormalize)
+    num_tokens, num_experts = router_logits.shape
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k must be in 1..{num_experts}, got {top_k}")
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
+    if num_tokens:
+        _route_kernel[(num_tokens,)](
+            logits, weights, ids, num_experts, logits.stride(0),
+            TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(num_experts),
+            RENORMALIZE=renormalize,
+        )
+    return weights, ids
+
+
+def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: int) -> AlignedEntries:
+    """Group the flat (token, slot) entries by expert, each group padded to `block_size`,
+    on the device (outputs sized for the worst case: see `AlignedEntries`).
+
+    Three launches: per-chunk counts (up to ALIGN_MAX_PROGRAMS chunks side by side), one
+    program for the offsets and block labels, then each chunk scatters its entries."""
+    num_entries = topk_ids.numel()
+    max_padded = num_entries + num_experts * (block_size - 1)
+    max_blocks = triton.cdiv(max_padded, block_size)
+    max_padded = max_blocks * block_size
+    device = topk_ids.device
+    flat_ids = topk_ids.reshape(-1)
+    block_e = triton.next_power_of_2(num_experts)
+    block_t = max(16, min(128, 8192 // block_e))
+    num_programs = max(1, min(ALIGN_MAX_PROGRAMS, triton.cdiv(num_entries, block_t)))
+    chunk = max(1, triton.cdiv(triton.cdiv(num_entries, num_programs), block_t)) * block_t
+    num_programs = max(1, triton.cdiv(num_entries, chunk))
+    sorted_ids = torch.full((max_padded,), num_entries, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    counts = torch.empty(num_programs, block_e, dtype=torch.int32, device=device)
+    offsets = torch.empty_like(counts)
+    _align_count_kernel[(num_programs,)](flat_ids, counts, num_entries, chunk, BLOCK_E=block_e, BLOCK_T=block_t)
+    _align_offsets_kernel[(1,)](
+        counts, offsets, expert_ids, num_padded, num_programs, num_experts, max_blocks,
+        BLOCK_SIZE=block_size, BLOCK_E=block_e, BLOCK_P=triton.next_power_of_2(num_programs), BLOCK_T=block_t,
+        num_warps=8,
+    )
+    _align_scatter_kernel[(num_programs,)](
+        flat_ids, offsets, sorted_ids, num_entries, num_experts, chunk, BLOCK_E=block_e, BLOCK_T=block_t,
+    )
+    return AlignedEntries(sorted_ids, expert_ids, num_padded, block_size, num_entries)
+
+
+def _grouped_gemm(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    aligned: AlignedEntries,
+    launch: MoELaunch,
+    row_div: int,
+    activation: MoEActivation | None,
+    topk_weights: torch.Tensor | None,
+) -> None:
+    gated = activation is not None
+    out_features = out.shape[1]
+    dot_dtype, precision = dot_settings(a)
+    grid = (aligned.expert_ids.shape[0], triton.cdiv(out_features, launch.block_n))
+    _moe_gemm_kernel[grid](
+        a, weight, bias if bias is not None else weight, out,
+        topk_weights if topk_weights is not None else out,
+        aligned.sorted_ids, aligned.expert_ids, aligned.num_padded,
+        out_features, a.shape[1], aligned.num_entries,
+        a.stride(0), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0),
+        activation.alpha if gated else 0.0, activation.limit if gated else 0.0,
+        ROW_DIV=row_div, GATED=gated, CLAMPED=gated and activation.kind == "swiglu_clamped",
+        HAS_BIAS=bias is not None, MUL_WEIGHT=topk_weights is not None,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, num_warps=launch.num_warps,
+    )
+
+
+def fused_experts(
+    hidden: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, k] fp32
+    topk_ids: torch.Tensor,  # [T, k] int32
+    activation: MoEActivation = SILU,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    impl: Impl = "auto",
+) -> torch.Tensor:  # [T, H]
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) (see module docstring)."""
+    if not use_triton(hidden, impl):
+        return fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
+    num_tokens, hidden_size = hidden.shape
+    num_experts, inter2, _ = w13.shape
+    top_k = topk_ids.shape[1]
+    inter = inter2 // 2
+    for name, tensor in (("hidden", hidden), ("w13", w13), ("w2", w2)):
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    if num_tokens == 0:
+        return out
+    num_entries = num_tokens * top_k
+    launch = moe_launch(num_entries, num_experts, inter, hidden_size)
+    aligned = align_block_size(topk_ids.to(torch.int32), num_experts, launch.block_m)
+    intermediate = torch.empty(num_entries, inter, dtype=hidden.dtype, device=hidden.device)
+    _grouped_gemm(hidden, w13, w13_bias, intermediate, aligned, launch, top_k, activation, None)
+    # fp32 slot outputs: the sum over slots rounds once (one ulp in bf16, not k + 1 roundings)
+    per_slot = torch.empty(num_entries, hidden_size, dtype=torch.float32, device=hidden.device)
+    down_launch = moe_launch(num_entries, num_experts, hidden_size, inter)  # same block_m: same alignment
+    _grouped_gemm(intermediate, w2, w2_bias, per_slot, aligned, down_launch, 1, None,
+                  topk_weights.reshape(-1).to(torch.float32))
+    return per_slot.view(num_tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
+
+
+def fused_moe(
+    hidden: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    router_logits: torch.Tensor,  # [T, E]
+    top_k: int,
+    renormalize: bool = True,
+    activation: MoEActivation = SILU,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    impl: Impl = "auto",
+) -> torch.Tensor:  # [T, H]
+    """The MoE layer after its router GEMM: routing, then the experts (Triton on CUDA)."""
+    weights, ids = route(router_logits, top_k, renormalize, impl=impl)
+    return fused_experts(hidden, w13, w2, weights, ids, activation, w13_bias, w2_bias, impl=impl)

@@ -1,0 +1,58 @@
+"""Sparse mixture-of-experts feed-forward block (Qwen3-MoE, gpt-oss).
+
+A router Linear scores every expert per token; `cleave.kernels.fused_moe` picks the top-k,
+runs each token through its experts' SwiGLU MLPs and sums them by routing weight. Expert
+weights are stacked per layer in one layout whatever the checkpoint's (the loader converts):
+`w13` [E, 2I, H] is each expert's gate rows then its up rows, `w2` [E, H, I] its down
+projection, with optional biases `w13_bias` [E, 2I] and `w2_bias` [E, H].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cleave.kernels.dispatch import Impl
+from cleave.kernels.fused_moe import fused_moe
+from cleave.kernels.moe_reference import MoEActivation
+from cleave.model.config import ModelConfig
+
+
+class Experts(nn.Module):
+    """The stacked weights of one layer's experts."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        num_experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        if config.expert_bias:
+            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * inter))
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden))
+        else:
+            self.w13_bias = self.w2_bias = None
+
+
+class SparseMoeBlock(nn.Module):
+    """x -> sum over the top-k experts of weight_k * down_k(act(gate_k(x), up_k(x)))."""
+
+    def __init__(self, config: ModelConfig, impl: Impl = "auto") -> None:
+        super().__init__()
+        self.impl: Impl = impl
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        if config.swiglu_limit is None:
+            self.activation = MoEActivation("silu")
+        else:
+            self.activation = MoEActivation("swiglu_clamped", alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=config.router_bias)
+        self.experts = Experts(config)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [T, H] -> [T, H]
+        router_logits = self.router(hidden)  # [T, E]
+        experts = self.experts
+        return fused_moe(
+            hidden, experts.w13, experts.w2, router_logits, self.top_k, self.renormalize, self.activation,
+            experts.w13_bias, experts.w2_bias, impl=self.impl,
+        )

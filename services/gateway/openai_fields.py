@@ -1,0 +1,68 @@
+"""OpenAI request fields the gateway cannot honour: refused by name, never silently dropped.
+
+A client that sends `tools` expects tool calls back; answering with plain text as if the
+field were absent is worse than an error. So, as vLLM does for what it cannot serve, each
+field below is a 400 naming it when it asks for something (a null, an empty list or the
+field's no-op value such as `tool_choice: "none"` asks for nothing and passes). Fields that
+change nothing about the output (`user`, `metadata`, `store`, `service_tier`) are accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cleave.errors import InvalidArgument
+
+# field -> why it is refused (the message tells the client what to do instead)
+_REFUSED_BOTH = {
+    "logit_bias": "per-token logit biases are not supported",
+    "response_format": "structured output (JSON mode, JSON schema) is not supported; only {\"type\": \"text\"}",
+    "guided_json": "guided decoding is not supported",
+    "guided_regex": "guided decoding is not supported",
+    "guided_choice": "guided decoding is not supported",
+    "guided_grammar": "guided decoding is not supported",
+}
+_REFUSED_CHAT = {
+    "tools": "tool calling is not supported; describe the tools in the messages instead",
+    "tool_choice": "tool calling is not supported (only \"none\")",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported (only \"none\")",
+    "parallel_tool_calls": "tool calling is not supported",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported ([\"text\"])",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+}
+_REFUSED_COMPLETIONS = {
+    "suffix": "suffix (insertion) is not supported",
+    "best_of": "best_of larger than n is not supported; use n, or the gRPC API's best-of-N scaling",
+}
+
+
+def _asks_nothing(name: str, value: Any, body: dict[str, Any]) -> bool:
+    """Whether a refusable field holds its no-op value."""
+    if value is None or value == [] or value == {} or value == "":
+        return True
+    if name in ("tool_choice", "function_call"):
+        return value == "none"
+    if name == "parallel_tool_calls":
+        return value is False or not body.get("tools")
+    if name == "response_format":
+        return isinstance(value, dict) and value.get("type") == "text"
+    if name == "modalities":
+        return value == ["text"]
+    if name == "best_of":
+        return isinstance(value, int) and not isinstance(value, bool) and value <= max(1, _int(body.get("n"), 1))
+    return False
+
+
+def _int(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
+    """Raise InvalidArgument naming the first field of `body` this gateway cannot honour."""
+    refused = {**_REFUSED_BOTH, **(_REFUSED_CHAT if chat else _REFUSED_COMPLETIONS)}
+    for name, reason in refused.items():
+        if name in body and not _asks_nothing(name, body[name], body):
+            raise InvalidArgument(reason, field=name)

@@ -1,0 +1,65 @@
+"""bench/common.py result naming: every run writes new files, stamped with its UTC time."""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+# Scripts that still pass a fixed stem to write_results; each reruns over its last result.
+FIXED_NAME_SCRIPTS: set[str] = set()
+
+
+@pytest.fixture(scope="module")
+def common():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("bench_common", BENCH / "common.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_common"] = module  # its dataclasses look their module up while being built
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        yield module
+    finally:
+        sys.modules.pop("bench_common", None)
+
+
+def test_run_name_and_path_carry_the_utc_time(common):
+    moment = datetime.datetime(2026, 12, 3, 20, 45, 39, tzinfo=datetime.timezone(datetime.timedelta(hours=2)))
+    assert common.run_name("decode", moment) == "decode-20261203T184539Z"
+    assert common.run_path("results/prefill.json", moment) == Path("results/prefill-20261203T184539Z.json")
+    assert common.run_path("results/test_time_scaling", moment) == Path("results/test_time_scaling-20261203T184539Z")
+
+
+def test_two_runs_leave_the_committed_result_and_each_other_alone(common, tmp_path):
+    committed = tmp_path / "decode.json"
+    committed.write_text('{"rows": ["committed"]}')
+    first = datetime.datetime(2026, 12, 3, 18, 45, 39, tzinfo=datetime.timezone.utc)
+    for offset, value in enumerate(("first", "second")):
+        name = common.run_name("decode", first + datetime.timedelta(seconds=offset))
+        common.write_results(tmp_path, name, [{"value": value}], ["value"], argv=["bench/decode.py"])
+    assert json.loads(committed.read_text()) == {"rows": ["committed"]}
+    written = sorted(path.name for path in tmp_path.glob("decode-*.json"))
+    assert written == ["decode-20261203T184539Z.json", "decode-20261203T184540Z.json"]
+    assert json.loads((tmp_path / written[1]).read_text())["rows"] == [{"value": "second"}]
+    assert (tmp_path / "decode-20261203T184540Z.md").read_text().startswith("# decode-20261203T184540Z")
+
+
+def fixed_result_names(script: Path) -> list[int]:
+    """Lines where `script` passes a literal (or f-string) stem to write_results."""
+    lines = []
+    for node in ast.walk(ast.parse(script.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "write_results" and len(node.args) > 1:
+            if isinstance(node.args[1], (ast.Constant, ast.JoinedStr)):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_bench_scripts_name_results_per_run():
+    offenders = {script.name: fixed_result_names(script) for script in sorted(BENCH.glob("*.py"))
+                 if script.name not in FIXED_NAME_SCRIPTS}
+    assert {name: lines for name, lines in offenders.items() if lines} == {}

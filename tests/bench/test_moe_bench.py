@@ -1,0 +1,53 @@
+"""bench/moe.py: argument parsing and a dry run at tiny shapes on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+MOE = Path(__file__).resolve().parents[2] / "bench" / "moe.py"
+
+
+@pytest.fixture(scope="module")
+def bench():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("bench_moe", MOE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_moe"] = module  # its dataclasses look their module up while being built
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        yield module
+    finally:
+        sys.modules.pop("bench_moe", None)
+
+
+def test_defaults_are_the_h200_plan(bench):
+    args = bench.parse_args([])
+    assert args.tokens == [1, 16, 64, 512, 8192] and args.batch == [1, 64] and args.part == "all"
+    assert not args.no_compile and not args.dry_run
+    shape = bench.MoEShape()
+    assert (shape.hidden, shape.inter, shape.experts, shape.top_k, shape.layers) == (2048, 768, 128, 8, 48)
+    custom = bench.parse_args(["--part", "layer", "--tokens", "2,4", "--batch", "8", "--context", "64"])
+    assert (custom.part, custom.tokens, custom.batch, custom.context) == ("layer", [2, 4], [8], 64)
+
+
+def test_dry_run_writes_both_parts(bench, tmp_path):
+    results = bench.main(["--dry-run", "--out", str(tmp_path)])
+    layer = results["layer"]
+    methods = {row["method"] for row in layer}
+    assert methods == {"fused", "reference", "transformers"}  # torch.compile skipped in a dry run
+    assert all("error" not in row and row["us"] > 0 for row in layer)
+    assert all(row["max_diff"] < 1e-4 for row in layer)  # fused and transformers agree with the reference
+    assert {row["tokens"] for row in layer} == {1, 3}
+    decode = results["decode"]
+    assert [row["batch"] for row in decode] == [1, 2]
+    for row in decode:
+        assert 1 <= row["touched_experts_per_layer"] <= 2 * row["batch"] and row["bytes_gb"] > 0
+    (decode_file,) = tmp_path.glob("moe-decode-*.json")  # one file per run, named by its UTC time
+    saved = json.loads(decode_file.read_text())
+    assert saved["summary"]["shape"]["experts"] == 8 and len(saved["rows"]) == 2
+    (layer_file,) = tmp_path.glob("moe-layer-*.md")
+    assert layer_file.read_text().startswith("# moe-layer")

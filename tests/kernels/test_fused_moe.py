@@ -1,0 +1,161 @@
+"""Fused MoE kernels (routing, alignment, grouped GEMMs) against their torch references, in
+the interpreter with tiny shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cleave.kernels.fused_moe import align_block_size, fused_experts, fused_moe, route
+from cleave.kernels.moe_reference import (
+    MoEActivation,
+    align_block_size_reference,
+    fused_moe_reference,
+    route_reference,
+)
+from tests.kernels.ulp import assert_close_ulps
+
+HIDDEN, INTER, EXPERTS = 32, 64, 8
+
+
+def _weights(dtype: torch.dtype, seed: int, bias: bool = False):
+    generator = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=generator) * 0.2).to(dtype)
+    w2 = (torch.randn(EXPERTS, HIDDEN, INTER, generator=generator) * 0.2).to(dtype)
+    if not bias:
+        return w13, w2, None, None
+    w13_bias = (torch.randn(EXPERTS, 2 * INTER, generator=generator) * 0.5).to(dtype)
+    w2_bias = (torch.randn(EXPERTS, HIDDEN, generator=generator) * 0.5).to(dtype)
+    return w13, w2, w13_bias, w2_bias
+
+
+def _ragged_logits(num_tokens: int, seed: int) -> torch.Tensor:
+    """Router logits that send most entries to experts 0-2, a few elsewhere and none to 5."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, EXPERTS, generator=generator)
+    logits[:, :3] += 2.0
+    logits[:, 5] = -30.0
+    return logits
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    else:  # the activation, rounded to bf16 between the GEMMs, may differ by one ulp where the
+        # first GEMM's sums straddle a rounding boundary: two ulps, or one of the largest output
+        assert_close_ulps(actual, expected, ulps=2, atol=expected.float().abs().amax().item() * 2 ** -7)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 17, 72])  # 72: 18 entries per expert, 32-row blocks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_matches_reference(num_tokens, dtype):
+    torch.manual_seed(num_tokens)
+    hidden = torch.randn(num_tokens, HIDDEN).to(dtype)
+    w13, w2, _, _ = _weights(dtype, seed=num_tokens)
+    logits = _ragged_logits(num_tokens, seed=num_tokens).to(dtype)
+    top_k = 2
+    expected = fused_moe_reference(hidden, w13, w2, logits, top_k)
+    actual = fused_moe(hidden, w13, w2, logits, top_k, impl="triton")
+    _assert_close(actual, expected)
+    assert expected.abs().amax() > 0.1  # the experts contribute
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clamped_swiglu_with_biases_matches_reference(dtype):
+    """gpt-oss's experts: biases in both GEMMs and the clamped activation (its limit reached)."""
+    hidden = (torch.randn(17, HIDDEN, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    w13, w2, w13_bias, w2_bias = _weights(dtype, seed=4, bias=True)
+    logits = _ragged_logits(17, seed=5).to(dtype)
+    activation = MoEActivation("swiglu_clamped", alpha=1.702, limit=1.5)
+    gate_up = hidden.float() @ w13[0].float().t()
+    assert (gate_up.abs() > activation.limit).any()  # the clamp matters
+    expected = fused_moe_reference(hidden, w13, w2, logits, 4, True, activation, w13_bias, w2_bias)
+    actual = fused_moe(hidden, w13, w2, logits, 4, True, activation, w13_bias, w2_bias, impl="triton")
+    _assert_close(actual, expected)
+    unclamped = fused_moe_reference(hidden, w13, w2, logits, 4, True, MoEActivation("swiglu_clamped", limit=1e9),
+                                    w13_bias, w2_bias)
+    assert (unclamped.float() - expected.float()).abs().amax() > 0.1
+
+
+def test_route_ties_pick_lower_expert_and_renormalise():
+    logits = torch.tensor(
+        [
+            [1.0, 3.0, 3.0, 0.0, 3.0, -1.0, 2.0, 0.5],  # three-way tie at the top
+            [0.0] * EXPERTS,  # all equal
+            [5.0, -2.0, 1.0, 1.0, 0.0, 4.0, 0.0, -3.0],
+        ]
+    )
+    for renormalize in (True, False):
+        weights, ids = route(logits, 2, renormalize, impl="triton")
+        expected_weights, expected_ids = route_reference(logits, 2, renormalize)
+        assert ids.tolist() == [[1, 2], [0, 1], [0, 5]] == expected_ids.tolist()
+        torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
+    weights, _ = route(logits, 2, True, impl="triton")
+    torch.testing.assert_close(weights.sum(dim=-1), torch.ones(3))
+    # renormalised softmax of the top-k == softmax over the top-k logits (gpt-oss's router)
+    torch.testing.assert_close(weights[2], torch.softmax(torch.tensor([5.0, 4.0]), dim=0))
+
+
+@pytest.mark.parametrize(("num_tokens", "top_k", "block_size"),
+                         [(1, 2, 16), (3, 4, 16), (17, 2, 16), (40, 3, 32), (100, 3, 16)])
+def test_align_groups_entries_by_expert_in_fixed_size_outputs(num_tokens, top_k, block_size):
+    """Up to 128 entries are one chunk; 300 are three, counted and scattered side by side."""
+    _, ids = route_reference(_ragged_logits(num_tokens, seed=num_tokens), top_k, True)
+    aligned = align_block_size(ids, EXPERTS, block_size)
+    sorted_ids, expert_ids, padded = align_block_size_reference(ids, EXPERTS, block_size)
+    max_blocks = -(-(num_tokens * top_k + EXPERTS * (block_size - 1)) // block_size)
+    assert aligned.sorted_ids.shape == (max_blocks * block_size,)  # from T, k, E and the block only
+    assert aligned.expert_ids.shape == (max_blocks,)
+    assert int(aligned.num_padded) == padded
+    assert torch.equal(aligned.sorted_ids[:padded], sorted_ids)
+    assert (aligned.sorted_ids[padded:] == num_tokens * top_k).all()
+    assert torch.equal(aligned.expert_ids[: padded // block_size], expert_ids)
+    assert (aligned.expert_ids[padded // block_size :] == -1).all()
+    assert 5 not in expert_ids.tolist()  # an expert without entries gets no block
+
+
+def test_fused_experts_with_given_routing_and_a_lone_expert():
+    """Every token on one expert (the others idle), given ids and weights directly."""
+    hidden = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(9))
+    w13, w2, _, _ = _weights(torch.float32, seed=9)
+    ids = torch.tensor([[6], [6], [6]], dtype=torch.int32)
+    weights = torch.tensor([[1.0], [0.5], [0.25]])
+    actual = fused_experts(hidden, w13, w2, weights, ids, impl="triton")
+    gate, up = (hidden @ w13[6].t()).chunk(2, dim=-1)
+    expected = (torch.nn.functional.silu(gate) * up) @ w2[6].t() * weights
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 64, 512, 4096])
+def test_qwen3_30b_shapes_match_reference_on_gpu(num_tokens):
+    """Qwen3-30B-A3B's MoE block (128 experts of 768, top-8, hidden 2048) in bf16."""
+    generator = torch.Generator(device="cuda").manual_seed(num_tokens)
+    w13 = torch.randn(128, 1536, 2048, device="cuda", generator=generator).mul_(2048**-0.5).bfloat16()
+    w2 = torch.randn(128, 2048, 768, device="cuda", generator=generator).mul_(768**-0.5).bfloat16()
+    hidden = torch.randn(num_tokens, 2048, device="cuda", generator=generator).bfloat16()
+    logits = torch.randn(num_tokens, 128, device="cuda", generator=generator).bfloat16()
+    expected = fused_moe_reference(hidden, w13, w2, logits, 8)
+    actual = fused_moe(hidden, w13, w2, logits, 8)  # auto: Triton on CUDA
+    # the GPU's bf16 tensor-core products accumulate in another order than the reference
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=2 ** -6, atol=2 ** -6)
+
+
+@pytest.mark.gpu
+def test_fused_moe_replays_in_a_cuda_graph_with_new_routing():
+    """No host sync: captured once, replayed with other tokens and router logits."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=generator) * 0.2
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=generator) * 0.2
+    hidden = torch.randn(17, HIDDEN, device="cuda", generator=generator)
+    logits = torch.randn(17, EXPERTS, device="cuda", generator=generator)
+    fused_moe(hidden, w13, w2, logits, 2)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(hidden, w13, w2, logits, 2)
+    for seed in (1, 2):
+        hidden.copy_(torch.randn(17, HIDDEN, device="cuda", generator=generator.manual_seed(seed)))
+        logits.copy_(_ragged_logits(17, seed).cuda())
+        graph.replay()
+        torch.testing.assert_close(out, fused_moe_reference(hidden, w13, w2, logits, 2), rtol=1e-4, atol=1e-4)

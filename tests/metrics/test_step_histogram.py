@@ -1,0 +1,34 @@
+"""The step loop's lock-free histogram: Prometheus buckets, exact counts."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.registry import Collector
+
+from cleave.metrics.step_histogram import StepHistogram
+
+
+class _One(Collector):
+    def __init__(self, histogram: StepHistogram) -> None:
+        self.histogram = histogram
+
+    def collect(self):
+        yield self.histogram.family("cleave:x_seconds", "x", {"worker_id": "w"})
+
+
+def test_samples_land_in_le_buckets_cumulatively():
+    histogram = StepHistogram([0.001, 0.01, 0.1])
+    for sample in (0.0005, 0.001, 0.002, 0.05, 3.0):
+        histogram.observe(sample)
+    registry = CollectorRegistry()
+    registry.register(_One(histogram))
+    get = lambda le: registry.get_sample_value("cleave:x_seconds_bucket", {"worker_id": "w", "le": le})  # noqa: E731
+    assert [get("0.001"), get("0.01"), get("0.1"), get("+Inf")] == [2, 3, 4, 5]  # 0.001 is <= 0.001
+    assert registry.get_sample_value("cleave:x_seconds_count", {"worker_id": "w"}) == 5
+    assert registry.get_sample_value("cleave:x_seconds_sum", {"worker_id": "w"}) == pytest.approx(3.0535)
+
+
+def test_bounds_must_increase():
+    with pytest.raises(ValueError, match="increase"):
+        StepHistogram([0.1, 0.01])

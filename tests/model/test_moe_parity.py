@@ -1,0 +1,125 @@
+"""Qwen3-MoE and gpt-oss against transformers on tiny random checkpoints (CPU, fp32), on the
+torch references and on the Triton kernels (interpreter)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cleave.model.config import ModelConfig
+from cleave.model.llama import DecoderLayer
+from cleave.model.loader import load_model
+from cleave.model.moe import SparseMoeBlock
+from cleave.model.tokenizer import Tokenizer
+from cleave.testing.tiny_models import MOE_ARCHITECTURES, write_tiny_checkpoint
+from tests.model.test_llama_parity import TOLERANCE, greedy_generate, prompt_ids, run_chunks
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-moe")
+    paths = {arch: write_tiny_checkpoint(root / arch, arch, seed=20 + i) for i, arch in enumerate(MOE_ARCHITECTURES)}
+    paths["qwen3-moe-unnormalised"] = write_tiny_checkpoint(
+        root / "qwen3-moe-unnormalised", "qwen3-moe", seed=30, norm_topk_prob=False, decoder_sparse_step=2,
+        mlp_only_layers=[],
+    )
+    return paths
+
+
+@pytest.fixture(scope="module")
+def moe_hf_models(moe_checkpoints: dict[str, Path]) -> dict[str, torch.nn.Module]:
+    import transformers
+
+    return {
+        name: transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        for name, path in moe_checkpoints.items()
+    }
+
+
+def test_configs_name_their_sparse_layers_windows_and_extras(moe_checkpoints):
+    qwen = ModelConfig.from_pretrained(moe_checkpoints["qwen3-moe"])
+    assert qwen.moe_layers == (0, 2) and qwen.num_experts == 8 and qwen.num_experts_per_tok == 2
+    assert qwen.qk_norm and qwen.norm_topk_prob and not qwen.attention_sinks
+    unnormalised = ModelConfig.from_pretrained(moe_checkpoints["qwen3-moe-unnormalised"])
+    assert unnormalised.moe_layers == (1,) and not unnormalised.norm_topk_prob  # decoder_sparse_step 2
+    oss = ModelConfig.from_pretrained(moe_checkpoints["gpt-oss"])
+    assert oss.moe_layers == (0, 1) and oss.attention_sinks and oss.o_proj_bias and oss.expert_bias
+    assert (oss.layer_sliding_window(0), oss.layer_sliding_window(1)) == (6, None)
+    assert oss.swiglu_limit == 1.0 and oss.rope_scaling["rope_type"] == "yarn"
+    raw = json.loads((moe_checkpoints["gpt-oss"] / "config.json").read_text())
+    del raw["layer_types"]  # as transformers fills it in: sliding first, then alternating
+    assert ModelConfig.from_dict(raw).layer_types == ("sliding_attention", "full_attention")
+
+    model = load_model(moe_checkpoints["qwen3-moe"], impl="torch")
+    kinds = [type(layer.mlp) for layer in model.layers]
+    assert kinds[0] is SparseMoeBlock and kinds[2] is SparseMoeBlock and kinds[1] is not SparseMoeBlock
+    assert isinstance(model.layers[0], DecoderLayer)
+    assert not model.fold_norm_weights().norms_folded  # no fused decode layouts for MoE
+
+
+def test_unsupported_quantization_is_refused(moe_checkpoints, tmp_path):
+    raw = json.loads((moe_checkpoints["qwen3-moe"] / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4"}
+    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM with quantization_config quant_method='mxfp4'"):
+        ModelConfig.from_dict(raw)
+    raw = json.loads((moe_checkpoints["gpt-oss"] / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    with pytest.raises(ValueError, match=r"quant_method='gptq' is not supported \(supported: mxfp4\)"):
+        ModelConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("name", [*MOE_ARCHITECTURES, "qwen3-moe-unnormalised"])
+@torch.no_grad()
+def test_prefill_chunks_and_decode_steps_match_transformers(name, moe_checkpoints, moe_hf_models):
+    model = load_model(moe_checkpoints[name], impl="torch")
+    input_ids = prompt_ids(model.config.vocab_size)  # 64 tokens, well past gpt-oss's 6-token window
+    expected = moe_hf_models[name](input_ids[None]).logits[0].float()
+    assert (run_chunks(model, input_ids, [64]) - expected).abs().max().item() <= TOLERANCE
+    assert (run_chunks(model, input_ids, [40, 21, 1, 1, 1]) - expected).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", MOE_ARCHITECTURES)
+@torch.no_grad()
+def test_greedy_continuation_matches_generate(name, moe_checkpoints, moe_hf_models):
+    path = moe_checkpoints[name]
+    model = load_model(path, impl="torch")
+    prompt = prompt_ids(model.config.vocab_size).tolist()
+    ours = greedy_generate(model, prompt, 32, Tokenizer.from_pretrained(path).eos_token_ids)
+    hf_out = moe_hf_models[name].generate(
+        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=32, do_sample=False,
+    )
+    assert ours == hf_out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", MOE_ARCHITECTURES)
+@torch.no_grad()
+def test_triton_kernels_match_transformers(name, moe_checkpoints, moe_hf_models):
+    """Every op on its Triton kernel (the fused MoE, attention with sinks and windows): a
+    prefill, a chunk over a cached prefix, single-token decode steps and a two-token step."""
+    model = load_model(moe_checkpoints[name], impl="triton")
+    input_ids = prompt_ids(model.config.vocab_size, 24)
+    expected = moe_hf_models[name](input_ids[None]).logits[0].float()
+    assert (run_chunks(model, input_ids, [12, 7, 1, 1, 1, 2]) - expected).abs().max().item() <= TOLERANCE
+
+
+@torch.no_grad()
+def test_gpt_oss_sinks_window_and_clamp_each_change_the_logits(moe_checkpoints, moe_hf_models):
+    """The checkpoint exercises what sets gpt-oss apart: removing any of them moves the logits."""
+    path = moe_checkpoints["gpt-oss"]
+    input_ids = prompt_ids(moe_hf_models["gpt-oss"].config.vocab_size, 24)
+    expected = moe_hf_models["gpt-oss"](input_ids[None]).logits[0].float()
+    model = load_model(path, impl="torch")
+    for layer in model.layers:
+        layer.self_attn.sinks.fill_(-1e4)
+    assert (run_chunks(model, input_ids, [24]) - expected).abs().max().item() > 100 * TOLERANCE
+    model = load_model(path, impl="torch")
+    model.layers[0].self_attn.sliding_window = None
+    assert (run_chunks(model, input_ids, [24]) - expected).abs().max().item() > 100 * TOLERANCE
+    model = load_model(path, impl="torch")
+    for layer in model.layers:
+        layer.mlp.activation = type(layer.mlp.activation)("swiglu_clamped", alpha=1.702, limit=1e9)
+    assert (run_chunks(model, input_ids, [24]) - expected).abs().max().item() > 100 * TOLERANCE

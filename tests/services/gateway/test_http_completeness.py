@@ -1,0 +1,183 @@
+"""The parts of the OpenAI HTTP API that clients beyond chat rely on: lm-eval's harness
+(echo, prompt logprobs, batches of prompts, /tokenize), model lookup, OpenAI-shaped errors
+for every path, and refusing what the gateway cannot honour. Each test runs on a
+disaggregated and a colocated stack."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+
+from cleave.generation.sampling_params import SamplingParams
+from tests.services.gateway.helpers import reference_llm
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+CONTEXT = "The quick brown fox"
+CONTINUATION = " jumps over the lazy dog"
+
+
+def client(stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=stack.http_url, api_key="unused", max_retries=0)
+
+
+def root(stack) -> str:
+    return stack.http_url.removesuffix("/v1")
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_continuation_logprob(hf_model, context_ids: list[int], continuation_ids: list[int]) -> float:
+    """transformers' summed logprob of `continuation_ids` after `context_ids`."""
+    ids = context_ids + continuation_ids
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return sum(logprobs[p - 1, ids[p]].item() for p in range(len(context_ids), len(ids)))
+
+
+async def tokenize(stack, text: str) -> list[int]:
+    async with httpx.AsyncClient() as http:
+        response = await http.post(f"{root(stack)}/tokenize", json={"model": "tiny", "prompt": text,
+                                                                     "add_special_tokens": False})
+    assert response.status_code == 200, response.text
+    return response.json()["tokens"]
+
+
+async def test_lm_eval_loglikelihood_requests_score_the_continuation(stack, model_dir, hf_model):
+    # lm-eval's local-completions: token-id prompts (context + continuation), echo, logprobs 1,
+    # sums token_logprobs[ctxlen:-1] with max_tokens 1; the same with max_tokens 0 and [ctxlen:]
+    context, continuation = await tokenize(stack, CONTEXT), await tokenize(stack, CONTINUATION)
+    short = context[:2]
+    prompts = [context + continuation, short + continuation]
+    expected = [hf_continuation_logprob(hf_model, context, continuation),
+                hf_continuation_logprob(hf_model, short, continuation)]
+    (engine,) = reference_llm(model_dir).generate(prompts[0], SamplingParams(max_tokens=1, prompt_logprobs=1))
+    engine_sum = sum(entry.logprob for entry in engine.prompt_logprobs[len(context):])
+    for max_tokens, stop in ((1, -1), (0, None)):
+        response = await client(stack).completions.create(
+            model="tiny", prompt=prompts, echo=True, max_tokens=max_tokens, logprobs=1, temperature=0.0, seed=1)
+        assert [choice.index for choice in response.choices] == [0, 1]
+        for choice, prompt, context_ids, want in zip(response.choices, prompts, (context, short), expected):
+            logprobs = choice.logprobs
+            assert len(logprobs.tokens) == len(prompt) + max_tokens
+            assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+            scored = logprobs.token_logprobs[len(context_ids):stop]
+            assert sum(scored) == pytest.approx(want, abs=1e-3)
+            for value, top in zip(scored, logprobs.top_logprobs[len(context_ids):stop]):
+                assert len(top) == 1 and max(top.values()) >= value - 1e-6  # lm-eval's is_greedy reads this
+            assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+        assert sum(response.choices[0].logprobs.token_logprobs[len(context):stop]) == pytest.approx(engine_sum, abs=1e-4)
+    assert response.usage.completion_tokens == 0
+    assert response.usage.prompt_tokens == sum(len(prompt) for prompt in prompts)
+    assert response.choices[0].text == CONTEXT + CONTINUATION  # echo alone: the prompt's text
+
+
+async def test_a_list_of_prompts_gets_one_choice_per_prompt_in_order(stack):
+    prompts = ["The quick brown fox", "Why is the sky", "Once upon a time there"]
+    batch = await client(stack).completions.create(model="tiny", prompt=prompts, max_tokens=4, temperature=0.0, n=2)
+    assert [choice.index for choice in batch.choices] == list(range(6))
+    for position, prompt in enumerate(prompts):
+        single = await client(stack).completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0.0)
+        assert batch.choices[2 * position].text == batch.choices[2 * position + 1].text == single.choices[0].text
+    assert batch.usage.completion_tokens == 6 * 4
+
+
+async def test_a_raw_completion_returns_the_thinking_text_too(stack, model_dir):
+    (reference,) = reference_llm(model_dir).generate(CONTEXT, SamplingParams(max_tokens=8, temperature=0.0), raw=True)
+    response = await client(stack).completions.create(model="tiny", prompt=CONTEXT, max_tokens=8, temperature=0.0)
+    whole = reference.outputs[0].reasoning_text + reference.outputs[0].text
+    assert response.choices[0].text == whole and whole  # nothing dropped as "reasoning"
+
+
+async def test_completion_text_offsets_index_the_text(stack):
+    response = await client(stack).completions.create(model="tiny", prompt=CONTEXT, max_tokens=6, temperature=0.0,
+                                                      logprobs=2)
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.text_offset) == len(logprobs.tokens) == 6
+    offsets = [sum(len(token) for token in logprobs.tokens[:i]) for i in range(6)]
+    assert logprobs.text_offset == offsets
+
+
+async def test_tokenize_and_detokenize_round_trip(stack, model_dir):
+    tokens = await tokenize(stack, CONTEXT)
+    assert tokens == reference_llm(model_dir).tokenizer.encode(CONTEXT, add_special_tokens=False)
+    async with httpx.AsyncClient() as http:
+        counted = (await http.post(f"{root(stack)}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})).json()
+        text = (await http.post(f"{root(stack)}/detokenize", json={"tokens": tokens})).json()
+        bad = await http.post(f"{root(stack)}/detokenize", json={"tokens": [10**6]})
+    assert counted["count"] == len(counted["tokens"]) > 1 and counted["max_model_len"] > 0
+    assert text == {"prompt": CONTEXT}
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+async def test_a_model_is_looked_up_by_id(stack):
+    model = await client(stack).models.retrieve("tiny")
+    assert model.id == "tiny" and model.object == "model"
+    with pytest.raises(openai.NotFoundError) as raised:
+        await client(stack).models.retrieve("other/model")
+    assert raised.value.body["code"] == "model_not_found"
+
+
+async def test_unknown_paths_and_methods_answer_openai_shaped_json(stack):
+    async with httpx.AsyncClient() as http:
+        missing = await http.post(f"{stack.http_url}/embeddings", json={})
+        wrong_method = await http.get(f"{stack.http_url}/completions")
+    assert missing.status_code == 404
+    assert set(missing.json()["error"]) == {"message", "type", "param", "code"}
+    assert "/v1/embeddings" in missing.json()["error"]["message"]
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "required"),
+    ("functions", [{"name": "f", "parameters": {}}]),
+    ("response_format", {"type": "json_object"}),
+    ("logit_bias", {"5": 10}),
+])
+async def test_what_cannot_be_honoured_is_refused_by_name(stack, field, value):
+    with pytest.raises(openai.BadRequestError) as raised:
+        await client(stack).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body={field: value})
+    assert raised.value.body["param"] == field
+
+
+async def test_harmless_fields_and_no_op_values_are_accepted(stack):
+    response = await client(stack).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, user="someone",
+        tool_choice="none", response_format={"type": "text"}, extra_body={"tools": None})
+    assert response.choices[0].finish_reason == "length"
+
+
+async def test_null_content_is_refused_naming_the_message(stack):
+    with pytest.raises(openai.BadRequestError) as raised:
+        await client(stack).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}, {"role": "user", "content": None}], max_tokens=2)
+    assert raised.value.body["param"] == "messages[1].content"
+
+
+async def test_max_tokens_zero_needs_echo(stack):
+    with pytest.raises(openai.BadRequestError) as raised:
+        await client(stack).completions.create(model="tiny", prompt=CONTEXT, max_tokens=0)
+    assert raised.value.body["param"] == "max_tokens"
+
+
+async def test_grpc_generate_returns_the_prompts_scores_once(stack, model_dir):
+    from cleave.client import GatewayClient
+
+    prompt = [5, 17, 42, 9, 33, 71, 2, 88]
+    (engine,) = reference_llm(model_dir).generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=2))
+    async with GatewayClient(stack.gateway_address) as grpc_client:
+        responses = [r async for r in grpc_client.generate(prompt, max_tokens=3, temperature=0.0, prompt_logprobs=2)]
+    scored = [r for r in responses if r.prompt_logprobs]
+    assert len(scored) == 1 and list(scored[0].prompt_token_ids) == prompt
+    assert [e.sampled.token_id for e in scored[0].prompt_logprobs] == prompt[1:]
+    assert [e.sampled.logprob for e in scored[0].prompt_logprobs] == pytest.approx(
+        [entry.logprob for entry in engine.prompt_logprobs[1:]], abs=1e-4)
+    assert all(len(e.top) == 2 for e in scored[0].prompt_logprobs)

@@ -1,0 +1,134 @@
+"""The HTTP API against its OpenAPI schema (`services/gateway/openapi.yaml`), fuzzed by
+schemathesis on a live colocated stack: inputs that fit the schema and inputs that break
+it (wrong types, out-of-range numbers, missing fields) must never answer 5xx, every answer
+must be documented (status, content type, body shape), and the stack must still serve a
+normal request afterwards.
+
+Generation is derandomized with a fixed example budget per operation, so a run is
+repeatable and bounded; expensive-but-valid values (many samples, long outputs) are capped
+before sending, since they cost CPU time and test nothing about validation.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+import yaml
+from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+import services.gateway
+from services.gateway.http_api import OpenAIApi
+from tests.services.gateway.stack import MODEL_NAME
+from tests.services.gateway.threaded_stack import threaded_stack
+
+SCHEMA_PATH = Path(services.gateway.__file__).parent / "openapi.yaml"
+EXAMPLES_PER_OPERATION = 25  # per generation mode
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+MAX_FUZZ_TOKENS = 4
+MAX_FUZZ_SAMPLES = 2
+UINT32_MAX = 2**32 - 1
+REQUEST_TIMEOUT_S = 20.0
+
+
+def load_schema() -> dict[str, Any]:
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+@pytest.fixture(scope="module")
+def live(model_dir):
+    """A colocated stack on the tiny reasoning checkpoint, served from its own thread."""
+    with threaded_stack(model_dir, "colocated") as stack:
+        yield stack
+
+
+def root_url(stack) -> str:  # type: ignore[no-untyped-def]
+    return stack.http_url.removesuffix("/v1")
+
+
+def _cheap(body: Any) -> None:
+    """Cap sample counts and output lengths that are valid but slow (in place)."""
+    if not isinstance(body, dict):
+        return
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and MAX_FUZZ_TOKENS < value <= UINT32_MAX:
+            body[name] = MAX_FUZZ_TOKENS
+    if "max_tokens" not in body and "max_completion_tokens" not in body:
+        body["max_tokens"] = MAX_FUZZ_TOKENS
+    n = body.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and MAX_FUZZ_SAMPLES < n <= 1024:
+        body["n"] = MAX_FUZZ_SAMPLES
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > MAX_FUZZ_SAMPLES and all(isinstance(p, (str, list)) for p in prompt):
+        body["prompt"] = prompt[:MAX_FUZZ_SAMPLES]
+
+
+def fuzz_operation(operation, mode: schemathesis.GenerationMode, base_url: str) -> list[str]:  # type: ignore[no-untyped-def]
+    """Send EXAMPLES_PER_OPERATION generated cases; the failed checks, one line each."""
+    failures: list[str] = []
+
+    @settings(max_examples=EXAMPLES_PER_OPERATION, derandomize=True, database=None, deadline=None,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def run(case) -> None:  # type: ignore[no-untyped-def]
+        if isinstance(case.body, dict) and case.operation.path.startswith("/v1/"):
+            body = copy.deepcopy(case.body)
+            _cheap(body)
+            case.body = body
+        try:
+            response = case.call(base_url=base_url, timeout=REQUEST_TIMEOUT_S)
+            case.validate_response(response, checks=CHECKS)
+        except (Exception, BaseExceptionGroup) as error:  # collect every failure, then report them together
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            failures.append(f"{operation.label} [{mode.value}] {first_line}: {case.as_curl_command()}")
+
+    run()
+    return failures
+
+
+def test_the_schema_is_valid_openapi_and_lists_every_route(live):
+    from openapi_spec_validator import validate
+
+    schema = load_schema()
+    validate(schema)
+    api_routes = {
+        (route.method, route.resource.canonical.replace("{model_id:.+}", "{model_id}"))
+        for route in OpenAIApi(None, [], str, served_model=object()).app().router.routes()  # type: ignore[arg-type]
+        if route.method != "HEAD"
+    }
+    documented = {(method.upper(), path) for path, item in schema["paths"].items() for method in item}
+    assert documented == api_routes
+
+
+def test_no_generated_request_gets_a_server_error_or_an_undocumented_answer(live):
+    schema = load_schema()
+    loaded = schemathesis.openapi.from_dict(schema)
+    base_url = root_url(live)
+    failures: list[str] = []
+    for result in loaded.get_all_operations():
+        operation = result.ok()
+        definition = schema["paths"][operation.path][operation.method.lower()]
+        negatable = "parameters" in definition or "requestBody" in definition  # else nothing to break
+        modes = [schemathesis.GenerationMode.POSITIVE] + [schemathesis.GenerationMode.NEGATIVE] * negatable
+        for mode in modes:
+            failures += fuzz_operation(operation, mode, base_url)
+    assert not failures, f"{len(failures)} failed checks:\n" + "\n".join(failures)
+
+    # the stack still serves
+    ready = httpx.get(f"{base_url}/ready", timeout=10)
+    assert ready.status_code == 200, ready.text
+    answer = httpx.post(f"{base_url}/v1/completions", timeout=30,
+                        json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] >= 1
