@@ -83,6 +83,8 @@ def test_socket_to_local_server_fails(listening_server, layers, expected_error):
     port, accepted = listening_server
     program = "import socket\ns = socket.create_connection(('127.0.0.1', %d), timeout=1)\nprint('connected')\n" % port
     run = run_sandboxed(program, limits=SandboxLimits(**{**FAST.__dict__, **layers}))
+    if "Network is unreachable" in expected_error and "network" not in run.isolation.namespaces:
+        pytest.skip(f"the kernel refuses a network namespace here: {run.isolation.errors}")
     assert run.returncode == 1 and run.stdout == ""
     assert expected_error in run.stderr.strip().splitlines()[-1]
     time.sleep(0.3)

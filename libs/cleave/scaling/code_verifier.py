@@ -14,6 +14,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import structlog
+
 from cleave.scaling.answers import extract_code
 from cleave.scaling.sandbox import EXIT_CHECK_FAILED, EXIT_MEMORY, SandboxLimits, SandboxRun, run_sandboxed
 
@@ -114,6 +116,23 @@ class CodeVerifier:
         self.limits = limits
         self.language = language
         self.total_timeout_s = total_timeout_s
+        self._reported_isolation = False
+        self.log = structlog.get_logger("cleave.scaling.sandbox")
+
+    def _report_isolation(self, run: SandboxRun) -> None:
+        """Say once per verifier which sandbox layers the kernel refused (the run went on
+        with the others: uid drop, rlimits, the audit hook)."""
+        isolation = run.isolation
+        if self._reported_isolation or isolation is None:
+            return
+        self._reported_isolation = True
+        limits = self.limits
+        wanted = {"mount": limits.mount_namespace, "pid": limits.pid_namespace, "network": limits.network_namespace}
+        refused = [name for name, asked in wanted.items() if asked and name not in isolation.namespaces]
+        if refused or (limits.mount_namespace and not isolation.read_only_root):
+            self.log.warning("the kernel refused part of the sandbox; candidates run without it",
+                             refused_namespaces=refused, read_only_root=isolation.read_only_root,
+                             proc=isolation.proc, uid=isolation.uid, errors=list(isolation.errors))
 
     def verify_program(self, program: str) -> CodeVerification:
         """Run `program` against every test; past `total_timeout_s` the rest count as timeouts."""
@@ -129,6 +148,7 @@ class CodeVerifier:
                 wall = min(limits.wall_timeout_s, self.total_timeout_s - spent)
                 limits = dataclasses.replace(limits, wall_timeout_s=wall)
             run = run_sandboxed(program, stdin=test.stdin, check_code=test.check_code, limits=limits)
+            self._report_isolation(run)
             reason = classify(run, test)
             outcomes.append(TestOutcome(reason is None, reason, run.stdout, run.stderr, run.elapsed_s))
         num_passed = sum(outcome.passed for outcome in outcomes)

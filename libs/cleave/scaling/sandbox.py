@@ -1,6 +1,7 @@
 """Run untrusted Python in a confined child process.
 
-Layers, outermost first (`_sandbox_bootstrap` says how each is built and in which order):
+Layers, outermost first (`_sandbox_isolation` and `_sandbox_bootstrap` say how each is built
+and in which order):
 - a fresh temporary directory as cwd, HOME and TMPDIR, removed afterwards;
 - an isolated interpreter (`python -I -S -B`: no site-packages, no environment variables, no
   user directories, no bytecode writes) with a minimal environment;
