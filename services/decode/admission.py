@@ -20,8 +20,8 @@ import asyncio
 import collections
 import copy
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from cleave.engine.async_engine import AsyncEngine
 from cleave.engine.llm_engine import LLMEngine
@@ -36,7 +36,6 @@ from cleave.tracing import span
 from cleave.transfer import KVReceiver, PendingTransfer
 from services.decode.admission_queue import AdmissionQueue
 from services.decode.backend import AdmitSpec, StartSpec
-from services.decode.gateway_streams import GatewayStreams
 from services.decode.peers import PeerLinks
 
 MAX_REMEMBERED_FAILURES = 4096  # failed admissions kept so a late Start gets the real error
@@ -62,29 +61,77 @@ class HeldRequest:
     trace_start: TraceOrigin | None = None
 
 
-class AdmissionMixin:
-    """`EngineDecodeBackend`'s Admit and Start (see the module docstring)."""
+class Admissions:
+    """Admit and Start on the decode worker (see the module docstring).
 
-    worker_id: str
-    control_address: str
-    transfer_timeout_s: float
-    async_engine: AsyncEngine | None
-    streams: GatewayStreams
-    peers: PeerLinks
-    _requests: dict[str, HeldRequest]
-    _failures: collections.OrderedDict[str, CleaveError]
-    _transfer_ids: itertools.count
-    _step: int
-    _loop: asyncio.AbstractEventLoop | None
-    _tasks: set[asyncio.Task]
-    gate: DrainGate
-    admissions: AdmissionQueue
+    Owns the table of held requests, their reservations, transfer deadlines and remembered
+    failures, and the queue of Admits waiting for blocks. `EngineDecodeBackend` delegates to
+    it; `StepDelivery` reads the table (`held`) and removes what the engine finished (`finish`).
 
-    if TYPE_CHECKING:
+    Args:
+        worker_id: this worker's id, in transfer ids and handles.
+        transfer_timeout_s: an admitted request must be started within this time.
+        gate: the worker's drain gate; Admit and a local Start are refused once it closes.
+        peers: the transports negotiated with prefill workers.
+        queue: Admits waiting for free KV blocks.
+        require_engine: the loaded, running engine and KV receiver, or the error saying why not.
+        async_engine: the engine's async front, None before it loaded (aborts and releases
+            go to it even while it stops).
+        end_request: deliver a request's last delta (ABORT, or ERROR with the reason) to its
+            gateway's stream.
+    """
 
-        def _require_engine(self) -> tuple[LLMEngine, AsyncEngine, KVReceiver]: ...
+    def __init__(
+        self,
+        *,
+        worker_id: str,
+        transfer_timeout_s: float,
+        gate: DrainGate,
+        peers: PeerLinks,
+        queue: AdmissionQueue,
+        require_engine: Callable[[], tuple[LLMEngine, AsyncEngine, KVReceiver]],
+        async_engine: Callable[[], AsyncEngine | None],
+        end_request: Callable[[str, RequestDelta], None],
+    ) -> None:
+        self.worker_id = worker_id
+        self.control_address = ""  # put in every TransferHandle; set once the server is bound
+        self.transfer_timeout_s = transfer_timeout_s
+        self.gate = gate
+        self.peers = peers
+        self.queue = queue
+        self._require_engine = require_engine
+        self._async_engine = async_engine
+        self._end_request = end_request
+        self._requests: dict[str, HeldRequest] = {}
+        self._failures: collections.OrderedDict[str, CleaveError] = collections.OrderedDict()
+        self._transfer_ids = itertools.count()
+        self._tasks: set[asyncio.Task] = set()
 
-        def _abort_now(self, request_id: str) -> bool: ...
+    # ---- the table ------------------------------------------------------------------------
+
+    def held(self, request_id: str) -> HeldRequest | None:
+        """The request if this worker holds it (admitted or started)."""
+        return self._requests.get(request_id)
+
+    def finish(self, request_id: str) -> None:
+        """Forget a request the engine finished (it freed the blocks)."""
+        del self._requests[request_id]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self._requests
+
+    @property
+    def num_held(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_started(self) -> int:
+        return sum(1 for request in self._requests.values() if request.started)
+
+    def wake(self) -> None:
+        """Blocks may have been freed: let the head of the queue try again."""
+        self.queue.wake()
 
     # ---- admission ------------------------------------------------------------------------
 
@@ -104,7 +151,7 @@ class AdmissionMixin:
         if needed > usable:
             raise ResourceExhausted(f"the {len(prompt)}-token prompt needs {needed} KV blocks; this decode worker "
                                     f"has {usable} in all", field="prompt_token_ids")
-        block_ids = await self.admissions.reserve(
+        block_ids = await self.queue.reserve(
             lambda: async_engine.call(lambda e: e.handoff.reserve(request_id, len(prompt))))
         if self.gate.is_draining:  # the drain began while this admission waited
             self._release_reservation(request_id)
@@ -125,8 +172,7 @@ class AdmissionMixin:
             del self._requests[request_id]
             self._release_reservation(request_id)
             raise
-        assert self._loop is not None
-        request.timer = self._loop.call_later(self.transfer_timeout_s, self._expire, request_id)
+        request.timer = asyncio.get_running_loop().call_later(self.transfer_timeout_s, self._expire, request_id)
         self._spawn(self._watch_transfer(request))
         return request.transfer.handle
 
@@ -167,23 +213,69 @@ class AdmissionMixin:
         while len(self._failures) > MAX_REMEMBERED_FAILURES:
             self._failures.popitem(last=False)
         info = ErrorInfo(code=error.status_code, message=str(error), field=error.field or "")
-        delta = RequestDelta(request_id, 0, (), FinishReason.ERROR, error=info)
-        self.streams.publish(request.gateway_id, [delta], self._step)
+        self._end_request(request.gateway_id, RequestDelta(request_id, 0, (), FinishReason.ERROR, error=info))
 
     def _release_reservation(self, request_id: str) -> None:
-        if self.async_engine is not None and self.async_engine.is_running:
-            self._spawn(self._release(self.async_engine, request_id))
+        async_engine = self._async_engine()
+        if async_engine is not None and async_engine.is_running:
+            self._spawn(self._release(async_engine, request_id))
 
     async def _release(self, async_engine: AsyncEngine, request_id: str) -> None:
         try:
             await async_engine.call(lambda e: e.handoff.release(request_id))
         finally:
-            self.admissions.wake()  # a waiting admission may fit now
+            self.queue.wake()  # a waiting admission may fit now
 
     def _spawn(self, awaitable) -> None:
         task = asyncio.ensure_future(awaitable)
         self._tasks.add(task)
         task.add_done_callback(_settled(self._tasks))
+
+    # ---- abort ----------------------------------------------------------------------------
+
+    async def abort(self, request_id: str, sample_index: int | None = None) -> bool:
+        """Abort a request, or only its sample `sample_index`; False if unknown or finished."""
+        if sample_index is None:
+            return self.abort_now(request_id)
+        request = self._requests.get(request_id)
+        if request is None or not 0 <= sample_index < request.params.n:
+            return False
+        if not request.started:  # samples exist once started: end this one as it starts
+            if request.params.n == 1:
+                return self.abort_now(request_id)
+            request.aborted_samples.add(sample_index)
+            return True
+        async_engine = self._async_engine()
+        assert async_engine is not None
+        # Through the command queue, between steps: the engine frees the sample's blocks and
+        # reports its ABORT with the next step; the request's other samples go on.
+        return await async_engine.call(lambda e: e.abort_sample(request_id, sample_index))
+
+    def abort_now(self, request_id: str) -> bool:
+        """Abort a whole request: the engine frees a started one's blocks and reports its
+        ABORT with a step; an admitted one's reservation is released here and its ABORT
+        delta goes out at once. False if unknown."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        if request.started:
+            async_engine = self._async_engine()
+            assert async_engine is not None
+            async_engine.abort(request_id)  # the engine frees the blocks; ABORT comes with a step
+            return True
+        self._drop_admission(request_id)
+        self._end_request(request.gateway_id, RequestDelta(request_id, 0, (), FinishReason.ABORT))
+        return True
+
+    def abort_gateway(self, gateway_id: str) -> None:
+        """The gateway's stream ended: nobody receives these requests' tokens any more."""
+        for request_id, request in list(self._requests.items()):
+            if request.gateway_id == gateway_id:
+                self.abort_now(request_id)
+
+    def abort_all(self) -> None:
+        for request_id in list(self._requests):
+            self.abort_now(request_id)
 
     # ---- start ----------------------------------------------------------------------------
 
@@ -214,7 +306,7 @@ class AdmissionMixin:
             self._failures.pop(request_id, None)
             raise
         except asyncio.CancelledError:
-            self._abort_now(request_id)
+            self.abort_now(request_id)
             raise
         if self._requests.get(request_id) is not request:  # aborted or failed meanwhile
             raise self._failures.pop(request_id, None) or NotFound(f"request {request_id!r} was aborted")

@@ -19,15 +19,15 @@ admitted request that is aborted, whose transfer fails or whose deadline passes 
 has its reservation released here and ends with one delta (ABORT, or ERROR with the reason)
 on its gateway's stream. Every request ends exactly once on the stream.
 
-Roles: admission and transfers (`admission`), handshakes and transports (`peers`), engine
-steps to gateway streams (`step_delivery`); this class loads the engine and ties them together.
+Roles, each an object of its own: admission, transfers and the table of held requests
+(`admission.Admissions`), handshakes and transports (`peers.PeerLinks`), engine steps to
+gateway streams (`step_delivery.StepDelivery`); this class loads the engine, wires them
+together and delegates to them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import itertools
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -35,21 +35,20 @@ from dataclasses import replace
 from cleave.engine.async_engine import AsyncEngine
 from cleave.engine.config import EngineConfig
 from cleave.engine.llm_engine import LLMEngine
-from cleave.errors import CleaveError, FailedPrecondition, Unavailable
-from cleave.generation.outputs import FinishReason
+from cleave.errors import FailedPrecondition, Unavailable
 from cleave.rpc.drain import DrainGate, wait_until
-from cleave.rpc.types import KVLayout, RequestDelta, StepOutput, WorkerLoad
+from cleave.rpc.types import KVLayout, RequestDelta, StepOutput, TransferHandle, WorkerLoad
 from cleave.transfer import KVReceiver
-from cleave.worker import DeltaBuilder, kv_layout_of, load_engine
-from services.decode.admission import AdmissionMixin, HeldRequest
+from cleave.worker import kv_layout_of, load_engine
+from services.decode.admission import Admissions
 from services.decode.admission_queue import DEFAULT_MAX_QUEUED_ADMISSIONS, AdmissionQueue
-from services.decode.backend import HandshakeResult, HandshakeSpec
+from services.decode.backend import AdmitSpec, HandshakeResult, HandshakeSpec, StartSpec
 from services.decode.gateway_streams import GatewayStreams
 from services.decode.peers import PeerLinks
-from services.decode.step_delivery import StepDeliveryMixin, TokenRate
+from services.decode.step_delivery import StepDelivery
 
 
-class EngineDecodeBackend(AdmissionMixin, StepDeliveryMixin):
+class EngineDecodeBackend:
     """A DecodeBackend over an AsyncEngine and a KVReceiver.
 
     Args:
@@ -91,25 +90,27 @@ class EngineDecodeBackend(AdmissionMixin, StepDeliveryMixin):
         self.transfer_timeout_s = transfer_timeout_s
         self._transfer_listen = transfer_listen
         self._advertise_host = advertise_host
-        self.control_address = ""
-        if control_address:
-            self.set_control_address(control_address)
         self.engine: LLMEngine | None = None
         self.async_engine: AsyncEngine | None = None
         self.receiver: KVReceiver | None = None
         self.layout: KVLayout | None = None
         self.streams = GatewayStreams(self.load, self._abort_gateway, load_interval_s)
         self.peers = PeerLinks(worker_id)
-        self._requests: dict[str, HeldRequest] = {}
-        self._failures: collections.OrderedDict[str, CleaveError] = collections.OrderedDict()
-        self._builder = DeltaBuilder()
-        self._rate = TokenRate()
-        self._transfer_ids = itertools.count()
-        self._step = 0  # written by the engine thread only
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._tasks: set[asyncio.Task] = set()
         self.gate = DrainGate(f"decode worker {worker_id}")
-        self.admissions = AdmissionQueue(max_queued_admissions)
+        self.admissions = Admissions(
+            worker_id=worker_id,
+            transfer_timeout_s=transfer_timeout_s,
+            gate=self.gate,
+            peers=self.peers,
+            queue=AdmissionQueue(max_queued_admissions),
+            require_engine=self._require_engine,
+            async_engine=lambda: self.async_engine,
+            end_request=self._end_request,
+        )
+        self.delivery = StepDelivery(self.admissions, self.streams)
+        self.control_address = ""
+        if control_address:
+            self.set_control_address(control_address)
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -119,10 +120,10 @@ class EngineDecodeBackend(AdmissionMixin, StepDeliveryMixin):
         host, _, port = address.rpartition(":")
         if host in ("0.0.0.0", "::", "[::]", ""):
             host = self._advertise_host or socket.gethostname()
-        self.control_address = f"{host}:{port}"
+        self.control_address = self.admissions.control_address = f"{host}:{port}"
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        self.delivery.start(asyncio.get_running_loop())
         self.engine = await load_engine(self.engine_config)
         self.layout = kv_layout_of(self.engine, self.model_id)
         host, _, port = self._transfer_listen.rpartition(":")
@@ -131,20 +132,19 @@ class EngineDecodeBackend(AdmissionMixin, StepDeliveryMixin):
             internal_token=self._internal_token,
         )
         await self.receiver.start()
-        self.async_engine = AsyncEngine(self.engine, on_step=self._on_step)
+        self.async_engine = AsyncEngine(self.engine, on_step=self.delivery.on_step)
 
     async def drain(self) -> None:
         """Refuse new requests (Admit, a local Start), let the held ones finish and their
         last deltas go out, then end the gateways' streams cleanly (`cleave.rpc.Drainable`)."""
         self.gate.close()
-        self.admissions.fail_all(self.gate.error())  # waiting for blocks: not admitted yet
-        await wait_until(lambda: not self._requests and self.streams.is_flushed())
+        self.admissions.queue.fail_all(self.gate.error())  # waiting for blocks: not admitted yet
+        await wait_until(lambda: self.admissions.is_empty and self.streams.is_flushed())
         self.streams.close()
 
     async def shutdown(self) -> None:
         self.streams.close()
-        for request_id in list(self._requests):
-            self._abort_now(request_id)
+        self.admissions.abort_all()
         if self.receiver is not None:
             await self.receiver.close()
         if self.async_engine is not None:
@@ -164,59 +164,39 @@ class EngineDecodeBackend(AdmissionMixin, StepDeliveryMixin):
         self._require_engine()
         return self.streams.attach(gateway_id)
 
-    # ---- abort ----------------------------------------------------------------------------
+    # ---- admission, start and abort: `Admissions` ----------------------------------------
+
+    async def admit(self, spec: AdmitSpec) -> TransferHandle:
+        return await self.admissions.admit(spec)
+
+    async def start_request(self, spec: StartSpec) -> int:
+        return await self.admissions.start_request(spec)
 
     async def abort(self, request_id: str, sample_index: int | None = None) -> bool:
-        if sample_index is None:
-            return self._abort_now(request_id)
-        request = self._requests.get(request_id)
-        if request is None or not 0 <= sample_index < request.params.n:
-            return False
-        if not request.started:  # samples exist once started: end this one as it starts
-            if request.params.n == 1:
-                return self._abort_now(request_id)
-            request.aborted_samples.add(sample_index)
-            return True
-        assert self.async_engine is not None
-        # Through the command queue, between steps: the engine frees the sample's blocks and
-        # reports its ABORT with the next step; the request's other samples go on.
-        return await self.async_engine.call(lambda e: e.abort_sample(request_id, sample_index))
-
-    def _abort_now(self, request_id: str) -> bool:
-        request = self._requests.get(request_id)
-        if request is None:
-            return False
-        if request.started:
-            assert self.async_engine is not None
-            self.async_engine.abort(request_id)  # the engine frees the blocks; ABORT comes with a step
-            return True
-        self._drop_admission(request_id)
-        self._builder.forget(request_id)
-        delta = RequestDelta(request_id, 0, (), FinishReason.ABORT)
-        self.streams.publish(request.gateway_id, [delta], self._step)
-        return True
+        return await self.admissions.abort(request_id, sample_index)
 
     def _abort_gateway(self, gateway_id: str) -> None:
         """The gateway's stream ended: nobody receives these requests' tokens any more."""
-        for request_id, request in list(self._requests.items()):
-            if request.gateway_id == gateway_id:
-                self._abort_now(request_id)
+        self.admissions.abort_gateway(gateway_id)
+
+    def _end_request(self, gateway_id: str, delta: RequestDelta) -> None:
+        self.delivery.end_request(gateway_id, delta)
 
     # ---- load and handshake ---------------------------------------------------------------
 
     def load(self) -> WorkerLoad:
         if self.engine is None:
             return WorkerLoad(worker_id=self.worker_id)
-        running = sum(1 for request in self._requests.values() if request.started)
+        running = self.admissions.num_started
         kv = self.engine.handoff.snapshot()
         return WorkerLoad(
             worker_id=self.worker_id,
             num_running=running,
-            num_waiting=len(self._requests) - running + self.admissions.num_waiting,  # admitted or queued
+            num_waiting=self.admissions.num_held - running + self.admissions.queue.num_waiting,  # admitted or queued
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_usable_blocks,
             max_num_running=self.engine.config.scheduler.max_num_seqs,
-            tokens_per_second=self._rate.per_second(),
+            tokens_per_second=self.delivery.tokens_per_second(),
         )
 
     async def handshake(self, spec: HandshakeSpec) -> HandshakeResult:

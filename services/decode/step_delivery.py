@@ -1,7 +1,7 @@
 """Engine steps to gateway streams: every step's outputs become `RequestDelta`s, one
 `StepOutput` per gateway (`GatewayStreams.publish`), counted for the load report's token rate.
 
-The engine thread calls `_on_step`; it hands the whole step to the event loop in one callback,
+The engine thread calls `on_step`; it hands the whole step to the event loop in one callback,
 where the request table is read and the deltas are built (`DeltaBuilder`, which prepends a
 disaggregated request's first-token logprobs from the prefill worker to its first delta).
 """
@@ -17,8 +17,7 @@ from cleave.generation.outputs import RequestOutput
 from cleave.rpc.types import RequestDelta
 from cleave.tracing import record_span
 from cleave.worker import DeltaBuilder
-from services.decode.admission import HeldRequest
-from services.decode.admission_queue import AdmissionQueue
+from services.decode.admission import Admissions
 from services.decode.gateway_streams import GatewayStreams
 
 RATE_WINDOW_S = 5.0
@@ -62,23 +61,45 @@ def without_delivered_first(deltas: list[RequestDelta], delivered: set[int]) -> 
     return kept
 
 
-class StepDeliveryMixin:
-    """`EngineDecodeBackend`'s step delivery (the engine's `on_step` callback)."""
+class StepDelivery:
+    """Engine steps to gateway streams (see the module docstring).
 
-    streams: GatewayStreams
-    _requests: dict[str, HeldRequest]
-    _builder: DeltaBuilder
-    _rate: TokenRate
-    _step: int  # written by the engine thread only
-    _loop: asyncio.AbstractEventLoop | None
-    admissions: AdmissionQueue
+    Owns the step counter, the delta builder and the token rate. Reads the held requests
+    from `Admissions` (`held`), hands back the ones the engine finished (`finish`) and wakes
+    its queue after each step, since a step may have freed blocks.
 
-    def _on_step(self, outputs: list[RequestOutput]) -> None:
+    Args:
+        admissions: the worker's table of held requests.
+        streams: the per-gateway step streams the deltas go out on.
+    """
+
+    def __init__(self, admissions: Admissions, streams: GatewayStreams) -> None:
+        self.admissions = admissions
+        self.streams = streams
+        self.step = 0  # written by the engine thread only
+        self._builder = DeltaBuilder()
+        self._rate = TokenRate()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Deliver steps on `loop` (the one the gRPC server runs on)."""
+        self._loop = loop
+
+    def tokens_per_second(self) -> float:
+        return self._rate.per_second()
+
+    def end_request(self, gateway_id: str, delta: RequestDelta) -> None:
+        """Send a request's last delta now, outside any engine step (it ended before the
+        engine had it)."""
+        self._builder.forget(delta.request_id)
+        self.streams.publish(gateway_id, [delta], self.step)
+
+    def on_step(self, outputs: list[RequestOutput]) -> None:
         """Engine thread: hand the whole step to the event loop in one callback."""
-        self._step += 1
+        self.step += 1
         if self._loop is not None:
             try:
-                self._loop.call_soon_threadsafe(self._publish, self._step, outputs)
+                self._loop.call_soon_threadsafe(self._publish, self.step, outputs)
             except RuntimeError:  # the loop closed during shutdown
                 pass
 
@@ -86,7 +107,7 @@ class StepDeliveryMixin:
         by_gateway: dict[str, list[RequestDelta]] = {}
         num_tokens = 0
         for output in outputs:
-            request = self._requests.get(output.request_id)
+            request = self.admissions.held(output.request_id)
             if request is None:
                 continue
             deltas = self._builder.build(output, request.leading_logprobs)
@@ -99,7 +120,7 @@ class StepDeliveryMixin:
             if request.delivered_first:
                 deltas = without_delivered_first(deltas, request.delivered_first)
             if output.finished:
-                del self._requests[output.request_id]
+                self.admissions.finish(output.request_id)
             num_tokens += sum(len(delta.token_ids) for delta in deltas)
             by_gateway.setdefault(request.gateway_id, []).extend(deltas)
         self._rate.add(num_tokens)

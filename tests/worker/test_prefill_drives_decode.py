@@ -84,7 +84,7 @@ async def test_a_full_decode_pool_queues_the_admission_until_blocks_free(checkpo
         waiting = asyncio.ensure_future(prefill.stub.Prefill(
             request("queued", prompts(1)[0] + [9] * 20, decode.server.address)))  # needs more than the 4 left
         deadline = asyncio.get_running_loop().time() + 10
-        while decode.backend.admissions.num_waiting == 0:  # the Admit waits for blocks, not refused
+        while decode.backend.admissions.queue.num_waiting == 0:  # the Admit waits for blocks, not refused
             assert asyncio.get_running_loop().time() < deadline and not waiting.done()
             await asyncio.sleep(0.01)
         await decode.stub.Abort(c.AbortRequest(request_id="hog"))

@@ -74,7 +74,7 @@ async def test_start_waiting_for_kv_fails_at_the_deadline(decode):
 async def test_admit_errors(decode):
     for index in range(3):  # 3 x 20 of the 64 blocks
         await decode.stub.Admit(admit(f"fill{index}", prompt=list(range(1, 81))))
-    decode.backend.admissions.max_waiting = 0  # a full pool refuses at once, not after a wait in the queue
+    decode.backend.admissions.queue.max_waiting = 0  # a full pool refuses at once, not after a wait in the queue
     cases = [
         (admit("big", prompt=list(range(1, 41))), grpc.StatusCode.RESOURCE_EXHAUSTED, "--max-queued-admissions 0"),
         (admit("n", n=2000), grpc.StatusCode.INVALID_ARGUMENT, "sampling.n"),

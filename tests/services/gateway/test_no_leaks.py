@@ -93,7 +93,7 @@ async def assert_every_pool_full(stack: Stack) -> None:
     for backend in stack.decode:
         load = backend.load()
         assert (load.num_running, load.num_waiting) == (0, 0), load
-        assert backend.admissions.num_waiting == 0
+        assert backend.admissions.queue.num_waiting == 0
     for backend in stack.prefill:
         deadline = asyncio.get_running_loop().time() + 15
         while (load := backend.load()).num_free_blocks != load.num_total_blocks:
@@ -128,13 +128,13 @@ async def test_a_cancelled_colocated_request_stops_within_a_step(model_dir):
         assert stack.router is not None
         (decode,) = stack.decode
         steps_at_abort: dict[str, int] = {}
-        real_abort_now = decode._abort_now
+        real_abort_now = decode.admissions.abort_now
 
         def abort_now(request_id: str) -> bool:
-            steps_at_abort[request_id] = decode._step
+            steps_at_abort[request_id] = decode.delivery.step
             return real_abort_now(request_id)
 
-        decode._abort_now = abort_now
+        decode.admissions.abort_now = abort_now
         async with GatewayClient(stack.gateway_address) as client:
             call = client.generate("A long story about a fox", max_tokens=200, temperature=0.0, ignore_eos=True,
                                    stream=IDS, request_id="long")
@@ -144,11 +144,11 @@ async def test_a_cancelled_colocated_request_stops_within_a_step(model_dir):
                     call.cancel()
                     break
         deadline = asyncio.get_running_loop().time() + 10
-        while worker_request_id not in steps_at_abort or worker_request_id in decode._requests:
+        while worker_request_id not in steps_at_abort or decode.admissions.held(worker_request_id) is not None:
             assert asyncio.get_running_loop().time() < deadline, "the request kept decoding"
             await asyncio.sleep(0.001)
         # the step running when the abort came, and the one that applies it, at most
-        assert decode._step - steps_at_abort[worker_request_id] <= 2
+        assert decode.delivery.step - steps_at_abort[worker_request_id] <= 2
         full = [decode.load().num_total_blocks]
         assert await wait_for_free_blocks(stack, full) == full
     finally:
