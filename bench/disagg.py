@@ -97,7 +97,8 @@ def run_mode(mode: str, num_gateways: int, puts: bool, api: str, mps: str, sm_pe
         worker_args.append("--enforce-eager")
     spec = StackSpec(model=model_dir, mode=mode, grpc_port=0, http_port=0 if args.api == "http" else None,
                      device=args.device, num_kv_blocks=args.num_kv_blocks, log_level="WARNING",
-                     worker_args=tuple(worker_args), gateway_args=tuple(args.gateway_arg), num_gateways=num_gateways,
+                     worker_args=tuple(worker_args), prefill_args=tuple(args.prefill_arg),
+                     gateway_args=tuple(args.gateway_arg), num_gateways=num_gateways,
                      store_to_kvstore=puts, mps=mps, prefill_sm_percent=sm_percent if sm_percent < 100 else None,
                      metrics=metrics)
     name = f"{mode}-{num_gateways}-{puts}-{api}-{mps}-{sm_percent}-{metrics}"
@@ -218,6 +219,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="gateway processes sharing one port; a comma-separated list runs each mode with each")
     parser.add_argument("--gateway-arg", action="append", default=[],
                         help="extra gateway flag, repeatable (e.g. --gateway-arg=--local-prefill-max-tokens=2048)")
+    parser.add_argument("--prefill-arg", action="append", default=[],
+                        help="extra prefill-worker flag, repeatable, after the shared worker flags (e.g. "
+                        "--prefill-arg=--max-num-batched-tokens=8192)")
     parser.add_argument("--reasoning-mode", choices=sorted(REASONING_MODES), default="inline",
                         help="how the gateway returns thinking text (inline: streamed as it comes)")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per request")
@@ -294,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             "preset", "api", "client_procs", "num_users", "duration_s", "requests_per_user", "prompt_len",
             "prompt_words", "output_len", "long_prompt_len", "long_output_len", "long_first_s", "long_interval_s",
             "long_arrival", "slo_ttft_ms", "slo_tpot_ms", "max_num_batched_tokens", "max_context_length",
-            "num_kv_blocks", "reasoning_mode", "gateways", "gateway_arg")}
+            "num_kv_blocks", "reasoning_mode", "gateways", "gateway_arg", "prefill_arg")}
         default_model = "shipped reasoner" if args.device == "cpu" else "Llama-3.2-1B-shaped bf16"
         summary["model"] = str(args.model or default_model)
         name = "disagg-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")

@@ -153,3 +153,13 @@ def test_a_childs_environment_parses_to_the_stacks_token(tmp_path):
     assert env["HOME"] == "/root"
     for config in (gateway_config([], env), worker_config("decode", [], env), kvstore_config([], env)):
         assert config.service.internal_token == stack.internal_token
+
+
+def test_prefill_args_reach_prefill_workers_only_and_come_last(started, tmp_path):
+    commands = started(StackSpec(model=tmp_path, mode="disaggregated", grpc_port=0, http_port=None,
+                                 worker_args=("--max-num-batched-tokens", "2048"),
+                                 prefill_args=("--max-num-batched-tokens", "8192")))
+    prefill, decode = commands["prefill-0"], commands["decode-0"]
+    shared, own = prefill.index("2048"), prefill.index("8192")
+    assert prefill[shared - 1] == prefill[own - 1] == "--max-num-batched-tokens" and own > shared  # the last wins
+    assert _flag(decode, "--max-num-batched-tokens") == "2048" and "8192" not in decode

@@ -57,6 +57,7 @@ class StackSpec:
     host: str = "127.0.0.1"
     log_level: str = "INFO"
     worker_args: tuple[str, ...] = ()  # extra flags for prefill and decode workers
+    prefill_args: tuple[str, ...] = ()  # extra flags for prefill workers only (after worker_args)
     gateway_args: tuple[str, ...] = ()  # extra flags for the gateway
     num_gateways: int = 1  # gateway replicas sharing the gRPC and HTTP ports (SO_REUSEPORT)
     store_to_kvstore: bool = True  # prefill workers put new prompt blocks into the kvstore
@@ -278,7 +279,8 @@ class ProcessStack:
         share = self.memory_shares().get(worker_id)
         if share is not None:  # passed with --num-kv-blocks too; the worker then allocates the blocks asked for
             args += ["--gpu-memory-utilization", f"{share:g}"]
-        return args + list(spec.worker_args)
+        role_args = spec.prefill_args if worker_id.startswith("prefill") else ()
+        return args + list(spec.worker_args) + list(role_args)
 
     def _gateway_args(self, workers: list[Child], index: int = 0, port: int | str | None = None) -> list[str]:
         spec = self.spec
