@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -173,6 +174,8 @@ def _query(prometheus_url: str, promql: str) -> list[dict]:
 def prometheus(stack, tmp_path):
     binary = shutil.which("prometheus")
     if binary is None:
+        if os.environ.get("CLEAVE_REQUIRE_PROMETHEUS"):  # CI installs it: missing there is a failure
+            pytest.fail("CLEAVE_REQUIRE_PROMETHEUS is set but the prometheus binary is not on PATH")
         pytest.skip("the prometheus binary is not installed (.ci/run installs Debian's prometheus package)")
     config = tmp_path / "prometheus.yml"
     config.write_text(json.dumps({  # YAML is a superset of JSON
