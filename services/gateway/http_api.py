@@ -105,18 +105,18 @@ class OpenAIApi:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_request_bytes,
                               middlewares=[self._traced, self._authorized, json_routing_errors])
-        app.router.add_get("/v1/models", self.list_models)
-        app.router.add_get("/v1/models/{model_id:.+}", self.get_model)
         within_limit = expect_handler(self.max_request_bytes)
+        app.router.add_get("/v1/models", self.list_models, expect_handler=within_limit)
+        app.router.add_get("/v1/models/{model_id:.+}", self.get_model, expect_handler=within_limit)
         app.router.add_post("/v1/completions", self.completions, expect_handler=within_limit)
         app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=within_limit)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/health", self.health, expect_handler=within_limit)
+        app.router.add_get("/ready", self.ready, expect_handler=within_limit)
         if self.served_model is not None:  # vLLM's extension routes (lm-eval's harness uses them)
             app.router.add_post("/tokenize", self._tokenizer_route(tokenize), expect_handler=within_limit)
             app.router.add_post("/detokenize", self._tokenizer_route(detokenize), expect_handler=within_limit)
         if self.metrics_registry is not None:
-            app.router.add_get("/metrics", metrics_handler(self.metrics_registry))
+            app.router.add_get("/metrics", metrics_handler(self.metrics_registry), expect_handler=within_limit)
         return app
 
     @web.middleware

@@ -4,7 +4,7 @@ A body whose Content-Length is over the limit is refused with 413 before it is r
 `Expect: 100-continue` before the client sends it, so the client never uploads it; a
 chunked body is cut off by aiohttp's `client_max_size` (the same limit) once it passes it.
 A body that is not JSON (bad UTF-8, bad syntax, nesting deeper than the parser's recursion
-limit) is a 400 naming `body`.
+limit), or that does not decode as its `Content-Encoding` says, is a 400 naming `body`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
+from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_urldispatcher import _default_expect_handler  # "100 Continue", as aiohttp answers it
 
 from cleave.errors import InvalidArgument
 from services.gateway.openai_request import BodyTooLarge, http_error
+
+_EXPECTATION_FAILED = 417
 
 
 def body_too_large(max_bytes: int, num_bytes: int | None) -> BodyTooLarge:
@@ -29,13 +32,19 @@ def body_too_large(max_bytes: int, num_bytes: int | None) -> BodyTooLarge:
 
 def expect_handler(max_bytes: int):  # type: ignore[no-untyped-def]
     """An aiohttp `expect_handler` that answers 413 instead of "100 Continue" when the
-    announced body is over `max_bytes`."""
+    announced body is over `max_bytes`, and 417 to an expectation other than 100-continue
+    (aiohttp's own 417 echoes the header, and fails with a 500 when it is not UTF-8)."""
 
     async def check(request: web.Request) -> web.StreamResponse | None:
         if request.content_length is not None and request.content_length > max_bytes:
             mapped = http_error(body_too_large(max_bytes, request.content_length), {})
             response = web.json_response(mapped.body, status=mapped.status)
             response.force_close()  # the body was never sent: the connection can't carry another request
+            return response
+        if request.version == HttpVersion11 and request.headers.get("Expect", "").lower() != "100-continue":
+            mapped = http_error(InvalidArgument("only 100-continue is supported", field="Expect"), {})
+            response = web.json_response(mapped.body, status=_EXPECTATION_FAILED)
+            response.force_close()
             return response
         return await _default_expect_handler(request)
 
@@ -51,6 +60,9 @@ async def read_json(request: web.Request, max_bytes: int) -> Any:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise body_too_large(max_bytes, None) from None
+    except RequestPayloadError as error:  # a Content-Encoding (gzip, deflate) that does not decode
+        encoding = request.headers.get("Content-Encoding", "")
+        raise InvalidArgument(f"does not decode as its Content-Encoding {encoding!r}", field="body") from None
     try:
         return json.loads(raw)
     except RecursionError:

@@ -28,7 +28,8 @@ OPEN_METHOD_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
 
 
 def _same_secret(sent: str, expected: str) -> bool:
-    return hmac.compare_digest(sent.encode(), expected.encode())
+    # surrogatepass: aiohttp decodes header bytes that are not UTF-8 to lone surrogates
+    return hmac.compare_digest(sent.encode("utf-8", "surrogatepass"), expected.encode())
 
 
 def bearer(api_key: str) -> str:

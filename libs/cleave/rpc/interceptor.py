@@ -5,9 +5,10 @@ into structlog's context variables for every log line the call produces, checks 
 secret when the server asks for one (`cleave.rpc.auth`: UNAUTHENTICATED otherwise), starts the call's
 SERVER span under the caller's `traceparent` (`cleave.tracing`; a malformed one fails the
 call with INVALID_ARGUMENT naming it), runs the handler with that span current, maps a
-raised exception to a real status code (`cleave.rpc.errors`), returns the request id in the
-trailing metadata, ends the span (a stream's when the stream ends) and logs one line with
-method, status code and duration.
+raised exception to a real status code (`cleave.rpc.errors`; a unary request whose bytes do
+not parse is INVALID_ARGUMENT naming `request`), returns the request id in the trailing
+metadata, ends the span (a stream's when the stream ends) and logs one line with method,
+status code and duration.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from typing import Any, NoReturn
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
 
+from cleave.errors import InvalidArgument
 from cleave.rpc.auth import MetadataAuth
 from cleave.rpc.errors import map_exception
 from cleave.tracing import NOOP_SERVER_SPAN, TRACEPARENT, TRACESTATE, TRACING_OFF, Tracing
@@ -104,6 +107,31 @@ class _Call:
         )
 
 
+class _Undecodable:
+    """A request whose bytes did not parse (corrupt wire format, a string that is not
+    UTF-8): the handler answers INVALID_ARGUMENT after authenticating the caller, instead of
+    grpc's UNKNOWN from a deserializer that raised."""
+
+    def __init__(self, error: DecodeError) -> None:
+        self.error = error
+
+    def check(self) -> None:
+        raise InvalidArgument(f"the request message does not parse ({self.error})", field="request")
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as error:
+            return _Undecodable(error)
+
+    return deserialize
+
+
 def _metadata_value(metadata: Any, key: str) -> str | None:
     value = next((value for name, value in metadata if name == key), None)
     return None if value is None else str(value)
@@ -116,6 +144,8 @@ def _unary_response(behavior: Callable[..., Awaitable[Any]], call_for: Callable[
             try:
                 call.authenticate()
                 call.start_span()
+                if isinstance(request, _Undecodable):
+                    request.check()
                 response = await behavior(request, context)
             except BaseException as exc:  # noqa: BLE001 - mapped to a status, then re-raised
                 await call.failed(exc, context)
@@ -132,6 +162,8 @@ def _stream_response(behavior: Callable[..., Any], call_for: Callable[[], _Call]
             try:
                 call.authenticate()
                 call.start_span()
+                if isinstance(request, _Undecodable):
+                    request.check()
                 result = behavior(request, context)
                 if hasattr(result, "__aiter__"):
                     async for response in result:
@@ -187,7 +219,8 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         }
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _unary_response(handler.unary_unary, call_for), **kwargs
+                _unary_response(handler.unary_unary, call_for),
+                **{**kwargs, "request_deserializer": _tolerant(handler.request_deserializer)},
             )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
@@ -195,7 +228,8 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _stream_response(handler.unary_stream, call_for), **kwargs
+                _stream_response(handler.unary_stream, call_for),
+                **{**kwargs, "request_deserializer": _tolerant(handler.request_deserializer)},
             )
         return grpc.stream_stream_rpc_method_handler(
             _stream_response(handler.stream_stream, call_for), **kwargs

@@ -60,12 +60,26 @@ def _scalar(field: FieldDescriptor) -> st.SearchStrategy[Any]:
     raise TypeError(f"no strategy for field type {field.type} of {field.full_name}")
 
 
-def messages(message_class: type[Message], depth: int = 0) -> st.SearchStrategy[Message]:
-    """Arbitrary instances of `message_class` (any field may be set to any value)."""
-    return _messages(message_class.DESCRIPTOR, message_class, depth)
+def messages(message_class: type[Message], sparse: bool = False) -> st.SearchStrategy[Message]:
+    """Arbitrary instances of `message_class` (any field may be set to any value); `sparse`:
+    each field is set one time in five (so one odd value meets otherwise default fields)."""
+    return _messages(message_class.DESCRIPTOR, message_class, 0, sparse)
 
 
-def _messages(descriptor: Descriptor, message_class: Any, depth: int) -> st.SearchStrategy[Message]:
+def variants(base: Message) -> st.SearchStrategy[Message]:
+    """`base` (a valid request) with a few fields replaced by arbitrary values: reaches the
+    checks behind the first validation error that a wholly random message stops at."""
+
+    def merged(change: Message) -> Message:
+        message = type(base)()
+        message.CopyFrom(base)
+        message.MergeFrom(change)
+        return message
+
+    return messages(type(base), sparse=True).map(merged)
+
+
+def _messages(descriptor: Descriptor, message_class: Any, depth: int, sparse: bool) -> st.SearchStrategy[Message]:
     @st.composite
     def build(draw: st.DrawFn) -> Message:
         message = message_class()
@@ -76,28 +90,28 @@ def _messages(descriptor: Descriptor, message_class: Any, depth: int) -> st.Sear
             if field.name in oneof_members:
                 if chosen[oneof_members[field.name]] != field.name:
                     continue
-            elif not draw(st.booleans()):
+            elif draw(st.integers(0, 4 if sparse else 1)) != 0:
                 continue
-            _fill(draw, message, field, depth)
+            _fill(draw, message, field, depth, sparse)
         return message
 
     return build()
 
 
-def _fill(draw: st.DrawFn, message: Message, field: FieldDescriptor, depth: int) -> None:
+def _fill(draw: st.DrawFn, message: Message, field: FieldDescriptor, depth: int, sparse: bool) -> None:
     is_message = field.type == FieldDescriptor.TYPE_MESSAGE
     if is_message and depth >= MAX_DEPTH:
         return
     if _repeated(field):
         if is_message:
             sub_class = GetMessageClass(field.message_type)
-            for item in draw(st.lists(_messages(field.message_type, sub_class, depth + 1), max_size=MAX_REPEATED)):
+            for item in draw(st.lists(_messages(field.message_type, sub_class, depth + 1, sparse), max_size=MAX_REPEATED)):
                 getattr(message, field.name).add().CopyFrom(item)
         else:
             getattr(message, field.name).extend(draw(st.lists(_scalar(field), max_size=MAX_REPEATED)))
     elif is_message:
         sub_message = getattr(message, field.name)
-        sub_message.CopyFrom(draw(_messages(field.message_type, type(sub_message), depth + 1)))
+        sub_message.CopyFrom(draw(_messages(field.message_type, type(sub_message), depth + 1, sparse)))
         sub_message.SetInParent()
     else:
         setattr(message, field.name, draw(_scalar(field)))

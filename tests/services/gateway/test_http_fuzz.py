@@ -12,6 +12,7 @@ before sending, since they cost CPU time and test nothing about validation.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import pytest
 import schemathesis
 import yaml
 from hypothesis import HealthCheck, Phase, given, settings
+from openapi_spec_validator import validate
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -33,7 +35,7 @@ from tests.services.gateway.stack import MODEL_NAME
 from tests.services.gateway.threaded_stack import threaded_stack
 
 SCHEMA_PATH = Path(services.gateway.__file__).parent / "openapi.yaml"
-EXAMPLES_PER_OPERATION = 25  # per generation mode
+EXAMPLES_PER_OPERATION = 50  # per generation mode
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 MAX_FUZZ_TOKENS = 4
 MAX_FUZZ_SAMPLES = 2
@@ -45,11 +47,29 @@ def load_schema() -> dict[str, Any]:
     return yaml.safe_load(SCHEMA_PATH.read_text())
 
 
+def served_by(schema: dict[str, Any], stack) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """The schema narrowed to what this stack serves (its model id, its vocabulary), so
+    that positive cases mostly reach generation instead of a 404 or a vocabulary 400."""
+    schema = copy.deepcopy(schema)
+    components = schema["components"]["schemas"]
+    components["SamplingFields"]["properties"]["model"] = {"type": "string", "enum": [MODEL_NAME]}
+    components["TokenIds"]["items"]["maximum"] = stack.router.model.vocab_size - 1
+    detokenize = _body_schema(schema, "/detokenize")
+    detokenize["properties"]["tokens"]["items"] = {"$ref": "#/components/schemas/TokenIds/items"}
+    for body in (detokenize, *_body_schema(schema, "/tokenize")["oneOf"]):
+        body["properties"]["model"] = {"type": "string", "enum": [MODEL_NAME]}
+    return schema
+
+
 @pytest.fixture(scope="module")
 def live(model_dir):
     """A colocated stack on the tiny reasoning checkpoint, served from its own thread."""
     with threaded_stack(model_dir, "colocated") as stack:
         yield stack
+
+
+def _body_schema(schema: dict[str, Any], path: str) -> dict[str, Any]:
+    return schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
 
 
 def root_url(stack) -> str:  # type: ignore[no-untyped-def]
@@ -74,8 +94,10 @@ def _cheap(body: Any) -> None:
         body["prompt"] = prompt[:MAX_FUZZ_SAMPLES]
 
 
-def fuzz_operation(operation, mode: schemathesis.GenerationMode, base_url: str) -> list[str]:  # type: ignore[no-untyped-def]
-    """Send EXAMPLES_PER_OPERATION generated cases; the failed checks, one line each."""
+def fuzz_operation(operation, mode: schemathesis.GenerationMode, base_url: str,  # type: ignore[no-untyped-def]
+                   statuses: set[tuple[str, int]]) -> list[str]:
+    """Send EXAMPLES_PER_OPERATION generated cases; the failed checks, one line each (and
+    each (operation, status) answered into `statuses`)."""
     failures: list[str] = []
 
     @settings(max_examples=EXAMPLES_PER_OPERATION, derandomize=True, database=None, deadline=None,
@@ -88,6 +110,7 @@ def fuzz_operation(operation, mode: schemathesis.GenerationMode, base_url: str) 
             case.body = body
         try:
             response = case.call(base_url=base_url, timeout=REQUEST_TIMEOUT_S)
+            statuses.add((operation.label, response.status_code))
             case.validate_response(response, checks=CHECKS)
         except (Exception, BaseExceptionGroup) as error:  # collect every failure, then report them together
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -97,9 +120,7 @@ def fuzz_operation(operation, mode: schemathesis.GenerationMode, base_url: str) 
     return failures
 
 
-def test_the_schema_is_valid_openapi_and_lists_every_route(live):
-    from openapi_spec_validator import validate
-
+def test_the_schema_is_valid_openapi_and_lists_every_route():
     schema = load_schema()
     validate(schema)
     api_routes = {
@@ -112,18 +133,22 @@ def test_the_schema_is_valid_openapi_and_lists_every_route(live):
 
 
 def test_no_generated_request_gets_a_server_error_or_an_undocumented_answer(live):
-    schema = load_schema()
+    schema = served_by(load_schema(), live)
     loaded = schemathesis.openapi.from_dict(schema)
     base_url = root_url(live)
     failures: list[str] = []
+    statuses: set[tuple[str, int]] = set()
     for result in loaded.get_all_operations():
         operation = result.ok()
         definition = schema["paths"][operation.path][operation.method.lower()]
         negatable = "parameters" in definition or "requestBody" in definition  # else nothing to break
         modes = [schemathesis.GenerationMode.POSITIVE] + [schemathesis.GenerationMode.NEGATIVE] * negatable
         for mode in modes:
-            failures += fuzz_operation(operation, mode, base_url)
+            failures += fuzz_operation(operation, mode, base_url, statuses)
     assert not failures, f"{len(failures)} failed checks:\n" + "\n".join(failures)
+    # the cases reach both sides of validation
+    for route in ("POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize"):
+        assert {(route, 200), (route, 400)} <= statuses, sorted(statuses)
 
     # the stack still serves
     ready = httpx.get(f"{base_url}/ready", timeout=10)
@@ -132,3 +157,33 @@ def test_no_generated_request_gets_a_server_error_or_an_undocumented_answer(live
                         json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0})
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["completion_tokens"] >= 1
+
+
+# JSON values at the edges of what parsers and protobuf fields take (json.dumps writes NaN and
+# Infinity as the bare words Python's json module parses back)
+AWKWARD = [None, True, -1, 2**63, 2**64, -(10**30), 1e308, float("nan"), float("-inf"), "", "\ud800", [], [None],
+           {"": None}]
+BASES = {"/v1/completions": {"prompt": "Hi", "max_tokens": 2},
+         "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}}
+
+
+def body_fields(schema: dict[str, Any], path: str) -> list[str]:
+    """Every request field the schema documents for a generation route."""
+    components = schema["components"]["schemas"]
+    own = components["CompletionRequest" if path == "/v1/completions" else "ChatCompletionRequest"]["allOf"][1]
+    return sorted({*components["SamplingFields"]["properties"], *own["properties"]})
+
+
+@pytest.mark.parametrize("path", sorted(BASES))
+def test_awkward_values_in_every_documented_field_get_no_server_error(live, path):
+    failures = []
+    with httpx.Client(base_url=root_url(live), timeout=REQUEST_TIMEOUT_S) as client:
+        for field in body_fields(load_schema(), path):
+            for value in AWKWARD:
+                body = {**BASES[path], field: value}
+                if field in ("max_tokens", "max_completion_tokens", "n") and value == -1:
+                    continue
+                response = client.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+                if response.status_code >= 500 or not 200 <= response.status_code < 300 and "error" not in response.json():
+                    failures.append(f"{field}={value!r}: {response.status_code} {response.text[:200]}")
+    assert not failures, "\n".join(failures)
