@@ -1,8 +1,9 @@
 """OpenAI-style JSON requests -> `GenerateSpec`, with OpenAI-style errors.
 
-Sampling options are copied into a `cleave.v1.SamplingParams` message and validated by the
-same `sampling_from_proto` the gRPC API uses, so both APIs accept and reject the same
-values; errors name the OpenAI parameter (`temperature`, `max_tokens`, `messages`).
+Sampling options are read from the JSON body into a `SamplingRequest` (types checked here,
+as the protobuf wire types check them for gRPC) and validated by `to_sampling_params`, the
+validator the gRPC API uses too, so both APIs accept and reject the same values; errors name
+the OpenAI parameter (`temperature`, `max_tokens`, `messages`).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cleave.errors import CleaveError, InvalidArgument
-from cleave.proto.cleave.v1 import common_pb2
-from cleave.rpc.convert import MAX_SAMPLES, sampling_from_proto
+from cleave.generation.sampling_request import MAX_SAMPLES, SamplingRequest, to_sampling_params
+from cleave.rpc.convert import thinking_options
 from cleave.rpc.types import ReasoningMode, ReasoningOptions
 from services.gateway.backend import ChatMessage, GenerateSpec, Prompt, Scaling, StreamShape
 from services.gateway.openai_fields import refuse_unsupported
@@ -32,7 +33,8 @@ _HTTP_STATUS = {
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
                 413: "invalid_request_error", 429: "rate_limit_error"}
 _BODY_TOO_LARGE = 413
-MAX_UINT32 = 2**32 - 1  # the protobuf fields a request's integers travel in
+MAX_UINT32 = 2**32 - 1  # the widths the gRPC API's wire types give each option
+MAX_UINT64 = 2**64 - 1
 _REASONING_MODES = {"separate": ReasoningMode.SEPARATE, "hidden": ReasoningMode.HIDDEN, "inline": ReasoningMode.INLINE}
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request (lm-eval sends batches of them)
 
@@ -82,18 +84,29 @@ def _openai_param(field: str | None) -> str | None:
     return field
 
 
-def _set(message: common_pb2.SamplingParams, name: str, value: Any, param: str) -> None:
-    if name in ("ignore_eos", "skip_special_tokens"):
-        if not isinstance(value, bool):  # protobuf would take any int, and overflow on a huge one
-            raise InvalidArgument(f"must be true or false, got {value!r}", field=param)
-        setattr(message, name, value)
-        return
+def _uint(value: Any, param: str, high: int = MAX_UINT32) -> int:
+    """A JSON integer in [0, high] (bools are not integers here)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"must be an integer, got {_json_type(value)}", field=param)
+    if not 0 <= value <= high:
+        raise InvalidArgument(f"must be in [0, {high}], got {value}", field=param)
+    return value
+
+
+def _float(value: Any, param: str) -> float:
+    """A JSON number as a float (bools are not numbers here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(f"must be a number, got {_json_type(value)}", field=param)
     try:
-        if isinstance(value, bool):
-            raise TypeError("booleans are not numbers")
-        setattr(message, name, value)
-    except (TypeError, ValueError, OverflowError) as error:
-        raise InvalidArgument(f"has the wrong type or range ({error})", field=param) from None
+        return float(value)
+    except OverflowError:
+        raise InvalidArgument("is out of range", field=param) from None
+
+
+def _bool(value: Any, param: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"must be true or false, got {value!r}", field=param)
+    return value
 
 
 def text_field(value: Any, field: str) -> str:
@@ -121,8 +134,8 @@ def _stop(value: Any) -> list[str]:
     raise InvalidArgument("must be a string or a list of strings", field="stop")
 
 
-def _sampling(body: dict[str, Any], chat: bool) -> common_pb2.SamplingParams:
-    message = common_pb2.SamplingParams()
+def _sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
+    options: dict[str, Any] = {}
     max_tokens = body.get("max_completion_tokens") if chat else None
     max_param = "max_completion_tokens" if max_tokens is not None else "max_tokens"
     if max_tokens is None:
@@ -133,29 +146,32 @@ def _sampling(body: dict[str, Any], chat: bool) -> common_pb2.SamplingParams:
             wanted = "a non-negative" if lowest == 0 else "a positive"
             raise InvalidArgument(f"must be {wanted} integer, got {max_tokens!r}", field=max_param)
         # max_tokens 0 still samples one token, which the response leaves out (`CompletionEcho`)
-        _set(message, "max_tokens", max(1, max_tokens), max_param)
-    for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
-                 "top_k", "seed", "ignore_eos", "skip_special_tokens"):
-        value = body.get(name)
-        if value is not None:
-            if name == "top_k" and value == -1:
-                value = 0
-            _set(message, name, value, name)
+        options["max_tokens"] = max(1, _uint(max_tokens, max_param))
+    for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+        if body.get(name) is not None:
+            options[name] = _float(body[name], name)
+    top_k = body.get("top_k")
+    if top_k is not None:
+        options["top_k"] = 0 if top_k == -1 and not isinstance(top_k, bool) else _uint(top_k, "top_k")
+    if body.get("seed") is not None:
+        options["seed"] = _uint(body["seed"], "seed", MAX_UINT64)
+    for name in ("ignore_eos", "skip_special_tokens"):
+        if body.get(name) is not None:
+            options[name] = _bool(body[name], name)
     n = body.get("n")
     if n is not None:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
             raise InvalidArgument(f"must be an integer in [1, {MAX_SAMPLES}], got {n!r}", field="n")
-        message.n = n
-    message.stop.extend(_stop(body.get("stop")))
+        options["n"] = n
+    options["stop"] = tuple(_stop(body.get("stop")))
     if chat:
         if body.get("logprobs"):
-            top = body.get("top_logprobs") or 0
-            _set(message, "logprobs", top, "top_logprobs")
+            options["logprobs"] = _uint(body.get("top_logprobs") or 0, "top_logprobs")
     elif body.get("logprobs") is not None:
-        _set(message, "logprobs", body["logprobs"], "logprobs")
+        options["logprobs"] = _uint(body["logprobs"], "logprobs")
         if body.get("echo") is True:  # the echoed prompt's tokens get logprobs too
-            _set(message, "prompt_logprobs", body["logprobs"], "logprobs")
-    return message
+            options["prompt_logprobs"] = options["logprobs"]
+    return SamplingRequest(**options)
 
 
 def _reasoning(body: dict[str, Any]) -> ReasoningOptions:
@@ -281,7 +297,7 @@ def generate_spec(body: Any, request_id: str, model: str, chat: bool,
     if not chat and reasoning.mode is ReasoningMode.DEFAULT:
         # a raw completion is the model's text whole, thinking included (as vLLM returns it)
         reasoning = replace(reasoning, mode=ReasoningMode.INLINE)
-    sampling = sampling_from_proto(_sampling(body, chat), reasoning=reasoning)
+    sampling = to_sampling_params(_sampling(body, chat), **thinking_options(reasoning))
     stream = False if body.get("stream") is None else body["stream"]
     if not isinstance(stream, bool):
         raise InvalidArgument(f"must be true or false, got {stream!r}", field="stream")

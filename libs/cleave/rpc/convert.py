@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -16,13 +17,11 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from cleave.errors import InvalidArgument
 from cleave.generation.outputs import FinishReason
 from cleave.generation.sampling_params import SamplingParams
+from cleave.generation.sampling_request import MAX_SAMPLES, MAX_TOKEN_ID, SamplingRequest, to_sampling_params
 from cleave.proto.cleave.v1 import common_pb2
 from cleave.rpc import types
 from cleave.rpc.errors import error_code_for
 
-MAX_SAMPLES = 1024
-MAX_LOGPROBS = 20
-MAX_TOKEN_ID = 2**31 - 1
 
 DTYPE_ITEMSIZE = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -53,11 +52,6 @@ def _optional(message, name: str):
     return getattr(message, name) if message.HasField(name) else None
 
 
-def _check_finite(value: float, field: str) -> None:
-    if not math.isfinite(value):
-        raise InvalidArgument(f"must be a finite number, got {value}", field=field)
-
-
 def token_ids_from_proto(ids: Iterable[int], field: str, allow_empty: bool = False) -> tuple[int, ...]:
     """Validated token ids (uint32 on the wire; must fit int32 for the engine)."""
     token_ids = tuple(ids)
@@ -74,78 +68,45 @@ def sampling_from_proto(
     field: str = "sampling",
     reasoning: types.ReasoningOptions | None = None,
 ) -> SamplingParams:
-    """Validate SamplingParams into the engine's type; unset fields take the engine defaults
-    (temperature, top_p and repetition_penalty 1.0; max_tokens 0 -> None: fill the context).
-    `reasoning` adds the thinking budget and whether reasoning text is returned."""
-    temperature = _optional(message, "temperature")
-    if temperature is not None:
-        _check_finite(temperature, f"{field}.temperature")
-        if temperature < 0:
-            raise InvalidArgument("must be >= 0 (0 is greedy)", field=f"{field}.temperature")
-    top_p = _optional(message, "top_p")
-    if top_p is not None and not (0.0 < top_p <= 1.0):
-        raise InvalidArgument(f"must be in (0, 1], got {top_p}", field=f"{field}.top_p")
-    if not (0.0 <= message.min_p <= 1.0):
-        raise InvalidArgument(f"must be in [0, 1], got {message.min_p}", field=f"{field}.min_p")
-    n = message.n or 1
-    if n > MAX_SAMPLES:
-        raise InvalidArgument(f"at most {MAX_SAMPLES} samples per request", field=f"{field}.n")
-    logprobs = _optional(message, "logprobs")
-    prompt_logprobs = _optional(message, "prompt_logprobs")
-    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-        if value is not None and value > MAX_LOGPROBS:
-            raise InvalidArgument(f"at most {MAX_LOGPROBS} top logprobs", field=f"{field}.{name}")
-    repetition_penalty = _optional(message, "repetition_penalty")
-    if repetition_penalty is not None:
-        _check_finite(repetition_penalty, f"{field}.repetition_penalty")
-        if repetition_penalty <= 0:
-            raise InvalidArgument("must be > 0 (1 = none)", field=f"{field}.repetition_penalty")
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = getattr(message, name)
-        _check_finite(value, f"{field}.{name}")
-        if not (-2.0 <= value <= 2.0):
-            raise InvalidArgument(f"must be in [-2, 2], got {value}", field=f"{field}.{name}")
-    if message.max_tokens and message.min_tokens > message.max_tokens:
-        raise InvalidArgument("must not exceed max_tokens", field=f"{field}.min_tokens")
-    if message.min_tokens:
-        raise InvalidArgument("is not supported by the engine yet; leave it 0", field=f"{field}.min_tokens")
-    for position, stop in enumerate(message.stop):
-        if not stop:
-            raise InvalidArgument("stop strings must not be empty", field=f"{field}.stop[{position}]")
-    params = SamplingParams(
+    """Validate SamplingParams into the engine's type (`to_sampling_params`, the validator
+    the HTTP API shares); unset fields take the engine defaults (temperature, top_p and
+    repetition_penalty 1.0; max_tokens 0 -> None: fill the context). `reasoning` adds the
+    thinking budget and whether reasoning text is returned."""
+    request = SamplingRequest(
         max_tokens=message.max_tokens or None,
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
+        min_tokens=message.min_tokens,
+        temperature=_optional(message, "temperature"),
+        top_p=_optional(message, "top_p"),
         top_k=message.top_k,
         min_p=message.min_p,
         seed=_optional(message, "seed"),
-        stop=list(message.stop),
-        stop_token_ids=list(
-            token_ids_from_proto(message.stop_token_ids, f"{field}.stop_token_ids", allow_empty=True)
-        ),
-        n=n,
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+        stop=tuple(message.stop),
+        stop_token_ids=token_ids_from_proto(message.stop_token_ids, f"{field}.stop_token_ids", allow_empty=True),
+        n=message.n or None,
+        logprobs=_optional(message, "logprobs"),
+        prompt_logprobs=_optional(message, "prompt_logprobs"),
+        repetition_penalty=_optional(message, "repetition_penalty"),
         frequency_penalty=message.frequency_penalty,
         presence_penalty=message.presence_penalty,
         ignore_eos=message.ignore_eos,
-        skip_special_tokens=_optional(message, "skip_special_tokens") is not False,
+        skip_special_tokens=_optional(message, "skip_special_tokens"),
     )
-    if reasoning is not None:
-        apply_reasoning(params, reasoning)
-    try:
-        params.validate()
-    except InvalidArgument as error:
-        raise InvalidArgument(error.message, field=f"{field}.{error.field}") from None
-    return params
+    if reasoning is None:
+        return to_sampling_params(request, field)
+    return to_sampling_params(request, field, **thinking_options(reasoning))
+
+
+def thinking_options(options: types.ReasoningOptions) -> dict[str, Any]:
+    """`to_sampling_params`'s thinking keywords from a request's reasoning options."""
+    return {"max_thinking_tokens": options.max_thinking_tokens,
+            "min_thinking_tokens": options.min_thinking_tokens or 0,
+            "include_reasoning": options.mode is not types.ReasoningMode.HIDDEN}
 
 
 def apply_reasoning(params: SamplingParams, options: types.ReasoningOptions) -> SamplingParams:
     """Copy thinking budgets and the reasoning mode into `params` (in place; returned)."""
-    params.max_thinking_tokens = options.max_thinking_tokens
-    params.min_thinking_tokens = options.min_thinking_tokens or 0
-    params.include_reasoning = options.mode is not types.ReasoningMode.HIDDEN
+    for name, value in thinking_options(options).items():
+        setattr(params, name, value)
     return params
 
 
