@@ -11,19 +11,32 @@ import argparse
 import json
 import sys
 
+# Measured with bench/cli_generate.py on a 2-core machine (bench/results/cli/): with one
+# thread the whole command took 4.1 s (median), with torch's default of one per core 10.0 s,
+# and 2.5x the CPU time: the shipped reasoner's ops are too small to split, and two threads
+# that wait on each other every op lose most when other processes share the cores.
+DEFAULT_CPU_THREADS = 1
+
 
 def run(args: argparse.Namespace) -> int:
     # torch and the engine load here, not at import: every `cleave` command imports this module
+    from cleave.cli._device import DeviceUnavailable, check_device
     from cleave.cli._model import ModelNotFound, model_dir
 
     try:
         model = model_dir(args.model)
-    except ModelNotFound as error:  # before torch and the engine load: seconds, not a traceback
+        if args.device is not None:
+            check_device(args.device)
+    except (ModelNotFound, DeviceUnavailable) as error:  # before the engine loads: one line, not a traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
+    import torch
+
     from cleave.engine.llm import LLM
     from cleave.generation.sampling_params import SamplingParams
     from cleave.errors import CleaveError
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     engine_kwargs = {"seed": args.seed, "device": args.device, "dtype": args.dtype, "max_model_len": args.max_model_len}
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, n=args.n
@@ -71,4 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16 (default auto)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length cap")
+    parser.add_argument("--threads", type=int, default=DEFAULT_CPU_THREADS,
+                        help=f"torch intra-op threads for CPU work (default {DEFAULT_CPU_THREADS}: a small model's "
+                             "decode step is too short to split across cores; 0: torch's default, one per core)")
     parser.set_defaults(handler=run)

@@ -80,6 +80,7 @@ async def demo(address: str, out=sys.stdout, api_key: str | None = None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cleave.cli._device import DeviceUnavailable, check_device
     from cleave.cli._model import ModelNotFound, model_dir, served_name
     from cleave.cli._stack import ProcessStack, StackSpec
     from cleave.cli._supervisor import RestartPolicy, Supervisor
@@ -89,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         model = model_dir(args.model)
-    except ModelNotFound as error:
+        check_device(args.device)  # here, not as a worker's log tail once it has started
+    except (ModelNotFound, DeviceUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     spec = StackSpec(
