@@ -10,6 +10,7 @@ overlapped loop; this is the device time per step. `host_us` is the host's time 
 that loop (input copies, graph launch), which a synchronised step adds to the device's.
 
     python bench/decode.py --out bench/results/decode
+    python bench/decode.py --no-pdl ...   # the same without programmatic dependent launch
 """
 
 from __future__ import annotations
@@ -79,9 +80,9 @@ def weight_bytes_read(model: CausalLM) -> int:
     return total
 
 
-def build_model(config: ModelConfig, device: torch.device) -> CausalLM:
+def build_model(config: ModelConfig, device: torch.device, pdl: bool = True) -> CausalLM:
     with torch.device(device):
-        model = CausalLM(config)
+        model = CausalLM(config, pdl=pdl)
     model = model.to(config.dtype).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -165,6 +166,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-graphs", action="store_true", help="measure eager mode only")
     parser.add_argument("--gemv-max-tokens", type=int, default=None,
                         help="batches up to this size take the fused GEMV path (default: the model's)")
+    parser.add_argument("--no-pdl", dest="pdl", action="store_false",
+                        help="launch no kernel with programmatic dependent launch (A/B against the default)")
     parser.add_argument("--out", default=None, help="directory for decode-<UTC time>.json / .md")
     return parser.parse_args(argv)
 
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench/decode.py needs a CUDA device")
     device = torch.device("cuda")
     config = llama_3_2_1b_config()
-    model = build_model(config, device)
+    model = build_model(config, device, pdl=args.pdl)
     if args.gemv_max_tokens is not None:
         model.decode_gemv_max_tokens = args.gemv_max_tokens
     weights = weight_bytes_read(model)
@@ -202,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
             max_blocks_per_seq=-(-max_model_len // args.block_size),
             block_size=args.block_size,
             enabled=not args.no_graphs,
+            pdl=args.pdl,
         ),
         device,
     )
@@ -240,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         "block_size": args.block_size,
         "max_model_len": max_model_len,
         "decode_gemv_max_tokens": model.decode_gemv_max_tokens,
+        "pdl": args.pdl,
         "hbm_tbs": args.hbm_tbs,
         "skipped_no_memory": ", ".join(f"b{c.batch}/ctx{c.context}" for c in skipped) or "none",
     }

@@ -12,7 +12,7 @@ the full batch are kept. Each phase is reported in ms per decode step:
     detokenize   the previous step's deferred text (overlaps the forward on a GPU)
     sampling_prep SamplingTensors (host part of sampling)
     sample       sampling itself (device work on a GPU; excluded from host)
-    postprocess  scheduler.postprocess, stop checks, output objects (overlapped steps: the
+    postprocess  scheduler.resolve, stop checks, output objects (overlapped steps: the
                  previous step's tokens, with their text)
     host         schedule + prepare + detokenize + sampling_prep + postprocess
 

@@ -147,6 +147,7 @@ class WorkerConfig:
     # workers sharing one GPU get shares that sum to at most 1 (`cleave up` splits 0.9)
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # no CUDA graphs
+    pdl: bool = True  # decode kernels launch with programmatic dependent launch (Hopper+)
     transfer_timeout_s: float = 30.0  # an admitted request's KV must arrive (and Start come) by then
     max_queued_admissions: int = 256  # decode: Admits waiting for free KV blocks at most (then RESOURCE_EXHAUSTED)
     # prefill: kvstore prefixes shorter than this are neither fetched nor put (a round trip costs more)
@@ -371,6 +372,8 @@ def worker_config(
               "(workers on one GPU: shares summing to at most 1; the KV cache fills it when --num-kv-blocks is 0)",
               type=float)
     flags.add("--enforce-eager", False, "run eagerly, without CUDA graphs", action=argparse.BooleanOptionalAction)
+    flags.add("--pdl", True, "launch the decode kernels with programmatic dependent launch (Hopper and later)",
+              action=argparse.BooleanOptionalAction)
     flags.add("--transfer-timeout", 30.0, "seconds an admitted request's KV has to arrive", type=float)
     flags.add("--max-queued-admissions", 256,
               "decode: admissions that wait in order for free KV blocks when the pool is full; one more is "
@@ -405,6 +408,7 @@ def worker_config(
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        pdl=args.pdl,
         transfer_timeout_s=args.transfer_timeout,
         max_queued_admissions=args.max_queued_admissions,
         kvstore_min_prefix_tokens=args.kvstore_min_prefix_tokens,

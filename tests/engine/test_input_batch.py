@@ -42,7 +42,8 @@ def test_decode_steps_match_general_path_across_blocks_and_membership_changes():
             assert_same(batch, general)
             num_fast += 1
         tokens = [20 + step + row for row in range(len(output.sampled_seqs))]
-        scheduler.postprocess(output, tokens)
+        scheduler.advance(output)
+        scheduler.resolve(output, tokens)
         if step == 6:
             scheduler.finish("r1/0", SequenceStatus.FINISHED_STOPPED)
         if step == 9:

@@ -23,8 +23,8 @@ def next_token(context, sample_index):
     return 100 + (31 * context[-1] + 7 * len(context) + 13 * sample_index + sum(context[-4:])) % 50
 
 
-def stop_checker(seq):
-    if seq.last_token_id == EOS:
+def stop_checker(seq, token):
+    if token == EOS:
         return SequenceStatus.FINISHED_STOPPED
     if seq.num_output_tokens >= seq.sampling_params.max_tokens:
         return SequenceStatus.FINISHED_LENGTH
@@ -76,9 +76,15 @@ def seq(request_id, prompt, max_tokens=4, priority=0, arrival=0.0, index=0):
     return Sequence(request_id, prompt, sample_index=index, sampling_params=Params(max_tokens), priority=priority, arrival_time=arrival)
 
 
+def record(scheduler, output, tokens, checker=stop_checker):
+    """A synchronous step's tokens back into the scheduler: advance, then resolve at once."""
+    scheduler.advance(output)
+    return scheduler.resolve(output, tokens, checker)
+
+
 def step(scheduler, runner):
     output = scheduler.schedule()
-    scheduler.postprocess(output, runner.execute(output), stop_checker)
+    record(scheduler, output, runner.execute(output))
     return output
 
 
@@ -212,7 +218,7 @@ def test_abort_frees_waiting_running_and_in_flight_sequences():
     out = scheduler.schedule()
     assert summary(out) == [("a/0", 0, 8, False)]
     assert scheduler.abort("a") == [a]  # while the step runs
-    assert scheduler.postprocess(out, runner.execute(out), stop_checker) == []
+    assert record(scheduler, out, runner.execute(out)) == []
     assert a.status is SequenceStatus.FINISHED_ABORTED
     assert scheduler.kv.num_free_blocks == 31
     out = step(scheduler, runner)
@@ -285,10 +291,10 @@ def test_rejections_and_protocol_errors():
     with pytest.raises(ValueError, match="already added"):
         scheduler.add(seq("a", [1, 2]))
     out = scheduler.schedule()
-    with pytest.raises(RuntimeError, match="postprocess"):
+    with pytest.raises(RuntimeError, match="advance"):
         scheduler.schedule()
     with pytest.raises(ValueError, match="1 sampled sequences"):
-        scheduler.postprocess(out, [1, 2])
+        record(scheduler, out, [1, 2])
 
 
 def test_sequences_stop_at_max_model_len():
@@ -324,7 +330,7 @@ def test_no_block_leaks_under_random_load():
         preemptions += len(out.preempted_seq_ids)
         if rng.random() < 0.03 and out.scheduled:
             scheduler.abort(rng.choice(out.scheduled).seq.request_id)
-        scheduler.postprocess(out, runner.execute(out), stop_checker)
+        record(scheduler, out, runner.execute(out))
         held = sum(len(scheduler.kv.block_table(s.seq_id)) for s in scheduler.running)
         refs = sum(scheduler.kv.pool.ref_count(b) for b in range(1, num_blocks))
         assert refs == held

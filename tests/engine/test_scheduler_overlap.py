@@ -10,7 +10,7 @@ import pytest
 from cleave.engine.scheduler_output import stand_in_row, stand_in_token
 from cleave.engine.sequence import FINISHED_STATUSES, SequenceStatus
 
-from .test_scheduler import EOS, FakeRunner, expected_outputs, make, seq
+from .test_scheduler import EOS, FakeRunner, expected_outputs, make, record, seq
 
 STOP_IDS = frozenset(range(EOS, EOS + 5))  # about one token in ten ends its sequence
 
@@ -55,7 +55,9 @@ def counting_checker():
     return check
 
 
-def run_overlapped(scheduler, runner, on_step=None):
+def run_overlapped(scheduler, runner, on_step=None, overlap_forks=False):
+    """The overlapped loop; steps with forks are resolved at once, as the engine does,
+    unless `overlap_forks` (the scheduler itself supports overlapping them)."""
     checker = counting_checker()
     previous = None  # (output, sampled tokens) launched and advanced, not yet resolved
     steps = 0
@@ -64,11 +66,11 @@ def run_overlapped(scheduler, runner, on_step=None):
         launched = None
         if not output.is_empty:
             sampled = runner.launch(output, previous[1] if previous else [])
-            if output.has_forks:
+            if output.has_forks and not overlap_forks:
                 if previous is not None:
                     scheduler.resolve(*previous, checker)
                     previous = None
-                scheduler.postprocess(output, sampled, lambda s: checker(s, s.last_token_id))
+                record(scheduler, output, sampled, checker)
             else:
                 scheduler.advance(output)
                 launched = (output, sampled)
@@ -106,7 +108,7 @@ def test_overlapped_steps_produce_the_plain_loops_tokens(num_blocks, budget, see
             checker = counting_checker()
             while scheduler.has_unfinished():
                 output = scheduler.schedule()
-                scheduler.postprocess(output, runner.execute(output), lambda s: checker(s, s.last_token_id))
+                record(scheduler, output, runner.execute(output), checker)
         results[overlapped] = [(s.output_token_ids, s.status) for s in seqs]
         for sequence in seqs:
             assert sequence.is_finished and min(sequence.all_token_ids) >= 0
@@ -118,7 +120,8 @@ def test_overlapped_steps_produce_the_plain_loops_tokens(num_blocks, budget, see
     assert any(status is SequenceStatus.FINISHED_STOPPED for _, status in results[True])
 
 
-def test_groups_with_forks_and_aborts_between_overlapped_steps():
+@pytest.mark.parametrize("overlap_forks", [False, True])
+def test_groups_with_forks_and_aborts_between_overlapped_steps(overlap_forks):
     scheduler, _ = make(num_blocks=64, budget=16, max_num_seqs=8)
     runner = StandInRunner(64)
     group = [seq("g", [5, 6, 7, 8, 9], max_tokens=9, index=i) for i in range(3)]
@@ -131,7 +134,7 @@ def test_groups_with_forks_and_aborts_between_overlapped_steps():
             assert any(t < 0 for t in other.all_token_ids)
             scheduler.abort("o")
 
-    run_overlapped(scheduler, runner, abort_other)
+    run_overlapped(scheduler, runner, abort_other, overlap_forks)
     for sequence in [*group, late]:
         assert sequence.output_token_ids == expected_outputs(sequence)
         assert sequence.status in FINISHED_STATUSES
@@ -157,3 +160,22 @@ def test_a_late_stop_drops_the_next_steps_stand_in():
     assert a.all_token_ids == [1, 2, 3, EOS]
     with pytest.raises(ValueError, match="sampled tokens"):
         scheduler.resolve(second, [], None)
+
+
+def test_forks_start_in_advance_with_stand_ins_of_their_own_rows():
+    scheduler, _ = make()
+    group = [seq("g", [1, 2, 3], max_tokens=3, index=i) for i in range(3)]
+    scheduler.add_group(group)
+    first = scheduler.schedule()
+    assert [s.seq_id for s in first.sampled_seqs] == ["g/0", "g/1", "g/2"]
+    scheduler.advance(first)
+    assert [s.all_token_ids for s in group] == [[1, 2, 3, stand_in_token(row)] for row in range(3)]
+    assert all(s.status is SequenceStatus.RUNNING and s.num_computed_tokens == 3 for s in group)
+    second = scheduler.schedule()  # every sample decodes its own stand-in
+    assert [e.token_ids for e in second.scheduled] == [[stand_in_token(row)] for row in range(3)]
+    scheduler.advance(second)
+    scheduler.abort("g")
+    assert scheduler.resolve(first, [7, 8, EOS], counting_checker()) == []
+    assert [s.all_token_ids for s in group] == [[1, 2, 3]] * 3
+    assert scheduler.resolve(second, [9, 9, 9], counting_checker()) == []
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_usable_blocks

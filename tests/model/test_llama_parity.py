@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cleave.kv.metadata import AttentionMetadata
+from cleave.model.fused_decode import deferred_norm_layout_applies, gemv_layout_applies
 from cleave.model.llama import CausalLM, allocate_kv_cache
 from cleave.model.loader import load_model
 from cleave.model.tokenizer import Tokenizer
@@ -139,19 +140,19 @@ def test_fused_decode_path_matches_transformers(tiny_checkpoints, hf_models, arc
     """A 20-token prefill (unfused) then 1-2 token steps on the fused decode-batch kernels
     (norms inside the projections, residual adds in their epilogues), in the interpreter."""
     model = load_model(tiny_checkpoints[arch], impl="triton")
-    assert model._decode_kernels_apply(torch.zeros(1, model.config.hidden_size))
-    assert not model._decode_kernels_apply(torch.zeros(20, model.config.hidden_size))
+    assert gemv_layout_applies(model, torch.zeros(1, model.config.hidden_size))
+    assert not gemv_layout_applies(model, torch.zeros(20, model.config.hidden_size))
     input_ids = prompt_ids(model.config.vocab_size, 25)
     expected = hf_models[arch](input_ids[None]).logits[0].float()
     assert (run_chunks(model, input_ids, [20, 1, 1, 1, 2]) - expected).abs().max().item() <= TOLERANCE
     # up to 64 tokens: the 20-token chunk on the split-K projections (their counters allocated per call)
     model.decode_gemv_max_tokens = 64
-    assert model._decode_kernels_apply(torch.zeros(20, model.config.hidden_size))
+    assert gemv_layout_applies(model, torch.zeros(20, model.config.hidden_size))
     assert (run_chunks(model, input_ids, [20, 1, 1, 1, 2]) - expected).abs().max().item() <= TOLERANCE
     # no decode-batch projections: single-token steps take the unfused layers, whose decode
     # attention kernel rotates q/k and writes the new K/V itself
     model.decode_gemv_max_tokens = 0
-    assert not model._decode_kernels_apply(torch.zeros(1, model.config.hidden_size))
+    assert not gemv_layout_applies(model, torch.zeros(1, model.config.hidden_size))
     assert (run_chunks(model, input_ids, [20, 1, 1, 1, 2]) - expected).abs().max().item() <= TOLERANCE
 
 
@@ -171,11 +172,11 @@ def test_folded_norms_match_transformers(tiny_checkpoints, hf_models, name, chun
     model.decode_gemv_max_tokens = 0  # single tokens too go through the GEMM layout
     decode = AttentionMetadata.build([1], [5], [[0]], BLOCK_SIZE)
     hidden = torch.zeros(1, model.config.hidden_size)
-    assert not model._deferred_norms_apply(hidden, decode)  # not folded yet
+    assert not deferred_norm_layout_applies(model, hidden, decode)  # not folded yet
     model.fold_norm_weights().fold_norm_weights()  # idempotent
-    assert model._deferred_norms_apply(hidden, decode)
-    assert not model._deferred_norms_apply(torch.zeros(2, model.config.hidden_size),
-                                           AttentionMetadata.build([2], [5], [[0]], BLOCK_SIZE))
+    assert deferred_norm_layout_applies(model, hidden, decode)
+    assert not deferred_norm_layout_applies(model, torch.zeros(2, model.config.hidden_size),
+                                        AttentionMetadata.build([2], [5], [[0]], BLOCK_SIZE))
     assert (run_chunks(model, input_ids, chunks) - expected).abs().max().item() <= TOLERANCE
 
 

@@ -80,6 +80,8 @@ class EngineConfig:
             the host (outputs then lag one `step()` call behind the device). None: on for
             CUDA, off elsewhere (on CPU nothing runs while the host works). False is the
             plain synchronous loop, for debugging.
+        pdl: launch the decode kernels with programmatic dependent launch where the device
+            has it (Hopper and later; `cleave.kernels.pdl`). False for A/B runs and debugging.
     """
 
     model: str
@@ -89,6 +91,7 @@ class EngineConfig:
     enforce_eager: bool = False
     detokenize: bool = True
     overlap_steps: bool | None = None
+    pdl: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 

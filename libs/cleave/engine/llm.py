@@ -25,7 +25,7 @@ from cleave.model.source import resolve_model_dir
 
 _SCHEDULER_KEYS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "enable_chunked_prefill")
 _CACHE_KEYS = ("block_size", "num_blocks", "enable_prefix_caching", "gpu_memory_utilization")
-_ENGINE_KEYS = ("dtype", "device", "seed", "enforce_eager", "detokenize", "overlap_steps")
+_ENGINE_KEYS = ("dtype", "device", "seed", "enforce_eager", "detokenize", "overlap_steps", "pdl")
 
 
 def default_model_path() -> Path | None:
@@ -62,7 +62,7 @@ class LLM:
     Args:
         model: checkpoint directory (HF layout).
         **engine_kwargs: see `build_engine_config` (max_model_len, max_num_seqs, block_size,
-            num_blocks, device, dtype, seed, enforce_eager, detokenize, overlap_steps, ...).
+            num_blocks, device, dtype, seed, enforce_eager, detokenize, overlap_steps, pdl, ...).
     """
 
     def __init__(self, model: str | Path, **engine_kwargs: Any) -> None:

@@ -1,9 +1,10 @@
-"""`LLMEngine`: requests in, delta outputs out; one `step()` = schedule -> run -> postprocess.
+"""`LLMEngine`: requests in, delta outputs out; one `step()` = schedule -> run -> record.
 
     step():
         output  = scheduler.schedule()                  # which sequences, how many tokens
         sampled = runner.execute(output, processors)    # forward + sampling on the device
-        scheduler.postprocess(output, sampled, on_token)  # on_token: detokenize, stop checks
+        scheduler.advance(output)                       # the step's tokens count as computed
+        scheduler.resolve(output, sampled, on_sampled)  # on_sampled: detokenize, stop checks
         -> one RequestOutput (delta) per request that produced something
 
 Overlapped steps (`EngineConfig.overlap_steps`, on for CUDA) reorder this so the device
@@ -137,7 +138,7 @@ class LLMEngine:
         self.dtype = dtype
         # norm weights folded into the projections after them: decode batches on GEMMs then
         # run without norm kernels (CausalLM.fold_norm_weights)
-        self.model = load_model(path, dtype=dtype, device=device).fold_norm_weights()
+        self.model = load_model(path, dtype=dtype, device=device, pdl=config.pdl).fold_norm_weights()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._builder = RequestBuilder(
             self.tokenizer,
@@ -301,7 +302,8 @@ class LLMEngine:
         stats.schedule_s = scheduled - start
         ran = time.perf_counter()
         self._touched = {}
-        self._record(output, result, advanced=False)
+        self.scheduler.advance(output)
+        self._record(output, result)
         outputs = self._collect(self._touched)
         stats.postprocess_s = time.perf_counter() - ran
         self.last_stats = stats
@@ -318,16 +320,16 @@ class LLMEngine:
             progress = self.watch_layers(output) if self.watch_layers is not None else None
             launched = self.runner.launch(output, self._processors, previous, layer_progress=progress)
             stats = launched.stats
+            self.scheduler.advance(output)
             if self._can_overlap(output):
-                self.scheduler.advance(output)
                 self._in_flight = launched
         stats.schedule_s = scheduled - start
         resolving = time.perf_counter()
         self._touched = {}
         if previous is not None:
-            stats.device_s = self._resolve(previous, advanced=True)
+            stats.device_s = self._resolve(previous)
         if launched is not None and self._in_flight is None:
-            self._resolve(launched, advanced=False)  # its tokens are needed before the next launch
+            self._resolve(launched)  # its tokens are needed before the next launch
         self._flush_text()
         outputs = self._collect(self._touched)
         stats.postprocess_s = time.perf_counter() - resolving
@@ -346,14 +348,14 @@ class LLMEngine:
                 return False
         return True
 
-    def _resolve(self, launched: LaunchedStep, advanced: bool) -> float:
-        """Wait for a launched step's tokens and record them; returns its device seconds."""
+    def _resolve(self, launched: LaunchedStep) -> float:
+        """Wait for a launched, advanced step's tokens and record them; returns its device seconds."""
         result = self.runner.collect(launched)
-        self._record(launched.output, result, advanced)
+        self._record(launched.output, result)
         return result.stats.device_s
 
-    def _record(self, output: SchedulerOutput, result: RunnerOutput, advanced: bool) -> None:
-        """Tokens of a step into the scheduler (stop checks, frees) and the samples' states."""
+    def _record(self, output: SchedulerOutput, result: RunnerOutput) -> None:
+        """Tokens of an advanced step into the scheduler (stop checks, frees) and the samples' states."""
         for chunk in result.prompt_logprobs:  # before the tokens: a finished request is forgotten
             state = self._requests.get(chunk.seq.request_id)
             if state is not None and state.add_prompt_logprobs(chunk.first_position, chunk.entries):
@@ -362,10 +364,7 @@ class LLMEngine:
             self._step_logprobs = {
                 seq.seq_id: logprob for seq, logprob in zip(output.sampled_seqs, result.logprobs) if logprob is not None
             }
-        if advanced:
-            updated = self.scheduler.resolve(output, result.token_ids, self._on_sampled)
-        else:
-            updated = self.scheduler.postprocess(output, result.token_ids, self._on_token)
+        updated = self.scheduler.resolve(output, result.token_ids, self._on_sampled)
         self._step_logprobs = {}
         touched, samples = self._touched, self._samples
         for seq in updated:
@@ -375,10 +374,6 @@ class LLMEngine:
                 state = touched.get(seq.request_id)
                 if sample is not None and state is not None and not state.prefill_done:
                     sample.end(status)  # no-op unless the scheduler ended it (context full)
-
-    def _on_token(self, seq: Sequence) -> SequenceStatus | None:
-        """Scheduler callback per sampled token (its last one): see `_on_sampled`."""
-        return self._on_sampled(seq, seq.all_token_ids[-1])
 
     def _on_sampled(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
         """Scheduler callback per sampled token: text, stop conditions, prefill-only hand-off."""

@@ -230,6 +230,7 @@ class ModelRunner:
             max_batch_size=sched.max_num_seqs,
             max_blocks_per_seq=-(-sched.max_model_len // self.block_size),
             block_size=self.block_size,
+            pdl=self.config.pdl,
         )
         runner = CUDAGraphRunner(self._decode_step, graph_config, self.device)
         runner.capture()

@@ -1,11 +1,22 @@
-"""Continuous-batching scheduler: which sequences run this step, with how many tokens.
+"""Continuous-batching scheduler: which sequences run this step, with how many tokens, and
+what their sampled tokens change.
 
 Interface (one engine step):
 
     output = scheduler.schedule()                  # SchedulerOutput, typed, CPU only
     runner.copy_blocks(output.block_copies)        # copy-on-write, before the forward
     tokens = runner.execute(output)                # one token per output.sampled_seqs entry
-    updated = scheduler.postprocess(output, tokens, stop_checker)
+    scheduler.advance(output)                      # the step's tokens count as computed
+    updated = scheduler.resolve(output, tokens, token_checker)   # sampled ids, stops, frees
+
+Tokens come back one way, `advance` then `resolve`. A synchronous step calls them back to
+back. An overlapped step plans and launches the next step between them, before this one's
+tokens reach the host:
+
+    output = scheduler.schedule(); launch(output)
+    scheduler.advance(output)            # stand-in ids for the samples
+    next_output = scheduler.schedule()   # plans from the stand-ins; launch(next_output)
+    scheduler.resolve(output, tokens, token_checker)   # real ids, stop checks, frees
 
 `schedule()` fills a token budget (`max_num_batched_tokens`) with at most `max_num_seqs`
 sequences: first every running sequence, decodes (1 token) before unfinished prefills, then
@@ -14,58 +25,53 @@ hit. A prompt longer than what is left of the budget is cut into chunks; the res
 next step, ahead of new arrivals. When KV blocks run out, the running sequence with the
 lowest priority (highest number), latest arrival, is preempted: its blocks are freed, it goes
 back to waiting with `num_computed_tokens = 0`, and its prompt *and* generated tokens are
-recomputed on readmission. A step that preempted admits nobody new.
+recomputed on readmission. A step that preempted admits nobody new. A pure decode step
+(nothing waits, no fork pending, one free block per sequence) is planned in one pass.
 
 For each `ScheduledSequence` the runner feeds `token_ids` at positions `start_position ..
 start_position + num_new_tokens - 1` using `block_table`, and computes logits only where
 `sample` is True (the entry's last token; prefill complete). The sampler draws one token
 per sequence in `entry.sample_seqs` from that row: the sequence itself, then any `forks`.
 
+`advance` counts every entry's tokens as computed and puts a stand-in
+(`stand_in_token(row)`, negative) where each sampled token will go; the runner feeds a
+stand-in from the tokens the launched step sampled on the device. `resolve` writes the real
+ids over the stand-ins, indexes newly full blocks in the prefix cache, then asks
+`token_checker(seq, token)` whether each sequence that got a token should finish; the
+scheduler frees finished sequences' blocks. A sequence that ended after the launch (abort,
+or a stop found by resolving the step before) drops its token and any later stand-in.
+
 n parallel samples (`add_group`) prefill the prompt once: the first sample runs alone; the
 step its prefill completes, the others appear as its `forks`, draw their first tokens from
-its logits, and in `postprocess` take shared references to its blocks (the last, partly
-filled block is copied on the first write, reported in `block_copies`).
+its logits, and in `advance` take shared references to its blocks (the last, partly filled
+block is copied on the first write, reported in `block_copies`).
 
-`postprocess` records the step (computed tokens, sampled tokens, newly full blocks in the
-prefix cache), then asks `stop_checker(seq)` whether each sequence that got a token should
-finish; the scheduler frees finished sequences' blocks. The engine can also end a sequence
-later with `finish(seq_id, status)`, or a whole request with `abort(request_id)`.
-`finished_seq_ids` in the next output lists every sequence that ended since the previous
-one, so the runner can drop per-sequence state.
+The engine can also end a sequence with `finish(seq_id, status)`, or a whole request with
+`abort(request_id)`. `finished_seq_ids` in the next output lists every sequence that ended
+since the previous one, so the runner can drop per-sequence state.
 
-Overlapped steps split `postprocess` in two, so the next step can be planned and launched
-before this one's tokens reach the host:
-
-    output = scheduler.schedule(); launch(output)
-    scheduler.advance(output)        # tokens count as computed; stand-in ids for samples
-    next_output = scheduler.schedule()   # plans from the stand-ins; launch(next_output)
-    scheduler.resolve(output, tokens, token_checker)   # real ids, stop checks, frees
-
-A stand-in (`stand_in_token(row)`, negative) sits where the sampled token will go; the
-runner feeds the sampled token itself on the device. A sequence that `resolve` finishes may
-already hold a stand-in of the next launched step: resolving that step drops it.
-
-`Scheduler` is the facade over one module per role: `scheduler_queues` (waiting/running
-queues, admission order, fork and request groups), `scheduler_blocks` (KV slots, preemption,
-prefix indexing), `scheduler_planner` (the step plan) and `scheduler_recorder` (recording a
-run step, overlapped or not). The plan types live in `scheduler_output`.
+The waiting/running queues and fork and request groups live in `scheduler_queues`; the plan
+types in `scheduler_output`; the blocks themselves in `cleave.kv.manager.KVCacheManager`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from cleave.engine.config import SchedulerConfig
-from cleave.engine.scheduler_blocks import SchedulerBlocks
-from cleave.engine.scheduler_output import ScheduledSequence, SchedulerOutput, SchedulerStats
-from cleave.engine.scheduler_planner import StepPlanner
+from cleave.engine.scheduler_output import ScheduledSequence, SchedulerOutput, SchedulerStats, stand_in_token
 from cleave.engine.scheduler_queues import SequenceQueues
-from cleave.engine.scheduler_recorder import StepRecorder, StopChecker, TokenChecker
-from cleave.engine.sequence import Sequence, SequenceStatus
-from cleave.kv.manager import KVCacheManager
+from cleave.engine.sequence import FINISHED_STATUSES, RUNNING, Sequence, SequenceStatus
+from cleave.kv.manager import NO_HIT, KVCacheManager
 
-__all__ = ["ScheduledSequence", "Scheduler", "SchedulerOutput", "SchedulerStats", "StopChecker", "TokenChecker"]
+__all__ = ["ScheduledSequence", "Scheduler", "SchedulerOutput", "SchedulerStats", "TokenChecker"]
+
+TokenChecker = Callable[[Sequence, int], "SequenceStatus | None"]
+"""Returns a FINISHED_* status when a sequence that just got `token` should stop, else None.
+It gets the token because the sequence may already hold a later step's stand-in."""
+
+PREEMPTED = SequenceStatus.PREEMPTED
 
 
 class Scheduler:
@@ -82,9 +88,10 @@ class Scheduler:
         self.kv = kv_manager
         self.stats = SchedulerStats()
         self._queues = SequenceQueues(config.max_model_len)
-        self._blocks = SchedulerBlocks(kv_manager, self._queues, self.stats)
-        self._planner = StepPlanner(config, self._queues, self._blocks, self.stats)
-        self._recorder = StepRecorder(config.max_model_len, self._queues, self._blocks, self._finish_promoting)
+        # Sequences whose full blocks are indexed in the prefix cache up to their computed
+        # tokens: a decode that completes no block has nothing new to index.
+        self._indexed: set[str] = set()
+        self._in_flight: SchedulerOutput | None = None  # planned with work, not advanced yet
 
     # ---- admission ------------------------------------------------------------------------
 
@@ -149,42 +156,45 @@ class Scheduler:
         request_id = seq_id.rsplit("/", 1)[0]
         for seq in self._queues.request_seqs(request_id):
             if seq.seq_id == seq_id:
-                self._finish(seq, status, promote_forks=True)
+                self._finish(seq, status)
                 return seq
         raise KeyError(f"no unfinished sequence {seq_id!r}")
 
     # ---- one step -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step. Call `postprocess` with the result before scheduling again."""
-        if self._recorder.in_flight is not None:
-            raise RuntimeError("the previous SchedulerOutput was not postprocessed; call postprocess() first")
-        output = self._planner.plan()
-        self._recorder.expect(output)
+        """Plan the next step. Call `advance` with the result before scheduling again."""
+        if self._in_flight is not None:
+            raise RuntimeError("the previous SchedulerOutput was not advanced; call advance() first")
+        output = self._plan_decodes()
+        if output is None:
+            output = self._plan()
+        self._in_flight = output if output.scheduled else None
         return output
 
-    def postprocess(
-        self,
-        output: SchedulerOutput,
-        sampled_token_ids: Mapping[str, int] | Seq[int],
-        stop_checker: StopChecker | None = None,
-    ) -> list[Sequence]:
-        """Record a finished step; returns the sequences that got a token, in sampled order.
-
-        `sampled_token_ids` maps seq_id to token, or lists one token per `output.sampled_seqs`.
-        Returned sequences that finished (stop_checker, or max_model_len) are already freed.
-        """
-        return self._recorder.postprocess(output, sampled_token_ids, stop_checker)
-
     def advance(self, output: SchedulerOutput) -> None:
-        """Record a launched step before its tokens are known (see the module docstring).
+        """Record a planned step before its tokens are known (see the module docstring).
 
         Every entry's tokens count as computed and each sequence that samples gets the
-        stand-in `stand_in_token(row)`, row being its index in `output.sampled_seqs`;
-        `schedule` may run again at once. Steps with forks share blocks in `postprocess`
-        and cannot be advanced.
+        stand-in `stand_in_token(row)`, row being its index in `output.sampled_seqs`; a
+        leader's forks start running on shared blocks. `schedule` may run again at once.
         """
-        self._recorder.advance(output)
+        if output.is_empty:
+            return
+        if output is not self._in_flight:
+            raise RuntimeError("advance() got an output other than the latest one from schedule()")
+        self._in_flight = None
+        row = 0
+        for entry in output.scheduled:
+            seq = entry.seq
+            if seq.status is RUNNING:  # not ended since the plan
+                seq.num_computed_tokens = entry.start_position + entry.num_new_tokens
+                if entry.sample:
+                    seq.all_token_ids.append(stand_in_token(row))
+                    if entry.forks:
+                        self._start_forks(seq, entry.forks, row)
+            if entry.sample:
+                row += 1 + len(entry.forks)
 
     def resolve(
         self,
@@ -193,19 +203,246 @@ class Scheduler:
         token_checker: TokenChecker | None = None,
     ) -> list[Sequence]:
         """Record the tokens of a step recorded by `advance`; returns the sequences that got
-        one, in sampled order (finished ones already freed), as `postprocess` does.
+        one, in sampled order (those that finished are already freed).
 
         `sampled_token_ids` holds one token per `output.sampled_seqs` entry. The token of a
         sequence that ended after the launch (abort, or a stop found by resolving the step
         before) is dropped; a sequence preempted after the launch keeps it for its recompute.
         """
-        return self._recorder.resolve(output, sampled_token_ids, token_checker)
+        if len(sampled_token_ids) != len(output.sampled_seqs):
+            raise ValueError(
+                f"got {len(sampled_token_ids)} sampled tokens for {len(output.sampled_seqs)} sampled sequences; "
+                "pass one token per output.sampled_seqs entry"
+            )
+        kv, indexed = self.kv, self._indexed
+        cache_full_blocks, block_size = kv.cache_full_blocks, kv.block_size
+        has_forks = output.has_forks
+        got: list[tuple[Sequence, int, int]] = []  # (sequence, token, its position)
+        index = 0
+        for entry in output.scheduled:
+            seq = entry.seq
+            num_new = entry.num_new_tokens
+            seq_len = entry.start_position + num_new
+            status = seq.status
+            if entry.sample:
+                if has_forks and entry.forks:
+                    for sampled in entry.sample_seqs:
+                        _take_token(sampled, int(sampled_token_ids[index]), seq_len, got)
+                        index += 1
+                else:  # the common case, inlined: _take_token(seq, ...)
+                    token = int(sampled_token_ids[index])
+                    index += 1
+                    if status is RUNNING or status is PREEMPTED:
+                        seq.all_token_ids[seq_len] = token
+                        got.append((seq, token, seq_len))
+                    else:
+                        del seq.all_token_ids[seq_len:]
+            if status is not RUNNING:
+                continue  # finished, or preempted: its blocks are gone
+            seq_id = seq.seq_id
+            if num_new == 1 and seq_len % block_size and seq_id in indexed:
+                continue  # no block became full: cache_full_blocks would return at once
+            cache_full_blocks(seq_id, seq.all_token_ids, seq_len)
+            indexed.add(seq_id)
+        max_model_len = self.config.max_model_len
+        updated: list[Sequence] = []
+        for seq, token, position in got:
+            updated.append(seq)
+            if seq.status is not RUNNING and seq.status in FINISHED_STATUSES:
+                continue  # a stop checked earlier in this loop ended it (its request aborted)
+            status = token_checker(seq, token) if token_checker else None
+            if status is None and position + 1 >= max_model_len:
+                status = SequenceStatus.FINISHED_LENGTH
+            if status is not None and seq.status not in FINISHED_STATUSES:
+                del seq.all_token_ids[position + 1 :]  # a later step's stand-in: never resolved
+                self._finish(seq, status)
+        return updated
 
-    # ---- internals ------------------------------------------------------------------------
+    # ---- planning -------------------------------------------------------------------------
 
-    def _finish(self, seq: Sequence, status: SequenceStatus, promote_forks: bool) -> None:
+    def _plan(self) -> SchedulerOutput:
+        """Allocate the next step's KV slots and return its plan (possibly empty)."""
+        queues = self._queues
+        budget = self.config.max_num_batched_tokens
+        planned: dict[str, tuple[Sequence, int]] = {}
+        preempted: list[str] = []
+
+        decodes_first = sorted(queues.running, key=lambda s: (s.num_uncomputed_tokens > 1, queues.priority_key(s)))
+        for seq in decodes_first:
+            if budget == 0 or len(planned) >= self.config.max_num_seqs:
+                break
+            if seq.status is not RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            victims = self._allocate_or_preempt(seq, num_new)
+            for victim in victims:
+                preempted.append(victim.seq_id)
+                if victim.seq_id in planned:
+                    budget += planned.pop(victim.seq_id)[1]
+            if not victims or victims[-1] is not seq:
+                planned[seq.seq_id] = (seq, num_new)
+                budget -= num_new
+
+        if not preempted:
+            self._admit_waiting(budget, planned)
+
+        self.stats.num_steps += 1
+        return SchedulerOutput(
+            scheduled=[self._entry(seq, num_new) for seq, num_new in planned.values()],
+            block_copies=self.kv.take_pending_copies(),
+            preempted_seq_ids=preempted,
+            finished_seq_ids=queues.take_finished(),
+        )
+
+    def _plan_decodes(self) -> SchedulerOutput | None:
+        """The plan of a pure decode step in one pass, or None when `_plan` is needed.
+
+        Most steps of a busy engine are pure decodes. Applies when nothing waits, no fork is
+        pending, the running sequences fit the step's limits, each has exactly one token to
+        feed and the pool has a free block per sequence (a decode needs at most one: a new
+        block at a boundary or a copy-on-write of a shared last block). The plan is then
+        exactly `_plan`'s, and nobody is preempted; otherwise nothing is allocated.
+        """
+        queues, config, kv = self._queues, self.config, self.kv
+        running = queues.running
+        num_running = len(running)
+        if (
+            not running
+            or queues.waiting
+            or queues.pending_forks
+            or num_running > config.max_num_seqs
+            or num_running > config.max_num_batched_tokens
+        ):
+            return None
+        order = queues.running_order()
+        for seq in order:
+            if len(seq.all_token_ids) - seq.num_computed_tokens != 1:
+                return None
+        if not kv.allocate_decode_slots([seq.seq_id for seq in order]):
+            return None
+        block_table_view = kv.block_table_view
+        scheduled: list[ScheduledSequence] = []
+        num_decodes = 0
+        for seq in order:
+            tokens = seq.all_token_ids
+            start = len(tokens) - 1
+            is_decode = start >= seq.num_prompt_tokens  # else the last prompt token of a recompute
+            num_decodes += is_decode
+            scheduled.append(
+                ScheduledSequence(seq, 1, tokens[start:], start, True, block_table_view(seq.seq_id), (), not is_decode)
+            )
+        stats = self.stats
+        stats.num_steps += 1
+        stats.num_decode_tokens += num_decodes
+        stats.num_prefill_tokens += num_running - num_decodes
+        return SchedulerOutput(scheduled, kv.take_pending_copies(), [], queues.take_finished())
+
+    def _admit_waiting(self, budget: int, planned: dict[str, tuple[Sequence, int]]) -> None:
+        """Admit waiting sequences in priority order while budget, seats and blocks last."""
+        queues, kv, config, stats = self._queues, self.kv, self.config, self.stats
+        pending_forks = queues.pending_forks
+        reserved_forks = sum(len(pending_forks.get(s.seq_id, ())) for s in queues.running)
+        while queues.waiting and budget > 0 and len(planned) < config.max_num_seqs:
+            seq = queues.waiting[0]
+            group_size = 1 + len(pending_forks.get(seq.seq_id, ()))
+            if len(queues.running) + reserved_forks + group_size > config.max_num_seqs:
+                break
+            # prompt logprobs need every prompt position's logits: no prefix-cache hit
+            wants_prompt_logprobs = getattr(seq.sampling_params, "prompt_logprobs", None) is not None
+            hit = NO_HIT if wants_prompt_logprobs else kv.get_computed_blocks(seq.seq_id, seq.all_token_ids)
+            num_new = seq.num_tokens - hit.num_computed_tokens
+            if num_new > budget:
+                if not config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not kv.allocate_slots(seq.seq_id, num_new, hit):
+                break
+            queues.waiting.pop(0)
+            seq.num_computed_tokens = hit.num_computed_tokens
+            seq.num_cached_tokens = hit.num_computed_tokens
+            stats.num_prefix_cache_hit_tokens += hit.num_computed_tokens
+            if kv.enable_prefix_caching:
+                stats.num_prefix_cache_query_tokens += seq.num_tokens
+            queues.start_running(seq)
+            reserved_forks += group_size - 1
+            planned[seq.seq_id] = (seq, num_new)
+            budget -= num_new
+
+    def _entry(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        start = seq.num_computed_tokens
+        sample = start + num_new == seq.num_tokens
+        is_decode = num_new == 1 and sample and seq.num_output_tokens > 0
+        if is_decode:
+            self.stats.num_decode_tokens += 1
+        else:
+            self.stats.num_prefill_tokens += num_new
+        forks = tuple(self._queues.pending_forks.get(seq.seq_id, ())) if sample else ()
+        return ScheduledSequence(
+            seq=seq,
+            num_new_tokens=num_new,
+            token_ids=seq.all_token_ids[start : start + num_new],
+            start_position=start,
+            sample=sample,
+            block_table=self.kv.block_table_view(seq.seq_id),
+            forks=forks,
+            is_prefill=not is_decode,
+        )
+
+    # ---- blocks ---------------------------------------------------------------------------
+
+    def _allocate_or_preempt(self, seq: Sequence, num_new: int) -> list[Sequence]:
+        """Allocate `num_new` slots for a running sequence, preempting until they fit.
+
+        Returns the preempted sequences in order (empty when the slots fitted at once). When
+        `seq` itself is preempted it is the last one, and nothing was allocated for it.
+        """
+        preempted: list[Sequence] = []
+        queues = self._queues
+        while not self.kv.allocate_slots(seq.seq_id, num_new):
+            victim = max(queues.running, key=queues.priority_key)
+            self._release(victim.seq_id)
+            queues.requeue(victim)
+            self.stats.num_preemptions += 1
+            preempted.append(victim)
+            if victim is seq:
+                break
+        return preempted
+
+    def _start_forks(self, leader: Sequence, forks: tuple[Sequence, ...], row: int) -> None:
+        """Start the samples waiting on `leader`'s just-completed prefill: each shares its
+        blocks and holds the stand-in of its own row (the leader's row + 1, + 2, ...).
+
+        The prompt's full blocks are indexed first so the samples share the index too; the
+        prompt holds no stand-in, so its hashes are final already.
+        """
+        leader_id, num_computed = leader.seq_id, leader.num_computed_tokens
+        self.kv.cache_full_blocks(leader_id, leader.all_token_ids, num_computed)
+        self._indexed.add(leader_id)
+        pending = self._queues.take_forks(leader_id)
+        for offset, child in enumerate(forks, 1):
+            if child not in pending:
+                continue  # ended since the plan: it drops its token in `resolve`
+            self.kv.fork(leader_id, child.seq_id)
+            child.num_computed_tokens = num_computed
+            child.all_token_ids.append(stand_in_token(row + offset))
+            self._queues.start_running(child)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, promote_forks: bool = True) -> None:
         self._queues.finish(seq, status, promote_forks)
-        self._blocks.release(seq.seq_id)
+        self._release(seq.seq_id)
 
-    def _finish_promoting(self, seq: Sequence, status: SequenceStatus) -> None:
-        self._finish(seq, status, promote_forks=True)
+    def _release(self, seq_id: str) -> None:
+        """Drop a sequence's blocks (finished or preempted); cached full blocks stay reusable."""
+        self.kv.free(seq_id)
+        self._indexed.discard(seq_id)
+
+
+def _take_token(seq: Sequence, token: int, position: int, got: list[tuple[Sequence, int, int]]) -> None:
+    """Write a sampled token over its stand-in, or drop it (and any later stand-in) when the
+    sequence ended after the launch, or is a fork whose leader ended before it forked."""
+    status = seq.status
+    if status is RUNNING or status is PREEMPTED:
+        seq.all_token_ids[position] = token
+        got.append((seq, token, position))
+    else:
+        del seq.all_token_ids[position:]

@@ -92,7 +92,7 @@ class SchedulerOutput:
 
     @cached_property
     def sampled_seqs(self) -> list[Sequence]:
-        """Sequences that receive a token this step; `postprocess` lists align with this."""
+        """Sequences that receive a token this step; `resolve`'s tokens align with this."""
         if self.has_forks:
             return [seq for entry in self.scheduled for seq in entry.sample_seqs]
         return [entry.seq for entry in self.scheduled if entry.sample]

@@ -10,7 +10,7 @@
 - the seq_ids that ended since the last `SchedulerOutput` (`take_finished`).
 
 It validates new sequences and moves sequences between the queues; freeing their KV blocks
-is `cleave.engine.scheduler_blocks`' job, and `cleave.engine.scheduler.Scheduler` calls both.
+is `cleave.engine.scheduler.Scheduler`'s job, which calls both.
 """
 
 from __future__ import annotations

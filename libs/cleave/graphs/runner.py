@@ -31,12 +31,15 @@ class GraphRunnerConfig:
         max_blocks_per_seq: block-table width; max model length = this * block_size.
         block_size: tokens per KV block.
         enabled: False runs every step eagerly (debugging, or when capture cannot fit).
+        pdl: the input-refill kernel launches with programmatic dependent launch where the
+            device has it (`cleave.kernels.pdl`).
     """
 
     max_batch_size: int
     max_blocks_per_seq: int
     block_size: int
     enabled: bool = True
+    pdl: bool = True
 
 
 class GraphCaptureError(RuntimeError):
@@ -127,6 +130,6 @@ class CUDAGraphRunner:
         bucket = self.bucket_for(batch_size, metadata)
         if bucket is None or self.buffers is None:
             return self.step_fn(input_ids, positions, metadata)
-        self.buffers.fill(input_ids, positions, metadata)
+        self.buffers.fill(input_ids, positions, metadata, pdl=self.config.pdl)
         self._graphs[bucket].replay()
         return self._outputs[bucket][:batch_size]

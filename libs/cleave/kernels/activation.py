@@ -112,13 +112,13 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _gated(x: torch.Tensor, use_gelu_tanh: bool, row_norm: DeferredRMSNorm | None) -> torch.Tensor:
+def _gated(x: torch.Tensor, use_gelu_tanh: bool, row_norm: DeferredRMSNorm | None, pdl: bool) -> torch.Tensor:
     x2 = _rows(x)  # [T, 2I]
     num_rows, inter = x2.shape[0], x2.shape[1] // 2
     out = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device)
     launch: TileLaunch = tile_launch(num_rows, inter)
     norm = row_norm_args(row_norm, num_rows, x2, "row_norm")
-    pdl = pdl_enabled(x2)
+    pdl = pdl_enabled(x2, pdl)
     _gated_act_launcher(
         launch.grid,
         (x2, out, norm.source, inter, x2.stride(0), inter, *norm.scalars),
@@ -129,20 +129,26 @@ def _gated(x: torch.Tensor, use_gelu_tanh: bool, row_norm: DeferredRMSNorm | Non
     return out if x.dim() == 2 else out.view(*x.shape[:-1], inter)
 
 
-def silu_and_mul(x: torch.Tensor, impl: Impl = "auto", row_norm: DeferredRMSNorm | None = None) -> torch.Tensor:
+def silu_and_mul(
+    x: torch.Tensor, impl: Impl = "auto", row_norm: DeferredRMSNorm | None = None, pdl: bool = True
+) -> torch.Tensor:
     """SiLU(gate) * up for x = [gate | up] along the last dimension: [T, 2I] -> [T, I]; with
-    `row_norm` gate and up are first scaled by its rows' inverse RMS (2-D x only)."""
+    `row_norm` gate and up are first scaled by its rows' inverse RMS (2-D x only); `pdl`: see
+    `cleave.kernels.pdl`."""
     if not use_triton(x, impl):
         return silu_and_mul_reference(x, row_norm)
-    return _gated(x, use_gelu_tanh=False, row_norm=row_norm)
+    return _gated(x, use_gelu_tanh=False, row_norm=row_norm, pdl=pdl)
 
 
-def gelu_tanh_and_mul(x: torch.Tensor, impl: Impl = "auto", row_norm: DeferredRMSNorm | None = None) -> torch.Tensor:
+def gelu_tanh_and_mul(
+    x: torch.Tensor, impl: Impl = "auto", row_norm: DeferredRMSNorm | None = None, pdl: bool = True
+) -> torch.Tensor:
     """GeLU_tanh(gate) * up for x = [gate | up] along the last dimension: [T, 2I] -> [T, I]; with
-    `row_norm` gate and up are first scaled by its rows' inverse RMS (2-D x only)."""
+    `row_norm` gate and up are first scaled by its rows' inverse RMS (2-D x only); `pdl`: see
+    `cleave.kernels.pdl`."""
     if not use_triton(x, impl):
         return gelu_tanh_and_mul_reference(x, row_norm)
-    return _gated(x, use_gelu_tanh=True, row_norm=row_norm)
+    return _gated(x, use_gelu_tanh=True, row_norm=row_norm, pdl=pdl)
 
 
 def gelu_bias(x: torch.Tensor, bias: torch.Tensor, impl: Impl = "auto") -> torch.Tensor:

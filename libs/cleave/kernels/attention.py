@@ -99,16 +99,19 @@ def paged_attention(
     impl: Impl = "auto",
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention of the batch's new tokens over the paged cache (Triton on CUDA).
 
     A decode-only batch (every query length 1) runs the split-KV decode kernel; any batch
     with a prefill chunk, mixed or not, runs the varlen prefill kernel. `sliding_window`
     (Mistral's): each query sees only its last W positions. `sinks` [Hq] (gpt-oss): one
-    extra logit per query head in every softmax.
+    extra logit per query head in every softmax. `pdl`: see `cleave.kernels.pdl` (the decode
+    kernel only).
     """
     if not use_triton(query, impl):
         return paged_attention_reference(query, kv_cache, metadata, scale, sliding_window, sinks)
     if metadata.is_decode_only:
-        return paged_decode_attention(query, kv_cache, metadata, scale, sliding_window=sliding_window, sinks=sinks)
+        return paged_decode_attention(query, kv_cache, metadata, scale, sliding_window=sliding_window, sinks=sinks,
+                                      pdl=pdl)
     return paged_prefill_attention(query, kv_cache, metadata, scale, sliding_window=sliding_window, sinks=sinks)

@@ -16,9 +16,10 @@ only weights there and releases its dependents before waiting, so a third kernel
 scheduled while it waits. Kernels launched without PDL (torch ops, cuBLAS) keep ordinary stream order around
 them, and CUDA-graph capture records the dependency as a programmatic edge.
 
-Off Hopper, on CPU tensors (the Triton interpreter), with `enabled=False` or with the
-environment variable `CLEAVE_PDL=0` the launch flag is off and the kernels compile without
-these instructions.
+Off Hopper, on CPU tensors (the Triton interpreter) or with `enabled=False` the launch flag
+is off and the kernels compile without these instructions. Whether PDL is wanted at all is
+configuration (`EngineConfig.pdl`, the workers' `--pdl/--no-pdl`): the model carries it down
+and passes it to every kernel call as `pdl=`.
 
 Measured on an H200 (bench/results/decode/decode_pdl.md): 4-5% off a graph-replayed decode
 step of a 1B model at batch 1-64 in one A/B, no difference beyond noise in a second one.
@@ -28,16 +29,10 @@ Prefetching the next projection's weights into L2 before the wait was tried and 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
-
-
-@functools.lru_cache(maxsize=None)
-def _pdl_allowed() -> bool:
-    return os.environ.get("CLEAVE_PDL", "1") != "0"
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,8 +41,9 @@ def _capability_major(device_index: int) -> int:
 
 
 def pdl_enabled(tensor: torch.Tensor, enabled: bool = True) -> bool:
-    """Whether kernels working on `tensor` launch with PDL (a CUDA device of compute capability 9+)."""
-    return enabled and tensor.is_cuda and _pdl_allowed() and _capability_major(tensor.get_device()) >= 9
+    """Whether kernels working on `tensor` launch with PDL: `enabled` (the caller's option) and
+    a CUDA device of compute capability 9+."""
+    return enabled and tensor.is_cuda and _capability_major(tensor.get_device()) >= 9
 
 
 def launch_options(pdl: bool) -> dict[str, bool]:

@@ -126,7 +126,7 @@ RELOAD_BLOCK, RELOAD_WARPS = 2048, 16
 
 
 def _launch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, pdl: bool
 ) -> torch.Tensor:
     hidden = x.shape[-1]
     x2, res2 = as_rows(x, residual)  # [T, H] each
@@ -139,7 +139,7 @@ def _launch(
         )
         return out if x.dim() == 2 else out.view(x.shape)
     launch: RowLaunch = row_launch(num_rows, hidden)
-    pdl = pdl_enabled(x2)
+    pdl = pdl_enabled(x2, pdl)
     _rms_norm_launcher(
         launch.grid,
         (x2, res2, weight, out, num_rows, hidden, x2.stride(0), res2.stride(0), hidden, eps),
@@ -150,17 +150,20 @@ def _launch(
     return out if x.dim() == 2 else out.view(x.shape)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: Impl = "auto") -> torch.Tensor:
-    """RMSNorm over the last dimension."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, impl: Impl = "auto", pdl: bool = True
+) -> torch.Tensor:
+    """RMSNorm over the last dimension (`pdl`: see `cleave.kernels.pdl`)."""
     if not use_triton(x, impl):
         return rms_norm_reference(x, weight, eps)
-    return _launch(x, None, weight, eps)
+    return _launch(x, None, weight, eps, pdl)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, impl: Impl = "auto"
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, impl: Impl = "auto",
+    pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual += x in place, then RMSNorm of the sum; returns (normed, residual)."""
     if not use_triton(x, impl):
         return fused_add_rms_norm_reference(x, residual, weight, eps)
-    return _launch(x, residual, weight, eps), residual
+    return _launch(x, residual, weight, eps, pdl), residual

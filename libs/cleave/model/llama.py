@@ -5,20 +5,19 @@ every sequence concatenated; `AttentionMetadata` says which tokens belong to whi
 and where their K/V live in the paged cache. Architecture differences are config flags:
 q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied embeddings, rope scaling, sparse
 MoE blocks in place of the MLP (`cleave.model.moe`), o_proj bias, per-layer sliding windows
-and attention sinks (gpt-oss). The fused decode layouts below are for dense layers without
-sinks or an o_proj bias; other models run the unfused layers on every batch.
+and attention sinks (gpt-oss).
 
 q/k/v are one `qkv_proj` Linear and gate/up one `gate_up_proj` Linear (the loader fuses the
 HF tensors), so each projection is one GEMM. The forward does no host syncs, so it can be
 captured in a CUDA graph.
 
-Decode batches take one of two fused layouts on the Triton kernels. Up to
-`decode_gemv_max_tokens` tokens, GEMV kernels carry the norms in their prologues and the
-residual adds in their epilogues. Above it the projections are cuBLAS GEMMs; once the norm
-weights are folded into the projections after them (`CausalLM.fold_norm_weights`, which
-the serving engine calls), each norm is a per-row scale that the decode attention and
-SwiGLU kernels apply (`cleave.kernels.row_norm`), and the residual adds are the o and down
-GEMMs' own epilogue (beta = 1): five launches a layer, no norm kernel.
+The modules here are the maths. Decode batches on the Triton kernels run the same layers in
+fused layouts (norms inside the projections, residual adds in their epilogues, or norms
+deferred into the attention and SwiGLU kernels): `cleave.model.fused_decode`, which
+`CausalLM.forward` asks first. Those layouts are for dense layers without sinks or an
+o_proj bias; other models run these layers on every batch. Every module carries `impl` (which side of each kernel op
+runs) and `pdl` (programmatic dependent launch, `cleave.kernels.pdl`) and passes both to
+each kernel call.
 """
 
 from __future__ import annotations
@@ -27,50 +26,43 @@ import torch
 from torch import nn
 
 from cleave.kernels.activation import silu_and_mul
-from cleave.kernels.attention import paged_attention, write_kv
-from cleave.kernels.attention_decode import NewKV, paged_decode_attention
 from cleave.kernels.dispatch import Impl, use_triton
 from cleave.kernels.embedding import embedding
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
-from cleave.kernels.gemv import RotaryKVWrite
 from cleave.kernels.rms_norm import fused_add_rms_norm, rms_norm
-from cleave.kernels.rotary import apply_rotary
-from cleave.kernels.rotary_kv_write import rotary_write_kv
-from cleave.kernels.row_norm import DeferredRMSNorm
+from cleave.kernels.rotary_attention import rotary_paged_attention
 from cleave.kernels.small_linear import small_linear
 from cleave.kv.metadata import AttentionMetadata
 from cleave.model.config import ModelConfig
+from cleave.model.fused_decode import DECODE_GEMV_MAX_TOKENS, run_fused_decode
 from cleave.model.moe import SparseMoeBlock
 from cleave.model.rope import build_cos_sin_cache
-
-# Batches of up to this many tokens run the fused decode-batch GEMV path by default (see
-# `CausalLM.decode_gemv_max_tokens`); above it, cuBLAS GEMMs with separate norm kernels.
-DECODE_GEMV_MAX_TOKENS = 16
 
 
 class RMSNorm(nn.Module):
     """RMSNorm weight; `forward(x, residual)` fuses the residual add when one is given."""
 
-    def __init__(self, size: int, eps: float, impl: Impl = "auto") -> None:
+    def __init__(self, size: int, eps: float, impl: Impl = "auto", pdl: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.impl: Impl = impl
+        self.pdl = pdl
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # x: [N, size]; residual: [N, size], updated in place to residual + x
         if residual is None:
-            return rms_norm(x, self.weight, self.eps, impl=self.impl)
-        return fused_add_rms_norm(x, residual, self.weight, self.eps, impl=self.impl)
+            return rms_norm(x, self.weight, self.eps, impl=self.impl, pdl=self.pdl)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, impl=self.impl, pdl=self.pdl)
 
 
 class Attention(nn.Module):
     """Grouped-query self-attention with rotary positions over one layer's paged KV cache;
     with `sinks` [Hq] (gpt-oss), one learned logit per head joins every softmax."""
 
-    def __init__(self, config: ModelConfig, impl: Impl = "auto", layer: int = 0) -> None:
+    def __init__(self, config: ModelConfig, impl: Impl = "auto", layer: int = 0, pdl: bool = True) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -80,13 +72,14 @@ class Attention(nn.Module):
         self.sliding_window = config.layer_sliding_window(layer)
         self.impl: Impl = impl
         self.attention_impl: Impl = impl  # KV write + paged attention; see compiled.py
+        self.pdl = pdl
         # decode-only batches: rotary + KV write inside the decode attention kernel (one launch)
         self.rotary_in_decode_attention = True
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, impl) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, impl) if config.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, impl, pdl) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, impl, pdl) if config.qk_norm else None
 
     def forward(
         self,
@@ -97,61 +90,9 @@ class Attention(nn.Module):
         cos_sin_cache: torch.Tensor,  # [max_position, D] float32
     ) -> torch.Tensor:  # [T, H]
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) D]
-        return self.o_proj(self._attend(qkv, positions, kv_cache, metadata, cos_sin_cache))
+        return self.o_proj(self.attend(qkv, positions, kv_cache, metadata, cos_sin_cache))
 
-    def forward_decode(
-        self,
-        residual: torch.Tensor,  # [T, H] residual stream, T <= DECODE_GEMV_MAX_TOKENS; updated in place
-        norm: "RMSNorm",  # the layer's input norm, fused into the qkv projection
-        positions: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        cos_sin_cache: torch.Tensor,
-    ) -> None:
-        """residual += o_proj(attention(qkv_proj(norm(residual)))) as decode-batch kernels.
-
-        A single token without q/k norms takes the rotary embedding and KV write as the qkv
-        projection's epilogue (one launch fewer per layer)."""
-        num_tokens = residual.shape[0]
-        if num_tokens <= GEMV_AUTO_MAX_ROWS and self.q_norm is None:
-            rotary = RotaryKVWrite(positions, cos_sin_cache, kv_cache, metadata.slot_mapping,
-                                   self.num_heads, self.num_kv_heads, self.head_dim, is_neox=True)
-            qkv = small_linear(residual, self.qkv_proj.weight, norm_weight=norm.weight, eps=norm.eps, rotary=rotary)
-            q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
-            out = paged_attention(q, kv_cache, metadata, self.scale, impl="triton", sliding_window=self.sliding_window,
-                                  sinks=self.sinks)
-            out = out.reshape(num_tokens, self.q_size)
-        else:
-            qkv = small_linear(residual, self.qkv_proj.weight, norm_weight=norm.weight, eps=norm.eps,
-                               counters=metadata.split_counters)
-            out = self._attend(qkv, positions, kv_cache, metadata, cos_sin_cache)  # [T, Hq D]
-        small_linear(out, self.o_proj.weight, add_to=residual, counters=metadata.split_counters)
-
-    def forward_deferred_norm(
-        self,
-        residual: torch.Tensor,  # [T, H] residual stream of a decode-only batch; updated in place
-        norm_eps: float,  # the layer's input norm, whose (unit) weight is folded into qkv_proj
-        positions: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        cos_sin_cache: torch.Tensor,
-    ) -> None:
-        """residual += o_proj(attention(qkv_proj(norm(residual)))) with the norm applied by the
-        decode attention kernel (with the rotary embedding and the KV write) and the add by
-        the o GEMM (beta = 1)."""
-        num_tokens = residual.shape[0]
-        qkv = torch.mm(residual, self.qkv_proj.weight.t())  # [T, (Hq + 2 Hkv) D], unnormalised
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        new_kv = NewKV(
-            k.view(num_tokens, self.num_kv_heads, self.head_dim), v.view(num_tokens, self.num_kv_heads, self.head_dim),
-            positions, cos_sin_cache, metadata.slot_mapping, is_neox=True,
-            row_norm=DeferredRMSNorm(residual, norm_eps),
-        )
-        out = paged_decode_attention(q.view(num_tokens, self.num_heads, self.head_dim), kv_cache, metadata,
-                                     self.scale, sliding_window=self.sliding_window, new_kv=new_kv, sinks=self.sinks)
-        residual.addmm_(out.view(num_tokens, self.q_size), self.o_proj.weight.t())
-
-    def _attend(
+    def attend(
         self,
         qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) D]
         positions: torch.Tensor,  # [T]
@@ -159,6 +100,7 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
         cos_sin_cache: torch.Tensor,  # [max_position, D] float32
     ) -> torch.Tensor:  # [T, Hq D], before o_proj
+        """Split the fused projection, apply the q/k norms, then rotary, KV write and attention."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -167,101 +109,40 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
-        if use_triton(q, self.impl) and use_triton(q, self.attention_impl):
-            # one kernel rotates q and k and writes k and v into the cache
-            out = _fused_rotary_attention(
-                q, k, v, positions, cos_sin_cache, kv_cache, metadata, self.scale, self.sliding_window,
-                self.rotary_in_decode_attention, self.sinks,
-            )
-        else:
-            apply_rotary(q, k, positions, cos_sin_cache, is_neox=True, impl=self.impl)
-            out = _cached_attention(
-                q, k, v, kv_cache, metadata, self.scale, self.attention_impl, self.sliding_window, self.sinks
-            )  # [T, Hq, D]
+        out = rotary_paged_attention(
+            q, k, v, positions, cos_sin_cache, kv_cache, metadata, self.scale, impl=self.impl,
+            attention_impl=self.attention_impl, sliding_window=self.sliding_window, sinks=self.sinks,
+            rotary_in_decode_kernel=self.rotary_in_decode_attention, pdl=self.pdl,
+        )  # [T, Hq, D]
         return out.reshape(num_tokens, self.q_size)
-
-
-@torch.compiler.disable
-def _cached_attention(
-    q: torch.Tensor,  # [T, Hq, D]
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, D]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
-    metadata: AttentionMetadata,
-    scale: float,
-    impl: Impl,
-    sliding_window: int | None = None,
-    sinks: torch.Tensor | None = None,  # [Hq]
-) -> torch.Tensor:  # [T, Hq, D]
-    # Kept out of torch.compile graphs: the Triton kernels are opaque to Dynamo and the torch
-    # reference walks the batch on the host (.tolist()), so graphs split cleanly around it.
-    write_kv(k, v, kv_cache, metadata.slot_mapping, impl=impl)
-    return paged_attention(q, kv_cache, metadata, scale, impl=impl, sliding_window=sliding_window, sinks=sinks)
-
-
-@torch.compiler.disable
-def _fused_rotary_attention(
-    q: torch.Tensor,  # [T, Hq, D]
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, D]
-    positions: torch.Tensor,  # [T]
-    cos_sin_cache: torch.Tensor,  # [max_position, D] float32
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
-    metadata: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-    in_decode_kernel: bool = True,
-    sinks: torch.Tensor | None = None,  # [Hq]
-) -> torch.Tensor:  # [T, Hq, D]
-    if in_decode_kernel and metadata.is_decode_only and cos_sin_cache.shape[-1] == q.shape[-1]:
-        # one launch: the decode kernel rotates q and k and writes k and v itself
-        new_kv = NewKV(k, v, positions, cos_sin_cache, metadata.slot_mapping, is_neox=True)
-        return paged_decode_attention(q, kv_cache, metadata, scale, sliding_window=sliding_window, new_kv=new_kv,
-                                      sinks=sinks)
-    rotary_write_kv(q, k, v, positions, cos_sin_cache, kv_cache, metadata.slot_mapping, is_neox=True, impl="triton")
-    return paged_attention(q, kv_cache, metadata, scale, impl="triton", sliding_window=sliding_window, sinks=sinks)
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)) with gate and up in one GEMM."""
 
-    def __init__(self, config: ModelConfig, impl: Impl = "auto") -> None:
+    def __init__(self, config: ModelConfig, impl: Impl = "auto", pdl: bool = True) -> None:
         super().__init__()
         self.impl: Impl = impl
+        self.pdl = pdl
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(hidden)  # [T, 2I]
-        return self.down_proj(silu_and_mul(gate_up, impl=self.impl))  # [T, I] -> [T, H]
-
-    def forward_decode(self, residual: torch.Tensor, norm: "RMSNorm", counters: torch.Tensor | None = None) -> None:
-        """residual += down(silu(gate) * up) of norm(residual), as two decode-batch kernels
-        (`counters`: the split-K kernel's scratch, see AttentionMetadata.split_counters)."""
-        act = small_linear(residual, self.gate_up_proj.weight, gated=True, norm_weight=norm.weight, eps=norm.eps,
-                           counters=counters)
-        small_linear(act, self.down_proj.weight, add_to=residual, counters=counters)  # [T, I] -> += [T, H]
-
-    def forward_deferred_norm(self, residual: torch.Tensor, norm_eps: float) -> None:
-        """residual += down(silu(gate) * up) of norm(residual), the norm's weight folded into
-        gate_up_proj and its per-row scale applied by the SwiGLU kernel, the add by the down
-        GEMM (beta = 1)."""
-        gate_up = torch.mm(residual, self.gate_up_proj.weight.t())  # [T, 2I], unnormalised
-        act = silu_and_mul(gate_up, impl=self.impl, row_norm=DeferredRMSNorm(residual, norm_eps))
-        residual.addmm_(act, self.down_proj.weight.t())
+        return self.down_proj(silu_and_mul(gate_up, impl=self.impl, pdl=self.pdl))  # [T, I] -> [T, H]
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); residual adds fused into the norms.
     The mlp is a `SparseMoeBlock` in the config's `moe_layers`."""
 
-    def __init__(self, config: ModelConfig, impl: Impl = "auto", layer: int = 0) -> None:
+    def __init__(self, config: ModelConfig, impl: Impl = "auto", layer: int = 0, pdl: bool = True) -> None:
         super().__init__()
-        self.self_attn = Attention(config, impl, layer)
+        self.self_attn = Attention(config, impl, layer, pdl)
         is_sparse = layer in config.moe_layers
-        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(config, impl) if is_sparse else MLP(config, impl)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl)
+        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(config, impl) if is_sparse else MLP(config, impl, pdl)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl, pdl)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl, pdl)
 
     def forward(
         self,
@@ -281,35 +162,6 @@ class DecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-    def forward_decode(
-        self,
-        residual: torch.Tensor,  # [T, H], T <= DECODE_GEMV_MAX_TOKENS: the residual stream, updated in place
-        positions: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        cos_sin_cache: torch.Tensor,
-    ) -> None:
-        """The same block for a decode-sized batch: norms fused into the projections that read
-        them and residual adds into the projections that produce them (four GEMV kernels)."""
-        self.self_attn.forward_decode(residual, self.input_layernorm, positions, kv_cache, metadata, cos_sin_cache)
-        self.mlp.forward_decode(residual, self.post_attention_layernorm, metadata.split_counters)
-
-    def forward_deferred_norms(
-        self,
-        residual: torch.Tensor,  # [T, H] residual stream of a decode-only batch, updated in place
-        positions: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        cos_sin_cache: torch.Tensor,
-    ) -> None:
-        """The same block on GEMMs with the norm weights folded into qkv_proj and gate_up_proj:
-        the norms are applied by the attention and SwiGLU kernels, the adds by the o and down
-        GEMMs."""
-        self.self_attn.forward_deferred_norm(
-            residual, self.input_layernorm.eps, positions, kv_cache, metadata, cos_sin_cache
-        )
-        self.mlp.forward_deferred_norm(residual, self.post_attention_layernorm.eps)
-
 
 class CausalLM(nn.Module):
     """Decoder-only LM: token ids of a flattened batch -> final hidden states -> logits.
@@ -317,18 +169,23 @@ class CausalLM(nn.Module):
     Module names mirror HF's (`layers.{i}.self_attn.qkv_proj`, ...) without the `model.`
     prefix; `cos_sin_cache` is a float32 buffer that stays float32 whatever dtype the
     weights are moved to. `impl` picks the kernel side of every op ("torch" forces the
-    references, e.g. for `torch.compile`).
+    references, e.g. for `torch.compile`); `pdl` False launches no kernel with programmatic
+    dependent launch (`EngineConfig.pdl`).
     """
 
-    def __init__(self, config: ModelConfig, impl: Impl = "auto") -> None:
+    def __init__(self, config: ModelConfig, impl: Impl = "auto", pdl: bool = True) -> None:
         super().__init__()
         self.config = config
         self.impl: Impl = impl
+        self.pdl = pdl
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, impl, index) for index in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, impl, index, pdl) for index in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl, pdl)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.decode_gemv_max_tokens = DECODE_GEMV_MAX_TOKENS  # <= small_linear.MAX_ROWS
+        # fused decode layouts (cleave.model.fused_decode): GEMV up to this many tokens (<= small_linear.MAX_ROWS)
+        self.decode_gemv_max_tokens = DECODE_GEMV_MAX_TOKENS
         self.norms_folded = False  # set by fold_norm_weights
         self.deferred_norm_decode = True  # larger decode batches apply folded norms in kernels
         # the fused decode layouts fold norms into dense projections and drop o_proj biases
@@ -363,8 +220,8 @@ class CausalLM(nn.Module):
         """Fold each layer's input and post-attention RMSNorm weights into the projections
         that read them (qkv_proj, gate_up_proj: W[:, k] *= w[k]) and give the norms unit
         weights. The model computes the same function, the folded weights rounded once to
-        their dtype; decode batches on GEMMs then need no norm kernels (see the module
-        docstring). The final norm is kept (lm_head may be tied to the embeddings).
+        their dtype; decode batches on GEMMs then need no norm kernels
+        (`cleave.model.fused_decode`). The final norm is kept (lm_head may be tied to the embeddings).
         Idempotent; a model without the fused decode layouts (MoE, sinks) is left as it is."""
         if self.norms_folded or not self.has_fused_decode_layouts:
             return self
@@ -397,14 +254,8 @@ class CausalLM(nn.Module):
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, Hkv, D]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
-        hidden = embedding(input_ids, self.embed_tokens.weight, impl=self.impl)  # [T, H]
-        if self._decode_kernels_apply(hidden):
-            for index, layer in enumerate(self.layers):
-                layer.forward_decode(hidden, positions, kv_cache[index], metadata, self.cos_sin_cache)
-            return self.norm(hidden)
-        if self._deferred_norms_apply(hidden, metadata):
-            for index, layer in enumerate(self.layers):
-                layer.forward_deferred_norms(hidden, positions, kv_cache[index], metadata, self.cos_sin_cache)
+        hidden = embedding(input_ids, self.embed_tokens.weight, impl=self.impl, pdl=self.pdl)  # [T, H]
+        if run_fused_decode(self, hidden, positions, kv_cache, metadata):  # hidden: the residual stream
             return self.norm(hidden)
         residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
@@ -412,44 +263,11 @@ class CausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def _decode_kernels_apply(self, hidden: torch.Tensor) -> bool:
-        """Whether this batch runs the fused decode-batch GEMV path: Triton kernels (on CUDA, or
-        forced), 1..decode_gemv_max_tokens tokens, no qkv bias."""
-        return (
-            0 < hidden.shape[0] <= self.decode_gemv_max_tokens
-            and self.has_fused_decode_layouts
-            and not self.config.attention_bias
-            and use_triton(hidden, self.impl)
-            and use_triton(hidden, self.layers[0].self_attn.attention_impl)
-        )
-
-    def _deferred_norms_apply(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> bool:
-        """Whether this batch runs the layers with the folded norms applied in the attention
-        and SwiGLU kernels: a decode-only batch on the Triton kernels with the norm weights
-        folded, no qkv bias or q/k norms, a full-width rotary embedding, and the rotary
-        embedding inside the decode attention kernel enabled."""
-        config = self.config
-        attention = self.layers[0].self_attn if self.layers else None
-        return (
-            self.norms_folded
-            and self.has_fused_decode_layouts
-            and self.deferred_norm_decode
-            and attention is not None
-            and attention.rotary_in_decode_attention
-            and metadata.is_decode_only
-            and hidden.shape[0] > 0
-            and not config.attention_bias
-            and not config.qk_norm
-            and self.cos_sin_cache.shape[-1] == config.head_dim
-            and use_triton(hidden, self.impl)
-            and use_triton(hidden, attention.attention_impl)
-        )
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> [N, V] float32
         if 0 < hidden.shape[0] <= GEMV_AUTO_MAX_ROWS and hidden.is_cuda and use_triton(hidden, self.impl):
             # the register GEMV beats cuBLAS here, and writes the bf16-rounded logits as fp32
-            return small_linear(hidden, self.lm_head.weight, out_dtype=torch.float32)
+            return small_linear(hidden, self.lm_head.weight, out_dtype=torch.float32, pdl=self.pdl)
         if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and hidden.dim() == 2:
             # fp32 straight out of the GEMM's accumulator: no [N, V] cast pass after it
             return torch.mm(hidden, self.lm_head.weight.t(), out_dtype=torch.float32)

@@ -146,10 +146,11 @@ def empty_model(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     impl: Impl = "auto",
+    pdl: bool = True,
 ) -> CausalLM:
     """A `CausalLM` with uninitialised weights allocated once, in `dtype` on `device`."""
     with torch.device("meta"):
-        model = CausalLM(config, impl=impl)
+        model = CausalLM(config, impl=impl, pdl=pdl)
     model.to(dtype=dtype or config.dtype)
     return model.to_empty(device=device)
 
@@ -214,10 +215,11 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     impl: Impl = "auto",
+    pdl: bool = True,
 ) -> CausalLM:
     """Load `path` (an HF checkpoint directory) into a `CausalLM` in eval mode.
 
-    dtype defaults to the config's. Raises FileNotFoundError for missing files and
+    dtype defaults to the config's; `impl` and `pdl` are the model's kernel options (`CausalLM`). Raises FileNotFoundError for missing files and
     CheckpointError for missing, unexpected or misshapen tensors.
     """
     path = Path(path)
@@ -225,7 +227,7 @@ def load_model(
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     config = ModelConfig.from_pretrained(path)
     files = checkpoint_files(path)
-    model = empty_model(config, dtype, device, impl)
+    model = empty_model(config, dtype, device, impl, pdl)
     filler = HFWeightFiller(model)
     for file in files:
         with safe_open(str(file), framework="pt", device=str(device)) as shard:

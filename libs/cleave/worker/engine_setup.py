@@ -32,6 +32,7 @@ def engine_config_from_worker(config: WorkerConfig) -> EngineConfig:
         dtype=config.dtype,
         device=config.device,
         enforce_eager=config.enforce_eager,
+        pdl=config.pdl,
         scheduler=scheduler,
         cache=cache,
     )

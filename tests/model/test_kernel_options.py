@@ -1,0 +1,77 @@
+"""The PDL option flows from the configuration through the model into every kernel call."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from cleave.config import worker_config
+from cleave.engine.llm import build_engine_config
+from cleave.kernels import rotary_attention
+from cleave.kv.metadata import AttentionMetadata
+from cleave.model import fused_decode, llama
+from cleave.model.llama import CausalLM, allocate_kv_cache
+from cleave.worker import engine_config_from_worker
+from tests.graphs.test_runner import tiny_config
+
+BLOCK_SIZE = 16
+
+# (module, function name) of every kernel the model, its decode layouts and the attention op call
+KERNEL_CALLS = (
+    (llama, "embedding"), (llama, "rms_norm"), (llama, "fused_add_rms_norm"), (llama, "silu_and_mul"),
+    (llama, "rotary_paged_attention"),
+    (fused_decode, "small_linear"), (fused_decode, "paged_attention"), (fused_decode, "paged_decode_attention"),
+    (fused_decode, "silu_and_mul"),
+    (rotary_attention, "paged_attention"), (rotary_attention, "paged_decode_attention"),
+    (rotary_attention, "rotary_write_kv"),
+)
+
+
+@pytest.fixture
+def kernel_pdl(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, object]]:
+    """(function, its `pdl` argument or "missing") for every kernel call, in call order."""
+    calls: list[tuple[str, object]] = []
+    for module, name in KERNEL_CALLS:
+        original = getattr(module, name)
+
+        @functools.wraps(original)
+        def recording(*args, _original=original, _name=f"{module.__name__}.{name}", **kwargs):
+            calls.append((_name, kwargs.get("pdl", "missing")))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, recording)
+    return calls
+
+
+def _step(model: CausalLM, kv_cache: torch.Tensor, start: int, num_tokens: int) -> None:
+    end = start + num_tokens
+    metadata = AttentionMetadata.build([num_tokens], [end], [[1]], BLOCK_SIZE)
+    model(torch.arange(start, end) % model.config.vocab_size, torch.arange(start, end), kv_cache, metadata)
+
+
+@torch.no_grad()
+def test_model_built_without_pdl_passes_pdl_false_to_every_kernel(kernel_pdl):
+    torch.manual_seed(0)
+    config = dataclasses.replace(tiny_config(), num_hidden_layers=1)
+    model = CausalLM(config, impl="triton", pdl=False).eval()
+    kv_cache = allocate_kv_cache(config, 2, BLOCK_SIZE)
+    _step(model, kv_cache, 0, 3)  # prefill: the model's own layers
+    _step(model, kv_cache, 3, 1)  # GEMV layout
+    model.decode_gemv_max_tokens = 0
+    _step(model, kv_cache, 4, 1)  # unfused layers, rotary inside the decode attention kernel
+    model.fold_norm_weights()
+    _step(model, kv_cache, 5, 1)  # deferred-norm layout
+
+    called = {name for name, _ in kernel_pdl}
+    assert called == {f"{module.__name__}.{name}" for module, name in KERNEL_CALLS}
+    assert {name for name, pdl in kernel_pdl if pdl is not False} == set()
+
+
+def test_pdl_flag_reaches_the_engine_config(tiny_checkpoints):
+    assert engine_config_from_worker(worker_config("decode", ["--no-pdl"], {"CLEAVE_DEVICE": "cpu"})).pdl is False
+    assert engine_config_from_worker(worker_config("decode", [], {"CLEAVE_DEVICE": "cpu"})).pdl is True
+    assert build_engine_config(tiny_checkpoints["llama"], pdl=False, device="cpu").pdl is False
+    assert build_engine_config(tiny_checkpoints["llama"], device="cpu").pdl is True
