@@ -6,14 +6,13 @@ Both config generations are understood: transformers 4 (`rope_theta` + `rope_sca
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from cleave.model.text_config import TextConfig
+from cleave.model.text_config import TextConfig, read_config_json
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
@@ -135,12 +134,7 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
         """Read `config.json` from a checkpoint directory (or the file itself)."""
-        path = Path(path)
-        config_file = path / "config.json" if path.is_dir() else path
-        if not config_file.is_file():
-            raise FileNotFoundError(f"no config.json at {config_file}")
-        with open(config_file, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        return cls.from_dict(read_config_json(path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":

@@ -13,6 +13,16 @@ from pathlib import Path
 from typing import Any
 
 
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """The parsed `config.json` of a checkpoint directory (or the file itself)."""
+    path = Path(path)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json at {config_file}")
+    with open(config_file, encoding="utf-8") as f:
+        return json.load(f)
+
+
 @dataclass(frozen=True)
 class TextConfig:
     """Vocabulary, context and special tokens of a checkpoint.
@@ -29,12 +39,7 @@ class TextConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> TextConfig:
         """Read `config.json` from a checkpoint directory (or the file itself)."""
-        path = Path(path)
-        config_file = path / "config.json" if path.is_dir() else path
-        if not config_file.is_file():
-            raise FileNotFoundError(f"no config.json at {config_file}")
-        with open(config_file, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        return cls.from_dict(read_config_json(path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> TextConfig:

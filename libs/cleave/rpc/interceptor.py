@@ -27,6 +27,7 @@ from google.protobuf.message import DecodeError
 from cleave.errors import InvalidArgument
 from cleave.rpc.auth import MetadataAuth
 from cleave.rpc.errors import map_exception
+from cleave.rpc.method_handlers import rewrap
 from cleave.tracing import NOOP_SERVER_SPAN, TRACEPARENT, TRACESTATE, TRACING_OFF, Tracing
 
 REQUEST_ID_KEY = "x-request-id"
@@ -213,24 +214,6 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
         def call_for() -> _Call:
             return _Call(method, request_id, trace_headers, tracing, authenticate)
 
-        kwargs = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                _unary_response(handler.unary_unary, call_for),
-                **{**kwargs, "request_deserializer": _tolerant(handler.request_deserializer)},
-            )
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                _unary_response(handler.stream_unary, call_for), **kwargs
-            )
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                _stream_response(handler.unary_stream, call_for),
-                **{**kwargs, "request_deserializer": _tolerant(handler.request_deserializer)},
-            )
-        return grpc.stream_stream_rpc_method_handler(
-            _stream_response(handler.stream_stream, call_for), **kwargs
-        )
+        return rewrap(handler, lambda behavior: _unary_response(behavior, call_for),
+                      lambda behavior: _stream_response(behavior, call_for),
+                      single_request_deserializer=_tolerant(handler.request_deserializer))

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import grpc
 
 from cleave.rpc.errors import map_exception
+from cleave.rpc.method_handlers import rewrap
 
 
 class CallObserver(Protocol):
@@ -80,14 +81,5 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method, observer = handler_call_details.method, self.observer
-        kwargs = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_unary(handler.unary_unary, method, observer), **kwargs)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(_unary(handler.stream_unary, method, observer), **kwargs)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_stream(handler.unary_stream, method, observer), **kwargs)
-        return grpc.stream_stream_rpc_method_handler(_stream(handler.stream_stream, method, observer), **kwargs)
+        return rewrap(handler, lambda behavior: _unary(behavior, method, observer),
+                      lambda behavior: _stream(behavior, method, observer))
