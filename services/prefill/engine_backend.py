@@ -363,7 +363,10 @@ class EnginePrefillBackend:
                                          f"is in {table}; this is a bug in the prefill worker")
             sending = stream.result()
         else:
-            sender = stream.sender if stream is not None else await self._open_sender(handle)
+            try:
+                sender = stream.sender if stream is not None else await self._open_sender(handle)
+            except Unavailable as error:  # the receiver cannot be reached
+                raise receiver_lost(handle, error) from None
             close = sender.close
             # "complete": the step that wrote this KV returned its sampled tokens to the
             # host, so its device work is done; the copy starts at once on the transfer's
@@ -371,10 +374,8 @@ class EnginePrefillBackend:
             sending = sender.send_all(self.engine.kv_cache, table, ready="complete")
         try:
             return await sending
-        except (OSError, asyncio.IncompleteReadError) as error:  # the bulk connection broke
-            raise Unavailable(
-                f"the KV transfer to decode worker {handle.worker_id or handle.address} broke mid-transfer "
-                f"({type(error).__name__}: {error}); its blocks were freed, retry", field="decode") from None
+        except (OSError, asyncio.IncompleteReadError, Unavailable) as error:  # the bulk connection broke
+            raise receiver_lost(handle, error) from None
         finally:
             # No queued copy may still read these blocks once they are released.
             await asyncio.shield(close())
@@ -493,3 +494,16 @@ class EnginePrefillBackend:
             num_queued_prompt_tokens=sum(self._in_flight.values()),
             max_num_running=self.engine.config.scheduler.max_num_seqs,
         )
+
+
+def receiver_lost(handle: TransferHandle, error: Exception) -> Exception:
+    """A transfer that failed on the receiving end (the socket broke, or the transport's
+    Unavailable: receiver unreachable, connection dropped or closed) as the decode worker's
+    failure (field "decode"): the gateway then moves the request to another decode worker
+    instead of taking this prefill worker out of rotation. An error that already names its
+    field is returned as it is."""
+    if isinstance(error, Unavailable) and error.field is not None:
+        return error
+    return Unavailable(
+        f"the KV transfer to decode worker {handle.worker_id or handle.address} broke mid-transfer "
+        f"({type(error).__name__}: {error}); its blocks were freed, retry", field="decode")

@@ -205,3 +205,34 @@ async def test_a_transfer_that_fails_mid_layer_frees_both_ends(checkpoint, monke
     finally:
         await prefill.close()
         await decode.close()
+
+
+async def test_a_receiver_that_drops_the_bulk_connection_is_unavailable_naming_decode(checkpoint, monkeypatch):
+    """The bulk connection's own report of a receiver gone (`Unavailable`, as when the decode
+    worker dies mid-transfer) names the decode worker too, so the gateway moves the request
+    instead of taking the prefill worker out of rotation; both pools are freed."""
+    from cleave.errors import Unavailable
+    from cleave.transfer import connection
+
+    real_write = connection.BulkConnection.write_chunk
+    writes = 0
+
+    async def write_then_drop(bulk, header, payload=None):  # type: ignore[no-untyped-def]
+        nonlocal writes
+        writes += 1
+        if writes > 1:
+            raise Unavailable(f"KV receiver at {bulk.address} dropped the connection: injected")
+        await real_write(bulk, header, payload)
+
+    decode, prefill = await start_decode(checkpoint), await start_prefill(checkpoint)
+    monkeypatch.setattr(connection.BulkConnection, "write_chunk", write_then_drop)
+    try:
+        reader = AttachReader(decode.stub)
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await prefill.stub.Prefill(request("dropped", prompts(1)[0], decode.server.address))
+        assert "dropped the connection" in failed.value.details()
+        await check_torn_transfer(failed.value, decode, prefill, reader, "dropped")
+        await reader.cancel()
+    finally:
+        await prefill.close()
+        await decode.close()
