@@ -1,8 +1,9 @@
 """Whether the gateway can route a request now, and who is told when that changes.
 
 A request needs a decode worker in rotation whose Attach stream is open
-(`DecodePlacement.candidates()`); in disaggregated mode it also needs a prefill worker in
-rotation (conditional mode can prefill on the decode worker, colocated never uses prefill).
+(`DecodePlacement.candidates()`); prefill workers are not required: with none in rotation a
+disaggregated gateway prefills on the decode worker, as conditional mode may and colocated
+mode always does (`RoutingBackend._start`), so the stack degrades instead of refusing.
 `RoutingBackend` calls `Routability.update()` after every event that may change that — a
 worker entering or leaving the rotation, a worker lost, an Attach stream closing — and the
 watchers hear each change: the gRPC server's health (`cleave.rpc.Server.follow`), so a load
@@ -27,14 +28,12 @@ def unroutable_reason(mode: Mode, num_prefill_in_rotation: int, num_decode_candi
     """Why no request can be routed now, or None when one can.
 
     Args:
-        mode: the gateway's mode; only disaggregated mode needs a prefill worker.
-        num_prefill_in_rotation: prefill workers in rotation.
+        mode: the gateway's mode (every mode can prefill on a decode worker).
+        num_prefill_in_rotation: prefill workers in rotation (reported, not required).
         num_decode_candidates: decode workers in rotation with an open Attach stream.
     """
     if num_decode_candidates == 0:
         return "no decode worker is in rotation with an open token stream; check the decode workers' health"
-    if mode == "disaggregated" and num_prefill_in_rotation == 0:
-        return "no prefill worker is in rotation (disaggregated mode needs one); check the prefill workers' health"
     return None
 
 

@@ -256,6 +256,10 @@ class RoutingBackend:
         self.observer.routed(spec.request_id, remote, part.decode.worker_id)
         if not remote:
             return await start_colocated(self.pool, spec, prompt_ids, part, gateway_id=self.options.gateway_id)
+        if not self.pool.of_role("prefill"):
+            log.warning("no prefill worker is in rotation; prefilling on the decode worker",
+                        request_id=spec.request_id, decode=part.decode.address)
+            return await start_colocated(self.pool, spec, prompt_ids, part, gateway_id=self.options.gateway_id)
         failed: list[WorkerHandle] = []
         while True:
             try:

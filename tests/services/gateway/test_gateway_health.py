@@ -100,21 +100,41 @@ async def test_stopped_decode_worker_makes_the_gateway_not_serving(one_decoder):
     assert (ready.status_code, ready.headers.get("Retry-After")) == (503, "1")
 
 
-async def test_disaggregated_gateway_without_prefill_worker_is_not_serving(model_dir):
+async def wait_until(condition, what: str) -> None:  # type: ignore[no-untyped-def]
+    """Poll `condition()` until it holds (the router's health checks run every 0.1 s)."""
+    try:
+        async with asyncio.timeout(60):  # a guard against a hang, not a wait
+            while not condition():
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        pytest.fail(f"never happened: {what}")
+
+
+async def test_disaggregated_gateway_without_prefill_worker_prefills_on_the_decode_worker(model_dir):
+    """A prefill worker out of rotation leaves the gateway SERVING: requests prefill on the
+    decode worker meanwhile (the same greedy tokens) and go back to the prefill worker when
+    it returns."""
     stack = await start_stack(model_dir, "disaggregated", num_decode=1, health_interval_s=0.1)
     try:
         assert stack.router is not None
         (prefill,) = stack.router.pool.of_role("prefill")
-        prefill_server = _server(stack, prefill.address)
+        prefill_server, (prefill_backend,) = _server(stack, prefill.address), stack.prefill
         assert await wait_for_health(stack, SERVING) == SERVING
-        await prefill_server.set_ready(False)
-        assert await wait_for_health(stack, NOT_SERVING) == NOT_SERVING
-        async with httpx.AsyncClient(base_url=_base_url(stack)) as http:
-            ready = await http.get("/ready")
-            assert ready.status_code == 503 and "prefill worker" in ready.json()["reason"]
-            await prefill_server.set_ready(True)
+        async with GatewayClient(stack.gateway_address) as client:
+            remote = await client.complete("1+2=", max_tokens=6, temperature=0.0, ignore_eos=True)
+            assert prefill_backend.counters.num_prefills == 1
+            await prefill_server.set_ready(False)
+            await wait_until(lambda: not stack.router.pool.of_role("prefill"), "the prefill worker left the rotation")
+            local = await client.complete("1+2=", max_tokens=6, temperature=0.0, ignore_eos=True)
+            assert local.samples[0].token_ids == remote.samples[0].token_ids
+            assert prefill_backend.counters.num_prefills == 1  # prefilled on the decode worker
+            async with httpx.AsyncClient(base_url=_base_url(stack)) as http:
+                assert (await http.get("/ready")).status_code == 200
             assert await wait_for_health(stack, SERVING) == SERVING
-            assert (await http.get("/ready")).status_code == 200
+            await prefill_server.set_ready(True)
+            await wait_until(lambda: bool(stack.router.pool.of_role("prefill")), "the prefill worker is back")
+            await client.complete("1+2=", max_tokens=6, temperature=0.0, ignore_eos=True)
+            assert prefill_backend.counters.num_prefills == 2
     finally:
         await stack.close()
 
@@ -123,7 +143,7 @@ async def test_disaggregated_gateway_without_prefill_worker_is_not_serving(model
     ("mode", "num_prefill", "num_decode", "missing"),
     [
         ("disaggregated", 1, 1, None),
-        ("disaggregated", 0, 1, "prefill worker"),
+        ("disaggregated", 0, 1, None),  # prefills on the decode worker meanwhile
         ("disaggregated", 1, 0, "decode worker"),
         ("conditional", 0, 1, None),  # prefills on the decode worker when no prefill worker is left
         ("conditional", 1, 0, "decode worker"),
