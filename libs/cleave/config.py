@@ -88,6 +88,7 @@ class ServiceConfig:
     # also require it on their own calls (health and reflection stay open). None: auth off.
     internal_token: str | None = field(default=None, repr=False)
     metrics: MetricsConfig | None = None  # --metrics-port; None: no metrics server
+    parent_pid: int | None = None  # --parent-pid: exit with this process (`cleave.parent_death`)
 
 
 @dataclass(frozen=True)
@@ -237,6 +238,8 @@ def _flags(name: str, environ: Mapping[str, str], max_message_bytes: int = DEFAU
               "(0: any free port; unset: no metrics server)", type=int)
     flags.add("--metrics-host", "", "address the metrics server binds (default: the --listen host)")
     flags.add("--metrics-port-file", None, "write the bound metrics port to this file", type=Path)
+    flags.add("--parent-pid", None, "receive SIGTERM (and drain) when this process dies (Linux; `cleave up` "
+              "passes its own pid)", type=int)
     return flags
 
 
@@ -276,6 +279,7 @@ def _service(name: str, args: argparse.Namespace) -> ServiceConfig:
                               trace_file=args.trace_file),
         internal_token=_internal_token(args),
         metrics=_metrics(args),
+        parent_pid=args.parent_pid,
     )
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from cleave.cli import _stack
-from cleave.cli._ownership import PortInUse, check_ports_free, die_with_parent
+from cleave.cli._ownership import PortInUse, check_ports_free
+from cleave.parent_death import follow_parent
 from cleave.cli._stack import ProcessStack, StackSpec
 from cleave.cli._supervisor import GaveUp, RestartPolicy, Supervisor, describe_exit
 
@@ -158,27 +159,31 @@ def test_a_busy_port_fails_before_anything_starts(monkeypatch, tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
 def test_children_die_with_their_parent(tmp_path):
-    """A parent that starts a child with `die_with_parent()` and is then SIGKILLed (no
-    cleanup of its own): the kernel sends the child SIGTERM."""
+    """A child that follows its parent's pid (as services do with --parent-pid), and the
+    parent SIGKILLed with no cleanup of its own: the kernel sends the child SIGTERM."""
     pid_file = tmp_path / "child.pid"
+    child_code = (
+        "import os, sys, time\n"
+        "from cleave.parent_death import follow_parent\n"
+        "assert follow_parent(int(sys.argv[1]))\n"
+        f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "time.sleep(60)\n"
+    )
     parent_code = (
-        "import subprocess, sys, time\n"
-        "from cleave.cli._ownership import die_with_parent\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
-        "start_new_session=True, preexec_fn=die_with_parent())\n"
-        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "import os, subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {child_code!r}, str(os.getpid())], start_new_session=True)\n"
         "time.sleep(60)\n"
     )
     parent = subprocess.Popen([sys.executable, "-c", parent_code])
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while not (pid_file.is_file() and pid_file.read_text()):
             assert time.monotonic() < deadline and parent.poll() is None, "the parent did not start its child"
             time.sleep(0.05)
         child_pid = int(pid_file.read_text())
         parent.kill()
         parent.wait()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while _alive(child_pid):
             assert time.monotonic() < deadline, "the child outlived its parent"
             time.sleep(0.05)
@@ -200,5 +205,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_die_with_parent_is_a_callable_on_linux():
-    assert (die_with_parent() is not None) == sys.platform.startswith("linux")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
+def test_a_child_whose_parent_is_gone_already_signals_itself():
+    """Following a parent that died before the request: the signal comes at once (in a
+    child process: the request would outlive the test in this one)."""
+    code = (
+        "import os, signal, sys, time\n"
+        "from cleave.parent_death import follow_parent\n"
+        "signal.signal(signal.SIGTERM, lambda *_: os._exit(7))\n"
+        "assert not follow_parent(None)\n"
+        "follow_parent(os.getppid() + 1_000_000)\n"
+        "time.sleep(60)\n"
+    )
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 7

@@ -34,7 +34,7 @@ from typing import IO, Literal
 
 from cleave.cli._mps import ACTIVE_THREAD_PERCENTAGE_ENV, MpsDaemon, MpsSetting, MpsUnavailable, wants_mps
 from cleave.cli._memory_split import DEFAULT_GPU_MEMORY_UTILIZATION, MemorySplit, PlacedWorker, memory_shares
-from cleave.cli._ownership import check_ports_free, die_with_parent
+from cleave.cli._ownership import check_ports_free
 from cleave.cli.health import EXIT_SERVING, check
 from cleave.config import INTERNAL_TOKEN_ENV
 
@@ -139,7 +139,8 @@ class ProcessStack:
         port_file = self.workdir / f"{name}.port"
         port_file.unlink(missing_ok=True)
         log_path = self.workdir / f"{name}.log"
-        command = [sys.executable, "-m", module, "--port-file", str(port_file),
+        # --parent-pid: the child ends with this process (`cleave.parent_death`)
+        command = [sys.executable, "-m", module, "--port-file", str(port_file), "--parent-pid", str(os.getpid()),
                    "--log-level", self.spec.log_level, "--no-log-json", *args]
         if self.spec.trace_dir is not None:
             command += ["--trace-file", str(self.spec.trace_dir / f"{name}.jsonl")]
@@ -154,8 +155,7 @@ class ProcessStack:
         if name.startswith("prefill") and self.mps is not None and self.spec.prefill_sm_percent:
             env[ACTIVE_THREAD_PERCENTAGE_ENV] = str(self.spec.prefill_sm_percent)
         # own session: a terminal's Ctrl-C reaches only `cleave up`, which stops the children in order
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                   preexec_fn=die_with_parent())
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return Child(name, process, port_file, log_path, log, module=module, args=tuple(args))
 
     def metrics_port_file(self, name: str) -> Path:

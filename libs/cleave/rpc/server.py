@@ -27,6 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cleave.config import RpcConfig, ServiceConfig
+from cleave.parent_death import follow_parent
 from cleave.rpc.auth import MetadataAuth
 from cleave.rpc.client import channel_options
 from cleave.rpc.interceptor import RequestInterceptor
@@ -263,6 +264,7 @@ async def run_service(
     drain refuses new work and waits for the admitted (see `Drainable`); with `metrics`,
     every call is counted and the registry is served on its port from before the backend
     starts until after it shut down."""
+    follow_parent(config.parent_pid)  # before anything that takes long: a dead parent ends this
     server = await serve(services, config.listen, config.rpc, tracing=tracing, auth=auth,
                          metrics_interceptor=metrics.interceptor if metrics is not None else None)
     if work is not None:
