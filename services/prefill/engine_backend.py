@@ -258,7 +258,7 @@ class EnginePrefillBackend:
             if spec.store_to_kvstore and self.kvstore is not None:
                 handed_off = self._store_in_background(request_id, prompt, table, fetch)
             elif self.kvstore is not None:
-                self.kvstore.remember(prompt)  # computed here: later fetches need not ask the engine
+                self.kvstore.remember(prompt, fetch)  # computed here: later fetches need not ask the engine
         except BaseException:
             if handoff is not None:
                 handoff.abort()
@@ -448,7 +448,7 @@ class EnginePrefillBackend:
         assert self.kvstore is not None
         released = False
         try:
-            payload = await self.kvstore.gather(prompt, table, fetch.num_store_blocks)
+            payload = await self.kvstore.gather(prompt, table, fetch)
             await self._cleanup(request_id)
             released = True
             if payload is not None:

@@ -44,6 +44,9 @@ class PrefixFetch:
 
     num_store_blocks: int  # leading prompt blocks the store holds
     num_loaded_blocks: int  # of those, blocks copied into the engine (not already cached)
+    # chained hashes of the prompt's full blocks, when the lookup computed them (the put
+    # after the prefill reuses them instead of hashing the prompt again)
+    hashes: tuple[bytes, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -93,14 +96,15 @@ class KVStorePrefix:
         usable = (len(prompt) - 1) // self.block_size
         if usable < self.min_blocks:
             return PrefixFetch(0, 0)  # too short to be worth a lookup
-        hashes = self.hashes(prompt)[:usable]
-        num_hit = await self.client.lookup(hashes)
+        all_hashes = tuple(self.hashes(prompt))
+        hashes = all_hashes[:usable]
+        num_hit = await self.client.lookup(list(hashes))
         if num_hit - self.num_seen(hashes[:num_hit]) < self.min_blocks:
-            return PrefixFetch(num_hit, 0)  # little the engine would not compute (or hold) itself
-        num_local = await self.async_engine.call(lambda e: e.handoff.num_cached_blocks(hashes[:num_hit]))
+            return PrefixFetch(num_hit, 0, all_hashes)  # little the engine would not compute (or hold) itself
+        num_local = await self.async_engine.call(lambda e: e.handoff.num_cached_blocks(list(hashes[:num_hit])))
         if num_local >= num_hit:
-            return PrefixFetch(num_hit, 0)
-        blocks = await self.client.get(hashes[num_local:num_hit])  # [n, L, 2, BS, Hkv, D]
+            return PrefixFetch(num_hit, 0, all_hashes)
+        blocks = await self.client.get(list(hashes[num_local:num_hit]))  # [n, L, 2, BS, Hkv, D]
         num_hit = num_local + blocks.shape[0]
         tokens = list(prompt[: num_hit * self.block_size])
 
@@ -116,13 +120,14 @@ class KVStorePrefix:
             return len(hold.new_block_ids)
 
         loaded = await self.async_engine.call(load)
-        return PrefixFetch(num_hit, loaded)
+        return PrefixFetch(num_hit, loaded, all_hashes)
 
-    async def gather(self, prompt: Sequence[int], block_table: Sequence[int], num_stored: int) -> StorePayload | None:
-        """Copy the prompt's full blocks after the first `num_stored` (already in the store)
-        to host memory; None when there are none. `block_table` holds the prompt's KV, which
-        may be freed once this returns."""
-        hashes = self.hashes(prompt)
+    async def gather(self, prompt: Sequence[int], block_table: Sequence[int], fetch: PrefixFetch) -> StorePayload | None:
+        """Copy the prompt's full blocks after the `fetch.num_store_blocks` already in the
+        store to host memory; None when there are none. `block_table` holds the prompt's KV,
+        which may be freed once this returns."""
+        num_stored = fetch.num_store_blocks
+        hashes = list(fetch.hashes) if fetch.hashes is not None else self.hashes(prompt)
         num_repeated = self.repeated(hashes)
         if num_repeated - num_stored < self.min_blocks:
             return None
@@ -141,9 +146,9 @@ class KVStorePrefix:
             num_seen += 1
         return num_seen
 
-    def remember(self, prompt: Sequence[int]) -> None:
+    def remember(self, prompt: Sequence[int], fetch: PrefixFetch) -> None:
         """Note a prompt this worker computed without putting it (see `repeated`)."""
-        self.repeated(self.hashes(prompt))
+        self.repeated(list(fetch.hashes) if fetch.hashes is not None else self.hashes(prompt))
 
     def repeated(self, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of a prompt this worker computed before; then remembers

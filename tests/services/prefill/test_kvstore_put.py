@@ -235,3 +235,28 @@ async def test_short_prefixes_stay_out_of_the_store_and_recent_ones_skip_the_eng
     finally:
         client.lookup = original_lookup
         await worker.close()
+
+
+async def test_a_prompt_is_hashed_once_for_its_lookup_and_its_put(checkpoint, kvstore):
+    worker = await start_prefill(checkpoint, kvstore)
+    prefix = worker.backend.kvstore
+    calls = 0
+    original = prefix.hashes
+
+    def counted(prompt):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        return original(prompt)
+
+    prefix.hashes = counted
+    try:
+        seen_before(worker)  # one call of its own
+        calls = 0
+        await worker.stub.Prefill(storing("once-hashed"))
+        assert await worker.backend.wait_for_stores(timeout_s=5)
+        assert worker.backend.counters.num_kvstore_blocks_stored == NUM_FULL_BLOCKS  # the put ran
+        assert calls == 1
+        await wait_pool_full(worker.stub)
+    finally:
+        prefix.hashes = original
+        await worker.close()
