@@ -90,3 +90,28 @@ def test_auto_goes_on_without_mps_where_the_host_has_none_and_on_refuses(tmp_pat
     required = ProcessStack(StackSpec(model=tmp_path, device="cuda", mps="on"), tmp_path / "on")
     with pytest.raises(MpsUnavailable):
         required._start_mps()
+
+
+def test_a_gpu_worker_that_dies_at_start_under_mps_names_the_way_out(tmp_path, monkeypatch):
+    fake_control(tmp_path, monkeypatch)
+    stack = ProcessStack(StackSpec(model=tmp_path, device="cuda"), tmp_path / "stack")
+    stack.workdir.mkdir(parents=True)
+    stack._start_mps()
+    log_path = stack.workdir / "decode-0.log"
+    log_path.write_bytes(b"RuntimeError: CUDA error: MPS client failed to connect\n")
+
+    class Exited:
+        returncode = 1
+
+        def poll(self) -> int:
+            return 1
+
+    from cleave.cli._stack import Child
+
+    child = Child("decode-0", Exited(), stack.workdir / "decode-0.port", log_path, open(log_path, "ab"))  # type: ignore[arg-type]
+    try:
+        with pytest.raises(RuntimeError, match="(?s)MPS client failed.*--mps off"):
+            stack._wait_healthy([child], timeout_s=5)
+    finally:
+        child.log.close()
+        stack.stop()

@@ -237,9 +237,12 @@ class ProcessStack:
         while pending:
             for child in list(pending):
                 if child.process.poll() is not None:
+                    hint = ""
+                    if self.mps is not None and child.name.startswith(("prefill", "decode")):
+                        hint = "\n(it ran under the stack's MPS daemon: if its CUDA start failed, --mps off runs without)"
                     raise RuntimeError(
                         f"{child.name} exited with code {child.process.returncode}; its log "
-                        f"({child.log_path}) ends with:\n{child.log_tail()}"
+                        f"({child.log_path}) ends with:\n{child.log_tail()}{hint}"
                     )
                 if not child.address and child.port_file.is_file():
                     text = child.port_file.read_text().strip()
