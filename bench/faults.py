@@ -47,8 +47,8 @@ from pathlib import Path
 import grpc
 
 from cleave.cli._stack import Child, ProcessStack, StackSpec
-from cleave.cli._supervisor import GaveUp, RestartPolicy, Supervisor
-from cleave.client import GatewayClient
+from cleave.cli._supervisor import SupervisedStack
+from cleave.client import GatewayClient, wait_until_serving
 from cleave.client.gateway import collect
 from cleave.config import SHIPPED_MODEL_DIR
 from cleave.proto.cleave.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, prefill_pb2_grpc
@@ -86,47 +86,12 @@ QUICK = Settings(num_requests=80, max_tokens=8, num_drain=6, drain_max_tokens=16
                  body_bytes=64 << 20, grpc_bytes=64 << 20, stream_max_tokens=120)
 
 
-class SupervisedStack:
-    """A started ProcessStack whose supervisor is polled on a thread, as `cleave up` does."""
-
-    def __init__(self, stack: ProcessStack) -> None:
-        self.stack = stack
-        self.lines: list[str] = []
-        self.gave_up: GaveUp | None = None
-        self.supervisor = Supervisor(stack, RestartPolicy(initial_backoff_s=0.2), say=self.lines.append)
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stopping.wait(0.1):
-            try:
-                self.supervisor.poll()
-            except GaveUp as error:
-                self.gave_up = error
-                return
-
-    def child(self, name: str) -> Child:
-        return next(child for child in self.stack.children if child.name == name)
-
-    def wait_restarted(self, old: Child, timeout_s: float = 120.0) -> Child | None:
-        """The child that replaced `old` once SERVING on its address; None past the timeout."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self.gave_up is None:
-            new = self.child(old.name)
-            if new is not old and new.process.poll() is None and self.stack.is_serving(new):
-                return new
-            time.sleep(0.05)
-        return None
+class FaultStack(SupervisedStack):
+    """The supervised stack, plus what the figures read from the gateway's log."""
 
     def migrations(self) -> int:
         """Requests the gateway moved to another decode worker (its log spans restarts)."""
         return self.child("gateway").log_path.read_text(errors="replace").count("request migrated")
-
-    def close(self) -> None:
-        self._stopping.set()
-        self._thread.join()
-        self.stack.stop()
 
 
 # ---- requests ---------------------------------------------------------------------------------
@@ -165,20 +130,6 @@ async def run_clients(address: str, batches: list[list[str]], max_tokens: int,
     return list(await asyncio.gather(*(one_client(batch) for batch in batches)))
 
 
-async def until_serving(address: str, timeout_s: float = 120.0) -> None:
-    """Until a request through the gateway succeeds (after the gateway itself restarted)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            async with GatewayClient(address) as client:
-                await client.complete("ping", max_tokens=1, timeout=10)
-            return
-        except grpc.aio.AioRpcError:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.2)
-
-
 async def worker_load(worker: Child, internal_token: str) -> common_pb2.WorkerLoad:
     stub_type = decode_pb2_grpc.DecodeStub if worker.name.startswith("decode") else prefill_pb2_grpc.PrefillStub
     async with aio_channel(worker.address, internal_token=internal_token) as channel:
@@ -188,7 +139,7 @@ async def worker_load(worker: Child, internal_token: str) -> common_pb2.WorkerLo
 # ---- 1. SIGKILL of a decode worker ------------------------------------------------------------
 
 
-async def kill_decode(supervised: SupervisedStack, settings: Settings) -> dict:
+async def kill_decode(supervised: FaultStack, settings: Settings) -> dict:
     address = supervised.stack.gateway_address
     per_client = settings.num_requests // settings.num_clients
     batches = [[f"fault {client} {index}: tell me about the fox" for index in range(per_client)]
@@ -239,7 +190,7 @@ async def kill_decode(supervised: SupervisedStack, settings: Settings) -> dict:
     }
 
 
-async def takes_traffic(supervised: SupervisedStack, worker: Child, max_tokens: int, timeout_s: float = 60.0) -> bool:
+async def takes_traffic(supervised: FaultStack, worker: Child, max_tokens: int, timeout_s: float = 60.0) -> bool:
     """Whether bursts through the gateway reach `worker` (its token rate shows the work)."""
     deadline = time.monotonic() + timeout_s
     async with GatewayClient(supervised.stack.gateway_address) as client:
@@ -254,7 +205,7 @@ async def takes_traffic(supervised: SupervisedStack, worker: Child, max_tokens: 
 # ---- 2. SIGTERM drain per service -------------------------------------------------------------
 
 
-async def drain(supervised: SupervisedStack, name: str, settings: Settings) -> dict:
+async def drain(supervised: FaultStack, name: str, settings: Settings) -> dict:
     address = supervised.stack.gateway_address
     prompts = [f"drain {name} {index}: the quick brown fox jumps over the lazy dog" for index in range(settings.num_drain)]
     (reference,) = await run_clients(address, [prompts], settings.drain_max_tokens)
@@ -290,7 +241,7 @@ async def drain(supervised: SupervisedStack, name: str, settings: Settings) -> d
         results = await asyncio.wait_for(asyncio.gather(*tasks), 180)
     lost = sum(isinstance(got, str) or got != want for want, got in zip(reference, results))
     restarted = await asyncio.to_thread(supervised.wait_restarted, victim)
-    await until_serving(address)
+    await wait_until_serving(address)
     return {
         "service": name,
         "in_flight": in_flight,
@@ -338,7 +289,7 @@ async def mixed_request(client: GatewayClient, index: int, kind: str, rng: rando
         return f"error {error.code().name}"
 
 
-async def mixed(supervised: SupervisedStack, settings: Settings, seed: int = 11) -> dict:
+async def mixed(supervised: FaultStack, settings: Settings, seed: int = 11) -> dict:
     rng = random.Random(seed)
     limit = asyncio.Semaphore(MIXED_CONCURRENCY)
     outcomes: dict[str, int] = {}
@@ -498,7 +449,7 @@ def percentile(values: list[float], fraction: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(fraction * len(ordered)))], 2) if ordered else None
 
 
-async def oversized(supervised: SupervisedStack, settings: Settings) -> dict:
+async def oversized(supervised: FaultStack, settings: Settings) -> dict:
     stack = supervised.stack
     address, http_port = stack.gateway_address, stack.http_port
     assert http_port is not None
@@ -586,15 +537,15 @@ def figures(kill: dict | None, drains: list[dict], mix: dict | None, attack: dic
     return rows
 
 
-def start_stack(model: Path, workdir: Path) -> SupervisedStack:
+def start_stack(model: Path, workdir: Path) -> FaultStack:
     spec = StackSpec(model=model, mode="disaggregated", num_prefill=2, num_decode=2, grpc_port=0, http_port=0,
                      log_level="WARNING", metrics=False)
     stack = ProcessStack(spec, workdir)
     stack.start(timeout_s=600)
-    return SupervisedStack(stack)
+    return FaultStack(stack)
 
 
-async def run(supervised: SupervisedStack, settings: Settings, parts: tuple[str, ...], save) -> dict:  # type: ignore[no-untyped-def]
+async def run(supervised: FaultStack, settings: Settings, parts: tuple[str, ...], save) -> dict:  # type: ignore[no-untyped-def]
     """Run the asked parts in order; `save(results)` after each keeps partial results."""
     results: dict = {"kill": None, "drain": [], "mixed": None, "oversized": None}
     if "kill" in parts:

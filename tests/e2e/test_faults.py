@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import threading
 import time
 
-import grpc
 import pytest
 
 from cleave.cli._stack import Child, ProcessStack, StackSpec
-from cleave.cli._supervisor import RestartPolicy, Supervisor
-from cleave.client import GatewayClient
+from cleave.cli._supervisor import SupervisedStack
+from cleave.client import GatewayClient, wait_until_serving
 from cleave.client.gateway import collect
 from cleave.engine.llm import LLM
 from cleave.generation.sampling_params import SamplingParams
@@ -32,40 +30,12 @@ MAX_TOKENS = 32
 IDS = gateway_pb2.StreamOptions(include_token_ids=True)
 
 
-class SupervisedStack:
-    """A started ProcessStack and its supervisor, polled on a thread that lives as long as
-    the stack (children it restarts die with that thread: `_ownership`)."""
-
-    def __init__(self, stack: ProcessStack) -> None:
-        self.stack = stack
-        self.lines: list[str] = []
-        self.supervisor = Supervisor(stack, RestartPolicy(initial_backoff_s=0.2), say=self.lines.append)
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stopping.wait(0.1):
-            self.supervisor.poll()
-
-    def child(self, name: str) -> Child:
-        return next(child for child in self.stack.children if child.name == name)
-
-    def wait_restarted(self, old: Child, timeout_s: float = 90.0) -> Child:
-        """The child that replaced `old`, once it is SERVING on old's address."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            new = self.child(old.name)
-            if new is not old and new.process.poll() is None and self.stack.is_serving(new):
-                assert new.address == old.address
-                return new
-            assert time.monotonic() < deadline, f"{old.name} did not come back: {self.lines}"
-            time.sleep(0.1)
-
-    def close(self) -> None:
-        self._stopping.set()
-        self._thread.join()
-        self.stack.stop()
+async def restarted_child(supervised: SupervisedStack, old: Child) -> Child:
+    """The child that replaced `old`, SERVING on old's address."""
+    new = await asyncio.get_running_loop().run_in_executor(None, supervised.wait_restarted, old, 90.0)
+    assert new is not None, f"{old.name} did not come back: {supervised.lines}"
+    assert new.address == old.address
+    return new
 
 
 @pytest.fixture(scope="module")
@@ -113,19 +83,6 @@ async def _complete(client: GatewayClient, prompt: str, on_token=None) -> list[i
     return sample.token_ids
 
 
-async def _serving(address: str, timeout_s: float = 60.0) -> None:
-    """Until a request through the gateway succeeds (after a restart of the gateway itself)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            async with GatewayClient(address) as client:
-                await client.complete("ping", max_tokens=1, timeout=10)
-            return
-        except grpc.aio.AioRpcError:
-            assert time.monotonic() < deadline, "the stack did not serve again"
-            await asyncio.sleep(0.2)
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["decode-0", "prefill-0", "kvstore", "gateway"])
 async def test_sigterm_drains_a_service_without_losing_admitted_requests(supervised, reference, name):
@@ -154,8 +111,8 @@ async def test_sigterm_drains_a_service_without_losing_admitted_requests(supervi
     assert results == expected
     assert await asyncio.get_running_loop().run_in_executor(None, victim.process.wait, 30) == 0
     assert _migrations(supervised) == migrated  # drained, not lost: nothing had to move
-    await asyncio.get_running_loop().run_in_executor(None, supervised.wait_restarted, victim)
-    await _serving(address)
+    await restarted_child(supervised, victim)
+    await wait_until_serving(address, timeout_s=60.0)
 
 
 @pytest.mark.timeout(300)
@@ -186,7 +143,7 @@ async def test_a_killed_decode_worker_loses_no_request_and_comes_back(supervised
     assert killed.is_set()
     assert results == expected
     assert victim.process.wait(timeout=5) == -signal.SIGKILL
-    restarted = await asyncio.get_running_loop().run_in_executor(None, supervised.wait_restarted, victim)
+    restarted = await restarted_child(supervised, victim)
     assert any(line.startswith("decode-0 exited with signal SIGKILL") for line in supervised.lines)
     # the gateway routes to the restarted worker again once its health checks see it SERVING
     # (about a second): bursts then reach it, and its token rate shows the work

@@ -16,6 +16,7 @@ its exit code and its log), since restarting it again would only crash again.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -108,3 +109,51 @@ class Supervisor:
         delay = min(policy.initial_backoff_s * 2 ** record.fast_crashes, policy.max_backoff_s)
         record.due = now + delay
         self.say(f"{child.name} exited with {how} after {ran_s:.1f} s; restarting in {delay:g} s")
+
+
+class SupervisedStack:
+    """A started ProcessStack whose supervisor is polled on a thread of its own, as `cleave up`
+    polls it on its main loop (benchmarks and tests that kill children use it). The thread
+    lives as long as the stack: children it restarts die with it (`cleave.parent_death`).
+
+    Attributes:
+        lines: what the supervisor said (restarts, give-ups).
+        gave_up: the supervisor's GaveUp, once it gave up (polling then stops).
+    """
+
+    def __init__(self, stack: ProcessStack, policy: RestartPolicy = RestartPolicy(initial_backoff_s=0.2)) -> None:
+        self.stack = stack
+        self.lines: list[str] = []
+        self.gave_up: GaveUp | None = None
+        self.supervisor = Supervisor(stack, policy, say=self.lines.append)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping.wait(0.1):
+            try:
+                self.supervisor.poll()
+            except GaveUp as error:
+                self.gave_up = error
+                return
+
+    def child(self, name: str) -> Child:
+        return next(child for child in self.stack.children if child.name == name)
+
+    def wait_restarted(self, old: Child, timeout_s: float = 120.0) -> Child | None:
+        """The child that replaced `old` once SERVING on its address; None past the timeout
+        (a guard against a hang) or once the supervisor gave up."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.gave_up is None:
+            new = self.child(old.name)
+            if new is not old and new.process.poll() is None and self.stack.is_serving(new):
+                return new
+            time.sleep(0.05)
+        return None
+
+    def close(self) -> None:
+        """Stop polling, then stop the stack."""
+        self._stopping.set()
+        self._thread.join()
+        self.stack.stop()

@@ -7,6 +7,6 @@
         print(result.samples[0].reasoning_text, result.samples[0].text)
 """
 
-from cleave.client.gateway import Completion, GatewayClient, SampleResult
+from cleave.client.gateway import Completion, GatewayClient, SampleResult, wait_until_serving
 
-__all__ = ["Completion", "GatewayClient", "SampleResult"]
+__all__ = ["Completion", "GatewayClient", "SampleResult", "wait_until_serving"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,3 +155,18 @@ async def collect(responses: AsyncIterator[gateway_pb2.GenerateResponse]) -> Com
             completion.votes = list(response.votes.answers)
     completion.samples = [samples[i] for i in sorted(samples)]
     return completion
+
+
+async def wait_until_serving(address: str, timeout_s: float = 120.0, api_key: str | None = None) -> None:
+    """Return once a one-token request through the gateway at `address` succeeds (after a
+    restart, say); past `timeout_s` (a guard against a hang) the last failure is raised."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            async with GatewayClient(address, api_key=api_key) as client:
+                await client.complete("ping", max_tokens=1, timeout=10)
+            return
+        except grpc.aio.AioRpcError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
