@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from cleave.errors import CleaveError, Unavailable
-from cleave.proto.cleave.v1 import common_pb2
-from services.gateway.attach import AttachStream
+from cleave.proto.cleave.v1 import common_pb2, decode_pb2
+from services.gateway.attach import AttachStream, WorkerLost
 from services.gateway.routing import pick_decode
 from services.gateway.workers import WorkerHandle, WorkerPool
 
@@ -43,6 +43,8 @@ class WorkerRequest:
     stream: AttachStream
     sample_indices: tuple[int, ...]
     attached: bool = True  # registered on `stream` and counted in `decode.in_flight`
+    # the rest of a disaggregated start after its first tokens (`starts.follow_handoff`)
+    handoff: asyncio.Future[None] | None = None
 
 
 @dataclass
@@ -69,6 +71,18 @@ class RunningRequest:
         if part is None or not 0 <= worker_sample_index < len(part.sample_indices):
             return None
         return part.sample_indices[worker_sample_index]
+
+    def lost_in_handoff(self, delta: decode_pb2.RequestDelta) -> WorkerLost | None:
+        """The `WorkerLost` of a worker request that its decode worker ended (ABORT) while the
+        KV handoff to it was under way: the decode never started (the prefill worker gave
+        up the reservation, or it expired), so its samples move as if the worker were lost
+        (the handoff's own failure, if it comes later, finds the request gone)."""
+        part = self.parts.get(delta.request_id)
+        if (part is None or part.handoff is None or part.handoff.done()
+                or delta.finish_reason != common_pb2.FINISH_REASON_ABORT):
+            return None
+        return WorkerLost(f"decode worker {part.decode.address} dropped the request while its KV was on the "
+                          "way (the prefill worker gave it up)", delta.request_id)
 
     def part_of(self, sample_index: int) -> tuple[WorkerRequest, int] | None:
         """The worker request decoding a sample, and the sample's index there."""
@@ -178,6 +192,8 @@ class DecodePlacement:
         """Stop listening to a worker request (and abort it there, unless it ended); its
         deltas still queued are dropped (`RunningRequest.request_sample` no longer knows it)."""
         running.parts.pop(part.worker_request_id, None)
+        if part.handoff is not None:
+            part.handoff.cancel()  # a no-op once the KV was delivered
         if not part.attached:
             return
         part.attached = False

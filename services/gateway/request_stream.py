@@ -128,6 +128,8 @@ async def stream_samples(
                 lost.append(item)  # its worker request's deltas all came before it
             elif isinstance(item, BaseException):
                 raise item
+            elif (dropped := running.lost_in_handoff(item)) is not None:
+                lost.append(dropped)
             else:
                 index = running.request_sample(item.request_id, item.sample_index)
                 if index is not None:  # None: a worker request this request left

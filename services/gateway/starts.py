@@ -4,15 +4,20 @@ Disaggregated (any n: the prefill worker draws every sample's first token from o
 and the decode worker's samples share the one prompt reservation): one call,
     Prefill(decode = the placed worker) on a prefill worker picked by load and prefix
     affinity. The prefill worker admits the request on the decode worker while the prompt
-    runs, ships its KV there and starts the decode; its response carries the first tokens,
-    which go to the client at once (`deliver_first_tokens`), ahead of anything the decode
-    worker's stream already brought for the request.
+    runs, ships its KV there and starts the decode. Its stream's first message carries the
+    first tokens as soon as they are sampled, before the KV is sent; they go to the client at
+    once (`deliver_first_tokens`), ahead of anything the decode worker's stream brings for
+    the request. The rest of the stream (the KV delivered, the decode started) is read in
+    the background (`follow_handoff`): should it fail, the decode never started and the
+    request moves like one whose decode worker was lost (a `WorkerLost` in its queue),
+    resuming from the prompt and the tokens already streamed.
 Colocated (and every migrated restart, one per moved sample):
     Decode.Start(prefill_locally): the decode worker prefills the prompt itself.
 
 Both return the prompt tokens a worker's prefix cache already held. A Prefill that fails on
-the prefill worker itself (not on the decode worker behind it) raises `PrefillFailed`, naming
-that worker, so the caller can retry elsewhere (`RoutingBackend._start`).
+the prefill worker itself (not on the decode worker behind it) before its first tokens
+raises `PrefillFailed`, naming that worker, so the caller can retry elsewhere
+(`RoutingBackend._start`).
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from cleave.errors import Unavailable
+import grpc
+
+from cleave.errors import CleaveError, Unavailable
 from cleave.proto.cleave.v1 import decode_pb2, prefill_pb2
 from cleave.rpc.convert import reasoning_to_proto, sampling_to_proto
+from services.gateway.attach import WorkerLost
 from services.gateway.backend import GenerateSpec
 from services.gateway.placement import WorkerRequest
 from services.gateway.routing import PrefixAffinity, pick_prefill
@@ -56,7 +64,8 @@ async def start_disaggregated(
     avoid: Sequence[WorkerHandle] = (),
 ) -> int:
     """Prefill on a prefill worker (not one of `avoid`) that admits, fills and starts the
-    placed decode worker; the first tokens go into the request's queue first."""
+    placed decode worker; returns once the first tokens are in the request's queue (first),
+    with the rest of the handoff followed by `placed.handoff`."""
     decode = placed.decode
     request_id = placed.worker_request_id
     prefill = pick_prefill([w for w in pool.of_role("prefill") if w not in avoid], affinity, prompt_ids)
@@ -68,19 +77,46 @@ async def start_disaggregated(
         decode=prefill_pb2.DecodeTarget(
             address=decode.address, gateway_id=gateway_id, reasoning=reasoning_to_proto(spec.reasoning)),
     )
+    call = prefill.stub.Prefill(request, timeout=time_left(spec.deadline))
     prefill.in_flight_prompt_tokens += len(prompt_ids)
     try:
-        result = await call_worker(
-            pool, prefill.stub.Prefill(request, timeout=time_left(spec.deadline)), prefill, "Prefill")
+        first = await call_worker(pool, call.read(), prefill, "Prefill")
+        if first is grpc.aio.EOF:
+            raise Unavailable(f"Prefill on prefill worker {prefill.address} ended without first tokens")
     except Unavailable as error:
+        call.cancel()
         if error.field == "decode":
             raise
         raise PrefillFailed(error.message, prefill) from None
+    except BaseException:
+        call.cancel()  # the worker aborts the request and releases its reservation
+        raise
     finally:
         prefill.in_flight_prompt_tokens -= len(prompt_ids)
     affinity.record(prompt_ids, prefill.address)
-    deliver_first_tokens(queue, request_id, result)
-    return result.num_cached_tokens
+    deliver_first_tokens(queue, request_id, first)
+    placed.handoff = asyncio.ensure_future(follow_handoff(pool, call, prefill, queue, request_id))
+    return first.num_cached_tokens
+
+
+async def follow_handoff(
+    pool: WorkerPool, call: grpc.aio.UnaryStreamCall, prefill: WorkerHandle, queue: asyncio.Queue,
+    worker_request_id: str,
+) -> None:
+    """Read a Prefill stream past its first tokens (the KV delivered, the decode started).
+    A failure there means the decode never started: the request's queue gets a
+    `WorkerLost`, and its samples move on, resumed from what the client already has.
+    Cancelled (the request ended or moved), it cancels the call: the prefill worker aborts
+    the request and the decode worker's reservation."""
+    try:
+        while await call_worker(pool, call.read(), prefill, "Prefill") is not grpc.aio.EOF:
+            pass  # the transfer's statistics
+    except CleaveError as error:
+        queue.put_nowait(WorkerLost(f"the KV handoff from prefill worker {prefill.address} failed after the "
+                                    f"first tokens ({error.message})", worker_request_id))
+    except BaseException:
+        call.cancel()
+        raise
 
 
 def deliver_first_tokens(queue: asyncio.Queue, worker_request_id: str, result: prefill_pb2.PrefillResponse) -> None:

@@ -12,7 +12,6 @@ from cleave.metrics import KVStoreMetrics, MetricLabels, ServiceMetrics
 from cleave.rpc import ServiceRegistration, run_service
 from cleave.rpc.auth import internal_auth
 from cleave.tracing import setup_tracing
-from services.kvstore.backend import KVStoreBackend
 from services.kvstore.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from services.kvstore.store import BlockStore, StoreConfig
 
@@ -25,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     config = kvstore_config(argv, os.environ)
     configure_logging(config.service.log_level, config.service.log_json)
     tracing = setup_tracing(config.service.tracing)
-    backend: KVStoreBackend = BlockStore(
+    backend = BlockStore(
         StoreConfig(ram_bytes=config.ram_bytes, disk_path=config.disk_path, disk_bytes=config.disk_bytes)
     )
     servicer = KVStoreServicer(backend)
@@ -35,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         KVStoreMetrics(metrics.registry, metrics.labels, backend.stats)  # type: ignore[arg-type]
     try:
         asyncio.run(run_service([registration(servicer)], config.service, backend, tracing=tracing,
-                                auth=internal_auth(config.service.internal_token), metrics=metrics))
+                                auth=internal_auth(config.service.internal_token), metrics=metrics,
+                                work=backend))  # a drain ends the Watch streams first
     finally:
         tracing.shutdown()
     return 0

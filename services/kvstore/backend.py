@@ -53,6 +53,19 @@ class StoreStats:
     num_bytes_ram: int = 0
     num_bytes_disk: int = 0
     checksum_failures: int = 0  # corrupt disk files dropped
+    num_lookups: int = 0  # Lookup calls answered
+
+
+@dataclass(frozen=True)
+class BlockEvent:
+    """Part of a watch's snapshot, or one change to the set of stored blocks.
+
+    A watcher's index is the snapshot's hashes with the later events applied in order; an
+    event holds stored or removed hashes, never both."""
+
+    stored: tuple[bytes, ...] = ()
+    removed: tuple[bytes, ...] = ()
+    snapshot_done: bool = False  # the last part of the snapshot
 
 
 class KVStoreBackend(Protocol):
@@ -78,3 +91,7 @@ class KVStoreBackend(Protocol):
 
     def stats(self) -> StoreStats:
         """Current counters."""
+
+    def watch(self, layout_id: str) -> AsyncIterator[BlockEvent]:
+        """The layout's stored hashes (a snapshot, in parts), then every change as it happens.
+        Ends when the store shuts down; raises ResourceExhausted when the watcher falls behind."""

@@ -167,6 +167,10 @@ class DiskTier:
     def __len__(self) -> int:
         return len(self._index)
 
+    def hashes(self) -> list[bytes]:
+        """Every indexed block's hash, least recently used first."""
+        return list(self._index)
+
     def touch(self, block_hash: bytes) -> None:
         self._index.move_to_end(block_hash)
 

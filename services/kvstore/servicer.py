@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator, Iterable
+from contextlib import aclosing
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -107,6 +108,9 @@ def add_to_server(servicer: KVStoreServicer, server: grpc.aio.Server) -> None:
         "Stats": grpc.unary_unary_rpc_method_handler(
             servicer.Stats, request_deserializer=kvstore_pb2.StatsRequest.FromString,
             response_serializer=kvstore_pb2.StatsResponse.SerializeToString),
+        "Watch": grpc.unary_stream_rpc_method_handler(
+            servicer.Watch, request_deserializer=kvstore_pb2.WatchRequest.FromString,
+            response_serializer=kvstore_pb2.BlockEvents.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
@@ -163,4 +167,14 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             evictions=stats.evictions,
             num_blocks_ram=stats.num_blocks_ram,
             num_blocks_disk=stats.num_blocks_disk,
+            num_lookups=stats.num_lookups,
         )
+
+    async def Watch(
+        self, request: kvstore_pb2.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kvstore_pb2.BlockEvents]:
+        # aclosing: the watcher leaves the store when the call ends, also when it is cancelled
+        async with aclosing(self.backend.watch(_layout_id(request.layout_id))) as events:
+            async for event in events:
+                yield kvstore_pb2.BlockEvents(
+                    stored_hashes=event.stored, removed_hashes=event.removed, snapshot_done=event.snapshot_done)

@@ -18,6 +18,12 @@ found there is a miss and is deleted.
 A stored payload is the buffer the block arrived in (a view of the Put message gRPC
 delivered, or of a disk file read), never copied on the event loop; disk files are written and
 read on the disk tier's I/O thread.
+
+Watchers (`watch`, services/kvstore/watch.py) follow the set of stored hashes: a Put
+publishes the hashes it newly stored once they are kept, and the hashes it evicted; a corrupt
+file found by Lookup or Get publishes its removal. Each publish says what is true when it is
+made (stored hashes still present, removed ones still absent), so a block evicted and stored
+again while a Put runs ends up right in every watcher's index.
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ import structlog
 from cleave.errors import FailedPrecondition, InvalidArgument, NotFound
 from cleave.rpc.convert import DTYPE_ITEMSIZE
 from cleave.rpc.types import KVLayout, TensorBytes
-from services.kvstore.backend import ConnectResult, KVBlock, PutResult, StoreStats
+from services.kvstore.backend import BlockEvent, ConnectResult, KVBlock, PutResult, StoreStats
 from services.kvstore.disk import Buffer, DiskTier
+from services.kvstore.watch import WATCH_QUEUE_HASHES, WatchHub
 
 _LAYOUT_FIELDS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "hash_namespace")
 
@@ -48,6 +55,7 @@ class StoreConfig:
     ram_bytes: int
     disk_path: Path | None = None
     disk_bytes: int = 0
+    watch_queue_hashes: int = WATCH_QUEUE_HASHES  # a watcher further behind is ended
 
 
 def layout_id(layout: KVLayout) -> str:
@@ -67,6 +75,7 @@ class _Counters:
     misses: int = 0
     bytes_served: int = 0
     evictions: int = 0
+    lookups: int = 0
 
 
 class BlockStore:
@@ -80,6 +89,7 @@ class BlockStore:
         self._layout: KVLayout | None = None
         self._layout_id = ""
         self._counters = _Counters()
+        self._watchers = WatchHub(config.watch_queue_hashes)
         self.log = structlog.get_logger("cleave.kvstore")
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -92,8 +102,14 @@ class BlockStore:
                 self._set_layout(stored)
             self.log.info("disk tier opened", blocks=len(self._disk), bytes=self._disk.num_bytes)
 
+    async def drain(self) -> None:
+        """End the watchers' streams (they would hold the server's stop for its whole grace
+        period) and refuse new ones; every other call goes on until the server stops."""
+        self._watchers.close()
+
     async def shutdown(self) -> None:
         """Finish the disk tier's writes (every block is on disk already: RAM is its cache)."""
+        self._watchers.close()
         if self._disk is None:
             return
         self._ram.clear()
@@ -141,31 +157,46 @@ class BlockStore:
             return True
         return in_disk
 
-    def _insert_ram(self, block_hash: bytes, payload: Buffer) -> None:
-        """Cache a block in RAM; without a disk tier what falls out of RAM is evicted."""
+    def _is_stored(self, block_hash: bytes) -> bool:
+        """Whether the block is in a tier (without refreshing it)."""
+        return block_hash in self._ram or (self._disk is not None and block_hash in self._disk)
+
+    def _insert_ram(self, block_hash: bytes, payload: Buffer) -> list[bytes]:
+        """Cache a block in RAM; without a disk tier what falls out of RAM is evicted (returned)."""
         self._ram[block_hash] = payload
         self._ram_bytes += len(payload)
+        evicted = []
         while self._ram_bytes > self.config.ram_bytes and self._ram:
-            _, data = self._ram.popitem(last=False)
+            oldest, data = self._ram.popitem(last=False)
             self._ram_bytes -= len(data)
             if self._disk is None:
                 self._counters.evictions += 1
+                evicted.append(oldest)
+        return evicted
 
     def _drop_ram(self, block_hash: bytes) -> None:
         data = self._ram.pop(block_hash, None)
         if data is not None:
             self._ram_bytes -= len(data)
 
-    def _store(self, block_hash: bytes, payload: Buffer) -> None:
-        """A new block: on disk (queued; `DiskTier.sync` makes it durable) and cached in RAM."""
+    def _store(self, block_hash: bytes, payload: Buffer) -> list[bytes]:
+        """A new block: on disk (queued; `DiskTier.sync` makes it durable) and cached in RAM.
+        Returns the hashes evicted from the store to make room."""
         if self._disk is not None:
             evicted = self._disk.put(block_hash, payload)
             for oldest in evicted:
                 self._drop_ram(oldest)
             self._counters.evictions += len(evicted)
             if block_hash in evicted:
-                return  # larger than the disk tier: not stored
-        self._insert_ram(block_hash, payload)
+                return evicted  # larger than the disk tier: not stored
+            self._insert_ram(block_hash, payload)  # what falls out of RAM stays on disk
+            return evicted
+        return self._insert_ram(block_hash, payload)
+
+    def _publish(self, stored: list[bytes], removed: list[bytes]) -> None:
+        """Tell the watchers what is true now of these hashes (see the module docstring)."""
+        self._watchers.publish([h for h in stored if self._is_stored(h)],
+                               [h for h in removed if not self._is_stored(h)])
 
     async def _verified_prefix(self, block_hashes: tuple[bytes, ...]) -> int:
         """How many of these stored blocks lead the chain with their files verified (a corrupt
@@ -174,6 +205,8 @@ class BlockStore:
             return len(block_hashes)
         unverified = [h for h in block_hashes if h not in self._ram and not self._disk.is_verified(h)]
         corrupt = await self._disk.verify(unverified) if unverified else set()
+        if corrupt:
+            self._publish([], list(corrupt))
         for position, block_hash in enumerate(block_hashes):
             if block_hash in corrupt or not self._contains(block_hash):
                 return position
@@ -188,8 +221,11 @@ class BlockStore:
             return payload
         if self._disk is None:
             return None
+        was_stored = block_hash in self._disk
         payload = await self._disk.get(block_hash)
         if payload is None:
+            if was_stored:  # a corrupt file, dropped (unless stored again meanwhile)
+                self._publish([], [block_hash])
             return None
         promoted = self._ram.get(block_hash)  # by another call while the file was read
         if promoted is not None:
@@ -203,6 +239,7 @@ class BlockStore:
 
     async def lookup(self, layout_id: str, block_hashes: tuple[bytes, ...]) -> int:
         self._require_layout(layout_id)
+        self._counters.lookups += 1
         num_present = 0
         for block_hash in block_hashes:
             if not self._contains(block_hash):
@@ -216,23 +253,29 @@ class BlockStore:
     async def put(self, blocks: AsyncIterator[KVBlock]) -> PutResult:
         num_stored = num_present = 0
         position = 0
-        async for block in blocks:
-            layout = self._require_layout(block.layout_id, f"blocks[{position}].layout_id")
-            payload = block.payload
-            if payload.dtype != layout.dtype or tuple(payload.shape) != block_shape(layout):
-                raise InvalidArgument(
-                    f"payload is {payload.dtype} {list(payload.shape)}, the layout needs "
-                    f"{layout.dtype} {list(block_shape(layout))}", field=f"blocks[{position}].payload")
-            if self._contains(block.hash):
-                num_present += 1
-            else:
-                self._store(block.hash, payload.data)  # the received buffer, not a copy
-                num_stored += 1
-                if self._disk is not None:
-                    await self._disk.throttle()
-            position += 1
-        if self._disk is not None:
-            await self._disk.sync()  # the acknowledgement promises the blocks are on disk
+        stored: list[bytes] = []  # told to the watchers once kept (also when the stream fails)
+        removed: list[bytes] = []
+        try:
+            async for block in blocks:
+                layout = self._require_layout(block.layout_id, f"blocks[{position}].layout_id")
+                payload = block.payload
+                if payload.dtype != layout.dtype or tuple(payload.shape) != block_shape(layout):
+                    raise InvalidArgument(
+                        f"payload is {payload.dtype} {list(payload.shape)}, the layout needs "
+                        f"{layout.dtype} {list(block_shape(layout))}", field=f"blocks[{position}].payload")
+                if self._contains(block.hash):
+                    num_present += 1
+                else:
+                    removed += self._store(block.hash, payload.data)  # the received buffer, not a copy
+                    stored.append(block.hash)
+                    num_stored += 1
+                    if self._disk is not None:
+                        await self._disk.throttle()
+                position += 1
+            if self._disk is not None:
+                await self._disk.sync()  # the acknowledgement promises the blocks are on disk
+        finally:
+            self._publish(stored, removed)
         return PutResult(num_stored=num_stored, num_already_present=num_present)
 
     async def get(self, layout_id: str, block_hashes: tuple[bytes, ...]) -> AsyncIterator[KVBlock]:
@@ -260,4 +303,17 @@ class BlockStore:
             evictions=self._counters.evictions, num_blocks_ram=len(self._ram),
             num_blocks_disk=disk_blocks, num_bytes_ram=self._ram_bytes, num_bytes_disk=disk_bytes,
             checksum_failures=self._disk.num_corrupt_files if self._disk is not None else 0,
+            num_lookups=self._counters.lookups,
         )
+
+    async def watch(self, layout_id: str) -> AsyncIterator[BlockEvent]:
+        self._require_layout(layout_id)
+        # the snapshot and the subscription with no await between them: no change falls between
+        snapshot = list(self._disk.hashes()) if self._disk is not None else []
+        snapshot += [h for h in self._ram if self._disk is None or h not in self._disk]
+        watcher = self._watchers.subscribe(snapshot)
+        try:
+            async for event in watcher.events():
+                yield event
+        finally:
+            watcher.end()

@@ -2,12 +2,16 @@
 
 `PrefillBackend` receives a validated `PrefillSpec` (prompt ids, first-token sampling, and
 where the KV goes: a decode worker to admit and start the request on, or a TransferHandle
-someone else reserved) and returns a `PrefillResult`. The engine-backed
-implementation is `services.prefill.engine_backend.EnginePrefillBackend`.
+someone else reserved) and returns a `PrefillResult`. With a decode worker to start, it
+hands the first tokens to `early` as soon as they are sampled and the decode worker's blocks
+are reserved, before the KV is on its way: the caller's client sees its first token without
+waiting for the transfer. The engine-backed implementation is
+`services.prefill.engine_backend.EnginePrefillBackend`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,6 +53,10 @@ class PrefillResult:
     prompt_logprobs: tuple[TopLogprobs, ...] = ()  # with sampling.prompt_logprobs: prompt tokens after the first
 
 
+# Receives a request's first tokens ahead of its KV transfer (`transfer` None).
+EarlyFirstTokens = Callable[[PrefillResult], Awaitable[None]]
+
+
 class PrefillBackend(Protocol):
     """A prefill worker's engine."""
 
@@ -61,8 +69,11 @@ class PrefillBackend(Protocol):
     async def drain(self) -> None:
         """Refuse new requests; return once the admitted ones finished (`cleave.rpc.Drainable`)."""
 
-    async def prefill(self, spec: PrefillSpec) -> PrefillResult:
-        """Compute the prompt's KV, send it to spec.destination, sample the first tokens."""
+    async def prefill(self, spec: PrefillSpec, early: EarlyFirstTokens | None = None) -> PrefillResult:
+        """Compute the prompt's KV, send it to its destination, sample the first tokens.
+        With `spec.decode`, `early` (when given) gets the first tokens before the KV is sent;
+        the decode starts only once the KV is there, and an error after `early` means it
+        never started (its reservation released)."""
 
     def load(self) -> WorkerLoad:
         """Current load, for routing."""

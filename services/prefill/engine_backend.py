@@ -6,13 +6,15 @@
         engine prefill-only request                (chunked and batched with other prompts)
         first token of each of the n samples sampled, prompt KV kept (once) as the
         request's export (engine.handoff.export)
+        first tokens handed to `early`              (spec.decode: once the reservation is
+                                                   back, before the KV goes out)
         handshake with the destination's worker    (first transfer to it only: CUDA IPC /
                                                    NCCL / TCP, see cleave.worker.handshake)
         KV -> destination's reserved blocks        (the handle's transport, all layers; or
                                                    layer by layer during the final chunk's
                                                    forward, see `layer_stream`)
         Decode.Start(first tokens)                 (spec.decode: in the background)
-        first tokens returned
+        result returned                            (first tokens, transfer statistics)
     then, in the background (store_to_kvstore):
         new full blocks -> host memory -> kvstore  (`_store_in_background`)
     export blocks released                         (always, also on error or cancellation:
@@ -63,7 +65,7 @@ from cleave.transfer import KVSender, KVStoreClient, KVTransferClient, local_end
 from cleave.transfer.layout import require_same_layout
 from cleave.worker import TransportNegotiator, device_nccl, kv_layout_of, load_engine, top_logprobs_from_engine
 from cleave.worker.handshake import grpc_handshake
-from services.prefill.backend import PrefillResult, PrefillSpec
+from services.prefill.backend import EarlyFirstTokens, PrefillResult, PrefillSpec
 from services.prefill.decode_handoff import DecodeHandoff, DecodeLinks
 from services.prefill.kvstore_prefix import DEFAULT_MIN_PREFIX_TOKENS, KVStorePrefix, PrefixFetch
 from services.prefill.layer_stream import LAYER_STREAMING_MODES, LayerStream, LayerStreaming, LayerStreams
@@ -167,6 +169,7 @@ class EnginePrefillBackend:
             client = KVStoreClient(self.kvstore_address, client_id=self.worker_id, internal_token=self._internal_token)
             await client.connect(self.layout)
             self.kvstore = KVStorePrefix(client, self.engine, self.async_engine, self.kvstore_min_prefix_tokens)
+            await self.kvstore.start()  # follows what the store holds: misses need no Lookup
 
     async def drain(self) -> None:
         """Refuse new prefills, return once the admitted ones answered and their decode
@@ -210,7 +213,7 @@ class EnginePrefillBackend:
         if handle.deadline_unix_s is not None and time.time() >= handle.deadline_unix_s:
             raise DeadlineExceeded("the destination's reservation already expired; admit the request again")
 
-    async def prefill(self, spec: PrefillSpec) -> PrefillResult:
+    async def prefill(self, spec: PrefillSpec, early: EarlyFirstTokens | None = None) -> PrefillResult:
         async_engine = self._require_engine()
         self.gate.check()
         request_id, prompt = spec.request_id, list(spec.prompt_token_ids)
@@ -235,8 +238,7 @@ class EnginePrefillBackend:
                 fetch = await self._fetch_prefix(request_id, prompt)
             if opening is not None and spec.destination is not None:
                 await asyncio.wait({opening})  # a known destination streams from the first step on
-            first_tokens, first_logprobs, num_cached, prompt_logprobs = await self._run_prefill(
-                async_engine, request_id, prompt, spec)
+            result = await self._run_prefill(async_engine, request_id, prompt, spec)
             stream = await self._take_layer_stream(request_id, opening)
             table = self._tables.pop(request_id, None)
             if table is None:  # not kept by the step (e.g. an engine without the hook)
@@ -246,6 +248,8 @@ class EnginePrefillBackend:
                 with span("prefill.admit_wait"):  # only what the forward did not hide
                     destination = await handoff.reserved()
                 self._check_destination(destination, len(prompt))
+                if early is not None:  # the blocks are reserved: the client may see its tokens
+                    await early(result)
             transfer = None
             if destination is not None:
                 streamed = stream is not None and stream.is_claimed
@@ -254,7 +258,7 @@ class EnginePrefillBackend:
                     transfer = await self._send(destination, table, sending)
                 add_transfer(self.counters.transfers, transfer)
             if handoff is not None:
-                handoff.start(first_tokens, first_logprobs)
+                handoff.start(result.first_token_ids, result.first_token_logprobs)
             if spec.store_to_kvstore and self.kvstore is not None:
                 handed_off = self._store_in_background(request_id, prompt, table, fetch)
             elif self.kvstore is not None:
@@ -277,21 +281,12 @@ class EnginePrefillBackend:
             # boundary to free the blocks. (The release is queued on the step thread before
             # any later request can reuse this id: commands apply in order.)
             self._release_in_background(request_id)
-        num_computed = len(prompt) - num_cached
         counters = self.counters
         counters.num_prefills += 1
         counters.num_prompt_tokens += len(prompt)
-        counters.num_computed_tokens += num_computed
-        counters.num_cached_tokens += num_cached
-        return PrefillResult(
-            first_token_ids=first_tokens,
-            num_prompt_tokens=len(prompt),
-            num_cached_tokens=num_cached,
-            num_computed_tokens=num_computed,
-            first_token_logprobs=first_logprobs,
-            transfer=transfer,
-            prompt_logprobs=prompt_logprobs,
-        )
+        counters.num_computed_tokens += result.num_computed_tokens
+        counters.num_cached_tokens += result.num_cached_tokens
+        return replace(result, transfer=transfer)
 
     def _keep_block_tables(self, outputs: list[RequestOutput]) -> None:
         """Step thread, right after a step: keep each finished prefill's block table, so
@@ -316,10 +311,10 @@ class EnginePrefillBackend:
 
     async def _run_prefill(
         self, async_engine: AsyncEngine, request_id: str, prompt: list[int], spec: PrefillSpec
-    ) -> tuple[tuple[int, ...], tuple[TopLogprobs, ...], int, tuple[TopLogprobs, ...]]:
+    ) -> PrefillResult:
         """Each sample's first token (in sample order), their logprobs when asked for, the
-        cached prompt tokens of a prefill-only request, and the prompt's scores (tokens after
-        the first) when asked for."""
+        prompt tokens computed and cached, and the prompt's scores (tokens after the first)
+        when asked for; no transfer yet."""
         first_tokens: dict[int, int] = {}
         logprobs: dict[int, TopLogprobs] = {}
         prompt_logprobs: list[TopLogprobs] = []
@@ -336,8 +331,14 @@ class EnginePrefillBackend:
         if len(first_tokens) != num_samples:
             raise Unavailable(f"the engine ended request {request_id!r} without a first token for every sample")
         samples = range(num_samples)
-        first_logprobs = tuple(logprobs[i] for i in samples) if len(logprobs) == num_samples else ()
-        return tuple(first_tokens[i] for i in samples), first_logprobs, num_cached, tuple(prompt_logprobs)
+        return PrefillResult(
+            first_token_ids=tuple(first_tokens[i] for i in samples),
+            num_prompt_tokens=len(prompt),
+            num_cached_tokens=num_cached,
+            num_computed_tokens=len(prompt) - num_cached,
+            first_token_logprobs=tuple(logprobs[i] for i in samples) if len(logprobs) == num_samples else (),
+            prompt_logprobs=tuple(prompt_logprobs),
+        )
 
     async def _fetch_prefix(self, request_id: str, prompt: list[int]) -> PrefixFetch:
         if self.kvstore is None:

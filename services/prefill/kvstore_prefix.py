@@ -10,8 +10,15 @@ process's samples than the model forward, and the prompts queued behind it. So a
 to the store the second time this worker computes its chained hash (a bounded memory of the
 hashes it computed, `SEEN_CAPACITY`); since hashes chain, that is a prefix that repeated.
 
-Short prefixes stay out of the store both ways (`min_prefix_tokens`): a fetch costs a Lookup
-round trip, a wait for the engine thread's next step boundary (to ask its prefix cache what
+Which leading blocks the store holds comes from the client's index of the store (`start`
+subscribes it to the store's Watch stream), with no round trip: nearly every prompt misses,
+and a Lookup on each would put a store round trip before every prefill. The index is a hint:
+a block evicted a moment ago makes the Get return fewer blocks (the prompt computes the
+rest), one stored a moment ago is a missed reuse. Until the index is live (start-up, after
+its stream broke) a fetch asks the store (Lookup), as it always did.
+
+Short prefixes stay out of the store both ways (`min_prefix_tokens`): a fetch costs a lookup,
+a wait for the engine thread's next step boundary (to ask its prefix cache what
 it holds) and a Get, which is more than computing a few blocks; chat prompts that share
 only their template's first block would otherwise pay it on every request. A fetch skips
 that engine round trip for blocks this worker computed lately (its memory of hashes):
@@ -77,6 +84,19 @@ class KVStorePrefix:
         self._put_turn = asyncio.Lock()  # one put stream at a time, in arrival order (FIFO)
         self._seen: OrderedDict[bytes, None] = OrderedDict()  # block hashes computed here, LRU
 
+    async def start(self) -> None:
+        """Follow the store's blocks (`KVStoreClient.watch`): from then on a fetch finds
+        the stored prefix without a Lookup round trip. Call once the client is connected."""
+        await self.client.watch()
+
+    async def num_stored(self, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of the chain the store holds: from the client's index
+        while it is live, else by a Lookup."""
+        index = self.client.index
+        if index.is_live:
+            return index.num_leading(hashes)
+        return await self.client.lookup(list(hashes))
+
     def _gather_stream(self) -> torch.cuda.Stream | None:
         """The side stream host copies run on (None on CPU)."""
         cache = self.engine.kv_cache
@@ -98,14 +118,16 @@ class KVStorePrefix:
             return PrefixFetch(0, 0)  # too short to be worth a lookup
         all_hashes = tuple(self.hashes(prompt))
         hashes = all_hashes[:usable]
-        num_hit = await self.client.lookup(list(hashes))
+        num_hit = await self.num_stored(hashes)
         if num_hit - self.num_seen(hashes[:num_hit]) < self.min_blocks:
             return PrefixFetch(num_hit, 0, all_hashes)  # little the engine would not compute (or hold) itself
         num_local = await self.async_engine.call(lambda e: e.handoff.num_cached_blocks(list(hashes[:num_hit])))
         if num_local >= num_hit:
             return PrefixFetch(num_hit, 0, all_hashes)
         blocks = await self.client.get(list(hashes[num_local:num_hit]))  # [n, L, 2, BS, Hkv, D]
-        num_hit = num_local + blocks.shape[0]
+        num_hit = num_local + blocks.shape[0]  # fewer than asked when blocks left the store meanwhile
+        if blocks.shape[0] == 0:
+            return PrefixFetch(num_hit, 0, all_hashes)
         tokens = list(prompt[: num_hit * self.block_size])
 
         def load(e: LLMEngine) -> int:

@@ -6,6 +6,7 @@ import grpc
 
 from cleave.errors import InvalidArgument
 from cleave.proto.cleave.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from cleave.rpc.types import TransferStats
 from cleave.rpc.convert import (
     reasoning_from_proto,
     require_request_id,
@@ -63,15 +64,17 @@ def prefill_result_to_proto(result: PrefillResult, request_id: str) -> prefill_p
         num_computed_tokens=result.num_computed_tokens,
     )
     if result.transfer is not None:
-        response.transfer.CopyFrom(
-            prefill_pb2.TransferStats(
-                transport=transport_to_proto(result.transfer.transport),
-                num_bytes=result.transfer.num_bytes,
-                seconds=result.transfer.seconds,
-                num_blocks=result.transfer.num_blocks,
-            )
-        )
+        response.transfer.CopyFrom(transfer_stats_to_proto(result.transfer))
     return response
+
+
+def transfer_stats_to_proto(transfer: TransferStats) -> prefill_pb2.TransferStats:
+    return prefill_pb2.TransferStats(
+        transport=transport_to_proto(transfer.transport),
+        num_bytes=transfer.num_bytes,
+        seconds=transfer.seconds,
+        num_blocks=transfer.num_blocks,
+    )
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -81,12 +84,25 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.backend = backend
         self.model_id = model_id
 
-    async def Prefill(
-        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
-    ) -> prefill_pb2.PrefillResponse:
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> None:
+        """One message with everything, or (with `decode`) the first tokens at once and the
+        transfer once the KV is delivered (see the proto)."""
         spec = prefill_spec_from_proto(request, self.model_id)
-        result = await self.backend.prefill(spec)
-        return prefill_result_to_proto(result, spec.request_id)
+        sent_early = False
+
+        async def early(first: PrefillResult) -> None:
+            nonlocal sent_early
+            await context.write(prefill_result_to_proto(first, spec.request_id))
+            sent_early = True
+
+        result = await self.backend.prefill(spec, early if spec.decode is not None else None)
+        if not sent_early:
+            await context.write(prefill_result_to_proto(result, spec.request_id))
+            return
+        delivered = prefill_pb2.PrefillResponse(request_id=spec.request_id)
+        if result.transfer is not None:
+            delivered.transfer.CopyFrom(transfer_stats_to_proto(result.transfer))
+        await context.write(delivered)
 
     async def GetLoad(
         self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext

@@ -77,7 +77,7 @@ async def test_fifty_concurrent_streams_match_the_engine(process_stack, e2e_mode
     assert all(load.num_free_blocks == load.num_total_blocks for load in loads), loads
     assert all(load.num_running == 0 for load in loads)
     if process_stack.spec.mode == "disaggregated":
-        assert stats.hits > 0
+        assert stats.bytes_stored > 0  # prefixes that repeated went to the store
         assert all(r.usage.cached_prompt_tokens > 0 for r in repeats)
 
 

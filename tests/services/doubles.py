@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 from cleave.rpc.types import KVLayout, StepOutput, TransferHandle, WorkerLoad
 from services.decode.backend import AdmitSpec, HandshakeResult, HandshakeSpec, StartSpec
 from services.gateway.backend import GenerateChunk, GenerateSpec
-from services.kvstore.backend import ConnectResult, KVBlock, PutResult, StoreStats
-from services.prefill.backend import PrefillResult, PrefillSpec
+from services.kvstore.backend import BlockEvent, ConnectResult, KVBlock, PutResult, StoreStats
+from services.prefill.backend import EarlyFirstTokens, PrefillResult, PrefillSpec
 
 
 class UnwiredGatewayBackend:
@@ -48,7 +48,7 @@ class UnwiredPrefillBackend:
     async def drain(self) -> None:
         return None
 
-    async def prefill(self, spec: PrefillSpec) -> PrefillResult:
+    async def prefill(self, spec: PrefillSpec, early: EarlyFirstTokens | None = None) -> PrefillResult:
         raise NotImplementedError("Prefill is not wired to an engine yet")
 
     def load(self) -> WorkerLoad:
@@ -112,3 +112,6 @@ class UnwiredKVStoreBackend:
 
     def stats(self) -> StoreStats:
         return StoreStats()
+
+    def watch(self, layout_id: str) -> AsyncIterator[BlockEvent]:
+        raise NotImplementedError("Watch is not wired to a block store yet")

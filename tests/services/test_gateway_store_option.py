@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from cleave.cli import up
@@ -25,17 +26,34 @@ from services.gateway.workers import WorkerHandle
 PROMPT = [5, 6, 7, 8]
 
 
+class StreamAnswer:
+    """A server-streaming call that answers with fixed messages."""
+
+    def __init__(self, messages: list[Any]) -> None:
+        self._messages = list(messages)
+
+    async def read(self) -> Any:
+        return self._messages.pop(0) if self._messages else grpc.aio.EOF
+
+    def cancel(self) -> bool:
+        return False
+
+
 class RecordingStub:
-    """A worker stub: records each call's method and request and answers with a fixed response."""
+    """A worker stub: records each call's method and request and answers with a fixed
+    response (a list: the messages of a server-streaming call)."""
 
     def __init__(self, responses: dict[str, Any]) -> None:
         self.calls: list[tuple[str, Any]] = []
         self._responses = responses
 
     def __getattr__(self, method: str):  # type: ignore[no-untyped-def]
-        async def call(request: Any, timeout: float | None = None) -> Any:
+        def call(request: Any, timeout: float | None = None) -> Any:
             self.calls.append((method, request))
-            return self._responses[method]
+            response = self._responses[method]
+            if isinstance(response, list):
+                return StreamAnswer(response)
+            return asyncio.sleep(0, response)
 
         return call
 
@@ -52,7 +70,7 @@ async def test_prefill_requests_carry_the_configured_store_to_kvstore(checkpoint
     backend = process.backend
     assert backend.options.store_to_kvstore is expected
     prefilled = p.PrefillResponse(first_token_ids=[9], num_prompt_tokens=4, num_cached_tokens=4)
-    prefill_stub = RecordingStub({"Prefill": prefilled})
+    prefill_stub = RecordingStub({"Prefill": [prefilled, p.PrefillResponse(request_id="req-1")]})
     decode_stub = RecordingStub({"Admit": d.AdmitResponse(), "Start": d.StartResponse()})
     prefill = WorkerHandle("prefill", "p:1", None, prefill_stub, None, healthy=True)  # type: ignore[arg-type]
     decode = WorkerHandle("decode", "d:1", None, decode_stub, None, healthy=True)  # type: ignore[arg-type]

@@ -85,6 +85,8 @@ CASES = [
     ("KVStore", "Put", [BLOCK], UNIMPLEMENTED, "Put is not wired"),
     ("KVStore", "Get", k.GetRequest(layout_id="L", block_hashes=[b"h", b""]), INVALID, "block_hashes[1]: must be 1 to 64 bytes"),
     ("KVStore", "Get", k.GetRequest(layout_id="L", block_hashes=[b"h"]), UNIMPLEMENTED, "Get is not wired"),
+    ("KVStore", "Watch", k.WatchRequest(), INVALID, "layout_id: must be set"),
+    ("KVStore", "Watch", k.WatchRequest(layout_id="L"), UNIMPLEMENTED, "Watch is not wired"),
 ]
 
 

@@ -13,6 +13,7 @@ from cleave.generation.sampling_params import SamplingParams
 from cleave.proto.cleave.v1 import common_pb2 as c
 from cleave.proto.cleave.v1 import decode_pb2 as d
 from cleave.proto.cleave.v1 import prefill_pb2 as p
+from cleave.rpc.prefill_call import prefill_response
 from tests.worker.cluster import (
     ENGINE_ARGS,
     GATEWAY,
@@ -47,9 +48,9 @@ async def disaggregated(decode, prefill, request_id: str, prompt: list[int], sto
         prefill_worker_id="prefill-0"))
     handle = admitted.handle
     assert handle.transport == c.TRANSPORT_KIND_TCP and len(handle.block_ids) == -(-len(prompt) // 4)
-    prefilled = await prefill.stub.Prefill(p.PrefillRequest(
+    prefilled = await prefill_response(prefill.stub.Prefill(p.PrefillRequest(
         request_id=request_id, prompt_token_ids=prompt, sampling=greedy(MAX_TOKENS), destination=handle,
-        store_to_kvstore=store))
+        store_to_kvstore=store)))
     await decode.stub.Start(d.StartRequest(request_id=request_id, first_token_ids=prefilled.first_token_ids,
                                            gateway_id=GATEWAY))
     return prefilled
@@ -160,8 +161,8 @@ async def test_disaggregated_seeded_samples_equal_colocated_llm(checkpoint):
         num_blocks = -(-len(prompt) // 4)
         assert len(admitted.handle.block_ids) == num_blocks  # the prompt is reserved once
         assert (await decode.stub.GetLoad(c.GetLoadRequest())).load.num_free_blocks == total - num_blocks
-        prefilled = await prefill.stub.Prefill(p.PrefillRequest(
-            request_id="n4", prompt_token_ids=prompt, sampling=sampling, destination=admitted.handle))
+        prefilled = await prefill_response(prefill.stub.Prefill(p.PrefillRequest(
+            request_id="n4", prompt_token_ids=prompt, sampling=sampling, destination=admitted.handle)))
         assert list(prefilled.first_token_ids) == [s.token_ids[0] for s in expected.outputs]
         assert prefilled.num_computed_tokens == len(prompt) and prefilled.transfer.num_blocks == num_blocks
         assert [lp.sampled.token_id for lp in prefilled.first_token_logprobs] == list(prefilled.first_token_ids)

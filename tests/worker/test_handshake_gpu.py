@@ -16,6 +16,7 @@ from cleave.proto.cleave.v1 import decode_pb2 as d
 from cleave.proto.cleave.v1 import decode_pb2_grpc, prefill_pb2_grpc
 from cleave.proto.cleave.v1 import prefill_pb2 as p
 from cleave.rpc import aio_channel
+from cleave.rpc.prefill_call import prefill_response
 from tests.worker.cluster import AttachReader, greedy
 
 pytestmark = pytest.mark.gpu
@@ -49,9 +50,9 @@ async def test_cuda_ipc_negotiated_on_one_gpu_and_tokens_match_llm(checkpoint, w
             admitted = await decode.Admit(d.AdmitRequest(
                 request_id=request_id, prompt_token_ids=prompt, sampling=greedy(MAX_TOKENS), gateway_id=GATEWAY,
                 prefill_worker_id="prefill-0"))
-            prefilled = await prefill.Prefill(p.PrefillRequest(
+            prefilled = await prefill_response(prefill.Prefill(p.PrefillRequest(
                 request_id=request_id, prompt_token_ids=prompt, sampling=greedy(MAX_TOKENS),
-                destination=admitted.handle))
+                destination=admitted.handle)))
             await decode.Start(d.StartRequest(request_id=request_id, first_token_ids=prefilled.first_token_ids,
                                               gateway_id=GATEWAY))
             handles.append(admitted.handle)

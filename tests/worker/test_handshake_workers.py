@@ -12,6 +12,7 @@ from cleave.proto.cleave.v1 import decode_pb2 as d
 from cleave.proto.cleave.v1 import prefill_pb2 as p
 from cleave.rpc.convert import transfer_handle_from_proto
 from cleave.rpc.types import TransportKind
+from cleave.rpc.prefill_call import prefill_response
 from tests.worker.cluster import ENGINE_ARGS, GATEWAY, AttachReader, greedy, start_decode, start_prefill, wait_pool_full
 
 MAX_TOKENS = 6
@@ -39,9 +40,9 @@ async def test_first_transfer_handshakes_once_and_tokens_match_llm(checkpoint):
                 request_id=request_id, prompt_token_ids=prompt, sampling=greedy(MAX_TOKENS), gateway_id=GATEWAY,
                 prefill_worker_id="prefill-0"))
             handles.append(admitted.handle)
-            prefilled = await prefill.stub.Prefill(p.PrefillRequest(
+            prefilled = await prefill_response(prefill.stub.Prefill(p.PrefillRequest(
                 request_id=request_id, prompt_token_ids=prompt, sampling=greedy(MAX_TOKENS),
-                destination=admitted.handle))
+                destination=admitted.handle)))
             transports.append(prefilled.transfer.transport)
             await decode.stub.Start(d.StartRequest(request_id=request_id, first_token_ids=prefilled.first_token_ids,
                                                    gateway_id=GATEWAY))

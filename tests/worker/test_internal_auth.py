@@ -16,6 +16,7 @@ from cleave.proto.cleave.v1 import prefill_pb2 as p
 from cleave.rpc import aio_channel
 from cleave.rpc.auth import INTERNAL_TOKEN_KEY
 from cleave.transfer.kvstore_client import KVStoreClient
+from cleave.rpc.prefill_call import prefill_response
 from tests.services.test_kvstore_store import LAYOUT, chain
 from tests.worker.cluster import (
     GATEWAY,
@@ -50,8 +51,8 @@ def _forged_calls(decode, prefill, kvstore):  # type: ignore[no-untyped-def]
         "Decode.Start": lambda: decode.Start(d.StartRequest(request_id="forged", gateway_id=GATEWAY,
                                                             prefill_locally=True)),
         "Decode.Handshake": lambda: decode.Handshake(d.HandshakeRequest()),
-        "Prefill.Prefill": lambda: prefill.Prefill(p.PrefillRequest(
-            request_id="forged", prompt_token_ids=[5, 6, 7], sampling=greedy(4))),
+        "Prefill.Prefill": lambda: prefill_response(prefill.Prefill(p.PrefillRequest(
+            request_id="forged", prompt_token_ids=[5, 6, 7], sampling=greedy(4)))),
         "KVStore.Lookup": lambda: kvstore.Lookup(k.LookupRequest(layout_id="x", block_hashes=[b"h"])),
         "KVStore.Put": lambda: kvstore.Put(iter([k.KVBlock()])),
     }

@@ -1,7 +1,7 @@
 """Prefill(decode = target): the prefill worker admits the request on the decode worker while
 the prompt runs, ships the KV and starts the decode; the first tokens come back in the
-Prefill response and the Attach stream carries only the tokens after them. Every failure
-frees the blocks on both ends."""
+Prefill stream's first message, ahead of the KV, and the Attach stream carries only the
+tokens after them. Every failure frees the blocks on both ends."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from cleave.proto.cleave.v1 import common_pb2 as c
 from cleave.proto.cleave.v1 import decode_pb2 as d
 from cleave.proto.cleave.v1 import prefill_pb2 as p
 from cleave.rpc.errors import error_detail
+from cleave.rpc.prefill_call import prefill_response
 from tests.worker.cluster import (
     ENGINE_ARGS,
     GATEWAY,
@@ -56,7 +57,7 @@ async def test_one_call_prefills_admits_and_starts(checkpoint, reference):
         reader = AttachReader(decode.stub)
         ids = [f"r{i}" for i in range(3)]
         results = await asyncio.gather(*(
-            prefill.stub.Prefill(request(rid, prompt, decode.server.address, logprobs=2))
+            prefill_response(prefill.stub.Prefill(request(rid, prompt, decode.server.address, logprobs=2)))
             for rid, prompt in zip(ids, prompts(3))))
         await reader.wait_finished(ids)
         for rid, result, expected in zip(ids, results, reference):
@@ -74,6 +75,40 @@ async def test_one_call_prefills_admits_and_starts(checkpoint, reference):
         await decode.close()
 
 
+async def test_the_first_tokens_come_before_the_kv_is_sent(checkpoint, reference):
+    """Two messages: the first tokens while the KV send is held back, then the transfer."""
+    decode, prefill = await start_decode(checkpoint), await start_prefill(checkpoint)
+    release = asyncio.Event()
+    send = prefill.backend._send
+
+    async def held_send(*args, **kwargs):  # type: ignore[no-untyped-def]
+        await release.wait()
+        return await send(*args, **kwargs)
+
+    prefill.backend._send = held_send
+    try:
+        reader = AttachReader(decode.stub)
+        call = prefill.stub.Prefill(request("early", prompts(1)[0], decode.server.address))
+        first = await asyncio.wait_for(call.read(), 10)
+        assert list(first.first_token_ids) == reference[0][:1] and not first.HasField("transfer")
+        assert (first.num_prompt_tokens, first.num_computed_tokens) == (len(prompts(1)[0]), len(prompts(1)[0]))
+        assert not release.is_set()
+        release.set()
+        delivered = await asyncio.wait_for(call.read(), 10)
+        assert delivered.request_id == "early" and not delivered.first_token_ids
+        assert delivered.transfer.num_blocks == -(-len(prompts(1)[0]) // 4)
+        assert await call.read() is grpc.aio.EOF
+        await reader.wait_finished(["early"])
+        assert reader.tokens("early") == reference[0][1:]
+        await wait_pool_full(decode.stub)
+        await wait_pool_full(prefill.stub)
+        await reader.cancel()
+    finally:
+        release.set()
+        await prefill.close()
+        await decode.close()
+
+
 async def test_a_full_decode_pool_queues_the_admission_until_blocks_free(checkpoint):
     decode, prefill = await start_decode(checkpoint), await start_prefill(checkpoint)
     try:
@@ -81,8 +116,8 @@ async def test_a_full_decode_pool_queues_the_admission_until_blocks_free(checkpo
         # Another request holds 60 of the decode worker's 64 usable blocks.
         await decode.stub.Admit(d.AdmitRequest(
             request_id="hog", prompt_token_ids=[7] * 240, sampling=greedy(1), gateway_id=GATEWAY))
-        waiting = asyncio.ensure_future(prefill.stub.Prefill(
-            request("queued", prompts(1)[0] + [9] * 20, decode.server.address)))  # needs more than the 4 left
+        waiting = asyncio.ensure_future(prefill_response(prefill.stub.Prefill(
+            request("queued", prompts(1)[0] + [9] * 20, decode.server.address))))  # needs more than the 4 left
         deadline = asyncio.get_running_loop().time() + 10
         while decode.backend.admissions.queue.num_waiting == 0:  # the Admit waits for blocks, not refused
             assert asyncio.get_running_loop().time() < deadline and not waiting.done()
@@ -107,7 +142,7 @@ async def test_a_full_decode_pool_past_the_queue_bound_is_resource_exhausted(che
         await decode.stub.Admit(d.AdmitRequest(
             request_id="hog", prompt_token_ids=[7] * 240, sampling=greedy(1), gateway_id=GATEWAY))
         with pytest.raises(grpc.aio.AioRpcError) as failed:
-            await prefill.stub.Prefill(request("big", prompts(1)[0] + [9] * 20, decode.server.address))
+            await prefill_response(prefill.stub.Prefill(request("big", prompts(1)[0] + [9] * 20, decode.server.address)))
         assert failed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "decode worker" in failed.value.details() and "--max-queued-admissions" in failed.value.details()
         await decode.stub.Abort(c.AbortRequest(request_id="hog"))
@@ -122,7 +157,7 @@ async def test_an_unreachable_decode_worker_is_unavailable_naming_decode(checkpo
     prefill = await start_prefill(checkpoint)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as failed:
-            await prefill.stub.Prefill(request("lost", prompts(1)[0], f"127.0.0.1:{unused_tcp_port}"))
+            await prefill_response(prefill.stub.Prefill(request("lost", prompts(1)[0], f"127.0.0.1:{unused_tcp_port}")))
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
         assert error_detail(failed.value).field == "decode"
         await wait_pool_full(prefill.stub)
@@ -136,7 +171,7 @@ async def test_destination_and_decode_together_are_refused(checkpoint):
         both = request("both", prompts(1)[0], "127.0.0.1:1")
         both.destination.transfer_id = "t"
         with pytest.raises(grpc.aio.AioRpcError) as failed:
-            await prefill.stub.Prefill(both)
+            await prefill_response(prefill.stub.Prefill(both))
         assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert error_detail(failed.value).field == "decode"
     finally:
@@ -161,7 +196,7 @@ async def test_a_cancelled_prefill_frees_the_decode_reservation(checkpoint):
         await asyncio.wait_for(admitted.wait(), 10)
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
-            await call
+            await prefill_response(call)
         await wait_pool_full(decode.stub, timeout_s=10)
         await wait_pool_full(prefill.stub, timeout_s=10)
         await reader.cancel()
@@ -179,8 +214,8 @@ async def test_start_with_delivered_first_tokens_streams_only_the_rest(checkpoin
         prompt = prompts(1)[0]
         admitted = await decode.stub.Admit(d.AdmitRequest(
             request_id="g", prompt_token_ids=prompt, sampling=greedy(MAX_TOKENS), gateway_id=GATEWAY))
-        result = await prefill.stub.Prefill(p.PrefillRequest(
-            request_id="g", prompt_token_ids=prompt, sampling=greedy(MAX_TOKENS), destination=admitted.handle))
+        result = await prefill_response(prefill.stub.Prefill(p.PrefillRequest(
+            request_id="g", prompt_token_ids=prompt, sampling=greedy(MAX_TOKENS), destination=admitted.handle)))
         await decode.stub.Start(d.StartRequest(request_id="g", first_token_ids=result.first_token_ids,
                                                gateway_id=GATEWAY, first_tokens_delivered=True))
         await reader.wait_finished(["g"])
@@ -199,7 +234,7 @@ async def test_a_transfer_that_fails_mid_layer_frees_both_ends(checkpoint, monke
     try:
         reader = AttachReader(decode.stub)
         with pytest.raises(grpc.aio.AioRpcError) as failed:
-            await prefill.stub.Prefill(request("torn", prompts(1)[0], decode.server.address))
+            await prefill_response(prefill.stub.Prefill(request("torn", prompts(1)[0], decode.server.address)))
         await check_torn_transfer(failed.value, decode, prefill, reader, "torn")
         await reader.cancel()
     finally:
@@ -229,7 +264,7 @@ async def test_a_receiver_that_drops_the_bulk_connection_is_unavailable_naming_d
     try:
         reader = AttachReader(decode.stub)
         with pytest.raises(grpc.aio.AioRpcError) as failed:
-            await prefill.stub.Prefill(request("dropped", prompts(1)[0], decode.server.address))
+            await prefill_response(prefill.stub.Prefill(request("dropped", prompts(1)[0], decode.server.address)))
         assert "dropped the connection" in failed.value.details()
         await check_torn_transfer(failed.value, decode, prefill, reader, "dropped")
         await reader.cancel()

@@ -9,14 +9,21 @@ paged cache `[L, 2, NB, BS, Hkv, D]`.
     hit = await client.lookup(hashes)                       # leading blocks stored
     cached = await client.get(hashes[:hit])                 # [BS-token blocks], chain order
     await client.put(hashes[hit:], gather_blocks(cache, block_ids[hit:]))
+
+    await client.watch()                                    # opt-in: follow the store's blocks
+    if client.index.is_live:
+        hit = client.index.num_leading(hashes)              # no round trip (a hint: see StoredIndex)
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+import grpc
+import structlog
 import torch
 
 from cleave.device_copy import to_host
@@ -25,10 +32,15 @@ from cleave.proto.cleave.v1 import kvstore_pb2, kvstore_pb2_grpc
 from cleave.rpc.client import aio_channel
 from cleave.rpc.convert import dtype_to_proto, kv_layout_to_proto
 from cleave.rpc.types import KVLayout
+from cleave.transfer.kvstore_index import StoredIndex
 from cleave.transfer.kvstore_wire import GET_METHOD, PUT_METHOD, decode_kv_block, encode_kv_block
 from cleave.transfer.tensors import as_bytes, device_index, dtype_name, torch_dtype
 
 PUT_BATCH_BLOCKS = 8  # blocks per message batch built off the event loop
+WATCH_BACKOFF_MIN_S = 0.05  # wait before calling Watch again after the stream broke ...
+WATCH_BACKOFF_MAX_S = 5.0  # ... doubling while it keeps breaking before a whole snapshot
+
+log = structlog.get_logger("cleave.kvstore.client")
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,7 @@ class KVStoreStats:
     evictions: int
     num_blocks_ram: int
     num_blocks_disk: int
+    num_lookups: int = 0
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
@@ -105,6 +118,10 @@ class KVStoreClient:
         self.layout: KVLayout | None = None
         self.layout_id = ""
         self.block_num_bytes = 0
+        self.index = StoredIndex()  # live only after `watch()`
+        self.num_watch_calls = 0  # Watch streams opened (one more per resubscription)
+        self._watch_task: asyncio.Task[None] | None = None
+        self._jitter = random.Random()  # spreads the workers' resubscriptions after a store restart
 
     async def __aenter__(self) -> KVStoreClient:
         return self
@@ -113,6 +130,16 @@ class KVStoreClient:
         await self.close()
 
     async def close(self) -> None:
+        """Stop the watch (if any), then close the channel."""
+        task, self._watch_task = self._watch_task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # close() itself was cancelled
         await self._channel.close()
 
     async def connect(self, layout: KVLayout) -> str:
@@ -122,6 +149,46 @@ class KVStoreClient:
             timeout=self.timeout_s)
         self.layout, self.layout_id, self.block_num_bytes = layout, response.layout_id, response.block_num_bytes
         return self.layout_id
+
+    async def watch(self) -> StoredIndex:
+        """Keep `self.index` up to date from the store's Watch stream, in a background task
+        that calls Watch again (with backoff) whenever the stream ends; `index.is_live` says
+        when it may be used. Call after `connect`; later calls change nothing; `close` stops it."""
+        self._require()
+        if self._watch_task is None:
+            self._watch_task = asyncio.create_task(self._follow(), name=f"kvstore-watch {self.client_id}")
+        return self.index
+
+    async def _follow(self) -> None:
+        backoff_s = WATCH_BACKOFF_MIN_S
+        while True:
+            call = self._stub.Watch(kvstore_pb2.WatchRequest(layout_id=self.layout_id))
+            self.num_watch_calls += 1
+            try:
+                async for message in call:
+                    self.index.apply(message.stored_hashes, message.removed_hashes, message.snapshot_done)
+                    if message.snapshot_done:
+                        backoff_s = WATCH_BACKOFF_MIN_S  # a whole snapshot came: the store is fine
+                log.info("kvstore watch ended; calling Watch again", client_id=self.client_id)
+            except grpc.aio.AioRpcError as error:
+                log.warning("kvstore watch broke; calling Watch again", client_id=self.client_id,
+                            code=error.code().name, details=error.details())
+                if error.code() == grpc.StatusCode.NOT_FOUND:
+                    await self._reconnect()  # a restarted RAM-only store forgot the layout
+            except Exception:  # noqa: BLE001 - the index must not die with its stream
+                log.exception("kvstore watch failed; calling Watch again", client_id=self.client_id)
+            finally:
+                call.cancel()
+                self.index.reset()  # not live: lookups go to the store until a new snapshot
+            await asyncio.sleep(backoff_s * self._jitter.uniform(0.5, 1.0))
+            backoff_s = min(2 * backoff_s, WATCH_BACKOFF_MAX_S)
+
+    async def _reconnect(self) -> None:
+        try:
+            await self.connect(self._require())
+        except grpc.aio.AioRpcError as error:
+            log.warning("kvstore connect failed", client_id=self.client_id, code=error.code().name,
+                        details=error.details())
 
     def _require(self) -> KVLayout:
         if self.layout is None:
@@ -208,4 +275,5 @@ class KVStoreClient:
     async def stats(self) -> KVStoreStats:
         response = await self._stub.Stats(kvstore_pb2.StatsRequest(), timeout=self.timeout_s)
         return KVStoreStats(response.hits, response.misses, response.bytes_stored, response.bytes_served,
-                            response.evictions, response.num_blocks_ram, response.num_blocks_disk)
+                            response.evictions, response.num_blocks_ram, response.num_blocks_disk,
+                            response.num_lookups)

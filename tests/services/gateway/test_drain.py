@@ -19,6 +19,7 @@ from cleave.proto.cleave.v1 import decode_pb2 as d
 from cleave.proto.cleave.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from cleave.proto.cleave.v1 import gateway_pb2 as g
 from cleave.rpc import RETRY_AFTER_KEY, Server, aio_channel
+from cleave.rpc.prefill_call import prefill_response
 from tests.services.gateway.helpers import reference_llm
 from tests.services.gateway.stack import INTERNAL_TOKEN, Stack, start_stack
 
@@ -42,13 +43,13 @@ def expected_tokens(model_dir, prompts: list[str]) -> list[list[int]]:  # type: 
 async def _counted(stream, progress: list[int], index: int, flowing: asyncio.Event, num: int):  # type: ignore[no-untyped-def]
     async for response in stream:
         progress[index] += sum(len(sample.token_ids) for sample in response.samples)
-        if all(progress[:num]):
+        if all(count >= 2 for count in progress[:num]):  # the second token comes from the decode worker
             flowing.set()
         yield response
 
 
 def start_streams(client: GatewayClient, prompts: list[str]) -> tuple[list[asyncio.Future], asyncio.Event]:
-    """Stream every prompt; the event is set once each has its first token."""
+    """Stream every prompt; the event is set once each is decoding (has two tokens)."""
     progress = [0] * len(prompts)
     flowing = asyncio.Event()
     tasks = [
@@ -138,8 +139,8 @@ async def test_a_draining_prefill_worker_finishes_its_prefills_and_refuses_new_o
                 drain.add_done_callback(lambda _: drained_logs.extend(logs))  # it is lost once stopped
                 async with aio_channel(server.address, internal_token=INTERNAL_TOKEN) as channel:
                     with pytest.raises(grpc.aio.AioRpcError) as refused:
-                        await prefill_pb2_grpc.PrefillStub(channel).Prefill(
-                            prefill_pb2.PrefillRequest(request_id="new", prompt_token_ids=[5, 6, 7]))
+                        await prefill_response(prefill_pb2_grpc.PrefillStub(channel).Prefill(
+                            prefill_pb2.PrefillRequest(request_id="new", prompt_token_ids=[5, 6, 7])))
                 assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
                 assert "draining" in refused.value.details()
                 assert not drain.done()  # it waits for the admitted prefills

@@ -13,6 +13,7 @@ from cleave.generation.sampling_params import SamplingParams
 from cleave.proto.cleave.v1 import common_pb2 as c
 from cleave.proto.cleave.v1 import decode_pb2 as d
 from cleave.proto.cleave.v1 import prefill_pb2 as p
+from cleave.rpc.prefill_call import prefill_response
 from tests.worker.cluster import (
     ENGINE_ARGS, GATEWAY, AttachReader, greedy, start_decode, wait_pool_full,
 )
@@ -93,8 +94,8 @@ async def test_concurrent_prefills_run_in_one_step_and_send_together(prefill, ch
         holding = asyncio.ensure_future(backend.async_engine.call(hold))
         await held.wait()
         calls.num_calls = 0
-        calls = [asyncio.ensure_future(prefill.stub.Prefill(p.PrefillRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=greedy(3), destination=handle)))
+        calls = [asyncio.ensure_future(prefill_response(prefill.stub.Prefill(p.PrefillRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=greedy(3), destination=handle))))
             for rid, prompt, handle in zip(ids, PROMPTS, handles)]
         while (await prefill.stub.GetLoad(c.GetLoadRequest())).load.num_running < NUM_PROMPTS:
             await asyncio.sleep(0.01)  # each Prefill queued its prompt before counting as running

@@ -12,6 +12,7 @@ import services.prefill.engine_backend as engine_backend
 from cleave.errors import Unavailable
 from cleave.proto.cleave.v1 import common_pb2 as c
 from cleave.proto.cleave.v1 import prefill_pb2 as p
+from cleave.rpc.prefill_call import prefill_response
 from tests.worker.cluster import greedy, start_kvstore, start_prefill, wait_pool_full
 
 PROMPT = list(range(30, 49))  # 19 tokens: 4 full blocks of 4 (+ 3 tokens)
@@ -57,7 +58,7 @@ async def test_first_token_does_not_wait_for_the_put(checkpoint, kvstore):
     try:
         seen_before(first)
         put_allowed = gate(first.backend.kvstore.client, "put")
-        response = await asyncio.wait_for(first.stub.Prefill(storing("a")), timeout=10)
+        response = await asyncio.wait_for(prefill_response(first.stub.Prefill(storing("a"))), timeout=10)
         assert (response.num_prompt_tokens, response.num_computed_tokens) == (19, 19)
         assert not await first.backend.wait_for_stores(timeout_s=0.05)  # the put is still waiting
         assert first.backend.counters.num_kvstore_blocks_stored == 0
@@ -66,7 +67,7 @@ async def test_first_token_does_not_wait_for_the_put(checkpoint, kvstore):
         assert await first.backend.wait_for_stores(timeout_s=5)
         assert first.backend.counters.num_kvstore_blocks_stored == NUM_FULL_BLOCKS
         # A cold worker finds the prefix in the store once the put finished.
-        warm = await second.stub.Prefill(p.PrefillRequest(request_id="b", prompt_token_ids=PROMPT, sampling=greedy(4)))
+        warm = await prefill_response(second.stub.Prefill(p.PrefillRequest(request_id="b", prompt_token_ids=PROMPT, sampling=greedy(4))))
         assert (warm.num_cached_tokens, warm.num_computed_tokens) == (16, 3)
         assert warm.first_token_ids == response.first_token_ids
         assert second.backend.counters.num_kvstore_blocks_loaded == NUM_FULL_BLOCKS
@@ -88,14 +89,14 @@ async def test_blocks_stay_held_until_gathered_and_a_failed_put_is_only_logged(c
             raise Unavailable("the kvstore is down")
 
         kvstore_prefix.client.put = failing_put
-        await worker.stub.Prefill(storing("held"))
+        await prefill_response(worker.stub.Prefill(storing("held")))
         assert await num_free_blocks(worker) == total - 5  # the prompt's 5 blocks wait for the gather
         gather_allowed.set()
         assert await worker.backend.wait_for_stores(timeout_s=5)
         assert worker.backend.counters.num_kvstore_blocks_stored == 0
         await wait_pool_full(worker.stub)
         # The same request id again (its earlier put is done): served like any other.
-        again = await worker.stub.Prefill(storing("held"))
+        again = await prefill_response(worker.stub.Prefill(storing("held")))
         assert again.num_cached_tokens == 16
         assert await worker.backend.wait_for_stores(timeout_s=5)
         await wait_pool_full(worker.stub)
@@ -108,7 +109,7 @@ async def test_shutdown_cancels_a_pending_put_and_frees_its_blocks(checkpoint, k
     worker = await start_prefill(checkpoint, kvstore)
     engine = worker.backend.engine
     gate(worker.backend.kvstore, "gather")  # never opened
-    await worker.stub.Prefill(storing("stuck"))
+    await prefill_response(worker.stub.Prefill(storing("stuck")))
     assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks - 5
     await worker.close()
     assert await worker.backend.wait_for_stores(timeout_s=0)
@@ -122,15 +123,15 @@ async def test_a_full_put_backlog_skips_the_store_and_frees_the_blocks(checkpoin
         worker.backend.store_backlog_bytes = 5 * block_bytes  # room for one 5-block prompt
         seen_before(worker)
         put_allowed = gate(worker.backend.kvstore.client, "put")
-        await worker.stub.Prefill(storing("first"))  # its put waits: the backlog is full
-        second = await worker.stub.Prefill(storing("second"))
+        await prefill_response(worker.stub.Prefill(storing("first")))  # its put waits: the backlog is full
+        second = await prefill_response(worker.stub.Prefill(storing("second")))
         assert second.num_computed_tokens + second.num_cached_tokens == 19
         assert worker.backend.counters.num_kvstore_puts_skipped == 1
         put_allowed.set()
         assert await worker.backend.wait_for_stores(timeout_s=5)
         assert worker.backend.counters.num_kvstore_blocks_stored == NUM_FULL_BLOCKS
         await wait_pool_full(worker.stub)
-        await worker.stub.Prefill(storing("third"))  # the backlog drained: stored again
+        await prefill_response(worker.stub.Prefill(storing("third")))  # the backlog drained: stored again
         assert await worker.backend.wait_for_stores(timeout_s=5)
         assert worker.backend.counters.num_kvstore_puts_skipped == 1
         await wait_pool_full(worker.stub)
@@ -173,15 +174,15 @@ async def test_only_blocks_this_worker_computed_before_go_to_the_store(checkpoin
     blocks are (a prompt sharing two blocks with an earlier one stores those two)."""
     worker = await start_prefill(checkpoint, kvstore)
     try:
-        await worker.stub.Prefill(storing("once"))
+        await prefill_response(worker.stub.Prefill(storing("once")))
         assert await worker.backend.wait_for_stores(timeout_s=5)
         assert worker.backend.counters.num_kvstore_blocks_stored == 0
         shared = PROMPT[:8] + [200 + i for i in range(11)]  # the first two blocks repeat
-        await worker.stub.Prefill(p.PrefillRequest(request_id="shared", prompt_token_ids=shared,
-                                                   sampling=greedy(4), store_to_kvstore=True))
+        await prefill_response(worker.stub.Prefill(p.PrefillRequest(request_id="shared", prompt_token_ids=shared,
+                                                   sampling=greedy(4), store_to_kvstore=True)))
         assert await worker.backend.wait_for_stores(timeout_s=5)
         assert worker.backend.counters.num_kvstore_blocks_stored == 2
-        await worker.stub.Prefill(storing("twice"))  # blocks 3-4 repeat now too
+        await prefill_response(worker.stub.Prefill(storing("twice")))  # blocks 3-4 repeat now too
         assert await worker.backend.wait_for_stores(timeout_s=5)
         assert worker.backend.counters.num_kvstore_blocks_stored == NUM_FULL_BLOCKS
         await wait_pool_full(worker.stub)
@@ -206,17 +207,17 @@ async def test_short_prefixes_stay_out_of_the_store_and_recent_ones_skip_the_eng
     try:
         short = PROMPT[:11]  # 2 full blocks; (11 - 1) // 4 = 2 usable for a fetch: both < 3
         for request_id in ("short-1", "short-2"):
-            await worker.stub.Prefill(p.PrefillRequest(request_id=request_id, prompt_token_ids=short,
-                                                       sampling=greedy(2), store_to_kvstore=True))
+            await prefill_response(worker.stub.Prefill(p.PrefillRequest(request_id=request_id, prompt_token_ids=short,
+                                                       sampling=greedy(2), store_to_kvstore=True)))
         assert await worker.backend.wait_for_stores(timeout_s=5)
         assert lookups == [] and worker.backend.counters.num_kvstore_blocks_stored == 0  # 2 repeated blocks < 3
         shared = PROMPT[:8] + [200 + i for i in range(11)]  # only two blocks in common with PROMPT
-        await worker.stub.Prefill(p.PrefillRequest(request_id="shared", prompt_token_ids=shared,
-                                                   sampling=greedy(2), store_to_kvstore=True))
+        await prefill_response(worker.stub.Prefill(p.PrefillRequest(request_id="shared", prompt_token_ids=shared,
+                                                   sampling=greedy(2), store_to_kvstore=True)))
         assert await worker.backend.wait_for_stores(timeout_s=5)
         assert worker.backend.counters.num_kvstore_blocks_stored == 0  # 2 repeated blocks < 3
-        await worker.stub.Prefill(storing("full-1"))
-        await worker.stub.Prefill(storing("full-2"))  # all 4 blocks repeat now
+        await prefill_response(worker.stub.Prefill(storing("full-1")))
+        await prefill_response(worker.stub.Prefill(storing("full-2")))  # all 4 blocks repeat now
         assert await worker.backend.wait_for_stores(timeout_s=5)
         assert worker.backend.counters.num_kvstore_blocks_stored == NUM_FULL_BLOCKS
         calls = 0
@@ -252,7 +253,7 @@ async def test_a_prompt_is_hashed_once_for_its_lookup_and_its_put(checkpoint, kv
     try:
         seen_before(worker)  # one call of its own
         calls = 0
-        await worker.stub.Prefill(storing("once-hashed"))
+        await prefill_response(worker.stub.Prefill(storing("once-hashed")))
         assert await worker.backend.wait_for_stores(timeout_s=5)
         assert worker.backend.counters.num_kvstore_blocks_stored == NUM_FULL_BLOCKS  # the put ran
         assert calls == 1

@@ -19,6 +19,7 @@ from cleave.proto.cleave.v1 import decode_pb2 as d
 from cleave.proto.cleave.v1 import prefill_pb2 as p
 from cleave.transfer.block_copy import copy_blocks
 from cleave.transfer.memory import MemoryEndpoint, MemoryTransferClient
+from cleave.rpc.prefill_call import prefill_response
 from services.prefill.backend import PrefillSpec
 from services.prefill.engine_backend import EnginePrefillBackend
 from tests.worker.cluster import (
@@ -104,7 +105,7 @@ async def prefill_after_admit(prefill, request: p.PrefillRequest):
 
     holding = asyncio.ensure_future(backend.async_engine.call(hold))
     await held.wait()
-    call = asyncio.ensure_future(prefill.stub.Prefill(request))
+    call = asyncio.ensure_future(prefill_response(prefill.stub.Prefill(request)))
     try:
         for _ in range(500):
             if request.request_id in backend.layer_streams or call.done():
@@ -127,8 +128,8 @@ async def test_layer_streamed_prefill_over_tcp_decodes_the_llm_tokens(checkpoint
         # driven by the gateway: the destination is in the request
         admitted = await decode.stub.Admit(d.AdmitRequest(
             request_id="s1", prompt_token_ids=PROMPTS[1], sampling=greedy(MAX_TOKENS), gateway_id=GATEWAY))
-        given = await prefill.stub.Prefill(p.PrefillRequest(
-            request_id="s1", prompt_token_ids=PROMPTS[1], sampling=greedy(MAX_TOKENS), destination=admitted.handle))
+        given = await prefill_response(prefill.stub.Prefill(p.PrefillRequest(
+            request_id="s1", prompt_token_ids=PROMPTS[1], sampling=greedy(MAX_TOKENS), destination=admitted.handle)))
         assert prefill.backend.layer_streams.num_claimed == 2
         await decode.stub.Start(d.StartRequest(request_id="s1", first_token_ids=given.first_token_ids,
                                                gateway_id=GATEWAY, first_tokens_delivered=True))

@@ -14,6 +14,7 @@ from cleave.generation.sampling_params import SamplingParams
 from cleave.proto.cleave.v1 import common_pb2 as c
 from cleave.proto.cleave.v1 import decode_pb2 as d
 from cleave.proto.cleave.v1 import prefill_pb2 as p
+from cleave.rpc.prefill_call import prefill_response
 from tests.worker.cluster import ENGINE_ARGS, GATEWAY, MODEL_ID, greedy, start_decode, wait_pool_full
 
 PROMPT = list(range(30, 49))  # 19 tokens: 5 blocks of 4
@@ -21,8 +22,8 @@ PROMPT = list(range(30, 49))  # 19 tokens: 5 blocks of 4
 
 async def test_compute_only_prefill_matches_llm_first_token(prefill, checkpoint):
     (expected,) = LLM(checkpoint, **ENGINE_ARGS).generate(PROMPT, SamplingParams(max_tokens=1, temperature=0.0))
-    response = await prefill.stub.Prefill(p.PrefillRequest(
-        request_id="c1", prompt_token_ids=PROMPT, sampling=greedy(4, logprobs=2), model=MODEL_ID))
+    response = await prefill_response(prefill.stub.Prefill(p.PrefillRequest(
+        request_id="c1", prompt_token_ids=PROMPT, sampling=greedy(4, logprobs=2), model=MODEL_ID)))
     assert list(response.first_token_ids) == expected.outputs[0].token_ids
     assert (response.request_id, response.num_prompt_tokens, response.num_cached_tokens,
             response.num_computed_tokens) == ("c1", 19, 0, 19)
@@ -31,7 +32,7 @@ async def test_compute_only_prefill_matches_llm_first_token(prefill, checkpoint)
     assert logprob.sampled.token_id == response.first_token_ids[0] and logprob.sampled.rank == 1
     assert [t.rank for t in logprob.top] == [1, 2] and logprob.top[0].logprob == pytest.approx(logprob.sampled.logprob)
     # The same prompt again: the worker's own prefix cache serves 4 of the 5 blocks.
-    again = await prefill.stub.Prefill(p.PrefillRequest(request_id="c2", prompt_token_ids=PROMPT, sampling=greedy(4)))
+    again = await prefill_response(prefill.stub.Prefill(p.PrefillRequest(request_id="c2", prompt_token_ids=PROMPT, sampling=greedy(4))))
     assert (again.num_cached_tokens, again.num_computed_tokens) == (16, 3)
     assert prefill.backend.counters.num_computed_tokens == 22
     await wait_pool_full(prefill.stub)
@@ -60,7 +61,7 @@ async def test_bad_prefills_are_refused(prefill):
     ]
     for request, code, text in cases:
         with pytest.raises(grpc.aio.AioRpcError) as raised:
-            await prefill.stub.Prefill(request)
+            await prefill_response(prefill.stub.Prefill(request))
         assert raised.value.code() == getattr(grpc.StatusCode, code) and text in raised.value.details(), (
             raised.value.details())
     await wait_pool_full(prefill.stub)
@@ -73,7 +74,7 @@ async def test_missed_transfer_deadline_frees_blocks_on_both_ends(prefill, check
             request_id="slow", prompt_token_ids=PROMPT, sampling=greedy(4), gateway_id=GATEWAY))).handle
         await asyncio.sleep(0.4)
         with pytest.raises(grpc.aio.AioRpcError) as raised:
-            await prefill.stub.Prefill(p.PrefillRequest(request_id="slow", prompt_token_ids=PROMPT, destination=handle))
+            await prefill_response(prefill.stub.Prefill(p.PrefillRequest(request_id="slow", prompt_token_ids=PROMPT, destination=handle)))
         assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         await wait_pool_full(decode.stub)
         await wait_pool_full(prefill.stub)
@@ -96,6 +97,6 @@ async def test_cancelled_prefill_releases_its_blocks(prefill):
     assert (load.num_running, load.num_queued_prompt_tokens) == (1, 19)
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
-        await call
+        await prefill_response(call)
     await wait_pool_full(prefill.stub)
     silent.close()

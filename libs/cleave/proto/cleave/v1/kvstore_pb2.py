@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from cleave.proto.cleave.v1 import common_pb2 as cleave_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63leave/v1/kvstore.proto\x12\tcleave.v1\x1a\x16\x63leave/v1/common.proto\"H\n\x0e\x43onnectRequest\x12#\n\x06layout\x18\x01 \x01(\x0b\x32\x13.cleave.v1.KVLayout\x12\x11\n\tclient_id\x18\x02 \x01(\t\"=\n\x0f\x43onnectResponse\x12\x11\n\tlayout_id\x18\x01 \x01(\t\x12\x17\n\x0f\x62lock_num_bytes\x18\x02 \x01(\x04\"8\n\rLookupRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"(\n\x0eLookupResponse\x12\x16\n\x0enum_hit_blocks\x18\x01 \x01(\r\"c\n\x07KVBlock\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12\x11\n\tlayout_id\x18\x03 \x01(\t\x12\"\n\x07payload\x18\x04 \x01(\x0b\x32\x11.cleave.v1.Tensor\">\n\x0bPutResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x1b\n\x13num_already_present\x18\x02 \x01(\r\"5\n\nGetRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"\x0e\n\x0cStatsRequest\"\x9d\x01\n\rStatsResponse\x12\x0c\n\x04hits\x18\x01 \x01(\x04\x12\x0e\n\x06misses\x18\x02 \x01(\x04\x12\x14\n\x0c\x62ytes_stored\x18\x03 \x01(\x04\x12\x14\n\x0c\x62ytes_served\x18\x04 \x01(\x04\x12\x11\n\tevictions\x18\x05 \x01(\x04\x12\x16\n\x0enum_blocks_ram\x18\x06 \x01(\x04\x12\x17\n\x0fnum_blocks_disk\x18\x07 \x01(\x04\x32\xaf\x02\n\x07KVStore\x12@\n\x07\x43onnect\x12\x19.cleave.v1.ConnectRequest\x1a\x1a.cleave.v1.ConnectResponse\x12=\n\x06Lookup\x12\x18.cleave.v1.LookupRequest\x1a\x19.cleave.v1.LookupResponse\x12\x33\n\x03Put\x12\x12.cleave.v1.KVBlock\x1a\x16.cleave.v1.PutResponse(\x01\x12\x32\n\x03Get\x12\x15.cleave.v1.GetRequest\x1a\x12.cleave.v1.KVBlock0\x01\x12:\n\x05Stats\x12\x17.cleave.v1.StatsRequest\x1a\x18.cleave.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63leave/v1/kvstore.proto\x12\tcleave.v1\x1a\x16\x63leave/v1/common.proto\"H\n\x0e\x43onnectRequest\x12#\n\x06layout\x18\x01 \x01(\x0b\x32\x13.cleave.v1.KVLayout\x12\x11\n\tclient_id\x18\x02 \x01(\t\"=\n\x0f\x43onnectResponse\x12\x11\n\tlayout_id\x18\x01 \x01(\t\x12\x17\n\x0f\x62lock_num_bytes\x18\x02 \x01(\x04\"8\n\rLookupRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"(\n\x0eLookupResponse\x12\x16\n\x0enum_hit_blocks\x18\x01 \x01(\r\"c\n\x07KVBlock\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12\x11\n\tlayout_id\x18\x03 \x01(\t\x12\"\n\x07payload\x18\x04 \x01(\x0b\x32\x11.cleave.v1.Tensor\">\n\x0bPutResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x1b\n\x13num_already_present\x18\x02 \x01(\r\"5\n\nGetRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"\x0e\n\x0cStatsRequest\"\xb2\x01\n\rStatsResponse\x12\x0c\n\x04hits\x18\x01 \x01(\x04\x12\x0e\n\x06misses\x18\x02 \x01(\x04\x12\x14\n\x0c\x62ytes_stored\x18\x03 \x01(\x04\x12\x14\n\x0c\x62ytes_served\x18\x04 \x01(\x04\x12\x11\n\tevictions\x18\x05 \x01(\x04\x12\x16\n\x0enum_blocks_ram\x18\x06 \x01(\x04\x12\x17\n\x0fnum_blocks_disk\x18\x07 \x01(\x04\x12\x13\n\x0bnum_lookups\x18\x08 \x01(\x04\"!\n\x0cWatchRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\t\"S\n\x0b\x42lockEvents\x12\x15\n\rstored_hashes\x18\x01 \x03(\x0c\x12\x16\n\x0eremoved_hashes\x18\x02 \x03(\x0c\x12\x15\n\rsnapshot_done\x18\x03 \x01(\x08\x32\xeb\x02\n\x07KVStore\x12@\n\x07\x43onnect\x12\x19.cleave.v1.ConnectRequest\x1a\x1a.cleave.v1.ConnectResponse\x12=\n\x06Lookup\x12\x18.cleave.v1.LookupRequest\x1a\x19.cleave.v1.LookupResponse\x12\x33\n\x03Put\x12\x12.cleave.v1.KVBlock\x1a\x16.cleave.v1.PutResponse(\x01\x12\x32\n\x03Get\x12\x15.cleave.v1.GetRequest\x1a\x12.cleave.v1.KVBlock0\x01\x12:\n\x05Stats\x12\x17.cleave.v1.StatsRequest\x1a\x18.cleave.v1.StatsResponse\x12:\n\x05Watch\x12\x17.cleave.v1.WatchRequest\x1a\x16.cleave.v1.BlockEvents0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,7 +49,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREQUEST']._serialized_start=519
   _globals['_STATSREQUEST']._serialized_end=533
   _globals['_STATSRESPONSE']._serialized_start=536
-  _globals['_STATSRESPONSE']._serialized_end=693
-  _globals['_KVSTORE']._serialized_start=696
-  _globals['_KVSTORE']._serialized_end=999
+  _globals['_STATSRESPONSE']._serialized_end=714
+  _globals['_WATCHREQUEST']._serialized_start=716
+  _globals['_WATCHREQUEST']._serialized_end=749
+  _globals['_BLOCKEVENTS']._serialized_start=751
+  _globals['_BLOCKEVENTS']._serialized_end=834
+  _globals['_KVSTORE']._serialized_start=837
+  _globals['_KVSTORE']._serialized_end=1200
 # @@protoc_insertion_point(module_scope)

@@ -70,7 +70,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("hits", "misses", "bytes_stored", "bytes_served", "evictions", "num_blocks_ram", "num_blocks_disk")
+    __slots__ = ("hits", "misses", "bytes_stored", "bytes_served", "evictions", "num_blocks_ram", "num_blocks_disk", "num_lookups")
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     BYTES_STORED_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class StatsResponse(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_RAM_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_DISK_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     hits: int
     misses: int
     bytes_stored: int
@@ -85,4 +86,21 @@ class StatsResponse(_message.Message):
     evictions: int
     num_blocks_ram: int
     num_blocks_disk: int
-    def __init__(self, hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., bytes_served: _Optional[int] = ..., evictions: _Optional[int] = ..., num_blocks_ram: _Optional[int] = ..., num_blocks_disk: _Optional[int] = ...) -> None: ...
+    num_lookups: int
+    def __init__(self, hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., bytes_served: _Optional[int] = ..., evictions: _Optional[int] = ..., num_blocks_ram: _Optional[int] = ..., num_blocks_disk: _Optional[int] = ..., num_lookups: _Optional[int] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("layout_id",)
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    layout_id: str
+    def __init__(self, layout_id: _Optional[str] = ...) -> None: ...
+
+class BlockEvents(_message.Message):
+    __slots__ = ("stored_hashes", "removed_hashes", "snapshot_done")
+    STORED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_DONE_FIELD_NUMBER: _ClassVar[int]
+    stored_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    removed_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    snapshot_done: bool
+    def __init__(self, stored_hashes: _Optional[_Iterable[bytes]] = ..., removed_hashes: _Optional[_Iterable[bytes]] = ..., snapshot_done: _Optional[bool] = ...) -> None: ...

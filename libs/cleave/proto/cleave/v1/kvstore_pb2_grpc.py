@@ -61,6 +61,11 @@ class KVStoreStub:
                 request_serializer=cleave_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=cleave_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/cleave.v1.KVStore/Watch',
+                request_serializer=cleave_dot_v1_dot_kvstore__pb2.WatchRequest.SerializeToString,
+                response_deserializer=cleave_dot_v1_dot_kvstore__pb2.BlockEvents.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -106,6 +111,21 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Watch(self, request, context):
+        """Follows which blocks of a layout are stored, so a client can answer Lookup from a local
+        index. The stream sends first the hashes stored when the call began (the snapshot, in
+        messages of at most 4096 hashes, the last one with snapshot_done set, also when the store
+        is empty), then the changes as they happen, in order: hashes a Put newly stored (once its
+        blocks are kept) and hashes no longer stored (evicted from every tier, or dropped as
+        corrupt; a block moved from RAM to disk is still stored). Each watcher has a bounded
+        queue: one that falls behind is ended with RESOURCE_EXHAUSTED and should call Watch again
+        for a fresh snapshot. The stream ends (OK) when the store shuts down.
+        Errors: NOT_FOUND (layout id), RESOURCE_EXHAUSTED (the watcher fell behind).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -133,6 +153,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=cleave_dot_v1_dot_kvstore__pb2.StatsRequest.FromString,
                     response_serializer=cleave_dot_v1_dot_kvstore__pb2.StatsResponse.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=cleave_dot_v1_dot_kvstore__pb2.WatchRequest.FromString,
+                    response_serializer=cleave_dot_v1_dot_kvstore__pb2.BlockEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -272,6 +297,33 @@ class KVStore:
             '/cleave.v1.KVStore/Stats',
             cleave_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
             cleave_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/cleave.v1.KVStore/Watch',
+            cleave_dot_v1_dot_kvstore__pb2.WatchRequest.SerializeToString,
+            cleave_dot_v1_dot_kvstore__pb2.BlockEvents.FromString,
             options,
             channel_credentials,
             insecure,

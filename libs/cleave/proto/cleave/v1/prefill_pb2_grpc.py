@@ -36,7 +36,7 @@ class PrefillStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_unary(
+        self.Prefill = channel.unary_stream(
                 '/cleave.v1.Prefill/Prefill',
                 request_serializer=cleave_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=cleave_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
@@ -54,11 +54,17 @@ class PrefillServicer:
 
     def Prefill(self, request, context):
         """Computes the prompt's KV (reusing kvstore blocks), sends it to the decode worker's blocks
-        and returns the first sampled token(s). With `decode`, the worker reserves the blocks on
-        that decode worker itself (Decode.Admit, while the prompt runs) and, once the KV is there,
-        starts the decode (Decode.Start) without holding the response back: the caller streams
-        the first tokens at once and the later ones arrive on its Attach stream. With
-        `destination`, the caller reserved the blocks and starts the decode itself.
+        and returns the first sampled token(s).
+        With `decode`, the worker reserves the blocks on that decode worker itself (Decode.Admit,
+        while the prompt runs) and the stream has two messages: the first tokens with the
+        prompt's accounting as soon as they are sampled and the blocks are reserved, before the
+        KV has reached them (the caller streams them to its client at once); then, once the KV
+        is there and the decode is started (Decode.Start), one message with `transfer` alone.
+        Later tokens arrive on the caller's Attach stream. An error after the first message
+        means the decode never started: its reservation is released, and the caller resumes
+        the request elsewhere from the prompt and the first tokens.
+        With `destination` (the caller reserved the blocks and starts the decode itself) or
+        neither, one message with everything, once the KV is delivered.
         Errors: INVALID_ARGUMENT, FAILED_PRECONDITION (layout mismatch), RESOURCE_EXHAUSTED,
         DEADLINE_EXCEEDED, UNAVAILABLE (destination lost: ErrorDetail.field is "decode").
         """
@@ -76,7 +82,7 @@ class PrefillServicer:
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_unary_rpc_method_handler(
+            'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=cleave_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
                     response_serializer=cleave_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
@@ -109,7 +115,7 @@ class Prefill:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/cleave.v1.Prefill/Prefill',
