@@ -48,7 +48,7 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -58,7 +58,7 @@ from serve_load import (  # noqa: E402
     FIRST_TOKEN_ID, Slo, Workload, max_chat_tokens, run_load, summarize, warm_up, words_for_tokens,
 )
 
-COLUMNS = ["mode", "gateways", "api", "transport", "mps", "prefill_sm_pct", "metrics", "kvstore_puts", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms",
+COLUMNS = ["mode", "gateways", "api", "transport", "mps", "prefill_sm_pct", "metrics", "switch_ms", "kvstore_puts", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms",
            "tpot_p50_ms", "tpot_p90_ms", "itl_p99_ms", "long_prompts", "long_ttft_p50_ms", "output_tok_s",
            "goodput_rps", "slo_pct", "wall_s"]
 MODES = ("disaggregated", "colocated", "conditional")
@@ -86,8 +86,24 @@ async def negotiated_transport(decode_address: str, prefill_worker_id: str, inte
     return c.TransportKind.Name(admitted.handle.transport).removeprefix("TRANSPORT_KIND_").lower()
 
 
-def run_mode(mode: str, num_gateways: int, puts: bool, api: str, mps: str, sm_percent: int, metrics: bool,
-             model_dir: Path, args: argparse.Namespace, workdir: Path, vocab: int) -> dict:
+@dataclass(frozen=True)
+class Variant:
+    """One row's stack: the mode and the settings the run compares."""
+
+    mode: str
+    num_gateways: int
+    puts: bool
+    api: str
+    mps: str
+    sm_percent: int
+    metrics: bool
+    switch_ms: float | None  # every service's --gil-switch-interval-ms; None: Python's 5 ms
+
+
+def run_mode(variant: Variant, model_dir: Path, args: argparse.Namespace, workdir: Path, vocab: int) -> dict:
+    mode, num_gateways, puts, api, mps, sm_percent, metrics = (
+        variant.mode, variant.num_gateways, variant.puts, variant.api, variant.mps, variant.sm_percent,
+        variant.metrics)
     args = argparse.Namespace(**{**vars(args), "api": api})
     from cleave.cli._stack import ProcessStack, StackSpec
 
@@ -95,13 +111,14 @@ def run_mode(mode: str, num_gateways: int, puts: bool, api: str, mps: str, sm_pe
                    "--max-context-length", str(args.max_context_length)]
     if args.enforce_eager and args.device != "cpu":
         worker_args.append("--enforce-eager")
+    service_args = [] if variant.switch_ms is None else ["--gil-switch-interval-ms", f"{variant.switch_ms:g}"]
     spec = StackSpec(model=model_dir, mode=mode, grpc_port=0, http_port=0 if args.api == "http" else None,
                      device=args.device, num_kv_blocks=args.num_kv_blocks, log_level="WARNING",
-                     worker_args=tuple(worker_args), prefill_args=tuple(args.prefill_arg),
-                     gateway_args=tuple(args.gateway_arg), num_gateways=num_gateways,
+                     worker_args=tuple(worker_args + service_args), prefill_args=tuple(args.prefill_arg),
+                     gateway_args=tuple(args.gateway_arg) + tuple(service_args), num_gateways=num_gateways,
                      store_to_kvstore=puts, mps=mps, prefill_sm_percent=sm_percent if sm_percent < 100 else None,
                      metrics=metrics)
-    name = f"{mode}-{num_gateways}-{puts}-{api}-{mps}-{sm_percent}-{metrics}"
+    name = f"{mode}-{num_gateways}-{puts}-{api}-{mps}-{sm_percent}-{metrics}-{variant.switch_ms}"
     spec = replace(spec, trace_dir=workdir / name / "traces" if args.trace else None)
     stack = ProcessStack(spec, workdir / name)
     stack.start(timeout_s=args.start_timeout_s)
@@ -118,6 +135,7 @@ def run_mode(mode: str, num_gateways: int, puts: bool, api: str, mps: str, sm_pe
         stack.stop()
     row = {"mode": mode, "gateways": num_gateways, "api": args.api, "transport": transport, "mps": under_mps,
            "prefill_sm_pct": sm_percent if under_mps and mode != "colocated" else 100, "metrics": metrics,
+           "switch_ms": variant.switch_ms if variant.switch_ms is not None else 5.0,
            "kvstore_puts": puts,
            "client_procs": args.client_procs, **summarize(timings, wall_s, Slo(args.slo_ttft_ms, args.slo_tpot_ms))}
     if row["errors"]:
@@ -240,6 +258,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--metrics", type=lambda text: [{"on": True, "off": False}[v] for v in text.split(",")],
                         default=[True], help="on, off or on,off: every process serves Prometheus metrics "
                         "(cleave up --metrics; a list runs each mode both ways, for the cost of the metrics)")
+    parser.add_argument("--gil-switch-interval-ms", type=lambda text: [float(v) for v in text.split(",")],
+                        default=[None], help="every service's --gil-switch-interval-ms (default: Python's 5 ms); "
+                        "a list runs each mode with each")
     parser.add_argument("--out", default=None, help="directory for disagg-<UTC time>.json / .md (never overwritten)")
     parser.add_argument("--trace", action="store_true",
                         help="trace every request; print each mode's per-hop latencies (bench/hops.py), kept under 'hops'")
@@ -304,13 +325,14 @@ def main(argv: list[str] | None = None) -> int:
         name = "disagg-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         rows: list[dict] = []
         written: tuple[Path, ...] = ()
-        for mode, num_gateways, puts, api, mps, sm_percent, metrics in itertools.product(
+        for values in itertools.product(
                 args.modes.split(","), args.gateways, args.kvstore_puts, apis, args.mps, args.prefill_sm_percent,
-                args.metrics):
-            if mode == "colocated" and (mps, sm_percent) != (args.mps[0], args.prefill_sm_percent[0]):
+                args.metrics, args.gil_switch_interval_ms):
+            variant = Variant(*values)
+            if variant.mode == "colocated" and (variant.mps, variant.sm_percent) != (
+                    args.mps[0], args.prefill_sm_percent[0]):
                 continue  # one worker: no MPS to share and no prefill worker to cap
-            rows.append(run_mode(mode, num_gateways, puts, api, mps, sm_percent, metrics, model_dir, args, workdir,
-                                 vocab))
+            rows.append(run_mode(variant, model_dir, args, workdir, vocab))
             print(format_table(rows[-1:], COLUMNS), flush=True)
             if args.out:  # after every mode, so a failure later keeps the modes that ran
                 written = write_results(args.out, name, rows, COLUMNS, summary)

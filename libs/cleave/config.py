@@ -89,6 +89,10 @@ class ServiceConfig:
     internal_token: str | None = field(default=None, repr=False)
     metrics: MetricsConfig | None = None  # --metrics-port; None: no metrics server
     parent_pid: int | None = None  # --parent-pid: exit with this process (`cleave.parent_death`)
+    # How long a thread may hold the GIL while another waits for it (sys.setswitchinterval);
+    # None: Python's 5 ms. Workers run the engine's launches on one thread and gRPC on the
+    # event loop's: each wake-up of the loop may wait this long for a launch burst.
+    gil_switch_interval_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -240,6 +244,8 @@ def _flags(name: str, environ: Mapping[str, str], max_message_bytes: int = DEFAU
     flags.add("--metrics-port-file", None, "write the bound metrics port to this file", type=Path)
     flags.add("--parent-pid", None, "receive SIGTERM (and drain) when this process dies (Linux; `cleave up` "
               "passes its own pid)", type=int)
+    flags.add("--gil-switch-interval-ms", None, "longest a thread holds the GIL while another waits "
+              "(sys.setswitchinterval; default: Python's 5 ms)", type=float)
     return flags
 
 
@@ -280,7 +286,14 @@ def _service(name: str, args: argparse.Namespace) -> ServiceConfig:
         internal_token=_internal_token(args),
         metrics=_metrics(args),
         parent_pid=args.parent_pid,
+        gil_switch_interval_ms=_switch_interval(args.gil_switch_interval_ms),
     )
+
+
+def _switch_interval(ms: float | None) -> float | None:
+    if ms is not None and not 0 < ms <= 1000:
+        raise SystemExit(f"--gil-switch-interval-ms must be in (0, 1000], got {ms:g}")
+    return ms
 
 
 def _metrics(args: argparse.Namespace) -> MetricsConfig | None:

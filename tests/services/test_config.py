@@ -47,6 +47,12 @@ def test_bad_store_to_kvstore_variable_exits_naming_it():
         gateway_config([], {"CLEAVE_STORE_TO_KVSTORE": "sometimes"})
 
 
+def test_gil_switch_interval_from_flag_or_environment_default_python_s():
+    assert worker_config("decode", [], {}).service.gil_switch_interval_ms is None
+    assert worker_config("decode", ["--gil-switch-interval-ms", "0.5"], {}).service.gil_switch_interval_ms == 0.5
+    assert gateway_config([], {"CLEAVE_GIL_SWITCH_INTERVAL_MS": "1"}).service.gil_switch_interval_ms == 1.0
+
+
 def test_worker_and_kvstore_configs():
     worker = worker_config("decode", ["--num-kv-blocks", "512", "--kvstore", "kv:50081"], {"CLEAVE_DEVICE": "cpu"})
     assert (worker.service.listen, worker.device, worker.num_kv_blocks, worker.kvstore_address) == (
@@ -58,7 +64,8 @@ def test_worker_and_kvstore_configs():
 
 @pytest.mark.parametrize(
     ("argv", "env"),
-    [(["--num-kv-blocks", "-1"], {}), ([], {"CLEAVE_LOG_JSON": "maybe"}), (["--max-message-bytes", "0"], {})],
+    [(["--num-kv-blocks", "-1"], {}), ([], {"CLEAVE_LOG_JSON": "maybe"}), (["--max-message-bytes", "0"], {}),
+     (["--gil-switch-interval-ms", "0"], {})],
 )
 def test_invalid_values_exit_with_a_message(argv, env):
     with pytest.raises(SystemExit):

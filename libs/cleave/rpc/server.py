@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,6 +244,13 @@ class Lifecycle(Protocol):
         """Release resources after the server stopped."""
 
 
+def set_gil_switch_interval(ms: float | None) -> None:
+    """The process's GIL switch interval (`ServiceConfig.gil_switch_interval_ms`; None: leave
+    Python's)."""
+    if ms is not None:
+        sys.setswitchinterval(ms / 1000)
+
+
 async def run_service(
     services: Sequence[ServiceRegistration],
     config: ServiceConfig,
@@ -265,6 +273,7 @@ async def run_service(
     every call is counted and the registry is served on its port from before the backend
     starts until after it shut down."""
     follow_parent(config.parent_pid)  # before anything that takes long: a dead parent ends this
+    set_gil_switch_interval(config.gil_switch_interval_ms)
     server = await serve(services, config.listen, config.rpc, tracing=tracing, auth=auth,
                          metrics_interceptor=metrics.interceptor if metrics is not None else None)
     if work is not None:
