@@ -34,12 +34,16 @@ def workers(checkpoint, tmp_path_factory):
                      num_kv_blocks=256, log_level="WARNING", worker_args=WORKER_ARGS)
     stack = ProcessStack(spec, tmp_path_factory.mktemp("handshake-gpu"))
     stack.start(timeout_s=300)
-    yield {child.name: child.address for child in stack.children}
-    stack.stop()
+    try:
+        yield {child.name: child.address for child in stack.children}, stack.internal_token
+    finally:
+        stack.stop()
 
 
 async def test_cuda_ipc_negotiated_on_one_gpu_and_tokens_match_llm(checkpoint, workers):
-    decode_channel, prefill_channel = aio_channel(workers["decode-0"]), aio_channel(workers["prefill-0"])
+    addresses, token = workers
+    decode_channel = aio_channel(addresses["decode-0"], internal_token=token)
+    prefill_channel = aio_channel(addresses["prefill-0"], internal_token=token)
     decode = decode_pb2_grpc.DecodeStub(decode_channel)
     prefill = prefill_pb2_grpc.PrefillStub(prefill_channel)
     reader = AttachReader(decode, GATEWAY)
@@ -59,7 +63,7 @@ async def test_cuda_ipc_negotiated_on_one_gpu_and_tokens_match_llm(checkpoint, w
             transfers.append(prefilled.transfer)
         await reader.wait_finished([f"ipc-{i}" for i in range(len(PROMPTS))], timeout_s=120)
 
-        assert handles[0].transport == c.TRANSPORT_KIND_TCP and handles[0].control_address == workers["decode-0"]
+        assert handles[0].transport == c.TRANSPORT_KIND_TCP and handles[0].control_address == addresses["decode-0"]
         assert [h.transport for h in handles[1:]] == [c.TRANSPORT_KIND_CUDA_IPC] * (len(PROMPTS) - 1)
         assert all(h.cuda_ipc_handle == handles[1].cuda_ipc_handle for h in handles[1:])  # one exported cache
         assert [t.transport for t in transfers] == [handles[i].transport for i in range(len(PROMPTS))]
