@@ -33,6 +33,8 @@ Presets (explicit flags still win):
 
     python bench/disagg.py --out bench/results/disagg             # GPU, Llama-3.2-1B-shaped bf16
     python bench/disagg.py --preset mixed --modes disaggregated,colocated,conditional --out bench/results/disagg
+    python bench/disagg.py --preset mixed --modes disaggregated,conditional \
+        --conditional-policy 1024:0,256:2048 --out bench/results/disagg   # conditional's thresholds, in one run
     python bench/disagg.py --device cpu --num-users 4 --prompt-len 32 --output-len 16 --duration-s 3 \\
         --long-interval-s 1 --client-procs 2 --out /tmp/disagg   # CPU smoke, shipped reasoner
     python bench/disagg.py --device cpu --api http --num-users 4 --output-len 16 --duration-s 3 --client-procs 2
@@ -58,7 +60,7 @@ from serve_load import (  # noqa: E402
     FIRST_TOKEN_ID, Slo, Workload, max_chat_tokens, run_load, summarize, warm_up, words_for_tokens,
 )
 
-COLUMNS = ["mode", "gateways", "api", "transport", "mps", "prefill_sm_pct", "metrics", "switch_ms", "kvstore_puts", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms",
+COLUMNS = ["mode", "gateways", "api", "transport", "mps", "prefill_sm_pct", "metrics", "switch_ms", "policy", "kvstore_puts", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms",
            "tpot_p50_ms", "tpot_p90_ms", "itl_p99_ms", "long_prompts", "long_ttft_p50_ms", "output_tok_s",
            "goodput_rps", "slo_pct", "wall_s"]
 MODES = ("disaggregated", "colocated", "conditional")
@@ -98,6 +100,31 @@ class Variant:
     sm_percent: int
     metrics: bool
     switch_ms: float | None  # every service's --gil-switch-interval-ms; None: Python's 5 ms
+    policy: "ConditionalPolicy | None" = None  # conditional mode's thresholds; None: the gateway's defaults
+
+
+@dataclass(frozen=True)
+class ConditionalPolicy:
+    """Conditional mode's thresholds (gateway --local-prefill-max-tokens and
+    --remote-prefill-idle-tokens), written LOCAL:IDLE."""
+
+    local_max_tokens: int
+    idle_tokens: int
+
+    @staticmethod
+    def parse(text: str) -> "ConditionalPolicy":
+        local, _, idle = text.partition(":")
+        try:
+            return ConditionalPolicy(int(local), int(idle or 0))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a conditional policy is LOCAL:IDLE (token counts), not {text!r}")
+
+    def gateway_args(self) -> tuple[str, ...]:
+        return ("--local-prefill-max-tokens", str(self.local_max_tokens),
+                "--remote-prefill-idle-tokens", str(self.idle_tokens))
+
+    def __str__(self) -> str:
+        return f"{self.local_max_tokens}:{self.idle_tokens}"
 
 
 def run_mode(variant: Variant, model_dir: Path, args: argparse.Namespace, workdir: Path, vocab: int) -> dict:
@@ -115,10 +142,12 @@ def run_mode(variant: Variant, model_dir: Path, args: argparse.Namespace, workdi
     spec = StackSpec(model=model_dir, mode=mode, grpc_port=0, http_port=0 if args.api == "http" else None,
                      device=args.device, num_kv_blocks=args.num_kv_blocks, log_level="WARNING",
                      worker_args=tuple(worker_args + service_args), prefill_args=tuple(args.prefill_arg),
-                     gateway_args=tuple(args.gateway_arg) + tuple(service_args), num_gateways=num_gateways,
+                     gateway_args=tuple(args.gateway_arg) + tuple(service_args)
+                     + (variant.policy.gateway_args() if variant.policy is not None else ()),
+                     num_gateways=num_gateways,
                      store_to_kvstore=puts, mps=mps, prefill_sm_percent=sm_percent if sm_percent < 100 else None,
                      metrics=metrics)
-    name = f"{mode}-{num_gateways}-{puts}-{api}-{mps}-{sm_percent}-{metrics}-{variant.switch_ms}"
+    name = f"{mode}-{num_gateways}-{puts}-{api}-{mps}-{sm_percent}-{metrics}-{variant.switch_ms}-{variant.policy}"
     spec = replace(spec, trace_dir=workdir / name / "traces" if args.trace else None)
     stack = ProcessStack(spec, workdir / name)
     stack.start(timeout_s=args.start_timeout_s)
@@ -136,6 +165,7 @@ def run_mode(variant: Variant, model_dir: Path, args: argparse.Namespace, workdi
     row = {"mode": mode, "gateways": num_gateways, "api": args.api, "transport": transport, "mps": under_mps,
            "prefill_sm_pct": sm_percent if under_mps and mode != "colocated" else 100, "metrics": metrics,
            "switch_ms": variant.switch_ms if variant.switch_ms is not None else 5.0,
+           "policy": str(variant.policy) if variant.policy is not None else "-",
            "kvstore_puts": puts,
            "client_procs": args.client_procs, **summarize(timings, wall_s, Slo(args.slo_ttft_ms, args.slo_tpot_ms))}
     if row["errors"]:
@@ -261,6 +291,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gil-switch-interval-ms", type=lambda text: [float(v) for v in text.split(",")],
                         default=[None], help="every service's --gil-switch-interval-ms (default: Python's 5 ms); "
                         "a list runs each mode with each")
+    parser.add_argument("--conditional-policy", type=lambda text: [ConditionalPolicy.parse(v) for v in text.split(",")],
+                        default=[None], help="conditional mode's thresholds as LOCAL:IDLE (gateway "
+                        "--local-prefill-max-tokens and --remote-prefill-idle-tokens); a list runs conditional "
+                        "once with each (e.g. 1024:0,256:2048)")
     parser.add_argument("--out", default=None, help="directory for disagg-<UTC time>.json / .md (never overwritten)")
     parser.add_argument("--trace", action="store_true",
                         help="trace every request; print each mode's per-hop latencies (bench/hops.py), kept under 'hops'")
@@ -327,8 +361,12 @@ def main(argv: list[str] | None = None) -> int:
         written: tuple[Path, ...] = ()
         for values in itertools.product(
                 args.modes.split(","), args.gateways, args.kvstore_puts, apis, args.mps, args.prefill_sm_percent,
-                args.metrics, args.gil_switch_interval_ms):
+                args.metrics, args.gil_switch_interval_ms, args.conditional_policy):
             variant = Variant(*values)
+            if variant.mode != "conditional" and variant.policy != args.conditional_policy[0]:
+                continue  # the policy only changes conditional mode
+            if variant.mode != "conditional":
+                variant = replace(variant, policy=None)
             if variant.mode == "colocated" and (variant.mps, variant.sm_percent) != (
                     args.mps[0], args.prefill_sm_percent[0]):
                 continue  # one worker: no MPS to share and no prefill worker to cap
