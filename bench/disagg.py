@@ -48,6 +48,7 @@ import datetime
 import itertools
 import json
 import os
+import shlex
 import sys
 import tempfile
 from dataclasses import dataclass, fields, replace
@@ -60,7 +61,7 @@ from serve_load import (  # noqa: E402
     FIRST_TOKEN_ID, Slo, Workload, max_chat_tokens, run_load, summarize, warm_up, words_for_tokens,
 )
 
-COLUMNS = ["mode", "gateways", "api", "transport", "mps", "prefill_sm_pct", "metrics", "switch_ms", "policy", "kvstore_puts", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms",
+COLUMNS = ["mode", "gateways", "api", "transport", "mps", "prefill_sm_pct", "metrics", "switch_ms", "policy", "prefill_variant", "kvstore_puts", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms",
            "tpot_p50_ms", "tpot_p90_ms", "itl_p99_ms", "long_prompts", "long_ttft_p50_ms", "output_tok_s",
            "goodput_rps", "slo_pct", "wall_s"]
 MODES = ("disaggregated", "colocated", "conditional")
@@ -101,6 +102,7 @@ class Variant:
     metrics: bool
     switch_ms: float | None  # every service's --gil-switch-interval-ms; None: Python's 5 ms
     policy: "ConditionalPolicy | None" = None  # conditional mode's thresholds; None: the gateway's defaults
+    prefill_variant: str = ""  # extra prefill-worker flags of this row (--prefill-variant)
 
 
 @dataclass(frozen=True)
@@ -141,13 +143,15 @@ def run_mode(variant: Variant, model_dir: Path, args: argparse.Namespace, workdi
     service_args = [] if variant.switch_ms is None else ["--gil-switch-interval-ms", f"{variant.switch_ms:g}"]
     spec = StackSpec(model=model_dir, mode=mode, grpc_port=0, http_port=0 if args.api == "http" else None,
                      device=args.device, num_kv_blocks=args.num_kv_blocks, log_level="WARNING",
-                     worker_args=tuple(worker_args + service_args), prefill_args=tuple(args.prefill_arg),
+                     worker_args=tuple(worker_args + service_args),
+                     prefill_args=tuple(args.prefill_arg) + tuple(shlex.split(variant.prefill_variant)),
                      gateway_args=tuple(args.gateway_arg) + tuple(service_args)
                      + (variant.policy.gateway_args() if variant.policy is not None else ()),
                      num_gateways=num_gateways,
                      store_to_kvstore=puts, mps=mps, prefill_sm_percent=sm_percent if sm_percent < 100 else None,
                      metrics=metrics)
-    name = f"{mode}-{num_gateways}-{puts}-{api}-{mps}-{sm_percent}-{metrics}-{variant.switch_ms}-{variant.policy}"
+    name = f"{mode}-{num_gateways}-{puts}-{api}-{mps}-{sm_percent}-{metrics}-{variant.switch_ms}-{variant.policy}-"
+    name += "".join(c if c.isalnum() else "_" for c in variant.prefill_variant)
     spec = replace(spec, trace_dir=workdir / name / "traces" if args.trace else None)
     stack = ProcessStack(spec, workdir / name)
     stack.start(timeout_s=args.start_timeout_s)
@@ -166,6 +170,7 @@ def run_mode(variant: Variant, model_dir: Path, args: argparse.Namespace, workdi
            "prefill_sm_pct": sm_percent if under_mps and mode != "colocated" else 100, "metrics": metrics,
            "switch_ms": variant.switch_ms if variant.switch_ms is not None else 5.0,
            "policy": str(variant.policy) if variant.policy is not None else "-",
+           "prefill_variant": variant.prefill_variant or "-",
            "kvstore_puts": puts,
            "client_procs": args.client_procs, **summarize(timings, wall_s, Slo(args.slo_ttft_ms, args.slo_tpot_ms))}
     if row["errors"]:
@@ -295,6 +300,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         default=[None], help="conditional mode's thresholds as LOCAL:IDLE (gateway "
                         "--local-prefill-max-tokens and --remote-prefill-idle-tokens); a list runs conditional "
                         "once with each (e.g. 1024:0,256:2048)")
+    parser.add_argument("--prefill-variant", action="append", default=None,
+                        help="extra prefill-worker flags for one set of rows, repeatable: the modes with a "
+                        "prefill worker run once per variant (e.g. --prefill-variant= "
+                        "--prefill-variant='--layer-streaming off'); default: one run with none")
     parser.add_argument("--out", default=None, help="directory for disagg-<UTC time>.json / .md (never overwritten)")
     parser.add_argument("--trace", action="store_true",
                         help="trace every request; print each mode's per-hop latencies (bench/hops.py), kept under 'hops'")
@@ -361,8 +370,10 @@ def main(argv: list[str] | None = None) -> int:
         written: tuple[Path, ...] = ()
         for values in itertools.product(
                 args.modes.split(","), args.gateways, args.kvstore_puts, apis, args.mps, args.prefill_sm_percent,
-                args.metrics, args.gil_switch_interval_ms, args.conditional_policy):
+                args.metrics, args.gil_switch_interval_ms, args.conditional_policy, args.prefill_variant or [""]):
             variant = Variant(*values)
+            if variant.mode == "colocated" and variant.prefill_variant != (args.prefill_variant or [""])[0]:
+                continue  # no prefill worker
             if variant.mode != "conditional" and variant.policy != args.conditional_policy[0]:
                 continue  # the policy only changes conditional mode
             if variant.mode != "conditional":

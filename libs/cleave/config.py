@@ -157,6 +157,9 @@ class WorkerConfig:
     max_queued_admissions: int = 256  # decode: Admits waiting for free KV blocks at most (then RESOURCE_EXHAUSTED)
     # prefill: kvstore prefixes shorter than this are neither fetched nor put (a round trip costs more)
     kvstore_min_prefix_tokens: int = 256
+    # prefill: send the KV layer by layer during the forward ("auto": over CUDA IPC only,
+    # "on": any transport, "off": after the step)
+    layer_streaming: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -399,6 +402,8 @@ def worker_config(
               "prefill: a prompt prefix goes to or comes from the kvstore only when at least this many of its "
               "tokens are not cached here already (shorter ones cost more in round trips than their compute)",
               type=int)
+    flags.add("--layer-streaming", "auto", "prefill: send a prompt's KV layer by layer while its forward runs "
+              "(auto: over CUDA IPC only; on: any transport; off: after the step)", choices=("auto", "on", "off"))
     args = flags.parse(argv)
     if args.num_kv_blocks < 0:
         raise SystemExit("--num-kv-blocks must be >= 0")
@@ -429,6 +434,7 @@ def worker_config(
         transfer_timeout_s=args.transfer_timeout,
         max_queued_admissions=args.max_queued_admissions,
         kvstore_min_prefix_tokens=args.kvstore_min_prefix_tokens,
+        layer_streaming=args.layer_streaming,
     )
 
 

@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         model_id=config.model.id,
         kvstore_address=config.kvstore_address,
         kvstore_min_prefix_tokens=config.kvstore_min_prefix_tokens,
+        layer_streaming=config.layer_streaming,  # type: ignore[arg-type]
         internal_token=config.service.internal_token,
     )
     servicer = PrefillServicer(backend, config.model.id)

@@ -53,6 +53,13 @@ def test_gil_switch_interval_from_flag_or_environment_default_python_s():
     assert gateway_config([], {"CLEAVE_GIL_SWITCH_INTERVAL_MS": "1"}).service.gil_switch_interval_ms == 1.0
 
 
+def test_prefill_layer_streaming_flag():
+    assert worker_config("prefill", [], {}).layer_streaming == "auto"
+    assert worker_config("prefill", ["--layer-streaming", "off"], {}).layer_streaming == "off"
+    with pytest.raises(SystemExit):
+        worker_config("prefill", ["--layer-streaming", "sometimes"], {})
+
+
 def test_worker_and_kvstore_configs():
     worker = worker_config("decode", ["--num-kv-blocks", "512", "--kvstore", "kv:50081"], {"CLEAVE_DEVICE": "cpu"})
     assert (worker.service.listen, worker.device, worker.num_kv_blocks, worker.kvstore_address) == (

@@ -61,3 +61,17 @@ def test_worker_entry_points_start_through_freeze_after_start(service, checkpoin
     assert isinstance(lifecycle, FreezeAfterStart)
     assert lifecycle.worker_id == f"{service}-9"
     assert type(lifecycle.backend).__name__ == f"Engine{service.capitalize()}Backend"
+
+
+def test_the_prefill_entry_point_passes_layer_streaming(checkpoint, monkeypatch):
+    module = __import__("services.prefill.__main__", fromlist=["main"])
+    started: list[Any] = []
+
+    async def fake_run_service(services, config, backend, **kwargs) -> None:
+        started.append(backend)
+
+    monkeypatch.setattr(module, "run_service", fake_run_service)
+    monkeypatch.setattr(module, "configure_logging", lambda *args: None)
+    assert module.main(["--model", str(checkpoint), "--device", "cpu", "--layer-streaming", "off"]) == 0
+    [lifecycle] = started
+    assert lifecycle.backend.layer_streaming == "off"
