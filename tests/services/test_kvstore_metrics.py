@@ -47,6 +47,7 @@ async def test_store_series_move_with_puts_gets_and_corrupt_files(tmp_path: Path
         assert await client.lookup(hashes) == 0  # block 0 was dropped: one miss ends the chain
         assert sample(registry, "cleave:kvstore_hits_total") == 4
         assert sample(registry, "cleave:kvstore_misses_total") == 5
+        assert sample(registry, "cleave:kvstore_lookups_total") == 2
         await store._disk.flush()  # the disk files are written; corrupt one of them
         path = next(tmp_path.glob(f"blocks/*/{hashes[1].hex()}.kvb"))
         data = bytearray(path.read_bytes())

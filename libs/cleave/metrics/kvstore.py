@@ -33,6 +33,7 @@ class StoreStatsView(Protocol):
     num_bytes_ram: int
     num_bytes_disk: int
     checksum_failures: int
+    num_lookups: int
 
 
 class KVStoreMetrics:
@@ -66,6 +67,8 @@ class KVStoreMetrics:
             ("kvstore_bytes_served", "Payload bytes sent by Get", stats.bytes_served),
             ("kvstore_evictions", "Blocks dropped for space", stats.evictions),
             ("kvstore_checksum_failures", "Disk block files dropped as corrupt", stats.checksum_failures),
+            ("kvstore_lookups", "Lookup calls answered (prefill workers with a live index of the store make none)",
+             stats.num_lookups),
         ):
             family = CounterMetricFamily(f"{PREFIX}{name}", doc, labels=names)
             family.add_metric(values, value)
