@@ -239,17 +239,17 @@ class EnginePrefillBackend:
             if opening is not None and spec.destination is not None:
                 await asyncio.wait({opening})  # a known destination streams from the first step on
             result = await self._run_prefill(async_engine, request_id, prompt, spec)
-            stream = await self._take_layer_stream(request_id, opening)
-            table = self._tables.pop(request_id, None)
-            if table is None:  # not kept by the step (e.g. an engine without the hook)
-                table = await async_engine.call(lambda e: e.handoff.export(request_id))
             destination = spec.destination
             if handoff is not None:
                 with span("prefill.admit_wait"):  # only what the forward did not hide
                     destination = await handoff.reserved()
                 self._check_destination(destination, len(prompt))
-                if early is not None:  # the blocks are reserved: the client may see its tokens
+                if early is not None:  # the blocks are reserved: the client may see its tokens now
                     await early(result)
+            stream = await self._take_layer_stream(request_id, opening)
+            table = self._tables.pop(request_id, None)
+            if table is None:  # not kept by the step (e.g. an engine without the hook)
+                table = await async_engine.call(lambda e: e.handoff.export(request_id))
             transfer = None
             if destination is not None:
                 streamed = stream is not None and stream.is_claimed
@@ -420,7 +420,8 @@ class EnginePrefillBackend:
             return None
         if cancel:
             opening.cancel()
-        await asyncio.wait({opening})
+        if not opening.done():  # (a done one costs no trip through the event loop)
+            await asyncio.wait({opening})
         return self.layer_streams.take(request_id)
 
     def _store_in_background(self, request_id: str, prompt: list[int], table: list[int], fetch: PrefixFetch) -> bool:
