@@ -94,14 +94,18 @@ def write_checkpoint(directory: Path, device: str) -> Path:
     return model_dir
 
 
-def make_engine(model_dir: Path, args: argparse.Namespace, max_num_seqs: int, mode: str, sync_timing: bool = False):
+def make_engine(
+    model_dir: Path, args: argparse.Namespace, max_num_seqs: int, mode: str, sync_timing: bool = False,
+    dtype: str = "bfloat16", num_blocks: int | None = None,
+):
+    """An engine for `mode`'s step loop; `num_blocks` None sizes the KV cache from memory."""
     from cleave.engine.llm import build_engine_config
     from cleave.engine.llm_engine import LLMEngine
 
     config = build_engine_config(
-        model_dir, device=args.device, dtype="bfloat16", max_num_seqs=max_num_seqs,
+        model_dir, device=args.device, dtype=dtype, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        block_size=args.block_size, enforce_eager=args.enforce_eager,
+        block_size=args.block_size, enforce_eager=args.enforce_eager, num_blocks=num_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, overlap_steps=mode == "overlap",
     )
     return LLMEngine(config, sync_timing=sync_timing, device_timing=not sync_timing)
@@ -113,8 +117,9 @@ def run_requests(engine, num_requests: int, args: argparse.Namespace, seed: int)
 
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
+    top_id = min(128000, engine.model_config.vocab_size)  # a tiny test model has a small vocabulary
     for index in range(num_requests):
-        prompt = [rng.randrange(3, 128000) for _ in range(args.prompt_len)]  # feeds every embedding row
+        prompt = [rng.randrange(3, top_id) for _ in range(args.prompt_len)]  # feeds every embedding row
         engine.add_request(f"b{seed}-{index}", prompt, params)
     steps, num_output = [], 0
     start = time.perf_counter()

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_checkpoint(Path(tmp), args.device)
         for batch in batches:
-            engine = make_engine(model_dir, engine_args, max(batch, 1), sync_timing=True)
+            engine = make_engine(model_dir, engine_args, max(batch, 1), "overlap", sync_timing=True)
 
             def save(run_summary: dict, batch_rows: list[dict], done: int = len(rows)) -> None:
                 # partial results survive a later timeout: rewrite this batch's rows in place

@@ -58,5 +58,7 @@ async def test_chat_sse_streams_reasoning_then_content(stack):
                 kinds.append("reasoning")
             if delta.content:
                 kinds.append("content")
-    assert kinds.count("reasoning") >= 5 and kinds.count("content") >= 3, kinds
+    # several chunks, thinking first; how many of each depends on how many decode steps a busy
+    # gateway merged into one chunk (a stalled client may get the whole answer in one)
+    assert len(kinds) >= 4 and kinds.count("reasoning") >= 2 and kinds.count("content") >= 1, kinds
     assert kinds == sorted(kinds, key=lambda kind: kind == "content")  # all thinking, then the answer
