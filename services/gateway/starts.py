@@ -83,13 +83,10 @@ async def start_disaggregated(
         first = await call_worker(pool, call.read(), prefill, "Prefill")
         if first is grpc.aio.EOF:
             raise Unavailable(f"Prefill on prefill worker {prefill.address} ended without first tokens")
-    except Unavailable as error:
-        call.cancel()
-        if error.field == "decode":
-            raise
-        raise PrefillFailed(error.message, prefill) from None
-    except BaseException:
+    except BaseException as error:
         call.cancel()  # the worker aborts the request and releases its reservation
+        if isinstance(error, Unavailable) and error.field != "decode":
+            raise PrefillFailed(error.message, prefill) from None
         raise
     finally:
         prefill.in_flight_prompt_tokens -= len(prompt_ids)

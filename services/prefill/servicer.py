@@ -6,7 +6,6 @@ import grpc
 
 from cleave.errors import InvalidArgument
 from cleave.proto.cleave.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from cleave.rpc.types import TransferStats
 from cleave.rpc.convert import (
     reasoning_from_proto,
     require_request_id,
@@ -17,6 +16,7 @@ from cleave.rpc.convert import (
     transport_to_proto,
     worker_load_to_proto,
 )
+from cleave.rpc.types import TransferStats
 from services.prefill.backend import DecodeTarget, PrefillBackend, PrefillResult, PrefillSpec
 
 
