@@ -16,7 +16,7 @@
         Decode.Start(first tokens)                 (spec.decode: in the background)
         result returned                            (first tokens, transfer statistics)
     then, in the background (store_to_kvstore):
-        new full blocks -> host memory -> kvstore  (`_store_in_background`)
+        new full blocks -> host memory -> kvstore  (`kvstore_puts.BackgroundPuts`)
     export blocks released                         (always, also on error or cancellation:
                                                    after the send, or once the background
                                                    task has gathered the blocks to host)
@@ -68,16 +68,13 @@ from cleave.worker.handshake import grpc_handshake
 from services.prefill.backend import EarlyFirstTokens, PrefillResult, PrefillSpec
 from services.prefill.decode_handoff import DecodeHandoff, DecodeLinks
 from services.prefill.kvstore_prefix import DEFAULT_MIN_PREFIX_TOKENS, KVStorePrefix, PrefixFetch
+from services.prefill.kvstore_puts import STORE_BACKLOG_BYTES, BackgroundPuts
 from services.prefill.layer_stream import LAYER_STREAMING_MODES, LayerStream, LayerStreaming, LayerStreams
 
 log = structlog.get_logger("cleave.prefill")
 NO_FETCH = PrefixFetch(0, 0)
 STORE_DRAIN_S = 5.0  # at shutdown, how long background kvstore puts may still run
 HANDSHAKE_TIMEOUT_S = 30.0  # one Decode.Handshake call
-# Host copies of prompt blocks on their way to the kvstore, at most. Puts are an optimisation:
-# past this, a prompt's blocks are not stored, so a slow store never backs up into prefill
-# (its lookups sit on every request's path and would queue behind a flood of puts).
-STORE_BACKLOG_BYTES = 256 << 20
 
 
 @dataclass
@@ -141,9 +138,8 @@ class EnginePrefillBackend:
         self.kvstore: KVStorePrefix | None = None
         self.counters = PrefillCounters()
         self._in_flight: dict[str, int] = {}  # request id -> prompt tokens
-        self._stores: dict[str, asyncio.Task[None]] = {}  # request id -> its background kvstore put
         self.store_backlog_bytes = store_backlog_bytes
-        self._store_backlog = 0  # bytes of the puts in `_stores`
+        self.puts: BackgroundPuts | None = None  # with a kvstore, set at start()
         self._tables: dict[str, list[int]] = {}  # request id -> prompt blocks, read on the step thread
         self._releases: set[asyncio.Task[None]] = set()  # block releases after a response went out
         self.decode_links = DecodeLinks(internal_token)
@@ -170,6 +166,15 @@ class EnginePrefillBackend:
             await client.connect(self.layout)
             self.kvstore = KVStorePrefix(client, self.engine, self.async_engine, self.kvstore_min_prefix_tokens)
             await self.kvstore.start()  # follows what the store holds: misses need no Lookup
+            counters = self.counters
+
+            def stored(num_blocks: int) -> None:
+                counters.num_kvstore_blocks_stored += num_blocks
+
+            def skipped() -> None:
+                counters.num_kvstore_puts_skipped += 1
+
+            self.puts = BackgroundPuts(self.kvstore, self._cleanup, self.store_backlog_bytes, stored, skipped)
 
     async def drain(self) -> None:
         """Refuse new prefills, return once the admitted ones answered and their decode
@@ -181,10 +186,8 @@ class EnginePrefillBackend:
         await asyncio.gather(*self._releases, return_exceptions=True)
         await asyncio.gather(*self._handoffs, return_exceptions=True)
         await self.decode_links.close()
-        await self.wait_for_stores(timeout_s=STORE_DRAIN_S)
-        for task in list(self._stores.values()):
-            task.cancel()  # its `finally` still releases the request's blocks
-        await asyncio.gather(*self._stores.values(), return_exceptions=True)
+        if self.puts is not None:
+            await self.puts.stop(timeout_s=STORE_DRAIN_S)
         await self.transfers.close()
         if self.negotiator is not None:
             await self.negotiator.close()
@@ -221,7 +224,7 @@ class EnginePrefillBackend:
             raise InvalidArgument(f"{request_id!r} is already prefilling here; use a unique id", field="request_id")
         if spec.destination is not None:
             self._check_destination(spec.destination, len(prompt))
-        previous = self._stores.get(request_id)
+        previous = self.puts.get(request_id) if self.puts is not None else None
         if previous is not None:  # the same id again: its blocks are still held by the put
             await asyncio.wait({previous})
         self._in_flight[request_id] = len(prompt)
@@ -259,8 +262,9 @@ class EnginePrefillBackend:
                 add_transfer(self.counters.transfers, transfer)
             if handoff is not None:
                 handoff.start(result.first_token_ids, result.first_token_logprobs)
-            if spec.store_to_kvstore and self.kvstore is not None:
-                handed_off = self._store_in_background(request_id, prompt, table, fetch)
+            if spec.store_to_kvstore and self.puts is not None:
+                num_bytes = len(table) * async_engine.engine.kv_cache[:, :, 0].nbytes
+                handed_off = self.puts.start(request_id, prompt, table, fetch, num_bytes)
             elif self.kvstore is not None:
                 self.kvstore.remember(prompt, fetch)  # computed here: later fetches need not ask the engine
         except BaseException:
@@ -424,53 +428,10 @@ class EnginePrefillBackend:
             await asyncio.wait({opening})
         return self.layer_streams.take(request_id)
 
-    def _store_in_background(self, request_id: str, prompt: list[int], table: list[int], fetch: PrefixFetch) -> bool:
-        """Start the put (it then owns the prompt's blocks) unless the backlog is full."""
-        assert self.engine is not None
-        num_bytes = len(table) * self.engine.kv_cache[:, :, 0].nbytes
-        if self._store_backlog + num_bytes > self.store_backlog_bytes:
-            self.counters.num_kvstore_puts_skipped += 1
-            log.debug("kvstore put skipped: backlog full", request_id=request_id, backlog_bytes=self._store_backlog)
-            return False
-        self._store_backlog += num_bytes
-        task = asyncio.create_task(self._store(request_id, prompt, table, fetch), name=f"kvstore-put-{request_id}")
-        self._stores[request_id] = task
-
-        def forget(done: asyncio.Task[None]) -> None:
-            self._store_backlog -= num_bytes
-            if self._stores.get(request_id) is done:
-                del self._stores[request_id]
-
-        task.add_done_callback(forget)
-        return True
-
-    async def _store(self, request_id: str, prompt: list[int], table: list[int], fetch: PrefixFetch) -> None:
-        """Gather the prompt's new full blocks to host memory, free the prompt's KV, put the
-        blocks in the kvstore. Never raises: a failed put only costs a later cache miss."""
-        assert self.kvstore is not None
-        released = False
-        try:
-            payload = await self.kvstore.gather(prompt, table, fetch)
-            await self._cleanup(request_id)
-            released = True
-            if payload is not None:
-                self.counters.num_kvstore_blocks_stored += await self.kvstore.put(payload)
-        except (grpc.aio.AioRpcError, CleaveError) as error:
-            log.warning("kvstore put failed", request_id=request_id, error=str(error))
-        except Exception:
-            log.exception("kvstore put failed", request_id=request_id)
-        finally:
-            if not released:
-                await self._cleanup(request_id)
-
     async def wait_for_stores(self, timeout_s: float | None = None) -> bool:
         """Wait until the background kvstore puts started so far are done (True), or
         `timeout_s` passed (False)."""
-        pending = set(self._stores.values())
-        if not pending:
-            return True
-        _, still_running = await asyncio.wait(pending, timeout=timeout_s)
-        return not still_running
+        return True if self.puts is None else await self.puts.wait(timeout_s)
 
     async def _cleanup(self, request_id: str) -> None:
         """Free the exported prompt blocks and the kvstore hold (no-ops when absent; a

@@ -120,7 +120,7 @@ async def test_a_full_put_backlog_skips_the_store_and_frees_the_blocks(checkpoin
     worker = await start_prefill(checkpoint, kvstore)
     try:
         block_bytes = worker.backend.engine.kv_cache[:, :, 0].nbytes
-        worker.backend.store_backlog_bytes = 5 * block_bytes  # room for one 5-block prompt
+        worker.backend.puts.max_bytes = 5 * block_bytes  # room for one 5-block prompt
         seen_before(worker)
         put_allowed = gate(worker.backend.kvstore.client, "put")
         await prefill_response(worker.stub.Prefill(storing("first")))  # its put waits: the backlog is full
