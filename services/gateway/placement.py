@@ -43,8 +43,15 @@ class WorkerRequest:
     stream: AttachStream
     sample_indices: tuple[int, ...]
     attached: bool = True  # registered on `stream` and counted in `decode.in_flight`
-    # the rest of a disaggregated start after its first tokens (`starts.follow_handoff`)
-    handoff: asyncio.Future[None] | None = None
+    # the rest of a disaggregated start after its first tokens (`starts.follow_handoff`;
+    # True once the KV was delivered and the decode started)
+    handoff: asyncio.Future[bool] | None = None
+
+    @property
+    def handoff_delivered(self) -> bool:
+        """No handoff, or one that delivered the KV (not pending, failed or cancelled)."""
+        handoff = self.handoff
+        return handoff is None or (handoff.done() and not handoff.cancelled() and handoff.result())
 
 
 @dataclass
@@ -73,13 +80,12 @@ class RunningRequest:
         return part.sample_indices[worker_sample_index]
 
     def lost_in_handoff(self, delta: decode_pb2.RequestDelta) -> WorkerLost | None:
-        """The `WorkerLost` of a worker request that its decode worker ended (ABORT) while the
-        KV handoff to it was under way: the decode never started (the prefill worker gave
-        up the reservation, or it expired), so its samples move as if the worker were lost
-        (the handoff's own failure, if it comes later, finds the request gone)."""
+        """The `WorkerLost` of a worker request that its decode worker ended (ABORT) before
+        the KV handoff to it delivered: the decode never started (the prefill worker gave up
+        the reservation, or it expired), so its samples move as if the worker were lost
+        (whichever of this and the handoff's own failure comes first moves them)."""
         part = self.parts.get(delta.request_id)
-        if (part is None or part.handoff is None or part.handoff.done()
-                or delta.finish_reason != common_pb2.FINISH_REASON_ABORT):
+        if part is None or part.handoff_delivered or delta.finish_reason != common_pb2.FINISH_REASON_ABORT:
             return None
         return WorkerLost(f"decode worker {part.decode.address} dropped the request while its KV was on the "
                           "way (the prefill worker gave it up)", delta.request_id)

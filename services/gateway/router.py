@@ -318,7 +318,10 @@ class RoutingBackend:
         Returns final deltas of the samples that have nothing left to generate; raises
         Unavailable when the request may not move again or no worker is left.
         """
-        current = [error for error in lost if error.worker_request_id in running.parts]
+        # one per worker request still part of the request (a handoff that failed may be
+        # reported twice: by its own stream and by the decode worker's ABORT)
+        current = list({error.worker_request_id: error for error in lost
+                        if error.worker_request_id in running.parts}.values())
         if not current:
             return []  # worker requests the request already left (moved during their start)
         reason: Unavailable = current[0]

@@ -99,21 +99,23 @@ async def start_disaggregated(
 async def follow_handoff(
     pool: WorkerPool, call: grpc.aio.UnaryStreamCall, prefill: WorkerHandle, queue: asyncio.Queue,
     worker_request_id: str,
-) -> None:
-    """Read a Prefill stream past its first tokens (the KV delivered, the decode started).
-    A failure there means the decode never started: the request's queue gets a
-    `WorkerLost`, and its samples move on, resumed from what the client already has.
-    Cancelled (the request ended or moved), it cancels the call: the prefill worker aborts
-    the request and the decode worker's reservation."""
+) -> bool:
+    """Read a Prefill stream past its first tokens; True once the KV was delivered and the
+    decode started. A failure there means the decode never started: the request's queue
+    gets a `WorkerLost` (False), and its samples move on, resumed from what the client
+    already has. Cancelled (the request ended or moved), it cancels the call: the prefill
+    worker aborts the request and the decode worker's reservation."""
     try:
         while await call_worker(pool, call.read(), prefill, "Prefill") is not grpc.aio.EOF:
             pass  # the transfer's statistics
     except CleaveError as error:
         queue.put_nowait(WorkerLost(f"the KV handoff from prefill worker {prefill.address} failed after the "
                                     f"first tokens ({error.message})", worker_request_id))
+        return False
     except BaseException:
         call.cancel()
         raise
+    return True
 
 
 def deliver_first_tokens(queue: asyncio.Queue, worker_request_id: str, result: prefill_pb2.PrefillResponse) -> None:

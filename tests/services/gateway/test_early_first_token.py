@@ -87,3 +87,30 @@ async def test_a_handoff_that_fails_after_the_first_token_moves_the_request(mode
         await _pools_full(stack)
     finally:
         await stack.close()
+
+
+async def test_an_abort_before_the_handoff_delivered_moves_the_request():
+    """The decode worker's ABORT of a worker request counts as a loss while its handoff is
+    pending or failed (in either order with the handoff's own error), not once delivered."""
+    from cleave.proto.cleave.v1 import common_pb2 as c, decode_pb2 as d
+    from services.gateway.placement import RunningRequest, WorkerRequest
+    from services.gateway.workers import WorkerHandle
+
+    decode = WorkerHandle("decode", "d:1", None, None, None, healthy=True)  # type: ignore[arg-type]
+    part = WorkerRequest("w-1", decode, None, (0,))  # type: ignore[arg-type]
+    running = RunningRequest(asyncio.Queue())
+    running.add(part)
+    abort = d.RequestDelta(request_id="w-1", finish_reason=c.FINISH_REASON_ABORT)
+    finished = d.RequestDelta(request_id="w-1", finish_reason=c.FINISH_REASON_LENGTH)
+    assert running.lost_in_handoff(abort) is None  # no handoff: a colocated start
+    loop = asyncio.get_running_loop()
+    for outcome in (None, False):  # pending, failed
+        part.handoff = loop.create_future()
+        if outcome is not None:
+            part.handoff.set_result(outcome)
+        lost = running.lost_in_handoff(abort)
+        assert lost is not None and lost.worker_request_id == "w-1"
+        assert running.lost_in_handoff(finished) is None
+    part.handoff = loop.create_future()
+    part.handoff.set_result(True)  # delivered: an ABORT now is the request's own end
+    assert running.lost_in_handoff(abort) is None
