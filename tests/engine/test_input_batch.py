@@ -50,3 +50,26 @@ def test_decode_steps_match_general_path_across_blocks_and_membership_changes():
             scheduler.add(Sequence("r3", [1, 2, 3, 4, 5, 6]))
     assert num_fast >= 10
     assert [len(kv.block_table(seq.seq_id)) for seq in scheduler.running] == [4, 6, 3]
+
+
+def test_decode_tables_follow_blocks_dropped_behind_a_sliding_window():
+    """Drops never fall on a step that grows a table (window 6, blocks of 4): the kept
+    device tables must still show the null block where the manager dropped one."""
+    kv = KVCacheManager(64, BLOCK, sliding_window=6)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64), kv)
+    for index, prompt_len in enumerate((3, 6)):
+        scheduler.add(Sequence(f"r{index}", list(range(10, 10 + prompt_len))))
+    builder, reference = InputBatchBuilder(BLOCK, torch.device("cpu")), InputBatchBuilder(BLOCK, torch.device("cpu"))
+    num_fast = 0
+    for step in range(20):
+        output = scheduler.schedule()
+        batch = builder.build(output)
+        if all(entry.num_new_tokens == 1 for entry in output.scheduled):
+            assert_same(batch, reference.build_general(output))
+            num_fast += 1
+        scheduler.advance(output)
+        scheduler.resolve(output, [20 + step + row for row in range(len(output.sampled_seqs))])
+    assert num_fast == 19
+    # r1 has KV for 25 tokens; the next query (position 25) sees 20..25: blocks 0..4 are dropped.
+    table = kv.block_table("r1/0")
+    assert len(table) == 7 and table[:5] == [0] * 5 and 0 not in table[5:]

@@ -11,8 +11,9 @@ A pure decode step (one token per entry, every entry samples, no forks) takes a 
 path: one int64 host buffer holds input ids, positions, slots and the int32 seq lens (two
 per int64 word, reinterpreted on the device without a kernel), and the block tables stay
 in a persistent [E, W] int32 tensor that is rewritten only when the batch's membership
-changes or a table grows past the width or changes its last block; otherwise a decode only
-writes into a block it already has.
+changes, a table grows past the width or changes its last block, or the KV manager replaces
+a table (blocks dropped behind a sliding window); otherwise a decode only writes into a
+block it already has.
 
 Sampling rows: an entry with `sample` set produces one logits row (its last token); each
 sequence in `entry.sample_seqs` (the entry's own sequence, then its forks) draws one token
@@ -120,6 +121,7 @@ class _DecodeTables:
     Attributes:
         seqs: the batch's sequences in row order.
         lengths / lasts: each row's table length and last block id when it was written.
+        tables: each row's table object then (the manager replaces a table it drops blocks from).
         host: [E, W] int32 (pinned on CUDA); device: the same on the model's device.
         copied: on CUDA, an event recorded after the latest host -> device copy.
     """
@@ -127,6 +129,7 @@ class _DecodeTables:
     seqs: list[Sequence]
     lengths: list[int]
     lasts: list[int]
+    tables: list[Seq[int]]
     host: torch.Tensor
     device: torch.Tensor
     copied: torch.cuda.Event | None = None
@@ -339,15 +342,16 @@ class InputBatchBuilder:
         lasts = [table[-1] for table in tables]
         kept = self._decode_tables
         if kept is not None and len(kept.seqs) == len(seqs) and all(map(operator.is_, kept.seqs, seqs)):
-            if lengths == kept.lengths and lasts == kept.lasts:
+            same_tables = all(map(operator.is_, kept.tables, tables))
+            if same_tables and lengths == kept.lengths and lasts == kept.lasts:
                 return kept.device
             if max(lengths) <= kept.host.shape[1]:
                 if kept.copied is not None:
                     kept.copied.synchronize()  # the device has read the host tensor
                 for row, (length, last) in enumerate(zip(lengths, lasts)):
-                    if length != kept.lengths[row] or last != kept.lasts[row]:
+                    if length != kept.lengths[row] or last != kept.lasts[row] or tables[row] is not kept.tables[row]:
                         kept.host[row, :length] = torch.tensor(tables[row], dtype=torch.int32)
-                kept.lengths, kept.lasts = lengths, lasts
+                kept.lengths, kept.lasts, kept.tables = lengths, lasts, tables
                 if kept.device is not kept.host:
                     kept.device.copy_(kept.host, non_blocking=True)
                     kept.copied = self._record_copy(kept.copied)
@@ -366,7 +370,7 @@ class InputBatchBuilder:
             copied = self._record_copy(None)
         else:
             device = host if self.device.type == "cpu" else host.to(self.device)
-        self._decode_tables = _DecodeTables(list(seqs), lengths, lasts, host, device, copied)
+        self._decode_tables = _DecodeTables(list(seqs), lengths, lasts, tables, host, device, copied)
         return device
 
     @staticmethod

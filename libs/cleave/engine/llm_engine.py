@@ -163,7 +163,10 @@ class LLMEngine:
             dtype=str(self.dtype).removeprefix("torch."),
             block_size=cache.block_size,
         )
-        self.kv = KVCacheManager(self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching, namespace)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching, namespace,
+            sliding_window=uniform_sliding_window(self.model_config),
+        )
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
         # A weak reference back: no cycle, so a dropped engine frees its KV cache at once.
         self.handoff = KVHandoff(self.kv, self.scheduler, self.max_model_len, requests=weakref.proxy(self))
@@ -456,3 +459,10 @@ class LLMEngine:
         if running:
             self._register(state)
         self._pending[state.request_id] = state
+
+
+def uniform_sliding_window(config: ModelConfig) -> int | None:
+    """W when every attention layer sees only a query's last W positions (Mistral), else
+    None: one full-attention layer (gpt-oss, Llama) reads every block the sequence has."""
+    windows = {config.layer_sliding_window(layer) for layer in range(config.num_hidden_layers)}
+    return windows.pop() if len(windows) == 1 else None

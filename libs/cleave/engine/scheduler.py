@@ -41,6 +41,14 @@ ids over the stand-ins, indexes newly full blocks in the prefix cache, then asks
 scheduler frees finished sequences' blocks. A sequence that ended after the launch (abort,
 or a stop found by resolving the step before) drops its token and any later stand-in.
 
+Sliding window: when every attention layer sees only a query's last W keys
+(`kv.sliding_window`), `resolve` releases the blocks behind the window
+(`kv.drop_outside_window`) of each running sequence whose entry fed a generated token. Such
+a sequence generates here and its prompt KV is complete, so neither a prompt still being
+prefilled in chunks, nor a prefill-only request's exported prompt (it ends on its first
+token, which no step feeds), nor a reservation not yet received loses a block. A long
+generation then holds at most ceil(W / block_size) + 1 blocks.
+
 n parallel samples (`add_group`) prefill the prompt once: the first sample runs alone; the
 step its prefill completes, the others appear as its `forks`, draw their first tokens from
 its logits, and in `advance` take shared references to its blocks (the last, partly filled
@@ -216,6 +224,7 @@ class Scheduler:
             )
         kv, indexed = self.kv, self._indexed
         cache_full_blocks, block_size = kv.cache_full_blocks, kv.block_size
+        sliding_window = kv.sliding_window
         has_forks = output.has_forks
         got: list[tuple[Sequence, int, int]] = []  # (sequence, token, its position)
         index = 0
@@ -240,10 +249,13 @@ class Scheduler:
             if status is not RUNNING:
                 continue  # finished, or preempted: its blocks are gone
             seq_id = seq.seq_id
-            if num_new == 1 and seq_len % block_size and seq_id in indexed:
-                continue  # no block became full: cache_full_blocks would return at once
-            cache_full_blocks(seq_id, seq.all_token_ids, seq_len)
-            indexed.add(seq_id)
+            # A decode that filled no block has nothing new to index.
+            if num_new != 1 or not seq_len % block_size or seq_id not in indexed:
+                cache_full_blocks(seq_id, seq.all_token_ids, seq_len)
+                indexed.add(seq_id)
+            if sliding_window and seq_len > seq.num_prompt_tokens:
+                # The next step's queries, launched already or not, start at seq_len.
+                kv.drop_outside_window(seq_id, seq_len)
         max_model_len = self.config.max_model_len
         updated: list[Sequence] = []
         for seq, token, position in got:

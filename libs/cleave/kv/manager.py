@@ -17,6 +17,13 @@ step may be applied in order, or as one gather-then-scatter.
 
 A decode worker in disaggregated mode uses `reserve`/`release`: the same allocation, for
 KV that will arrive over the network instead of being computed locally.
+
+Sliding window: when every attention layer reads only the last W keys (`sliding_window`),
+`drop_outside_window` releases the blocks no later query can see, so a long generation holds
+at most ceil(W / block_size) + 1 blocks. A dropped entry becomes the null block 0 and the table keeps
+its length, so position // block_size still indexes it; the dropped entries are always the
+table's first `num_dropped` ones. Models with any full-attention layer pass no window and
+keep every block.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from cleave.kv.block_pool import BlockPool, OutOfBlocksError
+from cleave.kv.block_pool import NULL_BLOCK_ID, BlockPool, OutOfBlocksError
 from cleave.kv.prefix_hash import BlockHash, hash_block
 
 SeqId = str
@@ -53,6 +60,7 @@ class _SeqBlocks:
     num_tokens: int = 0  # tokens that have a slot in block_ids
     block_hashes: list[BlockHash] = field(default_factory=list)  # hashes of its full blocks so far
     num_cached_blocks: int = 0  # leading blocks already indexed in the pool
+    num_dropped: int = 0  # leading entries released behind a sliding window (now the null block)
 
 
 class KVCacheManager:
@@ -63,6 +71,8 @@ class KVCacheManager:
         block_size: tokens per block.
         enable_prefix_caching: index full blocks by chained hash and reuse them.
         namespace: model/dtype/layout identity mixed into every hash (see `kv_namespace`).
+        sliding_window: W when every attention layer sees only a query's last W positions
+            (then `drop_outside_window` releases blocks behind it); None keeps every block.
     """
 
     def __init__(
@@ -71,10 +81,14 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         namespace: bytes = b"",
+        sliding_window: int | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.namespace = namespace
         self.pool = BlockPool(num_blocks)
@@ -227,12 +241,13 @@ class KVCacheManager:
             raise KeyError(f"cannot fork {parent_id!r}: it holds no blocks")
         if self.has(child_id):
             raise ValueError(f"cannot fork into {child_id!r}: it already holds blocks")
-        self.pool.incref(parent.block_ids)
+        self.pool.incref(parent.block_ids[parent.num_dropped :])
         self._seqs[child_id] = _SeqBlocks(
             block_ids=list(parent.block_ids),
             num_tokens=parent.num_tokens,
             block_hashes=list(parent.block_hashes),
             num_cached_blocks=parent.num_cached_blocks,
+            num_dropped=parent.num_dropped,
         )
 
     def free(self, seq_id: SeqId) -> None:
@@ -240,11 +255,48 @@ class KVCacheManager:
         state = self._seqs.pop(seq_id, None)
         if state is None or not state.block_ids:
             return
+        held = state.block_ids[state.num_dropped :]
         # Tail first: the end of a sequence is the least likely part to be shared again.
-        self.pool.free(reversed(state.block_ids))
-        freed = {block_id for block_id in state.block_ids if self.pool.ref_count(block_id) == 0}
+        self.pool.free(reversed(held))
+        freed = {block_id for block_id in held if self.pool.ref_count(block_id) == 0}
         if freed and self._pending_copies:
             self._pending_copies = [(src, dst) for src, dst in self._pending_copies if dst not in freed]
+
+    def drop_outside_window(self, seq_id: SeqId, first_position: int) -> int:
+        """Release the sequence's blocks that no query at `first_position` or later can see;
+        returns how many were dropped (0 without a sliding window).
+
+        A query at position p reads keys p - W + 1 .. p (the attention kernels' and
+        transformers' convention), so a block whose every position is below
+        `first_position - W + 1` is never read again. Its entry becomes the null block and
+        its reference goes back to the pool; a block indexed in the prefix cache stays
+        findable there until evicted, like any freed cached block. The caller passes the
+        earliest position of any query still to run (a step in flight included), and only
+        for a sequence whose KV stays here (not one being exported or received).
+
+        The table is replaced, not edited in place, so a holder of the previous table (a
+        step already built from it, a reused device copy) can tell it changed by identity.
+        """
+        window = self.sliding_window
+        state = self._seqs.get(seq_id)
+        if window is None or state is None:
+            return 0
+        if first_position > state.num_tokens:
+            raise ValueError(
+                f"sequence {seq_id!r} has slots for {state.num_tokens} tokens; a query at position "
+                f"{first_position} has no KV yet"
+            )
+        num_unseen = (first_position - window + 1) // self.block_size  # leading blocks out of every window
+        start = state.num_dropped
+        if num_unseen <= start:
+            return 0
+        dropped = state.block_ids[start:num_unseen]
+        table = list(state.block_ids)
+        table[start:num_unseen] = [NULL_BLOCK_ID] * len(dropped)
+        state.block_ids = table
+        state.num_dropped = num_unseen
+        self.pool.free(reversed(dropped))  # the earliest freed last: a prefix hit needs it most
+        return len(dropped)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Block copies `(src, dst)` the runner must apply before the next forward; clears them."""
@@ -267,7 +319,7 @@ class KVCacheManager:
         if num_full <= state.num_cached_blocks:
             return
         self._extend_hashes(state, token_ids, num_full)
-        for index in range(state.num_cached_blocks, num_full):
+        for index in range(max(state.num_cached_blocks, state.num_dropped), num_full):
             self.pool.cache_block(state.block_ids[index], state.block_hashes[index])
         state.num_cached_blocks = num_full
 

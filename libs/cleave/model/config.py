@@ -48,7 +48,9 @@ class ModelConfig:
     config names as end-of-sequence (HF allows a single id or a list). `sliding_window` W
     (Mistral's; Qwen's only with use_sliding_window) limits each query to its last W
     positions in every layer, or only in the layers `layer_types` marks
-    "sliding_attention" (gpt-oss); the KV blocks behind the window are still kept.
+    "sliding_attention" (gpt-oss). When every layer slides by the same W, the engine frees
+    the KV blocks behind the window as generation moves (`KVCacheManager.drop_outside_window`);
+    with any full-attention layer every block is kept.
 
     Mixture-of-experts models (Qwen3-MoE, gpt-oss) set `num_experts` > 0: the layers in
     `moe_layers` replace the dense MLP with a router over `num_experts` experts of width
