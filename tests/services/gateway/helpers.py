@@ -27,3 +27,13 @@ async def wait_for_free_blocks(stack: Stack, expected: list[int], timeout_s: flo
     while free_blocks(stack) != expected and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)
     return free_blocks(stack)
+
+
+async def wait_for_no_running(stack: Stack, timeout_s: float = 5.0) -> dict:
+    """Poll until the gateway tracks no running request (a handler whose client gave up ends
+    a moment after the client saw its stream end); returns what is still running."""
+    assert stack.router is not None
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while stack.router._running and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    return dict(stack.router._running)

@@ -11,7 +11,7 @@ from cleave.client import GatewayClient
 from cleave.client.gateway import build_request, collect
 from cleave.generation.sampling_params import SamplingParams
 from cleave.proto.cleave.v1 import common_pb2 as c, gateway_pb2 as g
-from tests.services.gateway.helpers import free_blocks, reference_llm, wait_for_free_blocks
+from tests.services.gateway.helpers import free_blocks, reference_llm, wait_for_free_blocks, wait_for_no_running
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 PROMPT = "The quick brown fox"
@@ -123,7 +123,7 @@ async def test_client_cancel_aborts_and_frees_blocks(stack):
                 break
     assert received == 2
     assert await wait_for_free_blocks(stack, before) == before
-    assert stack.router._running == {}
+    assert await wait_for_no_running(stack) == {}
 
 
 async def test_abort_rpc_ends_the_stream_with_abort(stack):
