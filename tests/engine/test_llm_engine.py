@@ -7,7 +7,6 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cleave.engine.llm import LLM
@@ -17,6 +16,7 @@ from cleave.errors import InvalidArgument
 from cleave.generation.outputs import FinishReason
 from cleave.generation.sampling_params import SamplingParams
 from cleave.testing.tiny_models import ARCHITECTURES, write_tiny_checkpoint
+from tests.engine.hf_reference import hf_greedy_continuations
 
 NUM_PROMPTS = 16
 MAX_TOKENS = 16
@@ -44,21 +44,7 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
 @pytest.fixture(scope="session")
 def hf_greedy(checkpoints: dict[str, Path]) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
     """Per architecture: the prompts and transformers' greedy continuations (eos disabled)."""
-    import transformers
-
-    references = {}
-    for arch, path in checkpoints.items():
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        model.generation_config.eos_token_id = None
-        prompts = make_prompts(model.config.vocab_size)
-        outputs = []
-        with torch.no_grad():
-            for prompt in prompts:
-                ids = torch.tensor([prompt])
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False)
-                outputs.append(out[0, len(prompt) :].tolist())
-        references[arch] = (prompts, outputs)
-    return references
+    return {arch: hf_greedy_continuations(path, make_prompts, MAX_TOKENS) for arch, path in checkpoints.items()}
 
 
 def make_engine(path: Path, scheduler: dict | None = None, cache: dict | None = None, seed: int = 0) -> LLMEngine:

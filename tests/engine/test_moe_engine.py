@@ -7,11 +7,11 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from cleave.engine.llm import LLM
 from cleave.generation.sampling_params import SamplingParams
 from cleave.testing.tiny_models import MOE_ARCHITECTURES, write_tiny_checkpoint
+from tests.engine.hf_reference import hf_greedy_continuations
 
 NUM_PROMPTS = 4
 MAX_TOKENS = 32
@@ -31,22 +31,7 @@ def _prompts(vocab_size: int) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def hf_greedy(moe_checkpoints: dict[str, Path]) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
     """Per architecture: the prompts and transformers' greedy continuations (eos disabled)."""
-    import transformers
-
-    references = {}
-    for arch, path in moe_checkpoints.items():
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        model.generation_config.eos_token_id = None
-        prompts = _prompts(model.config.vocab_size)
-        outputs = []
-        with torch.no_grad():
-            for prompt in prompts:
-                ids = torch.tensor([prompt])
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                     do_sample=False)
-                outputs.append(out[0, len(prompt):].tolist())
-        references[arch] = (prompts, outputs)
-    return references
+    return {arch: hf_greedy_continuations(path, _prompts, MAX_TOKENS) for arch, path in moe_checkpoints.items()}
 
 
 def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -8,7 +8,6 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cleave.engine.llm_engine import LLMEngine, uniform_sliding_window
@@ -16,6 +15,7 @@ from cleave.engine.request import OutputAccumulator
 from cleave.generation.sampling_params import SamplingParams
 from cleave.model.config import ModelConfig
 from cleave.testing.tiny_models import write_tiny_checkpoint
+from tests.engine.hf_reference import hf_greedy_continuations
 
 WINDOW = 12
 BLOCK = 4
@@ -33,19 +33,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def hf_greedy(checkpoint: Path) -> tuple[list[list[int]], list[list[int]]]:
     """Five prompts of 5..30 tokens and transformers' greedy continuations (eos disabled)."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
     rng = random.Random(4)
-    prompts = [[rng.randrange(model.config.vocab_size) for _ in range(length)] for length in (5, 13, 21, 30, 17)]
-    outputs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False)
-            outputs.append(out[0, len(prompt) :].tolist())
-    return prompts, outputs
+    return hf_greedy_continuations(
+        checkpoint, lambda vocab: [[rng.randrange(vocab) for _ in range(n)] for n in (5, 13, 21, 30, 17)], MAX_TOKENS)
 
 
 def held_blocks(engine: LLMEngine, seq_id: str) -> int:
