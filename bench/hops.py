@@ -32,6 +32,9 @@ GAPS: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = (
     ("gap: gateway receive -> first byte", (ROOT, "start"), ("gateway.first_byte", "start")),
     ("gap: gateway receive -> prefill receive", (ROOT, "start"), ("cleave.v1.Prefill/Prefill", "start")),
     ("gap: prefill forward end -> first byte", ("engine.prefill_forward", "end"), ("gateway.first_byte", "start")),
+    ("gap: prefill forward end -> first tokens out", ("engine.prefill_forward", "end"),
+     ("prefill.first_tokens", "start")),
+    ("gap: first tokens out -> first byte", ("prefill.first_tokens", "end"), ("gateway.first_byte", "start")),
     ("gap: prefill end -> decode start", ("cleave.v1.Prefill/Prefill", "end"), ("cleave.v1.Decode/Start", "start")),
 )
 

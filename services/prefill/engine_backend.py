@@ -248,7 +248,8 @@ class EnginePrefillBackend:
                     destination = await handoff.reserved()
                 self._check_destination(destination, len(prompt))
                 if early is not None:  # the blocks are reserved: the client may see its tokens now
-                    await early(result)
+                    with span("prefill.first_tokens"):
+                        await early(result)
             stream = await self._take_layer_stream(request_id, opening)
             table = self._tables.pop(request_id, None)
             if table is None:  # not kept by the step (e.g. an engine without the hook)

@@ -64,7 +64,10 @@ async def test_a_request_is_one_trace_across_the_services(traced_stack):
     for trace_spans in (grpc_trace, http_trace):
         names = {span["name"]: span for span in trace_spans}
         assert {"gateway.tokenize", "gateway.first_byte", "cleave.v1.Prefill/Prefill", "engine.queue_wait",
-                "engine.prefill_forward"} <= set(names), sorted(names)
+                "engine.prefill_forward", "prefill.first_tokens"} <= set(names), sorted(names)
+        # the first tokens leave the prefill worker before its KV does, and reach the client after
+        assert names["prefill.first_tokens"]["start_ns"] <= names["prefill.kv_send"]["start_ns"]
+        assert names["prefill.first_tokens"]["start_ns"] <= names["gateway.first_byte"]["start_ns"]
         assert any(name.startswith("cleave.v1.Decode/") for name in names)
         assert {span["service"] for span in trace_spans} >= {"cleave-gateway", "cleave-prefill", "cleave-decode"}
         by_id = {span["span_id"]: span for span in trace_spans}
@@ -75,5 +78,6 @@ async def test_a_request_is_one_trace_across_the_services(traced_stack):
     assert hops.trace_root(http_trace)["parent_span_id"] == "00f067aa0ba902b7"
     rows = {row["hop"]: row for row in hops.hop_table(trace_dir)}
     assert rows["gap: gateway receive -> first byte"]["count"] == 2
+    assert rows["gap: first tokens out -> first byte"]["count"] == 2
     assert rows["engine.prefill_forward"]["p50_ms"] > 0
     json.dumps(list(rows.values()))  # what bench/disagg.py stores under "hops"
