@@ -7,7 +7,7 @@ import pytest
 
 from cleave.transfer.kvstore_index import StoredIndex
 from services.kvstore.store import StoreConfig
-from tests.services.test_kvstore_store import BLOCK_BYTES, Store, chain
+from tests.services.kvstore.test_store import BLOCK_BYTES, Store, chain
 
 WAIT_S = 5.0
 

@@ -17,7 +17,7 @@ from cleave.rpc import aio_channel
 from cleave.rpc.auth import INTERNAL_TOKEN_KEY
 from cleave.transfer.kvstore_client import KVStoreClient
 from cleave.rpc.prefill_call import prefill_response
-from tests.services.test_kvstore_store import LAYOUT, chain
+from tests.services.kvstore.test_store import LAYOUT, chain
 from tests.worker.cluster import (
     GATEWAY,
     INTERNAL_TOKEN,

@@ -16,7 +16,7 @@ from services.kvstore import watch
 from services.kvstore.backend import BlockEvent
 from services.kvstore.store import StoreConfig
 from services.kvstore.watch import WatchHub
-from tests.services.test_kvstore_store import BLOCK_BYTES, LAYOUT, Store, chain
+from tests.services.kvstore.test_store import BLOCK_BYTES, LAYOUT, Store, chain
 from tests.worker.cluster import start_kvstore
 
 READ_TIMEOUT_S = 5.0

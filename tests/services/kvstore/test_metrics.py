@@ -15,7 +15,7 @@ from cleave.transfer.kvstore_client import KVStoreClient
 from services.kvstore.__main__ import registration
 from services.kvstore.servicer import KVStoreServicer
 from services.kvstore.store import BlockStore, StoreConfig
-from tests.services.test_kvstore_store import BLOCK_BYTES, LAYOUT, chain
+from tests.services.kvstore.test_store import BLOCK_BYTES, LAYOUT, chain
 
 LABELS = MetricLabels("", "kvstore")
 

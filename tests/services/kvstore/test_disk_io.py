@@ -11,7 +11,7 @@ import torch
 
 import services.kvstore.disk as disk
 from services.kvstore.store import StoreConfig
-from tests.services.test_kvstore_store import BLOCK_BYTES, Store, chain
+from tests.services.kvstore.test_store import BLOCK_BYTES, Store, chain
 
 
 async def test_checksums_run_on_the_io_thread(tmp_path: Path, monkeypatch):

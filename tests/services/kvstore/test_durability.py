@@ -15,7 +15,7 @@ import torch
 
 from cleave.transfer.kvstore_client import KVStoreClient
 from services.kvstore.store import StoreConfig
-from tests.services.test_kvstore_store import BLOCK_BYTES, LAYOUT, Store, chain
+from tests.services.kvstore.test_store import BLOCK_BYTES, LAYOUT, Store, chain
 from tests.services.test_process import wait_for_port
 
 NUM_PUTS = 40
