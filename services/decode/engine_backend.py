@@ -197,6 +197,7 @@ class EngineDecodeBackend:
             num_total_blocks=kv.num_usable_blocks,
             max_num_running=self.engine.config.scheduler.max_num_seqs,
             tokens_per_second=self.delivery.tokens_per_second(),
+            num_attached_gateways=self.streams.num_attached,
         )
 
     async def handshake(self, spec: HandshakeSpec) -> HandshakeResult:

@@ -62,6 +62,11 @@ class GatewayStreams:
         outbox = self._outboxes.get(gateway_id)
         return outbox is not None and outbox.owner is not None
 
+    @property
+    def num_attached(self) -> int:
+        """Gateways with an open Attach stream now."""
+        return sum(1 for outbox in self._outboxes.values() if outbox.owner is not None)
+
     async def attach(self, gateway_id: str) -> AsyncIterator[StepOutput]:
         """The gateway's stream; a second attach with the same id ends the first."""
         outbox = self._outboxes.setdefault(gateway_id, _Outbox())

@@ -44,6 +44,7 @@ def started(monkeypatch, tmp_path):
             child.address = f"127.0.0.1:{50000 + len(self.children)}"
 
     monkeypatch.setattr(ProcessStack, "_wait_healthy", healthy)
+    monkeypatch.setattr(ProcessStack, "_wait_attached", lambda self, decode, num_gateways, timeout_s: None)
 
     def start(spec: StackSpec) -> dict[str, list[str]]:
         stack = ProcessStack(spec, tmp_path / "stack")
@@ -127,6 +128,7 @@ def test_one_gateway_does_not_share_its_port(started):
 def test_every_child_gets_the_stacks_token_in_its_environment_never_on_its_command_line(monkeypatch, tmp_path):
     monkeypatch.setattr(_stack.subprocess, "Popen", FakeProcess)
     monkeypatch.setattr(ProcessStack, "_wait_healthy", lambda self, children, timeout_s: None)
+    monkeypatch.setattr(ProcessStack, "_wait_attached", lambda self, decode, num_gateways, timeout_s: None)
     monkeypatch.setenv("CLEAVE_INTERNAL_TOKEN_FILE", "/elsewhere/token")  # would give the children another secret
     stacks = [ProcessStack(StackSpec(model=Path("/m"), num_gateways=2), tmp_path / f"stack-{i}") for i in range(2)]
     for stack in stacks:

@@ -65,6 +65,7 @@ def stack(monkeypatch, tmp_path):
             child.address = f"127.0.0.1:{50000 + self.children.index(child)}"
 
     monkeypatch.setattr(ProcessStack, "_wait_healthy", healthy)
+    monkeypatch.setattr(ProcessStack, "_wait_attached", lambda self, decode, num_gateways, timeout_s: None)
     running = ProcessStack(StackSpec(model=Path("/m"), num_decode=2, grpc_port=0, http_port=None), tmp_path)
     running.start()
     yield running
@@ -124,6 +125,7 @@ def test_a_restarted_gateway_keeps_its_ports(monkeypatch, tmp_path):
     monkeypatch.setattr(_stack.subprocess, "Popen", FakeProcess)
     monkeypatch.setattr(ProcessStack, "_wait_healthy", lambda self, children, timeout_s: [
         setattr(child, "address", "127.0.0.1:41234") for child in children])
+    monkeypatch.setattr(ProcessStack, "_wait_attached", lambda self, decode, num_gateways, timeout_s: None)
     stack = ProcessStack(StackSpec(model=Path("/m"), grpc_port=0, http_port=0), tmp_path)
     stack.start()
     try:

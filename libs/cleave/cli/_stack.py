@@ -32,11 +32,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
 
+import grpc
+
 from cleave.cli._mps import ACTIVE_THREAD_PERCENTAGE_ENV, MpsDaemon, MpsSetting, MpsUnavailable, wants_mps
 from cleave.cli._memory_split import DEFAULT_GPU_MEMORY_UTILIZATION, MemorySplit, PlacedWorker, memory_shares
 from cleave.cli._ownership import check_ports_free
 from cleave.cli.health import EXIT_SERVING, check
 from cleave.config import INTERNAL_TOKEN_ENV
+from cleave.proto.cleave.v1 import common_pb2, decode_pb2_grpc
+from cleave.rpc.auth import INTERNAL_TOKEN_KEY
 
 DEFAULT_CPU_KV_BLOCKS = 1024
 
@@ -256,6 +260,29 @@ class ProcessStack:
             if pending:
                 time.sleep(0.1)
 
+    def _wait_attached(self, decode: list[Child], num_gateways: int, timeout_s: float) -> None:
+        """Wait until every gateway streams from every decode worker: a gateway attaches to a
+        worker once it is in its rotation, so the first requests spread over all of them
+        (a worker whose first health check timed out would otherwise join a moment later)."""
+        deadline = time.monotonic() + timeout_s
+        metadata = ((INTERNAL_TOKEN_KEY, self.internal_token),) if self.internal_token else ()
+        pending = list(decode)
+        while pending:
+            for child in list(pending):
+                with grpc.insecure_channel(child.address) as channel:
+                    try:
+                        load = decode_pb2_grpc.DecodeStub(channel).GetLoad(
+                            common_pb2.GetLoadRequest(), timeout=2.0, metadata=metadata).load
+                    except grpc.RpcError:
+                        continue
+                if load.num_attached_gateways >= num_gateways:
+                    pending.remove(child)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(child.name for child in pending)
+                raise TimeoutError(f"the gateway did not attach to {names} in {timeout_s:g} s; see logs in {self.workdir}")
+            if pending:
+                time.sleep(0.05)
+
     def placed_workers(self) -> list[PlacedWorker]:
         """The prefill and decode workers `start()` runs, in start order, with their devices
         (every worker on `spec.device`: CUDA_VISIBLE_DEVICES is inherited by all)."""
@@ -300,7 +327,8 @@ class ProcessStack:
         return args + list(spec.gateway_args)
 
     def start(self, timeout_s: float = 120.0) -> None:
-        """Start everything and return once the gateway is SERVING (stops all on failure)."""
+        """Start everything and return once the gateway is SERVING and streams from every
+        decode worker (stops all on failure)."""
         spec = self.spec
         self.workdir.mkdir(parents=True, exist_ok=True)
         ports = [(spec.grpc_port, "gateway gRPC, --grpc-port")]
@@ -326,6 +354,8 @@ class ProcessStack:
                                     self._gateway_args(workers, index, gateway.address.rpartition(":")[2]))
                         for index in range(1, spec.num_gateways)]
             self._wait_healthy(replicas, timeout_s)
+            decode = [worker for worker in workers if worker.name.startswith("decode")]
+            self._wait_attached(decode, spec.num_gateways, timeout_s)
             if spec.metrics:
                 self.write_prometheus_targets()
         except BaseException:

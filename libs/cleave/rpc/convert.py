@@ -339,6 +339,7 @@ def worker_load_to_proto(load: types.WorkerLoad) -> common_pb2.WorkerLoad:
         num_queued_prompt_tokens=load.num_queued_prompt_tokens,
         max_num_running=load.max_num_running,
         tokens_per_second=load.tokens_per_second,
+        num_attached_gateways=load.num_attached_gateways,
     )
 
 
@@ -352,6 +353,7 @@ def worker_load_from_proto(message: common_pb2.WorkerLoad) -> types.WorkerLoad:
         num_queued_prompt_tokens=message.num_queued_prompt_tokens,
         max_num_running=message.max_num_running,
         tokens_per_second=message.tokens_per_second,
+        num_attached_gateways=message.num_attached_gateways,
     )
 
 

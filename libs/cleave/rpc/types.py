@@ -162,6 +162,7 @@ class WorkerLoad:
     num_queued_prompt_tokens: int = 0
     max_num_running: int = 0
     tokens_per_second: float = 0.0
+    num_attached_gateways: int = 0  # decode: gateways with an open Attach stream
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,26 @@ async def test_load_reports_the_whole_pool(decode):
         "decode-0", 64, 64, 256)
 
 
+async def _num_attached(decode, expected: int) -> int:  # type: ignore[no-untyped-def]
+    """The load's attached gateways once it is `expected` (or after 5 s)."""
+    deadline = asyncio.get_running_loop().time() + 5
+    while True:
+        load = (await decode.stub.GetLoad(c.GetLoadRequest())).load
+        if load.num_attached_gateways == expected or asyncio.get_running_loop().time() > deadline:
+            return load.num_attached_gateways
+        await asyncio.sleep(0.01)
+
+
+async def test_load_counts_the_attached_gateways(decode):
+    assert await _num_attached(decode, 0) == 0
+    first, second = AttachReader(decode.stub, "gateway-a"), AttachReader(decode.stub, "gateway-b")
+    assert await _num_attached(decode, 2) == 2
+    await first.cancel()
+    assert await _num_attached(decode, 1) == 1
+    await second.cancel()
+    assert await _num_attached(decode, 0) == 0
+
+
 async def test_admit_reserves_blocks_and_abort_frees_them(decode):
     reader = AttachReader(decode.stub)
     handle = (await decode.stub.Admit(admit("a1"))).handle

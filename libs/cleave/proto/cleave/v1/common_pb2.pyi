@@ -278,7 +278,7 @@ class KVChunkHeader(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., layer_index: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., byte_length: _Optional[int] = ..., is_last: _Optional[bool] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_queued_prompt_tokens", "max_num_running", "tokens_per_second", "worker_id")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_queued_prompt_tokens", "max_num_running", "tokens_per_second", "worker_id", "num_attached_gateways")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +287,7 @@ class WorkerLoad(_message.Message):
     MAX_NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_ATTACHED_GATEWAYS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -295,7 +296,8 @@ class WorkerLoad(_message.Message):
     max_num_running: int
     tokens_per_second: float
     worker_id: str
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_queued_prompt_tokens: _Optional[int] = ..., max_num_running: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    num_attached_gateways: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_queued_prompt_tokens: _Optional[int] = ..., max_num_running: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., worker_id: _Optional[str] = ..., num_attached_gateways: _Optional[int] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
