@@ -63,12 +63,14 @@ def test_engine_decode_steps_on_the_triton_kernels(arch, moe_checkpoints, hf_gre
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
-def test_llm_greedy_matches_transformers_on_cuda_graphs(arch, moe_checkpoints, hf_greedy):
-    """The same on the GPU: decode steps replay CUDA graphs holding the fused MoE kernels."""
+def test_llm_greedy_matches_transformers_on_cuda(arch, eager, moe_checkpoints, hf_greedy):
+    """The same on the GPU: decode steps replay CUDA graphs holding the fused MoE kernels,
+    or run them eagerly (which of the two a failure follows says where to look)."""
     prompts, expected = hf_greedy[arch]
     # a cache of its own size: tests in one process would each claim 90% of the device
     llm = LLM(moe_checkpoints[arch], device="cuda", dtype="float32", max_model_len=256,
-              max_num_batched_tokens=48, block_size=16, num_blocks=128)
-    assert llm.engine.runner.graph_runner is not None
+              max_num_batched_tokens=48, block_size=16, num_blocks=128, enforce_eager=eager)
+    assert (llm.engine.runner.graph_runner is None) is eager
     assert _generate(llm, prompts, MAX_TOKENS) == expected
