@@ -138,7 +138,7 @@ class EnginePrefillBackend:
         self.kvstore: KVStorePrefix | None = None
         self.counters = PrefillCounters()
         self._in_flight: dict[str, int] = {}  # request id -> prompt tokens
-        self.store_backlog_bytes = store_backlog_bytes
+        self._store_backlog_bytes = store_backlog_bytes  # the puts' bound, once they exist
         self.puts: BackgroundPuts | None = None  # with a kvstore, set at start()
         self._tables: dict[str, list[int]] = {}  # request id -> prompt blocks, read on the step thread
         self._releases: set[asyncio.Task[None]] = set()  # block releases after a response went out
@@ -174,7 +174,7 @@ class EnginePrefillBackend:
             def skipped() -> None:
                 counters.num_kvstore_puts_skipped += 1
 
-            self.puts = BackgroundPuts(self.kvstore, self._cleanup, self.store_backlog_bytes, stored, skipped)
+            self.puts = BackgroundPuts(self.kvstore, self._cleanup, self._store_backlog_bytes, stored, skipped)
 
     async def drain(self) -> None:
         """Refuse new prefills, return once the admitted ones answered and their decode
@@ -264,8 +264,7 @@ class EnginePrefillBackend:
             if handoff is not None:
                 handoff.start(result.first_token_ids, result.first_token_logprobs)
             if spec.store_to_kvstore and self.puts is not None:
-                num_bytes = len(table) * async_engine.engine.kv_cache[:, :, 0].nbytes
-                handed_off = self.puts.start(request_id, prompt, table, fetch, num_bytes)
+                handed_off = self.puts.start(request_id, prompt, table, fetch)
             elif self.kvstore is not None:
                 self.kvstore.remember(prompt, fetch)  # computed here: later fetches need not ask the engine
         except BaseException:

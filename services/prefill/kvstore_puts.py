@@ -49,9 +49,9 @@ class BackgroundPuts:
         """The request's put still running (its blocks are still held), if any."""
         return self._tasks.get(request_id)
 
-    def start(self, request_id: str, prompt: Sequence[int], table: list[int], fetch: PrefixFetch,
-              num_bytes: int) -> bool:
+    def start(self, request_id: str, prompt: Sequence[int], table: list[int], fetch: PrefixFetch) -> bool:
         """Start the put (it then owns the prompt's blocks) unless the backlog is full."""
+        num_bytes = len(table) * self.kvstore.engine.kv_cache[:, :, 0].nbytes  # host bytes of its blocks
         if self._backlog + num_bytes > self.max_bytes:
             self._on_skipped()
             log.debug("kvstore put skipped: backlog full", request_id=request_id, backlog_bytes=self._backlog)
