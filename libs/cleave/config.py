@@ -403,7 +403,7 @@ def worker_config(
               "tokens are not cached here already (shorter ones cost more in round trips than their compute)",
               type=int)
     flags.add("--layer-streaming", "auto", "prefill: send a prompt's KV layer by layer while its forward runs "
-              "(auto: over CUDA IPC only; on: any transport; off: after the step)", choices=("auto", "on", "off"))
+              "(auto: over CUDA IPC, prompts of 4096 tokens or more; on: every prompt, any transport; off: after the step)", choices=("auto", "on", "off"))
     args = flags.parse(argv)
     if args.num_kv_blocks < 0:
         raise SystemExit("--num-kv-blocks must be >= 0")

@@ -33,7 +33,8 @@ no per-layer round trip (CUDA IPC: one copy launch on the transfer stream, one c
 one acknowledgement; see `cleave.transfer.sender`), while the kvstore's copy to host runs on
 a thread of its own, not on the engine's.
 
-Layer streaming (`layer_streaming`, "auto": CUDA IPC handles only): when the destination is
+Layer streaming (`layer_streaming`, "auto": CUDA IPC handles and prompts of at least
+`AUTO_LAYER_STREAM_MIN_TOKENS` tokens only): when the destination is
 known before the step that runs the prompt's final chunk starts (a `destination` in the
 request, or a decode reservation that came back in time), each layer's KV is copied as soon
 as that layer's forward queued it, ordered after its CUDA event, so the copy overlaps the
@@ -75,6 +76,12 @@ log = structlog.get_logger("cleave.prefill")
 NO_FETCH = PrefixFetch(0, 0)
 STORE_DRAIN_S = 5.0  # at shutdown, how long background kvstore puts may still run
 HANDSHAKE_TIMEOUT_S = 30.0  # one Decode.Handshake call
+# "auto" streams a prompt's layers only from this length on. A shorter prompt's forward is
+# launch-bound (a 512-token prompt: ~8 ms of eager launches on an H200), and the per-layer
+# callbacks on the event loop take the GIL from the step thread that launches it, so its
+# forward slows by more than the ~1 ms send after the step that streaming hides; a long
+# prompt's forward is compute-bound and its KV larger.
+AUTO_LAYER_STREAM_MIN_TOKENS = 4096
 
 
 @dataclass
@@ -103,8 +110,9 @@ class EnginePrefillBackend:
             workers and the kvstore and on bulk KV connections; None: sent nowhere.
         store_backlog_bytes: host bytes of background kvstore puts in flight at most; a
             prompt that would exceed it is not stored (counted in `num_kvstore_puts_skipped`).
-        layer_streaming: "auto" streams KV layer by layer during the forward over CUDA IPC,
-            "on" over any transport (tests, TCP on CPU), "off" never.
+        layer_streaming: "auto" streams KV layer by layer during the forward over CUDA IPC
+            for prompts of `AUTO_LAYER_STREAM_MIN_TOKENS` or more, "on" for every prompt over
+            any transport (tests, TCP on CPU), "off" never.
         kvstore_min_prefix_tokens: prefixes shorter than this are neither fetched from nor
             put into the kvstore (`KVStorePrefix`).
     """
@@ -393,9 +401,11 @@ class EnginePrefillBackend:
     def _open_layer_stream(
         self, request_id: str, destination: TransferHandle | DecodeHandoff | None, num_prompt_tokens: int
     ) -> asyncio.Task[None] | None:
-        """Start opening the request's layer stream (None: streaming is off or there is no
-        destination); see `_offer_layer_stream`."""
+        """Start opening the request's layer stream (None: streaming is off, the prompt is
+        too short for "auto", or there is no destination); see `_offer_layer_stream`."""
         if self.layer_streams is None or destination is None:
+            return None
+        if self.layer_streaming == "auto" and num_prompt_tokens < AUTO_LAYER_STREAM_MIN_TOKENS:
             return None
         return asyncio.ensure_future(self._offer_layer_stream(request_id, destination, num_prompt_tokens))
 

@@ -13,8 +13,12 @@ from cleave.cli._mps import CONTROL, LOG_ENV, PIPE_ENV, MpsDaemon, MpsUnavailabl
 from cleave.cli._stack import ProcessStack, StackSpec
 
 CONTROL_SCRIPT = """#!/bin/sh
-# records: arguments, the pipe directory it was given, and what came on stdin
-echo "args=$* pipe=$CUDA_MPS_PIPE_DIRECTORY stdin=$( [ "$1" = "-d" ] || cat )" >> "{record}"
+# records: arguments, the pipe directory it was given, and what came on stdin; once told to
+# quit, no daemon answers any more (exit 1, unrecorded)
+[ -e "{record}.quit" ] && exit 1
+input=$( [ "$1" = "-d" ] || cat )
+echo "args=$* pipe=$CUDA_MPS_PIPE_DIRECTORY stdin=$input" >> "{record}"
+[ "$input" = "quit" ] && touch "{record}.quit"
 exit {code}
 """
 
@@ -61,9 +65,26 @@ def test_no_control_binary_or_a_refusal_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(MpsUnavailable, match="not on PATH.*--mps off"):
         MpsDaemon.start(tmp_path / "mps", {})
     monkeypatch.undo()
-    fake_control(tmp_path, monkeypatch, code=3)
-    with pytest.raises(MpsUnavailable, match="-d failed: exit code 3"):
+    record = fake_control(tmp_path, monkeypatch, code=3)
+    monkeypatch.setattr("cleave.cli._mps.START_RETRY_S", 0.3)
+    (tmp_path / "mps" / "log").mkdir(parents=True)
+    (tmp_path / "mps" / "log" / "control.log").write_text("started\nAn MPS server is already running\n\n")
+    with pytest.raises(MpsUnavailable, match="-d failed: exit code 3 \\(An MPS server is already running\\)"):
         MpsDaemon.start(tmp_path / "mps", {})
+    assert record.read_text().count("args=-d") >= 2  # retried until the deadline
+
+
+def test_stop_waits_until_the_daemon_is_gone(tmp_path, monkeypatch):
+    """`quit` returns while the daemon still exits; stop() returns once the control program
+    no longer reaches it (here: at once, the stand-in refuses after quit), so a next stack's
+    daemon can start."""
+    record = fake_control(tmp_path, monkeypatch)
+    daemon = MpsDaemon.start(tmp_path / "mps", {})
+    daemon.stop()
+    assert (tmp_path / "calls.txt.quit").exists()
+    (tmp_path / "calls.txt.quit").unlink()
+    again = MpsDaemon.start(tmp_path / "mps2", {})
+    assert again.owned and record.read_text().count("args=-d") == 2
 
 
 def test_the_stack_hands_the_daemon_to_its_children_only_when_it_runs_one(tmp_path, monkeypatch):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -36,6 +37,9 @@ PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
 # a client's cap on the SMs its kernels may occupy, in percent (read by the CUDA driver)
 ACTIVE_THREAD_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 MpsSetting = Literal["auto", "on", "off"]
+STOP_WAIT_S = 15.0  # how long stop() waits for a daemon told to quit to be gone
+START_RETRY_S = 10.0  # how long start() retries a refused `-d` (a previous daemon still exiting)
+RETRY_INTERVAL_S = 0.1
 
 
 class MpsUnavailable(FailedPrecondition):
@@ -75,11 +79,19 @@ class MpsDaemon:
         pipe.mkdir(parents=True, exist_ok=True)
         log.mkdir(parents=True, exist_ok=True)
         env = {PIPE_ENV: str(pipe), LOG_ENV: str(log)}
-        done = subprocess.run([control, "-d"], env=_with(env), capture_output=True, text=True, timeout=30)
-        if done.returncode != 0:
-            reason = (done.stderr or done.stdout).strip() or f"exit code {done.returncode}"
-            raise MpsUnavailable(f"{CONTROL} -d failed: {reason}; pass --mps off")
-        return cls(env=env, owned=True)
+        # A daemon that another stack just told to quit may still hold the device for a
+        # moment (its server waits for its clients): a refusal is retried until it is gone.
+        deadline = time.monotonic() + START_RETRY_S
+        while True:
+            done = subprocess.run([control, "-d"], env=_with(env), capture_output=True, text=True, timeout=30)
+            if done.returncode == 0:
+                return cls(env=env, owned=True)
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(RETRY_INTERVAL_S)
+        reason = (done.stderr or done.stdout).strip() or f"exit code {done.returncode}"
+        logged = _last_line(log / "control.log")
+        raise MpsUnavailable(f"{CONTROL} -d failed: {reason}{f' ({logged})' if logged else ''}; pass --mps off")
 
     def stop(self) -> None:
         """Shut down an owned daemon (its clients have exited); idempotent."""
@@ -87,10 +99,30 @@ class MpsDaemon:
             return
         self.owned = False
         control = shutil.which(CONTROL)
-        if control is not None:
-            subprocess.run([control], input="quit\n", env=_with(self.env), capture_output=True, text=True,
-                           timeout=30, check=False)
+        if control is None:
+            return
+        env = _with(self.env)
+        subprocess.run([control], input="quit\n", env=env, capture_output=True, text=True, timeout=30, check=False)
+        # `quit` returns before the daemon and its server have exited; the next stack's
+        # daemon cannot start until they have. The control program exits non-zero once no
+        # daemon answers on this pipe directory.
+        deadline = time.monotonic() + STOP_WAIT_S
+        while time.monotonic() < deadline:
+            alive = subprocess.run([control], input="get_server_list\n", env=env, capture_output=True, text=True,
+                                   timeout=30, check=False)
+            if alive.returncode != 0:
+                return
+            time.sleep(RETRY_INTERVAL_S)
 
 
 def _with(env: dict[str, str]) -> dict[str, str]:
     return {**os.environ, **env}
+
+
+def _last_line(path: Path) -> str:
+    """The last non-empty line of the daemon's log (why it refused), or ""."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return next((line.strip() for line in reversed(lines) if line.strip()), "")

@@ -21,7 +21,7 @@ from cleave.transfer.block_copy import copy_blocks
 from cleave.transfer.memory import MemoryEndpoint, MemoryTransferClient
 from cleave.rpc.prefill_call import prefill_response
 from services.prefill.backend import PrefillSpec
-from services.prefill.engine_backend import EnginePrefillBackend
+from services.prefill.engine_backend import AUTO_LAYER_STREAM_MIN_TOKENS, EnginePrefillBackend
 from tests.worker.cluster import (
     ENGINE_ARGS, GATEWAY, MODEL_ID, AttachReader, BrokenBulkConnection, check_torn_transfer, engine_config, greedy,
     start_decode, start_prefill, wait_pool_full,
@@ -159,3 +159,17 @@ async def test_a_layer_stream_that_fails_mid_layer_frees_both_ends(checkpoint, m
     finally:
         await prefill.close()
         await decode.close()
+
+
+async def test_auto_streams_only_long_prompts(checkpoint):
+    """"auto" leaves a short prompt's KV to the send after the step (its launch-bound forward
+    would lose more to the per-layer callbacks than streaming hides) and opens a stream for a
+    long one."""
+    backend = EnginePrefillBackend(engine_config(checkpoint), worker_id="p", model_id=MODEL_ID, layer_streaming="auto")
+    backend.layer_streams = object()  # type: ignore[assignment]  # as after start(), without an engine
+    destination = object()
+    assert backend._open_layer_stream("short", destination, AUTO_LAYER_STREAM_MIN_TOKENS - 1) is None  # type: ignore[arg-type]
+    opening = backend._open_layer_stream("long", destination, AUTO_LAYER_STREAM_MIN_TOKENS)  # type: ignore[arg-type]
+    assert opening is not None
+    opening.cancel()
+    await asyncio.gather(opening, return_exceptions=True)
