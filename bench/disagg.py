@@ -2,8 +2,9 @@
 
 Each mode starts the whole stack as processes (`cleave up`'s ProcessStack): disaggregated is
 1 prefill + 1 decode worker sharing the device (on one GPU the KV moves by CUDA IPC, which
-the workers negotiate on their first transfer; the two run under the stack's MPS daemon unless
-`--mps off`, the `mps` column says whether they did), colocated is 1 decode worker that prefills
+the workers negotiate on their first transfer; the two run under an MPS daemon unless
+`--mps off`, one daemon for the whole run that every stack wanting it adopts, the `mps` column
+says whether they did), colocated is 1 decode worker that prefills
 itself, conditional starts what disaggregated starts and lets the gateway choose per request.
 The load (bench/serve_load.py) comes from `--client-procs` client processes, so that the
 client is not what limits the stream (how the HTTP stream's tokens are counted: bench/serve_clients.py):
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import itertools
 import json
@@ -53,6 +55,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -341,7 +344,7 @@ def write_model(directory: Path, device: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from common import format_table, write_results
+    from common import format_table
 
     from cleave.config import SHIPPED_MODEL_DIR
 
@@ -366,29 +369,81 @@ def main(argv: list[str] | None = None) -> int:
         default_model = "shipped reasoner" if args.device == "cpu" else "Llama-3.2-1B-shaped bf16"
         summary["model"] = str(args.model or default_model)
         name = "disagg-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        rows: list[dict] = []
-        written: tuple[Path, ...] = ()
-        for values in itertools.product(
-                args.modes.split(","), args.gateways, args.kvstore_puts, apis, args.mps, args.prefill_sm_percent,
-                args.metrics, args.gil_switch_interval_ms, args.conditional_policy, args.prefill_variant or [""]):
-            variant = Variant(*values)
-            if variant.mode == "colocated" and variant.prefill_variant != (args.prefill_variant or [""])[0]:
-                continue  # no prefill worker
-            if variant.mode != "conditional" and variant.policy != args.conditional_policy[0]:
-                continue  # the policy only changes conditional mode
-            if variant.mode != "conditional":
-                variant = replace(variant, policy=None)
-            if variant.mode == "colocated" and (variant.mps, variant.sm_percent) != (
-                    args.mps[0], args.prefill_sm_percent[0]):
-                continue  # one worker: no MPS to share and no prefill worker to cap
-            rows.append(run_mode(variant, model_dir, args, workdir, vocab))
-            print(format_table(rows[-1:], COLUMNS), flush=True)
-            if args.out:  # after every mode, so a failure later keeps the modes that ran
-                written = write_results(args.out, name, rows, COLUMNS, summary)
+        with run_mps_daemon(workdir, args) as mps_env:
+            rows = run_variants(args, model_dir, workdir, vocab, mps_env, name, summary)
     print(format_table(rows, COLUMNS))
+    return 0
+
+
+@contextlib.contextmanager
+def run_mps_daemon(workdir: Path, args: argparse.Namespace) -> Iterator[dict[str, str]]:
+    """One MPS daemon for the whole run, when any mode may want one (its environment, or {}).
+
+    On the H200 host (driver 580) a daemon started after another one quit in the same process
+    tree is refused (`-d` exits 1, even seconds later), so each stack adopting the run's
+    daemon is what lets `--mps on,off` compare within one run."""
+    from cleave.cli._mps import PIPE_ENV, MpsDaemon, wants_mps
+
+    if not any(wants_mps(setting, args.device, 2) for setting in args.mps):
+        yield {}
+        return
+    daemon = MpsDaemon.start(workdir / "mps", {key: value for key, value in os.environ.items() if key != PIPE_ENV})
+    try:
+        yield dict(daemon.env)
+    finally:
+        daemon.stop()
+
+
+@contextlib.contextmanager
+def mps_for(variant: "Variant", args: argparse.Namespace, mps_env: dict[str, str]) -> Iterator[None]:
+    """The process environment a variant's stack sees: the run's daemon when the variant
+    wants MPS (its stack adopts it), none otherwise."""
+    from cleave.cli._mps import LOG_ENV, PIPE_ENV, wants_mps
+
+    saved = {key: os.environ.get(key) for key in (PIPE_ENV, LOG_ENV)}
+    wanted = wants_mps(variant.mps, args.device, 1 if variant.mode == "colocated" else 2)
+    try:
+        for key in saved:
+            os.environ.pop(key, None)
+        if wanted:
+            os.environ.update(mps_env)
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def run_variants(args: argparse.Namespace, model_dir: Path, workdir: Path, vocab: int, mps_env: dict[str, str],
+                 name: str, summary: dict) -> list[dict]:
+    """Every variant of the run, one stack each; results written after each one."""
+    from common import format_table, write_results
+
+    rows: list[dict] = []
+    written: tuple[Path, ...] = ()
+    for values in itertools.product(
+            args.modes.split(","), args.gateways, args.kvstore_puts, args.api.split(","), args.mps, args.prefill_sm_percent,
+            args.metrics, args.gil_switch_interval_ms, args.conditional_policy, args.prefill_variant or [""]):
+        variant = Variant(*values)
+        if variant.mode == "colocated" and variant.prefill_variant != (args.prefill_variant or [""])[0]:
+            continue  # no prefill worker
+        if variant.mode != "conditional" and variant.policy != args.conditional_policy[0]:
+            continue  # the policy only changes conditional mode
+        if variant.mode != "conditional":
+            variant = replace(variant, policy=None)
+        if variant.mode == "colocated" and (variant.mps, variant.sm_percent) != (
+                args.mps[0], args.prefill_sm_percent[0]):
+            continue  # one worker: no MPS to share and no prefill worker to cap
+        with mps_for(variant, args, mps_env):
+            rows.append(run_mode(variant, model_dir, args, workdir, vocab))
+        print(format_table(rows[-1:], COLUMNS), flush=True)
+        if args.out:  # after every mode, so a failure later keeps the modes that ran
+            written = write_results(args.out, name, rows, COLUMNS, summary)
     for path in written:
         print(f"wrote {path}")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
