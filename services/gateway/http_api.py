@@ -252,11 +252,10 @@ class OpenAIApi:
             if first is not None:
                 # a chunk with samples carries tokens; one without ends a request that made none
                 with span("gateway.first_byte", request_id=shaper.spec.request_id) if first.samples else NOOP_SPAN:
-                    for event in shaper.events(first):
-                        await response.write(_sse(event))
-                async for chunk in chunks:
-                    for event in shaper.events(chunk):
-                        await response.write(_sse(event))
+                    await response.write(shaper.sse(first))
+                async for chunk in chunks:  # one write per chunk, whatever its samples
+                    if data := shaper.sse(chunk):
+                        await response.write(data)
             if shaper.include_usage:
                 await response.write(_sse(shaper.usage_event()))
         except Exception as error:  # after the headers went out, an error travels as an event
@@ -296,6 +295,7 @@ class _Shaper:
             i: {"text": [], "reasoning": [], "finish_reason": None, "logprobs": []} for i in range(spec.sampling.n)
         }
         self._sent_role: set[int] = set()
+        self._sse_prefix: bytes | None = None  # b'data: {"id": ..., "choices": ' of every streamed event
         self._streamed_chars: dict[int, int] = {}  # completions: characters of text streamed per sample
         self.prompt_logprobs: tuple[TopLogprobs, ...] = ()  # with prompt logprobs asked (echo)
         self.prompt_token_ids: tuple[int, ...] = ()
@@ -366,13 +366,17 @@ class _Shaper:
             "choices": choices,
         }
 
-    def events(self, chunk: GenerateChunk) -> list[dict[str, Any]]:
+    def sse(self, chunk: GenerateChunk) -> bytes:
+        """The chunk's server-sent events, one per sample (b"" for none): byte for byte
+        `_sse(self._event([delta]))`, with the event's fixed fields encoded once per request."""
         if chunk.usage is not None:
             self.usage = chunk.usage
-        events = []
-        for sample in chunk.samples:
-            events.append(self._event([self._choice_delta(sample)]))
-        return events
+        if self._sse_prefix is None:
+            head = json.dumps(self._event([]), ensure_ascii=False).encode()
+            assert head.endswith(b', "choices": []}')  # "choices" is the event's last key
+            self._sse_prefix = b"data: " + head[:-len(b"[]}")]
+        return b"".join(self._sse_prefix + json.dumps([self._choice_delta(sample)], ensure_ascii=False).encode()
+                        + b"}\n\n" for sample in chunk.samples)
 
     def _choice_delta(self, sample: SampleOutput) -> dict[str, Any]:
         finish = sample.finish_reason.value if sample.finish_reason is not None else None
