@@ -16,7 +16,7 @@ import torch
 from cleave.errors import CleaveError, Unavailable
 from cleave.rpc.types import KVLayout, TransportKind
 from cleave.transfer import KVReceiver, choose_transport, local_endpoint, peer_endpoint
-from cleave.transfer.layout import require_same_layout
+from cleave.transfer.layout import head_slice
 from services.decode.backend import HandshakeResult, HandshakeSpec
 
 
@@ -44,7 +44,7 @@ class PeerLinks:
     ) -> HandshakeResult:
         """Agree on a transport with the prefill worker `spec.peer_id` (`device`: the KV cache's)."""
         if spec.layout is not None:
-            require_same_layout(layout, spec.layout, "layout")
+            head_slice(spec.layout, layout, "layout")  # refuses what cannot be mapped
         local = local_endpoint(device, nccl_available=bool(spec.nccl_unique_id))
         transport = choose_transport(peer_endpoint(spec.host, spec.gpu_uuids, spec.supported_transports, local), local)
         nccl_task = None

@@ -63,7 +63,7 @@ from cleave.rpc.drain import DrainGate, wait_until
 from cleave.rpc.types import KVLayout, TopLogprobs, TransferHandle, TransferStats, TransportKind, WorkerLoad
 from cleave.tracing import span
 from cleave.transfer import KVSender, KVStoreClient, KVTransferClient, local_endpoint
-from cleave.transfer.layout import require_same_layout
+from cleave.transfer.layout import head_slice
 from cleave.worker import TransportNegotiator, device_nccl, kv_layout_of, load_engine, top_logprobs_from_engine
 from cleave.worker.handshake import grpc_handshake
 from services.prefill.backend import EarlyFirstTokens, PrefillResult, PrefillSpec
@@ -214,7 +214,7 @@ class EnginePrefillBackend:
     def _check_destination(self, handle: TransferHandle, num_prompt_tokens: int) -> None:
         assert self.engine is not None and self.layout is not None
         if handle.layout is not None:
-            require_same_layout(self.layout, handle.layout, "destination.layout")
+            head_slice(self.layout, handle.layout, "destination.layout")
         num_blocks = self.engine.handoff.num_blocks_for(num_prompt_tokens)
         if len(handle.block_ids) != num_blocks:
             raise InvalidArgument(
@@ -396,7 +396,10 @@ class EnginePrefillBackend:
     async def _open_sender(self, handle: TransferHandle) -> KVSender:
         assert self.negotiator is not None
         await self.negotiator.prepare(handle)  # once per decode worker; this handle's transport stands
-        return await self.transfers.open(handle)
+        sender = await self.transfers.open(handle)
+        if handle.layout is not None and self.layout is not None:
+            sender.select_heads(head_slice(self.layout, handle.layout, "destination.layout"))  # a TP decode rank's
+        return sender
 
     def _open_layer_stream(
         self, request_id: str, destination: TransferHandle | DecodeHandoff | None, num_prompt_tokens: int

@@ -236,6 +236,11 @@ def kv_layout_from_proto(message: common_pb2.KVLayout, field: str = "layout") ->
     for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
         if getattr(message, name) == 0:
             raise InvalidArgument("must be > 0", field=f"{field}.{name}")
+    total = message.total_kv_heads or message.num_kv_heads
+    if message.kv_head_start + message.num_kv_heads > total:
+        raise InvalidArgument(
+            f"heads {message.kv_head_start}..{message.kv_head_start + message.num_kv_heads - 1} are not among "
+            f"the model's {total}", field=f"{field}.kv_head_start")
     return types.KVLayout(
         model_id=message.model_id,
         dtype=dtype_from_proto(message.dtype, f"{field}.dtype"),
@@ -244,6 +249,8 @@ def kv_layout_from_proto(message: common_pb2.KVLayout, field: str = "layout") ->
         num_kv_heads=message.num_kv_heads,
         head_dim=message.head_dim,
         hash_namespace=message.hash_namespace,
+        kv_head_start=message.kv_head_start,
+        total_kv_heads=message.total_kv_heads,
     )
 
 
@@ -256,6 +263,8 @@ def kv_layout_to_proto(layout: types.KVLayout) -> common_pb2.KVLayout:
         num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,
         hash_namespace=layout.hash_namespace,
+        kv_head_start=layout.kv_head_start,
+        total_kv_heads=layout.total_kv_heads,
     )
 
 

@@ -111,15 +111,29 @@ class TensorBytes:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of a model's paged KV cache; KV moves only between equal layouts."""
+    """Shape of a model's paged KV cache; KV moves only between equal layouts, except that
+    a sender holding a range of the model's KV heads that contains the receiver's sends
+    it that slice (`cleave.transfer.layout.head_slice`)."""
 
     model_id: str
     dtype: str  # torch dtype name
     block_size: int
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # heads this cache holds
     head_dim: int
     hash_namespace: str = ""
+    kv_head_start: int = 0  # first of the model's heads this cache holds
+    total_kv_heads: int = 0  # the model's heads; 0: num_kv_heads (not sharded)
+
+    @property
+    def heads(self) -> range:
+        """The model's KV heads this cache holds."""
+        return range(self.kv_head_start, self.kv_head_start + self.num_kv_heads)
+
+    @property
+    def model_kv_heads(self) -> int:
+        """The model's KV heads per layer."""
+        return self.total_kv_heads or self.num_kv_heads
 
 
 @dataclass(frozen=True)

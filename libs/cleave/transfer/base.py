@@ -31,6 +31,7 @@ from cleave.proto.cleave.v1 import common_pb2
 from cleave.rpc.convert import dtype_to_proto
 from cleave.rpc.types import TransferHandle, TransferStats, TransportKind
 from cleave.transfer import framing
+from cleave.transfer.head_staging import HeadStaging
 from cleave.transfer.layer_frames import LayerLedger, header_layers
 from cleave.transfer.layout import check_layout
 from cleave.transfer.streams import Ready
@@ -73,6 +74,15 @@ class BaseKVSender(ABC):
         self._started = time.perf_counter()
         self._index_cache: dict[tuple, torch.Tensor] = {}
         self._ids_sent = False  # the first header names the blocks; later ones leave them out
+        self._heads: HeadStaging | None = None  # set by select_heads: the receiver holds fewer heads
+
+    def select_heads(self, heads: slice | None) -> None:
+        """Send only these of the source cache's KV heads (`cleave.transfer.layout.head_slice`
+        of the two layouts: a receiver in a tensor-parallel pool holds a slice); None sends
+        the blocks whole. Call before the first send."""
+        if self._ledger is not None:
+            raise FailedPrecondition("the heads to send are chosen before the first send")
+        self._heads = None if heads is None else HeadStaging(heads, self.num_blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -104,8 +114,12 @@ class BaseKVSender(ABC):
         the work is queued); on TCP the gather's host copy (off the event loop) and the
         socket taking the bytes. Raises the receiver's error once it refused the transfer.
         """
-        ledger = self._check(layers, cache)
         src_ids = self._source_ids(block_ids)
+        if self._heads is not None:  # the receiver's heads, gathered into blocks of their own
+            check_kv_cache(cache)
+            cache, ready = self._heads.stage(layers, cache, src_ids, ready)
+            src_ids = tuple(self._heads.block_ids)
+        ledger = self._check(layers, cache)
         await self._send_run(layers, cache, src_ids, ready, ledger.completes(layers))
         ledger.add(layers)
         self._num_bytes += cache.element_size() * 2 * len(layers) * len(src_ids) * cache[0, 0, 0].numel()

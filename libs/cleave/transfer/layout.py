@@ -11,15 +11,48 @@ from cleave.transfer.tensors import check_kv_cache, dtype_name
 LAYOUT_FIELDS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "hash_namespace")
 
 
-def layout_of(cache: torch.Tensor, model_id: str, hash_namespace: str = "") -> KVLayout:
-    """The KVLayout a `[L, 2, NB, BS, Hkv, D]` cache of `model_id` has."""
+def layout_of(cache: torch.Tensor, model_id: str, hash_namespace: str = "", kv_head_start: int = 0,
+              total_kv_heads: int = 0) -> KVLayout:
+    """The KVLayout a `[L, 2, NB, BS, Hkv, D]` cache of `model_id` has (holding the model's
+    heads `kv_head_start` .. + Hkv - 1 of `total_kv_heads`; 0: all of them)."""
     check_kv_cache(cache)
     num_layers, _, _, block_size, num_kv_heads, head_dim = cache.shape
     return KVLayout(
         model_id=model_id, dtype=dtype_name(cache.dtype), block_size=block_size,
         num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        hash_namespace=hash_namespace,
+        hash_namespace=hash_namespace, kv_head_start=kv_head_start, total_kv_heads=total_kv_heads,
     )
+
+
+def head_slice(source: KVLayout, destination: KVLayout, what: str = "layout") -> slice | None:
+    """The slice of the source cache's head axis the destination holds: None when both hold
+    the same heads (the blocks move whole), else `source heads[a:b]`.
+
+    Raises FailedPrecondition, at connect, for layouts that cannot be mapped: any field but
+    the heads differs, the two hold heads of models with different head counts, or the
+    destination holds a head the source does not (a decode rank's heads come from one
+    prefill worker: TP=2 -> TP=1 would need two senders)."""
+    for name in LAYOUT_FIELDS:
+        if name != "num_kv_heads" and getattr(source, name) != getattr(destination, name):
+            raise FailedPrecondition(
+                f"KV layouts differ in {name}: the sender's {getattr(source, name)!r}, the receiver's "
+                f"{getattr(destination, name)!r}; KV moves only between equal layouts", field=f"{what}.{name}")
+    if source.model_kv_heads != destination.model_kv_heads:
+        raise FailedPrecondition(
+            f"KV layouts are of models with {source.model_kv_heads} and {destination.model_kv_heads} KV heads",
+            field=f"{what}.total_kv_heads")
+    have, want = source.heads, destination.heads
+    if want.start < have.start or want.stop > have.stop:
+        raise FailedPrecondition(
+            f"the receiver holds KV heads {_span(want)} and this sender {_span(have)}: a receiver's heads "
+            f"must all come from one sender", field=f"{what}.kv_head_start")
+    if want == have:
+        return None
+    return slice(want.start - have.start, want.stop - have.start)
+
+
+def _span(heads: range) -> str:
+    return f"{heads.start}..{heads.stop - 1}"
 
 
 def layout_mismatch(expected: KVLayout, actual: KVLayout) -> str | None:
@@ -31,8 +64,10 @@ def layout_mismatch(expected: KVLayout, actual: KVLayout) -> str | None:
 
 
 def require_same_layout(expected: KVLayout, actual: KVLayout, what: str = "layout") -> None:
-    """Raise FailedPrecondition naming the first differing field."""
+    """Raise FailedPrecondition naming the first differing field (the heads held included)."""
     name = layout_mismatch(expected, actual)
+    if name is None and expected.heads != actual.heads:
+        name = "kv_head_start"
     if name is not None:
         raise FailedPrecondition(
             f"KV layouts differ in {name}: {getattr(expected, name)!r} here, "
@@ -43,4 +78,5 @@ def require_same_layout(expected: KVLayout, actual: KVLayout, what: str = "layou
 
 def check_layout(layout: KVLayout, cache: torch.Tensor) -> None:
     """Raise FailedPrecondition unless `cache` has the shape and dtype `layout` describes."""
-    require_same_layout(layout, layout_of(cache, layout.model_id, layout.hash_namespace))
+    require_same_layout(layout, layout_of(cache, layout.model_id, layout.hash_namespace, layout.kv_head_start,
+                                          layout.total_kv_heads))

@@ -36,7 +36,7 @@ from cleave.rpc.convert import kv_layout_from_proto, kv_layout_to_proto, transpo
 from cleave.rpc.types import KVLayout, TransferHandle, TransportKind
 from cleave.transfer import EndpointInfo, KVTransferClient
 from cleave.transfer.choose import proposed_transports
-from cleave.transfer.layout import require_same_layout
+from cleave.transfer.layout import head_slice
 from cleave.transfer.nccl import NcclCommunicator, NcclLibrary
 
 log = structlog.get_logger("cleave.handshake")
@@ -206,7 +206,7 @@ class TransportNegotiator:
         if transport not in self.endpoint.transports:
             raise FailedPrecondition(f"the decode worker chose {transport.value}, which this worker did not offer")
         if self.layout is not None and response.HasField("layout"):
-            require_same_layout(self.layout, kv_layout_from_proto(response.layout), "layout")
+            head_slice(self.layout, kv_layout_from_proto(response.layout), "layout")  # refuses what cannot be mapped
         bulk_address = response.tcp_address or handle.address
         if transport is TransportKind.NCCL:
             assert self._nccl is not None

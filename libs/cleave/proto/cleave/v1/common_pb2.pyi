@@ -212,7 +212,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "hash_namespace")
+    __slots__ = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "hash_namespace", "kv_head_start", "total_kv_heads")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,8 @@ class KVLayout(_message.Message):
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     HASH_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     dtype: DType
     block_size: int
@@ -227,7 +229,9 @@ class KVLayout(_message.Message):
     num_kv_heads: int
     head_dim: int
     hash_namespace: str
-    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hash_namespace: _Optional[str] = ...) -> None: ...
+    kv_head_start: int
+    total_kv_heads: int
+    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hash_namespace: _Optional[str] = ..., kv_head_start: _Optional[int] = ..., total_kv_heads: _Optional[int] = ...) -> None: ...
 
 class TransferHandle(_message.Message):
     __slots__ = ("transport", "address", "transfer_id", "block_ids", "nccl_unique_id", "cuda_ipc_handle", "device_index", "deadline", "layout", "num_cached_blocks", "worker_id", "control_address")
