@@ -165,3 +165,39 @@ def test_prefill_args_reach_prefill_workers_only_and_come_last(started, tmp_path
     shared, own = prefill.index("2048"), prefill.index("8192")
     assert prefill[shared - 1] == prefill[own - 1] == "--max-num-batched-tokens" and own > shared  # the last wins
     assert _flag(decode, "--max-num-batched-tokens") == "2048" and "8192" not in decode
+
+
+def test_pools_are_placed_on_their_gpus_and_each_worker_alone_gets_the_whole_share(started, tmp_path):
+    spec = StackSpec(model=Path("/m"), device="cuda", num_decode=2, prefill_gpus=(0,), decode_gpus=(1, 2))
+    commands = started(spec)
+    devices = {name: _flag(command, "--device") for name, command in commands.items() if _flag(command, "--device")}
+    assert devices == {"prefill-0": "cuda:0", "decode-0": "cuda:1", "decode-1": "cuda:2"}
+    assert {_flag(commands[name], "--gpu-memory-utilization") for name in devices} == {"0.9"}
+    assert ProcessStack(spec, tmp_path).devices_shared() == 1  # no device to share: no MPS
+
+
+def test_more_workers_than_gpus_go_round_robin_and_share(started, tmp_path):
+    spec = StackSpec(model=Path("/m"), device="cuda", num_prefill=2, num_decode=3, prefill_gpus=(0,),
+                     decode_gpus=(1, 2))
+    commands = started(spec)
+    assert [_flag(commands[f"decode-{index}"], "--device") for index in range(3)] == ["cuda:1", "cuda:2", "cuda:1"]
+    assert _flag(commands["decode-0"], "--gpu-memory-utilization") == "0.45"  # two decode workers on cuda:1
+    assert _flag(commands["decode-1"], "--gpu-memory-utilization") == "0.9"
+    assert _flag(commands["prefill-1"], "--gpu-memory-utilization") == "0.45"
+    assert ProcessStack(spec, tmp_path).devices_shared() == 2
+
+
+def test_gpu_placement_needs_cuda_and_indexes(capsys):
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        StackSpec(model=Path("/m"), device="cpu", decode_gpus=(1,))
+    with pytest.raises(ValueError, match=">= 0"):
+        StackSpec(model=Path("/m"), device="cuda", prefill_gpus=(-1,))
+    args = build_parser().parse_args(["up", "--device", "cuda", "--prefill-gpus", "0", "--decode-gpus", "1,2"])
+    assert (args.prefill_gpus, args.decode_gpus) == ((0,), (1, 2))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--decode-gpus", "one"])
+    assert "CUDA device indexes" in capsys.readouterr().err
+    from cleave.cli.up import run
+
+    assert run(build_parser().parse_args(["up", "--decode-gpus", "1"])) == 2  # --device defaults to cpu
+    assert "pass --device cuda" in capsys.readouterr().err

@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,9 @@ from typing import IO, Literal
 import grpc
 
 from cleave.cli._mps import ACTIVE_THREAD_PERCENTAGE_ENV, MpsDaemon, MpsSetting, MpsUnavailable, wants_mps
-from cleave.cli._memory_split import DEFAULT_GPU_MEMORY_UTILIZATION, MemorySplit, PlacedWorker, memory_shares
+from cleave.cli._memory_split import (
+    DEFAULT_GPU_MEMORY_UTILIZATION, MemorySplit, PlacedWorker, device_key, memory_shares,
+)
 from cleave.cli._ownership import check_ports_free
 from cleave.cli.health import EXIT_SERVING, check
 from cleave.config import INTERNAL_TOKEN_ENV
@@ -75,6 +78,21 @@ class StackSpec:
     # under MPS, the share of the SMs a prefill worker may occupy (None: all), so its long
     # compute-bound kernels leave decode steps SMs to run on (`_mps`)
     prefill_sm_percent: int | None = None
+    # CUDA device indexes the prefill / decode workers are placed on, round-robin in start
+    # order (`--prefill-gpus 0 --decode-gpus 1,2`); empty: every worker on `device`
+    prefill_gpus: tuple[int, ...] = ()
+    decode_gpus: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if (self.prefill_gpus or self.decode_gpus) and not self.device.startswith("cuda"):
+            raise ValueError(f"GPU placement (prefill_gpus / decode_gpus) needs a CUDA device, not {self.device!r}")
+        if any(index < 0 for index in self.prefill_gpus + self.decode_gpus):
+            raise ValueError("GPU indexes must be >= 0")
+
+    def worker_device(self, role: str, index: int) -> str:
+        """The device of the `index`-th worker of `role` ("prefill" or "decode")."""
+        gpus = self.prefill_gpus if role == "prefill" else self.decode_gpus
+        return f"cuda:{gpus[index % len(gpus)]}" if gpus else self.device
 
 
 @dataclass
@@ -225,8 +243,7 @@ class ProcessStack:
         """Start the stack's MPS daemon when its GPU workers share a device (`_mps`); with
         `mps="auto"` a host that cannot run one goes on without it, with a warning."""
         spec = self.spec
-        num_gpu_workers = sum(1 for placed in self.placed_workers() if placed.device.startswith("cuda"))
-        if not wants_mps(spec.mps, spec.device, num_gpu_workers):
+        if not wants_mps(spec.mps, spec.device, self.devices_shared()):
             return
         try:
             self.mps = MpsDaemon.start(self.workdir / "mps", dict(os.environ))
@@ -285,11 +302,20 @@ class ProcessStack:
 
     def placed_workers(self) -> list[PlacedWorker]:
         """The prefill and decode workers `start()` runs, in start order, with their devices
-        (every worker on `spec.device`: CUDA_VISIBLE_DEVICES is inherited by all)."""
+        (`spec.prefill_gpus` / `decode_gpus`, else `spec.device`; CUDA_VISIBLE_DEVICES is
+        inherited by all, so the indexes count the devices it leaves visible)."""
         spec = self.spec
         num_prefill = spec.num_prefill if spec.mode != "colocated" else 0
-        return ([PlacedWorker(f"prefill-{index}", "prefill", spec.device) for index in range(num_prefill)]
-                + [PlacedWorker(f"decode-{index}", "decode", spec.device) for index in range(spec.num_decode)])
+        return ([PlacedWorker(f"prefill-{index}", "prefill", spec.worker_device("prefill", index))
+                 for index in range(num_prefill)]
+                + [PlacedWorker(f"decode-{index}", "decode", spec.worker_device("decode", index))
+                   for index in range(spec.num_decode)])
+
+    def devices_shared(self) -> int:
+        """The most GPU workers placed on one device (MPS is for two or more)."""
+        counts = Counter(device_key(placed.device) for placed in self.placed_workers())
+        counts.pop(None, None)
+        return max(counts.values(), default=0)
 
     def memory_shares(self) -> dict[str, float]:
         """Worker name -> its `--gpu-memory-utilization` (GPU workers only)."""
@@ -298,9 +324,10 @@ class ProcessStack:
 
     def _worker_args(self, worker_id: str, kvstore: str) -> list[str]:
         spec = self.spec
+        device = next(placed.device for placed in self.placed_workers() if placed.name == worker_id)
         blocks = spec.num_kv_blocks or (DEFAULT_CPU_KV_BLOCKS if spec.device == "cpu" else 0)
         args = ["--listen", f"{spec.host}:0", "--model", str(spec.model), "--worker-id", worker_id,
-                "--device", spec.device, "--kvstore", kvstore, "--num-kv-blocks", str(blocks),
+                "--device", device, "--kvstore", kvstore, "--num-kv-blocks", str(blocks),
                 "--kv-listen", f"{spec.host}:0", "--grace-seconds", "5"]
         if spec.served_model_name:
             args += ["--served-model-name", spec.served_model_name]

@@ -88,9 +88,15 @@ def run(args: argparse.Namespace) -> int:
     if args.gateways < 1:
         print(f"--gateways must be at least 1, got {args.gateways}", file=sys.stderr)
         return 2
+    if (args.prefill_gpus or args.decode_gpus) and not args.device.startswith("cuda"):
+        print(f"--prefill-gpus / --decode-gpus place workers on CUDA devices; pass --device cuda, not {args.device}",
+              file=sys.stderr)
+        return 2
     try:
         model = model_dir(args.model)
         check_device(args.device)  # here, not as a worker's log tail once it has started
+        for index in sorted(set(args.prefill_gpus) | set(args.decode_gpus)):
+            check_device(f"cuda:{index}")
     except (ModelNotFound, DeviceUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -101,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host, store_to_kvstore=args.store_to_kvstore,
         trace_dir=Path(args.trace_dir) if args.trace_dir else None,
         gpu_memory_utilization=args.gpu_memory_utilization, gpu_memory_split=args.gpu_memory_split,
-        metrics=args.metrics, mps=args.mps,
+        metrics=args.metrics, mps=args.mps, prefill_gpus=args.prefill_gpus, decode_gpus=args.decode_gpus,
     )
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="cleave-up-"))
     stack = ProcessStack(spec, workdir)
@@ -146,6 +152,16 @@ def run(args: argparse.Namespace) -> int:
                 signal.signal(signum, handler)
 
 
+def _gpu_list(text: str) -> tuple[int, ...]:
+    try:
+        indexes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected CUDA device indexes like 0 or 1,2, got {text!r}") from None
+    if any(index < 0 for index in indexes):
+        raise argparse.ArgumentTypeError(f"device indexes must be >= 0, got {text!r}")
+    return indexes
+
+
 def _utilization(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
@@ -183,6 +199,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--gpu-memory-split", type=_memory_split, default=MemorySplit(), metavar="PREFILL:DECODE",
                         help="how workers sharing a GPU divide that share, by role weight (default 1:2: "
                              "1 prefill + 1 decode get 0.3 and 0.6; 1:1 splits equally)")
+    parser.add_argument("--prefill-gpus", type=_gpu_list, default=(), metavar="I,J,...",
+                        help="CUDA device indexes the prefill workers run on, round-robin (default: all on --device)")
+    parser.add_argument("--decode-gpus", type=_gpu_list, default=(), metavar="I,J,...",
+                        help="CUDA device indexes the decode workers run on, round-robin (default: all on --device)")
     parser.add_argument("--mps", choices=("auto", "on", "off"), default="auto",
                         help="run GPU workers that share a device under an NVIDIA MPS daemon of the stack's, so "
                              "their kernels run side by side instead of in time slices (auto: when two or more "
