@@ -14,7 +14,7 @@ from cleave.model.llama import DecoderLayer
 from cleave.model.loader import load_model
 from cleave.model.moe import SparseMoeBlock
 from cleave.model.tokenizer import Tokenizer
-from cleave.testing.tiny_models import MOE_ARCHITECTURES, write_tiny_checkpoint
+from cleave.testing.tiny_models import GPT_OSS_SWIGLU_LIMIT, MOE_ARCHITECTURES, write_tiny_checkpoint
 from tests.model.test_llama_parity import TOLERANCE, greedy_generate, prompt_ids, run_chunks
 
 
@@ -48,7 +48,7 @@ def test_configs_name_their_sparse_layers_windows_and_extras(moe_checkpoints):
     oss = ModelConfig.from_pretrained(moe_checkpoints["gpt-oss"])
     assert oss.moe_layers == (0, 1) and oss.attention_sinks and oss.o_proj_bias and oss.expert_bias
     assert (oss.layer_sliding_window(0), oss.layer_sliding_window(1)) == (6, None)
-    assert oss.swiglu_limit == 1.0 and oss.rope_scaling["rope_type"] == "yarn"
+    assert oss.swiglu_limit == GPT_OSS_SWIGLU_LIMIT and oss.rope_scaling["rope_type"] == "yarn"
     raw = json.loads((moe_checkpoints["gpt-oss"] / "config.json").read_text())
     del raw["layer_types"]  # as transformers fills it in: sliding first, then alternating
     assert ModelConfig.from_dict(raw).layer_types == ("sliding_attention", "full_attention")

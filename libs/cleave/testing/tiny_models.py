@@ -27,6 +27,11 @@ SPECIAL_TOKENS = ("<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
 # `decode(skip_special_tokens=True)` for the reasoning parser to find.
 THINK_TOKENS = ("<think>", "</think>")
 TOKENIZER_VOCAB_SIZE = 512
+# gpt-oss's SwiGLU limit and alpha as transformers releases up to at least 5.17 apply them,
+# whatever config.json says (later releases read them from the config). The tiny checkpoint
+# keeps these values, so every release computes the same function from it.
+GPT_OSS_SWIGLU_LIMIT = 7.0
+GPT_OSS_SWIGLU_ALPHA = 1.702
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -129,11 +134,11 @@ def _hf_config(architecture: str, vocab_size: int, bos_id: int, eos_id: int, ove
         config_class = transformers.Qwen3MoeConfig
     elif architecture == "gpt-oss":
         # a 6-token window on the first layer, full attention on the second; a SwiGLU limit
-        # the random activations cross
+        # the random activations cross (`write_tiny_checkpoint` scales the experts' gate/up)
         common.update(
             tie_word_embeddings=False, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
-            layer_types=["sliding_attention", "full_attention"], sliding_window=6, swiglu_limit=1.0,
-            attention_bias=True,
+            layer_types=["sliding_attention", "full_attention"], sliding_window=6,
+            swiglu_limit=GPT_OSS_SWIGLU_LIMIT, swiglu_alpha=GPT_OSS_SWIGLU_ALPHA, attention_bias=True,
             rope_parameters={
                 "rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": False, "original_max_position_embeddings": 256,
@@ -182,6 +187,9 @@ def write_tiny_checkpoint(
                     param.normal_(0.0, 0.1)
                 elif name.endswith(("mlp.gate.weight", "router.weight", ".sinks")):
                     param.normal_(0.0, 0.5)  # distinct routing and sinks that matter
+                if architecture == "gpt-oss" and name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):
+                    # gate/up cross the SwiGLU limit as often as unscaled ones would cross 1
+                    param.mul_(config.swiglu_limit)
     model = model.to(dtype)
     save_kwargs: dict[str, Any] = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **save_kwargs)
