@@ -82,6 +82,8 @@ class EngineConfig:
             plain synchronous loop, for debugging.
         pdl: launch the decode kernels with programmatic dependent launch where the device
             has it (Hopper and later; `cleave.kernels.pdl`). False for A/B runs and debugging.
+        tensor_parallel_size: ranks the model is split over (`cleave.parallel`), one process
+            and device each, all running this engine in step; 1 builds the plain model.
     """
 
     model: str
@@ -92,8 +94,13 @@ class EngineConfig:
     detokenize: bool = True
     overlap_steps: bool | None = None
     pdl: bool = True
+    tensor_parallel_size: int = 1
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"EngineConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
     @property
     def overlaps_steps(self) -> bool:

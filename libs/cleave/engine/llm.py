@@ -17,6 +17,7 @@ import torch
 
 from cleave.config import SHIPPED_MODEL_DIR
 from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from cleave.engine.frozen_heap import frozen_heap
 from cleave.engine.llm_engine import LLMEngine, Prompt
 from cleave.engine.request import OutputAccumulator
 from cleave.generation.outputs import RequestOutput
@@ -25,7 +26,9 @@ from cleave.model.source import resolve_model_dir
 
 _SCHEDULER_KEYS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "enable_chunked_prefill")
 _CACHE_KEYS = ("block_size", "num_blocks", "enable_prefix_caching", "gpu_memory_utilization")
-_ENGINE_KEYS = ("dtype", "device", "seed", "enforce_eager", "detokenize", "overlap_steps", "pdl")
+_ENGINE_KEYS = (
+    "dtype", "device", "seed", "enforce_eager", "detokenize", "overlap_steps", "pdl", "tensor_parallel_size",
+)
 
 
 def default_model_path() -> Path | None:
@@ -62,7 +65,8 @@ class LLM:
     Args:
         model: checkpoint directory (HF layout).
         **engine_kwargs: see `build_engine_config` (max_model_len, max_num_seqs, block_size,
-            num_blocks, device, dtype, seed, enforce_eager, detokenize, overlap_steps, pdl, ...).
+            num_blocks, device, dtype, seed, enforce_eager, detokenize, overlap_steps, pdl,
+            tensor_parallel_size, ...).
     """
 
     def __init__(self, model: str | Path, **engine_kwargs: Any) -> None:
@@ -101,10 +105,11 @@ class LLM:
                 self.engine.add_request(request_id, prompt, sampling, raw=raw)
                 accumulators[request_id] = OutputAccumulator(request_id)
                 order.append(request_id)
-            while self.engine.has_unfinished():
-                for output in self.engine.step():
-                    if output.request_id in accumulators:
-                        accumulators[output.request_id].add(output)
+            with frozen_heap():  # full collections skip the model and libraries (see frozen_heap)
+                while self.engine.has_unfinished():
+                    for output in self.engine.step():
+                        if output.request_id in accumulators:
+                            accumulators[output.request_id].add(output)
         except BaseException:
             for request_id in order:
                 self.engine.abort(request_id)

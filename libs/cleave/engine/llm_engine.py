@@ -78,6 +78,7 @@ from cleave.kv.manager import KVCacheManager
 from cleave.kv.prefix_hash import kv_namespace
 from cleave.model.config import ModelConfig
 from cleave.model.loader import load_model
+from cleave.parallel.group import tensor_parallel_group
 from cleave.model.tokenizer import Tokenizer
 
 __all__ = ["LLMEngine", "Message", "Prompt"]
@@ -138,7 +139,8 @@ class LLMEngine:
         self.dtype = dtype
         # norm weights folded into the projections after them: decode batches on GEMMs then
         # run without norm kernels (CausalLM.fold_norm_weights)
-        self.model = load_model(path, dtype=dtype, device=device, pdl=config.pdl).fold_norm_weights()
+        self.model = load_model(path, dtype=dtype, device=device, pdl=config.pdl,
+                                tensor_parallel=tensor_parallel_group(config.tensor_parallel_size)).fold_norm_weights()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._builder = RequestBuilder(
             self.tokenizer,

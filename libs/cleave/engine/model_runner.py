@@ -51,6 +51,7 @@ from cleave.generation.sampling_params import SamplingParams
 from cleave.graphs.runner import CUDAGraphRunner, GraphRunnerConfig
 from cleave.kv.metadata import AttentionMetadata
 from cleave.model.llama import CausalLM, allocate_kv_cache
+from cleave.parallel.model import TensorParallelCausalLM
 
 DEFAULT_CPU_KV_TOKENS = 8192
 
@@ -141,6 +142,17 @@ class LaunchedStep:
     prompt_logprobs: list[PromptLogprobChunk] = field(default_factory=list)  # on the host already
 
 
+def _check_tensor_parallel(config: EngineConfig, model: CausalLM) -> None:
+    """Refuse a model split over a different number of ranks than the config asks for."""
+    model_ranks = model.group.world_size if isinstance(model, TensorParallelCausalLM) else 1
+    if model_ranks != config.tensor_parallel_size:
+        raise ValueError(
+            f"EngineConfig.tensor_parallel_size is {config.tensor_parallel_size} but the model was loaded for "
+            f"{model_ranks} rank(s); load it in every rank with load_model(..., "
+            f"tensor_parallel=tensor_parallel_group({config.tensor_parallel_size}))"
+        )
+
+
 class ModelRunner:
     """Owns the model, its KV cache, the sampler and (on CUDA) the decode graphs.
 
@@ -155,9 +167,10 @@ class ModelRunner:
     def __init__(
         self, config: EngineConfig, model: CausalLM, sync_timing: bool = False, device_timing: bool = False
     ) -> None:
+        _check_tensor_parallel(config, model)
         self.config = config
         self.model = model
-        self.model_config = model.config
+        self.model_config = model.config  # a tensor-parallel rank's view: its KV heads (cleave.parallel)
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         self.sync_timing = sync_timing

@@ -254,7 +254,7 @@ class CausalLM(nn.Module):
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, Hkv, D]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
-        hidden = embedding(input_ids, self.embed_tokens.weight, impl=self.impl, pdl=self.pdl)  # [T, H]
+        hidden = self.embed(input_ids)  # [T, H]
         if run_fused_decode(self, hidden, positions, kv_cache, metadata):  # hidden: the residual stream
             return self.norm(hidden)
         residual: torch.Tensor | None = None
@@ -262,6 +262,10 @@ class CausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, positions, kv_cache[index], metadata, self.cos_sin_cache)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids -> [T, H] embeddings."""
+        return embedding(input_ids, self.embed_tokens.weight, impl=self.impl, pdl=self.pdl)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> [N, V] float32

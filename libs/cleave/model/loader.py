@@ -6,6 +6,10 @@ its rows of a fused `qkv_proj` / `gate_up_proj`), so peak memory is the model pl
 Every parameter row must be written exactly once: missing, unexpected and misshapen tensors
 fail with the file and tensor named.
 
+With a `TensorParallelGroup` each rank builds a `TensorParallelCausalLM` of its shard's shapes
+and reads only its slice of every split tensor (`TensorParallelLayout.shard_of`) through
+safetensors' lazy slices, so no rank holds the whole model at any point.
+
 MoE experts are stacked per layer (`cleave.model.moe`): Qwen3-MoE's per-expert gate/up/down
 tensors fill one expert's rows each; gpt-oss's stacked `gate_up_proj` [E, H, 2I] (gate and
 up interleaved column by column) and `down_proj` [E, I, H] are de-interleaved and
@@ -20,6 +24,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -28,6 +33,9 @@ from cleave.kernels.dispatch import Impl
 from cleave.model.config import ModelConfig
 from cleave.model.llama import CausalLM
 from cleave.model.mxfp4 import dequantize_mxfp4
+from cleave.parallel.group import TensorParallelGroup
+from cleave.parallel.model import TensorParallelCausalLM
+from cleave.parallel.sharding import TensorShard
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -147,10 +155,15 @@ def empty_model(
     device: torch.device | str = "cpu",
     impl: Impl = "auto",
     pdl: bool = True,
+    tensor_parallel: TensorParallelGroup | None = None,
 ) -> CausalLM:
-    """A `CausalLM` with uninitialised weights allocated once, in `dtype` on `device`."""
+    """A `CausalLM` with uninitialised weights allocated once, in `dtype` on `device`; with
+    `tensor_parallel`, this rank's `TensorParallelCausalLM` (only its shard is allocated)."""
     with torch.device("meta"):
-        model = CausalLM(config, impl=impl, pdl=pdl)
+        if tensor_parallel is None:
+            model = CausalLM(config, impl=impl, pdl=pdl)
+        else:
+            model = TensorParallelCausalLM(config, tensor_parallel, impl=impl, pdl=pdl)
     model.to(dtype=dtype or config.dtype)
     return model.to_empty(device=device)
 
@@ -216,24 +229,32 @@ def load_model(
     device: torch.device | str = "cpu",
     impl: Impl = "auto",
     pdl: bool = True,
+    tensor_parallel: TensorParallelGroup | None = None,
 ) -> CausalLM:
     """Load `path` (an HF checkpoint directory) into a `CausalLM` in eval mode.
 
-    dtype defaults to the config's; `impl` and `pdl` are the model's kernel options (`CausalLM`). Raises FileNotFoundError for missing files and
-    CheckpointError for missing, unexpected or misshapen tensors.
+    dtype defaults to the config's; `impl` and `pdl` are the model's kernel options (`CausalLM`).
+    With `tensor_parallel` (every rank calls this with its group) the result is this rank's
+    `TensorParallelCausalLM`, filled from its slices of the checkpoint. Raises
+    FileNotFoundError for missing files and CheckpointError for missing, unexpected or
+    misshapen tensors.
     """
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     config = ModelConfig.from_pretrained(path)
     files = checkpoint_files(path)
-    model = empty_model(config, dtype, device, impl, pdl)
+    model = empty_model(config, dtype, device, impl, pdl, tensor_parallel)
+    parallel_layout = model.layout if isinstance(model, TensorParallelCausalLM) else None
     filler = HFWeightFiller(model)
     for file in files:
         with safe_open(str(file), framework="pt", device=str(device)) as shard:
             for hf_name in shard.keys():
-                if filler.wants(hf_name):
-                    filler.fill(hf_name, shard.get_tensor(hf_name), file.name)
+                if not filler.wants(hf_name):
+                    continue
+                part = parallel_layout.shard_of(hf_name) if parallel_layout is not None else None
+                tensor = shard.get_tensor(hf_name) if part is None else _read_shard(shard, hf_name, part, file.name)
+                filler.fill(hf_name, tensor, file.name)
     filler.finish(f"checkpoint {path}")
     return model.eval()
 
@@ -275,6 +296,24 @@ def _expected_rows(model: CausalLM, config: ModelConfig) -> dict[tuple[str, int 
             if target == fused_name:
                 expected[(name, None, start)] = f"model.{layer}.{hf_projection}.{kind}"
     return expected
+
+
+def _read_shard(shard: Any, hf_name: str, part: TensorShard, source: str) -> torch.Tensor:
+    """Read only `part` of tensor `hf_name` from an open safetensors file (`safe_open`),
+    zero-padded to the shard's size (the vocabulary's last shard)."""
+    lazy = shard.get_slice(hf_name)
+    shape = tuple(lazy.get_shape())
+    if len(shape) <= part.dim or shape[part.dim] != part.full_size:
+        raise CheckpointError(
+            f"{source}: tensor {hf_name!r} has shape {shape}, the model expects {part.full_size} "
+            f"along dim {part.dim} to split it across tensor-parallel ranks"
+        )
+    tensor = lazy[(slice(None),) * part.dim + (slice(part.start, part.end),)]
+    if part.num_padding:
+        padding = list(tensor.shape)
+        padding[part.dim] = part.num_padding
+        tensor = torch.cat((tensor, tensor.new_zeros(padding)), dim=part.dim)
+    return tensor
 
 
 def _rearranged(tensor: torch.Tensor, layout: str | None) -> torch.Tensor:
