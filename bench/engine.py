@@ -113,6 +113,7 @@ def make_engine(
 
 def run_requests(engine, num_requests: int, args: argparse.Namespace, seed: int):
     """Submit every request, step to completion; returns (seconds, output tokens, per-step stats)."""
+    from cleave.engine.frozen_heap import frozen_heap
     from cleave.generation.sampling_params import SamplingParams
 
     rng = random.Random(seed)
@@ -123,10 +124,11 @@ def run_requests(engine, num_requests: int, args: argparse.Namespace, seed: int)
         engine.add_request(f"b{seed}-{index}", prompt, params)
     steps, num_output = [], 0
     start = time.perf_counter()
-    while engine.has_unfinished():
-        outputs = engine.step()
-        num_output += sum(len(sample.token_ids) for output in outputs for sample in output.outputs)
-        steps.append(engine.last_stats)
+    with frozen_heap():  # as `LLM.generate` steps (and workers, which freeze at start-up)
+        while engine.has_unfinished():
+            outputs = engine.step()
+            num_output += sum(len(sample.token_ids) for output in outputs for sample in output.outputs)
+            steps.append(engine.last_stats)
     return time.perf_counter() - start, num_output, steps
 
 

@@ -19,19 +19,31 @@ the full batch are kept. Each phase is reported in ms per decode step:
 `--mode sync` is the plain loop, `--mode overlap` the overlapped steps a CUDA engine runs
 (on CPU nothing overlaps, so this is their host cost), `both` (default) one row each.
 
+`--forward random` replaces the model's forward by random logits (normal, one row per
+sampling entry): on a GPU host the forward runs on the device, so the host phases run
+back to back without a CPU forward in between evicting their data from the caches.
+
 Phases are medians over steps. By default the engine's clock is this thread's CPU time
 (`--clock cpu`: torch runs single-threaded here), so other processes on a shared machine
 do not inflate the numbers; `--clock wall` keeps the engine's perf_counter.
 
+Medians leave out the garbage collector's pauses; `host_mean` (the mean of each step's host
+phases) and `gc` (mean milliseconds per step in collections, `full_gcs` the full ones seen)
+keep them. `--gc frozen` runs the decode loop with every object alive before it frozen
+(`gc.collect(); gc.freeze()`), as the workers do once started and `LLM.generate` does for
+its loop; `--gc both` runs each point both ways.
+
     python bench/engine_host.py                          # batch 64 and 256
     python bench/engine_host.py --batch 64 --profile     # cProfile of the decode loop
     python bench/engine_host.py --mode overlap           # only the overlapped steps
+    python bench/engine_host.py --batch 256 --gc both    # with and without a frozen heap
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import pstats
 import random
@@ -72,14 +84,50 @@ def make_engine(model_dir: Path, batch: int, args: argparse.Namespace, overlap: 
     blocks_per_seq = -(-max_model_len // args.block_size)
     config = build_engine_config(
         model_dir, device="cpu", dtype="float32", max_num_seqs=batch,
-        max_num_batched_tokens=max(batch * args.prompt_len, 2048), max_model_len=max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens or max(batch * args.prompt_len, 2048),
+        max_model_len=max_model_len,
         block_size=args.block_size, num_blocks=batch * blocks_per_seq + 1, seed=0, overlap_steps=overlap,
     )
     return LLMEngine(config)
 
 
+class GcClock:
+    """Time in the garbage collector (the engine's clock) and full collections, via gc.callbacks."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.full = 0
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+            self.full += info["generation"] == 2
+
+
+def replace_forward_with_random_logits(engine) -> None:  # type: ignore[no-untyped-def]
+    """The runner's forward returns standard-normal logits [R, V] (R: rows that sample)."""
+    import torch
+
+    vocab_size = engine.runner.vocab_size
+    generator = torch.Generator().manual_seed(0)
+
+    def forward(batch, layer_progress=None, prompt_rows=()):  # type: ignore[no-untyped-def]
+        rows = batch.num_entries if batch.logits_indices is None else batch.logits_indices.numel()
+        return torch.randn(rows, vocab_size, generator=generator), False, []
+
+    engine.runner._forward = forward
+
+
 def run_batch(
-    model_dir: Path, batch: int, args: argparse.Namespace, profiler: cProfile.Profile | None, overlap: bool
+    model_dir: Path,
+    batch: int,
+    args: argparse.Namespace,
+    profiler: cProfile.Profile | None,
+    overlap: bool,
+    frozen: bool = False,
 ) -> dict:
     """Decode `batch` requests to completion; median phase ms over full-batch decode steps."""
     import torch
@@ -88,23 +136,38 @@ def run_batch(
 
     torch.set_num_threads(1)
     engine = make_engine(model_dir, batch, args, overlap)
+    if args.forward == "random":
+        replace_forward_with_random_logits(engine)
     rng = random.Random(batch)
     params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
     for index in range(batch):
         engine.add_request(f"r{index}", [rng.randrange(*TEXT_IDS) for _ in range(args.prompt_len)], params)
     rows, num_output = [], 0
+    if frozen:
+        gc.collect()
+        gc.freeze()
+    gc_clock = GcClock()
+    gc.callbacks.append(gc_clock)
     start = time.perf_counter()
-    while engine.has_unfinished():
-        profiling = profiler is not None and engine.scheduler.num_running == batch and not engine.scheduler.waiting
-        if profiling:
-            profiler.enable()
-        outputs = engine.step()
-        if profiling:
-            profiler.disable()
-        num_output += sum(len(sample.token_ids) for output in outputs for sample in output.outputs)
-        stats = engine.last_stats
-        if stats.num_seqs == batch and stats.num_tokens == batch:
-            rows.append(phase_ms(stats))
+    try:
+        while engine.has_unfinished():
+            profiling = profiler is not None and engine.scheduler.num_running == batch and not engine.scheduler.waiting
+            if profiling:
+                profiler.enable()
+            gc_before, full_before = gc_clock.seconds, gc_clock.full
+            outputs = engine.step()
+            if profiling:
+                profiler.disable()
+            num_output += sum(len(sample.token_ids) for output in outputs for sample in output.outputs)
+            stats = engine.last_stats
+            if stats.num_seqs == batch and stats.num_tokens == batch:
+                row = phase_ms(stats)
+                row["gc"], row["full_gcs"] = (gc_clock.seconds - gc_before) * 1e3, gc_clock.full - full_before
+                rows.append(row)
+    finally:
+        gc.callbacks.remove(gc_clock)
+        if frozen:
+            gc.unfreeze()
     seconds = time.perf_counter() - start
     if num_output != batch * args.output_len:
         raise RuntimeError(f"expected {batch * args.output_len} output tokens, got {num_output}")
@@ -112,10 +175,14 @@ def run_batch(
     rows = rows[min(5, len(rows) // 4) :]
     if not rows:
         raise RuntimeError("no full-batch decode steps; raise --output-len")
-    result = {"mode": "overlap" if overlap else "sync", "batch": batch, "steps": len(rows)}
+    result = {"mode": "overlap" if overlap else "sync", "gc": "frozen" if frozen else "normal", "batch": batch,
+              "steps": len(rows)}
     for phase in PHASES:
         result[phase] = statistics.median(row[phase] for row in rows)
     result["host"] = sum(result[phase] for phase in HOST_PHASES)
+    result["host_mean"] = statistics.fmean(sum(row[phase] for phase in HOST_PHASES) for row in rows)
+    result["gc_ms"] = statistics.fmean(row["gc"] for row in rows)
+    result["full_gcs"] = sum(row["full_gcs"] for row in rows)
     result["step"] = sum(result[phase] for phase in PHASES)
     result["host_us_per_seq"] = 1e3 * result["host"] / batch
     result["tokens_per_s"] = num_output / seconds
@@ -123,7 +190,8 @@ def run_batch(
 
 
 def format_rows(results: list[dict]) -> str:
-    columns = ["mode", "batch", "steps", *PHASES, "host", "step", "host_us_per_seq"]
+    columns = ["mode", "gc", "batch", "steps", *PHASES, "host", "step", "host_us_per_seq", "host_mean", "gc_ms",
+               "full_gcs"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in results:
         cells = [f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in columns]
@@ -137,10 +205,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="default: every prompt in one step (sequences then cross KV blocks together); "
+                             "smaller admits them over several steps, as a server fills up")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=1, help="runs per batch size; the fastest is kept")
     parser.add_argument("--mode", choices=("sync", "overlap", "both"), default="both", help="engine step loop")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="time phases by thread CPU or wall time")
+    parser.add_argument("--forward", choices=("model", "random"), default="model",
+                        help="the tiny model's forward, or random logits (the host phases alone, caches warm)")
+    parser.add_argument("--gc", choices=("normal", "frozen", "both"), default="normal",
+                        help="decode with the objects alive before the loop frozen, or not, or both")
     parser.add_argument("--profile", action="store_true", help="cProfile full-batch steps; print the top functions")
     parser.add_argument("--json", default=None, help="rows to STEM-<UTC time>.json beside this path")
     return parser.parse_args(argv)
@@ -157,13 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_checkpoint(Path(tmp) / "tiny", "llama", max_position_embeddings=4096)
         modes = {"sync": (False,), "overlap": (True,), "both": (False, True)}[args.mode]
+        freezes = {"normal": (False,), "frozen": (True,), "both": (False, True)}[args.gc]
         for batch in args.batch:
             for overlap in modes:
-                profiler = cProfile.Profile() if args.profile else None
-                runs = [run_batch(model_dir, batch, args, profiler, overlap) for _ in range(args.repeats)]
-                results.append(min(runs, key=lambda row: row["host"]))
-                if profiler is not None:
-                    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+                for frozen in freezes:
+                    profiler = cProfile.Profile() if args.profile else None
+                    runs = [run_batch(model_dir, batch, args, profiler, overlap, frozen) for _ in range(args.repeats)]
+                    results.append(min(runs, key=lambda row: row["host"]))
+                    if profiler is not None:
+                        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     print(format_rows(results))
     if args.json:
         from common import run_path

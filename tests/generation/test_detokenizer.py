@@ -206,3 +206,34 @@ def test_pieces_path_matches_the_decoding_path(byte_level, skip_special_tokens):
         assert fast.finish() == decoding.finish()
         assert fast.text == decoding.text == _expected(byte_level, prompt_ids, output_ids, skip_special_tokens)
     assert num_fast > 1000  # the pieces path ran (most tokens), not only the decoding one
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_partial_characters_between_pieces_compose_without_decoding(byte_level, skip_special_tokens):
+    """Tokens that are part of a character, each between pieces (or after one more piece),
+    take the composed path: the same deltas as decoding every window, and no window decoded
+    once each token's own text is known."""
+    rng = random.Random(3)
+    pieces = TokenPieces.for_tokenizer(byte_level)
+    vocab_size = byte_level.get_vocab_size()
+    added = set(byte_level.get_added_tokens_decoder())
+    plain = [i for i in range(vocab_size) if pieces.piece(i)]
+    partial = [i for i in range(vocab_size) if not pieces.piece(i) and i not in added]
+    assert partial and all("\ufffd" in byte_level.decode([i]) for i in partial)
+    for token_id in partial:
+        pieces.alone(token_id)  # each token's own text, looked up once and kept
+    decode = pieces.decode
+    window_decodes: list[list[int]] = []
+    pieces.decode = lambda ids, skip: window_decodes.append(ids) or decode(ids, skip)  # type: ignore[method-assign]
+    for _ in range(20):
+        prompt_ids = byte_level.encode(rng.choice(CORPUS)).ids
+        output_ids = [rng.choice(plain)]
+        for _ in range(60):
+            output_ids += [rng.choice(partial)] + [rng.choice(plain) for _ in range(rng.randint(1, 2))]
+        decoding = IncrementalDetokenizer(byte_level, prompt_ids, skip_special_tokens)
+        fast = IncrementalDetokenizer(byte_level, prompt_ids, skip_special_tokens, pieces)
+        assert [fast.push(t) for t in output_ids] == [decoding.push(t) for t in output_ids]
+        assert fast.finish() == decoding.finish()
+        assert fast.text == decoding.text == _expected(byte_level, prompt_ids, output_ids, skip_special_tokens)
+    # only `finish` decodes (one window and its prefix per stream)
+    assert len(window_decodes) <= 2 * 20

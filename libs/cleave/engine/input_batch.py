@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import operator
 from array import array
+from itertools import compress
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -42,6 +43,8 @@ from cleave.engine.scheduler import SchedulerOutput
 from cleave.engine.scheduler_output import stand_in_row
 from cleave.engine.sequence import Sequence
 from cleave.kv.metadata import AttentionMetadata
+
+_LAST = operator.itemgetter(-1)
 
 
 class OutputTokens(Seq[int]):
@@ -339,23 +342,28 @@ class InputBatchBuilder:
     def _block_tables(self, seqs: list[Sequence], tables: list[Seq[int]]) -> torch.Tensor:
         """[E, W] int32 device block tables of a decode batch, reusing the previous step's."""
         lengths = list(map(len, tables))
-        lasts = [table[-1] for table in tables]
+        lasts = list(map(_LAST, tables))
         kept = self._decode_tables
         if kept is not None and len(kept.seqs) == len(seqs) and all(map(operator.is_, kept.seqs, seqs)):
             same_tables = all(map(operator.is_, kept.tables, tables))
             if same_tables and lengths == kept.lengths and lasts == kept.lasts:
                 return kept.device
-            if max(lengths) <= kept.host.shape[1]:
+            width = max(lengths)
+            if width > kept.host.shape[1]:
+                self._widen(kept, width)
+            slots, block_ids = self._changed_entries(kept, tables, lengths, lasts)
+            if slots:
                 if kept.copied is not None:
                     kept.copied.synchronize()  # the device has read the host tensor
-                for row, (length, last) in enumerate(zip(lengths, lasts)):
-                    if length != kept.lengths[row] or last != kept.lasts[row] or tables[row] is not kept.tables[row]:
-                        kept.host[row, :length] = torch.tensor(tables[row], dtype=torch.int32)
-                kept.lengths, kept.lasts, kept.tables = lengths, lasts, tables
-                if kept.device is not kept.host:
-                    kept.device.copy_(kept.host, non_blocking=True)
-                    kept.copied = self._record_copy(kept.copied)
-                return kept.device
+                # one scatter for every changed entry of the batch
+                kept.host.view(-1)[torch.frombuffer(slots, dtype=torch.int64)] = torch.frombuffer(
+                    block_ids, dtype=torch.int32
+                )
+            kept.lengths, kept.lasts, kept.tables = lengths, lasts, tables
+            if kept.device is not kept.host:
+                kept.device.copy_(kept.host, non_blocking=True)
+                kept.copied = self._record_copy(kept.copied)
+            return kept.device
         width = max(lengths)
         flat = array("i")
         for table, length in zip(tables, lengths):
@@ -372,6 +380,39 @@ class InputBatchBuilder:
             device = host if self.device.type == "cpu" else host.to(self.device)
         self._decode_tables = _DecodeTables(list(seqs), lengths, lasts, tables, host, device, copied)
         return device
+
+    def _widen(self, kept: _DecodeTables, width: int) -> None:
+        """Give the kept tables `width` columns: the old ones, then zeros (the null block)."""
+        host = torch.zeros(kept.host.shape[0], width, dtype=torch.int32, pin_memory=self._pin)
+        host[:, : kept.host.shape[1]] = kept.host
+        kept.host, kept.copied = host, None  # a new host tensor: no copy of it to wait for
+        kept.device = host if self.device.type == "cpu" else torch.empty_like(host, device=self.device)
+
+    @staticmethod
+    def _changed_entries(
+        kept: _DecodeTables, tables: list[Seq[int]], lengths: list[int], lasts: list[int]
+    ) -> tuple[array, array]:
+        """(flat [E * W] positions, block ids) of the table entries that differ from `kept`.
+
+        The KV manager changes a table in place only at its end (new blocks appended, the
+        last block copied on write) and replaces it otherwise, so a table that is still the
+        same object needs only its entries from its previous last one on.
+        """
+        width = kept.host.shape[1]
+        old_tables, old_lengths = kept.tables, kept.lengths
+        # Rows whose length, last block or table object changed, found without a Python loop
+        # over the batch (most decode steps change a few rows, or none).
+        changed = map(operator.or_, map(operator.ne, lengths, old_lengths), map(operator.ne, lasts, kept.lasts))
+        changed = map(operator.or_, changed, map(operator.is_not, tables, old_tables))
+        slots, block_ids = array("q"), array("i")
+        for row in compress(range(len(tables)), changed):
+            table, length = tables[row], lengths[row]
+            old_length = old_lengths[row]
+            start = old_length - 1 if table is old_tables[row] and old_length else 0
+            base = row * width
+            slots.extend(range(base + start, base + length))
+            block_ids.extend(table[start:length])
+        return slots, block_ids
 
     @staticmethod
     def _record_copy(event: torch.cuda.Event | None) -> torch.cuda.Event:

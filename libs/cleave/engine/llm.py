@@ -87,7 +87,9 @@ class LLM:
         """Run every prompt to completion; one complete RequestOutput per prompt, in order.
 
         A single prompt (a string, a token-id list or a message list) may be passed bare;
-        `params` is one SamplingParams for all prompts or one per prompt.
+        `params` is one SamplingParams for all prompts or one per prompt. The engine steps with
+        the objects alive before the loop frozen (`cleave.engine.frozen_heap`), so the garbage
+        collector's full walks skip the model and the libraries.
         """
         prompt_list = [prompts] if _is_single_prompt(prompts) else list(prompts)  # type: ignore[list-item]
         if params is None or isinstance(params, SamplingParams):
@@ -105,7 +107,7 @@ class LLM:
                 self.engine.add_request(request_id, prompt, sampling, raw=raw)
                 accumulators[request_id] = OutputAccumulator(request_id)
                 order.append(request_id)
-            with frozen_heap():  # full collections skip the model and libraries (see frozen_heap)
+            with frozen_heap():
                 while self.engine.has_unfinished():
                     for output in self.engine.step():
                         if output.request_id in accumulators:

@@ -68,6 +68,14 @@ class SampleState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     has_news: bool = False
+    # Text with nothing to split (no reasoning parser) or search (no stop strings): it goes
+    # straight to the delta.
+    plain_text: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.plain_text = (
+            self.detokenizer is not None and self.reasoning is None and not self.stop_checker.has_stop_strings
+        )
 
     @property
     def finished(self) -> bool:
@@ -129,14 +137,14 @@ class SampleState:
         deferred = self.deferred
         if not deferred:
             return
-        detokenizer, stop_checker = self.detokenizer, self.stop_checker
-        if self.reasoning is None and not stop_checker.has_stop_strings:
-            # Nothing to split or search: the text goes straight to the delta, joined.
+        detokenizer = self.detokenizer
+        if self.plain_text:  # the text goes straight to the delta, joined
             push = detokenizer.push
             text = push(deferred[0]) if len(deferred) == 1 else "".join([push(token_id) for token_id in deferred])
-            if text and stop_checker.append_plain(text):
+            if text:
                 self.text.append(text)
         else:
+            stop_checker = self.stop_checker
             for token_id in deferred:
                 self._add_text(stop_checker.append_text(detokenizer.push(token_id)).text)
         deferred.clear()
@@ -274,13 +282,6 @@ class RequestState:
 
     def take_output(self) -> RequestOutput:
         """A delta RequestOutput of every sample with news (the prompt on the first one)."""
-        if self.params.prompt_logprobs is not None:
-            output = self._take_output()
-            output.prompt_logprobs = self._take_prompt_logprobs()
-            return output
-        return self._take_output()
-
-    def _take_output(self) -> RequestOutput:
         samples = self.samples
         if self.reported_prompt:
             prompt = []
@@ -299,9 +300,13 @@ class RequestState:
             num_prompt = len(self.prompt_token_ids)
             num_cached = sample.seq.num_cached_tokens
             usage = Usage(num_prompt, sample.num_tokens, num_reasoning, num_cached if num_cached < num_prompt else num_prompt)
-            return RequestOutput(self.request_id, prompt, outputs, sample.finish_reason is not None, usage, True)
-        outputs = [sample.take_delta() for sample in samples if sample.has_news]
-        return RequestOutput(self.request_id, prompt, outputs, self.finished, self.usage(), True)
+            output = RequestOutput(self.request_id, prompt, outputs, sample.finish_reason is not None, usage, True)
+        else:
+            outputs = [sample.take_delta() for sample in samples if sample.has_news]
+            output = RequestOutput(self.request_id, prompt, outputs, self.finished, self.usage(), True)
+        if self.params.prompt_logprobs is not None:
+            output.prompt_logprobs = self._take_prompt_logprobs()
+        return output
 
 
 class OutputAccumulator:

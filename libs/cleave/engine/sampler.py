@@ -77,18 +77,19 @@ class Sampler:
         logits = apply_logits_processors(logits, state)
         if state.needs_penalties:
             logits = apply_penalties(logits, state)
-        greedy_ids = logits.argmax(dim=-1)  # [B]
         if state.all_greedy:
-            token_ids = greedy_ids
+            token_ids = logits.argmax(dim=-1)  # [B]
         else:
-            probs = self.probabilities(logits, state)
-            token_ids = torch.where(state.is_greedy, greedy_ids, self._race(probs, state))
+            token_ids = self._race(self.probabilities(logits, state), state)
+            if state.any_greedy:
+                token_ids = torch.where(state.is_greedy, logits.argmax(dim=-1), token_ids)
         return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(raw_logprobs, token_ids, state))
 
     @staticmethod
     def probabilities(logits: torch.Tensor, state: SamplingTensors) -> torch.Tensor:
         """The distribution non-greedy rows sample from: [B, V] -> [B, V] float32."""
-        logits = logits / state.temperatures[:, None]
+        if state.needs_temperature:  # x / 1.0 is x: rows at temperature 1 need no division
+            logits = logits / state.temperatures[:, None]
         logits = apply_top_k_top_p(
             logits,
             state.top_k if state.needs_top_k else None,

@@ -51,6 +51,8 @@ class SamplingTensors:
         row_processors: rows that carry logits processors.
         num_logprobs: top-k logprobs to return (max over rows), None when no row asks.
         all_greedy / needs_top_k / needs_top_p / needs_min_p / needs_penalties: host flags.
+        any_greedy / needs_temperature: whether any row takes the argmax, and whether any
+            sampled row's temperature is not 1 (the sampler skips what no row needs).
     """
 
     vocab_size: int
@@ -73,6 +75,8 @@ class SamplingTensors:
     needs_top_p: bool = False
     needs_min_p: bool = False
     needs_penalties: bool = False
+    any_greedy: bool = True
+    needs_temperature: bool = True
 
     @classmethod
     def from_params(
@@ -125,6 +129,8 @@ class SamplingTensors:
         )
         sampled = [i for i in range(num_rows) if not greedy[i]]
         state.all_greedy = not sampled
+        state.any_greedy = len(sampled) < num_rows
+        state.needs_temperature = any(floats[i] != 1.0 for i in sampled)
         state.needs_top_k = any(top_k[i] < vocab_size for i in sampled)
         state.needs_top_p = any(params[i].top_p < 1.0 for i in sampled)
         state.needs_min_p = any(params[i].min_p > 0.0 for i in sampled)

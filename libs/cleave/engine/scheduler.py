@@ -327,22 +327,19 @@ class Scheduler:
         ):
             return None
         order = queues.running_order()
-        for seq in order:
-            if len(seq.all_token_ids) - seq.num_computed_tokens != 1:
-                return None
-        if not kv.allocate_decode_slots([seq.seq_id for seq in order]):
+        starts = [len(seq.all_token_ids) - 1 for seq in order]
+        if starts != [seq.num_computed_tokens for seq in order]:
+            return None  # a sequence has more than one token to feed
+        tables = kv.allocate_decode_slots([seq.seq_id for seq in order])
+        if tables is None:
             return None
-        block_table_view = kv.block_table_view
         scheduled: list[ScheduledSequence] = []
         num_decodes = 0
-        for seq in order:
-            tokens = seq.all_token_ids
-            start = len(tokens) - 1
+        for seq, start, table in zip(order, starts, tables):
             is_decode = start >= seq.num_prompt_tokens  # else the last prompt token of a recompute
             num_decodes += is_decode
-            scheduled.append(
-                ScheduledSequence(seq, 1, tokens[start:], start, True, block_table_view(seq.seq_id), (), not is_decode)
-            )
+            token_ids = seq.all_token_ids[start:]
+            scheduled.append(ScheduledSequence(seq, 1, token_ids, start, True, table, (), not is_decode))
         stats = self.stats
         stats.num_steps += 1
         stats.num_decode_tokens += num_decodes

@@ -12,6 +12,13 @@ With byte-level tokenizers most tokens append the same text whatever precedes th
 `TokenPieces` piece). When nothing is held back, such a token's text is its piece and the
 window state after it is known, so `push` skips both decodes: the same text and state as
 the decoding path, at a dictionary lookup per token.
+
+Held-back text is composed the same way while it can be: the window's text once known
+(decoded, or composed) plus a piece is the text with that piece appended, and after a
+prefix that ends in a piece (a whole character) the first held token adds its own text
+(`TokenPieces.alone`). So a token that is part of a character, between pieces, costs no
+decode; in a run of such tokens each one after the first decodes the window, and the
+pieces after the run do not.
 """
 
 from __future__ import annotations
@@ -75,6 +82,11 @@ class IncrementalDetokenizer:
         self._emitted: list[str] = []
         # Text of window[:read], kept while the offsets stay (held-back pushes decode it once).
         self._prefix_text: str | None = None
+        # Text of the whole window when known without decoding it again, else None.
+        self._window_text: str | None = None
+        # Whether window[:read] ends in a piece: its bytes end in a whole character, so the
+        # window's text is the prefix's text plus the held tokens' own text.
+        self._prefix_ends_in_piece = False
 
     @property
     def text(self) -> str:
@@ -104,7 +116,8 @@ class IncrementalDetokenizer:
                 window.append(token_id)
                 self._window_start = self._prefix_offset = start
                 self._read_offset = start + 1
-                self._prefix_text = piece  # the new prefix is this token alone
+                self._prefix_text = self._window_text = piece  # the new prefix is this token alone
+                self._prefix_ends_in_piece = True
                 self._num_output_tokens += 1
                 self._emitted.append(piece)
                 return piece
@@ -113,20 +126,46 @@ class IncrementalDetokenizer:
         # The window starts at the prefix offset (`_advance` keeps it so), so only the read
         # offset needs translating.
         read = self._read_offset - self._window_start
-        decode, skip = self._decode_ids, self._skip_special_tokens
+        new_text = self._composed_text(token_id, len(window) - read)
         prefix_text = self._prefix_text
-        if prefix_text is None:
-            prefix_text = self._prefix_text = decode(window[:read], skip)
-        new_text = decode(window, skip)
+        if new_text is None or prefix_text is None:
+            decode, skip = self._decode_ids, self._skip_special_tokens
+            if prefix_text is None:
+                prefix_text = self._prefix_text = decode(window[:read], skip)
+            if new_text is None:
+                new_text = decode(window, skip)
         if (len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR)) and (
             len(window) - read <= MAX_HELD_BACK_TOKENS
         ):
+            self._window_text = new_text
             return ""
         delta = new_text[len(prefix_text) :]
+        split_cleanly = self._prefix_ends_in_piece
         self._advance()
+        if split_cleanly:
+            # The held tokens are the prefix (and the window) now; after a prefix that ends
+            # in a whole character their text is exactly the delta.
+            self._prefix_text = self._window_text = delta
+            self._prefix_ends_in_piece = bool(table is not None and table.get(token_id))
         if delta:
             self._emitted.append(delta)
         return delta
+
+    def _composed_text(self, token_id: int, num_held: int) -> str | None:
+        """The window's text with `token_id` appended (the last of `num_held` held-back
+        tokens) when it composes without decoding (see the module docstring), else None."""
+        pieces = self._token_pieces
+        if pieces is None:
+            return None
+        piece = pieces.piece(token_id)
+        window_text = self._window_text
+        if piece and window_text is not None:
+            return window_text + piece  # a piece appends its text after any ids
+        if num_held == 1 and self._prefix_ends_in_piece:
+            alone = pieces.alone(token_id)  # after a whole character, a token adds its own text
+            if alone is not None:
+                return self._prefix_text + alone  # type: ignore[operator]  # set with the flag
+        return None
 
     def push_many(self, token_ids: Iterable[int]) -> str:
         """Add several tokens; return their combined new text."""
@@ -144,7 +183,8 @@ class IncrementalDetokenizer:
         return delta
 
     def _advance(self) -> None:
-        self._prefix_text = None
+        self._prefix_text = self._window_text = None
+        self._prefix_ends_in_piece = False
         self._prefix_offset = self._read_offset
         self._read_offset = self._window_start + len(self._window)
         # Drop ids that will never be decoded again.

@@ -23,7 +23,7 @@ class FinishReason(str, enum.Enum):
     TIMEOUT = "timeout"  # the request's deadline passed (set by services, not the engine)
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenLogprob:
     """Logprob of one generated token and its most likely alternatives (raw model logits)."""
 
@@ -33,7 +33,7 @@ class TokenLogprob:
     top_logprobs: list[float] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One sample (index `index` of the request's `n`).
 
@@ -67,7 +67,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class Usage:
     """Token accounting of a request, summed over its samples."""
 
@@ -82,7 +82,7 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """The engine's report on one request after a step (or at the end).
 

@@ -146,17 +146,6 @@ class StopChecker:
             self._finished = True
         return self._emit(buffer[: len(buffer) - hold], None, None)
 
-    def append_plain(self, new_text: str) -> str:
-        """`append_text(new_text).text` for a checker without stop strings (nothing to hold
-        back or search), without building a StopUpdate: the per-token path of most requests."""
-        if self._stop_strings:
-            return self.append_text(new_text).text
-        if self._finished:
-            return ""
-        if new_text:
-            self._emitted.append(new_text)
-        return new_text
-
     def process(self, token_id: int, detokenizer: TokenDetokenizer) -> StopUpdate:
         """One generated token through the detokenizer and every stop condition."""
         token_stop = self.check_token(token_id)

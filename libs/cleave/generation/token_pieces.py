@@ -39,14 +39,16 @@ class TokenPieces:
             and no clean-up (see the module docstring; `for_tokenizer` checks).
         added_token_ids: ids of the tokenizer's added tokens (never given a piece).
 
-    `piece(token_id)` is the token's text, or "" when the token has no piece. The table
-    grows to at most the vocabulary size.
+    `piece(token_id)` is the token's text, or "" when the token has no piece;
+    `alone(token_id)` its text decoded on its own, or None for an added token. The tables
+    grow to at most the vocabulary size.
     """
 
     def __init__(self, decode: Callable[[list[int], bool], str], added_token_ids: frozenset[int]) -> None:
         self.decode = decode
         self._added_token_ids = added_token_ids
         self.table: dict[int, str] = {}  # token id -> piece ("" for none); read by the detokenizer
+        self._alone: dict[int, str | None] = {}
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> TokenPieces | None:
@@ -65,6 +67,19 @@ class TokenPieces:
         if piece is None:
             piece = self.table[token_id] = self._lookup(token_id)
         return piece
+
+    def alone(self, token_id: int) -> str | None:
+        """`decode([token_id])` for a token that is not an added token (None for one).
+
+        After ids whose bytes end in a whole character, such a token adds exactly this text
+        (U+FFFD for a partial character), whatever came before.
+        """
+        try:
+            return self._alone[token_id]
+        except KeyError:
+            text = None if token_id in self._added_token_ids or token_id < 0 else self.decode([token_id], False)
+            self._alone[token_id] = text
+            return text
 
     def _lookup(self, token_id: int) -> str:
         if token_id in self._added_token_ids or token_id < 0:

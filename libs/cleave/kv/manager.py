@@ -185,23 +185,29 @@ class KVCacheManager:
         self._grow(state, num_new_tokens)
         return True
 
-    def allocate_decode_slots(self, seq_ids: Sequence[SeqId]) -> bool:
-        """`allocate_slots(seq_id, 1)` for each sequence in order, in one pass (a decode step).
+    def allocate_decode_slots(self, seq_ids: Sequence[SeqId]) -> list[Sequence[int]] | None:
+        """`allocate_slots(seq_id, 1)` for each sequence in order, in one pass (a decode step);
+        returns their live block tables (as `block_table_view`), in order.
 
         One more token needs at most one block per sequence (a new block at a block
         boundary, or a copy-on-write of a shared last block), so this succeeds whenever the
-        pool has a free block per sequence; otherwise it returns False with nothing changed.
+        pool has a free block per sequence; otherwise it returns None with nothing changed.
         """
         if len(seq_ids) > self.pool.num_free_blocks:
-            return False
-        seqs = self._seqs
+            return None
+        seqs, block_size, ref_count = self._seqs, self.block_size, self.pool.ref_count
+        tables: list[Sequence[int]] = []
         for seq_id in seq_ids:
             state = seqs.get(seq_id)
             if state is None:
                 self.allocate_slots(seq_id, 1)
+                state = seqs[seq_id]
+            elif state.num_tokens % block_size and ref_count(state.block_ids[-1]) == 1:
+                state.num_tokens += 1  # most decodes: room left in a last block held alone (`_grow`)
             else:
                 self._grow(state, 1)
-        return True
+            tables.append(state.block_ids)
+        return tables
 
     def _grow(self, state: _SeqBlocks, num_new_tokens: int) -> None:
         """Slots for `num_new_tokens` more tokens (the caller checked the pool has the blocks):
