@@ -106,6 +106,13 @@ class GcClock:
             self.seconds += time.perf_counter() - self._started
             self.full += info["generation"] == 2
 
+    def __enter__(self) -> "GcClock":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
 
 def replace_forward_with_random_logits(engine) -> None:  # type: ignore[no-untyped-def]
     """The runner's forward returns standard-normal logits [R, V] (R: rows that sample)."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import gc
 import io
 import pstats
 import random
@@ -44,29 +43,6 @@ if sys.path and Path(sys.path[0] or ".").resolve() == BENCH:
 
 COLUMNS = ["batch", "freeze", "steps", "step_ms", "device_ms", "idle_pct", "wait_ms", "host_ms", "host_p50",
            "gc_ms", "full_gcs", "step_p50"]
-
-
-class GcClock:
-    """Time spent in the garbage collector, per generation (gc.callbacks)."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.full = 0
-        self._started = 0.0
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-            return
-        self.seconds += time.perf_counter() - self._started
-        self.full += info["generation"] == 2
-
-    def __enter__(self) -> GcClock:
-        gc.callbacks.append(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self)
 
 
 class WaitClock:
@@ -90,6 +66,8 @@ def run_batch(
     engine, batch: int, args: argparse.Namespace, profiler: cProfile.Profile | None, frozen: bool = False
 ) -> dict:
     """One batch to completion; means and medians over the full-batch decode steps."""
+    from engine_host import GcClock  # bench/ is on the path (main)
+
     from cleave.engine.frozen_heap import frozen_heap
     from cleave.generation.sampling_params import SamplingParams
 

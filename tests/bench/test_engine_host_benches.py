@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-BENCH_MODULES = ("common", "engine", "engine_sweep", "engine_sweep_plot")
+BENCH_MODULES = ("common", "engine", "engine_host", "engine_sweep", "engine_sweep_plot")
 
 
 def load(name: str):  # type: ignore[no-untyped-def]
