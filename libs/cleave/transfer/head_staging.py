@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from cleave.transfer.streams import Ready, order_after
+from cleave.transfer.tensors import device_index
 
 
 class HeadStaging:
@@ -32,6 +33,8 @@ class HeadStaging:
         self.num_blocks = num_blocks
         self._staged: torch.Tensor | None = None
         self.block_ids = list(range(num_blocks))  # the staging's blocks, in the transfer's order
+        self._index: torch.Tensor | None = None  # the source block ids on the device
+        self._index_ids: tuple[int, ...] = ()
 
     def stage(self, layers: range, cache: torch.Tensor, src_ids: Sequence[int], ready: Ready) -> tuple[torch.Tensor, Ready]:
         """Gather `layers` of blocks `src_ids` (heads `self.heads`) into the staging cache;
@@ -41,7 +44,10 @@ class HeadStaging:
             num_heads = len(range(cache.shape[4])[self.heads])
             self._staged = torch.empty((num_layers, 2, self.num_blocks, block_size, num_heads, head_dim),
                                        dtype=cache.dtype, device=cache.device)
-        index = torch.as_tensor(list(src_ids), dtype=torch.long, device=cache.device)
+        if self._index is None or self._index_ids != tuple(src_ids):  # the same blocks for every run
+            self._index_ids = tuple(src_ids)
+            self._index = device_index(src_ids, cache.device)
+        index = self._index
         if cache.is_cuda:
             order_after(torch.cuda.current_stream(cache.device), ready, cache.device)
             ready = "current_stream"
