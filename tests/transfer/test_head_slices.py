@@ -61,6 +61,8 @@ def test_unmappable_layouts_are_refused_naming_the_field():
     assert refused.value.field == "layout.head_dim"
     with pytest.raises(FailedPrecondition, match="kv_head_start"):
         require_same_layout(layout(2, 0), layout(2, 2))  # equal shapes, other heads
+    with pytest.raises(FailedPrecondition, match="total_kv_heads"):
+        require_same_layout(layout(2, 0), layout(2, 0, total=8))  # the same heads of other models
 
 
 def test_the_head_range_crosses_the_wire_and_is_checked():

@@ -9,6 +9,7 @@ from cleave.rpc.types import KVLayout
 from cleave.transfer.tensors import check_kv_cache, dtype_name
 
 LAYOUT_FIELDS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "hash_namespace")
+_FIELDS_BUT_HEADS = tuple(name for name in LAYOUT_FIELDS if name != "num_kv_heads")
 
 
 def layout_of(cache: torch.Tensor, model_id: str, hash_namespace: str = "", kv_head_start: int = 0,
@@ -32,11 +33,11 @@ def head_slice(source: KVLayout, destination: KVLayout, what: str = "layout") ->
     the heads differs, the two hold heads of models with different head counts, or the
     destination holds a head the source does not (a decode rank's heads come from one
     prefill worker: TP=2 -> TP=1 would need two senders)."""
-    for name in LAYOUT_FIELDS:
-        if name != "num_kv_heads" and getattr(source, name) != getattr(destination, name):
-            raise FailedPrecondition(
-                f"KV layouts differ in {name}: the sender's {getattr(source, name)!r}, the receiver's "
-                f"{getattr(destination, name)!r}; KV moves only between equal layouts", field=f"{what}.{name}")
+    name = layout_mismatch(source, destination, fields=_FIELDS_BUT_HEADS)
+    if name is not None:
+        raise FailedPrecondition(
+            f"KV layouts differ in {name}: the sender's {getattr(source, name)!r}, the receiver's "
+            f"{getattr(destination, name)!r}; KV moves only between equal layouts", field=f"{what}.{name}")
     if source.model_kv_heads != destination.model_kv_heads:
         raise FailedPrecondition(
             f"KV layouts are of models with {source.model_kv_heads} and {destination.model_kv_heads} KV heads",
@@ -55,9 +56,9 @@ def _span(heads: range) -> str:
     return f"{heads.start}..{heads.stop - 1}"
 
 
-def layout_mismatch(expected: KVLayout, actual: KVLayout) -> str | None:
-    """Name of the first field where two layouts differ, or None when equal."""
-    for name in LAYOUT_FIELDS:
+def layout_mismatch(expected: KVLayout, actual: KVLayout, fields: tuple[str, ...] = LAYOUT_FIELDS) -> str | None:
+    """Name of the first of `fields` where two layouts differ, or None when equal."""
+    for name in fields:
         if getattr(expected, name) != getattr(actual, name):
             return name
     return None
@@ -66,6 +67,8 @@ def layout_mismatch(expected: KVLayout, actual: KVLayout) -> str | None:
 def require_same_layout(expected: KVLayout, actual: KVLayout, what: str = "layout") -> None:
     """Raise FailedPrecondition naming the first differing field (the heads held included)."""
     name = layout_mismatch(expected, actual)
+    if name is None and expected.model_kv_heads != actual.model_kv_heads:
+        name = "total_kv_heads"
     if name is None and expected.heads != actual.heads:
         name = "kv_head_start"
     if name is not None:
