@@ -21,7 +21,7 @@ from cleave.proto.cleave.v1 import common_pb2 as c, gateway_pb2 as g
 from cleave.rpc.types import ReasoningOptions
 from services.gateway.migration import continuation, thinking_budgets
 from tests.services.gateway.helpers import reference_llm, wait_for_free_blocks
-from tests.services.gateway.stack import Stack, start_stack
+from tests.services.gateway.stack import MAX_MODEL_LEN, Stack, start_stack
 
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 48
@@ -46,6 +46,10 @@ async def _stop_server(stack: Stack, address: str) -> None:
 
 def _num_tokens(responses: list[g.GenerateResponse]) -> int:
     return sum(len(s.token_ids) for r in responses for s in r.samples)
+
+
+def _sample_tokens(responses: list[g.GenerateResponse], index: int) -> int:
+    return sum(len(s.token_ids) for r in responses for s in r.samples if s.index == index)
 
 
 async def _read_until(stream, seen: list[g.GenerateResponse], enough) -> None:  # type: ignore[no-untyped-def]
@@ -221,17 +225,21 @@ async def test_n_samples_fail_unavailable_past_their_migration_budget(model_dir)
     stack = await start_stack(model_dir, "colocated", num_decode=3, max_migrations=1)
     try:
         async with GatewayClient(stack.gateway_address) as client:
-            stream = client.generate(PROMPT, max_tokens=2 * MAX_TOKENS, temperature=0.0, ignore_eos=True, n=2,
+            # Long enough that the stream cannot end before the second worker is stopped.
+            stream = client.generate(PROMPT, max_tokens=MAX_MODEL_LEN // 2, temperature=0.0, ignore_eos=True, n=2,
                                      stream=IDS, request_id="budget")
             seen: list[g.GenerateResponse] = []
             await _read_until(stream, seen, lambda responses: _num_tokens(responses) >= STOP_AFTER_TOKENS)
             assert stack.router is not None
-            await _stop_server(stack, stack.router._running["budget"].decode.address)
-            before = _num_tokens(seen)
-            await _read_until(stream, seen, lambda responses: _num_tokens(responses) >= before + 2)
+            first = stack.router._running["budget"].decode.address
+            await _stop_server(stack, first)
+            # Sample 0's tokens after the loss come from its new worker, so its part has moved.
+            before = _sample_tokens(seen, 0)
+            await _read_until(stream, seen, lambda responses: _sample_tokens(responses, 0) >= before + 2)
             found = stack.router._running["budget"].part_of(0)
             assert found is not None
             second = found[0].decode.address
+            assert second != first
             with pytest.raises(grpc.aio.AioRpcError) as failure:
                 await _responses_across_loss(stack, "budget", stream, lose=lambda s, _: _stop_server(s, second))
         assert failure.value.code() is grpc.StatusCode.UNAVAILABLE
