@@ -95,8 +95,6 @@ def test_a_kv_head_is_replicated_on_the_ranks_whose_queries_read_it() -> None:
     (dict(num_attention_heads=6, num_key_value_heads=6), 4, "num_attention_heads \\(6\\) is not divisible"),
     (dict(intermediate_size=90), 4, "intermediate_size \\(90\\) is not divisible"),
     (dict(num_attention_heads=6, num_key_value_heads=3), 2, "num_key_value_heads \\(3\\) and tensor_parallel_size \\(2\\)"),
-    (dict(architecture="Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2, moe_layers=(0,)), 2,
-     "mixture-of-experts.*tensor_parallel_size=1"),
 ])
 def test_models_the_split_does_not_cover_are_refused(overrides: dict, size: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -83,9 +83,11 @@ def check_two_ranks_match_one(path: Path, device: str, tolerance: float) -> None
         assert (result["kv_cache"] - expected_kv).abs().max().item() <= tolerance
         # loading reads slices only; then per step one all-reduce for the embedding, one per
         # attention block and one per MLP block, and one all-gather of the logits
-        assert result["collectives_after_load"] == {"all_reduce": 0, "all_gather": 0}
+        assert result["collectives_after_load"] == {"all_reduce": 0, "all_gather": 0, "all_to_all_single": 0}
         layers = result["num_layers"]
-        assert result["collectives"] == {"all_reduce": MAX_NEW_TOKENS * (1 + 2 * layers), "all_gather": MAX_NEW_TOKENS}
+        assert result["collectives"] == {
+            "all_reduce": MAX_NEW_TOKENS * (1 + 2 * layers), "all_gather": MAX_NEW_TOKENS, "all_to_all_single": 0
+        }
         # every rank holds 1/2 of each split weight (the embedding rounded up, zero-padded)
         shapes = result["parameter_shapes"]
         assert shapes["layers.0.self_attn.qkv_proj.weight"] == (

@@ -8,7 +8,9 @@ fail with the file and tensor named.
 
 With a `TensorParallelGroup` each rank builds a `TensorParallelCausalLM` of its shard's shapes
 and reads only its slice of every split tensor (`TensorParallelLayout.shard_of`) through
-safetensors' lazy slices, so no rank holds the whole model at any point.
+safetensors' lazy slices, so no rank holds the whole model at any point. In an MoE model a
+rank reads only its own experts: Qwen3-MoE's tensors of other experts are skipped unread,
+gpt-oss's stacked ones sliced along their expert dimension.
 
 MoE experts are stacked per layer (`cleave.model.moe`): Qwen3-MoE's per-expert gate/up/down
 tensors fill one expert's rows each; gpt-oss's stacked `gate_up_proj` [E, H, 2I] (gate and
@@ -179,12 +181,16 @@ class HFWeightFiller:
     def __init__(self, model: CausalLM) -> None:
         self.config = model.config
         self.params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
-        self.pending = _expected_rows(model, self.config)
+        # a tensor-parallel rank's experts are a contiguous run of the model's, from first_expert
+        self.layout = model.layout if isinstance(model, TensorParallelCausalLM) else None
+        self.first_expert = self.layout.first_expert if self.layout is not None else 0
+        self.pending = _expected_rows(model, self.config, self.first_expert)
         self.quantized_halves: dict[str, torch.Tensor] = {}  # "X_blocks" / "X_scales" awaiting the other
 
     def wants(self, hf_name: str) -> bool:
-        """False for tensors the model recomputes or ignores (rotary tables, a tied head)."""
-        if _IGNORED.fullmatch(hf_name):
+        """False for tensors the model recomputes or ignores (rotary tables, a tied head,
+        another tensor-parallel rank's experts)."""
+        if _IGNORED.fullmatch(hf_name) or (self.layout is not None and not self.layout.holds(hf_name)):
             return False
         # HF ties the head to the embeddings even when a copy is stored
         return not (self.config.tie_word_embeddings and map_hf_name(hf_name, self.config).param_name == "lm_head.weight")
@@ -207,7 +213,7 @@ class HFWeightFiller:
             raise CheckpointError(f"{source}: unexpected tensor {hf_name!r} for {self.config.architecture}")
         if target.key not in self.pending:
             raise CheckpointError(f"{source}: tensor {hf_name!r} appears more than once")
-        _copy_tensor(tensor, self.params[target.param_name], target, hf_name, source)
+        _copy_tensor(tensor, self.params[target.param_name], target, hf_name, source, self.first_expert)
         self.pending.pop(target.key)
 
     def finish(self, what: str) -> None:
@@ -269,17 +275,20 @@ def load_hf_state_dict(model: CausalLM, state_dict: Mapping[str, torch.Tensor]) 
     return model.eval()
 
 
-def _expected_rows(model: CausalLM, config: ModelConfig) -> dict[tuple[str, int | None, int | None], str]:
+def _expected_rows(
+    model: CausalLM, config: ModelConfig, first_expert: int = 0
+) -> dict[tuple[str, int | None, int | None], str]:
     """(parameter, expert, first row) -> HF tensor name, for every slice the checkpoint must
-    supply (Qwen3-MoE's experts one expert's gate, up and down at a time)."""
+    supply (Qwen3-MoE's experts one expert's gate, up and down at a time, by global expert
+    id: the model's experts are first_expert onwards)."""
     fused = _fused_targets(config)
     expected: dict[tuple[str, int | None, int | None], str] = {}
     per_expert = config.architecture == "Qwen3MoeForCausalLM"
-    for name, _ in model.named_parameters():
+    for name, tensor in model.named_parameters():
         experts = re.fullmatch(r"(layers\.\d+)\.mlp\.experts\.(w13|w2)", name)
         if experts is not None and per_expert:
             layer, param = experts.groups()
-            for expert in range(config.num_experts):
+            for expert in range(first_expert, first_expert + tensor.shape[0]):
                 prefix = f"model.{layer}.mlp.experts.{expert}"
                 if param == "w2":
                     expected[(name, expert, None)] = f"{prefix}.down_proj.weight"
@@ -327,9 +336,11 @@ def _rearranged(tensor: torch.Tensor, layout: str | None) -> torch.Tensor:
     return tensor
 
 
-def _copy_tensor(tensor: torch.Tensor, param: torch.Tensor, target: _Target, hf_name: str, source: str) -> None:
+def _copy_tensor(
+    tensor: torch.Tensor, param: torch.Tensor, target: _Target, hf_name: str, source: str, first_expert: int = 0
+) -> None:
     tensor = _rearranged(tensor, target.layout)
-    destination = param if target.expert is None else param[target.expert]
+    destination = param if target.expert is None else param[target.expert - first_expert]
     if target.row_start is not None:
         destination = destination[target.row_start : target.row_end]
     if tensor.shape != destination.shape:

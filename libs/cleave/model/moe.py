@@ -19,11 +19,13 @@ from cleave.model.config import ModelConfig
 
 
 class Experts(nn.Module):
-    """The stacked weights of one layer's experts."""
+    """The stacked weights of one layer's experts: all `config.num_experts` of them, or
+    `num_experts` (an expert-parallel rank's share, `cleave.parallel.experts`)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, num_experts: int | None = None) -> None:
         super().__init__()
-        num_experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        num_experts = config.num_experts if num_experts is None else num_experts
+        hidden, inter = config.hidden_size, config.moe_intermediate_size
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
         if config.expert_bias:

@@ -1,5 +1,6 @@
-"""`TensorParallelGroup`: the ranks one model is split over, and the two collectives the
-split model needs (a sum and a concatenation across ranks).
+"""`TensorParallelGroup`: the ranks one model is split over, and the collectives the split
+model needs: a sum and a concatenation across ranks, and an all-to-all exchange of rows
+(expert parallelism's dispatch and combine, `cleave.parallel.experts`).
 
 Every rank runs the same program in its own process (one per device), so every collective
 below is called by all ranks in the same order; a rank that skips one hangs the others
@@ -51,6 +52,21 @@ class TensorParallelGroup:
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(parts, tensor, group=self.process_group)
         return torch.cat(parts, dim=dim)
+
+    def all_to_all_single(
+        self, tensor: torch.Tensor, send_counts: list[int] | None = None, recv_counts: list[int] | None = None
+    ) -> torch.Tensor:
+        """Exchange rows: the first send_counts[0] rows of `tensor` go to rank 0, the next
+        send_counts[1] to rank 1, ...; returns the rows every rank sent here, in rank order
+        (recv_counts[r] from rank r). With no counts every rank sends and receives
+        len(tensor) / world_size rows per rank. Every rank's recv_counts[r] must be what
+        rank r sends it (exchange the counts first, with equal splits)."""
+        # torch's all_to_all_single runs on gloo (CPU) and NCCL alike, zero-row splits included
+        tensor = tensor.contiguous()
+        num_rows = tensor.shape[0] if recv_counts is None else sum(recv_counts)
+        out = tensor.new_empty((num_rows, *tensor.shape[1:]))
+        dist.all_to_all_single(out, tensor, recv_counts, send_counts, group=self.process_group)
+        return out
 
 
 def tensor_parallel_group(size: int) -> TensorParallelGroup | None:

@@ -3,11 +3,13 @@
 
 Per rank, a step goes: token ids (every rank gets all of them) -> vocab-parallel embedding
 (one all-reduce) -> per layer: norm, qkv_proj of the rank's heads, attention over the rank's
-KV heads in its own cache, row-parallel o_proj (one all-reduce), norm, gate_up_proj of the
-rank's intermediate slice, row-parallel down_proj (one all-reduce) -> final norm -> logits
-of the rank's vocabulary rows, gathered to [N, V] on every rank. Hidden states between
-layers are whole and identical on every rank, so each rank samples the same tokens from
-the same logits and the engines stay in step.
+KV heads in its own cache (with their sinks, gpt-oss), row-parallel o_proj (one all-reduce),
+norm, then either gate_up_proj of the rank's intermediate slice and row-parallel down_proj
+(one all-reduce), or in an MoE layer the expert-parallel block (the rank's slice of the
+tokens routed to the ranks holding their experts and back, then all-gathered:
+`cleave.parallel.experts`) -> final norm -> logits of the rank's vocabulary rows, gathered
+to [N, V] on every rank. Hidden states between layers are whole and identical on every
+rank, so each rank samples the same tokens from the same logits and the engines stay in step.
 
 The fused decode layouts (`cleave.model.fused_decode`) add the o and down projections into
 the residual inside their kernels, before any sum across ranks, so this model runs its own
@@ -22,14 +24,15 @@ from torch import nn
 from cleave.kernels.dispatch import Impl
 from cleave.model.config import ModelConfig
 from cleave.model.llama import CausalLM
+from cleave.parallel.experts import ExpertParallelMoeBlock
 from cleave.parallel.group import TensorParallelGroup
 from cleave.parallel.layers import RowParallelLinear, VocabParallelEmbedding
 from cleave.parallel.sharding import TensorParallelLayout
 
 
 class TensorParallelCausalLM(CausalLM):
-    """One rank's shard of a dense Llama-family `CausalLM` (build it on the meta device, as
-    `cleave.model.loader.empty_model` does, then load its shard).
+    """One rank's shard of a Llama-family `CausalLM`, dense or mixture-of-experts (build it
+    on the meta device, as `cleave.model.loader.empty_model` does, then load its shard).
 
     `config` is the rank's view (`TensorParallelLayout.rank_config`): query heads, KV heads
     and intermediate width are this rank's share, which is what its projections and KV
@@ -48,10 +51,13 @@ class TensorParallelCausalLM(CausalLM):
         self.lm_head = nn.Linear(hidden, layout.vocab_shard_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             attention = layer.self_attn
             attention.o_proj = RowParallelLinear(attention.q_size, hidden, config.o_proj_bias, group)
-            layer.mlp.down_proj = RowParallelLinear(layout.intermediate_size, hidden, False, group)
+            if index in config.moe_layers:
+                layer.mlp = ExpertParallelMoeBlock(config, layout, group, impl)
+            else:
+                layer.mlp.down_proj = RowParallelLinear(layout.intermediate_size, hidden, False, group)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] token ids (all of them on every rank) -> [T, H], identical on every rank."""
