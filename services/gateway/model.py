@@ -2,7 +2,8 @@
 
 The gateway never loads weights. It reads the checkpoint directory's tokenizer files,
 `config.json` (context length, vocabulary), `generation_config.json` (sampling defaults)
-and `cleave_config.json` (reasoning tags), and turns a `Prompt` into token ids.
+and `cleave_config.json` (reasoning tags; without them the tags are recognised from the
+checkpoint, or named by `--reasoning-parser`), and turns a `Prompt` into token ids.
 
 Before tokenizing, a prompt's text is measured in UTF-8 bytes: no token covers more bytes
 than the vocabulary's longest, so text over `max_model_len` times that many bytes cannot fit
@@ -18,7 +19,8 @@ from typing import Any
 
 from cleave.config import ModelConfig as ServedModelConfig
 from cleave.errors import InvalidArgument
-from cleave.generation.reasoning import ReasoningConfig, read_reasoning_config
+from cleave.generation.reasoning import ReasoningConfig
+from cleave.generation.reasoning_formats import select_reasoning_config
 from cleave.generation.token_pieces import TokenPieces
 from cleave.model.source import resolve_model_dir
 from cleave.model.text_config import TextConfig
@@ -66,8 +68,9 @@ class ServedModel:
         self.vocab_size = model_config.vocab_size
         self.max_model_len = config.max_context_length or model_config.max_position_embeddings
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
-        reasoning = read_reasoning_config(path)
-        self.reasoning: ReasoningConfig | None = reasoning if config.is_reasoning_model else None
+        self.reasoning: ReasoningConfig | None = select_reasoning_config(
+            path, self.tokenizer, config.effective_reasoning_parser
+        )
         self.defaults = _read_defaults(path)
         self.max_prompt_bytes = max_prompt_bytes or self.max_model_len * _longest_token_bytes(self.tokenizer)
 

@@ -27,15 +27,23 @@ from services.gateway.convert import TokenDelta
 
 
 def special_tag_tokens(tokenizer: Tokenizer, reasoning: ReasoningConfig | None) -> dict[int, str]:
-    """Think tags that are single special tokens, by id: detokenizing with
-    skip_special_tokens drops them, so their text is put back for the reasoning parser."""
+    """The special tokens inside the reasoning tags, by id, with their text.
+
+    Detokenizing with skip_special_tokens drops special tokens, so the text of those that
+    make up a tag (`<think>` as one token, or harmony's `<|channel|>`, `<|message|>`,
+    `<|end|>`, `<|start|>`) is put back for the reasoning parser; every other special token
+    (eos, `<|return|>`, ...) stays skipped.
+    """
     if reasoning is None:
         return {}
-    tags = {}
-    for tag in (reasoning.start_tag, reasoning.end_tag):
-        ids = tokenizer.encode(tag, add_special_tokens=False)
-        if len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=True) == "":
-            tags[ids[0]] = tag
+    tags: dict[int, str] = {}
+    for tag in reasoning.tags:
+        for token_id in tokenizer.encode(tag, add_special_tokens=False):
+            if token_id in tags or tokenizer.decode([token_id], skip_special_tokens=True) != "":
+                continue
+            text = tokenizer.decode([token_id], skip_special_tokens=False)
+            if text:
+                tags[token_id] = text
     return tags
 
 
@@ -57,7 +65,8 @@ class SampleText:
         reasoning: the model's think tags, or None for a plain model.
         mode: SEPARATE, HIDDEN or INLINE (already resolved).
         include_token_ids: put token ids into every output.
-        tag_tokens: `special_tag_tokens(...)` of the model.
+        tag_tokens: `special_tag_tokens(...)` of the model (unused when the params keep
+            special tokens: their text is in the detokenized text already).
         pieces: the model's `TokenPieces` (shared by all its samples), or None to decode
             every token.
     """
@@ -76,16 +85,12 @@ class SampleText:
         pieces: TokenPieces | None = None,
     ) -> None:
         self.index = index
-        self._tag_tokens = tag_tokens or {}
+        self._tag_tokens = (tag_tokens or {}) if params.skip_special_tokens else {}
         self._detokenizer = IncrementalDetokenizer(
             tokenizer, prompt_token_ids, params.skip_special_tokens, pieces
         )
         self._stop = StopChecker(params, eos_token_ids)
-        self._parser = (
-            ReasoningParser(reasoning.start_tag, reasoning.end_tag, reasoning.starts_in_reasoning)
-            if reasoning is not None
-            else None
-        )
+        self._parser = ReasoningParser.for_config(reasoning) if reasoning is not None else None
         self._mode = mode
         self._include_token_ids = include_token_ids
         self.token_ids: list[int] = []

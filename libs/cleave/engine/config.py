@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cleave.generation.reasoning_formats import REASONING_PARSERS
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -84,6 +86,9 @@ class EngineConfig:
             has it (Hopper and later; `cleave.kernels.pdl`). False for A/B runs and debugging.
         tensor_parallel_size: ranks the model is split over (`cleave.parallel`), one process
             and device each, all running this engine in step; 1 builds the plain model.
+        reasoning_parser: the thinking tags (`cleave.generation.reasoning_formats`): auto
+            (cleave_config.json, else recognised from the checkpoint), none or a named format;
+            the gateway must be given the same.
     """
 
     model: str
@@ -95,12 +100,16 @@ class EngineConfig:
     overlap_steps: bool | None = None
     pdl: bool = True
     tensor_parallel_size: int = 1
+    reasoning_parser: str = "auto"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"EngineConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"EngineConfig.reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
 
     @property
     def overlaps_steps(self) -> bool:

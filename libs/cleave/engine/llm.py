@@ -28,6 +28,7 @@ _SCHEDULER_KEYS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "e
 _CACHE_KEYS = ("block_size", "num_blocks", "enable_prefix_caching", "gpu_memory_utilization")
 _ENGINE_KEYS = (
     "dtype", "device", "seed", "enforce_eager", "detokenize", "overlap_steps", "pdl", "tensor_parallel_size",
+    "reasoning_parser",
 )
 
 
@@ -66,7 +67,7 @@ class LLM:
         model: checkpoint directory (HF layout).
         **engine_kwargs: see `build_engine_config` (max_model_len, max_num_seqs, block_size,
             num_blocks, device, dtype, seed, enforce_eager, detokenize, overlap_steps, pdl,
-            tensor_parallel_size, ...).
+            tensor_parallel_size, reasoning_parser, ...).
     """
 
     def __init__(self, model: str | Path, **engine_kwargs: Any) -> None:

@@ -125,9 +125,7 @@ class RequestBuilder:
         detokenize = self.detokenize
         if self.reasoning is not None:
             if detokenize:
-                reasoning = ReasoningParser(
-                    self.reasoning.start_tag, self.reasoning.end_tag, self.reasoning.starts_in_reasoning
-                )
+                reasoning = ReasoningParser.for_config(self.reasoning)
             elif self._end_tag_ids and (self._start_tag_ids or self.reasoning.starts_in_reasoning):
                 counter = ReasoningTokenCounter(
                     self._start_tag_ids, self._end_tag_ids, self.reasoning.starts_in_reasoning, self._is_blank_token

@@ -1,11 +1,13 @@
 """Reasoning models: how they mark thinking, and splitting thinking text from the answer.
 
-`ReasoningConfig` is the model's tags (from `cleave_config.json`). `ReasoningParser` works
-on streamed text: it separates the `<think>...</think>` block from the answer, holding back
-any text that could be the start of a tag split across tokens, and counts the tokens spent
+`ReasoningConfig` is the model's tags (from `cleave_config.json`, or a named format that
+`cleave.generation.reasoning_formats` picks for the checkpoint). `ReasoningParser` works on
+streamed text: it separates the `<think>...</think>` block from the answer, holding back any
+text that could be the start of a tag split across tokens, and counts the tokens spent
 thinking. It supports both conventions: the model opens the block itself (Qwen3:
 `starts_in_reasoning=False`) or the chat template opened it in the prompt (DeepSeek-R1:
-`starts_in_reasoning=True`).
+`starts_in_reasoning=True`). A tag may be several tokens (gpt-oss's harmony headers), and a
+model may open its answer with a header of its own instead of thinking (`answer_tags`).
 
 Torch-free: the gateway splits text with it; the engine's `ThinkingBudget` enforces budgets
 on token ids and shares `Phase`.
@@ -15,18 +17,27 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 
 @dataclass(frozen=True)
 class ReasoningConfig:
-    """How a reasoning model marks its thinking (from `cleave_config.json`)."""
+    """How a reasoning model marks its thinking (from `cleave_config.json`, or a named format)."""
 
     start_tag: str = "<think>"
     end_tag: str = "</think>"
     starts_in_reasoning: bool = False
     answer_prefix: str = ""  # forced after a thinking budget cuts the block (e.g. " The answer is")
+    # Headers that open the answer when the model skips the thinking block (harmony's
+    # `<|channel|>final<|message|>`): removed from the text, like the tags.
+    answer_tags: tuple[str, ...] = ()
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """Every marker the parser looks for: start, end and answer tags."""
+        return (self.start_tag, self.end_tag, *self.answer_tags)
 
 
 def read_reasoning_config(model_dir: str | Path) -> ReasoningConfig | None:
@@ -37,11 +48,15 @@ def read_reasoning_config(model_dir: str | Path) -> ReasoningConfig | None:
     section = json.loads(path.read_text(encoding="utf-8")).get("reasoning")
     if not section:
         return None
+    answer_tags = section.get("answer_tags", [])
+    if not isinstance(answer_tags, list) or not all(isinstance(tag, str) and tag for tag in answer_tags):
+        raise ValueError(f"{path}: reasoning.answer_tags must be a list of non-empty strings, got {answer_tags!r}")
     return ReasoningConfig(
         start_tag=section.get("start_tag", "<think>"),
         end_tag=section.get("end_tag", "</think>"),
         starts_in_reasoning=bool(section.get("starts_in_reasoning", False)),
         answer_prefix=section.get("answer_prefix", ""),
+        answer_tags=tuple(answer_tags),
     )
 
 
@@ -74,11 +89,13 @@ class ReasoningParser:
 
     Only one thinking block is recognized, at the start of the output (after optional
     whitespace, which is dropped); text before any start tag that is not whitespace makes
-    the whole output an answer. Tags are removed from both parts.
+    the whole output an answer, except an answer tag, which opens the answer and is dropped.
+    Tags are removed from both parts.
 
     Args:
         start_tag / end_tag: the block's delimiters.
         starts_in_reasoning: the prompt already opened the block.
+        answer_tags: headers that open the answer in place of a thinking block.
     """
 
     def __init__(
@@ -86,13 +103,20 @@ class ReasoningParser:
         start_tag: str = "<think>",
         end_tag: str = "</think>",
         starts_in_reasoning: bool = False,
+        answer_tags: Sequence[str] = (),
     ) -> None:
         self.start_tag = start_tag
         self.end_tag = end_tag
+        self.answer_tags = tuple(answer_tags)
         self._phase = Phase.REASONING if starts_in_reasoning else Phase.BEFORE
         self._held_back = ""
         self._held_tokens = 0  # tokens whose phase is undecided while in BEFORE
         self.num_reasoning_tokens = 0
+
+    @classmethod
+    def for_config(cls, config: ReasoningConfig) -> ReasoningParser:
+        """A parser of one sample of a model with these tags."""
+        return cls(config.start_tag, config.end_tag, config.starts_in_reasoning, config.answer_tags)
 
     @property
     def phase(self) -> Phase:
@@ -130,8 +154,13 @@ class ReasoningParser:
             self._phase = Phase.REASONING
             self.num_reasoning_tokens += self._held_tokens
             return stripped[len(self.start_tag) :]
-        if self.start_tag.startswith(stripped):
-            self._held_back = buffer  # whitespace or a partial start tag
+        answer_tag = next((tag for tag in self.answer_tags if stripped.startswith(tag)), None)
+        if answer_tag is not None:
+            self._held_back = ""
+            self._phase = Phase.ANSWER
+            return stripped[len(answer_tag) :]
+        if any(tag.startswith(stripped) for tag in (self.start_tag, *self.answer_tags)):
+            self._held_back = buffer  # whitespace or a partial start or answer tag
             return ""
         self._held_back = ""
         self._phase = Phase.ANSWER
