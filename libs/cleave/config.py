@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from cleave.generation.reasoning_formats import REASONING_PARSERS
+
 ENV_PREFIX = "CLEAVE_"
 # The reasoning model shipped inside the package: every service defaults to it, so the stack
 # runs with no download.
@@ -103,10 +105,23 @@ class ModelConfig:
     served_name: str = ""  # id clients use; empty: `source`
     max_context_length: int = 0  # 0: from the model's config
     is_reasoning_model: bool = True
+    # thinking tags: auto (cleave_config.json, else recognised from the checkpoint), none, or
+    # a named format (`cleave.generation.reasoning_formats.REASONING_PARSERS`)
+    reasoning_parser: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"ModelConfig.reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
 
     @property
     def id(self) -> str:
         return self.served_name or self.source
+
+    @property
+    def effective_reasoning_parser(self) -> str:
+        """`reasoning_parser`, or none for a model marked as not reasoning (--no-reasoning-model)."""
+        return self.reasoning_parser if self.is_reasoning_model else "none"
 
 
 @dataclass(frozen=True)
@@ -160,6 +175,9 @@ class WorkerConfig:
     # prefill: send the KV layer by layer during the forward ("auto": over CUDA IPC only,
     # "on": any transport, "off": after the step)
     layer_streaming: str = "auto"
+    # decode: ranks the model is split over, one process each (this one is rank 0;
+    # `cleave.worker.rank_processes`); such a worker serves only requests it prefills itself
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -270,8 +288,11 @@ def _add_model_flags(flags: _FlagSet, default_model: str = DEFAULT_MODEL) -> Non
     flags.add("--model", default_model, "model directory (HF layout: config.json, safetensors, tokenizer)")
     flags.add("--served-model-name", "", "model id clients use (default: --model)")
     flags.add("--max-context-length", 0, "context length (0: from the model config)", type=int)
-    flags.add("--reasoning-model", True, "the model thinks before answering",
-              action=argparse.BooleanOptionalAction)
+    flags.add("--reasoning-model", True, "the model thinks before answering (--no-reasoning-model: "
+              "--reasoning-parser none)", action=argparse.BooleanOptionalAction)
+    flags.add("--reasoning-parser", "auto", "thinking tags: auto (cleave_config.json's reasoning section, else "
+              "recognised from the checkpoint: gpt-oss, Qwen3, DeepSeek-R1 templates), none, or a named format; "
+              "give every service the same value", choices=REASONING_PARSERS)
 
 
 def _service(name: str, args: argparse.Namespace) -> ServiceConfig:
@@ -311,12 +332,20 @@ def _metrics(args: argparse.Namespace) -> MetricsConfig | None:
 
 def _model(args: argparse.Namespace) -> ModelConfig:
     shipped = args.model in ("", DEFAULT_MODEL)  # empty: compose's unset CLEAVE_MODEL
+    # argparse checks choices on the command line only, not a default taken from the environment
+    if args.reasoning_parser not in REASONING_PARSERS:
+        raise SystemExit(f"--reasoning-parser ({env_name('--reasoning-parser')}): {args.reasoning_parser!r} is not "
+                         f"one of {', '.join(REASONING_PARSERS)}")
+    if not args.reasoning_model and args.reasoning_parser not in ("auto", "none"):
+        raise SystemExit(f"--no-reasoning-model contradicts --reasoning-parser {args.reasoning_parser}; "
+                         f"drop one of them")
     return ModelConfig(
         source=args.model or DEFAULT_MODEL,
         # the shipped model is "reasoner" to clients, as under `cleave up`, not its install path
         served_name=args.served_model_name or (SHIPPED_MODEL_DIR.name if shipped else ""),
         max_context_length=args.max_context_length,
         is_reasoning_model=args.reasoning_model,
+        reasoning_parser=args.reasoning_parser,
     )
 
 
@@ -404,7 +433,14 @@ def worker_config(
               type=int)
     flags.add("--layer-streaming", "auto", "prefill: send a prompt's KV layer by layer while its forward runs "
               "(auto: over CUDA IPC, prompts of 4096 tokens or more; on: every prompt, any transport; off: after the step)", choices=("auto", "on", "off"))
+    flags.add("--tensor-parallel-size", 1, "decode: split the model over this many ranks, one process and device "
+              "each (cuda:K, cuda:K+1, ...); such a worker prefills its own requests (colocated mode) only", type=int)
     args = flags.parse(argv)
+    if args.tensor_parallel_size < 1:
+        raise SystemExit("--tensor-parallel-size must be >= 1")
+    if args.tensor_parallel_size > 1 and name == "prefill":
+        raise SystemExit("--tensor-parallel-size > 1 is for decode workers serving colocated requests; prefill "
+                         "workers run one rank (KV hand-off from tensor-parallel ranks is not available yet)")
     if args.num_kv_blocks < 0:
         raise SystemExit("--num-kv-blocks must be >= 0")
     for flag in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -435,6 +471,7 @@ def worker_config(
         max_queued_admissions=args.max_queued_admissions,
         kvstore_min_prefix_tokens=args.kvstore_min_prefix_tokens,
         layer_streaming=args.layer_streaming,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

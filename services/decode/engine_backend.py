@@ -148,7 +148,9 @@ class EngineDecodeBackend:
         if self.receiver is not None:
             await self.receiver.close()
         if self.async_engine is not None:
-            await self.async_engine.shutdown()
+            await self.async_engine.shutdown()  # closes the engine on its step thread
+        elif self.engine is not None:
+            self.engine.close()  # loaded, never driven: still stop its other ranks
         self.peers.close()
 
     def _require_engine(self) -> tuple[LLMEngine, AsyncEngine, KVReceiver]:

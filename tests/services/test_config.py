@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from cleave.config import DEFAULT_MAX_MESSAGE_BYTES, gateway_config, kvstore_config, worker_config
+from cleave.worker import engine_config_from_worker
 
 
 def test_defaults():
@@ -58,6 +59,16 @@ def test_prefill_layer_streaming_flag():
     assert worker_config("prefill", ["--layer-streaming", "off"], {}).layer_streaming == "off"
     with pytest.raises(SystemExit):
         worker_config("prefill", ["--layer-streaming", "sometimes"], {})
+
+
+def test_tensor_parallel_size_is_a_decode_flag():
+    assert worker_config("decode", [], {}).tensor_parallel_size == 1
+    assert worker_config("decode", ["--tensor-parallel-size", "2"], {}).tensor_parallel_size == 2
+    assert engine_config_from_worker(worker_config("decode", ["--tensor-parallel-size", "2"], {})).tensor_parallel_size == 2
+    with pytest.raises(SystemExit, match="prefill workers run one rank"):
+        worker_config("prefill", ["--tensor-parallel-size", "2"], {})
+    with pytest.raises(SystemExit, match="must be >= 1"):
+        worker_config("decode", ["--tensor-parallel-size", "0"], {})
 
 
 def test_worker_and_kvstore_configs():

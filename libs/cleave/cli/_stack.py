@@ -82,8 +82,18 @@ class StackSpec:
     # order (`--prefill-gpus 0 --decode-gpus 1,2`); empty: every worker on `device`
     prefill_gpus: tuple[int, ...] = ()
     decode_gpus: tuple[int, ...] = ()
+    # ranks each decode worker splits its model over (colocated mode only: a tensor-parallel
+    # worker prefills its own requests); on CUDA a worker on cuda:K uses cuda:K..K+N-1
+    decode_tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.decode_tensor_parallel_size < 1:
+            raise ValueError("decode_tensor_parallel_size must be >= 1")
+        if self.decode_tensor_parallel_size > 1 and self.mode != "colocated":
+            raise ValueError(
+                f"tensor-parallel decode workers serve colocated requests only (KV hand-off into their ranks is "
+                f"not available yet); use --mode colocated, not {self.mode}"
+            )
         if (self.prefill_gpus or self.decode_gpus) and not self.device.startswith("cuda"):
             raise ValueError(f"GPU placement (prefill_gpus / decode_gpus) needs a CUDA device, not {self.device!r}")
         if any(index < 0 for index in self.prefill_gpus + self.decode_gpus):
@@ -336,7 +346,12 @@ class ProcessStack:
         share = self.memory_shares().get(worker_id)
         if share is not None:  # passed with --num-kv-blocks too; the worker then allocates the blocks asked for
             args += ["--gpu-memory-utilization", f"{share:g}"]
-        role_args = spec.prefill_args if worker_id.startswith("prefill") else ()
+        if worker_id.startswith("prefill"):
+            role_args: tuple[str, ...] = spec.prefill_args
+        elif spec.decode_tensor_parallel_size > 1:
+            role_args = ("--tensor-parallel-size", str(spec.decode_tensor_parallel_size))
+        else:
+            role_args = ()
         return args + list(spec.worker_args) + list(role_args)
 
     def _gateway_args(self, workers: list[Child], index: int = 0, port: int | str | None = None) -> list[str]:

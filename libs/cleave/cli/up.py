@@ -92,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"--prefill-gpus / --decode-gpus place workers on CUDA devices; pass --device cuda, not {args.device}",
               file=sys.stderr)
         return 2
+    if args.tensor_parallel_size < 1 or (args.tensor_parallel_size > 1 and args.mode != "colocated"):
+        print(f"error: --tensor-parallel-size {args.tensor_parallel_size}: must be >= 1, and above 1 only with "
+              "--mode colocated (KV hand-off into tensor-parallel ranks is not available yet)", file=sys.stderr)
+        return 2
     try:
         model = model_dir(args.model)
         check_device(args.device)  # here, not as a worker's log tail once it has started
@@ -108,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         trace_dir=Path(args.trace_dir) if args.trace_dir else None,
         gpu_memory_utilization=args.gpu_memory_utilization, gpu_memory_split=args.gpu_memory_split,
         metrics=args.metrics, mps=args.mps, prefill_gpus=args.prefill_gpus, decode_gpus=args.decode_gpus,
+        decode_tensor_parallel_size=args.tensor_parallel_size,
     )
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="cleave-up-"))
     stack = ProcessStack(spec, workdir)
@@ -203,6 +208,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="CUDA device indexes the prefill workers run on, round-robin (default: all on --device)")
     parser.add_argument("--decode-gpus", type=_gpu_list, default=(), metavar="I,J,...",
                         help="CUDA device indexes the decode workers run on, round-robin (default: all on --device)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks each decode worker splits the model over, one process each (--mode colocated; "
+                             "on CUDA a worker on cuda:K uses cuda:K..K+N-1; default 1)")
     parser.add_argument("--mps", choices=("auto", "on", "off"), default="auto",
                         help="run GPU workers that share a device under an NVIDIA MPS daemon of the stack's, so "
                              "their kernels run side by side instead of in time slices (auto: when two or more "

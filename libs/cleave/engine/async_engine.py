@@ -24,6 +24,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+import structlog
+
 from cleave.engine.llm_engine import LLMEngine, Prompt
 from cleave.engine.step_trace import StepTrace, TraceOrigin
 from cleave.errors import InvalidArgument, Unavailable
@@ -31,6 +33,7 @@ from cleave.generation.outputs import RequestOutput
 from cleave.generation.sampling_params import SamplingParams
 
 T = TypeVar("T")
+log = structlog.get_logger(__name__)
 
 _STOP = object()
 
@@ -163,8 +166,16 @@ class AsyncEngine:
         except BaseException as error:  # the engine's state is unknown now: fail every stream
             self._error = error
             self._fail_all(Unavailable(f"the engine failed: {error!r}"))
-            return
+            return  # not closed: other ranks may be stuck in the failed step; they end with the process
         self._fail_all(Unavailable("the engine shut down"))
+        self._close_engine()
+
+    def _close_engine(self) -> None:
+        """`engine.close()` on the step thread, the one that drives the engine."""
+        try:
+            self.engine.close()
+        except Exception as error:  # shutting down either way; say why the close failed
+            log.warning("engine close failed", error=repr(error))
 
     def _apply_commands(self) -> bool:
         """Apply queued commands; False once shutdown was requested."""

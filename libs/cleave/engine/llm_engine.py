@@ -72,7 +72,7 @@ from cleave.engine.scheduler import Scheduler, SchedulerOutput
 from cleave.engine.sequence import FINISHED_STATUSES, RUNNING, Sequence, SequenceStatus
 from cleave.errors import InvalidArgument
 from cleave.generation.outputs import RequestOutput, TokenLogprob
-from cleave.generation.reasoning import read_reasoning_config
+from cleave.generation.reasoning_formats import select_reasoning_config
 from cleave.generation.sampling_params import SamplingParams
 from cleave.kv.manager import KVCacheManager
 from cleave.kv.prefix_hash import kv_namespace
@@ -126,7 +126,7 @@ class LLMEngine:
         path = Path(config.model)
         self.model_config = ModelConfig.from_pretrained(path)
         self.tokenizer = Tokenizer.from_pretrained(path)
-        self.reasoning = read_reasoning_config(path)
+        self.reasoning = select_reasoning_config(path, self.tokenizer, config.reasoning_parser)
         device = torch.device(config.device)
         if config.dtype == "auto":
             dtype = self.model_config.dtype if device.type == "cuda" else torch.float32
@@ -135,7 +135,11 @@ class LLMEngine:
         else:
             raise ValueError(f"unsupported dtype {config.dtype!r}; use auto, {', '.join(_DTYPES)}")
         max_model_len = min(config.scheduler.max_model_len, self.model_config.max_position_embeddings)
-        self.config = replace(config, scheduler=replace(config.scheduler, max_model_len=max_model_len))
+        # expert-parallel MoE layers read their token counts back to the host: no CUDA graphs
+        eager = config.enforce_eager or (config.tensor_parallel_size > 1 and self.model_config.is_moe)
+        self.config = replace(
+            config, enforce_eager=eager, scheduler=replace(config.scheduler, max_model_len=max_model_len)
+        )
         self.dtype = dtype
         # norm weights folded into the projections after them: decode batches on GEMMs then
         # run without norm kernels (CausalLM.fold_norm_weights)
@@ -270,6 +274,11 @@ class LLMEngine:
             return False
         self._pending[request_id] = state
         return True
+
+    def close(self) -> None:
+        """Release what the engine holds beyond its memory (a tensor-parallel worker's rank
+        processes: `cleave.engine.lockstep`); nothing for a single-rank engine. The engine
+        is not stepped after this."""
 
     def has_unfinished(self) -> bool:
         """Whether any request still runs or has an output to report."""

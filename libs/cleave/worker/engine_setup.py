@@ -12,6 +12,7 @@ from cleave.engine.memory_budget import InsufficientDeviceMemory
 from cleave.model.source import ModelNotFound, resolve_model_dir
 from cleave.rpc.types import KVLayout
 from cleave.transfer.layout import layout_of
+from cleave.worker.rank_processes import start_lockstep_engine
 
 
 def engine_config_from_worker(config: WorkerConfig) -> EngineConfig:
@@ -33,6 +34,8 @@ def engine_config_from_worker(config: WorkerConfig) -> EngineConfig:
         device=config.device,
         enforce_eager=config.enforce_eager,
         pdl=config.pdl,
+        tensor_parallel_size=config.tensor_parallel_size,
+        reasoning_parser=config.model.effective_reasoning_parser,
         scheduler=scheduler,
         cache=cache,
     )
@@ -44,11 +47,13 @@ async def load_engine(config: EngineConfig) -> LLMEngine:
     A worker whose device cannot give it its memory share exits with the reason (SystemExit:
     one line on stderr, exit code 1, no traceback); the server's shutdown still runs. So does
     one whose `--model` is neither a checkpoint directory nor a Hub id it can fetch
-    (`cleave.model.source`).
+    (`cleave.model.source`). With `tensor_parallel_size` > 1 the other ranks start too
+    (`cleave.worker.rank_processes`); the engine's `close()` stops them.
     """
     try:
         model_dir = await asyncio.to_thread(resolve_model_dir, config.model)
-        return await asyncio.to_thread(LLMEngine, replace(config, model=str(model_dir)))
+        build = start_lockstep_engine if config.tensor_parallel_size > 1 else LLMEngine
+        return await asyncio.to_thread(build, replace(config, model=str(model_dir)))
     except ModelNotFound as error:
         raise SystemExit(f"error: {error}") from None
     except InsufficientDeviceMemory as error:

@@ -1,0 +1,124 @@
+"""A worker's tensor-parallel ranks: the worker process is rank 0 and starts ranks 1..N-1.
+
+    worker (rank 0)                                  rank r (spawned process)
+    start_lockstep_engine(config)
+      spawn ranks 1..N-1, a pipe to each -------->   init_process_group(rank r)
+      init_process_group(rank 0)                     LLMEngine(config on device r)
+      LockstepEngine(config) ... agree on blocks ... follow(engine, channel)
+      ... serve; engine.close() -> Stop ---------->  returns, process exits
+
+Ranks meet over TCP on a free loopback port. The model's collectives run on the default
+group (NCCL on GPUs, gloo on the CPU); the engine's ops go over the pipes (`LockstepChannel`).
+On CUDA, rank r of a worker on `cuda:K` runs on `cuda:K+r`. A rank process ends with its
+worker (the kernel signals it when the worker dies) and stops after the worker's Stop.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+from multiprocessing.connection import Connection
+from dataclasses import replace
+from datetime import timedelta
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from cleave.engine.config import EngineConfig
+from cleave.engine.llm_engine import LLMEngine
+from cleave.engine.lockstep import LockstepChannel, LockstepEngine, follow
+from cleave.parent_death import follow_parent
+
+log = structlog.get_logger(__name__)
+
+# The model's collectives: a rank that stops answering fails the step after this.
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+STOP_WAIT_S = 30.0
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device of `rank` for a worker on `device`: cuda:K -> cuda:K+rank; cpu stays."""
+    if not device.startswith("cuda"):
+        return device
+    base = int(device.partition(":")[2] or 0)
+    return f"cuda:{base + rank}"
+
+
+def start_lockstep_engine(config: EngineConfig) -> LockstepEngine:
+    """Rank 0's engine of a worker with `config.tensor_parallel_size` > 1, its other ranks
+    started and loaded. Blocking (minutes on a large model): call it off the event loop.
+    If any rank fails to start, every started rank is ended and the error raised."""
+    size = config.tensor_parallel_size
+    port = _free_port()
+    context = multiprocessing.get_context("spawn")
+    pipes = [context.Pipe() for _ in range(1, size)]
+    processes = [
+        context.Process(target=_rank_main, args=(rank, port, config, os.getpid(), pipe[1]), name=f"cleave-rank{rank}",
+                        daemon=True)
+        for rank, pipe in enumerate(pipes, start=1)
+    ]
+    for process, (_, rank_end) in zip(processes, pipes):
+        process.start()
+        rank_end.close()  # the rank's copy lives in its process: EOF reaches each side when the other ends
+
+    def stop_ranks() -> None:
+        _join_or_end(processes)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    try:
+        _join_group(0, size, port, config.device)
+        channel = LockstepChannel(0, [leader_end for leader_end, _ in pipes])
+        engine = LockstepEngine(replace(config, device=rank_device(config.device, 0)), channel, on_close=stop_ranks)
+    except BaseException:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+        stop_ranks()
+        raise
+    log.info("tensor-parallel ranks started", world_size=size, pids=[process.pid for process in processes])
+    return engine
+
+
+def _rank_main(rank: int, port: int, config: EngineConfig, parent_pid: int, connection: Connection) -> None:
+    """Rank `rank`'s process: join the group, load the shard, follow rank 0 until Stop."""
+    follow_parent(parent_pid, signal.SIGKILL)  # nothing to drain: rank 0 holds every request
+    _join_group(rank, config.tensor_parallel_size, port, config.device)
+    channel = LockstepChannel(rank, [connection])
+    try:
+        engine = LLMEngine(replace(config, device=rank_device(config.device, rank)))
+        follow(engine, channel)
+    finally:
+        channel.close()
+        dist.destroy_process_group()
+
+
+def _join_group(rank: int, size: int, port: int, device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.set_device(rank_device(device, rank))
+        backend = "nccl"
+    else:
+        # ranks share the host's cores: each takes its share of the intra-op threads
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        backend = "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=COLLECTIVE_TIMEOUT)
+
+
+def _join_or_end(processes: list[multiprocessing.process.BaseProcess]) -> None:
+    """Wait for the rank processes to exit after Stop; end those that do not."""
+    for process in processes:
+        process.join(timeout=STOP_WAIT_S)
+        if process.is_alive():
+            log.warning("tensor-parallel rank did not stop; ending it", pid=process.pid)
+            process.kill()
+            process.join()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
