@@ -67,6 +67,7 @@ from cleave.transfer.layout import head_slice
 from cleave.worker import TransportNegotiator, device_nccl, kv_layout_of, load_engine, top_logprobs_from_engine
 from cleave.worker.handshake import grpc_handshake
 from services.prefill.backend import EarlyFirstTokens, PrefillResult, PrefillSpec
+from services.prefill.cleanup import run_to_end
 from services.prefill.decode_handoff import DecodeHandoff, DecodeLinks
 from services.prefill.kvstore_prefix import DEFAULT_MIN_PREFIX_TOKENS, KVStorePrefix, PrefixFetch
 from services.prefill.kvstore_puts import STORE_BACKLOG_BYTES, BackgroundPuts
@@ -276,14 +277,8 @@ class EnginePrefillBackend:
             elif self.kvstore is not None:
                 self.kvstore.remember(prompt, fetch)  # computed here: later fetches need not ask the engine
         except BaseException:
-            if handoff is not None:
-                handoff.abort()
-            if stream is None:
-                stream = await asyncio.shield(self._take_layer_stream(request_id, opening, cancel=True))
-            if stream is not None:  # no copy may read the blocks once they are released
-                await asyncio.shield(stream.close())
-            if not handed_off:
-                await asyncio.shield(self._cleanup(request_id))
+            # Also when cancelled again meanwhile: an await cut short here would skip the release.
+            await run_to_end(self._abandon(request_id, handoff, opening, stream, release=not handed_off))
             raise
         finally:
             self._in_flight.pop(request_id, None)
@@ -299,6 +294,22 @@ class EnginePrefillBackend:
         counters.num_computed_tokens += result.num_computed_tokens
         counters.num_cached_tokens += result.num_cached_tokens
         return replace(result, transfer=transfer)
+
+    async def _abandon(self, request_id: str, handoff: DecodeHandoff | None, opening: asyncio.Task[None] | None,
+                       stream: LayerStream | None, release: bool) -> None:
+        """A failed or cancelled prefill's cleanup: abort the decode reservation, close the
+        layer stream (no copy may read the blocks once they are released), then free the
+        prompt's blocks and kvstore hold unless the background put owns them (`release`)."""
+        if handoff is not None:
+            handoff.abort()
+        try:
+            if stream is None:
+                stream = await self._take_layer_stream(request_id, opening, cancel=True)
+            if stream is not None:
+                await stream.close()
+        finally:
+            if release:
+                await self._cleanup(request_id)
 
     def _keep_block_tables(self, outputs: list[RequestOutput]) -> None:
         """Step thread, right after a step: keep each finished prefill's block table, so
@@ -371,7 +382,7 @@ class EnginePrefillBackend:
         if stream is not None and stream.is_claimed:
             close = stream.close
             if stream.block_ids != table:
-                await asyncio.shield(close())
+                await run_to_end(close())
                 raise FailedPrecondition(f"the layers were sent from blocks {stream.block_ids} but the prompt's KV "
                                          f"is in {table}; this is a bug in the prefill worker")
             sending = stream.result()
@@ -391,7 +402,7 @@ class EnginePrefillBackend:
             raise receiver_lost(handle, error) from None
         finally:
             # No queued copy may still read these blocks once they are released.
-            await asyncio.shield(close())
+            await run_to_end(close())
 
     async def _open_sender(self, handle: TransferHandle) -> KVSender:
         assert self.negotiator is not None

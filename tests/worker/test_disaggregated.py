@@ -126,6 +126,8 @@ async def test_kvstore_prefix_is_reused_not_recomputed(checkpoint, reference):
         await disaggregated(decode, first, "kv-a2", prompt, store=True)  # the prefix repeats: stored
         assert await first.backend.wait_for_stores(timeout_s=5.0)
         assert first.backend.counters.num_kvstore_blocks_stored == len(prompt) // 4
+        stored, index = second.backend.kvstore.hashes(prompt), second.backend.kvstore.client.index
+        await index.wait_until(lambda i: not i.is_live or i.num_leading(stored) == len(stored), 30)  # heard over Watch
         warm = await disaggregated(decode, second, "kv-b", prompt)
         reused = (len(prompt) - 1) // 4 * 4
         assert (warm.num_cached_tokens, warm.num_computed_tokens) == (reused, len(prompt) - reused)

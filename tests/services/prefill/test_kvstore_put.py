@@ -220,6 +220,8 @@ async def test_short_prefixes_stay_out_of_the_store_and_recent_ones_skip_the_eng
         await prefill_response(worker.stub.Prefill(storing("full-2")))  # all 4 blocks repeat now
         assert await worker.backend.wait_for_stores(timeout_s=5)
         assert worker.backend.counters.num_kvstore_blocks_stored == NUM_FULL_BLOCKS
+        stored = prefix.hashes(PROMPT)[:NUM_FULL_BLOCKS]  # the index hears of the put over Watch, a moment later
+        await client.index.wait_until(lambda i: i.is_live and i.num_leading(stored) == NUM_FULL_BLOCKS, 30)
         calls = 0
         original_call = worker.backend.async_engine.call
 
