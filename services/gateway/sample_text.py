@@ -39,11 +39,8 @@ def special_tag_tokens(tokenizer: Tokenizer, reasoning: ReasoningConfig | None) 
     tags: dict[int, str] = {}
     for tag in reasoning.tags:
         for token_id in tokenizer.encode(tag, add_special_tokens=False):
-            if token_id in tags or tokenizer.decode([token_id], skip_special_tokens=True) != "":
-                continue
-            text = tokenizer.decode([token_id], skip_special_tokens=False)
-            if text:
-                tags[token_id] = text
+            if token_id not in tags and tokenizer.is_special(token_id):
+                tags[token_id] = tokenizer.decode([token_id])
     return tags
 
 

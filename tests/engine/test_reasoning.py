@@ -113,6 +113,12 @@ def test_min_thinking_blocks_only_the_completing_token_of_a_multi_token_tag():
     assert _generate(budget, [5, 6, 5, 6, 5, 6, 2], 7) == [5, 0, 5, 0, 5, 6, 2]
 
 
+def test_min_thinking_blocks_the_first_token_of_a_tag_that_opens_with_a_marker():
+    budget = ThinkingBudget(end_token_ids=[5, 6], min_thinking_tokens=4, end_opens_with_marker=True)
+    assert _generate(budget, [5, 6, 5, 6, 5, 6, 2], 7) == [0, 6, 0, 6, 5, 6, 2]
+    assert budget.num_thinking_tokens == 5 and budget.phase is Phase.ANSWER  # the tag's 5 counts (see class doc)
+
+
 def test_budget_counts_only_after_start_tag_when_model_opens_the_block():
     budget = ThinkingBudget(end_token_ids=[3], max_thinking_tokens=2, start_token_ids=[4],
                             starts_in_reasoning=False)

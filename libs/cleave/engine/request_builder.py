@@ -65,10 +65,12 @@ class RequestBuilder:
         self._end_tag_ids: list[int] = []
         self._start_tag_ids: list[int] = []
         self._answer_prefix_ids: list[int] = []
+        self._end_opens_with_marker = False  # min_thinking_tokens forbids the tag's first token
         if reasoning is not None:
             self._end_tag_ids = tokenizer.encode(reasoning.end_tag, add_special_tokens=False)
             self._start_tag_ids = tokenizer.encode(reasoning.start_tag, add_special_tokens=False)
             self._answer_prefix_ids = tokenizer.encode(reasoning.answer_prefix, add_special_tokens=False)
+            self._end_opens_with_marker = bool(self._end_tag_ids) and tokenizer.is_special(self._end_tag_ids[0])
 
     def encode_prompt(self, prompt: Prompt, raw: bool = False) -> list[int]:
         """Token ids of a prompt: text (chat template for chat models unless `raw`), a
@@ -132,7 +134,7 @@ class RequestBuilder:
                 )
             budget = ThinkingBudget.from_params(
                 params, self._end_tag_ids, self._start_tag_ids, self.reasoning.starts_in_reasoning,
-                self._answer_prefix_ids,
+                self._answer_prefix_ids, self._end_opens_with_marker,
             )
             if budget is not None:
                 processors.append(budget)

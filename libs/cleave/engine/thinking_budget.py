@@ -32,7 +32,10 @@ class ThinkingBudget:
     the end tag is forced (every other logit -inf; a multi-token tag is forced token by
     token, continuing a tag the model already began). While
     `num_thinking_tokens < min_thinking_tokens` the token that would complete the end tag
-    gets logit -inf. When the budget cut the block short, `answer_prefix_ids` (a model's
+    gets logit -inf; when the tag opens with a marker token that is never text (harmony's
+    `<|end|>`, a special token), that first token is the one forbidden instead, so the model
+    cannot begin the tag at all (forbidding its last token would leave a begun tag behind).
+    When the budget cut the block short, `answer_prefix_ids` (a model's
     own answer opening, e.g. " The answer is") are forced next, so a model that would
     otherwise keep reasoning outside the block goes straight to a well-formed answer.
 
@@ -42,6 +45,7 @@ class ThinkingBudget:
         start_token_ids: token ids of the start tag; needed unless starts_in_reasoning.
         starts_in_reasoning: the prompt already opened the thinking block.
         answer_prefix_ids: tokens forced after an end tag that the budget imposed.
+        end_opens_with_marker: the end tag's first token is a special token (never text).
     """
 
     def __init__(
@@ -52,6 +56,7 @@ class ThinkingBudget:
         start_token_ids: Sequence[int] | None = None,
         starts_in_reasoning: bool = True,
         answer_prefix_ids: Sequence[int] = (),
+        end_opens_with_marker: bool = False,
     ) -> None:
         if not end_token_ids:
             raise ValueError("end_token_ids must name at least one token (the end tag)")
@@ -66,6 +71,8 @@ class ThinkingBudget:
         self._num_seen = 0
         self.num_thinking_tokens = 0
         self._answer_prefix = list(answer_prefix_ids)
+        # the token min_thinking_tokens forbids, and how much of the tag must precede it
+        self._blocked_at = 0 if end_opens_with_marker else len(self._end) - 1
         self._was_cut = False  # the budget forced the end tag
         self._num_answer_tokens = 0
 
@@ -77,6 +84,7 @@ class ThinkingBudget:
         start_token_ids: Sequence[int] | None = None,
         starts_in_reasoning: bool = True,
         answer_prefix_ids: Sequence[int] = (),
+        end_opens_with_marker: bool = False,
     ) -> ThinkingBudget | None:
         """A budget for the request's thinking limits, or None when it sets none."""
         if params.max_thinking_tokens is None and params.min_thinking_tokens == 0:
@@ -88,6 +96,7 @@ class ThinkingBudget:
             start_token_ids,
             starts_in_reasoning,
             answer_prefix_ids,
+            end_opens_with_marker,
         )
 
     @property
@@ -108,8 +117,8 @@ class ThinkingBudget:
         if self.max_thinking_tokens is not None and self.num_thinking_tokens >= self.max_thinking_tokens:
             self._was_cut = True
             return _force(logits, self._end[partial])
-        if self.num_thinking_tokens < self.min_thinking_tokens and partial == len(self._end) - 1:
-            logits[self._end[-1]] = -torch.inf
+        if self.num_thinking_tokens < self.min_thinking_tokens and partial == self._blocked_at:
+            logits[self._end[partial]] = -torch.inf
         return logits
 
     def _observe(self, token_id: int) -> None:

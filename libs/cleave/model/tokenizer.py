@@ -167,6 +167,10 @@ class Tokenizer:
                 text = text.replace(before, after)
         return text
 
+    def is_special(self, token_id: int) -> bool:
+        """Whether a token is special: it has text, which skip_special_tokens drops."""
+        return self.decode([token_id], skip_special_tokens=True) == "" and self.decode([token_id]) != ""
+
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
         return [self.backend.id_to_token(i) for i in ids]
 

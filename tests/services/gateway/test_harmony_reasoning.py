@@ -18,6 +18,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from cleave.config import ModelConfig as ServedModelConfig
 from cleave.engine.reasoning_tokens import ReasoningTokenCounter
+from cleave.engine.request_builder import RequestBuilder
 from cleave.engine.sampler import Sampler
 from cleave.engine.sampling_tensors import SamplingTensors
 from cleave.engine.thinking_budget import ThinkingBudget
@@ -153,11 +154,33 @@ def test_a_thinking_budget_forces_the_whole_harmony_end_and_the_gateway_splits_i
     assert text.num_reasoning_tokens == len(start_ids) + 3 + len(end_ids) == _counted_by_ids(served, output)
 
 
-def _greedy(budget: ThinkingBudget, preferred: list[int], vocab_size: int) -> list[int]:
-    """Greedy decoding through the sampler where the toy model prefers `preferred[step]`."""
+def test_min_thinking_keeps_the_analysis_open_without_a_begun_end_marker(served):
+    """Harmony's end sequence opens with `<|end|>`, a special token: an engine's budget
+    forbids that token (not the tag's last, `<|message|>`) until min_thinking_tokens, so the
+    model cannot leave a begun end sequence in its analysis."""
+    builder = RequestBuilder(served.tokenizer, served.tokenizer.vocab_size, served.reasoning, frozenset(), 256, 4,
+                             detokenize=False)
+    params = SamplingParams(max_tokens=32, min_thinking_tokens=4)
+    (budget,) = builder.build("r", [1, 2, 3], params).samples[0].logits_processors
+    start_ids, end_ids = _ids(served, HARMONY.start_tag), _ids(served, HARMONY.end_tag)
+    thinking_ids = _ids(served, THINKING)
+    fallback = thinking_ids[5]  # the toy model's second choice everywhere
+    # it wants to end its analysis right away, and again after two more tokens
+    preferred = start_ids + end_ids[:1] + thinking_ids[:2] + end_ids[:1] + end_ids + thinking_ids[:2]
+    output = _greedy(budget, preferred, vocab_size=served.tokenizer.vocab_size, fallback=fallback)
+    assert output == start_ids + [fallback] + thinking_ids[:2] + [fallback] + end_ids + thinking_ids[:2]
+    # four thinking tokens before the third try; the end sequence's own tokens but its last count too
+    assert budget.phase is Phase.ANSWER and budget.num_thinking_tokens == 4 + len(end_ids) - 1
+
+
+def _greedy(budget: ThinkingBudget, preferred: list[int], vocab_size: int, fallback: int | None = None) -> list[int]:
+    """Greedy decoding through the sampler where the toy model prefers `preferred[step]`,
+    then `fallback`."""
     sampler, output = Sampler(), []
     for token_id in preferred:
         logits = torch.zeros(1, vocab_size)
+        if fallback is not None:
+            logits[0, fallback] = 0.5
         logits[0, token_id] = 1.0
         state = SamplingTensors.from_params([SamplingParams(temperature=0.0)], vocab_size=vocab_size, device="cpu",
                                             output_token_ids=[output], logits_processors=[[budget]])
