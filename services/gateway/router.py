@@ -41,6 +41,7 @@ import structlog
 
 from cleave.errors import InvalidArgument, Unavailable
 from cleave.generation.outputs import FinishReason
+from cleave.generation.reasoning_formats import special_tag_tokens
 from cleave.proto.cleave.v1 import common_pb2
 from cleave.rpc.drain import DrainGate, wait_until
 from cleave.scaling.strategies import Strategy
@@ -56,7 +57,7 @@ from services.gateway.readiness import Routability, unroutable_reason
 from services.gateway.request_stream import stream_samples
 from services.gateway.route_observer import NO_ROUTE_OBSERVER, RouteObserver
 from services.gateway.routing import PrefixAffinity
-from services.gateway.sample_text import SampleText, special_tag_tokens
+from services.gateway.sample_text import SampleText
 from services.gateway.starts import PrefillFailed, start_colocated, start_disaggregated
 from services.gateway.workers import PoolOptions, WorkerHandle, WorkerPool
 

@@ -26,24 +26,6 @@ from services.gateway.backend import SampleOutput
 from services.gateway.convert import TokenDelta
 
 
-def special_tag_tokens(tokenizer: Tokenizer, reasoning: ReasoningConfig | None) -> dict[int, str]:
-    """The special tokens inside the reasoning tags, by id, with their text.
-
-    Detokenizing with skip_special_tokens drops special tokens, so the text of those that
-    make up a tag (`<think>` as one token, or harmony's `<|channel|>`, `<|message|>`,
-    `<|end|>`, `<|start|>`) is put back for the reasoning parser; every other special token
-    (eos, `<|return|>`, ...) stays skipped.
-    """
-    if reasoning is None:
-        return {}
-    tags: dict[int, str] = {}
-    for tag in reasoning.tags:
-        for token_id in tokenizer.encode(tag, add_special_tokens=False):
-            if token_id not in tags and tokenizer.is_special(token_id):
-                tags[token_id] = tokenizer.decode([token_id])
-    return tags
-
-
 def resolve_mode(mode: ReasoningMode, reasoning: ReasoningConfig | None) -> ReasoningMode:
     """DEFAULT -> SEPARATE for reasoning models, INLINE otherwise; no tags -> INLINE."""
     if reasoning is None:

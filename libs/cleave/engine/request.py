@@ -2,7 +2,8 @@
 
 Token ids come from the scheduler; text is made here. Per generated token a sample runs
 `StopChecker.process` (which drives its `IncrementalDetokenizer`), then its
-`ReasoningParser` splits the new text into thinking and answer. An engine that makes no
+`ReasoningParser` splits the new text into thinking and answer (the tags' special tokens,
+which the detokenizer skips, put back for it). An engine that makes no
 text (`detokenize` off) gives samples no detokenizer: a token then runs through the
 token-id stops only, and a `ReasoningTokenCounter` counts thinking tokens. What a sample produced
 since the last report accumulates in its pending delta until `RequestState.take_output`
@@ -14,6 +15,7 @@ the offline `LLM.generate` returns).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from cleave.engine.reasoning_tokens import ReasoningTokenCounter
@@ -53,6 +55,9 @@ class SampleState:
     include_reasoning: bool
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
     reasoning_counter: ReasoningTokenCounter | None = None
+    # The reasoning tags' special tokens, by id, with their text: skipped by the detokenizer,
+    # put back for the parser (`special_tag_tokens`; empty unless special tokens are skipped).
+    tag_tokens: Mapping[int, str] = field(default_factory=dict)
     # With a detokenizer and no stop strings, stopping depends on token ids alone, so text
     # can be made later (while the device runs the next step): `deferred` holds ids not yet
     # detokenized.
@@ -103,7 +108,7 @@ class SampleState:
         if self.detokenizer is None:
             return self._process_token_id(token_id)
         update = self.stop_checker.process(token_id, self.detokenizer)
-        self._add_text(update.text)
+        self._add_text(update.text + self.tag_tokens.get(token_id, ""))
         if update.finish_reason is None:
             return None
         self._finish(update.finish_reason, update.stop_reason)
@@ -116,7 +121,7 @@ class SampleState:
         self.flush_text()
         text = detokenizer.push(token_id) if token_stop.include_token_text else ""
         update = self.stop_checker.append_text(text + detokenizer.finish(), final=True)
-        self._add_text(update.text)
+        self._add_text(update.text + (self.tag_tokens.get(token_id, "") if token_stop.include_token_text else ""))
         if update.finish_reason is None:
             update.finish_reason, update.stop_reason = token_stop.finish_reason, token_stop.stop_reason
         self._finish(update.finish_reason, update.stop_reason)
@@ -144,9 +149,9 @@ class SampleState:
             if text:
                 self.text.append(text)
         else:
-            stop_checker = self.stop_checker
+            stop_checker, tags = self.stop_checker, self.tag_tokens
             for token_id in deferred:
-                self._add_text(stop_checker.append_text(detokenizer.push(token_id)).text)
+                self._add_text(stop_checker.append_text(detokenizer.push(token_id)).text + tags.get(token_id, ""))
         deferred.clear()
         self.has_news = True
 

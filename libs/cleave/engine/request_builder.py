@@ -20,6 +20,7 @@ from cleave.engine.thinking_budget import ThinkingBudget
 from cleave.errors import InvalidArgument
 from cleave.generation.detokenizer import IncrementalDetokenizer
 from cleave.generation.reasoning import ReasoningConfig, ReasoningParser
+from cleave.generation.reasoning_formats import special_tag_tokens
 from cleave.generation.sampling_params import SamplingParams
 from cleave.generation.stop import StopChecker
 from cleave.generation.token_pieces import TokenPieces
@@ -71,6 +72,7 @@ class RequestBuilder:
             self._start_tag_ids = tokenizer.encode(reasoning.start_tag, add_special_tokens=False)
             self._answer_prefix_ids = tokenizer.encode(reasoning.answer_prefix, add_special_tokens=False)
             self._end_opens_with_marker = bool(self._end_tag_ids) and tokenizer.is_special(self._end_tag_ids[0])
+        self._tag_tokens = special_tag_tokens(tokenizer, reasoning) if detokenize else {}
 
     def encode_prompt(self, prompt: Prompt, raw: bool = False) -> list[int]:
         """Token ids of a prompt: text (chat template for chat models unless `raw`), a
@@ -150,6 +152,7 @@ class RequestBuilder:
             logits_processors=processors,
             defer_text=detokenize and not params.stop,
             reasoning_counter=counter,
+            tag_tokens=self._tag_tokens if reasoning is not None and params.skip_special_tokens else {},
         )
 
     def _is_blank_token(self, token_id: int) -> bool:

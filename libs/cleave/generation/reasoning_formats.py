@@ -81,6 +81,24 @@ def select_reasoning_config(model_dir: str | Path, tokenizer: Tokenizer, parser:
     return FORMATS.get(_recognise(model_dir, tokenizer))
 
 
+def special_tag_tokens(tokenizer: Tokenizer, reasoning: ReasoningConfig | None) -> dict[int, str]:
+    """The special tokens inside the reasoning tags, by id, with their text.
+
+    Detokenizing with skip_special_tokens drops special tokens, so the text of those that
+    make up a tag (`<think>` as one token, or harmony's `<|channel|>`, `<|message|>`,
+    `<|end|>`, `<|start|>`) is put back for the reasoning parser; every other special token
+    (eos, `<|return|>`, ...) stays skipped.
+    """
+    if reasoning is None:
+        return {}
+    tags: dict[int, str] = {}
+    for tag in reasoning.tags:
+        for token_id in tokenizer.encode(tag, add_special_tokens=False):
+            if token_id not in tags and tokenizer.is_special(token_id):
+                tags[token_id] = tokenizer.decode([token_id])
+    return tags
+
+
 def _recognise(model_dir: str | Path, tokenizer: Tokenizer) -> str:
     """The named format a checkpoint without a `reasoning` section uses, or `none`."""
     architecture = _architecture(Path(model_dir))

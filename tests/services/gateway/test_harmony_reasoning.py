@@ -24,12 +24,12 @@ from cleave.engine.sampling_tensors import SamplingTensors
 from cleave.engine.thinking_budget import ThinkingBudget
 from cleave.generation.outputs import FinishReason
 from cleave.generation.reasoning import Phase
-from cleave.generation.reasoning_formats import FORMATS
+from cleave.generation.reasoning_formats import FORMATS, special_tag_tokens
 from cleave.generation.sampling_params import SamplingParams
 from cleave.rpc.types import ReasoningMode
 from services.gateway.convert import TokenDelta
 from services.gateway.model import ServedModel
-from services.gateway.sample_text import SampleText, special_tag_tokens
+from services.gateway.sample_text import SampleText
 
 HARMONY = FORMATS["gpt_oss"]
 TAG_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
@@ -152,6 +152,23 @@ def test_a_thinking_budget_forces_the_whole_harmony_end_and_the_gateway_splits_i
     reasoning, content, _ = _stream(text, output, 1)
     assert reasoning == served.tokenizer.decode(thinking_ids[:3]) and content == ANSWER
     assert text.num_reasoning_tokens == len(start_ids) + 3 + len(end_ids) == _counted_by_ids(served, output)
+
+
+@pytest.mark.parametrize("stop", [[], ["zzz"]])  # deferred text, and text made per token for stop strings
+def test_the_engine_splits_harmony_channels_too(served, stop):
+    """In-process generation (`LLM.generate`, `cleave generate`) puts the skipped markers
+    back for its parser as the gateway does: analysis is reasoning, final is the text."""
+    builder = RequestBuilder(served.tokenizer, served.tokenizer.vocab_size, served.reasoning, frozenset(), 256, 4,
+                             detokenize=True)
+    (sample,) = builder.build("r", [1, 2, 3], SamplingParams(max_tokens=200, stop=stop)).samples
+    output = _ids(served, HARMONY.start_tag + THINKING + HARMONY.end_tag + ANSWER)
+    for token_id in output:
+        assert sample.process_token(token_id) is None
+    sample.flush_text()
+    assert "".join(sample.reasoning_text) == THINKING and "".join(sample.text) == ANSWER
+    assert sample.num_reasoning_tokens == _counted_by_ids(served, output)
+    kept = builder.build("k", [1, 2, 3], SamplingParams(max_tokens=200, stop=stop, skip_special_tokens=False))
+    assert kept.samples[0].tag_tokens == {}  # the detokenizer writes the markers itself
 
 
 def test_min_thinking_keeps_the_analysis_open_without_a_begun_end_marker(served):

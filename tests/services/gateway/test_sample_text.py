@@ -7,13 +7,14 @@ import pytest
 from cleave.generation.detokenizer import REPLACEMENT_CHAR
 from cleave.generation.outputs import FinishReason
 from cleave.generation.reasoning import ReasoningConfig
+from cleave.generation.reasoning_formats import special_tag_tokens
 from cleave.generation.sampling_params import SamplingParams
 from cleave.generation.token_pieces import TokenPieces
 from cleave.model.tokenizer import Tokenizer
 from cleave.rpc.types import ReasoningMode
 from services.gateway.convert import TokenDelta
 from services.gateway.model import ServedModel
-from services.gateway.sample_text import SampleText, special_tag_tokens
+from services.gateway.sample_text import SampleText
 
 THINK = ReasoningConfig("<think>", "</think>", starts_in_reasoning=False)
 # Characters of 2, 3 and 4 UTF-8 bytes that the tiny ASCII-trained BPE splits into byte tokens.
