@@ -23,7 +23,10 @@ Reported per mode, for the users' requests: time to first token (p50/p90), time 
 token after the first (per request, p50/p90), the p99 gap between streamed tokens; output
 tokens/s of everything served; and over all requests (users' and long ones) the SLO
 goodput: requests/s that finished with TTFT <= `--slo-ttft-ms` and TPOT <= `--slo-tpot-ms`,
-and their share (`slo_pct`). Every mode is warmed up first (graphs, kernels, the transport
+and their share (`slo_pct`). Beside them, the CPU cores each part of the run used meanwhile
+(`cpu_gateway`, `cpu_decode`, `cpu_prefill`, `cpu_kvstore`: the stack's processes and their
+ranks; `cpu_clients`: the load's own processes) and the host's `host_cpus`: when they add
+up to the host, the latencies are the host's as much as the stack's. Every mode is warmed up first (graphs, kernels, the transport
 handshake). All modes of a run go into one `disagg-<UTC time>.json/.md` under `--out`.
 
 Presets (explicit flags still win):
@@ -59,14 +62,15 @@ from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_clients import REASONING_MODES  # noqa: E402 - bench/ is on the path now
+from cpu_use import CpuMeter, role_of  # noqa: E402 - bench/ is on the path now
+from serve_clients import REASONING_MODES  # noqa: E402
 from serve_load import (  # noqa: E402
     FIRST_TOKEN_ID, Slo, Workload, max_chat_tokens, run_load, summarize, warm_up, words_for_tokens,
 )
 
 COLUMNS = ["mode", "gateways", "api", "transport", "mps", "prefill_sm_pct", "metrics", "switch_ms", "policy", "prefill_variant", "kvstore_puts", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms",
            "tpot_p50_ms", "tpot_p90_ms", "itl_p99_ms", "long_prompts", "long_ttft_p50_ms", "output_tok_s",
-           "goodput_rps", "slo_pct", "wall_s"]
+           "goodput_rps", "slo_pct", "wall_s", "cpu_gateway", "cpu_decode", "cpu_prefill", "cpu_clients", "host_cpus"]
 MODES = ("disaggregated", "colocated", "conditional")
 PRESETS = {
     "http64": dict(api="http", num_users=64, prompt_len=(256, 512), output_len=(128, 128), long_interval_s=0.0),
@@ -166,7 +170,12 @@ def run_mode(variant: Variant, model_dir: Path, args: argparse.Namespace, workdi
         if any(child.name == "prefill-0" for child in stack.children):
             decode = next(child for child in stack.children if child.name == "decode-0")
             transport = asyncio.run(negotiated_transport(decode.address, "prefill-0", stack.internal_token))
-        timings, wall_s = run_load(load, args.client_procs)
+        roles: dict[str, list[int]] = {}
+        for child in stack.children:
+            roles.setdefault(role_of(child.name), []).append(child.process.pid)
+        meter = CpuMeter(roles)
+        run = run_load(load, args.client_procs)
+        cores = meter.cores(run.wall_s)
     finally:
         stack.stop()
     row = {"mode": mode, "gateways": num_gateways, "api": args.api, "transport": transport, "mps": under_mps,
@@ -175,7 +184,10 @@ def run_mode(variant: Variant, model_dir: Path, args: argparse.Namespace, workdi
            "policy": str(variant.policy) if variant.policy is not None else "-",
            "prefill_variant": variant.prefill_variant or "-",
            "kvstore_puts": puts,
-           "client_procs": args.client_procs, **summarize(timings, wall_s, Slo(args.slo_ttft_ms, args.slo_tpot_ms))}
+           "client_procs": args.client_procs, **summarize(run.timings, run.wall_s, Slo(args.slo_ttft_ms, args.slo_tpot_ms)),
+           # CPU cores each part used over the run; on a host short of cores, latency is not the stack's alone
+           **{f"cpu_{role}": used for role, used in sorted(cores.items())},
+           "cpu_clients": round(run.client_cpu_s / max(run.wall_s, 1e-9), 2), "host_cpus": os.cpu_count()}
     if row["errors"]:
         print(f"{mode}: {row['errors']} requests failed, the first with: {row['first_error']}", file=sys.stderr)
     if spec.trace_dir is not None:  # the services flushed their spans as they stopped

@@ -123,14 +123,15 @@ def _user_rng(workload: Workload, user: int) -> random.Random:
     return random.Random(workload.seed * 1_000_003 + user)  # the same prompts however users are split
 
 
-async def _users(workload: Workload, proc_index: int, num_procs: int, barrier: Any) -> list[Timing]:
+async def _users(workload: Workload, proc_index: int, num_procs: int, barrier: Any) -> tuple[list[Timing], float]:
+    """This process's users' timings, and the CPU seconds it spent from the start on."""
     users = list(range(proc_index, workload.num_users, num_procs))
     client = make_client(workload, -(-len(users) // USERS_PER_CHANNEL))
     timings: list[Timing] = []
     try:
         await client.connect()
         await asyncio.get_running_loop().run_in_executor(None, barrier.wait, READY_TIMEOUT_S)
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.process_time()
 
         async def user(position: int, index: int) -> None:
             rng = _user_rng(workload, index)
@@ -144,17 +145,18 @@ async def _users(workload: Workload, proc_index: int, num_procs: int, barrier: A
         await asyncio.gather(*(user(position, index) for position, index in enumerate(users)))
     finally:
         await client.close()
-    return timings
+    return timings, time.process_time() - cpu_started
 
 
 def client_process(workload: Workload, proc_index: int, num_procs: int, barrier: Any, results: Any) -> None:
-    """Entry point of one client process: its share of the users, timings onto `results`."""
+    """Entry point of one client process: its share of the users, timings (and its CPU
+    seconds) onto `results`."""
     try:
-        timings = asyncio.run(_users(workload, proc_index, num_procs, barrier))
-        results.put((proc_index, [asdict(timing) for timing in timings], None))
+        timings, cpu_s = asyncio.run(_users(workload, proc_index, num_procs, barrier))
+        results.put((proc_index, [asdict(timing) for timing in timings], None, cpu_s))
     except BaseException:  # noqa: BLE001 - the parent raises it
         barrier.abort()
-        results.put((proc_index, [], traceback.format_exc()))
+        results.put((proc_index, [], traceback.format_exc(), 0.0))
 
 
 async def _long_prompts(workload: Workload, client: GrpcClient | HttpClient, stop: asyncio.Event) -> list[Timing]:
@@ -171,7 +173,7 @@ async def _long_prompts(workload: Workload, client: GrpcClient | HttpClient, sto
     return list(await asyncio.gather(*pending))
 
 
-def _next_result(results: Any, processes: list, reported: set[int]) -> tuple[int, list[dict], str | None]:
+def _next_result(results: Any, processes: list, reported: set[int]) -> tuple[int, list[dict], str | None, float]:
     while True:
         try:
             return results.get(timeout=1.0)
@@ -182,13 +184,14 @@ def _next_result(results: Any, processes: list, reported: set[int]) -> tuple[int
                 raise RuntimeError(f"client process {dead[0]} died with exit code {exitcode}") from None
 
 
-async def _drive(workload: Workload, processes: list, barrier: Any, results: Any) -> tuple[list[Timing], float]:
+async def _drive(workload: Workload, processes: list, barrier: Any, results: Any) -> LoadRun:
     loop = asyncio.get_running_loop()
     client = make_client(workload)
     try:
         await client.connect()
         await loop.run_in_executor(None, barrier.wait, READY_TIMEOUT_S)
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.process_time()
+        clients_cpu_s = 0.0
         stop = asyncio.Event()
         longs = asyncio.ensure_future(_long_prompts(workload, client, stop) if workload.long_interval_s > 0
                                       else asyncio.sleep(0, []))
@@ -196,24 +199,34 @@ async def _drive(workload: Workload, processes: list, barrier: Any, results: Any
         reported: set[int] = set()
         try:
             while len(reported) < len(processes):
-                index, rows, error = await loop.run_in_executor(None, _next_result, results, processes, reported)
+                index, rows, error, cpu_s = await loop.run_in_executor(None, _next_result, results, processes, reported)
                 if error is not None:
                     raise RuntimeError(f"client process {index} failed:\n{error}")
                 reported.add(index)
                 timings.extend(Timing(**row) for row in rows)
+                clients_cpu_s += cpu_s
         except BaseException:
             longs.cancel()
             raise
         stop.set()
         timings.extend(await longs)
-        return timings, time.monotonic() - started
+        return LoadRun(timings, time.monotonic() - started, clients_cpu_s + time.process_time() - cpu_started)
     finally:
         await client.close()
 
 
-def run_load(workload: Workload, num_procs: int) -> tuple[list[Timing], float]:
-    """Every request's timing and the run's wall time (parent clock), users in `num_procs`
-    spawned processes and the long prompts from this one."""
+@dataclass(frozen=True)
+class LoadRun:
+    """What a load run measured: every request's timing, the run's wall time (parent clock)
+    and the CPU seconds the load's own processes spent meanwhile (clients and this one)."""
+
+    timings: list[Timing]
+    wall_s: float
+    client_cpu_s: float
+
+
+def run_load(workload: Workload, num_procs: int) -> LoadRun:
+    """Run the users in `num_procs` spawned processes and the long prompts from this one."""
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(num_procs + 1)
     results = context.Queue()
@@ -225,7 +238,7 @@ def run_load(workload: Workload, num_procs: int) -> tuple[list[Timing], float]:
         return asyncio.run(_drive(workload, processes, barrier, results))
     except threading.BrokenBarrierError:
         try:
-            index, _, error = results.get(timeout=10)
+            index, _, error, _ = results.get(timeout=10)
         except queue.Empty:
             raise RuntimeError("the client processes did not all start in time") from None
         raise RuntimeError(f"client process {index} failed before the start:\n{error}") from None
