@@ -58,7 +58,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -67,6 +67,9 @@ from serve_clients import REASONING_MODES  # noqa: E402
 from serve_load import (  # noqa: E402
     FIRST_TOKEN_ID, Slo, Workload, max_chat_tokens, run_load, summarize, warm_up, words_for_tokens,
 )
+
+if TYPE_CHECKING:
+    from cleave.cli._stack import StackSpec
 
 COLUMNS = ["mode", "gateways", "api", "transport", "mps", "prefill_sm_pct", "metrics", "switch_ms", "policy", "prefill_variant", "kvstore_puts", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms",
            "tpot_p50_ms", "tpot_p90_ms", "itl_p99_ms", "long_prompts", "long_ttft_p50_ms", "output_tok_s",
@@ -136,30 +139,35 @@ class ConditionalPolicy:
         return f"{self.local_max_tokens}:{self.idle_tokens}"
 
 
-def run_mode(variant: Variant, model_dir: Path, args: argparse.Namespace, workdir: Path, vocab: int) -> dict:
-    mode, num_gateways, puts, api, mps, sm_percent, metrics = (
-        variant.mode, variant.num_gateways, variant.puts, variant.api, variant.mps, variant.sm_percent,
-        variant.metrics)
-    args = argparse.Namespace(**{**vars(args), "api": api})
-    from cleave.cli._stack import ProcessStack, StackSpec
+def stack_spec(variant: Variant, model_dir: Path, args: argparse.Namespace, workdir: Path) -> tuple[StackSpec, str]:
+    """The stack of one row (the run's flags with the variant's settings), and its name."""
+    from cleave.cli._stack import StackSpec
 
     worker_args = ["--max-num-batched-tokens", str(args.max_num_batched_tokens),
                    "--max-context-length", str(args.max_context_length)]
     if args.enforce_eager and args.device != "cpu":
         worker_args.append("--enforce-eager")
     service_args = [] if variant.switch_ms is None else ["--gil-switch-interval-ms", f"{variant.switch_ms:g}"]
-    spec = StackSpec(model=model_dir, mode=mode, grpc_port=0, http_port=0 if args.api == "http" else None,
+    name = (f"{variant.mode}-{variant.num_gateways}-{variant.puts}-{variant.api}-{variant.mps}-{variant.sm_percent}-"
+            f"{variant.metrics}-{variant.switch_ms}-{variant.policy}-")
+    name += "".join(c if c.isalnum() else "_" for c in variant.prefill_variant)
+    return StackSpec(model=model_dir, mode=variant.mode, grpc_port=0, http_port=0 if variant.api == "http" else None,
                      device=args.device, num_kv_blocks=args.num_kv_blocks, log_level="WARNING",
                      worker_args=tuple(worker_args + service_args),
                      prefill_args=tuple(args.prefill_arg) + tuple(shlex.split(variant.prefill_variant)),
                      gateway_args=tuple(args.gateway_arg) + tuple(service_args)
                      + (variant.policy.gateway_args() if variant.policy is not None else ()),
-                     num_gateways=num_gateways,
-                     store_to_kvstore=puts, mps=mps, prefill_sm_percent=sm_percent if sm_percent < 100 else None,
-                     metrics=metrics)
-    name = f"{mode}-{num_gateways}-{puts}-{api}-{mps}-{sm_percent}-{metrics}-{variant.switch_ms}-{variant.policy}-"
-    name += "".join(c if c.isalnum() else "_" for c in variant.prefill_variant)
-    spec = replace(spec, trace_dir=workdir / name / "traces" if args.trace else None)
+                     num_gateways=variant.num_gateways, store_to_kvstore=variant.puts, mps=variant.mps,
+                     prefill_sm_percent=variant.sm_percent if variant.sm_percent < 100 else None,
+                     metrics=variant.metrics, trace_dir=workdir / name / "traces" if args.trace else None), name
+
+
+def run_mode(variant: Variant, model_dir: Path, args: argparse.Namespace, workdir: Path, vocab: int) -> dict:
+    """Start the variant's stack, warm it up, run the load on it, stop it: its row."""
+    from cleave.cli._stack import ProcessStack
+
+    args = argparse.Namespace(**{**vars(args), "api": variant.api})
+    spec, name = stack_spec(variant, model_dir, args, workdir)
     stack = ProcessStack(spec, workdir / name)
     stack.start(timeout_s=args.start_timeout_s)
     under_mps = stack.mps is not None
@@ -178,18 +186,20 @@ def run_mode(variant: Variant, model_dir: Path, args: argparse.Namespace, workdi
         cores = meter.cores(run.wall_s)
     finally:
         stack.stop()
-    row = {"mode": mode, "gateways": num_gateways, "api": args.api, "transport": transport, "mps": under_mps,
-           "prefill_sm_pct": sm_percent if under_mps and mode != "colocated" else 100, "metrics": metrics,
+    row = {"mode": variant.mode, "gateways": variant.num_gateways, "api": variant.api, "transport": transport,
+           "mps": under_mps,
+           "prefill_sm_pct": variant.sm_percent if under_mps and variant.mode != "colocated" else 100,
+           "metrics": variant.metrics,
            "switch_ms": variant.switch_ms if variant.switch_ms is not None else 5.0,
            "policy": str(variant.policy) if variant.policy is not None else "-",
            "prefill_variant": variant.prefill_variant or "-",
-           "kvstore_puts": puts,
+           "kvstore_puts": variant.puts,
            "client_procs": args.client_procs, **summarize(run.timings, run.wall_s, Slo(args.slo_ttft_ms, args.slo_tpot_ms)),
            # CPU cores each part used over the run; on a host short of cores, latency is not the stack's alone
            **{f"cpu_{role}": used for role, used in sorted(cores.items())},
            "cpu_clients": round(run.client_cpu_s / max(run.wall_s, 1e-9), 2), "host_cpus": os.cpu_count()}
     if row["errors"]:
-        print(f"{mode}: {row['errors']} requests failed, the first with: {row['first_error']}", file=sys.stderr)
+        print(f"{variant.mode}: {row['errors']} requests failed, the first with: {row['first_error']}", file=sys.stderr)
     if spec.trace_dir is not None:  # the services flushed their spans as they stopped
         from hops import format_hop_table, hop_table
 
