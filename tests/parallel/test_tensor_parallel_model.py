@@ -32,6 +32,7 @@ CASES = {
     "llama-one-kv-head": ("llama", {"num_key_value_heads": 1}, "1 KV head replicated on both ranks"),
     "qwen2": ("qwen2", {}, "q/k/v biases, tied embeddings"),
     "qwen3-odd-vocab": ("qwen3", {"vocab_size": 515}, "q/k norms, a vocabulary the ranks do not divide"),
+    "mistral-window": ("mistral", {"sliding_window": 12}, "every layer slides over 12 keys (prompts up to 40)"),
 }
 
 
