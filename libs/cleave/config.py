@@ -176,7 +176,7 @@ class WorkerConfig:
     # "on": any transport, "off": after the step)
     layer_streaming: str = "auto"
     # decode: ranks the model is split over, one process each (this one is rank 0;
-    # `cleave.worker.rank_processes`); such a worker serves only requests it prefills itself
+    # `cleave.worker.rank_processes`); each rank receives its slice of KV sent by prefill workers
     tensor_parallel_size: int = 1
 
 
@@ -434,13 +434,14 @@ def worker_config(
     flags.add("--layer-streaming", "auto", "prefill: send a prompt's KV layer by layer while its forward runs "
               "(auto: over CUDA IPC, prompts of 4096 tokens or more; on: every prompt, any transport; off: after the step)", choices=("auto", "on", "off"))
     flags.add("--tensor-parallel-size", 1, "decode: split the model over this many ranks, one process and device "
-              "each (cuda:K, cuda:K+1, ...); such a worker prefills its own requests (colocated mode) only", type=int)
+              "each (cuda:K, cuda:K+1, ...); each rank receives its slice of the KV heads a prefill worker sends (TCP)",
+              type=int)
     args = flags.parse(argv)
     if args.tensor_parallel_size < 1:
         raise SystemExit("--tensor-parallel-size must be >= 1")
     if args.tensor_parallel_size > 1 and name == "prefill":
-        raise SystemExit("--tensor-parallel-size > 1 is for decode workers serving colocated requests; prefill "
-                         "workers run one rank (KV hand-off from tensor-parallel ranks is not available yet)")
+        raise SystemExit("--tensor-parallel-size > 1 is for decode workers; prefill workers run one rank (KV "
+                         "export from tensor-parallel ranks is not available yet)")
     if args.num_kv_blocks < 0:
         raise SystemExit("--num-kv-blocks must be >= 0")
     for flag in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

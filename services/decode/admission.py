@@ -34,6 +34,7 @@ from cleave.rpc.drain import DrainGate
 from cleave.rpc.types import ErrorInfo, RequestDelta, TopLogprobs, TransferHandle
 from cleave.tracing import span
 from cleave.transfer import KVReceiver, PendingTransfer
+from cleave.transfer.rank_receivers import RankedTransfer, RankReceivers
 from services.decode.admission_queue import AdmissionQueue
 from services.decode.backend import AdmitSpec, StartSpec
 from services.decode.peers import PeerLinks
@@ -49,7 +50,7 @@ class HeldRequest:
     gateway_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    transfer: PendingTransfer | None = None
+    transfer: PendingTransfer | RankedTransfer | None = None
     timer: asyncio.TimerHandle | None = None
     started: bool = False  # handed to the engine: from now on the engine frees its blocks
     leading_logprobs: tuple[TopLogprobs, ...] = ()
@@ -74,7 +75,8 @@ class Admissions:
         gate: the worker's drain gate; Admit and a local Start are refused once it closes.
         peers: the transports negotiated with prefill workers.
         queue: Admits waiting for free KV blocks.
-        require_engine: the loaded, running engine and KV receiver, or the error saying why not.
+        require_engine: the loaded, running engine and KV receiver (a tensor-parallel worker's:
+            every rank's), or the error saying why not.
         async_engine: the engine's async front, None before it loaded (aborts and releases
             go to it even while it stops).
         end_request: deliver a request's last delta (ABORT, or ERROR with the reason) to its
@@ -89,7 +91,7 @@ class Admissions:
         gate: DrainGate,
         peers: PeerLinks,
         queue: AdmissionQueue,
-        require_engine: Callable[[], tuple[LLMEngine, AsyncEngine, KVReceiver]],
+        require_engine: Callable[[], tuple[LLMEngine, AsyncEngine, KVReceiver | RankReceivers]],
         async_engine: Callable[[], AsyncEngine | None],
         end_request: Callable[[str, RequestDelta], None],
     ) -> None:
@@ -168,13 +170,19 @@ class Admissions:
                 worker_id=self.worker_id,
                 control_address=self.control_address,
             )
+            handle = await request.transfer.registered()  # a tensor-parallel worker's ranks all expect it
+            if self._requests.get(request_id) is not request:  # aborted meanwhile: already released
+                raise self._failures.pop(request_id, None) or NotFound(f"request {request_id!r} was aborted")
         except BaseException:
-            del self._requests[request_id]
-            self._release_reservation(request_id)
+            if self._requests.get(request_id) is request:
+                del self._requests[request_id]
+                if request.transfer is not None:
+                    request.transfer.cancel(f"request {request_id!r} was not admitted")
+                self._release_reservation(request_id)
             raise
         request.timer = asyncio.get_running_loop().call_later(self.transfer_timeout_s, self._expire, request_id)
         self._spawn(self._watch_transfer(request))
-        return request.transfer.handle
+        return handle
 
     async def _watch_transfer(self, request: HeldRequest) -> None:
         assert request.transfer is not None

@@ -10,6 +10,11 @@ Life of a disaggregated request on this worker:
                    samples from one reservation: they share the prompt's blocks)
     engine steps   every step's outputs become RequestDeltas, one StepOutput per gateway
 
+A tensor-parallel worker (`--tensor-parallel-size N`, `cleave.engine.lockstep`) mirrors the
+reservation and the receive on every rank, and each rank takes its slice of the KV heads
+over its own bulk endpoint: the handle lists the other ranks' (`rank_handles`, TCP;
+`cleave.transfer.rank_receivers`), and the transfer completes when every rank's did.
+
 Colocated mode skips admit: start(prefill_locally) queues the prompt in the same engine.
 The engine makes no text (`detokenize` off): the step stream carries token ids, and the
 gateway detokenizes, matches stop strings and aborts a request whose stop string matched.
@@ -35,10 +40,12 @@ from dataclasses import replace
 from cleave.engine.async_engine import AsyncEngine
 from cleave.engine.config import EngineConfig
 from cleave.engine.llm_engine import LLMEngine
+from cleave.engine.lockstep import LockstepEngine
 from cleave.errors import FailedPrecondition, Unavailable
 from cleave.rpc.drain import DrainGate, wait_until
 from cleave.rpc.types import KVLayout, RequestDelta, StepOutput, TransferHandle, WorkerLoad
 from cleave.transfer import KVReceiver
+from cleave.transfer.rank_receivers import RankReceivers
 from cleave.worker import kv_layout_of, load_engine
 from services.decode.admission import Admissions
 from services.decode.admission_queue import DEFAULT_MAX_QUEUED_ADMISSIONS, AdmissionQueue
@@ -92,7 +99,8 @@ class EngineDecodeBackend:
         self._advertise_host = advertise_host
         self.engine: LLMEngine | None = None
         self.async_engine: AsyncEngine | None = None
-        self.receiver: KVReceiver | None = None
+        self.receiver: KVReceiver | None = None  # rank 0's bulk endpoint (handshakes name it)
+        self.transfers: KVReceiver | RankReceivers | None = None  # what admission registers transfers with
         self.layout: KVLayout | None = None
         self.streams = GatewayStreams(self.load, self._abort_gateway, load_interval_s)
         self.peers = PeerLinks(worker_id)
@@ -132,6 +140,12 @@ class EngineDecodeBackend:
             internal_token=self._internal_token,
         )
         await self.receiver.start()
+        self.transfers = self.receiver
+        if isinstance(self.engine, LockstepEngine) and self.engine.rank_links:
+            # every rank receives its heads' slice over an endpoint of its own (TCP)
+            self.transfers = RankReceivers(self.receiver, self.engine.rank_links)
+            await self.transfers.start(host=host, model_id=self.model_id, advertise_host=self._advertise_host,
+                                       internal_token=self._internal_token)
         self.async_engine = AsyncEngine(self.engine, on_step=self.delivery.on_step)
 
     async def drain(self) -> None:
@@ -145,6 +159,8 @@ class EngineDecodeBackend:
     async def shutdown(self) -> None:
         self.streams.close()
         self.admissions.abort_all()
+        if isinstance(self.transfers, RankReceivers):
+            await self.transfers.close()  # before the engine closes the ranks' pipes
         if self.receiver is not None:
             await self.receiver.close()
         if self.async_engine is not None:
@@ -153,12 +169,12 @@ class EngineDecodeBackend:
             self.engine.close()  # loaded, never driven: still stop its other ranks
         self.peers.close()
 
-    def _require_engine(self) -> tuple[LLMEngine, AsyncEngine, KVReceiver]:
-        if self.engine is None or self.async_engine is None or self.receiver is None:
+    def _require_engine(self) -> tuple[LLMEngine, AsyncEngine, KVReceiver | RankReceivers]:
+        if self.engine is None or self.async_engine is None or self.transfers is None:
             raise FailedPrecondition("the decode worker is still loading its model; retry shortly")
         if not self.async_engine.is_running:
             raise Unavailable("the decode worker's engine stopped")
-        return self.engine, self.async_engine, self.receiver
+        return self.engine, self.async_engine, self.transfers
 
     # ---- streams --------------------------------------------------------------------------
 
@@ -203,6 +219,6 @@ class EngineDecodeBackend:
         )
 
     async def handshake(self, spec: HandshakeSpec) -> HandshakeResult:
-        engine, _, receiver = self._require_engine()
-        assert self.layout is not None
-        return await self.peers.handshake(spec, engine.kv_cache.device, receiver, self.layout)
+        engine, _, _ = self._require_engine()
+        assert self.layout is not None and self.receiver is not None
+        return await self.peers.handshake(spec, engine.kv_cache.device, self.receiver, self.layout)

@@ -42,6 +42,10 @@ remaining layers (`services.prefill.layer_stream`). Otherwise, and for TCP (each
 be gathered and written on the event loop while the engine computes), the KV goes after the
 step as above. Only the final chunk's forward overlaps: a chunked prompt's earlier chunks
 are sent with it, layer by layer.
+
+A tensor-parallel decode worker's handle lists its other ranks (`rank_handles`, TCP): each
+rank gets its slice of the KV heads, all ranks at once after the step (never streamed), and
+the send fails as a whole when any rank's does (`rank_sends`).
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ from services.prefill.decode_handoff import DecodeHandoff, DecodeLinks
 from services.prefill.kvstore_prefix import DEFAULT_MIN_PREFIX_TOKENS, KVStorePrefix, PrefixFetch
 from services.prefill.kvstore_puts import STORE_BACKLOG_BYTES, BackgroundPuts
 from services.prefill.layer_stream import LAYER_STREAMING_MODES, LayerStream, LayerStreaming, LayerStreams
+from services.prefill.rank_sends import send_to_every_rank
 
 log = structlog.get_logger("cleave.prefill")
 NO_FETCH = PrefixFetch(0, 0)
@@ -214,14 +219,16 @@ class EnginePrefillBackend:
 
     def _check_destination(self, handle: TransferHandle, num_prompt_tokens: int) -> None:
         assert self.engine is not None and self.layout is not None
-        if handle.layout is not None:
-            head_slice(self.layout, handle.layout, "destination.layout")
         num_blocks = self.engine.handoff.num_blocks_for(num_prompt_tokens)
-        if len(handle.block_ids) != num_blocks:
-            raise InvalidArgument(
-                f"lists {len(handle.block_ids)} blocks but the {num_prompt_tokens}-token prompt fills {num_blocks}",
-                field="destination.block_ids",
-            )
+        for rank, part in enumerate((handle, *handle.rank_handles)):
+            where = "destination" if rank == 0 else f"destination.rank_handles[{rank - 1}]"
+            if part.layout is not None:
+                head_slice(self.layout, part.layout, f"{where}.layout")
+            if len(part.block_ids) != num_blocks:
+                raise InvalidArgument(
+                    f"lists {len(part.block_ids)} blocks but the {num_prompt_tokens}-token prompt fills {num_blocks}",
+                    field=f"{where}.block_ids",
+                )
         if handle.deadline_unix_s is not None and time.time() >= handle.deadline_unix_s:
             raise DeadlineExceeded("the destination's reservation already expired; admit the request again")
 
@@ -379,6 +386,8 @@ class EnginePrefillBackend:
         the step (waits for its verdict), else all layers now (with the stream's sender when
         one was opened too late to be claimed). Closes the sender."""
         assert self.engine is not None
+        if handle.rank_handles:  # never streamed (`_offer_layer_stream`): every rank's slice at once
+            return await self._send_to_ranks(handle, table, stream)
         if stream is not None and stream.is_claimed:
             close = stream.close
             if stream.block_ids != table:
@@ -403,6 +412,16 @@ class EnginePrefillBackend:
         finally:
             # No queued copy may still read these blocks once they are released.
             await run_to_end(close())
+
+    async def _send_to_ranks(self, handle: TransferHandle, table: list[int],
+                             stream: LayerStream | None) -> TransferStats:
+        """The prompt's KV into a tensor-parallel decode worker: each rank's heads to its
+        handle (rank 0's is `handle`), all at once (`rank_sends.send_to_every_rank`)."""
+        assert self.engine is not None
+        if stream is not None:  # opened before the destination was known to be tensor-parallel
+            await run_to_end(stream.close())
+        return await send_to_every_rank((handle, *handle.rank_handles), self._open_sender, self.engine.kv_cache,
+                                        table, lost=receiver_lost)
 
     async def _open_sender(self, handle: TransferHandle) -> KVSender:
         assert self.negotiator is not None
@@ -434,6 +453,10 @@ class EnginePrefillBackend:
             handle = destination if isinstance(destination, TransferHandle) else await destination.reserved()
             if self.layer_streaming == "auto" and handle.transport is not TransportKind.CUDA_IPC:
                 return  # TCP and NCCL: sent after the step
+            if handle.rank_handles:
+                # A tensor-parallel destination takes one transfer per rank; streaming them all
+                # layer by layer is not built yet: its KV goes after the step, to every rank at once.
+                return
             self._check_destination(handle, num_prompt_tokens)
             sender = await self._open_sender(handle)
         except Exception as error:  # reported by the send after the step

@@ -1,7 +1,9 @@
-"""`cleave up --mode colocated --tensor-parallel-size 2` on the CPU: the decode worker is rank 0
-of two gloo ranks (its own process and one it starts), stepping in lockstep
-(`cleave.engine.lockstep`). Streamed tokens equal the single-process engine's, greedy and
-seeded sampling with n = 2 alike, and the second rank's process ends with the stack."""
+"""`cleave up --tensor-parallel-size 2` on the CPU, colocated and disaggregated: the decode
+worker is rank 0 of two gloo ranks (its own process and one it starts), stepping in lockstep
+(`cleave.engine.lockstep`); disaggregated, a prefill worker (one rank) sends each rank its
+slice of the KV heads over TCP. Streamed tokens equal the single-process engine's, greedy and
+seeded sampling with n = 2 alike; afterwards every rank's KV pool is whole (rank 0's load
+report, rank 1's count as it stops), and the second rank's process ends with the stack."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -18,7 +21,8 @@ from cleave.client import GatewayClient
 from cleave.client.gateway import collect
 from cleave.engine.llm import LLM
 from cleave.generation.sampling_params import SamplingParams
-from cleave.proto.cleave.v1 import gateway_pb2
+from cleave.proto.cleave.v1 import common_pb2, decode_pb2_grpc, gateway_pb2
+from cleave.rpc import aio_channel
 from cleave.testing.tiny_models import write_tiny_checkpoint
 from tests.e2e.conftest import NUM_KV_BLOCKS, START_HANG_S
 
@@ -33,12 +37,13 @@ def tp_model(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("e2e-tp") / "model", "llama", seed=5)
 
 
-@pytest.fixture(scope="module")
-def tp_stack(tp_model, tmp_path_factory):
-    """The stack; after it stops, every service exited cleanly and the second rank is gone."""
-    spec = StackSpec(model=tp_model, mode="colocated", grpc_port=0, http_port=0, num_kv_blocks=NUM_KV_BLOCKS,
+@pytest.fixture(scope="module", params=["colocated", "disaggregated"])
+def tp_stack(request, tp_model, tmp_path_factory):
+    """The stack; after it stops, every service exited cleanly, the second rank is gone and
+    its KV pool was whole when it stopped."""
+    spec = StackSpec(model=tp_model, mode=request.param, grpc_port=0, http_port=0, num_kv_blocks=NUM_KV_BLOCKS,
                      log_level="INFO", metrics=False, decode_tensor_parallel_size=2)
-    stack = ProcessStack(spec, tmp_path_factory.mktemp("tp-stack"))
+    stack = ProcessStack(spec, tmp_path_factory.mktemp(f"tp-stack-{request.param}"))
     pids: list[int] = []
     try:
         stack.start(timeout_s=START_HANG_S)
@@ -48,8 +53,10 @@ def tp_stack(tp_model, tmp_path_factory):
         stack.stop()
     assert [child.process.returncode for child in stack.children] == [0] * len(stack.children)
     assert len(pids) == 1 and not _alive(pids[0])
-    stopped = re.search(r"lockstep follower stopped +rank=1 steps=(\d+)", _decode_log(stack))
-    assert stopped is not None and int(stopped.group(1)) > 0  # it stepped with rank 0, then stopped on its Stop
+    stopped = re.search(r"lockstep follower stopped +num_free_blocks=(\d+) num_usable_blocks=(\d+) rank=1 "
+                        r"steps=(\d+)", _decode_log(stack))
+    assert stopped is not None and int(stopped.group(3)) > 0  # it stepped with rank 0, then stopped on its Stop
+    assert stopped.group(1) == stopped.group(2)  # every block of rank 1 free
 
 
 def _decode_log(stack: ProcessStack) -> str:
@@ -90,14 +97,34 @@ async def test_a_two_rank_decode_worker_streams_the_single_rank_engines_tokens(t
                 assert [s.token_ids for s in result.samples] == [s.token_ids for s in reference.outputs], name
                 assert all(len(s.token_ids) == MAX_TOKENS for s in result.samples)
     assert all(_alive(pid) for pid in _rank_pids(tp_stack))
+    decode = next(child for child in tp_stack.children if child.name.startswith("decode"))
+    await _wait_pool_full(decode, tp_stack.internal_token)
+    if tp_stack.spec.mode == "disaggregated":  # the KV came from the prefill worker, to both ranks
+        assert "tensor-parallel KV receivers listening" in _decode_log(tp_stack)
+        prefill = next(child for child in tp_stack.children if child.name.startswith("prefill"))
+        assert "Prefill/Prefill" in prefill.log_path.read_text()
 
 
-def test_tensor_parallel_decode_workers_are_colocated_only(tp_model, tmp_path):
-    with pytest.raises(ValueError, match="--mode colocated"):
-        StackSpec(model=tp_model, mode="disaggregated", decode_tensor_parallel_size=2)
+async def _wait_pool_full(worker, internal_token: str) -> None:  # type: ignore[no-untyped-def]
+    """Rank 0's KV pool whole again (GetLoad; releases apply between engine steps)."""
+    async with aio_channel(worker.address, internal_token=internal_token) as channel:
+        stub = decode_pb2_grpc.DecodeStub(channel)
+        deadline = time.monotonic() + 30
+        while True:
+            load = (await stub.GetLoad(common_pb2.GetLoadRequest(), timeout=5)).load
+            if load.num_free_blocks == load.num_total_blocks and load.num_running == load.num_waiting == 0:
+                return
+            assert time.monotonic() < deadline, f"KV pool not back to full: {load}"
+            await asyncio.sleep(0.05)
+
+
+def test_tensor_parallel_decode_workers_are_refused_in_conditional_mode(tp_model, tmp_path):
+    StackSpec(model=tp_model, mode="disaggregated", decode_tensor_parallel_size=2)  # allowed now
+    with pytest.raises(ValueError, match="--mode conditional is not tested"):
+        StackSpec(model=tp_model, mode="conditional", decode_tensor_parallel_size=2)
     completed = subprocess.run(
         [sys.executable, "-m", "cleave.cli.main", "up", "--model", str(tp_model), "--tensor-parallel-size", "2",
-         "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=120,
+         "--mode", "conditional", "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=120,
     )
     assert completed.returncode == 2 and "Traceback" not in completed.stderr
-    assert completed.stderr.startswith("error: --tensor-parallel-size 2:") and "--mode colocated" in completed.stderr
+    assert completed.stderr.startswith("error: --tensor-parallel-size 2:") and "--mode disaggregated" in completed.stderr

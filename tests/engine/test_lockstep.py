@@ -1,7 +1,7 @@
 """`cleave.engine.lockstep` in one process: a follower engine fed the leader's published ops
 makes every step's outputs the leader made (requests added between steps, aborts of
-requests and samples, unseeded random sampling with n > 1), and the leader refuses what it
-cannot mirror. The multi-process path (real ranks, gloo) is tests/e2e/test_tensor_parallel_stack.py."""
+requests and samples, unseeded random sampling with n > 1, KV reservations and received
+requests with the leader's block ids), and the leader refuses what it cannot mirror. The multi-process path (real ranks, gloo) is tests/e2e/test_tensor_parallel_stack.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,20 @@ import pytest
 
 from cleave.engine.llm import build_engine_config
 from cleave.engine.llm_engine import LLMEngine
-from cleave.engine.lockstep import AbortSample, Add, LockstepChannel, LockstepEngine, Step, Stop, follow
+from cleave.engine.handoff import KVSnapshot
+from cleave.engine.lockstep import (
+    AbortSample,
+    Add,
+    LockstepChannel,
+    LockstepEngine,
+    Receive,
+    Release,
+    ReportKV,
+    Reserve,
+    Step,
+    Stop,
+    follow,
+)
 from cleave.errors import FailedPrecondition
 from cleave.generation.sampling_params import SamplingParams
 from cleave.testing.tiny_models import write_tiny_checkpoint
@@ -99,16 +112,65 @@ def _record(steps: list, outputs):  # type: ignore[no-untyped-def]
     return outputs
 
 
-def test_the_leader_refuses_kv_hand_off_and_prefill_only_requests(checkpoint):
+def test_the_leader_refuses_the_prefill_side_of_kv_hand_off_and_prefill_only_requests(checkpoint):
     leader = LockstepEngine(build_engine_config(checkpoint, **ENGINE_ARGS), RecordingChannel())  # type: ignore[arg-type]
-    for call in (lambda: leader.handoff.reserve("r", 8), lambda: leader.handoff.export("r"),
-                 lambda: leader.handoff.receive("r", [1, 2, 3], [4], SamplingParams())):
+    for call in (lambda: leader.handoff.export("r"), lambda: leader.handoff.hold_prefix("r", [1, 2, 3, 4]),
+                 lambda: leader.handoff.publish_hold("r", [1, 2, 3, 4])):
         with pytest.raises(FailedPrecondition, match="--tensor-parallel-size"):
             call()
     with pytest.raises(FailedPrecondition, match="prefill-only"):
         leader.add_request("p", [1, 2, 3, 4], SamplingParams(max_tokens=1), prefill_only=True)
     assert not leader.has_unfinished()
     assert leader.handoff.cached_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9]) == 0  # lookups still answer
+
+
+def test_a_follower_fed_the_leaders_hand_off_ops_reserves_the_same_blocks_and_decodes_alike(checkpoint):
+    """Reservations, releases and received requests go out at once (an idle leader does not
+    step); a follower replaying them holds the same block ids and makes the same steps."""
+    channel = RecordingChannel()
+    leader = LockstepEngine(build_engine_config(checkpoint, **ENGINE_ARGS), channel)  # type: ignore[arg-type]
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=2, ignore_eos=True)
+    leader.add_request("local", [9, 8, 7, 6, 5], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    leader_steps = [_step_tokens(leader.step())]
+    kept = leader.handoff.reserve("kept", 10)
+    dropped = leader.handoff.reserve("dropped", 7)
+    assert channel.published[-1] == [Reserve("dropped", 7, tuple(dropped))]  # published without a step
+    leader.handoff.release("dropped")
+    leader.handoff.receive("kept", list(range(20, 30)), [41, 42], params)
+    assert [type(op) for op in channel.published[-1]] == [Receive]
+    while leader.has_unfinished():
+        leader_steps.append(_step_tokens(leader.step()))
+    free_after = leader.handoff.snapshot()
+    leader.close()
+    assert Reserve("kept", 10, tuple(kept)) in channel.published[1] and Release("dropped") in channel.published[3]
+
+    follower = LLMEngine(build_engine_config(checkpoint, **ENGINE_ARGS))
+    follower_steps = []
+    step = follower.step
+    follower.step = lambda: _record(follower_steps, step())  # type: ignore[method-assign]
+    follow(follower, ReplayChannel(channel.published))  # type: ignore[arg-type]
+    assert follower_steps == leader_steps
+    assert ("kept", 1) in {key for outputs in leader_steps for key in outputs}
+    assert follower.handoff.snapshot() == free_after
+    assert free_after.num_free_blocks == free_after.num_usable_blocks
+
+
+def test_a_follower_whose_reservation_differs_from_the_leaders_stops(checkpoint):
+    follower = LLMEngine(build_engine_config(checkpoint, **ENGINE_ARGS))
+    theirs = tuple(follower.handoff.num_blocks_for(8) * [3])  # not what a fresh pool hands out
+    with pytest.raises(RuntimeError, match=r"rank 0 reserved \[3, 3\]: the ranks' KV pools diverged"):
+        follow(follower, ReplayChannel([[Reserve("r", 8, theirs)]]))  # type: ignore[arg-type]
+
+
+def test_rank_snapshots_report_every_ranks_kv_after_the_ops_before_them():
+    leader_end, rank_end = multiprocessing.Pipe()
+    leader, rank = LockstepChannel(0, [leader_end]), LockstepChannel(1, [rank_end])
+    leader.publish([ReportKV()])
+    assert rank.receive() == [ReportKV()]
+    rank.answer(KVSnapshot(10, 12))
+    assert leader.answers() == [KVSnapshot(10, 12)]
+    leader.close()
+    rank.close()
 
 
 def test_the_channel_carries_ops_checks_agreement_and_ends_with_eof():

@@ -72,6 +72,23 @@ def test_transfer_handle_round_trip():
     assert convert.transfer_handle_from_proto(convert.transfer_handle_to_proto(handle)) == handle
 
 
+def test_a_tensor_parallel_handle_carries_every_ranks_handle():
+    def rank_layout(rank: int) -> types.KVLayout:
+        return types.KVLayout("tiny", "float32", 4, 2, 1, 8, "ns", kv_head_start=rank, total_kv_heads=2)
+
+    rank_1 = types.TransferHandle(transport=types.TransportKind.TCP, address="127.0.0.1:7001", transfer_id="t-1/rank1",
+                                  block_ids=(4, 2), layout=rank_layout(1), deadline_unix_s=1_700_000_000.5)
+    handle = types.TransferHandle(transport=types.TransportKind.TCP, address="127.0.0.1:7000", transfer_id="t-1",
+                                  block_ids=(4, 2), layout=rank_layout(0), rank_handles=(rank_1,))
+    back = convert.transfer_handle_from_proto(convert.transfer_handle_to_proto(handle))
+    assert back == handle and back.rank_handles[0].layout.heads == range(1, 2)
+    broken = convert.transfer_handle_to_proto(handle)
+    broken.rank_handles[0].ClearField("address")
+    with pytest.raises(InvalidArgument) as raised:
+        convert.transfer_handle_from_proto(broken)
+    assert raised.value.field == "destination.rank_handles[0].address"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [

@@ -82,17 +82,18 @@ class StackSpec:
     # order (`--prefill-gpus 0 --decode-gpus 1,2`); empty: every worker on `device`
     prefill_gpus: tuple[int, ...] = ()
     decode_gpus: tuple[int, ...] = ()
-    # ranks each decode worker splits its model over (colocated mode only: a tensor-parallel
-    # worker prefills its own requests); on CUDA a worker on cuda:K uses cuda:K..K+N-1
+    # ranks each decode worker splits its model over (colocated or disaggregated mode: in the
+    # latter each rank receives its KV heads' slice over TCP; prefill workers keep one rank);
+    # on CUDA a worker on cuda:K uses cuda:K..K+N-1
     decode_tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.decode_tensor_parallel_size < 1:
             raise ValueError("decode_tensor_parallel_size must be >= 1")
-        if self.decode_tensor_parallel_size > 1 and self.mode != "colocated":
+        if self.decode_tensor_parallel_size > 1 and self.mode not in ("colocated", "disaggregated"):
             raise ValueError(
-                f"tensor-parallel decode workers serve colocated requests only (KV hand-off into their ranks is "
-                f"not available yet); use --mode colocated, not {self.mode}"
+                f"tensor-parallel decode workers run in --mode colocated or --mode disaggregated (prefill workers "
+                f"keep one rank); --mode {self.mode} is not tested with them yet"
             )
         if (self.prefill_gpus or self.decode_gpus) and not self.device.startswith("cuda"):
             raise ValueError(f"GPU placement (prefill_gpus / decode_gpus) needs a CUDA device, not {self.device!r}")

@@ -92,9 +92,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"--prefill-gpus / --decode-gpus place workers on CUDA devices; pass --device cuda, not {args.device}",
               file=sys.stderr)
         return 2
-    if args.tensor_parallel_size < 1 or (args.tensor_parallel_size > 1 and args.mode != "colocated"):
+    if args.tensor_parallel_size < 1 or (
+            args.tensor_parallel_size > 1 and args.mode not in ("colocated", "disaggregated")):
         print(f"error: --tensor-parallel-size {args.tensor_parallel_size}: must be >= 1, and above 1 only with "
-              "--mode colocated (KV hand-off into tensor-parallel ranks is not available yet)", file=sys.stderr)
+              "--mode colocated or --mode disaggregated (conditional mode is not tested with tensor-parallel "
+              "decode workers yet)", file=sys.stderr)
         return 2
     try:
         model = model_dir(args.model)
@@ -209,8 +211,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--decode-gpus", type=_gpu_list, default=(), metavar="I,J,...",
                         help="CUDA device indexes the decode workers run on, round-robin (default: all on --device)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="ranks each decode worker splits the model over, one process each (--mode colocated; "
-                             "on CUDA a worker on cuda:K uses cuda:K..K+N-1; default 1)")
+                        help="ranks each decode worker splits the model over, one process each (--mode colocated or "
+                             "disaggregated; prefill workers keep one rank; on CUDA a worker on cuda:K uses "
+                             "cuda:K..K+N-1; default 1)")
     parser.add_argument("--mps", choices=("auto", "on", "off"), default="auto",
                         help="run GPU workers that share a device under an NVIDIA MPS daemon of the stack's, so "
                              "their kernels run side by side instead of in time slices (auto: when two or more "

@@ -4,24 +4,36 @@ Every rank of a tensor-parallel worker runs a whole `LLMEngine` over its shard o
 (`cleave.parallel`): the same scheduler decisions, block tables and sampled tokens, since the
 logits are gathered to every rank and sampling is seeded alike. Only rank 0, the leader,
 serves RPCs. So that the followers' engines see what the leader's sees, in the same order
-between the same steps, the leader records every call that changes which requests run, and
-before each step broadcasts the calls since the last one with the step; a follower applies
-them and steps too, dropping its outputs:
+between the same steps, the leader records every call that changes which requests run or
+which KV blocks are held, and before each step broadcasts the calls since the last one with
+the step; a follower applies them and steps too, dropping its outputs:
 
     leader (rank 0: the worker's engine)       follower (rank r: `follow`)
     enqueue(state)          -> Add
     abort(id)               -> Abort
+    abort_sample(id, i)     -> AbortSample
+    handoff.reserve(id, n)  -> [.., Reserve]   reserve; its block ids must equal the leader's
+    handoff.release(id)     -> [.., Release]   release
+    handoff.receive(id,..)  -> [.., Receive]   receive (admits the same samples)
     step()                  -> [Add, Abort, Step]   enqueue, abort, step
-    close()                 -> [Stop]               returns
+    rank_snapshots()        -> [ReportKV]      answers its KV block counts
+    close()                 -> [Stop]          returns
 
 The model's collectives inside a step line up because every rank runs the same step. The ops
 travel over pipes (`LockstepChannel`), not the process group: a rank idles in a read for as
-long as its worker idles, and a step costs the leader one small write per rank.
+long as its worker idles, and a step costs the leader one small write per rank. The KV
+hand-off ops (and ReportKV) go out at once, with whatever was recorded before them, not
+with the next step: an idle worker does not step, and its followers' pools should match the
+leader's all the same (block allocation is deterministic given the same state, so every
+rank reserves the same block ids; a follower that does not raises).
 
-Not mirrored yet: the KV hand-off between workers (reserve/receive/export, the kvstore's
-prefix holds), which would need every rank's KV slice moved by a transport of its own. A
-lockstep engine refuses those calls (FailedPrecondition) and prefill-only requests, so a
-tensor-parallel worker serves the requests it prefills itself.
+The decode side of disaggregated serving works on such a worker: the KV of a request
+prefilled elsewhere arrives on every rank, each rank's slice of the KV heads over a bulk
+endpoint of its own (`cleave.transfer.rank_receivers` on the leader,
+`cleave.worker.rank_receiver` on the followers; TCP, CPU-tested with gloo ranks; NCCL and
+CUDA IPC into the extra ranks, and anything on several GPUs, are untested). The prefill
+side (export, the kvstore's prefix holds) and prefill-only requests stay refused
+(FailedPrecondition): prefill workers run one rank.
 """
 
 from __future__ import annotations
@@ -30,13 +42,13 @@ import pickle
 import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 import structlog
 
 from cleave.engine.config import EngineConfig
-from cleave.engine.handoff import KVHandoff
+from cleave.engine.handoff import KVHandoff, KVSnapshot, first_token_list
 from cleave.engine.llm_engine import LLMEngine
 from cleave.engine.request import RequestState
 from cleave.errors import FailedPrecondition, InvalidArgument
@@ -68,6 +80,41 @@ class AbortSample:
 
 
 @dataclass(frozen=True)
+class Reserve:
+    """`handoff.reserve` on the leader: a follower reserves too and checks it got `block_ids`
+    (where the KV transfer into its cache writes)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    block_ids: tuple[int, ...]  # the leader's
+
+
+@dataclass(frozen=True)
+class Release:
+    """`handoff.release` on the leader: a reservation that will not be received."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Receive:
+    """`handoff.receive` on the leader: a request whose prompt KV is in its reservation on
+    every rank starts decoding; followers admit it from the same inputs."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    first_tokens: tuple[int, ...]
+    params: SamplingParams
+    priority: int
+    arrival_time: float  # the leader's, as for Add
+
+
+@dataclass(frozen=True)
+class ReportKV:
+    """Followers answer with their `KVSnapshot` (`LockstepEngine.rank_snapshots`)."""
+
+
+@dataclass(frozen=True)
 class Step:
     pass
 
@@ -77,7 +124,7 @@ class Stop:
     pass
 
 
-EngineOp = Union[Add, Abort, AbortSample, Step, Stop]
+EngineOp = Union[Add, Abort, AbortSample, Reserve, Release, Receive, ReportKV, Step, Stop]
 
 
 class LockstepChannel:
@@ -108,6 +155,14 @@ class LockstepChannel:
         """Other ranks: the leader's next batch of ops (blocks until it comes)."""
         return pickle.loads(self._connections[0].recv_bytes())
 
+    def answer(self, value: Any) -> None:
+        """Other ranks: reply to an op that asks (ReportKV)."""
+        self._connections[0].send(value)
+
+    def answers(self) -> list[Any]:
+        """Leader: every other rank's reply to the op just published, in rank order."""
+        return [connection.recv() for connection in self._connections]
+
     def agree(self, name: str, value: Any) -> None:
         """Every rank: check that all ranks hold the same `value` (e.g. their KV block count,
         which the schedulers' decisions depend on); ValueError naming it otherwise."""
@@ -132,35 +187,86 @@ class LockstepChannel:
             connection.close()
 
 
-class _LocalOnlyHandoff(KVHandoff):
-    """The leader's hand-off: lookups work, taking KV in or out of the engine is refused."""
+class _LockstepHandoff(KVHandoff):
+    """The leader's hand-off: the decode side's calls are recorded for the followers (and
+    published at once), the prefill side's are refused."""
+
+    def __init__(self, *args: Any, record: Callable[[EngineOp], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._record = record
+
+    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int]:
+        block_ids = super().reserve(request_id, num_prompt_tokens)
+        self._record(Reserve(request_id, num_prompt_tokens, tuple(block_ids)))
+        return block_ids
+
+    def release(self, request_id: str) -> None:
+        super().release(request_id)
+        self._record(Release(request_id))  # a no-op on every rank alike when nothing was reserved
+
+    def receive(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        first_tokens: int | Sequence[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> RequestState:
+        state = super().receive(request_id, prompt_token_ids, first_tokens, params, priority, arrival_time)
+        seq = state.samples[0].seq
+        self._record(Receive(request_id, tuple(prompt_token_ids), tuple(first_token_list(first_tokens)), state.params,
+                             seq.priority, seq.arrival_time))
+        return state
 
     def _refuse(self, *args: Any, **kwargs: Any) -> Any:
         raise FailedPrecondition(
-            "this worker runs tensor-parallel ranks (--tensor-parallel-size > 1) and serves only requests it "
-            "prefills itself; KV hand-off between workers is not available on it yet"
+            "this worker runs tensor-parallel ranks (--tensor-parallel-size > 1): it receives KV computed "
+            "elsewhere but does not export any (prefill workers and the kvstore's prefix holds run one rank)"
         )
 
-    # the releases stay: no-ops here, since nothing can be exported, held or reserved
-    export = hold_prefix = publish_hold = reserve = receive = _refuse
+    # the releases stay: no-ops here, since nothing can be exported or held
+    export = hold_prefix = publish_hold = _refuse
 
 
 class LockstepEngine(LLMEngine):
     """Rank 0's engine of a tensor-parallel worker: an `LLMEngine` whose request changes and
     steps are mirrored on the other ranks (see the module docstring). `close()` ends the
-    followers' loops, then calls `on_close` (e.g. to reap the rank processes)."""
+    followers' loops, then calls `on_close` (e.g. to reap the rank processes).
+
+    Args:
+        config: this rank's engine config.
+        channel: the ops' pipes to the other ranks.
+        on_close: called once the followers were told to stop.
+        rank_links: the leader's end of each follower's KV receiver control pipe (rank
+            order), for `cleave.transfer.rank_receivers.RankReceivers`; empty: none.
+    """
 
     def __init__(
         self, config: EngineConfig, channel: LockstepChannel, on_close: Callable[[], None] | None = None,
-        **kwargs: Any,
+        rank_links: Sequence[Connection] = (), **kwargs: Any,
     ) -> None:
         super().__init__(config, **kwargs)
         self._channel = channel
         self._on_close = on_close
         self._ops: list[EngineOp] = []
         self._closed = False
-        self.handoff = _LocalOnlyHandoff(self.kv, self.scheduler, self.max_model_len, requests=weakref.proxy(self))
+        self.rank_links = list(rank_links)
+        self.handoff = _LockstepHandoff(self.kv, self.scheduler, self.max_model_len, requests=weakref.proxy(self),
+                                        record=self._publish_now)
         channel.agree("the number of KV blocks", self.runner.num_blocks)
+
+    def _publish_now(self, op: EngineOp) -> None:
+        """Send `op`, after the ops recorded before it, without waiting for a step."""
+        ops, self._ops = self._ops, []
+        ops.append(op)
+        self._channel.publish(ops)
+
+    def rank_snapshots(self) -> list[KVSnapshot]:
+        """Engine thread: every rank's KV block counts, rank order (each follower answers
+        once it applied every op before this call)."""
+        self._publish_now(ReportKV())
+        return [self.handoff.snapshot(), *self._channel.answers()]
 
     def enqueue(self, state: RequestState) -> None:
         if state.prefill_only:
@@ -196,9 +302,12 @@ class LockstepEngine(LLMEngine):
             return
         self._closed = True
         try:
-            self._channel.publish([Stop()])
+            self._channel.publish([*self._ops, Stop()])  # releases recorded since the last step
         finally:
+            self._ops = []
             self._channel.close()
+            for link in self.rank_links:
+                link.close()
             if self._on_close is not None:
                 self._on_close()
 
@@ -225,6 +334,24 @@ def follow(engine: LLMEngine, channel: LockstepChannel) -> int:
                 engine.abort(op.request_id)
             elif isinstance(op, AbortSample):
                 engine.abort_sample(op.request_id, op.index)
+            elif isinstance(op, Reserve):
+                block_ids = tuple(engine.handoff.reserve(op.request_id, op.num_prompt_tokens))
+                if block_ids != op.block_ids:  # the transfer wrote into the leader's ids: the KV is lost
+                    raise RuntimeError(
+                        f"rank {channel.rank} reserved blocks {list(block_ids)} for {op.request_id!r} where rank 0 "
+                        f"reserved {list(op.block_ids)}: the ranks' KV pools diverged")
+            elif isinstance(op, Release):
+                engine.handoff.release(op.request_id)
+            elif isinstance(op, Receive):
+                try:
+                    engine.handoff.receive(op.request_id, op.prompt_token_ids, op.first_tokens, op.params,
+                                           op.priority, op.arrival_time)
+                except InvalidArgument as error:
+                    raise RuntimeError(f"rank {channel.rank} refused a request rank 0 received: {error}") from error
+            elif isinstance(op, ReportKV):
+                channel.answer(engine.handoff.snapshot())
             elif isinstance(op, Stop):
-                log.info("lockstep follower stopped", rank=channel.rank, steps=num_steps)
+                kv = engine.handoff.snapshot()
+                log.info("lockstep follower stopped", rank=channel.rank, steps=num_steps,
+                         num_free_blocks=kv.num_free_blocks, num_usable_blocks=kv.num_usable_blocks)
                 return num_steps

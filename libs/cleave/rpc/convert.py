@@ -312,6 +312,10 @@ def transfer_handle_from_proto(
         num_cached_blocks=message.num_cached_blocks,
         worker_id=message.worker_id,
         control_address=message.control_address,
+        rank_handles=tuple(
+            transfer_handle_from_proto(rank, f"{field}.rank_handles[{index}]")
+            for index, rank in enumerate(message.rank_handles)
+        ),
     )
 
 
@@ -329,6 +333,7 @@ def transfer_handle_to_proto(handle: types.TransferHandle) -> common_pb2.Transfe
     )
     if handle.layout is not None:
         message.layout.CopyFrom(kv_layout_to_proto(handle.layout))
+    message.rank_handles.extend(transfer_handle_to_proto(rank) for rank in handle.rank_handles)
     if handle.device_index is not None:
         message.device_index = handle.device_index
     if handle.deadline_unix_s is not None:

@@ -152,6 +152,9 @@ class TransferHandle:
     num_cached_blocks: int = 0  # leading blocks the receiver already holds
     worker_id: str = ""
     control_address: str = ""  # the receiver's gRPC endpoint, where senders call Handshake
+    # A tensor-parallel receiver's ranks 1..N-1, each with its heads' layout, its bulk
+    # endpoint and its own block ids (always TCP); the transfer is done when every rank's is.
+    rank_handles: tuple[TransferHandle, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ with `send_layers(layers, cache, block_ids, ready=...)` / `send_layer` / `send_a
 (`base`), one pair per transport module: `cuda_ipc`, `nccl`, `tcp`, and `memory` (both ends
 in one process, for tests). `choose_transport` picks CUDA_IPC, NCCL or TCP from the two
 `EndpointInfo`s (the decode worker's Handshake; the prefill side is
-`cleave.worker.TransportNegotiator`). `KVStoreClient` talks to services/kvstore.
+`cleave.worker.TransportNegotiator`). `KVStoreClient` talks to services/kvstore. A
+tensor-parallel decode worker receives on every rank (`rank_receivers.RankReceivers`: one
+`KVReceiver` per rank behind one `expect`, the followers' driven over `rank_messages`).
 """
 
 from cleave.transfer.base import BaseKVReceiver, BaseKVSender

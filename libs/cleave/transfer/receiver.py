@@ -59,6 +59,11 @@ class PendingTransfer:
     def done(self) -> bool:
         return self._end.is_settled
 
+    async def registered(self) -> TransferHandle:
+        """The handle to give the sender, once every receiving end expects the transfer:
+        at once here (a tensor-parallel worker's `RankedTransfer` waits for its ranks)."""
+        return self.handle
+
     async def wait(self) -> TransferStats:
         """Stats once every layer arrived; raises DeadlineExceeded (or the chunk's error)."""
         return await asyncio.shield(self._end.future)

@@ -1,4 +1,5 @@
-"""An engine built from a worker's typed config, and the KV layout it exposes to peers."""
+"""An engine built from a worker's typed config, and the KV layout it exposes to peers
+(`kv_layout_of`, from `cleave.worker.kv_layout`)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cleave.engine.llm_engine import LLMEngine
 from cleave.engine.memory_budget import InsufficientDeviceMemory
 from cleave.model.source import ModelNotFound, resolve_model_dir
-from cleave.rpc.types import KVLayout
-from cleave.transfer.layout import layout_of
+from cleave.worker.kv_layout import kv_layout_of
 from cleave.worker.rank_processes import start_lockstep_engine
+
+__all__ = ["engine_config_from_worker", "kv_layout_of", "load_engine"]
 
 
 def engine_config_from_worker(config: WorkerConfig) -> EngineConfig:
@@ -58,9 +60,3 @@ async def load_engine(config: EngineConfig) -> LLMEngine:
         raise SystemExit(f"error: {error}") from None
     except InsufficientDeviceMemory as error:
         raise SystemExit(f"error: {error}") from None
-
-
-def kv_layout_of(engine: LLMEngine, model_id: str) -> KVLayout:
-    """The layout of the engine's KV cache; its hash namespace is the engine's prefix-hash
-    namespace, so kvstore blocks and transfers only match the same weights and dtype."""
-    return layout_of(engine.kv_cache, model_id, engine.kv.namespace.hex())

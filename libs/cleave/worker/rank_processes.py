@@ -2,15 +2,21 @@
 
     worker (rank 0)                                  rank r (spawned process)
     start_lockstep_engine(config)
-      spawn ranks 1..N-1, a pipe to each -------->   init_process_group(rank r)
+      spawn ranks 1..N-1, two pipes to each ---->    init_process_group(rank r)
       init_process_group(rank 0)                     LLMEngine(config on device r)
-      LockstepEngine(config) ... agree on blocks ... follow(engine, channel)
+      LockstepEngine(config) ... agree on blocks ... FollowerReceiver (thread) + follow(engine, channel)
       ... serve; engine.close() -> Stop ---------->  returns, process exits
 
 Ranks meet over TCP on a free loopback port. The model's collectives run on the default
-group (NCCL on GPUs, gloo on the CPU); the engine's ops go over the pipes (`LockstepChannel`).
-On CUDA, rank r of a worker on `cuda:K` runs on `cuda:K+r`. A rank process ends with its
-worker (the kernel signals it when the worker dies) and stops after the worker's Stop.
+group (NCCL on GPUs, gloo on the CPU); the engine's ops go over one pipe per rank
+(`LockstepChannel`, read at step boundaries), and each rank's KV receiver is driven over a
+second pipe (`LockstepEngine.rank_links` -> `cleave.transfer.rank_receivers.RankReceivers`
+on rank 0, `cleave.worker.rank_receiver.FollowerReceiver` on rank r), read at any time: a
+decode worker's ranks each take their slice of a prompt's KV from a prefill worker. That
+path is CPU-tested over TCP with gloo ranks; NCCL or CUDA IPC into the extra ranks, and
+several GPUs, are untested. On CUDA, rank r of a worker on `cuda:K` runs on `cuda:K+r`. A
+rank process ends with its worker (the kernel signals it when the worker dies) and stops
+after the worker's Stop.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from cleave.engine.config import EngineConfig
 from cleave.engine.llm_engine import LLMEngine
 from cleave.engine.lockstep import LockstepChannel, LockstepEngine, follow
 from cleave.parent_death import follow_parent
+from cleave.worker.kv_layout import kv_layout_of
+from cleave.worker.rank_receiver import FollowerReceiver
 
 log = structlog.get_logger(__name__)
 
@@ -55,14 +63,16 @@ def start_lockstep_engine(config: EngineConfig) -> LockstepEngine:
     port = _free_port()
     context = multiprocessing.get_context("spawn")
     pipes = [context.Pipe() for _ in range(1, size)]
+    controls = [context.Pipe() for _ in range(1, size)]  # the ranks' KV receivers
     processes = [
-        context.Process(target=_rank_main, args=(rank, port, config, os.getpid(), pipe[1]), name=f"cleave-rank{rank}",
-                        daemon=True)
-        for rank, pipe in enumerate(pipes, start=1)
+        context.Process(target=_rank_main, args=(rank, port, config, os.getpid(), pipe[1], control[1]),
+                        name=f"cleave-rank{rank}", daemon=True)
+        for rank, (pipe, control) in enumerate(zip(pipes, controls), start=1)
     ]
-    for process, (_, rank_end) in zip(processes, pipes):
+    for process, (_, rank_end), (_, control_end) in zip(processes, pipes, controls):
         process.start()
         rank_end.close()  # the rank's copy lives in its process: EOF reaches each side when the other ends
+        control_end.close()
 
     def stop_ranks() -> None:
         _join_or_end(processes)
@@ -72,8 +82,11 @@ def start_lockstep_engine(config: EngineConfig) -> LockstepEngine:
     try:
         _join_group(0, size, port, config.device)
         channel = LockstepChannel(0, [leader_end for leader_end, _ in pipes])
-        engine = LockstepEngine(replace(config, device=rank_device(config.device, 0)), channel, on_close=stop_ranks)
+        engine = LockstepEngine(replace(config, device=rank_device(config.device, 0)), channel, on_close=stop_ranks,
+                                rank_links=[leader_end for leader_end, _ in controls])
     except BaseException:
+        for leader_end, _ in controls:
+            leader_end.close()
         for process in processes:
             if process.is_alive():
                 process.kill()
@@ -83,15 +96,23 @@ def start_lockstep_engine(config: EngineConfig) -> LockstepEngine:
     return engine
 
 
-def _rank_main(rank: int, port: int, config: EngineConfig, parent_pid: int, connection: Connection) -> None:
-    """Rank `rank`'s process: join the group, load the shard, follow rank 0 until Stop."""
+def _rank_main(rank: int, port: int, config: EngineConfig, parent_pid: int, connection: Connection,
+               control: Connection) -> None:
+    """Rank `rank`'s process: join the group, load the shard, serve its KV receiver for
+    rank 0 (`control`) and follow rank 0 until Stop."""
     follow_parent(parent_pid, signal.SIGKILL)  # nothing to drain: rank 0 holds every request
     _join_group(rank, config.tensor_parallel_size, port, config.device)
     channel = LockstepChannel(rank, [connection])
+    receiver: FollowerReceiver | None = None
     try:
         engine = LLMEngine(replace(config, device=rank_device(config.device, rank)))
+        receiver = FollowerReceiver(rank, engine.kv_cache, control, lambda model_id: kv_layout_of(engine, model_id))
+        receiver.start()
         follow(engine, channel)
     finally:
+        if receiver is not None:
+            receiver.stop()
+        control.close()
         channel.close()
         dist.destroy_process_group()
 

@@ -234,7 +234,7 @@ class KVLayout(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hash_namespace: _Optional[str] = ..., kv_head_start: _Optional[int] = ..., total_kv_heads: _Optional[int] = ...) -> None: ...
 
 class TransferHandle(_message.Message):
-    __slots__ = ("transport", "address", "transfer_id", "block_ids", "nccl_unique_id", "cuda_ipc_handle", "device_index", "deadline", "layout", "num_cached_blocks", "worker_id", "control_address")
+    __slots__ = ("transport", "address", "transfer_id", "block_ids", "nccl_unique_id", "cuda_ipc_handle", "device_index", "deadline", "layout", "num_cached_blocks", "worker_id", "control_address", "rank_handles")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +247,7 @@ class TransferHandle(_message.Message):
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RANK_HANDLES_FIELD_NUMBER: _ClassVar[int]
     transport: TransportKind
     address: str
     transfer_id: str
@@ -259,7 +260,8 @@ class TransferHandle(_message.Message):
     num_cached_blocks: int
     worker_id: str
     control_address: str
-    def __init__(self, transport: _Optional[_Union[TransportKind, str]] = ..., address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., nccl_unique_id: _Optional[bytes] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device_index: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_cached_blocks: _Optional[int] = ..., worker_id: _Optional[str] = ..., control_address: _Optional[str] = ...) -> None: ...
+    rank_handles: _containers.RepeatedCompositeFieldContainer[TransferHandle]
+    def __init__(self, transport: _Optional[_Union[TransportKind, str]] = ..., address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., nccl_unique_id: _Optional[bytes] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device_index: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_cached_blocks: _Optional[int] = ..., worker_id: _Optional[str] = ..., control_address: _Optional[str] = ..., rank_handles: _Optional[_Iterable[_Union[TransferHandle, _Mapping]]] = ...) -> None: ...
 
 class KVChunkHeader(_message.Message):
     __slots__ = ("transfer_id", "layer_index", "block_ids", "dtype", "shape", "byte_length", "is_last", "num_layers")
