@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -9,8 +10,13 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from cpu_use import CpuMeter, cpu_seconds, role_of, with_descendants  # noqa: E402
+# Loaded by path, bench/ not put on sys.path: its kernels.py would shadow the `kernels`
+# package transformers imports in later tests of this process.
+_spec = importlib.util.spec_from_file_location("bench_cpu_use", Path(__file__).resolve().parents[2] / "bench" / "cpu_use.py")
+cpu_use = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cpu_use)  # type: ignore[union-attr]
+CpuMeter, cpu_seconds, role_of, with_descendants = (
+    cpu_use.CpuMeter, cpu_use.cpu_seconds, cpu_use.role_of, cpu_use.with_descendants)
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 
