@@ -17,10 +17,13 @@ from cleave.generation.sampling_params import SamplingParams
 from cleave.proto.cleave.v1 import common_pb2, decode_pb2_grpc, gateway_pb2
 from cleave.rpc import aio_channel
 from tests.e2e.conftest import NUM_KV_BLOCKS, START_HANG_S
+from tests.metrics.scrape import scrape, value
 
 NUM_REQUESTS = 10
-MAX_TOKENS = 48
-TOKENS_BEFORE_KILL = 1  # the fastest stream has this many tokens when the worker dies
+# Tokens reach this test well after the workers made them on a loaded machine: the streams are
+# long enough that the victim is still generating when the first token of each arrives here.
+MAX_TOKENS = 256
+TOKENS_BEFORE_KILL = 1  # every stream has at least this many tokens when the worker dies
 
 
 @pytest.fixture
@@ -46,8 +49,8 @@ def _request(index: int) -> gateway_pb2.GenerateRequest:
 
 
 async def _counted(stream, progress: list[int], index: int, on_flowing):  # type: ignore[no-untyped-def]
-    """Pass a Generate stream through, counting its tokens; call `on_flowing` when a stream
-    reaches TOKENS_BEFORE_KILL tokens."""
+    """Pass a Generate stream through, counting its tokens; call `on_flowing` after each
+    response from TOKENS_BEFORE_KILL tokens on."""
     async for response in stream:
         progress[index] += sum(len(sample.token_ids) for sample in response.samples)
         if progress[index] >= TOKENS_BEFORE_KILL:
@@ -62,16 +65,17 @@ async def test_streams_survive_a_killed_decode_worker(two_decode_stack, e2e_mode
     reference = LLM(e2e_model, device="cpu", dtype="float32", num_blocks=NUM_KV_BLOCKS, enforce_eager=True)
     expected = reference.generate([r.text for r in requests],
                                   SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-    victim, survivor = (child for child in stack.children if child.name.startswith("decode"))
+    workers = [child for child in stack.children if child.name.startswith("decode")]
     progress = [0] * NUM_REQUESTS
     flowing = asyncio.Event()
     tokens_at_kill: list[int] = []
 
     def freeze() -> None:
-        # The tiny model streams 48 tokens in a blink: freeze both workers at the first
-        # token so the victim surely dies mid-stream, whatever this process's scheduling.
-        if not flowing.is_set():
-            for worker in (victim, survivor):
+        # Freeze both workers once every stream has its first token (a request still starting
+        # on the victim would be placed again, not migrated); with MAX_TOKENS long, the victim
+        # then dies with its requests mid-stream, whatever this process's scheduling.
+        if not flowing.is_set() and min(progress) >= TOKENS_BEFORE_KILL:
+            for worker in workers:
                 os.kill(worker.process.pid, signal.SIGSTOP)
             tokens_at_kill.extend(sorted(progress))
             flowing.set()
@@ -82,6 +86,13 @@ async def test_streams_survive_a_killed_decode_worker(two_decode_stack, e2e_mode
             for i, r in enumerate(requests)
         ]
         await asyncio.wait_for(flowing.wait(), timeout=60)
+        # The victim is the worker the gateway started the most requests on (routing may put
+        # them all on one, e.g. while the other missed a health check on a loaded machine).
+        routed = await asyncio.to_thread(scrape, f"http://{stack.metrics_addresses()['gateway']}/metrics")
+        started = {worker.name: value(routed, "cleave:routing_decisions_total", decode_worker=worker.name)
+                   for worker in workers}
+        assert sum(started.values()) == NUM_REQUESTS, started
+        victim, survivor = sorted(workers, key=lambda worker: -started[worker.name])
         victim.process.kill()
         os.kill(survivor.process.pid, signal.SIGCONT)
         results = await asyncio.gather(*streams)
@@ -94,7 +105,7 @@ async def test_streams_survive_a_killed_decode_worker(two_decode_stack, e2e_mode
         assert result.usage.prompt_tokens == len(engine_output.prompt_token_ids)
     assert victim.process.wait(timeout=5) == -9
     migrated = [line for line in gateway_log_lines(stack) if "request migrated" in line]
-    assert migrated, f"no request moved (streams' tokens at the kill: {tokens_at_kill})"
+    assert migrated, f"no request moved (streams' tokens at the kill: {tokens_at_kill}, started: {started}, victim {victim.name})"
     load = await _load(survivor, stack.internal_token)
     assert (load.num_running, load.num_free_blocks) == (0, load.num_total_blocks)
 
