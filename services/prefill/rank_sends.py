@@ -45,9 +45,7 @@ async def send_to_every_rank(handles: Sequence[TransferHandle], open_sender: Ope
     errors = [result for result in results if isinstance(result, BaseException)]
     if errors:
         raise next((error for error in errors if not isinstance(error, NotFound)), errors[0])
-    stats: list[TransferStats] = list(results)  # type: ignore[arg-type]
-    return TransferStats(transport=stats[0].transport, num_bytes=sum(s.num_bytes for s in stats),
-                         seconds=max(s.seconds for s in stats), num_blocks=stats[0].num_blocks)
+    return TransferStats.of_parts(results)  # type: ignore[arg-type]
 
 
 async def _send(handle: TransferHandle, open_sender: OpenSender, cache: torch.Tensor, table: list[int], lost: Lost,

@@ -10,6 +10,7 @@ engine's own types (`cleave.generation.sampling_params.SamplingParams`,
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cleave.generation.outputs import FinishReason
@@ -165,6 +166,14 @@ class TransferStats:
     num_bytes: int
     seconds: float
     num_blocks: int
+
+    @classmethod
+    def of_parts(cls, parts: Sequence[TransferStats]) -> TransferStats:
+        """One transfer moved as parts at once (a tensor-parallel worker's ranks, each its
+        heads of the same blocks): bytes summed, the slowest part's time."""
+        first = parts[0]
+        return cls(transport=first.transport, num_bytes=sum(part.num_bytes for part in parts),
+                   seconds=max(part.seconds for part in parts), num_blocks=first.num_blocks)
 
 
 @dataclass(frozen=True)

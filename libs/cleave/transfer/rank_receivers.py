@@ -144,9 +144,7 @@ class RankedTransfer:
         except BaseException as error:
             self.cancel(f"transfer {self.transfer_id!r} failed on another rank: {error}")
             raise
-        first = stats[0]
-        return TransferStats(transport=first.transport, num_bytes=sum(s.num_bytes for s in stats),
-                             seconds=max(s.seconds for s in stats), num_blocks=first.num_blocks)
+        return TransferStats.of_parts(stats)
 
 
 class RankReceivers:
