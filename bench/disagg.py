@@ -26,8 +26,11 @@ goodput: requests/s that finished with TTFT <= `--slo-ttft-ms` and TPOT <= `--sl
 and their share (`slo_pct`). Beside them, the CPU cores each part of the run used meanwhile
 (`cpu_gateway`, `cpu_decode`, `cpu_prefill`, `cpu_kvstore`: the stack's processes and their
 ranks; `cpu_clients`: the load's own processes) and the host's `host_cpus`: when they add
-up to the host, the latencies are the host's as much as the stack's. Every mode is warmed up first (graphs, kernels, the transport
-handshake). All modes of a run go into one `disagg-<UTC time>.json/.md` under `--out`.
+up to the host, the latencies are the host's as much as the stack's. And what the workers'
+engines did meanwhile, from their /metrics (`decode_step_ms`, `decode_steps_s`,
+`decode_busy_pct`, `decode_tokens`, and the same for prefill: bench/engine_meter.py): a TPOT
+far above `decode_step_ms` is time between the decode engine's steps. Every mode is warmed up
+first (graphs, kernels, the transport handshake). All modes of a run go into one `disagg-<UTC time>.json/.md` under `--out`.
 
 Presets (explicit flags still win):
   --preset http64   64 users over HTTP, chats of 256-512 tokens (200-400 words of English text
@@ -63,6 +66,7 @@ from typing import TYPE_CHECKING, Iterator
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_use import CpuMeter, role_of  # noqa: E402 - bench/ is on the path now
+from engine_meter import EngineMeter  # noqa: E402
 from serve_clients import REASONING_MODES  # noqa: E402
 from serve_load import (  # noqa: E402
     FIRST_TOKEN_ID, Slo, Workload, max_chat_tokens, run_load, summarize, warm_up, words_for_tokens,
@@ -73,7 +77,8 @@ if TYPE_CHECKING:
 
 COLUMNS = ["mode", "gateways", "api", "transport", "mps", "prefill_sm_pct", "metrics", "switch_ms", "policy", "prefill_variant", "kvstore_puts", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms",
            "tpot_p50_ms", "tpot_p90_ms", "itl_p99_ms", "long_prompts", "long_ttft_p50_ms", "output_tok_s",
-           "goodput_rps", "slo_pct", "wall_s", "cpu_gateway", "cpu_decode", "cpu_prefill", "cpu_clients", "host_cpus"]
+           "goodput_rps", "slo_pct", "wall_s", "cpu_gateway", "cpu_decode", "cpu_prefill", "cpu_clients", "host_cpus",
+           "decode_step_ms", "decode_busy_pct", "decode_tokens", "prefill_step_ms", "prefill_busy_pct", "prefill_tokens"]
 MODES = ("disaggregated", "colocated", "conditional")
 PRESETS = {
     "http64": dict(api="http", num_users=64, prompt_len=(256, 512), output_len=(128, 128), long_interval_s=0.0),
@@ -182,8 +187,12 @@ def run_mode(variant: Variant, model_dir: Path, args: argparse.Namespace, workdi
         for child in stack.children:
             roles.setdefault(role_of(child.name), []).append(child.process.pid)
         meter = CpuMeter(roles)
+        metrics = stack.metrics_addresses()
+        engines = EngineMeter({role: [address for name, address in metrics.items() if role_of(name) == role]
+                               for role in ("decode", "prefill")})
         run = run_load(load, args.client_procs)
         cores = meter.cores(run.wall_s)
+        steps = engines.columns(run.wall_s)
     finally:
         stack.stop()
     row = {"mode": variant.mode, "gateways": variant.num_gateways, "api": variant.api, "transport": transport,
@@ -197,7 +206,8 @@ def run_mode(variant: Variant, model_dir: Path, args: argparse.Namespace, workdi
            "client_procs": args.client_procs, **summarize(run.timings, run.wall_s, Slo(args.slo_ttft_ms, args.slo_tpot_ms)),
            # CPU cores each part used over the run; on a host short of cores, latency is not the stack's alone
            **{f"cpu_{role}": used for role, used in sorted(cores.items())},
-           "cpu_clients": round(run.client_cpu_s / max(run.wall_s, 1e-9), 2), "host_cpus": os.cpu_count()}
+           "cpu_clients": round(run.client_cpu_s / max(run.wall_s, 1e-9), 2), "host_cpus": os.cpu_count(),
+           **steps}  # what the engines did meanwhile (bench/engine_meter.py)
     if row["errors"]:
         print(f"{variant.mode}: {row['errors']} requests failed, the first with: {row['first_error']}", file=sys.stderr)
     if spec.trace_dir is not None:  # the services flushed their spans as they stopped
