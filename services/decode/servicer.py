@@ -101,16 +101,19 @@ def handshake_spec_from_proto(request: decode_pb2.HandshakeRequest) -> Handshake
 
 def step_output_to_proto(output: StepOutput) -> decode_pb2.StepOutput:
     message = decode_pb2.StepOutput(step=output.step)
+    add = message.deltas.add
     for delta in output.deltas:
-        entry = message.deltas.add(
-            request_id=delta.request_id,
-            sample_index=delta.sample_index,
-            token_ids=delta.token_ids,
-            finish_reason=finish_reason_to_proto(delta.finish_reason),
-            logprobs=top_logprobs_to_proto(delta.logprobs),
-            num_reasoning_tokens=delta.num_reasoning_tokens,
-            prompt_logprobs=top_logprobs_to_proto(delta.prompt_logprobs),
-        )
+        # Only the fields a delta sets: this runs once per sample per step, and most deltas
+        # are one token with no finish, logprobs or reasoning.
+        entry = add(request_id=delta.request_id, sample_index=delta.sample_index, token_ids=delta.token_ids)
+        if delta.finish_reason is not None:
+            entry.finish_reason = finish_reason_to_proto(delta.finish_reason)
+        if delta.logprobs:
+            entry.logprobs.extend(top_logprobs_to_proto(delta.logprobs))
+        if delta.num_reasoning_tokens:
+            entry.num_reasoning_tokens = delta.num_reasoning_tokens
+        if delta.prompt_logprobs:
+            entry.prompt_logprobs.extend(top_logprobs_to_proto(delta.prompt_logprobs))
         if delta.error is not None:
             entry.error.CopyFrom(error_info_to_proto(delta.error, delta.request_id))
     if output.load is not None:

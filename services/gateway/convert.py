@@ -36,14 +36,16 @@ class TokenDelta:
 
 
 def token_delta_from_proto(delta: Any) -> TokenDelta:
-    """decode_pb2.RequestDelta -> TokenDelta."""
+    """decode_pb2.RequestDelta -> TokenDelta (once per sample per step: the fields a delta
+    leaves unset are not read)."""
+    finish = delta.finish_reason
     return TokenDelta(
-        sample_index=delta.sample_index,
-        token_ids=tuple(delta.token_ids),
-        finish_reason=finish_reason_from_proto(delta.finish_reason),
-        logprobs=top_logprobs_from_proto(delta.logprobs),
-        error_message=delta.error.message if delta.HasField("error") else "",
-        prompt_logprobs=top_logprobs_from_proto(delta.prompt_logprobs),
+        delta.sample_index,
+        tuple(delta.token_ids),
+        finish_reason_from_proto(finish) if finish else None,
+        top_logprobs_from_proto(delta.logprobs) if delta.logprobs else (),
+        delta.error.message if finish and delta.HasField("error") else "",
+        top_logprobs_from_proto(delta.prompt_logprobs) if delta.prompt_logprobs else (),
     )
 
 

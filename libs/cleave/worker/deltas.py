@@ -40,28 +40,30 @@ class DeltaBuilder:
         the engine's own logprobs of that sample."""
         deltas: list[RequestDelta] = []
         prompt_logprobs = tuple(top_logprobs_from_engine(lp) for lp in output.prompt_logprobs or () if lp is not None)
+        totals = self._reasoning_totals
+        request_id = output.request_id
         for sample in output.outputs:
-            if not sample.token_ids and sample.finish_reason is None:
+            token_ids, finish_reason, reasoning = sample.token_ids, sample.finish_reason, sample.num_reasoning_tokens
+            if not token_ids and finish_reason is None:
                 continue
-            key = (output.request_id, sample.index)
-            previous = self._reasoning_totals.get(key, 0)
-            if sample.finish_reason is None:
-                self._reasoning_totals[key] = sample.num_reasoning_tokens
-            else:
-                self._reasoning_totals.pop(key, None)
-            logprobs = tuple(top_logprobs_from_engine(lp) for lp in sample.logprobs or ())
+            # Running reasoning totals are kept only while non-zero: most requests never think,
+            # and this runs once per sample per step.
+            key = (request_id, sample.index)
+            previous = totals.pop(key, 0) if finish_reason is not None else totals.get(key, 0)
+            if finish_reason is None and reasoning:
+                totals[key] = reasoning
+            logprobs: tuple[TopLogprobs, ...] = ()
+            if sample.logprobs:
+                logprobs = tuple(top_logprobs_from_engine(lp) for lp in sample.logprobs)
             if sample.index < len(leading_logprobs):
                 logprobs = (leading_logprobs[sample.index], *logprobs)
-            if len(logprobs) != len(sample.token_ids):
+            if logprobs and len(logprobs) != len(token_ids):
                 logprobs = ()  # never misalign logprobs with tokens
+            # Positional: RequestDelta's field order.
             deltas.append(RequestDelta(
-                request_id=output.request_id,
-                sample_index=sample.index,
-                token_ids=tuple(sample.token_ids),
-                finish_reason=sample.finish_reason,
-                logprobs=logprobs,
-                num_reasoning_tokens=max(0, sample.num_reasoning_tokens - previous),
-                prompt_logprobs=() if deltas else prompt_logprobs,  # on the request's first delta here
+                request_id, sample.index, tuple(token_ids), finish_reason, logprobs, None,
+                reasoning - previous if reasoning > previous else 0,
+                () if deltas else prompt_logprobs,  # on the request's first delta here
             ))
         if prompt_logprobs and not deltas:  # scores without tokens: a delta of their own
             deltas.append(RequestDelta(output.request_id, 0, (), prompt_logprobs=prompt_logprobs))
