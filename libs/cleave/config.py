@@ -163,6 +163,9 @@ class WorkerConfig:
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 256  # sequences per engine step
     max_num_batched_tokens: int = 2048  # tokens per engine step
+    # a prompt with more tokens than this left gets at most this many per step before shorter
+    # prompts are admitted, and the rest of the budget after them (0: off)
+    long_prefill_token_threshold: int = 0
     # this process's share of the device's total memory (weights, activations, KV cache);
     # workers sharing one GPU get shares that sum to at most 1 (`cleave up` splits 0.9)
     gpu_memory_utilization: float = 0.9
@@ -416,6 +419,9 @@ def worker_config(
     flags.add("--block-size", 16, "tokens per KV block", type=int)
     flags.add("--max-num-seqs", 256, "sequences per engine step", type=int)
     flags.add("--max-num-batched-tokens", 2048, "tokens per engine step", type=int)
+    flags.add("--long-prefill-token-threshold", 0,
+              "a prompt with more tokens than this left to compute gets at most this many per step until the "
+              "shorter prompts waiting behind it are admitted, then the budget they leave (0: off)", type=int)
     flags.add("--gpu-memory-utilization", 0.9,
               "share of the device's total memory this worker may use for weights, activations and KV "
               "(workers on one GPU: shares summing to at most 1; the KV cache fills it when --num-kv-blocks is 0)",
@@ -451,6 +457,8 @@ def worker_config(
         raise SystemExit("--gpu-memory-utilization must be in (0, 1] and --transfer-timeout positive")
     if args.max_queued_admissions < 0:
         raise SystemExit("--max-queued-admissions must be >= 0")
+    if args.long_prefill_token_threshold < 0:
+        raise SystemExit("--long-prefill-token-threshold must be >= 0 (0: off)")
     if args.kvstore_min_prefix_tokens < 0:
         raise SystemExit("--kvstore-min-prefix-tokens must be >= 0")
     return WorkerConfig(
@@ -465,6 +473,7 @@ def worker_config(
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         pdl=args.pdl,

@@ -25,6 +25,9 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 MODES = {
     "batched": (dict(max_num_batched_tokens=2048, max_model_len=2048), dict(block_size=16)),
     "chunked": (dict(max_num_batched_tokens=32, max_model_len=2048), dict(block_size=16)),
+    # prompts of over 12 tokens held to 12 per step while shorter ones are admitted
+    "long_prefill": (dict(max_num_batched_tokens=32, max_model_len=2048, long_prefill_token_threshold=12),
+                     dict(block_size=16)),
     # 16 usable blocks of 8 tokens cannot hold 16 sequences of 21-76 tokens at once
     "preempt": (dict(max_num_batched_tokens=256, max_model_len=128), dict(block_size=8, num_blocks=17)),
 }

@@ -66,9 +66,10 @@ class FakeRunner:
         return sampled
 
 
-def make(num_blocks=32, budget=64, max_num_seqs=8, max_model_len=64, prefix_caching=True):
+def make(num_blocks=32, budget=64, max_num_seqs=8, max_model_len=64, prefix_caching=True, long_prefill=0):
     kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=prefix_caching)
-    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                             long_prefill_token_threshold=long_prefill)
     return Scheduler(config, kv), FakeRunner(num_blocks)
 
 
@@ -124,6 +125,31 @@ def test_partial_prefill_continues_before_new_arrivals_and_decodes_go_first():
     scheduler.add(c)
     assert summary(step(scheduler, runner)) == [("a/0", 4, 1, True), ("b/0", 9, 6, True), ("c/0", 0, 3, True)]
     assert summary(step(scheduler, runner)) == [("a/0", 5, 1, True), ("b/0", 15, 1, True), ("c/0", 3, 1, True)]
+
+
+def test_a_long_prompt_makes_room_for_shorter_ones_and_takes_the_rest_back():
+    scheduler, runner = make(budget=10, long_prefill=4, max_model_len=48)
+    a = seq("a", list(range(1, 31)), max_tokens=2, arrival=0)  # 30 tokens: long
+    scheduler.add(a)
+    assert summary(step(scheduler, runner)) == [("a/0", 0, 10, False)]  # alone: the whole budget
+    b = seq("b", [5, 6, 7], max_tokens=2, arrival=1)
+    c = seq("c", list(range(40, 49)), max_tokens=2, arrival=2)  # 9 tokens: long too
+    scheduler.add(b)
+    scheduler.add(c)
+    # a is held to 4, b (short) gets in whole, c is held to its 3 left-over tokens; nothing left to give back
+    assert summary(step(scheduler, runner)) == [("a/0", 10, 4, False), ("b/0", 0, 3, True), ("c/0", 0, 3, False)]
+    # b decodes first; a and c held to 4 each, then a takes back the last token of the budget
+    assert summary(step(scheduler, runner)) == [("b/0", 3, 1, True), ("a/0", 14, 5, False), ("c/0", 3, 4, False)]
+    while scheduler.has_unfinished():
+        step(scheduler, runner)
+    for s in (a, b, c):
+        assert s.status is SequenceStatus.FINISHED_LENGTH and s.output_token_ids == expected_outputs(s)
+    assert scheduler.kv.num_free_blocks == 31
+
+
+def test_the_long_prefill_threshold_must_not_be_negative():
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
 
 
 def test_continuous_batching_join_and_leave():
@@ -306,10 +332,11 @@ def test_sequences_stop_at_max_model_len():
     assert a.status is SequenceStatus.FINISHED_LENGTH and a.num_tokens == 8
 
 
-def test_no_block_leaks_under_random_load():
+@pytest.mark.parametrize("long_prefill", [0, 5])
+def test_no_block_leaks_under_random_load(long_prefill):
     rng = random.Random(1234)
     num_blocks = 16
-    scheduler, runner = make(num_blocks=num_blocks, budget=12, max_num_seqs=6, max_model_len=40)
+    scheduler, runner = make(num_blocks=num_blocks, budget=12, max_num_seqs=6, max_model_len=40, long_prefill=long_prefill)
     shared_prefixes = [[rng.randrange(1, 90) for _ in range(rng.randrange(4, 12))] for _ in range(3)]
     all_seqs, preemptions, next_id = [], 0, 0
     for _ in range(400):

@@ -90,3 +90,12 @@ def test_a_worker_without_its_memory_share_exits_with_the_reason(role):
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("error: cuda:0 has 10.00 GiB free of 80.00 GiB")
     assert "--gpu-memory-utilization 0.6" in last_line and "--num-kv-blocks" in last_line
+
+
+def test_the_long_prefill_threshold_flag_reaches_the_scheduler_and_refuses_negatives():
+    env = {"CLEAVE_DEVICE": "cpu"}
+    config = engine_config_from_worker(worker_config("prefill", ["--long-prefill-token-threshold", "512"], env))
+    assert config.scheduler.long_prefill_token_threshold == 512
+    assert engine_config_from_worker(worker_config("decode", [], env)).scheduler.long_prefill_token_threshold == 0
+    with pytest.raises(SystemExit, match="--long-prefill-token-threshold"):
+        worker_config("prefill", ["--long-prefill-token-threshold", "-1"], env)

@@ -19,17 +19,27 @@ class SchedulerConfig:
         enable_chunked_prefill: split prompts longer than the step's token budget across steps.
             Without it a prompt runs in one step, so max_num_batched_tokens must cover
             max_model_len.
+        long_prefill_token_threshold: a prompt with more tokens than this left to compute
+            gets at most this many per step before shorter prompts are admitted, so a chat
+            that arrives behind a 32k-token prompt starts in the next step instead of after
+            it; the budget the shorter prompts leave goes back to it in the same step, so
+            alone it runs at full speed. 0: off (prompts take the budget in arrival order).
     """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int = 32768
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SchedulerConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"SchedulerConfig.long_prefill_token_threshold must be >= 0 (0: off), got {self.long_prefill_token_threshold}"
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "

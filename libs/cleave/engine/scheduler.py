@@ -279,13 +279,14 @@ class Scheduler:
         planned: dict[str, tuple[Sequence, int]] = {}
         preempted: list[str] = []
 
+        threshold = self.config.long_prefill_token_threshold
         decodes_first = sorted(queues.running, key=lambda s: (s.num_uncomputed_tokens > 1, queues.priority_key(s)))
         for seq in decodes_first:
             if budget == 0 or len(planned) >= self.config.max_num_seqs:
                 break
             if seq.status is not RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens, budget, threshold or budget)
             victims = self._allocate_or_preempt(seq, num_new)
             for victim in victims:
                 preempted.append(victim.seq_id)
@@ -296,7 +297,9 @@ class Scheduler:
                 budget -= num_new
 
         if not preempted:
-            self._admit_waiting(budget, planned)
+            budget = self._admit_waiting(budget, planned)
+            if threshold and budget:
+                self._top_up_long_prefills(budget, planned)
 
         self.stats.num_steps += 1
         return SchedulerOutput(
@@ -346,9 +349,11 @@ class Scheduler:
         stats.num_prefill_tokens += num_running - num_decodes
         return SchedulerOutput(scheduled, kv.take_pending_copies(), [], queues.take_finished())
 
-    def _admit_waiting(self, budget: int, planned: dict[str, tuple[Sequence, int]]) -> None:
-        """Admit waiting sequences in priority order while budget, seats and blocks last."""
+    def _admit_waiting(self, budget: int, planned: dict[str, tuple[Sequence, int]]) -> int:
+        """Admit waiting sequences in priority order while budget, seats and blocks last;
+        returns the budget left."""
         queues, kv, config, stats = self._queues, self.kv, self.config, self.stats
+        threshold = config.long_prefill_token_threshold
         pending_forks = queues.pending_forks
         reserved_forks = sum(len(pending_forks.get(s.seq_id, ())) for s in queues.running)
         while queues.waiting and budget > 0 and len(planned) < config.max_num_seqs:
@@ -364,6 +369,8 @@ class Scheduler:
                 if not config.enable_chunked_prefill:
                     break
                 num_new = budget
+            if threshold and num_new > threshold and config.enable_chunked_prefill:
+                num_new = threshold  # shorter prompts behind it are admitted first
             if not kv.allocate_slots(seq.seq_id, num_new, hit):
                 break
             queues.waiting.pop(0)
@@ -376,6 +383,25 @@ class Scheduler:
             reserved_forks += group_size - 1
             planned[seq.seq_id] = (seq, num_new)
             budget -= num_new
+        return budget
+
+    def _top_up_long_prefills(self, budget: int, planned: dict[str, tuple[Sequence, int]]) -> None:
+        """Give the step's leftover budget back to the prompts `long_prefill_token_threshold`
+        held back, in priority order (no preemption for it: a top-up the pool cannot hold is
+        skipped)."""
+        threshold, kv = self.config.long_prefill_token_threshold, self.kv
+        held_back = sorted(
+            (seq for seq, num_new in planned.values() if num_new == threshold and seq.num_uncomputed_tokens > num_new),
+            key=self._queues.priority_key,
+        )
+        for seq in held_back:
+            if budget == 0:
+                return
+            num_new = planned[seq.seq_id][1]
+            extra = min(seq.num_uncomputed_tokens - num_new, budget)
+            if kv.allocate_slots(seq.seq_id, extra):
+                planned[seq.seq_id] = (seq, num_new + extra)
+                budget -= extra
 
     def _entry(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         start = seq.num_computed_tokens

@@ -23,6 +23,7 @@ def engine_config_from_worker(config: WorkerConfig) -> EngineConfig:
     scheduler = SchedulerConfig(
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
         **({"max_model_len": config.model.max_context_length} if config.model.max_context_length else {}),
     )
     cache = CacheConfig(
