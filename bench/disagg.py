@@ -75,7 +75,7 @@ from serve_load import (  # noqa: E402
 if TYPE_CHECKING:
     from cleave.cli._stack import StackSpec
 
-COLUMNS = ["mode", "gateways", "api", "transport", "mps", "prefill_sm_pct", "metrics", "switch_ms", "policy", "prefill_variant", "kvstore_puts", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms",
+COLUMNS = ["mode", "gateways", "api", "transport", "mps", "prefill_sm_pct", "metrics", "switch_ms", "policy", "prefill_variant", "worker_variant", "kvstore_puts", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms",
            "tpot_p50_ms", "tpot_p90_ms", "itl_p99_ms", "long_prompts", "long_ttft_p50_ms", "output_tok_s",
            "goodput_rps", "slo_pct", "wall_s", "cpu_gateway", "cpu_decode", "cpu_prefill", "cpu_clients", "host_cpus",
            "decode_step_ms", "decode_busy_pct", "decode_tokens", "prefill_step_ms", "prefill_busy_pct", "prefill_tokens"]
@@ -118,6 +118,7 @@ class Variant:
     switch_ms: float | None  # every service's --gil-switch-interval-ms; None: Python's 5 ms
     policy: "ConditionalPolicy | None" = None  # conditional mode's thresholds; None: the gateway's defaults
     prefill_variant: str = ""  # extra prefill-worker flags of this row (--prefill-variant)
+    worker_variant: str = ""  # extra flags of every worker of this row (--worker-variant)
 
 
 @dataclass(frozen=True)
@@ -155,10 +156,10 @@ def stack_spec(variant: Variant, model_dir: Path, args: argparse.Namespace, work
     service_args = [] if variant.switch_ms is None else ["--gil-switch-interval-ms", f"{variant.switch_ms:g}"]
     name = (f"{variant.mode}-{variant.num_gateways}-{variant.puts}-{variant.api}-{variant.mps}-{variant.sm_percent}-"
             f"{variant.metrics}-{variant.switch_ms}-{variant.policy}-")
-    name += "".join(c if c.isalnum() else "_" for c in variant.prefill_variant)
+    name += "".join(c if c.isalnum() else "_" for c in variant.prefill_variant + "-" + variant.worker_variant)
     return StackSpec(model=model_dir, mode=variant.mode, grpc_port=0, http_port=0 if variant.api == "http" else None,
                      device=args.device, num_kv_blocks=args.num_kv_blocks, log_level="WARNING",
-                     worker_args=tuple(worker_args + service_args),
+                     worker_args=tuple(worker_args + service_args) + tuple(shlex.split(variant.worker_variant)),
                      prefill_args=tuple(args.prefill_arg) + tuple(shlex.split(variant.prefill_variant)),
                      gateway_args=tuple(args.gateway_arg) + tuple(service_args)
                      + (variant.policy.gateway_args() if variant.policy is not None else ()),
@@ -202,6 +203,7 @@ def run_mode(variant: Variant, model_dir: Path, args: argparse.Namespace, workdi
            "switch_ms": variant.switch_ms if variant.switch_ms is not None else 5.0,
            "policy": str(variant.policy) if variant.policy is not None else "-",
            "prefill_variant": variant.prefill_variant or "-",
+           "worker_variant": variant.worker_variant or "-",
            "kvstore_puts": variant.puts,
            "client_procs": args.client_procs, **summarize(run.timings, run.wall_s, Slo(args.slo_ttft_ms, args.slo_tpot_ms)),
            # CPU cores each part used over the run; on a host short of cores, latency is not the stack's alone
@@ -339,6 +341,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="extra prefill-worker flags for one set of rows, repeatable: the modes with a "
                         "prefill worker run once per variant (e.g. --prefill-variant= "
                         "--prefill-variant='--layer-streaming off'); default: one run with none")
+    parser.add_argument("--worker-variant", action="append", default=None,
+                        help="extra flags of every worker (prefill and decode) for one set of rows, repeatable: "
+                        "every mode runs once per variant (e.g. --worker-variant= --worker-variant='--stream-interval 2')")
     parser.add_argument("--out", default=None, help="directory for disagg-<UTC time>.json / .md (never overwritten)")
     parser.add_argument("--trace", action="store_true",
                         help="trace every request; print each mode's per-hop latencies (bench/hops.py), kept under 'hops'")
@@ -457,7 +462,8 @@ def run_variants(args: argparse.Namespace, model_dir: Path, workdir: Path, vocab
     written: tuple[Path, ...] = ()
     for values in itertools.product(
             args.modes.split(","), args.gateways, args.kvstore_puts, args.api.split(","), args.mps, args.prefill_sm_percent,
-            args.metrics, args.gil_switch_interval_ms, args.conditional_policy, args.prefill_variant or [""]):
+            args.metrics, args.gil_switch_interval_ms, args.conditional_policy, args.prefill_variant or [""],
+            args.worker_variant or [""]):
         variant = Variant(*values)
         if variant.mode == "colocated" and variant.prefill_variant != (args.prefill_variant or [""])[0]:
             continue  # no prefill worker

@@ -37,6 +37,8 @@ its loop; `--gc both` runs each point both ways.
     python bench/engine_host.py --batch 64 --profile     # cProfile of the decode loop
     python bench/engine_host.py --mode overlap           # only the overlapped steps
     python bench/engine_host.py --batch 256 --gc both    # with and without a frozen heap
+    python bench/engine_host.py --batch 48 --prompt-len 512 --temperature 0 --no-detokenize --mode overlap \
+        --forward random --gc frozen --profile           # a decode worker's engine under the serving bench
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -88,6 +91,8 @@ def make_engine(model_dir: Path, batch: int, args: argparse.Namespace, overlap: 
         max_model_len=max_model_len,
         block_size=args.block_size, num_blocks=batch * blocks_per_seq + 1, seed=0, overlap_steps=overlap,
     )
+    if not args.detokenize:  # as a decode worker runs it: token ids out, the gateway makes the text
+        config = replace(config, detokenize=False)
     return LLMEngine(config)
 
 
@@ -216,6 +221,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="default: every prompt in one step (sequences then cross KV blocks together); "
                              "smaller admits them over several steps, as a server fills up")
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--detokenize", default=True, action=argparse.BooleanOptionalAction,
+                        help="make text per token (--no-detokenize: token ids only, as a decode worker's engine)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per batch size; the fastest is kept")
     parser.add_argument("--mode", choices=("sync", "overlap", "both"), default="both", help="engine step loop")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="time phases by thread CPU or wall time")

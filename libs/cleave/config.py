@@ -166,6 +166,9 @@ class WorkerConfig:
     # a prompt with more tokens than this left gets at most this many per step before shorter
     # prompts are admitted, and the rest of the budget after them (0: off)
     long_prefill_token_threshold: int = 0
+    # steps between reports of a running request's new tokens (1: every step; a first report
+    # and a sample's end go at once)
+    stream_interval: int = 1
     # this process's share of the device's total memory (weights, activations, KV cache);
     # workers sharing one GPU get shares that sum to at most 1 (`cleave up` splits 0.9)
     gpu_memory_utilization: float = 0.9
@@ -422,6 +425,10 @@ def worker_config(
     flags.add("--long-prefill-token-threshold", 0,
               "a prompt with more tokens than this left to compute gets at most this many per step until the "
               "shorter prompts waiting behind it are admitted, then the budget they leave (0: off)", type=int)
+    flags.add("--stream-interval", 1,
+              "steps between reports of a running request's new tokens: N > 1 sends a request's tokens of N "
+              "steps in one delta, saving host work per token at the cost of burstier streams (a first token "
+              "and an end go at once)", type=int)
     flags.add("--gpu-memory-utilization", 0.9,
               "share of the device's total memory this worker may use for weights, activations and KV "
               "(workers on one GPU: shares summing to at most 1; the KV cache fills it when --num-kv-blocks is 0)",
@@ -457,6 +464,8 @@ def worker_config(
         raise SystemExit("--gpu-memory-utilization must be in (0, 1] and --transfer-timeout positive")
     if args.max_queued_admissions < 0:
         raise SystemExit("--max-queued-admissions must be >= 0")
+    if args.stream_interval < 1:
+        raise SystemExit("--stream-interval must be >= 1")
     if args.long_prefill_token_threshold < 0:
         raise SystemExit("--long-prefill-token-threshold must be >= 0 (0: off)")
     if args.kvstore_min_prefix_tokens < 0:
@@ -474,6 +483,7 @@ def worker_config(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        stream_interval=args.stream_interval,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         pdl=args.pdl,

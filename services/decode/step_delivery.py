@@ -95,9 +95,10 @@ class StepDelivery:
         self.streams.publish(gateway_id, [delta], self.step)
 
     def on_step(self, outputs: list[RequestOutput]) -> None:
-        """Engine thread: hand the whole step to the event loop in one callback."""
+        """Engine thread: hand the whole step to the event loop in one callback (none for a
+        step without news, e.g. one whose tokens the engine's stream interval holds)."""
         self.step += 1
-        if self._loop is not None:
+        if outputs and self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(self._publish, self.step, outputs)
             except RuntimeError:  # the loop closed during shutdown

@@ -84,6 +84,26 @@ async def test_disaggregated_requests_match_llm_and_batch_per_step(checkpoint, r
         await prefill.close()
 
 
+async def test_a_stream_interval_sends_several_tokens_per_delta_and_the_same_tokens(checkpoint, reference):
+    decode, prefill = await start_decode(checkpoint, stream_interval=3), await start_prefill(checkpoint)
+    try:
+        reader = AttachReader(decode.stub)
+        ids = [f"r{i}" for i in range(3)]
+        await asyncio.gather(*(disaggregated(decode, prefill, rid, prompt) for rid, prompt in zip(ids, prompts(3))))
+        await reader.wait_finished(ids)
+        for rid, expected in zip(ids, reference):
+            assert reader.tokens(rid) == expected
+            assert reader.finish(rid) == c.FINISH_REASON_LENGTH
+            # after the first delta, tokens come three steps' worth at a time (the end at once)
+            sizes = [len(delta.token_ids) for delta in reader.deltas(rid)]
+            assert max(sizes) == 3 and len(sizes) < MAX_TOKENS // 2
+        await wait_pool_full(decode.stub)
+        await reader.cancel()
+    finally:
+        await decode.close()
+        await prefill.close()
+
+
 async def test_colocated_matches_llm_with_n_samples(checkpoint, reference):
     decode = await start_decode(checkpoint)
     try:

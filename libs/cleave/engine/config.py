@@ -99,6 +99,11 @@ class EngineConfig:
         reasoning_parser: the thinking tags (`cleave.generation.reasoning_formats`): auto
             (cleave_config.json, else recognised from the checkpoint), none or a named format;
             the gateway must be given the same.
+        stream_interval: steps between reports of a running request's new tokens: 1 reports
+            every step's tokens; N > 1 gathers a running request's tokens into one report
+            every N steps, which saves the host work of N - 1 outputs (and, in a worker, of
+            their stream deltas and messages) per request at the cost of burstier streams.
+            A request's first report, and a sample's end, are never held back.
     """
 
     model: str
@@ -111,10 +116,13 @@ class EngineConfig:
     pdl: bool = True
     tensor_parallel_size: int = 1
     reasoning_parser: str = "auto"
+    stream_interval: int = 1
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"EngineConfig.stream_interval must be >= 1, got {self.stream_interval}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"EngineConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.reasoning_parser not in REASONING_PARSERS:

@@ -114,6 +114,8 @@ class LLMEngine:
         self._step_logprobs: dict[str, TokenLogprob] = {}
         self._deferred: dict[str, SampleState] = {}  # seq_id -> sample with ids awaiting text
         self._touched: dict[str, RequestState] = {}  # requests that got a token this step
+        self._stream_interval = self.config.stream_interval
+        self._collects = 0  # `_collect` calls: every `stream_interval`-th reports every request
         self.last_stats = StepStats()
         # step plan -> the LayerProgress of its forward, or None (step thread; see the docstring)
         self.watch_layers: Callable[[SchedulerOutput], LayerProgress | None] | None = None
@@ -427,7 +429,11 @@ class LLMEngine:
             states.update(self._pending)
         else:
             states = touched
-        self._pending = {}
+        self._pending = held = {}
+        # With a stream interval, a running request that reported before keeps its news
+        # (its samples accumulate them) until every `stream_interval`-th call.
+        self._collects += 1
+        hold = self._stream_interval > 1 and self._collects % self._stream_interval != 0
         outputs: list[RequestOutput] = []
         for state in states.values():
             samples = state.samples
@@ -436,10 +442,15 @@ class LLMEngine:
                 done = sample.finish_reason is not None or state.prefill_done
                 if not done and not sample.has_news:
                     continue
+                ending = done
             else:
                 done = state.finished or state.prefill_done
                 if not done and not state.has_news:
                     continue
+                ending = done or any(s.finish_reason is not None and s.has_news for s in samples)
+            if hold and not ending and state.reported_prompt:
+                held[state.request_id] = state
+                continue
             output = state.take_output()
             output.finished = done
             outputs.append(output)

@@ -39,6 +39,7 @@ def engine_config_from_worker(config: WorkerConfig) -> EngineConfig:
         pdl=config.pdl,
         tensor_parallel_size=config.tensor_parallel_size,
         reasoning_parser=config.model.effective_reasoning_parser,
+        stream_interval=config.stream_interval,
         scheduler=scheduler,
         cache=cache,
     )
