@@ -104,6 +104,7 @@ def test_the_long_prefill_threshold_flag_reaches_the_scheduler_and_refuses_negat
 def test_the_stream_interval_flag_reaches_the_engine_and_refuses_zero():
     env = {"CLEAVE_DEVICE": "cpu"}
     assert engine_config_from_worker(worker_config("decode", ["--stream-interval", "4"], env)).stream_interval == 4
-    assert engine_config_from_worker(worker_config("decode", [], env)).stream_interval == 1
+    assert engine_config_from_worker(worker_config("decode", [], env)).stream_interval == 2  # the served default
+    assert engine_config_from_worker(worker_config("prefill", [], env)).stream_interval == 1
     with pytest.raises(SystemExit, match="--stream-interval"):
         worker_config("decode", ["--stream-interval", "0"], env)
