@@ -93,6 +93,7 @@ def make_engine(model_dir: Path, batch: int, args: argparse.Namespace, overlap: 
     )
     if not args.detokenize:  # as a decode worker runs it: token ids out, the gateway makes the text
         config = replace(config, detokenize=False)
+    config = replace(config, stream_interval=args.stream_interval)
     return LLMEngine(config)
 
 
@@ -221,6 +222,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="default: every prompt in one step (sequences then cross KV blocks together); "
                              "smaller admits them over several steps, as a server fills up")
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="steps between reports of a running request (EngineConfig.stream_interval)")
     parser.add_argument("--detokenize", default=True, action=argparse.BooleanOptionalAction,
                         help="make text per token (--no-detokenize: token ids only, as a decode worker's engine)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per batch size; the fastest is kept")

@@ -72,3 +72,24 @@ def test_parallel_samples_keep_their_tokens(checkpoint):
 def test_an_interval_under_one_is_refused(checkpoint):
     with pytest.raises(ValueError, match="stream_interval"):
         EngineConfig(model=str(checkpoint), stream_interval=0)
+
+
+def test_llm_generate_reports_rarely_and_returns_what_every_step_reporting_returns(checkpoint):
+    from cleave.engine.llm import BATCH_STREAM_INTERVAL, LLM
+
+    rarely, every = LLM(checkpoint, device="cpu", max_model_len=128), LLM(checkpoint, device="cpu", max_model_len=128,
+                                                                           stream_interval=1)
+    assert rarely.engine.config.stream_interval == BATCH_STREAM_INTERVAL > 1
+    (full,) = every.generate([5, 6, 7, 8], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    stop = full.outputs[0].text[6:9]
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop] if stop.strip() else None),
+        SamplingParams(max_tokens=9, temperature=0.8, seed=7, n=2, ignore_eos=True),
+    ]
+    prompts = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10, 11]]
+    for got, expected in zip(rarely.generate(prompts, params), every.generate(prompts, params)):
+        assert [(s.token_ids, s.text, s.finish_reason, s.stop_reason) for s in got.outputs] == [
+            (s.token_ids, s.text, s.finish_reason, s.stop_reason) for s in expected.outputs]
+        assert [s.logprobs for s in got.outputs] == [s.logprobs for s in expected.outputs]
+        assert got.usage == expected.usage

@@ -32,6 +32,13 @@ _ENGINE_KEYS = (
 )
 
 
+# `LLM.generate` reads a request's output once it has finished, so its engine reports running
+# requests only every this many steps (EngineConfig.stream_interval): the per-step outputs
+# nobody reads cost a third of the host's time per step at batch 256 (bench/engine_host.py
+# --stream-interval 1 vs 64). A first report and every end still come at once.
+BATCH_STREAM_INTERVAL = 64
+
+
 def default_model_path() -> Path | None:
     """The reasoning model shipped with cleave (`cleave/assets/reasoner`), if present."""
     return SHIPPED_MODEL_DIR if (SHIPPED_MODEL_DIR / "config.json").is_file() else None
@@ -67,10 +74,12 @@ class LLM:
         model: checkpoint directory (HF layout).
         **engine_kwargs: see `build_engine_config` (max_model_len, max_num_seqs, block_size,
             num_blocks, device, dtype, seed, enforce_eager, detokenize, overlap_steps, pdl,
-            tensor_parallel_size, reasoning_parser, ...).
+            tensor_parallel_size, reasoning_parser, stream_interval (default
+            `BATCH_STREAM_INTERVAL`), ...).
     """
 
     def __init__(self, model: str | Path, **engine_kwargs: Any) -> None:
+        engine_kwargs.setdefault("stream_interval", BATCH_STREAM_INTERVAL)
         self.engine = LLMEngine(build_engine_config(model, **engine_kwargs))
         self._next_id = 0
 
