@@ -13,6 +13,7 @@ work stays in the decode worker's step messages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -62,22 +63,26 @@ class MeteredBackend:
         finish_reasons: dict[int, str] = {}
         last: GenerateChunk | None = None
         try:
-            async for chunk in self.backend.generate(spec):
-                if _carries_output(chunk):
-                    now = time.perf_counter()
-                    if clock.first_token is None:
-                        clock.first_token = now
-                        metrics.ttft.observe(now - clock.arrival)
-                        self._num_waiting -= 1
-                        self._num_running += 1
-                    else:
-                        metrics.itl.observe(now - clock.last_token)  # type: ignore[operator]
-                    clock.last_token = now
-                for sample in chunk.samples:
-                    if sample.finish_reason is not None:
-                        finish_reasons.setdefault(sample.index, sample.finish_reason.value)
-                last = chunk
-                yield chunk
+            # aclosing: a caller that stops reading (a cancelled call) closes the inner stream
+            # at once, which ends the request on its worker and in the router's table, instead
+            # of leaving that to the garbage collector
+            async with contextlib.aclosing(self.backend.generate(spec)) as chunks:
+                async for chunk in chunks:
+                    if _carries_output(chunk):
+                        now = time.perf_counter()
+                        if clock.first_token is None:
+                            clock.first_token = now
+                            metrics.ttft.observe(now - clock.arrival)
+                            self._num_waiting -= 1
+                            self._num_running += 1
+                        else:
+                            metrics.itl.observe(now - clock.last_token)  # type: ignore[operator]
+                        clock.last_token = now
+                    for sample in chunk.samples:
+                        if sample.finish_reason is not None:
+                            finish_reasons.setdefault(sample.index, sample.finish_reason.value)
+                    last = chunk
+                    yield chunk
         except BaseException as exc:  # noqa: BLE001 - counted, then re-raised
             cancelled = isinstance(exc, (asyncio.CancelledError, GeneratorExit))
             metrics.failed("CANCELLED" if cancelled else map_exception(exc, request_id).code.name)

@@ -20,10 +20,8 @@ from tests.e2e.conftest import NUM_KV_BLOCKS, START_HANG_S
 from tests.metrics.scrape import scrape, value
 
 NUM_REQUESTS = 10
-# Tokens reach this test well after the workers made them on a loaded machine: the streams are
-# long enough that the victim is still generating when the first token of each arrives here.
+# Long streams, so the victim is still generating when every request has its first token.
 MAX_TOKENS = 256
-TOKENS_BEFORE_KILL = 1  # every stream has at least this many tokens when the worker dies
 
 
 @pytest.fixture
@@ -48,14 +46,22 @@ def _request(index: int) -> gateway_pb2.GenerateRequest:
     )
 
 
-async def _counted(stream, progress: list[int], index: int, on_flowing):  # type: ignore[no-untyped-def]
-    """Pass a Generate stream through, counting its tokens; call `on_flowing` after each
-    response from TOKENS_BEFORE_KILL tokens on."""
+async def _counted(stream, progress: list[int], index: int):  # type: ignore[no-untyped-def]
+    """Pass a Generate stream through, counting its tokens."""
     async for response in stream:
         progress[index] += sum(len(sample.token_ids) for sample in response.samples)
-        if progress[index] >= TOKENS_BEFORE_KILL:
-            on_flowing()
         yield response
+
+
+async def _wait_all_first_tokens(gateway_metrics: str, timeout_s: float) -> None:
+    """Until the gateway has streamed a first token of every request (its TTFT histogram),
+    polling its metrics: the test's own client may read them much later on a loaded machine."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    url = f"http://{gateway_metrics}/metrics"
+    while value(await asyncio.to_thread(scrape, url), "cleave:time_to_first_token_seconds_count") < NUM_REQUESTS:
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"the gateway streamed first tokens of fewer than {NUM_REQUESTS} requests in {timeout_s} s")
+        await asyncio.sleep(0.01)
 
 
 @pytest.mark.timeout(600)
@@ -67,25 +73,17 @@ async def test_streams_survive_a_killed_decode_worker(two_decode_stack, e2e_mode
                                   SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     workers = [child for child in stack.children if child.name.startswith("decode")]
     progress = [0] * NUM_REQUESTS
-    flowing = asyncio.Event()
-    tokens_at_kill: list[int] = []
-
-    def freeze() -> None:
-        # Freeze both workers once every stream has its first token (a request still starting
-        # on the victim would be placed again, not migrated); with MAX_TOKENS long, the victim
-        # then dies with its requests mid-stream, whatever this process's scheduling.
-        if not flowing.is_set() and min(progress) >= TOKENS_BEFORE_KILL:
-            for worker in workers:
-                os.kill(worker.process.pid, signal.SIGSTOP)
-            tokens_at_kill.extend(sorted(progress))
-            flowing.set()
 
     async with GatewayClient(stack.gateway_address) as client:
-        streams = [
-            asyncio.ensure_future(collect(_counted(client.stream(r), progress, i, freeze)))
-            for i, r in enumerate(requests)
-        ]
-        await asyncio.wait_for(flowing.wait(), timeout=60)
+        streams = [asyncio.ensure_future(collect(_counted(client.stream(r), progress, i)))
+                   for i, r in enumerate(requests)]
+        # Freeze both workers once the gateway has a first token of every request (a request
+        # still starting on the victim would be placed again, not migrated); with MAX_TOKENS
+        # long, the victim then dies with its requests mid-stream.
+        await _wait_all_first_tokens(stack.metrics_addresses()["gateway"], timeout_s=60)
+        for worker in workers:
+            os.kill(worker.process.pid, signal.SIGSTOP)
+        tokens_at_kill = sorted(progress)
         # The victim is the worker the gateway started the most requests on (routing may put
         # them all on one, e.g. while the other missed a health check on a loaded machine).
         routed = await asyncio.to_thread(scrape, f"http://{stack.metrics_addresses()['gateway']}/metrics")
@@ -105,7 +103,7 @@ async def test_streams_survive_a_killed_decode_worker(two_decode_stack, e2e_mode
         assert result.usage.prompt_tokens == len(engine_output.prompt_token_ids)
     assert victim.process.wait(timeout=5) == -9
     migrated = [line for line in gateway_log_lines(stack) if "request migrated" in line]
-    assert migrated, f"no request moved (streams' tokens at the kill: {tokens_at_kill}, started: {started}, victim {victim.name})"
+    assert migrated, f"no request moved (tokens the client had at the kill: {tokens_at_kill}, started: {started}, victim {victim.name})"
     load = await _load(survivor, stack.internal_token)
     assert (load.num_running, load.num_free_blocks) == (0, load.num_total_blocks)
 

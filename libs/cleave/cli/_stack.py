@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
@@ -263,53 +263,57 @@ class ProcessStack:
                 raise
             print(f"warning: GPU workers share the device without MPS: {error}", file=sys.stderr)
 
-    def _wait_healthy(self, children: list[Child], timeout_s: float) -> None:
+    @staticmethod
+    def _wait_for(children: list[Child], ready: Callable[[Child], bool], timeout_s: float, poll_s: float,
+                  late: Callable[[str], str]) -> None:
+        """Poll `ready` on each child until every one is; past `timeout_s`, TimeoutError with
+        `late(the pending children's names)`."""
         deadline = time.monotonic() + timeout_s
         pending = list(children)
         while pending:
-            for child in list(pending):
-                if child.process.poll() is not None:
-                    hint = ""
-                    if self.mps is not None and child.name.startswith(("prefill", "decode")):
-                        hint = "\n(it ran under the stack's MPS daemon: if its CUDA start failed, --mps off runs without)"
-                    raise RuntimeError(
-                        f"{child.name} exited with code {child.process.returncode}; its log "
-                        f"({child.log_path}) ends with:\n{child.log_tail()}{hint}"
-                    )
-                if not child.address and child.port_file.is_file():
-                    text = child.port_file.read_text().strip()
-                    if text:
-                        child.address = f"{self.spec.host}:{int(text)}"
-                if child.address and check(child.address, timeout_s=1.0)[0] == EXIT_SERVING:
-                    pending.remove(child)
+            pending = [child for child in pending if not ready(child)]
             if pending and time.monotonic() > deadline:
-                names = ", ".join(child.name for child in pending)
-                raise TimeoutError(f"{names} did not become healthy in {timeout_s:g} s; see logs in {self.workdir}")
+                raise TimeoutError(late(", ".join(child.name for child in pending)))
             if pending:
-                time.sleep(0.1)
+                time.sleep(poll_s)
+
+    def _wait_healthy(self, children: list[Child], timeout_s: float) -> None:
+        self._wait_for(children, self._is_healthy, timeout_s, 0.1,
+                       lambda names: f"{names} did not become healthy in {timeout_s:g} s; see logs in {self.workdir}")
+
+    def _is_healthy(self, child: Child) -> bool:
+        """Whether `child` serves; RuntimeError with its log's tail when it exited."""
+        if child.process.poll() is not None:
+            hint = ""
+            if self.mps is not None and child.name.startswith(("prefill", "decode")):
+                hint = "\n(it ran under the stack's MPS daemon: if its CUDA start failed, --mps off runs without)"
+            raise RuntimeError(
+                f"{child.name} exited with code {child.process.returncode}; its log "
+                f"({child.log_path}) ends with:\n{child.log_tail()}{hint}"
+            )
+        if not child.address and child.port_file.is_file():
+            text = child.port_file.read_text().strip()
+            if text:
+                child.address = f"{self.spec.host}:{int(text)}"
+        return bool(child.address) and check(child.address, timeout_s=1.0)[0] == EXIT_SERVING
 
     def _wait_attached(self, decode: list[Child], num_gateways: int, timeout_s: float) -> None:
         """Wait until every gateway streams from every decode worker: a gateway attaches to a
         worker once it is in its rotation, so the first requests spread over all of them
         (a worker whose first health check timed out would otherwise join a moment later)."""
-        deadline = time.monotonic() + timeout_s
         metadata = ((INTERNAL_TOKEN_KEY, self.internal_token),) if self.internal_token else ()
-        pending = list(decode)
-        while pending:
-            for child in list(pending):
-                with grpc.insecure_channel(child.address) as channel:
-                    try:
-                        load = decode_pb2_grpc.DecodeStub(channel).GetLoad(
-                            common_pb2.GetLoadRequest(), timeout=2.0, metadata=metadata).load
-                    except grpc.RpcError:
-                        continue
-                if load.num_attached_gateways >= num_gateways:
-                    pending.remove(child)
-            if pending and time.monotonic() > deadline:
-                names = ", ".join(child.name for child in pending)
-                raise TimeoutError(f"the gateway did not attach to {names} in {timeout_s:g} s; see logs in {self.workdir}")
-            if pending:
-                time.sleep(0.05)
+
+        def attached(child: Child) -> bool:
+            with grpc.insecure_channel(child.address) as channel:
+                try:
+                    load = decode_pb2_grpc.DecodeStub(channel).GetLoad(
+                        common_pb2.GetLoadRequest(), timeout=2.0, metadata=metadata).load
+                except grpc.RpcError:
+                    return False
+            return load.num_attached_gateways >= num_gateways
+
+        self._wait_for(decode, attached, timeout_s, 0.05, lambda names: (
+            f"the gateway did not attach to {names} in {timeout_s:g} s; see logs in {self.workdir}"))
 
     def placed_workers(self) -> list[PlacedWorker]:
         """The prefill and decode workers `start()` runs, in start order, with their devices
