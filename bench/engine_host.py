@@ -37,6 +37,8 @@ its loop; `--gc both` runs each point both ways.
     python bench/engine_host.py --batch 64 --profile     # cProfile of the decode loop
     python bench/engine_host.py --mode overlap           # only the overlapped steps
     python bench/engine_host.py --batch 256 --gc both    # with and without a frozen heap
+    python bench/engine_host.py --batch 256 --prompt-len 512 --output-len 160 --mode overlap --forward random \
+        --gc frozen --stream-interval 1 64 --repeats 3   # every step's outputs vs LLM.generate's
     python bench/engine_host.py --batch 48 --prompt-len 512 --temperature 0 --no-detokenize --mode overlap \
         --forward random --gc frozen --profile           # a decode worker's engine under the serving bench
 """
@@ -46,6 +48,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import itertools
 import json
 import pstats
 import random
@@ -79,7 +82,7 @@ def phase_ms(stats) -> dict[str, float]:
     }
 
 
-def make_engine(model_dir: Path, batch: int, args: argparse.Namespace, overlap: bool):
+def make_engine(model_dir: Path, batch: int, args: argparse.Namespace, overlap: bool, stream_interval: int = 1):
     from cleave.engine.llm import build_engine_config
     from cleave.engine.llm_engine import LLMEngine
 
@@ -93,7 +96,7 @@ def make_engine(model_dir: Path, batch: int, args: argparse.Namespace, overlap: 
     )
     if not args.detokenize:  # as a decode worker runs it: token ids out, the gateway makes the text
         config = replace(config, detokenize=False)
-    config = replace(config, stream_interval=args.stream_interval)
+    config = replace(config, stream_interval=stream_interval)
     return LLMEngine(config)
 
 
@@ -141,6 +144,7 @@ def run_batch(
     profiler: cProfile.Profile | None,
     overlap: bool,
     frozen: bool = False,
+    stream_interval: int = 1,
 ) -> dict:
     """Decode `batch` requests to completion; median phase ms over full-batch decode steps."""
     import torch
@@ -148,7 +152,7 @@ def run_batch(
     from cleave.generation.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
-    engine = make_engine(model_dir, batch, args, overlap)
+    engine = make_engine(model_dir, batch, args, overlap, stream_interval)
     if args.forward == "random":
         replace_forward_with_random_logits(engine)
     rng = random.Random(batch)
@@ -189,7 +193,7 @@ def run_batch(
     if not rows:
         raise RuntimeError("no full-batch decode steps; raise --output-len")
     result = {"mode": "overlap" if overlap else "sync", "gc": "frozen" if frozen else "normal", "batch": batch,
-              "steps": len(rows)}
+              "stream_interval": stream_interval, "steps": len(rows)}
     for phase in PHASES:
         result[phase] = statistics.median(row[phase] for row in rows)
     result["host"] = sum(result[phase] for phase in HOST_PHASES)
@@ -203,7 +207,7 @@ def run_batch(
 
 
 def format_rows(results: list[dict]) -> str:
-    columns = ["mode", "gc", "batch", "steps", *PHASES, "host", "step", "host_us_per_seq", "host_mean", "gc_ms",
+    columns = ["mode", "gc", "batch", "stream_interval", "steps", *PHASES, "host", "step", "host_us_per_seq", "host_mean", "gc_ms",
                "full_gcs"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in results:
@@ -222,8 +226,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="default: every prompt in one step (sequences then cross KV blocks together); "
                              "smaller admits them over several steps, as a server fills up")
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--stream-interval", type=int, default=1,
-                        help="steps between reports of a running request (EngineConfig.stream_interval)")
+    parser.add_argument("--stream-interval", type=int, nargs="+", default=[1],
+                        help="steps between reports of a running request (EngineConfig.stream_interval); "
+                        "several: a row each (LLM.generate's engine runs at 64)")
     parser.add_argument("--detokenize", default=True, action=argparse.BooleanOptionalAction,
                         help="make text per token (--no-detokenize: token ids only, as a decode worker's engine)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per batch size; the fastest is kept")
@@ -252,9 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         freezes = {"normal": (False,), "frozen": (True,), "both": (False, True)}[args.gc]
         for batch in args.batch:
             for overlap in modes:
-                for frozen in freezes:
+                for frozen, interval in itertools.product(freezes, args.stream_interval):
                     profiler = cProfile.Profile() if args.profile else None
-                    runs = [run_batch(model_dir, batch, args, profiler, overlap, frozen) for _ in range(args.repeats)]
+                    runs = [run_batch(model_dir, batch, args, profiler, overlap, frozen, interval)
+                            for _ in range(args.repeats)]
                     results.append(min(runs, key=lambda row: row["host"]))
                     if profiler is not None:
                         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)

@@ -34,8 +34,9 @@ _ENGINE_KEYS = (
 
 # `LLM.generate` reads a request's output once it has finished, so its engine reports running
 # requests only every this many steps (EngineConfig.stream_interval): the per-step outputs
-# nobody reads cost a third of the host's time per step at batch 256 (bench/engine_host.py
-# --stream-interval 1 vs 64). A first report and every end still come at once.
+# nobody reads cost a sixth of the host's time per step at batch 256 (1.37 vs 1.15 ms,
+# bench/results/engine/engine-host-20261204T162042Z.md). A first report and every end still
+# come at once.
 BATCH_STREAM_INTERVAL = 64
 
 
