@@ -18,9 +18,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cleave.cli._memory_split import DEFAULT_GPU_MEMORY_UTILIZATION, MemorySplit
 from cleave.config import API_KEY_ENV
+from cleave.generation.reasoning_formats import REASONING_PARSERS
+
+if TYPE_CHECKING:
+    from cleave.cli._stack import StackSpec
 
 DEMO_MAX_TOKENS = 256
 
@@ -79,10 +84,31 @@ async def demo(address: str, out=sys.stdout, api_key: str | None = None) -> str:
     return "".join(answer)
 
 
+def stack_spec(args: argparse.Namespace, model: Path, default_name: str) -> "StackSpec":
+    """The stack `cleave up`'s flags describe (`model`: the resolved checkpoint directory)."""
+    from cleave.cli._stack import StackSpec
+
+    # the thinking tags: every service reads them from the model unless told (gateway and workers alike)
+    model_args = ("--reasoning-parser", args.reasoning_parser) if args.reasoning_parser != "auto" else ()
+    worker_args = model_args
+    if args.stream_interval is not None:
+        worker_args += ("--stream-interval", str(args.stream_interval))
+    return StackSpec(
+        model=model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode, num_gateways=args.gateways,
+        grpc_port=args.grpc_port, http_port=None if args.http_port < 0 else args.http_port,
+        device=args.device, num_kv_blocks=args.num_kv_blocks, served_model_name=args.served_model_name or default_name,
+        host=args.host, store_to_kvstore=args.store_to_kvstore,
+        trace_dir=Path(args.trace_dir) if args.trace_dir else None,
+        gpu_memory_utilization=args.gpu_memory_utilization, gpu_memory_split=args.gpu_memory_split,
+        metrics=args.metrics, mps=args.mps, prefill_gpus=args.prefill_gpus, decode_gpus=args.decode_gpus,
+        decode_tensor_parallel_size=args.tensor_parallel_size, worker_args=worker_args, gateway_args=model_args,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from cleave.cli._device import DeviceUnavailable, check_device
     from cleave.cli._model import ModelNotFound, model_dir, served_name
-    from cleave.cli._stack import ProcessStack, StackSpec
+    from cleave.cli._stack import ProcessStack
     from cleave.cli._supervisor import RestartPolicy, Supervisor
 
     if args.gateways < 1:
@@ -106,16 +132,7 @@ def run(args: argparse.Namespace) -> int:
     except (ModelNotFound, DeviceUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    spec = StackSpec(
-        model=model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode, num_gateways=args.gateways,
-        grpc_port=args.grpc_port, http_port=None if args.http_port < 0 else args.http_port,
-        device=args.device, num_kv_blocks=args.num_kv_blocks, served_model_name=args.served_model_name or served_name(args.model, model),
-        host=args.host, store_to_kvstore=args.store_to_kvstore,
-        trace_dir=Path(args.trace_dir) if args.trace_dir else None,
-        gpu_memory_utilization=args.gpu_memory_utilization, gpu_memory_split=args.gpu_memory_split,
-        metrics=args.metrics, mps=args.mps, prefill_gpus=args.prefill_gpus, decode_gpus=args.decode_gpus,
-        decode_tensor_parallel_size=args.tensor_parallel_size,
-    )
+    spec = stack_spec(args, model, served_name(args.model, model))
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="cleave-up-"))
     stack = ProcessStack(spec, workdir)
     previous = {signum: signal.signal(signum, _raise_interrupt) for signum in (signal.SIGTERM, signal.SIGHUP)}
@@ -157,6 +174,16 @@ def run(args: argparse.Namespace) -> int:
             stack.stop()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _gpu_list(text: str) -> tuple[int, ...]:
@@ -218,6 +245,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="run GPU workers that share a device under an NVIDIA MPS daemon of the stack's, so "
                              "their kernels run side by side instead of in time slices (auto: when two or more "
                              "workers share the device and nvidia-cuda-mps-control is on PATH)")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="auto",
+                        help="thinking tags of the model, for every service (default auto: the checkpoint's "
+                        "cleave_config.json, else recognised from its tokenizer)")
+    parser.add_argument("--stream-interval", type=_positive, default=None, metavar="N",
+                        help="steps between a decode worker's reports of a running request's tokens (default 2: "
+                        "tokens in pairs, half the host work per token; 1 sends each token alone)")
     parser.add_argument("--served-model-name", default="", help="model id clients use (default: the model directory's name)")
     parser.add_argument("--store-to-kvstore", action=argparse.BooleanOptionalAction, default=True,
                         help="prefill workers put new prompt blocks into the kvstore (default on; off for an A/B)")

@@ -1,0 +1,35 @@
+"""`cleave up`'s model and decode flags reach the services that read them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cleave.cli.main import build_parser
+from cleave.cli.up import stack_spec
+
+
+def spec_of(*flags: str):  # type: ignore[no-untyped-def]
+    args = build_parser().parse_args(["up", *flags])
+    return stack_spec(args, Path("/models/tiny"), "tiny")
+
+
+def test_defaults_pass_nothing_extra():
+    spec = spec_of()
+    assert spec.worker_args == () and spec.gateway_args == () and spec.served_model_name == "tiny"
+
+
+def test_the_reasoning_parser_goes_to_gateway_and_workers_and_the_stream_interval_to_the_workers():
+    spec = spec_of("--reasoning-parser", "gpt_oss", "--stream-interval", "4", "--mode", "colocated")
+    assert spec.gateway_args == ("--reasoning-parser", "gpt_oss")
+    assert spec.worker_args == ("--reasoning-parser", "gpt_oss", "--stream-interval", "4")
+    assert spec.mode == "colocated"
+
+
+@pytest.mark.parametrize("flags", [("--reasoning-parser", "nonsense"), ("--stream-interval", "0"),
+                                   ("--stream-interval", "two")])
+def test_bad_values_are_refused_by_the_parser(flags, capsys):
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["up", *flags])
+    assert exited.value.code == 2 and flags[0] in capsys.readouterr().err
