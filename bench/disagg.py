@@ -42,6 +42,8 @@ Presets (explicit flags still win):
     python bench/disagg.py --preset mixed --modes disaggregated,colocated,conditional --out bench/results/disagg
     python bench/disagg.py --preset mixed --modes disaggregated,conditional \
         --conditional-policy 1024:0,256:2048 --out bench/results/disagg   # conditional's thresholds, in one run
+    python bench/disagg.py --modes disaggregated,colocated --worker-variant= \\
+        --worker-variant='--stream-interval 2' --out bench/results/disagg   # worker flags compared in one run
     python bench/disagg.py --device cpu --num-users 4 --prompt-len 32 --output-len 16 --duration-s 3 \\
         --long-interval-s 1 --client-procs 2 --out /tmp/disagg   # CPU smoke, shipped reasoner
     python bench/disagg.py --device cpu --api http --num-users 4 --output-len 16 --duration-s 3 --client-procs 2
