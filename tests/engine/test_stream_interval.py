@@ -93,3 +93,18 @@ def test_llm_generate_reports_rarely_and_returns_what_every_step_reporting_retur
             (s.token_ids, s.text, s.finish_reason, s.stop_reason) for s in expected.outputs]
         assert [s.logprobs for s in got.outputs] == [s.logprobs for s in expected.outputs]
         assert got.usage == expected.usage
+
+
+def test_the_shipped_reasoner_splits_thinking_the_same_at_llm_generates_interval():
+    from cleave.config import SHIPPED_MODEL_DIR
+    from cleave.engine.llm import LLM
+
+    prompts = ["What is 17 + 25?", "What is 9 * 8?"]
+    params = [SamplingParams(max_tokens=64, temperature=0.0), SamplingParams(max_tokens=48, temperature=0.7, seed=3, n=2)]
+    rarely = LLM(SHIPPED_MODEL_DIR, device="cpu").generate(prompts, params)
+    every = LLM(SHIPPED_MODEL_DIR, device="cpu", stream_interval=1).generate(prompts, params)
+    for got, expected in zip(rarely, every):
+        assert [(s.token_ids, s.text, s.reasoning_text, s.num_reasoning_tokens, s.finish_reason) for s in got.outputs] == [
+            (s.token_ids, s.text, s.reasoning_text, s.num_reasoning_tokens, s.finish_reason) for s in expected.outputs]
+        assert got.usage == expected.usage
+    assert any(s.reasoning_text for result in every for s in result.outputs)  # the thinking split ran

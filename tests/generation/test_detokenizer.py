@@ -237,3 +237,31 @@ def test_partial_characters_between_pieces_compose_without_decoding(byte_level, 
         assert fast.text == decoding.text == _expected(byte_level, prompt_ids, output_ids, skip_special_tokens)
     # only `finish` decodes (one window and its prefix per stream)
     assert len(window_decodes) <= 2 * 20
+
+
+def _state(detok: IncrementalDetokenizer) -> tuple:
+    return (list(detok._window), detok._window_start, detok._prefix_offset, detok._read_offset,
+            detok._num_output_tokens, detok._prefix_text, detok._window_text, detok._prefix_ends_in_piece)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_push_many_in_runs_matches_pushing_one_at_a_time(byte_level, llama_like, skip_special_tokens):
+    """Random chunks of random ids (pieces, specials, partial characters): push_many gives
+    the text of the chunk's pushes, leaves the same state behind, and the streams end alike."""
+    rng = random.Random(4)
+    for tokenizer in (byte_level, llama_like):
+        pieces = TokenPieces.for_tokenizer(tokenizer)
+        vocab_size = tokenizer.get_vocab_size()
+        plain = [i for i in range(vocab_size) if pieces is not None and pieces.piece(i)] or list(range(vocab_size))
+        for _ in range(12):
+            prompt_ids = tokenizer.encode(rng.choice(CORPUS)).ids
+            output_ids = [rng.choice(plain) if rng.random() < 0.7 else rng.randrange(vocab_size) for _ in range(120)]
+            one = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens, pieces)
+            many = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens, pieces)
+            start = 0
+            while start < len(output_ids):
+                chunk = output_ids[start : start + rng.randint(1, 20)]
+                assert many.push_many(chunk) == "".join(one.push(token_id) for token_id in chunk)
+                assert _state(many) == _state(one)
+                start += len(chunk)
+            assert many.finish() == one.finish() and many.text == one.text

@@ -408,9 +408,11 @@ class LLMEngine:
         return status
 
     def _flush_text(self) -> None:
-        """Detokenize the previous step's deferred tokens (runs while the device computes)."""
+        """Detokenize the previous step's deferred tokens (runs while the device computes).
+        With a stream interval the text is made when a request is reported instead
+        (`_collect`), a run of tokens at once."""
         deferred = self._deferred
-        if not deferred:
+        if not deferred or self._stream_interval > 1:
             return
         requests, pending = self._requests, self._pending
         for sample in deferred.values():
@@ -451,12 +453,22 @@ class LLMEngine:
             if hold and not ending and state.reported_prompt:
                 held[state.request_id] = state
                 continue
+            if self._stream_interval > 1:
+                self._flush_samples(samples)
             output = state.take_output()
             output.finished = done
             outputs.append(output)
             if done:
                 self._forget(state)
         return outputs
+
+    def _flush_samples(self, samples: list[SampleState]) -> None:
+        """Detokenize the deferred tokens of a request about to be reported."""
+        deferred = self._deferred
+        for sample in samples:
+            if sample.deferred:
+                sample.flush_text()
+                deferred.pop(sample.seq.seq_id, None)
 
     def _forget(self, state: RequestState) -> None:
         if self._requests.get(state.request_id) is state:

@@ -144,8 +144,7 @@ class SampleState:
             return
         detokenizer = self.detokenizer
         if self.plain_text:  # the text goes straight to the delta, joined
-            push = detokenizer.push
-            text = push(deferred[0]) if len(deferred) == 1 else "".join([push(token_id) for token_id in deferred])
+            text = detokenizer.push(deferred[0]) if len(deferred) == 1 else detokenizer.push_many(deferred)
             if text:
                 self.text.append(text)
         else:

@@ -23,7 +23,7 @@ pieces after the run do not.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -167,9 +167,47 @@ class IncrementalDetokenizer:
                 return self._prefix_text + alone  # type: ignore[operator]  # set with the flag
         return None
 
-    def push_many(self, token_ids: Iterable[int]) -> str:
-        """Add several tokens; return their combined new text."""
-        return "".join(self.push(token_id) for token_id in token_ids)
+    def push_many(self, token_ids: Sequence[int]) -> str:
+        """Add several tokens; return their combined new text: `push` over each, with the
+        same text and state, but a run of piece tokens taken at once (its state after it is
+        that of its last token alone, see `push`)."""
+        table = self._piece_table
+        if table is None:
+            return "".join([self.push(token_id) for token_id in token_ids])
+        pieces = self._token_pieces
+        parts: list[str] = []
+        index, count = 0, len(token_ids)
+        while index < count:
+            if self._read_offset - self._window_start == len(self._window):  # nothing held back
+                run: list[str] = []
+                end = index
+                while end < count:
+                    token_id = token_ids[end]
+                    piece = table.get(token_id)
+                    if piece is None:
+                        piece = pieces.piece(token_id)  # type: ignore[union-attr]
+                    if not piece:
+                        break
+                    run.append(piece)
+                    end += 1
+                if run:
+                    last = self._read_offset + len(run) - 1  # the run's last token, absolute
+                    window = self._window
+                    window.clear()
+                    window.append(token_ids[end - 1])
+                    self._window_start = self._prefix_offset = last
+                    self._read_offset = last + 1
+                    self._prefix_text = self._window_text = run[-1]
+                    self._prefix_ends_in_piece = True
+                    self._num_output_tokens += len(run)
+                    text = "".join(run)
+                    self._emitted.append(text)
+                    parts.append(text)
+                    index = end
+                    continue
+            parts.append(self.push(token_ids[index]))
+            index += 1
+        return "".join(parts)
 
     def finish(self) -> str:
         """Flush held-back text at the end of generation (an unfinished character becomes
