@@ -12,32 +12,14 @@ import shlex
 import sys
 from pathlib import Path
 
+from cleave.cli._arg_types import positive_float, positive_int
+
 EXIT_BAD_ENDPOINT = 2
 EXIT_INTERRUPTED = 130
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
-    if not value > 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
 def _rates(text: str) -> tuple[float, ...]:
-    rates = tuple(_positive_float(part.strip()) for part in text.split(",") if part.strip())
+    rates = tuple(positive_float(part.strip()) for part in text.split(",") if part.strip())
     if not rates:
         raise argparse.ArgumentTypeError("needs at least one rate, e.g. 1,2,4,8")
     return rates
@@ -109,16 +91,16 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
                         help="/v1/completions (default) or /v1/chat/completions")
     server.add_argument("--model", default=None, help="model id to send (default: the first of GET /v1/models)")
     server.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    server.add_argument("--request-timeout", type=_positive_float, default=600.0,
+    server.add_argument("--request-timeout", type=positive_float, default=600.0,
                         help="seconds one request may take before it counts as failed (default 600)")
 
     prompts = parser.add_argument_group("prompts")
-    prompts.add_argument("--num-prompts", type=_positive_int, default=100, help="requests per run (default 100)")
+    prompts.add_argument("--num-prompts", type=positive_int, default=100, help="requests per run (default 100)")
     prompts.add_argument("--dataset-path", default=None,
                          help="JSONL file of {\"prompt\": ..., \"output_len\": N (optional)}, repeated in order when "
                               "shorter than --num-prompts; default: random prompts")
-    prompts.add_argument("--random-input-len", type=_positive_int, default=1024, help="prompt tokens (default 1024)")
-    prompts.add_argument("--random-output-len", type=_positive_int, default=128,
+    prompts.add_argument("--random-input-len", type=positive_int, default=1024, help="prompt tokens (default 1024)")
+    prompts.add_argument("--random-output-len", type=positive_int, default=128,
                          help="output tokens per request, also for JSONL lines without output_len (default 128)")
     prompts.add_argument("--random-range-ratio", type=float, default=0.0,
                          help="draw lengths from [len*(1-r), len*(1+r)], r in [0, 1) (default 0)")
@@ -132,18 +114,18 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
 
     load = parser.add_argument_group("load")
     rate = load.add_mutually_exclusive_group()
-    rate.add_argument("--request-rate", type=_positive_float, default=math.inf,
+    rate.add_argument("--request-rate", type=positive_float, default=math.inf,
                       help="requests per second (default inf: all at once)")
     rate.add_argument("--request-rates", type=_rates, default=None, metavar="R1,R2,...",
                       help="sweep: one run per rate, then a goodput-vs-load table and plot")
-    load.add_argument("--burstiness", type=_positive_float, default=1.0,
+    load.add_argument("--burstiness", type=positive_float, default=1.0,
                       help="gamma shape of the gaps between arrivals: 1 Poisson, <1 burstier (default 1)")
-    load.add_argument("--max-concurrency", type=_positive_int, default=None,
+    load.add_argument("--max-concurrency", type=positive_int, default=None,
                       help="most requests in flight at once (default: no limit)")
 
     report = parser.add_argument_group("report")
-    report.add_argument("--slo-ttft-ms", type=_positive_float, default=None, help="TTFT SLO for goodput (ms)")
-    report.add_argument("--slo-tpot-ms", type=_positive_float, default=None, help="TPOT SLO for goodput (ms)")
+    report.add_argument("--slo-ttft-ms", type=positive_float, default=None, help="TTFT SLO for goodput (ms)")
+    report.add_argument("--slo-tpot-ms", type=positive_float, default=None, help="TPOT SLO for goodput (ms)")
     report.add_argument("--result-dir", default=".",
                         help="where the result JSON and PNG go, named bench-serve-<UTC time> (default .)")
     report.add_argument("--no-plot", dest="plot", action="store_false", help="skip the PNG plots")

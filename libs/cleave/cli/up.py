@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cleave.cli._arg_types import positive_int
 from cleave.cli._memory_split import DEFAULT_GPU_MEMORY_UTILIZATION, MemorySplit
 from cleave.config import API_KEY_ENV
 from cleave.generation.reasoning_formats import REASONING_PARSERS
@@ -176,16 +177,6 @@ def run(args: argparse.Namespace) -> int:
                 signal.signal(signum, handler)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _gpu_list(text: str) -> tuple[int, ...]:
     try:
         indexes = tuple(int(part) for part in text.split(","))
@@ -248,7 +239,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="auto",
                         help="thinking tags of the model, for every service (default auto: the checkpoint's "
                         "cleave_config.json, else recognised from its tokenizer)")
-    parser.add_argument("--stream-interval", type=_positive, default=None, metavar="N",
+    parser.add_argument("--stream-interval", type=positive_int, default=None, metavar="N",
                         help="steps between a decode worker's reports of a running request's tokens (default 2: "
                         "tokens in pairs, half the host work per token; 1 sends each token alone)")
     parser.add_argument("--served-model-name", default="", help="model id clients use (default: the model directory's name)")
