@@ -4,8 +4,8 @@ Timing: `median_ms` wraps triton's do_bench (device events, L2 flushed before ea
 median); `event_times_ms` times whole calls (a forward, a transfer) with one event pair each; `graph_call_us` captures many calls into one CUDA graph and times its replays, so
 launch gaps vanish and the number is device time per call; `host_call_us` is the wall clock
 per call of an unsynchronised loop, i.e. what a Python caller pays when launches dominate.
-Reporting: `write_results` stores rows as JSON and markdown with the command, machine, date
-and library versions that produced them. Scripts name each run's files with `run_name`
+Reporting: `write_results` stores rows as JSON and markdown with the command, machine, date,
+library versions and code revision (`code_revision`) that produced them. Scripts name each run's files with `run_name`
 (`decode-20261203T184539Z.json`), so a rerun adds a result beside the committed ones instead
 of replacing the numbers a document cites.
 """
@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -37,6 +39,29 @@ class Machine:
     cuda: str | None
     host: str
     date: str
+    code: str
+
+
+CODE_REV_ENV = "CLEAVE_CODE_REV"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def code_revision() -> str:
+    """The commit the benchmarked code is at: $CLEAVE_CODE_REV when set (a copy of the tree
+    without its history, as on a lent GPU machine: pass the commit there), else git's short
+    hash of this checkout, `+changes` when tracked files differ from it; "unknown" otherwise."""
+    given = os.environ.get(CODE_REV_ENV)
+    if given:
+        return given
+    try:
+        def git(*args: str) -> str:
+            return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=30,
+                                  check=True).stdout.strip()
+
+        commit = git("rev-parse", "--short", "HEAD")
+        return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def machine_info() -> Machine:
@@ -48,6 +73,7 @@ def machine_info() -> Machine:
         cuda=torch.version.cuda,
         host=platform.node(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        code=code_revision(),
     )
 
 

@@ -49,6 +49,21 @@ def test_two_runs_leave_the_committed_result_and_each_other_alone(common, tmp_pa
     assert (tmp_path / "decode-20261203T184540Z.md").read_text().startswith("# decode-20261203T184540Z")
 
 
+def test_results_name_the_code_they_ran(common, tmp_path, monkeypatch):
+    import subprocess
+
+    monkeypatch.delenv(common.CODE_REV_ENV, raising=False)
+    head = subprocess.run(["git", "-C", str(common.REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    if head:  # a checkout (CI's clean clone is one): its commit, marked when tracked files differ
+        assert common.code_revision().split("+")[0] == head
+    monkeypatch.setenv(common.CODE_REV_ENV, "abc1234")  # a tree copied without its history
+    assert common.code_revision() == "abc1234"
+    common.write_results(tmp_path, "run", [{"value": 1}], ["value"], argv=["bench/x.py"])
+    assert "- code: abc1234" in (tmp_path / "run.md").read_text()
+    assert json.loads((tmp_path / "run.json").read_text())["machine"]["code"] == "abc1234"
+
+
 def fixed_result_names(script: Path) -> list[int]:
     """Lines where `script` passes a literal (or f-string) stem to write_results."""
     lines = []
