@@ -5,9 +5,9 @@ median); `event_times_ms` times whole calls (a forward, a transfer) with one eve
 launch gaps vanish and the number is device time per call; `host_call_us` is the wall clock
 per call of an unsynchronised loop, i.e. what a Python caller pays when launches dominate.
 Reporting: `write_results` stores rows as JSON and markdown with the command, machine, date,
-library versions and code revision (`code_revision`) that produced them. Scripts name each run's files with `run_name`
-(`decode-20261203T184539Z.json`), so a rerun adds a result beside the committed ones instead
-of replacing the numbers a document cites.
+library versions and code revision (`code_revision`) that produced them. Scripts name each
+run's files with `run_name` (`decode-20261203T184539Z.json`), so a rerun adds a result beside
+the committed ones instead of replacing the numbers a document cites.
 """
 
 from __future__ import annotations

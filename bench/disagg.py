@@ -30,7 +30,8 @@ up to the host, the latencies are the host's as much as the stack's. And what th
 engines did meanwhile, from their /metrics (`decode_step_ms`, `decode_steps_s`,
 `decode_busy_pct`, `decode_tokens`, and the same for prefill: bench/engine_meter.py): a TPOT
 far above `decode_step_ms` is time between the decode engine's steps. Every mode is warmed up
-first (graphs, kernels, the transport handshake). All modes of a run go into one `disagg-<UTC time>.json/.md` under `--out`.
+first (graphs, kernels, the transport handshake). All modes of a run go into one
+`disagg-<UTC time>.json/.md` under `--out`.
 
 Presets (explicit flags still win):
   --preset http64   64 users over HTTP, chats of 256-512 tokens (200-400 words of English text

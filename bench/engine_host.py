@@ -56,7 +56,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -93,10 +92,9 @@ def make_engine(model_dir: Path, batch: int, args: argparse.Namespace, overlap: 
         max_num_batched_tokens=args.max_num_batched_tokens or max(batch * args.prompt_len, 2048),
         max_model_len=max_model_len,
         block_size=args.block_size, num_blocks=batch * blocks_per_seq + 1, seed=0, overlap_steps=overlap,
+        # --no-detokenize: token ids out, as a decode worker's engine (the gateway makes the text)
+        detokenize=args.detokenize, stream_interval=stream_interval,
     )
-    if not args.detokenize:  # as a decode worker runs it: token ids out, the gateway makes the text
-        config = replace(config, detokenize=False)
-    config = replace(config, stream_interval=stream_interval)
     return LLMEngine(config)
 
 
