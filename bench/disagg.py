@@ -126,26 +126,32 @@ class Variant:
 
 @dataclass(frozen=True)
 class ConditionalPolicy:
-    """Conditional mode's thresholds (gateway --local-prefill-max-tokens and
-    --remote-prefill-idle-tokens), written LOCAL:IDLE."""
+    """Conditional mode's thresholds (gateway --local-prefill-max-tokens,
+    --remote-prefill-idle-tokens and --local-prefill-max-running), written LOCAL:IDLE[:RUNNING]
+    (no RUNNING: the gateway's default)."""
 
     local_max_tokens: int
     idle_tokens: int
+    max_running: int | None = None
 
     @staticmethod
     def parse(text: str) -> "ConditionalPolicy":
-        local, _, idle = text.partition(":")
+        local, _, rest = text.partition(":")
+        idle, _, running = rest.partition(":")
         try:
-            return ConditionalPolicy(int(local), int(idle or 0))
+            return ConditionalPolicy(int(local), int(idle or 0), int(running) if running else None)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"a conditional policy is LOCAL:IDLE (token counts), not {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"a conditional policy is LOCAL:IDLE[:RUNNING] (token and request counts), not {text!r}")
 
     def gateway_args(self) -> tuple[str, ...]:
+        running = () if self.max_running is None else ("--local-prefill-max-running", str(self.max_running))
         return ("--local-prefill-max-tokens", str(self.local_max_tokens),
-                "--remote-prefill-idle-tokens", str(self.idle_tokens))
+                "--remote-prefill-idle-tokens", str(self.idle_tokens), *running)
 
     def __str__(self) -> str:
-        return f"{self.local_max_tokens}:{self.idle_tokens}"
+        running = "" if self.max_running is None else f":{self.max_running}"
+        return f"{self.local_max_tokens}:{self.idle_tokens}{running}"
 
 
 def stack_spec(variant: Variant, model_dir: Path, args: argparse.Namespace, workdir: Path) -> tuple[StackSpec, str]:
@@ -337,9 +343,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         default=[None], help="every service's --gil-switch-interval-ms (default: Python's 5 ms); "
                         "a list runs each mode with each")
     parser.add_argument("--conditional-policy", type=lambda text: [ConditionalPolicy.parse(v) for v in text.split(",")],
-                        default=[None], help="conditional mode's thresholds as LOCAL:IDLE (gateway "
-                        "--local-prefill-max-tokens and --remote-prefill-idle-tokens); a list runs conditional "
-                        "once with each (e.g. 1024:0,256:2048)")
+                        default=[None], help="conditional mode's thresholds as LOCAL:IDLE[:RUNNING] (gateway "
+                        "--local-prefill-max-tokens, --remote-prefill-idle-tokens and --local-prefill-max-running); "
+                        "a list runs conditional once with each (e.g. 1024:0,256:2048,1024:0:64)")
     parser.add_argument("--prefill-variant", action="append", default=None,
                         help="extra prefill-worker flags for one set of rows, repeatable: the modes with a "
                         "prefill worker run once per variant (e.g. --prefill-variant= "

@@ -140,6 +140,7 @@ class GatewayConfig:
     local_prefill_max_tokens: int = 1024  # conditional mode: longer uncached prompts prefill remotely
     remote_prefill_max_queue_tokens: int = 65536  # conditional mode: ... unless the prefill queue is longer
     remote_prefill_idle_tokens: int = 0  # conditional mode: short prompts too go to a prefill worker this idle
+    local_prefill_max_running: int = 32  # conditional mode: a decode worker with more requests prefills nothing
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # HTTP body limit (413 above it)
     # prompt text refused before tokenizing above this many UTF-8 bytes; 0: the most the
     # context could hold (max_model_len * the longest token's bytes)
@@ -367,6 +368,9 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
               "prefills itself; longer prompts go to a prefill worker", type=int)
     flags.add("--remote-prefill-max-queue-tokens", 65536, "conditional mode: prefill locally when every "
               "prefill worker has more prompt tokens queued than this", type=int)
+    flags.add("--local-prefill-max-running", 32, "conditional mode: a decode worker with more requests than "
+              "this (running or waiting) prefills none itself while a prefill worker has room: each local "
+              "prefill stalls every stream there", type=int)
     flags.add("--remote-prefill-idle-tokens", 0, "conditional mode: a prompt short enough to prefill locally "
               "still goes to a prefill worker that has at most this many prompt tokens queued, so an idle "
               "prefill worker takes load off the decode steps (0: short prompts always prefill locally)", type=int)
@@ -400,6 +404,7 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         remote_prefill_max_queue_tokens=args.remote_prefill_max_queue_tokens,
         remote_prefill_idle_tokens=args.remote_prefill_idle_tokens,
+        local_prefill_max_running=args.local_prefill_max_running,
         max_request_bytes=args.max_request_bytes,
         max_prompt_bytes=args.max_prompt_bytes,
         api_key=args.api_key or None,

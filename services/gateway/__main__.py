@@ -74,8 +74,11 @@ def build(config: GatewayConfig, tracing: Tracing = TRACING_OFF,
         model, config.prefill_addresses, config.decode_addresses,
         GatewayOptions(
             gateway_id=config.gateway_id, mode=config.mode, store_to_kvstore=config.store_to_kvstore,
-            policy=DisaggregationPolicy(config.local_prefill_max_tokens, config.remote_prefill_max_queue_tokens,
-                                        config.remote_prefill_idle_tokens),
+            policy=DisaggregationPolicy(
+                local_max_tokens=config.local_prefill_max_tokens,
+                remote_max_queue_tokens=config.remote_prefill_max_queue_tokens,
+                remote_idle_tokens=config.remote_prefill_idle_tokens,
+                local_max_running=config.local_prefill_max_running),
             pool=PoolOptions(internal_token=config.service.internal_token),
         ),
         observer=requests,

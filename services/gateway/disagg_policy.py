@@ -1,14 +1,16 @@
 """Conditional disaggregation: per request, prefill on a prefill worker or on the decode
 worker that will decode it.
 
-A remote prefill keeps a long prompt's compute off the decode worker's steps (no stall for
-the requests streaming there) but costs a hop and a KV transfer; a local one costs nothing
-extra for a short prompt, or for one whose prefix the decode worker already caches. So a
-request prefills remotely when a prefill worker is in rotation and either
-  - the prompt tokens its decode worker does not already cache exceed `local_max_tokens`,
-    and the least loaded prefill worker has at most `remote_max_queue_tokens` prompt tokens
+A remote prefill keeps a prompt's compute off the decode worker's steps (no stall for the
+requests streaming there) but costs a hop and a KV transfer; a local one costs nothing extra
+for a short prompt, or for one whose prefix the decode worker already caches, as long as
+few requests stream there to be stalled by it. So a request prefills remotely when a prefill
+worker is in rotation and either
+  - the least loaded prefill worker has at most `remote_max_queue_tokens` prompt tokens
     queued (past that, waiting there costs more than interleaving the prompt with the decode
-    steps); or
+    steps), and the prompt tokens its decode worker does not already cache exceed
+    `local_max_tokens`, or that decode worker has more than `local_max_running` requests
+    (running or waiting): a busy decode worker's every local prefill delays all of them; or
   - the least loaded prefill worker has at most `remote_idle_tokens` queued, however short
     the prompt: a prefill worker with room takes the prompt off the decode worker's steps
     (0, the default, turns this off).
@@ -21,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.gateway.routing import AFFINITY_BLOCK_SIZE, PrefixAffinity, prefill_load
+from services.gateway.routing import AFFINITY_BLOCK_SIZE, PrefixAffinity, decode_load, prefill_load
 from services.gateway.workers import WorkerHandle
 
 
@@ -32,9 +34,11 @@ class DisaggregationPolicy:
     local_max_tokens: int = 1024
     remote_max_queue_tokens: int = 65536
     remote_idle_tokens: int = 0
+    local_max_running: int = 32
 
     def __post_init__(self) -> None:
-        if self.local_max_tokens < 0 or self.remote_max_queue_tokens < 0 or self.remote_idle_tokens < 0:
+        if min(self.local_max_tokens, self.remote_max_queue_tokens, self.remote_idle_tokens,
+               self.local_max_running) < 0:
             raise ValueError("the conditional-disaggregation thresholds must be >= 0")
 
 
@@ -59,8 +63,11 @@ class ConditionalPrefill:
         queued = min(prefill_load(worker) for worker in prefill_workers)
         if self.policy.remote_idle_tokens and queued <= self.policy.remote_idle_tokens:
             return True
-        uncached = len(prompt_ids) - self.cached_on(decode, prompt_ids, hashes)
-        return uncached > self.policy.local_max_tokens and queued <= self.policy.remote_max_queue_tokens
+        if queued > self.policy.remote_max_queue_tokens:
+            return False
+        if decode_load(decode) > self.policy.local_max_running:
+            return True
+        return len(prompt_ids) - self.cached_on(decode, prompt_ids, hashes) > self.policy.local_max_tokens
 
     def record(self, decode: WorkerHandle, prompt_ids: Sequence[int], hashes: Sequence[bytes] | None = None) -> None:
         """The request's prompt is now (being) cached on `decode`."""

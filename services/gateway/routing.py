@@ -83,15 +83,16 @@ def pick_prefill(
     return least
 
 
+def decode_load(worker: WorkerHandle) -> int:
+    """Requests on a decode worker: running (its report, or this gateway's live count when that
+    is higher) plus waiting."""
+    return max(worker.in_flight, worker.load.num_running) + worker.load.num_waiting
+
+
 def pick_decode(workers: Sequence[WorkerHandle], num_blocks_needed: int) -> WorkerHandle | None:
     """The decode worker for a request needing `num_blocks_needed` blocks now, or None."""
     if not workers:
         return None
     roomy = [w for w in workers if w.load.num_total_blocks == 0 or w.load.num_free_blocks >= num_blocks_needed]
     candidates = roomy or list(workers)
-
-    def busyness(worker: WorkerHandle) -> tuple[int, int]:
-        running = max(worker.in_flight, worker.load.num_running)
-        return running + worker.load.num_waiting, -worker.load.num_free_blocks
-
-    return min(candidates, key=busyness)
+    return min(candidates, key=lambda worker: (decode_load(worker), -worker.load.num_free_blocks))

@@ -28,3 +28,22 @@ def test_a_short_cpu_run_reports_latency_and_cpu_use(tmp_path):
     assert row["decode_step_ms"] > 0 and 0 < row["decode_busy_pct"] <= 100 and row["decode_tokens"] >= 1
     assert "prefill_step_ms" not in row
     assert "cpu_decode" in (out / result.with_suffix(".md").name).read_text()
+
+
+def test_conditional_policies_parse_with_and_without_the_running_bound():
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import disagg\n"
+             "for text in ('1024:0', '256:2048:64'):\n"
+             "    policy = disagg.ConditionalPolicy.parse(text)\n"
+             "    print(str(policy), ' '.join(policy.gateway_args()))\n"
+             "try:\n"
+             "    disagg.ConditionalPolicy.parse('1024:0:many')\n"
+             "except Exception as error:\n"
+             "    print(type(error).__name__, error)\n")
+    finished = subprocess.run([sys.executable, "-c", probe, str(ROOT / "bench")], capture_output=True, text=True,
+                              timeout=120)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert finished.stdout.splitlines() == [
+        "1024:0 --local-prefill-max-tokens 1024 --remote-prefill-idle-tokens 0",
+        "256:2048:64 --local-prefill-max-tokens 256 --remote-prefill-idle-tokens 2048 --local-prefill-max-running 64",
+        "ArgumentTypeError a conditional policy is LOCAL:IDLE[:RUNNING] (token and request counts), not '1024:0:many'",
+    ]

@@ -21,9 +21,10 @@ IDS = g.StreamOptions(include_token_ids=True)
 POLICY = DisaggregationPolicy(local_max_tokens=32, remote_max_queue_tokens=1000)
 
 
-def worker(role: str, address: str, queued: int = 0) -> WorkerHandle:
+def worker(role: str, address: str, queued: int = 0, running: int = 0, waiting: int = 0) -> WorkerHandle:
     handle = WorkerHandle(role, address, None, None, None, healthy=True)  # type: ignore[arg-type]
-    handle.load = WorkerLoad(worker_id=address, num_queued_prompt_tokens=queued)
+    handle.load = WorkerLoad(worker_id=address, num_queued_prompt_tokens=queued, num_running=running,
+                             num_waiting=waiting)
     return handle
 
 
@@ -54,6 +55,22 @@ def test_a_long_prefill_queue_keeps_long_prompts_local():
     assert not choice.remote(decode, [busy], list(range(200)))
 
 
+def test_a_busy_decode_worker_sends_short_prompts_to_a_prefill_worker_with_room():
+    choice = ConditionalPrefill(DisaggregationPolicy(local_max_tokens=32, remote_max_queue_tokens=1000,
+                                                     local_max_running=8))
+    prefill = worker("prefill", "p:1", queued=1000)
+    assert not choice.remote(worker("decode", "d:1", running=8), [prefill], list(range(5)))
+    assert choice.remote(worker("decode", "d:1", running=9), [prefill], list(range(5)))
+    assert choice.remote(worker("decode", "d:1", running=6, waiting=3), [prefill], list(range(5)))
+    live = worker("decode", "d:1", running=0)
+    live.in_flight = 9  # this gateway's own requests there, fresher than the last report
+    assert choice.remote(live, [prefill], list(range(5)))
+    # a prefill queue past its bound keeps every prompt local, however busy the decode worker
+    assert not choice.remote(worker("decode", "d:1", running=50), [worker("prefill", "p:2", queued=1001)],
+                             list(range(5)))
+    assert not choice.remote(worker("decode", "d:1", running=50), [], list(range(5)))
+
+
 def test_an_idle_prefill_worker_takes_short_prompts_too():
     choice = ConditionalPrefill(DisaggregationPolicy(local_max_tokens=32, remote_max_queue_tokens=1000,
                                                      remote_idle_tokens=64))
@@ -71,6 +88,8 @@ def test_thresholds_must_not_be_negative():
         DisaggregationPolicy(local_max_tokens=-1)
     with pytest.raises(ValueError, match="thresholds"):
         DisaggregationPolicy(remote_idle_tokens=-1)
+    with pytest.raises(ValueError, match="thresholds"):
+        DisaggregationPolicy(local_max_running=-1)
 
 
 async def test_conditional_stack_serves_both_paths_token_for_token(model_dir):
