@@ -127,31 +127,41 @@ class Variant:
 @dataclass(frozen=True)
 class ConditionalPolicy:
     """Conditional mode's thresholds (gateway --local-prefill-max-tokens,
-    --remote-prefill-idle-tokens and --local-prefill-max-running), written LOCAL:IDLE[:RUNNING]
-    (no RUNNING: the gateway's default)."""
+    --remote-prefill-idle-tokens, --local-prefill-max-running and
+    --remote-prefill-busy-max-queue-tokens), written LOCAL:IDLE[:RUNNING[:BUSY_QUEUE]] (one
+    left out: the gateway's default)."""
 
     local_max_tokens: int
     idle_tokens: int
     max_running: int | None = None
+    busy_max_queue_tokens: int | None = None
 
     @staticmethod
     def parse(text: str) -> "ConditionalPolicy":
-        local, _, rest = text.partition(":")
-        idle, _, running = rest.partition(":")
+        parts = text.split(":")
         try:
-            return ConditionalPolicy(int(local), int(idle or 0), int(running) if running else None)
+            if not 1 <= len(parts) <= 4:
+                raise ValueError(text)
+            local, idle, running, queue = (int(part) if part else None for part in parts + [""] * (4 - len(parts)))
+            if local is None:
+                raise ValueError(text)
+            return ConditionalPolicy(local, idle or 0, running, queue)
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"a conditional policy is LOCAL:IDLE[:RUNNING] (token and request counts), not {text!r}")
+            raise argparse.ArgumentTypeError("a conditional policy is LOCAL:IDLE[:RUNNING[:BUSY_QUEUE]] "
+                                             f"(token and request counts), not {text!r}")
 
     def gateway_args(self) -> tuple[str, ...]:
-        running = () if self.max_running is None else ("--local-prefill-max-running", str(self.max_running))
+        optional = (("--local-prefill-max-running", self.max_running),
+                    ("--remote-prefill-busy-max-queue-tokens", self.busy_max_queue_tokens))
         return ("--local-prefill-max-tokens", str(self.local_max_tokens),
-                "--remote-prefill-idle-tokens", str(self.idle_tokens), *running)
+                "--remote-prefill-idle-tokens", str(self.idle_tokens),
+                *(item for flag, value in optional if value is not None for item in (flag, str(value))))
 
     def __str__(self) -> str:
-        running = "" if self.max_running is None else f":{self.max_running}"
-        return f"{self.local_max_tokens}:{self.idle_tokens}{running}"
+        values = [self.local_max_tokens, self.idle_tokens, self.max_running, self.busy_max_queue_tokens]
+        while values[-1] is None:
+            values.pop()
+        return ":".join("" if value is None else str(value) for value in values)
 
 
 def stack_spec(variant: Variant, model_dir: Path, args: argparse.Namespace, workdir: Path) -> tuple[StackSpec, str]:
@@ -343,9 +353,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         default=[None], help="every service's --gil-switch-interval-ms (default: Python's 5 ms); "
                         "a list runs each mode with each")
     parser.add_argument("--conditional-policy", type=lambda text: [ConditionalPolicy.parse(v) for v in text.split(",")],
-                        default=[None], help="conditional mode's thresholds as LOCAL:IDLE[:RUNNING] (gateway "
-                        "--local-prefill-max-tokens, --remote-prefill-idle-tokens and --local-prefill-max-running); "
-                        "a list runs conditional once with each (e.g. 1024:0,256:2048,1024:0:64)")
+                        default=[None], help="conditional mode's thresholds as LOCAL:IDLE[:RUNNING[:BUSY_QUEUE]] (gateway "
+                        "--local-prefill-max-tokens, --remote-prefill-idle-tokens, --local-prefill-max-running and "
+                        "--remote-prefill-busy-max-queue-tokens); a list runs conditional once with each "
+                        "(e.g. 1024:0,256:2048,1024:0:64:4096)")
     parser.add_argument("--prefill-variant", action="append", default=None,
                         help="extra prefill-worker flags for one set of rows, repeatable: the modes with a "
                         "prefill worker run once per variant (e.g. --prefill-variant= "

@@ -141,6 +141,7 @@ class GatewayConfig:
     remote_prefill_max_queue_tokens: int = 65536  # conditional mode: ... unless the prefill queue is longer
     remote_prefill_idle_tokens: int = 0  # conditional mode: short prompts too go to a prefill worker this idle
     local_prefill_max_running: int = 32  # conditional mode: a decode worker with more requests prefills nothing
+    remote_prefill_busy_max_queue_tokens: int = 8192  # ... that a prefill worker this idle can take
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # HTTP body limit (413 above it)
     # prompt text refused before tokenizing above this many UTF-8 bytes; 0: the most the
     # context could hold (max_model_len * the longest token's bytes)
@@ -369,8 +370,12 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
     flags.add("--remote-prefill-max-queue-tokens", 65536, "conditional mode: prefill locally when every "
               "prefill worker has more prompt tokens queued than this", type=int)
     flags.add("--local-prefill-max-running", 32, "conditional mode: a decode worker with more requests than "
-              "this (running or waiting) prefills none itself while a prefill worker has room: each local "
-              "prefill stalls every stream there", type=int)
+              "this (running or waiting) sends short prompts too to a prefill worker with at most "
+              "--remote-prefill-busy-max-queue-tokens queued: each local prefill stalls every stream there",
+              type=int)
+    flags.add("--remote-prefill-busy-max-queue-tokens", 8192, "conditional mode: the prefill queue past which "
+              "a busy decode worker still prefills short prompts itself (they would wait behind long ones)",
+              type=int)
     flags.add("--remote-prefill-idle-tokens", 0, "conditional mode: a prompt short enough to prefill locally "
               "still goes to a prefill worker that has at most this many prompt tokens queued, so an idle "
               "prefill worker takes load off the decode steps (0: short prompts always prefill locally)", type=int)
@@ -405,6 +410,7 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
         remote_prefill_max_queue_tokens=args.remote_prefill_max_queue_tokens,
         remote_prefill_idle_tokens=args.remote_prefill_idle_tokens,
         local_prefill_max_running=args.local_prefill_max_running,
+        remote_prefill_busy_max_queue_tokens=args.remote_prefill_busy_max_queue_tokens,
         max_request_bytes=args.max_request_bytes,
         max_prompt_bytes=args.max_prompt_bytes,
         api_key=args.api_key or None,

@@ -6,11 +6,14 @@ requests streaming there) but costs a hop and a KV transfer; a local one costs n
 for a short prompt, or for one whose prefix the decode worker already caches, as long as
 few requests stream there to be stalled by it. So a request prefills remotely when a prefill
 worker is in rotation and either
-  - the least loaded prefill worker has at most `remote_max_queue_tokens` prompt tokens
+  - the prompt tokens its decode worker does not already cache exceed `local_max_tokens`,
+    and the least loaded prefill worker has at most `remote_max_queue_tokens` prompt tokens
     queued (past that, waiting there costs more than interleaving the prompt with the decode
-    steps), and the prompt tokens its decode worker does not already cache exceed
-    `local_max_tokens`, or that decode worker has more than `local_max_running` requests
-    (running or waiting): a busy decode worker's every local prefill delays all of them; or
+    steps); or
+  - its decode worker has more than `local_max_running` requests (running or waiting), so
+    that every local prefill there delays them all, and the least loaded prefill worker has at
+    most `remote_busy_max_queue_tokens` queued: a short prompt waiting behind a long one
+    there would miss its first token by more than it stalls the decode steps; or
   - the least loaded prefill worker has at most `remote_idle_tokens` queued, however short
     the prompt: a prefill worker with room takes the prompt off the decode worker's steps
     (0, the default, turns this off).
@@ -35,10 +38,11 @@ class DisaggregationPolicy:
     remote_max_queue_tokens: int = 65536
     remote_idle_tokens: int = 0
     local_max_running: int = 32
+    remote_busy_max_queue_tokens: int = 8192
 
     def __post_init__(self) -> None:
         if min(self.local_max_tokens, self.remote_max_queue_tokens, self.remote_idle_tokens,
-               self.local_max_running) < 0:
+               self.local_max_running, self.remote_busy_max_queue_tokens) < 0:
             raise ValueError("the conditional-disaggregation thresholds must be >= 0")
 
 
@@ -63,11 +67,11 @@ class ConditionalPrefill:
         queued = min(prefill_load(worker) for worker in prefill_workers)
         if self.policy.remote_idle_tokens and queued <= self.policy.remote_idle_tokens:
             return True
-        if queued > self.policy.remote_max_queue_tokens:
-            return False
-        if decode_load(decode) > self.policy.local_max_running:
-            return True
-        return len(prompt_ids) - self.cached_on(decode, prompt_ids, hashes) > self.policy.local_max_tokens
+        uncached = len(prompt_ids) - self.cached_on(decode, prompt_ids, hashes)
+        if uncached > self.policy.local_max_tokens:
+            return queued <= self.policy.remote_max_queue_tokens
+        return (decode_load(decode) > self.policy.local_max_running
+                and queued <= self.policy.remote_busy_max_queue_tokens)
 
     def record(self, decode: WorkerHandle, prompt_ids: Sequence[int], hashes: Sequence[bytes] | None = None) -> None:
         """The request's prompt is now (being) cached on `decode`."""

@@ -6,7 +6,9 @@ SERVING (or does not answer in `check_timeout_s`) leaves the rotation and comes 
 reports SERVING again. A worker that answered NOT_SERVING is draining and still finishes what
 it runs; one that has not answered `lost_after_failed_checks` checks in a row is lost, and
 `on_lost` is told (the gateway migrates its requests). Routing reads `WorkerHandle.load` (last poll) plus the live count of
-requests this gateway routed there (`in_flight`), which is fresher than any poll.
+requests this gateway routed there (`in_flight`), which is fresher than any poll. A prefill
+worker's queue changes by whole prompts that other gateways send, so its load alone is asked
+again every `prefill_load_interval_s` (a decode worker's comes with its step outputs).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class PoolOptions:
     """How workers are reached, and how often and how patiently they are checked."""
 
     health_interval_s: float = 1.0
+    prefill_load_interval_s: float = 0.1  # 0: prefill loads only with the health checks
     check_timeout_s: float = 2.0
     lost_after_failed_checks: int = 2  # unanswered checks in a row before a worker is lost
     internal_token: str | None = field(default=None, repr=False)  # sent on every call to a worker
@@ -86,6 +89,7 @@ class WorkerPool:
         self._addresses = [("prefill", a) for a in prefill_addresses] + [("decode", a) for a in decode_addresses]
         self.workers: list[WorkerHandle] = []  # channels belong to the serving loop: made in start()
         self._monitor: asyncio.Task[None] | None = None
+        self._load_poller: asyncio.Task[None] | None = None
 
     def _handle(self, role: Role, address: str) -> WorkerHandle:
         channel = aio_channel(address, internal_token=self.options.internal_token)
@@ -100,12 +104,15 @@ class WorkerPool:
         self.workers = [self._handle(role, address) for role, address in self._addresses]  # type: ignore[arg-type]
         await self.check_all()
         self._monitor = asyncio.create_task(self._run(), name="gateway-worker-monitor")
+        if self.options.prefill_load_interval_s > 0 and self.of_role("prefill", healthy_only=False):
+            self._load_poller = asyncio.create_task(self._poll_prefill_loads(), name="gateway-prefill-loads")
 
     async def close(self) -> None:
-        if self._monitor is not None:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
+        for task in (self._monitor, self._load_poller):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for worker in self.workers:
             await worker.channel.close()
 
@@ -113,6 +120,18 @@ class WorkerPool:
         while True:
             await asyncio.sleep(self.options.health_interval_s)
             await self.check_all()
+
+    async def _poll_prefill_loads(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.prefill_load_interval_s)
+            await asyncio.gather(*(self._refresh_load(worker) for worker in self.of_role("prefill")))
+
+    async def _refresh_load(self, worker: WorkerHandle) -> None:
+        """The worker's load now; a call that fails leaves the last one (health checks decide
+        whether the worker is still there)."""
+        with contextlib.suppress(grpc.RpcError):
+            reply = await worker.stub.GetLoad(common_pb2.GetLoadRequest(), timeout=self.options.check_timeout_s)
+            worker.load = reply.load
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(worker) for worker in self.workers))

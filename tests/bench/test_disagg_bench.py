@@ -30,9 +30,9 @@ def test_a_short_cpu_run_reports_latency_and_cpu_use(tmp_path):
     assert "cpu_decode" in (out / result.with_suffix(".md").name).read_text()
 
 
-def test_conditional_policies_parse_with_and_without_the_running_bound():
+def test_conditional_policies_parse_with_and_without_the_optional_bounds():
     probe = ("import sys; sys.path.insert(0, sys.argv[1]); import disagg\n"
-             "for text in ('1024:0', '256:2048:64'):\n"
+             "for text in ('1024:0', '256:2048:64', '1024:0::4096'):\n"
              "    policy = disagg.ConditionalPolicy.parse(text)\n"
              "    print(str(policy), ' '.join(policy.gateway_args()))\n"
              "try:\n"
@@ -45,5 +45,8 @@ def test_conditional_policies_parse_with_and_without_the_running_bound():
     assert finished.stdout.splitlines() == [
         "1024:0 --local-prefill-max-tokens 1024 --remote-prefill-idle-tokens 0",
         "256:2048:64 --local-prefill-max-tokens 256 --remote-prefill-idle-tokens 2048 --local-prefill-max-running 64",
-        "ArgumentTypeError a conditional policy is LOCAL:IDLE[:RUNNING] (token and request counts), not '1024:0:many'",
+        "1024:0::4096 --local-prefill-max-tokens 1024 --remote-prefill-idle-tokens 0 "
+        "--remote-prefill-busy-max-queue-tokens 4096",
+        "ArgumentTypeError a conditional policy is LOCAL:IDLE[:RUNNING[:BUSY_QUEUE]] (token and request counts), "
+        "not '1024:0:many'",
     ]

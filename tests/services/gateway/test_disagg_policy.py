@@ -57,17 +57,19 @@ def test_a_long_prefill_queue_keeps_long_prompts_local():
 
 def test_a_busy_decode_worker_sends_short_prompts_to_a_prefill_worker_with_room():
     choice = ConditionalPrefill(DisaggregationPolicy(local_max_tokens=32, remote_max_queue_tokens=1000,
-                                                     local_max_running=8))
-    prefill = worker("prefill", "p:1", queued=1000)
+                                                     local_max_running=8, remote_busy_max_queue_tokens=500))
+    prefill = worker("prefill", "p:1", queued=500)
     assert not choice.remote(worker("decode", "d:1", running=8), [prefill], list(range(5)))
     assert choice.remote(worker("decode", "d:1", running=9), [prefill], list(range(5)))
     assert choice.remote(worker("decode", "d:1", running=6, waiting=3), [prefill], list(range(5)))
     live = worker("decode", "d:1", running=0)
     live.in_flight = 9  # this gateway's own requests there, fresher than the last report
     assert choice.remote(live, [prefill], list(range(5)))
-    # a prefill queue past its bound keeps every prompt local, however busy the decode worker
-    assert not choice.remote(worker("decode", "d:1", running=50), [worker("prefill", "p:2", queued=1001)],
+    # a short prompt waits for no long one there: past its own bound, local however busy the decode worker
+    assert not choice.remote(worker("decode", "d:1", running=50), [worker("prefill", "p:2", queued=501)],
                              list(range(5)))
+    assert choice.remote(worker("decode", "d:1", running=50), [worker("prefill", "p:2", queued=501)],
+                         list(range(33)))  # a long prompt goes while the queue is within its own bound
     assert not choice.remote(worker("decode", "d:1", running=50), [], list(range(5)))
 
 
@@ -90,6 +92,8 @@ def test_thresholds_must_not_be_negative():
         DisaggregationPolicy(remote_idle_tokens=-1)
     with pytest.raises(ValueError, match="thresholds"):
         DisaggregationPolicy(local_max_running=-1)
+    with pytest.raises(ValueError, match="thresholds"):
+        DisaggregationPolicy(remote_busy_max_queue_tokens=-1)
 
 
 async def test_conditional_stack_serves_both_paths_token_for_token(model_dir):
