@@ -395,6 +395,10 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
     args = flags.parse(argv)
     if args.max_request_bytes <= 0 or args.max_prompt_bytes < 0:
         raise SystemExit("--max-request-bytes must be positive and --max-prompt-bytes >= 0")
+    for flag in ("--local-prefill-max-tokens", "--remote-prefill-max-queue-tokens", "--remote-prefill-idle-tokens",
+                 "--local-prefill-max-running", "--remote-prefill-busy-max-queue-tokens"):
+        if getattr(args, flag.lstrip("-").replace("-", "_")) < 0:
+            raise SystemExit(f"{flag} must be >= 0")
     service = _service("gateway", args)
     return GatewayConfig(
         service=replace(service, rpc=replace(service.rpc, share_port=args.share_port)),

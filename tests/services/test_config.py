@@ -120,3 +120,14 @@ def test_internal_services_listen_on_loopback_by_default_the_gateway_everywhere(
     assert worker_config("decode", [], {}).kv_listen == "127.0.0.1:0"
     assert gateway_config([], {}).service.listen == "0.0.0.0:50051"
     assert worker_config("decode", ["--listen", "0.0.0.0:50071"], {}).service.listen == "0.0.0.0:50071"
+
+
+def test_conditional_policy_flags_from_flag_or_environment_and_never_negative():
+    config = gateway_config([], {})
+    assert (config.local_prefill_max_running, config.remote_prefill_busy_max_queue_tokens) == (32, 8192)
+    config = gateway_config(["--local-prefill-max-running", "8"], {"CLEAVE_REMOTE_PREFILL_BUSY_MAX_QUEUE_TOKENS": "0"})
+    assert (config.local_prefill_max_running, config.remote_prefill_busy_max_queue_tokens) == (8, 0)
+    with pytest.raises(SystemExit, match="--local-prefill-max-running must be >= 0"):
+        gateway_config(["--local-prefill-max-running", "-1"], {})
+    with pytest.raises(SystemExit, match="--local-prefill-max-tokens must be >= 0"):
+        gateway_config([], {"CLEAVE_LOCAL_PREFILL_MAX_TOKENS": "-5"})
