@@ -108,8 +108,12 @@ class RoutingBackend:
         self.options = options
         self.observer = observer  # hears where requests start and when they move (metrics)
         prefill = prefill_addresses if options.mode != "colocated" else ()
+        pool_options = options.pool
+        if options.mode == "disaggregated" and len(prefill) < 2:
+            # nothing to choose between: a lone prefill worker's load decides nothing here
+            pool_options = replace(pool_options, prefill_load_interval_s=0.0)
         self.pool = WorkerPool(
-            prefill, decode_addresses, options.pool, on_change=self._on_worker_change, on_lost=self._on_worker_lost
+            prefill, decode_addresses, pool_options, on_change=self._on_worker_change, on_lost=self._on_worker_lost
         )
         self.placement = DecodePlacement(self.pool, options.gateway_id, on_stream_closed=self._on_stream_closed)
         self.routability = Routability(self._unroutable_reason)

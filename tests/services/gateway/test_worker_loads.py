@@ -1,5 +1,6 @@
 """The gateway's worker pool asks prefill workers for their load between health checks (their
-queues change by whole prompts other gateways send), and keeps the last load when a call fails."""
+queues change by whole prompts other gateways send), keeps the last load when a call fails,
+and does so only where the load chooses something."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2
 
+from cleave.config import ModelConfig
 from cleave.proto.cleave.v1 import common_pb2
+from services.gateway.model import ServedModel
+from services.gateway.router import GatewayOptions, RoutingBackend
 from services.gateway.workers import PoolOptions, WorkerHandle, WorkerPool
 
 
@@ -77,3 +81,16 @@ async def test_an_interval_of_zero_leaves_prefill_loads_to_the_health_checks():
         assert pool._load_poller is None and fakes["p:1"].load_calls == 1
     finally:
         await pool.close()
+
+
+def test_the_gateway_polls_prefill_loads_only_where_they_choose_something(model_dir):
+    model = ServedModel(ModelConfig(source=str(model_dir), served_name="tiny", max_context_length=256))
+    unreachable = "127.0.0.1:9"
+
+    def interval(mode: str, num_prefill: int) -> float:
+        backend = RoutingBackend(model, [unreachable] * num_prefill, [unreachable], GatewayOptions(mode=mode))
+        return backend.pool.options.prefill_load_interval_s
+
+    assert interval("disaggregated", 1) == 0  # one prefill worker: nothing to choose
+    assert interval("disaggregated", 2) == PoolOptions().prefill_load_interval_s > 0
+    assert interval("conditional", 1) == PoolOptions().prefill_load_interval_s  # local or remote
