@@ -13,7 +13,11 @@ Per prompt length, medians over `--repeats` requests:
                     tokens, causal attention at 2 x 2 x T^2 / 2 x Hq x D per layer)
     kernels         CUDA kernels one such request launched (torch.profiler, one extra request)
 
+`--prefill-graph-max-tokens 0 1024` runs every length twice, with prompts prefilled eagerly
+and replayed from the engine's prefill graphs (`EngineConfig.prefill_graph_max_tokens`).
+
     python bench/prefill_latency.py --out bench/results/prefill                       # H200
+    python bench/prefill_latency.py --prefill-graph-max-tokens 0 1024 --out bench/results/prefill
     python bench/prefill_latency.py --device cpu --prompt-lens 16 64 --repeats 3      # CPU smoke
 """
 
@@ -32,7 +36,7 @@ BENCH = Path(__file__).resolve().parent
 if sys.path and Path(sys.path[0] or ".").resolve() == BENCH:
     sys.path.append(sys.path.pop(0))
 
-COLUMNS = ["prompt_len", "repeats", "first_token_ms", "steps", "device_ms", "host_ms", "floor_ms", "kernels"]
+COLUMNS = ["prefill_graphs", "prompt_len", "repeats", "first_token_ms", "steps", "device_ms", "host_ms", "floor_ms", "kernels"]
 
 
 def first_token(engine, prompt: list[int], request_id: str) -> tuple[float, int, float]:
@@ -106,17 +110,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 512, 2048, 8192])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--prefill-graph-max-tokens", type=int, nargs="+", default=[0],
+                        help="the engine's prefill graphs up to this many tokens (0: eager); several: one engine each")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 matmul peak of the device")
     parser.add_argument("--out", default=None, help="directory for prefill-latency-<UTC time>.json / .md")
     args = parser.parse_args(argv)
-    if args.repeats < 1 or min(args.prompt_lens) < 1:
-        parser.error("--repeats and every --prompt-lens entry must be positive")
+    if args.repeats < 1 or min(args.prompt_lens) < 1 or min(args.prefill_graph_max_tokens) < 0:
+        parser.error("--repeats and every --prompt-lens entry must be positive, --prefill-graph-max-tokens >= 0")
     cpu = args.device == "cpu"
     # read by bench/engine.py's make_engine
     args.max_model_len = max(args.prompt_lens) + 2
     args.max_num_batched_tokens = max(8192, max(args.prompt_lens))  # one step prefills the whole prompt
     args.block_size = 16
-    args.enforce_eager = False
     args.gpu_memory_utilization = 0.5
     args.model, args.dtype = ("tiny", "float32") if cpu else ("llama-1b", "bfloat16")
     return args
@@ -127,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     if not any(Path(entry or ".").resolve() == BENCH for entry in sys.path):
         sys.path.append(str(BENCH))
     from common import format_table, run_name, write_results
-    from engine import make_engine
     from engine_sweep import write_model
+
+    from cleave.engine.llm_engine import LLMEngine
+    from cleave.engine.llm import build_engine_config
 
     import torch
 
@@ -138,13 +145,19 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="cleave-prefill-latency-") as tmp:
         model_dir = write_model(Path(tmp), args)
         num_blocks = None if args.device != "cpu" else 2 * (-(-args.max_model_len // args.block_size)) + 1
-        engine = make_engine(model_dir, args, 4, "overlap", dtype=args.dtype, num_blocks=num_blocks)
-        try:
-            for prompt_len in args.prompt_lens:
-                rows.append(measure(engine, prompt_len, args))
-                print(format_table(rows[-1:], COLUMNS), flush=True)
-        finally:
-            engine.close()
+        for graph_tokens in args.prefill_graph_max_tokens:
+            config = build_engine_config(
+                model_dir, device=args.device, dtype=args.dtype, max_num_seqs=4,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                block_size=args.block_size, num_blocks=num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+                overlap_steps=True, prefill_graph_max_tokens=graph_tokens)
+            engine = LLMEngine(config, device_timing=True)
+            try:
+                for prompt_len in args.prompt_lens:
+                    rows.append({"prefill_graphs": graph_tokens, **measure(engine, prompt_len, args)})
+                    print(format_table(rows[-1:], COLUMNS), flush=True)
+            finally:
+                engine.close()
     print(format_table(rows, COLUMNS))
     if args.out:
         write_results(args.out, run_name("prefill-latency"), rows, COLUMNS,

@@ -171,6 +171,8 @@ class WorkerConfig:
     # steps between reports of a running request's new tokens (1: every step; a first report
     # and a sample's end go at once); `worker_config` gives decode workers 2
     stream_interval: int = 1
+    # a step prefilling one sequence's at most this many new tokens replays a CUDA graph (0: eager)
+    prefill_graph_max_tokens: int = 0
     # this process's share of the device's total memory (weights, activations, KV cache);
     # workers sharing one GPU get shares that sum to at most 1 (`cleave up` splits 0.9)
     gpu_memory_utilization: float = 0.9
@@ -446,6 +448,10 @@ def worker_config(
               "steps between reports of a running request's new tokens: N > 1 sends a request's tokens of N "
               "steps in one delta, saving host work per token at the cost of burstier streams (a first token "
               "and an end go at once)", type=int)
+    flags.add("--prefill-graph-max-tokens", 0,
+              "a step that prefills one prompt of at most this many new tokens replays a CUDA graph captured "
+              "for its token-count bucket instead of launching every kernel from Python (0: eager prefill)",
+              type=int)
     flags.add("--gpu-memory-utilization", 0.9,
               "share of the device's total memory this worker may use for weights, activations and KV "
               "(workers on one GPU: shares summing to at most 1; the KV cache fills it when --num-kv-blocks is 0)",
@@ -483,6 +489,8 @@ def worker_config(
         raise SystemExit("--max-queued-admissions must be >= 0")
     if args.stream_interval < 1:
         raise SystemExit("--stream-interval must be >= 1")
+    if args.prefill_graph_max_tokens < 0:
+        raise SystemExit("--prefill-graph-max-tokens must be >= 0 (0: eager prefill)")
     if args.long_prefill_token_threshold < 0:
         raise SystemExit("--long-prefill-token-threshold must be >= 0 (0: off)")
     if args.kvstore_min_prefix_tokens < 0:
@@ -501,6 +509,7 @@ def worker_config(
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         stream_interval=args.stream_interval,
+        prefill_graph_max_tokens=args.prefill_graph_max_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         pdl=args.pdl,

@@ -1,5 +1,6 @@
-"""bench/prefill_latency.py on CPU with the tiny model: one row per prompt length, the first
-token after the overlapped loop's two steps, the FLOP floor growing with the prompt."""
+"""bench/prefill_latency.py on CPU with the tiny model: one row per prompt length and prefill
+graph setting, the first token after the overlapped loop's two steps, the FLOP floor growing
+with the prompt."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_a_cpu_run_reports_each_prompt_length(tmp_path):
     command = [sys.executable, str(ROOT / "bench" / "prefill_latency.py"), "--device", "cpu",
-               "--prompt-lens", "8", "40", "--repeats", "2", "--out", str(tmp_path)]
+               "--prompt-lens", "8", "40", "--repeats", "2", "--prefill-graph-max-tokens", "0", "48",
+               "--out", str(tmp_path)]
     finished = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert finished.returncode == 0, finished.stderr[-3000:]
     (result,) = tmp_path.glob("prefill-latency-*.json")
     rows = json.loads(result.read_text())["rows"]
-    assert [row["prompt_len"] for row in rows] == [8, 40]
+    assert [(row["prefill_graphs"], row["prompt_len"]) for row in rows] == [(0, 8), (0, 40), (48, 8), (48, 40)]
     for row in rows:
         assert row["first_token_ms"] > 0 and row["repeats"] == 2
         assert row["steps"] == 2  # overlapped: the step after the prompt's resolves its token

@@ -131,3 +131,14 @@ def test_conditional_policy_flags_from_flag_or_environment_and_never_negative():
         gateway_config(["--local-prefill-max-running", "-1"], {})
     with pytest.raises(SystemExit, match="--local-prefill-max-tokens must be >= 0"):
         gateway_config([], {"CLEAVE_LOCAL_PREFILL_MAX_TOKENS": "-5"})
+
+
+def test_prefill_graph_max_tokens_is_a_worker_flag_off_by_default():
+    assert worker_config("prefill", [], {}).prefill_graph_max_tokens == 0
+    config = worker_config("decode", ["--prefill-graph-max-tokens", "1024"], {})
+    assert config.prefill_graph_max_tokens == 1024
+    from cleave.worker.engine_setup import engine_config_from_worker
+
+    assert engine_config_from_worker(config).prefill_graph_max_tokens == 1024
+    with pytest.raises(SystemExit, match="--prefill-graph-max-tokens"):
+        worker_config("prefill", ["--prefill-graph-max-tokens", "-1"], {})

@@ -104,6 +104,10 @@ class EngineConfig:
             every N steps, which saves the host work of N - 1 outputs (and, in a worker, of
             their stream deltas and messages) per request at the cost of burstier streams.
             A request's first report, and a sample's end, are never held back.
+        prefill_graph_max_tokens: a step that prefills one sequence's at most this many new
+            tokens replays a CUDA graph captured for its token-count bucket
+            (`cleave.graphs.prefill`) instead of launching every kernel from Python; 0 (the
+            default) prefills eagerly. Off CUDA the padded forward runs eagerly (for tests).
     """
 
     model: str
@@ -117,12 +121,15 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     reasoning_parser: str = "auto"
     stream_interval: int = 1
+    prefill_graph_max_tokens: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"EngineConfig.stream_interval must be >= 1, got {self.stream_interval}")
+        if self.prefill_graph_max_tokens < 0:
+            raise ValueError(f"EngineConfig.prefill_graph_max_tokens must be >= 0, got {self.prefill_graph_max_tokens}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"EngineConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.reasoning_parser not in REASONING_PARSERS:

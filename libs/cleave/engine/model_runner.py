@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+import structlog
 import torch
 
 from cleave.device_copy import to_device, to_host
@@ -48,12 +49,14 @@ from cleave.engine.sampling_tensors import LogitsProcessor, SamplingTensors
 from cleave.engine.scheduler import SchedulerOutput
 from cleave.generation.outputs import TokenLogprob
 from cleave.generation.sampling_params import SamplingParams
+from cleave.graphs.prefill import PrefillGraphConfig, PrefillGraphRunner
 from cleave.graphs.runner import CUDAGraphRunner, GraphRunnerConfig
 from cleave.kv.metadata import AttentionMetadata
 from cleave.model.llama import CausalLM, allocate_kv_cache
 from cleave.parallel.model import TensorParallelCausalLM
 
 DEFAULT_CPU_KV_TOKENS = 8192
+log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -182,6 +185,7 @@ class ModelRunner:
         self.num_blocks = self._init_num_blocks()
         self.kv_cache = allocate_kv_cache(self.model_config, self.num_blocks, self.block_size, self.kv_dtype, self.device)
         self.graph_runner = self._init_graphs()
+        self.prefill_graphs = self._init_prefill_graphs()
         # (rows, state) of the last step's SamplingTensors while they stay valid; holding the
         # sequences keeps their ids from being reused by new objects.
         self._cached_sampling: tuple[list, SamplingTensors] | None = None
@@ -248,6 +252,32 @@ class ModelRunner:
         runner = CUDAGraphRunner(self._decode_step, graph_config, self.device)
         runner.capture()
         return runner
+
+    def _init_prefill_graphs(self) -> PrefillGraphRunner | None:
+        """Graphs of one short prompt's prefill (`EngineConfig.prefill_graph_max_tokens`; off
+        CUDA the padded forward runs eagerly, for tests). A capture that fails leaves prefill
+        eager, and says why."""
+        max_tokens = self.config.prefill_graph_max_tokens
+        if max_tokens == 0 or self.config.enforce_eager or self.config.tensor_parallel_size > 1:
+            return None  # tensor-parallel ranks prefill eagerly (their collectives are not captured)
+        sched = self.config.scheduler
+        config = PrefillGraphConfig(
+            max_tokens=min(max_tokens, sched.max_num_batched_tokens, sched.max_model_len),
+            max_blocks_per_seq=-(-sched.max_model_len // self.block_size),
+            block_size=self.block_size,
+        )
+        runner = PrefillGraphRunner(self._prefill_forward, config, self.device)
+        try:
+            runner.capture()
+        except (RuntimeError, torch.OutOfMemoryError) as error:
+            log.warning("prefill graphs not captured: prompts prefill eagerly", error=str(error),
+                        max_tokens=config.max_tokens)
+            return None
+        return runner
+
+    def _prefill_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                         metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_cache, metadata)  # [T] -> hidden [T, H]
 
     def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         # [B] -> logits [B, V]: every row of a decode batch is a sampling row
@@ -394,6 +424,13 @@ class ModelRunner:
                 if batch.logits_indices is not None:
                     logits = logits.index_select(0, batch.logits_indices)
                 return logits, True, []
+        if self.prefill_graphs is not None and not prompt_rows:
+            bucket = self.prefill_graphs.bucket_for(batch.input_ids, batch.metadata)
+            if bucket is not None:
+                hidden = self.prefill_graphs.run(batch.input_ids, batch.positions, batch.metadata, bucket)
+                if batch.logits_indices is not None:
+                    hidden = hidden.index_select(0, batch.logits_indices)  # [R, H]
+                return self.model.compute_logits(hidden), self.prefill_graphs.is_captured, []
         if layer_progress is None:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)  # [T, H]
         else:

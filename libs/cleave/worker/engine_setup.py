@@ -40,6 +40,7 @@ def engine_config_from_worker(config: WorkerConfig) -> EngineConfig:
         tensor_parallel_size=config.tensor_parallel_size,
         reasoning_parser=config.model.effective_reasoning_parser,
         stream_interval=config.stream_interval,
+        prefill_graph_max_tokens=config.prefill_graph_max_tokens,
         scheduler=scheduler,
         cache=cache,
     )

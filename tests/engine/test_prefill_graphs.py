@@ -1,0 +1,84 @@
+"""Prefill graphs in the engine (`EngineConfig.prefill_graph_max_tokens`): one sequence's
+prefill padded into a token-count bucket generates and caches what the eager forward does.
+On CPU nothing is captured and the padded forward runs eagerly: the same computation a
+replay runs, so the padding (no KV written for padded rows, no real query seeing one) is
+what this checks; tests/graphs/test_prefill_runner.py replays the graphs on a GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cleave.engine.config import EngineConfig, SchedulerConfig
+from cleave.engine.llm_engine import LLMEngine
+from cleave.generation.sampling_params import SamplingParams
+from cleave.testing.tiny_models import write_tiny_checkpoint
+
+SHARED = list(range(40, 72))  # two full 16-token blocks: a cached prefix for the second prompt
+PROMPTS = {"short": [5, 6, 7], "mid": list(range(3, 40)), "prefix-a": SHARED + [9, 8, 7], "prefix-b": SHARED + [1, 2]}
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt-oss"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("prefill-graphs") / request.param, request.param, seed=5)
+
+
+def generate_one_at_a_time(checkpoint: Path, max_tokens: int, device: str = "cpu") -> tuple[dict, torch.Tensor, list[int]]:
+    """Each prompt alone (every prefill a one-sequence step): greedy tokens and logprobs by
+    request, the KV cache afterwards, and the bucket of every prefill that took the graph path."""
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), dtype="float32", device=device,
+                                    prefill_graph_max_tokens=max_tokens,
+                                    scheduler=SchedulerConfig(max_model_len=128)))
+    buckets: list[int] = []
+    graphs = engine.runner.prefill_graphs
+    if graphs is not None:
+        run = graphs.run
+
+        def spy(input_ids, positions, metadata, bucket):  # type: ignore[no-untyped-def]
+            buckets.append(bucket)
+            return run(input_ids, positions, metadata, bucket)
+
+        graphs.run = spy  # type: ignore[method-assign]
+    results = {}
+    for request_id, prompt in PROMPTS.items():
+        engine.add_request(request_id, prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                              logprobs=2))
+        while engine.has_unfinished():
+            for output in engine.step():
+                sample = output.outputs[0]
+                tokens, logprobs = results.setdefault(request_id, ([], []))
+                tokens.extend(sample.token_ids)
+                logprobs.extend(entry.logprob for entry in sample.logprobs)
+    kv_cache = engine.runner.kv_cache.clone()
+    engine.close()
+    return results, kv_cache, buckets
+
+
+def test_a_padded_prefill_generates_and_caches_what_the_eager_one_does(checkpoint):
+    eager, eager_kv, no_buckets = generate_one_at_a_time(checkpoint, 0)
+    padded, padded_kv, buckets = generate_one_at_a_time(checkpoint, 48)
+    assert no_buckets == []
+    # short -> 32, mid (37 tokens) -> 48, prefix-a (35) -> 48, prefix-b: 2 tokens after its cached 32 -> 32
+    assert buckets == [32, 48, 48, 32]
+    for request_id in PROMPTS:
+        assert padded[request_id][0] == eager[request_id][0]
+        assert padded[request_id][1] == pytest.approx(eager[request_id][1], abs=1e-5)
+    torch.testing.assert_close(padded_kv, eager_kv, atol=1e-5, rtol=1e-5)  # padding wrote no KV
+
+
+@pytest.mark.gpu
+def test_gpu_replayed_prefills_generate_what_eager_ones_do(checkpoint):
+    eager, eager_kv, _ = generate_one_at_a_time(checkpoint, 0, "cuda")
+    replayed, replayed_kv, buckets = generate_one_at_a_time(checkpoint, 48, "cuda")
+    assert buckets == [32, 48, 48, 32]
+    for request_id in PROMPTS:
+        assert replayed[request_id][0] == eager[request_id][0]
+        assert replayed[request_id][1] == pytest.approx(eager[request_id][1], abs=1e-3)
+    torch.testing.assert_close(replayed_kv, eager_kv, atol=1e-3, rtol=1e-3)
+
+
+def test_a_negative_limit_is_refused():
+    with pytest.raises(ValueError, match="prefill_graph_max_tokens"):
+        EngineConfig(model="m", prefill_graph_max_tokens=-1)
