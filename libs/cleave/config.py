@@ -140,8 +140,8 @@ class GatewayConfig:
     local_prefill_max_tokens: int = 1024  # conditional mode: longer uncached prompts prefill remotely
     remote_prefill_max_queue_tokens: int = 65536  # conditional mode: ... unless the prefill queue is longer
     remote_prefill_idle_tokens: int = 0  # conditional mode: short prompts too go to a prefill worker this idle
-    local_prefill_max_running: int = 32  # conditional mode: a decode worker with more requests prefills nothing
-    remote_prefill_busy_max_queue_tokens: int = 8192  # ... that a prefill worker this idle can take
+    local_prefill_max_running: int = 32  # conditional mode: a decode worker with more requests sends short prompts
+    remote_prefill_busy_max_queue_tokens: int = 8192  # ... to a prefill worker with at most this many queued
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # HTTP body limit (413 above it)
     # prompt text refused before tokenizing above this many UTF-8 bytes; 0: the most the
     # context could hold (max_model_len * the longest token's bytes)

@@ -137,12 +137,14 @@ class PrefillGraphRunner:
         return bool(self._graphs)
 
     @torch.inference_mode()
-    def capture(self, pool: tuple[int, int] | None = None) -> None:
-        """One graph per bucket, largest first, in one memory pool (`pool`: share another's)."""
+    def capture(self) -> None:
+        """One graph per bucket, largest first, in one memory pool (smaller graphs reuse the
+        larger ones' memory)."""
         if self.device.type != "cuda" or self.is_captured:
             return
         self.buffers.reset()
         torch.cuda.synchronize(self.device)
+        pool: tuple[int, int] | None = None
         for bucket in sorted(self.buckets, reverse=True):
             input_ids, positions = self.buffers.input_ids[:bucket], self.buffers.positions[:bucket]
             metadata = self.buffers.metadata(bucket)
