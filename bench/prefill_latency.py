@@ -118,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.repeats < 1 or min(args.prompt_lens) < 1 or min(args.prefill_graph_max_tokens) < 0:
         parser.error("--repeats and every --prompt-lens entry must be positive, --prefill-graph-max-tokens >= 0")
     cpu = args.device == "cpu"
-    # read by bench/engine.py's make_engine
+    # the engine's limits (main) and the checkpoint engine_sweep.write_model writes
     args.max_model_len = max(args.prompt_lens) + 2
     args.max_num_batched_tokens = max(8192, max(args.prompt_lens))  # one step prefills the whole prompt
     args.block_size = 16
