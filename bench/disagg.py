@@ -43,6 +43,8 @@ Presets (explicit flags still win):
     python bench/disagg.py --preset mixed --modes disaggregated,colocated,conditional --out bench/results/disagg
     python bench/disagg.py --preset mixed --modes disaggregated,conditional \
         --conditional-policy 1024:0,256:2048 --out bench/results/disagg   # conditional's thresholds, in one run
+    python bench/disagg.py --num-users 1 --modes colocated,disaggregated --long-interval-s 0 --rounds 3 \
+        --out bench/results/disagg   # one user, the modes alternating: rows of each round compare
     python bench/disagg.py --modes disaggregated,colocated --worker-variant= \\
         --worker-variant='--stream-interval 2' --out bench/results/disagg   # worker flags compared in one run
     python bench/disagg.py --device cpu --num-users 4 --prompt-len 32 --output-len 16 --duration-s 3 \\
@@ -69,6 +71,7 @@ from typing import TYPE_CHECKING, Iterator
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_use import CpuMeter, role_of  # noqa: E402 - bench/ is on the path now
+from cleave.cli._arg_types import positive_int  # noqa: E402
 from engine_meter import EngineMeter  # noqa: E402
 from serve_clients import REASONING_MODES  # noqa: E402
 from serve_load import (  # noqa: E402
@@ -78,7 +81,7 @@ from serve_load import (  # noqa: E402
 if TYPE_CHECKING:
     from cleave.cli._stack import StackSpec
 
-COLUMNS = ["mode", "gateways", "api", "transport", "mps", "prefill_sm_pct", "metrics", "switch_ms", "policy", "prefill_variant", "worker_variant", "kvstore_puts", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms",
+COLUMNS = ["mode", "round", "gateways", "api", "transport", "mps", "prefill_sm_pct", "metrics", "switch_ms", "policy", "prefill_variant", "worker_variant", "kvstore_puts", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms",
            "tpot_p50_ms", "tpot_p90_ms", "itl_p99_ms", "long_prompts", "long_ttft_p50_ms", "output_tok_s",
            "goodput_rps", "slo_pct", "wall_s", "cpu_gateway", "cpu_decode", "cpu_prefill", "cpu_clients", "host_cpus",
            "decode_step_ms", "decode_busy_pct", "decode_tokens", "prefill_step_ms", "prefill_busy_pct", "prefill_tokens"]
@@ -336,6 +339,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per request")
     parser.add_argument("--start-timeout-s", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=positive_int, default=1,
+                        help="run the whole list of modes and variants this many times, one after the other "
+                        "(A B A B ...), each row naming its round: comparisons that a drifting machine would "
+                        "blur (one user's TTFT) can then be made round by round")
     parser.add_argument("--kvstore-puts", type=lambda text: [{"on": True, "off": False}[v] for v in text.split(",")],
                         default=[True], help="on, off or on,off: prefill workers put prompt blocks in the kvstore "
                         "(a list runs each mode both ways)")
@@ -419,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         size_cache(args, max(max_chat_tokens(model_dir, args.prompt_words[1]) if "http" in apis else 0,
                              args.prompt_len[1] if "grpc" in apis else 0))
         summary = {key: getattr(args, key) for key in (
-            "preset", "api", "client_procs", "num_users", "duration_s", "requests_per_user", "prompt_len",
+            "rounds", "preset", "api", "client_procs", "num_users", "duration_s", "requests_per_user", "prompt_len",
             "prompt_words", "output_len", "long_prompt_len", "long_output_len", "long_first_s", "long_interval_s",
             "long_arrival", "slo_ttft_ms", "slo_tpot_ms", "max_num_batched_tokens", "max_context_length",
             "num_kv_blocks", "reasoning_mode", "gateways", "gateway_arg", "prefill_arg")}
@@ -480,10 +487,10 @@ def run_variants(args: argparse.Namespace, model_dir: Path, workdir: Path, vocab
 
     rows: list[dict] = []
     written: tuple[Path, ...] = ()
-    for values in itertools.product(
+    for round_index, values in itertools.product(range(1, args.rounds + 1), itertools.product(
             args.modes.split(","), args.gateways, args.kvstore_puts, args.api.split(","), args.mps, args.prefill_sm_percent,
             args.metrics, args.gil_switch_interval_ms, args.conditional_policy, args.prefill_variant or [""],
-            args.worker_variant or [""]):
+            args.worker_variant or [""])):
         variant = Variant(*values)
         if variant.mode == "colocated" and variant.prefill_variant != (args.prefill_variant or [""])[0]:
             continue  # no prefill worker
@@ -495,7 +502,7 @@ def run_variants(args: argparse.Namespace, model_dir: Path, workdir: Path, vocab
                 args.mps[0], args.prefill_sm_percent[0]):
             continue  # one worker: no MPS to share and no prefill worker to cap
         with mps_for(variant, args, mps_env):
-            rows.append(run_mode(variant, model_dir, args, workdir, vocab))
+            rows.append({"round": round_index, **run_mode(variant, model_dir, args, workdir, vocab)})
         print(format_table(rows[-1:], COLUMNS), flush=True)
         if args.out:  # after every mode, so a failure later keeps the modes that ran
             written = write_results(args.out, name, rows, COLUMNS, summary)

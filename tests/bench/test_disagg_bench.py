@@ -21,7 +21,7 @@ def test_a_short_cpu_run_reports_latency_and_cpu_use(tmp_path):
     assert finished.returncode == 0, finished.stderr[-3000:]
     (result,) = out.glob("disagg-*.json")
     (row,) = json.loads(result.read_text())["rows"]
-    assert row["mode"] == "colocated" and row["requests"] > 0 and row["errors"] == 0
+    assert row["mode"] == "colocated" and row["round"] == 1 and row["requests"] > 0 and row["errors"] == 0
     assert row["cpu_decode"] > 0 and row["cpu_gateway"] > 0 and row["cpu_clients"] > 0
     assert "cpu_prefill" not in row and row["host_cpus"] == os.cpu_count()  # colocated: no prefill worker
     # the decode engine's steps over the window, from its /metrics (bench/engine_meter.py)

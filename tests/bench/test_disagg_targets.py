@@ -47,14 +47,26 @@ def test_recorded_runs_meet_and_miss_what_they_did(targets):
     default = targets.check_run("default", rows("disagg-20261204T153952Z"), "disagg-20261204T153952Z.md")
     assert all(check.met for check in default) and len(default) == 4
     assert {check.result for check in default} == {"disagg-20261204T153952Z.md"}
-    (one_user,) = targets.check_run("one_user", rows("disagg-20261204T174404Z"), "x.md")
-    assert not one_user.met and one_user.measured == pytest.approx(25.36) and one_user.bound == pytest.approx(19.46)
+    (one_user,) = targets.check_run("one_user", rows("disagg-20261204T174404Z"), "x.md")  # one round
+    assert not one_user.met and one_user.measured == pytest.approx(25.36 - 16.46) and one_user.bound == 3.0
     assert verdicts(targets.check_run("http64", rows("disagg-20261204T174017Z"), "x.md")) == [
         ("HTTP TTFT p50 ms <= 80", True), ("HTTP output tok/s >= 15k", False),
         ("HTTP TPOT p50 ms <= 1.15x gRPC's", True)]
     mixed = targets.check_run("mixed", rows("disagg-20261204T173319Z"), "x.md")
     assert [check.met for check in mixed] == [True, True]
     assert mixed[1].measured == pytest.approx(60.41) and mixed[1].bound == pytest.approx(1.5 * 38.23, abs=0.01)
+
+
+def test_one_user_takes_the_median_gap_over_rounds(targets):
+    def pair(round_index: int, colocated: float, disaggregated: float) -> list[dict]:
+        return [{"mode": "colocated", "api": "grpc", "round": round_index, "ttft_p50_ms": colocated},
+                {"mode": "disaggregated", "api": "grpc", "round": round_index, "ttft_p50_ms": disaggregated}]
+
+    rounds = pair(1, 16.5, 25.4) + pair(2, 20.8, 22.0) + pair(3, 18.0, 20.5)  # gaps 8.9, 1.2, 2.5
+    (check,) = targets.check_run("one_user", rounds, "x.md")
+    assert check.met and check.measured == pytest.approx(2.5) and "median of 3 rounds" in check.target
+    (missing,) = targets.check_run("one_user", rounds[:-1], "x.md")  # round 3 lost its disaggregated row
+    assert not missing.met and "no disaggregated row over grpc in round 3" in missing.target
 
 
 def test_a_run_without_its_rows_fails_and_says_so(targets):
