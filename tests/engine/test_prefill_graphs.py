@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cleave.engine.config import EngineConfig, SchedulerConfig
+from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cleave.engine.llm_engine import LLMEngine
 from cleave.generation.sampling_params import SamplingParams
 from cleave.testing.tiny_models import write_tiny_checkpoint
@@ -30,7 +30,8 @@ def generate_one_at_a_time(checkpoint: Path, max_tokens: int, device: str = "cpu
     request, the KV cache afterwards, and the bucket of every prefill that took the graph path."""
     engine = LLMEngine(EngineConfig(model=str(checkpoint), dtype="float32", device=device,
                                     prefill_graph_max_tokens=max_tokens,
-                                    scheduler=SchedulerConfig(max_model_len=128)))
+                                    scheduler=SchedulerConfig(max_model_len=128, max_num_seqs=4),
+                                    cache=CacheConfig(num_blocks=64)))  # a small cache, also on a GPU
     buckets: list[int] = []
     graphs = engine.runner.prefill_graphs
     if graphs is not None:
