@@ -96,10 +96,11 @@ def write_checkpoint(directory: Path, device: str) -> Path:
 
 def make_engine(
     model_dir: Path, args: argparse.Namespace, max_num_seqs: int, mode: str, sync_timing: bool = False,
-    dtype: str = "bfloat16", num_blocks: int | None = None,
+    dtype: str = "bfloat16", num_blocks: int | None = None, stagger_reports: bool = False,
 ):
     """An engine for `mode`'s step loop, reporting outputs as `LLM.generate`'s does (every
-    `BATCH_STREAM_INTERVAL` steps, ends at once); `num_blocks` None sizes the KV cache from memory."""
+    `BATCH_STREAM_INTERVAL` steps, ends at once; `stagger_reports`: each request on its own
+    phase of them); `num_blocks` None sizes the KV cache from memory."""
     from cleave.engine.llm import BATCH_STREAM_INTERVAL, build_engine_config
     from cleave.engine.llm_engine import LLMEngine
 
@@ -108,7 +109,7 @@ def make_engine(
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         block_size=args.block_size, enforce_eager=args.enforce_eager, num_blocks=num_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, overlap_steps=mode == "overlap",
-        stream_interval=BATCH_STREAM_INTERVAL,
+        stream_interval=BATCH_STREAM_INTERVAL, stagger_reports=stagger_reports,
     )
     return LLMEngine(config, sync_timing=sync_timing, device_timing=not sync_timing)
 

@@ -29,7 +29,9 @@ do not inflate the numbers; `--clock wall` keeps the engine's perf_counter.
 
 Medians leave out the garbage collector's pauses; `host_mean` (the mean of each step's host
 phases) and `gc` (mean milliseconds per step in collections, `full_gcs` the full ones seen)
-keep them. `--gc frozen` runs the decode loop with every object alive before it frozen
+keep them; `host_max` is the longest step's host work (with a stream interval, the reporting
+step's: the one a GPU waits on, unless `--stagger on` spreads the reports over the steps).
+`--gc frozen` runs the decode loop with every object alive before it frozen
 (`gc.collect(); gc.freeze()`), as the workers do once started and `LLM.generate` does for
 its loop; `--gc both` runs each point both ways.
 
@@ -50,8 +52,10 @@ import cProfile
 import gc
 import itertools
 import json
+import os
 import pstats
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -81,7 +85,8 @@ def phase_ms(stats) -> dict[str, float]:
     }
 
 
-def make_engine(model_dir: Path, batch: int, args: argparse.Namespace, overlap: bool, stream_interval: int = 1):
+def make_engine(model_dir: Path, batch: int, args: argparse.Namespace, overlap: bool, stream_interval: int = 1,
+                stagger: bool = False):
     from cleave.engine.llm import build_engine_config
     from cleave.engine.llm_engine import LLMEngine
 
@@ -93,7 +98,7 @@ def make_engine(model_dir: Path, batch: int, args: argparse.Namespace, overlap: 
         max_model_len=max_model_len,
         block_size=args.block_size, num_blocks=batch * blocks_per_seq + 1, seed=0, overlap_steps=overlap,
         # --no-detokenize: token ids out, as a decode worker's engine (the gateway makes the text)
-        detokenize=args.detokenize, stream_interval=stream_interval,
+        detokenize=args.detokenize, stream_interval=stream_interval, stagger_reports=stagger,
     )
     return LLMEngine(config)
 
@@ -143,6 +148,7 @@ def run_batch(
     overlap: bool,
     frozen: bool = False,
     stream_interval: int = 1,
+    stagger: bool = False,
 ) -> dict:
     """Decode `batch` requests to completion; median phase ms over full-batch decode steps."""
     import torch
@@ -150,7 +156,7 @@ def run_batch(
     from cleave.generation.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
-    engine = make_engine(model_dir, batch, args, overlap, stream_interval)
+    engine = make_engine(model_dir, batch, args, overlap, stream_interval, stagger)
     if args.forward == "random":
         replace_forward_with_random_logits(engine)
     rng = random.Random(batch)
@@ -191,11 +197,12 @@ def run_batch(
     if not rows:
         raise RuntimeError("no full-batch decode steps; raise --output-len")
     result = {"mode": "overlap" if overlap else "sync", "gc": "frozen" if frozen else "normal", "batch": batch,
-              "stream_interval": stream_interval, "steps": len(rows)}
+              "stream_interval": stream_interval, "stagger": stagger, "steps": len(rows)}
     for phase in PHASES:
         result[phase] = statistics.median(row[phase] for row in rows)
     result["host"] = sum(result[phase] for phase in HOST_PHASES)
     result["host_mean"] = statistics.fmean(sum(row[phase] for phase in HOST_PHASES) for row in rows)
+    result["host_max"] = max(sum(row[phase] for phase in HOST_PHASES) for row in rows)
     result["gc_ms"] = statistics.fmean(row["gc"] for row in rows)
     result["full_gcs"] = sum(row["full_gcs"] for row in rows)
     result["step"] = sum(result[phase] for phase in PHASES)
@@ -205,8 +212,8 @@ def run_batch(
 
 
 def format_rows(results: list[dict]) -> str:
-    columns = ["mode", "gc", "batch", "stream_interval", "steps", *PHASES, "host", "step", "host_us_per_seq", "host_mean", "gc_ms",
-               "full_gcs"]
+    columns = ["mode", "gc", "batch", "stream_interval", "stagger", "steps", *PHASES, "host", "step", "host_us_per_seq",
+               "host_mean", "host_max", "gc_ms", "full_gcs"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in results:
         cells = [f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in columns]
@@ -227,6 +234,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stream-interval", type=int, nargs="+", default=[1],
                         help="steps between reports of a running request (EngineConfig.stream_interval); "
                         "several: a row each (LLM.generate's engine runs at 64)")
+    parser.add_argument("--stagger", choices=("off", "on", "both"), default="off",
+                        help="EngineConfig.stagger_reports: each request reports on its own phase of the interval")
     parser.add_argument("--detokenize", default=True, action=argparse.BooleanOptionalAction,
                         help="make text per token (--no-detokenize: token ids only, as a decode worker's engine)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per batch size; the fastest is kept")
@@ -255,20 +264,27 @@ def main(argv: list[str] | None = None) -> int:
         freezes = {"normal": (False,), "frozen": (True,), "both": (False, True)}[args.gc]
         for batch in args.batch:
             for overlap in modes:
-                for frozen, interval in itertools.product(freezes, args.stream_interval):
+                staggers = {"off": (False,), "on": (True,), "both": (False, True)}[args.stagger]
+                for frozen, interval, stagger in itertools.product(freezes, args.stream_interval, staggers):
                     profiler = cProfile.Profile() if args.profile else None
-                    runs = [run_batch(model_dir, batch, args, profiler, overlap, frozen, interval)
+                    runs = [run_batch(model_dir, batch, args, profiler, overlap, frozen, interval, stagger)
                             for _ in range(args.repeats)]
                     results.append(min(runs, key=lambda row: row["host"]))
                     if profiler is not None:
                         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     print(format_rows(results))
     if args.json:
-        from common import run_path
+        from common import machine_info, run_path
 
         out = run_path(args.json)
         out.write_text(json.dumps(results, indent=1))
-        print(f"wrote {out}")
+        machine = machine_info()
+        header = [f"# {out.stem}", "", f"- command: `{shlex.join(['python', *sys.argv])}`",
+                  f"- code: {machine.code}", f"- host: {machine.host}, {os.cpu_count()} cores, no GPU use "
+                  f"(phases timed by the thread's {'CPU' if args.clock == 'cpu' else 'wall'} clock)",
+                  f"- date: {machine.date}", ""]
+        out.with_suffix(".md").write_text("\n".join(header) + format_rows(results) + "\n")
+        print(f"wrote {out} and {out.with_suffix('.md').name}")
     return 0
 
 

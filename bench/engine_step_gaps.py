@@ -16,10 +16,14 @@ decode steps that ran the full batch:
 `--freeze both` runs each batch twice: with the garbage collector as it is, and with the
 decode loop inside `frozen_heap()` (what `LLM.generate` and bench/engine.py's `run_requests`
 do; the workers freeze their start-up objects for good, `cleave.worker.gc_freeze`).
+`--stagger both` runs each point with `LLM.generate`'s reports (every request every 64 steps,
+its text made then: one long host step in 64) and with them staggered (each request on its
+own phase of the 64: `EngineConfig.stagger_reports`), one engine each.
 `--profile` prints the top functions of a cProfile over the steady steps of the last run.
 
     python bench/engine_step_gaps.py --batch 128 256 512 --out bench/results/engine   # H200
     python bench/engine_step_gaps.py --device cpu --batch 64 --output-len 48          # CPU smoke
+    python bench/engine_step_gaps.py --batch 256 --freeze on --stagger both --out bench/results/engine
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == BENCH:
     sys.path.append(sys.path.pop(0))
 
 COLUMNS = ["batch", "freeze", "steps", "step_ms", "device_ms", "idle_pct", "wait_ms", "host_ms", "host_p50",
-           "gc_ms", "full_gcs", "step_p50"]
+           "gc_ms", "full_gcs", "step_p50", "stagger"]
 
 
 class WaitClock:
@@ -115,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=1024)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--freeze", choices=("off", "on", "both"), default="both")
+    parser.add_argument("--stagger", choices=("off", "on", "both"), default="off",
+                        help="EngineConfig.stagger_reports (both: one engine each)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", default=None, help="directory for engine-step-gaps-<UTC time>.json / .md")
     args = parser.parse_args(argv)
@@ -147,15 +153,20 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="cleave-step-gaps-") as tmp:
         model_dir = write_model(Path(tmp), args)
         num_blocks = None if args.device != "cpu" else max(args.batch) * (-(-args.max_model_len // 16)) + 1
-        engine = make_engine(model_dir, args, max(args.batch), "overlap", dtype=args.dtype, num_blocks=num_blocks)
-        warm = argparse.Namespace(**{**vars(args), "output_len": 4})
-        run_batch(engine, 1, warm, None)
-        for freeze in freezes:
-            for index, batch in enumerate(args.batch):
-                last = freeze == freezes[-1] and index == len(args.batch) - 1
-                row = {**run_batch(engine, batch, args, profiler if last else None, freeze), "freeze": freeze}
-                rows.append(row)
-                print(format_table([row], COLUMNS), flush=True)
+        staggers = {"off": [False], "on": [True], "both": [False, True]}[args.stagger]
+        for stagger in staggers:
+            engine = make_engine(model_dir, args, max(args.batch), "overlap", dtype=args.dtype, num_blocks=num_blocks,
+                                 stagger_reports=stagger)
+            warm = argparse.Namespace(**{**vars(args), "output_len": 4})
+            run_batch(engine, 1, warm, None)
+            for freeze in freezes:
+                for index, batch in enumerate(args.batch):
+                    last = stagger == staggers[-1] and freeze == freezes[-1] and index == len(args.batch) - 1
+                    row = {**run_batch(engine, batch, args, profiler if last else None, freeze), "freeze": freeze,
+                           "stagger": stagger}
+                    rows.append(row)
+                    print(format_table([row], COLUMNS), flush=True)
+            del engine
     print(format_table(rows, COLUMNS))
     if profiler is not None:
         text = io.StringIO()

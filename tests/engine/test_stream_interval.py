@@ -23,10 +23,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("stream-interval") / "qwen2", "qwen2", seed=3)
 
 
-def run(checkpoint: Path, interval: int, overlap: bool, n: int = 1) -> tuple[dict[str, list[int]], dict, list]:
+def run(checkpoint: Path, interval: int, overlap: bool, n: int = 1,
+        stagger: bool = False) -> tuple[dict[str, list[int]], dict, list]:
     """Each request's report steps, the accumulated results and the outputs by step."""
     engine = LLMEngine(EngineConfig(model=str(checkpoint), dtype="float32", device="cpu", overlap_steps=overlap,
-                                    stream_interval=interval, scheduler=SchedulerConfig(max_model_len=128)))
+                                    stream_interval=interval, stagger_reports=stagger,
+                                    scheduler=SchedulerConfig(max_model_len=128)))
     for request_id, prompt in PROMPTS.items():
         params = SamplingParams(max_tokens=MAX_TOKENS[request_id], temperature=0.0, ignore_eos=True, n=n)
         engine.add_request(request_id, prompt, params)
@@ -60,6 +62,23 @@ def test_reports_every_n_steps_with_the_same_tokens_text_and_ends(checkpoint, ov
         assert len(gathered[request_id]) < len(every[request_id])
     # a gathered report holds the tokens of every step since the previous one
     assert max(len(output.outputs[0].token_ids) for outputs in by_step for output in outputs) == 3
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_staggered_reports_spread_over_the_steps_with_the_same_tokens_text_and_ends(checkpoint, overlap):
+    every, every_results, _ = run(checkpoint, 1, overlap)
+    staggered, results, _ = run(checkpoint, 3, overlap, stagger=True)
+    middles = {}
+    for phase, request_id in enumerate(PROMPTS):  # phases in arrival order: 0, 1, 2
+        expected, got = every_results[request_id].outputs[0], results[request_id].outputs[0]
+        assert got.token_ids == expected.token_ids and got.text == expected.text
+        assert got.finish_reason is FinishReason.LENGTH
+        first, *middle, last = staggered[request_id]
+        assert first == every[request_id][0] and last == every[request_id][-1]  # first and end at once
+        assert all((step + 1 + phase) % 3 == 0 for step in middle)  # the rest when its phase comes round
+        middles[request_id] = set(middle)
+    assert middles["a"] and middles["c"] and not middles["a"] & middles["c"]  # on different steps
+    assert staggered != run(checkpoint, 3, overlap)[0]  # unstaggered: every request on the same steps
 
 
 def test_parallel_samples_keep_their_tokens(checkpoint):

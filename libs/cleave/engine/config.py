@@ -104,6 +104,11 @@ class EngineConfig:
             every N steps, which saves the host work of N - 1 outputs (and, in a worker, of
             their stream deltas and messages) per request at the cost of burstier streams.
             A request's first report, and a sample's end, are never held back.
+        stagger_reports: with a stream interval N, request k (in arrival order) reports on
+            the steps where (step + k) % N == 0 instead of every request on the same step, so
+            the text and outputs of a reporting step spread over N steps (a host that keeps
+            each step's work under the device's leaves no bubble once every N steps); the
+            same tokens and text, reported at other steps.
         prefill_graph_max_tokens: a step that prefills one sequence's at most this many new
             tokens replays a CUDA graph captured for its token-count bucket
             (`cleave.graphs.prefill`) instead of launching every kernel from Python; 0 (the
@@ -121,6 +126,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     reasoning_parser: str = "auto"
     stream_interval: int = 1
+    stagger_reports: bool = False
     prefill_graph_max_tokens: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -116,6 +116,8 @@ class LLMEngine:
         self._touched: dict[str, RequestState] = {}  # requests that got a token this step
         self._stream_interval = self.config.stream_interval
         self._collects = 0  # `_collect` calls: every `stream_interval`-th reports every request
+        self._stagger = self.config.stagger_reports and self._stream_interval > 1
+        self._next_phase = 0  # the next request's report phase, with staggered reports
         self.last_stats = StepStats()
         # step plan -> the LayerProgress of its forward, or None (step thread; see the docstring)
         self.watch_layers: Callable[[SchedulerOutput], LayerProgress | None] | None = None
@@ -243,6 +245,9 @@ class LLMEngine:
 
     def _register(self, state: RequestState) -> None:
         self._requests[state.request_id] = state
+        if self._stagger:
+            state.report_phase = self._next_phase
+            self._next_phase = (self._next_phase + 1) % self._stream_interval
         params = state.params
         host_bound = state.prefill_only or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
         host_bound = host_bound or params.presence_penalty != 0.0
@@ -433,9 +438,12 @@ class LLMEngine:
             states = touched
         self._pending = held = {}
         # With a stream interval, a running request that reported before keeps its news
-        # (its samples accumulate them) until every `stream_interval`-th call.
+        # (its samples accumulate them) until every `stream_interval`-th call (staggered:
+        # the calls where its phase comes round).
         self._collects += 1
-        hold = self._stream_interval > 1 and self._collects % self._stream_interval != 0
+        interval, stagger = self._stream_interval, self._stagger
+        hold = interval > 1 and (stagger or self._collects % interval != 0)
+        collects = self._collects
         outputs: list[RequestOutput] = []
         for state in states.values():
             samples = state.samples
@@ -450,7 +458,8 @@ class LLMEngine:
                 if not done and not state.has_news:
                     continue
                 ending = done or any(s.finish_reason is not None and s.has_news for s in samples)
-            if hold and not ending and state.reported_prompt:
+            if hold and not ending and state.reported_prompt and (
+                    not stagger or (collects + state.report_phase) % interval):
                 held[state.request_id] = state
                 continue
             if self._stream_interval > 1:

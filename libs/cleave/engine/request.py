@@ -232,6 +232,7 @@ class RequestState:
     prefill_only: bool = False
     prefill_done: bool = False  # every sample of a prefill-only request drew its first token
     reported_prompt: bool = False
+    report_phase: int = 0  # with staggered reports: reports when (step + report_phase) % interval == 0
     # with params.prompt_logprobs: scores of the prompt tokens so far ([None] for the first)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     num_prompt_logprobs_reported: int = 0
