@@ -77,9 +77,12 @@ class ConditionalPrefill:
         """The request's prompt is now (being) cached on `decode`."""
         self.decode_prefixes.record(prompt_ids, decode.address, hashes)
 
-    def choose(self, decode: WorkerHandle, prefill_workers: Sequence[WorkerHandle], prompt_ids: Sequence[int]) -> bool:
-        """`remote`, then `record` (the prompt goes to `decode` either way), hashing it once."""
-        hashes = self.decode_prefixes.hashes(prompt_ids)
+    def choose(self, decode: WorkerHandle, prefill_workers: Sequence[WorkerHandle], prompt_ids: Sequence[int],
+               hashes: Sequence[bytes] | None = None) -> bool:
+        """`remote`, then `record` (the prompt goes to `decode` either way), hashing it at most
+        once (`hashes`: the prompt's `decode_prefixes.hashes`, when the caller has them)."""
+        if hashes is None:
+            hashes = self.decode_prefixes.hashes(prompt_ids)
         remote = self.remote(decode, prefill_workers, prompt_ids, hashes)
         self.record(decode, prompt_ids, hashes)
         return remote

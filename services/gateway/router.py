@@ -257,7 +257,9 @@ class RoutingBackend:
         prompt itself (the colocated path) before the request fails. Each new try runs under
         a new worker request id (`DecodePlacement.renew`)."""
         (part,) = running.parts.values()
-        remote = self._prefills_remotely(part, prompt_ids)
+        # prefix hashes of the prompt's leading blocks, for prefill affinity and conditional mode alike
+        hashes = self.affinity.hashes(prompt_ids) if self.options.mode != "colocated" else None
+        remote = self._prefills_remotely(part, prompt_ids, hashes)
         self.observer.routed(spec.request_id, remote, part.decode.worker_id)
         if not remote:
             return await start_colocated(self.pool, spec, prompt_ids, part, gateway_id=self.options.gateway_id)
@@ -271,7 +273,7 @@ class RoutingBackend:
                 return await start_disaggregated(
                     self.pool, self.affinity, spec, prompt_ids, part, running.queue,
                     gateway_id=self.options.gateway_id, store_to_kvstore=self.options.store_to_kvstore,
-                    avoid=failed,
+                    avoid=failed, hashes=hashes,
                 )
             except PrefillFailed as error:
                 failed.append(error.worker)
@@ -285,11 +287,11 @@ class RoutingBackend:
                 log.warning("prefill failed; retrying on another prefill worker", request_id=spec.request_id,
                             prefill=error.worker.address, reason=error.message)
 
-    def _prefills_remotely(self, part: WorkerRequest, prompt_ids: list[int]) -> bool:
+    def _prefills_remotely(self, part: WorkerRequest, prompt_ids: list[int], hashes: list[bytes] | None) -> bool:
         mode = self.options.mode
         if mode != "conditional":
             return mode == "disaggregated"
-        return self.conditional.choose(part.decode, self.pool.of_role("prefill"), prompt_ids)
+        return self.conditional.choose(part.decode, self.pool.of_role("prefill"), prompt_ids, hashes)
 
     async def _start_anywhere(self, spec: GenerateSpec, prompt_ids: list[int], running: RunningRequest) -> int:
         """`_start`, moved to another decode worker when its own is lost during the start."""

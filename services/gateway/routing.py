@@ -69,13 +69,15 @@ def prefill_load(worker: WorkerHandle) -> int:
 
 
 def pick_prefill(
-    workers: Sequence[WorkerHandle], affinity: PrefixAffinity, prompt_token_ids: Sequence[int]
+    workers: Sequence[WorkerHandle], affinity: PrefixAffinity, prompt_token_ids: Sequence[int],
+    hashes: Sequence[bytes] | None = None,
 ) -> WorkerHandle | None:
-    """The prefill worker for a prompt, or None when no worker is in rotation."""
+    """The prefill worker for a prompt, or None when no worker is in rotation (`hashes`: the
+    prompt's `affinity.hashes`, when the caller has them already)."""
     if not workers:
         return None
     least = min(workers, key=prefill_load)
-    owner, num_blocks = affinity.lookup(prompt_token_ids)
+    owner, num_blocks = affinity.lookup(prompt_token_ids, hashes)
     if owner is not None and num_blocks > 0:
         preferred = next((w for w in workers if w.address == owner), None)
         if preferred is not None and prefill_load(preferred) <= prefill_load(least) + AFFINITY_SLACK_TOKENS:

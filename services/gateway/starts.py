@@ -62,13 +62,17 @@ async def start_disaggregated(
     gateway_id: str,
     store_to_kvstore: bool,
     avoid: Sequence[WorkerHandle] = (),
+    hashes: Sequence[bytes] | None = None,
 ) -> int:
     """Prefill on a prefill worker (not one of `avoid`) that admits, fills and starts the
     placed decode worker; returns once the first tokens are in the request's queue (first),
-    with the rest of the handoff followed by `placed.handoff`."""
+    with the rest of the handoff followed by `placed.handoff` (`hashes`: the prompt's
+    `affinity.hashes`, when the caller has them already)."""
     decode = placed.decode
     request_id = placed.worker_request_id
-    prefill = pick_prefill([w for w in pool.of_role("prefill") if w not in avoid], affinity, prompt_ids)
+    if hashes is None:
+        hashes = affinity.hashes(prompt_ids)
+    prefill = pick_prefill([w for w in pool.of_role("prefill") if w not in avoid], affinity, prompt_ids, hashes)
     if prefill is None:
         raise Unavailable("no prefill worker is in rotation; check the workers' health and retry")
     request = prefill_pb2.PrefillRequest(
@@ -90,7 +94,7 @@ async def start_disaggregated(
         raise
     finally:
         prefill.in_flight_prompt_tokens -= len(prompt_ids)
-    affinity.record(prompt_ids, prefill.address)
+    affinity.record(prompt_ids, prefill.address, hashes)
     deliver_first_tokens(queue, request_id, first)
     placed.handoff = asyncio.ensure_future(follow_handoff(pool, call, prefill, queue, request_id))
     return first.num_cached_tokens

@@ -114,3 +114,19 @@ async def test_conditional_stack_serves_both_paths_token_for_token(model_dir):
         assert await wait_for_free_blocks(stack, before) == before
     finally:
         await stack.close()
+
+
+def test_choose_takes_the_callers_hashes_and_hashes_nothing_itself(monkeypatch):
+    from services.gateway.routing import PrefixAffinity
+
+    prompt = list(range(100, 164))
+    hashes = PrefixAffinity().hashes(prompt)  # the router's affinity hashes, the same chain
+    choice = ConditionalPrefill(POLICY)
+
+    def refuse(token_ids):  # type: ignore[no-untyped-def]
+        raise AssertionError("hashed again")
+
+    monkeypatch.setattr(choice.decode_prefixes, "hashes", refuse)
+    decode = worker("decode", "d:1")
+    assert choice.choose(decode, [worker("prefill", "p:1")], prompt, hashes)  # 64 uncached tokens: remote
+    assert choice.cached_on(decode, prompt, hashes) == 64  # recorded under those hashes
