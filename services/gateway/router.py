@@ -258,7 +258,7 @@ class RoutingBackend:
         a new worker request id (`DecodePlacement.renew`)."""
         (part,) = running.parts.values()
         # prefix hashes of the prompt's leading blocks, for prefill affinity and conditional mode alike
-        hashes = self.affinity.hashes(prompt_ids) if self.options.mode != "colocated" else None
+        hashes = self.affinity.hashes(prompt_ids) if self.options.mode != "colocated" else []
         remote = self._prefills_remotely(part, prompt_ids, hashes)
         self.observer.routed(spec.request_id, remote, part.decode.worker_id)
         if not remote:
@@ -273,7 +273,7 @@ class RoutingBackend:
                 return await start_disaggregated(
                     self.pool, self.affinity, spec, prompt_ids, part, running.queue,
                     gateway_id=self.options.gateway_id, store_to_kvstore=self.options.store_to_kvstore,
-                    avoid=failed, hashes=hashes,
+                    hashes=hashes, avoid=failed,
                 )
             except PrefillFailed as error:
                 failed.append(error.worker)
@@ -287,7 +287,7 @@ class RoutingBackend:
                 log.warning("prefill failed; retrying on another prefill worker", request_id=spec.request_id,
                             prefill=error.worker.address, reason=error.message)
 
-    def _prefills_remotely(self, part: WorkerRequest, prompt_ids: list[int], hashes: list[bytes] | None) -> bool:
+    def _prefills_remotely(self, part: WorkerRequest, prompt_ids: list[int], hashes: list[bytes]) -> bool:
         mode = self.options.mode
         if mode != "conditional":
             return mode == "disaggregated"

@@ -61,17 +61,15 @@ async def start_disaggregated(
     *,
     gateway_id: str,
     store_to_kvstore: bool,
+    hashes: Sequence[bytes],
     avoid: Sequence[WorkerHandle] = (),
-    hashes: Sequence[bytes] | None = None,
 ) -> int:
     """Prefill on a prefill worker (not one of `avoid`) that admits, fills and starts the
     placed decode worker; returns once the first tokens are in the request's queue (first),
     with the rest of the handoff followed by `placed.handoff` (`hashes`: the prompt's
-    `affinity.hashes`, when the caller has them already)."""
+    `affinity.hashes`)."""
     decode = placed.decode
     request_id = placed.worker_request_id
-    if hashes is None:
-        hashes = affinity.hashes(prompt_ids)
     prefill = pick_prefill([w for w in pool.of_role("prefill") if w not in avoid], affinity, prompt_ids, hashes)
     if prefill is None:
         raise Unavailable("no prefill worker is in rotation; check the workers' health and retry")
