@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if not any(Path(entry or ".").resolve() == BENCH for entry in sys.path):
         sys.path.append(str(BENCH))
     from common import format_table, run_name, write_results
-    from engine import make_engine
+    from engine import free_device_memory, make_engine
     from engine_sweep import write_model
 
     import torch
@@ -166,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
                            "stagger": stagger}
                     rows.append(row)
                     print(format_table([row], COLUMNS), flush=True)
+            engine.close()
             del engine
+            free_device_memory()  # the next setting's engine sizes its KV cache from what is free
     print(format_table(rows, COLUMNS))
     if profiler is not None:
         text = io.StringIO()

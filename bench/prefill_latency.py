@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if not any(Path(entry or ".").resolve() == BENCH for entry in sys.path):
         sys.path.append(str(BENCH))
     from common import format_table, run_name, write_results
+    from engine import free_device_memory
     from engine_sweep import write_model
 
     from cleave.engine.llm_engine import LLMEngine
@@ -158,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(format_table(rows[-1:], COLUMNS), flush=True)
             finally:
                 engine.close()
+                del engine
+                free_device_memory()  # the next setting's engine sizes its KV cache from what is free
     print(format_table(rows, COLUMNS))
     if args.out:
         write_results(args.out, run_name("prefill-latency"), rows, COLUMNS,

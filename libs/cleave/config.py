@@ -171,7 +171,8 @@ class WorkerConfig:
     # steps between reports of a running request's new tokens (1: every step; a first report
     # and a sample's end go at once); `worker_config` gives decode workers 2
     stream_interval: int = 1
-    # a step prefilling one sequence's at most this many new tokens replays a CUDA graph (0: eager)
+    # a step prefilling one sequence's at most this many new tokens replays a CUDA graph (0: eager;
+    # CUDA only: off CUDA workers prefill eagerly whatever this says)
     prefill_graph_max_tokens: int = 0
     # this process's share of the device's total memory (weights, activations, KV cache);
     # workers sharing one GPU get shares that sum to at most 1 (`cleave up` splits 0.9)
@@ -448,10 +449,12 @@ def worker_config(
               "steps between reports of a running request's new tokens: N > 1 sends a request's tokens of N "
               "steps in one delta, saving host work per token at the cost of burstier streams (a first token "
               "and an end go at once)", type=int)
-    flags.add("--prefill-graph-max-tokens", 0,
+    # 1024: bench/results/disagg/disagg-20261204T191159Z.md (one user's 512-token TTFT 16.5 -> 10.2 ms
+    # colocated, 17.8 -> 12.9 ms disaggregated: the eager forward was launch-bound)
+    flags.add("--prefill-graph-max-tokens", 1024,
               "a step that prefills one prompt of at most this many new tokens replays a CUDA graph captured "
-              "for its token-count bucket instead of launching every kernel from Python (0: eager prefill)",
-              type=int)
+              "for its token-count bucket instead of launching every kernel from Python (0: eager prefill; "
+              "CUDA only)", type=int)
     flags.add("--gpu-memory-utilization", 0.9,
               "share of the device's total memory this worker may use for weights, activations and KV "
               "(workers on one GPU: shares summing to at most 1; the KV cache fills it when --num-kv-blocks is 0)",

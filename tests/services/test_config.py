@@ -133,12 +133,18 @@ def test_conditional_policy_flags_from_flag_or_environment_and_never_negative():
         gateway_config([], {"CLEAVE_LOCAL_PREFILL_MAX_TOKENS": "-5"})
 
 
-def test_prefill_graph_max_tokens_is_a_worker_flag_off_by_default():
-    assert worker_config("prefill", [], {}).prefill_graph_max_tokens == 0
-    config = worker_config("decode", ["--prefill-graph-max-tokens", "1024"], {})
-    assert config.prefill_graph_max_tokens == 1024
+def test_prefill_graph_max_tokens_is_a_worker_flag_on_cuda_by_default():
     from cleave.worker.engine_setup import engine_config_from_worker
 
-    assert engine_config_from_worker(config).prefill_graph_max_tokens == 1024
+    assert worker_config("prefill", [], {}).prefill_graph_max_tokens == 1024
+    assert engine_config_from_worker(worker_config("prefill", [], {})).prefill_graph_max_tokens == 1024
+    config = worker_config("decode", ["--prefill-graph-max-tokens", "256", "--device", "cuda:1"], {})
+    assert engine_config_from_worker(config).prefill_graph_max_tokens == 256
+    assert engine_config_from_worker(worker_config("decode", ["--prefill-graph-max-tokens", "0"], {})
+                                     ).prefill_graph_max_tokens == 0
+    # off CUDA the worker prefills eagerly whatever the flag says
+    cpu = worker_config("prefill", ["--device", "cpu"], {})
+    assert cpu.prefill_graph_max_tokens == 1024
+    assert engine_config_from_worker(cpu).prefill_graph_max_tokens == 0
     with pytest.raises(SystemExit, match="--prefill-graph-max-tokens"):
         worker_config("prefill", ["--prefill-graph-max-tokens", "-1"], {})
