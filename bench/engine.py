@@ -96,7 +96,7 @@ def write_checkpoint(directory: Path, device: str) -> Path:
 
 def make_engine(
     model_dir: Path, args: argparse.Namespace, max_num_seqs: int, mode: str, sync_timing: bool = False,
-    dtype: str = "bfloat16", num_blocks: int | None = None, stagger_reports: bool = False,
+    dtype: str = "bfloat16", num_blocks: int | None = None, stagger_reports: bool = True,
 ):
     """An engine for `mode`'s step loop, reporting outputs as `LLM.generate`'s does (every
     `BATCH_STREAM_INTERVAL` steps, ends at once; `stagger_reports`: each request on its own

@@ -16,9 +16,9 @@ decode steps that ran the full batch:
 `--freeze both` runs each batch twice: with the garbage collector as it is, and with the
 decode loop inside `frozen_heap()` (what `LLM.generate` and bench/engine.py's `run_requests`
 do; the workers freeze their start-up objects for good, `cleave.worker.gc_freeze`).
-`--stagger both` runs each point with `LLM.generate`'s reports (every request every 64 steps,
-its text made then: one long host step in 64) and with them staggered (each request on its
-own phase of the 64: `EngineConfig.stagger_reports`), one engine each.
+`--stagger both` runs each point with every request reporting on the same step of 64 (its
+text made then: one long host step in 64) and with them staggered as `LLM.generate`'s are
+(each request on its own phase of the 64: `EngineConfig.stagger_reports`), one engine each.
 `--profile` prints the top functions of a cProfile over the steady steps of the last run.
 
     python bench/engine_step_gaps.py --batch 128 256 512 --out bench/results/engine   # H200
@@ -119,7 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=1024)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--freeze", choices=("off", "on", "both"), default="both")
-    parser.add_argument("--stagger", choices=("off", "on", "both"), default="off",
+    parser.add_argument("--stagger", choices=("off", "on", "both"), default="on",
                         help="EngineConfig.stagger_reports (both: one engine each)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", default=None, help="directory for engine-step-gaps-<UTC time>.json / .md")
