@@ -6,7 +6,9 @@ bf16, weights random and built in device memory):
 
 - `layer`: the MoE block alone (router GEMM included) at 1, 16, 64, 512 and 8192 tokens:
   `cleave.kernels.fused_moe` (Triton), the torch reference, the reference under
-  torch.compile, and transformers' own `Qwen3MoeSparseMoeBlock` on the same weights. Each
+  torch.compile, and transformers' own `Qwen3MoeSparseMoeBlock` on the same weights (the
+  fused rows replayed from a CUDA graph, as a decode step runs them; up to
+  `moe_gemv.MAX_TOKENS` tokens also the grouped GEMMs those sizes ran before). Each
   row carries the fused result's largest difference from the reference, the experts the
   tokens touch, and the roofline: touched expert bytes / 4.26 TB/s.
 - `decode`: one decode step of the whole model (48 layers, 32 q / 4 kv heads of 128) at
@@ -111,7 +113,8 @@ def expert_bytes(shape: MoEShape, dtype: torch.dtype) -> int:
 
 
 def layer_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    from cleave.kernels.fused_moe import fused_moe, route
+    from cleave.kernels.fused_moe import fused_experts, fused_moe, route
+    from cleave.kernels.moe_gemv import MAX_TOKENS as GEMV_MAX_TOKENS
     from cleave.kernels.moe_reference import fused_moe_reference
 
     generator = torch.Generator(device=device).manual_seed(0)
@@ -135,7 +138,13 @@ def layer_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, 
         def reference() -> torch.Tensor:
             return fused_moe_reference(hidden, w13, w2, hidden @ router.t(), shape.top_k, True)
 
+        def grouped() -> torch.Tensor:  # what `fused` ran at these sizes before the per-entry GEMVs
+            weights, ids = route(hidden @ router.t(), shape.top_k, True, impl=impl)
+            return fused_experts(hidden, w13, w2, weights, ids, impl=impl, kernel="grouped")
+
         methods: dict[str, Callable[[], torch.Tensor]] = {"fused": fused, "reference": reference}
+        if num_tokens <= GEMV_MAX_TOKENS:
+            methods["fused, grouped GEMMs"] = grouped
         if compiled is not None:
             methods["reference+compile"] = lambda: compiled(hidden, w13, w2, hidden @ router.t(), shape.top_k, True)
         if hf_block is not None:
@@ -148,7 +157,9 @@ def layer_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, 
             for method, fn in methods.items():
                 try:
                     out = fn()
-                    us = timer.us(fn)
+                    # the fused layer as a decode step runs it: replayed from a CUDA graph
+                    graphed = method.startswith("fused") and device.type == "cuda"
+                    us = graph_call_us([fn]) if graphed else timer.us(fn)
                 except Exception as error:  # noqa: BLE001 - a failed baseline is a row, not a crash
                     rows.append({"tokens": num_tokens, "method": method, "error": f"{type(error).__name__}: {error}"})
                     continue

@@ -10,6 +10,7 @@ from cleave.kernels.fused_moe import align_block_size, fused_experts, fused_moe,
 from cleave.kernels.moe_reference import (
     MoEActivation,
     align_block_size_reference,
+    fused_experts_reference,
     fused_moe_reference,
     route_reference,
 )
@@ -61,8 +62,33 @@ def test_fused_moe_matches_reference(num_tokens, dtype):
     assert expected.abs().amax() > 0.1  # the experts contribute
 
 
+@pytest.mark.parametrize("kernel", ["grouped", "gemv"])
+@pytest.mark.parametrize("num_tokens", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_clamped_swiglu_with_biases_matches_reference(dtype):
+def test_both_expert_kernels_match_reference_at_decode_sizes(num_tokens, dtype, kernel):
+    """A token whose slots all pick one expert (ids given), and ragged routing: the per-entry
+    GEMVs (the default up to `moe_gemv.MAX_TOKENS` tokens) and the grouped GEMMs alike."""
+    generator = torch.Generator().manual_seed(11 + num_tokens)
+    hidden = torch.randn(num_tokens, HIDDEN, generator=generator).to(dtype)
+    w13, w2, _, _ = _weights(dtype, seed=12)
+    weights, ids = route_reference(_ragged_logits(num_tokens, seed=num_tokens), 3, True)
+    ids[0] = 6  # the first token's three slots on one expert
+    expected = fused_experts_reference(hidden, w13, w2, weights, ids)
+    actual = fused_experts(hidden, w13, w2, weights, ids, impl="triton", kernel=kernel)
+    _assert_close(actual, expected)
+    assert expected.abs().amax() > 0.1
+
+
+def test_fused_experts_refuses_an_unknown_kernel():
+    w13, w2, _, _ = _weights(torch.float32, seed=1)
+    with pytest.raises(ValueError, match="kernel"):
+        fused_experts(torch.zeros(1, HIDDEN), w13, w2, torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int32),
+                      kernel="dense")
+
+
+@pytest.mark.parametrize("kernel", ["grouped", "gemv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clamped_swiglu_with_biases_matches_reference(dtype, kernel):
     """gpt-oss's experts: biases in both GEMMs and the clamped activation (its limit reached)."""
     hidden = (torch.randn(17, HIDDEN, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
     w13, w2, w13_bias, w2_bias = _weights(dtype, seed=4, bias=True)
@@ -71,7 +97,8 @@ def test_clamped_swiglu_with_biases_matches_reference(dtype):
     gate_up = hidden.float() @ w13[0].float().t()
     assert (gate_up.abs() > activation.limit).any()  # the clamp matters
     expected = fused_moe_reference(hidden, w13, w2, logits, 4, True, activation, w13_bias, w2_bias)
-    actual = fused_moe(hidden, w13, w2, logits, 4, True, activation, w13_bias, w2_bias, impl="triton")
+    weights, ids = route_reference(logits, 4, True)
+    actual = fused_experts(hidden, w13, w2, weights, ids, activation, w13_bias, w2_bias, impl="triton", kernel=kernel)
     _assert_close(actual, expected)
     unclamped = fused_moe_reference(hidden, w13, w2, logits, 4, True, MoEActivation("swiglu_clamped", limit=1e9),
                                     w13_bias, w2_bias)
@@ -143,19 +170,20 @@ def test_qwen3_30b_shapes_match_reference_on_gpu(num_tokens):
 
 
 @pytest.mark.gpu
-def test_fused_moe_replays_in_a_cuda_graph_with_new_routing():
+@pytest.mark.parametrize("num_tokens", [2, 17])  # 2: the per-entry GEMVs; 17: the grouped GEMMs
+def test_fused_moe_replays_in_a_cuda_graph_with_new_routing(num_tokens):
     """No host sync: captured once, replayed with other tokens and router logits."""
     generator = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=generator) * 0.2
     w2 = torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=generator) * 0.2
-    hidden = torch.randn(17, HIDDEN, device="cuda", generator=generator)
-    logits = torch.randn(17, EXPERTS, device="cuda", generator=generator)
+    hidden = torch.randn(num_tokens, HIDDEN, device="cuda", generator=generator)
+    logits = torch.randn(num_tokens, EXPERTS, device="cuda", generator=generator)
     fused_moe(hidden, w13, w2, logits, 2)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fused_moe(hidden, w13, w2, logits, 2)
     for seed in (1, 2):
-        hidden.copy_(torch.randn(17, HIDDEN, device="cuda", generator=generator.manual_seed(seed)))
-        logits.copy_(_ragged_logits(17, seed).cuda())
+        hidden.copy_(torch.randn(num_tokens, HIDDEN, device="cuda", generator=generator.manual_seed(seed)))
+        logits.copy_(_ragged_logits(num_tokens, seed).cuda())
         graph.replay()
         torch.testing.assert_close(out, fused_moe_reference(hidden, w13, w2, logits, 2), rtol=1e-4, atol=1e-4)

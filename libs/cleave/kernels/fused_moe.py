@@ -17,12 +17,14 @@ host, so it can be captured in a CUDA graph:
    once (no atomics, so the result is deterministic).
 
 Blocks past the padded length return at once, so the grid is sized for the worst case.
-The design follows vLLM's Triton fused_moe. Torch references are in `moe_reference.py`.
+The design follows vLLM's Triton fused_moe. Up to a few tokens (decode) skip steps 2-4:
+`cleave.kernels.moe_gemv` runs each (token, expert) entry as a GEMV, in two launches. Torch references are in `moe_reference.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import triton
@@ -30,6 +32,8 @@ import triton.language as tl
 
 from cleave.kernels.attention_common import dot_settings
 from cleave.kernels.dispatch import Impl, use_triton
+from cleave.kernels.moe_gemv import MAX_TOKENS as GEMV_MAX_TOKENS
+from cleave.kernels.moe_gemv import moe_gemv
 from cleave.kernels.moe_reference import SILU, MoEActivation, fused_experts_reference, route_reference
 
 
@@ -353,8 +357,14 @@ def fused_experts(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     impl: Impl = "auto",
+    kernel: Literal["auto", "grouped", "gemv"] = "auto",
 ) -> torch.Tensor:  # [T, H]
-    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) (see module docstring)."""
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) (see module docstring).
+
+    `kernel` "auto" runs up to `moe_gemv.MAX_TOKENS` tokens as per-entry GEMVs
+    (`cleave.kernels.moe_gemv`: no alignment, two launches) and more through the grouped GEMMs."""
+    if kernel not in ("auto", "grouped", "gemv"):
+        raise ValueError(f"kernel must be 'auto', 'grouped' or 'gemv', got {kernel!r}")
     if not use_triton(hidden, impl):
         return fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
     num_tokens, hidden_size = hidden.shape
@@ -364,6 +374,8 @@ def fused_experts(
     for name, tensor in (("hidden", hidden), ("w13", w13), ("w2", w2)):
         if tensor.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
+    if kernel == "gemv" or (kernel == "auto" and num_tokens <= GEMV_MAX_TOKENS):
+        return moe_gemv(hidden, w13, w2, topk_weights, topk_ids.to(torch.int32), activation, w13_bias, w2_bias)
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     if num_tokens == 0:
         return out

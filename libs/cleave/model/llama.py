@@ -36,6 +36,7 @@ from cleave.kv.metadata import AttentionMetadata
 from cleave.model.config import ModelConfig
 from cleave.model.fused_decode import DECODE_GEMV_MAX_TOKENS, run_fused_decode
 from cleave.model.moe import SparseMoeBlock
+from cleave.model.projection import project
 from cleave.model.rope import build_cos_sin_cache
 
 
@@ -89,8 +90,8 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
         cos_sin_cache: torch.Tensor,  # [max_position, D] float32
     ) -> torch.Tensor:  # [T, H]
-        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) D]
-        return self.o_proj(self.attend(qkv, positions, kv_cache, metadata, cos_sin_cache))
+        qkv = project(self.qkv_proj, hidden, self.impl, self.pdl)  # [T, (Hq + 2 Hkv) D]
+        return project(self.o_proj, self.attend(qkv, positions, kv_cache, metadata, cos_sin_cache), self.impl, self.pdl)
 
     def attend(
         self,

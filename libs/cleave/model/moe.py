@@ -16,6 +16,7 @@ from cleave.kernels.dispatch import Impl
 from cleave.kernels.fused_moe import fused_moe
 from cleave.kernels.moe_reference import MoEActivation
 from cleave.model.config import ModelConfig
+from cleave.model.projection import project
 
 
 class Experts(nn.Module):
@@ -52,7 +53,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [T, H] -> [T, H]
-        router_logits = self.router(hidden)  # [T, E]
+        router_logits = project(self.router, hidden, self.impl)  # [T, E]
         experts = self.experts
         return fused_moe(
             hidden, experts.w13, experts.w2, router_logits, self.top_k, self.renormalize, self.activation,

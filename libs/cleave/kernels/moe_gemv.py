@@ -1,0 +1,205 @@
+"""Experts for a handful of tokens: one weight-streaming GEMV per (token, expert) entry.
+
+At decode batch sizes a MoE layer reads each chosen expert's weights once and multiplies
+them by one or a few rows, so its time is the touched experts' bytes over HBM bandwidth.
+`fused_moe`'s grouped GEMMs need the entries sorted and padded by expert first (three
+alignment launches and a fill), pad every expert's one row to a 16-row tile, and launch a
+grid sized for the worst case; at one token that is most of the layer's time. Here there
+is no alignment at all:
+
+1. `gate_up`: a program per (entry, BLOCK_N intermediate features) reads its entry's
+   expert id, streams that expert's gate and up rows into registers (the next K tile in
+   flight while the current one is reduced, as `cleave.kernels.gemv`) against the token's
+   hidden row, adds the bias and applies the gated activation -> intermediate [T*k, I],
+   rounded to the activation dtype (as the grouped kernel stores it).
+2. `down`: a program per (token, BLOCK_N hidden features) walks the token's k entries,
+   each a GEMV of that expert's down rows against the entry's intermediate row (+ bias),
+   scaled by the routing weight and summed in fp32 -> [T, H], rounded once. No [T*k, H]
+   fp32 buffer, no separate sum, and the order of the sum is fixed (deterministic).
+
+Two launches after routing, none of which reads a value back to the host: the layer stays
+inside a decode CUDA graph. Two tokens sharing an expert read its weights twice (from L2
+at these sizes), which is why `fused_experts` sends only up to `MAX_TOKENS` tokens here.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cleave.kernels.moe_reference import MoEActivation
+
+MAX_TOKENS = 4  # tokens `fused_experts` sends here by default; more go to the grouped GEMMs
+TILE_ELEMENTS = 8192  # weight elements per program per K tile (features x K), per half when gated
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,  # [T, K]
+    w_ptr,  # [E, 2N, K]: gate rows then up rows
+    bias_ptr,  # [E, 2N] when HAS_BIAS
+    ids_ptr,  # [T * TOP_K] int32 expert ids
+    out_ptr,  # [T * TOP_K, N]
+    num_out,  # N (intermediate features)
+    num_in,  # K (hidden)
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_bias,
+    stride_out,
+    alpha,
+    limit,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr,
+):
+    entry = tl.program_id(0).to(tl.int64)
+    token = entry // TOP_K
+    expert = tl.load(ids_ptr + entry).to(tl.int64)
+    features = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    feature_valid = features < num_out
+    cols = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + expert * stride_we + features.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+    up_offset = num_out.to(tl.int64) * stride_wn
+    x_row = x_ptr + token * stride_x + cols
+
+    mask = feature_valid[:, None] & (cols < num_in)[None, :]
+    w = tl.load(w_rows, mask=mask, other=0.0)
+    w_up = tl.load(w_rows + up_offset, mask=mask, other=0.0)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for t in tl.static_range(K_TILES):
+        next_w = w
+        next_w_up = w_up
+        if t + 1 < K_TILES:  # the next tile's loads go out before this one is reduced
+            next_mask = feature_valid[:, None] & ((t + 1) * BLOCK_K + cols < num_in)[None, :]
+            next_w = tl.load(w_rows + (t + 1) * BLOCK_K, mask=next_mask, other=0.0)
+            next_w_up = tl.load(w_rows + up_offset + (t + 1) * BLOCK_K, mask=next_mask, other=0.0)
+        x = tl.load(x_row + t * BLOCK_K, mask=t * BLOCK_K + cols < num_in, other=0.0).to(tl.float32)
+        acc += tl.sum(x[None, :] * w.to(tl.float32), axis=1)
+        acc_up += tl.sum(x[None, :] * w_up.to(tl.float32), axis=1)
+        w = next_w
+        w_up = next_w_up
+    if HAS_BIAS:
+        bias_row = bias_ptr + expert * stride_bias
+        acc += tl.load(bias_row + features, mask=feature_valid, other=0.0).to(tl.float32)
+        acc_up += tl.load(bias_row + num_out + features, mask=feature_valid, other=0.0).to(tl.float32)
+    if CLAMPED:
+        gate = tl.minimum(acc, limit)
+        up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+        act = (up + 1.0) * gate * tl.sigmoid(gate * alpha)
+    else:
+        act = acc * tl.sigmoid(acc) * acc_up
+    tl.store(out_ptr + entry * stride_out + features, act.to(out_ptr.dtype.element_ty), mask=feature_valid)
+
+
+@triton.jit
+def _down_sum_kernel(
+    inter_ptr,  # [T * TOP_K, K]
+    w_ptr,  # [E, N, K]
+    bias_ptr,  # [E, N] when HAS_BIAS
+    ids_ptr,  # [T * TOP_K] int32
+    weights_ptr,  # [T * TOP_K] fp32 routing weights
+    out_ptr,  # [T, N]
+    num_out,  # N (hidden)
+    num_in,  # K (intermediate)
+    stride_inter,
+    stride_we,
+    stride_wn,
+    stride_bias,
+    stride_out,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    # One pass over the token's k entries x K tiles; each step's weight tile is loaded while
+    # the step before it is reduced, across entries too (one tile per entry at I <= 2048).
+    token = tl.program_id(0).to(tl.int64)
+    features = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    feature_valid = features < num_out
+    cols = tl.arange(0, BLOCK_K)
+    feature_offsets = features.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+    expert = tl.load(ids_ptr + token * TOP_K).to(tl.int64)
+    w = tl.load(w_ptr + expert * stride_we + feature_offsets,
+                mask=feature_valid[:, None] & (cols < num_in)[None, :], other=0.0)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for step in tl.static_range(TOP_K * K_TILES):
+        slot = step // K_TILES
+        t = step % K_TILES
+        next_w = w
+        next_expert = expert
+        if step + 1 < TOP_K * K_TILES:
+            next_t = (step + 1) % K_TILES
+            if next_t == 0:
+                next_expert = tl.load(ids_ptr + token * TOP_K + slot + 1).to(tl.int64)
+            next_mask = feature_valid[:, None] & (next_t * BLOCK_K + cols < num_in)[None, :]
+            next_w = tl.load(w_ptr + next_expert * stride_we + feature_offsets + next_t * BLOCK_K,
+                             mask=next_mask, other=0.0)
+        entry = token * TOP_K + slot
+        x = tl.load(inter_ptr + entry * stride_inter + t * BLOCK_K + cols,
+                    mask=t * BLOCK_K + cols < num_in, other=0.0).to(tl.float32)
+        acc += tl.sum(x[None, :] * w.to(tl.float32), axis=1)
+        if t == K_TILES - 1:  # the entry is done: its bias, its routing weight, into the sum
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + expert * stride_bias + features, mask=feature_valid, other=0.0).to(tl.float32)
+            total += acc * tl.load(weights_ptr + entry)
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        w = next_w
+        expert = next_expert
+    tl.store(out_ptr + token * stride_out + features, total.to(out_ptr.dtype.element_ty), mask=feature_valid)
+
+
+def gemv_tiles(num_out: int, num_in: int, gated: bool) -> tuple[int, int, int]:
+    """(block_n, block_k, num_warps): rows up to 2048 wide are one K tile; each program
+    owns few features (many small programs: every SM streams), fewer again when gated
+    (two weight rows per feature)."""
+    block_k = min(triton.next_power_of_2(num_in), 2048)
+    block_n = max(1, TILE_ELEMENTS // block_k // (2 if gated else 1))
+    return min(block_n, triton.next_power_of_2(num_out)), block_k, 4
+
+
+def moe_gemv(
+    hidden: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, k] fp32
+    topk_ids: torch.Tensor,  # [T, k] int32
+    activation: MoEActivation,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # [T, H]
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) by per-entry GEMVs
+    (see the module doc); the caller has checked the layouts (`fused_experts`)."""
+    num_tokens, hidden_size = hidden.shape
+    top_k = topk_ids.shape[1]
+    inter = w13.shape[1] // 2
+    out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    if num_tokens == 0:
+        return out
+    ids = topk_ids.reshape(-1)
+    intermediate = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
+    block_n, block_k, warps = gemv_tiles(inter, hidden_size, gated=True)
+    _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, block_n))](
+        hidden, w13, w13_bias if w13_bias is not None else w13, ids, intermediate,
+        inter, hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1),
+        w13_bias.stride(0) if w13_bias is not None else 0, intermediate.stride(0),
+        activation.alpha, activation.limit,
+        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=triton.cdiv(hidden_size, block_k),
+        HAS_BIAS=w13_bias is not None, CLAMPED=activation.kind == "swiglu_clamped", num_warps=warps,
+    )
+    block_n, block_k, warps = gemv_tiles(hidden_size, inter, gated=False)
+    _down_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
+        intermediate, w2, w2_bias if w2_bias is not None else w2, ids, topk_weights.reshape(-1).to(torch.float32),
+        out, hidden_size, inter, intermediate.stride(0), w2.stride(0), w2.stride(1),
+        w2_bias.stride(0) if w2_bias is not None else 0, out.stride(0),
+        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=triton.cdiv(inter, block_k),
+        HAS_BIAS=w2_bias is not None, num_warps=warps,
+    )
+    return out
