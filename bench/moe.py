@@ -261,13 +261,14 @@ def _touched_experts(model, step: Callable[[], torch.Tensor]) -> list[int]:
 
     counts: list[int] = []
 
-    def record(module, args, logits) -> None:  # noqa: ANN001
-        block = owners[id(module)]
-        _, ids = route(logits, block.top_k, block.renormalize, impl="torch")
+    def record(module, args) -> None:  # noqa: ANN001
+        # the block's own router logits (its forward may take the register GEMV, not router())
+        router = module.router
+        logits = torch.nn.functional.linear(args[0], router.weight, router.bias)
+        _, ids = route(logits, module.top_k, module.renormalize, impl="torch")
         counts.append(int(ids.unique().numel()))
 
-    owners = {id(m.router): m for m in model.modules() if isinstance(m, SparseMoeBlock)}
-    handles = [m.router.register_forward_hook(record) for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    handles = [m.register_forward_pre_hook(record) for m in model.modules() if isinstance(m, SparseMoeBlock)]
     try:
         with torch.no_grad():
             step()
