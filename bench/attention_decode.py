@@ -1,13 +1,15 @@
 """Paged decode attention alone: achieved KV bandwidth over split counts and tile settings.
 
 For each (batch, context) of a Llama-3.2-1B-shaped layer (32 query heads, 8 KV heads,
-head_dim 64, bf16, 16-token blocks on shuffled block ids), times `paged_decode_attention`
+head_dim 64; `--heads 32:4:128` is Qwen3-30B-A3B's; bf16, 16-token blocks on shuffled block
+ids), times `paged_decode_attention`
 inside a CUDA graph (so the number is device time, not launch overhead; small cases rotate
 over disjoint block sets bigger than L2 together, so KV comes from HBM) with the default
 split count and with the settings given on the command line, and reports microseconds and
 the fraction of the HBM roofline (K and V bytes read / 4.26 TB/s).
 
     python bench/attention_decode.py --cases 1x1024,64x1024,32x32768 --out bench/results/decode
+    python bench/attention_decode.py --heads 32:4:128 --cases 1x1024 --capacity 1025 --splits auto,8,16,64
 """
 
 from __future__ import annotations
@@ -27,8 +29,16 @@ from common import format_table, graph_call_us, run_name, write_results  # noqa:
 from cleave.kernels.attention_decode import NUM_STAGES, choose_num_splits, paged_decode_attention  # noqa: E402
 from cleave.kv.metadata import AttentionMetadata  # noqa: E402
 
-COLUMNS = ["batch", "context", "num_splits", "block_n", "num_warps", "num_stages", "us", "kv_gb", "roofline_pct"]
-Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 64, 16
+COLUMNS = ["heads", "batch", "context", "num_splits", "block_n", "num_warps", "num_stages", "us", "kv_gb", "roofline_pct"]
+BLOCK_SIZE = 16
+
+
+def parse_heads(text: str) -> tuple[int, int, int]:
+    """Q:KV:D -> (query heads, KV heads, head dim)."""
+    q_heads, kv_heads, head_dim = (int(part) for part in text.split(":"))
+    if q_heads % kv_heads:
+        raise argparse.ArgumentTypeError(f"{q_heads} query heads are not a multiple of {kv_heads} KV heads")
+    return q_heads, kv_heads, head_dim
 
 
 def parse_ints(text: str) -> list[int | None]:
@@ -38,6 +48,7 @@ def parse_ints(text: str) -> list[int | None]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="1x1024,64x1024,32x32768")
+    parser.add_argument("--heads", type=parse_heads, default="32:8:64", help="query heads:KV heads:head dim")
     parser.add_argument("--capacity", type=int, default=32768, help="max_seq_len the kernel is launched for")
     parser.add_argument("--splits", default="auto", help="comma-separated, 'auto' = choose_num_splits")
     parser.add_argument("--block-n", default="64")
@@ -49,14 +60,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     device = torch.device("cuda")
+    q_heads, kv_heads, head_dim = args.heads
+    heads = f"{q_heads}:{kv_heads}:{head_dim}"
     rows = []
     for item in args.cases.split(","):
         batch, context = map(int, item.split("x"))
         per_seq = -(-context // BLOCK_SIZE)
-        kv_gb = 2 * batch * context * KV_HEADS * HEAD_DIM * 2 / 1e9
+        kv_gb = 2 * batch * context * kv_heads * head_dim * 2 / 1e9
         copies = max(1, min(32, int(0.25 / kv_gb)))  # >= 250 MB touched per graph replay
         num_blocks = copies * batch * per_seq + 1
-        cache = torch.randn(2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+        cache = torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, head_dim, dtype=torch.bfloat16, device=device)
         blocks = list(range(1, num_blocks))
         random.Random(batch).shuffle(blocks)
         metadatas = []
@@ -68,21 +81,21 @@ def main(argv: list[str] | None = None) -> None:
             )
             metadata.max_seq_len = args.capacity
             metadatas.append(metadata)
-        query = torch.randn(batch, Q_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+        query = torch.randn(batch, q_heads, head_dim, dtype=torch.bfloat16, device=device)
         for splits, block_n, warps, stages in itertools.product(
             parse_ints(args.splits), parse_ints(args.block_n), parse_ints(args.num_warps), parse_ints(args.num_stages)
         ):
-            num_splits = splits or choose_num_splits(batch, KV_HEADS, args.capacity, block_n)
+            num_splits = splits or choose_num_splits(batch, kv_heads, args.capacity, block_n)
 
             def make_call(metadata: AttentionMetadata):
                 return lambda: paged_decode_attention(
-                    query, cache, metadata, 0.125, num_splits=num_splits, block_n=block_n, num_warps=warps,
+                    query, cache, metadata, head_dim**-0.5, num_splits=num_splits, block_n=block_n, num_warps=warps,
                     num_stages=stages,
                 )
 
             us = graph_call_us([make_call(m) for m in metadatas])
             rows.append({
-                "batch": batch, "context": context, "num_splits": num_splits, "block_n": block_n,
+                "heads": heads, "batch": batch, "context": context, "num_splits": num_splits, "block_n": block_n,
                 "num_warps": warps, "num_stages": stages or "-", "us": round(us, 2), "kv_gb": round(kv_gb, 4),
                 "roofline_pct": round(100 * kv_gb / (us * 1e-6) / (args.hbm_tbs * 1e3), 1),
             })
