@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from cleave.graphs.buckets import NULL_BLOCK_ID, PAD_POSITION, PAD_SLOT_ID, PAD_TOKEN_ID
+from cleave.graphs.runner import upload_graphs
 from cleave.kv.metadata import AttentionMetadata
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
@@ -155,6 +156,7 @@ class PrefillGraphRunner:
                 self._outputs[bucket] = self.forward_fn(input_ids, positions, metadata)
             pool = pool or graph.pool()
             self._graphs[bucket] = graph
+        upload_graphs(self._graphs.values())
         torch.cuda.synchronize(self.device)
 
     def bucket_for(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> int | None:

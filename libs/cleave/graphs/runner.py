@@ -10,6 +10,7 @@ run the step eagerly.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Callable
 
@@ -85,6 +86,7 @@ class CUDAGraphRunner:
         torch.cuda.synchronize(self.device)
         for bucket in sorted(self.buckets, reverse=True):
             self._capture_bucket(bucket)
+        upload_graphs(self._graphs.values())
         torch.cuda.synchronize(self.device)
 
     def _capture_bucket(self, bucket: int) -> None:
@@ -133,3 +135,12 @@ class CUDAGraphRunner:
         self.buffers.fill(input_ids, positions, metadata, pdl=self.config.pdl)
         self._graphs[bucket].replay()
         return self._outputs[bucket][:batch_size]
+
+
+def upload_graphs(graphs: Iterable[torch.cuda.CUDAGraph]) -> None:
+    """Launch each captured graph once, at start-up. A graph's first launch also uploads its
+    work to the device (unless uploaded before), so a bucket first needed late in a run
+    (the last few sequences of a batch) would pay that in its step. The static buffers hold
+    padding here: the replays write no KV and read none."""
+    for graph in graphs:
+        graph.replay()
