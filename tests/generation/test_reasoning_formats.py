@@ -130,6 +130,10 @@ def test_answer_tags_are_read_from_cleave_config(tmp_path):
         ("<|start|>assistant<|channel|>final<|message|>Answer.", "", "Answer."),
         ("<|channel|>analysis<|message|>Cut short <|end|><|start|>assist", "Cut short <|end|><|start|>assist", ""),
         ("<|channel|>commentary<|message|>x", "", "<|channel|>commentary<|message|>x"),
+        # a commentary message (tool-call preambles; no tools API) after the analysis stays thinking
+        ("<|channel|>analysis<|message|>A.<|end|><|start|>assistant<|channel|>commentary<|message|>P.<|end|>"
+         "<|start|>assistant<|channel|>final<|message|>Answer.",
+         "A.<|end|><|start|>assistant<|channel|>commentary<|message|>P.", "Answer."),
         ("Plain text <|channel|>final<|message|>", "", "Plain text <|channel|>final<|message|>"),
     ],
 )
