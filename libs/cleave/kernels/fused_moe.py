@@ -33,7 +33,7 @@ import triton.language as tl
 from cleave.kernels.attention_common import dot_settings
 from cleave.kernels.dispatch import Impl, use_triton
 from cleave.kernels.moe_gemv import MAX_TOKENS as GEMV_MAX_TOKENS
-from cleave.kernels.moe_gemv import moe_gemv
+from cleave.kernels.moe_gemv import gated_activation, moe_gemv
 from cleave.kernels.moe_reference import SILU, MoEActivation, fused_experts_reference, route_reference
 
 
@@ -248,12 +248,7 @@ def _moe_gemm_kernel(
         if GATED:
             acc_up += tl.load(bias_row + N + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        if CLAMPED:
-            gate = tl.minimum(acc, limit)
-            up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-            acc = (up + 1.0) * gate * tl.sigmoid(gate * alpha)
-        else:
-            acc = acc * tl.sigmoid(acc) * acc_up
+        acc = gated_activation(acc, acc_up, alpha, limit, CLAMPED)
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + entry, mask=row_valid, other=0.0)[:, None]
     c_ptrs = c_ptr + entry[:, None] * stride_c + cols[None, :]

@@ -35,6 +35,17 @@ TILE_ELEMENTS = 8192  # weight elements per program per K tile (features x K), p
 
 
 @triton.jit
+def gated_activation(gate, up, alpha, limit, CLAMPED: tl.constexpr):
+    """An expert's activation of its gate and up products in fp32 (`MoEActivation`):
+    silu(gate) * up, or gpt-oss's clamped (up + 1) * gate * sigmoid(alpha * gate)."""
+    if CLAMPED:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return (up + 1.0) * gate * tl.sigmoid(gate * alpha)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,  # [T, K]
     w_ptr,  # [E, 2N, K]: gate rows then up rows
@@ -88,12 +99,7 @@ def _gate_up_kernel(
         bias_row = bias_ptr + expert * stride_bias
         acc += tl.load(bias_row + features, mask=feature_valid, other=0.0).to(tl.float32)
         acc_up += tl.load(bias_row + num_out + features, mask=feature_valid, other=0.0).to(tl.float32)
-    if CLAMPED:
-        gate = tl.minimum(acc, limit)
-        up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-        act = (up + 1.0) * gate * tl.sigmoid(gate * alpha)
-    else:
-        act = acc * tl.sigmoid(acc) * acc_up
+    act = gated_activation(acc, acc_up, alpha, limit, CLAMPED)
     tl.store(out_ptr + entry * stride_out + features, act.to(out_ptr.dtype.element_ty), mask=feature_valid)
 
 
