@@ -4,28 +4,21 @@ from __future__ import annotations
 
 import ast
 import datetime
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.bench.bench_modules import BENCH, imported_bench
+
 # Scripts that still pass a fixed stem to write_results; each reruns over its last result.
 FIXED_NAME_SCRIPTS: set[str] = set()
 
 
 @pytest.fixture(scope="module")
 def common():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("bench_common", BENCH / "common.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_common"] = module  # its dataclasses look their module up while being built
-    try:
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    with imported_bench("common") as module:
         yield module
-    finally:
-        sys.modules.pop("bench_common", None)
 
 
 def test_run_name_and_path_carry_the_utc_time(common):

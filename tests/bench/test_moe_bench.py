@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-MOE = Path(__file__).resolve().parents[2] / "bench" / "moe.py"
+from tests.bench.bench_modules import imported_bench
 
 
 @pytest.fixture(scope="module")
 def bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("bench_moe", MOE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_moe"] = module  # its dataclasses look their module up while being built
-    try:
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    with imported_bench("moe") as module:
         yield module
-    finally:
-        sys.modules.pop("bench_moe", None)
 
 
 def test_defaults_are_the_h200_plan(bench):
