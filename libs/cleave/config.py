@@ -173,7 +173,7 @@ class WorkerConfig:
     stream_interval: int = 1
     # a step prefilling one sequence's at most this many new tokens replays a CUDA graph (0: eager;
     # CUDA only: off CUDA workers prefill eagerly whatever this says)
-    prefill_graph_max_tokens: int = 0
+    prefill_graph_max_tokens: int = 1024
     # this process's share of the device's total memory (weights, activations, KV cache);
     # workers sharing one GPU get shares that sum to at most 1 (`cleave up` splits 0.9)
     gpu_memory_utilization: float = 0.9
