@@ -77,6 +77,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", default="1,64", help="batch sizes of the decode part")
     parser.add_argument("--context", type=int, default=1024, help="tokens already in each sequence's KV cache")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--gemv-tiles", default="",
+                        help="layer part, up to moe_gemv.MAX_TOKENS tokens: also the per-entry GEMVs with these "
+                        "features per program, GATE_UP:DOWN[,...] (e.g. 2:4,4:8; default tiles: the 'fused' row)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile reference")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' MoE block")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "moe"))
@@ -84,6 +87,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, one call per method")
     args = parser.parse_args(argv)
     args.tokens = [int(value) for value in args.tokens.split(",")]
+    args.gemv_tiles = [tuple(int(n) for n in item.split(":")) for item in args.gemv_tiles.split(",") if item]
     args.batch = [int(value) for value in args.batch.split(",")]
     if args.dry_run:
         args.tokens = [min(value, 3) for value in args.tokens[:2]]
@@ -145,6 +149,9 @@ def layer_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, 
         methods: dict[str, Callable[[], torch.Tensor]] = {"fused": fused, "reference": reference}
         if num_tokens <= GEMV_MAX_TOKENS:
             methods["fused, grouped GEMMs"] = grouped
+            for gate_up_n, down_n in args.gemv_tiles:
+                methods[f"fused, GEMV tiles {gate_up_n}:{down_n}"] = gemv_with_tiles(
+                    hidden, w13, w2, router, shape, gate_up_n, down_n)
         if compiled is not None:
             methods["reference+compile"] = lambda: compiled(hidden, w13, w2, hidden @ router.t(), shape.top_k, True)
         if hf_block is not None:
@@ -169,6 +176,23 @@ def layer_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, 
                     "max_diff": float((out.float() - expected.float()).abs().max()),
                 })
     return rows
+
+
+def gemv_with_tiles(hidden, w13, w2, router, shape: MoEShape, gate_up_n: int, down_n: int):  # noqa: ANN001
+    """The per-entry GEMV experts with `gate_up_n` / `down_n` features per program."""
+    from cleave.kernels.fused_moe import route
+    from cleave.kernels.moe_gemv import gemv_tiles, moe_gemv
+    from cleave.kernels.moe_reference import SILU
+
+    _, gate_up_k, gate_up_warps = gemv_tiles(shape.inter, shape.hidden, gated=True)
+    _, down_k, down_warps = gemv_tiles(shape.hidden, shape.inter, gated=False)
+
+    def run() -> torch.Tensor:
+        weights, ids = route(hidden @ router.t(), shape.top_k, True)
+        return moe_gemv(hidden, w13, w2, weights, ids, SILU, gate_up_tiles=(gate_up_n, gate_up_k, gate_up_warps),
+                        down_tiles=(down_n, down_k, down_warps))
+
+    return run
 
 
 def _transformers_block(shape: MoEShape, w13: torch.Tensor, w2: torch.Tensor, router: torch.Tensor):

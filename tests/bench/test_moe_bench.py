@@ -23,6 +23,7 @@ def test_defaults_are_the_h200_plan(bench):
     assert (shape.hidden, shape.inter, shape.experts, shape.top_k, shape.layers) == (2048, 768, 128, 8, 48)
     custom = bench.parse_args(["--part", "layer", "--tokens", "2,4", "--batch", "8", "--context", "64"])
     assert (custom.part, custom.tokens, custom.batch, custom.context) == ("layer", [2, 4], [8], 64)
+    assert args.gemv_tiles == [] and bench.parse_args(["--gemv-tiles", "2:4,4:8"]).gemv_tiles == [(2, 4), (4, 8)]
 
 
 def test_dry_run_writes_both_parts(bench, tmp_path):

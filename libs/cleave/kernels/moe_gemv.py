@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cleave.kernels.dispatch import CachedLauncher
 from cleave.kernels.moe_reference import MoEActivation
 
 MAX_TOKENS = 4  # tokens `fused_experts` sends here by default; more go to the grouped GEMMs
@@ -171,6 +172,11 @@ def gemv_tiles(num_out: int, num_in: int, gated: bool) -> tuple[int, int, int]:
     return min(block_n, triton.next_power_of_2(num_out)), block_k, 4
 
 
+Tiles = tuple[int, int, int]  # (block_n, block_k, num_warps)
+_gate_up_launcher = CachedLauncher(_gate_up_kernel)
+_down_sum_launcher = CachedLauncher(_down_sum_kernel)
+
+
 def moe_gemv(
     hidden: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2I, H]
@@ -180,6 +186,8 @@ def moe_gemv(
     activation: MoEActivation,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    gate_up_tiles: Tiles | None = None,  # default: gemv_tiles (bench/moe.py --gemv-tiles sweeps them)
+    down_tiles: Tiles | None = None,
 ) -> torch.Tensor:  # [T, H]
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) by per-entry GEMVs
     (see the module doc); the caller has checked the layouts (`fused_experts`)."""
@@ -191,21 +199,24 @@ def moe_gemv(
         return out
     ids = topk_ids.reshape(-1)
     intermediate = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
-    block_n, block_k, warps = gemv_tiles(inter, hidden_size, gated=True)
-    _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, block_n))](
-        hidden, w13, w13_bias if w13_bias is not None else w13, ids, intermediate,
-        inter, hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1),
-        w13_bias.stride(0) if w13_bias is not None else 0, intermediate.stride(0),
-        activation.alpha, activation.limit,
-        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=triton.cdiv(hidden_size, block_k),
-        HAS_BIAS=w13_bias is not None, CLAMPED=activation.kind == "swiglu_clamped", num_warps=warps,
+    block_n, block_k, warps = gate_up_tiles or gemv_tiles(inter, hidden_size, gated=True)
+    _gate_up_launcher(
+        (num_tokens * top_k, triton.cdiv(inter, block_n)),
+        (hidden, w13, w13_bias if w13_bias is not None else w13, ids, intermediate,
+         inter, hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1),
+         w13_bias.stride(0) if w13_bias is not None else 0, intermediate.stride(0),
+         activation.alpha, activation.limit),
+        (top_k, block_n, block_k, triton.cdiv(hidden_size, block_k), w13_bias is not None,
+         activation.kind == "swiglu_clamped"),
+        warps,
     )
-    block_n, block_k, warps = gemv_tiles(hidden_size, inter, gated=False)
-    _down_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
-        intermediate, w2, w2_bias if w2_bias is not None else w2, ids, topk_weights.reshape(-1).to(torch.float32),
-        out, hidden_size, inter, intermediate.stride(0), w2.stride(0), w2.stride(1),
-        w2_bias.stride(0) if w2_bias is not None else 0, out.stride(0),
-        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=triton.cdiv(inter, block_k),
-        HAS_BIAS=w2_bias is not None, num_warps=warps,
+    block_n, block_k, warps = down_tiles or gemv_tiles(hidden_size, inter, gated=False)
+    _down_sum_launcher(
+        (num_tokens, triton.cdiv(hidden_size, block_n)),
+        (intermediate, w2, w2_bias if w2_bias is not None else w2, ids, topk_weights.reshape(-1).to(torch.float32),
+         out, hidden_size, inter, intermediate.stride(0), w2.stride(0), w2.stride(1),
+         w2_bias.stride(0) if w2_bias is not None else 0, out.stride(0)),
+        (top_k, block_n, block_k, triton.cdiv(inter, block_k), w2_bias is not None),
+        warps,
     )
     return out
