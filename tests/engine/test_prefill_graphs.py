@@ -20,7 +20,7 @@ SHARED = list(range(40, 72))  # two full 16-token blocks: a cached prefix for th
 PROMPTS = {"short": [5, 6, 7], "mid": list(range(3, 40)), "prefix-a": SHARED + [9, 8, 7], "prefix-b": SHARED + [1, 2]}
 
 
-@pytest.fixture(scope="module", params=["llama", "gpt-oss"])
+@pytest.fixture(scope="module", params=["llama", "gpt-oss", "qwen3-moe"])
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("prefill-graphs") / request.param, request.param, seed=5)
 
