@@ -9,6 +9,10 @@ the later of its start and the previous kernels' end to its own end). What no ke
 covers is reported as `(idle)`, and split by the kernel that ends each gap.
 
     python bench/decode_profile.py --cases 1x1024,64x1024,32x32768 --out bench/results/decode
+    python bench/decode_profile.py --model qwen3-30b-a3b --cases 1x1024,64x1024 --max-model-len 2048
+
+`--model qwen3-30b-a3b` profiles bench/moe.py's Qwen3-30B-A3B-shaped MoE model instead
+(random weights built in device memory).
 """
 
 from __future__ import annotations
@@ -30,6 +34,18 @@ from cleave.model.llama import allocate_kv_cache  # noqa: E402
 
 COLUMNS = ["case", "kernel", "per_step", "us_per_step", "critical_us", "pct_of_step"]
 IDLE = "(idle)"
+MODELS = {"llama-1b": "Llama-3.2-1B", "qwen3-30b-a3b": "Qwen3-30B-A3B"}
+
+
+def profiled_model(name: str, max_model_len: int, device: torch.device):  # noqa: ANN201
+    """(config, model) of `--model` with random bf16 weights on `device`."""
+    if name == "llama-1b":
+        config = llama_3_2_1b_config()
+        return config, build_model(config, device)
+    from moe import MoEShape, decode_model_config, random_model
+
+    config = decode_model_config(MoEShape(), max_model_len)
+    return config, random_model(config, torch.bfloat16, device)
 
 
 def critical_path(events) -> dict[str, float]:
@@ -83,12 +99,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=32768)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=16, help="kernels listed per case")
+    parser.add_argument("--model", choices=MODELS, default="llama-1b")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
     device = torch.device("cuda")
-    config = llama_3_2_1b_config()
-    model = build_model(config, device)
+    config, model = profiled_model(args.model, args.max_model_len, device)
     cases = [Case(*map(int, item.split("x"))) for item in args.cases.split(",")]
     num_blocks = max(case.kv_blocks(args.block_size) for case in cases) + 1
     kv_cache = allocate_kv_cache(config, num_blocks, args.block_size, device=device)
@@ -106,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
         device,
     )
-    rows, summary = [], {"model": "Llama-3.2-1B shape, random bf16 weights", "max_model_len": args.max_model_len}
+    rows, summary = [], {"model": f"{MODELS[args.model]} shape, random bf16 weights", "max_model_len": args.max_model_len}
     with torch.inference_mode():
         runner.capture()
         for case in cases:

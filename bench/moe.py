@@ -233,13 +233,10 @@ def decode_model_config(shape: MoEShape, max_len: int):
     )
 
 
-def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    from cleave.kv.metadata import AttentionMetadata
-    from cleave.model.llama import allocate_kv_cache
+def random_model(config, dtype: torch.dtype, device: torch.device):  # noqa: ANN001, ANN201
+    """The model of `config` with random weights (norms at 1) built in device memory."""
     from cleave.model.loader import empty_model
 
-    max_len = args.context + 1
-    config = decode_model_config(shape, max(max_len, 64))
     model = empty_model(config, dtype=dtype, device=device)
     generator = torch.Generator(device=device).manual_seed(1)
     with torch.no_grad():
@@ -248,7 +245,17 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.02, generator=generator)
-    model.eval()
+    return model.eval()
+
+
+def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    from cleave.kv.metadata import AttentionMetadata
+    from cleave.model.llama import allocate_kv_cache
+
+    max_len = args.context + 1
+    config = decode_model_config(shape, max(max_len, 64))
+    model = random_model(config, dtype, device)
+    generator = torch.Generator(device=device).manual_seed(1)
     timer_device = device
     rows = []
     blocks_per_seq = -(-max_len // args.block_size)
