@@ -11,7 +11,8 @@ Per prompt length, medians over `--repeats` requests:
     host_ms         first_token_ms - device_ms: what the device waited for
     floor_ms        FLOPs of the prompt / `--peak-tflops` (the linear layers at 2 x params x
                     tokens, causal attention at 2 x 2 x T^2 / 2 x Hq x D per layer)
-    kernels         CUDA kernels one such request launched (torch.profiler, one extra request)
+    kernels         CUDA kernels one such request launched (torch.profiler, one extra request);
+                    `--top N` also lists the N with the most device time
 
 `--prefill-graph-max-tokens 0 1024` runs every length twice, with prompts prefilled eagerly
 and replayed from the engine's prefill graphs (`EngineConfig.prefill_graph_max_tokens`).
@@ -61,17 +62,28 @@ def first_token(engine, prompt: list[int], request_id: str) -> tuple[float, int,
     return seconds, steps, device
 
 
-def count_kernels(engine, prompt: list[int]) -> int | None:
-    """CUDA kernels launched while one request gets its first token (None off CUDA)."""
+def profile_kernels(engine, prompt: list[int], top: int) -> tuple[int | None, list[dict]]:
+    """CUDA kernels launched while one request gets its first token, and the `top` of them
+    by device time (name, launches, us); (None, []) off CUDA."""
+    import collections
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     if not torch.cuda.is_available() or engine.config.device == "cpu":
-        return None
+        return None, []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         first_token(engine, prompt, "profiled")
         torch.cuda.synchronize()
-    return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+    launches: collections.Counter[str] = collections.Counter()
+    device_us: collections.Counter[str] = collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            launches[event.name] += 1
+            device_us[event.name] += event.device_time
+    ranked = [{"kernel": name[:80], "launches": launches[name], "us": round(us, 1)}
+              for name, us in device_us.most_common(top)]
+    return sum(launches.values()), ranked
 
 
 def floor_ms(config, prompt_len: int, peak_tflops: float) -> float:  # type: ignore[no-untyped-def]
@@ -96,12 +108,13 @@ def measure(engine, prompt_len: int, args: argparse.Namespace) -> dict:
     runs = [first_token(engine, prompt(), f"p{prompt_len}-{index}") for index in range(args.repeats)]
     wall = statistics.median(run[0] for run in runs)
     device = statistics.median(run[2] for run in runs)
+    kernels, top_kernels = profile_kernels(engine, prompt(), args.top)
     return {
         "prompt_len": prompt_len, "repeats": args.repeats, "first_token_ms": 1e3 * wall,
         "steps": statistics.median(run[1] for run in runs),
         "device_ms": 1e3 * device if device else None, "host_ms": 1e3 * (wall - device) if device else None,
         "floor_ms": floor_ms(engine.model_config, prompt_len, args.peak_tflops),
-        "kernels": count_kernels(engine, prompt()),
+        "kernels": kernels, "top_kernels": top_kernels,
     }
 
 
@@ -113,6 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefill-graph-max-tokens", type=int, nargs="+", default=[0],
                         help="the engine's prefill graphs up to this many tokens (0: eager); several: one engine each")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 matmul peak of the device")
+    parser.add_argument("--top", type=int, default=0,
+                        help="also list each row's N kernels with the most device time (kept under 'top_kernels')")
     parser.add_argument("--out", default=None, help="directory for prefill-latency-<UTC time>.json / .md")
     args = parser.parse_args(argv)
     if args.repeats < 1 or min(args.prompt_lens) < 1 or min(args.prefill_graph_max_tokens) < 0:
@@ -157,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                 for prompt_len in args.prompt_lens:
                     rows.append({"prefill_graphs": graph_tokens, **measure(engine, prompt_len, args)})
                     print(format_table(rows[-1:], COLUMNS), flush=True)
+                    if rows[-1]["top_kernels"]:
+                        print(format_table(rows[-1]["top_kernels"], ["kernel", "launches", "us"]), flush=True)
             finally:
                 engine.close()
                 del engine
