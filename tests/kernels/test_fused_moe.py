@@ -7,13 +7,16 @@ import pytest
 import torch
 
 from cleave.kernels.fused_moe import align_block_size, fused_experts, fused_moe, route
+from cleave.kernels.moe_gemv import moe_gemv
 from cleave.kernels.moe_reference import (
+    SILU,
     MoEActivation,
     align_block_size_reference,
     fused_experts_reference,
     fused_moe_reference,
     route_reference,
 )
+from cleave.kernels.rms_norm import rms_norm_reference
 from tests.kernels.ulp import assert_close_ulps
 
 HIDDEN, INTER, EXPERTS = 32, 64, 8
@@ -77,6 +80,29 @@ def test_both_expert_kernels_match_reference_at_decode_sizes(num_tokens, dtype, 
     actual = fused_experts(hidden, w13, w2, weights, ids, impl="triton", kernel=kernel)
     _assert_close(actual, expected)
     assert expected.abs().amax() > 0.1
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_experts_normalise_their_input_and_add_into_the_residual(num_tokens, dtype):
+    """The decode layout's MoE layer: residual += experts(rms_norm(residual)), the norm in
+    the first kernel and the add in the second, rounded as the unfused ops round."""
+    generator = torch.Generator().manual_seed(21 + num_tokens)
+    residual = (torch.randn(num_tokens, HIDDEN, generator=generator) * 3).to(dtype)
+    norm_weight = (torch.rand(HIDDEN, generator=generator) + 0.5).to(dtype)
+    w13, w2, w13_bias, w2_bias = _weights(dtype, seed=22, bias=True)
+    weights, ids = route_reference(_ragged_logits(num_tokens, seed=23), 2, True)
+    normed = rms_norm_reference(residual, norm_weight, 1e-5)
+    experts_out = fused_experts_reference(normed, w13, w2, weights, ids, SILU, w13_bias, w2_bias)
+    expected = (residual.float() + experts_out.float()).to(dtype)
+    actual = residual.clone()
+    returned = moe_gemv(actual, w13, w2, weights, ids, SILU, w13_bias, w2_bias, norm_weight=norm_weight, eps=1e-5,
+                        add_to=actual)
+    assert returned is actual
+    _assert_close(actual, expected)
+    assert (experts_out.float().abs().amax() > 0.1) and not torch.equal(actual, residual)
+    with pytest.raises(ValueError, match="add_to"):
+        moe_gemv(residual, w13, w2, weights, ids, SILU, add_to=residual[:, :-1])
 
 
 def test_fused_experts_refuses_an_unknown_kernel():

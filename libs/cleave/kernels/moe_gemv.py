@@ -48,9 +48,10 @@ def gated_activation(gate, up, alpha, limit, CLAMPED: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr,  # [T, K]
+    x_ptr,  # [T, K] (NORM: the residual stream)
     w_ptr,  # [E, 2N, K]: gate rows then up rows
     bias_ptr,  # [E, 2N] when HAS_BIAS
+    norm_w_ptr,  # [K] RMSNorm weight when NORM
     ids_ptr,  # [T * TOP_K] int32 expert ids
     out_ptr,  # [T * TOP_K, N]
     num_out,  # N (intermediate features)
@@ -62,12 +63,14 @@ def _gate_up_kernel(
     stride_out,
     alpha,
     limit,
+    eps,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     CLAMPED: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     entry = tl.program_id(0).to(tl.int64)
     token = entry // TOP_K
@@ -82,6 +85,12 @@ def _gate_up_kernel(
     mask = feature_valid[:, None] & (cols < num_in)[None, :]
     w = tl.load(w_rows, mask=mask, other=0.0)
     w_up = tl.load(w_rows + up_offset, mask=mask, other=0.0)
+    if NORM:  # the token's row is RMS-normalised on the fly (a few KiB, against MiBs of weights)
+        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for t in tl.static_range(K_TILES):
+            x = tl.load(x_row + t * BLOCK_K, mask=t * BLOCK_K + cols < num_in, other=0.0).to(tl.float32)
+            squares += x * x
+        rstd = tl.math.rsqrt(tl.sum(squares, axis=0) / num_in + eps)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
     for t in tl.static_range(K_TILES):
@@ -91,7 +100,13 @@ def _gate_up_kernel(
             next_mask = feature_valid[:, None] & ((t + 1) * BLOCK_K + cols < num_in)[None, :]
             next_w = tl.load(w_rows + (t + 1) * BLOCK_K, mask=next_mask, other=0.0)
             next_w_up = tl.load(w_rows + up_offset + (t + 1) * BLOCK_K, mask=next_mask, other=0.0)
-        x = tl.load(x_row + t * BLOCK_K, mask=t * BLOCK_K + cols < num_in, other=0.0).to(tl.float32)
+        col_valid = t * BLOCK_K + cols < num_in
+        x = tl.load(x_row + t * BLOCK_K, mask=col_valid, other=0.0)
+        if NORM:  # rounded as the unfused RMSNorm's output: normalised, then scaled by the weight
+            norm_w = tl.load(norm_w_ptr + t * BLOCK_K + cols, mask=col_valid, other=0.0).to(tl.float32)
+            normed = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
+            x = (normed * norm_w).to(x.dtype)
+        x = x.to(tl.float32)
         acc += tl.sum(x[None, :] * w.to(tl.float32), axis=1)
         acc_up += tl.sum(x[None, :] * w_up.to(tl.float32), axis=1)
         w = next_w
@@ -111,7 +126,7 @@ def _down_sum_kernel(
     bias_ptr,  # [E, N] when HAS_BIAS
     ids_ptr,  # [T * TOP_K] int32
     weights_ptr,  # [T * TOP_K] fp32 routing weights
-    out_ptr,  # [T, N]
+    out_ptr,  # [T, N]; ADD: the residual stream, updated in place
     num_out,  # N (hidden)
     num_in,  # K (intermediate)
     stride_inter,
@@ -124,6 +139,7 @@ def _down_sum_kernel(
     BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    ADD: tl.constexpr,
 ):
     # One pass over the token's k entries x K tiles; each step's weight tile is loaded while
     # the step before it is reduced, across entries too (one tile per entry at I <= 2048).
@@ -160,7 +176,12 @@ def _down_sum_kernel(
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         w = next_w
         expert = next_expert
-    tl.store(out_ptr + token * stride_out + features, total.to(out_ptr.dtype.element_ty), mask=feature_valid)
+    out_ptrs = out_ptr + token * stride_out + features
+    result = total.to(out_ptr.dtype.element_ty)  # the layer's output, rounded once
+    if ADD:  # then added into the residual stream, as the next layer's fused add would
+        residual = tl.load(out_ptrs, mask=feature_valid, other=0.0)
+        result = (residual.to(tl.float32) + result.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptrs, result, mask=feature_valid)
 
 
 def gemv_tiles(num_out: int, num_in: int, gated: bool) -> tuple[int, int, int]:
@@ -188,13 +209,26 @@ def moe_gemv(
     w2_bias: torch.Tensor | None = None,
     gate_up_tiles: Tiles | None = None,  # default: gemv_tiles (bench/moe.py --gemv-tiles sweeps them)
     down_tiles: Tiles | None = None,
-) -> torch.Tensor:  # [T, H]
+    *,
+    norm_weight: torch.Tensor | None = None,  # [H]: `hidden` is the residual stream, RMS-normalised first
+    eps: float = 1e-6,
+    add_to: torch.Tensor | None = None,  # [T, H]: add the layer's output into it in place
+) -> torch.Tensor:  # [T, H]; `add_to` itself when given
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) by per-entry GEMVs
-    (see the module doc); the caller has checked the layouts (`fused_experts`)."""
+    (see the module doc); the caller has checked the layouts (`fused_experts`). With
+    `norm_weight` the experts read rms_norm(hidden) (the layer's input norm in the first
+    kernel's prologue); with `add_to` (may be `hidden` itself: the first kernel has read it
+    by then) the output is added into it, each rounded as the unfused ops round."""
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
     inter = w13.shape[1] // 2
-    out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    if add_to is None:
+        out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    elif add_to.shape != hidden.shape or add_to.stride(-1) != 1 or add_to.dtype != hidden.dtype:
+        raise ValueError(f"add_to must be [{num_tokens}, {hidden_size}] {hidden.dtype}, contiguous along features, "
+                         f"got {tuple(add_to.shape)} {add_to.dtype}")
+    else:
+        out = add_to
     if num_tokens == 0:
         return out
     ids = topk_ids.reshape(-1)
@@ -202,12 +236,12 @@ def moe_gemv(
     block_n, block_k, warps = gate_up_tiles or gemv_tiles(inter, hidden_size, gated=True)
     _gate_up_launcher(
         (num_tokens * top_k, triton.cdiv(inter, block_n)),
-        (hidden, w13, w13_bias if w13_bias is not None else w13, ids, intermediate,
-         inter, hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1),
+        (hidden, w13, w13_bias if w13_bias is not None else w13, norm_weight if norm_weight is not None else hidden,
+         ids, intermediate, inter, hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1),
          w13_bias.stride(0) if w13_bias is not None else 0, intermediate.stride(0),
-         activation.alpha, activation.limit),
+         activation.alpha, activation.limit, eps),
         (top_k, block_n, block_k, triton.cdiv(hidden_size, block_k), w13_bias is not None,
-         activation.kind == "swiglu_clamped"),
+         activation.kind == "swiglu_clamped", norm_weight is not None),
         warps,
     )
     block_n, block_k, warps = down_tiles or gemv_tiles(hidden_size, inter, gated=False)
@@ -216,7 +250,7 @@ def moe_gemv(
         (intermediate, w2, w2_bias if w2_bias is not None else w2, ids, topk_weights.reshape(-1).to(torch.float32),
          out, hidden_size, inter, intermediate.stride(0), w2.stride(0), w2.stride(1),
          w2_bias.stride(0) if w2_bias is not None else 0, out.stride(0)),
-        (top_k, block_n, block_k, triton.cdiv(inter, block_k), w2_bias is not None),
+        (top_k, block_n, block_k, triton.cdiv(inter, block_k), w2_bias is not None, add_to is not None),
         warps,
     )
     return out

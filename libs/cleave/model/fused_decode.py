@@ -6,13 +6,17 @@ fused Triton kernels for decode batches, and `run_fused_decode` is its one dispa
 model rather than in `cleave.kernels` because it reads the modules' weights and walks the
 layer list; the kernels package stays below the model and knows only tensors.
 
-Two layouts, both for dense layers without attention sinks or an o_proj bias (MoE blocks,
-gpt-oss and the like always run the model's own layers), on the Triton kernels:
+Two layouts, both for layers without attention sinks or an o_proj bias (gpt-oss and the like
+always run the model's own layers), on the Triton kernels:
 - GEMV (1..`CausalLM.decode_gemv_max_tokens` tokens, no qkv bias): register or split-K GEMV
   kernels carry the norms in their prologues and the residual adds in their epilogues (four
   launches a layer, plus attention); a single token without q/k norms also takes the rotary
-  embedding and KV write as the qkv projection's epilogue.
-- deferred norms (larger decode-only batches, after `CausalLM.fold_norm_weights`): the
+  embedding and KV write as the qkv projection's epilogue. A mixture-of-experts layer of up
+  to `moe_gemv.MAX_TOKENS` tokens runs its router on a GEMV with the norm in its prologue,
+  then the per-entry expert GEMVs with the norm in the first one's prologue and the residual
+  add in the last one's epilogue (four launches, with routing); more tokens take the norm,
+  the fused MoE layer and an add.
+- deferred norms (dense layers; larger decode-only batches, after `CausalLM.fold_norm_weights`): the
   projections are cuBLAS GEMMs, each norm is a per-row scale that the decode attention and
   SwiGLU kernels apply (`cleave.kernels.row_norm`), and the residual adds are the o and down
   GEMMs' own epilogue (beta = 1): five launches a layer, no norm kernel.
@@ -32,10 +36,15 @@ from cleave.kernels.attention import paged_attention
 from cleave.kernels.attention_decode import NewKV, paged_decode_attention
 from cleave.kernels.dispatch import use_triton
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
+from cleave.kernels.fused_moe import route
 from cleave.kernels.gemv import RotaryKVWrite
+from cleave.kernels.moe_gemv import MAX_TOKENS as MOE_GEMV_MAX_TOKENS
+from cleave.kernels.moe_gemv import moe_gemv
+from cleave.kernels.rms_norm import rms_norm
 from cleave.kernels.row_norm import DeferredRMSNorm
 from cleave.kernels.small_linear import small_linear
 from cleave.kv.metadata import AttentionMetadata
+from cleave.model.moe import SparseMoeBlock
 
 if TYPE_CHECKING:
     from cleave.model.llama import MLP, Attention, CausalLM, DecoderLayer, RMSNorm
@@ -67,10 +76,10 @@ def run_fused_decode(
 
 def gemv_layout_applies(model: CausalLM, hidden: torch.Tensor) -> bool:
     """Whether this batch runs the GEMV layout: Triton kernels (on CUDA, or forced),
-    1..decode_gemv_max_tokens tokens, dense layers, no qkv bias."""
+    1..decode_gemv_max_tokens tokens, no attention sinks, o_proj or qkv bias."""
     return (
         0 < hidden.shape[0] <= model.decode_gemv_max_tokens
-        and model.has_fused_decode_layouts
+        and model.has_gemv_decode_layout
         and not model.config.attention_bias
         and use_triton(hidden, model.impl)
         and use_triton(hidden, model.layers[0].self_attn.attention_impl)
@@ -113,7 +122,10 @@ def _gemv_layer(
     """One decoder layer with the norms fused into the projections that read them and the
     residual adds into the projections that produce them."""
     _gemv_attention(layer.self_attn, residual, layer.input_layernorm, positions, kv_cache, metadata, cos_sin_cache)
-    _gemv_mlp(layer.mlp, residual, layer.post_attention_layernorm, metadata.split_counters)  # type: ignore[arg-type]
+    if isinstance(layer.mlp, SparseMoeBlock):
+        _gemv_moe(layer.mlp, residual, layer.post_attention_layernorm)
+    else:
+        _gemv_mlp(layer.mlp, residual, layer.post_attention_layernorm, metadata.split_counters)
 
 
 def _gemv_attention(
@@ -152,6 +164,19 @@ def _gemv_mlp(mlp: MLP, residual: torch.Tensor, norm: RMSNorm, counters: torch.T
     act = small_linear(residual, mlp.gate_up_proj.weight, gated=True, norm_weight=norm.weight, eps=norm.eps,
                        counters=counters, pdl=mlp.pdl)
     small_linear(act, mlp.down_proj.weight, add_to=residual, counters=counters, pdl=mlp.pdl)  # [T, I] -> += [T, H]
+
+
+def _gemv_moe(block: SparseMoeBlock, residual: torch.Tensor, norm: RMSNorm) -> None:
+    """residual += block(norm(residual)): up to `moe_gemv.MAX_TOKENS` tokens with the norm
+    inside the router and expert GEMVs and the add in the last one (see the module doc)."""
+    if residual.shape[0] > MOE_GEMV_MAX_TOKENS or block.router.bias is not None:
+        residual.add_(block(rms_norm(residual, norm.weight, norm.eps, pdl=norm.pdl)))
+        return
+    logits = small_linear(residual, block.router.weight, norm_weight=norm.weight, eps=norm.eps, pdl=norm.pdl)
+    weights, ids = route(logits, block.top_k, block.renormalize)
+    experts = block.experts
+    moe_gemv(residual, experts.w13, experts.w2, weights, ids, block.activation, experts.w13_bias, experts.w2_bias,
+             norm_weight=norm.weight, eps=norm.eps, add_to=residual)
 
 
 # ---- deferred-norm layout ------------------------------------------------------------------

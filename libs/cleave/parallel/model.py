@@ -13,7 +13,7 @@ rank, so each rank samples the same tokens from the same logits and the engines 
 
 The fused decode layouts (`cleave.model.fused_decode`) add the o and down projections into
 the residual inside their kernels, before any sum across ranks, so this model runs its own
-layers on every batch (`has_fused_decode_layouts` is False).
+layers on every batch (`has_fused_decode_layouts` and `has_gemv_decode_layout` are False).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class TensorParallelCausalLM(CausalLM):
         self.layout = layout
         self.group = group
         self.has_fused_decode_layouts = False
+        self.has_gemv_decode_layout = False
         hidden = config.hidden_size
         self.embed_tokens = VocabParallelEmbedding(layout.vocab_shard_size, hidden, layout.vocab_start, group, impl, pdl)
         self.lm_head = nn.Linear(hidden, layout.vocab_shard_size, bias=False)
