@@ -15,7 +15,7 @@ from cleave.kernels.attention import (
     write_kv,
     write_kv_reference,
 )
-from cleave.kernels.attention_decode import choose_num_splits, paged_decode_attention
+from cleave.kernels.attention_decode import choose_num_splits, merge_block_s, paged_decode_attention
 from cleave.kernels.attention_prefill import paged_prefill_attention
 from cleave.kv.metadata import PAD_SLOT_ID, AttentionMetadata
 
@@ -125,6 +125,20 @@ def test_decode_with_several_splits_gqa(dtype, num_splits):
 
     expected = paged_attention_reference(query, cache, metadata, SCALE)
     torch.testing.assert_close(out.float(), expected.float(), **tolerance(dtype))
+
+
+def test_wide_heads_merge_their_splits_in_smaller_chunks():
+    """Eight query heads of 128 per KV head (Qwen3-30B-A3B's shape) merge 4 splits per chunk:
+    11 active splits of 16 take three chunks, the last one partly masked."""
+    assert merge_block_s(8, 128, 16) == 4 and merge_block_s(4, 64, 32) == 16 and merge_block_s(8, 128, 2) == 2
+    generator = torch.Generator().manual_seed(5)
+    head_dim = 128
+    cache = torch.randn(2, 44, BLOCK_SIZE, 1, head_dim, generator=generator)
+    query = torch.randn(1, 8, head_dim, generator=generator)
+    metadata = AttentionMetadata.build([1], [170], [list(range(43, 0, -1))], BLOCK_SIZE)  # 11 tiles of 16
+    out = paged_decode_attention(query, cache, metadata, head_dim**-0.5, num_splits=16, block_n=16)
+    expected = paged_attention_reference(query, cache, metadata, head_dim**-0.5)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 
 
 def test_decode_capacity_grid_and_padding_rows_give_zeros():

@@ -66,6 +66,11 @@ HEADS_FIRST_MIN_SEQS = 2
 # three at every shape tried: batch 64 / 1k 1679.6 -> 1672.1 us per step, batch 32 / 32k
 # 9329 -> 9264 us, batch 1 / 1k 791.9 -> 790.1 us; four stages were slower at 32k.
 NUM_STAGES = 2
+# Partials the merging program loads at once: [query heads of a KV head, splits, head dim]
+# fp32. A 2-warp program holds 4096 of them in 64 registers a thread (Llama-3.2-1B: 4 x 16 x
+# 64); Qwen3-30B-A3B's 8 heads of 128 would be 256 a thread, more than a thread has, so such
+# shapes merge fewer splits per chunk.
+MERGE_TILE_ELEMENTS = 4096
 
 
 @dataclass(frozen=True)
@@ -377,6 +382,13 @@ def _merge_splits(
 _decode_launcher = CachedLauncher(_paged_decode_split_kernel)
 
 
+def merge_block_s(queries_per_kv: int, block_d: int, num_splits: int) -> int:
+    """Splits the merging program reads per chunk: up to 16, fewer where the chunk's partials
+    would exceed MERGE_TILE_ELEMENTS (a power of two)."""
+    per_split = triton.next_power_of_2(queries_per_kv) * block_d
+    return max(1, min(16, num_splits, MERGE_TILE_ELEMENTS // per_split))
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int = 64) -> int:
     """Splits per sequence: a power of two that brings the grid to about TARGET_PROGRAMS.
 
@@ -478,7 +490,8 @@ def paged_decode_attention(
          new_kv.key.stride(0), new_kv.key.stride(1), new_kv.value.stride(0), new_kv.value.stride(1),
          new_kv.cos_sin_cache.stride(0), *norm.scalars),
         (queries_per_kv, head_dim, num_splits, bool(sliding_window), max(16, triton.next_power_of_2(queries_per_kv)),
-         block_n, block_d, triton.next_power_of_2(queries_per_kv), min(16, num_splits), dot_dtype, precision,
+         block_n, block_d, triton.next_power_of_2(queries_per_kv), merge_block_s(queries_per_kv, block_d, num_splits),
+         dot_dtype, precision,
          prefetch, rotary, new_kv.is_neox, norm.enabled, norm.block,
          heads_first, pdl, sinks is not None),
         num_warps, **launch,
