@@ -27,6 +27,7 @@ from cleave.kernels.fused_moe import (
     _route_kernel,
 )
 from cleave.kernels.gemv import _gemv_kernel
+from cleave.kernels.moe_gemv import _down_sum_kernel, _gate_up_kernel
 from cleave.kernels.rms_norm import _rms_norm_kernel
 from cleave.kernels.splitk_linear import _splitk_linear_kernel
 
@@ -44,9 +45,10 @@ POINTERS = {  # argument name -> pointer type; every other runtime argument is a
     "logits_ptr": "*bf16", "out_weights_ptr": "*fp32", "out_ids_ptr": "*i32", "topk_ids_ptr": "*i32",
     "counts_ptr": "*i32", "offsets_ptr": "*i32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
     "num_padded_ptr": "*i32", "a_ptr": "*bf16", "b_ptr": "*bf16", "bias_ptr": "*bf16", "c_ptr": "*bf16",
-    "topk_weights_ptr": "*fp32",
+    "topk_weights_ptr": "*fp32", "q_norm_w_ptr": "*bf16", "k_norm_w_ptr": "*bf16", "inter_ptr": "*bf16",
+    "weights_ptr": "*fp32",
 }
-FLOATS = {"eps", "scale_log2", "norm_eps", "alpha", "limit"}
+FLOATS = {"eps", "scale_log2", "norm_eps", "alpha", "limit", "head_norm_eps"}
 
 
 def compile_variant(kernel, constexprs: dict, num_warps: int, pointers: dict | None = None) -> None:
@@ -69,7 +71,8 @@ def main() -> None:
     compile_variant(_gemv_kernel, {**gemv, "BLOCK_M": 4, "BLOCK_N": 2, "PDL": False}, 4)
     attention = dict(QUERIES_PER_KV=4, HEAD_DIM=64, NUM_SPLITS=16, SLIDING=False, BLOCK_G=16, BLOCK_N=64, BLOCK_D=64,
                      BLOCK_Q=4, BLOCK_S=16, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", PREFETCH=True, ROTARY=False,
-                     IS_NEOX=True, ROW_NORM=False, NORM_BLOCK=16, HEADS_FIRST=False, PDL=True, HAS_SINKS=False)
+                     IS_NEOX=True, ROW_NORM=False, NORM_BLOCK=16, HEADS_FIRST=False, PDL=True, HAS_SINKS=False,
+                     HEAD_NORM=False)
     compile_variant(_paged_decode_split_kernel, attention, 2)
     compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 4, "PREFETCH": False, "SLIDING": True}, 2)
     compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 2, "PREFETCH": False, "ROTARY": True}, 2)
@@ -81,6 +84,10 @@ def main() -> None:
     compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 4, "SLIDING": True, "ROTARY": True,
                                                  "HAS_SINKS": True}, 2)
     compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 1, "HAS_SINKS": True}, 2)
+    # Qwen3-30B-A3B: 8 query heads of 128 per KV head, q/k norms inside, 4 splits merged per chunk
+    compile_variant(_paged_decode_split_kernel, {**attention, "QUERIES_PER_KV": 8, "HEAD_DIM": 128, "BLOCK_D": 128,
+                                                 "BLOCK_Q": 8, "BLOCK_S": 4, "NUM_SPLITS": 32, "ROTARY": True,
+                                                 "HEAD_NORM": True}, 2)
     compile_variant(_gated_act_kernel, dict(USE_GELU_TANH=False, BLOCK=1024, ROW_NORM=True, NORM_BLOCK=1024, PDL=True), 4)
     compile_variant(_fill_decode_inputs_kernel, dict(PAD_TOKEN=0, PAD_POSITION=0, PAD_SLOT=-1, PAD_SEQ_LEN=0,
                                                      NULL_BLOCK=0, BLOCK_W=1024, PDL=True), 4)
@@ -101,6 +108,16 @@ def main() -> None:
     compile_variant(_moe_gemm_kernel, {**moe, "CLAMPED": True, "HAS_BIAS": True, "BLOCK_M": 64}, 8)  # gpt-oss
     compile_variant(_moe_gemm_kernel, {**moe, "ROW_DIV": 1, "GATED": False, "MUL_WEIGHT": True}, 4,
                     pointers={"c_ptr": "*fp32"})  # down, weighted, fp32 per-slot output
+    # per-entry expert GEMVs (decode): norm prologue, clamped SwiGLU with biases, residual add
+    moe_ids = {"ids_ptr": "*i32"}
+    gate_up = dict(TOP_K=8, BLOCK_N=2, BLOCK_K=2048, K_TILES=1, HAS_BIAS=False, CLAMPED=False, NORM=True)
+    compile_variant(_gate_up_kernel, gate_up, 4, pointers=moe_ids)
+    compile_variant(_gate_up_kernel, {**gate_up, "TOP_K": 4, "K_TILES": 2, "HAS_BIAS": True, "CLAMPED": True,
+                                      "NORM": False}, 4, pointers=moe_ids)
+    down = dict(TOP_K=8, BLOCK_N=8, BLOCK_K=1024, K_TILES=1, HAS_BIAS=False, ADD=True)
+    compile_variant(_down_sum_kernel, down, 4, pointers=moe_ids)
+    compile_variant(_down_sum_kernel, {**down, "TOP_K": 4, "K_TILES": 2, "HAS_BIAS": True, "ADD": False}, 4,
+                    pointers=moe_ids)
     splitk = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, NORM=True, GATED=False, ADD=False,
                   DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", PDL=True)
     compile_variant(_splitk_linear_kernel, splitk, 4)  # qkv with the input norm

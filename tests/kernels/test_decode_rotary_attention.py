@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from cleave.kernels.attention import paged_attention_reference
-from cleave.kernels.attention_decode import NewKV, paged_decode_attention
+from cleave.kernels.attention_decode import HeadNorms, NewKV, paged_decode_attention
+from cleave.kernels.rms_norm import rms_norm_reference
 from cleave.kernels.row_norm import DeferredRMSNorm, inverse_rms_reference
 from cleave.kernels.rotary_kv_write import rotary_write_kv_reference
 from cleave.kv.metadata import AttentionMetadata
@@ -18,11 +19,13 @@ BLOCK_SIZE = 4
 
 
 def run_both(seq_lens, tables, num_q, num_kv, head_dim, dtype, is_neox, num_splits, block_n, device="cpu",
-             sliding_window=None, norm_hidden=None, **launch):
+             sliding_window=None, norm_hidden=None, head_norms=False, **launch):
     """(fused output, cache) and (reference output, cache) for one decode step whose new
     token of sequence i sits at position seq_lens[i] - 1 (a length of 0 is a padding row).
     With `norm_hidden`, q, k and v are still to be scaled by the inverse RMS of a random
-    [seqs, norm_hidden] residual (a deferred input norm); the reference scales them first."""
+    [seqs, norm_hidden] residual (a deferred input norm); the reference scales them first.
+    With `head_norms`, q and k heads are RMS-normalised with random weights first (Qwen3's
+    q_norm / k_norm); the reference runs `rms_norm_reference` on them."""
     generator = torch.Generator().manual_seed(sum(seq_lens) + head_dim)
     num_seqs = len(seq_lens)
     qkv = torch.randn(num_seqs, (num_q + 2 * num_kv) * head_dim, generator=generator).to(dtype).to(device)
@@ -45,9 +48,16 @@ def run_both(seq_lens, tables, num_q, num_kv, head_dim, dtype, is_neox, num_spli
         residual = (3.0 * torch.randn(num_seqs, norm_hidden, generator=generator)).to(dtype).to(device)
         row_norm = DeferredRMSNorm(residual, 1e-5)
         ref_qkv = (qkv.float() * inverse_rms_reference(residual, 1e-5)).to(dtype)
+    norms = None
+    if head_norms:
+        norms = HeadNorms((torch.rand(head_dim, generator=generator) + 0.5).to(dtype).to(device),
+                          (torch.rand(head_dim, generator=generator) + 0.5).to(dtype).to(device), 1e-6)
+        q_ref, k_ref, _ = split(ref_qkv)
+        q_ref.copy_(rms_norm_reference(q_ref.reshape(-1, head_dim), norms.q_weight, norms.eps).view(q_ref.shape))
+        k_ref.copy_(rms_norm_reference(k_ref.reshape(-1, head_dim), norms.k_weight, norms.eps).view(k_ref.shape))
     fused_cache = cache.clone()
     q, k, v = split(qkv.clone())
-    new_kv = NewKV(k, v, positions, cos_sin, slot_mapping, is_neox, row_norm=row_norm)
+    new_kv = NewKV(k, v, positions, cos_sin, slot_mapping, is_neox, row_norm=row_norm, head_norms=norms)
     out = paged_decode_attention(q, fused_cache, metadata, head_dim**-0.5, num_splits=num_splits, block_n=block_n,
                                  sliding_window=sliding_window, new_kv=new_kv, **launch)
 
@@ -97,6 +107,25 @@ def test_deferred_input_norm_scales_q_k_v_by_the_residual_rows(num_splits, launc
     assert_close_ulps(cache, cache_ref, atol=NEAR_ZERO)
 
 
+@pytest.mark.parametrize(("dtype", "is_neox", "num_splits"),
+                         [(torch.float32, True, 4), (torch.bfloat16, True, 8), (torch.float32, False, 1)])
+def test_head_norms_normalise_q_and_k_before_the_rotation(dtype, is_neox, num_splits):
+    """Qwen3's per-head q and k norms inside the kernel: the output and the written keys are
+    the two-step reference's after `rms_norm` of each head (values are not normalised)."""
+    seq_lens = [23, 1, 16, 0]
+    tables = [[9, 2, 7, 4, 11, 1], [5], [3, 8, 6, 10], [0]]
+    (out, cache), (expected, cache_ref) = run_both(seq_lens, tables, 4, 2, 16, dtype, is_neox, num_splits,
+                                                   block_n=8, head_norms=True)
+    tolerance = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    torch.testing.assert_close(out[:3].float(), expected[:3].float(), **tolerance)
+    assert torch.count_nonzero(out[3]) == 0
+    # bf16: the normalised and scaled heads (up to ~3) may each be an ulp off where the
+    # interpreter truncates, and the rotation mixes two of them: two ulps at that scale
+    assert_close_ulps(cache, cache_ref, atol=NEAR_ZERO if dtype == torch.float32 else 2 * 2**-6)
+    (unnormed, _), _ = run_both(seq_lens, tables, 4, 2, 16, dtype, is_neox, num_splits, block_n=8)
+    assert (unnormed[:3].float() - out[:3].float()).abs().max() > 0.05  # the norms matter here
+
+
 def test_split_major_grid_matches_the_reference():
     seq_lens = [23, 1, 16]
     tables = [[9, 2, 7, 4, 11, 1], [5], [3, 8, 6, 10]]
@@ -122,6 +151,14 @@ def test_rejects_partial_rotary_and_strided_heads():
     new_kv = NewKV(k, k, torch.tensor([2]), make_cache(8, 16), metadata.slot_mapping, row_norm=two_rows)
     with pytest.raises(ValueError, match="new_kv.row_norm.source has 2 rows for 1 rows"):
         paged_decode_attention(q, cache, metadata, 0.25, new_kv=new_kv)
+    norms = HeadNorms(torch.ones(16), torch.ones(8), 1e-6)  # the key weight is not [head_dim]
+    new_kv = NewKV(k, k, torch.tensor([2]), make_cache(8, 16), metadata.slot_mapping, head_norms=norms)
+    with pytest.raises(ValueError, match="head_norms.k_weight must be \\[16\\]"):
+        paged_decode_attention(q, cache, metadata, 0.25, new_kv=new_kv)
+    both = NewKV(k, k, torch.tensor([2]), make_cache(8, 16), metadata.slot_mapping,
+                 row_norm=DeferredRMSNorm(torch.ones(1, 32), 1e-6), head_norms=HeadNorms(torch.ones(16), torch.ones(16), 1e-6))
+    with pytest.raises(ValueError, match="not both"):
+        paged_decode_attention(q, cache, metadata, 0.25, new_kv=both)
 
 
 @pytest.mark.gpu
@@ -146,3 +183,19 @@ def test_gpu_llama_shapes_match_the_two_step_path(batch):
                                                        heads_first=heads_first)
         torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(cache.float(), cache_ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_qwen3_moe_shapes_with_head_norms_match_the_two_step_path():
+    """Qwen3-30B-A3B's attention: 32 query heads over 4 KV heads of 128, q/k norms inside."""
+    seq_lens = [1025, 700, 1]
+    per_seq = [-(-length // BLOCK_SIZE) for length in seq_lens]
+    ids = torch.randperm(sum(per_seq), generator=torch.Generator().manual_seed(3)) + 1
+    tables, start = [], 0
+    for count in per_seq:
+        tables.append(ids[start : start + count].tolist())
+        start += count
+    (out, cache), (expected, cache_ref) = run_both(seq_lens, tables, 32, 4, 128, torch.bfloat16, True, None,
+                                                   block_n=64, device="cuda", head_norms=True)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(cache.float(), cache_ref.float(), atol=2e-2, rtol=2e-2)

@@ -86,15 +86,37 @@ class NewKV:
     is_neox: bool = True
     # the layer's input norm, still to be applied to q, key and value (weight folded into qkv)
     row_norm: DeferredRMSNorm | None = None
+    # per-head RMSNorms of q and k before the rotary embedding (Qwen3's q_norm / k_norm)
+    head_norms: HeadNorms | None = None
+
+
+@dataclass(frozen=True)
+class HeadNorms:
+    """RMSNorm of every query and key head vector over the head dimension, each with its own
+    [D] weight, rounded as the unfused norm kernels round (normalised, then scaled)."""
+
+    q_weight: torch.Tensor  # [D]
+    k_weight: torch.Tensor  # [D]
+    eps: float
+
+
+@triton.jit
+def _head_normed(x, rstd, weight, row_ptr):
+    """RMSNorm of head vectors as `rms_norm` rounds it: normalised and rounded to the
+    activations' dtype (`row_ptr`'s), scaled by the weight and rounded again (fp32 in and out)."""
+    dtype = row_ptr.dtype.element_ty
+    normed = (x * rstd[:, None]).to(dtype).to(tl.float32)
+    return (normed * weight.to(tl.float32)[None, :]).to(dtype).to(tl.float32)
 
 
 @triton.jit
 def _rotated_rows(
-    row_ptr, rows, row_stride, rows_valid, dims, cos_sin_row,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr,
+    row_ptr, rows, row_stride, rows_valid, dims, cos_sin_row, norm_w_ptr, norm_eps,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr, HEAD_NORM: tl.constexpr,
 ):
     """[R, BLOCK_D] fp32: head vectors `rows` at `row_ptr` rotated by one position's angles
-    (`cos_sin_row`: cos then sin, HALF each; full-width rotary)."""
+    (`cos_sin_row`: cos then sin, HALF each; full-width rotary); with HEAD_NORM each vector
+    is RMS-normalised first with the [D] weight at `norm_w_ptr`."""
     if IS_NEOX:  # pairs (d, d + HALF)
         first = dims < HALF
         partner = tl.where(first, dims + HALF, dims - HALF)
@@ -108,6 +130,10 @@ def _rotated_rows(
     ptrs = row_ptr + rows[:, None].to(tl.int64) * row_stride
     x = tl.load(ptrs + dims[None, :], mask=mask, other=0.0).to(tl.float32)
     y = tl.load(ptrs + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HEAD_NORM:  # y is a permutation of x within each row: one inverse RMS for both
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + norm_eps)
+        x = _head_normed(x, rstd, tl.load(norm_w_ptr + dims, mask=dim_valid, other=0.0), row_ptr)
+        y = _head_normed(y, rstd, tl.load(norm_w_ptr + partner, mask=dim_valid, other=0.0), row_ptr)
     cos = tl.load(cos_sin_row + pair, mask=dim_valid, other=0.0).to(tl.float32)
     sin = tl.load(cos_sin_row + HALF + pair, mask=dim_valid, other=0.0).to(tl.float32)
     return x * cos[None, :] + y * tl.where(first, -sin, sin)[None, :]
@@ -147,6 +173,8 @@ def _paged_decode_split_kernel(
     slot_mapping_ptr,  # ROTARY: [T] int64, -1 = padding
     norm_src_ptr,  # ROW_NORM: [T, H] residual rows whose inverse RMS scales q, key and value
     sinks_ptr,  # HAS_SINKS: [Hq] per-head sink logits
+    q_norm_w_ptr,  # HEAD_NORM: [D] query head norm weight
+    k_norm_w_ptr,  # HEAD_NORM: [D] key head norm weight
     scale_log2,
     stride_q_token,
     stride_q_head,
@@ -167,6 +195,7 @@ def _paged_decode_split_kernel(
     norm_hidden,
     stride_norm_row,
     norm_eps,
+    head_norm_eps,
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -186,6 +215,7 @@ def _paged_decode_split_kernel(
     HEADS_FIRST: tl.constexpr,
     PDL: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    HEAD_NORM: tl.constexpr,
 ):
     if HEADS_FIRST:  # grid (KV heads, splits, sequences): a block's heads are read together
         kv_head = tl.program_id(0)
@@ -234,7 +264,7 @@ def _paged_decode_split_kernel(
             rstd = row_inverse_rms(norm_src_ptr + q_token64 * stride_norm_row, norm_hidden, norm_eps, NORM_BLOCK)
         q = _rotated_rows(
             query_ptr + q_token64 * stride_q_token, q_heads, stride_q_head, group_valid, dims, cos_sin_row,
-            HEAD_DIM, half, IS_NEOX,
+            q_norm_w_ptr, head_norm_eps, HEAD_DIM, half, IS_NEOX, HEAD_NORM,
         )
         if ROW_NORM:
             q = q * rstd
@@ -245,7 +275,7 @@ def _paged_decode_split_kernel(
             head = kv_head + tl.arange(0, 1)  # [1]
             one = head == kv_head
             key = _rotated_rows(key_ptr + q_token64 * stride_k_token, head, stride_k_head, one, dims, cos_sin_row,
-                                HEAD_DIM, half, IS_NEOX)
+                                k_norm_w_ptr, head_norm_eps, HEAD_DIM, half, IS_NEOX, HEAD_NORM)
             value = tl.load(value_ptr + q_token64 * stride_v_token + head[:, None] * stride_v_head + dims[None, :],
                             mask=one[:, None] & dim_valid[None, :])
             if ROW_NORM:
@@ -455,6 +485,14 @@ def paged_decode_attention(
     elif new_kv.key.stride(-1) != 1 or new_kv.value.stride(-1) != 1:
         raise ValueError("new_kv key and value need the head dimension contiguous")
     norm = row_norm_args(new_kv.row_norm if rotary else None, num_tokens, query, "new_kv.row_norm")
+    head_norms = new_kv.head_norms if rotary else None
+    if head_norms is not None:
+        if new_kv.row_norm is not None:
+            raise ValueError("new_kv takes a deferred row norm or head norms, not both")
+        for name, weight in (("q_weight", head_norms.q_weight), ("k_weight", head_norms.k_weight)):
+            if weight.shape != (head_dim,) or weight.stride(-1) != 1:
+                raise ValueError(f"new_kv.head_norms.{name} must be [{head_dim}] and contiguous, "
+                                 f"got {tuple(weight.shape)}")
     out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -484,16 +522,19 @@ def paged_decode_attention(
         (query, kv_cache, out, part_max, part_sum, part_acc, counters,
          metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
          new_kv.key, new_kv.value, new_kv.positions, new_kv.cos_sin_cache, new_kv.slot_mapping, norm.source,
-         sinks if sinks is not None else query, scale * LOG2E, query.stride(0), query.stride(1),
+         sinks if sinks is not None else query,
+         head_norms.q_weight if head_norms is not None else query,
+         head_norms.k_weight if head_norms is not None else query,
+         scale * LOG2E, query.stride(0), query.stride(1),
          kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
          metadata.block_tables.stride(0), out.stride(0), out.stride(1), kv_cache.shape[2], sliding_window or 0,
          new_kv.key.stride(0), new_kv.key.stride(1), new_kv.value.stride(0), new_kv.value.stride(1),
-         new_kv.cos_sin_cache.stride(0), *norm.scalars),
+         new_kv.cos_sin_cache.stride(0), *norm.scalars, head_norms.eps if head_norms is not None else 0.0),
         (queries_per_kv, head_dim, num_splits, bool(sliding_window), max(16, triton.next_power_of_2(queries_per_kv)),
          block_n, block_d, triton.next_power_of_2(queries_per_kv), merge_block_s(queries_per_kv, block_d, num_splits),
          dot_dtype, precision,
          prefetch, rotary, new_kv.is_neox, norm.enabled, norm.block,
-         heads_first, pdl, sinks is not None),
+         heads_first, pdl, sinks is not None, head_norms is not None),
         num_warps, **launch,
     )
     return out

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from cleave.kernels.activation import silu_and_mul
+from cleave.kernels.attention_decode import HeadNorms
 from cleave.kernels.dispatch import Impl, use_triton
 from cleave.kernels.embedding import embedding
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
@@ -101,19 +102,20 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
         cos_sin_cache: torch.Tensor,  # [max_position, D] float32
     ) -> torch.Tensor:  # [T, Hq D], before o_proj
-        """Split the fused projection, apply the q/k norms, then rotary, KV write and attention."""
+        """Split the fused projection, then the q/k norms, rotary, KV write and attention
+        (the norms inside the decode attention kernel where it takes the rotary too)."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        head_norms = None
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
+            head_norms = HeadNorms(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         out = rotary_paged_attention(
             q, k, v, positions, cos_sin_cache, kv_cache, metadata, self.scale, impl=self.impl,
             attention_impl=self.attention_impl, sliding_window=self.sliding_window, sinks=self.sinks,
-            rotary_in_decode_kernel=self.rotary_in_decode_attention, pdl=self.pdl,
+            rotary_in_decode_kernel=self.rotary_in_decode_attention, pdl=self.pdl, head_norms=head_norms,
         )  # [T, Hq, D]
         return out.reshape(num_tokens, self.q_size)
 
