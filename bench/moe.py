@@ -20,6 +20,7 @@ bf16, weights random and built in device memory):
     python bench/moe.py                                  # both parts; bench/results/moe/
     python bench/moe.py --part layer --tokens 1,64,8192
     python bench/moe.py --part decode --batch 1,64 --context 2048
+    python bench/moe.py --part decode --model gpt-oss-20b --batch 1   # sinks, biases, 128-token windows
     python bench/moe.py --dry-run                        # tiny shapes on the CPU: checks the script
 
 `--dry-run` runs every method once at toy sizes (the Triton kernels in the interpreter,
@@ -32,7 +33,7 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -56,6 +57,7 @@ DECODE_COLUMNS = ["batch", "context", "us", "roofline_us", "roofline_pct", "touc
 class MoEShape:
     """The MoE block's shape (and, for the decode step, the rest of the model's)."""
 
+    architecture: str = "qwen3-moe"  # or "gpt-oss": sinks, biases, clamped SwiGLU, alternating windows
     hidden: int = 2048
     inter: int = 768
     experts: int = 128
@@ -68,11 +70,19 @@ class MoEShape:
 
 
 TINY = MoEShape(hidden=64, inter=32, experts=8, top_k=2, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=512)
+MODELS = {
+    "qwen3-30b-a3b": MoEShape(),
+    "gpt-oss-20b": MoEShape(architecture="gpt-oss", hidden=2880, inter=2880, experts=32, top_k=4, layers=24,
+                            heads=64, kv_heads=8, head_dim=64, vocab=201088),
+}
+GPT_OSS_WINDOW = 128  # gpt-oss's sliding window, every other layer from the first
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", choices=("layer", "decode", "all"), default="all")
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b",
+                        help="the shapes (the layer part's experts are SiLU without biases either way)")
     parser.add_argument("--tokens", default="1,16,64,512,8192", help="token counts of the layer part")
     parser.add_argument("--batch", default="1,64", help="batch sizes of the decode part")
     parser.add_argument("--context", type=int, default=1024, help="tokens already in each sequence's KV cache")
@@ -223,6 +233,16 @@ def _transformers_block(shape: MoEShape, w13: torch.Tensor, w2: torch.Tensor, ro
 def decode_model_config(shape: MoEShape, max_len: int):
     from cleave.model.config import ModelConfig
 
+    if shape.architecture == "gpt-oss":  # as its config.json reads (bf16 experts: what cleave serves)
+        return ModelConfig.from_dict({
+            "architectures": ["GptOssForCausalLM"], "vocab_size": shape.vocab, "hidden_size": shape.hidden,
+            "intermediate_size": shape.inter, "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads,
+            "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim, "num_local_experts": shape.experts,
+            "num_experts_per_tok": shape.top_k, "sliding_window": GPT_OSS_WINDOW, "attention_bias": True,
+            "swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "max_position_embeddings": max_len, "dtype": "bfloat16",
+            "rope_theta": 150000.0, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "original_max_position_embeddings": 4096},
+        })
     return ModelConfig(
         architecture="Qwen3MoeForCausalLM", vocab_size=shape.vocab, hidden_size=shape.hidden,
         intermediate_size=6144, num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
@@ -275,7 +295,8 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
                 us = graph_call_us([step])
             else:
                 us = Timer(device).us(step)
-        num_bytes = _decode_bytes(shape, dtype, batch, args.context, touched)
+        windows = [config.layer_sliding_window(layer) for layer in range(config.num_hidden_layers)]
+        num_bytes = _decode_bytes(shape, dtype, batch, args.context, touched, windows)
         roofline_us = num_bytes / HBM_BYTES_PER_S * 1e6
         rows.append({
             "batch": batch, "context": args.context, "us": us, "roofline_us": roofline_us,
@@ -309,14 +330,17 @@ def _touched_experts(model, step: Callable[[], torch.Tensor]) -> list[int]:
     return counts
 
 
-def _decode_bytes(shape: MoEShape, dtype: torch.dtype, batch: int, context: int, touched: list[int]) -> int:
-    """Bytes one decode step must read: weights it uses, the KV cache, embeddings, lm_head."""
+def _decode_bytes(shape: MoEShape, dtype: torch.dtype, batch: int, context: int, touched: list[int],
+                  windows: Sequence[int | None]) -> int:
+    """Bytes one decode step must read: weights it uses, the KV cache (a sliding layer's
+    window of it), embeddings, lm_head."""
     element = torch.finfo(dtype).bits // 8
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     attention = shape.hidden * (q + 2 * kv) + q * shape.hidden + 2 * shape.hidden + 2 * shape.head_dim
     router = shape.experts * shape.hidden
     weights = shape.layers * (attention + router) * element + sum(touched) * expert_bytes(shape, dtype)
-    kv_cache = shape.layers * batch * (context + 1) * 2 * kv * element
+    keys = sum(min(context + 1, window or context + 1) for window in windows)
+    kv_cache = keys * batch * 2 * kv * element
     return weights + kv_cache + (batch + shape.vocab) * shape.hidden * element
 
 
@@ -325,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[dict]]:
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("bench/moe.py needs a CUDA device (or --dry-run for tiny shapes on the CPU)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shape = TINY if args.dry_run else MoEShape()
+    shape = replace(TINY, architecture=MODELS[args.model].architecture) if args.dry_run else MODELS[args.model]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     results: dict[str, list[dict]] = {}
     if args.part in ("layer", "all"):

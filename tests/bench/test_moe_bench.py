@@ -44,3 +44,14 @@ def test_dry_run_writes_both_parts(bench, tmp_path):
     assert saved["summary"]["shape"]["experts"] == 8 and len(saved["rows"]) == 2
     (layer_file,) = tmp_path.glob("moe-layer-*.md")
     assert layer_file.read_text().startswith("# moe-layer")
+
+
+def test_gpt_oss_decode_dry_run_builds_its_model(bench, tmp_path):
+    """gpt-oss's decode step (sinks, biases, alternating windows) at tiny shapes; its real
+    shape is the 20B model's."""
+    assert bench.MODELS["gpt-oss-20b"].architecture == "gpt-oss" and bench.MODELS["gpt-oss-20b"].experts == 32
+    config = bench.decode_model_config(bench.MODELS["gpt-oss-20b"], 2048)
+    assert config.attention_sinks and config.router_bias and config.num_experts_per_tok == 4
+    assert [config.layer_sliding_window(i) for i in range(2)] == [bench.GPT_OSS_WINDOW, None]
+    rows = bench.main(["--dry-run", "--part", "decode", "--model", "gpt-oss-20b", "--out", str(tmp_path)])["decode"]
+    assert [row["batch"] for row in rows] == [1, 2] and all(row["bytes_gb"] > 0 for row in rows)
