@@ -24,21 +24,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import format_table, graph_call_us, run_name, write_results  # noqa: E402
+from common import format_table, graph_call_us, parse_heads, run_name, write_results  # noqa: E402
 
 from cleave.kernels.attention_decode import NUM_STAGES, choose_num_splits, paged_decode_attention  # noqa: E402
 from cleave.kv.metadata import AttentionMetadata  # noqa: E402
 
 COLUMNS = ["heads", "batch", "context", "num_splits", "block_n", "num_warps", "num_stages", "us", "kv_gb", "roofline_pct"]
 BLOCK_SIZE = 16
-
-
-def parse_heads(text: str) -> tuple[int, int, int]:
-    """Q:KV:D -> (query heads, KV heads, head dim)."""
-    q_heads, kv_heads, head_dim = (int(part) for part in text.split(":"))
-    if q_heads % kv_heads:
-        raise argparse.ArgumentTypeError(f"{q_heads} query heads are not a multiple of {kv_heads} KV heads")
-    return q_heads, kv_heads, head_dim
 
 
 def parse_ints(text: str) -> list[int | None]:

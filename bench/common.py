@@ -141,6 +141,16 @@ def copy_bandwidth_gbs(num_bytes: int = 1 << 30) -> float:
     return 2 * num_bytes / (ms * 1e-3) / 1e9
 
 
+def parse_heads(text: str) -> tuple[int, int, int]:
+    """An attention layer's heads as Q:KV:D -> (query heads, KV heads, head dim)."""
+    import argparse
+
+    q_heads, kv_heads, head_dim = (int(part) for part in text.split(":"))
+    if q_heads % kv_heads:
+        raise argparse.ArgumentTypeError(f"{q_heads} query heads are not a multiple of {kv_heads} KV heads")
+    return q_heads, kv_heads, head_dim
+
+
 def _cell(value: object) -> str:
     if value is None:
         return "-"

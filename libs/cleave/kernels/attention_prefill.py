@@ -123,10 +123,13 @@ def paged_prefill_attention(
     block_n: int = 64,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [Hq] fp32
+    num_warps: int = 4,
+    num_stages: int | None = None,  # None: triton's default
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal varlen attention of every sequence's new tokens over its paged context
     (only the last `sliding_window` positions of it per query, when given; `sinks`: one
-    extra softmax logit per query head, with no value)."""
+    extra softmax logit per query head, with no value). The tiles, warps and pipeline
+    stages are bench/attention_prefill.py's to sweep."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     if num_q_heads % num_kv_heads:
@@ -149,6 +152,7 @@ def paged_prefill_attention(
          metadata.block_tables.stride(0), kv_cache.shape[2], sliding_window or 0),
         (queries_per_kv, head_dim, bool(sliding_window), sinks is not None, block_m, block_n,
          max(16, triton.next_power_of_2(head_dim)), dot_dtype, precision),
-        4,
+        num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     return out

@@ -1,0 +1,92 @@
+"""Paged prefill attention alone: achieved TFLOP/s over tile, warp and pipeline settings.
+
+For each prompt length of a Llama-3.2-1B-shaped layer (32 query heads, 8 KV heads, head_dim
+64; `--heads 32:4:128` for Qwen3-30B-A3B's), one sequence without a cached prefix, bf16,
+16-token blocks on shuffled block ids, times `paged_prefill_attention` inside a CUDA graph
+(device time) for every combination of `--block-m`, `--block-n`, `--num-warps` and
+`--num-stages`, and reports microseconds, TFLOP/s (causal: 2 x 2 x T^2 / 2 x Hq x D) and the
+share of `--peak-tflops`. The first combination of the defaults is what the engine runs.
+One layer's share of an 8192-token prefill: multiply by the layer count (16 for the 1B).
+
+    python bench/attention_prefill.py --tokens 2048 8192 --out bench/results/prefill
+    python bench/attention_prefill.py --tokens 8192 --block-m 64 128 --block-n 32 64 --num-warps 4 8 --num-stages 2 3 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import format_table, graph_call_us, parse_heads, run_name, write_results  # noqa: E402
+
+COLUMNS = ["heads", "tokens", "block_m", "block_n", "num_warps", "num_stages", "us", "tflops", "peak_pct"]
+BLOCK_SIZE = 16
+
+
+def causal_flops(tokens: int, q_heads: int, head_dim: int) -> float:
+    """QK^T and PV over the lower triangle of one sequence's prompt."""
+    return 2 * 2 * tokens * tokens / 2 * q_heads * head_dim
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--heads", type=parse_heads, default="32:8:64", help="query heads:KV heads:head dim")
+    parser.add_argument("--block-m", type=int, nargs="+", default=[64])
+    parser.add_argument("--block-n", type=int, nargs="+", default=[64])
+    parser.add_argument("--num-warps", type=int, nargs="+", default=[4])
+    parser.add_argument("--num-stages", type=int, nargs="+", default=[0], help="0: triton's default")
+    parser.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 matmul peak of the device")
+    parser.add_argument("--out", default=None, help="directory for attention_prefill-<UTC time>.json / .md")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from cleave.kernels.attention_prefill import paged_prefill_attention
+    from cleave.kv.metadata import AttentionMetadata
+
+    device = torch.device("cuda")
+    q_heads, kv_heads, head_dim = args.heads
+    heads = f"{q_heads}:{kv_heads}:{head_dim}"
+    rows = []
+    for tokens in args.tokens:
+        num_blocks = -(-tokens // BLOCK_SIZE)
+        blocks = list(range(1, num_blocks + 1))
+        random.Random(tokens).shuffle(blocks)
+        cache = torch.randn(2, num_blocks + 1, BLOCK_SIZE, kv_heads, head_dim, dtype=torch.bfloat16, device=device)
+        query = torch.randn(tokens, q_heads, head_dim, dtype=torch.bfloat16, device=device)
+        metadata = AttentionMetadata.build([tokens], [tokens], [blocks], BLOCK_SIZE, device=device)
+        flops = causal_flops(tokens, q_heads, head_dim)
+        for block_m, block_n, warps, stages in itertools.product(args.block_m, args.block_n, args.num_warps,
+                                                                  args.num_stages):
+            def call() -> torch.Tensor:
+                return paged_prefill_attention(query, cache, metadata, head_dim**-0.5, block_m=block_m,
+                                               block_n=block_n, num_warps=warps, num_stages=stages or None)
+
+            try:
+                us = graph_call_us([call])
+            except Exception as error:  # noqa: BLE001 - a setting that does not compile is a row
+                rows.append({"heads": heads, "tokens": tokens, "block_m": block_m, "block_n": block_n,
+                             "num_warps": warps, "num_stages": stages or "-", "us": f"{type(error).__name__}"})
+                continue
+            tflops = flops / (us * 1e-6) / 1e12
+            rows.append({"heads": heads, "tokens": tokens, "block_m": block_m, "block_n": block_n,
+                         "num_warps": warps, "num_stages": stages or "-", "us": round(us, 1),
+                         "tflops": round(tflops, 1), "peak_pct": round(100 * tflops / args.peak_tflops, 1)})
+            print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+    print(format_table(rows, COLUMNS))
+    if args.out:
+        write_results(args.out, run_name("attention_prefill"), rows, COLUMNS, {"peak_tflops": args.peak_tflops})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""bench/attention_prefill.py: its arguments and FLOP count (the timing itself needs a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.bench.bench_modules import imported_bench
+
+
+@pytest.fixture(scope="module")
+def bench():  # type: ignore[no-untyped-def]
+    with imported_bench("attention_prefill") as module:
+        yield module
+
+
+def test_defaults_are_the_engines_settings_and_flops_count_the_lower_triangle(bench):
+    args = bench.parse_args([])
+    assert (args.block_m, args.block_n, args.num_warps, args.num_stages) == ([64], [64], [4], [0])
+    assert args.heads == (32, 8, 64) and args.tokens == [2048, 8192]
+    sweep = bench.parse_args(["--tokens", "8192", "--block-m", "64", "128", "--num-stages", "2", "3"])
+    assert sweep.block_m == [64, 128] and sweep.num_stages == [2, 3]
+    # 8192 tokens, 32 heads of 64: 2 * 2 * 8192^2 / 2 * 32 * 64 = 275 GFLOP a layer
+    assert bench.causal_flops(8192, 32, 64) == pytest.approx(2.749e11, rel=1e-3)
