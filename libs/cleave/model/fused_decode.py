@@ -35,8 +35,8 @@ from cleave.kernels.activation import silu_and_mul
 from cleave.kernels.attention import paged_attention
 from cleave.kernels.attention_decode import NewKV, paged_decode_attention
 from cleave.kernels.dispatch import use_triton
-from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
 from cleave.kernels.fused_moe import route
+from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
 from cleave.kernels.gemv import RotaryKVWrite
 from cleave.kernels.moe_gemv import MAX_TOKENS as MOE_GEMV_MAX_TOKENS
 from cleave.kernels.moe_gemv import moe_gemv
