@@ -15,8 +15,11 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 @contextmanager
 def imported_bench(name: str) -> Iterator[ModuleType]:
     """bench/<name>.py, registered in sys.modules while in use (its dataclasses look their
-    module up while being built) and removed after."""
+    module up while being built). After it, sys.path and the modules are as before: a bench
+    script puts bench/ first on the path, where its `kernels.py` would shadow the `kernels`
+    package transformers looks for, and imports bench/'s `common` by that bare name."""
     module_name = f"bench_{name}"
+    saved_path, saved_modules = list(sys.path), set(sys.modules)
     spec = importlib.util.spec_from_file_location(module_name, BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
@@ -24,4 +27,12 @@ def imported_bench(name: str) -> Iterator[ModuleType]:
         spec.loader.exec_module(module)  # type: ignore[union-attr]
         yield module
     finally:
-        sys.modules.pop(module_name, None)
+        sys.path[:] = saved_path
+        for added in set(sys.modules) - saved_modules:
+            if added == module_name or _from_bench(sys.modules[added]):
+                del sys.modules[added]
+
+
+def _from_bench(module: ModuleType) -> bool:
+    origin = getattr(module, "__file__", None)
+    return origin is not None and Path(origin).resolve().parent == BENCH

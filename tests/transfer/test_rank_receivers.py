@@ -17,6 +17,7 @@ from cleave.errors import DeadlineExceeded, NotFound, Unavailable
 from cleave.rpc.types import KVLayout, TransportKind
 from cleave.transfer import KVReceiver, KVTransferClient
 from cleave.transfer.layout import head_slice
+from cleave.transfer.rank_messages import Failed
 from cleave.transfer.rank_receivers import RankReceivers
 from cleave.worker.rank_receiver import FollowerReceiver
 
@@ -95,6 +96,23 @@ async def test_a_part_past_its_deadline_fails_the_transfer_and_cancels_the_rest(
     assert transfer.done
     again = two_ranks.receivers.expect("t2", [1, 2], timeout_s=30)  # every rank forgot the id
     await again.registered()
+    again.cancel("test over")
+    with pytest.raises(NotFound, match="test over"):
+        await again.wait()
+
+
+async def test_a_late_verdict_on_an_earlier_expectation_leaves_a_new_one_alone(two_ranks):
+    """A follower's Failed for the first expectation of an id (its deadline fired after the
+    leader had given up on it) arrives once the id is expected again: the new part waits on."""
+    first = two_ranks.receivers.expect("t5", [1], timeout_s=30)
+    old_part = (await first.registered()).rank_handles[0].transfer_id
+    first.cancel("first over")
+    again = two_ranks.receivers.expect("t5", [1], timeout_s=30)
+    new_part = (await again.registered()).rank_handles[0].transfer_id
+    assert old_part != new_part and old_part.startswith("t5/rank1") and new_part.startswith("t5/rank1")
+    [link] = two_ranks.receivers._links
+    two_ranks.receivers._on_message(link, Failed(old_part, DeadlineExceeded("the first expectation's deadline")))
+    assert not link.completions[new_part].done()
     again.cancel("test over")
     with pytest.raises(NotFound, match="test over"):
         await again.wait()

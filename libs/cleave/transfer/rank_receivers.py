@@ -8,7 +8,7 @@ transfer into such a worker is one transfer per rank, each of that rank's heads:
     admission (rank 0's event loop)            follower r (`cleave.worker.rank_receiver`)
     RankReceivers.expect(id, block_ids)
       local KVReceiver.expect(...)              (rank 0's heads: the handle itself)
-      Expect(id/rank<r>, block_ids) -- pipe -->  KVReceiver.expect(...) -> Registered(handle)
+      Expect(id/rank<r>.<n>, ...)   -- pipe -->  KVReceiver.expect(...) -> Registered(handle)
     await transfer.registered()   <-- acks --   (Admit returns only once every rank expects it)
       -> handle + rank_handles (TCP, each with its rank's layout)
     await transfer.wait()         <-- Done ---  every layer of rank r's slice arrived
@@ -32,6 +32,7 @@ anything on several GPUs) is untested.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
@@ -161,6 +162,10 @@ class RankReceivers:
         self.local = local
         self._links = [_RankLink(rank, connection) for rank, connection in enumerate(connections, start=1)]
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Each expectation's parts get ids of their own ("<id>/rank<r>.<n>"): a follower's
+        # late verdict on an earlier expectation of the same transfer id (its deadline
+        # firing after the leader gave up on it) must not settle a new one.
+        self._expectations = itertools.count()
 
     @property
     def address(self) -> str:
@@ -205,9 +210,10 @@ class RankReceivers:
                                   worker_id=worker_id, control_address=control_address)
         loop = asyncio.get_running_loop()
         parts = []
+        expectation = next(self._expectations)
         try:
             for link in self._links:
-                part_id = f"{transfer_id}/rank{link.rank}"
+                part_id = f"{transfer_id}/rank{link.rank}.{expectation}"
                 registration, completion = loop.create_future(), loop.create_future()
                 registration.add_done_callback(_consume)
                 completion.add_done_callback(_consume)
