@@ -151,7 +151,8 @@ class LayerStreams:
                     continue
                 stream = self._offered.get(entry.seq.request_id)
                 if stream is not None and not stream.is_claimed:
-                    stream.block_ids = list(entry.block_table)
+                    # a paired cache's pages: the block table's, then the window table's (`handoff.export`)
+                    stream.block_ids = list(entry.block_table) + list(entry.window_table or ())
                     claimed.append(stream)
         if not claimed:
             return None

@@ -17,6 +17,7 @@ from cleave.engine.memory_budget import (
 )
 from cleave.engine.model_runner import ModelRunner
 from cleave.errors import ResourceExhausted
+from cleave.kv.groups import KVGroups
 
 GIB = 2**30
 TOTAL = 80 * GIB
@@ -83,6 +84,7 @@ def _runner(cache: CacheConfig, device: str = "cuda:0") -> ModelRunner:
     runner.block_size = cache.block_size
     runner.kv_dtype = torch.bfloat16
     runner.model_config = SimpleNamespace(num_hidden_layers=4, num_key_value_heads=2, head_dim=64)
+    runner.kv_groups = KVGroups(tuple(range(4)), (False,) * 4, None)  # a slot per layer
     return runner
 
 
@@ -96,6 +98,12 @@ def test_runner_sizes_the_cache_from_its_share_of_total_memory(monkeypatch):
     assert runner._bytes_per_block() == bytes_per_block
     expected = int((0.3 * TOTAL - WEIGHTS - PEAK - CUDA_HEADROOM_BYTES) // bytes_per_block) + 1
     assert runner._init_num_blocks() == expected
+
+
+def test_a_paired_cache_block_holds_half_the_layers():
+    runner = _runner(CacheConfig(block_size=16))
+    runner.kv_groups = KVGroups((0, 0, 1, 1), (True, False, True, False), 128)
+    assert runner._bytes_per_block() == 2 * 2 * 16 * 2 * 64 * 2  # slots * K,V * tokens * heads * dim * bf16
 
 
 def test_runner_refusal_names_the_device(monkeypatch):

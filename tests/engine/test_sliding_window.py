@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from cleave.engine.llm_engine import LLMEngine, uniform_sliding_window
+from cleave.engine.llm_engine import LLMEngine
 from cleave.engine.request import OutputAccumulator
 from cleave.generation.sampling_params import SamplingParams
+from cleave.kv.groups import uniform_sliding_window
 from cleave.model.config import ModelConfig
 from cleave.testing.tiny_models import write_tiny_checkpoint
 from tests.engine.hf_reference import hf_greedy_continuations

@@ -58,12 +58,16 @@ class CacheConfig:
         enable_prefix_caching: reuse full blocks whose chained hash matches.
         gpu_memory_utilization: fraction of device memory the runner may fill with weights,
             activations and KV when num_blocks is None.
+        pair_window_layers: a model mixing full-attention layers with as many sliding-window
+            layers (gpt-oss) pairs them in the cache, the sliding ones over window tables
+            that drop pages behind the window (cleave.kv.groups); False keeps every block.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
+    pair_window_layers: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

@@ -127,6 +127,12 @@ class KVHandoff:
         the prefix cache's keys and the kvstore's (any thread)."""
         return block_hashes(token_ids, self.kv.block_size, self.kv.namespace)
 
+    @property
+    def kvstore_compatible(self) -> bool:
+        """Whether a block's KV is one page, as the kvstore keeps it (not in a cache that
+        pairs window layers: cleave.kv.groups)."""
+        return not self.kv.window_group
+
     def snapshot(self) -> KVSnapshot:
         """Free and usable block counts now (both sides' `load()`; any thread)."""
         return KVSnapshot(self.kv.num_free_blocks, self.kv.num_usable_blocks)
@@ -165,9 +171,10 @@ class KVHandoff:
 
     def export(self, request_id: str) -> list[int]:
         """Prefill side: block ids holding a finished prefill-only request's prompt KV, in
-        token order, to send. The caller owns them until `release_export`. Raises NotFound
+        token order, to send (a paired cache's: the block table's, then the window table's;
+        `KVCacheManager.pages`). The caller owns them until `release_export`. Raises NotFound
         when the request kept none."""
-        table = self.kv.block_table(request_id + _EXPORT_SUFFIX)
+        table = self.kv.pages(request_id + _EXPORT_SUFFIX)
         if not table:
             raise NotFound(f"no exported prompt KV for request {request_id!r}", field="request_id")
         return table
@@ -182,8 +189,11 @@ class KVHandoff:
     def hold_prefix(self, request_id: str, token_ids: Seq[int]) -> PrefixHold | None:
         """Prefill side (kvstore): hold blocks for `token_ids` (a prompt's leading full
         blocks) under the request's hold; blocks the prefix cache has are shared, the rest
-        are new. None, with nothing held, when the pool lacks free blocks. The caller owns
-        the hold until `release_hold`, also when it fills nothing."""
+        are new. None, with nothing held, when the pool lacks free blocks or the cache pairs
+        window layers (the kvstore keeps one page per block, a paired block has two). The
+        caller owns the hold until `release_hold`, also when it fills nothing."""
+        if not self.kvstore_compatible:
+            return None
         hold_id = request_id + _HOLD_SUFFIX
         tokens = list(token_ids)
         hit = self.kv.get_computed_blocks(hold_id, tokens + [0])  # + a token: every block may hit
@@ -209,7 +219,7 @@ class KVHandoff:
         """Decode side: allocate the blocks a prompt's KV arrives in (once, whatever the
         request's n); returns their ids, in token order, for the transport. The caller owns
         them until `receive` returns (then the engine does) or `release`. Raises
-        OutOfBlocksError (RESOURCE_EXHAUSTED)."""
+        OutOfBlocksError (RESOURCE_EXHAUSTED). A paired cache's pages come as `export`'s."""
         return self.kv.reserve(_first_sample_id(request_id), num_prompt_tokens)
 
     def release(self, request_id: str) -> None:

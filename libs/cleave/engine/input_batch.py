@@ -13,7 +13,8 @@ per int64 word, reinterpreted on the device without a kernel), and the block tab
 in a persistent [E, W] int32 tensor that is rewritten only when the batch's membership
 changes, a table grows past the width or changes its last block, or the KV manager replaces
 a table (blocks dropped behind a sliding window); otherwise a decode only writes into a
-block it already has.
+block it already has. Entries with window tables (a paired cache, `cleave.kv.groups`) give
+the batch a second set of slots and tables, `metadata.window`, built the same way.
 
 Sampling rows: an entry with `sample` set produces one logits row (its last token); each
 sequence in `entry.sample_seqs` (the entry's own sequence, then its forks) draws one token
@@ -155,7 +156,8 @@ class InputBatchBuilder:
         self._staged: list[torch.cuda.Event | None] = [None, None]
         self._next_staging = 0
         self._all_stand_ins: dict[int, array] = {}  # E -> stand_in_token(0..E-1)
-        self._decode_tables: _DecodeTables | None = None
+        # per table group (block tables, window tables): the previous decode batch's tables
+        self._decode_tables: list[_DecodeTables | None] = [None, None]
         self._query_starts: dict[int, torch.Tensor] = {}  # E -> arange(E + 1) int32 on device
 
     def build(self, output: SchedulerOutput) -> InputBatch:
@@ -163,7 +165,7 @@ class InputBatchBuilder:
         batch = self._build_decode(output)
         if batch is not None:
             return batch
-        self._decode_tables = None
+        self._decode_tables = [None, None]
         return self.build_general(output)
 
     def build_general(self, output: SchedulerOutput) -> InputBatch:
@@ -178,6 +180,8 @@ class InputBatchBuilder:
         width = 1
         end_token = 0
         stand_in_rows, stand_in_sources = array("q"), array("q")
+        has_windows = output.scheduled[0].window_table is not None
+        window_slots, window_tables = array("q"), []
         for entry in output.scheduled:
             start, num_new = entry.start_position, entry.num_new_tokens
             end = start + num_new
@@ -191,12 +195,10 @@ class InputBatchBuilder:
                 slots.append(table[start // block_size] * block_size + start % block_size)
             else:
                 positions.extend(range(start, end))
-                position = start
-                while position < end:  # one extend per block the chunk touches
-                    block_end = min(end, (position // block_size + 1) * block_size)
-                    base = table[position // block_size] * block_size - (position // block_size) * block_size
-                    slots.extend(range(base + position, base + block_end))
-                    position = block_end
+                _extend_slots(slots, table, start, end, block_size)
+            if has_windows:
+                window_tables.append(entry.window_table)
+                _extend_slots(window_slots, entry.window_table, start, end, block_size)
             end_token += num_new
             query_starts.append(end_token)
             seq_lens.append(end)
@@ -209,15 +211,13 @@ class InputBatchBuilder:
                 sampled_seqs.extend(sample_seqs)
                 sample_rows.extend([row] * len(sample_seqs))
                 has_forks = has_forks or len(sample_seqs) > 1
-        block_tables = array("q")
-        for table in tables:
-            block_tables.extend(table)
-            if len(table) < width:
-                block_tables.extend([0] * (width - len(table)))
+        block_tables = _padded_tables(tables, width)
 
         num_tokens, num_entries = len(token_ids), len(tables)
         needs_logits_index = len(logits_rows) != num_entries or end_token != num_entries
         parts = [token_ids, positions, slots, query_starts, seq_lens, block_tables]
+        if has_windows:
+            parts.extend((window_slots, _padded_tables(window_tables, width)))
         if needs_logits_index:
             parts.append(logits_rows)
         if has_forks:
@@ -244,6 +244,9 @@ class InputBatchBuilder:
             max_seq_len=max(seq_lens),
         )
         index = 6
+        if has_windows:
+            metadata.window = metadata.over_tables(views[6], views[7].to(torch.int32).view(num_entries, width))
+            index = 8
         logits_indices = sample_rows_tensor = None
         if needs_logits_index:
             logits_indices, index = views[index], index + 1
@@ -283,6 +286,12 @@ class InputBatchBuilder:
         stand_ins = self._stand_ins(flat)
         flat.extend(positions)
         flat.extend(slots)
+        window_tables = None
+        if scheduled[0].window_table is not None:
+            window_tables = [entry.window_table for entry in scheduled]
+            flat.extend([table[start // block_size] * block_size + start % block_size
+                         for table, start in zip(window_tables, starts)])
+        seq_lens_start = len(flat)
         if num_entries % 2:
             seq_lens.append(0)
         flat.frombytes(seq_lens.tobytes())
@@ -295,11 +304,14 @@ class InputBatchBuilder:
         metadata = AttentionMetadata(
             slot_mapping=device_buffer[2 * num_entries : 3 * num_entries],
             query_start_loc=self._query_start_loc(num_entries),
-            seq_lens=device_buffer[3 * num_entries : seq_lens_end].view(torch.int32)[:num_entries],
+            seq_lens=device_buffer[seq_lens_start:seq_lens_end].view(torch.int32)[:num_entries],
             block_tables=self._block_tables(seqs, tables),
             max_query_len=1,
             max_seq_len=max(seq_lens),
         )
+        if window_tables is not None:
+            metadata.window = metadata.over_tables(device_buffer[3 * num_entries : 4 * num_entries],
+                                                   self._block_tables(seqs, window_tables, group=1))
         return InputBatch(
             input_ids=device_buffer[:num_entries],
             positions=device_buffer[num_entries : 2 * num_entries],
@@ -339,11 +351,12 @@ class InputBatchBuilder:
             self._query_starts[num_entries] = starts
         return starts
 
-    def _block_tables(self, seqs: list[Sequence], tables: list[Seq[int]]) -> torch.Tensor:
-        """[E, W] int32 device block tables of a decode batch, reusing the previous step's."""
+    def _block_tables(self, seqs: list[Sequence], tables: list[Seq[int]], group: int = 0) -> torch.Tensor:
+        """[E, W] int32 device tables of a decode batch (`group` 1: its window tables),
+        reusing the previous step's."""
         lengths = list(map(len, tables))
         lasts = list(map(_LAST, tables))
-        kept = self._decode_tables
+        kept = self._decode_tables[group]
         if kept is not None and len(kept.seqs) == len(seqs) and all(map(operator.is_, kept.seqs, seqs)):
             same_tables = all(map(operator.is_, kept.tables, tables))
             if same_tables and lengths == kept.lengths and lasts == kept.lasts:
@@ -378,7 +391,7 @@ class InputBatchBuilder:
             copied = self._record_copy(None)
         else:
             device = host if self.device.type == "cpu" else host.to(self.device)
-        self._decode_tables = _DecodeTables(list(seqs), lengths, lasts, tables, host, device, copied)
+        self._decode_tables[group] = _DecodeTables(list(seqs), lengths, lasts, tables, host, device, copied)
         return device
 
     def _widen(self, kept: _DecodeTables, width: int) -> None:
@@ -438,3 +451,23 @@ class InputBatchBuilder:
         device = staging.to(self.device, non_blocking=True)
         self._staged[index] = self._record_copy(staged)
         return device
+
+
+def _extend_slots(slots: array, table: Seq[int], start: int, end: int, block_size: int) -> None:
+    """Append the slots of positions start..end-1 through `table` (one extend per block)."""
+    position = start
+    while position < end:
+        block_end = min(end, (position // block_size + 1) * block_size)
+        base = table[position // block_size] * block_size - (position // block_size) * block_size
+        slots.extend(range(base + position, base + block_end))
+        position = block_end
+
+
+def _padded_tables(tables: list[Seq[int]], width: int) -> array:
+    """The tables row after row, each padded with the null block to `width`."""
+    flat = array("q")
+    for table in tables:
+        flat.extend(table)
+        if len(table) < width:
+            flat.extend([0] * (width - len(table)))
+    return flat

@@ -173,9 +173,10 @@ class LLMEngine:
             dtype=str(self.dtype).removeprefix("torch."),
             block_size=cache.block_size,
         )
+        groups = self.runner.kv_groups
         self.kv = KVCacheManager(
             self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching, namespace,
-            sliding_window=uniform_sliding_window(self.model_config),
+            sliding_window=groups.sliding_window, window_group=groups.is_paired,
         )
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
         # A weak reference back: no cycle, so a dropped engine frees its KV cache at once.
@@ -187,7 +188,7 @@ class LLMEngine:
 
     @property
     def kv_cache(self) -> torch.Tensor:
-        """The KV cache tensor [num_layers, 2, num_blocks, block_size, Hkv, D]."""
+        """The KV cache tensor [num_slots, 2, num_blocks, block_size, Hkv, D] (cleave.kv.groups)."""
         return self.runner.kv_cache
 
     # ---- requests -------------------------------------------------------------------------
@@ -503,9 +504,3 @@ class LLMEngine:
             self._register(state)
         self._pending[state.request_id] = state
 
-
-def uniform_sliding_window(config: ModelConfig) -> int | None:
-    """W when every attention layer sees only a query's last W positions (Mistral), else
-    None: one full-attention layer (gpt-oss, Llama) reads every block the sequence has."""
-    windows = {config.layer_sliding_window(layer) for layer in range(config.num_hidden_layers)}
-    return windows.pop() if len(windows) == 1 else None

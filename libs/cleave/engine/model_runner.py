@@ -21,7 +21,9 @@ The sampled ids stay on the device (`LaunchedStep.token_ids`) so the next step c
 launched before they reach the host: that is what lets the engine overlap its host work
 (output processing, scheduling, input preparation) with the device's forward.
 
-The KV cache is one tensor [num_layers, 2, num_blocks, block_size, Hkv, D]. On CUDA its
+The KV cache is one tensor [num_slots, 2, num_blocks, block_size, Hkv, D]: a slot per layer,
+or half as many for a model whose sliding-window layers pair with its full-attention ones
+(`cleave.kv.groups`; steps then carry window tables, `AttentionMetadata.window`). On CUDA its
 size is what is left of this process's share of the device (`gpu_memory_utilization` of
 its total memory, `memory_budget`) after the weights and a profiling forward at the step's
 token budget; on CPU from `CacheConfig.num_blocks` or DEFAULT_CPU_KV_TOKENS.
@@ -51,6 +53,7 @@ from cleave.generation.outputs import TokenLogprob
 from cleave.generation.sampling_params import SamplingParams
 from cleave.graphs.prefill import PrefillGraphConfig, PrefillGraphRunner
 from cleave.graphs.runner import CUDAGraphRunner, GraphRunnerConfig
+from cleave.kv.groups import kv_groups
 from cleave.kv.metadata import AttentionMetadata
 from cleave.model.llama import CausalLM, allocate_kv_cache
 from cleave.parallel.model import TensorParallelCausalLM
@@ -182,8 +185,11 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.sampler = Sampler(config.seed)
         self.inputs = InputBatchBuilder(self.block_size, self.device)
+        # the cache's layer slots: paired window layers (cleave.kv.groups) or one per layer
+        self.kv_groups = kv_groups(self.model_config, config.cache.pair_window_layers)
         self.num_blocks = self._init_num_blocks()
-        self.kv_cache = allocate_kv_cache(self.model_config, self.num_blocks, self.block_size, self.kv_dtype, self.device)
+        self.kv_cache = allocate_kv_cache(self.model_config, self.num_blocks, self.block_size, self.kv_dtype, self.device,
+                                          num_slots=self.kv_groups.num_slots)
         self.graph_runner = self._init_graphs()
         self.prefill_graphs = self._init_prefill_graphs()
         # (rows, state) of the last step's SamplingTensors while they stay valid; holding the
@@ -198,7 +204,8 @@ class ModelRunner:
             return cache.num_blocks
         if self.device.type != "cuda":
             tokens = max(DEFAULT_CPU_KV_TOKENS, self.config.scheduler.max_model_len)
-            return -(-tokens // self.block_size) + 1
+            tables = 2 if self.kv_groups.is_paired else 1  # a paired cache's pages serve two tables
+            return tables * -(-tokens // self.block_size) + 1
         # gpu_memory_utilization is this process's share of the device's total memory (see
         # memory_budget): workers sharing a GPU never count each other's memory as theirs.
         peak = self._profile_peak_bytes()
@@ -209,7 +216,7 @@ class ModelRunner:
 
     def _bytes_per_block(self) -> int:
         cfg = self.model_config
-        return cfg.num_hidden_layers * 2 * self.block_size * cfg.num_key_value_heads * cfg.head_dim * self.kv_dtype.itemsize
+        return self.kv_groups.num_slots * 2 * self.block_size * cfg.num_key_value_heads * cfg.head_dim * self.kv_dtype.itemsize
 
     @torch.inference_mode()
     def _profile_peak_bytes(self) -> int:
@@ -248,6 +255,7 @@ class ModelRunner:
             max_blocks_per_seq=-(-sched.max_model_len // self.block_size),
             block_size=self.block_size,
             pdl=self.config.pdl,
+            window_tables=self.kv_groups.is_paired,
         )
         runner = CUDAGraphRunner(self._decode_step, graph_config, self.device)
         runner.capture()
@@ -265,6 +273,7 @@ class ModelRunner:
             max_tokens=min(max_tokens, sched.max_num_batched_tokens, sched.max_model_len),
             max_blocks_per_seq=-(-sched.max_model_len // self.block_size),
             block_size=self.block_size,
+            window_tables=self.kv_groups.is_paired,
         )
         runner = PrefillGraphRunner(self._prefill_forward, config, self.device)
         try:
@@ -409,7 +418,7 @@ class ModelRunner:
         """Copy whole KV blocks src -> dst across every layer, K and V (one gather/scatter)."""
         pairs = to_device(torch.tensor(copies, dtype=torch.int64).view(-1, 2), self.device)  # [C, 2]
         src, dst = pairs[:, 0], pairs[:, 1]
-        # kv_cache: [L, 2, NB, BS, Hkv, D]; dsts are fresh blocks, never a src of the same step
+        # kv_cache: [slots, 2, NB, BS, Hkv, D]; dsts are fresh blocks, never a src of the same step
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     def _forward(
@@ -441,11 +450,19 @@ class ModelRunner:
         return self.model.compute_logits(hidden), False, prompt_logprobs
 
     def _forward_reporting_layers(self, batch: InputBatch, layer_progress: LayerProgress) -> torch.Tensor:
-        """The eager forward with `layer_progress.on_layer_done(i)` right after decoder layer
-        i returns (its KV write is queued then): a forward hook per layer, for this call only."""
+        """The eager forward with `layer_progress.on_layer_done(s)` for each cache slot s right
+        after its last decoder layer returns (its KV write is queued then; a slot per layer
+        unless the cache pairs them): a forward hook per layer, for this call only."""
+        groups = self.kv_groups
 
         def hook_for(index: int) -> Callable[..., None]:
-            return lambda module, args, output: layer_progress.on_layer_done(index)
+            num_done = groups.slots_done_after(index + 1)
+
+            def report(module, args, output) -> None:
+                while layer_progress.num_reported < num_done:
+                    layer_progress.on_layer_done(layer_progress.num_reported)
+
+            return report
 
         handles = [layer.register_forward_hook(hook_for(index)) for index, layer in enumerate(self.model.layers)]
         try:

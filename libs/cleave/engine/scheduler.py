@@ -47,7 +47,9 @@ Sliding window: when every attention layer sees only a query's last W keys
 a sequence generates here and its prompt KV is complete, so neither a prompt still being
 prefilled in chunks, nor a prefill-only request's exported prompt (it ends on its first
 token, which no step feeds), nor a reservation not yet received loses a block. A long
-generation then holds at most ceil(W / block_size) + 1 blocks.
+generation then holds at most ceil(W / block_size) + 1 blocks. With a window group (a cache
+pairing sliding layers with full ones, `cleave.kv.groups`) the same drops apply to the
+window tables alone, which entries carry beside their block tables (`window_table`).
 
 n parallel samples (`add_group`) prefill the prompt once: the first sample runs alone; the
 step its prefill completes, the others appear as its `forks`, draw their first tokens from
@@ -338,11 +340,13 @@ class Scheduler:
             return None
         scheduled: list[ScheduledSequence] = []
         num_decodes = 0
+        window_view = kv.window_table_view if kv.window_group else None
         for seq, start, table in zip(order, starts, tables):
             is_decode = start >= seq.num_prompt_tokens  # else the last prompt token of a recompute
             num_decodes += is_decode
             token_ids = seq.all_token_ids[start:]
-            scheduled.append(ScheduledSequence(seq, 1, token_ids, start, True, table, (), not is_decode))
+            window = window_view(seq.seq_id) if window_view is not None else None
+            scheduled.append(ScheduledSequence(seq, 1, token_ids, start, True, table, (), not is_decode, window))
         stats = self.stats
         stats.num_steps += 1
         stats.num_decode_tokens += num_decodes
@@ -421,6 +425,7 @@ class Scheduler:
             block_table=self.kv.block_table_view(seq.seq_id),
             forks=forks,
             is_prefill=not is_decode,
+            window_table=self.kv.window_table_view(seq.seq_id) if self.kv.window_group else None,
         )
 
     # ---- blocks ---------------------------------------------------------------------------

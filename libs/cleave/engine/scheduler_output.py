@@ -40,6 +40,8 @@ class ScheduledSequence:
         forks: samples of the same request that draw their first token from this entry's
             logits and share its blocks from the next step on.
         is_prefill: False only for a decode step (feeding the last sampled token).
+        window_table: the sequence's window table (a paired cache: cleave.kv.groups), a live
+            view as `block_table`; None without one.
     """
 
     seq: Sequence
@@ -50,6 +52,7 @@ class ScheduledSequence:
     block_table: Seq[int]
     forks: tuple[Sequence, ...] = ()
     is_prefill: bool = True
+    window_table: Seq[int] | None = None
 
     @property
     def seq_id(self) -> str:

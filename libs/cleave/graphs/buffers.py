@@ -39,9 +39,12 @@ class StaticDecodeBuffers:
         split_counters: int32 zeros (max_batch_size x MAX_KV_HEADS, at least
             MIN_SPLIT_COUNTERS), the scratch of the decode attention and split-K linear
             kernels (left zeroed by every launch), so graphs carry no memset for it.
+        window: the slots and block tables of the window tables, as `slot_mapping` and
+            `block_tables` (`window_tables=True`: a paired cache, cleave.kv.groups), else None.
     """
 
-    def __init__(self, max_batch_size: int, max_blocks_per_seq: int, block_size: int, device: torch.device | str) -> None:
+    def __init__(self, max_batch_size: int, max_blocks_per_seq: int, block_size: int, device: torch.device | str,
+                 window_tables: bool = False) -> None:
         self.max_batch_size = max_batch_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_size = block_size
@@ -57,6 +60,10 @@ class StaticDecodeBuffers:
             max(max_batch_size * MAX_KV_HEADS, MIN_SPLIT_COUNTERS), dtype=torch.int32, device=device
         )
         self._static = DecodeInputs(self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables)
+        self.window: DecodeInputs | None = None
+        if window_tables:  # ids, positions and lengths shared: the second fill rewrites the same values
+            self.window = DecodeInputs(self.input_ids, self.positions, torch.full_like(self.slot_mapping, PAD_SLOT_ID),
+                                       self.seq_lens, torch.full_like(self.block_tables, NULL_BLOCK_ID))
         # Extent of real data left by the last fill: rows [0, dirty_rows), columns [0, dirty_width).
         self.dirty_rows = 0
         self.dirty_width = 0
@@ -68,7 +75,7 @@ class StaticDecodeBuffers:
 
     def metadata(self, bucket: int) -> AttentionMetadata:
         """Views of the first `bucket` rows, as the graph for `bucket` reads them."""
-        return AttentionMetadata(
+        metadata = AttentionMetadata(
             slot_mapping=self.slot_mapping[:bucket],
             query_start_loc=self.query_start_loc[: bucket + 1],
             seq_lens=self.seq_lens[:bucket],
@@ -77,6 +84,9 @@ class StaticDecodeBuffers:
             max_seq_len=self.max_seq_len,
             split_counters=self.split_counters,
         )
+        if self.window is not None:
+            metadata.window = metadata.over_tables(self.window.slot_mapping[:bucket], self.window.block_tables[:bucket])
+        return metadata
 
     def fill(
         self,
@@ -102,6 +112,12 @@ class StaticDecodeBuffers:
             )
         source = DecodeInputs(input_ids, positions, metadata.slot_mapping, metadata.seq_lens, metadata.block_tables)
         fill_decode_inputs(source, self._static, PADDING, self.dirty_rows, self.dirty_width, impl, pdl)
+        if self.window is not None:
+            window = metadata.window
+            if window is None:
+                raise ValueError("the decode graphs were captured with window tables; the batch has none")
+            source = DecodeInputs(input_ids, positions, window.slot_mapping, metadata.seq_lens, window.block_tables)
+            fill_decode_inputs(source, self.window, PADDING, self.dirty_rows, self.dirty_width, impl, pdl)
         self.dirty_rows = batch_size
         self.dirty_width = width
 
@@ -112,5 +128,8 @@ class StaticDecodeBuffers:
         self.slot_mapping.fill_(PAD_SLOT_ID)
         self.seq_lens.fill_(PAD_SEQ_LEN)
         self.block_tables.fill_(NULL_BLOCK_ID)
+        if self.window is not None:
+            self.window.slot_mapping.fill_(PAD_SLOT_ID)
+            self.window.block_tables.fill_(NULL_BLOCK_ID)
         self.dirty_rows = 0
         self.dirty_width = 0

@@ -52,11 +52,13 @@ class PrefillGraphConfig:
             tokens run eagerly.
         max_blocks_per_seq: block-table width; context capacity = this * block_size.
         block_size: tokens per KV block.
+        window_tables: the batch also carries window tables (a paired cache: cleave.kv.groups).
     """
 
     max_tokens: int
     max_blocks_per_seq: int
     block_size: int
+    window_tables: bool = False
 
 
 class StaticPrefillBuffers:
@@ -71,12 +73,15 @@ class StaticPrefillBuffers:
         self.seq_lens = torch.zeros(1, dtype=torch.int32, device=device)
         self.block_tables = torch.full((1, config.max_blocks_per_seq), NULL_BLOCK_ID, dtype=torch.int32,
                                        device=device)
+        # the window tables' slots and table (paired caches), else None
+        self.window_slot_mapping = torch.full_like(self.slot_mapping, PAD_SLOT_ID) if config.window_tables else None
+        self.window_block_tables = torch.full_like(self.block_tables, NULL_BLOCK_ID) if config.window_tables else None
         self._filled_tokens = 0  # rows [0, _filled_tokens) hold the last prompt's tokens
         self._filled_width = 0  # block-table columns the last prompt wrote
 
     def metadata(self, bucket: int) -> AttentionMetadata:
         """Views of the first `bucket` rows, as the graph for `bucket` reads them."""
-        return AttentionMetadata(
+        metadata = AttentionMetadata(
             slot_mapping=self.slot_mapping[:bucket],
             query_start_loc=self.query_start_loc,
             seq_lens=self.seq_lens,
@@ -84,6 +89,9 @@ class StaticPrefillBuffers:
             max_query_len=bucket,
             max_seq_len=self.config.max_blocks_per_seq * self.config.block_size,
         )
+        if self.window_slot_mapping is not None and self.window_block_tables is not None:
+            metadata.window = metadata.over_tables(self.window_slot_mapping[:bucket], self.window_block_tables)
+        return metadata
 
     def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> None:
         """Copy one sequence's new tokens into rows [0, n) and its layout into the
@@ -92,17 +100,27 @@ class StaticPrefillBuffers:
         num_tokens, width = input_ids.shape[0], metadata.block_tables.shape[1]
         self.input_ids[:num_tokens].copy_(input_ids, non_blocking=True)
         self.positions[:num_tokens].copy_(positions, non_blocking=True)
-        self.slot_mapping[:num_tokens].copy_(metadata.slot_mapping, non_blocking=True)
         if self._filled_tokens > num_tokens:
             self.input_ids[num_tokens:self._filled_tokens].fill_(PAD_TOKEN_ID)
             self.positions[num_tokens:self._filled_tokens].fill_(PAD_POSITION)
-            self.slot_mapping[num_tokens:self._filled_tokens].fill_(PAD_SLOT_ID)
         self.query_start_loc.copy_(metadata.query_start_loc, non_blocking=True)
         self.seq_lens.copy_(metadata.seq_lens, non_blocking=True)
-        self.block_tables[:, :width].copy_(metadata.block_tables, non_blocking=True)
-        if self._filled_width > width:
-            self.block_tables[:, width:self._filled_width].fill_(NULL_BLOCK_ID)
+        self._fill_tables(self.slot_mapping, self.block_tables, metadata, num_tokens, width)
+        if self.window_slot_mapping is not None and self.window_block_tables is not None:
+            if metadata.window is None:
+                raise ValueError("the prefill graphs were captured with window tables; the batch has none")
+            self._fill_tables(self.window_slot_mapping, self.window_block_tables, metadata.window, num_tokens, width)
         self._filled_tokens, self._filled_width = num_tokens, width
+
+    def _fill_tables(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, metadata: AttentionMetadata,
+                     num_tokens: int, width: int) -> None:
+        """One table group's slots and block table, padding past them what the last fill used."""
+        slot_mapping[:num_tokens].copy_(metadata.slot_mapping, non_blocking=True)
+        if self._filled_tokens > num_tokens:
+            slot_mapping[num_tokens:self._filled_tokens].fill_(PAD_SLOT_ID)
+        block_tables[:, :width].copy_(metadata.block_tables, non_blocking=True)
+        if self._filled_width > width:
+            block_tables[:, width:self._filled_width].fill_(NULL_BLOCK_ID)
 
     def reset(self) -> None:
         """Every row padding and a sequence of no tokens (capture warm-ups touch no KV)."""
@@ -112,6 +130,9 @@ class StaticPrefillBuffers:
         self.query_start_loc.zero_()
         self.seq_lens.zero_()
         self.block_tables.fill_(NULL_BLOCK_ID)
+        if self.window_slot_mapping is not None and self.window_block_tables is not None:
+            self.window_slot_mapping.fill_(PAD_SLOT_ID)
+            self.window_block_tables.fill_(NULL_BLOCK_ID)
         self._filled_tokens = self._filled_width = 0
 
 

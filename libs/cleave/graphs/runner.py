@@ -34,6 +34,7 @@ class GraphRunnerConfig:
         enabled: False runs every step eagerly (debugging, or when capture cannot fit).
         pdl: the input-refill kernel launches with programmatic dependent launch where the
             device has it (`cleave.kernels.pdl`).
+        window_tables: batches also carry window tables (a paired cache: cleave.kv.groups).
     """
 
     max_batch_size: int
@@ -41,6 +42,7 @@ class GraphRunnerConfig:
     block_size: int
     enabled: bool = True
     pdl: bool = True
+    window_tables: bool = False
 
 
 class GraphCaptureError(RuntimeError):
@@ -63,7 +65,8 @@ class CUDAGraphRunner:
         self.buffers: StaticDecodeBuffers | None = None
         if self.uses_graphs:
             self.buffers = StaticDecodeBuffers(
-                config.max_batch_size, config.max_blocks_per_seq, config.block_size, self.device
+                config.max_batch_size, config.max_blocks_per_seq, config.block_size, self.device,
+                window_tables=config.window_tables,
             )
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}

@@ -22,8 +22,17 @@ Sliding window: when every attention layer reads only the last W keys (`sliding_
 `drop_outside_window` releases the blocks no later query can see, so a long generation holds
 at most ceil(W / block_size) + 1 blocks. A dropped entry becomes the null block 0 and the table keeps
 its length, so position // block_size still indexes it; the dropped entries are always the
-table's first `num_dropped` ones. Models with any full-attention layer pass no window and
-keep every block.
+table's first `num_dropped` ones.
+
+Window group (`window_group=True`, models that mix full-attention layers with as many layers
+sliding over one window, as gpt-oss does): the KV cache tensor pairs them, slot k holding the
+k-th full layer's KV in the pages of a sequence's block table and the k-th sliding layer's
+in the pages of its second table, its *window table* (`window_table_view`). Both tables grow
+together over one pool; `drop_outside_window` drops from the window table only, so a long
+generation holds its full layers' blocks plus about W / block_size window pages instead of
+twice its blocks. A prefix hit needs the full table's cached pages and the window pages that
+the next query can see (indexed under their own hashes); `pages` lists a sequence's pages,
+block table then window table, as transports move them.
 """
 
 from __future__ import annotations
@@ -41,12 +50,15 @@ SeqId = str
 class ComputedBlocks(NamedTuple):
     """A prefix-cache hit: full cached blocks and the tokens they hold.
 
-    Unpacks as `(block_ids, num_computed_tokens)`; `num_computed_tokens` is always a
-    multiple of the block size and shorter than the looked-up tokens.
+    Unpacks as `(block_ids, num_computed_tokens, window_block_ids)`; `num_computed_tokens` is
+    always a multiple of the block size and shorter than the looked-up tokens.
+    `window_block_ids` (window group only) is the window table's share of the hit, as long as
+    `block_ids`: the null block for the leading pages no later query sees, then cached pages.
     """
 
     block_ids: list[int]
     num_computed_tokens: int
+    window_block_ids: tuple[int, ...] = ()
 
 
 NO_HIT = ComputedBlocks([], 0)
@@ -72,7 +84,9 @@ class KVCacheManager:
         enable_prefix_caching: index full blocks by chained hash and reuse them.
         namespace: model/dtype/layout identity mixed into every hash (see `kv_namespace`).
         sliding_window: W when every attention layer sees only a query's last W positions
-            (then `drop_outside_window` releases blocks behind it); None keeps every block.
+            (then `drop_outside_window` releases blocks behind it), or, with `window_group`,
+            the window of the layers that read window tables; None keeps every block.
+        window_group: give each sequence a window table beside its block table (see above).
     """
 
     def __init__(
@@ -82,18 +96,34 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         namespace: bytes = b"",
         sliding_window: int | None = None,
+        window_group: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if sliding_window is not None and sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+        if window_group and sliding_window is None:
+            raise ValueError("a window group needs the sliding window of its layers")
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.namespace = namespace
         self.pool = BlockPool(num_blocks)
         self._seqs: dict[SeqId, _SeqBlocks] = {}
+        # Window tables (window group only), keyed as _seqs; None without a window group.
+        self._windows: dict[SeqId, _SeqBlocks] | None = {} if window_group else None
+        self._window_namespace = namespace + b"/window"
         self._pending_copies: list[tuple[int, int]] = []
+
+    @property
+    def window_group(self) -> bool:
+        """Whether sequences hold window tables beside their block tables."""
+        return self._windows is not None
+
+    @property
+    def num_groups(self) -> int:
+        """Tables per sequence: 2 with a window group, else 1."""
+        return 1 if self._windows is None else 2
 
     # ---- capacity -------------------------------------------------------------------------
 
@@ -111,8 +141,8 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free_blocks / self.pool.num_usable_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        """Blocks needed to hold `num_tokens` tokens."""
-        return -(-num_tokens // self.block_size)
+        """Blocks (pages, with a window group: both tables') needed to hold `num_tokens` tokens."""
+        return self.num_groups * -(-num_tokens // self.block_size)
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -129,6 +159,16 @@ class KVCacheManager:
         """The live block table (no copy): read-only, valid until the manager next changes it."""
         state = self._seqs.get(seq_id)
         return state.block_ids if state else ()
+
+    def window_table_view(self, seq_id: SeqId) -> Sequence[int]:
+        """The live window table (window group only; as `block_table_view`)."""
+        state = self._windows.get(seq_id) if self._windows is not None else None
+        return state.block_ids if state else ()
+
+    def pages(self, seq_id: SeqId) -> list[int]:
+        """Every page the sequence holds, as transports move them: its block table, then
+        (window group) its window table, each in token order."""
+        return self.block_table(seq_id) + list(self.window_table_view(seq_id))
 
     def num_tokens(self, seq_id: SeqId) -> int:
         """Tokens the sequence has slots for."""
@@ -155,7 +195,30 @@ class KVCacheManager:
             if block_id is None:
                 break
             block_ids.append(block_id)
+        if self._windows is not None:
+            return self._window_hit(state.block_hashes, block_ids)
         return ComputedBlocks(block_ids, len(block_ids) * self.block_size)
+
+    def _window_hit(self, block_hashes: list[BlockHash], block_ids: list[int]) -> ComputedBlocks:
+        """The longest prefix of the full-table hit `block_ids` whose window pages are cached
+        too: those a query right after it can see."""
+        lookup = self.pool.lookup
+        for num_hit in range(len(block_ids), 0, -1):
+            num_unseen = self._num_unseen(num_hit * self.block_size)
+            pages = [lookup(self._window_hash(block_hashes[index])) for index in range(num_unseen, num_hit)]
+            if None not in pages:
+                window_ids = (NULL_BLOCK_ID,) * num_unseen + tuple(pages)  # type: ignore[arg-type]
+                return ComputedBlocks(block_ids[:num_hit], num_hit * self.block_size, window_ids)
+        return NO_HIT
+
+    def _window_hash(self, block_hash: BlockHash) -> BlockHash:
+        """The key of a window page: its block's hash, tagged (the pages hold other layers)."""
+        return hash_block(block_hash, (), self._window_namespace)
+
+    def _num_unseen(self, first_position: int) -> int:
+        """Leading blocks that no query at `first_position` or later can see through the window."""
+        assert self.sliding_window is not None
+        return max(0, (first_position - self.sliding_window + 1) // self.block_size)
 
     # ---- allocation -----------------------------------------------------------------------
 
@@ -178,12 +241,27 @@ class KVCacheManager:
         if state is None:
             state = self._seqs[seq_id] = _SeqBlocks()
         if computed_blocks.block_ids:
-            self.pool.touch(computed_blocks.block_ids)
-            state.block_ids.extend(computed_blocks.block_ids)
-            state.num_tokens = computed_blocks.num_computed_tokens
-            state.num_cached_blocks = len(computed_blocks.block_ids)
+            self._take_hit(state, computed_blocks.block_ids, computed_blocks.num_computed_tokens)
         self._grow(state, num_new_tokens)
+        if self._windows is not None:
+            window = self._windows.get(seq_id)
+            if window is None:
+                window = self._windows[seq_id] = _SeqBlocks()
+            if computed_blocks.block_ids:
+                self._take_hit(window, list(computed_blocks.window_block_ids), computed_blocks.num_computed_tokens)
+            self._grow(window, num_new_tokens)
         return True
+
+    def _take_hit(self, state: _SeqBlocks, block_ids: list[int], num_tokens: int) -> None:
+        """Start a table with a prefix hit's pages (leading null pages: dropped already)."""
+        num_dropped = 0
+        while num_dropped < len(block_ids) and block_ids[num_dropped] == NULL_BLOCK_ID:
+            num_dropped += 1
+        self.pool.touch(block_ids[num_dropped:])
+        state.block_ids.extend(block_ids)
+        state.num_tokens = num_tokens
+        state.num_cached_blocks = len(block_ids)
+        state.num_dropped = num_dropped
 
     def allocate_decode_slots(self, seq_ids: Sequence[SeqId]) -> list[Sequence[int]] | None:
         """`allocate_slots(seq_id, 1)` for each sequence in order, in one pass (a decode step);
@@ -193,15 +271,22 @@ class KVCacheManager:
         boundary, or a copy-on-write of a shared last block), so this succeeds whenever the
         pool has a free block per sequence; otherwise it returns None with nothing changed.
         """
-        if len(seq_ids) > self.pool.num_free_blocks:
+        if len(seq_ids) * self.num_groups > self.pool.num_free_blocks:
             return None
-        seqs, block_size, ref_count = self._seqs, self.block_size, self.pool.ref_count
+        tables = self._grow_decodes(self._seqs, seq_ids)
+        if self._windows is not None:
+            self._grow_decodes(self._windows, seq_ids)
+        return tables
+
+    def _grow_decodes(self, seqs: dict[SeqId, _SeqBlocks], seq_ids: Sequence[SeqId]) -> list[Sequence[int]]:
+        """One more slot in each sequence's table of one group; returns the tables."""
+        block_size, ref_count = self.block_size, self.pool.ref_count
         tables: list[Sequence[int]] = []
         for seq_id in seq_ids:
             state = seqs.get(seq_id)
             if state is None:
-                self.allocate_slots(seq_id, 1)
-                state = seqs[seq_id]
+                state = seqs[seq_id] = _SeqBlocks()
+                self._grow(state, 1)
             elif state.num_tokens % block_size and ref_count(state.block_ids[-1]) == 1:
                 state.num_tokens += 1  # most decodes: room left in a last block held alone (`_grow`)
             else:
@@ -234,7 +319,7 @@ class KVCacheManager:
                 f"reserving {num_tokens} tokens needs {self.num_blocks_for(num_tokens)} KV blocks but "
                 f"{self.num_free_blocks} are free; route the request to a less loaded decode worker"
             )
-        return self.block_table(seq_id)
+        return self.pages(seq_id)
 
     def release(self, seq_id: SeqId) -> None:
         """Return a reservation's blocks (the transfer failed or the request was cancelled)."""
@@ -247,8 +332,14 @@ class KVCacheManager:
             raise KeyError(f"cannot fork {parent_id!r}: it holds no blocks")
         if self.has(child_id):
             raise ValueError(f"cannot fork into {child_id!r}: it already holds blocks")
+        self._seqs[child_id] = self._share(parent)
+        if self._windows is not None:
+            self._windows[child_id] = self._share(self._windows[parent_id])
+
+    def _share(self, parent: _SeqBlocks) -> _SeqBlocks:
+        """A new reference to every block `parent` holds, as a table of its own."""
         self.pool.incref(parent.block_ids[parent.num_dropped :])
-        self._seqs[child_id] = _SeqBlocks(
+        return _SeqBlocks(
             block_ids=list(parent.block_ids),
             num_tokens=parent.num_tokens,
             block_hashes=list(parent.block_hashes),
@@ -258,10 +349,13 @@ class KVCacheManager:
 
     def free(self, seq_id: SeqId) -> None:
         """Drop the sequence's references; cached full blocks stay reusable until evicted."""
-        state = self._seqs.pop(seq_id, None)
-        if state is None or not state.block_ids:
+        held: list[int] = []
+        for seqs in (self._seqs, self._windows):
+            state = seqs.pop(seq_id, None) if seqs is not None else None
+            if state is not None:
+                held += state.block_ids[state.num_dropped :]
+        if not held:
             return
-        held = state.block_ids[state.num_dropped :]
         # Tail first: the end of a sequence is the least likely part to be shared again.
         self.pool.free(reversed(held))
         freed = {block_id for block_id in held if self.pool.ref_count(block_id) == 0}
@@ -283,16 +377,16 @@ class KVCacheManager:
         The table is replaced, not edited in place, so a holder of the previous table (a
         step already built from it, a reused device copy) can tell it changed by identity.
         """
-        window = self.sliding_window
-        state = self._seqs.get(seq_id)
-        if window is None or state is None:
+        seqs = self._seqs if self._windows is None else self._windows
+        state = seqs.get(seq_id)
+        if self.sliding_window is None or state is None:
             return 0
         if first_position > state.num_tokens:
             raise ValueError(
                 f"sequence {seq_id!r} has slots for {state.num_tokens} tokens; a query at position "
                 f"{first_position} has no KV yet"
             )
-        num_unseen = (first_position - window + 1) // self.block_size  # leading blocks out of every window
+        num_unseen = self._num_unseen(first_position)  # leading blocks out of every window
         start = state.num_dropped
         if num_unseen <= start:
             return 0
@@ -328,6 +422,11 @@ class KVCacheManager:
         for index in range(max(state.num_cached_blocks, state.num_dropped), num_full):
             self.pool.cache_block(state.block_ids[index], state.block_hashes[index])
         state.num_cached_blocks = num_full
+        window = self._windows.get(seq_id) if self._windows is not None else None
+        if window is not None:
+            for index in range(max(window.num_cached_blocks, window.num_dropped), num_full):
+                self.pool.cache_block(window.block_ids[index], self._window_hash(state.block_hashes[index]))
+            window.num_cached_blocks = max(window.num_cached_blocks, num_full)
 
     # ---- internals ------------------------------------------------------------------------
 
@@ -353,17 +452,27 @@ class KVCacheManager:
         self._pending_copies.append((src, dst))
 
     def _num_blocks_needed(self, seq_id: SeqId, num_new_tokens: int, computed_blocks: ComputedBlocks) -> int:
-        state = self._seqs.get(seq_id) or _SeqBlocks()
-        if computed_blocks.block_ids:
+        needed = self._num_table_blocks_needed(self._seqs, seq_id, num_new_tokens, computed_blocks.block_ids,
+                                               computed_blocks.num_computed_tokens)
+        if self._windows is not None:
+            needed += self._num_table_blocks_needed(self._windows, seq_id, num_new_tokens,
+                                                    computed_blocks.window_block_ids, computed_blocks.num_computed_tokens)
+        return needed
+
+    def _num_table_blocks_needed(
+        self, seqs: dict[SeqId, _SeqBlocks], seq_id: SeqId, num_new_tokens: int, hit: Sequence[int], num_hit_tokens: int
+    ) -> int:
+        """New blocks one table needs for `num_new_tokens` more tokens (after a prefix `hit`)."""
+        state = seqs.get(seq_id) or _SeqBlocks()
+        if hit:
             if state.block_ids:
                 raise RuntimeError(f"sequence {seq_id!r} already holds blocks; prefix hits apply to the first allocation")
-            for block_id in computed_blocks.block_ids:
+            cached = [block_id for block_id in hit if block_id != NULL_BLOCK_ID]
+            for block_id in cached:
                 if self.pool.block_hash(block_id) is None:
                     raise RuntimeError(f"prefix block {block_id} was evicted since the lookup; look it up again")
-            held = len(computed_blocks.block_ids)
-            num_tokens = computed_blocks.num_computed_tokens
             # Reviving a free cached block takes it out of the free count.
-            revived = sum(1 for block_id in computed_blocks.block_ids if self.pool.ref_count(block_id) == 0)
-            return self.num_blocks_for(num_tokens + num_new_tokens) - held + revived
+            revived = sum(1 for block_id in cached if self.pool.ref_count(block_id) == 0)
+            return -(-(num_hit_tokens + num_new_tokens) // self.block_size) - len(hit) + revived
         cow = 1 if num_new_tokens and self._last_block_shared(state) else 0
-        return self.num_blocks_for(state.num_tokens + num_new_tokens) - len(state.block_ids) + cow
+        return -(-(state.num_tokens + num_new_tokens) // self.block_size) - len(state.block_ids) + cow

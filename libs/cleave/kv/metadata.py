@@ -11,6 +11,11 @@ KV cache layout (one tensor for the whole model, so a layer or a block is one sl
     kv_cache[layer][0] is K, kv_cache[layer][1] is V.
 A slot is `block_id * block_size + offset`; `slot_mapping[t] == -1` marks a padding
 token whose K/V must not be written anywhere.
+
+A cache that pairs full-attention layers with sliding-window ones (`cleave.kv.groups`) has
+`num_slots` (not `num_layers`) layer slots, and the sliding layers read and write the pages
+of the sequences' window tables: `metadata.window` is the same batch over those tables
+(its own `slot_mapping` and `block_tables`, every other field shared).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ class AttentionMetadata:
             least num_seqs x num_kv_heads) and the split-K linear kernel (one per feature
             block) use, one launch after another, to find each output's last split; each
             launch leaves them zeroed. Without it the kernels allocate zeroed counters per call.
-        num_prefill_tokens: host int, tokens that belong to sequences with query_len > 1.
+        window: the batch over the sequences' window tables (paired caches only), else None.
     """
 
     slot_mapping: torch.Tensor
@@ -47,6 +52,13 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     split_counters: torch.Tensor | None = None
+    window: AttentionMetadata | None = None
+
+    def over_tables(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor) -> AttentionMetadata:
+        """The same batch over other block tables (a window group's): only the slots and
+        tables differ."""
+        return AttentionMetadata(slot_mapping, self.query_start_loc, self.seq_lens, block_tables,
+                                 self.max_query_len, self.max_seq_len, self.split_counters)
 
     @property
     def num_seqs(self) -> int:
@@ -65,10 +77,17 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
         max_blocks_per_seq: int | None = None,
+        window_tables: list[list[int]] | None = None,
     ) -> "AttentionMetadata":
-        """Build metadata from host lists (tests, eager runs; the graph runner fills buffers)."""
+        """Build metadata from host lists (tests, eager runs; the graph runner fills buffers);
+        `window_tables` (paired caches) gives it a `window`."""
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
             raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+        if window_tables is not None:
+            metadata = cls.build(query_lens, seq_lens, block_tables, block_size, device, max_blocks_per_seq)
+            window = cls.build(query_lens, seq_lens, window_tables, block_size, device, max_blocks_per_seq)
+            metadata.window = metadata.over_tables(window.slot_mapping, window.block_tables)
+            return metadata
         slots: list[int] = []
         for query_len, seq_len, table in zip(query_lens, seq_lens, block_tables):
             if query_len > seq_len:

@@ -58,7 +58,7 @@ def run_fused_decode(
     model: CausalLM,
     hidden: torch.Tensor,  # [T, H] embeddings; becomes the residual stream, updated in place
     positions: torch.Tensor,  # [T]
-    kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, Hkv, D]
+    layer_kv: list[tuple[torch.Tensor, AttentionMetadata]],  # each layer's cache slot and metadata
     metadata: AttentionMetadata,
 ) -> bool:
     """Run every layer on the fused decode layout that fits this batch; False (and `hidden`
@@ -69,8 +69,8 @@ def run_fused_decode(
         layer_fn = _deferred_norm_layer
     else:
         return False
-    for index, layer in enumerate(model.layers):
-        layer_fn(layer, hidden, positions, kv_cache[index], metadata, model.cos_sin_cache)
+    for layer, (cache, layer_metadata) in zip(model.layers, layer_kv):
+        layer_fn(layer, hidden, positions, cache, layer_metadata, model.cos_sin_cache)
     return True
 
 

@@ -33,6 +33,7 @@ from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
 from cleave.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from cleave.kernels.rotary_attention import rotary_paged_attention
 from cleave.kernels.small_linear import small_linear
+from cleave.kv.groups import kv_groups
 from cleave.kv.metadata import AttentionMetadata
 from cleave.model.config import ModelConfig
 from cleave.model.fused_decode import DECODE_GEMV_MAX_TOKENS, run_fused_decode
@@ -187,6 +188,8 @@ class CausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, impl, pdl)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # the paired cache plan (cleave.kv.groups), taken when a cache has fewer slots than layers
+        self.paired_kv = kv_groups(config, pair_window_layers=True)
         # fused decode layouts (cleave.model.fused_decode): GEMV up to this many tokens (<= small_linear.MAX_ROWS)
         self.decode_gemv_max_tokens = DECODE_GEMV_MAX_TOKENS
         self.norms_folded = False  # set by fold_norm_weights
@@ -256,17 +259,34 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, Hkv, D]
+        kv_cache: torch.Tensor,  # [num_layers or num_slots, 2, num_blocks, block_size, Hkv, D]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
         hidden = self.embed(input_ids)  # [T, H]
-        if run_fused_decode(self, hidden, positions, kv_cache, metadata):  # hidden: the residual stream
+        layer_kv = self.layer_kv(kv_cache, metadata)
+        if run_fused_decode(self, hidden, positions, layer_kv, metadata):  # hidden: the residual stream
             return self.norm(hidden)
         residual: torch.Tensor | None = None
-        for index, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, positions, kv_cache[index], metadata, self.cos_sin_cache)
+        for layer, (cache, layer_metadata) in zip(self.layers, layer_kv):
+            hidden, residual = layer(hidden, residual, positions, cache, layer_metadata, self.cos_sin_cache)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def layer_kv(self, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> list[tuple[torch.Tensor, AttentionMetadata]]:
+        """Each layer's cache slot and the metadata over its tables: a slot per layer, or the
+        paired plan (`self.paired_kv`) for a cache of fewer slots, whose window layers read
+        `metadata.window`."""
+        num_layers = len(self.layers)
+        if kv_cache.shape[0] == num_layers:
+            return [(kv_cache[index], metadata) for index in range(num_layers)]
+        plan = self.paired_kv
+        if not plan.is_paired or kv_cache.shape[0] != plan.num_slots:
+            raise ValueError(f"a KV cache of {kv_cache.shape[0]} layer slots for {num_layers} layers; "
+                             f"allocate_kv_cache gives one per layer, or {plan.num_slots} paired")
+        window = metadata.window
+        if window is None:
+            raise ValueError("a paired KV cache needs metadata.window (the batch over the window tables)")
+        return [(kv_cache[slot], window if reads_window else metadata) for slot, reads_window in plan.layers()]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] token ids -> [T, H] embeddings."""
@@ -289,10 +309,12 @@ def allocate_kv_cache(
     block_size: int,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
+    num_slots: int | None = None,
 ) -> torch.Tensor:
-    """Zeroed [num_layers, 2, num_blocks, block_size, Hkv, D] cache (dtype defaults to the model's)."""
+    """Zeroed [num_slots, 2, num_blocks, block_size, Hkv, D] cache (dtype defaults to the
+    model's; `num_slots` to one per layer, fewer for a paired plan: cleave.kv.groups)."""
     shape = (
-        config.num_hidden_layers,
+        num_slots or config.num_hidden_layers,
         2,
         num_blocks,
         block_size,

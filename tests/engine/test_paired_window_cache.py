@@ -1,0 +1,157 @@
+"""LLMEngine on gpt-oss's alternating sliding-window / full-attention layers (CPU, fp32): the
+cache pairs them (half the layer slots), the sliding layers' window tables give pages back as
+generation moves, and greedy output still equals transformers' (chunked prefill, several
+sequences, n = 2, a prefix hit, overlapped steps); a layer-by-layer KV listener hears each
+slot once both its layers ran."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from cleave.engine.layer_progress import LayerProgress
+from cleave.engine.llm_engine import LLMEngine
+from cleave.engine.request import OutputAccumulator
+from cleave.generation.sampling_params import SamplingParams
+from cleave.kv.block_pool import NULL_BLOCK_ID
+from cleave.testing.tiny_models import write_tiny_checkpoint
+from tests.engine.hf_reference import hf_greedy_continuations
+
+WINDOW = 6
+BLOCK = 4
+BOUND = -(-WINDOW // BLOCK) + 1  # window pages a decoding sequence holds at most
+MAX_TOKENS = 40
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+LAYER_TYPES = ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("paired-window")
+    return write_tiny_checkpoint(root / "gpt-oss", "gpt-oss", seed=13, num_hidden_layers=4,
+                                 layer_types=LAYER_TYPES, sliding_window=WINDOW)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(checkpoint: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """Five prompts of 5..30 tokens and transformers' greedy continuations (eos disabled)."""
+    rng = random.Random(5)
+    return hf_greedy_continuations(
+        checkpoint, lambda vocab: [[rng.randrange(vocab) for _ in range(n)] for n in (5, 13, 21, 30, 17)], MAX_TOKENS)
+
+
+def _engine(checkpoint: Path, overlap: bool = False, num_blocks: int = 161) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=str(checkpoint), dtype="float32", device="cpu", overlap_steps=overlap,
+        scheduler=SchedulerConfig(max_num_batched_tokens=16, max_model_len=96),
+        cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
+    ))
+
+
+def _run(engine: LLMEngine, accumulators: dict[str, OutputAccumulator]) -> None:
+    while engine.has_unfinished():
+        for output in engine.step():
+            accumulators.setdefault(output.request_id, OutputAccumulator(output.request_id)).add(output)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_matches_transformers_while_window_pages_are_dropped(checkpoint, hf_greedy, overlap):
+    prompts, expected = hf_greedy
+    # 160 usable pages: kept whole in both tables, the six samples would need 2 * 6 * 18.
+    engine = _engine(checkpoint, overlap)
+    assert engine.kv_cache.shape[0] == 2 and engine.kv.window_group  # 4 layers, 2 slots
+    for index, prompt in enumerate(prompts[:4]):
+        engine.add_request(f"r{index}", prompt, GREEDY)
+    engine.add_request("pair", prompts[4], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, n=2))
+    accumulators: dict[str, OutputAccumulator] = {}
+    num_checked = 0
+    while engine.has_unfinished():
+        for output in engine.step():
+            accumulators.setdefault(output.request_id, OutputAccumulator(output.request_id)).add(output)
+        for seq in engine.scheduler.running:
+            if seq.num_output_tokens >= 3:  # a step that fed a sampled token was resolved
+                window = engine.kv.window_table_view(seq.seq_id)
+                assert sum(1 for page in window if page != NULL_BLOCK_ID) <= BOUND, seq
+                assert NULL_BLOCK_ID not in engine.kv.block_table_view(seq.seq_id)
+                num_checked += 1
+    assert num_checked > 100
+    assert engine.scheduler.stats.num_preemptions == 0
+
+    for index in range(4):
+        (sample,) = accumulators[f"r{index}"].result().outputs
+        assert sample.token_ids == expected[index], f"prompt {index}"
+    pair = accumulators["pair"].result().outputs
+    assert [sample.token_ids for sample in pair] == [expected[4], expected[4]]
+    assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks
+
+    # the same prompt twice: the second hits the first's full pages and its window pages in view
+    again: dict[str, OutputAccumulator] = {}
+    hits = engine.scheduler.stats.num_prefix_cache_hit_tokens
+    for request_id in ("first", "again"):
+        engine.add_request(request_id, prompts[3], GREEDY)
+        _run(engine, again)
+        assert again[request_id].result().outputs[0].token_ids == expected[3]
+    assert engine.scheduler.stats.num_prefix_cache_hit_tokens - hits >= 28  # every full prompt block
+    assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks
+
+
+def test_a_layer_listener_hears_each_slot_after_both_its_layers(checkpoint, hf_greedy):
+    prompts, expected = hf_greedy
+    engine = _engine(checkpoint)
+    heard: list[tuple[int, int]] = []  # (slot, layers run by then)
+    layers_run = []
+    for layer in engine.model.layers:
+        layer.register_forward_hook(lambda module, args, output: layers_run.append(1))
+
+    def watch(output) -> LayerProgress:
+        layers_run.clear()
+        return LayerProgress(engine.kv_cache.shape[0], engine.runner.device,
+                             lambda slot, ready: heard.append((slot, len(layers_run))))
+
+    engine.watch_layers = watch
+    engine.add_request("r", prompts[1], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    accumulators: dict[str, OutputAccumulator] = {}
+    _run(engine, accumulators)
+    assert accumulators["r"].result().outputs[0].token_ids == expected[1][:1]
+    # slot 0 pairs layers 0 and 1, slot 1 layers 2 and 3
+    assert heard[:2] == [(0, 2), (1, 4)]
+
+
+def test_unpaired_the_engine_keeps_a_slot_and_every_block_per_layer(checkpoint, hf_greedy):
+    prompts, expected = hf_greedy
+    engine = LLMEngine(EngineConfig(
+        model=str(checkpoint), dtype="float32", device="cpu",
+        scheduler=SchedulerConfig(max_num_batched_tokens=16, max_model_len=96),
+        cache=CacheConfig(block_size=BLOCK, num_blocks=61, pair_window_layers=False),
+    ))
+    assert engine.kv_cache.shape[0] == 4 and not engine.kv.window_group and engine.kv.sliding_window is None
+    engine.add_request("r", prompts[2], GREEDY)
+    accumulators: dict[str, OutputAccumulator] = {}
+    _run(engine, accumulators)
+    assert accumulators["r"].result().outputs[0].token_ids == expected[2]
+
+
+def test_a_prompt_prefilled_elsewhere_arrives_in_both_tables(checkpoint, hf_greedy):
+    """The hand-off moves a paired cache's pages (block table, then window table) as they
+    are: a decode engine continues from them as transformers does."""
+    prompts, expected = hf_greedy
+    prompt = prompts[3]  # 30 tokens: 8 pages in each table
+    prefill, decode = _engine(checkpoint), _engine(checkpoint)
+    prefill.add_request("x", prompt, GREEDY, prefill_only=True)
+    _run(prefill, {})
+    source = prefill.handoff.export("x")
+    target = decode.handoff.reserve("x", len(prompt))
+    assert len(source) == len(target) == decode.handoff.num_blocks_for(len(prompt)) == 16
+    assert target == list(decode.kv.block_table("x/0")) + list(decode.kv.window_table_view("x/0"))
+    decode.kv_cache[:, :, target] = prefill.kv_cache[:, :, source]
+    prefill.handoff.release_export("x")
+    assert prefill.kv.num_free_blocks == prefill.kv.num_usable_blocks
+    decode.handoff.receive("x", prompt, expected[3][0], GREEDY)
+    accumulators: dict[str, OutputAccumulator] = {}
+    _run(decode, accumulators)
+    assert accumulators["x"].result().outputs[0].token_ids == expected[3]
+    assert decode.kv.num_free_blocks == decode.kv.num_usable_blocks
+    assert prefill.handoff.hold_prefix("y", prompt[:16]) is None  # the kvstore keeps one page per block
