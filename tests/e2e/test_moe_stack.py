@@ -1,5 +1,7 @@
-"""A tiny Qwen3-MoE checkpoint served by the whole stack (`cleave up`'s processes, CPU): the
-streamed greedy tokens equal the in-process engine's, which equal transformers'."""
+"""Tiny Qwen3-MoE and gpt-oss checkpoints served by the whole stack (`cleave up`'s processes,
+CPU), colocated and disaggregated: the streamed greedy tokens equal the in-process engine's,
+which equal transformers'. gpt-oss's cache pairs its sliding-window and full-attention layers
+(`cleave.kv.groups`), so its disaggregated stack sends both block tables' pages over TCP."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from cleave.client import GatewayClient
 from cleave.client.gateway import collect
 from cleave.engine.llm import LLM
 from cleave.generation.sampling_params import SamplingParams
-from cleave.testing.tiny_models import write_tiny_checkpoint
+from cleave.testing.tiny_models import MOE_ARCHITECTURES, write_tiny_checkpoint
 from tests.e2e.conftest import NUM_KV_BLOCKS, START_HANG_S
 from tests.e2e.test_stack import request
 
@@ -24,16 +26,17 @@ PROMPTS = [
     "Please write a short poem about the sea",
 ]
 MAX_TOKENS = 8  # test_stack.request's budget
+NUM_PAGES = 2 * NUM_KV_BLOCKS  # a paired cache's sequence holds pages in two tables
 
 
-@pytest.fixture(scope="module")
-def moe_model(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("e2e-moe") / "model", "qwen3-moe", seed=3)
+@pytest.fixture(scope="module", params=MOE_ARCHITECTURES)
+def moe_model(request, tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp(f"e2e-{request.param}") / "model", request.param, seed=3)
 
 
-@pytest.fixture(scope="module", params=["colocated", "disaggregated"])
+@pytest.fixture(params=["colocated", "disaggregated"])
 def moe_stack(request, moe_model, tmp_path_factory):
-    spec = StackSpec(model=moe_model, mode=request.param, grpc_port=0, http_port=0, num_kv_blocks=NUM_KV_BLOCKS,
+    spec = StackSpec(model=moe_model, mode=request.param, grpc_port=0, http_port=0, num_kv_blocks=NUM_PAGES,
                      log_level="WARNING")
     stack = ProcessStack(spec, tmp_path_factory.mktemp(f"moe-stack-{request.param}"))
     try:
@@ -46,7 +49,7 @@ def moe_stack(request, moe_model, tmp_path_factory):
 
 @pytest.mark.timeout(600)
 async def test_moe_stack_streams_the_engines_greedy_tokens(moe_stack, moe_model):
-    engine = LLM(moe_model, device="cpu", dtype="float32", num_blocks=NUM_KV_BLOCKS, enforce_eager=True)
+    engine = LLM(moe_model, device="cpu", dtype="float32", num_blocks=NUM_PAGES, enforce_eager=True)
     assert engine.engine.model.config.is_moe
     expected = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     async with GatewayClient(moe_stack.gateway_address) as client:

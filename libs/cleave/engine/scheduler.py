@@ -92,7 +92,8 @@ class Scheduler:
         if kv_manager.num_blocks_for(config.max_model_len) > kv_manager.num_usable_blocks:
             raise ValueError(
                 f"a {config.max_model_len}-token sequence needs {kv_manager.num_blocks_for(config.max_model_len)} "
-                f"KV blocks but the cache has {kv_manager.num_usable_blocks}; lower max_model_len or add blocks"
+                f"KV blocks{' (pages of its block and window tables)' if kv_manager.window_group else ''} but the "
+                f"cache has {kv_manager.num_usable_blocks}; lower max_model_len or add blocks"
             )
         self.config = config
         self.kv = kv_manager
