@@ -83,3 +83,26 @@ def test_a_larger_wider_batch_after_a_small_one_and_strided_sources(impl):
     assert buffers.block_tables.tolist() == [
         [1, 2, 3, 4, 5, 0], [11, 12, 13, 14, 15, 0], [21, 22, 23, 24, 25, 0], [0] * 6,
     ]
+
+
+@IMPLS
+def test_window_tables_fill_their_own_slots_and_tables(impl):
+    """A paired cache's batch (cleave.kv.groups): the window tables' slots and tables go to
+    buffers of their own, the bucket view's `window`; a smaller batch pads them again."""
+    buffers = StaticDecodeBuffers(max_batch_size=4, max_blocks_per_seq=3, block_size=BLOCK_SIZE, device="cpu",
+                                  window_tables=True)
+    metadata = AttentionMetadata.build([1, 1], [6, 9], [[5, 2], [1, 3, 8]], BLOCK_SIZE,
+                                       window_tables=[[0, 4], [0, 6, 7]])
+    buffers.fill(torch.tensor([100, 101]), torch.tensor([5, 8]), metadata, impl)
+    view = buffers.metadata(2)
+    assert view.block_tables.tolist() == [[5, 2, 0], [1, 3, 8]]
+    assert view.window.block_tables.tolist() == [[0, 4, 0], [0, 6, 7]]
+    assert view.window.slot_mapping.tolist() == [4 * 4 + 1, 7 * 4 + 0]
+    assert view.window.seq_lens is view.seq_lens and view.window.query_start_loc is view.query_start_loc
+
+    buffers.fill(*decode_batch([2], [[9]])[:2], AttentionMetadata.build([1], [2], [[9]], BLOCK_SIZE,
+                                                                       window_tables=[[10]]), impl)
+    assert buffers.window.block_tables.tolist() == [[10, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]]
+    assert buffers.window.slot_mapping.tolist() == [10 * 4 + 1] + [PAD_SLOT_ID] * 3
+    with pytest.raises(ValueError, match="window tables"):
+        buffers.fill(*decode_batch([2], [[9]]), impl)

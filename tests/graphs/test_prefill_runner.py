@@ -99,3 +99,17 @@ def test_gpu_replay_matches_eager_in_every_bucket():
             written[metadata.slot_mapping] = True
             flat = (config.num_hidden_layers, 2, num_blocks * BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
             assert torch.equal(graph_cache.view(flat)[:, :, ~written], original.view(flat)[:, :, ~written])
+
+
+def test_buffers_take_a_paired_caches_window_table():
+    config = PrefillGraphConfig(max_tokens=8, max_blocks_per_seq=4, block_size=4, window_tables=True)
+    buffers = StaticPrefillBuffers(config, "cpu")
+    metadata = AttentionMetadata.build([6], [6], [[3, 5]], 4, window_tables=[[7, 2]])
+    buffers.fill(torch.arange(6), torch.arange(6), metadata)
+    view = buffers.metadata(8)
+    assert view.window.block_tables.tolist() == [[7, 2, 0, 0]]
+    assert view.window.slot_mapping.tolist() == [28, 29, 30, 31, 8, 9, -1, -1]
+    assert view.block_tables.tolist() == [[3, 5, 0, 0]]
+    buffers.fill(torch.arange(2), torch.arange(2), AttentionMetadata.build([2], [2], [[4]], 4, window_tables=[[6]]))
+    assert buffers.window_slot_mapping.tolist() == [24, 25] + [-1] * 6
+    assert buffers.window_block_tables.tolist() == [[6, 0, 0, 0]]
