@@ -164,6 +164,7 @@ class Admissions:
             request.transfer = receiver.expect(
                 f"{self.worker_id}/{request_id}/{next(self._transfer_ids)}",
                 block_ids,
+                num_cached_blocks=engine.handoff.num_unseen_pages(len(prompt)),  # never read: never sent
                 timeout_s=self.transfer_timeout_s,
                 transport=transport,
                 nccl=nccl,

@@ -36,6 +36,7 @@ import torch
 
 from cleave.engine.layer_progress import LayerProgress
 from cleave.engine.scheduler import SchedulerOutput
+from cleave.kv.manager import transfer_pages
 from cleave.rpc.types import TransferStats
 from cleave.transfer import KVSender
 
@@ -151,8 +152,8 @@ class LayerStreams:
                     continue
                 stream = self._offered.get(entry.seq.request_id)
                 if stream is not None and not stream.is_claimed:
-                    # a paired cache's pages: the block table's, then the window table's (`handoff.export`)
-                    stream.block_ids = list(entry.block_table) + list(entry.window_table or ())
+                    # the pages as `handoff.export` lists them (a paired cache's window table first)
+                    stream.block_ids = transfer_pages(entry.block_table, entry.window_table or ())
                     claimed.append(stream)
         if not claimed:
             return None

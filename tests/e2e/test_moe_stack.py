@@ -24,6 +24,10 @@ PROMPTS = [
     "What is the capital of France? Paris is the capital of France.",
     "Numbers: one two three four five six seven eight nine ten",
     "Please write a short poem about the sea",
+    # long enough that gpt-oss's first decode step no longer sees its first block: the
+    # disaggregated stack sends none of the window pages behind it
+    "Count with me slowly: one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen nineteen twenty, and then the names of the days of the week in order",
 ]
 MAX_TOKENS = 8  # test_stack.request's budget
 NUM_PAGES = 2 * NUM_KV_BLOCKS  # a paired cache's sequence holds pages in two tables

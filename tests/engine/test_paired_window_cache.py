@@ -135,8 +135,8 @@ def test_unpaired_the_engine_keeps_a_slot_and_every_block_per_layer(checkpoint, 
 
 
 def test_a_prompt_prefilled_elsewhere_arrives_in_both_tables(checkpoint, hf_greedy):
-    """The hand-off moves a paired cache's pages (block table, then window table) as they
-    are: a decode engine continues from them as transformers does."""
+    """The hand-off moves a paired cache's pages (window table, then block table) but the
+    window pages behind the window: a decode engine continues from them as transformers does."""
     prompts, expected = hf_greedy
     prompt = prompts[3]  # 30 tokens: 8 pages in each table
     prefill, decode = _engine(checkpoint), _engine(checkpoint)
@@ -145,8 +145,12 @@ def test_a_prompt_prefilled_elsewhere_arrives_in_both_tables(checkpoint, hf_gree
     source = prefill.handoff.export("x")
     target = decode.handoff.reserve("x", len(prompt))
     assert len(source) == len(target) == decode.handoff.num_blocks_for(len(prompt)) == 16
-    assert target == list(decode.kv.block_table("x/0")) + list(decode.kv.window_table_view("x/0"))
-    decode.kv_cache[:, :, target] = prefill.kv_cache[:, :, source]
+    assert target == list(decode.kv.window_table_view("x/0")) + list(decode.kv.block_table("x/0"))
+    # a query at 30 sees 25..30: the window pages of blocks 0..5 are neither held nor sent
+    unseen = decode.handoff.num_unseen_pages(len(prompt))
+    assert unseen == 6 and source[:unseen] == target[:unseen] == [NULL_BLOCK_ID] * unseen
+    assert NULL_BLOCK_ID not in source[unseen:] + target[unseen:]
+    decode.kv_cache[:, :, target[unseen:]] = prefill.kv_cache[:, :, source[unseen:]]
     prefill.handoff.release_export("x")
     assert prefill.kv.num_free_blocks == prefill.kv.num_usable_blocks
     decode.handoff.receive("x", prompt, expected[3][0], GREEDY)

@@ -46,7 +46,7 @@ def test_both_tables_grow_together_and_only_the_window_table_drops():
     assert len(table) == len(window) == 18 and NULL_BLOCK_ID not in table
     first_seen = (69 - WINDOW + 1) // BLOCK
     assert window[:first_seen] == [NULL_BLOCK_ID] * first_seen and NULL_BLOCK_ID not in window[first_seen:]
-    assert kv.pages("a") == table + window
+    assert kv.pages("a") == window + table
     assert kv.num_free_blocks == kv.num_usable_blocks - 18 - held(window)
     kv.free("a")
     assert kv.num_free_blocks == kv.num_usable_blocks and kv.window_table_view("a") == ()
@@ -111,9 +111,12 @@ def test_forks_share_both_tables_and_copy_on_write_in_each():
 def test_reserve_returns_both_tables_pages_and_refuses_what_does_not_fit():
     kv = make(num_blocks=9)  # 8 usable pages
     pages = kv.reserve("r", 10)
+    # a query at 10 sees 5..10: the window page of block 0 is dropped at once, never to be sent
+    assert kv.num_unseen_pages(10) == 1 and pages[0] == NULL_BLOCK_ID
     assert len(pages) == kv.num_blocks_for(10) == 6 and pages == kv.pages("r")
+    assert kv.num_free_blocks == 3
     with pytest.raises(OutOfBlocksError, match="needs 4 KV blocks"):
-        kv.reserve("s", 5)
+        kv.reserve("s", 7)
     kv.release("r")
     assert kv.num_free_blocks == kv.num_usable_blocks
 

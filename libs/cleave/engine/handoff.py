@@ -122,6 +122,12 @@ class KVHandoff:
         """Blocks that hold `num_tokens` tokens (any thread)."""
         return self.kv.num_blocks_for(num_tokens)
 
+    def num_unseen_pages(self, num_prompt_tokens: int) -> int:
+        """Leading entries of a prompt's `export` / `reserve` lists that no later query reads
+        (a paired cache's window pages behind the window; else 0): a transfer skips them, as
+        it skips blocks the destination has cached (any thread)."""
+        return self.kv.num_unseen_pages(num_prompt_tokens)
+
     def block_hashes(self, token_ids: Seq[int]) -> list[bytes]:
         """Chained hashes of the full blocks of `token_ids` under the engine's KV namespace:
         the prefix cache's keys and the kvstore's (any thread)."""
@@ -171,10 +177,13 @@ class KVHandoff:
 
     def export(self, request_id: str) -> list[int]:
         """Prefill side: block ids holding a finished prefill-only request's prompt KV, in
-        token order, to send (a paired cache's: the block table's, then the window table's;
-        `KVCacheManager.pages`). The caller owns them until `release_export`. Raises NotFound
-        when the request kept none."""
-        table = self.kv.pages(request_id + _EXPORT_SUFFIX)
+        token order, to send (a paired cache's: the window table's, then the block table's,
+        `KVCacheManager.pages`; the leading `num_unseen_pages` are dropped, null, and never
+        sent). The caller owns them until `release_export`. Raises NotFound when the request
+        kept none."""
+        export_id = request_id + _EXPORT_SUFFIX
+        self.kv.drop_outside_window(export_id, self.kv.num_tokens(export_id))  # pages never sent
+        table = self.kv.pages(export_id)
         if not table:
             raise NotFound(f"no exported prompt KV for request {request_id!r}", field="request_id")
         return table

@@ -31,8 +31,10 @@ in the pages of its second table, its *window table* (`window_table_view`). Both
 together over one pool; `drop_outside_window` drops from the window table only, so a long
 generation holds its full layers' blocks plus about W / block_size window pages instead of
 twice its blocks. A prefix hit needs the full table's cached pages and the window pages that
-the next query can see (indexed under their own hashes); `pages` lists a sequence's pages,
-block table then window table, as transports move them.
+the next query can see (indexed under their own hashes). `pages` lists a sequence's pages as
+transports move them, window table first: a reservation (`reserve`) drops the window pages
+its first query cannot see at once, so `num_unseen_pages(num_tokens)` leading entries of
+a prompt's pages never need to be sent.
 """
 
 from __future__ import annotations
@@ -166,9 +168,13 @@ class KVCacheManager:
         return state.block_ids if state else ()
 
     def pages(self, seq_id: SeqId) -> list[int]:
-        """Every page the sequence holds, as transports move them: its block table, then
-        (window group) its window table, each in token order."""
-        return self.block_table(seq_id) + list(self.window_table_view(seq_id))
+        """Every page the sequence holds, as transports move them (`transfer_pages`)."""
+        return transfer_pages(self.block_table_view(seq_id), self.window_table_view(seq_id))
+
+    def num_unseen_pages(self, num_tokens: int) -> int:
+        """Leading entries of a `num_tokens`-token prompt's `pages` that no query after it
+        reads: its window table's pages behind the window (0 without a window group)."""
+        return self._num_unseen(num_tokens) if self._windows is not None else 0
 
     def num_tokens(self, seq_id: SeqId) -> int:
         """Tokens the sequence has slots for."""
@@ -309,8 +315,10 @@ class KVCacheManager:
         """Allocate a new sequence's blocks for `num_tokens` tokens whose KV arrives remotely.
 
         Used by a decode worker admitting a request whose prompt KV a prefill worker will
-        send; the returned block ids are where the transport writes. Raises OutOfBlocksError
-        (RESOURCE_EXHAUSTED) when the blocks are not free. Undo with `release`.
+        send; the returned block ids (`pages`) are where the transport writes, but for the
+        leading `num_unseen_pages(num_tokens)`: window pages no later query reads, dropped
+        at once (null). Raises OutOfBlocksError (RESOURCE_EXHAUSTED) when the blocks are not
+        free. Undo with `release`.
         """
         if seq_id in self._seqs and self._seqs[seq_id].block_ids:
             raise ValueError(f"sequence {seq_id!r} already holds blocks")
@@ -319,6 +327,8 @@ class KVCacheManager:
                 f"reserving {num_tokens} tokens needs {self.num_blocks_for(num_tokens)} KV blocks but "
                 f"{self.num_free_blocks} are free; route the request to a less loaded decode worker"
             )
+        if self._windows is not None:
+            self.drop_outside_window(seq_id, num_tokens)
         return self.pages(seq_id)
 
     def release(self, seq_id: SeqId) -> None:
@@ -372,7 +382,8 @@ class KVCacheManager:
         its reference goes back to the pool; a block indexed in the prefix cache stays
         findable there until evicted, like any freed cached block. The caller passes the
         earliest position of any query still to run (a step in flight included), and only
-        for a sequence whose KV stays here (not one being exported or received).
+        for a sequence whose KV stays here, or for an export or a reservation at its prompt's
+        end (the pages dropped are those `num_unseen_pages` says are never sent).
 
         The table is replaced, not edited in place, so a holder of the previous table (a
         step already built from it, a reused device copy) can tell it changed by identity.
@@ -476,3 +487,10 @@ class KVCacheManager:
             return -(-(num_hit_tokens + num_new_tokens) // self.block_size) - len(hit) + revived
         cow = 1 if num_new_tokens and self._last_block_shared(state) else 0
         return -(-(state.num_tokens + num_new_tokens) // self.block_size) - len(state.block_ids) + cow
+
+
+def transfer_pages(block_table: Sequence[int], window_table: Sequence[int] = ()) -> list[int]:
+    """A sequence's pages as transports move them: its window table (window group), then its
+    block table, each in token order; the window table leads so that the pages behind its
+    window are a prefix a transfer can skip."""
+    return [*window_table, *block_table]
