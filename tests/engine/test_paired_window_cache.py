@@ -159,3 +159,16 @@ def test_a_prompt_prefilled_elsewhere_arrives_in_both_tables(checkpoint, hf_gree
     assert accumulators["x"].result().outputs[0].token_ids == expected[3]
     assert decode.kv.num_free_blocks == decode.kv.num_usable_blocks
     assert prefill.handoff.hold_prefix("y", prompt[:16]) is None  # the kvstore keeps one page per block
+
+
+def test_a_prompt_prefilled_in_chunks_drops_window_pages_as_it_goes(checkpoint, hf_greedy):
+    prompts, expected = hf_greedy
+    engine = _engine(checkpoint)  # 16-token chunks
+    engine.add_request("r", prompts[3], GREEDY)  # 30 tokens: two chunks
+    engine.step()
+    # after 16 tokens the next query (16) sees 11..16: the window pages of blocks 0 and 1 are gone
+    assert list(engine.kv.window_table_view("r/0"))[:2] == [NULL_BLOCK_ID] * 2
+    assert NULL_BLOCK_ID not in engine.kv.block_table_view("r/0")
+    accumulators: dict[str, OutputAccumulator] = {}
+    _run(engine, accumulators)
+    assert accumulators["r"].result().outputs[0].token_ids == expected[3]

@@ -49,7 +49,10 @@ prefilled in chunks, nor a prefill-only request's exported prompt (it ends on it
 token, which no step feeds), nor a reservation not yet received loses a block. A long
 generation then holds at most ceil(W / block_size) + 1 blocks. With a window group (a cache
 pairing sliding layers with full ones, `cleave.kv.groups`) the same drops apply to the
-window tables alone, which entries carry beside their block tables (`window_table`).
+window tables alone, which entries carry beside their block tables (`window_table`), and
+begin with a prompt's first chunk: a hand-off of its KV never sends the window pages behind
+the window (`KVHandoff.num_unseen_pages`), so a prompt prefilled in chunks holds about
+(chunk + W) / block_size window pages, not one per block.
 
 n parallel samples (`add_group`) prefill the prompt once: the first sample runs alone; the
 step its prefill completes, the others appear as its `forks`, draw their first tokens from
@@ -228,6 +231,7 @@ class Scheduler:
         kv, indexed = self.kv, self._indexed
         cache_full_blocks, block_size = kv.cache_full_blocks, kv.block_size
         sliding_window = kv.sliding_window
+        drops_in_prefill = kv.window_group  # its hand-offs never send the pages behind the window
         has_forks = output.has_forks
         got: list[tuple[Sequence, int, int]] = []  # (sequence, token, its position)
         index = 0
@@ -256,7 +260,7 @@ class Scheduler:
             if num_new != 1 or not seq_len % block_size or seq_id not in indexed:
                 cache_full_blocks(seq_id, seq.all_token_ids, seq_len)
                 indexed.add(seq_id)
-            if sliding_window and seq_len > seq.num_prompt_tokens:
+            if sliding_window and (seq_len > seq.num_prompt_tokens or drops_in_prefill):
                 # The next step's queries, launched already or not, start at seq_len.
                 kv.drop_outside_window(seq_id, seq_len)
         max_model_len = self.config.max_model_len
