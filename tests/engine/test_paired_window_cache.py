@@ -19,6 +19,7 @@ from cleave.generation.sampling_params import SamplingParams
 from cleave.kv.block_pool import NULL_BLOCK_ID
 from cleave.testing.tiny_models import write_tiny_checkpoint
 from tests.engine.hf_reference import hf_greedy_continuations
+from tests.engine.window_workload import generate_checking_blocks, hit_prefix_twice, run_to_end
 
 WINDOW = 6
 BLOCK = 4
@@ -51,51 +52,20 @@ def _engine(checkpoint: Path, overlap: bool = False, num_blocks: int = 161) -> L
     ))
 
 
-def _run(engine: LLMEngine, accumulators: dict[str, OutputAccumulator]) -> None:
-    while engine.has_unfinished():
-        for output in engine.step():
-            accumulators.setdefault(output.request_id, OutputAccumulator(output.request_id)).add(output)
-
-
 @pytest.mark.parametrize("overlap", [False, True])
 def test_greedy_matches_transformers_while_window_pages_are_dropped(checkpoint, hf_greedy, overlap):
     prompts, expected = hf_greedy
     # 160 usable pages: kept whole in both tables, the six samples would need 2 * 6 * 18.
     engine = _engine(checkpoint, overlap)
     assert engine.kv_cache.shape[0] == 2 and engine.kv.window_group  # 4 layers, 2 slots
-    for index, prompt in enumerate(prompts[:4]):
-        engine.add_request(f"r{index}", prompt, GREEDY)
-    engine.add_request("pair", prompts[4], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, n=2))
-    accumulators: dict[str, OutputAccumulator] = {}
-    num_checked = 0
-    while engine.has_unfinished():
-        for output in engine.step():
-            accumulators.setdefault(output.request_id, OutputAccumulator(output.request_id)).add(output)
-        for seq in engine.scheduler.running:
-            if seq.num_output_tokens >= 3:  # a step that fed a sampled token was resolved
-                window = engine.kv.window_table_view(seq.seq_id)
-                assert sum(1 for page in window if page != NULL_BLOCK_ID) <= BOUND, seq
-                assert NULL_BLOCK_ID not in engine.kv.block_table_view(seq.seq_id)
-                num_checked += 1
-    assert num_checked > 100
-    assert engine.scheduler.stats.num_preemptions == 0
 
-    for index in range(4):
-        (sample,) = accumulators[f"r{index}"].result().outputs
-        assert sample.token_ids == expected[index], f"prompt {index}"
-    pair = accumulators["pair"].result().outputs
-    assert [sample.token_ids for sample in pair] == [expected[4], expected[4]]
-    assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks
+    def held(seq_id: str) -> int:
+        assert NULL_BLOCK_ID not in engine.kv.block_table_view(seq_id)  # full layers keep every block
+        return sum(1 for page in engine.kv.window_table_view(seq_id) if page != NULL_BLOCK_ID)
 
-    # the same prompt twice: the second hits the first's full pages and its window pages in view
-    again: dict[str, OutputAccumulator] = {}
-    hits = engine.scheduler.stats.num_prefix_cache_hit_tokens
-    for request_id in ("first", "again"):
-        engine.add_request(request_id, prompts[3], GREEDY)
-        _run(engine, again)
-        assert again[request_id].result().outputs[0].token_ids == expected[3]
-    assert engine.scheduler.stats.num_prefix_cache_hit_tokens - hits >= 28  # every full prompt block
-    assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks
+    generate_checking_blocks(engine, prompts, expected, MAX_TOKENS, held, BOUND)
+    # the second run hits the first's full pages and its window pages in view
+    assert hit_prefix_twice(engine, prompts[3], expected[3], MAX_TOKENS) >= 28  # every full prompt block
 
 
 def test_a_layer_listener_hears_each_slot_after_both_its_layers(checkpoint, hf_greedy):
@@ -114,7 +84,7 @@ def test_a_layer_listener_hears_each_slot_after_both_its_layers(checkpoint, hf_g
     engine.watch_layers = watch
     engine.add_request("r", prompts[1], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     accumulators: dict[str, OutputAccumulator] = {}
-    _run(engine, accumulators)
+    run_to_end(engine, accumulators)
     assert accumulators["r"].result().outputs[0].token_ids == expected[1][:1]
     # slot 0 pairs layers 0 and 1, slot 1 layers 2 and 3
     assert heard[:2] == [(0, 2), (1, 4)]
@@ -130,7 +100,7 @@ def test_unpaired_the_engine_keeps_a_slot_and_every_block_per_layer(checkpoint, 
     assert engine.kv_cache.shape[0] == 4 and not engine.kv.window_group and engine.kv.sliding_window is None
     engine.add_request("r", prompts[2], GREEDY)
     accumulators: dict[str, OutputAccumulator] = {}
-    _run(engine, accumulators)
+    run_to_end(engine, accumulators)
     assert accumulators["r"].result().outputs[0].token_ids == expected[2]
 
 
@@ -141,7 +111,7 @@ def test_a_prompt_prefilled_elsewhere_arrives_in_both_tables(checkpoint, hf_gree
     prompt = prompts[3]  # 30 tokens: 8 pages in each table
     prefill, decode = _engine(checkpoint), _engine(checkpoint)
     prefill.add_request("x", prompt, GREEDY, prefill_only=True)
-    _run(prefill, {})
+    run_to_end(prefill, {})
     source = prefill.handoff.export("x")
     target = decode.handoff.reserve("x", len(prompt))
     assert len(source) == len(target) == decode.handoff.num_blocks_for(len(prompt)) == 16
@@ -155,7 +125,7 @@ def test_a_prompt_prefilled_elsewhere_arrives_in_both_tables(checkpoint, hf_gree
     assert prefill.kv.num_free_blocks == prefill.kv.num_usable_blocks
     decode.handoff.receive("x", prompt, expected[3][0], GREEDY)
     accumulators: dict[str, OutputAccumulator] = {}
-    _run(decode, accumulators)
+    run_to_end(decode, accumulators)
     assert accumulators["x"].result().outputs[0].token_ids == expected[3]
     assert decode.kv.num_free_blocks == decode.kv.num_usable_blocks
     assert prefill.handoff.hold_prefix("y", prompt[:16]) is None  # the kvstore keeps one page per block
@@ -170,5 +140,5 @@ def test_a_prompt_prefilled_in_chunks_drops_window_pages_as_it_goes(checkpoint, 
     assert list(engine.kv.window_table_view("r/0"))[:2] == [NULL_BLOCK_ID] * 2
     assert NULL_BLOCK_ID not in engine.kv.block_table_view("r/0")
     accumulators: dict[str, OutputAccumulator] = {}
-    _run(engine, accumulators)
+    run_to_end(engine, accumulators)
     assert accumulators["r"].result().outputs[0].token_ids == expected[3]

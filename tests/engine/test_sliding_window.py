@@ -11,18 +11,16 @@ import pytest
 
 from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cleave.engine.llm_engine import LLMEngine
-from cleave.engine.request import OutputAccumulator
-from cleave.generation.sampling_params import SamplingParams
 from cleave.kv.groups import uniform_sliding_window
 from cleave.model.config import ModelConfig
 from cleave.testing.tiny_models import write_tiny_checkpoint
 from tests.engine.hf_reference import hf_greedy_continuations
+from tests.engine.window_workload import generate_checking_blocks, hit_prefix_twice
 
 WINDOW = 12
 BLOCK = 4
 BOUND = -(-WINDOW // BLOCK) + 1  # blocks a decoding sequence holds at most
 MAX_TOKENS = 40
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -53,41 +51,11 @@ def test_greedy_matches_transformers_while_blocks_are_dropped(checkpoint, hf_gre
         cache=CacheConfig(block_size=BLOCK, num_blocks=41),
     ))
     assert engine.kv.sliding_window == WINDOW
-    for index, prompt in enumerate(prompts[:4]):
-        engine.add_request(f"r{index}", prompt, GREEDY)
-    engine.add_request("pair", prompts[4], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, n=2))
-    accumulators: dict[str, OutputAccumulator] = {}
-    num_checked = 0
-    while engine.has_unfinished():
-        for output in engine.step():
-            accumulators.setdefault(output.request_id, OutputAccumulator(output.request_id)).add(output)
-        for seq in engine.scheduler.running:
-            if seq.num_output_tokens >= 3:  # a step that fed a sampled token was resolved
-                assert held_blocks(engine, seq.seq_id) <= BOUND, seq
-                num_checked += 1
-    assert num_checked > 100
-    assert engine.scheduler.stats.num_preemptions == 0
-
-    for index in range(4):
-        (sample,) = accumulators[f"r{index}"].result().outputs
-        assert sample.token_ids == expected[index], f"prompt {index}"
-    pair = accumulators["pair"].result().outputs
-    assert [sample.token_ids for sample in pair] == [expected[4], expected[4]]
-    assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks
-
+    generate_checking_blocks(engine, prompts, expected, MAX_TOKENS, lambda seq_id: held_blocks(engine, seq_id), BOUND)
     # A prompt's blocks dropped while it generated stay in the prefix cache: the same prompt
     # next hits them (the run above churned through more blocks than the pool has, so the
-    # cache is refilled first).
-    again: dict[str, OutputAccumulator] = {}
-    for request_id in ("first", "again"):
-        hits = engine.scheduler.stats.num_prefix_cache_hit_tokens
-        engine.add_request(request_id, prompts[3], GREEDY)
-        while engine.has_unfinished():
-            for output in engine.step():
-                again.setdefault(output.request_id, OutputAccumulator(output.request_id)).add(output)
-        assert again[request_id].result().outputs[0].token_ids == expected[3]
-    assert engine.scheduler.stats.num_prefix_cache_hit_tokens - hits == 28  # every full prompt block
-    assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks
+    # first run refills the cache).
+    assert hit_prefix_twice(engine, prompts[3], expected[3], MAX_TOKENS) == 28  # every full prompt block
 
 
 def _config(**kwargs) -> ModelConfig:
