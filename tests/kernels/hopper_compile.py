@@ -63,9 +63,11 @@ def compile_variant(kernel, constexprs: dict, num_warps: int, pointers: dict | N
 
 
 def main() -> None:
-    gemv = dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, K_TILES=1, NORM=False, GATED=False, ADD=False, ROTARY=False,
-                IS_NEOX=True, HEAD_DIM=64, ROT_HALF=32, NUM_Q_HEADS=32, NUM_KV_HEADS=8, PDL=True)
+    gemv = dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, K_TILES=1, NORM=False, GATED=False, BIAS=False, ADD=False,
+                ROTARY=False, IS_NEOX=True, HEAD_DIM=64, ROT_HALF=32, NUM_Q_HEADS=32, NUM_KV_HEADS=8, PDL=True)
     compile_variant(_gemv_kernel, {**gemv, "NORM": True, "ROTARY": True}, 4)  # qkv + rotary + KV write
+    compile_variant(_gemv_kernel, {**gemv, "NORM": True, "ROTARY": True, "BIAS": True}, 4)  # gpt-oss's biased qkv
+    compile_variant(_gemv_kernel, {**gemv, "ADD": True, "BIAS": True, "BLOCK_N": 8, "K_TILES": 2}, 8)  # biased o
     compile_variant(_gemv_kernel, {**gemv, "NORM": True, "GATED": True, "BLOCK_N": 2}, 4)  # gate_up
     compile_variant(_gemv_kernel, {**gemv, "ADD": True, "BLOCK_N": 8, "K_TILES": 4}, 8)  # down
     compile_variant(_gemv_kernel, {**gemv, "BLOCK_M": 4, "BLOCK_N": 2, "PDL": False}, 4)

@@ -150,3 +150,47 @@ def test_gpu_bf16_llama_shapes(rows, kernel, gated, num_in):
         small_linear(x, weight, add_to=ours, kernel=kernel)
         small_linear_reference(x, weight, add_to=theirs)
         torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kernel", ["dot", "fma"])
+@pytest.mark.parametrize(("rows", "dtype"), [(1, torch.float32), (3, torch.float32), (1, torch.bfloat16)])
+def test_bias_is_added_before_the_rounding_and_the_residual_add(kernel, rows, dtype):
+    x, weight, norm_weight, residual = make(rows, 20, 40, False, dtype)
+    bias = torch.randn(20, generator=torch.Generator().manual_seed(9)).to(dtype)
+    out = small_linear(x, weight, norm_weight=norm_weight, bias=bias, impl="triton", kernel=kernel, block_n=8, block_k=32)
+    expected = small_linear_reference(x, weight, norm_weight=norm_weight, bias=bias)
+    ours, theirs = residual.clone(), residual.clone()
+    small_linear(x, weight, bias=bias, add_to=ours, impl="triton", kernel=kernel, block_n=8, block_k=32)
+    small_linear_reference(x, weight, bias=bias, add_to=theirs)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    else:
+        assert_close_ulps(out, expected, ulps=2, atol=2e-2)
+        assert_close_ulps(ours, theirs, ulps=2, atol=2e-2)
+    assert not torch.allclose(out, small_linear_reference(x, weight, norm_weight=norm_weight), atol=1e-2)
+
+
+def test_a_biased_qkv_projection_rotates_and_caches_the_biased_product():
+    x, weight, norm_weight, rotary = _rotary_case(2, torch.float32, 8, True)
+    bias = torch.randn(weight.shape[0], generator=torch.Generator().manual_seed(5))
+    expected_cache = rotary.kv_cache.clone()
+    expected = small_linear(x, weight, norm_weight=norm_weight, bias=bias, impl="torch",
+                            rotary=RotaryKVWrite(**{**vars(rotary), "kv_cache": expected_cache}))
+    out = small_linear(x, weight, norm_weight=norm_weight, bias=bias, impl="triton", rotary=rotary, block_n=4)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rotary.kv_cache, expected_cache, rtol=1e-5, atol=1e-5)
+
+
+def test_bias_refusals_name_the_argument():
+    x, weight, _, _ = make(2, 16, 32, True)
+    with pytest.raises(ValueError, match="bias must be"):
+        small_linear(x, weight, gated=True, bias=torch.zeros(32), impl="triton")
+    with pytest.raises(ValueError, match="bias must be"):
+        small_linear(x, weight[:16], bias=torch.zeros(8), impl="triton")
+    with pytest.raises(ValueError, match="split-K kernel adds no bias"):
+        small_linear(x, weight[:16], bias=torch.zeros(16), impl="triton", kernel="splitk")
+    rows = torch.randn(20, 32)  # 20 rows would take the split-K kernel; a bias sends them to the dot kernel
+    bias = torch.randn(16)
+    torch.testing.assert_close(small_linear(rows, weight[:16], bias=bias, impl="triton"),
+                               small_linear_reference(rows, weight[:16], bias=bias), rtol=1e-4, atol=1e-4)

@@ -19,8 +19,9 @@ own wait covers both, as this kernel cannot finish before its producer has).
 
 Fusions and rounding are `small_linear`'s: `NORM` RMS-normalises the input rows first (the
 normalised row rounded to the activation dtype, then scaled by the norm weight and rounded
-again), `GATED` computes silu(gate) * up from a [2N, K] gate_up weight, `ADD` adds the
-rounded product into the residual stream in place.
+again), `GATED` computes silu(gate) * up from a [2N, K] gate_up weight, `BIAS` adds a bias to
+the fp32 product (loaded before the wait, as the weights are), `ADD` adds the rounded product
+into the residual stream in place.
 
 One more is the qkv projection's own: `ROTARY` (a `RotaryKVWrite`) applies the rotary
 embedding to the q and k heads and writes k and v into their KV-cache slots, which is
@@ -74,6 +75,7 @@ def _gemv_kernel(
     x_ptr,  # [M, K] (NORM: the residual stream)
     w_ptr,  # [N, K] (GATED: [2N, K], gate rows then up rows)
     norm_w_ptr,  # [K] RMSNorm weight when NORM
+    bias_ptr,  # [N] when BIAS
     out_ptr,  # [M, N]; ADD: the residual stream, updated in place
     positions_ptr,  # ROTARY: [M] positions
     cos_sin_ptr,  # ROTARY: [max_pos, 2 * ROT_HALF]
@@ -98,6 +100,7 @@ def _gemv_kernel(
     K_TILES: tl.constexpr,  # cdiv(K, BLOCK_K)
     NORM: tl.constexpr,
     GATED: tl.constexpr,
+    BIAS: tl.constexpr,
     ADD: tl.constexpr,
     ROTARY: tl.constexpr,
     IS_NEOX: tl.constexpr,
@@ -137,6 +140,9 @@ def _gemv_kernel(
     w_up = w
     if GATED:
         w_up = tl.load(w_rows + up_offset, mask=w_mask, other=0.0)
+    bias = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if BIAS:
+        bias = tl.load(bias_ptr + features, mask=feature_valid, other=0.0).to(tl.float32)
     wait_for_producer(PDL)
 
     if NORM:
@@ -169,6 +175,8 @@ def _gemv_kernel(
             acc_up += _dot_rows(x, w_up, BLOCK_M)
         w = next_w
         w_up = next_w_up
+    if BIAS:
+        acc += bias[None, :]
 
     if ROTARY:
         _rotate_and_write_kv(

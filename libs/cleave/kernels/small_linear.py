@@ -10,6 +10,7 @@ power of two of at least 16 rows for `tl.dot`. What would otherwise be separate 
   program recomputes the rows' inverse RMS: the rows are a few KiB, the weights MiBs);
 - `gated=True`: SwiGLU, the weight is gate_up ([2I, K], gate rows first) and each program
   computes both halves of its features and writes silu(gate) * up;
+- `bias`: added to the fp32 product (not with `gated`), as `nn.Linear`'s before its rounding;
 - `add_to`: the product is added in place into the residual stream (each program owns its
   features, so no two programs touch the same element) instead of being written out.
 
@@ -60,6 +61,7 @@ def _small_linear_kernel(
     x_ptr,  # [M, K] (NORM: the residual stream)
     w_ptr,  # [N, K] (GATED: [2N, K], gate rows then up rows)
     norm_w_ptr,  # [K] RMSNorm weight when NORM
+    bias_ptr,  # [N] when BIAS
     out_ptr,  # [M, N]; ADD: the residual stream, updated in place
     num_rows,
     num_out,  # N: output features
@@ -73,6 +75,7 @@ def _small_linear_kernel(
     BLOCK_K: tl.constexpr,
     NORM: tl.constexpr,
     GATED: tl.constexpr,
+    BIAS: tl.constexpr,
     ADD: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -109,6 +112,8 @@ def _small_linear_kernel(
         if GATED:
             w_up = tl.load(w_rows + up_offset + cols[None, :], mask=w_mask, other=0.0).to(DOT_DTYPE)
             acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
+    if BIAS:
+        acc += tl.load(bias_ptr + features, mask=feature_valid, other=0.0).to(tl.float32)[None, :]
 
     store_linear_output(acc, acc_up, out_ptr, rows, features, row_valid, feature_valid, stride_out_row, GATED, ADD)
 
@@ -124,11 +129,12 @@ def small_linear_reference(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     add_to: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The unfused ops: [rms_norm] -> x @ weight.T (fp32, cast) -> [silu(gate) * up] -> [add_to +=]."""
+    """The unfused ops: [rms_norm] -> x @ weight.T [+ bias] (fp32, cast) -> [silu(gate) * up] -> [add_to +=]."""
     if norm_weight is not None:
         x = rms_norm_reference(x, norm_weight, eps)
-    out = F.linear(x.float(), weight.float())
+    out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     if gated:
         gate, up = out.chunk(2, dim=-1)
         out = F.silu(gate) * up
@@ -172,6 +178,7 @@ def small_linear(
     norm_weight: torch.Tensor | None = None,  # [K]: RMS-normalise x first
     eps: float = 1e-6,
     add_to: torch.Tensor | None = None,  # [M, N]: add the product into it in place
+    bias: torch.Tensor | None = None,  # [N]: added to the product (not with gated)
     impl: Impl = "auto",
     block_n: int | None = None,
     block_k: int | None = None,
@@ -185,8 +192,10 @@ def small_linear(
     counters: torch.Tensor | None = None,  # split-K kernel: int32 zeros it may use and leaves zeroed
 ) -> torch.Tensor:  # [M, N] (gated: [M, I]); `add_to` itself when given
     """x @ weight.T for at most MAX_ROWS rows, with the fusions described in the module doc."""
+    if bias is not None and (gated or bias.shape != (weight.shape[0],)):
+        raise ValueError(f"bias must be [{weight.shape[0]}] and not with gated, got {tuple(bias.shape)}")
     if not use_triton(x, impl):
-        out = small_linear_reference(x, weight, gated, norm_weight, eps, add_to)
+        out = small_linear_reference(x, weight, gated, norm_weight, eps, add_to, bias)
         if out_dtype is not None:
             out = out.to(out_dtype)
         if rotary is not None:
@@ -215,11 +224,13 @@ def small_linear(
     if kernel == "fma" or rotary is not None or out.dtype != x.dtype or (
         kernel == "auto" and num_rows <= GEMV_AUTO_MAX_ROWS
     ):
-        _launch_gemv(x, weight, norm_weight, out, eps, gated, add_to is not None, block_n, block_k, num_warps, pdl,
-                     rotary)
+        _launch_gemv(x, weight, norm_weight, bias, out, eps, gated, add_to is not None, block_n, block_k, num_warps,
+                     pdl, rotary)
         return out
     dot_dtype, precision = dot_settings(x)  # the activations' dtype on a GPU; fp32 in the interpreter
-    if kernel == "splitk" or (kernel == "auto" and num_rows >= SPLITK_MIN_ROWS):
+    if kernel == "splitk" and bias is not None:
+        raise ValueError("the split-K kernel adds no bias; pass kernel 'auto' or 'dot'")
+    if kernel == "splitk" or (kernel == "auto" and num_rows >= SPLITK_MIN_ROWS and bias is None):
         launch_splitk_linear(x, weight, norm_weight, out, eps, gated, add_to is not None, dot_dtype, precision,
                              counters, block_n, block_k, split_k, num_warps, num_stages, pdl)
         return out
@@ -231,9 +242,10 @@ def small_linear(
     pdl = pdl_enabled(x, pdl)
     _launcher(
         (triton.cdiv(num_out, block_n),),
-        (x, weight, x if norm_weight is None else norm_weight, out,
+        (x, weight, x if norm_weight is None else norm_weight, x if bias is None else bias, out,
          num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0), eps),
-        (block_m, block_n, block_k, norm_weight is not None, gated, add_to is not None, dot_dtype, precision, pdl),
+        (block_m, block_n, block_k, norm_weight is not None, gated, bias is not None, add_to is not None, dot_dtype,
+         precision, pdl),
         num_warps or 4, num_stages=num_stages, **launch_options(pdl),
     )
     return out
@@ -243,6 +255,7 @@ def _launch_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     norm_weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
     out: torch.Tensor,
     eps: float,
     gated: bool,
@@ -277,10 +290,10 @@ def _launch_gemv(
                              rotary.num_q_heads, rotary.num_kv_heads)
     _gemv_launcher(
         (grid,),
-        (x, weight, x if norm_weight is None else norm_weight, out, *rotary_tensors,
+        (x, weight, x if norm_weight is None else norm_weight, x if bias is None else bias, out, *rotary_tensors,
          num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0), eps, *rotary_scalars),
         (triton.next_power_of_2(num_rows), block_n, block_k, triton.cdiv(num_in, block_k),
-         norm_weight is not None, gated, add, *rotary_constexprs, pdl),
+         norm_weight is not None, gated, bias is not None, add, *rotary_constexprs, pdl),
         num_warps or tiles[2], num_stages=1, **launch_options(pdl),
     )
 
