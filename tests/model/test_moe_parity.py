@@ -107,10 +107,12 @@ def test_triton_kernels_match_transformers(name, moe_checkpoints, moe_hf_models)
 
 
 @torch.no_grad()
-def test_qwen3_moe_decode_steps_on_the_gemv_layout_match_transformers(moe_checkpoints, moe_hf_models, monkeypatch):
-    """Single-token steps of Qwen3-MoE run the GEMV decode layout (norms inside the router and
-    expert GEMVs, the residual add in the down GEMV); 12- and 7-token chunks there take the norm, the
-    fused layer and an add; gpt-oss (sinks) keeps its own layers."""
+@pytest.mark.parametrize("name", ["qwen3-moe", "gpt-oss"])
+def test_moe_decode_steps_on_the_gemv_layout_match_transformers(name, moe_checkpoints, moe_hf_models, monkeypatch):
+    """Single-token steps run the GEMV decode layout (norms inside the router and expert GEMVs,
+    the residual add in the down GEMV; gpt-oss's qkv, o and router biases in the GEMVs'
+    epilogues, its sinks and window in the attention); 12- and 7-token chunks there take the
+    norm, the fused layer and an add."""
     from cleave.model import fused_decode
 
     fused_layers = []
@@ -121,13 +123,10 @@ def test_qwen3_moe_decode_steps_on_the_gemv_layout_match_transformers(moe_checkp
         return real_moe_gemv(*args, **kwargs)
 
     monkeypatch.setattr(fused_decode, "moe_gemv", counting)
-    model = load_model(moe_checkpoints["qwen3-moe"], impl="triton")
-    hidden_size = model.config.hidden_size
-    assert fused_decode.gemv_layout_applies(model, torch.zeros(1, hidden_size))
-    gpt_oss = load_model(moe_checkpoints["gpt-oss"], impl="triton")
-    assert not fused_decode.gemv_layout_applies(gpt_oss, torch.zeros(1, gpt_oss.config.hidden_size))
+    model = load_model(moe_checkpoints[name], impl="triton")
+    assert fused_decode.gemv_layout_applies(model, torch.zeros(1, model.config.hidden_size))
     input_ids = prompt_ids(model.config.vocab_size, 24)
-    expected = moe_hf_models["qwen3-moe"](input_ids[None]).logits[0].float()
+    expected = moe_hf_models[name](input_ids[None]).logits[0].float()
     assert (run_chunks(model, input_ids, [12, 7, 1, 1, 1, 2]) - expected).abs().max().item() <= TOLERANCE
     sparse_layers = sum(isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers)
     assert fused_layers == [True] * (4 * sparse_layers)  # the 1, 1, 1 and 2-token steps; not 12 or 7

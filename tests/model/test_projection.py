@@ -21,9 +21,9 @@ def gemv_calls(monkeypatch):  # type: ignore[no-untyped-def]
     """Every GEMV `project` would launch, with the CUDA check lifted (the weights stay on CPU)."""
     calls = []
 
-    def fake_gemv(x, weight, pdl=True):  # type: ignore[no-untyped-def]
+    def fake_gemv(x, weight, bias=None, pdl=True):  # type: ignore[no-untyped-def]
         calls.append(weight)
-        return x @ weight.t()
+        return x @ weight.t() + (0 if bias is None else bias)
 
     monkeypatch.setattr(projection, "small_linear", fake_gemv)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
@@ -31,17 +31,17 @@ def gemv_calls(monkeypatch):  # type: ignore[no-untyped-def]
     return calls
 
 
-def test_a_plain_unbiased_single_row_projection_takes_the_gemv(gemv_calls):
+def test_a_plain_single_row_projection_takes_the_gemv_with_its_bias(gemv_calls):
+    x = torch.randn(1, 8)
     linear = nn.Linear(8, 4, bias=False)
-    x = torch.randn(1, 8)
     torch.testing.assert_close(projection.project(linear, x), linear(x))
-    assert gemv_calls == [linear.weight]
-
-
-def test_biased_multi_row_and_subclassed_projections_keep_their_forward(gemv_calls):
-    x = torch.randn(1, 8)
-    biased = nn.Linear(8, 4, bias=True)
+    biased = nn.Linear(8, 4, bias=True)  # gpt-oss's qkv, o and router
     torch.testing.assert_close(projection.project(biased, x), biased(x))
+    assert gemv_calls == [linear.weight, biased.weight]
+
+
+def test_multi_row_and_subclassed_projections_keep_their_forward(gemv_calls):
+    x = torch.randn(1, 8)
     plain = nn.Linear(8, 4, bias=False)
     projection.project(plain, torch.randn(2, 8))  # two rows: cuBLAS
     summing = SummingLinear(8, 4, bias=False)

@@ -6,17 +6,19 @@ fused Triton kernels for decode batches, and `run_fused_decode` is its one dispa
 model rather than in `cleave.kernels` because it reads the modules' weights and walks the
 layer list; the kernels package stays below the model and knows only tensors.
 
-Two layouts, both for layers without attention sinks or an o_proj bias (gpt-oss and the like
-always run the model's own layers), on the Triton kernels:
-- GEMV (1..`CausalLM.decode_gemv_max_tokens` tokens, no qkv bias): register or split-K GEMV
-  kernels carry the norms in their prologues and the residual adds in their epilogues (four
-  launches a layer, plus attention); a single token without q/k norms also takes the rotary
-  embedding and KV write as the qkv projection's epilogue. A mixture-of-experts layer of up
+Two layouts, on the Triton kernels:
+- GEMV (1..`CausalLM.decode_gemv_max_tokens` tokens, every model): register, tensor-core or
+  split-K GEMV kernels carry the norms in their prologues, the projections' biases (qkv, o and
+  router: Qwen2's, gpt-oss's) and the residual adds in their epilogues (four launches a layer,
+  plus attention, which takes gpt-oss's sinks and windows itself); a single token without
+  q/k norms also takes the rotary embedding and KV write as the qkv projection's epilogue.
+  A mixture-of-experts layer of up
   to `moe_gemv.MAX_TOKENS` tokens runs its router on a GEMV with the norm in its prologue,
   then the per-entry expert GEMVs with the norm in the first one's prologue and the residual
   add in the last one's epilogue (four launches, with routing); more tokens take the norm,
   the fused MoE layer and an add.
-- deferred norms (dense layers; larger decode-only batches, after `CausalLM.fold_norm_weights`): the
+- deferred norms (dense layers without sinks or biases; larger decode-only batches, after
+  `CausalLM.fold_norm_weights`): the
   projections are cuBLAS GEMMs, each norm is a per-row scale that the decode attention and
   SwiGLU kernels apply (`cleave.kernels.row_norm`), and the residual adds are the o and down
   GEMMs' own epilogue (beta = 1): five launches a layer, no norm kernel.
@@ -75,12 +77,11 @@ def run_fused_decode(
 
 
 def gemv_layout_applies(model: CausalLM, hidden: torch.Tensor) -> bool:
-    """Whether this batch runs the GEMV layout: Triton kernels (on CUDA, or forced),
-    1..decode_gemv_max_tokens tokens, no attention sinks, o_proj or qkv bias."""
+    """Whether this batch runs the GEMV layout: Triton kernels (on CUDA, or forced) and
+    1..decode_gemv_max_tokens tokens."""
     return (
         0 < hidden.shape[0] <= model.decode_gemv_max_tokens
         and model.has_gemv_decode_layout
-        and not model.config.attention_bias
         and use_triton(hidden, model.impl)
         and use_triton(hidden, model.layers[0].self_attn.attention_impl)
     )
@@ -146,16 +147,17 @@ def _gemv_attention(
         rotary = RotaryKVWrite(positions, cos_sin_cache, kv_cache, metadata.slot_mapping,
                                attention.num_heads, attention.num_kv_heads, attention.head_dim, is_neox=True)
         qkv = small_linear(residual, attention.qkv_proj.weight, norm_weight=norm.weight, eps=norm.eps, rotary=rotary,
-                           pdl=pdl)
+                           bias=attention.qkv_proj.bias, pdl=pdl)
         q = qkv[:, : attention.q_size].view(num_tokens, attention.num_heads, attention.head_dim)
         out = paged_attention(q, kv_cache, metadata, attention.scale, impl="triton",
                               sliding_window=attention.sliding_window, sinks=attention.sinks, pdl=pdl)
         out = out.reshape(num_tokens, attention.q_size)
     else:
         qkv = small_linear(residual, attention.qkv_proj.weight, norm_weight=norm.weight, eps=norm.eps,
-                           counters=metadata.split_counters, pdl=pdl)
+                           bias=attention.qkv_proj.bias, counters=metadata.split_counters, pdl=pdl)
         out = attention.attend(qkv, positions, kv_cache, metadata, cos_sin_cache)  # [T, Hq D]
-    small_linear(out, attention.o_proj.weight, add_to=residual, counters=metadata.split_counters, pdl=pdl)
+    small_linear(out, attention.o_proj.weight, add_to=residual, bias=attention.o_proj.bias,
+                 counters=metadata.split_counters, pdl=pdl)
 
 
 def _gemv_mlp(mlp: MLP, residual: torch.Tensor, norm: RMSNorm, counters: torch.Tensor | None) -> None:
@@ -169,10 +171,11 @@ def _gemv_mlp(mlp: MLP, residual: torch.Tensor, norm: RMSNorm, counters: torch.T
 def _gemv_moe(block: SparseMoeBlock, residual: torch.Tensor, norm: RMSNorm) -> None:
     """residual += block(norm(residual)): up to `moe_gemv.MAX_TOKENS` tokens with the norm
     inside the router and expert GEMVs and the add in the last one (see the module doc)."""
-    if residual.shape[0] > MOE_GEMV_MAX_TOKENS or block.router.bias is not None:
+    if residual.shape[0] > MOE_GEMV_MAX_TOKENS:
         residual.add_(block(rms_norm(residual, norm.weight, norm.eps, pdl=norm.pdl)))
         return
-    logits = small_linear(residual, block.router.weight, norm_weight=norm.weight, eps=norm.eps, pdl=norm.pdl)
+    logits = small_linear(residual, block.router.weight, norm_weight=norm.weight, eps=norm.eps, bias=block.router.bias,
+                          pdl=norm.pdl)
     weights, ids = route(logits, block.top_k, block.renormalize)
     experts = block.experts
     moe_gemv(residual, experts.w13, experts.w2, weights, ids, block.activation, experts.w13_bias, experts.w2_bias,

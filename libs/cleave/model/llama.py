@@ -194,10 +194,10 @@ class CausalLM(nn.Module):
         self.decode_gemv_max_tokens = DECODE_GEMV_MAX_TOKENS
         self.norms_folded = False  # set by fold_norm_weights
         self.deferred_norm_decode = True  # larger decode batches apply folded norms in kernels
-        # the fused decode layouts fold norms into dense projections and drop o_proj biases; the
-        # GEMV layout also lays out MoE layers (their norms stay unfolded)
+        # the deferred-norm layout folds norms into dense projections and drops biases; the GEMV
+        # layout lays out every model (biases in its epilogues, MoE layers' norms unfolded)
         self.has_fused_decode_layouts = not (config.is_moe or config.attention_sinks or config.o_proj_bias)
-        self.has_gemv_decode_layout = not (config.attention_sinks or config.o_proj_bias)
+        self.has_gemv_decode_layout = True
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         cache = self._build_cos_sin_cache(self.embed_tokens.weight.device)
