@@ -135,10 +135,11 @@ def test_sliding_window_matches_transformers(tiny_checkpoints, hf_models, impl):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
 def test_fused_decode_path_matches_transformers(tiny_checkpoints, hf_models, arch):
     """A 20-token prefill (unfused) then 1-2 token steps on the fused decode-batch kernels
-    (norms inside the projections, residual adds in their epilogues), in the interpreter."""
+    (norms inside the projections, residual adds and Qwen2's qkv bias in their epilogues), in
+    the interpreter."""
     model = load_model(tiny_checkpoints[arch], impl="triton")
     assert gemv_layout_applies(model, torch.zeros(1, model.config.hidden_size))
     assert not gemv_layout_applies(model, torch.zeros(20, model.config.hidden_size))
