@@ -11,11 +11,12 @@ import pytest
 
 from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cleave.engine.llm_engine import LLMEngine
+from cleave.generation.sampling_params import SamplingParams
 from cleave.kv.groups import uniform_sliding_window
 from cleave.model.config import ModelConfig
 from cleave.testing.tiny_models import write_tiny_checkpoint
 from tests.engine.hf_reference import hf_greedy_continuations
-from tests.engine.window_workload import generate_checking_blocks, hit_prefix_twice
+from tests.engine.window_workload import generate_checking_blocks, hit_prefix_twice, run_to_end
 
 WINDOW = 12
 BLOCK = 4
@@ -70,3 +71,20 @@ def test_only_an_all_sliding_model_drops_blocks():
     gpt_oss = _config(architecture="GptOssForCausalLM", sliding_window=128,
                       layer_types=("sliding_attention", "full_attention"))
     assert uniform_sliding_window(gpt_oss) is None
+
+
+def test_an_exported_prompt_keeps_every_block(checkpoint, hf_greedy):
+    """A hand-off sends every block of a one-table cache (only a paired cache's window pages
+    behind the window are skipped), so the export drops none."""
+    prompts, _ = hf_greedy
+    engine = LLMEngine(EngineConfig(
+        model=str(checkpoint), dtype="float32", device="cpu",
+        scheduler=SchedulerConfig(max_num_batched_tokens=16, max_model_len=128),
+        cache=CacheConfig(block_size=BLOCK, num_blocks=41),
+    ))
+    engine.add_request("x", prompts[3], SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True)
+    run_to_end(engine, {})
+    pages = engine.handoff.export("x")  # 30 tokens, a window of 12: a query at 30 sees 19..30
+    assert engine.handoff.num_unseen_pages(30) == 0 and len(pages) == 8 and 0 not in pages
+    engine.handoff.release_export("x")
+    assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks

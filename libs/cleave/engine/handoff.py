@@ -182,7 +182,8 @@ class KVHandoff:
         sent). The caller owns them until `release_export`. Raises NotFound when the request
         kept none."""
         export_id = request_id + _EXPORT_SUFFIX
-        self.kv.drop_outside_window(export_id, self.kv.num_tokens(export_id))  # pages never sent
+        if self.kv.num_unseen_pages(self.kv.num_tokens(export_id)):  # window pages never sent: free them now
+            self.kv.drop_outside_window(export_id, self.kv.num_tokens(export_id))
         table = self.kv.pages(export_id)
         if not table:
             raise NotFound(f"no exported prompt KV for request {request_id!r}", field="request_id")

@@ -209,9 +209,13 @@ class KVCacheManager:
         """The longest prefix of the full-table hit `block_ids` whose window pages are cached
         too: those a query right after it can see."""
         lookup = self.pool.lookup
+        found: dict[int, int | None] = {}  # block index -> its cached window page (each hashed once)
         for num_hit in range(len(block_ids), 0, -1):
             num_unseen = self._num_unseen(num_hit * self.block_size)
-            pages = [lookup(self._window_hash(block_hashes[index])) for index in range(num_unseen, num_hit)]
+            for index in range(num_unseen, num_hit):
+                if index not in found:
+                    found[index] = lookup(self._window_hash(block_hashes[index]))
+            pages = [found[index] for index in range(num_unseen, num_hit)]
             if None not in pages:
                 window_ids = (NULL_BLOCK_ID,) * num_unseen + tuple(pages)  # type: ignore[arg-type]
                 return ComputedBlocks(block_ids[:num_hit], num_hit * self.block_size, window_ids)
