@@ -5,6 +5,7 @@ import pytest
 
 from cleave.kv.block_pool import NULL_BLOCK_ID, OutOfBlocksError
 from cleave.kv.manager import KVCacheManager
+from cleave.kv.prefix_hash import block_hashes
 
 BLOCK = 4
 WINDOW = 6
@@ -88,6 +89,7 @@ def test_a_hit_shortens_to_the_blocks_whose_window_pages_are_cached():
     third_window_page = kv.window_table_view("a")[2]
     kv.free("a")
     kv.pool._evict(third_window_page)  # the window page of block 2 is gone, its full page is not
+    assert kv.num_cached_blocks(block_hashes(prompt, BLOCK)) == 2  # what a hit would take, looked up alone
     hit = kv.get_computed_blocks("b", prompt)
     # 3 blocks would need window pages 1 and 2; 2 blocks need pages 0 and 1, still cached
     assert hit.num_computed_tokens == 8 and hit.window_block_ids[0] != NULL_BLOCK_ID

@@ -144,15 +144,9 @@ class KVHandoff:
         return KVSnapshot(self.kv.num_free_blocks, self.kv.num_usable_blocks)
 
     def num_cached_blocks(self, hashes: Seq[bytes]) -> int:
-        """How many leading `hashes` name blocks in the prefix cache now (prefill side:
+        """How many leading `hashes` name blocks a prefix hit would take now (prefill side:
         the kvstore skips what the engine holds; decode side: `cached_prefix`)."""
-        pool = self.kv.pool
-        count = 0
-        for block_hash in hashes:
-            if pool.lookup(block_hash) is None:
-                break
-            count += 1
-        return count
+        return self.kv.num_cached_blocks(hashes)
 
     # ---- prefill side: the prompt KV of prefill-only requests ----------------------------
 

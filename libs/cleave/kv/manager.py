@@ -195,15 +195,29 @@ class KVCacheManager:
             raise RuntimeError(f"sequence {seq_id!r} already holds blocks; look up prefixes before allocating")
         max_blocks = (len(token_ids) - 1) // self.block_size
         self._extend_hashes(state, token_ids, max_blocks)
+        block_ids = self._cached_run(state.block_hashes[:max_blocks])
+        if self._windows is not None:
+            return self._window_hit(state.block_hashes, block_ids)
+        return ComputedBlocks(block_ids, len(block_ids) * self.block_size)
+
+    def num_cached_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of `block_hashes` a prefix hit would take now (no side
+        effects): those cached, and with a window group only as far as their window pages in
+        view are cached too."""
+        block_ids = self._cached_run(block_hashes)
+        if self._windows is not None and block_ids:
+            return len(self._window_hit(list(block_hashes), block_ids).block_ids)
+        return len(block_ids)
+
+    def _cached_run(self, block_hashes: Sequence[BlockHash]) -> list[int]:
+        """The cached blocks of the leading run of `block_hashes` that are all cached."""
         block_ids: list[int] = []
-        for block_hash in state.block_hashes[:max_blocks]:
+        for block_hash in block_hashes:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
             block_ids.append(block_id)
-        if self._windows is not None:
-            return self._window_hit(state.block_hashes, block_ids)
-        return ComputedBlocks(block_ids, len(block_ids) * self.block_size)
+        return block_ids
 
     def _window_hit(self, block_hashes: list[BlockHash], block_ids: list[int]) -> ComputedBlocks:
         """The longest prefix of the full-table hit `block_ids` whose window pages are cached
