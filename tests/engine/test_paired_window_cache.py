@@ -142,3 +142,20 @@ def test_a_prompt_prefilled_in_chunks_drops_window_pages_as_it_goes(checkpoint, 
     accumulators: dict[str, OutputAccumulator] = {}
     run_to_end(engine, accumulators)
     assert accumulators["r"].result().outputs[0].token_ids == expected[3]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preempted_sequences_recompute_to_the_same_tokens(checkpoint, hf_greedy, overlap):
+    """A pool too small for every sequence at once: the scheduler preempts, a recompute finds
+    its own pages (full and window) in the prefix cache or computes them again, and the
+    outputs still equal transformers'."""
+    prompts, expected = hf_greedy
+    engine = _engine(checkpoint, overlap, num_blocks=49)  # 48 pages: the five prompts grow past it together
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"r{index}", prompt, GREEDY)
+    accumulators: dict[str, OutputAccumulator] = {}
+    run_to_end(engine, accumulators)
+    assert engine.scheduler.stats.num_preemptions > 0
+    for index in range(5):
+        assert accumulators[f"r{index}"].result().outputs[0].token_ids == expected[index], f"prompt {index}"
+    assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks
