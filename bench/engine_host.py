@@ -64,8 +64,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 # bench/kernels.py would shadow the `kernels` package transformers imports: bench/ goes last.
-if sys.path and Path(sys.path[0] or ".").resolve() == BENCH:
-    sys.path.append(sys.path.pop(0))
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != BENCH] + [str(BENCH)]
 
 PHASES = ("schedule", "prepare", "forward", "detokenize", "sampling_prep", "sample", "postprocess")
 HOST_PHASES = ("schedule", "prepare", "detokenize", "sampling_prep", "postprocess")

@@ -42,8 +42,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 # bench/kernels.py would shadow the `kernels` package transformers imports: bench/ goes last.
-if sys.path and Path(sys.path[0] or ".").resolve() == BENCH:
-    sys.path.append(sys.path.pop(0))
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != BENCH] + [str(BENCH)]
 
 COLUMNS = ["batch", "freeze", "steps", "step_ms", "device_ms", "idle_pct", "wait_ms", "host_ms", "host_p50",
            "gc_ms", "full_gcs", "step_p50", "stagger"]
@@ -124,29 +123,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", default=None, help="directory for engine-step-gaps-<UTC time>.json / .md")
     args = parser.parse_args(argv)
-    cpu = args.device == "cpu"
     # read by bench/engine.py's make_engine
     args.max_model_len = args.prompt_len + args.output_len
     args.max_num_batched_tokens = 4096
-    args.block_size = 16
     args.enforce_eager = False
     args.gpu_memory_utilization = 0.9
-    args.model, args.dtype = ("tiny", "float32") if cpu else ("llama-1b", "bfloat16")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not any(Path(entry or ".").resolve() == BENCH for entry in sys.path):
-        sys.path.append(str(BENCH))
     from common import format_table, run_name, write_results
     from engine import free_device_memory, make_engine
-    from engine_sweep import write_model
+    from engine_sweep import choose_model, write_model
 
-    import torch
-
-    if args.device == "cpu":
-        torch.set_num_threads(1)
+    choose_model(args)
     freezes = {"off": [False], "on": [True], "both": [False, True]}[args.freeze]
     rows: list[dict] = []
     profiler = cProfile.Profile() if args.profile else None

@@ -136,6 +136,18 @@ def ensure_bench_importable() -> None:
         sys.path.append(str(BENCH))
 
 
+def choose_model(args: argparse.Namespace) -> None:
+    """The checkpoint `write_model` writes for `args.device` (a tiny fp32 Llama on the CPU,
+    the Llama-3.2-1B shape in bf16 elsewhere) and the engine's block size; on the CPU torch
+    runs on one thread, as the engine's step would beside a serving process."""
+    args.block_size = 16
+    args.model, args.dtype = ("tiny", "float32") if args.device == "cpu" else ("llama-1b", "bfloat16")
+    if args.device == "cpu":
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def write_model(directory: Path, args: argparse.Namespace) -> Path:
     """The sweep's checkpoint, with the real `kernels` package imported first: transformers
     imports it while writing checkpoints, and bench/kernels.py would pass for it."""

@@ -34,8 +34,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 # bench/kernels.py would shadow the `kernels` package transformers imports: bench/ goes last.
-if sys.path and Path(sys.path[0] or ".").resolve() == BENCH:
-    sys.path.append(sys.path.pop(0))
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != BENCH] + [str(BENCH)]
 
 COLUMNS = ["prefill_graphs", "prompt_len", "repeats", "first_token_ms", "steps", "device_ms", "host_ms", "floor_ms", "kernels"]
 
@@ -132,31 +131,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.repeats < 1 or min(args.prompt_lens) < 1 or min(args.prefill_graph_max_tokens) < 0:
         parser.error("--repeats and every --prompt-lens entry must be positive, --prefill-graph-max-tokens >= 0")
-    cpu = args.device == "cpu"
     # the engine's limits (main) and the checkpoint engine_sweep.write_model writes
     args.max_model_len = max(args.prompt_lens) + 2
     args.max_num_batched_tokens = max(8192, max(args.prompt_lens))  # one step prefills the whole prompt
-    args.block_size = 16
     args.gpu_memory_utilization = 0.5
-    args.model, args.dtype = ("tiny", "float32") if cpu else ("llama-1b", "bfloat16")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not any(Path(entry or ".").resolve() == BENCH for entry in sys.path):
-        sys.path.append(str(BENCH))
     from common import format_table, run_name, write_results
     from engine import free_device_memory
-    from engine_sweep import write_model
+    from engine_sweep import choose_model, write_model
 
     from cleave.engine.llm_engine import LLMEngine
     from cleave.engine.llm import build_engine_config
 
-    import torch
-
-    if args.device == "cpu":
-        torch.set_num_threads(1)
+    choose_model(args)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="cleave-prefill-latency-") as tmp:
         model_dir = write_model(Path(tmp), args)
