@@ -6,8 +6,9 @@ the window. This drives the engine's own `Scheduler` and `KVCacheManager` (no mo
 pages a sequence holds depend only on its length and the scheduler's rules) through one
 sequence of `--prompt-len` + `--output-len` tokens, prefilled in `--chunk`-token steps, and
 records the most pages it held at once; a budget of `--kv-gib` then holds
-budget // (page bytes * peak pages) such sequences side by side. Exact counts, no timing:
-runs anywhere.
+budget // (page bytes * peak pages) such sequences side by side. `handoff_mib` is what a
+disaggregated hand-off of the prompt moves (a paired cache skips the window pages behind the
+window). Exact counts, no timing: runs anywhere.
 
     python bench/kv_capacity.py --model gpt-oss-20b --kv-gib 64 --prompt-len 1024 --output-len 32768
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import format_table, run_name, write_results  # noqa: E402
 
-COLUMNS = ["layout", "slots", "page_kib", "pages", "peak_pages", "peak_gib", "sequences", "tokens_held"]
+COLUMNS = ["layout", "slots", "page_kib", "pages", "peak_pages", "peak_gib", "sequences", "tokens_held", "handoff_mib"]
 GIB = 1 << 30
 
 
@@ -49,8 +50,9 @@ def parse_args(argv: Seq[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def peak_pages(groups, args: argparse.Namespace) -> int:  # noqa: ANN001
-    """The most pages one sequence holds over its life under the scheduler's rules."""
+def peak_pages(groups, args: argparse.Namespace) -> tuple[int, int]:  # noqa: ANN001
+    """The most pages one sequence holds over its life under the scheduler's rules, and the
+    pages a hand-off of its prompt sends."""
     from cleave.engine.config import SchedulerConfig
     from cleave.engine.scheduler import Scheduler
     from cleave.engine.sequence import Sequence
@@ -72,7 +74,7 @@ def peak_pages(groups, args: argparse.Namespace) -> int:  # noqa: ANN001
         peak = max(peak, kv.num_usable_blocks - kv.num_free_blocks)
         scheduler.advance(output)
         scheduler.resolve(output, [2] * len(output.sampled_seqs), length_checker)
-    return peak
+    return peak, kv.num_blocks_for(args.prompt_len) - kv.num_unseen_pages(args.prompt_len)
 
 
 def main(argv: Seq[str] | None = None) -> int:
@@ -87,12 +89,13 @@ def main(argv: Seq[str] | None = None) -> int:
     for layout, paired in (("slot per layer", False), ("paired", True)):
         groups = kv_groups(config, pair_window_layers=paired)
         page_bytes = groups.num_slots * 2 * args.block_size * config.num_key_value_heads * config.head_dim * 2  # bf16
-        peak = peak_pages(groups, args)
+        peak, handoff_pages = peak_pages(groups, args)
         sequences = budget // page_bytes // peak
         rows.append({
             "layout": layout, "slots": groups.num_slots, "page_kib": page_bytes / 1024, "pages": budget // page_bytes,
             "peak_pages": peak, "peak_gib": peak * page_bytes / GIB, "sequences": sequences,
             "tokens_held": sequences * (args.prompt_len + args.output_len),
+            "handoff_mib": handoff_pages * page_bytes / (1 << 20),
         })
     print(format_table(rows, COLUMNS))
     if args.out:
