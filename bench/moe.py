@@ -15,7 +15,8 @@ bf16, weights random and built in device memory):
   batch 1 and 64 over a `--context`-token KV cache, captured in a CUDA graph and replayed.
   Its roofline counts every byte the step must read: attention and router weights, the
   touched experts (counted per layer from the routing of that very step), the KV cache, the
-  embedding rows and lm_head.
+  embedding rows and lm_head. gpt-oss runs on the paired cache it is served with
+  (`cleave.kv.groups`: its sliding layers over window tables holding only the pages in view).
 
     python bench/moe.py                                  # both parts; bench/results/moe/
     python bench/moe.py --part layer --tokens 1,64,8192
@@ -269,6 +270,7 @@ def random_model(config, dtype: torch.dtype, device: torch.device):  # noqa: ANN
 
 
 def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    from cleave.kv.groups import kv_groups
     from cleave.kv.metadata import AttentionMetadata
     from cleave.model.llama import allocate_kv_cache
 
@@ -279,10 +281,20 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
     timer_device = device
     rows = []
     blocks_per_seq = -(-max_len // args.block_size)
+    groups = kv_groups(config)  # gpt-oss: the paired cache it is served with
     for batch in args.batch:
-        kv_cache = allocate_kv_cache(config, batch * blocks_per_seq + 1, args.block_size, dtype, device)
         tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(batch)]
-        metadata = AttentionMetadata.build([1] * batch, [max_len] * batch, tables, args.block_size, device=device)
+        num_pages, window_tables = batch * blocks_per_seq + 1, None
+        if groups.is_paired:  # window tables hold the pages in view, the null block behind the window
+            assert groups.sliding_window is not None
+            unseen = max(0, (args.context - groups.sliding_window + 1) // args.block_size)
+            in_view = blocks_per_seq - unseen
+            window_tables = [[0] * unseen + list(range(num_pages + i * in_view, num_pages + (i + 1) * in_view))
+                             for i in range(batch)]
+            num_pages += batch * in_view
+        kv_cache = allocate_kv_cache(config, num_pages, args.block_size, dtype, device, num_slots=groups.num_slots)
+        metadata = AttentionMetadata.build([1] * batch, [max_len] * batch, tables, args.block_size, device=device,
+                                           window_tables=window_tables)
         input_ids = torch.randint(0, shape.vocab, (batch,), device=device, generator=generator)
         positions = torch.full((batch,), args.context, device=device, dtype=torch.long)
 
