@@ -159,3 +159,22 @@ def test_preempted_sequences_recompute_to_the_same_tokens(checkpoint, hf_greedy,
     for index in range(5):
         assert accumulators[f"r{index}"].result().outputs[0].token_ids == expected[index], f"prompt {index}"
     assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_window_tables_on_cuda_match_transformers(checkpoint, hf_greedy, eager):
+    """The same workload on the GPU in fp32: decode steps replay CUDA graphs whose static
+    buffers carry the window tables (null pages behind the window), or run eagerly."""
+    prompts, expected = hf_greedy
+    engine = LLMEngine(EngineConfig(
+        model=str(checkpoint), dtype="float32", device="cuda", enforce_eager=eager,
+        scheduler=SchedulerConfig(max_num_batched_tokens=16, max_model_len=96),
+        cache=CacheConfig(block_size=BLOCK, num_blocks=161),
+    ))
+    assert (engine.runner.graph_runner is None) is eager and engine.kv.window_group
+
+    def held(seq_id: str) -> int:
+        return sum(1 for page in engine.kv.window_table_view(seq_id) if page != NULL_BLOCK_ID)
+
+    generate_checking_blocks(engine, prompts, expected, MAX_TOKENS, held, BOUND)
