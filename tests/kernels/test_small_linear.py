@@ -194,3 +194,20 @@ def test_bias_refusals_name_the_argument():
     bias = torch.randn(16)
     torch.testing.assert_close(small_linear(rows, weight[:16], bias=bias, impl="triton"),
                                small_linear_reference(rows, weight[:16], bias=bias), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("rows", "kernel"), [(1, "fma"), (1, "dot"), (4, "auto"), (20, "auto")])
+def test_gpu_bf16_biased_gpt_oss_shapes(rows, kernel):
+    # gpt-oss-20b's qkv (64 q + 2 x 8 kv heads of 64 from 2880) and o (4096 -> 2880, added in place)
+    x, weight, norm_weight, _ = make(rows, 5120, 2880, False, torch.bfloat16, "cuda")
+    bias = torch.randn(5120, device="cuda").to(torch.bfloat16)
+    out = small_linear(x, weight, norm_weight=norm_weight, bias=bias, kernel=kernel)
+    expected = small_linear_reference(x, weight, norm_weight=norm_weight, bias=bias)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    attn, o_weight, _, residual = make(rows, 2880, 4096, False, torch.bfloat16, "cuda", seed=1)
+    o_bias = torch.randn(2880, device="cuda").to(torch.bfloat16)
+    ours, theirs = residual.clone(), residual.clone()
+    small_linear(attn, o_weight, bias=o_bias, add_to=ours, kernel=kernel)
+    small_linear_reference(attn, o_weight, bias=o_bias, add_to=theirs)
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-2)
