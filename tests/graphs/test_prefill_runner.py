@@ -111,5 +111,6 @@ def test_buffers_take_a_paired_caches_window_table():
     assert view.window.slot_mapping.tolist() == [28, 29, 30, 31, 8, 9, -1, -1]
     assert view.block_tables.tolist() == [[3, 5, 0, 0]]
     buffers.fill(torch.arange(2), torch.arange(2), AttentionMetadata.build([2], [2], [[4]], 4, window_tables=[[6]]))
-    assert buffers.window_slot_mapping.tolist() == [24, 25] + [-1] * 6
-    assert buffers.window_block_tables.tolist() == [[6, 0, 0, 0]]
+    window_slots, window_tables = buffers.window
+    assert window_slots.tolist() == [24, 25] + [-1] * 6
+    assert window_tables.tolist() == [[6, 0, 0, 0]]

@@ -73,9 +73,11 @@ class StaticPrefillBuffers:
         self.seq_lens = torch.zeros(1, dtype=torch.int32, device=device)
         self.block_tables = torch.full((1, config.max_blocks_per_seq), NULL_BLOCK_ID, dtype=torch.int32,
                                        device=device)
-        # the window tables' slots and table (paired caches), else None
-        self.window_slot_mapping = torch.full_like(self.slot_mapping, PAD_SLOT_ID) if config.window_tables else None
-        self.window_block_tables = torch.full_like(self.block_tables, NULL_BLOCK_ID) if config.window_tables else None
+        # the window tables' (slots, table) of a paired cache, else None
+        self.window: tuple[torch.Tensor, torch.Tensor] | None = None
+        if config.window_tables:
+            self.window = (torch.full_like(self.slot_mapping, PAD_SLOT_ID),
+                           torch.full_like(self.block_tables, NULL_BLOCK_ID))
         self._filled_tokens = 0  # rows [0, _filled_tokens) hold the last prompt's tokens
         self._filled_width = 0  # block-table columns the last prompt wrote
 
@@ -89,8 +91,9 @@ class StaticPrefillBuffers:
             max_query_len=bucket,
             max_seq_len=self.config.max_blocks_per_seq * self.config.block_size,
         )
-        if self.window_slot_mapping is not None and self.window_block_tables is not None:
-            metadata.window = metadata.over_tables(self.window_slot_mapping[:bucket], self.window_block_tables)
+        if self.window is not None:
+            window_slots, window_tables = self.window
+            metadata.window = metadata.over_tables(window_slots[:bucket], window_tables)
         return metadata
 
     def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> None:
@@ -106,10 +109,10 @@ class StaticPrefillBuffers:
         self.query_start_loc.copy_(metadata.query_start_loc, non_blocking=True)
         self.seq_lens.copy_(metadata.seq_lens, non_blocking=True)
         self._fill_tables(self.slot_mapping, self.block_tables, metadata, num_tokens, width)
-        if self.window_slot_mapping is not None and self.window_block_tables is not None:
+        if self.window is not None:
             if metadata.window is None:
                 raise ValueError("the prefill graphs were captured with window tables; the batch has none")
-            self._fill_tables(self.window_slot_mapping, self.window_block_tables, metadata.window, num_tokens, width)
+            self._fill_tables(*self.window, metadata.window, num_tokens, width)
         self._filled_tokens, self._filled_width = num_tokens, width
 
     def _fill_tables(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, metadata: AttentionMetadata,
@@ -130,9 +133,9 @@ class StaticPrefillBuffers:
         self.query_start_loc.zero_()
         self.seq_lens.zero_()
         self.block_tables.fill_(NULL_BLOCK_ID)
-        if self.window_slot_mapping is not None and self.window_block_tables is not None:
-            self.window_slot_mapping.fill_(PAD_SLOT_ID)
-            self.window_block_tables.fill_(NULL_BLOCK_ID)
+        if self.window is not None:
+            self.window[0].fill_(PAD_SLOT_ID)
+            self.window[1].fill_(NULL_BLOCK_ID)
         self._filled_tokens = self._filled_width = 0
 
 
