@@ -20,6 +20,12 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
+# Each channel keeps its own connections. gRPC otherwise shares them process-wide by target:
+# a new channel to an address whose earlier server went away (a worker restarted on its
+# address) would inherit that connection's reconnect backoff and fail its first calls at once.
+LOCAL_SUBCHANNELS = ("grpc.use_local_subchannel_pool", 1)
+
+
 def aio_channel(
     address: str,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -35,5 +41,6 @@ def aio_channel(
     if secrets:
         rewrites.append(lambda details: with_metadata(details, secrets))
     return grpc.aio.insecure_channel(
-        address, options=channel_options(max_message_bytes), interceptors=details_interceptors(*rewrites)
+        address, options=[*channel_options(max_message_bytes), LOCAL_SUBCHANNELS],
+        interceptors=details_interceptors(*rewrites),
     )
