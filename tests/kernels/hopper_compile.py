@@ -28,6 +28,7 @@ from cleave.kernels.fused_moe import (
 )
 from cleave.kernels.gemv import _gemv_kernel
 from cleave.kernels.moe_gemv import _down_sum_kernel, _gate_up_kernel
+from cleave.kernels.moe_tiles import SHARED_MEMORY_BYTES
 from cleave.kernels.rms_norm import _rms_norm_kernel
 from cleave.kernels.splitk_linear import _splitk_linear_kernel
 
@@ -51,14 +52,22 @@ POINTERS = {  # argument name -> pointer type; every other runtime argument is a
 FLOATS = {"eps", "scale_log2", "norm_eps", "alpha", "limit", "head_norm_eps"}
 
 
-def compile_variant(kernel, constexprs: dict, num_warps: int, pointers: dict | None = None) -> None:
-    names = inspect.signature(kernel.fn).parameters
+def compile_variant(kernel, constexprs: dict, num_warps: int, pointers: dict | None = None,
+                    num_stages: int = 3) -> None:
+    names = list(inspect.signature(kernel.fn).parameters)
     types = {**POINTERS, **(pointers or {})}
     signature = {
         name: "constexpr" if name in constexprs else types.get(name, "fp32" if name in FLOATS else "i32")
         for name in names
     }
-    triton.compile(ASTSource(kernel, signature, constexprs), target=TARGET, options={"num_warps": num_warps})
+    # pointers and strides 16-byte aligned, as the JIT specialises them for real shapes: the
+    # loops software-pipeline (async copies into shared memory) only then
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+               if signature[name].startswith("*") or name.startswith("stride")}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, aligned), target=TARGET,
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    if compiled.metadata.shared > SHARED_MEMORY_BYTES:  # a launch would fail for lack of shared memory
+        raise SystemExit(f"{kernel.fn.__name__} {constexprs} needs {compiled.metadata.shared} bytes of shared memory")
     print("compiled", kernel.fn.__name__, constexprs, flush=True)
 
 
@@ -110,6 +119,10 @@ def main() -> None:
     compile_variant(_moe_gemm_kernel, {**moe, "CLAMPED": True, "HAS_BIAS": True, "BLOCK_M": 64}, 8)  # gpt-oss
     compile_variant(_moe_gemm_kernel, {**moe, "ROW_DIV": 1, "GATED": False, "MUL_WEIGHT": True}, 4,
                     pointers={"c_ptr": "*fp32"})  # down, weighted, fp32 per-slot output
+    # the largest tiles `bench/moe_tune.py` tries (prefill): they fit in shared memory
+    compile_variant(_moe_gemm_kernel, {**moe, "BLOCK_M": 128, "BLOCK_N": 128}, 8, num_stages=4)
+    compile_variant(_moe_gemm_kernel, {**moe, "ROW_DIV": 1, "GATED": False, "MUL_WEIGHT": True, "BLOCK_M": 128,
+                                       "BLOCK_N": 256}, 8, pointers={"c_ptr": "*fp32"}, num_stages=4)
     # per-entry expert GEMVs (decode): norm prologue, clamped SwiGLU with biases, residual add
     moe_ids = {"ids_ptr": "*i32"}
     gate_up = dict(TOP_K=8, BLOCK_N=2, BLOCK_K=2048, K_TILES=1, HAS_BIAS=False, CLAMPED=False, NORM=True)

@@ -17,7 +17,8 @@ host, so it can be captured in a CUDA graph:
    once (no atomics, so the result is deterministic).
 
 Blocks past the padded length return at once, so the grid is sized for the worst case.
-The design follows vLLM's Triton fused_moe. Up to a few tokens (decode) skip steps 2-4:
+Tiles come from `cleave.kernels.moe_tiles` (a table tuned on the device, else a built-in
+rule). The design follows vLLM's Triton fused_moe. Up to a few tokens (decode) skip steps 2-4:
 `cleave.kernels.moe_gemv` runs each (token, expert) entry as a GEMV, in two launches. Torch references are in `moe_reference.py`.
 """
 
@@ -35,6 +36,7 @@ from cleave.kernels.dispatch import Impl, use_triton
 from cleave.kernels.moe_gemv import MAX_TOKENS as GEMV_MAX_TOKENS
 from cleave.kernels.moe_gemv import gated_activation, moe_gemv
 from cleave.kernels.moe_reference import SILU, MoEActivation, fused_experts_reference, route_reference
+from cleave.kernels.moe_tiles import GemmTiles, MoELaunch, moe_launch
 
 
 ALIGN_MAX_PROGRAMS = 64  # chunks the alignment's count and scatter kernels split the entries into
@@ -54,26 +56,6 @@ class AlignedEntries:
     num_padded: torch.Tensor
     block_size: int
     num_entries: int
-
-
-@dataclass(frozen=True)
-class MoELaunch:
-    """Tile sizes of the grouped GEMMs."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-
-
-def moe_launch(num_entries: int, num_experts: int, out_features: int, in_features: int) -> MoELaunch:
-    """Tiles for the grouped GEMMs: BLOCK_M follows the entries per expert, so a decode
-    batch spread over many experts pads each group to 16 rows, not 64 (prefill)."""
-    per_expert = num_entries / num_experts
-    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
-    block_n = max(16, min(64, triton.next_power_of_2(out_features)))
-    block_k = max(16, min(64, triton.next_power_of_2(in_features)))
-    return MoELaunch(block_m, block_n, block_k, num_warps=4 if block_m <= 16 else 8)
 
 
 @triton.jit
@@ -313,21 +295,24 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: int) 
     return AlignedEntries(sorted_ids, expert_ids, num_padded, block_size, num_entries)
 
 
-def _grouped_gemm(
+def grouped_gemm(
     a: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     out: torch.Tensor,
     aligned: AlignedEntries,
-    launch: MoELaunch,
+    tiles: GemmTiles,
     row_div: int,
     activation: MoEActivation | None,
     topk_weights: torch.Tensor | None,
 ) -> None:
+    """out[entry] = a[entry // row_div] @ weight[expert].T (+ bias) for every aligned entry:
+    the activation of gate and up (`activation`, gate_up) or times the routing weight
+    (`topk_weights`, down). One launch; the tuner (`bench/moe_tune.py`) times it alone."""
     gated = activation is not None
     out_features = out.shape[1]
     dot_dtype, precision = dot_settings(a)
-    grid = (aligned.expert_ids.shape[0], triton.cdiv(out_features, launch.block_n))
+    grid = (aligned.expert_ids.shape[0], triton.cdiv(out_features, tiles.block_n))
     _moe_gemm_kernel[grid](
         a, weight, bias if bias is not None else weight, out,
         topk_weights if topk_weights is not None else out,
@@ -337,8 +322,8 @@ def _grouped_gemm(
         activation.alpha if gated else 0.0, activation.limit if gated else 0.0,
         ROW_DIV=row_div, GATED=gated, CLAMPED=gated and activation.kind == "swiglu_clamped",
         HAS_BIAS=bias is not None, MUL_WEIGHT=topk_weights is not None,
-        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, num_warps=launch.num_warps,
+        BLOCK_M=aligned.block_size, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 
 
@@ -353,11 +338,13 @@ def fused_experts(
     w2_bias: torch.Tensor | None = None,
     impl: Impl = "auto",
     kernel: Literal["auto", "grouped", "gemv"] = "auto",
+    launch: MoELaunch | None = None,
 ) -> torch.Tensor:  # [T, H]
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) (see module docstring).
 
     `kernel` "auto" runs up to `moe_gemv.MAX_TOKENS` tokens as per-entry GEMVs
-    (`cleave.kernels.moe_gemv`: no alignment, two launches) and more through the grouped GEMMs."""
+    (`cleave.kernels.moe_gemv`: no alignment, two launches) and more through the grouped GEMMs,
+    tiled by `launch` (default: `moe_tiles.moe_launch`, a tuned table where the device has one)."""
     if kernel not in ("auto", "grouped", "gemv"):
         raise ValueError(f"kernel must be 'auto', 'grouped' or 'gemv', got {kernel!r}")
     if not use_triton(hidden, impl):
@@ -375,14 +362,13 @@ def fused_experts(
     if num_tokens == 0:
         return out
     num_entries = num_tokens * top_k
-    launch = moe_launch(num_entries, num_experts, inter, hidden_size)
+    launch = launch or moe_launch(num_tokens, top_k, num_experts, inter, hidden_size, hidden)
     aligned = align_block_size(topk_ids.to(torch.int32), num_experts, launch.block_m)
     intermediate = torch.empty(num_entries, inter, dtype=hidden.dtype, device=hidden.device)
-    _grouped_gemm(hidden, w13, w13_bias, intermediate, aligned, launch, top_k, activation, None)
+    grouped_gemm(hidden, w13, w13_bias, intermediate, aligned, launch.gate_up, top_k, activation, None)
     # fp32 slot outputs: the sum over slots rounds once (one ulp in bf16, not k + 1 roundings)
     per_slot = torch.empty(num_entries, hidden_size, dtype=torch.float32, device=hidden.device)
-    down_launch = moe_launch(num_entries, num_experts, hidden_size, inter)  # same block_m: same alignment
-    _grouped_gemm(intermediate, w2, w2_bias, per_slot, aligned, down_launch, 1, None,
+    grouped_gemm(intermediate, w2, w2_bias, per_slot, aligned, launch.down, 1, None,
                   topk_weights.reshape(-1).to(torch.float32))
     return per_slot.view(num_tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
 
