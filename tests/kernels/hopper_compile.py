@@ -8,8 +8,13 @@ functions cannot be compiled. Prints one line per compiled variant.
 from __future__ import annotations
 
 import inspect
+import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 import triton
+import triton.backends.nvidia
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -49,6 +54,7 @@ POINTERS = {  # argument name -> pointer type; every other runtime argument is a
     "topk_weights_ptr": "*fp32", "q_norm_w_ptr": "*bf16", "k_norm_w_ptr": "*bf16", "inter_ptr": "*bf16",
     "weights_ptr": "*fp32",
 }
+FEATURE_DIMS = {"N", "K", "num_in", "num_out"}  # runtime sizes that are multiples of 16 in every real model
 FLOATS = {"eps", "scale_log2", "norm_eps", "alpha", "limit", "head_norm_eps"}
 
 
@@ -60,15 +66,34 @@ def compile_variant(kernel, constexprs: dict, num_warps: int, pointers: dict | N
         name: "constexpr" if name in constexprs else types.get(name, "fp32" if name in FLOATS else "i32")
         for name in names
     }
-    # pointers and strides 16-byte aligned, as the JIT specialises them for real shapes: the
-    # loops software-pipeline (async copies into shared memory) only then
+    # pointers, strides and feature dimensions divisible by 16, as the JIT specialises them for
+    # real shapes: masked loads vectorise and loops software-pipeline (async copies into
+    # shared memory) only then, so shared memory and registers are those of a real launch
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
-               if signature[name].startswith("*") or name.startswith("stride")}
+               if signature[name].startswith("*") or name.startswith("stride") or name in FEATURE_DIMS}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, aligned), target=TARGET,
                               options={"num_warps": num_warps, "num_stages": num_stages})
     if compiled.metadata.shared > SHARED_MEMORY_BYTES:  # a launch would fail for lack of shared memory
         raise SystemExit(f"{kernel.fn.__name__} {constexprs} needs {compiled.metadata.shared} bytes of shared memory")
-    print("compiled", kernel.fn.__name__, constexprs, flush=True)
+    registers, spilled = resource_usage(compiled.asm["cubin"])
+    if spilled:  # local memory: registers spilled to HBM in a kernel whose time is its bytes
+        raise SystemExit(f"{kernel.fn.__name__} {constexprs} spills {spilled} bytes ({registers} registers)")
+    print("compiled", kernel.fn.__name__, constexprs, f"registers={registers}", flush=True)
+
+
+def resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers per thread, local-memory bytes per thread) of a compiled kernel, from the
+    cuobjdump triton's NVIDIA backend ships."""
+    tool = Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "kernel.cubin"
+        path.write_bytes(cubin)
+        usage = subprocess.run([str(tool), "--dump-resource-usage", str(path)], capture_output=True, text=True,
+                               check=True).stdout
+    registers, local = re.search(r"REG:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
+    if registers is None or local is None:
+        raise SystemExit(f"cuobjdump's resource usage did not parse: {usage[-500:]}")
+    return int(registers.group(1)), int(local.group(1))
 
 
 def main() -> None:

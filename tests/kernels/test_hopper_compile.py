@@ -2,7 +2,9 @@
 
 The interpreter runs a kernel's Python, not its compilation, so a kernel that fails to
 lower (a loop-carried value changing type, an unsupported op) would otherwise only show on
-the GPU. Triton's NVIDIA backend (with its bundled ptxas) compiles without a device.
+the GPU. Triton's NVIDIA backend (with its bundled ptxas) compiles without a device, with the
+alignment a real launch specialises on, and each variant must fit in shared memory and spill
+no registers.
 """
 
 import importlib.util
