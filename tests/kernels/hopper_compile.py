@@ -52,7 +52,7 @@ POINTERS = {  # argument name -> pointer type; every other runtime argument is a
     "counts_ptr": "*i32", "offsets_ptr": "*i32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
     "num_padded_ptr": "*i32", "a_ptr": "*bf16", "b_ptr": "*bf16", "bias_ptr": "*bf16", "c_ptr": "*bf16",
     "topk_weights_ptr": "*fp32", "q_norm_w_ptr": "*bf16", "k_norm_w_ptr": "*bf16", "inter_ptr": "*bf16",
-    "weights_ptr": "*fp32",
+    "weights_ptr": "*fp32", "scale_ptr": "*bf16",
 }
 FEATURE_DIMS = {"N", "K", "num_in", "num_out"}  # runtime sizes that are multiples of 16 in every real model
 FLOATS = {"eps", "scale_log2", "norm_eps", "alpha", "limit", "head_norm_eps"}
@@ -138,8 +138,8 @@ def main() -> None:
     compile_variant(_align_count_kernel, dict(BLOCK_E=128, BLOCK_T=64), 4)
     compile_variant(_align_offsets_kernel, dict(BLOCK_SIZE=64, BLOCK_E=128, BLOCK_P=64, BLOCK_T=64), 8)
     compile_variant(_align_scatter_kernel, dict(BLOCK_E=128, BLOCK_T=64), 4)
-    moe = dict(ROW_DIV=8, GATED=True, CLAMPED=False, HAS_BIAS=False, MUL_WEIGHT=False, BLOCK_M=16, BLOCK_N=64,
-               BLOCK_K=64, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32")
+    moe = dict(ROW_DIV=8, GATED=True, CLAMPED=False, HAS_BIAS=False, MUL_WEIGHT=False, MXFP4=False, BLOCK_M=16,
+               BLOCK_N=64, BLOCK_K=64, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32")
     compile_variant(_moe_gemm_kernel, moe, 4)  # gate_up + SwiGLU
     compile_variant(_moe_gemm_kernel, {**moe, "CLAMPED": True, "HAS_BIAS": True, "BLOCK_M": 64}, 8)  # gpt-oss
     compile_variant(_moe_gemm_kernel, {**moe, "ROW_DIV": 1, "GATED": False, "MUL_WEIGHT": True}, 4,
@@ -148,16 +148,28 @@ def main() -> None:
     compile_variant(_moe_gemm_kernel, {**moe, "BLOCK_M": 128, "BLOCK_N": 128}, 8, num_stages=4)
     compile_variant(_moe_gemm_kernel, {**moe, "ROW_DIV": 1, "GATED": False, "MUL_WEIGHT": True, "BLOCK_M": 128,
                                        "BLOCK_N": 256}, 8, pointers={"c_ptr": "*fp32"}, num_stages=4)
+    # gpt-oss's MXFP4 experts read packed (grouped GEMMs: gate_up with biases, weighted down)
+    packed = {"b_ptr": "*u8", "scale_ptr": "*u8"}
+    compile_variant(_moe_gemm_kernel, {**moe, "MXFP4": True, "CLAMPED": True, "HAS_BIAS": True, "BLOCK_M": 64}, 8,
+                    pointers=packed)
+    compile_variant(_moe_gemm_kernel, {**moe, "MXFP4": True, "ROW_DIV": 1, "GATED": False, "MUL_WEIGHT": True,
+                                       "HAS_BIAS": True}, 4, pointers={**packed, "c_ptr": "*fp32"})
     # per-entry expert GEMVs (decode): norm prologue, clamped SwiGLU with biases, residual add
     moe_ids = {"ids_ptr": "*i32"}
-    gate_up = dict(TOP_K=8, BLOCK_N=2, BLOCK_K=2048, K_TILES=1, HAS_BIAS=False, CLAMPED=False, NORM=True)
+    gate_up = dict(TOP_K=8, BLOCK_N=2, BLOCK_K=2048, K_TILES=1, HAS_BIAS=False, CLAMPED=False, NORM=True, MXFP4=False)
     compile_variant(_gate_up_kernel, gate_up, 4, pointers=moe_ids)
     compile_variant(_gate_up_kernel, {**gate_up, "TOP_K": 4, "K_TILES": 2, "HAS_BIAS": True, "CLAMPED": True,
                                       "NORM": False}, 4, pointers=moe_ids)
-    down = dict(TOP_K=8, BLOCK_N=8, BLOCK_K=1024, K_TILES=1, HAS_BIAS=False, ADD=True)
+    down = dict(TOP_K=8, BLOCK_N=8, BLOCK_K=1024, K_TILES=1, HAS_BIAS=False, ADD=True, MXFP4=False)
     compile_variant(_down_sum_kernel, down, 4, pointers=moe_ids)
     compile_variant(_down_sum_kernel, {**down, "TOP_K": 4, "K_TILES": 2, "HAS_BIAS": True, "ADD": False}, 4,
                     pointers=moe_ids)
+    # the same for gpt-oss-20b's MXFP4 experts (hidden and intermediate 2880: two K tiles)
+    packed_gemv = {**moe_ids, "w_ptr": "*u8", "scale_ptr": "*u8"}
+    compile_variant(_gate_up_kernel, {**gate_up, "TOP_K": 4, "K_TILES": 2, "HAS_BIAS": True, "CLAMPED": True,
+                                      "MXFP4": True}, 4, pointers=packed_gemv)
+    compile_variant(_down_sum_kernel, {**down, "TOP_K": 4, "BLOCK_K": 2048, "K_TILES": 2, "HAS_BIAS": True,
+                                       "MXFP4": True}, 4, pointers=packed_gemv)
     splitk = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, NORM=True, GATED=False, ADD=False,
                   DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", PDL=True)
     compile_variant(_splitk_linear_kernel, splitk, 4)  # qkv with the input norm

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cleave.model.loader import CheckpointError, load_model
-from cleave.model.mxfp4 import dequantize_mxfp4
+from cleave.kernels.mxfp4 import dequantize_mxfp4
 from cleave.testing.tiny_models import write_tiny_checkpoint
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

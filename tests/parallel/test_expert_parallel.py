@@ -15,7 +15,7 @@ from cleave.engine.llm import LLM
 from cleave.generation.sampling_params import SamplingParams
 from cleave.model.config import ModelConfig
 from cleave.model.loader import load_model
-from cleave.model.mxfp4 import dequantize_mxfp4
+from cleave.kernels.mxfp4 import dequantize_mxfp4
 from cleave.parallel.group import TensorParallelGroup
 from cleave.parallel.sharding import TensorParallelLayout
 from cleave.testing.tiny_models import write_tiny_checkpoint

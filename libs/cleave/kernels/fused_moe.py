@@ -37,6 +37,7 @@ from cleave.kernels.moe_gemv import MAX_TOKENS as GEMV_MAX_TOKENS
 from cleave.kernels.moe_gemv import gated_activation, moe_gemv
 from cleave.kernels.moe_reference import SILU, MoEActivation, fused_experts_reference, route_reference
 from cleave.kernels.moe_tiles import GemmTiles, MoELaunch, moe_launch
+from cleave.kernels.mxfp4 import MXFP4Weight, decode_e2m1, dense_weight, e8m0_scale
 
 
 ALIGN_MAX_PROGRAMS = 64  # chunks the alignment's count and scatter kernels split the entries into
@@ -171,9 +172,41 @@ def _align_scatter_kernel(
 
 
 @triton.jit
+def _mxfp4_tile(rows, scale_rows, k0, col_valid, K, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                DOT_DTYPE: tl.constexpr):
+    """The K tile at k0 of MXFP4 weight rows (`rows`, `scale_rows`: [BN] row starts) as two
+    [BLOCK_K // 2, BN] operands in DOT_DTYPE, the tile's even and odd k (low and high nibbles),
+    each value times its group's scale."""
+    packed = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    codes = tl.load(rows[None, :] + packed[:, None], mask=(packed < K // 2)[:, None] & col_valid[None, :],
+                    other=0).to(tl.int32)  # [BK/2, BN]
+    groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    scales = e8m0_scale(tl.load(scale_rows[None, :] + groups[:, None],
+                                mask=(groups < K // 32)[:, None] & col_valid[None, :], other=0).to(tl.int32))
+    scales = scales[:, None, :]  # [BK/32, 1, BN]: one per 16 bytes of a row
+    low = tl.reshape(tl.reshape(decode_e2m1(codes & 15), [BLOCK_K // 32, 16, BLOCK_N]) * scales,
+                     [BLOCK_K // 2, BLOCK_N])
+    high = tl.reshape(tl.reshape(decode_e2m1(codes >> 4), [BLOCK_K // 32, 16, BLOCK_N]) * scales,
+                      [BLOCK_K // 2, BLOCK_N])
+    return low.to(DOT_DTYPE), high.to(DOT_DTYPE)
+
+
+@triton.jit
+def _mxfp4_dot(a, rows, scale_rows, k0, col_valid, K, acc, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+               BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + a [BM, BK] @ the MXFP4 tile's [BK, BN]: a's even and odd columns against the
+    low and high nibbles, so the decoded values need no interleaving."""
+    a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))
+    low, high = _mxfp4_tile(rows, scale_rows, k0, col_valid, K, BLOCK_K, BLOCK_N, DOT_DTYPE)
+    acc = tl.dot(a_even.to(DOT_DTYPE), low, acc, input_precision=DOT_PRECISION)
+    return tl.dot(a_odd.to(DOT_DTYPE), high, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr,  # [rows, K]: hidden [T, K] (ROW_DIV = top_k) or intermediate [T*k, K] (ROW_DIV = 1)
-    b_ptr,  # [E, N or 2N, K]
+    b_ptr,  # [E, N or 2N, K] (MXFP4: [E, N or 2N, K // 2] bytes)
+    scale_ptr,  # MXFP4: [E, N or 2N, K // 32] scale codes
     bias_ptr,  # [E, N or 2N] when HAS_BIAS
     c_ptr,  # [T*k, N]
     topk_weights_ptr,  # [T*k] fp32 when MUL_WEIGHT
@@ -186,6 +219,8 @@ def _moe_gemm_kernel(
     stride_a,
     stride_be,
     stride_bn,
+    stride_se,
+    stride_sn,
     stride_bias,
     stride_c,
     alpha,
@@ -195,6 +230,7 @@ def _moe_gemm_kernel(
     CLAMPED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    MXFP4: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -214,16 +250,28 @@ def _moe_gemm_kernel(
     b_expert = b_ptr + expert * stride_be
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if MXFP4:
+        b_rows = b_expert + cols.to(tl.int64) * stride_bn  # [BN] row starts (bytes)
+        scale_rows = scale_ptr + expert * stride_se + cols.to(tl.int64) * stride_sn
+        up_offset = N.to(tl.int64) * stride_bn
+        up_scale_offset = N.to(tl.int64) * stride_sn
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_valid = ks < K
         a = tl.load(a_rows[:, None] + ks[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        b_mask = k_valid[:, None] & col_valid[None, :]
-        b = tl.load(b_expert + cols[None, :] * stride_bn + ks[:, None], mask=b_mask, other=0.0)  # [BK, BN]
-        acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-        if GATED:
-            b_up = tl.load(b_expert + (cols + N)[None, :] * stride_bn + ks[:, None], mask=b_mask, other=0.0)
-            acc_up = tl.dot(a.to(DOT_DTYPE), b_up.to(DOT_DTYPE), acc_up, input_precision=DOT_PRECISION)
+        if MXFP4:
+            acc = _mxfp4_dot(a, b_rows, scale_rows, k0, col_valid, K, acc, BLOCK_M, BLOCK_K, BLOCK_N, DOT_DTYPE,
+                             DOT_PRECISION)
+            if GATED:
+                acc_up = _mxfp4_dot(a, b_rows + up_offset, scale_rows + up_scale_offset, k0, col_valid, K, acc_up,
+                                    BLOCK_M, BLOCK_K, BLOCK_N, DOT_DTYPE, DOT_PRECISION)
+        else:
+            b_mask = k_valid[:, None] & col_valid[None, :]
+            b = tl.load(b_expert + cols[None, :] * stride_bn + ks[:, None], mask=b_mask, other=0.0)  # [BK, BN]
+            acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+            if GATED:
+                b_up = tl.load(b_expert + (cols + N)[None, :] * stride_bn + ks[:, None], mask=b_mask, other=0.0)
+                acc_up = tl.dot(a.to(DOT_DTYPE), b_up.to(DOT_DTYPE), acc_up, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         bias_row = bias_ptr + expert * stride_bias
         acc += tl.load(bias_row + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
@@ -297,7 +345,7 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: int) 
 
 def grouped_gemm(
     a: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | MXFP4Weight,
     bias: torch.Tensor | None,
     out: torch.Tensor,
     aligned: AlignedEntries,
@@ -312,16 +360,21 @@ def grouped_gemm(
     gated = activation is not None
     out_features = out.shape[1]
     dot_dtype, precision = dot_settings(a)
+    quantized = isinstance(weight, MXFP4Weight)
+    if quantized and tiles.block_k < 32:
+        raise ValueError(f"MXFP4 weights need block_k >= 32 (one scale group), got {tiles.block_k}")
+    weights, scales = (weight.blocks, weight.scales) if quantized else (weight, weight)
     grid = (aligned.expert_ids.shape[0], triton.cdiv(out_features, tiles.block_n))
     _moe_gemm_kernel[grid](
-        a, weight, bias if bias is not None else weight, out,
+        a, weights, scales, bias if bias is not None else a, out,
         topk_weights if topk_weights is not None else out,
         aligned.sorted_ids, aligned.expert_ids, aligned.num_padded,
         out_features, a.shape[1], aligned.num_entries,
-        a.stride(0), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0),
+        a.stride(0), weights.stride(0), weights.stride(1), scales.stride(0) if quantized else 0,
+        scales.stride(1) if quantized else 0, bias.stride(0) if bias is not None else 0, out.stride(0),
         activation.alpha if gated else 0.0, activation.limit if gated else 0.0,
         ROW_DIV=row_div, GATED=gated, CLAMPED=gated and activation.kind == "swiglu_clamped",
-        HAS_BIAS=bias is not None, MUL_WEIGHT=topk_weights is not None,
+        HAS_BIAS=bias is not None, MUL_WEIGHT=topk_weights is not None, MXFP4=quantized,
         BLOCK_M=aligned.block_size, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
@@ -329,8 +382,8 @@ def grouped_gemm(
 
 def fused_experts(
     hidden: torch.Tensor,  # [T, H]
-    w13: torch.Tensor,  # [E, 2I, H]
-    w2: torch.Tensor,  # [E, H, I]
+    w13: torch.Tensor | MXFP4Weight,  # [E, 2I, H]
+    w2: torch.Tensor | MXFP4Weight,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] fp32
     topk_ids: torch.Tensor,  # [T, k] int32
     activation: MoEActivation = SILU,
@@ -344,17 +397,19 @@ def fused_experts(
 
     `kernel` "auto" runs up to `moe_gemv.MAX_TOKENS` tokens as per-entry GEMVs
     (`cleave.kernels.moe_gemv`: no alignment, two launches) and more through the grouped GEMMs,
-    tiled by `launch` (default: `moe_tiles.moe_launch`, a tuned table where the device has one)."""
+    tiled by `launch` (default: `moe_tiles.moe_launch`, a tuned table where the device has one).
+    MXFP4 weights are read packed by both (the torch reference dequantises them)."""
     if kernel not in ("auto", "grouped", "gemv"):
         raise ValueError(f"kernel must be 'auto', 'grouped' or 'gemv', got {kernel!r}")
     if not use_triton(hidden, impl):
-        return fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
+        return fused_experts_reference(hidden, dense_weight(w13, hidden.dtype), dense_weight(w2, hidden.dtype),
+                                       topk_weights, topk_ids, activation, w13_bias, w2_bias)
     num_tokens, hidden_size = hidden.shape
     num_experts, inter2, _ = w13.shape
     top_k = topk_ids.shape[1]
     inter = inter2 // 2
     for name, tensor in (("hidden", hidden), ("w13", w13), ("w2", w2)):
-        if tensor.stride(-1) != 1:
+        if isinstance(tensor, torch.Tensor) and tensor.stride(-1) != 1:  # MXFP4Weight checks its own
             raise ValueError(f"{name} must be contiguous in its last dimension")
     if kernel == "gemv" or (kernel == "auto" and num_tokens <= GEMV_MAX_TOKENS):
         return moe_gemv(hidden, w13, w2, topk_weights, topk_ids.to(torch.int32), activation, w13_bias, w2_bias)
@@ -362,7 +417,8 @@ def fused_experts(
     if num_tokens == 0:
         return out
     num_entries = num_tokens * top_k
-    launch = launch or moe_launch(num_tokens, top_k, num_experts, inter, hidden_size, hidden)
+    launch = launch or moe_launch(num_tokens, top_k, num_experts, inter, hidden_size, hidden,
+                                  mxfp4=isinstance(w13, MXFP4Weight))
     aligned = align_block_size(topk_ids.to(torch.int32), num_experts, launch.block_m)
     intermediate = torch.empty(num_entries, inter, dtype=hidden.dtype, device=hidden.device)
     grouped_gemm(hidden, w13, w13_bias, intermediate, aligned, launch.gate_up, top_k, activation, None)

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from cleave.kernels.dispatch import CachedLauncher
 from cleave.kernels.moe_reference import MoEActivation
+from cleave.kernels.mxfp4 import MXFP4Weight, decode_e2m1, e8m0_scale
 
 MAX_TOKENS = 4  # tokens `fused_experts` sends here by default; more go to the grouped GEMMs
 TILE_ELEMENTS = 8192  # weight elements per program per K tile (features x K), per half when gated
@@ -47,9 +48,44 @@ def gated_activation(gate, up, alpha, limit, CLAMPED: tl.constexpr):
 
 
 @triton.jit
+def _weight_tile(rows, scale_rows, t, row_valid, num_in, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
+    """K tile `t` of the weight rows starting at `rows` [BN]: [BN, BLOCK_K] values, or with
+    MXFP4 [BN, BLOCK_K // 2] packed bytes and [BN, BLOCK_K // 32] scale codes (from the rows
+    at `scale_rows`; the second value is unused otherwise)."""
+    if MXFP4:
+        packed = t * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        w = tl.load(rows[:, None] + packed[None, :], mask=row_valid[:, None] & (packed < num_in // 2)[None, :], other=0)
+        groups = t * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
+        scales = tl.load(scale_rows[:, None] + groups[None, :],
+                         mask=row_valid[:, None] & (groups < num_in // 32)[None, :], other=0)
+    else:
+        cols = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        w = tl.load(rows[:, None] + cols[None, :], mask=row_valid[:, None] & (cols < num_in)[None, :], other=0.0)
+        scales = w
+    return w, scales
+
+
+@triton.jit
+def _tile_dot(x, w, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
+    """[BN] fp32: each row of a weight tile (`_weight_tile`) times x [BLOCK_K] fp32. MXFP4
+    rows are decoded in registers: each byte's low nibble meets x's even element and its
+    high nibble the odd one; each 32-value group's sum is scaled once."""
+    if MXFP4:
+        x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_K // 2, 2]))
+        codes = w.to(tl.int32)
+        products = decode_e2m1(codes & 15) * x_even[None, :] + decode_e2m1(codes >> 4) * x_odd[None, :]
+        group_sums = tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // 32, 16]), axis=2)
+        dots = tl.sum(group_sums * e8m0_scale(scales.to(tl.int32)), axis=1)
+    else:
+        dots = tl.sum(x[None, :] * w.to(tl.float32), axis=1)
+    return dots
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,  # [T, K] (NORM: the residual stream)
-    w_ptr,  # [E, 2N, K]: gate rows then up rows
+    w_ptr,  # [E, 2N, K]: gate rows then up rows (MXFP4: [E, 2N, K // 2] bytes)
+    scale_ptr,  # MXFP4: [E, 2N, K // 32] scale codes
     bias_ptr,  # [E, 2N] when HAS_BIAS
     norm_w_ptr,  # [K] RMSNorm weight when NORM
     ids_ptr,  # [T * TOP_K] int32 expert ids
@@ -59,6 +95,8 @@ def _gate_up_kernel(
     stride_x,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_bias,
     stride_out,
     alpha,
@@ -71,6 +109,7 @@ def _gate_up_kernel(
     HAS_BIAS: tl.constexpr,
     CLAMPED: tl.constexpr,
     NORM: tl.constexpr,
+    MXFP4: tl.constexpr,
 ):
     entry = tl.program_id(0).to(tl.int64)
     token = entry // TOP_K
@@ -78,13 +117,14 @@ def _gate_up_kernel(
     features = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     feature_valid = features < num_out
     cols = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + expert * stride_we + features.to(tl.int64)[:, None] * stride_wn + cols[None, :]
-    up_offset = num_out.to(tl.int64) * stride_wn
+    rows = w_ptr + expert * stride_we + features.to(tl.int64) * stride_wn  # [BN] gate rows
+    scale_rows = scale_ptr + expert * stride_se + features.to(tl.int64) * stride_sn
+    up_rows = rows + num_out.to(tl.int64) * stride_wn
+    up_scale_rows = scale_rows + num_out.to(tl.int64) * stride_sn
     x_row = x_ptr + token * stride_x + cols
 
-    mask = feature_valid[:, None] & (cols < num_in)[None, :]
-    w = tl.load(w_rows, mask=mask, other=0.0)
-    w_up = tl.load(w_rows + up_offset, mask=mask, other=0.0)
+    w, scales = _weight_tile(rows, scale_rows, 0, feature_valid, num_in, BLOCK_K, MXFP4)
+    w_up, scales_up = _weight_tile(up_rows, up_scale_rows, 0, feature_valid, num_in, BLOCK_K, MXFP4)
     if NORM:  # the token's row is RMS-normalised on the fly (a few KiB, against MiBs of weights)
         squares = tl.zeros([BLOCK_K], dtype=tl.float32)
         for t in tl.static_range(K_TILES):
@@ -94,12 +134,12 @@ def _gate_up_kernel(
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
     for t in tl.static_range(K_TILES):
-        next_w = w
-        next_w_up = w_up
+        next_w, next_scales = w, scales
+        next_w_up, next_scales_up = w_up, scales_up
         if t + 1 < K_TILES:  # the next tile's loads go out before this one is reduced
-            next_mask = feature_valid[:, None] & ((t + 1) * BLOCK_K + cols < num_in)[None, :]
-            next_w = tl.load(w_rows + (t + 1) * BLOCK_K, mask=next_mask, other=0.0)
-            next_w_up = tl.load(w_rows + up_offset + (t + 1) * BLOCK_K, mask=next_mask, other=0.0)
+            next_w, next_scales = _weight_tile(rows, scale_rows, t + 1, feature_valid, num_in, BLOCK_K, MXFP4)
+            next_w_up, next_scales_up = _weight_tile(up_rows, up_scale_rows, t + 1, feature_valid, num_in, BLOCK_K,
+                                                     MXFP4)
         col_valid = t * BLOCK_K + cols < num_in
         x = tl.load(x_row + t * BLOCK_K, mask=col_valid, other=0.0)
         if NORM:  # rounded as the unfused RMSNorm's output: normalised, then scaled by the weight
@@ -107,10 +147,10 @@ def _gate_up_kernel(
             normed = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
             x = (normed * norm_w).to(x.dtype)
         x = x.to(tl.float32)
-        acc += tl.sum(x[None, :] * w.to(tl.float32), axis=1)
-        acc_up += tl.sum(x[None, :] * w_up.to(tl.float32), axis=1)
-        w = next_w
-        w_up = next_w_up
+        acc += _tile_dot(x, w, scales, BLOCK_N, BLOCK_K, MXFP4)
+        acc_up += _tile_dot(x, w_up, scales_up, BLOCK_N, BLOCK_K, MXFP4)
+        w, scales = next_w, next_scales
+        w_up, scales_up = next_w_up, next_scales_up
     if HAS_BIAS:
         bias_row = bias_ptr + expert * stride_bias
         acc += tl.load(bias_row + features, mask=feature_valid, other=0.0).to(tl.float32)
@@ -122,7 +162,8 @@ def _gate_up_kernel(
 @triton.jit
 def _down_sum_kernel(
     inter_ptr,  # [T * TOP_K, K]
-    w_ptr,  # [E, N, K]
+    w_ptr,  # [E, N, K] (MXFP4: [E, N, K // 2] bytes)
+    scale_ptr,  # MXFP4: [E, N, K // 32] scale codes
     bias_ptr,  # [E, N] when HAS_BIAS
     ids_ptr,  # [T * TOP_K] int32
     weights_ptr,  # [T * TOP_K] fp32 routing weights
@@ -132,6 +173,8 @@ def _down_sum_kernel(
     stride_inter,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_bias,
     stride_out,
     TOP_K: tl.constexpr,
@@ -140,6 +183,7 @@ def _down_sum_kernel(
     K_TILES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ADD: tl.constexpr,
+    MXFP4: tl.constexpr,
 ):
     # One pass over the token's k entries x K tiles; each step's weight tile is loaded while
     # the step before it is reduced, across entries too (one tile per entry at I <= 2048).
@@ -147,34 +191,36 @@ def _down_sum_kernel(
     features = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     feature_valid = features < num_out
     cols = tl.arange(0, BLOCK_K)
-    feature_offsets = features.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+    row_offsets = features.to(tl.int64) * stride_wn
+    scale_offsets = features.to(tl.int64) * stride_sn
     expert = tl.load(ids_ptr + token * TOP_K).to(tl.int64)
-    w = tl.load(w_ptr + expert * stride_we + feature_offsets,
-                mask=feature_valid[:, None] & (cols < num_in)[None, :], other=0.0)
+    w, scales = _weight_tile(w_ptr + expert * stride_we + row_offsets, scale_ptr + expert * stride_se + scale_offsets,
+                             0, feature_valid, num_in, BLOCK_K, MXFP4)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for step in tl.static_range(TOP_K * K_TILES):
         slot = step // K_TILES
         t = step % K_TILES
-        next_w = w
+        next_w, next_scales = w, scales
         next_expert = expert
         if step + 1 < TOP_K * K_TILES:
             next_t = (step + 1) % K_TILES
             if next_t == 0:
                 next_expert = tl.load(ids_ptr + token * TOP_K + slot + 1).to(tl.int64)
-            next_mask = feature_valid[:, None] & (next_t * BLOCK_K + cols < num_in)[None, :]
-            next_w = tl.load(w_ptr + next_expert * stride_we + feature_offsets + next_t * BLOCK_K,
-                             mask=next_mask, other=0.0)
+            next_w, next_scales = _weight_tile(
+                w_ptr + next_expert * stride_we + row_offsets, scale_ptr + next_expert * stride_se + scale_offsets,
+                next_t, feature_valid, num_in, BLOCK_K, MXFP4,
+            )
         entry = token * TOP_K + slot
         x = tl.load(inter_ptr + entry * stride_inter + t * BLOCK_K + cols,
                     mask=t * BLOCK_K + cols < num_in, other=0.0).to(tl.float32)
-        acc += tl.sum(x[None, :] * w.to(tl.float32), axis=1)
+        acc += _tile_dot(x, w, scales, BLOCK_N, BLOCK_K, MXFP4)
         if t == K_TILES - 1:  # the entry is done: its bias, its routing weight, into the sum
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + expert * stride_bias + features, mask=feature_valid, other=0.0).to(tl.float32)
             total += acc * tl.load(weights_ptr + entry)
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        w = next_w
+        w, scales = next_w, next_scales
         expert = next_expert
     out_ptrs = out_ptr + token * stride_out + features
     result = total.to(out_ptr.dtype.element_ty)  # the layer's output, rounded once
@@ -198,10 +244,19 @@ _gate_up_launcher = CachedLauncher(_gate_up_kernel)
 _down_sum_launcher = CachedLauncher(_down_sum_kernel)
 
 
+def _weight_args(weight: torch.Tensor | MXFP4Weight) -> tuple:
+    """(weights, scales, stride_we, stride_wn, stride_se, stride_sn) of a kernel launch; the
+    scale arguments are unused (the weights again) for an unquantised weight."""
+    if isinstance(weight, MXFP4Weight):
+        blocks, scales = weight.blocks, weight.scales
+        return blocks, scales, blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1)
+    return weight, weight, weight.stride(0), weight.stride(1), 0, 0
+
+
 def moe_gemv(
     hidden: torch.Tensor,  # [T, H]
-    w13: torch.Tensor,  # [E, 2I, H]
-    w2: torch.Tensor,  # [E, H, I]
+    w13: torch.Tensor | MXFP4Weight,  # [E, 2I, H]
+    w2: torch.Tensor | MXFP4Weight,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] fp32
     topk_ids: torch.Tensor,  # [T, k] int32
     activation: MoEActivation,
@@ -218,7 +273,8 @@ def moe_gemv(
     (see the module doc); the caller has checked the layouts (`fused_experts`). With
     `norm_weight` the experts read rms_norm(hidden) (the layer's input norm in the first
     kernel's prologue); with `add_to` (may be `hidden` itself: the first kernel has read it
-    by then) the output is added into it, each rounded as the unfused ops round."""
+    by then) the output is added into it, each rounded as the unfused ops round. MXFP4
+    weights (`cleave.kernels.mxfp4`) are read packed and decoded in registers."""
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
     inter = w13.shape[1] // 2
@@ -233,24 +289,28 @@ def moe_gemv(
         return out
     ids = topk_ids.reshape(-1)
     intermediate = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
+    weights, scales, stride_we, stride_wn, stride_se, stride_sn = _weight_args(w13)
     block_n, block_k, warps = gate_up_tiles or gemv_tiles(inter, hidden_size, gated=True)
     _gate_up_launcher(
         (num_tokens * top_k, triton.cdiv(inter, block_n)),
-        (hidden, w13, w13_bias if w13_bias is not None else w13, norm_weight if norm_weight is not None else hidden,
-         ids, intermediate, inter, hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1),
+        (hidden, weights, scales, w13_bias if w13_bias is not None else hidden,
+         norm_weight if norm_weight is not None else hidden,
+         ids, intermediate, inter, hidden_size, hidden.stride(0), stride_we, stride_wn, stride_se, stride_sn,
          w13_bias.stride(0) if w13_bias is not None else 0, intermediate.stride(0),
          activation.alpha, activation.limit, eps),
         (top_k, block_n, block_k, triton.cdiv(hidden_size, block_k), w13_bias is not None,
-         activation.kind == "swiglu_clamped", norm_weight is not None),
+         activation.kind == "swiglu_clamped", norm_weight is not None, isinstance(w13, MXFP4Weight)),
         warps,
     )
+    weights, scales, stride_we, stride_wn, stride_se, stride_sn = _weight_args(w2)
     block_n, block_k, warps = down_tiles or gemv_tiles(hidden_size, inter, gated=False)
     _down_sum_launcher(
         (num_tokens, triton.cdiv(hidden_size, block_n)),
-        (intermediate, w2, w2_bias if w2_bias is not None else w2, ids, topk_weights.reshape(-1).to(torch.float32),
-         out, hidden_size, inter, intermediate.stride(0), w2.stride(0), w2.stride(1),
-         w2_bias.stride(0) if w2_bias is not None else 0, out.stride(0)),
-        (top_k, block_n, block_k, triton.cdiv(inter, block_k), w2_bias is not None, add_to is not None),
+        (intermediate, weights, scales, w2_bias if w2_bias is not None else hidden, ids,
+         topk_weights.reshape(-1).to(torch.float32), out, hidden_size, inter, intermediate.stride(0),
+         stride_we, stride_wn, stride_se, stride_sn, w2_bias.stride(0) if w2_bias is not None else 0, out.stride(0)),
+        (top_k, block_n, block_k, triton.cdiv(inter, block_k), w2_bias is not None, add_to is not None,
+         isinstance(w2, MXFP4Weight)),
         warps,
     )
     return out

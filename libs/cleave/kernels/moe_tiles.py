@@ -88,11 +88,13 @@ def default_launch(num_entries: int, num_experts: int, inter: int, hidden: int) 
     return MoELaunch(block_m, tiles(inter, hidden), tiles(hidden, inter))
 
 
-def tuned_file_name(num_experts: int, inter: int, hidden: int, dtype: torch.dtype, device_name: str) -> str:
+def tuned_file_name(num_experts: int, inter: int, hidden: int, dtype: torch.dtype, device_name: str,
+                    mxfp4: bool = False) -> str:
     """`E=128,I=768,H=2048,dtype=bfloat16,device=NVIDIA_H200.json`: one table per expert shape,
-    activation dtype and device."""
+    activation dtype and device (`,weights=mxfp4` before `.json` for MXFP4 experts)."""
     dtype_name = str(dtype).removeprefix("torch.")
-    return f"E={num_experts},I={inter},H={hidden},dtype={dtype_name},device={device_name.replace(' ', '_')}.json"
+    weights = ",weights=mxfp4" if mxfp4 else ""
+    return f"E={num_experts},I={inter},H={hidden},dtype={dtype_name},device={device_name.replace(' ', '_')}{weights}.json"
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,11 +126,13 @@ def moe_launch(
     hidden: int,
     activations: torch.Tensor,  # the layer's input: its device and dtype pick the table
     tuned_dir: Path = TUNED_DIR,
+    mxfp4: bool = False,  # the experts are MXFP4 (`cleave.kernels.mxfp4`): their own table
 ) -> MoELaunch:
     """The launch for `num_tokens` tokens: the tuned table's nearest entry on a CUDA device
     that has one, else `default_launch`."""
     if activations.is_cuda:
-        name = tuned_file_name(num_experts, inter, hidden, activations.dtype, _device_name(activations.get_device()))
+        name = tuned_file_name(num_experts, inter, hidden, activations.dtype, _device_name(activations.get_device()),
+                               mxfp4)
         table = load_table(tuned_dir / name)
         if table:
             return nearest_launch(table, num_tokens)

@@ -16,7 +16,7 @@ MoE experts are stacked per layer (`cleave.model.moe`): Qwen3-MoE's per-expert g
 tensors fill one expert's rows each; gpt-oss's stacked `gate_up_proj` [E, H, 2I] (gate and
 up interleaved column by column) and `down_proj` [E, I, H] are de-interleaved and
 transposed. gpt-oss's MXFP4 experts (`*_blocks` + `*_scales`) are dequantised as they load
-(`cleave.model.mxfp4`).
+(`cleave.kernels.mxfp4`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from safetensors import safe_open
 from cleave.kernels.dispatch import Impl
 from cleave.model.config import ModelConfig
 from cleave.model.llama import CausalLM
-from cleave.model.mxfp4 import dequantize_mxfp4
+from cleave.kernels.mxfp4 import dequantize_mxfp4
 from cleave.parallel.group import TensorParallelGroup
 from cleave.parallel.model import TensorParallelCausalLM
 from cleave.parallel.sharding import TensorShard
