@@ -118,3 +118,49 @@ def test_a_lone_mxfp4_half_is_reported(gpt_oss_pair, tmp_path):
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="down_proj_blocks"):
         load_model(tmp_path, impl="torch")
+
+
+def test_packed_experts_keep_the_checkpoint_bytes(gpt_oss_pair):
+    dense_path, quantized_path = gpt_oss_pair
+    dense = load_model(dense_path, impl="torch")
+    packed = load_model(quantized_path, impl="torch", packed_experts=True)
+    assert packed.config.packed_experts and not dense.config.packed_experts
+    for layer, dense_layer in zip(packed.layers, dense.layers):
+        experts, dense_experts = layer.mlp.experts, dense_layer.mlp.experts
+        assert experts.w13_blocks.dtype == experts.w2_scales.dtype == torch.uint8
+        assert "w13" not in dict(experts.named_parameters())
+        # gate rows then up rows, as the dequantising load lays them out
+        assert torch.equal(experts.gate_up.dequantize(torch.float32), dense_experts.w13)
+        assert torch.equal(experts.down.dequantize(torch.float32), dense_experts.w2)
+        assert torch.equal(experts.w13_bias, dense_experts.w13_bias)
+    packed_bytes = sum(p.numel() for name, p in packed.named_parameters() if "experts.w" in name and "bias" not in name)
+    dense_bytes = sum(4 * p.numel() for name, p in dense.named_parameters() if name.endswith(("experts.w13", "experts.w2")))
+    assert packed_bytes * 7 < dense_bytes  # 4.25 bits a value against fp32's 32
+
+
+def test_packed_experts_give_the_dequantised_models_logits(gpt_oss_pair):
+    from tests.model.test_llama_parity import TOLERANCE, prompt_ids, run_chunks
+
+    dense_path, quantized_path = gpt_oss_pair
+    input_ids = prompt_ids(load_model(dense_path, impl="torch").config.vocab_size, 16)
+    with torch.no_grad():
+        # the torch path dequantises: the same sums exactly
+        dense, packed = load_model(dense_path, impl="torch"), load_model(quantized_path, impl="torch",
+                                                                         packed_experts=True)
+        assert torch.equal(run_chunks(packed, input_ids, [16]), run_chunks(dense, input_ids, [16]))
+        # the kernels: a 12-token chunk through the grouped GEMMs, then 1-, 1- and 2-token
+        # decode-sized chunks through the GEMV layout's per-entry expert GEMVs
+        dense, packed = load_model(dense_path, impl="triton"), load_model(quantized_path, impl="triton",
+                                                                          packed_experts=True)
+        expected = run_chunks(dense, input_ids, [12, 1, 1, 2])
+        assert (run_chunks(packed, input_ids, [12, 1, 1, 2]) - expected).abs().max().item() <= TOLERANCE
+
+
+def test_packing_is_for_mxfp4_checkpoints_only(gpt_oss_pair):
+    dense_path, _ = gpt_oss_pair
+    assert not load_model(dense_path, impl="torch", packed_experts=True).config.packed_experts  # nothing to pack
+    config = load_model(dense_path, impl="torch").config
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="packed_experts needs MXFP4 experts"):
+        replace(config, packed_experts=True)

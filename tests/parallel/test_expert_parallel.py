@@ -119,6 +119,19 @@ def test_gpt_oss_mxfp4_ranks_load_their_slice_of_the_experts(tmp_path: Path) -> 
         assert torch.equal(shard["layers.0.self_attn.sinks"], sinks)
 
 
+def test_gpt_oss_packed_mxfp4_ranks_keep_their_slice_packed(tmp_path: Path) -> None:
+    dense, quantized = tmp_path / "dense", tmp_path / "quantized"
+    write_tiny_checkpoint(dense, "gpt-oss", seed=8, num_hidden_layers=1, layer_types=["full_attention"])
+    _mxfp4_twin(dense, quantized)
+    whole = dict(load_model(quantized, impl="torch", packed_experts=True).named_parameters())
+    for rank in range(WORLD_SIZE):
+        group = TensorParallelGroup(rank, WORLD_SIZE)
+        shard = dict(load_model(quantized, impl="torch", tensor_parallel=group, packed_experts=True).named_parameters())
+        held = slice(4 * rank, 4 * rank + 4)
+        for name in ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales", "w13_bias"):
+            assert torch.equal(shard[f"layers.0.mlp.experts.{name}"], whole[f"layers.0.mlp.experts.{name}"][held]), name
+
+
 def test_qwen3_moe_ranks_never_read_the_other_ranks_experts(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     """Rank 0 loads from a checkpoint that lacks rank 1's experts altogether."""
     source = checkpoints["qwen3-moe"]

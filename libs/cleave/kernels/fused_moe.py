@@ -431,8 +431,8 @@ def fused_experts(
 
 def fused_moe(
     hidden: torch.Tensor,  # [T, H]
-    w13: torch.Tensor,  # [E, 2I, H]
-    w2: torch.Tensor,  # [E, H, I]
+    w13: torch.Tensor | MXFP4Weight,  # [E, 2I, H]
+    w2: torch.Tensor | MXFP4Weight,  # [E, H, I]
     router_logits: torch.Tensor,  # [T, E]
     top_k: int,
     renormalize: bool = True,

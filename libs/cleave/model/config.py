@@ -58,7 +58,8 @@ class ModelConfig:
     renormalised to sum to one when `norm_topk_prob`. gpt-oss adds biases (`o_proj_bias`,
     `router_bias`, `expert_bias`), a clamped SwiGLU (`swiglu_limit`, `swiglu_alpha`), and
     per-head attention sinks; `quantization` names the format its expert weights are stored
-    in ("mxfp4"), dequantised at load.
+    in ("mxfp4"), dequantised at load unless `packed_experts` (set by the loader when asked:
+    the experts stay MXFP4 in memory, `cleave.kernels.mxfp4.MXFP4Weight`).
     """
 
     architecture: str
@@ -93,6 +94,7 @@ class ModelConfig:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     quantization: str | None = None
+    packed_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -110,6 +112,8 @@ class ModelConfig:
             raise ValueError(
                 f"layer_types names {len(self.layer_types)} layers, the model has {self.num_hidden_layers}"
             )
+        if self.packed_experts and self.quantization != "mxfp4":
+            raise ValueError(f"packed_experts needs MXFP4 experts (quantization 'mxfp4'), got {self.quantization!r}")
         if self.moe_layers and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})"

@@ -178,7 +178,7 @@ def _gemv_moe(block: SparseMoeBlock, residual: torch.Tensor, norm: RMSNorm) -> N
                           pdl=norm.pdl)
     weights, ids = route(logits, block.top_k, block.renormalize)
     experts = block.experts
-    moe_gemv(residual, experts.w13, experts.w2, weights, ids, block.activation, experts.w13_bias, experts.w2_bias,
+    moe_gemv(residual, experts.gate_up, experts.down, weights, ids, block.activation, experts.w13_bias, experts.w2_bias,
              norm_weight=norm.weight, eps=norm.eps, add_to=residual)
 
 

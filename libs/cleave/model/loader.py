@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,9 @@ class _Target:
     """Where one HF tensor goes: a parameter, for stacked experts one expert's slice, for
     fused weights its row range; `layout` says how the HF tensor is rearranged first
     ("transposed": last two dims swapped; "interleaved": gate/up alternate along the last
-    dim, de-interleaved to [gate | up]; "interleaved_transposed": both)."""
+    dim, de-interleaved to [gate | up]; "interleaved_transposed": both; "packed": MXFP4
+    blocks or scales [E, rows, ...] flattened to [E, rows, -1]; "packed_interleaved": that,
+    with gate/up rows de-interleaved)."""
 
     param_name: str
     row_start: int | None = None
@@ -87,6 +89,13 @@ _GPT_OSS_EXPERTS = {
     "down_proj": ("w2", "transposed"),
     "down_proj_bias": ("w2_bias", None),
 }
+# the same experts kept MXFP4 (`ModelConfig.packed_experts`): blocks [E, out, G, 16], scales [E, out, G]
+_GPT_OSS_PACKED_EXPERTS = {
+    "gate_up_proj_blocks": ("w13_blocks", "packed_interleaved"),
+    "gate_up_proj_scales": ("w13_scales", "packed_interleaved"),
+    "down_proj_blocks": ("w2_blocks", "packed"),
+    "down_proj_scales": ("w2_scales", "packed"),
+}
 
 
 def map_hf_name(hf_name: str, config: ModelConfig) -> _Target:
@@ -105,11 +114,11 @@ def map_hf_name(hf_name: str, config: ModelConfig) -> _Target:
             return _Target(f"{layer}.mlp.experts.w2", expert=int(expert))
         start = 0 if projection == "gate" else inter
         return _Target(f"{layer}.mlp.experts.w13", start, start + inter, expert=int(expert))
-    match = re.fullmatch(r"(layers\.\d+)\.mlp\.experts\.((?:gate_up|down)_proj(?:_bias)?)", name)
+    match = re.fullmatch(r"(layers\.\d+)\.mlp\.experts\.((?:gate_up|down)_proj(?:_bias|_blocks|_scales)?)", name)
     if match:
         layer, tensor = match.groups()
         if config.architecture == "GptOssForCausalLM":
-            param, layout = _GPT_OSS_EXPERTS[tensor]
+            param, layout = {**_GPT_OSS_EXPERTS, **_GPT_OSS_PACKED_EXPERTS}[tensor]
             return _Target(f"{layer}.mlp.experts.{param}", layout=layout)
         # stacked like the model's (transformers' in-memory Qwen3-MoE layout)
         return _Target(f"{layer}.mlp.experts.{'w13' if tensor == 'gate_up_proj' else 'w2'}")
@@ -129,7 +138,8 @@ def _hf_name(param_name: str, config: ModelConfig) -> str:
         if part == "router":
             router = "router" if config.architecture == "GptOssForCausalLM" else "gate"
             return f"model.{layer}.mlp.{router}.{leaf}"
-        hf_leaf = {param: suffix for suffix, (param, _) in _GPT_OSS_EXPERTS.items()}[leaf]
+        experts = {**_GPT_OSS_EXPERTS, **_GPT_OSS_PACKED_EXPERTS}
+        hf_leaf = {param: suffix for suffix, (param, _) in experts.items()}[leaf]
         return f"model.{layer}.mlp.experts.{hf_leaf}"
     return f"model.{param_name}"
 
@@ -175,7 +185,8 @@ class HFWeightFiller:
 
     `fill(name, tensor, source)` places one tensor (`source` names its file in errors);
     `finish(what)` raises if any parameter slice was never written. An MXFP4 pair
-    (`X_blocks`, `X_scales`) is held until both halves have arrived, then dequantised into X.
+    (`X_blocks`, `X_scales`) is held until both halves have arrived, then dequantised into X;
+    with `ModelConfig.packed_experts` each half fills its own uint8 parameter as it is.
     """
 
     def __init__(self, model: CausalLM) -> None:
@@ -196,7 +207,8 @@ class HFWeightFiller:
         return not (self.config.tie_word_embeddings and map_hf_name(hf_name, self.config).param_name == "lm_head.weight")
 
     def fill(self, hf_name: str, tensor: torch.Tensor, source: str) -> None:
-        if hf_name.endswith(("_blocks", "_scales")) and self.config.quantization == "mxfp4":
+        packed = self.config.packed_experts  # then each half fills its own parameter below
+        if hf_name.endswith(("_blocks", "_scales")) and self.config.quantization == "mxfp4" and not packed:
             base, half = hf_name.rsplit("_", 1)
             other = f"{base}_{'scales' if half == 'blocks' else 'blocks'}"
             if other not in self.quantized_halves:
@@ -236,19 +248,23 @@ def load_model(
     impl: Impl = "auto",
     pdl: bool = True,
     tensor_parallel: TensorParallelGroup | None = None,
+    packed_experts: bool = False,
 ) -> CausalLM:
     """Load `path` (an HF checkpoint directory) into a `CausalLM` in eval mode.
 
     dtype defaults to the config's; `impl` and `pdl` are the model's kernel options (`CausalLM`).
     With `tensor_parallel` (every rank calls this with its group) the result is this rank's
-    `TensorParallelCausalLM`, filled from its slices of the checkpoint. Raises
-    FileNotFoundError for missing files and CheckpointError for missing, unexpected or
-    misshapen tensors.
+    `TensorParallelCausalLM`, filled from its slices of the checkpoint. `packed_experts`
+    keeps a checkpoint's MXFP4 experts packed in memory (`ModelConfig.packed_experts`);
+    other checkpoints load as without it. Raises FileNotFoundError for missing files and
+    CheckpointError for missing, unexpected or misshapen tensors.
     """
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     config = ModelConfig.from_pretrained(path)
+    if packed_experts and config.quantization == "mxfp4":
+        config = replace(config, packed_experts=True)
     files = checkpoint_files(path)
     model = empty_model(config, dtype, device, impl, pdl, tensor_parallel)
     parallel_layout = model.layout if isinstance(model, TensorParallelCausalLM) else None
@@ -327,6 +343,9 @@ def _read_shard(shard: Any, hf_name: str, part: TensorShard, source: str) -> tor
 
 def _rearranged(tensor: torch.Tensor, layout: str | None) -> torch.Tensor:
     """An HF expert tensor in the model's layout (see `_Target`)."""
+    if layout in ("packed", "packed_interleaved"):
+        tensor = tensor.flatten(2)  # blocks [E, out, G, 16] -> [E, out, G * 16]; scales stay [E, out, G]
+        return torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1) if layout == "packed_interleaved" else tensor
     if layout in ("transposed", "interleaved_transposed"):
         tensor = tensor.transpose(-1, -2)  # [E, in, out] -> [E, out, in]
     if layout == "interleaved_transposed":

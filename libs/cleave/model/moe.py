@@ -15,25 +15,48 @@ from torch import nn
 from cleave.kernels.dispatch import Impl
 from cleave.kernels.fused_moe import fused_moe
 from cleave.kernels.moe_reference import MoEActivation
+from cleave.kernels.mxfp4 import MXFP4Weight
 from cleave.model.config import ModelConfig
 from cleave.model.projection import project
 
 
 class Experts(nn.Module):
     """The stacked weights of one layer's experts: all `config.num_experts` of them, or
-    `num_experts` (an expert-parallel rank's share, `cleave.parallel.experts`)."""
+    `num_experts` (an expert-parallel rank's share, `cleave.parallel.experts`).
+
+    With `config.packed_experts` the weights stay MXFP4 as the checkpoint ships them:
+    `w13_blocks` / `w13_scales` and `w2_blocks` / `w2_scales` (uint8) instead of `w13` and
+    `w2`. The kernels take either through `gate_up` and `down`."""
 
     def __init__(self, config: ModelConfig, num_experts: int | None = None) -> None:
         super().__init__()
         num_experts = config.num_experts if num_experts is None else num_experts
         hidden, inter = config.hidden_size, config.moe_intermediate_size
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.packed = config.packed_experts
+        if self.packed:
+            def packed(rows: int, columns: int) -> nn.Parameter:
+                return nn.Parameter(torch.empty(num_experts, rows, columns, dtype=torch.uint8), requires_grad=False)
+
+            self.w13_blocks, self.w13_scales = packed(2 * inter, hidden // 2), packed(2 * inter, hidden // 32)
+            self.w2_blocks, self.w2_scales = packed(hidden, inter // 2), packed(hidden, inter // 32)
+        else:
+            self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+            self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
         if config.expert_bias:
             self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * inter))
             self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden))
         else:
             self.w13_bias = self.w2_bias = None
+
+    @property
+    def gate_up(self) -> torch.Tensor | MXFP4Weight:
+        """[E, 2I, H]: each expert's gate rows, then its up rows."""
+        return MXFP4Weight(self.w13_blocks, self.w13_scales) if self.packed else self.w13
+
+    @property
+    def down(self) -> torch.Tensor | MXFP4Weight:
+        """[E, H, I]"""
+        return MXFP4Weight(self.w2_blocks, self.w2_scales) if self.packed else self.w2
 
 
 class SparseMoeBlock(nn.Module):
@@ -56,6 +79,6 @@ class SparseMoeBlock(nn.Module):
         router_logits = project(self.router, hidden, self.impl)  # [T, E]
         experts = self.experts
         return fused_moe(
-            hidden, experts.w13, experts.w2, router_logits, self.top_k, self.renormalize, self.activation,
+            hidden, experts.gate_up, experts.down, router_logits, self.top_k, self.renormalize, self.activation,
             experts.w13_bias, experts.w2_bias, impl=self.impl,
         )

@@ -97,6 +97,6 @@ class ExpertParallelMoeBlock(SparseMoeBlock):
         experts = self.experts
         unit_weights = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
         return fused_experts(
-            rows, experts.w13, experts.w2, unit_weights, local_ids.to(torch.int32).unsqueeze(1), self.activation,
+            rows, experts.gate_up, experts.down, unit_weights, local_ids.to(torch.int32).unsqueeze(1), self.activation,
             experts.w13_bias, experts.w2_bias, impl=self.impl,
         )
