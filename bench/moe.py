@@ -22,6 +22,7 @@ bf16, weights random and built in device memory):
     python bench/moe.py --part layer --tokens 1,64,8192
     python bench/moe.py --part decode --batch 1,64 --context 2048
     python bench/moe.py --part decode --model gpt-oss-20b --batch 1   # sinks, biases, 128-token windows
+    python bench/moe.py --part decode --model gpt-oss-20b --packed-experts   # its MXFP4 experts kept packed
     python bench/moe.py --dry-run                        # tiny shapes on the CPU: checks the script
 
 `--dry-run` runs every method once at toy sizes (the Triton kernels in the interpreter,
@@ -91,6 +92,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gemv-tiles", default="",
                         help="layer part, up to moe_gemv.MAX_TOKENS tokens: also the per-entry GEMVs with these "
                         "features per program, GATE_UP:DOWN[,...] (e.g. 2:4,4:8; default tiles: the 'fused' row)")
+    parser.add_argument("--packed-experts", action="store_true",
+                        help="decode part, gpt-oss: MXFP4 experts kept packed (as `--packed-experts` serves them); "
+                        "the roofline counts their 4.25 bits a value")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile reference")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' MoE block")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "moe"))
@@ -122,9 +126,11 @@ class Timer:
         return (time.perf_counter() - start) * 1e6
 
 
-def expert_bytes(shape: MoEShape, dtype: torch.dtype) -> int:
-    """Bytes of one expert's three projections."""
-    return 3 * shape.hidden * shape.inter * torch.finfo(dtype).bits // 8
+def expert_bytes(shape: MoEShape, dtype: torch.dtype, packed: bool = False) -> int:
+    """Bytes of one expert's three projections (packed MXFP4: half a byte a value and a
+    scale byte per 32)."""
+    values = 3 * shape.hidden * shape.inter
+    return values // 2 + values // 32 if packed else values * torch.finfo(dtype).bits // 8
 
 
 def layer_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, dtype: torch.dtype) -> list[dict]:
@@ -231,11 +237,15 @@ def _transformers_block(shape: MoEShape, w13: torch.Tensor, w2: torch.Tensor, ro
     return block
 
 
-def decode_model_config(shape: MoEShape, max_len: int):
+def decode_model_config(shape: MoEShape, max_len: int, packed_experts: bool = False):
+    """The model of `shape`; gpt-oss with `packed_experts` keeps its experts MXFP4."""
     from cleave.model.config import ModelConfig
 
+    if packed_experts and shape.architecture != "gpt-oss":
+        raise SystemExit("--packed-experts is for gpt-oss (the MXFP4 checkpoint)")
+
     if shape.architecture == "gpt-oss":  # as its config.json reads (bf16 experts: what cleave serves)
-        return ModelConfig.from_dict({
+        return replace(ModelConfig.from_dict({
             "architectures": ["GptOssForCausalLM"], "vocab_size": shape.vocab, "hidden_size": shape.hidden,
             "intermediate_size": shape.inter, "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads,
             "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim, "num_local_experts": shape.experts,
@@ -243,7 +253,8 @@ def decode_model_config(shape: MoEShape, max_len: int):
             "swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "max_position_embeddings": max_len, "dtype": "bfloat16",
             "rope_theta": 150000.0, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
                                                      "beta_slow": 1.0, "original_max_position_embeddings": 4096},
-        })
+            **({"quantization_config": {"quant_method": "mxfp4"}} if packed_experts else {}),
+        }), packed_experts=packed_experts)
     return ModelConfig(
         architecture="Qwen3MoeForCausalLM", vocab_size=shape.vocab, hidden_size=shape.hidden,
         intermediate_size=6144, num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
@@ -255,7 +266,8 @@ def decode_model_config(shape: MoEShape, max_len: int):
 
 
 def random_model(config, dtype: torch.dtype, device: torch.device):  # noqa: ANN001, ANN201
-    """The model of `config` with random weights (norms at 1) built in device memory."""
+    """The model of `config` with random weights (norms at 1) built in device memory; packed
+    MXFP4 experts get random codes and scales 2^-8..2^-5 (weights of a few hundredths)."""
     from cleave.model.loader import empty_model
 
     model = empty_model(config, dtype=dtype, device=device)
@@ -264,6 +276,9 @@ def random_model(config, dtype: torch.dtype, device: torch.device):  # noqa: ANN
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
+            elif param.dtype == torch.uint8:
+                low, high = (119, 123) if name.endswith("_scales") else (0, 256)
+                param.random_(low, high, generator=generator)
             else:
                 param.normal_(0.0, 0.02, generator=generator)
     return model.eval()
@@ -275,7 +290,7 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
     from cleave.model.llama import allocate_kv_cache
 
     max_len = args.context + 1
-    config = decode_model_config(shape, max(max_len, 64))
+    config = decode_model_config(shape, max(max_len, 64), args.packed_experts)
     model = random_model(config, dtype, device)
     generator = torch.Generator(device=device).manual_seed(1)
     timer_device = device
@@ -308,7 +323,7 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
             else:
                 us = Timer(device).us(step)
         windows = [config.layer_sliding_window(layer) for layer in range(config.num_hidden_layers)]
-        num_bytes = _decode_bytes(shape, dtype, batch, args.context, touched, windows)
+        num_bytes = _decode_bytes(shape, dtype, batch, args.context, touched, windows, args.packed_experts)
         roofline_us = num_bytes / HBM_BYTES_PER_S * 1e6
         rows.append({
             "batch": batch, "context": args.context, "us": us, "roofline_us": roofline_us,
@@ -343,14 +358,14 @@ def _touched_experts(model, step: Callable[[], torch.Tensor]) -> list[int]:
 
 
 def _decode_bytes(shape: MoEShape, dtype: torch.dtype, batch: int, context: int, touched: list[int],
-                  windows: Sequence[int | None]) -> int:
+                  windows: Sequence[int | None], packed_experts: bool = False) -> int:
     """Bytes one decode step must read: weights it uses, the KV cache (a sliding layer's
     window of it), embeddings, lm_head."""
     element = torch.finfo(dtype).bits // 8
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     attention = shape.hidden * (q + 2 * kv) + q * shape.hidden + 2 * shape.hidden + 2 * shape.head_dim
     router = shape.experts * shape.hidden
-    weights = shape.layers * (attention + router) * element + sum(touched) * expert_bytes(shape, dtype)
+    weights = shape.layers * (attention + router) * element + sum(touched) * expert_bytes(shape, dtype, packed_experts)
     keys = sum(min(context + 1, window or context + 1) for window in windows)
     kv_cache = keys * batch * 2 * kv * element
     return weights + kv_cache + (batch + shape.vocab) * shape.hidden * element

@@ -179,6 +179,7 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # no CUDA graphs
     pdl: bool = True  # decode kernels launch with programmatic dependent launch (Hopper+)
+    packed_experts: bool = False  # a checkpoint's MXFP4 experts stay packed in memory (gpt-oss)
     transfer_timeout_s: float = 30.0  # an admitted request's KV must arrive (and Start come) by then
     max_queued_admissions: int = 256  # decode: Admits waiting for free KV blocks at most (then RESOURCE_EXHAUSTED)
     # prefill: kvstore prefixes shorter than this are neither fetched nor put (a round trip costs more)
@@ -462,6 +463,9 @@ def worker_config(
     flags.add("--enforce-eager", False, "run eagerly, without CUDA graphs", action=argparse.BooleanOptionalAction)
     flags.add("--pdl", True, "launch the decode kernels with programmatic dependent launch (Hopper and later)",
               action=argparse.BooleanOptionalAction)
+    flags.add("--packed-experts", False,
+              "keep a checkpoint's MXFP4 experts (gpt-oss) packed in memory, read by the expert kernels "
+              "(a quarter of bf16's bytes); off: dequantised at load", action=argparse.BooleanOptionalAction)
     flags.add("--transfer-timeout", 30.0, "seconds an admitted request's KV has to arrive", type=float)
     flags.add("--max-queued-admissions", 256,
               "decode: admissions that wait in order for free KV blocks when the pool is full; one more is "
@@ -516,6 +520,7 @@ def worker_config(
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         pdl=args.pdl,
+        packed_experts=args.packed_experts,
         transfer_timeout_s=args.transfer_timeout,
         max_queued_admissions=args.max_queued_admissions,
         kvstore_min_prefix_tokens=args.kvstore_min_prefix_tokens,

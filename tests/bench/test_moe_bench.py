@@ -55,3 +55,15 @@ def test_gpt_oss_decode_dry_run_builds_its_model(bench, tmp_path):
     assert [config.layer_sliding_window(i) for i in range(2)] == [bench.GPT_OSS_WINDOW, None]
     rows = bench.main(["--dry-run", "--part", "decode", "--model", "gpt-oss-20b", "--out", str(tmp_path)])["decode"]
     assert [row["batch"] for row in rows] == [1, 2] and all(row["bytes_gb"] > 0 for row in rows)
+
+
+def test_gpt_oss_decode_dry_run_with_packed_experts(bench, tmp_path):
+    config = bench.decode_model_config(bench.MODELS["gpt-oss-20b"], 2048, packed_experts=True)
+    assert config.packed_experts and config.quantization == "mxfp4"
+    shape = bench.MODELS["gpt-oss-20b"]
+    assert bench.expert_bytes(shape, bench.torch.bfloat16, packed=True) * 3 < bench.expert_bytes(shape, bench.torch.bfloat16)
+    with pytest.raises(SystemExit, match="for gpt-oss"):
+        bench.decode_model_config(bench.MODELS["qwen3-30b-a3b"], 2048, packed_experts=True)
+    rows = bench.main(["--dry-run", "--part", "decode", "--model", "gpt-oss-20b", "--packed-experts",
+                       "--out", str(tmp_path)])["decode"]
+    assert [row["batch"] for row in rows] == [1, 2] and all(row["bytes_gb"] > 0 for row in rows)

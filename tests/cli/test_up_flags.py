@@ -27,6 +27,11 @@ def test_the_reasoning_parser_goes_to_gateway_and_workers_and_the_stream_interva
     assert spec.mode == "colocated"
 
 
+def test_packed_experts_go_to_the_workers_only():
+    spec = spec_of("--packed-experts")
+    assert spec.worker_args == ("--packed-experts",) and spec.gateway_args == ()
+
+
 @pytest.mark.parametrize("flags", [("--reasoning-parser", "nonsense"), ("--stream-interval", "0"),
                                    ("--stream-interval", "two")])
 def test_bad_values_are_refused_by_the_parser(flags, capsys):

@@ -75,3 +75,11 @@ def test_pdl_flag_reaches_the_engine_config(tiny_checkpoints):
     assert engine_config_from_worker(worker_config("decode", [], {"CLEAVE_DEVICE": "cpu"})).pdl is True
     assert build_engine_config(tiny_checkpoints["llama"], pdl=False, device="cpu").pdl is False
     assert build_engine_config(tiny_checkpoints["llama"], device="cpu").pdl is True
+
+
+def test_packed_experts_flag_reaches_the_engine_config(tiny_checkpoints):
+    def packed(*flags: str) -> bool:
+        return engine_config_from_worker(worker_config("prefill", list(flags), {"CLEAVE_DEVICE": "cpu"})).packed_experts
+
+    assert packed("--packed-experts") is True and packed() is False and packed("--no-packed-experts") is False
+    assert build_engine_config(tiny_checkpoints["llama"], packed_experts=True, device="cpu").packed_experts is True

@@ -3,16 +3,15 @@ MXFP4 blocks and scales."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cleave.model.loader import CheckpointError, load_model
 from cleave.kernels.mxfp4 import dequantize_mxfp4
-from cleave.testing.tiny_models import write_tiny_checkpoint
+from cleave.model.loader import CheckpointError, load_model
+from cleave.testing.tiny_models import write_mxfp4_twin, write_tiny_checkpoint
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -67,25 +66,7 @@ def gpt_oss_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The same gpt-oss weights twice: experts as MXFP4 blocks/scales, and dequantised."""
     root = tmp_path_factory.mktemp("mxfp4")
     dense = write_tiny_checkpoint(root / "dense", "gpt-oss", seed=5)
-    quantized = write_tiny_checkpoint(root / "quantized", "gpt-oss", seed=5)
-    tensors = load_file(dense / "model.safetensors")
-    config = json.loads((dense / "config.json").read_text())
-    experts, hidden, inter = config["num_local_experts"], config["hidden_size"], config["intermediate_size"]
-    quantized_tensors = dict(tensors)
-    for layer in range(config["num_hidden_layers"]):
-        for index, (name, out_features, in_features) in enumerate(
-            (("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter))
-        ):
-            key = f"model.layers.{layer}.mlp.experts.{name}"
-            blocks, scales = _random_mxfp4((experts, out_features), in_features, seed=10 * layer + index)
-            tensors[key] = dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2).contiguous()
-            del quantized_tensors[key]
-            quantized_tensors[f"{key}_blocks"], quantized_tensors[f"{key}_scales"] = blocks, scales
-    save_file(tensors, dense / "model.safetensors", metadata={"format": "pt"})
-    save_file(quantized_tensors, quantized / "model.safetensors", metadata={"format": "pt"})
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (quantized / "config.json").write_text(json.dumps(config))
-    return dense, quantized
+    return dense, write_mxfp4_twin(dense, root / "quantized", seed=10)
 
 
 def test_gpt_oss_mxfp4_experts_load_as_their_dequantised_weights(gpt_oss_pair):

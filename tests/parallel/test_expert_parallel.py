@@ -4,7 +4,6 @@ the whole `SparseMoeBlock`, and Qwen3-MoE / gpt-oss at TP=2 against TP=1."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -15,10 +14,9 @@ from cleave.engine.llm import LLM
 from cleave.generation.sampling_params import SamplingParams
 from cleave.model.config import ModelConfig
 from cleave.model.loader import load_model
-from cleave.kernels.mxfp4 import dequantize_mxfp4
 from cleave.parallel.group import TensorParallelGroup
 from cleave.parallel.sharding import TensorParallelLayout
-from cleave.testing.tiny_models import write_tiny_checkpoint
+from cleave.testing.tiny_models import write_mxfp4_twin, write_tiny_checkpoint
 from tests.parallel.paged_batch import greedy_paged
 from tests.parallel.rank_programs import engine_rank, expert_parallel_block_rank, model_rank
 from tests.parallel.ranks import run_ranks
@@ -79,34 +77,10 @@ def test_each_rank_holds_a_contiguous_run_of_experts_and_its_heads_sinks() -> No
 # ---- loading ----------------------------------------------------------------------------------
 
 
-def _mxfp4_twin(dense: Path, quantized: Path) -> None:
-    """Rewrite `dense`'s gpt-oss experts as random MXFP4 values and write the same weights to
-    `quantized` as `_blocks` / `_scales` (the format gpt-oss ships in)."""
-    quantized.mkdir()
-    for file in dense.iterdir():
-        (quantized / file.name).write_bytes(file.read_bytes())
-    tensors = load_file(dense / "model.safetensors")
-    packed = dict(tensors)
-    generator = torch.Generator().manual_seed(3)
-    for name in [name for name in tensors if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        experts, in_features, out_features = tensors[name].shape
-        groups = (experts, out_features, in_features // 32)
-        blocks = torch.randint(0, 256, (*groups, 16), generator=generator, dtype=torch.uint8)
-        scales = torch.randint(123, 129, groups, generator=generator, dtype=torch.uint8)
-        tensors[name] = dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2).contiguous()
-        del packed[name]
-        packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
-    save_file(tensors, dense / "model.safetensors", metadata={"format": "pt"})
-    save_file(packed, quantized / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((dense / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4"}
-    (quantized / "config.json").write_text(json.dumps(config))
-
-
 def test_gpt_oss_mxfp4_ranks_load_their_slice_of_the_experts(tmp_path: Path) -> None:
     dense, quantized = tmp_path / "dense", tmp_path / "quantized"
     write_tiny_checkpoint(dense, "gpt-oss", seed=7, num_hidden_layers=1, layer_types=["full_attention"])
-    _mxfp4_twin(dense, quantized)
+    write_mxfp4_twin(dense, quantized, seed=3)
     whole = dict(load_model(dense, impl="torch").named_parameters())
     for rank in range(WORLD_SIZE):
         group = TensorParallelGroup(rank, WORLD_SIZE)
@@ -122,7 +96,7 @@ def test_gpt_oss_mxfp4_ranks_load_their_slice_of_the_experts(tmp_path: Path) -> 
 def test_gpt_oss_packed_mxfp4_ranks_keep_their_slice_packed(tmp_path: Path) -> None:
     dense, quantized = tmp_path / "dense", tmp_path / "quantized"
     write_tiny_checkpoint(dense, "gpt-oss", seed=8, num_hidden_layers=1, layer_types=["full_attention"])
-    _mxfp4_twin(dense, quantized)
+    write_mxfp4_twin(dense, quantized, seed=3)
     whole = dict(load_model(quantized, impl="torch", packed_experts=True).named_parameters())
     for rank in range(WORLD_SIZE):
         group = TensorParallelGroup(rank, WORLD_SIZE)

@@ -94,6 +94,8 @@ def stack_spec(args: argparse.Namespace, model: Path, default_name: str) -> "Sta
     worker_args = model_args
     if args.stream_interval is not None:
         worker_args += ("--stream-interval", str(args.stream_interval))
+    if args.packed_experts:
+        worker_args += ("--packed-experts",)
     return StackSpec(
         model=model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode, num_gateways=args.gateways,
         grpc_port=args.grpc_port, http_port=None if args.http_port < 0 else args.http_port,
@@ -242,6 +244,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--stream-interval", type=positive_int, default=None, metavar="N",
                         help="steps between a decode worker's reports of a running request's tokens (default 2: "
                         "tokens in pairs, half the host work per token; 1 sends each token alone)")
+    parser.add_argument("--packed-experts", action="store_true",
+                        help="workers keep a checkpoint's MXFP4 experts (gpt-oss) packed in memory, read by the "
+                             "expert kernels: a quarter of bf16's bytes (default: dequantised at load)")
     parser.add_argument("--served-model-name", default="", help="model id clients use (default: the model directory's name)")
     parser.add_argument("--store-to-kvstore", action=argparse.BooleanOptionalAction, default=True,
                         help="prefill workers put new prompt blocks into the kvstore (default on; off for an A/B)")

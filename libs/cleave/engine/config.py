@@ -117,6 +117,10 @@ class EngineConfig:
             tokens replays a CUDA graph captured for its token-count bucket
             (`cleave.graphs.prefill`) instead of launching every kernel from Python; 0 (the
             default) prefills eagerly. Off CUDA the padded forward runs eagerly (for tests).
+        packed_experts: keep a checkpoint's MXFP4 experts (gpt-oss) packed in device memory,
+            read and decoded by the expert kernels (`cleave.kernels.mxfp4`): a quarter of the
+            bf16 bytes. False dequantises them to the model's dtype at load. Other
+            checkpoints load the same either way.
     """
 
     model: str
@@ -132,6 +136,7 @@ class EngineConfig:
     stream_interval: int = 1
     stagger_reports: bool = False
     prefill_graph_max_tokens: int = 0
+    packed_experts: bool = False
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 

@@ -28,7 +28,7 @@ _SCHEDULER_KEYS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "e
 _CACHE_KEYS = ("block_size", "num_blocks", "enable_prefix_caching", "gpu_memory_utilization")
 _ENGINE_KEYS = (
     "dtype", "device", "seed", "enforce_eager", "detokenize", "overlap_steps", "pdl", "tensor_parallel_size",
-    "reasoning_parser", "stream_interval", "stagger_reports", "prefill_graph_max_tokens",
+    "reasoning_parser", "stream_interval", "stagger_reports", "prefill_graph_max_tokens", "packed_experts",
 )
 
 

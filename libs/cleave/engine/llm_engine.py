@@ -148,7 +148,8 @@ class LLMEngine:
         # norm weights folded into the projections after them: decode batches on GEMMs then
         # run without norm kernels (CausalLM.fold_norm_weights)
         self.model = load_model(path, dtype=dtype, device=device, pdl=config.pdl,
-                                tensor_parallel=tensor_parallel_group(config.tensor_parallel_size)).fold_norm_weights()
+                                tensor_parallel=tensor_parallel_group(config.tensor_parallel_size),
+                                packed_experts=config.packed_experts).fold_norm_weights()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._builder = RequestBuilder(
             self.tokenizer,

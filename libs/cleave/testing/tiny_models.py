@@ -212,3 +212,35 @@ def write_tiny_checkpoint(
     }
     (directory / "generation_config.json").write_text(json.dumps(generation_config, indent=2), encoding="utf-8")
     return directory
+
+
+def write_mxfp4_twin(dense: str | Path, quantized: str | Path, seed: int = 0) -> Path:
+    """Give a tiny gpt-oss checkpoint (`dense`, rewritten in place) random MXFP4-representable
+    experts and write the same model to `quantized` with those experts as gpt-oss ships them:
+    `*_blocks` [E, out, in / 32, 16] and `*_scales` [E, out, in / 32] uint8 (scales 2^-4..2^1),
+    `quantization_config` naming mxfp4. Returns `quantized`."""
+    from safetensors.torch import load_file, save_file
+
+    from cleave.kernels.mxfp4 import dequantize_mxfp4
+
+    dense, quantized = Path(dense), Path(quantized)
+    quantized.mkdir(parents=True, exist_ok=True)
+    for file in dense.iterdir():
+        (quantized / file.name).write_bytes(file.read_bytes())
+    tensors = load_file(dense / "model.safetensors")
+    packed = dict(tensors)
+    generator = torch.Generator().manual_seed(seed)
+    for name in [name for name in tensors if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, in_features, out_features = tensors[name].shape  # HF's stacked gpt-oss layout [E, in, out]
+        groups = (experts, out_features, in_features // 32)
+        blocks = torch.randint(0, 256, (*groups, 16), generator=generator, dtype=torch.uint8)
+        scales = torch.randint(123, 129, groups, generator=generator, dtype=torch.uint8)
+        tensors[name] = dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2).contiguous()
+        del packed[name]
+        packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
+    save_file(tensors, dense / "model.safetensors", metadata={"format": "pt"})
+    save_file(packed, quantized / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dense / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (quantized / "config.json").write_text(json.dumps(config))
+    return quantized

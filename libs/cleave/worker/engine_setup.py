@@ -37,6 +37,7 @@ def engine_config_from_worker(config: WorkerConfig) -> EngineConfig:
         device=config.device,
         enforce_eager=config.enforce_eager,
         pdl=config.pdl,
+        packed_experts=config.packed_experts,
         tensor_parallel_size=config.tensor_parallel_size,
         reasoning_parser=config.model.effective_reasoning_parser,
         stream_interval=config.stream_interval,
