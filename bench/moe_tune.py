@@ -13,6 +13,7 @@ run, with its TFLOP/s and share of the bf16 peak on the FLOPs of the entries it 
 
     python bench/moe_tune.py                                   # Qwen3-30B-A3B experts
     python bench/moe_tune.py --model gpt-oss-20b --tokens 64,512,8192
+    python bench/moe_tune.py --model gpt-oss-20b --packed-experts   # its MXFP4 experts, read packed
     python bench/moe_tune.py --dry-run                         # tiny shapes on the CPU: checks the script
 
 Weights are random bf16 in device memory, as in `bench/moe.py` (same shapes).
@@ -60,6 +61,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-k", default="64,128")
     parser.add_argument("--stages", default="2,3,4")
     parser.add_argument("--rep-ms", type=int, default=20, help="timing window per candidate")
+    parser.add_argument("--packed-experts", action="store_true",
+                        help="MXFP4 experts read packed (random codes and scales); a table of their own")
     parser.add_argument("--table-dir", default=None, help="where the table goes (default: the package's moe_tuned/)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "moe"))
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, two candidates each, on the CPU")
@@ -68,7 +71,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         setattr(args, name, [int(value) for value in getattr(args, name).split(",") if value])
     if args.dry_run:
         args.tokens = [8]
-        args.block_m, args.block_n, args.block_k, args.stages = [16, 32], [16, 32], [16], [2]
+        args.block_m, args.block_n, args.block_k, args.stages = [16, 32], [16, 32], [32 if args.packed_experts else 16], [2]
     return args
 
 
@@ -109,7 +112,7 @@ def tune_tokens(num_tokens: int, shape: MoEShape, weights: tuple, device: torch.
     from cleave.kernels.moe_reference import SILU
     from cleave.kernels.moe_tiles import MoELaunch, default_launch
 
-    w13, w2, router = weights
+    w13, w2, router = weights  # w13 / w2 may be MXFP4Weight
     generator = torch.Generator(device=device).manual_seed(num_tokens)
     hidden = torch.randn(num_tokens, shape.hidden, device=device, dtype=dtype, generator=generator)
     topk_weights, ids = route(hidden @ router.t(), shape.top_k, True)
@@ -182,6 +185,16 @@ def tune_tokens(num_tokens: int, shape: MoEShape, weights: tuple, device: torch.
     return row, best
 
 
+def packed_weight(experts: int, rows: int, columns: int, device: torch.device, generator: torch.Generator):  # noqa: ANN201
+    """A random MXFP4Weight [experts, rows, columns]: every code, scales 2^-8..2^-5."""
+    from cleave.kernels.mxfp4 import MXFP4Weight
+
+    blocks = torch.randint(0, 256, (experts, rows, columns // 2), device=device, dtype=torch.uint8, generator=generator)
+    scales = torch.randint(119, 123, (experts, rows, columns // 32), device=device, dtype=torch.uint8,
+                           generator=generator)
+    return MXFP4Weight(blocks, scales)
+
+
 def _tiles_text(tiles) -> str:  # noqa: ANN001
     return f"{tiles.block_n}x{tiles.block_k} w{tiles.num_warps} s{tiles.num_stages}"
 
@@ -196,10 +209,14 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     shape = TINY if args.dry_run else MODELS[args.model]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     generator = torch.Generator(device=device).manual_seed(0)
-    w13 = torch.randn(shape.experts, 2 * shape.inter, shape.hidden, device=device, dtype=dtype, generator=generator)
-    w13 *= shape.hidden**-0.5
-    w2 = torch.randn(shape.experts, shape.hidden, shape.inter, device=device, dtype=dtype, generator=generator)
-    w2 *= shape.inter**-0.5
+    if args.packed_experts:
+        w13, w2 = (packed_weight(shape.experts, rows, columns, device, generator)
+                   for rows, columns in ((2 * shape.inter, shape.hidden), (shape.hidden, shape.inter)))
+    else:
+        w13 = torch.randn(shape.experts, 2 * shape.inter, shape.hidden, device=device, dtype=dtype, generator=generator)
+        w13 *= shape.hidden**-0.5
+        w2 = torch.randn(shape.experts, shape.hidden, shape.inter, device=device, dtype=dtype, generator=generator)
+        w2 *= shape.inter**-0.5
     router = torch.randn(shape.experts, shape.hidden, device=device, dtype=dtype, generator=generator) * 0.1
     timer = Timer(device, args.rep_ms)
     rows, launches = [], {}
@@ -212,7 +229,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     machine = machine_info()
     table_dir = Path(args.table_dir) if args.table_dir else TUNED_DIR
     table_dir.mkdir(parents=True, exist_ok=True)
-    table_path = table_dir / tuned_file_name(shape.experts, shape.inter, shape.hidden, dtype, machine.device)
+    table_path = table_dir / tuned_file_name(shape.experts, shape.inter, shape.hidden, dtype, machine.device,
+                                             args.packed_experts)
     name = run_name("moe-tune")
     table_path.write_text(json.dumps({
         "device": machine.device, "shape": asdict(shape), "command": "python " + " ".join(command),

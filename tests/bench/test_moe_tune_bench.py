@@ -46,3 +46,12 @@ def test_dry_run_writes_a_table_the_layer_loads(bench, tmp_path):
     payload = json.loads(table_path.read_text())
     assert payload["command"].startswith("python bench/moe_tune.py --dry-run")
     assert payload["results"] in {f"bench/results/moe/{path.stem}.md" for path in (tmp_path / "results").glob("*.md")}
+
+
+def test_dry_run_tunes_packed_mxfp4_experts_into_their_own_table(bench, tmp_path):
+    rows = bench.main(["--dry-run", "--packed-experts", "--out", str(tmp_path / "results"),
+                       "--table-dir", str(tmp_path / "tables")])
+    assert rows[0]["rejected"] == 0 and rows[0]["candidates"] == 4
+    (table_path,) = (tmp_path / "tables").iterdir()
+    assert table_path.name == "E=8,I=32,H=64,dtype=float32,device=cpu,weights=mxfp4.json"
+    assert load_table(table_path)[8].gate_up.block_k == 32
