@@ -132,3 +132,30 @@ def test_packed_weights_refuse_what_the_kernels_cannot_read():
     out = torch.empty(8, INTER)
     with pytest.raises(ValueError, match="block_k >= 32"):
         grouped_gemm(hidden, w13, None, out, aligned, GemmTiles(32, 16, 4), 2, CLAMPED, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 4, 64, 1024])
+def test_gpu_packed_experts_at_gpt_oss_20b_shapes(num_tokens):
+    """gpt-oss-20b's experts (32 of 2880 x 2880, top-4, biased, clamped SwiGLU) in bf16 on the
+    GPU: the packed kernels against the same kernels on the dequantised weights (GEMVs up to
+    four tokens, grouped GEMMs beyond)."""
+    experts, hidden_size, inter, top_k = 32, 2880, 2880, 4
+    generator = torch.Generator(device="cuda").manual_seed(num_tokens)
+
+    def packed(rows: int, columns: int) -> MXFP4Weight:
+        return MXFP4Weight(
+            torch.randint(0, 256, (experts, rows, columns // 2), device="cuda", dtype=torch.uint8, generator=generator),
+            torch.randint(119, 123, (experts, rows, columns // 32), device="cuda", dtype=torch.uint8,
+                          generator=generator),
+        )
+
+    w13, w2 = packed(2 * inter, hidden_size), packed(hidden_size, inter)
+    w13_bias = torch.randn(experts, 2 * inter, device="cuda", generator=generator).to(torch.bfloat16) * 0.1
+    w2_bias = torch.randn(experts, hidden_size, device="cuda", generator=generator).to(torch.bfloat16) * 0.1
+    hidden = torch.randn(num_tokens, hidden_size, device="cuda", generator=generator).to(torch.bfloat16)
+    weights, ids = route(torch.randn(num_tokens, experts, device="cuda", generator=generator), top_k)
+    out = fused_experts(hidden, w13, w2, weights, ids, CLAMPED, w13_bias, w2_bias)
+    expected = fused_experts(hidden, w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16), weights, ids,
+                             CLAMPED, w13_bias, w2_bias)
+    _assert_close_bf16(out, expected)
