@@ -93,8 +93,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="layer part, up to moe_gemv.MAX_TOKENS tokens: also the per-entry GEMVs with these "
                         "features per program, GATE_UP:DOWN[,...] (e.g. 2:4,4:8; default tiles: the 'fused' row)")
     parser.add_argument("--packed-experts", action="store_true",
-                        help="decode part, gpt-oss: MXFP4 experts kept packed (as `--packed-experts` serves them); "
-                        "the roofline counts their 4.25 bits a value")
+                        help="MXFP4 experts kept packed (as `--packed-experts` serves gpt-oss's): the layer part's "
+                        "fused rows read them packed (random codes), the decode part is gpt-oss's only; the "
+                        "roofline counts 4.25 bits a value")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile reference")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' MoE block")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "moe"))
@@ -139,10 +140,16 @@ def layer_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, 
     from cleave.kernels.moe_reference import fused_moe_reference
 
     generator = torch.Generator(device=device).manual_seed(0)
-    w13 = torch.randn(shape.experts, 2 * shape.inter, shape.hidden, device=device, dtype=dtype, generator=generator)
-    w13 *= shape.hidden**-0.5
-    w2 = torch.randn(shape.experts, shape.hidden, shape.inter, device=device, dtype=dtype, generator=generator)
-    w2 *= shape.inter**-0.5
+    if args.packed_experts:  # the fused rows read them packed; the baselines get them dequantised
+        packed13 = packed_weight(shape.experts, 2 * shape.inter, shape.hidden, device, generator)
+        packed2 = packed_weight(shape.experts, shape.hidden, shape.inter, device, generator)
+        w13, w2 = packed13.dequantize(dtype), packed2.dequantize(dtype)
+    else:
+        w13 = torch.randn(shape.experts, 2 * shape.inter, shape.hidden, device=device, dtype=dtype, generator=generator)
+        w13 *= shape.hidden**-0.5
+        w2 = torch.randn(shape.experts, shape.hidden, shape.inter, device=device, dtype=dtype, generator=generator)
+        w2 *= shape.inter**-0.5
+        packed13, packed2 = w13, w2
     router = torch.randn(shape.experts, shape.hidden, device=device, dtype=dtype, generator=generator)
     router *= shape.hidden**-0.5
     hf_block = None if args.no_transformers else _transformers_block(shape, w13, w2, router)
@@ -154,21 +161,21 @@ def layer_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, 
         impl = "triton"
 
         def fused() -> torch.Tensor:
-            return fused_moe(hidden, w13, w2, hidden @ router.t(), shape.top_k, True, impl=impl)
+            return fused_moe(hidden, packed13, packed2, hidden @ router.t(), shape.top_k, True, impl=impl)
 
         def reference() -> torch.Tensor:
             return fused_moe_reference(hidden, w13, w2, hidden @ router.t(), shape.top_k, True)
 
         def grouped() -> torch.Tensor:  # what `fused` ran at these sizes before the per-entry GEMVs
             weights, ids = route(hidden @ router.t(), shape.top_k, True, impl=impl)
-            return fused_experts(hidden, w13, w2, weights, ids, impl=impl, kernel="grouped")
+            return fused_experts(hidden, packed13, packed2, weights, ids, impl=impl, kernel="grouped")
 
         methods: dict[str, Callable[[], torch.Tensor]] = {"fused": fused, "reference": reference}
         if num_tokens <= GEMV_MAX_TOKENS:
             methods["fused, grouped GEMMs"] = grouped
             for gate_up_n, down_n in args.gemv_tiles:
                 methods[f"fused, GEMV tiles {gate_up_n}:{down_n}"] = gemv_with_tiles(
-                    hidden, w13, w2, router, shape, gate_up_n, down_n)
+                    hidden, packed13, packed2, router, shape, gate_up_n, down_n)
         if compiled is not None:
             methods["reference+compile"] = lambda: compiled(hidden, w13, w2, hidden @ router.t(), shape.top_k, True)
         if hf_block is not None:
@@ -177,7 +184,7 @@ def layer_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, 
             expected = reference()
             _, ids = route(hidden @ router.t(), shape.top_k, True, impl="torch")
             touched = int(ids.unique().numel())
-            roofline_us = touched * expert_bytes(shape, dtype) / HBM_BYTES_PER_S * 1e6
+            roofline_us = touched * expert_bytes(shape, dtype, args.packed_experts) / HBM_BYTES_PER_S * 1e6
             for method, fn in methods.items():
                 try:
                     out = fn()
@@ -193,6 +200,17 @@ def layer_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, 
                     "max_diff": float((out.float() - expected.float()).abs().max()),
                 })
     return rows
+
+
+def packed_weight(experts: int, rows: int, columns: int, device: torch.device, generator: torch.Generator):  # noqa: ANN201
+    """A random MXFP4Weight [experts, rows, columns]: every code, scales 2^-8..2^-5 (weights of
+    a few hundredths, as a trained checkpoint's)."""
+    from cleave.kernels.mxfp4 import MXFP4Weight
+
+    blocks = torch.randint(0, 256, (experts, rows, columns // 2), device=device, dtype=torch.uint8, generator=generator)
+    scales = torch.randint(119, 123, (experts, rows, columns // 32), device=device, dtype=torch.uint8,
+                           generator=generator)
+    return MXFP4Weight(blocks, scales)
 
 
 def gemv_with_tiles(hidden, w13, w2, router, shape: MoEShape, gate_up_n: int, down_n: int):  # noqa: ANN001

@@ -39,7 +39,7 @@ if __name__ == "__main__" and "--dry-run" in sys.argv[1:] and not torch.cuda.is_
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import format_table, graph_call_us, machine_info, median_ms, run_name, write_results  # noqa: E402
-from moe import MODELS, TINY, MoEShape  # noqa: E402
+from moe import MODELS, TINY, MoEShape, packed_weight  # noqa: E402
 
 PEAK_FLOPS = 790e12  # H200 dense bf16
 COLUMNS = ["tokens", "block_m", "gate_up", "down", "default_us", "tuned_us", "speedup", "tuned_tflops", "peak_pct",
@@ -183,16 +183,6 @@ def tune_tokens(num_tokens: int, shape: MoEShape, weights: tuple, device: torch.
         "peak_pct": 100 * flops / (tuned_us * 1e-6) / PEAK_FLOPS, "candidates": candidates, "rejected": rejected,
     }
     return row, best
-
-
-def packed_weight(experts: int, rows: int, columns: int, device: torch.device, generator: torch.Generator):  # noqa: ANN201
-    """A random MXFP4Weight [experts, rows, columns]: every code, scales 2^-8..2^-5."""
-    from cleave.kernels.mxfp4 import MXFP4Weight
-
-    blocks = torch.randint(0, 256, (experts, rows, columns // 2), device=device, dtype=torch.uint8, generator=generator)
-    scales = torch.randint(119, 123, (experts, rows, columns // 32), device=device, dtype=torch.uint8,
-                           generator=generator)
-    return MXFP4Weight(blocks, scales)
 
 
 def _tiles_text(tiles) -> str:  # noqa: ANN001

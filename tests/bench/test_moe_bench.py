@@ -67,3 +67,9 @@ def test_gpt_oss_decode_dry_run_with_packed_experts(bench, tmp_path):
     rows = bench.main(["--dry-run", "--part", "decode", "--model", "gpt-oss-20b", "--packed-experts",
                        "--out", str(tmp_path)])["decode"]
     assert [row["batch"] for row in rows] == [1, 2] and all(row["bytes_gb"] > 0 for row in rows)
+
+
+def test_layer_dry_run_reads_packed_experts(bench, tmp_path):
+    rows = bench.main(["--dry-run", "--part", "layer", "--packed-experts", "--out", str(tmp_path)])["layer"]
+    assert {row["method"] for row in rows} == {"fused", "fused, grouped GEMMs", "reference", "transformers"}
+    assert all("error" not in row and row["max_diff"] < 1e-4 for row in rows)
