@@ -15,7 +15,7 @@ from cleave.client import GatewayClient
 from cleave.client.gateway import collect
 from cleave.engine.llm import LLM
 from cleave.generation.sampling_params import SamplingParams
-from cleave.testing.tiny_models import MOE_ARCHITECTURES, write_tiny_checkpoint
+from cleave.testing.tiny_models import MOE_ARCHITECTURES, write_mxfp4_twin, write_tiny_checkpoint
 from tests.e2e.conftest import NUM_KV_BLOCKS, START_HANG_S
 from tests.e2e.test_stack import request
 
@@ -70,3 +70,27 @@ async def test_moe_stack_streams_the_engines_greedy_tokens(moe_stack, moe_model)
         hf_out = hf.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones_like(torch.tensor([prompt_ids])),
                              max_new_tokens=len(expected[0].outputs[0].token_ids), do_sample=False)
     assert hf_out[0, len(prompt_ids):].tolist() == expected[0].outputs[0].token_ids
+
+
+@pytest.mark.timeout(600)
+async def test_packed_mxfp4_experts_are_served_disaggregated(tmp_path_factory):
+    """gpt-oss with MXFP4 experts, the workers keeping them packed (`--packed-experts`): the
+    disaggregated stack streams the tokens of an in-process engine that dequantised them."""
+    root = tmp_path_factory.mktemp("e2e-mxfp4")
+    dense = write_tiny_checkpoint(root / "dense", "gpt-oss", seed=3)
+    quantized = write_mxfp4_twin(dense, root / "model", seed=4)
+    engine = LLM(quantized, device="cpu", dtype="float32", num_blocks=NUM_PAGES, enforce_eager=True)
+    assert not engine.engine.model.config.packed_experts
+    expected = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    spec = StackSpec(model=quantized, mode="disaggregated", grpc_port=0, http_port=0, num_kv_blocks=NUM_PAGES,
+                     log_level="WARNING", worker_args=("--packed-experts",))
+    stack = ProcessStack(spec, root / "stack")
+    try:
+        stack.start(timeout_s=START_HANG_S)
+        async with GatewayClient(stack.gateway_address) as client:
+            results = await asyncio.gather(*(collect(client.stream(request(prompt))) for prompt in PROMPTS))
+    finally:
+        stack.stop()
+    assert [child.process.returncode for child in stack.children] == [0] * len(stack.children)
+    for result, engine_output in zip(results, expected):
+        assert result.samples[0].token_ids == engine_output.outputs[0].token_ids
