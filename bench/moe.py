@@ -1,7 +1,7 @@
 """Mixture-of-experts: the fused MoE layer against its references, and a Qwen3-30B-A3B-shaped
 decode step.
 
-Two parts (Qwen3-30B-A3B shapes by default: hidden 2048, 128 experts of width 768, top-8,
+Three parts (Qwen3-30B-A3B shapes by default: hidden 2048, 128 experts of width 768, top-8,
 bf16, weights random and built in device memory):
 
 - `layer`: the MoE block alone (router GEMM included) at 1, 16, 64, 512 and 8192 tokens:
@@ -17,10 +17,15 @@ bf16, weights random and built in device memory):
   touched experts (counted per layer from the routing of that very step), the KV cache, the
   embedding rows and lm_head. gpt-oss runs on the paired cache it is served with
   (`cleave.kv.groups`: its sliding layers over window tables holding only the pages in view).
+- `prefill`: one `--prefill-tokens`-token prompt (8192 by default) through the whole model in
+  one eager chunk, as a prefill worker runs it, last-token logits included: time and TFLOP/s
+  on its active FLOPs (projections, router, the top-k experts per token, causal attention
+  over the keys each query sees, the logits), against the H200's 790 TFLOP/s bf16 peak.
 
     python bench/moe.py                                  # both parts; bench/results/moe/
     python bench/moe.py --part layer --tokens 1,64,8192
     python bench/moe.py --part decode --batch 1,64 --context 2048
+    python bench/moe.py --part prefill --prefill-tokens 2048,8192
     python bench/moe.py --part decode --model gpt-oss-20b --batch 1   # sinks, biases, 128-token windows
     python bench/moe.py --part decode --model gpt-oss-20b --packed-experts   # its MXFP4 experts kept packed
     python bench/moe.py --dry-run                        # tiny shapes on the CPU: checks the script
@@ -48,11 +53,13 @@ if __name__ == "__main__" and "--dry-run" in sys.argv[1:] and not torch.cuda.is_
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import format_table, graph_call_us, median_ms, run_name, write_results  # noqa: E402
+from common import event_times_ms, format_table, graph_call_us, median_ms, run_name, write_results  # noqa: E402
 
 HBM_BYTES_PER_S = 4.26e12  # H200 device copy, read + write (bench/results/kernels)
 LAYER_COLUMNS = ["tokens", "method", "us", "roofline_us", "roofline_pct", "touched_experts", "max_diff"]
 DECODE_COLUMNS = ["batch", "context", "us", "roofline_us", "roofline_pct", "touched_experts_per_layer", "bytes_gb"]
+PREFILL_COLUMNS = ["tokens", "ms", "active_tflop", "tflops", "peak_pct"]
+PEAK_FLOPS = 790e12  # H200 dense bf16
 
 
 @dataclass(frozen=True)
@@ -82,11 +89,12 @@ GPT_OSS_WINDOW = 128  # gpt-oss's sliding window, every other layer from the fir
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=("layer", "decode", "all"), default="all")
+    parser.add_argument("--part", choices=("layer", "decode", "prefill", "all"), default="all")
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b",
                         help="the shapes (the layer part's experts are SiLU without biases either way)")
     parser.add_argument("--tokens", default="1,16,64,512,8192", help="token counts of the layer part")
     parser.add_argument("--batch", default="1,64", help="batch sizes of the decode part")
+    parser.add_argument("--prefill-tokens", default="8192", help="prompt lengths of the prefill part")
     parser.add_argument("--context", type=int, default=1024, help="tokens already in each sequence's KV cache")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--gemv-tiles", default="",
@@ -105,9 +113,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.tokens = [int(value) for value in args.tokens.split(",")]
     args.gemv_tiles = [tuple(int(n) for n in item.split(":")) for item in args.gemv_tiles.split(",") if item]
     args.batch = [int(value) for value in args.batch.split(",")]
+    args.prefill_tokens = [int(value) for value in args.prefill_tokens.split(",")]
     if args.dry_run:
         args.tokens = [min(value, 3) for value in args.tokens[:2]]
         args.batch = [min(value, 2) for value in args.batch[:2]]
+        args.prefill_tokens = [min(value, 24) for value in args.prefill_tokens[:1]]
         args.context = min(args.context, 8)
         args.no_compile = True
     return args
@@ -351,6 +361,61 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
     return rows
 
 
+def prefill_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """One prompt of each `--prefill-tokens` length through the whole model (eager, in one
+    chunk, as a prefill worker runs it), last-token logits included: time and TFLOP/s on the
+    FLOPs of the experts it routes to (`active_flops`)."""
+    from cleave.kv.groups import kv_groups
+    from cleave.kv.metadata import AttentionMetadata
+    from cleave.model.llama import allocate_kv_cache
+
+    config = decode_model_config(shape, max(args.prefill_tokens) + 1, args.packed_experts)
+    model = random_model(config, dtype, device)
+    groups = kv_groups(config)
+    generator = torch.Generator(device=device).manual_seed(2)
+    rows = []
+    for num_tokens in args.prefill_tokens:
+        pages = -(-num_tokens // args.block_size)
+        table = list(range(1, pages + 1))
+        window_tables = [list(range(pages + 1, 2 * pages + 1))] if groups.is_paired else None
+        kv_cache = allocate_kv_cache(config, 1 + pages * (2 if groups.is_paired else 1), args.block_size, dtype,
+                                     device, num_slots=groups.num_slots)
+        metadata = AttentionMetadata.build([num_tokens], [num_tokens], [table], args.block_size, device=device,
+                                           window_tables=window_tables)
+        input_ids = torch.randint(0, shape.vocab, (num_tokens,), device=device, generator=generator)
+        positions = torch.arange(num_tokens, device=device)
+
+        def step() -> torch.Tensor:
+            return model.compute_logits(model(input_ids, positions, kv_cache, metadata)[-1:])
+
+        with torch.no_grad():
+            if device.type == "cuda":
+                ms = sorted(event_times_ms(step, warmup=2, iters=5))[2]
+            else:
+                ms = Timer(device).us(step) / 1e3
+        flops = active_flops(shape, config, num_tokens)
+        rows.append({"tokens": num_tokens, "ms": ms, "active_tflop": flops / 1e12,
+                     "tflops": flops / (ms * 1e-3) / 1e12, "peak_pct": 100 * flops / (ms * 1e-3) / PEAK_FLOPS})
+        del kv_cache
+    return rows
+
+
+def active_flops(shape: MoEShape, config, num_tokens: int) -> float:  # noqa: ANN001
+    """Matmul FLOPs of a `num_tokens` prefill on the experts each token routes to: the
+    projections, router and top-k experts per token, causal attention (QK^T and PV over the
+    keys each query sees: its window on gpt-oss's sliding layers), last-token logits."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    per_token = shape.hidden * (q + 2 * kv) + q * shape.hidden + shape.hidden * shape.experts \
+        + shape.top_k * 3 * shape.hidden * shape.inter
+    linear = 2.0 * shape.layers * per_token * num_tokens + 2.0 * shape.hidden * shape.vocab
+    attention = 0.0
+    for layer in range(shape.layers):
+        window = config.layer_sliding_window(layer)
+        keys = sum(min(t + 1, window or t + 1) for t in range(num_tokens)) if window else num_tokens * (num_tokens + 1) / 2
+        attention += 4.0 * q * keys
+    return linear + attention
+
+
 def _touched_experts(model, step: Callable[[], torch.Tensor]) -> list[int]:
     """Distinct experts each MoE layer routes this step's tokens to (one eager run, hooked)."""
     from cleave.kernels.fused_moe import route
@@ -403,6 +468,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[dict]]:
         write_results(args.out, run_name(f"{args.name or 'moe'}-layer"), rows, LAYER_COLUMNS, summary={"shape": asdict(shape)},
                       argv=["bench/moe.py", *(argv if argv is not None else sys.argv[1:])])
         results["layer"] = rows
+    if args.part in ("prefill", "all"):
+        rows = prefill_rows(args, shape, device, dtype)
+        print(format_table(rows, PREFILL_COLUMNS))
+        write_results(args.out, run_name(f"{args.name or 'moe'}-prefill"), rows, PREFILL_COLUMNS,
+                      summary={"shape": asdict(shape)}, argv=["bench/moe.py", *(argv if argv is not None else sys.argv[1:])])
+        results["prefill"] = rows
     if args.part in ("decode", "all"):
         rows = decode_rows(args, shape, device, dtype)
         print(format_table(rows, DECODE_COLUMNS))

@@ -73,3 +73,18 @@ def test_layer_dry_run_reads_packed_experts(bench, tmp_path):
     rows = bench.main(["--dry-run", "--part", "layer", "--packed-experts", "--out", str(tmp_path)])["layer"]
     assert {row["method"] for row in rows} == {"fused", "fused, grouped GEMMs", "reference", "transformers"}
     assert all("error" not in row and row["max_diff"] < 1e-4 for row in rows)
+
+
+def test_prefill_dry_run_counts_active_flops(bench, tmp_path):
+    rows = bench.main(["--dry-run", "--part", "prefill", "--model", "gpt-oss-20b", "--out", str(tmp_path)])["prefill"]
+    assert [row["tokens"] for row in rows] == [24] and rows[0]["ms"] > 0 and rows[0]["tflops"] > 0
+    shape = bench.MODELS["qwen3-30b-a3b"]
+    config = bench.decode_model_config(shape, 8193)
+    flops = bench.active_flops(shape, config, 8192)
+    # 2.7B active parameters a token: 44.7 TFLOP of projections and experts, 26.4 of causal attention
+    assert 70.5e12 < flops < 71.5e12
+    gpt_oss = bench.MODELS["gpt-oss-20b"]
+    windowed = bench.active_flops(gpt_oss, bench.decode_model_config(gpt_oss, 8193), 8192)
+    full = bench.active_flops(gpt_oss, bench.replace(bench.decode_model_config(gpt_oss, 8193), layer_types=None,
+                                                     sliding_window=None), 8192)
+    assert windowed < full  # half its layers see 128 keys
