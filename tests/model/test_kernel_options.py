@@ -83,3 +83,7 @@ def test_packed_experts_flag_reaches_the_engine_config(tiny_checkpoints):
 
     assert packed("--packed-experts") is True and packed() is False and packed("--no-packed-experts") is False
     assert build_engine_config(tiny_checkpoints["llama"], packed_experts=True, device="cpu").packed_experts is True
+    from cleave.cli.main import build_parser
+
+    assert build_parser().parse_args(["generate", "hi", "--packed-experts"]).packed_experts is True
+    assert build_parser().parse_args(["generate", "hi"]).packed_experts is False

@@ -37,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     from cleave.errors import CleaveError
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    engine_kwargs = {"seed": args.seed, "device": args.device, "dtype": args.dtype, "max_model_len": args.max_model_len}
+    engine_kwargs = {"seed": args.seed, "device": args.device, "dtype": args.dtype, "max_model_len": args.max_model_len,
+                     "packed_experts": args.packed_experts}
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, n=args.n
     )
@@ -84,6 +85,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16 (default auto)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length cap")
+    parser.add_argument("--packed-experts", action="store_true",
+                        help="keep a checkpoint's MXFP4 experts (gpt-oss) packed in memory (default: dequantised)")
     parser.add_argument("--threads", type=int, default=DEFAULT_CPU_THREADS,
                         help=f"torch intra-op threads for CPU work (default {DEFAULT_CPU_THREADS}: a small model's "
                              "decode step is too short to split across cores; 0: torch's default, one per core)")
