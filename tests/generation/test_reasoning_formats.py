@@ -121,6 +121,15 @@ def test_answer_tags_are_read_from_cleave_config(tmp_path):
         select_reasoning_config(directory, tokenizer())
 
 
+def test_reasoning_separators_are_read_from_cleave_config(tmp_path):
+    directory = checkpoint(tmp_path / "model", None, {"reasoning": {**CUSTOM, "reasoning_separators": ["<next>"]}})
+    config = select_reasoning_config(directory, tokenizer())
+    assert config.reasoning_separators == ("<next>",) and "<next>" in config.tags
+    checkpoint(directory, None, {"reasoning": {**CUSTOM, "reasoning_separators": [""]}})
+    with pytest.raises(ValueError, match="reasoning_separators must be a list of non-empty strings"):
+        select_reasoning_config(directory, tokenizer())
+
+
 @pytest.mark.parametrize(
     ("text", "reasoning", "content"),
     [
@@ -130,10 +139,18 @@ def test_answer_tags_are_read_from_cleave_config(tmp_path):
         ("<|start|>assistant<|channel|>final<|message|>Answer.", "", "Answer."),
         ("<|channel|>analysis<|message|>Cut short <|end|><|start|>assist", "Cut short <|end|><|start|>assist", ""),
         ("<|channel|>commentary<|message|>x", "", "<|channel|>commentary<|message|>x"),
-        # a commentary message (tool-call preambles; no tools API) after the analysis stays thinking
+        # a commentary message (a preamble; no tools API) after the analysis joins the thinking,
+        # as does a second analysis message: the messages a newline apart, no markers
         ("<|channel|>analysis<|message|>A.<|end|><|start|>assistant<|channel|>commentary<|message|>P.<|end|>"
          "<|start|>assistant<|channel|>final<|message|>Answer.",
-         "A.<|end|><|start|>assistant<|channel|>commentary<|message|>P.", "Answer."),
+         "A.\nP.", "Answer."),
+        ("<|channel|>analysis<|message|>A.<|end|><|start|>assistant<|channel|>analysis<|message|>B.<|end|>"
+         "<|start|>assistant<|channel|>analysis<|message|>C.<|end|><|start|>assistant<|channel|>final<|message|>X",
+         "A.\nB.\nC.", "X"),
+        # a separator's text after the answer opened is answer text
+        ("<|channel|>final<|message|>X<|end|><|start|>assistant<|channel|>analysis<|message|>",
+         "", "X<|end|><|start|>assistant<|channel|>analysis<|message|>"),
+        ("<|channel|>analysis<|message|>A.<|end|><|start|>assistant<|channel|>analy", "A.<|end|><|start|>assistant<|channel|>analy", ""),
         ("Plain text <|channel|>final<|message|>", "", "Plain text <|channel|>final<|message|>"),
     ],
 )

@@ -33,11 +33,15 @@ class ReasoningConfig:
     # Headers that open the answer when the model skips the thinking block (harmony's
     # `<|channel|>final<|message|>`): removed from the text, like the tags.
     answer_tags: tuple[str, ...] = ()
+    # Boundaries between messages that all belong to the thinking (harmony's end of one
+    # analysis message and start of the next): a newline in the reasoning text, which
+    # continues, as vLLM joins a gpt-oss turn's messages before the final one.
+    reasoning_separators: tuple[str, ...] = ()
 
     @property
     def tags(self) -> tuple[str, ...]:
-        """Every marker the parser looks for: start, end and answer tags."""
-        return (self.start_tag, self.end_tag, *self.answer_tags)
+        """Every marker the parser looks for: start, end and answer tags, separators."""
+        return (self.start_tag, self.end_tag, *self.answer_tags, *self.reasoning_separators)
 
 
 def read_reasoning_config(model_dir: str | Path) -> ReasoningConfig | None:
@@ -48,15 +52,18 @@ def read_reasoning_config(model_dir: str | Path) -> ReasoningConfig | None:
     section = json.loads(path.read_text(encoding="utf-8")).get("reasoning")
     if not section:
         return None
-    answer_tags = section.get("answer_tags", [])
-    if not isinstance(answer_tags, list) or not all(isinstance(tag, str) and tag for tag in answer_tags):
-        raise ValueError(f"{path}: reasoning.answer_tags must be a list of non-empty strings, got {answer_tags!r}")
+    tag_lists = {}
+    for key in ("answer_tags", "reasoning_separators"):
+        tags = section.get(key, [])
+        if not isinstance(tags, list) or not all(isinstance(tag, str) and tag for tag in tags):
+            raise ValueError(f"{path}: reasoning.{key} must be a list of non-empty strings, got {tags!r}")
+        tag_lists[key] = tuple(tags)
     return ReasoningConfig(
         start_tag=section.get("start_tag", "<think>"),
         end_tag=section.get("end_tag", "</think>"),
         starts_in_reasoning=bool(section.get("starts_in_reasoning", False)),
         answer_prefix=section.get("answer_prefix", ""),
-        answer_tags=tuple(answer_tags),
+        **tag_lists,
     )
 
 
@@ -90,12 +97,14 @@ class ReasoningParser:
     Only one thinking block is recognized, at the start of the output (after optional
     whitespace, which is dropped); text before any start tag that is not whitespace makes
     the whole output an answer, except an answer tag, which opens the answer and is dropped.
-    Tags are removed from both parts.
+    Tags are removed from both parts; a reasoning separator inside the block becomes a
+    newline of the reasoning.
 
     Args:
         start_tag / end_tag: the block's delimiters.
         starts_in_reasoning: the prompt already opened the block.
         answer_tags: headers that open the answer in place of a thinking block.
+        reasoning_separators: boundaries between messages of the thinking block.
     """
 
     def __init__(
@@ -104,10 +113,12 @@ class ReasoningParser:
         end_tag: str = "</think>",
         starts_in_reasoning: bool = False,
         answer_tags: Sequence[str] = (),
+        reasoning_separators: Sequence[str] = (),
     ) -> None:
         self.start_tag = start_tag
         self.end_tag = end_tag
         self.answer_tags = tuple(answer_tags)
+        self.reasoning_separators = tuple(reasoning_separators)
         self._phase = Phase.REASONING if starts_in_reasoning else Phase.BEFORE
         self._held_back = ""
         self._held_tokens = 0  # tokens whose phase is undecided while in BEFORE
@@ -116,7 +127,8 @@ class ReasoningParser:
     @classmethod
     def for_config(cls, config: ReasoningConfig) -> ReasoningParser:
         """A parser of one sample of a model with these tags."""
-        return cls(config.start_tag, config.end_tag, config.starts_in_reasoning, config.answer_tags)
+        return cls(config.start_tag, config.end_tag, config.starts_in_reasoning, config.answer_tags,
+                   config.reasoning_separators)
 
     @property
     def phase(self) -> Phase:
@@ -168,13 +180,27 @@ class ReasoningParser:
 
     def _feed_reasoning(self, text: str, delta: ReasoningDelta) -> str:
         buffer = self._held_back + text
-        end_at = buffer.find(self.end_tag)
+        while True:
+            end_at = buffer.find(self.end_tag)
+            separator, separator_at = self._first_separator(buffer)
+            if separator_at == -1 or (end_at != -1 and end_at <= separator_at):
+                break
+            delta.reasoning += buffer[:separator_at] + "\n"
+            buffer = buffer[separator_at + len(separator) :]
         if end_at != -1:
             self._held_back = ""
             self._phase = Phase.ANSWER
             delta.reasoning += buffer[:end_at]
             return buffer[end_at + len(self.end_tag) :]
-        hold = _longest_suffix_prefix(buffer, self.end_tag)
+        hold = max(_longest_suffix_prefix(buffer, tag) for tag in (self.end_tag, *self.reasoning_separators))
         self._held_back = buffer[len(buffer) - hold :]
         delta.reasoning += buffer[: len(buffer) - hold]
         return ""
+
+    def _first_separator(self, buffer: str) -> tuple[str, int]:
+        """The reasoning separator that occurs first in `buffer` and where (-1: none)."""
+        found = [(at, separator) for separator in self.reasoning_separators if (at := buffer.find(separator)) != -1]
+        if not found:
+            return "", -1
+        at, separator = min(found)
+        return separator, at

@@ -10,7 +10,9 @@ it does ship, as vLLM's `--reasoning-parser` names them:
   the model writes `<|channel|>analysis<|message|>` thinking `<|end|>`, then
   `<|start|>assistant<|channel|>final<|message|>` answer, ended by `<|return|>` (an eos
   token). A model that skips the analysis channel opens its answer with
-  `<|channel|>final<|message|>` (answer tags). The harmony markers are special tokens, which
+  `<|channel|>final<|message|>` (answer tags). Further analysis messages, and commentary
+  ones without a recipient (preambles), before the final one join the reasoning, a newline
+  apart (reasoning separators); tool calls (commentary to a function) are not parsed. The harmony markers are special tokens, which
   detokenizing skips: the gateway puts their text back for the parser.
 
 `select_reasoning_config` resolves `--reasoning-parser` (`REASONING_PARSERS`): a named format
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
 THINK_START, THINK_END = "<think>", "</think>"
 HARMONY_ANALYSIS = "<|channel|>analysis<|message|>"
 HARMONY_FINAL = "<|channel|>final<|message|>"
+HARMONY_COMMENTARY = "<|channel|>commentary<|message|>"
 HARMONY_ASSISTANT = "<|start|>assistant"
 HARMONY_END = "<|end|>"
 
@@ -48,6 +51,9 @@ FORMATS: Mapping[str, ReasoningConfig] = MappingProxyType({
         start_tag=HARMONY_ANALYSIS,
         end_tag=HARMONY_END + HARMONY_ASSISTANT + HARMONY_FINAL,
         answer_tags=(HARMONY_FINAL, HARMONY_ASSISTANT + HARMONY_FINAL),
+        # a further analysis message, or a commentary one without a recipient (a preamble)
+        reasoning_separators=(HARMONY_END + HARMONY_ASSISTANT + HARMONY_ANALYSIS,
+                              HARMONY_END + HARMONY_ASSISTANT + HARMONY_COMMENTARY),
     ),
 })
 AUTO, NONE = "auto", "none"

@@ -117,6 +117,17 @@ def test_analysis_streams_as_reasoning_and_final_as_content(served, step):
     assert text.reasoning_phase is Phase.ANSWER
 
 
+@pytest.mark.parametrize("channel", ["analysis", "commentary"])
+def test_a_second_thinking_message_joins_the_reasoning(served, channel):
+    """A further analysis message, or a commentary preamble, before the final one: the
+    reasoning goes on after a newline, without the markers between the messages."""
+    more = " Red light scatters less."
+    separator = f"<|end|><|start|>assistant<|channel|>{channel}<|message|>"
+    ids = _ids(served, HARMONY.start_tag + THINKING + separator + more + HARMONY.end_tag + ANSWER + "<|return|>")
+    text = _sample_text(served, tag_tokens=special_tag_tokens(served.tokenizer, served.reasoning))
+    assert _stream(text, ids, 1) == (THINKING + "\n" + more, ANSWER, FinishReason.STOP)
+
+
 def test_a_final_channel_without_analysis_is_all_content(served):
     ids = _ids(served, "<|channel|>final<|message|>" + ANSWER + "<|return|>")
     text = _sample_text(served, tag_tokens=special_tag_tokens(served.tokenizer, served.reasoning))
