@@ -16,7 +16,7 @@ MoE experts are stacked per layer (`cleave.model.moe`): Qwen3-MoE's per-expert g
 tensors fill one expert's rows each; gpt-oss's stacked `gate_up_proj` [E, H, 2I] (gate and
 up interleaved column by column) and `down_proj` [E, I, H] are de-interleaved and
 transposed. gpt-oss's MXFP4 experts (`*_blocks` + `*_scales`) are dequantised as they load
-(`cleave.kernels.mxfp4`).
+(`cleave.kernels.mxfp4`), or kept packed with `packed_experts` (their rows rearranged alike).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import torch
 from safetensors import safe_open
 
 from cleave.kernels.dispatch import Impl
+from cleave.kernels.mxfp4 import dequantize_mxfp4
 from cleave.model.config import ModelConfig
 from cleave.model.llama import CausalLM
-from cleave.kernels.mxfp4 import dequantize_mxfp4
 from cleave.parallel.group import TensorParallelGroup
 from cleave.parallel.model import TensorParallelCausalLM
 from cleave.parallel.sharding import TensorShard
@@ -96,6 +96,7 @@ _GPT_OSS_PACKED_EXPERTS = {
     "down_proj_blocks": ("w2_blocks", "packed"),
     "down_proj_scales": ("w2_scales", "packed"),
 }
+_GPT_OSS_EXPERT_TENSORS = {**_GPT_OSS_EXPERTS, **_GPT_OSS_PACKED_EXPERTS}
 
 
 def map_hf_name(hf_name: str, config: ModelConfig) -> _Target:
@@ -118,7 +119,7 @@ def map_hf_name(hf_name: str, config: ModelConfig) -> _Target:
     if match:
         layer, tensor = match.groups()
         if config.architecture == "GptOssForCausalLM":
-            param, layout = {**_GPT_OSS_EXPERTS, **_GPT_OSS_PACKED_EXPERTS}[tensor]
+            param, layout = _GPT_OSS_EXPERT_TENSORS[tensor]
             return _Target(f"{layer}.mlp.experts.{param}", layout=layout)
         # stacked like the model's (transformers' in-memory Qwen3-MoE layout)
         return _Target(f"{layer}.mlp.experts.{'w13' if tensor == 'gate_up_proj' else 'w2'}")
@@ -138,8 +139,7 @@ def _hf_name(param_name: str, config: ModelConfig) -> str:
         if part == "router":
             router = "router" if config.architecture == "GptOssForCausalLM" else "gate"
             return f"model.{layer}.mlp.{router}.{leaf}"
-        experts = {**_GPT_OSS_EXPERTS, **_GPT_OSS_PACKED_EXPERTS}
-        hf_leaf = {param: suffix for suffix, (param, _) in experts.items()}[leaf]
+        hf_leaf = {param: suffix for suffix, (param, _) in _GPT_OSS_EXPERT_TENSORS.items()}[leaf]
         return f"model.{layer}.mlp.experts.{hf_leaf}"
     return f"model.{param_name}"
 
