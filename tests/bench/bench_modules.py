@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
@@ -31,6 +33,18 @@ def imported_bench(name: str) -> Iterator[ModuleType]:
         for added in set(sys.modules) - saved_modules:
             if added == module_name or _from_bench(sys.modules[added]):
                 del sys.modules[added]
+
+
+def bench_fixture(name: str):  # type: ignore[no-untyped-def]
+    """A module-scoped pytest fixture holding bench/<name>.py (`imported_bench`); assign it to
+    the fixture's name in the test module: `bench = bench_fixture("moe")`."""
+
+    @pytest.fixture(scope="module")
+    def fixture() -> Iterator[ModuleType]:
+        with imported_bench(name) as module:
+            yield module
+
+    return fixture
 
 
 def _from_bench(module: ModuleType) -> bool:

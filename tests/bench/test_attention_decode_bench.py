@@ -6,13 +6,10 @@ import argparse
 
 import pytest
 
-from tests.bench.bench_modules import imported_bench
+from tests.bench.bench_modules import bench_fixture
 
 
-@pytest.fixture(scope="module")
-def bench():  # type: ignore[no-untyped-def]
-    with imported_bench("attention_decode") as module:
-        yield module
+bench = bench_fixture("attention_decode")
 
 
 def test_heads_parse_as_query_kv_and_head_dim(bench):

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.bench.bench_modules import imported_bench
+from tests.bench.bench_modules import bench_fixture
 
 
-@pytest.fixture(scope="module")
-def bench():  # type: ignore[no-untyped-def]
-    with imported_bench("attention_prefill") as module:
-        yield module
+bench = bench_fixture("attention_prefill")
 
 
 def test_defaults_are_the_engines_settings_and_flops_count_the_lower_triangle(bench):

@@ -7,18 +7,13 @@ import datetime
 import json
 from pathlib import Path
 
-import pytest
-
-from tests.bench.bench_modules import BENCH, imported_bench
+from tests.bench.bench_modules import BENCH, bench_fixture
 
 # Scripts that still pass a fixed stem to write_results; each reruns over its last result.
 FIXED_NAME_SCRIPTS: set[str] = set()
 
 
-@pytest.fixture(scope="module")
-def common():  # type: ignore[no-untyped-def]
-    with imported_bench("common") as module:
-        yield module
+common = bench_fixture("common")
 
 
 def test_run_name_and_path_carry_the_utc_time(common):

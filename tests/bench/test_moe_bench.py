@@ -6,13 +6,10 @@ import json
 
 import pytest
 
-from tests.bench.bench_modules import imported_bench
+from tests.bench.bench_modules import bench_fixture
 
 
-@pytest.fixture(scope="module")
-def bench():  # type: ignore[no-untyped-def]
-    with imported_bench("moe") as module:
-        yield module
+bench = bench_fixture("moe")
 
 
 def test_defaults_are_the_h200_plan(bench):

@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 from cleave.kernels.moe_tiles import MoELaunch, fits, load_table
-from tests.bench.bench_modules import imported_bench
+from tests.bench.bench_modules import bench_fixture
 
 
-@pytest.fixture(scope="module")
-def bench():  # type: ignore[no-untyped-def]
-    with imported_bench("moe_tune") as module:
-        yield module
+bench = bench_fixture("moe_tune")
 
 
 def test_defaults_cover_decode_batches_to_prefill(bench):
