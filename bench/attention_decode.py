@@ -10,6 +10,10 @@ the fraction of the HBM roofline (K and V bytes read / 4.26 TB/s).
 
     python bench/attention_decode.py --cases 1x1024,64x1024,32x32768 --out bench/results/decode
     python bench/attention_decode.py --heads 32:4:128 --cases 1x1024 --capacity 1025 --splits auto,8,16,64
+    python bench/attention_decode.py --heads 32:4:128 --cases 1x1024 --capacity 40960 --num-warps 2 --heads-first auto,on
+
+`--heads-first` sets the grid order (KV head fastest, or split fastest; auto: the kernel's
+choice, KV head fastest from two sequences on).
 """
 
 from __future__ import annotations
@@ -29,12 +33,23 @@ from common import format_table, graph_call_us, parse_heads, run_name, write_res
 from cleave.kernels.attention_decode import NUM_STAGES, choose_num_splits, paged_decode_attention  # noqa: E402
 from cleave.kv.metadata import AttentionMetadata  # noqa: E402
 
-COLUMNS = ["heads", "batch", "context", "num_splits", "block_n", "num_warps", "num_stages", "us", "kv_gb", "roofline_pct"]
+COLUMNS = ["heads", "batch", "context", "num_splits", "block_n", "num_warps", "num_stages", "heads_first", "us", "kv_gb",
+           "roofline_pct"]
+HEADS_FIRST = {"auto": None, "on": True, "off": False}
 BLOCK_SIZE = 16
 
 
 def parse_ints(text: str) -> list[int | None]:
     return [None if item == "auto" else int(item) for item in text.split(",")]
+
+
+def parse_orders(text: str) -> list[str]:
+    """`--heads-first`: comma-separated grid orders, each auto, on or off."""
+    orders = text.split(",")
+    unknown = [order for order in orders if order not in HEADS_FIRST]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"grid orders are auto, on or off, got {', '.join(unknown)}")
+    return orders
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -47,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-warps", default="4")
     parser.add_argument("--num-stages", default=str(NUM_STAGES),
                         help="comma-separated; default: the library's; 'auto' = triton's default")
+    parser.add_argument("--heads-first", type=parse_orders, default="auto",
+                        help="comma-separated grid orders: auto, on (KV head fastest), off (split fastest)")
     parser.add_argument("--hbm-tbs", type=float, default=4.26)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -74,21 +91,22 @@ def main(argv: list[str] | None = None) -> None:
             metadata.max_seq_len = args.capacity
             metadatas.append(metadata)
         query = torch.randn(batch, q_heads, head_dim, dtype=torch.bfloat16, device=device)
-        for splits, block_n, warps, stages in itertools.product(
-            parse_ints(args.splits), parse_ints(args.block_n), parse_ints(args.num_warps), parse_ints(args.num_stages)
+        for splits, block_n, warps, stages, order in itertools.product(
+            parse_ints(args.splits), parse_ints(args.block_n), parse_ints(args.num_warps), parse_ints(args.num_stages),
+            args.heads_first,
         ):
             num_splits = splits or choose_num_splits(batch, kv_heads, args.capacity, block_n)
 
             def make_call(metadata: AttentionMetadata):
                 return lambda: paged_decode_attention(
                     query, cache, metadata, head_dim**-0.5, num_splits=num_splits, block_n=block_n, num_warps=warps,
-                    num_stages=stages,
+                    num_stages=stages, heads_first=HEADS_FIRST[order],
                 )
 
             us = graph_call_us([make_call(m) for m in metadatas])
             rows.append({
                 "heads": heads, "batch": batch, "context": context, "num_splits": num_splits, "block_n": block_n,
-                "num_warps": warps, "num_stages": stages or "-", "us": round(us, 2), "kv_gb": round(kv_gb, 4),
+                "num_warps": warps, "num_stages": stages or "-", "heads_first": order, "us": round(us, 2), "kv_gb": round(kv_gb, 4),
                 "roofline_pct": round(100 * kv_gb / (us * 1e-6) / (args.hbm_tbs * 1e3), 1),
             })
             print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)

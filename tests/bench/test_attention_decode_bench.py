@@ -16,3 +16,10 @@ def test_heads_parse_as_query_kv_and_head_dim(bench):
     assert bench.parse_heads("32:4:128") == (32, 4, 128)
     with pytest.raises(argparse.ArgumentTypeError, match="not a multiple"):
         bench.parse_heads("30:4:128")
+
+
+def test_grid_orders_parse_and_unknown_ones_are_refused(bench):
+    assert bench.parse_orders("auto,on,off") == ["auto", "on", "off"]
+    assert [bench.HEADS_FIRST[order] for order in ("auto", "on", "off")] == [None, True, False]
+    with pytest.raises(argparse.ArgumentTypeError, match="auto, on or off, got sideways"):
+        bench.parse_orders("on,sideways")
