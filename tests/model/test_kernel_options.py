@@ -87,3 +87,15 @@ def test_packed_experts_flag_reaches_the_engine_config(tiny_checkpoints):
 
     assert build_parser().parse_args(["generate", "hi", "--packed-experts"]).packed_experts is True
     assert build_parser().parse_args(["generate", "hi"]).packed_experts is False
+
+
+
+def test_packed_experts_on_a_checkpoint_without_mxfp4_say_so(tiny_checkpoints):
+    import structlog
+
+    from cleave.engine.llm import LLM
+
+    with structlog.testing.capture_logs() as logs:
+        llm = LLM(tiny_checkpoints["llama"], device="cpu", dtype="float32", max_model_len=64, packed_experts=True)
+    assert not llm.engine.model.config.packed_experts
+    assert [entry["event"] for entry in logs if entry["log_level"] == "warning"] == ["packed_experts_unused"]

@@ -59,6 +59,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import replace
 from pathlib import Path
 
+import structlog
 import torch
 
 from cleave.engine.config import EngineConfig
@@ -80,6 +81,8 @@ from cleave.model.config import ModelConfig
 from cleave.model.loader import load_model
 from cleave.parallel.group import tensor_parallel_group
 from cleave.model.tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
 
 __all__ = ["LLMEngine", "Message", "Prompt"]
 
@@ -147,6 +150,9 @@ class LLMEngine:
         self.dtype = dtype
         # norm weights folded into the projections after them: decode batches on GEMMs then
         # run without norm kernels (CausalLM.fold_norm_weights)
+        if config.packed_experts and self.model_config.quantization != "mxfp4":
+            log.warning("packed_experts_unused", model=str(path),
+                        reason="the checkpoint has no MXFP4 experts; its weights load as stored")
         self.model = load_model(path, dtype=dtype, device=device, pdl=config.pdl,
                                 tensor_parallel=tensor_parallel_group(config.tensor_parallel_size),
                                 packed_experts=config.packed_experts).fold_norm_weights()
