@@ -25,6 +25,7 @@ from cleave.generation.token_pieces import TokenPieces
 from cleave.model.source import resolve_model_dir
 from cleave.model.text_config import TextConfig
 from cleave.model.tokenizer import Tokenizer
+from cleave.rpc.types import ReasoningOptions
 from services.gateway.backend import Prompt
 
 
@@ -103,8 +104,9 @@ class ServedModel:
             )
         return num_bytes
 
-    def encode(self, prompt: Prompt, enable_thinking: bool | None = None) -> list[int]:
-        """Token ids of a prompt; text and chat go through the chat template unless raw.
+    def encode(self, prompt: Prompt, reasoning: ReasoningOptions | None = None) -> list[int]:
+        """Token ids of a prompt; text and chat go through the chat template unless raw, with
+        the template variables `reasoning` sets (`enable_thinking`, `reasoning_effort`).
 
         Raises InvalidArgument for token ids outside the vocabulary and for prompts the
         template renders to nothing.
@@ -131,7 +133,7 @@ class ServedModel:
                 }
                 for m in prompt.chat or ()
             ]
-        kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        kwargs = reasoning.template_kwargs() if reasoning is not None else {}
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
         token_ids = self.tokenizer.encode_without_gil(text, add_special_tokens=False)
         if not token_ids:

@@ -15,7 +15,7 @@ from typing import Any
 from cleave.errors import CleaveError, InvalidArgument
 from cleave.generation.sampling_request import MAX_SAMPLES, SamplingRequest, to_sampling_params
 from cleave.rpc.convert import thinking_options
-from cleave.rpc.types import ReasoningMode, ReasoningOptions
+from cleave.rpc.types import REASONING_EFFORTS, ReasoningMode, ReasoningOptions
 from services.gateway.backend import ChatMessage, GenerateSpec, Prompt, Scaling, StreamShape
 from services.gateway.openai_fields import refuse_unsupported
 from services.gateway.request_names import chat_role
@@ -189,10 +189,14 @@ def _reasoning(body: dict[str, Any]) -> ReasoningOptions:
                                      or not 0 <= max_thinking <= MAX_UINT32):
         raise InvalidArgument(f"must be an integer in [0, {MAX_UINT32}], got {max_thinking!r}",
                               field="max_thinking_tokens")
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise InvalidArgument(f"must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", field="reasoning_effort")
     return ReasoningOptions(
         mode=_REASONING_MODES.get(mode_name, ReasoningMode.DEFAULT),
         max_thinking_tokens=max_thinking,
         enable_thinking=enable_thinking if isinstance(enable_thinking, bool) else None,
+        reasoning_effort=effort,
     )
 
 

@@ -200,7 +200,7 @@ class RoutingBackend:
 
     def _prepare(self, spec: GenerateSpec) -> tuple[list[int], GenerateSpec]:
         with span("gateway.tokenize", request_id=spec.request_id):
-            prompt_ids = self.model.encode(spec.prompt, spec.reasoning.enable_thinking)
+            prompt_ids = self.model.encode(spec.prompt, spec.reasoning)
         sampling = spec.sampling
         if spec.scaling.strategy is not Strategy.NONE:
             sampling = replace(sampling, n=spec.scaling.num_samples)

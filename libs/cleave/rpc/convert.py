@@ -144,17 +144,22 @@ def reasoning_from_proto(
     min_thinking = _optional(message, "min_thinking_tokens")
     if max_thinking is not None and min_thinking is not None and min_thinking > max_thinking:
         raise InvalidArgument("must not exceed max_thinking_tokens", field=f"{field}.min_thinking_tokens")
+    effort = _optional(message, "reasoning_effort")
+    if effort is not None and effort not in types.REASONING_EFFORTS:
+        raise InvalidArgument(f"must be one of {', '.join(types.REASONING_EFFORTS)}, got {effort!r}",
+                              field=f"{field}.reasoning_effort")
     return types.ReasoningOptions(
         mode=_REASONING_FROM_PROTO[message.mode],
         max_thinking_tokens=max_thinking,
         min_thinking_tokens=min_thinking,
         enable_thinking=_optional(message, "enable_thinking"),
+        reasoning_effort=effort,
     )
 
 
 def reasoning_to_proto(options: types.ReasoningOptions) -> common_pb2.ReasoningOptions:
     message = common_pb2.ReasoningOptions(mode=_REASONING_TO_PROTO[options.mode])
-    for name in ("max_thinking_tokens", "min_thinking_tokens", "enable_thinking"):
+    for name in ("max_thinking_tokens", "min_thinking_tokens", "enable_thinking", "reasoning_effort"):
         value = getattr(options, name)
         if value is not None:
             setattr(message, name, value)

@@ -40,6 +40,9 @@ class TransportKind(enum.Enum):
     NCCL = "nccl"
 
 
+REASONING_EFFORTS = ("low", "medium", "high")  # OpenAI's `reasoning_effort`, as gpt-oss reads it
+
+
 @dataclass(frozen=True)
 class ReasoningOptions:
     """Thinking controls of one request."""
@@ -48,6 +51,12 @@ class ReasoningOptions:
     max_thinking_tokens: int | None = None
     min_thinking_tokens: int | None = None
     enable_thinking: bool | None = None
+    reasoning_effort: str | None = None  # one of REASONING_EFFORTS, for the chat template
+
+    def template_kwargs(self) -> dict[str, object]:
+        """The chat template's variables these options set (unset ones keep its defaults)."""
+        values = {"enable_thinking": self.enable_thinking, "reasoning_effort": self.reasoning_effort}
+        return {name: value for name, value in values.items() if value is not None}
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,19 @@ async def test_n_and_logprobs(stack):
         assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in choice.logprobs.content)
 
 
+async def test_reasoning_effort_is_taken_and_checked(stack):
+    """The openai client's own `reasoning_effort`: accepted (this tiny model's template ignores
+    it; the template tests are in test_reasoning_effort.py), and a value outside low, medium,
+    high is a 400 naming it."""
+    response = await client(stack).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=4, temperature=0.0, reasoning_effort="low")
+    assert response.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client(stack).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4,
+                                                    extra_body={"reasoning_effort": "extreme"})
+    assert bad.value.status_code == 400 and bad.value.body["param"] == "reasoning_effort"
+
+
 async def test_errors_are_openai_shaped(stack):
     with pytest.raises(openai.BadRequestError) as bad:
         await client(stack).chat.completions.create(model="tiny", messages=MESSAGES, temperature=-1)

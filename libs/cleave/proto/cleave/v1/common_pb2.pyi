@@ -138,16 +138,18 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., logprobs: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class ReasoningOptions(_message.Message):
-    __slots__ = ("mode", "max_thinking_tokens", "min_thinking_tokens", "enable_thinking")
+    __slots__ = ("mode", "max_thinking_tokens", "min_thinking_tokens", "enable_thinking", "reasoning_effort")
     MODE_FIELD_NUMBER: _ClassVar[int]
     MAX_THINKING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_THINKING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENABLE_THINKING_FIELD_NUMBER: _ClassVar[int]
+    REASONING_EFFORT_FIELD_NUMBER: _ClassVar[int]
     mode: ReasoningMode
     max_thinking_tokens: int
     min_thinking_tokens: int
     enable_thinking: bool
-    def __init__(self, mode: _Optional[_Union[ReasoningMode, str]] = ..., max_thinking_tokens: _Optional[int] = ..., min_thinking_tokens: _Optional[int] = ..., enable_thinking: _Optional[bool] = ...) -> None: ...
+    reasoning_effort: str
+    def __init__(self, mode: _Optional[_Union[ReasoningMode, str]] = ..., max_thinking_tokens: _Optional[int] = ..., min_thinking_tokens: _Optional[int] = ..., enable_thinking: _Optional[bool] = ..., reasoning_effort: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_prompt_tokens")
