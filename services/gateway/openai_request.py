@@ -36,6 +36,7 @@ _BODY_TOO_LARGE = 413
 MAX_UINT32 = 2**32 - 1  # the widths the gRPC API's wire types give each option
 MAX_UINT64 = 2**64 - 1
 _REASONING_MODES = {"separate": ReasoningMode.SEPARATE, "hidden": ReasoningMode.HIDDEN, "inline": ReasoningMode.INLINE}
+_TEMPLATE_KWARGS = ("enable_thinking", "reasoning_effort")  # the chat_template_kwargs the gateway passes on
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request (lm-eval sends batches of them)
 
 
@@ -183,19 +184,28 @@ def _reasoning(body: dict[str, Any]) -> ReasoningOptions:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise InvalidArgument("must be an object", field="chat_template_kwargs")
+    unknown = sorted(set(kwargs) - set(_TEMPLATE_KWARGS))
+    if unknown:
+        raise InvalidArgument(f"only {', '.join(_TEMPLATE_KWARGS)} are passed to the chat template",
+                              field=f"chat_template_kwargs.{unknown[0]}")
     enable_thinking = kwargs.get("enable_thinking")
+    if enable_thinking is not None:
+        enable_thinking = _bool(enable_thinking, "chat_template_kwargs.enable_thinking")
     max_thinking = body.get("max_thinking_tokens")
     if max_thinking is not None and (isinstance(max_thinking, bool) or not isinstance(max_thinking, int)
                                      or not 0 <= max_thinking <= MAX_UINT32):
         raise InvalidArgument(f"must be an integer in [0, {MAX_UINT32}], got {max_thinking!r}",
                               field="max_thinking_tokens")
-    effort = body.get("reasoning_effort")
+    # OpenAI's field, else the template variable (vLLM passes chat_template_kwargs through)
+    effort, effort_field = body.get("reasoning_effort"), "reasoning_effort"
+    if effort is None:
+        effort, effort_field = kwargs.get("reasoning_effort"), "chat_template_kwargs.reasoning_effort"
     if effort is not None and effort not in REASONING_EFFORTS:
-        raise InvalidArgument(f"must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", field="reasoning_effort")
+        raise InvalidArgument(f"must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", field=effort_field)
     return ReasoningOptions(
         mode=_REASONING_MODES.get(mode_name, ReasoningMode.DEFAULT),
         max_thinking_tokens=max_thinking,
-        enable_thinking=enable_thinking if isinstance(enable_thinking, bool) else None,
+        enable_thinking=enable_thinking,
         reasoning_effort=effort,
     )
 

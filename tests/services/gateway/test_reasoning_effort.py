@@ -66,3 +66,20 @@ def test_the_grpc_field_round_trips_and_is_validated():
     with pytest.raises(InvalidArgument, match="must be one of low, medium, high, got 'max'") as raised:
         convert.reasoning_from_proto(common_pb2.ReasoningOptions(reasoning_effort="max"))
     assert raised.value.field == "reasoning.reasoning_effort"
+
+
+def test_chat_template_kwargs_pass_only_what_the_gateway_honours():
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    spec, _ = generate_spec({**body, "chat_template_kwargs": {"reasoning_effort": "high", "enable_thinking": False}},
+                            "r", "tiny", True)
+    assert (spec.reasoning.reasoning_effort, spec.reasoning.enable_thinking) == ("high", False)
+    # the top-level field wins over the template variable
+    spec, _ = generate_spec({**body, "reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}},
+                            "r", "tiny", True)
+    assert spec.reasoning.reasoning_effort == "low"
+    for kwargs, field in (({"reasoning_effort": "max"}, "chat_template_kwargs.reasoning_effort"),
+                          ({"enable_thinking": "yes"}, "chat_template_kwargs.enable_thinking"),
+                          ({"thinking_budget": 5}, "chat_template_kwargs.thinking_budget")):
+        with pytest.raises(InvalidArgument) as raised:
+            generate_spec({**body, "chat_template_kwargs": kwargs}, "r", "tiny", True)
+        assert raised.value.field == field
