@@ -124,14 +124,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 class Timer:
-    """Device time on the GPU (median, L2 flushed); one wall-clock call on the CPU (dry run)."""
+    """Device time on the GPU (median over `rep_ms` of runs, L2 flushed); one wall-clock call
+    on the CPU (dry run)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, warmup_ms: int = 10, rep_ms: int = 50) -> None:
+        self.device, self.warmup_ms, self.rep_ms = device, warmup_ms, rep_ms
 
     def us(self, fn: Callable[[], object]) -> float:
         if self.device.type == "cuda":
-            return median_ms(fn) * 1e3
+            return median_ms(fn, self.warmup_ms, self.rep_ms) * 1e3
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e6

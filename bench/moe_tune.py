@@ -26,10 +26,9 @@ import itertools
 import json
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -38,8 +37,8 @@ if __name__ == "__main__" and "--dry-run" in sys.argv[1:] and not torch.cuda.is_
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import format_table, graph_call_us, machine_info, median_ms, run_name, write_results  # noqa: E402
-from moe import MODELS, TINY, MoEShape, packed_weight  # noqa: E402
+from common import format_table, graph_call_us, machine_info, run_name, write_results  # noqa: E402
+from moe import MODELS, TINY, MoEShape, Timer, packed_weight  # noqa: E402
 
 PEAK_FLOPS = 790e12  # H200 dense bf16
 COLUMNS = ["tokens", "block_m", "gate_up", "down", "default_us", "tuned_us", "speedup", "tuned_tflops", "peak_pct",
@@ -89,20 +88,6 @@ def candidate_tiles(block_m: int, gated: bool, args: argparse.Namespace) -> list
         if fits(block_m, candidate, gated):
             tiles.append(candidate)
     return tiles
-
-
-class Timer:
-    """Device time on the GPU; one wall-clock call on the CPU (dry run)."""
-
-    def __init__(self, device: torch.device, rep_ms: int) -> None:
-        self.device, self.rep_ms = device, rep_ms
-
-    def us(self, fn: Callable[[], object]) -> float:
-        if self.device.type == "cuda":
-            return median_ms(fn, warmup_ms=5, rep_ms=self.rep_ms) * 1e3
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e6
 
 
 def tune_tokens(num_tokens: int, shape: MoEShape, weights: tuple, device: torch.device, dtype: torch.dtype,
@@ -208,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         w2 = torch.randn(shape.experts, shape.hidden, shape.inter, device=device, dtype=dtype, generator=generator)
         w2 *= shape.inter**-0.5
     router = torch.randn(shape.experts, shape.hidden, device=device, dtype=dtype, generator=generator) * 0.1
-    timer = Timer(device, args.rep_ms)
+    timer = Timer(device, warmup_ms=5, rep_ms=args.rep_ms)
     rows, launches = [], {}
     command = ["bench/moe_tune.py", *(argv if argv is not None else sys.argv[1:])]
     for num_tokens in args.tokens:
