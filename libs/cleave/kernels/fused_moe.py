@@ -37,7 +37,7 @@ from cleave.kernels.moe_gemv import MAX_TOKENS as GEMV_MAX_TOKENS
 from cleave.kernels.moe_gemv import gated_activation, moe_gemv
 from cleave.kernels.moe_reference import SILU, MoEActivation, fused_experts_reference, route_reference
 from cleave.kernels.moe_tiles import GemmTiles, MoELaunch, moe_launch
-from cleave.kernels.mxfp4 import MXFP4Weight, decode_e2m1, dense_weight, e8m0_scale
+from cleave.kernels.mxfp4 import MXFP4Weight, decode_e2m1, dense_weight, e8m0_scale, weight_launch_args
 
 
 ALIGN_MAX_PROGRAMS = 64  # chunks the alignment's count and scatter kernels split the entries into
@@ -363,15 +363,15 @@ def grouped_gemm(
     quantized = isinstance(weight, MXFP4Weight)
     if quantized and tiles.block_k < 32:
         raise ValueError(f"MXFP4 weights need block_k >= 32 (one scale group), got {tiles.block_k}")
-    weights, scales = (weight.blocks, weight.scales) if quantized else (weight, weight)
+    weights, scales, stride_we, stride_wn, stride_se, stride_sn = weight_launch_args(weight)
     grid = (aligned.expert_ids.shape[0], triton.cdiv(out_features, tiles.block_n))
     _moe_gemm_kernel[grid](
         a, weights, scales, bias if bias is not None else a, out,
         topk_weights if topk_weights is not None else out,
         aligned.sorted_ids, aligned.expert_ids, aligned.num_padded,
         out_features, a.shape[1], aligned.num_entries,
-        a.stride(0), weights.stride(0), weights.stride(1), scales.stride(0) if quantized else 0,
-        scales.stride(1) if quantized else 0, bias.stride(0) if bias is not None else 0, out.stride(0),
+        a.stride(0), stride_we, stride_wn, stride_se, stride_sn, bias.stride(0) if bias is not None else 0,
+        out.stride(0),
         activation.alpha if gated else 0.0, activation.limit if gated else 0.0,
         ROW_DIV=row_div, GATED=gated, CLAMPED=gated and activation.kind == "swiglu_clamped",
         HAS_BIAS=bias is not None, MUL_WEIGHT=topk_weights is not None, MXFP4=quantized,

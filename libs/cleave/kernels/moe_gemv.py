@@ -30,7 +30,7 @@ import triton.language as tl
 
 from cleave.kernels.dispatch import CachedLauncher
 from cleave.kernels.moe_reference import MoEActivation
-from cleave.kernels.mxfp4 import MXFP4Weight, decode_e2m1, e8m0_scale
+from cleave.kernels.mxfp4 import MXFP4Weight, decode_e2m1, e8m0_scale, weight_launch_args
 
 MAX_TOKENS = 4  # tokens `fused_experts` sends here by default; more go to the grouped GEMMs
 TILE_ELEMENTS = 8192  # weight elements per program per K tile (features x K), per half when gated
@@ -244,15 +244,6 @@ _gate_up_launcher = CachedLauncher(_gate_up_kernel)
 _down_sum_launcher = CachedLauncher(_down_sum_kernel)
 
 
-def _weight_args(weight: torch.Tensor | MXFP4Weight) -> tuple:
-    """(weights, scales, stride_we, stride_wn, stride_se, stride_sn) of a kernel launch; the
-    scale arguments are unused (the weights again) for an unquantised weight."""
-    if isinstance(weight, MXFP4Weight):
-        blocks, scales = weight.blocks, weight.scales
-        return blocks, scales, blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1)
-    return weight, weight, weight.stride(0), weight.stride(1), 0, 0
-
-
 def moe_gemv(
     hidden: torch.Tensor,  # [T, H]
     w13: torch.Tensor | MXFP4Weight,  # [E, 2I, H]
@@ -289,7 +280,7 @@ def moe_gemv(
         return out
     ids = topk_ids.reshape(-1)
     intermediate = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
-    weights, scales, stride_we, stride_wn, stride_se, stride_sn = _weight_args(w13)
+    weights, scales, stride_we, stride_wn, stride_se, stride_sn = weight_launch_args(w13)
     block_n, block_k, warps = gate_up_tiles or gemv_tiles(inter, hidden_size, gated=True)
     _gate_up_launcher(
         (num_tokens * top_k, triton.cdiv(inter, block_n)),
@@ -302,7 +293,7 @@ def moe_gemv(
          activation.kind == "swiglu_clamped", norm_weight is not None, isinstance(w13, MXFP4Weight)),
         warps,
     )
-    weights, scales, stride_we, stride_wn, stride_se, stride_sn = _weight_args(w2)
+    weights, scales, stride_we, stride_wn, stride_se, stride_sn = weight_launch_args(w2)
     block_n, block_k, warps = down_tiles or gemv_tiles(hidden_size, inter, gated=False)
     _down_sum_launcher(
         (num_tokens, triton.cdiv(hidden_size, block_n)),

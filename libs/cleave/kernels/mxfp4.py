@@ -91,6 +91,16 @@ def dense_weight(weight: torch.Tensor | MXFP4Weight, dtype: torch.dtype) -> torc
     return weight.dequantize(dtype) if isinstance(weight, MXFP4Weight) else weight
 
 
+def weight_launch_args(weight: torch.Tensor | MXFP4Weight) -> tuple:
+    """(weights, scales, stride_we, stride_wn, stride_se, stride_sn) of an expert kernel's
+    launch: the packed blocks and scales of an MXFP4 weight, or the tensor itself (passed
+    again, unused, as the scales)."""
+    if isinstance(weight, MXFP4Weight):
+        blocks, scales = weight.blocks, weight.scales
+        return blocks, scales, blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1)
+    return weight, weight, weight.stride(0), weight.stride(1), 0, 0
+
+
 @triton.jit
 def decode_e2m1(codes):
     """fp32 values of E2M1 codes (int32, 0..15): sign, two exponent bits (bias 1), one
