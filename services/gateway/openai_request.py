@@ -14,8 +14,8 @@ from typing import Any
 
 from cleave.errors import CleaveError, InvalidArgument
 from cleave.generation.sampling_request import MAX_SAMPLES, SamplingRequest, to_sampling_params
-from cleave.rpc.convert import thinking_options
-from cleave.rpc.types import REASONING_EFFORTS, ReasoningMode, ReasoningOptions
+from cleave.rpc.convert import checked_reasoning_effort, thinking_options
+from cleave.rpc.types import ReasoningMode, ReasoningOptions
 from services.gateway.backend import ChatMessage, GenerateSpec, Prompt, Scaling, StreamShape
 from services.gateway.openai_fields import refuse_unsupported
 from services.gateway.request_names import chat_role
@@ -200,13 +200,11 @@ def _reasoning(body: dict[str, Any]) -> ReasoningOptions:
     effort, effort_field = body.get("reasoning_effort"), "reasoning_effort"
     if effort is None:
         effort, effort_field = kwargs.get("reasoning_effort"), "chat_template_kwargs.reasoning_effort"
-    if effort is not None and effort not in REASONING_EFFORTS:
-        raise InvalidArgument(f"must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", field=effort_field)
     return ReasoningOptions(
         mode=_REASONING_MODES.get(mode_name, ReasoningMode.DEFAULT),
         max_thinking_tokens=max_thinking,
         enable_thinking=enable_thinking,
-        reasoning_effort=effort,
+        reasoning_effort=checked_reasoning_effort(effort, effort_field),
     )
 
 

@@ -144,17 +144,20 @@ def reasoning_from_proto(
     min_thinking = _optional(message, "min_thinking_tokens")
     if max_thinking is not None and min_thinking is not None and min_thinking > max_thinking:
         raise InvalidArgument("must not exceed max_thinking_tokens", field=f"{field}.min_thinking_tokens")
-    effort = _optional(message, "reasoning_effort")
-    if effort is not None and effort not in types.REASONING_EFFORTS:
-        raise InvalidArgument(f"must be one of {', '.join(types.REASONING_EFFORTS)}, got {effort!r}",
-                              field=f"{field}.reasoning_effort")
     return types.ReasoningOptions(
         mode=_REASONING_FROM_PROTO[message.mode],
         max_thinking_tokens=max_thinking,
         min_thinking_tokens=min_thinking,
         enable_thinking=_optional(message, "enable_thinking"),
-        reasoning_effort=effort,
+        reasoning_effort=checked_reasoning_effort(_optional(message, "reasoning_effort"), f"{field}.reasoning_effort"),
     )
+
+
+def checked_reasoning_effort(value: Any, field: str) -> str | None:
+    """`value` as a request's reasoning effort (None: unset), else InvalidArgument naming `field`."""
+    if value is not None and value not in types.REASONING_EFFORTS:
+        raise InvalidArgument(f"must be one of {', '.join(types.REASONING_EFFORTS)}, got {value!r}", field=field)
+    return value
 
 
 def reasoning_to_proto(options: types.ReasoningOptions) -> common_pb2.ReasoningOptions:
