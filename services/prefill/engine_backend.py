@@ -175,11 +175,7 @@ class EnginePrefillBackend:
             self.layer_streams = LayerStreams(asyncio.get_running_loop(), cache.shape[0], cache.device)
             self.engine.watch_layers = self.layer_streams.watch  # before the step thread starts
         self.async_engine = AsyncEngine(self.engine, on_step=self._keep_block_tables)
-        if self.kvstore_address and not self.engine.handoff.kvstore_compatible:
-            log.warning("the kvstore is not used: this model's cache pairs its sliding-window layers with its "
-                        "full-attention ones, two pages per block, and the kvstore keeps one",
-                        kvstore=self.kvstore_address)
-        elif self.kvstore_address:
+        if self.kvstore_address:
             client = KVStoreClient(self.kvstore_address, client_id=self.worker_id, internal_token=self._internal_token)
             await client.connect(self.layout)
             self.kvstore = KVStorePrefix(client, self.engine, self.async_engine, self.kvstore_min_prefix_tokens)

@@ -30,6 +30,16 @@ block fetched from the store and registered in the engine's prefix cache is foun
 scheduler like any locally computed block: those tokens are not recomputed. The fetched
 blocks are held (`engine.handoff.hold_prefix`) until the prefill has taken them over; the
 backend then lets go of the hold (`release_hold`, on every path), and they stay cached.
+
+A cache that pairs window layers with full ones (gpt-oss, `cleave.kv.groups`) keeps a
+block's KV in two pages, and the store keeps them under two keys, as the engine's prefix
+cache does: the full page under the block's hash, the window page under its window hash
+(`handoff.window_page_hashes`). A prefix of m blocks is usable when the store holds their
+full pages and the window pages a query after them sees (blocks num_unseen_pages(m) .. m-1);
+a fetch takes the longest such prefix, and both kinds of page in one Get, all or nothing.
+The prompt's own table has dropped most window pages by the time it is put (its prefill
+moved past them), so a put copies from the prefix cache instead (`handoff.hold_cached`):
+the full pages of the repeated prefix and the window pages in view at its end.
 """
 
 from __future__ import annotations
@@ -37,13 +47,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from cleave.engine.async_engine import AsyncEngine
 from cleave.engine.llm_engine import LLMEngine
 from cleave.transfer import KVStoreClient, gather_blocks_to_host, scatter_blocks
+from services.prefill.cleanup import run_to_end
 
 @dataclass(frozen=True)
 class PrefixFetch:
@@ -63,6 +74,9 @@ class StorePayload:
     hashes: list[bytes]  # chained hashes of the blocks, in prompt order
     blocks: torch.Tensor  # [n, L, 2, BS, Hkv, D] on the CPU
     parent_hash: bytes  # hash of the block before the first one (b"" at the prompt start)
+    # a paired cache's window pages (consecutive blocks'), under their window hashes
+    window_hashes: list[bytes] = field(default_factory=list)
+    window_blocks: torch.Tensor | None = None  # [w, L, 2, BS, Hkv, D] on the CPU
 
 
 SEEN_CAPACITY = 1 << 18  # block hashes remembered (32 bytes each: ~8 MB with the dict)
@@ -78,6 +92,7 @@ class KVStorePrefix:
         self.engine = engine
         self.async_engine = async_engine
         self.block_size = engine.handoff.block_size
+        self.paired = engine.handoff.pairs_window_pages  # two pages (two keys) per block
         # blocks a fetch must be able to load, and a put to send, to be worth its round trips
         self.min_blocks = max(1, -(-min_prefix_tokens // self.block_size))
         self._stream: torch.cuda.Stream | None = None
@@ -90,12 +105,33 @@ class KVStorePrefix:
         await self.client.watch()
 
     async def num_stored(self, hashes: Sequence[bytes]) -> int:
-        """How many leading blocks of the chain the store holds: from the client's index
-        while it is live, else by a Lookup."""
+        """How many leading blocks of the chain the store holds (in a paired cache: with the
+        window pages in view after them): from the client's index while it is live, else by
+        a Lookup (a paired cache's second Lookup tries the longest such prefix only)."""
         index = self.client.index
-        if index.is_live:
-            return index.num_leading(hashes)
-        return await self.client.lookup(list(hashes))
+        num_full = index.num_leading(hashes) if index.is_live else await self.client.lookup(list(hashes))
+        if not self.paired or num_full == 0:
+            return num_full
+        window = self.engine.handoff.window_page_hashes(hashes[:num_full])
+        if not index.is_live:
+            first = self.first_window_page(num_full)
+            found = await self.client.lookup(window[first:])
+            return num_full if found == num_full - first else 0
+        last_missing = -1  # the last block before `num_hit` whose window page the store lacks
+        missing_before = []
+        for position, key in enumerate(window):
+            if key not in index:
+                last_missing = position
+            missing_before.append(last_missing)
+        for num_hit in range(num_full, 0, -1):
+            if missing_before[num_hit - 1] < self.first_window_page(num_hit):
+                return num_hit
+        return 0
+
+    def first_window_page(self, num_blocks: int) -> int:
+        """The first block whose window page a query after `num_blocks` blocks sees (0 for
+        a cache without window pages)."""
+        return self.engine.handoff.num_unseen_pages(num_blocks * self.block_size)
 
     def _gather_stream(self) -> torch.cuda.Stream | None:
         """The side stream host copies run on (None on CPU)."""
@@ -124,10 +160,17 @@ class KVStorePrefix:
         num_local = await self.async_engine.call(lambda e: e.handoff.num_cached_blocks(list(hashes[:num_hit])))
         if num_local >= num_hit:
             return PrefixFetch(num_hit, 0, all_hashes)
-        blocks = await self.client.get(list(hashes[num_local:num_hit]))  # [n, L, 2, BS, Hkv, D]
-        num_hit = num_local + blocks.shape[0]  # fewer than asked when blocks left the store meanwhile
-        if blocks.shape[0] == 0:
+        keys = list(hashes[num_local:num_hit])
+        first_window = max(num_local, self.first_window_page(num_hit))  # window pages the engine lacks
+        if self.paired:
+            keys += self.engine.handoff.window_page_hashes(hashes[first_window:num_hit])
+        got = await self.client.get(keys)  # [n, L, 2, BS, Hkv, D]
+        if self.paired and got.shape[0] < len(keys):
+            return PrefixFetch(num_hit, 0, all_hashes)  # a page left the store meanwhile: computed here
+        num_hit = num_local + min(got.shape[0], num_hit - num_local)  # fewer when blocks left the store meanwhile
+        if got.shape[0] == 0:
             return PrefixFetch(num_hit, 0, all_hashes)
+        blocks, window_blocks = got[: num_hit - num_local], got[num_hit - num_local :]
         tokens = list(prompt[: num_hit * self.block_size])
 
         def load(e: LLMEngine) -> int:
@@ -138,28 +181,62 @@ class KVStorePrefix:
                 e.handoff.release_hold(request_id)
                 return 0
             scatter_blocks(e.kv_cache, hold.new_block_ids, blocks[hold.num_cached_blocks - num_local :])
+            if hold.new_window_page_ids:
+                scatter_blocks(e.kv_cache, hold.new_window_page_ids, window_blocks[hold.first_new_window_page - first_window :])
             e.handoff.publish_hold(request_id, tokens)
             return len(hold.new_block_ids)
 
         loaded = await self.async_engine.call(load)
         return PrefixFetch(num_hit, loaded, all_hashes)
 
-    async def gather(self, prompt: Sequence[int], block_table: Sequence[int], fetch: PrefixFetch) -> StorePayload | None:
+    async def gather(self, request_id: str, prompt: Sequence[int], block_table: Sequence[int],
+                     fetch: PrefixFetch) -> StorePayload | None:
         """Copy the prompt's full blocks after the `fetch.num_store_blocks` already in the
         store to host memory; None when there are none. `block_table` holds the prompt's KV,
-        which may be freed once this returns."""
+        which may be freed once this returns (a paired cache's pages come from the prefix
+        cache instead: `gather_cached`)."""
         num_stored = fetch.num_store_blocks
         hashes = list(fetch.hashes) if fetch.hashes is not None else self.hashes(prompt)
         num_repeated = self.repeated(hashes)
         if num_repeated - num_stored < self.min_blocks:
             return None
         hashes = hashes[:num_repeated]
+        if self.paired:
+            return await self.gather_cached(request_id, prompt, hashes, num_stored)
         ids = list(block_table[num_stored:num_repeated])
-        # The blocks are held (nobody writes them), so the copy reads them beside the engine's
-        # steps, on a thread and a stream of its own, instead of stalling the step thread.
-        blocks = await asyncio.to_thread(gather_blocks_to_host, self.engine.kv_cache, ids, self._gather_stream())
+        blocks = await self._copy_to_host(ids)
         parent = hashes[num_stored - 1] if num_stored else b""
         return StorePayload(hashes[num_stored:], blocks, parent)
+
+    async def gather_cached(self, request_id: str, prompt: Sequence[int], hashes: list[bytes],
+                            num_stored: int) -> StorePayload | None:
+        """A paired cache's pages for the prompt's blocks `hashes` (the store holds the first
+        `num_stored` with their window pages), held out of the prefix cache while they are
+        copied: the full pages the store lacks and the window pages in view after the
+        longest prefix still cached. None when that adds fewer than `min_blocks` blocks."""
+        tokens = list(prompt[: len(hashes) * self.block_size])
+        try:
+            pages = await self.async_engine.call(lambda e: e.handoff.hold_cached(request_id, tokens))
+            if pages.num_blocks - num_stored < self.min_blocks:
+                return None
+            hashes = hashes[: pages.num_blocks]
+            index = self.client.index
+            first_full = max(num_stored, index.num_leading(hashes)) if index.is_live else num_stored
+            ids = pages.block_ids[first_full:] + pages.window_page_ids
+            blocks = await self._copy_to_host(ids)
+        finally:  # also when the hold's call was cut short after it ran: releases are no-ops without one
+            await run_to_end(self.async_engine.call(lambda e: e.handoff.release_cached(request_id)))
+        num_full = pages.num_blocks - first_full
+        return StorePayload(
+            hashes[first_full:], blocks[:num_full], hashes[first_full - 1] if first_full else b"",
+            self.engine.handoff.window_page_hashes(hashes[pages.first_window_page :]), blocks[num_full:],
+        )
+
+    async def _copy_to_host(self, block_ids: list[int]) -> torch.Tensor:
+        """Blocks of the engine's cache in host memory, [n, L, 2, BS, Hkv, D]. The blocks are
+        held (nobody writes them), so the copy reads them beside the engine's steps, on a
+        thread and a stream of its own, instead of stalling the step thread."""
+        return await asyncio.to_thread(gather_blocks_to_host, self.engine.kv_cache, block_ids, self._gather_stream())
 
     def num_seen(self, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of `hashes` this worker computed lately (remembers nothing)."""
@@ -192,5 +269,8 @@ class KVStorePrefix:
         thread. One stream moves the same bytes per second."""
         async with self._put_turn:
             result = await self.client.put(payload.hashes, payload.blocks, parent_hash=payload.parent_hash)
-        return result.num_stored
+            num_stored = result.num_stored
+            if payload.window_blocks is not None and payload.window_hashes:
+                num_stored += (await self.client.put(payload.window_hashes, payload.window_blocks)).num_stored
+        return num_stored
 

@@ -73,7 +73,7 @@ class BackgroundPuts:
         blocks in the kvstore. Never raises: a failed put only costs a later cache miss."""
         released = False
         try:
-            payload = await self.kvstore.gather(prompt, table, fetch)
+            payload = await self.kvstore.gather(request_id, prompt, table, fetch)
             await self._release(request_id)
             released = True
             if payload is not None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from cleave.engine.handoff import CachedPages
 from cleave.engine.layer_progress import LayerProgress
 from cleave.engine.llm_engine import LLMEngine
 from cleave.engine.request import OutputAccumulator
@@ -128,7 +129,45 @@ def test_a_prompt_prefilled_elsewhere_arrives_in_both_tables(checkpoint, hf_gree
     run_to_end(decode, accumulators)
     assert accumulators["x"].result().outputs[0].token_ids == expected[3]
     assert decode.kv.num_free_blocks == decode.kv.num_usable_blocks
-    assert prefill.handoff.hold_prefix("y", prompt[:16]) is None  # the kvstore keeps one page per block
+
+
+def test_a_prefix_copied_through_the_kvstore_pages_continues_as_transformers(checkpoint, hf_greedy):
+    """The kvstore's path for a paired cache: the source's prefix cache still holds the window
+    pages in view after a prompt's first 4 blocks (its own table dropped them as the
+    prefill moved on); `hold_cached` holds them with the full pages, they are copied, and a
+    second engine's `hold_prefix` takes them: its prompt computes only the rest, and greedy
+    output equals transformers'."""
+    prompts, expected = hf_greedy
+    prompt = prompts[3]  # 30 tokens, prefilled in chunks of 16
+    source, target = _engine(checkpoint), _engine(checkpoint)
+    source.add_request("x", prompt, GREEDY, prefill_only=True)
+    run_to_end(source, {})
+    source.handoff.release_export("x")
+    prefix = prompt[:16]  # a query at 16 sees positions 11..16: window pages of blocks 2 and 3
+    pages = source.handoff.hold_cached("x", prefix)
+    assert (pages.num_blocks, pages.first_window_page, len(pages.window_page_ids)) == (4, 2, 2)
+    assert NULL_BLOCK_ID not in pages.block_ids + pages.window_page_ids
+    assert source.kv.num_free_blocks == source.kv.num_usable_blocks - 6  # held until released
+    hold = target.handoff.hold_prefix("y", prefix)
+    assert hold is not None and (hold.num_cached_blocks, hold.first_new_window_page) == (0, 2)
+    assert (len(hold.new_block_ids), len(hold.new_window_page_ids)) == (4, 2)
+    assert target.kv.num_free_blocks == target.kv.num_usable_blocks - 6  # the unseen new window pages went back
+    target.kv_cache[:, :, hold.new_block_ids] = source.kv_cache[:, :, pages.block_ids]
+    target.kv_cache[:, :, hold.new_window_page_ids] = source.kv_cache[:, :, pages.window_page_ids]
+    target.handoff.publish_hold("y", prefix)
+    source.handoff.release_cached("x")
+    assert source.kv.num_free_blocks == source.kv.num_usable_blocks
+    target.add_request("y", prompt, GREEDY)
+    target.handoff.release_hold("y")  # the request's prefix hit holds the pages from here on
+    accumulators: dict[str, OutputAccumulator] = {}
+    run_to_end(target, accumulators)
+    assert accumulators["y"].result().outputs[0].token_ids == expected[3]
+    assert target.scheduler.stats.num_prefix_cache_hit_tokens == 16
+    assert target.kv.num_free_blocks == target.kv.num_usable_blocks
+    assert source.handoff.hold_cached("z", prompt[:4]).num_blocks == 1  # one block: its window page is in view
+    source.handoff.release_cached("z")
+    assert target.handoff.hold_cached("z", [7] * 8) == CachedPages([])  # nothing cached: nothing held
+    assert target.kv.num_free_blocks == target.kv.num_usable_blocks
 
 
 def test_a_prompt_prefilled_in_chunks_drops_window_pages_as_it_goes(checkpoint, hf_greedy):

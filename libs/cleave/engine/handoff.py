@@ -13,6 +13,8 @@ composed here and nowhere else, and block ids go out as plain lists (what transp
     export(request_id) -> block ids to send         -> the engine decodes the samples
     release_export(request_id)                  release(request_id): never received
     release_hold(request_id)                    cached_prefix(prompt): colocated admission
+    kvstore put (paired cache):
+             hold_cached -> copy -> release_cached
     snapshot(): free / usable blocks (load reports, both sides)
 
 Block ownership: each block a method takes is freed exactly once, by its one owner.
@@ -23,6 +25,7 @@ Block ownership: each block a method takes is freed exactly once, by its one own
   are aborted; a reservation that is never received is freed by `release`.
 - kvstore hold (prefill side): `hold_prefix`'s blocks belong to the caller until
   `release_hold`; blocks it published stay in the prefix cache (free but reusable) after.
+- kvstore copy (prefill side): `hold_cached`'s pages are held until `release_cached`.
 Every release is idempotent (a no-op when nothing is held), so an owner may call it on each
 of its exit paths.
 
@@ -34,7 +37,7 @@ may call (a snapshot read off the step thread may mix two steps' counts, fine fo
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from cleave.engine.request import RequestState, SampleState
@@ -49,6 +52,7 @@ from cleave.kv.prefix_hash import block_hashes
 # first sample's own sequence id (`Sequence.seq_id` of sample 0).
 _EXPORT_SUFFIX = "/export"  # a prefill-only request's prompt blocks, until shipped
 _HOLD_SUFFIX = "/kvstore"  # blocks fetched from the kvstore, until the prefill has taken them
+_COPY_SUFFIX = "/kvstore-copy"  # cached pages on their way to the kvstore, until copied
 
 
 def _first_sample_id(request_id: str) -> str:
@@ -71,10 +75,29 @@ class KVSnapshot:
 class PrefixHold:
     """Blocks `hold_prefix` holds for a prompt's leading full blocks, in prompt order:
     the first `num_cached_blocks` were in the prefix cache already (shared, hold their KV);
-    `new_block_ids` follow them and must be filled by the caller before `publish_hold`."""
+    `new_block_ids` follow them and must be filled by the caller before `publish_hold`.
+    A paired cache needs the window pages a query after the prefix sees too: those of blocks
+    `first_new_window_page` onwards are new (`new_window_page_ids`, to fill as well)."""
 
     num_cached_blocks: int
     new_block_ids: list[int]
+    first_new_window_page: int = 0
+    new_window_page_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CachedPages:
+    """A prompt's leading blocks held out of the prefix cache (`hold_cached`): the full
+    pages of its first `num_blocks` blocks and, in a paired cache, the window pages a query
+    after them sees, those of blocks `first_window_page` .. num_blocks - 1."""
+
+    block_ids: list[int]
+    first_window_page: int = 0
+    window_page_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
 
 
 class RequestIntake(Protocol):
@@ -134,10 +157,15 @@ class KVHandoff:
         return block_hashes(token_ids, self.kv.block_size, self.kv.namespace)
 
     @property
-    def kvstore_compatible(self) -> bool:
-        """Whether a block's KV is one page, as the kvstore keeps it (not in a cache that
-        pairs window layers: cleave.kv.groups)."""
-        return not self.kv.window_group
+    def pairs_window_pages(self) -> bool:
+        """Whether a block's KV is two pages, a full page and a window page (a cache that
+        pairs window layers: cleave.kv.groups); the kvstore keeps them under two keys."""
+        return self.kv.window_group
+
+    def window_page_hashes(self, block_hashes: Seq[bytes]) -> list[bytes]:
+        """The window pages' keys of these blocks (a paired cache's; any thread): the prefix
+        cache's and the kvstore's."""
+        return [self.kv.window_page_hash(block_hash) for block_hash in block_hashes]
 
     def snapshot(self) -> KVSnapshot:
         """Free and usable block counts now (both sides' `load()`; any thread)."""
@@ -193,11 +221,9 @@ class KVHandoff:
     def hold_prefix(self, request_id: str, token_ids: Seq[int]) -> PrefixHold | None:
         """Prefill side (kvstore): hold blocks for `token_ids` (a prompt's leading full
         blocks) under the request's hold; blocks the prefix cache has are shared, the rest
-        are new. None, with nothing held, when the pool lacks free blocks or the cache pairs
-        window layers (the kvstore keeps one page per block, a paired block has two). The
-        caller owns the hold until `release_hold`, also when it fills nothing."""
-        if not self.kvstore_compatible:
-            return None
+        are new (in a paired cache, new window pages only for the blocks a query after the
+        prefix sees). None, with nothing held, when the pool lacks free blocks. The caller
+        owns the hold until `release_hold`, also when it fills nothing."""
         hold_id = request_id + _HOLD_SUFFIX
         tokens = list(token_ids)
         hit = self.kv.get_computed_blocks(hold_id, tokens + [0])  # + a token: every block may hit
@@ -205,7 +231,14 @@ class KVHandoff:
             self.kv.free(hold_id)
             return None
         num_cached = hit.num_computed_tokens // self.kv.block_size
-        return PrefixHold(num_cached, self.kv.block_table(hold_id)[num_cached:])
+        new_block_ids = self.kv.block_table(hold_id)[num_cached:]
+        if not self.kv.window_group:
+            return PrefixHold(num_cached, new_block_ids)
+        # Window pages behind the prefix's window go back at once: the new ones among them
+        # are never filled, so they must not reach the prefix cache.
+        self.kv.drop_outside_window(hold_id, len(tokens))
+        first_new = max(num_cached, self.kv.num_unseen_pages(len(tokens)))
+        return PrefixHold(num_cached, new_block_ids, first_new, list(self.kv.window_table_view(hold_id)[first_new:]))
 
     def publish_hold(self, request_id: str, token_ids: Seq[int]) -> None:
         """Prefill side (kvstore): the held blocks for `token_ids` are filled: index them in
@@ -216,6 +249,25 @@ class KVHandoff:
         """Prefill side (kvstore): let go of the request's hold after its prefill (no-op
         when none); published blocks stay cached."""
         self.kv.free(request_id + _HOLD_SUFFIX)
+
+    def hold_cached(self, request_id: str, token_ids: Seq[int]) -> CachedPages:
+        """Prefill side (kvstore put): hold the pages of the longest prefix of `token_ids`
+        (whole blocks) that a prefix hit would take now, so that a copy may read them beside
+        the engine's steps: its full pages and, in a paired cache, the window pages in view
+        after it (which the prompt's own table dropped as its prefill moved on, but the
+        prefix cache kept). Empty when nothing is cached. Held until `release_cached`."""
+        copy_id = request_id + _COPY_SUFFIX
+        tokens = list(token_ids)
+        hit = self.kv.get_computed_blocks(copy_id, tokens + [0])  # + a token: every block may hit
+        if not hit.block_ids or not self.kv.allocate_slots(copy_id, 0, hit):
+            self.kv.free(copy_id)  # forgets the lookup's hashes
+            return CachedPages([])
+        first_window_page = self.kv.num_unseen_pages(hit.num_computed_tokens)
+        return CachedPages(list(hit.block_ids), first_window_page, list(hit.window_block_ids[first_window_page:]))
+
+    def release_cached(self, request_id: str) -> None:
+        """Prefill side (kvstore put): let go of `hold_cached`'s pages (no-op when none)."""
+        self.kv.free(request_id + _COPY_SUFFIX)
 
     # ---- decode side: a prompt computed elsewhere -----------------------------------------
 

@@ -228,15 +228,16 @@ class KVCacheManager:
             num_unseen = self._num_unseen(num_hit * self.block_size)
             for index in range(num_unseen, num_hit):
                 if index not in found:
-                    found[index] = lookup(self._window_hash(block_hashes[index]))
+                    found[index] = lookup(self.window_page_hash(block_hashes[index]))
             pages = [found[index] for index in range(num_unseen, num_hit)]
             if None not in pages:
                 window_ids = (NULL_BLOCK_ID,) * num_unseen + tuple(pages)  # type: ignore[arg-type]
                 return ComputedBlocks(block_ids[:num_hit], num_hit * self.block_size, window_ids)
         return NO_HIT
 
-    def _window_hash(self, block_hash: BlockHash) -> BlockHash:
-        """The key of a window page: its block's hash, tagged (the pages hold other layers)."""
+    def window_page_hash(self, block_hash: BlockHash) -> BlockHash:
+        """The key of a window page: its block's hash, tagged (the pages hold other layers);
+        the prefix cache's key, and the kvstore's for paired caches."""
         return hash_block(block_hash, (), self._window_namespace)
 
     def _num_unseen(self, first_position: int) -> int:
@@ -454,7 +455,7 @@ class KVCacheManager:
         window = self._windows.get(seq_id) if self._windows is not None else None
         if window is not None:
             for index in range(max(window.num_cached_blocks, window.num_dropped), num_full):
-                self.pool.cache_block(window.block_ids[index], self._window_hash(state.block_hashes[index]))
+                self.pool.cache_block(window.block_ids[index], self.window_page_hash(state.block_hashes[index]))
             window.num_cached_blocks = max(window.num_cached_blocks, num_full)
 
     # ---- internals ------------------------------------------------------------------------

@@ -158,7 +158,7 @@ async def test_puts_go_to_the_store_one_at_a_time_in_order():
             events.append(f"end {hashes[0].decode()}")
             return KVStorePutResult(num_stored=len(hashes), num_already_present=0)
 
-    engine = SimpleNamespace(handoff=SimpleNamespace(block_size=4))
+    engine = SimpleNamespace(handoff=SimpleNamespace(block_size=4, pairs_window_pages=False))
     prefix = KVStorePrefix(SlowClient(), engine, async_engine=None)  # type: ignore[arg-type]
     payloads = [StorePayload([name.encode()] * size, torch.zeros(size, 1), b"") for name, size in (("a", 2), ("b", 3), ("c", 1))]
     puts = [asyncio.ensure_future(prefix.put(payload)) for payload in payloads]

@@ -28,6 +28,9 @@ if _version_not_supported:
 class KVStoreStub:
     """KV block store. A block is addressed by its chained hash: hash(parent hash, block tokens,
     layout hash namespace), so a lookup of a prompt's block hashes finds its cached prefix.
+    A cache that pairs sliding-window layers with full-attention ones (gpt-oss) keeps each
+    block's KV in two pages: the full page is stored under the block's hash, the window page
+    as a block of its own under the block's window hash (the store does not tell them apart).
     """
 
     def __init__(self, channel):
@@ -71,6 +74,9 @@ class KVStoreStub:
 class KVStoreServicer:
     """KV block store. A block is addressed by its chained hash: hash(parent hash, block tokens,
     layout hash namespace), so a lookup of a prompt's block hashes finds its cached prefix.
+    A cache that pairs sliding-window layers with full-attention ones (gpt-oss) keeps each
+    block's KV in two pages: the full page is stored under the block's hash, the window page
+    as a block of its own under the block's window hash (the store does not tell them apart).
     """
 
     def Connect(self, request, context):
@@ -170,6 +176,9 @@ def add_KVStoreServicer_to_server(servicer, server):
 class KVStore:
     """KV block store. A block is addressed by its chained hash: hash(parent hash, block tokens,
     layout hash namespace), so a lookup of a prompt's block hashes finds its cached prefix.
+    A cache that pairs sliding-window layers with full-attention ones (gpt-oss) keeps each
+    block's KV in two pages: the full page is stored under the block's hash, the window page
+    as a block of its own under the block's window hash (the store does not tell them apart).
     """
 
     @staticmethod
