@@ -156,8 +156,12 @@ def main() -> None:
                                        "HAS_BIAS": True}, 4, pointers={**packed, "c_ptr": "*fp32"})
     # per-entry expert GEMVs (decode): norm prologue, clamped SwiGLU with biases, residual add
     moe_ids = {"ids_ptr": "*i32"}
-    gate_up = dict(TOP_K=8, BLOCK_N=2, BLOCK_K=2048, K_TILES=1, HAS_BIAS=False, CLAMPED=False, NORM=True, MXFP4=False)
+    gate_up = dict(TOP_K=8, BLOCK_N=2, BLOCK_K=2048, K_TILES=1, HAS_BIAS=False, CLAMPED=False, NORM=True, MXFP4=False,
+                   ROUTE=False, BLOCK_TOPK=1, BLOCK_E=1, RENORMALIZE=False)
     compile_variant(_gate_up_kernel, gate_up, 4, pointers=moe_ids)
+    # ... routing its token from the router logits (Qwen3-30B-A3B: 128 experts, top-8, hidden 2048)
+    routed = dict(ROUTE=True, BLOCK_TOPK=8, BLOCK_E=128, RENORMALIZE=True)
+    compile_variant(_gate_up_kernel, {**gate_up, **routed}, 4, pointers=moe_ids)
     compile_variant(_gate_up_kernel, {**gate_up, "TOP_K": 4, "K_TILES": 2, "HAS_BIAS": True, "CLAMPED": True,
                                       "NORM": False}, 4, pointers=moe_ids)
     down = dict(TOP_K=8, BLOCK_N=8, BLOCK_K=1024, K_TILES=1, HAS_BIAS=False, ADD=True, MXFP4=False)
@@ -168,6 +172,9 @@ def main() -> None:
     packed_gemv = {**moe_ids, "w_ptr": "*u8", "scale_ptr": "*u8"}
     compile_variant(_gate_up_kernel, {**gate_up, "TOP_K": 4, "K_TILES": 2, "HAS_BIAS": True, "CLAMPED": True,
                                       "MXFP4": True}, 4, pointers=packed_gemv)
+    compile_variant(_gate_up_kernel, {**gate_up, "TOP_K": 4, "K_TILES": 2, "HAS_BIAS": True, "CLAMPED": True,
+                                      "MXFP4": True, **routed, "BLOCK_TOPK": 4, "BLOCK_E": 32}, 4,
+                    pointers=packed_gemv)  # routing over gpt-oss-20b's 32 experts, top-4
     compile_variant(_down_sum_kernel, {**down, "TOP_K": 4, "BLOCK_K": 2048, "K_TILES": 2, "HAS_BIAS": True,
                                        "MXFP4": True}, 4, pointers=packed_gemv)
     splitk = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, NORM=True, GATED=False, ADD=False,

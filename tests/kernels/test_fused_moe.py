@@ -22,14 +22,14 @@ from tests.kernels.ulp import assert_close_ulps
 HIDDEN, INTER, EXPERTS = 32, 64, 8
 
 
-def _weights(dtype: torch.dtype, seed: int, bias: bool = False):
+def _weights(dtype: torch.dtype, seed: int, bias: bool = False, experts: int = EXPERTS):
     generator = torch.Generator().manual_seed(seed)
-    w13 = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=generator) * 0.2).to(dtype)
-    w2 = (torch.randn(EXPERTS, HIDDEN, INTER, generator=generator) * 0.2).to(dtype)
+    w13 = (torch.randn(experts, 2 * INTER, HIDDEN, generator=generator) * 0.2).to(dtype)
+    w2 = (torch.randn(experts, HIDDEN, INTER, generator=generator) * 0.2).to(dtype)
     if not bias:
         return w13, w2, None, None
-    w13_bias = (torch.randn(EXPERTS, 2 * INTER, generator=generator) * 0.5).to(dtype)
-    w2_bias = (torch.randn(EXPERTS, HIDDEN, generator=generator) * 0.5).to(dtype)
+    w13_bias = (torch.randn(experts, 2 * INTER, generator=generator) * 0.5).to(dtype)
+    w2_bias = (torch.randn(experts, HIDDEN, generator=generator) * 0.5).to(dtype)
     return w13, w2, w13_bias, w2_bias
 
 
@@ -114,6 +114,118 @@ def test_gemv_experts_normalise_their_input_and_add_into_the_residual(num_tokens
     assert (experts_out.float().abs().amax() > 0.1) and not torch.equal(actual, residual)
     with pytest.raises(ValueError, match="add_to"):
         moe_gemv(residual, w13, w2, weights, ids, SILU, add_to=residual[:, :-1])
+
+
+# (tokens, experts, top_k, renormalize, gpt-oss experts (biases, clamped SwiGLU), norm prologue + add epilogue, dtype)
+GEMV_ROUTING_CASES = [
+    (1, 8, 2, True, False, False, torch.float32),
+    (2, 6, 3, False, True, False, torch.bfloat16),
+    (3, 6, 4, True, False, True, torch.float32),
+    (4, 7, 2, False, True, True, torch.bfloat16),
+]
+FOUR_FEATURE_BLOCKS = (16, 32, 4)  # gate_up tiles: 16 of the 64 intermediate features per program
+
+
+def _routed_layer(residual, w13, w2, logits, top_k, renormalize, activation, w13_bias, w2_bias, norm_weight):
+    """The per-entry GEMVs given the router logits (4 gate_up programs an entry, each routing
+    its token): (the layer's output, the routing it wrote). With `norm_weight` the layer is
+    residual += experts(rms_norm(residual)), on a copy of `residual`."""
+    num_tokens = residual.shape[0]
+    routing = (torch.full((num_tokens, top_k), -1.0), torch.full((num_tokens, top_k), -1, dtype=torch.int32))
+    fused = {} if norm_weight is None else {"norm_weight": norm_weight, "eps": 1e-5}
+    stream = residual.clone()
+    out = moe_gemv(stream, w13, w2, None, None, activation, w13_bias, w2_bias, FOUR_FEATURE_BLOCKS,
+                   router_logits=logits, top_k=top_k, renormalize=renormalize, routing_out=routing,
+                   add_to=stream if norm_weight is not None else None, **fused)
+    return out, routing
+
+
+def _reference_layer(residual, w13, w2, logits, top_k, renormalize, activation, w13_bias, w2_bias, norm_weight):
+    """route_reference + fused_experts_reference (after rms_norm and before the residual add
+    when `norm_weight` is given), in the ops' own rounding."""
+    weights, ids = route_reference(logits, top_k, renormalize)
+    if norm_weight is None:
+        return fused_experts_reference(residual, w13, w2, weights, ids, activation, w13_bias, w2_bias)
+    normed = rms_norm_reference(residual, norm_weight, 1e-5)
+    experts_out = fused_experts_reference(normed, w13, w2, weights, ids, activation, w13_bias, w2_bias)
+    return (residual.float() + experts_out.float()).to(residual.dtype)
+
+
+@pytest.mark.parametrize(("num_tokens", "experts", "top_k", "renormalize", "gpt_oss", "norm_and_add", "dtype"),
+                         GEMV_ROUTING_CASES)
+def test_gemv_experts_route_inside_their_first_kernel(num_tokens, experts, top_k, renormalize, gpt_oss,
+                                                      norm_and_add, dtype):
+    """Router logits instead of the routing (the decode layout's MoE layer, one launch fewer):
+    the routing the first kernel writes equals `route`'s bit for bit and the reference's ids;
+    the layer equals the reference layer, and the same GEMVs given `route`'s routing exactly.
+    Four programs an entry, so each of them must take the same slot's expert."""
+    generator = torch.Generator().manual_seed(31 + num_tokens)
+    residual = (torch.randn(num_tokens, HIDDEN, generator=generator) * 3).to(dtype)
+    logits = (torch.randn(num_tokens, experts, generator=generator) * 2).to(dtype)
+    norm_weight = (torch.rand(HIDDEN, generator=generator) + 0.5).to(dtype) if norm_and_add else None
+    w13, w2, w13_bias, w2_bias = _weights(dtype, seed=32 + num_tokens, bias=gpt_oss, experts=experts)
+    activation = MoEActivation("swiglu_clamped", alpha=1.702, limit=1.5) if gpt_oss else SILU
+    layer = (residual, w13, w2, logits, top_k, renormalize, activation, w13_bias, w2_bias, norm_weight)
+    out, (written_weights, written_ids) = _routed_layer(*layer)
+    weights, ids = route(logits, top_k, renormalize, impl="triton")
+    assert torch.equal(written_ids, ids) and torch.equal(written_weights, weights)
+    reference_weights, reference_ids = route_reference(logits, top_k, renormalize)
+    assert torch.equal(ids, reference_ids)
+    torch.testing.assert_close(weights, reference_weights, rtol=1e-6, atol=1e-7)
+    given = residual.clone()
+    fused = {} if norm_weight is None else {"norm_weight": norm_weight, "eps": 1e-5, "add_to": given}
+    given = moe_gemv(given, w13, w2, weights, ids, activation, w13_bias, w2_bias, FOUR_FEATURE_BLOCKS, **fused)
+    assert torch.equal(out, given)
+    expected = _reference_layer(*layer)
+    if dtype == torch.bfloat16 and norm_and_add:  # the interpreter rounds fp32 to bf16 toward zero (torch: to
+        # nearest), so the norm prologue's two roundings of each input element err one way: a few ulps of the sum
+        assert_close_ulps(out, expected, ulps=2, atol=expected.float().abs().amax().item() * 2 ** -6)
+    else:
+        _assert_close(out, expected)
+    assert (expected.float() - (residual.float() if norm_and_add else 0.0)).abs().amax() > 0.1
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_gemv_routing_breaks_ties_as_route_does(renormalize):
+    """Tied probabilities (at the top, across the k boundary, a whole row) over 7 experts:
+    the lower expert id first, as `route` and the reference."""
+    logits = torch.tensor(
+        [
+            [1.0, 3.0, 3.0, 0.0, 3.0, -1.0, 2.0],  # three-way tie at the top: 1, 2, 4
+            [0.0] * 7,  # all equal: 0, 1, 2
+            [2.0, 5.0, 2.0, 2.0, 5.0, 0.0, 2.0],  # the third slot from a four-way tie: 0
+        ]
+    )
+    residual = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(41))
+    w13, w2, _, _ = _weights(torch.float32, seed=42, experts=7)
+    layer = (residual, w13, w2, logits, 3, renormalize, SILU, None, None, None)
+    out, (written_weights, written_ids) = _routed_layer(*layer)
+    weights, ids = route(logits, 3, renormalize, impl="triton")
+    assert written_ids.tolist() == [[1, 2, 4], [0, 1, 2], [1, 4, 0]] == ids.tolist()
+    assert torch.equal(written_ids, route_reference(logits, 3, renormalize)[1])
+    assert torch.equal(written_weights, weights)
+    _assert_close(out, _reference_layer(*layer))
+
+
+def test_gemv_experts_take_either_the_routing_or_the_router_logits():
+    w13, w2, _, _ = _weights(torch.float32, seed=43)
+    hidden, logits = torch.zeros(2, HIDDEN), torch.zeros(2, EXPERTS)
+    weights, ids = route_reference(logits, 2, True)
+    for routing, options in [
+        ((None, None), {}),  # neither
+        ((weights, ids), {"router_logits": logits, "top_k": 2}),  # both
+        ((None, None), {"router_logits": logits}),  # no top_k
+        ((weights, ids), {"routing_out": (weights.clone(), ids.clone())}),  # nothing to write there
+    ]:
+        with pytest.raises(ValueError, match="topk_weights and topk_ids, or router_logits and top_k"):
+            moe_gemv(hidden, w13, w2, *routing, SILU, **options)
+    with pytest.raises(ValueError, match=r"router_logits must be \[2, 8\]"):
+        moe_gemv(hidden, w13, w2, None, None, SILU, router_logits=logits[:, :-1], top_k=2)
+    with pytest.raises(ValueError, match="top_k must be in 1..8"):
+        moe_gemv(hidden, w13, w2, None, None, SILU, router_logits=logits, top_k=9)
+    with pytest.raises(ValueError, match="routing_out"):
+        moe_gemv(hidden, w13, w2, None, None, SILU, router_logits=logits, top_k=2,
+                 routing_out=(weights, ids.long()))
 
 
 def test_fused_experts_refuses_an_unknown_kernel():

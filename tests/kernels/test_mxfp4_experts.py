@@ -12,7 +12,7 @@ import torch
 
 from cleave.kernels.fused_moe import fused_experts, grouped_gemm, route
 from cleave.kernels.moe_gemv import moe_gemv
-from cleave.kernels.moe_reference import MoEActivation, fused_experts_reference
+from cleave.kernels.moe_reference import MoEActivation, fused_experts_reference, route_reference
 from cleave.kernels.moe_tiles import GemmTiles, MoELaunch
 from cleave.kernels.mxfp4 import MXFP4Weight
 from cleave.kernels.rms_norm import rms_norm_reference
@@ -94,6 +94,31 @@ def test_packed_gemvs_normalise_their_input_and_add_into_the_residual(dtype):
     moe_gemv(stream, w13, w2, weights, ids, CLAMPED, w13_bias, w2_bias, norm_weight=norm_weight, eps=1e-5,
              add_to=stream)
     _assert_close(stream, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_gemvs_route_inside_their_first_kernel(dtype):
+    """gpt-oss's decode MoE layer: router logits over 6 experts (not a power of two) instead of
+    the routing, packed weights, biases, the norm prologue and the add epilogue. The routing the
+    first kernel writes is `route`'s bit for bit, and the layer is the same GEMVs' given it."""
+    w13, w2, w13_bias, w2_bias = _experts(dtype, seed=12)
+    residual, _, _ = _inputs(3, dtype, seed=13)
+    logits = torch.randn(3, EXPERTS, generator=torch.Generator().manual_seed(14)).to(dtype)
+    norm_weight = (1.0 + 0.1 * torch.randn(HIDDEN, generator=torch.Generator().manual_seed(15))).to(dtype)
+    routing = (torch.empty(3, 4), torch.empty(3, 4, dtype=torch.int32))
+    routed = residual.clone()
+    moe_gemv(routed, w13, w2, None, None, CLAMPED, w13_bias, w2_bias, norm_weight=norm_weight, eps=1e-5,
+             add_to=routed, router_logits=logits, top_k=4, renormalize=True, routing_out=routing)
+    weights, ids = route(logits, 4, True, impl="triton")
+    assert torch.equal(routing[0], weights) and torch.equal(routing[1], ids)
+    given = residual.clone()
+    moe_gemv(given, w13, w2, weights, ids, CLAMPED, w13_bias, w2_bias, norm_weight=norm_weight, eps=1e-5,
+             add_to=given)
+    assert torch.equal(routed, given) and not torch.equal(routed, residual)
+    if dtype == torch.float32:  # and the reference layer (its own routing) on the dequantised weights
+        expected = residual + _reference(rms_norm_reference(residual, norm_weight, 1e-5), w13, w2,
+                                         *route_reference(logits, 4, True), w13_bias, w2_bias)
+        _assert_close(routed, expected)
 
 
 @pytest.mark.parametrize("launch", [None, MoELaunch(16, GemmTiles(32, 32, 4, 2), GemmTiles(64, 64, 4, 2))])

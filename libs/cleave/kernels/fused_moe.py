@@ -19,7 +19,10 @@ host, so it can be captured in a CUDA graph:
 Blocks past the padded length return at once, so the grid is sized for the worst case.
 Tiles come from `cleave.kernels.moe_tiles` (a table tuned on the device, else a built-in
 rule). The design follows vLLM's Triton fused_moe. Up to a few tokens (decode) skip steps 2-4:
-`cleave.kernels.moe_gemv` runs each (token, expert) entry as a GEMV, in two launches. Torch references are in `moe_reference.py`.
+`cleave.kernels.moe_gemv` runs each (token, expert) entry as a GEMV, in two launches, and
+given the router logits it routes inside the first of them (`moe_routing.top_k_routing`,
+the helper `route` runs too), so a decode MoE layer needs no routing launch. Torch
+references are in `moe_reference.py`.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from cleave.kernels.dispatch import Impl, use_triton
 from cleave.kernels.moe_gemv import MAX_TOKENS as GEMV_MAX_TOKENS
 from cleave.kernels.moe_gemv import gated_activation, moe_gemv
 from cleave.kernels.moe_reference import SILU, MoEActivation, fused_experts_reference, route_reference
+from cleave.kernels.moe_routing import routing_blocks, top_k_routing
 from cleave.kernels.moe_tiles import GemmTiles, MoELaunch, moe_launch
 from cleave.kernels.mxfp4 import MXFP4Weight, decode_e2m1, dense_weight, e8m0_scale, weight_launch_args
 
@@ -71,25 +75,12 @@ def _route_kernel(
     BLOCK_E: tl.constexpr,
     RENORMALIZE: tl.constexpr,
 ):
+    # a program per token; the per-entry GEMVs route inside their first kernel with the same helper
     row = tl.program_id(0).to(tl.int64)
-    experts = tl.arange(0, BLOCK_E)
-    valid = experts < num_experts
-    logits = tl.load(logits_ptr + row * stride_logits + experts, mask=valid, other=float("-inf")).to(tl.float32)
-    exps = tl.where(valid, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
-    remaining = tl.where(valid, exps / tl.sum(exps, axis=0), -1.0)  # [E] probabilities
+    weights, ids = top_k_routing(logits_ptr + row * stride_logits, num_experts, TOP_K, BLOCK_K, BLOCK_E, RENORMALIZE)
     slots = tl.arange(0, BLOCK_K)
-    chosen_weights = tl.zeros([BLOCK_K], dtype=tl.float32)
-    chosen_ids = tl.zeros([BLOCK_K], dtype=tl.int32)
-    for slot in tl.static_range(TOP_K):
-        best = tl.max(remaining, axis=0)
-        best_id = tl.min(tl.where(remaining == best, experts, BLOCK_E), axis=0)  # ties: lower id
-        chosen_weights = tl.where(slots == slot, best, chosen_weights)
-        chosen_ids = tl.where(slots == slot, best_id, chosen_ids)
-        remaining = tl.where(experts == best_id, -1.0, remaining)
-    if RENORMALIZE:
-        chosen_weights = chosen_weights / tl.sum(chosen_weights, axis=0)
-    tl.store(out_weights_ptr + row * TOP_K + slots, chosen_weights, mask=slots < TOP_K)
-    tl.store(out_ids_ptr + row * TOP_K + slots, chosen_ids, mask=slots < TOP_K)
+    tl.store(out_weights_ptr + row * TOP_K + slots, weights, mask=slots < TOP_K)
+    tl.store(out_ids_ptr + row * TOP_K + slots, ids, mask=slots < TOP_K)
 
 
 @triton.jit
@@ -295,16 +286,14 @@ def route(
     if not use_triton(router_logits, impl):
         return route_reference(router_logits, top_k, renormalize)
     num_tokens, num_experts = router_logits.shape
-    if not 0 < top_k <= num_experts:
-        raise ValueError(f"top_k must be in 1..{num_experts}, got {top_k}")
+    block_k, block_e = routing_blocks(num_experts, top_k)
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
     if num_tokens:
         _route_kernel[(num_tokens,)](
             logits, weights, ids, num_experts, logits.stride(0),
-            TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(num_experts),
-            RENORMALIZE=renormalize,
+            TOP_K=top_k, BLOCK_K=block_k, BLOCK_E=block_e, RENORMALIZE=renormalize,
         )
     return weights, ids
 

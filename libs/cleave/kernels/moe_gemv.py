@@ -11,18 +11,26 @@ is no alignment at all:
    expert id, streams that expert's gate and up rows into registers (the next K tile in
    flight while the current one is reduced, as `cleave.kernels.gemv`) against the token's
    hidden row, adds the bias and applies the gated activation -> intermediate [T*k, I],
-   rounded to the activation dtype (as the grouped kernel stores it).
+   rounded to the activation dtype (as the grouped kernel stores it). Given the router
+   logits instead of the routing, each program first routes its token itself
+   (`moe_routing.top_k_routing`, the arithmetic and tie-break of `fused_moe.route`) and takes
+   its slot's expert; the programs of feature block 0 write each entry's id and weight for
+   the next kernel. Every program repeats the token's top-k (E logits from L2, k rounds of
+   reductions): redundant work instead of a routing launch or a sync between programs.
 2. `down`: a program per (token, BLOCK_N hidden features) walks the token's k entries,
    each a GEMV of that expert's down rows against the entry's intermediate row (+ bias),
    scaled by the routing weight and summed in fp32 -> [T, H], rounded once. No [T*k, H]
    fp32 buffer, no separate sum, and the order of the sum is fixed (deterministic).
 
-Two launches after routing, none of which reads a value back to the host: the layer stays
-inside a decode CUDA graph. Two tokens sharing an expert read its weights twice (from L2
-at these sizes), which is why `fused_experts` sends only up to `MAX_TOKENS` tokens here.
+Two launches after the router's GEMV (routing inside the first; three with a separate
+`route`), none of which reads a value back to the host: the layer stays inside a decode
+CUDA graph. Two tokens sharing an expert read its weights twice (from L2 at these sizes),
+which is why `fused_experts` sends only up to `MAX_TOKENS` tokens here.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -30,6 +38,7 @@ import triton.language as tl
 
 from cleave.kernels.dispatch import CachedLauncher
 from cleave.kernels.moe_reference import MoEActivation
+from cleave.kernels.moe_routing import routing_blocks, top_k_routing
 from cleave.kernels.mxfp4 import MXFP4Weight, decode_e2m1, e8m0_scale, weight_launch_args
 
 MAX_TOKENS = 4  # tokens `fused_experts` sends here by default; more go to the grouped GEMMs
@@ -82,17 +91,37 @@ def _tile_dot(x, w, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4:
 
 
 @triton.jit
+def _routed_expert(logits_row_ptr, ids_ptr, out_weights_ptr, entry, num_experts, TOP_K: tl.constexpr,
+                   BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """The expert (int64) of `entry` (token * TOP_K + slot) from its token's router logits.
+    Every program of the entry routes the token (E logits from L2, TOP_K rounds: no launch
+    and no sync between programs); the one with feature block 0 writes the entry's id and
+    weight, which the down kernel (the next launch) reads as it reads given routing."""
+    weights, ids = top_k_routing(logits_row_ptr, num_experts, TOP_K, BLOCK_TOPK, BLOCK_E, RENORMALIZE)
+    picked = tl.arange(0, BLOCK_TOPK) == entry % TOP_K
+    expert = tl.sum(tl.where(picked, ids, 0), axis=0)
+    if tl.program_id(1) == 0:
+        tl.store(ids_ptr + entry, expert)
+        tl.store(out_weights_ptr + entry, tl.sum(tl.where(picked, weights, 0.0), axis=0))
+    return expert.to(tl.int64)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,  # [T, K] (NORM: the residual stream)
     w_ptr,  # [E, 2N, K]: gate rows then up rows (MXFP4: [E, 2N, K // 2] bytes)
     scale_ptr,  # MXFP4: [E, 2N, K // 32] scale codes
     bias_ptr,  # [E, 2N] when HAS_BIAS
     norm_w_ptr,  # [K] RMSNorm weight when NORM
-    ids_ptr,  # [T * TOP_K] int32 expert ids
+    logits_ptr,  # [T, E] router logits when ROUTE
+    ids_ptr,  # [T * TOP_K] int32 expert ids (ROUTE: written here)
+    out_weights_ptr,  # [T * TOP_K] fp32 routing weights, written when ROUTE
     out_ptr,  # [T * TOP_K, N]
     num_out,  # N (intermediate features)
     num_in,  # K (hidden)
+    num_experts,  # E when ROUTE
     stride_x,
+    stride_logits,
     stride_we,
     stride_wn,
     stride_se,
@@ -110,10 +139,18 @@ def _gate_up_kernel(
     CLAMPED: tl.constexpr,
     NORM: tl.constexpr,
     MXFP4: tl.constexpr,
+    ROUTE: tl.constexpr,  # route the token here (`top_k_routing`) instead of reading ids_ptr
+    BLOCK_TOPK: tl.constexpr,  # ROUTE: next power of two >= TOP_K
+    BLOCK_E: tl.constexpr,  # ROUTE: next power of two >= E
+    RENORMALIZE: tl.constexpr,
 ):
     entry = tl.program_id(0).to(tl.int64)
     token = entry // TOP_K
-    expert = tl.load(ids_ptr + entry).to(tl.int64)
+    if ROUTE:
+        expert = _routed_expert(logits_ptr + token * stride_logits, ids_ptr, out_weights_ptr, entry, num_experts,
+                                TOP_K, BLOCK_TOPK, BLOCK_E, RENORMALIZE)
+    else:
+        expert = tl.load(ids_ptr + entry).to(tl.int64)
     features = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     feature_valid = features < num_out
     cols = tl.arange(0, BLOCK_K)
@@ -248,8 +285,8 @@ def moe_gemv(
     hidden: torch.Tensor,  # [T, H]
     w13: torch.Tensor | MXFP4Weight,  # [E, 2I, H]
     w2: torch.Tensor | MXFP4Weight,  # [E, H, I]
-    topk_weights: torch.Tensor,  # [T, k] fp32
-    topk_ids: torch.Tensor,  # [T, k] int32
+    topk_weights: torch.Tensor | None,  # [T, k] fp32; None with `router_logits`
+    topk_ids: torch.Tensor | None,  # [T, k] int32; None with `router_logits`
     activation: MoEActivation,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
@@ -259,15 +296,22 @@ def moe_gemv(
     norm_weight: torch.Tensor | None = None,  # [H]: `hidden` is the residual stream, RMS-normalised first
     eps: float = 1e-6,
     add_to: torch.Tensor | None = None,  # [T, H]: add the layer's output into it in place
+    router_logits: torch.Tensor | None = None,  # [T, E]: route inside the first kernel instead
+    top_k: int | None = None,  # with `router_logits`
+    renormalize: bool = True,  # with `router_logits`
+    routing_out: tuple[torch.Tensor, torch.Tensor] | None = None,  # with `router_logits`: ([T, k] fp32, [T, k] int32)
 ) -> torch.Tensor:  # [T, H]; `add_to` itself when given
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) by per-entry GEMVs
     (see the module doc); the caller has checked the layouts (`fused_experts`). With
     `norm_weight` the experts read rms_norm(hidden) (the layer's input norm in the first
     kernel's prologue); with `add_to` (may be `hidden` itself: the first kernel has read it
     by then) the output is added into it, each rounded as the unfused ops round. MXFP4
-    weights (`cleave.kernels.mxfp4`) are read packed and decoded in registers."""
+    weights (`cleave.kernels.mxfp4`) are read packed and decoded in registers.
+
+    Given `router_logits` and `top_k` instead of the routing, the first kernel routes each
+    token itself (exactly as `fused_moe.route`: one launch fewer) and writes the routing to
+    `routing_out` when given (else to scratch), where the second kernel reads it."""
     num_tokens, hidden_size = hidden.shape
-    top_k = topk_ids.shape[1]
     inter = w13.shape[1] // 2
     if add_to is None:
         out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
@@ -276,32 +320,84 @@ def moe_gemv(
                          f"got {tuple(add_to.shape)} {add_to.dtype}")
     else:
         out = add_to
+    routing = _routing(hidden, w13.shape[0], topk_weights, topk_ids, router_logits, top_k, renormalize, routing_out)
     if num_tokens == 0:
         return out
-    ids = topk_ids.reshape(-1)
+    top_k = routing.top_k
     intermediate = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
     weights, scales, stride_we, stride_wn, stride_se, stride_sn = weight_launch_args(w13)
     block_n, block_k, warps = gate_up_tiles or gemv_tiles(inter, hidden_size, gated=True)
+    logits = routing.logits if routing.logits is not None else hidden
     _gate_up_launcher(
         (num_tokens * top_k, triton.cdiv(inter, block_n)),
         (hidden, weights, scales, w13_bias if w13_bias is not None else hidden,
-         norm_weight if norm_weight is not None else hidden,
-         ids, intermediate, inter, hidden_size, hidden.stride(0), stride_we, stride_wn, stride_se, stride_sn,
-         w13_bias.stride(0) if w13_bias is not None else 0, intermediate.stride(0),
+         norm_weight if norm_weight is not None else hidden, logits, routing.ids, routing.weights,
+         intermediate, inter, hidden_size, routing.num_experts, hidden.stride(0), logits.stride(0), stride_we,
+         stride_wn, stride_se, stride_sn, w13_bias.stride(0) if w13_bias is not None else 0, intermediate.stride(0),
          activation.alpha, activation.limit, eps),
         (top_k, block_n, block_k, triton.cdiv(hidden_size, block_k), w13_bias is not None,
-         activation.kind == "swiglu_clamped", norm_weight is not None, isinstance(w13, MXFP4Weight)),
+         activation.kind == "swiglu_clamped", norm_weight is not None, isinstance(w13, MXFP4Weight),
+         *routing.constexprs),
         warps,
     )
     weights, scales, stride_we, stride_wn, stride_se, stride_sn = weight_launch_args(w2)
     block_n, block_k, warps = down_tiles or gemv_tiles(hidden_size, inter, gated=False)
     _down_sum_launcher(
         (num_tokens, triton.cdiv(hidden_size, block_n)),
-        (intermediate, weights, scales, w2_bias if w2_bias is not None else hidden, ids,
-         topk_weights.reshape(-1).to(torch.float32), out, hidden_size, inter, intermediate.stride(0),
+        (intermediate, weights, scales, w2_bias if w2_bias is not None else hidden, routing.ids, routing.weights,
+         out, hidden_size, inter, intermediate.stride(0),
          stride_we, stride_wn, stride_se, stride_sn, w2_bias.stride(0) if w2_bias is not None else 0, out.stride(0)),
         (top_k, block_n, block_k, triton.cdiv(inter, block_k), w2_bias is not None, add_to is not None,
          isinstance(w2, MXFP4Weight)),
         warps,
     )
     return out
+
+
+@dataclass(frozen=True)
+class _Routing:
+    """The routing buffers the kernels read: `weights` [T*k] fp32 and `ids` [T*k] int32,
+    given or (with `logits` [T, E]) written by the first kernel, and that kernel's routing
+    constexprs (ROUTE, BLOCK_TOPK, BLOCK_E, RENORMALIZE)."""
+
+    weights: torch.Tensor
+    ids: torch.Tensor
+    top_k: int
+    logits: torch.Tensor | None
+    num_experts: int
+    constexprs: tuple[bool, int, int, bool] = (False, 1, 1, False)
+
+
+def _routing(
+    hidden: torch.Tensor,
+    num_experts: int,
+    topk_weights: torch.Tensor | None,
+    topk_ids: torch.Tensor | None,
+    router_logits: torch.Tensor | None,
+    top_k: int | None,
+    renormalize: bool,
+    routing_out: tuple[torch.Tensor, torch.Tensor] | None,
+) -> _Routing:
+    """`moe_gemv`'s routing arguments checked and laid out for its kernels: either the
+    routing (weights and ids) or the router logits with top_k (and optional output buffers)."""
+    num_tokens = hidden.shape[0]
+    if router_logits is None:
+        if topk_weights is None or topk_ids is None or top_k is not None or routing_out is not None:
+            raise ValueError("moe_gemv takes topk_weights and topk_ids, or router_logits and top_k")
+        return _Routing(topk_weights.reshape(-1).to(torch.float32), topk_ids.reshape(-1), topk_ids.shape[1], None,
+                        num_experts)
+    if topk_weights is not None or topk_ids is not None or top_k is None:
+        raise ValueError("moe_gemv takes topk_weights and topk_ids, or router_logits and top_k")
+    if router_logits.shape != (num_tokens, num_experts):
+        raise ValueError(f"router_logits must be [{num_tokens}, {num_experts}], got {tuple(router_logits.shape)}")
+    block_topk, block_e = routing_blocks(num_experts, top_k)  # checks top_k
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    if routing_out is None:
+        routing_out = (torch.empty(num_tokens, top_k, dtype=torch.float32, device=hidden.device),
+                       torch.empty(num_tokens, top_k, dtype=torch.int32, device=hidden.device))
+    weights, ids = routing_out
+    if (weights.shape != (num_tokens, top_k) or ids.shape != (num_tokens, top_k) or weights.dtype != torch.float32
+            or ids.dtype != torch.int32 or not weights.is_contiguous() or not ids.is_contiguous()):
+        raise ValueError(f"routing_out must be contiguous [{num_tokens}, {top_k}] float32 and int32 tensors")
+    return _Routing(weights.view(-1), ids.view(-1), top_k, logits, num_experts,
+                    (True, block_topk, block_e, renormalize))

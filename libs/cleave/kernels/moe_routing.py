@@ -1,0 +1,53 @@
+"""Top-k routing of one token's router logits, as a `triton.jit` helper shared by the kernels.
+
+`fused_moe._route_kernel` (a launch of its own, before the grouped GEMMs) and
+`moe_gemv._gate_up_kernel` (each program routes its token itself, so the per-entry GEMVs
+need no routing launch) both call `top_k_routing`: the two paths choose the same experts
+with the same weights, ties included. It lives apart from both kernels' modules because
+`fused_moe` imports `moe_gemv`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def top_k_routing(
+    logits_row_ptr,  # [E] one token's router logits (any float dtype)
+    num_experts,
+    TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # next power of two >= TOP_K
+    BLOCK_E: tl.constexpr,  # next power of two >= num_experts
+    RENORMALIZE: tl.constexpr,
+):
+    """(weights [BLOCK_K] fp32, ids [BLOCK_K] int32) of the token's TOP_K experts, in
+    descending order of probability: softmax over the logits in fp32, then TOP_K rounds of
+    max (ties: the lower expert id), divided by their sum when RENORMALIZE (which equals a
+    softmax over the top-k logits, gpt-oss's router). Slots past TOP_K hold 0."""
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < num_experts
+    logits = tl.load(logits_row_ptr + experts, mask=valid, other=float("-inf")).to(tl.float32)
+    exps = tl.where(valid, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
+    remaining = tl.where(valid, exps / tl.sum(exps, axis=0), -1.0)  # [E] probabilities
+    slots = tl.arange(0, BLOCK_K)
+    chosen_weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    chosen_ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for slot in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=0)
+        best_id = tl.min(tl.where(remaining == best, experts, BLOCK_E), axis=0)  # ties: lower id
+        chosen_weights = tl.where(slots == slot, best, chosen_weights)
+        chosen_ids = tl.where(slots == slot, best_id, chosen_ids)
+        remaining = tl.where(experts == best_id, -1.0, remaining)
+    if RENORMALIZE:
+        chosen_weights = chosen_weights / tl.sum(chosen_weights, axis=0)
+    return chosen_weights, chosen_ids
+
+
+def routing_blocks(num_experts: int, top_k: int) -> tuple[int, int]:
+    """(BLOCK_K, BLOCK_E) of `top_k_routing` for `top_k` of `num_experts` experts; refuses a
+    `top_k` outside 1..num_experts (the top-k rounds would pick a masked expert)."""
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k must be in 1..{num_experts}, got {top_k}")
+    return triton.next_power_of_2(top_k), triton.next_power_of_2(num_experts)
