@@ -8,7 +8,9 @@ bf16, weights random and built in device memory):
   `cleave.kernels.fused_moe` (Triton), the torch reference, the reference under
   torch.compile, and transformers' own `Qwen3MoeSparseMoeBlock` on the same weights (the
   fused rows replayed from a CUDA graph, as a decode step runs them; up to
-  `moe_gemv.MAX_TOKENS` tokens also the grouped GEMMs those sizes ran before). Each
+  `moe_gemv.MAX_TOKENS` tokens also the grouped GEMMs those sizes ran before, and the
+  per-entry GEMVs routing inside their first kernel as the decode layout runs them: the
+  "fused" row's route launch removed, an A/B in one run). Each
   row carries the fused result's largest difference from the reference, the experts the
   tokens touch, and the roofline: touched expert bytes / 4.26 TB/s.
 - `decode`: one decode step of the whole model (48 layers, 32 q / 4 kv heads of 128) at
@@ -148,7 +150,8 @@ def expert_bytes(shape: MoEShape, dtype: torch.dtype, packed: bool = False) -> i
 def layer_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, dtype: torch.dtype) -> list[dict]:
     from cleave.kernels.fused_moe import fused_experts, fused_moe, route
     from cleave.kernels.moe_gemv import MAX_TOKENS as GEMV_MAX_TOKENS
-    from cleave.kernels.moe_reference import fused_moe_reference
+    from cleave.kernels.moe_gemv import moe_gemv
+    from cleave.kernels.moe_reference import SILU, fused_moe_reference
 
     generator = torch.Generator(device=device).manual_seed(0)
     if args.packed_experts:  # the fused rows read them packed; the baselines get them dequantised
@@ -181,7 +184,14 @@ def layer_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, 
             weights, ids = route(hidden @ router.t(), shape.top_k, True, impl=impl)
             return fused_experts(hidden, packed13, packed2, weights, ids, impl=impl, kernel="grouped")
 
-        methods: dict[str, Callable[[], torch.Tensor]] = {"fused": fused, "reference": reference}
+        def routed_gemv() -> torch.Tensor:  # the decode layout's form: `fused` without its routing launch
+            return moe_gemv(hidden, packed13, packed2, None, None, SILU, router_logits=hidden @ router.t(),
+                            top_k=shape.top_k, renormalize=True)
+
+        methods: dict[str, Callable[[], torch.Tensor]] = {"fused": fused}
+        if num_tokens <= GEMV_MAX_TOKENS:  # next to "fused": its A/B
+            methods["fused, routing in GEMV"] = routed_gemv
+        methods["reference"] = reference
         if num_tokens <= GEMV_MAX_TOKENS:
             methods["fused, grouped GEMMs"] = grouped
             for gate_up_n, down_n in args.gemv_tiles:
