@@ -11,10 +11,11 @@ from __future__ import annotations
 import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from cleave.generation.outputs import FinishReason
 from cleave.generation.sampling_params import SamplingParams
+from cleave.generation.tool_calls import ToolCall
 from cleave.rpc.types import ReasoningOptions, TopLogprobs, Usage
 from cleave.scaling.code_verifier import CodeTest
 from cleave.scaling.strategies import AnswerVotes, Strategy
@@ -22,12 +23,16 @@ from cleave.scaling.strategies import AnswerVotes, Strategy
 
 @dataclass(frozen=True)
 class ChatMessage:
-    """One chat turn."""
+    """One chat turn; an assistant turn may hold the tool calls it made (as the chat template
+    reads them: {"id", "type", "function": {"name", "arguments": object}}), a tool turn the id
+    of the call it answers."""
 
     role: str
     content: str
     reasoning_content: str = ""
     name: str = ""
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    tool_call_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,8 @@ class Prompt:
     token_ids: tuple[int, ...] | None = None
     chat: tuple[ChatMessage, ...] | None = None
     raw: bool = False  # text is the literal prompt: no chat template
+    # tools the chat template describes to the model (OpenAI's {"type": "function", "function": ...})
+    tools: tuple[dict[str, Any], ...] = ()
 
 
 class VerifierKind(enum.Enum):
@@ -97,6 +104,7 @@ class GenerateSpec:
     scaling: Scaling
     stream: StreamShape
     deadline: float | None = None  # event-loop time (loop.time()) by which the request must end
+    parse_tool_calls: bool = False  # answers' tool calls come apart from their content
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,7 @@ class SampleOutput:
     reward: float | None = None
     advantage: float | None = None
     answer: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()  # calls completed since the previous chunk
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from services.gateway.http_body import expect_handler, read_json
 from services.gateway.http_errors import json_routing_errors
 from services.gateway.model import ServedModel
 from services.gateway.openai_request import completion_prompts, generate_spec, http_error, retry_after_headers
+from services.gateway.openai_tools import call_json
 from services.gateway.readiness import Routability
 from services.gateway.request_names import resolve_model
 from services.gateway.tokenize_api import detokenize, tokenize
@@ -277,6 +278,16 @@ def _include_usage(body: Any) -> bool:
     return isinstance(options, dict) and bool(options.get("include_usage"))
 
 
+def _sample_state() -> dict[str, Any]:
+    """What `_Shaper` gathers of one sample for a whole response."""
+    return {"text": [], "reasoning": [], "finish_reason": None, "logprobs": [], "tool_calls": []}
+
+
+def _finish_reason(reason: str | None, num_tool_calls: int) -> str | None:
+    """OpenAI's finish reason: an answer that called tools and then stopped finished with "tool_calls"."""
+    return "tool_calls" if reason == "stop" and num_tool_calls else reason
+
+
 def _sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
@@ -291,12 +302,11 @@ class _Shaper:
         self.include_usage = include_usage
         self.created = int(time.time())
         self.usage = Usage()
-        self.samples: dict[int, dict[str, Any]] = {
-            i: {"text": [], "reasoning": [], "finish_reason": None, "logprobs": []} for i in range(spec.sampling.n)
-        }
+        self.samples: dict[int, dict[str, Any]] = {i: _sample_state() for i in range(spec.sampling.n)}
         self._sent_role: set[int] = set()
         self._sse_prefix: bytes | None = None  # b'data: {"id": ..., "choices": ' of every streamed event
         self._streamed_chars: dict[int, int] = {}  # completions: characters of text streamed per sample
+        self._streamed_calls: dict[int, int] = {}  # chat: tool calls streamed per sample
         self.prompt_logprobs: tuple[TopLogprobs, ...] = ()  # with prompt logprobs asked (echo)
         self.prompt_token_ids: tuple[int, ...] = ()
 
@@ -306,10 +316,11 @@ class _Shaper:
         if chunk.prompt_token_ids:
             self.prompt_logprobs, self.prompt_token_ids = chunk.prompt_logprobs, chunk.prompt_token_ids
         for sample in chunk.samples:
-            state = self.samples.setdefault(sample.index, {"text": [], "reasoning": [], "finish_reason": None, "logprobs": []})
+            state = self.samples.setdefault(sample.index, _sample_state())
             state["text"].append(sample.text)
             state["reasoning"].append(sample.reasoning_text)
             state["logprobs"].extend(sample.logprobs)
+            state["tool_calls"].extend(sample.tool_calls)
             if sample.finish_reason is not None:
                 state["finish_reason"] = sample.finish_reason.value
 
@@ -339,12 +350,15 @@ class _Shaper:
         for index in sorted(self.samples):
             state = self.samples[index]
             text = "".join(state["text"])
-            choice: dict[str, Any] = {"index": index, "finish_reason": state["finish_reason"],
+            calls = state["tool_calls"]
+            choice: dict[str, Any] = {"index": index, "finish_reason": _finish_reason(state["finish_reason"], len(calls)),
                                       "logprobs": self._logprobs(state["logprobs"])}
             if self.chat:
                 reasoning = "".join(state["reasoning"])
-                choice["message"] = {"role": "assistant", "content": text,
+                choice["message"] = {"role": "assistant", "content": None if calls and not text.strip() else text,
                                      "reasoning_content": reasoning or None}
+                if calls:
+                    choice["message"]["tool_calls"] = [call_json(call) for call in calls]
             else:
                 choice["text"] = text
             choices.append(choice)
@@ -393,7 +407,12 @@ class _Shaper:
             delta["content"] = sample.text
         if sample.reasoning_text:
             delta["reasoning_content"] = sample.reasoning_text
-        return {"index": sample.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        num_calls = self._streamed_calls.get(sample.index, 0)
+        if sample.tool_calls:
+            delta["tool_calls"] = [{"index": num_calls + k, **call_json(call)} for k, call in enumerate(sample.tool_calls)]
+            num_calls = self._streamed_calls[sample.index] = num_calls + len(sample.tool_calls)
+        return {"index": sample.index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": _finish_reason(finish, num_calls)}
 
     def usage_event(self) -> dict[str, Any]:
         event = self._event([])

@@ -22,11 +22,12 @@ from cleave.errors import InvalidArgument
 from cleave.generation.reasoning import ReasoningConfig
 from cleave.generation.reasoning_formats import select_reasoning_config
 from cleave.generation.token_pieces import TokenPieces
+from cleave.generation.tool_calls import tool_call_format
 from cleave.model.source import resolve_model_dir
 from cleave.model.text_config import TextConfig
 from cleave.model.tokenizer import Tokenizer
 from cleave.rpc.types import ReasoningOptions
-from services.gateway.backend import Prompt
+from services.gateway.backend import ChatMessage, Prompt
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ class ServedModel:
             path, self.tokenizer, config.effective_reasoning_parser
         )
         self.defaults = _read_defaults(path)
+        # how its answers hold tool calls, as its chat template asks for them (None: no tools)
+        self.tool_call_format = tool_call_format(self.tokenizer.chat_template)
         self.max_prompt_bytes = max_prompt_bytes or self.max_model_len * _longest_token_bytes(self.tokenizer)
 
     @property
@@ -121,24 +124,35 @@ class ServedModel:
             return list(prompt.token_ids)
         if prompt.text is not None and (prompt.raw or self.tokenizer.chat_template is None):
             return self.tokenizer.encode_without_gil(prompt.text)
+        if prompt.tools and self.tool_call_format is None:
+            raise InvalidArgument("this model's chat template does not ask for tool calls in a format the gateway "
+                                  "parses (hermes <tool_call> blocks); describe the tools in the messages", field="tools")
         if prompt.text is not None:
             messages: list[dict[str, Any]] = [{"role": "user", "content": prompt.text}]
         else:
-            messages = [
-                {
-                    "role": m.role,
-                    "content": m.content,
-                    "reasoning_content": m.reasoning_content or None,
-                    "name": m.name or None,
-                }
-                for m in prompt.chat or ()
-            ]
+            messages = [_template_message(m) for m in prompt.chat or ()]
         kwargs = reasoning.template_kwargs() if reasoning is not None else {}
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=list(prompt.tools) or None,
+                                                  **kwargs)
         token_ids = self.tokenizer.encode_without_gil(text, add_special_tokens=False)
         if not token_ids:
             raise InvalidArgument("renders to an empty prompt", field="input")
         return token_ids
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """A chat turn as chat templates read it (fields a turn lacks are left out or None)."""
+    turn: dict[str, Any] = {
+        "role": message.role,
+        "content": message.content,
+        "reasoning_content": message.reasoning_content or None,
+        "name": message.name or None,
+    }
+    if message.tool_calls:
+        turn["tool_calls"] = [dict(call) for call in message.tool_calls]
+    if message.tool_call_id:
+        turn["tool_call_id"] = message.tool_call_id
+    return turn
 
 
 def _utf8_len(text: str) -> int:

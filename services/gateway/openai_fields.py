@@ -1,10 +1,11 @@
 """OpenAI request fields the gateway cannot honour: refused by name, never silently dropped.
 
-A client that sends `tools` expects tool calls back; answering with plain text as if the
+A client that sends `response_format` expects JSON back; answering with free text as if the
 field were absent is worse than an error. So, as vLLM does for what it cannot serve, each
 field below is a 400 naming it when it asks for something (a null, an empty list or the
-field's no-op value such as `tool_choice: "none"` asks for nothing and passes). Fields that
+field's no-op value such as `function_call: "none"` asks for nothing and passes). Fields that
 change nothing about the output (`user`, `metadata`, `store`, `service_tier`) are accepted.
+Tools (`tools`, `tool_choice`, `parallel_tool_calls`) are served: `openai_tools`.
 """
 
 from __future__ import annotations
@@ -23,11 +24,8 @@ _REFUSED_BOTH = {
     "guided_grammar": "guided decoding is not supported",
 }
 _REFUSED_CHAT = {
-    "tools": "tool calling is not supported; describe the tools in the messages instead",
-    "tool_choice": "tool calling is not supported (only \"none\")",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported (only \"none\")",
-    "parallel_tool_calls": "tool calling is not supported",
+    "functions": "the legacy functions API is not supported; use tools",
+    "function_call": "the legacy functions API is not supported (only \"none\"); use tool_choice",
     "audio": "audio output is not supported",
     "modalities": "only text output is supported ([\"text\"])",
     "prediction": "predicted outputs are not supported",
@@ -43,10 +41,8 @@ def _asks_nothing(name: str, value: Any, body: dict[str, Any]) -> bool:
     """Whether a refusable field holds its no-op value."""
     if value is None or value == [] or value == {} or value == "":
         return True
-    if name in ("tool_choice", "function_call"):
+    if name == "function_call":
         return value == "none"
-    if name == "parallel_tool_calls":
-        return value is False or not body.get("tools")
     if name == "response_format":
         return isinstance(value, dict) and value.get("type") == "text"
     if name == "modalities":

@@ -18,6 +18,7 @@ from cleave.rpc.convert import checked_reasoning_effort, thinking_options
 from cleave.rpc.types import ReasoningMode, ReasoningOptions
 from services.gateway.backend import ChatMessage, GenerateSpec, Prompt, Scaling, StreamShape
 from services.gateway.openai_fields import refuse_unsupported
+from services.gateway.openai_tools import assistant_tool_calls, parses_tool_calls, request_tools, tool_call_id
 from services.gateway.request_names import chat_role
 
 _HTTP_STATUS = {
@@ -239,13 +240,17 @@ def chat_prompt(body: dict[str, Any]) -> Prompt:
         if not isinstance(message, dict):
             raise InvalidArgument(f"must be a message object, got {_json_type(message)}", field=f"messages[{position}]")
         role = chat_role(message.get("role"), f"messages[{position}].role")
+        tool_calls = assistant_tool_calls(message.get("tool_calls"), position) if role == "assistant" else ()
+        content = message.get("content")
         turns.append(ChatMessage(
             role=role,
-            content=_content_text(message.get("content"), position),
+            content="" if content is None and tool_calls else _content_text(content, position),
             reasoning_content=_optional_text(message.get("reasoning_content"), f"messages[{position}].reasoning_content"),
             name=_optional_text(message.get("name"), f"messages[{position}].name"),
+            tool_calls=tool_calls,
+            tool_call_id=tool_call_id(message.get("tool_call_id"), position, role),
         ))
-    return Prompt(chat=tuple(turns))
+    return Prompt(chat=tuple(turns), tools=request_tools(body))
 
 
 def _one_prompt(prompt: Any, field: str) -> Prompt:
@@ -321,5 +326,6 @@ def generate_spec(body: Any, request_id: str, model: str, chat: bool,
         reasoning=reasoning,
         scaling=Scaling(num_samples=sampling.n),
         stream=StreamShape(include_token_ids=True),
+        parse_tool_calls=chat and parses_tool_calls(body, prompt.tools),
     )
     return spec, stream

@@ -46,6 +46,7 @@ def merge_outputs(first: SampleOutput | None, second: SampleOutput) -> SampleOut
         reasoning_text=first.reasoning_text + second.reasoning_text,
         token_ids=first.token_ids + second.token_ids,
         logprobs=first.logprobs + second.logprobs,
+        tool_calls=first.tool_calls + second.tool_calls,
         finish_reason=second.finish_reason or first.finish_reason,
     )
 
@@ -81,7 +82,7 @@ async def stream_samples(
     mode = resolve_mode(spec.reasoning.mode, model.reasoning)
     texts = [
         SampleText(i, model.tokenizer, prompt_ids, spec.sampling, model.eos_token_ids, model.reasoning,
-                   mode, spec.stream.include_token_ids, tag_tokens, model.token_pieces)
+                   mode, spec.stream.include_token_ids, tag_tokens, model.token_pieces, spec.parse_tool_calls)
         for i in range(spec.sampling.n)
     ]
     strategy = spec.scaling.strategy

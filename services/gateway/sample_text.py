@@ -5,7 +5,9 @@ text is made here, per sample, with the engine's own pieces in the engine's orde
 `StopChecker.process` drives the `IncrementalDetokenizer` and holds back possible stop-string
 prefixes, then `ReasoningParser.feed` splits thinking from the answer. The parser always runs
 on reasoning models, so reasoning tokens are counted in every mode; the mode only decides
-what the client sees. With a byte-level tokenizer the detokenizer takes the model's shared
+what the client sees. A request with tools has its answer text go through a tool-call parser
+last (`cleave.generation.tool_calls`): the calls come out apart from the content (not in
+INLINE mode, where the text is the model's, whole). With a byte-level tokenizer the detokenizer takes the model's shared
 `TokenPieces` (`ServedModel.token_pieces`), as the engine's do, so most tokens cost a table
 lookup instead of two window decodes.
 """
@@ -20,6 +22,7 @@ from cleave.generation.reasoning import Phase, ReasoningConfig, ReasoningParser
 from cleave.generation.sampling_params import SamplingParams
 from cleave.generation.stop import StopChecker
 from cleave.generation.token_pieces import TokenPieces
+from cleave.generation.tool_calls import HermesToolParser, ToolCall, ToolParse
 from cleave.model.tokenizer import Tokenizer
 from cleave.rpc.types import ReasoningMode
 from services.gateway.backend import SampleOutput
@@ -48,6 +51,8 @@ class SampleText:
             special tokens: their text is in the detokenized text already).
         pieces: the model's `TokenPieces` (shared by all its samples), or None to decode
             every token.
+        tool_calls: parse tool calls out of the answer (a request with tools, on a model
+            whose template asks for hermes blocks).
     """
 
     def __init__(
@@ -62,6 +67,7 @@ class SampleText:
         include_token_ids: bool = False,
         tag_tokens: dict[int, str] | None = None,
         pieces: TokenPieces | None = None,
+        tool_calls: bool = False,
     ) -> None:
         self.index = index
         self._tag_tokens = (tag_tokens or {}) if params.skip_special_tokens else {}
@@ -72,9 +78,11 @@ class SampleText:
         self._parser = ReasoningParser.for_config(reasoning) if reasoning is not None else None
         self._mode = mode
         self._include_token_ids = include_token_ids
+        self._tools = HermesToolParser() if tool_calls and mode is not ReasoningMode.INLINE else None
         self.token_ids: list[int] = []
-        self.answer_parts: list[str] = []  # answer text (reasoning removed)
+        self.answer_parts: list[str] = []  # answer text (reasoning and tool calls removed)
         self.reasoning_parts: list[str] = []
+        self.tool_calls: list[ToolCall] = []
         self.finish_reason: FinishReason | None = None
 
     @property
@@ -106,6 +114,7 @@ class SampleText:
         """
         if self.finished:
             return None
+        num_calls = len(self.tool_calls)  # the calls this push completes follow them
         text: list[str] = []
         reasoning: list[str] = []
         new_ids: list[int] = []
@@ -127,6 +136,8 @@ class SampleText:
         if self.finished and self._parser is not None:
             tail = self._parser.finish()
             self._route(tail.reasoning, tail.content, text, reasoning)
+        if self.finished and self._tools is not None:
+            self._add_answer(self._tools.finish(), text)
         if not (text or reasoning or new_ids or self.finished):
             return None
         return SampleOutput(
@@ -136,13 +147,12 @@ class SampleText:
             token_ids=tuple(new_ids) if self._include_token_ids else (),
             finish_reason=self.finish_reason,
             logprobs=delta.logprobs[: len(new_ids)],
+            tool_calls=tuple(self.tool_calls[num_calls:]),
         )
 
     def _feed(self, new_text: str, text: list[str], reasoning: list[str], num_tokens: int) -> None:
         if self._parser is None:
-            if new_text:
-                text.append(new_text)
-                self.answer_parts.append(new_text)
+            self._answer(new_text, text)
             return
         if self._mode is ReasoningMode.INLINE and new_text:
             text.append(new_text)
@@ -150,13 +160,27 @@ class SampleText:
         self._route(parsed.reasoning, parsed.content, text, reasoning)
 
     def _route(self, thought: str, content: str, text: list[str], reasoning: list[str]) -> None:
-        if content:
-            self.answer_parts.append(content)
         if thought:
             self.reasoning_parts.append(thought)
-        if self._mode is ReasoningMode.INLINE:
+        if self._mode is ReasoningMode.INLINE:  # the text went out whole already
+            if content:
+                self.answer_parts.append(content)
             return
-        if content:
-            text.append(content)
+        self._answer(content, text)
         if thought and self._mode is ReasoningMode.SEPARATE:
             reasoning.append(thought)
+
+    def _answer(self, content: str, text: list[str]) -> None:
+        """Answer text on its way out: through the tool-call parser when there is one."""
+        if self._tools is not None:
+            if content:
+                self._add_answer(self._tools.feed(content), text)
+        elif content:
+            text.append(content)
+            self.answer_parts.append(content)
+
+    def _add_answer(self, parsed: ToolParse, text: list[str]) -> None:
+        if parsed.content:
+            text.append(parsed.content)
+            self.answer_parts.append(parsed.content)
+        self.tool_calls.extend(parsed.tool_calls)

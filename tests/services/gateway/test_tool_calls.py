@@ -1,0 +1,196 @@
+"""Tool calling on /v1/chat/completions, through the real `openai` client.
+
+The model is the tiny reasoning checkpoint with a chat template that describes tools and
+asks for hermes `<tool_call>` blocks (as Qwen3's does). Its answers are scripted: a backend
+renders each request's prompt with the served model (the template sees the tools and the
+earlier calls) and streams the token ids of a fixed answer through the gateway's own
+`SampleText`, a few tokens a step, so the tags arrive split over tokens and steps.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import AsyncIterator
+
+import openai
+import pytest
+
+from cleave.config import ModelConfig as ServedModelConfig
+from cleave.errors import InvalidArgument
+from cleave.generation.outputs import FinishReason
+from cleave.generation.sampling_params import SamplingParams
+from cleave.rpc.types import ReasoningMode, Usage
+from services.gateway.backend import GenerateChunk, GenerateSpec, Prompt
+from services.gateway.convert import TokenDelta
+from services.gateway.http_api import OpenAIApi, bound_port, start_http
+from services.gateway.model import ServedModel
+from services.gateway.sample_text import SampleText, resolve_mode
+
+TEMPLATE = (
+    "{% if tools %}Tools:{% for tool in tools %} {{ tool.function.name }}={{ tool.function.parameters | tojson }}"
+    "{% endfor %}\nCall one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'tool' %}tool[{{ m.tool_call_id }}]: {{ m.content }}\n"
+    "{% else %}{{ m.role }}: {{ m.content }}"
+    "{% for call in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ call.function.name }}\", "
+    "\"arguments\": {{ call.function.arguments | tojson }}}</tool_call>{% endfor %}\n{% endif %}{% endfor %}"
+    "assistant: <think>"
+)
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+MESSAGES = [{"role": "user", "content": "Weather and time in Paris?"}]
+TWO_CALLS = ("Paris, so two tools.</think>\n\nLet me look.\n"
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+PLAIN = "Easy.</think>\n\nIt is sunny."
+
+
+@pytest.fixture(scope="module")
+def tool_model(model_dir, tmp_path_factory) -> ServedModel:
+    directory = tmp_path_factory.mktemp("tools")
+    for name in ("config.json", "tokenizer.json", "generation_config.json", "cleave_config.json"):
+        shutil.copy(model_dir / name, directory / name)
+    tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": TEMPLATE}))
+    return ServedModel(ServedModelConfig(source=str(directory), served_name="tiny-tools"))
+
+
+class ScriptedBackend:
+    """Answers every request with `answer`'s tokens, three a step, ending at eos."""
+
+    def __init__(self, model: ServedModel) -> None:
+        self.model = model
+        self.answer = TWO_CALLS
+        self.prompts: list[str] = []
+
+    async def generate(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
+        model = self.model
+        prompt_ids = model.encode(spec.prompt, spec.reasoning)
+        self.prompts.append(model.tokenizer.decode(prompt_ids))
+        ids = model.tokenizer.encode(self.answer, add_special_tokens=False)
+        text = SampleText(0, model.tokenizer, prompt_ids, spec.sampling, model.eos_token_ids, model.reasoning,
+                          resolve_mode(spec.reasoning.mode, model.reasoning), tool_calls=spec.parse_tool_calls)
+        for start in range(0, len(ids), 3):
+            last = start + 3 >= len(ids)
+            output = text.push(TokenDelta(0, tuple(ids[start:start + 3]), FinishReason.STOP if last else None))
+            usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(ids)) if last else None
+            yield GenerateChunk(samples=(output,) if output is not None else (), usage=usage)
+
+
+@pytest.fixture
+async def api(tool_model):
+    backend = ScriptedBackend(tool_model)
+    runner = await start_http(OpenAIApi(backend, [tool_model.config], str), "127.0.0.1:0")
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{bound_port(runner)}/v1", api_key="unused", max_retries=0)
+    try:
+        yield client, backend
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+async def test_calls_come_back_apart_from_the_content(api):
+    client, backend = api
+    response = await client.chat.completions.create(model="tiny-tools", messages=MESSAGES,
+                                                    tools=[WEATHER_TOOL, TIME_TOOL])
+    (choice,) = response.choices
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.reasoning_content == "Paris, so two tools."
+    assert choice.message.content == "\n\nLet me look.\n"
+    calls = choice.message.tool_calls
+    assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("function", "get_weather", {"city": "Paris"}), ("function", "get_time", {})]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    # the template described both tools to the model
+    assert backend.prompts[-1].startswith('Tools: get_weather={"type": "object", "properties"')
+    assert " get_time=" in backend.prompts[-1]
+
+
+async def test_streamed_calls_arrive_whole_with_their_index(api):
+    client, _ = api
+    stream = await client.chat.completions.create(model="tiny-tools", messages=MESSAGES, tools=[WEATHER_TOOL, TIME_TOOL],
+                                                  tool_choice="auto", stream=True)
+    content, calls, finish = "", [], None
+    async for chunk in stream:
+        (choice,) = chunk.choices
+        content += choice.delta.content or ""
+        calls += choice.delta.tool_calls or []
+        finish = choice.finish_reason or finish
+    assert content == "\n\nLet me look.\n" and finish == "tool_calls"
+    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        (0, "get_weather", {"city": "Paris"}), (1, "get_time", {})]
+    assert all(c.id and c.type == "function" for c in calls)
+
+
+async def test_tool_choice_none_leaves_the_answer_as_text(api):
+    client, backend = api
+    response = await client.chat.completions.create(model="tiny-tools", messages=MESSAGES, tools=[WEATHER_TOOL],
+                                                    tool_choice="none")
+    (choice,) = response.choices
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert "<tool_call>" in choice.message.content
+    assert backend.prompts[-1].startswith("Tools: get_weather=")  # still described, as vLLM does
+    backend.answer = PLAIN
+    plain = await client.chat.completions.create(model="tiny-tools", messages=MESSAGES, tools=[WEATHER_TOOL])
+    assert (plain.choices[0].finish_reason, plain.choices[0].message.content) == ("stop", "\n\nIt is sunny.")
+    assert not plain.choices[0].message.tool_calls
+
+
+async def test_earlier_calls_and_their_results_reach_the_template(api):
+    client, backend = api
+    backend.answer = PLAIN
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    await client.chat.completions.create(model="tiny-tools", messages=history, tools=[WEATHER_TOOL])
+    rendered = backend.prompts[-1]
+    # the call's arguments reach the template as an object (its tojson writes them back)
+    assert 'assistant: <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in rendered
+    assert "tool[call_1]: sunny, 21 C\n" in rendered
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools[0].function.parameters"),
+    ({"tools": [TIME_TOOL] * 129}, "tools"),
+    ({"tools": {"name": "f"}}, "tools"),
+    ({"messages": MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": MESSAGES + [{"role": "tool", "content": "sunny"}]}, "messages[1].tool_call_id"),
+    ({"messages": MESSAGES + [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "messages[1].tool_call_id"),
+    ({"messages": MESSAGES + [{"role": "assistant", "content": None}]}, "messages[1].content"),
+])
+async def test_what_cannot_be_honoured_is_a_400_naming_the_field(api, extra, param):
+    client, _ = api
+    body = {"tools": [WEATHER_TOOL], **extra}
+    messages = body.pop("messages", MESSAGES)
+    with pytest.raises(openai.BadRequestError) as raised:
+        await client.chat.completions.create(model="tiny-tools", messages=messages, extra_body=body)
+    assert raised.value.body["param"] == param
+
+
+def test_a_template_without_a_tool_format_refuses_tools(model_dir):
+    plain = ServedModel(ServedModelConfig(source=str(model_dir)))
+    assert plain.tool_call_format is None
+    with pytest.raises(InvalidArgument) as raised:
+        plain.encode(Prompt(text="hi", tools=(WEATHER_TOOL,)))
+    assert raised.value.field == "tools"
+
+
+def test_inline_mode_keeps_the_model_text_whole(tool_model):
+    assert tool_model.tool_call_format == "hermes"
+    ids = tool_model.tokenizer.encode(TWO_CALLS, add_special_tokens=False)
+    text = SampleText(0, tool_model.tokenizer, [1], SamplingParams(max_tokens=None), tool_model.eos_token_ids,
+                      tool_model.reasoning, ReasoningMode.INLINE, tool_calls=True)
+    output = text.push(TokenDelta(0, tuple(ids), FinishReason.STOP))
+    assert output is not None and output.text == TWO_CALLS and output.tool_calls == ()
