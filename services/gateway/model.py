@@ -126,7 +126,8 @@ class ServedModel:
             return self.tokenizer.encode_without_gil(prompt.text)
         if prompt.tools and self.tool_call_format is None:
             raise InvalidArgument("this model's chat template does not ask for tool calls in a format the gateway "
-                                  "parses (hermes <tool_call> blocks); describe the tools in the messages", field="tools")
+                                  "parses (hermes <tool_call> blocks, harmony messages to=functions.NAME); describe "
+                                  "the tools in the messages", field="tools")
         if prompt.text is not None:
             messages: list[dict[str, Any]] = [{"role": "user", "content": prompt.text}]
         else:

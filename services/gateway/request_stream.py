@@ -82,7 +82,8 @@ async def stream_samples(
     mode = resolve_mode(spec.reasoning.mode, model.reasoning)
     texts = [
         SampleText(i, model.tokenizer, prompt_ids, spec.sampling, model.eos_token_ids, model.reasoning,
-                   mode, spec.stream.include_token_ids, tag_tokens, model.token_pieces, spec.parse_tool_calls)
+                   mode, spec.stream.include_token_ids, tag_tokens, model.token_pieces,
+                   model.tool_call_format if spec.parse_tool_calls else None)
         for i in range(spec.sampling.n)
     ]
     strategy = spec.scaling.strategy

@@ -5,9 +5,11 @@ text is made here, per sample, with the engine's own pieces in the engine's orde
 `StopChecker.process` drives the `IncrementalDetokenizer` and holds back possible stop-string
 prefixes, then `ReasoningParser.feed` splits thinking from the answer. The parser always runs
 on reasoning models, so reasoning tokens are counted in every mode; the mode only decides
-what the client sees. A request with tools has its answer text go through a tool-call parser
-last (`cleave.generation.tool_calls`): the calls come out apart from the content (not in
-INLINE mode, where the text is the model's, whole). With a byte-level tokenizer the detokenizer takes the model's shared
+what the client sees. A request with tools has a tool-call parser too
+(`cleave.generation.tool_calls`): hermes blocks are taken out of the answer text, harmony
+messages to a function out of the model's text before the reasoning parser reads it; the
+calls come out apart from the content (not in INLINE mode, where the text is the model's,
+whole). With a byte-level tokenizer the detokenizer takes the model's shared
 `TokenPieces` (`ServedModel.token_pieces`), as the engine's do, so most tokens cost a table
 lookup instead of two window decodes.
 """
@@ -22,7 +24,7 @@ from cleave.generation.reasoning import Phase, ReasoningConfig, ReasoningParser
 from cleave.generation.sampling_params import SamplingParams
 from cleave.generation.stop import StopChecker
 from cleave.generation.token_pieces import TokenPieces
-from cleave.generation.tool_calls import HermesToolParser, ToolCall, ToolParse
+from cleave.generation.tool_calls import READS_MARKED_TEXT, ToolCall, ToolParse, tool_parser
 from cleave.model.tokenizer import Tokenizer
 from cleave.rpc.types import ReasoningMode
 from services.gateway.backend import SampleOutput
@@ -51,8 +53,8 @@ class SampleText:
             special tokens: their text is in the detokenized text already).
         pieces: the model's `TokenPieces` (shared by all its samples), or None to decode
             every token.
-        tool_calls: parse tool calls out of the answer (a request with tools, on a model
-            whose template asks for hermes blocks).
+        tool_format: the format to parse tool calls out of ("hermes", "harmony": a request
+            with tools, `ServedModel.tool_call_format`), or None.
     """
 
     def __init__(
@@ -67,7 +69,7 @@ class SampleText:
         include_token_ids: bool = False,
         tag_tokens: dict[int, str] | None = None,
         pieces: TokenPieces | None = None,
-        tool_calls: bool = False,
+        tool_format: str | None = None,
     ) -> None:
         self.index = index
         self._tag_tokens = (tag_tokens or {}) if params.skip_special_tokens else {}
@@ -78,7 +80,10 @@ class SampleText:
         self._parser = ReasoningParser.for_config(reasoning) if reasoning is not None else None
         self._mode = mode
         self._include_token_ids = include_token_ids
-        self._tools = HermesToolParser() if tool_calls and mode is not ReasoningMode.INLINE else None
+        tools = tool_parser(tool_format) if tool_format is not None and mode is not ReasoningMode.INLINE else None
+        marked = tool_format in READS_MARKED_TEXT
+        self._marked_tools = tools if marked else None  # reads the text before the reasoning parser
+        self._tools = None if marked else tools  # reads the answer after it
         self.token_ids: list[int] = []
         self.answer_parts: list[str] = []  # answer text (reasoning and tool calls removed)
         self.reasoning_parts: list[str] = []
@@ -133,6 +138,8 @@ class SampleText:
             )
             self._feed(final.text, text, reasoning, num_tokens=0)
             self.finish_reason = final.finish_reason or delta.finish_reason
+        if self.finished and self._marked_tools is not None:
+            self._feed_marked(self._marked_tools.finish(), text, reasoning)
         if self.finished and self._parser is not None:
             tail = self._parser.finish()
             self._route(tail.reasoning, tail.content, text, reasoning)
@@ -151,6 +158,18 @@ class SampleText:
         )
 
     def _feed(self, new_text: str, text: list[str], reasoning: list[str], num_tokens: int) -> None:
+        if self._marked_tools is not None:
+            self._feed_marked(self._marked_tools.feed(new_text), text, reasoning, num_tokens)
+            return
+        self._split(new_text, text, reasoning, num_tokens)
+
+    def _feed_marked(self, parsed: ToolParse, text: list[str], reasoning: list[str], num_tokens: int = 0) -> None:
+        """What the marked-text tool parser passed on goes to the reasoning parser."""
+        self.tool_calls.extend(parsed.tool_calls)
+        self._split(parsed.content, text, reasoning, num_tokens)
+
+    def _split(self, new_text: str, text: list[str], reasoning: list[str], num_tokens: int) -> None:
+        """Thinking from answer (a reasoning model), then the answer out."""
         if self._parser is None:
             self._answer(new_text, text)
             return

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from cleave.generation.tool_calls import HermesToolParser, ToolCall, parse_call, tool_call_format
+from cleave.generation.tool_calls import HarmonyToolParser, HermesToolParser, ToolCall, parse_call, tool_call_format
 
 WEATHER = ToolCall("get_weather", json.dumps({"city": "Paris", "unit": "°C"}, ensure_ascii=False))
 TIME = ToolCall("get_time", "{}")
@@ -38,8 +38,8 @@ CASES = [
 ]
 
 
-def run(pieces: list[str]) -> tuple[str, list[ToolCall]]:
-    parser = HermesToolParser()
+def run(pieces: list[str], parser: HermesToolParser | HarmonyToolParser | None = None) -> tuple[str, list[ToolCall]]:
+    parser = parser or HermesToolParser()
     content, calls = [], []
     for piece in pieces + [None]:
         parsed = parser.feed(piece) if piece is not None else parser.finish()
@@ -84,5 +84,44 @@ def test_parse_call_refuses_what_is_not_a_call():
 
 def test_the_format_comes_from_the_chat_template():
     assert tool_call_format("{% if tools %}<tool_call>{{ tools }}</tool_call>{% endif %}") == "hermes"
+    assert tool_call_format("{{ '<|start|>assistant to=functions.' + name }}") == "harmony"
     assert tool_call_format("{{ messages }}") is None
     assert tool_call_format(None) is None
+
+
+ANALYSIS = "<|channel|>analysis<|message|>Need the weather.<|end|>"
+FINAL = "<|start|>assistant<|channel|>final<|message|>It is sunny."
+PARIS = ToolCall("get_weather", json.dumps({"city": "Paris"}))
+HARMONY_CASES = [
+    # (the model's text, what goes on to the reasoning parser, calls)
+    (ANALYSIS + '<|start|>assistant<|channel|>commentary to=functions.get_weather json<|message|>{"city": "Paris"}',
+     "<|channel|>analysis<|message|>Need the weather.", [PARIS]),
+    (ANALYSIS + '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city":"Paris"}<|call|>',
+     "<|channel|>analysis<|message|>Need the weather.", [PARIS]),  # the recipient in the role part
+    ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|> {"city": "Paris"} ', "", [PARIS]),
+    (ANALYSIS + FINAL, ANALYSIS + FINAL, []),  # no call: passed on as it came
+    (ANALYSIS + "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>" + FINAL,
+     ANALYSIS + "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>" + FINAL, []),  # a preamble
+    ("<|channel|>commentary to=functions.f json<|message|>not json",
+     "<|channel|>commentary to=functions.f json<|message|>not json", []),  # not a call: as written
+    ("<|channel|>commentary to=functions.f json<|message|>[1]<|end|>" + FINAL,
+     "<|channel|>commentary to=functions.f json<|message|>[1]<|end|>" + FINAL, []),
+    ("x" * 300 + "<|message|>to=functions.f", "x" * 300 + "<|message|>to=functions.f", []),  # no header that long
+    ("<|channel|>analysis<|message|>a <|en", "<|channel|>analysis<|message|>a <|en", []),
+]
+
+
+@pytest.mark.parametrize("text, passed_on, calls", HARMONY_CASES)
+def test_harmony_calls_come_out_whole_and_every_other_message_passes_on(text, passed_on, calls):
+    rng = random.Random(len(text))
+    for pieces in cuttings(text, rng):
+        assert run(pieces, HarmonyToolParser()) == (passed_on, calls), pieces
+
+
+def test_harmony_passes_a_body_on_as_it_streams():
+    parser = HarmonyToolParser()
+    assert parser.feed("<|channel|>analysis<|mess").content == ""  # a header: held until complete
+    assert parser.feed("age|>Think").content == "<|channel|>analysis<|message|>Think"
+    assert parser.feed("ing<|e").content == "ing"  # "<|e" may begin <|end|>
+    assert parser.feed("nd|><|start|>assistant<|channel|>final").content == ""  # the next header decides
+    assert parser.feed("<|message|>Done").content == "<|end|><|start|>assistant<|channel|>final<|message|>Done"

@@ -12,7 +12,8 @@ it does ship, as vLLM's `--reasoning-parser` names them:
   token). A model that skips the analysis channel opens its answer with
   `<|channel|>final<|message|>` (answer tags). Further analysis messages, and commentary
   ones without a recipient (preambles), before the final one join the reasoning, a newline
-  apart (reasoning separators); tool calls (commentary to a function) are not parsed. The harmony markers are special tokens, which
+  apart (reasoning separators); tool calls (commentary to a function) are taken out before
+  this parser reads the text (`cleave.generation.tool_calls`). The harmony markers are special tokens, which
   detokenizing skips: the gateway puts their text back for the parser.
 
 `select_reasoning_config` resolves `--reasoning-parser` (`REASONING_PARSERS`): a named format

@@ -1,6 +1,6 @@
-"""Tool calls out of a model's answer text, as the text streams.
+"""Tool calls out of a model's text, as the text streams, in the two formats served.
 
-Models trained on the hermes format (Qwen2.5, Qwen3, Qwen3-MoE and their thinking variants;
+Hermes. Models trained on the hermes format (Qwen2.5, Qwen3, Qwen3-MoE and their thinking variants;
 their chat templates ask for it when given tools) answer a tool call with a block of JSON:
 
     <tool_call>
@@ -12,16 +12,38 @@ that is content (shown as it comes; a possible start of a block is held back unt
 one or is not) and each tool call once its block closed. As vLLM's `hermes` parser does: a
 block whose JSON is not an object with a string `name` stays content, tags and all; a block
 the sample ended inside (a stop at `</tool_call>`, or the token limit) is parsed as it is;
-the whitespace between and after blocks is dropped.
+the whitespace between and after blocks is dropped. It reads the answer, after the thinking
+was split off.
+
+Harmony (gpt-oss). A call is a message of its own, addressed to the function in its header:
+
+    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
+
+(the recipient may stand in the role part instead: `<|start|>assistant to=functions.NAME
+<|channel|>...`; the first message of a turn has no `<|start|>assistant`, the prompt ended
+with it). `HarmonyToolParser` reads the model's text with its markers, before the thinking
+is split off: it takes such messages out whole, with the `<|end|><|start|>assistant` that
+led to them, and passes every other message on as it came (held only while a header is
+incomplete), so the reasoning parser sees the analysis and final channels it always saw.
+`<|call|>` is an end-of-sequence token (its text never arrives): the sample's end closes the
+call. A call whose body is not a JSON object stays text, as it was written.
 """
 
 from __future__ import annotations
 
+import enum
 import json
+import re
 from dataclasses import dataclass
 
 START = "<tool_call>"
 END = "</tool_call>"
+HARMONY_START = "<|start|>assistant"
+HARMONY_MESSAGE = "<|message|>"
+HARMONY_END = "<|end|>"
+HARMONY_CALL = "<|call|>"
+HARMONY_MAX_HEADER = 256  # characters of a header at most; a longer one is not a header
+_RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 
 
 @dataclass(frozen=True)
@@ -42,8 +64,23 @@ class ToolParse:
 
 def tool_call_format(chat_template: str | None) -> str | None:
     """The tool-call format a chat template asks its model for: "hermes" when it writes
-    `<tool_call>` blocks, else None (a template without tools, or another format)."""
-    return "hermes" if chat_template and START in chat_template else None
+    `<tool_call>` blocks, "harmony" when it addresses messages `to=functions.`, else None (a
+    template without tools, or another format)."""
+    if not chat_template:
+        return None
+    if START in chat_template:
+        return "hermes"
+    return "harmony" if "to=functions" in chat_template else None
+
+
+def _arguments(value: object) -> str | None:
+    """Call arguments (an object, or JSON text of one) as JSON text; None when not an object."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
 
 
 def parse_call(body: str) -> ToolCall | None:
@@ -55,15 +92,8 @@ def parse_call(body: str) -> ToolCall | None:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    arguments = _arguments(value.get("arguments", value.get("parameters", {})))
+    return None if arguments is None else ToolCall(value["name"], arguments)
 
 
 class HermesToolParser:
@@ -93,7 +123,7 @@ class HermesToolParser:
                 self._held = self._held[start + len(START):]
                 self._in_block = True
                 continue
-            keep = _partial_tag_length(self._held)
+            keep = _partial_suffix(self._held, START)
             ready, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep:]
             if self._num_calls and not ready.strip():  # whitespace after a call: held until text follows
                 self._held = ready + self._held
@@ -131,9 +161,125 @@ class HermesToolParser:
             content.append(text)
 
 
-def _partial_tag_length(text: str) -> int:
-    """Length of the longest suffix of `text` that begins a start tag."""
-    for length in range(min(len(START) - 1, len(text)), 0, -1):
-        if START.startswith(text[-length:]):
+
+
+class _Harmony(enum.Enum):
+    HEADER = "header"  # a message's header, up to <|message|>
+    BODY = "body"  # a message passed on
+    AFTER_END = "after_end"  # <|end|> seen: a next message may start
+    CALL = "call"  # a message to a function: its arguments
+
+
+class HarmonyToolParser:
+    """Streaming parser of one sample's harmony text, markers included (see the module
+    docstring): `content` is the text to pass on to the reasoning parser."""
+
+    def __init__(self) -> None:
+        self._state = _Harmony.HEADER  # the turn's first message starts at once
+        self._held = ""
+        self._lead = ""  # "<|end|><|start|>assistant" before the current header, held with it
+        self._name = ""  # the function the current call message is addressed to
+        self._taken = ""  # the call message's text so far (given back if it is not a call)
+
+    def feed(self, text: str) -> ToolParse:
+        self._held += text
+        out: list[str] = []
+        calls: list[ToolCall] = []
+        while self._step(out, calls):
+            pass
+        return ToolParse("".join(out), tuple(calls))
+
+    def finish(self) -> ToolParse:
+        out: list[str] = []
+        calls: list[ToolCall] = []
+        if self._state is _Harmony.CALL:
+            self._close_call(self._held, "", out, calls)
+        else:
+            out.append(self._lead + self._held)
+        self._held = self._lead = ""
+        self._state = _Harmony.BODY
+        return ToolParse("".join(out), tuple(calls))
+
+    def _step(self, out: list[str], calls: list[ToolCall]) -> bool:
+        """One move of the state machine over the held text; False when it must wait."""
+        held = self._held
+        if self._state is _Harmony.HEADER:
+            end = held.find(HARMONY_MESSAGE)
+            if end < 0:
+                if len(held) <= HARMONY_MAX_HEADER:
+                    return False
+                self._pass_on(self._lead + held, out, _Harmony.BODY)  # too long for a header
+                self._held = ""
+                return False
+            header = held[:end]
+            recipient = _RECIPIENT.search(header)
+            self._held = held[end + len(HARMONY_MESSAGE):]
+            if recipient is None:
+                self._pass_on(self._lead + header + HARMONY_MESSAGE, out, _Harmony.BODY)
+            else:
+                self._name, self._taken = recipient.group(1), self._lead + header + HARMONY_MESSAGE
+                self._lead, self._state = "", _Harmony.CALL
+            return True
+        if self._state is _Harmony.CALL:
+            ends = [i for i in (held.find(HARMONY_CALL), held.find(HARMONY_END)) if i >= 0]
+            if not ends:
+                return False
+            end = min(ends)
+            marker = HARMONY_CALL if held.startswith(HARMONY_CALL, end) else HARMONY_END
+            self._held = held[end + len(marker):]
+            self._close_call(held[:end], marker, out, calls)
+            self._state = _Harmony.AFTER_END  # a next message may start; nothing of the call is passed on
+            return True
+        if self._state is _Harmony.AFTER_END:
+            if held.startswith(HARMONY_START):
+                self._lead += HARMONY_START
+                self._held = held[len(HARMONY_START):]
+                self._state = _Harmony.HEADER
+                return True
+            if HARMONY_START.startswith(held):
+                return False  # may still become a message start
+            self._pass_on(self._lead, out, _Harmony.BODY)
+            return True
+        end = held.find(HARMONY_END)  # BODY
+        if end < 0:
+            keep = _partial_suffix(held, HARMONY_END)
+            out.append(held[: len(held) - keep])
+            self._held = held[len(held) - keep:]
+            return False
+        out.append(held[:end])
+        self._lead, self._held = HARMONY_END, held[end + len(HARMONY_END):]
+        self._state = _Harmony.AFTER_END
+        return True
+
+    def _pass_on(self, text: str, out: list[str], state: _Harmony) -> None:
+        out.append(text)
+        self._lead, self._state = "", state
+
+    def _close_call(self, body: str, terminator: str, out: list[str], calls: list[ToolCall]) -> None:
+        """The call message ended (`terminator`: the marker that ended it, "" at the sample's end)."""
+        arguments = _arguments(body.strip())
+        if arguments is None:  # not a call after all: the message as it was written
+            out.append(self._taken + body + terminator)
+        else:
+            calls.append(ToolCall(self._name, arguments))
+        self._taken = self._name = ""
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that begins `tag`."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-length:]):
             return length
     return 0
+
+
+def tool_parser(tool_format: str) -> HermesToolParser | HarmonyToolParser:
+    """A fresh parser of `tool_format` ("hermes" or "harmony") for one sample."""
+    if tool_format == "hermes":
+        return HermesToolParser()
+    if tool_format == "harmony":
+        return HarmonyToolParser()
+    raise ValueError(f"unknown tool-call format {tool_format!r}; use hermes or harmony")
+
+
+READS_MARKED_TEXT = frozenset({"harmony"})  # formats parsed before the thinking is split off

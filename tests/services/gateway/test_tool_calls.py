@@ -9,6 +9,7 @@ earlier calls) and streams the token ids of a fixed answer through the gateway's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ import pytest
 from cleave.config import ModelConfig as ServedModelConfig
 from cleave.errors import InvalidArgument
 from cleave.generation.outputs import FinishReason
+from cleave.generation.reasoning_formats import special_tag_tokens
 from cleave.generation.sampling_params import SamplingParams
 from cleave.rpc.types import ReasoningMode, Usage
 from services.gateway.backend import GenerateChunk, GenerateSpec, Prompt
@@ -26,6 +28,7 @@ from services.gateway.convert import TokenDelta
 from services.gateway.http_api import OpenAIApi, bound_port, start_http
 from services.gateway.model import ServedModel
 from services.gateway.sample_text import SampleText, resolve_mode
+from tests.services.gateway.test_harmony_reasoning import harmony_dir  # noqa: F401  (a fixture)
 
 TEMPLATE = (
     "{% if tools %}Tools:{% for tool in tools %} {{ tool.function.name }}={{ tool.function.parameters | tojson }}"
@@ -58,7 +61,8 @@ def tool_model(model_dir, tmp_path_factory) -> ServedModel:
 
 
 class ScriptedBackend:
-    """Answers every request with `answer`'s tokens, three a step, ending at eos."""
+    """Answers every request with `answer`'s tokens, three a step, ending at eos, through the
+    SampleText the router would build (the tags' special tokens given their text back)."""
 
     def __init__(self, model: ServedModel) -> None:
         self.model = model
@@ -71,7 +75,9 @@ class ScriptedBackend:
         self.prompts.append(model.tokenizer.decode(prompt_ids))
         ids = model.tokenizer.encode(self.answer, add_special_tokens=False)
         text = SampleText(0, model.tokenizer, prompt_ids, spec.sampling, model.eos_token_ids, model.reasoning,
-                          resolve_mode(spec.reasoning.mode, model.reasoning), tool_calls=spec.parse_tool_calls)
+                          resolve_mode(spec.reasoning.mode, model.reasoning),
+                          tag_tokens=special_tag_tokens(model.tokenizer, model.reasoning),
+                          tool_format=model.tool_call_format if spec.parse_tool_calls else None)
         for start in range(0, len(ids), 3):
             last = start + 3 >= len(ids)
             output = text.push(TokenDelta(0, tuple(ids[start:start + 3]), FinishReason.STOP if last else None))
@@ -79,16 +85,24 @@ class ScriptedBackend:
             yield GenerateChunk(samples=(output,) if output is not None else (), usage=usage)
 
 
+@contextlib.asynccontextmanager
+async def serving(model: ServedModel) -> AsyncIterator[tuple[openai.AsyncOpenAI, ScriptedBackend]]:
+    """The HTTP API over a ScriptedBackend of `model`, and an `openai` client of it."""
+    backend = ScriptedBackend(model)
+    runner = await start_http(OpenAIApi(backend, [model.config], str), "127.0.0.1:0")
+    try:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{bound_port(runner)}/v1", api_key="unused",
+                                    max_retries=0)
+        async with client:
+            yield client, backend
+    finally:
+        await runner.cleanup()
+
+
 @pytest.fixture
 async def api(tool_model):
-    backend = ScriptedBackend(tool_model)
-    runner = await start_http(OpenAIApi(backend, [tool_model.config], str), "127.0.0.1:0")
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{bound_port(runner)}/v1", api_key="unused", max_retries=0)
-    try:
-        yield client, backend
-    finally:
-        await client.close()
-        await runner.cleanup()
+    async with serving(tool_model) as running:
+        yield running
 
 
 async def test_calls_come_back_apart_from_the_content(api):
@@ -191,6 +205,52 @@ def test_inline_mode_keeps_the_model_text_whole(tool_model):
     assert tool_model.tool_call_format == "hermes"
     ids = tool_model.tokenizer.encode(TWO_CALLS, add_special_tokens=False)
     text = SampleText(0, tool_model.tokenizer, [1], SamplingParams(max_tokens=None), tool_model.eos_token_ids,
-                      tool_model.reasoning, ReasoningMode.INLINE, tool_calls=True)
+                      tool_model.reasoning, ReasoningMode.INLINE, tool_format="hermes")
     output = text.push(TokenDelta(0, tuple(ids), FinishReason.STOP))
     assert output is not None and output.text == TWO_CALLS and output.tool_calls == ()
+
+
+# gpt-oss's way: a harmony message addressed to the function, after the analysis channel
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
+    "{% if tools %}<|start|>developer<|message|>{% for tool in tools %}{{ tool.function.name }} {% endfor %}"
+    "(call as to=functions.NAME)<|end|>{% endif %}<|start|>assistant"
+)
+HARMONY_CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
+
+
+@pytest.fixture(scope="module")
+def harmony_tool_model(harmony_dir, tmp_path_factory) -> ServedModel:  # noqa: F811
+    directory = tmp_path_factory.mktemp("harmony-tools")
+    for path in harmony_dir.iterdir():
+        shutil.copy(path, directory / path.name)
+    tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config,
+                                                                 "chat_template": HARMONY_TEMPLATE}))
+    return ServedModel(ServedModelConfig(source=str(directory), served_name="tiny-tools"))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_harmony_message_to_a_function_is_a_call(harmony_tool_model, stream):
+    assert harmony_tool_model.tool_call_format == "harmony"
+    async with serving(harmony_tool_model) as (client, backend):
+        backend.answer = HARMONY_CALL
+        response = await client.chat.completions.create(model="tiny-tools", messages=MESSAGES, tools=[WEATHER_TOOL],
+                                                        stream=stream)
+        if stream:
+            reasoning, content, calls, finish = "", "", [], None
+            async for chunk in response:
+                (choice,) = chunk.choices
+                reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+                content += choice.delta.content or ""
+                calls += choice.delta.tool_calls or []
+                finish = choice.finish_reason or finish
+        else:
+            (choice,) = response.choices
+            message = choice.message
+            reasoning, content, calls, finish = (message.reasoning_content, message.content, message.tool_calls,
+                                                 choice.finish_reason)
+        assert (reasoning, content or None, finish) == ("Need the weather.", None, "tool_calls")
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+        assert "get_weather (call as to=functions.NAME)" in backend.prompts[-1]
