@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jinja2
+
 from cleave.config import ModelConfig as ServedModelConfig
 from cleave.errors import InvalidArgument
 from cleave.generation.reasoning import ReasoningConfig
@@ -133,8 +135,12 @@ class ServedModel:
         else:
             messages = [_template_message(m) for m in prompt.chat or ()]
         kwargs = reasoning.template_kwargs() if reasoning is not None else {}
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=list(prompt.tools) or None,
-                                                  **kwargs)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tools=list(prompt.tools) or None, **kwargs)
+        except (jinja2.TemplateError, TypeError, ValueError) as error:  # the template refused what it was given
+            raise InvalidArgument(f"the model's chat template cannot render this conversation: {error}",
+                                  field="input") from None
         token_ids = self.tokenizer.encode_without_gil(text, add_special_tokens=False)
         if not token_ids:
             raise InvalidArgument("renders to an empty prompt", field="input")

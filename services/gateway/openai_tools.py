@@ -132,7 +132,11 @@ def tool_call_id(value: Any, position: int, role: str) -> str:
     return ""
 
 
+def new_call_id() -> str:
+    """A fresh id for a call the gateway returns (both front doors)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def call_json(call: ToolCall) -> dict[str, Any]:
     """A call as OpenAI returns it, under a fresh id."""
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments}}
+    return {"id": new_call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
+from typing import Any
 
 import grpc
 
@@ -41,6 +43,7 @@ from services.gateway.backend import (
     VerifierKind,
     VerifierSpec,
 )
+from services.gateway.openai_tools import MAX_TOOLS, new_call_id
 from services.gateway.request_names import chat_role, resolve_model
 
 DEADLINE_MARGIN_S = 0.05
@@ -51,6 +54,7 @@ _STRATEGIES = {
     gateway_pb2.TestTimeScaling.STRATEGY_BEST_OF_N: Strategy.BEST_OF_N,
     gateway_pb2.TestTimeScaling.STRATEGY_GROUP_ROLLOUT: Strategy.GROUP_ROLLOUT,
 }
+_TOOL_CHOICES = (gateway_pb2.TOOL_CHOICE_UNSPECIFIED, gateway_pb2.TOOL_CHOICE_AUTO, gateway_pb2.TOOL_CHOICE_NONE)
 _VERIFIERS = {
     gateway_pb2.Verifier.KIND_MATH: VerifierKind.MATH,
     gateway_pb2.Verifier.KIND_CODE: VerifierKind.CODE,
@@ -73,9 +77,65 @@ def prompt_from_proto(request: gateway_pb2.GenerateRequest) -> Prompt:
         raise InvalidArgument("must contain at least one message", field="chat.messages")
     messages = []
     for position, message in enumerate(request.chat.messages):
-        role = chat_role(message.role, f"chat.messages[{position}].role")
-        messages.append(ChatMessage(role, message.content, message.reasoning_content, message.name))
+        field = f"chat.messages[{position}]"
+        role = chat_role(message.role, f"{field}.role")
+        if message.tool_calls and role != "assistant":
+            raise InvalidArgument("only an assistant turn holds tool calls", field=f"{field}.tool_calls")
+        if bool(message.tool_call_id) != (role == "tool"):
+            raise InvalidArgument("a tool turn needs the id of the call it answers, and only a tool turn has one",
+                                  field=f"{field}.tool_call_id")
+        calls = tuple(
+            {"id": call.id, "type": "function",
+             "function": {"name": _name(call.name, f"{field}.tool_calls[{index}].name"),
+                          "arguments": _json_object(call.arguments_json or "{}",
+                                                    f"{field}.tool_calls[{index}].arguments_json")}}
+            for index, call in enumerate(message.tool_calls)
+        )
+        messages.append(ChatMessage(role, message.content, message.reasoning_content, message.name, calls,
+                                    message.tool_call_id))
     return Prompt(chat=tuple(messages))
+
+
+def tools_from_proto(tools: Sequence[gateway_pb2.Tool]) -> tuple[dict[str, Any], ...]:
+    """The request's tools as chat templates read them (OpenAI's function tools)."""
+    if len(tools) > MAX_TOOLS:
+        raise InvalidArgument(f"holds {len(tools)} tools; at most {MAX_TOOLS}", field="tools")
+    checked = []
+    for position, tool in enumerate(tools):
+        function: dict[str, Any] = {"name": _name(tool.name, f"tools[{position}].name")}
+        if tool.description:
+            function["description"] = tool.description
+        if tool.parameters_json:
+            function["parameters"] = _json_object(tool.parameters_json, f"tools[{position}].parameters_json")
+        checked.append({"type": "function", "function": function})
+    return tuple(checked)
+
+
+def _name(value: str, field: str) -> str:
+    if not value:
+        raise InvalidArgument("must not be empty", field=field)
+    return value
+
+
+def _json_object(text: str, field: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise InvalidArgument("must be JSON text of an object", field=field) from None
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"must be JSON text of an object, got {type(value).__name__}", field=field)
+    return value
+
+
+def with_tools(request: gateway_pb2.GenerateRequest, prompt: Prompt) -> tuple[Prompt, bool]:
+    """(the prompt with the request's tools, whether the answers' calls come apart from their
+    text: tools given and not TOOL_CHOICE_NONE). Tools need a prompt the chat template renders."""
+    if request.tool_choice not in _TOOL_CHOICES:
+        raise InvalidArgument(f"unknown tool choice {request.tool_choice}", field="tool_choice")
+    tools = tools_from_proto(request.tools)
+    if tools and (prompt.token_ids is not None or prompt.raw):
+        raise InvalidArgument("tools are described by the chat template: give text or chat input, not raw", field="tools")
+    return replace(prompt, tools=tools), bool(tools) and request.tool_choice != gateway_pb2.TOOL_CHOICE_NONE
 
 
 def scaling_from_proto(message: gateway_pb2.TestTimeScaling, num_samples: int) -> Scaling:
@@ -136,6 +196,8 @@ def chunk_to_proto(
         for name in ("reward", "advantage", "answer"):
             if getattr(sample, name) is not None:
                 setattr(delta, name, getattr(sample, name))
+        for call in sample.tool_calls:
+            delta.tool_calls.add(id=new_call_id(), name=call.name, arguments_json=call.arguments)
     if chunk.usage is not None:
         response.usage.CopyFrom(usage_to_proto(chunk.usage))
     if chunk.selected_index is not None:
@@ -163,10 +225,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
         # an unset message is all defaults, so both cases go through the same validation
         sampling = sampling_from_proto(request.sampling, reasoning=reasoning)
+        prompt, parse_tool_calls = with_tools(request, prompt_from_proto(request))
         return GenerateSpec(
             request_id=require_request_id(request_id),
             model=resolve_model(self.models, request.model),
-            prompt=prompt_from_proto(request),
+            prompt=prompt,
             sampling=sampling,
             reasoning=reasoning,
             scaling=scaling_from_proto(request.scaling, sampling.n),
@@ -175,6 +238,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 include_token_ids=request.stream.include_token_ids,
                 continuous_usage=request.stream.continuous_usage,
             ),
+            parse_tool_calls=parse_tool_calls,
         )
 
     async def Generate(

@@ -14,6 +14,7 @@ import json
 import shutil
 from collections.abc import AsyncIterator
 
+import grpc
 import openai
 import pytest
 
@@ -22,22 +23,28 @@ from cleave.errors import InvalidArgument
 from cleave.generation.outputs import FinishReason
 from cleave.generation.reasoning_formats import special_tag_tokens
 from cleave.generation.sampling_params import SamplingParams
+from cleave.proto.cleave.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from cleave.rpc import aio_channel, serve
 from cleave.rpc.types import ReasoningMode, Usage
+from services.gateway.__main__ import registration
 from services.gateway.backend import GenerateChunk, GenerateSpec, Prompt
 from services.gateway.convert import TokenDelta
 from services.gateway.http_api import OpenAIApi, bound_port, start_http
 from services.gateway.model import ServedModel
 from services.gateway.sample_text import SampleText, resolve_mode
+from services.gateway.servicer import GatewayServicer
 from tests.services.gateway.test_harmony_reasoning import harmony_dir  # noqa: F401  (a fixture)
 
 TEMPLATE = (
-    "{% if tools %}Tools:{% for tool in tools %} {{ tool.function.name }}={{ tool.function.parameters | tojson }}"
+    "{% if tools %}Tools:{% for tool in tools %} {{ tool.function.name }}="
+    "{{ tool.function.parameters | default({}) | tojson }}"
     "{% endfor %}\nCall one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>\n{% endif %}"
     "{% for m in messages %}{% if m.role == 'tool' %}tool[{{ m.tool_call_id }}]: {{ m.content }}\n"
     "{% else %}{{ m.role }}: {{ m.content }}"
     "{% for call in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ call.function.name }}\", "
     "\"arguments\": {{ call.function.arguments | tojson }}}</tool_call>{% endfor %}\n{% endif %}{% endfor %}"
-    "assistant: <think>"
+    "{% if messages[-1].role == 'system' %}{{ raise_exception('the conversation must not end with a system turn') }}"
+    "{% endif %}assistant: <think>"
 )
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -254,3 +261,105 @@ async def test_a_harmony_message_to_a_function_is_a_call(harmony_tool_model, str
         assert (reasoning, content or None, finish) == ("Need the weather.", None, "tool_calls")
         assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
         assert "get_weather (call as to=functions.NAME)" in backend.prompts[-1]
+
+
+# ---- the gRPC front door ------------------------------------------------------------------
+
+
+@pytest.fixture
+async def grpc_stub(tool_model):
+    backend = ScriptedBackend(tool_model)
+    server = await serve([registration(GatewayServicer(backend, [tool_model.config]))], "127.0.0.1:0",
+                         handle_signals=False)
+    try:
+        await server.set_ready()
+        async with aio_channel(server.address) as channel:
+            yield gateway_pb2_grpc.GatewayStub(channel), backend
+    finally:
+        await server.drain(0)
+
+
+def grpc_chat(**fields) -> gateway_pb2.GenerateRequest:  # type: ignore[no-untyped-def]
+    chat = fields.pop("chat", [gateway_pb2.ChatMessage(role="user", content="Weather and time in Paris?")])
+    return gateway_pb2.GenerateRequest(chat=gateway_pb2.ChatMessages(messages=chat), **fields)
+
+
+GRPC_TOOLS = [gateway_pb2.Tool(name="get_weather", description="Weather in a city",
+                               parameters_json=json.dumps(WEATHER_TOOL["function"]["parameters"])),
+              gateway_pb2.Tool(name="get_time")]
+
+
+async def test_grpc_calls_come_in_their_own_field(grpc_stub):
+    stub, backend = grpc_stub
+    calls, text, finish = [], "", None
+    async for response in stub.Generate(grpc_chat(tools=GRPC_TOOLS)):
+        for delta in response.samples:
+            calls += delta.tool_calls
+            text += delta.text
+            finish = delta.finish_reason or finish
+    assert [(c.name, json.loads(c.arguments_json)) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                        ("get_time", {})]
+    assert all(c.id.startswith("call_") for c in calls) and len({c.id for c in calls}) == 2
+    assert text == "\n\nLet me look.\n" and finish == common_pb2.FINISH_REASON_STOP
+    assert backend.prompts[-1].startswith('Tools: get_weather={"type": "object"')
+    none = [d async for r in stub.Generate(grpc_chat(tools=GRPC_TOOLS, tool_choice=gateway_pb2.TOOL_CHOICE_NONE))
+            for d in r.samples]
+    assert not any(d.tool_calls for d in none) and "<tool_call>" in "".join(d.text for d in none)
+    history = [
+        gateway_pb2.ChatMessage(role="user", content="Weather?"),
+        gateway_pb2.ChatMessage(role="assistant", tool_calls=[
+            gateway_pb2.ToolCall(id="call_1", name="get_weather", arguments_json='{"city": "Paris"}')]),
+        gateway_pb2.ChatMessage(role="tool", tool_call_id="call_1", content="sunny"),
+    ]
+    async for _ in stub.Generate(grpc_chat(chat=history, tools=GRPC_TOOLS)):
+        pass
+    assert 'assistant: <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in backend.prompts[-1]
+    assert "tool[call_1]: sunny" in backend.prompts[-1]
+
+
+@pytest.mark.parametrize("request_fields, field", [
+    ({"tools": [gateway_pb2.Tool(name="")]}, "tools[0].name"),
+    ({"tools": [gateway_pb2.Tool(name="f", parameters_json="[1]")]}, "tools[0].parameters_json"),
+    ({"tools": [gateway_pb2.Tool(name="f", parameters_json="{")]}, "tools[0].parameters_json"),
+    ({"tools": [gateway_pb2.Tool(name="f")] * 129}, "tools"),
+    ({"tools": GRPC_TOOLS, "tool_choice": 7}, "tool_choice"),
+    ({"chat": [gateway_pb2.ChatMessage(role="user", content="x", tool_call_id="c")]},
+     "chat.messages[0].tool_call_id"),
+    ({"chat": [gateway_pb2.ChatMessage(role="tool", content="x")]}, "chat.messages[0].tool_call_id"),
+    ({"chat": [gateway_pb2.ChatMessage(role="user", content="x", tool_calls=[gateway_pb2.ToolCall(name="f")])]},
+     "chat.messages[0].tool_calls"),
+    ({"chat": [gateway_pb2.ChatMessage(role="assistant", tool_calls=[
+        gateway_pb2.ToolCall(name="f", arguments_json="nope")])]}, "chat.messages[0].tool_calls[0].arguments_json"),
+])
+async def test_grpc_tool_fields_are_checked_by_name(grpc_stub, request_fields, field):
+    stub, _ = grpc_stub
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        async for _ in stub.Generate(grpc_chat(**request_fields)):
+            pass
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in raised.value.details()
+
+
+async def test_grpc_tools_need_templated_input(grpc_stub):
+    stub, _ = grpc_stub
+    for request in (gateway_pb2.GenerateRequest(text="hi", raw_prompt=True, tools=GRPC_TOOLS),
+                    gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=[1, 2]), tools=GRPC_TOOLS)):
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            async for _ in stub.Generate(request):
+                pass
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tools" in raised.value.details()
+    async for _ in stub.Generate(gateway_pb2.GenerateRequest(text="Weather?", tools=GRPC_TOOLS)):  # text: templated
+        pass
+
+
+async def test_a_conversation_the_template_refuses_is_a_400_on_both_front_doors(api, grpc_stub):
+    client, _ = api
+    with pytest.raises(openai.BadRequestError) as raised:
+        await client.chat.completions.create(model="tiny-tools", messages=MESSAGES + [{"role": "system", "content": "x"}])
+    assert raised.value.body["param"] == "messages" and "must not end with a system turn" in raised.value.message
+    stub, _ = grpc_stub
+    with pytest.raises(grpc.aio.AioRpcError) as grpc_raised:
+        async for _ in stub.Generate(grpc_chat(chat=[gateway_pb2.ChatMessage(role="system", content="x")])):
+            pass
+    assert grpc_raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "must not end with a system turn" in grpc_raised.value.details()

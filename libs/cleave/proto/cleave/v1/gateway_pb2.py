@@ -26,47 +26,53 @@ from cleave.proto.cleave.v1 import common_pb2 as cleave_dot_v1_dot_common__pb2
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63leave/v1/gateway.proto\x12\tcleave.v1\x1a\x16\x63leave/v1/common.proto\x1a\x1egoogle/protobuf/duration.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"U\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x19\n\x11reasoning_content\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.cleave.v1.ChatMessage\"W\n\rStreamOptions\x12\x11\n\taggregate\x18\x01 \x01(\x08\x12\x19\n\x11include_token_ids\x18\x02 \x01(\x08\x12\x18\n\x10\x63ontinuous_usage\x18\x03 \x01(\x08\"2\n\x08\x43odeTest\x12\r\n\x05stdin\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpected_stdout\x18\x02 \x01(\t\"\xd7\x01\n\x08Verifier\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.cleave.v1.Verifier.Kind\x12\x17\n\x0f\x65xpected_answer\x18\x02 \x01(\t\x12\"\n\x05tests\x18\x03 \x03(\x0b\x32\x13.cleave.v1.CodeTest\x12*\n\x07timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\":\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\r\n\tKIND_MATH\x10\x01\x12\r\n\tKIND_CODE\x10\x02\"\xaa\x02\n\x0fTestTimeScaling\x12\x35\n\x08strategy\x18\x01 \x01(\x0e\x32#.cleave.v1.TestTimeScaling.Strategy\x12\x13\n\x0bnum_samples\x18\x02 \x01(\r\x12%\n\x08verifier\x18\x03 \x01(\x0b\x32\x13.cleave.v1.Verifier\x12\x1a\n\x12return_all_samples\x18\x04 \x01(\x08\"\x87\x01\n\x08Strategy\x12\x18\n\x14STRATEGY_UNSPECIFIED\x10\x00\x12\x11\n\rSTRATEGY_NONE\x10\x01\x12\x1a\n\x16STRATEGY_MAJORITY_VOTE\x10\x02\x12\x16\n\x12STRATEGY_BEST_OF_N\x10\x03\x12\x1a\n\x16STRATEGY_GROUP_ROLLOUT\x10\x04\"\xe8\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.cleave.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x17.cleave.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.cleave.v1.SamplingParams\x12.\n\treasoning\x18\x07 \x01(\x0b\x32\x1b.cleave.v1.ReasoningOptions\x12+\n\x07scaling\x18\x08 \x01(\x0b\x32\x1a.cleave.v1.TestTimeScaling\x12\x12\n\nraw_prompt\x18\t \x01(\x08\x12(\n\x06stream\x18\n \x01(\x0b\x32\x18.cleave.v1.StreamOptionsB\x07\n\x05input\"\xbc\x02\n\x0bSampleDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x16\n\x0ereasoning_text\x18\x04 \x01(\t\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.cleave.v1.FinishReason\x12(\n\x08logprobs\x18\x06 \x03(\x0b\x32\x16.cleave.v1.TopLogprobs\x12\x13\n\x06reward\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\tadvantage\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x06\x61nswer\x18\t \x01(\tH\x02\x88\x01\x01\x12%\n\x05\x65rror\x18\n \x01(\x0b\x32\x16.cleave.v1.ErrorDetailB\t\n\x07_rewardB\x0c\n\n_advantageB\t\n\x07_answer\"H\n\x0b\x41nswerVotes\x12\x0e\n\x06\x61nswer\x18\x01 \x01(\t\x12\x11\n\tnum_votes\x18\x02 \x01(\r\x12\x16\n\x0esample_indices\x18\x03 \x03(\r\"6\n\x0bVoteSummary\x12\'\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x16.cleave.v1.AnswerVotes\"\xa1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x07samples\x18\x02 \x03(\x0b\x32\x16.cleave.v1.SampleDelta\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.cleave.v1.Usage\x12\x1b\n\x0eselected_index\x18\x04 \x01(\rH\x00\x88\x01\x01\x12%\n\x05votes\x18\x05 \x01(\x0b\x32\x16.cleave.v1.VoteSummary\x12\r\n\x05model\x18\x06 \x01(\t\x12/\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x16.cleave.v1.TopLogprobs\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\rB\x11\n\x0f_selected_index\"\x13\n\x11ListModelsRequest\"_\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x1a\n\x12is_reasoning_model\x18\x04 \x01(\x08\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.cleave.v1.ModelInfo2\xd7\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.cleave.v1.GenerateRequest\x1a\x1b.cleave.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.cleave.v1.AbortRequest\x1a\x18.cleave.v1.AbortResponse\x12I\n\nListModels\x12\x1c.cleave.v1.ListModelsRequest\x1a\x1d.cleave.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63leave/v1/gateway.proto\x12\tcleave.v1\x1a\x16\x63leave/v1/common.proto\x1a\x1egoogle/protobuf/duration.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x94\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x19\n\x11reasoning_content\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\'\n\ntool_calls\x18\x05 \x03(\x0b\x32\x13.cleave.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x06 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.cleave.v1.ChatMessage\"W\n\rStreamOptions\x12\x11\n\taggregate\x18\x01 \x01(\x08\x12\x19\n\x11include_token_ids\x18\x02 \x01(\x08\x12\x18\n\x10\x63ontinuous_usage\x18\x03 \x01(\x08\"2\n\x08\x43odeTest\x12\r\n\x05stdin\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpected_stdout\x18\x02 \x01(\t\"\xd7\x01\n\x08Verifier\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.cleave.v1.Verifier.Kind\x12\x17\n\x0f\x65xpected_answer\x18\x02 \x01(\t\x12\"\n\x05tests\x18\x03 \x03(\x0b\x32\x13.cleave.v1.CodeTest\x12*\n\x07timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\":\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\r\n\tKIND_MATH\x10\x01\x12\r\n\tKIND_CODE\x10\x02\"\xaa\x02\n\x0fTestTimeScaling\x12\x35\n\x08strategy\x18\x01 \x01(\x0e\x32#.cleave.v1.TestTimeScaling.Strategy\x12\x13\n\x0bnum_samples\x18\x02 \x01(\r\x12%\n\x08verifier\x18\x03 \x01(\x0b\x32\x13.cleave.v1.Verifier\x12\x1a\n\x12return_all_samples\x18\x04 \x01(\x08\"\x87\x01\n\x08Strategy\x12\x18\n\x14STRATEGY_UNSPECIFIED\x10\x00\x12\x11\n\rSTRATEGY_NONE\x10\x01\x12\x1a\n\x16STRATEGY_MAJORITY_VOTE\x10\x02\x12\x16\n\x12STRATEGY_BEST_OF_N\x10\x03\x12\x1a\n\x16STRATEGY_GROUP_ROLLOUT\x10\x04\"\xb4\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.cleave.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x17.cleave.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.cleave.v1.SamplingParams\x12.\n\treasoning\x18\x07 \x01(\x0b\x32\x1b.cleave.v1.ReasoningOptions\x12+\n\x07scaling\x18\x08 \x01(\x0b\x32\x1a.cleave.v1.TestTimeScaling\x12\x12\n\nraw_prompt\x18\t \x01(\x08\x12(\n\x06stream\x18\n \x01(\x0b\x32\x18.cleave.v1.StreamOptions\x12\x1e\n\x05tools\x18\x0b \x03(\x0b\x32\x0f.cleave.v1.Tool\x12*\n\x0btool_choice\x18\x0c \x01(\x0e\x32\x15.cleave.v1.ToolChoiceB\x07\n\x05input\"\xe5\x02\n\x0bSampleDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x16\n\x0ereasoning_text\x18\x04 \x01(\t\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.cleave.v1.FinishReason\x12(\n\x08logprobs\x18\x06 \x03(\x0b\x32\x16.cleave.v1.TopLogprobs\x12\x13\n\x06reward\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\tadvantage\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x06\x61nswer\x18\t \x01(\tH\x02\x88\x01\x01\x12%\n\x05\x65rror\x18\n \x01(\x0b\x32\x16.cleave.v1.ErrorDetail\x12\'\n\ntool_calls\x18\x0b \x03(\x0b\x32\x13.cleave.v1.ToolCallB\t\n\x07_rewardB\x0c\n\n_advantageB\t\n\x07_answer\"H\n\x0b\x41nswerVotes\x12\x0e\n\x06\x61nswer\x18\x01 \x01(\t\x12\x11\n\tnum_votes\x18\x02 \x01(\r\x12\x16\n\x0esample_indices\x18\x03 \x03(\r\"6\n\x0bVoteSummary\x12\'\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x16.cleave.v1.AnswerVotes\"\xa1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x07samples\x18\x02 \x03(\x0b\x32\x16.cleave.v1.SampleDelta\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.cleave.v1.Usage\x12\x1b\n\x0eselected_index\x18\x04 \x01(\rH\x00\x88\x01\x01\x12%\n\x05votes\x18\x05 \x01(\x0b\x32\x16.cleave.v1.VoteSummary\x12\r\n\x05model\x18\x06 \x01(\t\x12/\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x16.cleave.v1.TopLogprobs\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\rB\x11\n\x0f_selected_index\"\x13\n\x11ListModelsRequest\"_\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x1a\n\x12is_reasoning_model\x18\x04 \x01(\x08\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.cleave.v1.ModelInfo*U\n\nToolChoice\x12\x1b\n\x17TOOL_CHOICE_UNSPECIFIED\x10\x00\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x01\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x02\x32\xd7\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.cleave.v1.GenerateRequest\x1a\x1b.cleave.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.cleave.v1.AbortRequest\x1a\x18.cleave.v1.AbortResponse\x12I\n\nListModels\x12\x1c.cleave.v1.ListModelsRequest\x1a\x1d.cleave.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cleave.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_TOOLCHOICE']._serialized_start=2517
+  _globals['_TOOLCHOICE']._serialized_end=2602
   _globals['_TOKENIDS']._serialized_start=94
   _globals['_TOKENIDS']._serialized_end=117
-  _globals['_CHATMESSAGE']._serialized_start=119
-  _globals['_CHATMESSAGE']._serialized_end=204
-  _globals['_CHATMESSAGES']._serialized_start=206
-  _globals['_CHATMESSAGES']._serialized_end=262
-  _globals['_STREAMOPTIONS']._serialized_start=264
-  _globals['_STREAMOPTIONS']._serialized_end=351
-  _globals['_CODETEST']._serialized_start=353
-  _globals['_CODETEST']._serialized_end=403
-  _globals['_VERIFIER']._serialized_start=406
-  _globals['_VERIFIER']._serialized_end=621
-  _globals['_VERIFIER_KIND']._serialized_start=563
-  _globals['_VERIFIER_KIND']._serialized_end=621
-  _globals['_TESTTIMESCALING']._serialized_start=624
-  _globals['_TESTTIMESCALING']._serialized_end=922
-  _globals['_TESTTIMESCALING_STRATEGY']._serialized_start=787
-  _globals['_TESTTIMESCALING_STRATEGY']._serialized_end=922
-  _globals['_GENERATEREQUEST']._serialized_start=925
-  _globals['_GENERATEREQUEST']._serialized_end=1285
-  _globals['_SAMPLEDELTA']._serialized_start=1288
-  _globals['_SAMPLEDELTA']._serialized_end=1604
-  _globals['_ANSWERVOTES']._serialized_start=1606
-  _globals['_ANSWERVOTES']._serialized_end=1678
-  _globals['_VOTESUMMARY']._serialized_start=1680
-  _globals['_VOTESUMMARY']._serialized_end=1734
-  _globals['_GENERATERESPONSE']._serialized_start=1737
-  _globals['_GENERATERESPONSE']._serialized_end=2026
-  _globals['_LISTMODELSREQUEST']._serialized_start=2028
-  _globals['_LISTMODELSREQUEST']._serialized_end=2047
-  _globals['_MODELINFO']._serialized_start=2049
-  _globals['_MODELINFO']._serialized_end=2144
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2146
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2204
-  _globals['_GATEWAY']._serialized_start=2207
-  _globals['_GATEWAY']._serialized_end=2422
+  _globals['_CHATMESSAGE']._serialized_start=120
+  _globals['_CHATMESSAGE']._serialized_end=268
+  _globals['_TOOL']._serialized_start=270
+  _globals['_TOOL']._serialized_end=336
+  _globals['_TOOLCALL']._serialized_start=338
+  _globals['_TOOLCALL']._serialized_end=398
+  _globals['_CHATMESSAGES']._serialized_start=400
+  _globals['_CHATMESSAGES']._serialized_end=456
+  _globals['_STREAMOPTIONS']._serialized_start=458
+  _globals['_STREAMOPTIONS']._serialized_end=545
+  _globals['_CODETEST']._serialized_start=547
+  _globals['_CODETEST']._serialized_end=597
+  _globals['_VERIFIER']._serialized_start=600
+  _globals['_VERIFIER']._serialized_end=815
+  _globals['_VERIFIER_KIND']._serialized_start=757
+  _globals['_VERIFIER_KIND']._serialized_end=815
+  _globals['_TESTTIMESCALING']._serialized_start=818
+  _globals['_TESTTIMESCALING']._serialized_end=1116
+  _globals['_TESTTIMESCALING_STRATEGY']._serialized_start=981
+  _globals['_TESTTIMESCALING_STRATEGY']._serialized_end=1116
+  _globals['_GENERATEREQUEST']._serialized_start=1119
+  _globals['_GENERATEREQUEST']._serialized_end=1555
+  _globals['_SAMPLEDELTA']._serialized_start=1558
+  _globals['_SAMPLEDELTA']._serialized_end=1915
+  _globals['_ANSWERVOTES']._serialized_start=1917
+  _globals['_ANSWERVOTES']._serialized_end=1989
+  _globals['_VOTESUMMARY']._serialized_start=1991
+  _globals['_VOTESUMMARY']._serialized_end=2045
+  _globals['_GENERATERESPONSE']._serialized_start=2048
+  _globals['_GENERATERESPONSE']._serialized_end=2337
+  _globals['_LISTMODELSREQUEST']._serialized_start=2339
+  _globals['_LISTMODELSREQUEST']._serialized_end=2358
+  _globals['_MODELINFO']._serialized_start=2360
+  _globals['_MODELINFO']._serialized_end=2455
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2457
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2515
+  _globals['_GATEWAY']._serialized_start=2605
+  _globals['_GATEWAY']._serialized_end=2820
 # @@protoc_insertion_point(module_scope)
