@@ -16,7 +16,6 @@ from cleave.errors import InvalidArgument
 
 # field -> why it is refused (the message tells the client what to do instead)
 _REFUSED_BOTH = {
-    "logit_bias": "per-token logit biases are not supported",
     "response_format": "structured output (JSON mode, JSON schema) is not supported; only {\"type\": \"text\"}",
     "guided_json": "guided decoding is not supported",
     "guided_regex": "guided decoding is not supported",

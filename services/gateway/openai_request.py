@@ -160,6 +160,10 @@ def _sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
     for name in ("ignore_eos", "skip_special_tokens"):
         if body.get(name) is not None:
             options[name] = _bool(body[name], name)
+    if body.get("min_tokens") is not None:
+        options["min_tokens"] = _uint(body["min_tokens"], "min_tokens")
+    if body.get("logit_bias") is not None:
+        options["logit_bias"] = _logit_bias(body["logit_bias"])
     n = body.get("n")
     if n is not None:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
@@ -174,6 +178,19 @@ def _sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
         if body.get("echo") is True:  # the echoed prompt's tokens get logprobs too
             options["prompt_logprobs"] = options["logprobs"]
     return SamplingRequest(**options)
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: a JSON object from token ids (as strings) to biases."""
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"must be an object mapping token ids to biases, got {_json_type(value)}",
+                              field="logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit() and key.isascii()):
+            raise InvalidArgument(f"keys must be token ids, got {key!r}", field="logit_bias")
+        pairs.append((_uint(int(key), "logit_bias"), _float(bias, f"logit_bias.{key}")))
+    return tuple(pairs)
 
 
 def _reasoning(body: dict[str, Any]) -> ReasoningOptions:

@@ -205,7 +205,7 @@ class RoutingBackend:
         if spec.scaling.strategy is not Strategy.NONE:
             sampling = replace(sampling, n=spec.scaling.num_samples)
         try:
-            sampling.validate(self.model.max_model_len, len(prompt_ids))
+            sampling.validate(self.model.max_model_len, len(prompt_ids), self.model.vocab_size)
         except InvalidArgument as error:
             raise request_field(error) from None
         return prompt_ids, replace(spec, sampling=sampling)

@@ -215,3 +215,35 @@ def test_counter_hash_matches_exact_integer_reference():
             low, high = key & 0xFFFFFFFF, key >> 32
             hashed = _mix32_reference(((_mix32_reference(token ^ low)) + high) & 0xFFFFFFFF)
             assert uniforms[row, token].item() == ((hashed >> 9) + 0.5) / 2**23
+
+
+def test_logit_bias_shifts_and_bans_only_the_rows_that_ask():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(5))
+    top = logits.argmax(-1)
+    params = [SamplingParams(temperature=0.0, logit_bias={int(top[0]): -100.0}),  # the argmax banned
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logit_bias={7: 100.0, 9: -3.0})]  # 7 all but forced
+    before = logits.clone()
+    out = Sampler(seed=0).sample(logits, _state(params, 40))
+    expected_first = logits[0].clone()
+    expected_first[top[0]] -= 100.0
+    assert out.token_ids.tolist() == [int(expected_first.argmax()), int(top[1]), 7]
+    assert torch.equal(logits, before)  # the caller's logits are not modified
+    state = _state(params, 40)
+    assert state.bias_index.tolist() == [[0, 2, 2], [int(top[0]), 7, 9]] and not state.bias_depends_on_outputs
+
+
+def test_min_tokens_keeps_eos_and_stop_ids_out_until_reached():
+    logits = torch.zeros(4, 10)
+    logits[:, 2] = 5.0  # eos is every row's argmax
+    logits[:, 3] = 4.0  # then the stop token id
+    params = [SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3]),  # short: neither
+              SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3]),  # reached: eos again
+              SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True),  # eos is just a token
+              SamplingParams(temperature=0.0)]
+    outputs = [[5], [5, 6], [], []]
+    state = _state(params, 10, outputs, eos_token_ids=(2,))
+    out = Sampler(seed=0).sample(logits, state)
+    assert out.token_ids.tolist() == [0, 2, 2, 2]  # row 0: eos and 3 at -inf, the first zero logit wins
+    assert state.bias_depends_on_outputs
+    assert not _state(params[1:], 10, outputs[1:], eos_token_ids=(2,)).bias_depends_on_outputs

@@ -130,3 +130,19 @@ def test_nothing_after_finish(final):
     checker = StopChecker(SamplingParams(stop=["z"]))
     checker.append_text("az") if not final else checker.append_text("a", final=True)
     assert checker.append_text("more").text == ""
+
+
+def test_min_tokens_lets_no_stop_string_or_stop_id_end_a_short_sample():
+    from cleave.generation.sampling_params import SamplingParams
+    from cleave.generation.stop import StopChecker
+
+    checker = StopChecker(SamplingParams(stop=["ab"], stop_token_ids=[9], min_tokens=3), eos_token_ids=(0,))
+    assert checker.check_token(9) is None  # token 1 of at least 3: not a stop
+    assert checker.append_text("ab").text == "ab"  # nor a stop string, nothing held back
+    assert checker.check_token(1) is None
+    assert checker.append_text("a").text == "a"
+    assert checker.check_token(1) is None  # token 3: the minimum is met, stop strings count again
+    update = checker.append_text("b ab")
+    assert (update.text, update.finish_reason, update.stop_reason) == ("b ", FinishReason.STOP, "ab")
+    late = StopChecker(SamplingParams(stop_token_ids=[9], min_tokens=1))
+    assert late.check_token(4) is None and late.check_token(9).finish_reason is FinishReason.STOP

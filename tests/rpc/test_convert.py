@@ -26,6 +26,9 @@ from cleave.rpc import convert, types
         ({"max_tokens": 4, "min_tokens": 5}, "sampling.min_tokens"),
         ({"stop": ["ok", ""]}, "sampling.stop[1]"),
         ({"stop_token_ids": [1, 2**31]}, "sampling.stop_token_ids[1]"),
+        ({"logit_bias": {5: 100.5}}, "sampling.logit_bias.5"),
+        ({"logit_bias": {5: float("nan")}}, "sampling.logit_bias.5"),
+        ({"logit_bias": {i: 1.0 for i in range(1025)}}, "sampling.logit_bias"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs, field):
@@ -42,10 +45,11 @@ def test_sampling_defaults_and_presence():
     assert convert.sampling_from_proto(common_pb2.SamplingParams(skip_special_tokens=False)).skip_special_tokens is False
 
 
-def test_sampling_min_tokens_is_refused_and_reasoning_applies():
-    with pytest.raises(InvalidArgument) as raised:
-        convert.sampling_from_proto(common_pb2.SamplingParams(min_tokens=2))
-    assert raised.value.field == "sampling.min_tokens"
+def test_sampling_min_tokens_and_logit_bias_arrive_and_reasoning_applies():
+    params = convert.sampling_from_proto(common_pb2.SamplingParams(min_tokens=2, max_tokens=4,
+                                                                   logit_bias={7: -100.0, 3: 2.5}))
+    assert (params.min_tokens, params.logit_bias) == (2, {3: 2.5, 7: -100.0})
+    assert convert.sampling_from_proto(common_pb2.SamplingParams()).logit_bias is None
     options = types.ReasoningOptions(types.ReasoningMode.HIDDEN, max_thinking_tokens=9, min_thinking_tokens=2)
     params = convert.sampling_from_proto(common_pb2.SamplingParams(), reasoning=options)
     assert (params.max_thinking_tokens, params.min_thinking_tokens, params.include_reasoning) == (9, 2, False)
@@ -55,6 +59,7 @@ def test_sampling_round_trip():
     params = SamplingParams(
         max_tokens=64, temperature=0.75, top_p=0.875, top_k=40, seed=0, stop=["</s>"],
         stop_token_ids=[2, 7], n=4, logprobs=0, repetition_penalty=1.125, skip_special_tokens=False,
+        min_tokens=3, logit_bias={11: -100.0, 4: 0.5},
     )
     wire = common_pb2.SamplingParams.FromString(convert.sampling_to_proto(params).SerializeToString())
     back = convert.sampling_from_proto(wire)

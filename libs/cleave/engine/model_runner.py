@@ -171,10 +171,12 @@ class ModelRunner:
     """
 
     def __init__(
-        self, config: EngineConfig, model: CausalLM, sync_timing: bool = False, device_timing: bool = False
+        self, config: EngineConfig, model: CausalLM, sync_timing: bool = False, device_timing: bool = False,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         _check_tensor_parallel(config, model)
         self.config = config
+        self.eos_token_ids = eos_token_ids  # kept from samples short of their min_tokens
         self.model = model
         self.model_config = model.config  # a tensor-parallel rank's view: its KV heads (cleave.parallel)
         self.device = torch.device(config.device)
@@ -496,9 +498,11 @@ class ModelRunner:
             prompt_token_ids=[seq.prompt_token_ids for seq in seqs] if needs_prompt else None,
             sample_indices=[seq.sample_index for seq in seqs],
             logits_processors=processors,
+            eos_token_ids=self.eos_token_ids,
         )
-        # Seeded noise and penalties change with every token; plain rows do not.
-        reusable = state.seeded_rows is None and not state.needs_penalties and not state.row_processors
+        # Seeded noise, penalties and min_tokens change with every token; plain rows do not.
+        reusable = (state.seeded_rows is None and not state.needs_penalties and not state.row_processors
+                    and not state.bias_depends_on_outputs)
         self._cached_sampling = (list(seqs), state) if reusable else None
         return state
 

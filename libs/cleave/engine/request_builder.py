@@ -112,7 +112,7 @@ class RequestBuilder:
             raise InvalidArgument("must be a non-empty string without '/'", field="request_id")
         params = SamplingParams() if params is None else params
         prompt_ids = self.encode_prompt(prompt, raw)
-        params.validate(self.max_model_len, len(prompt_ids))
+        params.validate(self.max_model_len, len(prompt_ids), self.vocab_size)
         max_num_seqs = self.max_num_seqs
         if params.n > max_num_seqs:  # the samples run at once: more could never be admitted
             raise InvalidArgument(f"must be at most max_num_seqs ({max_num_seqs}) on this engine", field="n")

@@ -5,6 +5,7 @@ processors (rows that have any) and building `SamplingTensors` beforehand. Stage
 
     raw logits -> logprobs (log_softmax of the raw logits, if requested)
                -> logits processors (per row, e.g. thinking budgets)
+               -> logit biases (logit_bias; -inf on eos / stop ids before min_tokens)
                -> repetition / frequency / presence penalties
                -> greedy rows: argmax
                -> other rows: / temperature -> top-k -> top-p -> min-p -> softmax
@@ -75,6 +76,8 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if state.num_logprobs is not None else None
         logits = apply_logits_processors(logits, state)
+        if state.bias_index is not None:  # logit_bias, min_tokens (a new tensor: `logits` may be the caller's)
+            logits = logits.index_put((state.bias_index[0], state.bias_index[1]), state.bias_values, accumulate=True)
         if state.needs_penalties:
             logits = apply_penalties(logits, state)
         if state.all_greedy:

@@ -9,7 +9,7 @@ options travel in two host -> device copies that do not wait for the device.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +49,10 @@ class SamplingTensors:
         seeded_rows: [S] int64 rows sampled from counter-based noise (None: no seeded row).
         seeded_keys: [S, 2] int64 (low, high) words of each seeded row's key.
         row_processors: rows that carry logits processors.
+        bias_index: [2, N] int64 (row, token id) of each logit to shift (None: none), and
+        bias_values: [N] float32 the shifts: requests' logit_bias, and -inf on the eos and
+            stop token ids of rows short of their min_tokens.
+        bias_depends_on_outputs: some shift ends with the row's output length (min_tokens).
         num_logprobs: top-k logprobs to return (max over rows), None when no row asks.
         all_greedy / needs_top_k / needs_top_p / needs_min_p / needs_penalties: host flags.
         any_greedy / needs_temperature: whether any row takes the argmax, and whether any
@@ -69,6 +73,9 @@ class SamplingTensors:
     seeded_rows: torch.Tensor | None = None
     seeded_keys: torch.Tensor | None = None
     row_processors: list[RowProcessors] = field(default_factory=list)
+    bias_index: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    bias_depends_on_outputs: bool = False
     num_logprobs: int | None = None
     all_greedy: bool = False
     needs_top_k: bool = False
@@ -89,6 +96,7 @@ class SamplingTensors:
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         sample_indices: Sequence[int] | None = None,
         logits_processors: Sequence[Sequence[LogitsProcessor]] | None = None,
+        eos_token_ids: Collection[int] = (),
     ) -> SamplingTensors:
         """Gather one step's rows.
 
@@ -103,6 +111,7 @@ class SamplingTensors:
             sample_indices: which of the request's `n` samples each row is (default 0), so
                 seeded samples of one request differ from each other.
             logits_processors: per-row processors (empty sequence for none).
+            eos_token_ids: the model's, kept from rows short of their min_tokens.
         """
         device = torch.device(device)
         num_rows = len(params)
@@ -136,6 +145,7 @@ class SamplingTensors:
         state.needs_min_p = any(params[i].min_p > 0.0 for i in sampled)
         state._init_penalties(params, vocab_size, device, output_token_ids, prompt_token_ids)
         state._init_seeds(params, sampled, device, output_token_ids, sample_indices)
+        state._init_bias(params, device, output_token_ids, eos_token_ids)
         if logits_processors is not None:
             state.row_processors = [
                 RowProcessors(row, procs, output_token_ids[row])
@@ -155,6 +165,26 @@ class SamplingTensors:
         self.output_counts = token_counts(output_token_ids, vocab_size, device)
         if has_repetition and prompt_token_ids is not None:
             self.prompt_mask = token_counts(prompt_token_ids, vocab_size, device) > 0
+
+    def _init_bias(self, params, device, output_token_ids, eos_token_ids):
+        rows: list[int] = []
+        token_ids: list[int] = []
+        values: list[float] = []
+        for row, p in enumerate(params):
+            if p.logit_bias:
+                rows += [row] * len(p.logit_bias)
+                token_ids += p.logit_bias.keys()
+                values += p.logit_bias.values()
+            if p.min_tokens and len(output_token_ids[row]) < p.min_tokens:
+                kept_out = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | set(eos_token_ids)
+                if kept_out:
+                    rows += [row] * len(kept_out)
+                    token_ids += kept_out
+                    values += [float("-inf")] * len(kept_out)
+                    self.bias_depends_on_outputs = True
+        if rows:
+            self.bias_index = tensor_on(rows + token_ids, torch.int64, device).view(2, len(rows))
+            self.bias_values = tensor_on(values, torch.float32, device)
 
     def _init_seeds(self, params, sampled, device, output_token_ids, sample_indices):
         rows = [i for i in sampled if params[i].seed is not None]

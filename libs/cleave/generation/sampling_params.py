@@ -20,6 +20,10 @@ SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 # Below this temperature a row is sampled greedily (argmax).
 GREEDY_TEMPERATURE = 1e-5
+# OpenAI's range for a logit bias (-100 bans a token, 100 all but forces it), and how many
+# tokens one request may bias.
+MAX_ABS_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 @dataclass
@@ -53,6 +57,10 @@ class SamplingParams:
             None: unlimited.
         min_thinking_tokens: suppress the end-of-thinking tag until this many thinking tokens.
         include_reasoning: return the reasoning text beside the answer (else drop it).
+        min_tokens: generate at least this many tokens per sample: eos and the stop token ids
+            are not sampled before, and stop strings not matched; 0: no minimum.
+        logit_bias: {token id: value in [-100, 100]} added to the token's logit before
+            sampling (OpenAI's logit_bias; -100 bans it); None: no bias.
     """
 
     max_tokens: int | None = 16
@@ -74,6 +82,8 @@ class SamplingParams:
     max_thinking_tokens: int | None = None
     min_thinking_tokens: int = 0
     include_reasoning: bool = True
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -85,16 +95,19 @@ class SamplingParams:
         room = max_model_len - prompt_len
         return room if self.max_tokens is None else min(self.max_tokens, room)
 
-    def validate(self, max_model_len: int | None = None, prompt_len: int | None = None) -> None:
+    def validate(self, max_model_len: int | None = None, prompt_len: int | None = None,
+                 vocab_size: int | None = None) -> None:
         """Raise `InvalidArgument` naming the first bad field; return None when all are valid.
 
         Args:
             max_model_len: the model's context window; enables the length check.
             prompt_len: tokens in the prompt; with max_model_len checks prompt + max_tokens.
+            vocab_size: the model's vocabulary; logit_bias token ids must be below it.
         """
         self._validate_sampling()
         self._validate_penalties()
         self._validate_lists()
+        self._validate_bias(vocab_size)
         self._validate_reasoning()
         self._validate_length(max_model_len, prompt_len)
 
@@ -167,6 +180,30 @@ class SamplingParams:
                 raise InvalidArgument(
                     f"token ids must be >= 0, got {token_id}", field="stop_token_ids"
                 )
+
+    def _validate_bias(self, vocab_size: int | None) -> None:
+        _require_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise InvalidArgument(f"must be >= 0, got {self.min_tokens}", field="min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidArgument(f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                                  field="min_tokens")
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidArgument("must map token ids to biases", field="logit_bias")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise InvalidArgument(f"biases {len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS_TOKENS}",
+                                  field="logit_bias")
+        for token_id, bias in self.logit_bias.items():
+            _require_int("logit_bias", token_id)
+            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+                raise InvalidArgument(f"token id {token_id} is outside the vocabulary"
+                                      + (f" [0, {vocab_size})" if vocab_size is not None else ""), field="logit_bias")
+            _require_real(f"logit_bias.{token_id}", bias)
+            if abs(bias) > MAX_ABS_LOGIT_BIAS:
+                raise InvalidArgument(f"must be in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], got {bias}",
+                                      field=f"logit_bias.{token_id}")
 
     def _validate_reasoning(self) -> None:
         if self.max_thinking_tokens is not None:

@@ -44,6 +44,7 @@ class SamplingRequest:
     presence_penalty: float = 0.0
     ignore_eos: bool = False
     skip_special_tokens: bool | None = None  # None: True
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
 
 
 def _check_finite(value: float, field: str) -> None:
@@ -90,8 +91,6 @@ def to_sampling_params(
             raise InvalidArgument(f"must be in [-2, 2], got {value}", field=f"{field}.{name}")
     if request.max_tokens and request.min_tokens > request.max_tokens:
         raise InvalidArgument("must not exceed max_tokens", field=f"{field}.min_tokens")
-    if request.min_tokens:
-        raise InvalidArgument("is not supported by the engine yet; leave it 0", field=f"{field}.min_tokens")
     for position, stop in enumerate(request.stop):
         if not stop:
             raise InvalidArgument("stop strings must not be empty", field=f"{field}.stop[{position}]")
@@ -118,6 +117,8 @@ def to_sampling_params(
         max_thinking_tokens=max_thinking_tokens,
         min_thinking_tokens=min_thinking_tokens,
         include_reasoning=include_reasoning,
+        min_tokens=request.min_tokens,
+        logit_bias=dict(request.logit_bias) or None,
     )
     try:
         params.validate()

@@ -70,7 +70,8 @@ class StopChecker:
     """Stop-condition state of one sample.
 
     Args:
-        params: the request's sampling parameters (stop, stop_token_ids, ignore_eos).
+        params: the request's sampling parameters (stop, stop_token_ids, ignore_eos,
+            min_tokens: neither stop ids nor stop strings end a sample shorter than it).
         eos_token_ids: the model's end-of-sequence ids.
         max_new_tokens: most tokens to generate (`params.max_new_tokens(...)` resolves
             max_tokens=None against the context window); None: no limit here.
@@ -89,6 +90,7 @@ class StopChecker:
         # One set for the common "no stop id" test; `check_token` tells eos and stop ids apart after.
         self._any_stop_ids = self._eos_token_ids | self._stop_token_ids
         self._token_limit = self._max_new_tokens if self._max_new_tokens is not None else float("inf")
+        self._min_tokens = params.min_tokens  # stop ids and strings end nothing before
         self._num_tokens = 0
         self._held_back = ""
         self._emitted: list[str] = []
@@ -119,7 +121,7 @@ class StopChecker:
     def check_token(self, token_id: int) -> TokenStop | None:
         """Count one generated token and decide stops that depend only on its id."""
         self._num_tokens += 1
-        if token_id in self._any_stop_ids:
+        if token_id in self._any_stop_ids and self._num_tokens > self._min_tokens:
             if token_id in self._eos_token_ids:
                 return TokenStop(FinishReason.STOP, None, include_token_text=False)
             return TokenStop(FinishReason.STOP, token_id, include_token_text=False)
@@ -134,6 +136,9 @@ class StopChecker:
         """
         if self._finished:
             return StopUpdate("")
+        if self._num_tokens < self._min_tokens:  # no stop string ends a sample this short
+            self._finished = final
+            return self._emit(new_text, None, None)
         buffer = self._held_back + new_text
         match_at, matched = self._earliest_stop(buffer)
         if matched is not None:

@@ -90,6 +90,7 @@ def sampling_from_proto(
         presence_penalty=message.presence_penalty,
         ignore_eos=message.ignore_eos,
         skip_special_tokens=_optional(message, "skip_special_tokens"),
+        logit_bias=tuple(sorted(message.logit_bias.items())),
     )
     if reasoning is None:
         return to_sampling_params(request, field)
@@ -127,6 +128,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         presence_penalty=params.presence_penalty,
         ignore_eos=params.ignore_eos,
         skip_special_tokens=params.skip_special_tokens,
+        min_tokens=params.min_tokens,
+        logit_bias=params.logit_bias or {},
     )
     for name in ("seed", "logprobs", "prompt_logprobs"):
         value = getattr(params, name)

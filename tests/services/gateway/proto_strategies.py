@@ -102,7 +102,11 @@ def _fill(draw: st.DrawFn, message: Message, field: FieldDescriptor, depth: int,
     is_message = field.type == FieldDescriptor.TYPE_MESSAGE
     if is_message and depth >= MAX_DEPTH:
         return
-    if _repeated(field):
+    if is_message and field.message_type.GetOptions().map_entry:  # map<scalar, scalar>
+        key, value = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
+        entries = draw(st.dictionaries(_scalar(key), _scalar(value), max_size=MAX_REPEATED))
+        getattr(message, field.name).update(entries)
+    elif _repeated(field):
         if is_message:
             sub_class = GetMessageClass(field.message_type)
             for item in draw(st.lists(_messages(field.message_type, sub_class, depth + 1, sparse), max_size=MAX_REPEATED)):

@@ -104,3 +104,30 @@ async def test_errors_are_openai_shaped(stack):
     async with httpx.AsyncClient() as http:
         response = await http.post(f"{stack.http_url}/completions", content=b"{not json")
     assert response.status_code == 400
+
+
+async def test_logit_bias_reaches_every_token_and_min_tokens_outlasts_a_stop_string(stack, model_dir):
+    """+100 on one token makes greedy output that token throughout (in disaggregated mode the
+    prefill worker samples the first); a stop string the answer starts with cannot end it
+    before `min_tokens`; both as the in-process engine generates them."""
+    reference = reference_llm(model_dir)
+    prompt, forced = "The quick brown fox", 42
+    biased = await client(stack).completions.create(
+        model="tiny", prompt=prompt, max_tokens=6, temperature=0.0, logit_bias={str(forced): 100},
+        extra_body={"reasoning_mode": "inline"})
+    assert biased.choices[0].text == reference.tokenizer.decode([forced] * 6)
+    assert biased.usage.completion_tokens == 6
+    (plain,) = reference.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0), raw=True)
+    stop = plain.outputs[0].reasoning_text[:1]  # the answer's first character
+    for min_tokens in (0, 5):
+        response = await client(stack).completions.create(
+            model="tiny", prompt=prompt, max_tokens=8, temperature=0.0, stop=[stop],
+            extra_body={"reasoning_mode": "inline", "min_tokens": min_tokens})
+        (expected,) = reference.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, stop=[stop],
+                                                                min_tokens=min_tokens), raw=True)
+        assert response.choices[0].text == expected.outputs[0].reasoning_text
+        assert response.usage.completion_tokens == len(expected.outputs[0].token_ids)
+        assert (response.usage.completion_tokens >= 5) == (min_tokens == 5)
+    with pytest.raises(openai.BadRequestError) as raised:
+        await client(stack).completions.create(model="tiny", prompt=prompt, max_tokens=2, logit_bias={"999999": 1})
+    assert raised.value.body["param"] == "logit_bias"
