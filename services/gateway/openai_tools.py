@@ -110,16 +110,21 @@ def assistant_tool_calls(value: Any, position: int) -> tuple[dict[str, Any], ...
         function = _object(call.get("function"), f"{call_field}.function")
         name = _string(function.get("name"), f"{call_field}.function.name")
         arguments = function.get("arguments", "{}")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments else {}
-            except ValueError:
-                raise InvalidArgument("must be a JSON object encoded as a string",
-                                      field=f"{call_field}.function.arguments") from None
-        _object(arguments, f"{call_field}.function.arguments")
+        arguments_field = f"{call_field}.function.arguments"
+        arguments = json_object(arguments or "{}", arguments_field) if isinstance(arguments, str) else arguments
+        _object(arguments, arguments_field)
         calls.append({"id": _string(call.get("id"), f"{call_field}.id", required=False), "type": "function",
                       "function": {"name": name, "arguments": arguments}})
     return tuple(calls)
+
+
+def json_object(text: str, field: str) -> dict[str, Any]:
+    """JSON text of an object (call arguments, a parameters schema) as the object."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise InvalidArgument("must be JSON text of an object", field=field) from None
+    return _object(value, field)
 
 
 def tool_call_id(value: Any, position: int, role: str) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -43,7 +42,7 @@ from services.gateway.backend import (
     VerifierKind,
     VerifierSpec,
 )
-from services.gateway.openai_tools import MAX_TOOLS, new_call_id
+from services.gateway.openai_tools import MAX_TOOLS, json_object, new_call_id
 from services.gateway.request_names import chat_role, resolve_model
 
 DEADLINE_MARGIN_S = 0.05
@@ -87,7 +86,7 @@ def prompt_from_proto(request: gateway_pb2.GenerateRequest) -> Prompt:
         calls = tuple(
             {"id": call.id, "type": "function",
              "function": {"name": _name(call.name, f"{field}.tool_calls[{index}].name"),
-                          "arguments": _json_object(call.arguments_json or "{}",
+                          "arguments": json_object(call.arguments_json or "{}",
                                                     f"{field}.tool_calls[{index}].arguments_json")}}
             for index, call in enumerate(message.tool_calls)
         )
@@ -106,7 +105,7 @@ def tools_from_proto(tools: Sequence[gateway_pb2.Tool]) -> tuple[dict[str, Any],
         if tool.description:
             function["description"] = tool.description
         if tool.parameters_json:
-            function["parameters"] = _json_object(tool.parameters_json, f"tools[{position}].parameters_json")
+            function["parameters"] = json_object(tool.parameters_json, f"tools[{position}].parameters_json")
         checked.append({"type": "function", "function": function})
     return tuple(checked)
 
@@ -114,16 +113,6 @@ def tools_from_proto(tools: Sequence[gateway_pb2.Tool]) -> tuple[dict[str, Any],
 def _name(value: str, field: str) -> str:
     if not value:
         raise InvalidArgument("must not be empty", field=field)
-    return value
-
-
-def _json_object(text: str, field: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        raise InvalidArgument("must be JSON text of an object", field=field) from None
-    if not isinstance(value, dict):
-        raise InvalidArgument(f"must be JSON text of an object, got {type(value).__name__}", field=field)
     return value
 
 
