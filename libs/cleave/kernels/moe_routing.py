@@ -25,21 +25,28 @@ def top_k_routing(
     """(weights [BLOCK_K] fp32, ids [BLOCK_K] int32) of the token's TOP_K experts, in
     descending order of probability: softmax over the logits in fp32, then TOP_K rounds of
     max (ties: the lower expert id), divided by their sum when RENORMALIZE (which equals a
-    softmax over the top-k logits, gpt-oss's router). Slots past TOP_K hold 0."""
+    softmax over the top-k logits, gpt-oss's router). Slots past TOP_K hold 0.
+
+    Each round is one reduction: an expert's key is its probability's bits (non-negative
+    floats order as their bit patterns) above BLOCK_E - 1 - id, so the largest key is the
+    most probable expert and, among equals, the lowest id."""
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
     logits = tl.load(logits_row_ptr + experts, mask=valid, other=float("-inf")).to(tl.float32)
     exps = tl.where(valid, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
-    remaining = tl.where(valid, exps / tl.sum(exps, axis=0), -1.0)  # [E] probabilities
+    probs = exps / tl.sum(exps, axis=0)  # [E], >= 0
+    bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
+    keys = tl.where(valid, (bits << 32) | (BLOCK_E - 1 - experts).to(tl.int64), -1)
     slots = tl.arange(0, BLOCK_K)
     chosen_weights = tl.zeros([BLOCK_K], dtype=tl.float32)
     chosen_ids = tl.zeros([BLOCK_K], dtype=tl.int32)
     for slot in tl.static_range(TOP_K):
-        best = tl.max(remaining, axis=0)
-        best_id = tl.min(tl.where(remaining == best, experts, BLOCK_E), axis=0)  # ties: lower id
-        chosen_weights = tl.where(slots == slot, best, chosen_weights)
+        best = tl.max(keys, axis=0)
+        best_id = (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+        best_prob = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        chosen_weights = tl.where(slots == slot, best_prob, chosen_weights)
         chosen_ids = tl.where(slots == slot, best_id, chosen_ids)
-        remaining = tl.where(experts == best_id, -1.0, remaining)
+        keys = tl.where(keys == best, -1, keys)
     if RENORMALIZE:
         chosen_weights = chosen_weights / tl.sum(chosen_weights, axis=0)
     return chosen_weights, chosen_ids
