@@ -105,6 +105,7 @@ class GenerateSpec:
     stream: StreamShape
     deadline: float | None = None  # event-loop time (loop.time()) by which the request must end
     parse_tool_calls: bool = False  # answers' tool calls come apart from their content
+    parallel_tool_calls: bool = True  # False: an answer's first call only
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,13 @@ from cleave.rpc.convert import checked_reasoning_effort, thinking_options
 from cleave.rpc.types import ReasoningMode, ReasoningOptions
 from services.gateway.backend import ChatMessage, GenerateSpec, Prompt, Scaling, StreamShape
 from services.gateway.openai_fields import refuse_unsupported
-from services.gateway.openai_tools import assistant_tool_calls, parses_tool_calls, request_tools, tool_call_id
+from services.gateway.openai_tools import (
+    assistant_tool_calls,
+    parallel_tool_calls,
+    parses_tool_calls,
+    request_tools,
+    tool_call_id,
+)
 from services.gateway.request_names import chat_role
 
 _HTTP_STATUS = {
@@ -162,6 +168,12 @@ def _sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
             options[name] = _bool(body[name], name)
     if body.get("min_tokens") is not None:
         options["min_tokens"] = _uint(body["min_tokens"], "min_tokens")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list):
+            raise InvalidArgument(f"must be a list of token ids, got {_json_type(stop_ids)}", field="stop_token_ids")
+        options["stop_token_ids"] = tuple(_uint(token_id, f"stop_token_ids[{position}]")
+                                          for position, token_id in enumerate(stop_ids))
     if body.get("logit_bias") is not None:
         options["logit_bias"] = _logit_bias(body["logit_bias"])
     n = body.get("n")
@@ -344,5 +356,6 @@ def generate_spec(body: Any, request_id: str, model: str, chat: bool,
         scaling=Scaling(num_samples=sampling.n),
         stream=StreamShape(include_token_ids=True),
         parse_tool_calls=chat and parses_tool_calls(body, prompt.tools),
+        parallel_tool_calls=parallel_tool_calls(body),
     )
     return spec, stream

@@ -6,8 +6,8 @@ OpenAI returns them.
 "auto" (the default) the answer's calls come back in `message.tool_calls` (streamed: one
 `delta.tool_calls` entry per call, whole) and the choice finishes with "tool_calls".
 "none" renders the tools but leaves the answer as text, as vLLM does. "required" and a named
-function need decoding constrained to a call, which cleave does not have: a 400, as is
-`parallel_tool_calls: false` (the model may call several). An assistant turn's calls are
+function need decoding constrained to a call, which cleave does not have: a 400.
+`parallel_tool_calls: false` keeps an answer's first call only. An assistant turn's calls are
 handed to the template with their arguments as objects (what templates iterate over), a tool
 turn with the id of the call it answers.
 """
@@ -85,13 +85,15 @@ def parses_tool_calls(body: dict[str, Any], tools: tuple[dict[str, Any], ...]) -
         raise InvalidArgument(f"must be \"auto\" or \"none\", got {choice!r}", field="tool_choice")
     if choice == "auto" and not tools:
         raise InvalidArgument("\"auto\" needs tools to choose from; give tools", field="tool_choice")
+    return bool(tools) and choice != "none"
+
+
+def parallel_tool_calls(body: dict[str, Any]) -> bool:
+    """`parallel_tool_calls` (default true): false keeps an answer's first call only."""
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise InvalidArgument(f"must be true or false, got {parallel!r}", field="parallel_tool_calls")
-    if parallel is False and tools:
-        raise InvalidArgument("false is not supported: the model may call several tools in one answer",
-                              field="parallel_tool_calls")
-    return bool(tools) and choice != "none"
+    return parallel is not False
 
 
 def assistant_tool_calls(value: Any, position: int) -> tuple[dict[str, Any], ...]:

@@ -55,6 +55,7 @@ class SampleText:
             every token.
         tool_format: the format to parse tool calls out of ("hermes", "harmony": a request
             with tools, `ServedModel.tool_call_format`), or None.
+        parallel_tool_calls: False keeps the answer's first call only (the others are dropped).
     """
 
     def __init__(
@@ -70,6 +71,7 @@ class SampleText:
         tag_tokens: dict[int, str] | None = None,
         pieces: TokenPieces | None = None,
         tool_format: str | None = None,
+        parallel_tool_calls: bool = True,
     ) -> None:
         self.index = index
         self._tag_tokens = (tag_tokens or {}) if params.skip_special_tokens else {}
@@ -88,6 +90,7 @@ class SampleText:
         self.answer_parts: list[str] = []  # answer text (reasoning and tool calls removed)
         self.reasoning_parts: list[str] = []
         self.tool_calls: list[ToolCall] = []
+        self._max_tool_calls = None if parallel_tool_calls else 1
         self.finish_reason: FinishReason | None = None
 
     @property
@@ -165,8 +168,13 @@ class SampleText:
 
     def _feed_marked(self, parsed: ToolParse, text: list[str], reasoning: list[str], num_tokens: int = 0) -> None:
         """What the marked-text tool parser passed on goes to the reasoning parser."""
-        self.tool_calls.extend(parsed.tool_calls)
+        self._add_calls(parsed.tool_calls)
         self._split(parsed.content, text, reasoning, num_tokens)
+
+    def _add_calls(self, calls: tuple[ToolCall, ...]) -> None:
+        if self._max_tool_calls is not None:
+            calls = calls[: max(0, self._max_tool_calls - len(self.tool_calls))]
+        self.tool_calls.extend(calls)
 
     def _split(self, new_text: str, text: list[str], reasoning: list[str], num_tokens: int) -> None:
         """Thinking from answer (a reasoning model), then the answer out."""
@@ -202,4 +210,4 @@ class SampleText:
         if parsed.content:
             text.append(parsed.content)
             self.answer_parts.append(parsed.content)
-        self.tool_calls.extend(parsed.tool_calls)
+        self._add_calls(parsed.tool_calls)

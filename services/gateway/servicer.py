@@ -228,6 +228,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 continuous_usage=request.stream.continuous_usage,
             ),
             parse_tool_calls=parse_tool_calls,
+            parallel_tool_calls=not request.HasField("parallel_tool_calls") or request.parallel_tool_calls,
         )
 
     async def Generate(

@@ -128,6 +128,16 @@ async def test_logit_bias_reaches_every_token_and_min_tokens_outlasts_a_stop_str
         assert response.choices[0].text == expected.outputs[0].reasoning_text
         assert response.usage.completion_tokens == len(expected.outputs[0].token_ids)
         assert (response.usage.completion_tokens >= 5) == (min_tokens == 5)
+    for min_tokens in (0, 3):  # the forced token is a stop id too: it ends the sample once min_tokens allows
+        response = await client(stack).completions.create(
+            model="tiny", prompt=prompt, max_tokens=6, temperature=0.0, logit_bias={str(forced): 100},
+            extra_body={"reasoning_mode": "inline", "stop_token_ids": [forced], "min_tokens": min_tokens})
+        (expected,) = reference.generate(prompt, SamplingParams(
+            max_tokens=6, temperature=0.0, logit_bias={forced: 100.0}, stop_token_ids=[forced],
+            min_tokens=min_tokens), raw=True)
+        assert (response.choices[0].finish_reason, response.usage.completion_tokens) == ("stop", min_tokens + 1)
+        assert response.choices[0].text == expected.outputs[0].reasoning_text
+        assert forced not in expected.outputs[0].token_ids[:min_tokens]
     with pytest.raises(openai.BadRequestError) as raised:
         await client(stack).completions.create(model="tiny", prompt=prompt, max_tokens=2, logit_bias={"999999": 1})
     assert raised.value.body["param"] == "logit_bias"

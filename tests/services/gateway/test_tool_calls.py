@@ -1,14 +1,17 @@
-"""Tool calling on /v1/chat/completions, through the real `openai` client.
+"""Tool calling through both front doors: the real `openai` client on /v1/chat/completions
+and the gRPC stub.
 
 The model is the tiny reasoning checkpoint with a chat template that describes tools and
-asks for hermes `<tool_call>` blocks (as Qwen3's does). Its answers are scripted: a backend
-renders each request's prompt with the served model (the template sees the tools and the
-earlier calls) and streams the token ids of a fixed answer through the gateway's own
-`SampleText`, a few tokens a step, so the tags arrive split over tokens and steps.
+asks for hermes `<tool_call>` blocks (as Qwen3's does), or harmony messages to a function (as
+gpt-oss's does). Its answers are scripted: a backend renders each request's prompt with the
+served model (the template sees the tools and the earlier calls) and streams the token ids
+of a fixed answer, a few tokens a step, through the gateway's own `stream_samples`, so the
+tags arrive split over tokens and steps.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import shutil
@@ -23,15 +26,17 @@ from cleave.errors import InvalidArgument
 from cleave.generation.outputs import FinishReason
 from cleave.generation.reasoning_formats import special_tag_tokens
 from cleave.generation.sampling_params import SamplingParams
-from cleave.proto.cleave.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from cleave.proto.cleave.v1 import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc
 from cleave.rpc import aio_channel, serve
-from cleave.rpc.types import ReasoningMode, Usage
+from cleave.rpc.types import ReasoningMode
 from services.gateway.__main__ import registration
 from services.gateway.backend import GenerateChunk, GenerateSpec, Prompt
 from services.gateway.convert import TokenDelta
 from services.gateway.http_api import OpenAIApi, bound_port, start_http
 from services.gateway.model import ServedModel
-from services.gateway.sample_text import SampleText, resolve_mode
+from services.gateway.placement import RunningRequest, WorkerRequest
+from services.gateway.request_stream import stream_samples
+from services.gateway.sample_text import SampleText
 from services.gateway.servicer import GatewayServicer
 from tests.services.gateway.test_harmony_reasoning import harmony_dir  # noqa: F401  (a fixture)
 
@@ -68,8 +73,9 @@ def tool_model(model_dir, tmp_path_factory) -> ServedModel:
 
 
 class ScriptedBackend:
-    """Answers every request with `answer`'s tokens, three a step, ending at eos, through the
-    SampleText the router would build (the tags' special tokens given their text back)."""
+    """Answers every request with `answer`'s tokens, three a step, ending at eos: the deltas a
+    decode worker would stream, through the gateway's own `stream_samples` (the SampleText it
+    builds for the spec and model, the tags' special tokens given their text back)."""
 
     def __init__(self, model: ServedModel) -> None:
         self.model = model
@@ -81,15 +87,21 @@ class ScriptedBackend:
         prompt_ids = model.encode(spec.prompt, spec.reasoning)
         self.prompts.append(model.tokenizer.decode(prompt_ids))
         ids = model.tokenizer.encode(self.answer, add_special_tokens=False)
-        text = SampleText(0, model.tokenizer, prompt_ids, spec.sampling, model.eos_token_ids, model.reasoning,
-                          resolve_mode(spec.reasoning.mode, model.reasoning),
-                          tag_tokens=special_tag_tokens(model.tokenizer, model.reasoning),
-                          tool_format=model.tool_call_format if spec.parse_tool_calls else None)
+        running = RunningRequest(asyncio.Queue())
+        running.add(WorkerRequest("worker-request", decode=None, stream=None, sample_indices=(0,)))  # type: ignore[arg-type]
         for start in range(0, len(ids), 3):
             last = start + 3 >= len(ids)
-            output = text.push(TokenDelta(0, tuple(ids[start:start + 3]), FinishReason.STOP if last else None))
-            usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(ids)) if last else None
-            yield GenerateChunk(samples=(output,) if output is not None else (), usage=usage)
+            running.queue.put_nowait(decode_pb2.RequestDelta(
+                request_id="worker-request", token_ids=ids[start:start + 3],
+                finish_reason=common_pb2.FINISH_REASON_STOP if last else common_pb2.FINISH_REASON_UNSPECIFIED))
+
+        async def no_migration(lost, texts):  # type: ignore[no-untyped-def]
+            raise AssertionError("no worker is lost here")
+
+        async for chunk in stream_samples(spec, prompt_ids, 0, running, [False], model=model,
+                                          tag_tokens=special_tag_tokens(model.tokenizer, model.reasoning),
+                                          migrate=no_migration, abort_sample=lambda index: None):
+            yield chunk
 
 
 @contextlib.asynccontextmanager
@@ -145,6 +157,18 @@ async def test_streamed_calls_arrive_whole_with_their_index(api):
     assert all(c.id and c.type == "function" for c in calls)
 
 
+async def test_without_parallel_calls_the_first_call_is_kept(api, grpc_stub):
+    client, _ = api
+    response = await client.chat.completions.create(model="tiny-tools", messages=MESSAGES,
+                                                    tools=[WEATHER_TOOL, TIME_TOOL], parallel_tool_calls=False)
+    (choice,) = response.choices
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+    assert choice.finish_reason == "tool_calls"
+    stub, _ = grpc_stub
+    deltas = [d async for r in stub.Generate(grpc_chat(tools=GRPC_TOOLS, parallel_tool_calls=False)) for d in r.samples]
+    assert [c.name for d in deltas for c in d.tool_calls] == ["get_weather"]
+
+
 async def test_tool_choice_none_leaves_the_answer_as_text(api):
     client, backend = api
     response = await client.chat.completions.create(model="tiny-tools", messages=MESSAGES, tools=[WEATHER_TOOL],
@@ -178,7 +202,7 @@ async def test_earlier_calls_and_their_results_reach_the_template(api):
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
-    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
     ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools[0].function.parameters"),

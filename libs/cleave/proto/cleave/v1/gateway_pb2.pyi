@@ -131,7 +131,7 @@ class TestTimeScaling(_message.Message):
     def __init__(self, strategy: _Optional[_Union[TestTimeScaling.Strategy, str]] = ..., num_samples: _Optional[int] = ..., verifier: _Optional[_Union[Verifier, _Mapping]] = ..., return_all_samples: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "sampling", "reasoning", "scaling", "raw_prompt", "stream", "tools", "tool_choice")
+    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "sampling", "reasoning", "scaling", "raw_prompt", "stream", "tools", "tool_choice", "parallel_tool_calls")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class GenerateRequest(_message.Message):
     STREAM_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -156,7 +157,8 @@ class GenerateRequest(_message.Message):
     stream: StreamOptions
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
     tool_choice: ToolChoice
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., reasoning: _Optional[_Union[_common_pb2.ReasoningOptions, _Mapping]] = ..., scaling: _Optional[_Union[TestTimeScaling, _Mapping]] = ..., raw_prompt: _Optional[bool] = ..., stream: _Optional[_Union[StreamOptions, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ...) -> None: ...
+    parallel_tool_calls: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., reasoning: _Optional[_Union[_common_pb2.ReasoningOptions, _Mapping]] = ..., scaling: _Optional[_Union[TestTimeScaling, _Mapping]] = ..., raw_prompt: _Optional[bool] = ..., stream: _Optional[_Union[StreamOptions, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
 
 class SampleDelta(_message.Message):
     __slots__ = ("index", "text", "token_ids", "reasoning_text", "finish_reason", "logprobs", "reward", "advantage", "answer", "error", "tool_calls")
