@@ -70,3 +70,16 @@ def test_max_new_tokens_and_greedy():
     assert SamplingParams(max_tokens=10).max_new_tokens(128, 100) == 10
     assert SamplingParams(temperature=0.0).is_greedy
     assert not SamplingParams(temperature=0.1).is_greedy
+
+
+def test_values_that_vanish_in_float32_are_refused_where_they_arrive():
+    """The HTTP body's doubles reach the workers as float32: a top_p or repetition penalty
+    of 1e-300 would arrive as 0.0 and be refused there, by a worker."""
+    from cleave.errors import InvalidArgument
+    from cleave.generation.sampling_request import SamplingRequest, to_sampling_params
+
+    for name in ("top_p", "repetition_penalty"):
+        with pytest.raises(InvalidArgument) as raised:
+            to_sampling_params(SamplingRequest(**{name: 1e-300}))
+        assert raised.value.field == f"sampling.{name}"
+        assert getattr(to_sampling_params(SamplingRequest(**{name: 1e-30})), name) == 1e-30

@@ -11,6 +11,7 @@ the HTTP API reports the option's OpenAI name).
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 
@@ -47,6 +48,11 @@ class SamplingRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
 
 
+def _wire(value: float) -> float:
+    """`value` as the workers receive it: a float32 on the wire (1e-300 arrives as 0.0)."""
+    return ctypes.c_float(value).value
+
+
 def _check_finite(value: float, field: str) -> None:
     if not math.isfinite(value):
         raise InvalidArgument(f"must be a finite number, got {value}", field=field)
@@ -68,7 +74,7 @@ def to_sampling_params(
         if temperature < 0:
             raise InvalidArgument("must be >= 0 (0 is greedy)", field=f"{field}.temperature")
     top_p = request.top_p
-    if top_p is not None and not (0.0 < top_p <= 1.0):
+    if top_p is not None and not (0.0 < _wire(top_p) <= 1.0):
         raise InvalidArgument(f"must be in (0, 1], got {top_p}", field=f"{field}.top_p")
     if not (0.0 <= request.min_p <= 1.0):
         raise InvalidArgument(f"must be in [0, 1], got {request.min_p}", field=f"{field}.min_p")
@@ -82,7 +88,7 @@ def to_sampling_params(
     repetition_penalty = request.repetition_penalty
     if repetition_penalty is not None:
         _check_finite(repetition_penalty, f"{field}.repetition_penalty")
-        if repetition_penalty <= 0:
+        if _wire(repetition_penalty) <= 0:
             raise InvalidArgument("must be > 0 (1 = none)", field=f"{field}.repetition_penalty")
     for name in ("frequency_penalty", "presence_penalty"):
         value = getattr(request, name)

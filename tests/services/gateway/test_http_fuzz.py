@@ -54,6 +54,13 @@ def served_by(schema: dict[str, Any], stack) -> dict[str, Any]:  # type: ignore[
     components = schema["components"]["schemas"]
     components["SamplingFields"]["properties"]["model"] = {"type": "string", "enum": [MODEL_NAME]}
     components["TokenIds"]["items"]["maximum"] = stack.router.model.vocab_size - 1
+    bias = components["SamplingFields"]["properties"]["logit_bias"]  # keys: token ids of the vocabulary
+    value = bias.pop("additionalProperties")
+    bias.update(properties={str(token_id): value for token_id in (0, 7, 42)}, additionalProperties=False)
+    if stack.router.model.tool_call_format is None:  # its chat template describes no tools: they are a 400
+        chat = components["ChatCompletionRequest"]["allOf"][1]["properties"]
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            del chat[name]
     detokenize = _body_schema(schema, "/detokenize")
     detokenize["properties"]["tokens"]["items"] = {"$ref": "#/components/schemas/TokenIds/items"}
     for body in (detokenize, *_body_schema(schema, "/tokenize")["oneOf"]):
@@ -86,6 +93,11 @@ def _cheap(body: Any) -> None:
             body[name] = MAX_FUZZ_TOKENS
     if "max_tokens" not in body and "max_completion_tokens" not in body:
         body["max_tokens"] = MAX_FUZZ_TOKENS
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    min_tokens = body.get("min_tokens")
+    if (isinstance(min_tokens, int) and isinstance(limit, int) and not isinstance(min_tokens, bool)
+            and limit < min_tokens <= UINT32_MAX):
+        body["min_tokens"] = limit
     n = body.get("n")
     if isinstance(n, int) and not isinstance(n, bool) and MAX_FUZZ_SAMPLES < n <= 1024:
         body["n"] = MAX_FUZZ_SAMPLES
