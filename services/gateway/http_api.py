@@ -5,6 +5,7 @@
     POST /v1/completions         prompt: text (no chat template) or token ids, or a list of
                                  them; `echo` (`completions_batch`)
     POST /v1/chat/completions    messages through the chat template
+    POST /v1/responses           OpenAI's Responses API on the chat path (`responses_api`)
     POST /tokenize, /detokenize  vLLM's extension routes (`tokenize_api`)
     GET  /health                 liveness: 200 while the process serves HTTP
     GET  /ready                  readiness: 200 while a request can be routed to a worker,
@@ -53,6 +54,8 @@ from services.gateway.openai_request import completion_prompts, generate_spec, h
 from services.gateway.openai_tools import call_json
 from services.gateway.readiness import Routability
 from services.gateway.request_names import resolve_model
+from services.gateway.responses_api import PARAM_NAMES as RESPONSES_PARAMS
+from services.gateway.responses_api import ResponseShaper, responses_body
 from services.gateway.tokenize_api import detokenize, tokenize
 
 log = structlog.get_logger("cleave.gateway.http")
@@ -111,6 +114,7 @@ class OpenAIApi:
         app.router.add_get("/v1/models/{model_id:.+}", self.get_model, expect_handler=within_limit)
         app.router.add_post("/v1/completions", self.completions, expect_handler=within_limit)
         app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=within_limit)
+        app.router.add_post("/v1/responses", self.responses, expect_handler=within_limit)
         app.router.add_get("/health", self.health, expect_handler=within_limit)
         app.router.add_get("/ready", self.ready, expect_handler=within_limit)
         if self.served_model is not None:  # vLLM's extension routes (lm-eval's harness uses them)
@@ -198,6 +202,47 @@ class OpenAIApi:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API on the chat path (`responses_api`)."""
+        request_id = f"resp-{uuid.uuid4().hex}"
+        annotate(request_id=request_id)
+        try:
+            body = await read_json(request, self.max_request_bytes)
+            spec, stream = generate_spec(responses_body(body), request_id, self._model(body), chat=True)
+            shaper = ResponseShaper(spec, body)
+            chunks = self.backend.generate(spec)
+            async with contextlib.aclosing(chunks):
+                if stream:
+                    return await self._stream_response(request, chunks, shaper)
+                async for chunk in chunks:
+                    shaper.add(chunk)
+                return web.json_response(shaper.response())
+        except Exception as error:  # every failure becomes an OpenAI error body
+            mapped = http_error(error, RESPONSES_PARAMS)
+            if mapped.status == 500:
+                log.exception("request failed", request_id=request_id)
+            return web.json_response(mapped.body, status=mapped.status, headers=mapped.headers)
+
+    async def _stream_response(self, request: web.Request, chunks: AsyncIterator[GenerateChunk],
+                               shaper: ResponseShaper) -> web.StreamResponse:
+        first = await anext(chunks, None)  # errors before the first token still get a status
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        try:
+            await response.write(shaper.start_events())
+            if first is not None:
+                await response.write(shaper.events(first))
+                async for chunk in chunks:
+                    if data := shaper.events(chunk):
+                        await response.write(data)
+            await response.write(shaper.end_events())
+        except Exception as error:  # after the headers went out, an error travels as an event
+            if isinstance(error, ConnectionResetError):
+                raise
+            await response.write(shaper.error_event(http_error(error, RESPONSES_PARAMS).body))
+        await response.write_eof()
+        return response
 
     def _model(self, body: Any) -> str:
         return resolve_model(self.models, body.get("model") if isinstance(body, dict) else None)

@@ -80,6 +80,7 @@ class ScriptedBackend:
     def __init__(self, model: ServedModel) -> None:
         self.model = model
         self.answer = TWO_CALLS
+        self.finish = common_pb2.FINISH_REASON_STOP  # how the answer ends
         self.prompts: list[str] = []
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
@@ -93,7 +94,7 @@ class ScriptedBackend:
             last = start + 3 >= len(ids)
             running.queue.put_nowait(decode_pb2.RequestDelta(
                 request_id="worker-request", token_ids=ids[start:start + 3],
-                finish_reason=common_pb2.FINISH_REASON_STOP if last else common_pb2.FINISH_REASON_UNSPECIFIED))
+                finish_reason=self.finish if last else common_pb2.FINISH_REASON_UNSPECIFIED))
 
         async def no_migration(lost, texts):  # type: ignore[no-untyped-def]
             raise AssertionError("no worker is lost here")

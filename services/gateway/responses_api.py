@@ -1,0 +1,357 @@
+"""OpenAI's Responses API (`POST /v1/responses`), as vLLM serves it for gpt-oss, on the chat
+path: a request becomes a chat-completions body (`responses_body`) and is validated and run
+exactly as one; the samples' thinking, answer and calls become the response's output items
+(`ResponseShaper`): a `reasoning` item, a `message` item with its `output_text`, and one
+`function_call` item per call, whole or as the API's server-sent events.
+
+Input: a string (one user turn) or items: messages (`role`, text `content` or text parts),
+`function_call` items (an assistant turn's calls, consecutive ones together) and
+`function_call_output` items (tool turns); a `reasoning` item's text goes with the next
+assistant turn; `instructions` is a system turn before them. Tools are function tools
+(`{"type": "function", "name", "parameters"}`). Responses are not stored: `store` changes
+nothing, and `previous_response_id`, `conversation`, `background` and a non-text
+`text.format` are a 400 naming the field, as is every malformed item (`input[3].call_id`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from cleave.errors import InvalidArgument
+from cleave.generation.tool_calls import ToolCall
+from cleave.rpc.types import Usage
+from services.gateway.backend import GenerateChunk, GenerateSpec, SampleOutput
+from services.gateway.openai_tools import json_object, new_call_id
+from services.gateway.request_names import chat_role
+
+# chat-completions names of the fields a translated request may be refused for -> the Responses API's
+PARAM_NAMES = {
+    "max_completion_tokens": "max_output_tokens",
+    "reasoning_effort": "reasoning.effort",
+    "messages": "input",
+    "input": "input",
+}
+_REFUSED = {
+    "previous_response_id": "responses are not stored; send the whole conversation as input",
+    "conversation": "conversations are not stored; send the whole conversation as input",
+    "background": "background responses are not supported",
+    "prompt": "stored prompt templates are not supported",
+}
+_PASSED_ON = ("model", "temperature", "top_p", "parallel_tool_calls", "stream", "seed", "top_logprobs", "user")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _text(value: Any, field: str) -> str:
+    """A message's content: a string or a list of text parts."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for index, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+                raise InvalidArgument("only text parts are supported", field=f"{field}[{index}]")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise InvalidArgument(f"must be a string or a list of text parts, got {_type_name(value)}", field=field)
+
+
+def _string(value: Any, field: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"must be a non-empty string, got {_type_name(value)}", field=field)
+    return value
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The request's `instructions` and `input` as chat messages."""
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise InvalidArgument(f"must be a string, got {_type_name(instructions)}", field="instructions")
+        messages.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        return messages + [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise InvalidArgument("must be a string or a non-empty list of items", field="input")
+    reasoning = ""  # a reasoning item's text, for the assistant turn after it
+    for position, item in enumerate(items):
+        where = f"input[{position}]"
+        if not isinstance(item, dict):
+            raise InvalidArgument(f"must be an item object, got {_type_name(item)}", field=where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = chat_role(item.get("role"), f"{where}.role")
+            if role == "tool":
+                raise InvalidArgument("a tool's answer is a function_call_output item", field=f"{where}.role")
+            message: dict[str, Any] = {"role": role, "content": _text(item.get("content"), f"{where}.content")}
+            if role == "assistant" and reasoning:
+                message["reasoning_content"], reasoning = reasoning, ""
+            messages.append(message)
+        elif kind == "function_call":
+            arguments = _string(item.get("arguments"), f"{where}.arguments")
+            json_object(arguments, f"{where}.arguments")
+            call = {"id": _string(item.get("call_id"), f"{where}.call_id"), "type": "function",
+                    "function": {"name": _string(item.get("name"), f"{where}.name"), "arguments": arguments}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)  # the same turn's next call
+            else:
+                turn: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [call]}
+                if reasoning:
+                    turn["reasoning_content"], reasoning = reasoning, ""
+                messages.append(turn)
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": _string(item.get("call_id"), f"{where}.call_id"),
+                             "content": _text(item.get("output"), f"{where}.output")})
+        elif kind == "reasoning":
+            parts = item.get("content") or []
+            reasoning = _text(parts, f"{where}.content") if parts else ""
+        else:
+            raise InvalidArgument(f"unknown item type {kind!r}; use message, function_call, function_call_output "
+                                  "or reasoning", field=f"{where}.type")
+    return messages
+
+
+def _tools(value: Any) -> list[dict[str, Any]] | None:
+    """Function tools in the chat-completions form (`{"type", "function": {...}}`)."""
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list):
+        raise InvalidArgument(f"must be a list of tools, got {_type_name(value)}", field="tools")
+    tools = []
+    for position, tool in enumerate(value):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else _type_name(tool)
+            raise InvalidArgument(f"only function tools are supported, got {kind!r}", field=f"tools[{position}].type")
+        function = {"name": _string(tool.get("name"), f"tools[{position}].name")}
+        for key, kind in (("description", str), ("parameters", dict), ("strict", bool)):
+            if tool.get(key) is not None:
+                if not isinstance(tool[key], kind):
+                    raise InvalidArgument(f"must be a {kind.__name__}, got {_type_name(tool[key])}",
+                                          field=f"tools[{position}].{key}")
+                function[key] = tool[key]
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def responses_body(body: Any) -> dict[str, Any]:
+    """The chat-completions body a Responses API request runs as (see the module docstring).
+    Raises InvalidArgument naming the Responses field."""
+    if not isinstance(body, dict):
+        raise InvalidArgument("the request body must be a JSON object", field="body")
+    for name, reason in _REFUSED.items():
+        if body.get(name) not in (None, False, ""):
+            raise InvalidArgument(reason, field=name)
+    text = body.get("text")
+    if text is not None:
+        text_format = text.get("format") if isinstance(text, dict) else None
+        if text_format is not None and (not isinstance(text_format, dict) or text_format.get("type") != "text"):
+            raise InvalidArgument("only {\"type\": \"text\"} output is supported", field="text.format")
+    chat: dict[str, Any] = {"messages": _messages(body)}
+    chat.update((name, body[name]) for name in _PASSED_ON if name in body)
+    tools = _tools(body.get("tools"))
+    if tools is not None:
+        chat["tools"] = tools
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function":  # a named function: refused there
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if choice is not None:
+        chat["tool_choice"] = choice
+    if body.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = body["max_output_tokens"]
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        if not isinstance(reasoning, dict):
+            raise InvalidArgument(f"must be an object, got {_type_name(reasoning)}", field="reasoning")
+        if reasoning.get("effort") is not None:
+            chat["reasoning_effort"] = reasoning["effort"]
+    return chat
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@dataclass
+class _Item:
+    """One output item being built: `reasoning`, `message` or `function_call`."""
+
+    kind: str
+    id: str
+    text: list[str] = field(default_factory=list)
+    call: ToolCall | None = None
+    call_id: str = ""
+
+    def json(self, status: str) -> dict[str, Any]:
+        text = "".join(self.text)
+        if self.kind == "reasoning":
+            return {"type": "reasoning", "id": self.id, "summary": [], "status": status,
+                    "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
+        if self.kind == "message":
+            return {"type": "message", "id": self.id, "role": "assistant", "status": status,
+                    "content": [_output_text(text)] if status == "completed" else []}
+        assert self.call is not None
+        return {"type": "function_call", "id": self.id, "call_id": self.call_id, "name": self.call.name,
+                "arguments": self.call.arguments if status == "completed" else "", "status": status}
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+class ResponseShaper:
+    """Builds a response (whole, or as events) from the chunks of one sample (n = 1)."""
+
+    def __init__(self, spec: GenerateSpec, request: dict[str, Any]) -> None:
+        self.spec = spec
+        self.request = request
+        self.id = _new_id("resp")
+        self.created_at = int(time.time())
+        self.items: list[_Item] = []
+        self.open: _Item | None = None  # the item text is streaming into
+        self.finish_reason: str | None = None
+        self.usage = Usage()
+        self._sequence = 0
+
+    # ---- whole -----------------------------------------------------------------------------
+
+    def add(self, chunk: GenerateChunk) -> None:
+        """Take a chunk in (no events)."""
+        self._take(chunk, [])
+
+    def response(self, status: str | None = None) -> dict[str, Any]:
+        """The response object; the items closed so far, `status` (default: from the finish)."""
+        if status is None:
+            status = "incomplete" if self.finish_reason == "length" else "completed"
+        done = status != "in_progress"
+        request = self.request
+        usage = self.usage
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "model": self.spec.model, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": request.get("instructions"),
+            "output": [item.json("completed") for item in self.items] if done else [],
+            "parallel_tool_calls": request.get("parallel_tool_calls", True) is not False,
+            "tool_choice": request.get("tool_choice", "auto"), "tools": request.get("tools") or [],
+            "temperature": request.get("temperature"), "top_p": request.get("top_p"),
+            "max_output_tokens": request.get("max_output_tokens"), "previous_response_id": None,
+            "reasoning": {"effort": self.spec.reasoning.reasoning_effort, "summary": None},
+            "text": {"format": {"type": "text"}}, "store": False, "truncation": "disabled", "metadata": {},
+            "usage": {
+                "input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
+                "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+                "input_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+                "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+            } if done else None,
+        }
+
+    # ---- streamed --------------------------------------------------------------------------
+
+    def start_events(self) -> bytes:
+        """`response.created` and `response.in_progress`."""
+        events: list[dict[str, Any]] = []
+        for kind in ("response.created", "response.in_progress"):
+            self._event(events, kind, response=self.response("in_progress"))
+        return _sse(events)
+
+    def events(self, chunk: GenerateChunk) -> bytes:
+        """The events a chunk makes: items opened, text deltas, items closed."""
+        events: list[dict[str, Any]] = []
+        self._take(chunk, events)
+        return _sse(events)
+
+    def end_events(self) -> bytes:
+        """The open item closed, then `response.completed` (or `response.incomplete`)."""
+        events: list[dict[str, Any]] = []
+        self._close(events)
+        status = "incomplete" if self.finish_reason == "length" else "completed"
+        self._event(events, f"response.{status}", response=self.response(status))
+        return _sse(events)
+
+    def error_event(self, body: dict[str, Any]) -> bytes:
+        error = body.get("error", {})
+        events: list[dict[str, Any]] = []
+        self._event(events, "error", code=error.get("code"), message=error.get("message", ""), param=error.get("param"))
+        return _sse(events)
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _take(self, chunk: GenerateChunk, events: list[dict[str, Any]]) -> None:
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        for sample in chunk.samples:
+            self._sample(sample, events)
+
+    def _sample(self, sample: SampleOutput, events: list[dict[str, Any]]) -> None:
+        if sample.reasoning_text:
+            self._append("reasoning", sample.reasoning_text, events)
+        if sample.text:
+            self._append("message", sample.text, events)
+        for call in sample.tool_calls:
+            self._close(events)
+            item = _Item("function_call", _new_id("fc"), call=call, call_id=new_call_id())
+            self.items.append(item)
+            index = len(self.items) - 1
+            self._event(events, "response.output_item.added", output_index=index, item=item.json("in_progress"))
+            self._event(events, "response.function_call_arguments.delta", item_id=item.id, output_index=index,
+                        delta=call.arguments)
+            self._event(events, "response.function_call_arguments.done", item_id=item.id, output_index=index,
+                        arguments=call.arguments)
+            self._event(events, "response.output_item.done", output_index=index, item=item.json("completed"))
+        if sample.finish_reason is not None:
+            self.finish_reason = sample.finish_reason.value
+
+    def _append(self, kind: str, text: str, events: list[dict[str, Any]]) -> None:
+        """Text into the open item of `kind`, opening one (and closing another) first."""
+        if self.open is None or self.open.kind != kind:
+            self._close(events)
+            self.open = _Item(kind, _new_id("rs" if kind == "reasoning" else "msg"))
+            self.items.append(self.open)
+            index = len(self.items) - 1
+            self._event(events, "response.output_item.added", output_index=index, item=self.open.json("in_progress"))
+            part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else _output_text("")
+            self._event(events, "response.content_part.added", item_id=self.open.id, output_index=index,
+                        content_index=0, part=part)
+        self.open.text.append(text)
+        kind_name = "reasoning_text" if kind == "reasoning" else "output_text"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        self._event(events, f"response.{kind_name}.delta", item_id=self.open.id, output_index=len(self.items) - 1,
+                    content_index=0, delta=text, **extra)
+
+    def _close(self, events: list[dict[str, Any]]) -> None:
+        item, self.open = self.open, None
+        if item is None:
+            return
+        index = self.items.index(item)
+        text = "".join(item.text)
+        if item.kind == "reasoning":
+            part: dict[str, Any] = {"type": "reasoning_text", "text": text}
+            self._event(events, "response.reasoning_text.done", item_id=item.id, output_index=index, content_index=0,
+                        text=text)
+        else:
+            part = _output_text(text)
+            self._event(events, "response.output_text.done", item_id=item.id, output_index=index, content_index=0,
+                        text=text, logprobs=[])
+        self._event(events, "response.content_part.done", item_id=item.id, output_index=index, content_index=0,
+                    part=part)
+        self._event(events, "response.output_item.done", output_index=index, item=item.json("completed"))
+
+    def _event(self, events: list[dict[str, Any]], kind: str, **fields: Any) -> None:
+        events.append({"type": kind, "sequence_number": self._sequence, **fields})
+        self._sequence += 1
+
+
+def _sse(events: list[dict[str, Any]]) -> bytes:
+    """Server-sent events as the Responses API writes them: `event:` names the type."""
+    return b"".join(f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+                    for event in events)

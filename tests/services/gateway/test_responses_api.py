@@ -1,0 +1,116 @@
+"""OpenAI's Responses API (`POST /v1/responses`) through the real `openai` client: the same
+tiny checkpoints and scripted answers as the tool-calling tests (`test_tool_calls`), whole
+and streamed, with the output items, usage and refusals the API defines."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from cleave.proto.cleave.v1 import common_pb2
+from tests.services.gateway.test_harmony_reasoning import harmony_dir  # noqa: F401  (a fixture)
+from tests.services.gateway.test_tool_calls import (  # noqa: F401  (fixtures)
+    HARMONY_CALL,
+    PLAIN,
+    TWO_CALLS,
+    harmony_tool_model,
+    serving,
+    tool_model,
+)
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+TIME = {"type": "function", "name": "get_time", "parameters": {"type": "object"}}
+
+
+async def test_a_harmony_call_is_a_reasoning_item_then_a_function_call(harmony_tool_model):  # noqa: F811
+    async with serving(harmony_tool_model) as (client, backend):
+        backend.answer = HARMONY_CALL
+        response = await client.responses.create(model="tiny-tools", input="Weather in Paris?", tools=[WEATHER],
+                                                 reasoning={"effort": "low"})
+    assert response.status == "completed" and response.id.startswith("resp_")
+    reasoning, call = response.output
+    assert reasoning.type == "reasoning" and [c.text for c in reasoning.content] == ["Need the weather."]
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", {"city": "Paris"})
+    assert call.call_id.startswith("call_") and call.status == "completed"
+    assert response.output_text == ""
+    assert response.usage.output_tokens > 0 and response.usage.output_tokens_details.reasoning_tokens > 0
+    assert response.reasoning.effort == "low"
+    assert "get_weather (call as to=functions.NAME)" in backend.prompts[-1]
+
+
+async def test_an_answer_is_a_message_with_output_text_and_a_conversation_reaches_the_template(tool_model):  # noqa: F811
+    async with serving(tool_model) as (client, backend):
+        backend.answer = PLAIN
+        response = await client.responses.create(
+            model="tiny-tools", instructions="Be brief.", tools=[WEATHER, TIME],
+            input=[{"role": "user", "content": "Weather?"},
+                   {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                    "arguments": '{"city": "Paris"}'},
+                   {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+                   {"role": "user", "content": [{"type": "input_text", "text": "And now?"}]}])
+    reasoning, message = response.output
+    assert (reasoning.type, message.type, message.role) == ("reasoning", "message", "assistant")
+    assert response.output_text == "\n\nIt is sunny." == message.content[0].text
+    rendered = backend.prompts[-1]
+    assert rendered.startswith("Tools: get_weather=") and "system: Be brief." in rendered
+    assert 'assistant: <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in rendered
+    assert "tool[call_1]: sunny" in rendered and "user: And now?" in rendered
+
+
+async def test_streamed_events_build_the_same_response(tool_model):  # noqa: F811
+    async with serving(tool_model) as (client, backend):
+        backend.answer = TWO_CALLS
+        whole = await client.responses.create(model="tiny-tools", input="Weather and time?", tools=[WEATHER, TIME])
+        stream = await client.responses.create(model="tiny-tools", input="Weather and time?", tools=[WEATHER, TIME],
+                                               stream=True)
+        events = [event async for event in stream]
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    calls = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert (reasoning, text) == ("Paris, so two tools.", "\n\nLet me look.\n")
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    final = events[-1].response
+    assert [item.type for item in final.output] == [item.type for item in whole.output] == [
+        "reasoning", "message", "function_call", "function_call"]
+    # every item added is done once, in order, and a done item holds what its deltas said
+    added = [e.output_index for e in events if e.type == "response.output_item.added"]
+    done = [e.output_index for e in events if e.type == "response.output_item.done"]
+    assert added == done == [0, 1, 2, 3]
+    assert final.output[1].content[0].text == text and final.usage.output_tokens == whole.usage.output_tokens
+
+
+async def test_a_token_limit_makes_the_response_incomplete(tool_model):  # noqa: F811
+    async with serving(tool_model) as (client, backend):
+        backend.answer = PLAIN
+        backend.finish = common_pb2.FINISH_REASON_LENGTH
+        response = await client.responses.create(model="tiny-tools", input="Weather?", max_output_tokens=3)
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"background": True}, "background"),
+    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "name": ""}]}, "tools[0].name"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": [1]}]}, "tools[0].parameters"),
+    ({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "input[0].arguments"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    ({"input": [{"role": "wizard", "content": "x"}]}, "input[0].role"),
+    ({"input": []}, "input"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+    ({"tool_choice": "required", "tools": [WEATHER]}, "tool_choice"),
+])
+async def test_what_cannot_be_honoured_is_a_400_naming_the_field(tool_model, fields, param):  # noqa: F811
+    async with serving(tool_model) as (client, _):
+        with pytest.raises(openai.BadRequestError) as raised:
+            await client.responses.create(model="tiny-tools", **{"input": "hi", **fields})
+    assert raised.value.body["param"] == param
