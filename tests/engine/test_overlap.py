@@ -142,3 +142,25 @@ def test_outputs_lag_one_call_and_stats_are_filled(checkpoint):
     assert engine.has_unfinished()  # a step launched past max_tokens: resolved and dropped next
     assert engine.step() == [] and not engine.has_unfinished()
     assert engine.scheduler.stats.num_decode_tokens == 3  # one launched past max_tokens, dropped
+
+
+def test_min_tokens_and_logit_bias_overlap_to_the_same_outputs(checkpoint):
+    """min_tokens reads only how many tokens a sample has (the stand-ins keep it exact), so
+    its steps overlap: a stop id the bias all but forces still ends each sample exactly after
+    its min_tokens, as in the plain loop."""
+    prompt_list = prompts(4, seed=11)
+    forced = 77
+    params = [SamplingParams(max_tokens=12, temperature=0.0, logit_bias={forced: 100.0}, stop_token_ids=[forced],
+                             min_tokens=minimum) for minimum in (0, 1, 5, 9)]
+    llm = LLM(checkpoint, device="cpu", overlap_steps=True)
+    outputs = llm.generate(prompt_list, params)
+    for output, minimum in zip(outputs, (0, 1, 5, 9)):
+        (sample,) = output.outputs
+        assert (sample.num_tokens, sample.finish_reason, sample.stop_reason) == (minimum + 1, FinishReason.STOP, forced)
+        assert sample.token_ids[-1] == forced and forced not in sample.token_ids[:-1]
+        assert sample.text == llm.tokenizer.decode(sample.token_ids[:-1])  # the stop id's text is not returned
+    results = {}
+    for overlap in (False, True):
+        engine = LLM(checkpoint, device="cpu", overlap_steps=overlap)
+        results[overlap] = [summary(output) for output in engine.generate(prompt_list, params)]
+    assert results[True] == results[False]

@@ -23,7 +23,8 @@ one call later, so a sequence that step N-1's token ends (a stop string, eos, ma
 was launched once more: that extra token is dropped (`Scheduler.resolve`). A step whose
 tokens the next one needs on the host is resolved at once, as in the plain loop: steps
 with forks (n > 1 prefills), prefill-only requests, and sequences with logits processors
-(thinking budgets), penalties or min_tokens, whose next sampling reads the output tokens.
+(thinking budgets) or penalties, whose next sampling reads the output tokens (min_tokens
+reads only their number, which the stand-ins keep exact).
 
 `watch_layers` (None: off) is called on the step thread with each step's plan before its
 launch; a `LayerProgress` it returns hears each layer of that step's forward (see
@@ -259,7 +260,7 @@ class LLMEngine:
             self._next_phase = (self._next_phase + 1) % self._stream_interval
         params = state.params
         host_bound = state.prefill_only or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-        host_bound = host_bound or params.presence_penalty != 0.0 or params.min_tokens > 0
+        host_bound = host_bound or params.presence_penalty != 0.0
         for sample in state.samples:
             seq_id = sample.seq.seq_id
             self._samples[seq_id] = sample
