@@ -247,3 +247,7 @@ def test_min_tokens_keeps_eos_and_stop_ids_out_until_reached():
     assert out.token_ids.tolist() == [0, 2, 2, 2]  # row 0: eos and 3 at -inf, the first zero logit wins
     assert state.bias_depends_on_outputs
     assert not _state(params[1:], 10, outputs[1:], eos_token_ids=(2,)).bias_depends_on_outputs
+    # a stop id beyond the vocabulary (legal: it never comes) is nothing to mask
+    beyond = _state([SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3, 2**31 - 1])], 10, [[]])
+    assert beyond.bias_index.tolist() == [[0], [3]]
+    assert Sampler(seed=0).sample(logits[:1], beyond).token_ids.tolist() == [2]

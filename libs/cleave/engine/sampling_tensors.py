@@ -177,6 +177,7 @@ class SamplingTensors:
                 values += p.logit_bias.values()
             if p.min_tokens and len(output_token_ids[row]) < p.min_tokens:
                 kept_out = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | set(eos_token_ids)
+                kept_out = {token_id for token_id in kept_out if token_id < self.vocab_size}  # others never come
                 if kept_out:
                     rows += [row] * len(kept_out)
                     token_ids += kept_out

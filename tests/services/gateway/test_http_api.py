@@ -141,3 +141,8 @@ async def test_logit_bias_reaches_every_token_and_min_tokens_outlasts_a_stop_str
     with pytest.raises(openai.BadRequestError) as raised:
         await client(stack).completions.create(model="tiny", prompt=prompt, max_tokens=2, logit_bias={"999999": 1})
     assert raised.value.body["param"] == "logit_bias"
+    # a stop id beyond the vocabulary is legal (it never comes) and nothing for min_tokens to mask
+    beyond = await client(stack).completions.create(
+        model="tiny", prompt=prompt, max_tokens=3, temperature=0.0,
+        extra_body={"reasoning_mode": "inline", "stop_token_ids": [2**31 - 1], "min_tokens": 2})
+    assert beyond.usage.completion_tokens == 3
