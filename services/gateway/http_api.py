@@ -32,7 +32,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import structlog
@@ -205,24 +205,37 @@ class OpenAIApi:
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """OpenAI's Responses API on the chat path (`responses_api`)."""
-        request_id = f"resp-{uuid.uuid4().hex}"
-        annotate(request_id=request_id)
-        try:
-            body = await read_json(request, self.max_request_bytes)
+        async def respond(body: Any, request_id: str) -> web.StreamResponse:
             spec, stream = generate_spec(responses_body(body), request_id, self._model(body), chat=True)
             shaper = ResponseShaper(spec, body)
-            chunks = self.backend.generate(spec)
-            async with contextlib.aclosing(chunks):
-                if stream:
-                    return await self._stream_response(request, chunks, shaper)
-                async for chunk in chunks:
-                    shaper.add(chunk)
-                return web.json_response(shaper.response())
-        except Exception as error:  # every failure becomes an OpenAI error body
-            mapped = http_error(error, RESPONSES_PARAMS)
+            return await self._generated(request, spec, stream, shaper, shaper.response, self._stream_response)
+
+        return await self._handle(request, f"resp-{uuid.uuid4().hex}", RESPONSES_PARAMS, respond)
+
+    async def _handle(self, request: web.Request, request_id: str, params: dict[str, str],
+                      respond: Callable[[Any, str], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        """Read the body and answer it with `respond(body, request_id)`; every failure becomes an
+        OpenAI error body (its field named as `params` maps it)."""
+        annotate(request_id=request_id)
+        try:
+            return await respond(await read_json(request, self.max_request_bytes), request_id)
+        except Exception as error:
+            mapped = http_error(error, params)
             if mapped.status == 500:
                 log.exception("request failed", request_id=request_id)
             return web.json_response(mapped.body, status=mapped.status, headers=mapped.headers)
+
+    async def _generated(self, request: web.Request, spec: GenerateSpec, stream: bool, shaper: Any,
+                         whole: Callable[[], dict[str, Any]], streamer: Any) -> web.StreamResponse:
+        """Run the request: streamed by `streamer(request, chunks, shaper)`, or every chunk into
+        `shaper.add` and the `whole()` answer."""
+        chunks = self.backend.generate(spec)
+        async with contextlib.aclosing(chunks):
+            if stream:
+                return await streamer(request, chunks, shaper)
+            async for chunk in chunks:
+                shaper.add(chunk)
+            return web.json_response(whole())
 
     async def _stream_response(self, request: web.Request, chunks: AsyncIterator[GenerateChunk],
                                shaper: ResponseShaper) -> web.StreamResponse:
@@ -248,11 +261,7 @@ class OpenAIApi:
         return resolve_model(self.models, body.get("model") if isinstance(body, dict) else None)
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        params = _CHAT_PARAMS if chat else _COMPLETION_PARAMS
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        annotate(request_id=request_id)
-        try:
-            body = await read_json(request, self.max_request_bytes)
+        async def respond(body: Any, request_id: str) -> web.StreamResponse:
             model = self._model(body)
             if not chat and isinstance(body, dict):
                 prompts = completion_prompts(body)
@@ -260,18 +269,10 @@ class OpenAIApi:
                     return web.json_response(await self._complete_batch(body, request_id, model, prompts))
             spec, stream = generate_spec(body, request_id, model, chat)
             shaper = _Shaper(spec, chat, self.token_text, include_usage=_include_usage(body))
-            chunks = self.backend.generate(spec)
-            async with contextlib.aclosing(chunks):
-                if stream:
-                    return await self._stream(request, chunks, shaper)
-                async for chunk in chunks:
-                    shaper.add(chunk)
-                return web.json_response(shaper.complete())
-        except Exception as error:  # every failure becomes an OpenAI error body
-            mapped = http_error(error, params)
-            if mapped.status == 500:
-                log.exception("request failed", request_id=request_id)
-            return web.json_response(mapped.body, status=mapped.status, headers=mapped.headers)
+            return await self._generated(request, spec, stream, shaper, shaper.complete, self._stream)
+
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        return await self._handle(request, request_id, _CHAT_PARAMS if chat else _COMPLETION_PARAMS, respond)
 
     async def _complete_batch(self, body: dict[str, Any], request_id: str, model: str,
                               prompts: list[Prompt]) -> dict[str, Any]:
