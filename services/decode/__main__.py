@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(run_service([registration(servicer)], config.service, lifecycle,
                                 on_listening=backend.set_control_address, tracing=tracing,
                                 auth=internal_auth(config.service.internal_token), work=backend,
-                                metrics=metrics))
+                                metrics=metrics, fatal=backend.failed))
     finally:
         tracing.shutdown()
     return 0

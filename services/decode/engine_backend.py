@@ -47,6 +47,7 @@ from cleave.rpc.types import KVLayout, RequestDelta, StepOutput, TransferHandle,
 from cleave.transfer import KVReceiver
 from cleave.transfer.rank_receivers import RankReceivers
 from cleave.worker import kv_layout_of, load_engine
+from cleave.worker.engine_failure import EngineFailure
 from services.decode.admission import Admissions
 from services.decode.admission_queue import DEFAULT_MAX_QUEUED_ADMISSIONS, AdmissionQueue
 from services.decode.backend import AdmitSpec, HandshakeResult, HandshakeSpec, StartSpec
@@ -93,6 +94,7 @@ class EngineDecodeBackend:
         self.engine_config = replace(engine_config, detokenize=False)  # the gateway makes the text
         self._internal_token = internal_token  # prefill workers' bulk KV connections must open with it
         self.worker_id = worker_id
+        self.failure = EngineFailure()  # the engine's error, if it fails: the service then ends
         self.model_id = model_id
         self.transfer_timeout_s = transfer_timeout_s
         self._transfer_listen = transfer_listen
@@ -146,7 +148,12 @@ class EngineDecodeBackend:
             self.transfers = RankReceivers(self.receiver, self.engine.rank_links)
             await self.transfers.start(host=host, model_id=self.model_id, advertise_host=self._advertise_host,
                                        internal_token=self._internal_token)
-        self.async_engine = AsyncEngine(self.engine, on_step=self.delivery.on_step)
+        self.failure.bind()
+        self.async_engine = AsyncEngine(self.engine, on_step=self.delivery.on_step, on_failure=self.failure.report)
+
+    async def failed(self) -> BaseException:
+        """The engine's error once it failed (`run_service`'s fatal: the worker then ends)."""
+        return await self.failure.wait()
 
     async def drain(self) -> None:
         """Refuse new requests (Admit, a local Start), let the held ones finish and their

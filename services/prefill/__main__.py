@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(run_service([registration(servicer)], config.service, lifecycle, tracing=tracing,
                                 auth=internal_auth(config.service.internal_token), work=backend,
-                                metrics=metrics))
+                                metrics=metrics, fatal=backend.failed))
     finally:
         tracing.shutdown()
     return 0

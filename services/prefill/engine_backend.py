@@ -69,6 +69,7 @@ from cleave.tracing import span
 from cleave.transfer import KVSender, KVStoreClient, KVTransferClient, local_endpoint
 from cleave.transfer.layout import head_slice
 from cleave.worker import TransportNegotiator, device_nccl, kv_layout_of, load_engine, top_logprobs_from_engine
+from cleave.worker.engine_failure import EngineFailure
 from cleave.worker.handshake import grpc_handshake
 from services.prefill.backend import EarlyFirstTokens, PrefillResult, PrefillSpec
 from services.prefill.cleanup import run_to_end
@@ -140,6 +141,7 @@ class EnginePrefillBackend:
                              f"not {layer_streaming!r}")
         self.engine_config = replace(engine_config, detokenize=False)  # token ids are all it returns
         self.worker_id = worker_id
+        self.failure = EngineFailure()  # the engine's error, if it fails: the service then ends
         self.model_id = model_id
         self.kvstore_address = kvstore_address
         self.kvstore_min_prefix_tokens = kvstore_min_prefix_tokens
@@ -174,7 +176,8 @@ class EnginePrefillBackend:
             cache = self.engine.kv_cache
             self.layer_streams = LayerStreams(asyncio.get_running_loop(), cache.shape[0], cache.device)
             self.engine.watch_layers = self.layer_streams.watch  # before the step thread starts
-        self.async_engine = AsyncEngine(self.engine, on_step=self._keep_block_tables)
+        self.failure.bind()
+        self.async_engine = AsyncEngine(self.engine, on_step=self._keep_block_tables, on_failure=self.failure.report)
         if self.kvstore_address:
             client = KVStoreClient(self.kvstore_address, client_id=self.worker_id, internal_token=self._internal_token)
             await client.connect(self.layout)
@@ -189,6 +192,10 @@ class EnginePrefillBackend:
                 counters.num_kvstore_puts_skipped += 1
 
             self.puts = BackgroundPuts(self.kvstore, self._cleanup, self._store_backlog_bytes, stored, skipped)
+
+    async def failed(self) -> BaseException:
+        """The engine's error once it failed (`run_service`'s fatal: the worker then ends)."""
+        return await self.failure.wait()
 
     async def drain(self) -> None:
         """Refuse new prefills, return once the admitted ones answered and their decode

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from cleave.engine.async_engine import AsyncEngine
 from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cleave.engine.llm_engine import LLMEngine
 from cleave.engine.request import OutputAccumulator
-from cleave.errors import InvalidArgument
+from cleave.errors import InvalidArgument, Unavailable
 from cleave.generation.outputs import FinishReason
 from cleave.generation.sampling_params import SamplingParams
 from cleave.testing.tiny_models import write_tiny_checkpoint
@@ -110,3 +111,27 @@ async def test_bad_request_and_duplicate_id_raise(checkpoint):
                 pass
         assert error.value.field == "request_id"
         await first.aclose()
+
+
+async def test_a_failing_step_fails_the_streams_and_is_reported(checkpoint):
+    reported = threading.Event()
+    errors: list[BaseException] = []
+
+    def on_failure(error: BaseException) -> None:
+        errors.append(error)
+        reported.set()
+
+    engine = make_engine(checkpoint)
+    async_engine = AsyncEngine(engine, on_failure=on_failure)
+
+    def broken_step():  # type: ignore[no-untyped-def]
+        raise RuntimeError("device lost")
+
+    engine.step = broken_step  # type: ignore[method-assign]
+    with pytest.raises(Unavailable, match="device lost"):
+        async for _ in async_engine.submit("r", [1, 2, 3], SamplingParams(max_tokens=2)):
+            pass
+    assert await asyncio.to_thread(reported.wait, 10)
+    assert [str(error) for error in errors] == ["device lost"] and not async_engine.is_running
+    with pytest.raises(Unavailable):
+        await async_engine.call(lambda e: None)

@@ -48,6 +48,9 @@ class AsyncEngine:
         on_step: called on the step thread with every step's outputs (all requests, also
             those added through `call` that have no stream), e.g. to batch a step's tokens
             into one message per consumer.
+        on_failure: called on the step thread with the error when the engine fails (a step
+            raised: every stream has failed, and nothing more runs), e.g. to end the worker
+            so that its supervisor starts a fresh one.
     """
 
     def __init__(
@@ -55,9 +58,11 @@ class AsyncEngine:
         engine: LLMEngine,
         idle_wait_s: float = 0.5,
         on_step: Callable[[list[RequestOutput]], None] | None = None,
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self._on_step = on_step
+        self._on_failure = on_failure
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -166,6 +171,8 @@ class AsyncEngine:
         except BaseException as error:  # the engine's state is unknown now: fail every stream
             self._error = error
             self._fail_all(Unavailable(f"the engine failed: {error!r}"))
+            if self._on_failure is not None:
+                self._on_failure(error)
             return  # not closed: other ranks may be stuck in the failed step; they end with the process
         self._fail_all(Unavailable("the engine shut down"))
         self._close_engine()

@@ -262,6 +262,7 @@ async def run_service(
     readiness: Readiness | None = None,
     work: Drainable | None = None,
     metrics: ServiceMetrics | None = None,
+    fatal: Callable[[], Awaitable[BaseException]] | None = None,
 ) -> None:
     """A service process's life: listen, write the port file, start the backend, report
     SERVING, serve until SIGTERM/SIGINT, drain, shut the backend down. `on_listening` gets
@@ -271,7 +272,10 @@ async def run_service(
     `readiness`, health follows it after start-up instead of staying SERVING; with `work`, a
     drain refuses new work and waits for the admitted (see `Drainable`); with `metrics`,
     every call is counted and the registry is served on its port from before the backend
-    starts until after it shut down."""
+    starts until after it shut down; with `fatal` (awaited once the backend started: a
+    worker's engine failing, `cleave.worker.engine_failure`), its error ends the service as
+    a signal would, and then the process, with exit code 1 (SystemExit), for its supervisor
+    to restart."""
     follow_parent(config.parent_pid)  # before anything that takes long: a dead parent ends this
     set_gil_switch_interval(config.gil_switch_interval_ms)
     server = await serve(services, config.listen, config.rpc, tracing=tracing, auth=auth,
@@ -284,15 +288,40 @@ async def run_service(
         write_port_file(config.port_file, server.port)
     if metrics is not None:
         metrics.start(server.host)
+    failure: BaseException | None = None
     try:
         await backend.start()
         if readiness is None:
             await server.set_ready()
         else:
             await server.follow(readiness)
-        await server.wait()
+        failure = await _serve_until_stopped(server, fatal)
     finally:
         await server.drain()
         await backend.shutdown()
         if metrics is not None:
             metrics.close()
+    if failure is not None:
+        raise SystemExit(1)
+
+
+async def _serve_until_stopped(server: Server, fatal: Callable[[], Awaitable[BaseException]] | None
+                               ) -> BaseException | None:
+    """Serve until a signal's drain stopped the server (None) or `fatal()` returned (its error)."""
+    if fatal is None:
+        await server.wait()
+        return None
+    # `stopped` is left to end with the drain that follows (cancelling grpc's wait for
+    # termination cancels the caller's next await too)
+    stopped = asyncio.ensure_future(server.wait())
+    failed = asyncio.ensure_future(fatal())
+    try:
+        await asyncio.wait({stopped, failed}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        failed.cancel()
+    if failed.done() and not failed.cancelled():
+        error = failed.result()
+        server.log.error("the engine failed; stopping this worker so that its supervisor restarts it",
+                         error=repr(error))
+        return error
+    return None
