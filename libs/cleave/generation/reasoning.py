@@ -83,7 +83,7 @@ class ReasoningDelta:
     content: str = ""
 
 
-def _longest_suffix_prefix(text: str, tag: str) -> int:
+def longest_suffix_prefix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for length in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:length]):
@@ -192,7 +192,7 @@ class ReasoningParser:
             self._phase = Phase.ANSWER
             delta.reasoning += buffer[:end_at]
             return buffer[end_at + len(self.end_tag) :]
-        hold = max(_longest_suffix_prefix(buffer, tag) for tag in (self.end_tag, *self.reasoning_separators))
+        hold = max(longest_suffix_prefix(buffer, tag) for tag in (self.end_tag, *self.reasoning_separators))
         self._held_back = buffer[len(buffer) - hold :]
         delta.reasoning += buffer[: len(buffer) - hold]
         return ""

@@ -36,6 +36,8 @@ import json
 import re
 from dataclasses import dataclass
 
+from cleave.generation.reasoning import longest_suffix_prefix
+
 START = "<tool_call>"
 END = "</tool_call>"
 HARMONY_START = "<|start|>assistant"
@@ -123,7 +125,7 @@ class HermesToolParser:
                 self._held = self._held[start + len(START):]
                 self._in_block = True
                 continue
-            keep = _partial_suffix(self._held, START)
+            keep = longest_suffix_prefix(self._held, START)
             ready, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep:]
             if self._num_calls and not ready.strip():  # whitespace after a call: held until text follows
                 self._held = ready + self._held
@@ -242,7 +244,7 @@ class HarmonyToolParser:
             return True
         end = held.find(HARMONY_END)  # BODY
         if end < 0:
-            keep = _partial_suffix(held, HARMONY_END)
+            keep = longest_suffix_prefix(held, HARMONY_END)
             out.append(held[: len(held) - keep])
             self._held = held[len(held) - keep:]
             return False
@@ -263,14 +265,6 @@ class HarmonyToolParser:
         else:
             calls.append(ToolCall(self._name, arguments))
         self._taken = self._name = ""
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that begins `tag`."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0
 
 
 def tool_parser(tool_format: str) -> HermesToolParser | HarmonyToolParser:
