@@ -20,6 +20,7 @@ from services.gateway.backend import ChatMessage, GenerateSpec, Prompt, Scaling,
 from services.gateway.openai_fields import refuse_unsupported
 from services.gateway.openai_tools import (
     assistant_tool_calls,
+    json_type,
     parallel_tool_calls,
     parses_tool_calls,
     request_tools,
@@ -95,7 +96,7 @@ def _openai_param(field: str | None) -> str | None:
 def _uint(value: Any, param: str, high: int = MAX_UINT32) -> int:
     """A JSON integer in [0, high] (bools are not integers here)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument(f"must be an integer, got {_json_type(value)}", field=param)
+        raise InvalidArgument(f"must be an integer, got {json_type(value)}", field=param)
     if not 0 <= value <= high:
         raise InvalidArgument(f"must be in [0, {high}], got {value}", field=param)
     return value
@@ -104,7 +105,7 @@ def _uint(value: Any, param: str, high: int = MAX_UINT32) -> int:
 def _float(value: Any, param: str) -> float:
     """A JSON number as a float (bools are not numbers here)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidArgument(f"must be a number, got {_json_type(value)}", field=param)
+        raise InvalidArgument(f"must be a number, got {json_type(value)}", field=param)
     try:
         return float(value)
     except OverflowError:
@@ -171,7 +172,7 @@ def _sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
         if not isinstance(stop_ids, list):
-            raise InvalidArgument(f"must be a list of token ids, got {_json_type(stop_ids)}", field="stop_token_ids")
+            raise InvalidArgument(f"must be a list of token ids, got {json_type(stop_ids)}", field="stop_token_ids")
         options["stop_token_ids"] = tuple(_uint(token_id, f"stop_token_ids[{position}]")
                                           for position, token_id in enumerate(stop_ids))
     if body.get("logit_bias") is not None:
@@ -195,7 +196,7 @@ def _sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     """OpenAI's logit_bias: a JSON object from token ids (as strings) to biases."""
     if not isinstance(value, dict):
-        raise InvalidArgument(f"must be an object mapping token ids to biases, got {_json_type(value)}",
+        raise InvalidArgument(f"must be an object mapping token ids to biases, got {json_type(value)}",
                               field="logit_bias")
     pairs = []
     for key, bias in value.items():
@@ -249,11 +250,7 @@ def _content_text(content: Any, position: int) -> str:
                 raise InvalidArgument("only text content parts are supported", field=f"{field}[{index}]")
             parts.append(text_field(part.get("text"), f"{field}[{index}].text"))
         return "".join(parts)
-    raise InvalidArgument(f"must be a string or a list of text parts, got {_json_type(content)}", field=field)
-
-
-def _json_type(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
+    raise InvalidArgument(f"must be a string or a list of text parts, got {json_type(content)}", field=field)
 
 
 def _optional_text(value: Any, field: str) -> str:
@@ -267,7 +264,7 @@ def chat_prompt(body: dict[str, Any]) -> Prompt:
     turns = []
     for position, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise InvalidArgument(f"must be a message object, got {_json_type(message)}", field=f"messages[{position}]")
+            raise InvalidArgument(f"must be a message object, got {json_type(message)}", field=f"messages[{position}]")
         role = chat_role(message.get("role"), f"messages[{position}].role")
         tool_calls = assistant_tool_calls(message.get("tool_calls"), position) if role == "assistant" else ()
         content = message.get("content")

@@ -24,21 +24,23 @@ from cleave.generation.tool_calls import ToolCall
 MAX_TOOLS = 128  # OpenAI's limit per request
 
 
-def _type_name(value: Any) -> str:
+def json_type(value: Any) -> str:
+    """A JSON value's type as an error message names it."""
     return "null" if value is None else type(value).__name__
 
 
-def _string(value: Any, field: str, required: bool = True) -> str:
+def string_field(value: Any, field: str, required: bool = True) -> str:
+    """A non-empty string (or, not `required`, a string or null: "")."""
     if value is None and not required:
         return ""
     if not isinstance(value, str) or (required and not value):
-        raise InvalidArgument(f"must be a non-empty string, got {_type_name(value)}", field=field)
+        raise InvalidArgument(f"must be a non-empty string, got {json_type(value)}", field=field)
     return value
 
 
 def _object(value: Any, field: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise InvalidArgument(f"must be an object, got {_type_name(value)}", field=field)
+        raise InvalidArgument(f"must be an object, got {json_type(value)}", field=field)
     return value
 
 
@@ -54,7 +56,7 @@ def request_tools(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
     if tools is None or tools == []:
         return ()
     if not isinstance(tools, list):
-        raise InvalidArgument(f"must be a list of tools, got {_type_name(tools)}", field="tools")
+        raise InvalidArgument(f"must be a list of tools, got {json_type(tools)}", field="tools")
     if len(tools) > MAX_TOOLS:
         raise InvalidArgument(f"holds {len(tools)} tools; at most {MAX_TOOLS}", field="tools")
     checked = []
@@ -63,8 +65,8 @@ def request_tools(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
         tool = _object(tool, field)
         _function_type(tool.get("type"), f"{field}.type")
         function = _object(tool.get("function"), f"{field}.function")
-        _string(function.get("name"), f"{field}.function.name")
-        _string(function.get("description"), f"{field}.function.description", required=False)
+        string_field(function.get("name"), f"{field}.function.name")
+        string_field(function.get("description"), f"{field}.function.description", required=False)
         if function.get("parameters") is not None:
             _object(function["parameters"], f"{field}.function.parameters")
         strict = function.get("strict")
@@ -103,19 +105,19 @@ def assistant_tool_calls(value: Any, position: int) -> tuple[dict[str, Any], ...
     if value is None or value == []:
         return ()
     if not isinstance(value, list):
-        raise InvalidArgument(f"must be a list of tool calls, got {_type_name(value)}", field=field)
+        raise InvalidArgument(f"must be a list of tool calls, got {json_type(value)}", field=field)
     calls = []
     for index, call in enumerate(value):
         call_field = f"{field}[{index}]"
         call = _object(call, call_field)
         _function_type(call.get("type", "function"), f"{call_field}.type")
         function = _object(call.get("function"), f"{call_field}.function")
-        name = _string(function.get("name"), f"{call_field}.function.name")
+        name = string_field(function.get("name"), f"{call_field}.function.name")
         arguments = function.get("arguments", "{}")
         arguments_field = f"{call_field}.function.arguments"
         arguments = json_object(arguments or "{}", arguments_field) if isinstance(arguments, str) else arguments
         _object(arguments, arguments_field)
-        calls.append({"id": _string(call.get("id"), f"{call_field}.id", required=False), "type": "function",
+        calls.append({"id": string_field(call.get("id"), f"{call_field}.id", required=False), "type": "function",
                       "function": {"name": name, "arguments": arguments}})
     return tuple(calls)
 
@@ -133,7 +135,7 @@ def tool_call_id(value: Any, position: int, role: str) -> str:
     """A turn's `tool_call_id`: required of tool turns (the call they answer), else absent."""
     field = f"messages[{position}].tool_call_id"
     if role == "tool":
-        return _string(value, field)
+        return string_field(value, field)
     if value is not None:
         raise InvalidArgument("only a tool message answers a tool call", field=field)
     return ""

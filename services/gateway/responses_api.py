@@ -25,7 +25,7 @@ from cleave.errors import InvalidArgument
 from cleave.generation.tool_calls import ToolCall
 from cleave.rpc.types import Usage
 from services.gateway.backend import GenerateChunk, GenerateSpec, SampleOutput
-from services.gateway.openai_tools import json_object, new_call_id
+from services.gateway.openai_tools import json_object, json_type, new_call_id, string_field
 from services.gateway.request_names import chat_role
 
 # chat-completions names of the fields a translated request may be refused for -> the Responses API's
@@ -45,10 +45,6 @@ _PASSED_ON = ("model", "temperature", "top_p", "parallel_tool_calls", "stream", 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
 def _text(value: Any, field: str) -> str:
     """A message's content: a string or a list of text parts."""
     if isinstance(value, str):
@@ -60,13 +56,7 @@ def _text(value: Any, field: str) -> str:
                 raise InvalidArgument("only text parts are supported", field=f"{field}[{index}]")
             texts.append(part["text"])
         return "".join(texts)
-    raise InvalidArgument(f"must be a string or a list of text parts, got {_type_name(value)}", field=field)
-
-
-def _string(value: Any, field: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise InvalidArgument(f"must be a non-empty string, got {_type_name(value)}", field=field)
-    return value
+    raise InvalidArgument(f"must be a string or a list of text parts, got {json_type(value)}", field=field)
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -75,7 +65,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
-            raise InvalidArgument(f"must be a string, got {_type_name(instructions)}", field="instructions")
+            raise InvalidArgument(f"must be a string, got {json_type(instructions)}", field="instructions")
         messages.append({"role": "system", "content": instructions})
     items = body.get("input")
     if isinstance(items, str):
@@ -86,7 +76,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     for position, item in enumerate(items):
         where = f"input[{position}]"
         if not isinstance(item, dict):
-            raise InvalidArgument(f"must be an item object, got {_type_name(item)}", field=where)
+            raise InvalidArgument(f"must be an item object, got {json_type(item)}", field=where)
         kind = item.get("type", "message")
         if kind == "message":
             role = chat_role(item.get("role"), f"{where}.role")
@@ -97,10 +87,10 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 message["reasoning_content"], reasoning = reasoning, ""
             messages.append(message)
         elif kind == "function_call":
-            arguments = _string(item.get("arguments"), f"{where}.arguments")
+            arguments = string_field(item.get("arguments"), f"{where}.arguments")
             json_object(arguments, f"{where}.arguments")
-            call = {"id": _string(item.get("call_id"), f"{where}.call_id"), "type": "function",
-                    "function": {"name": _string(item.get("name"), f"{where}.name"), "arguments": arguments}}
+            call = {"id": string_field(item.get("call_id"), f"{where}.call_id"), "type": "function",
+                    "function": {"name": string_field(item.get("name"), f"{where}.name"), "arguments": arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
                 last["tool_calls"].append(call)  # the same turn's next call
@@ -110,7 +100,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                     turn["reasoning_content"], reasoning = reasoning, ""
                 messages.append(turn)
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": _string(item.get("call_id"), f"{where}.call_id"),
+            messages.append({"role": "tool", "tool_call_id": string_field(item.get("call_id"), f"{where}.call_id"),
                              "content": _text(item.get("output"), f"{where}.output")})
         elif kind == "reasoning":
             parts = item.get("content") or []
@@ -126,17 +116,17 @@ def _tools(value: Any) -> list[dict[str, Any]] | None:
     if value is None or value == []:
         return None
     if not isinstance(value, list):
-        raise InvalidArgument(f"must be a list of tools, got {_type_name(value)}", field="tools")
+        raise InvalidArgument(f"must be a list of tools, got {json_type(value)}", field="tools")
     tools = []
     for position, tool in enumerate(value):
         if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else _type_name(tool)
+            kind = tool.get("type") if isinstance(tool, dict) else json_type(tool)
             raise InvalidArgument(f"only function tools are supported, got {kind!r}", field=f"tools[{position}].type")
-        function = {"name": _string(tool.get("name"), f"tools[{position}].name")}
+        function = {"name": string_field(tool.get("name"), f"tools[{position}].name")}
         for key, kind in (("description", str), ("parameters", dict), ("strict", bool)):
             if tool.get(key) is not None:
                 if not isinstance(tool[key], kind):
-                    raise InvalidArgument(f"must be a {kind.__name__}, got {_type_name(tool[key])}",
+                    raise InvalidArgument(f"must be a {kind.__name__}, got {json_type(tool[key])}",
                                           field=f"tools[{position}].{key}")
                 function[key] = tool[key]
         tools.append({"type": "function", "function": function})
@@ -171,7 +161,7 @@ def responses_body(body: Any) -> dict[str, Any]:
     reasoning = body.get("reasoning")
     if reasoning is not None:
         if not isinstance(reasoning, dict):
-            raise InvalidArgument(f"must be an object, got {_type_name(reasoning)}", field="reasoning")
+            raise InvalidArgument(f"must be an object, got {json_type(reasoning)}", field="reasoning")
         if reasoning.get("effort") is not None:
             chat["reasoning_effort"] = reasoning["effort"]
     return chat
