@@ -239,14 +239,14 @@ def _reasoning(body: dict[str, Any]) -> ReasoningOptions:
     )
 
 
-def _content_text(content: Any, position: int) -> str:
-    field = f"messages[{position}].content"
+def content_text(content: Any, field: str, part_types: tuple[str, ...] = ("text",)) -> str:
+    """A message's content: a string, or a list of text parts (of `part_types`) joined."""
     if isinstance(content, str):
         return text_field(content, field)
     if isinstance(content, list):
         parts = []
         for index, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text":
+            if not isinstance(part, dict) or part.get("type") not in part_types:
                 raise InvalidArgument("only text content parts are supported", field=f"{field}[{index}]")
             parts.append(text_field(part.get("text"), f"{field}[{index}].text"))
         return "".join(parts)
@@ -270,7 +270,7 @@ def chat_prompt(body: dict[str, Any]) -> Prompt:
         content = message.get("content")
         turns.append(ChatMessage(
             role=role,
-            content="" if content is None and tool_calls else _content_text(content, position),
+            content="" if content is None and tool_calls else content_text(content, f"messages[{position}].content"),
             reasoning_content=_optional_text(message.get("reasoning_content"), f"messages[{position}].reasoning_content"),
             name=_optional_text(message.get("name"), f"messages[{position}].name"),
             tool_calls=tool_calls,

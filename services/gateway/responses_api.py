@@ -25,6 +25,7 @@ from cleave.errors import InvalidArgument
 from cleave.generation.tool_calls import ToolCall
 from cleave.rpc.types import Usage
 from services.gateway.backend import GenerateChunk, GenerateSpec, SampleOutput
+from services.gateway.openai_request import content_text
 from services.gateway.openai_tools import json_object, json_type, new_call_id, string_field
 from services.gateway.request_names import chat_role
 
@@ -43,20 +44,6 @@ _REFUSED = {
 }
 _PASSED_ON = ("model", "temperature", "top_p", "parallel_tool_calls", "stream", "seed", "top_logprobs", "user")
 _TEXT_PARTS = ("input_text", "output_text", "text")
-
-
-def _text(value: Any, field: str) -> str:
-    """A message's content: a string or a list of text parts."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        texts = []
-        for index, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-                raise InvalidArgument("only text parts are supported", field=f"{field}[{index}]")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise InvalidArgument(f"must be a string or a list of text parts, got {json_type(value)}", field=field)
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -82,7 +69,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             role = chat_role(item.get("role"), f"{where}.role")
             if role == "tool":
                 raise InvalidArgument("a tool's answer is a function_call_output item", field=f"{where}.role")
-            message: dict[str, Any] = {"role": role, "content": _text(item.get("content"), f"{where}.content")}
+            message: dict[str, Any] = {"role": role,
+                                       "content": content_text(item.get("content"), f"{where}.content", _TEXT_PARTS)}
             if role == "assistant" and reasoning:
                 message["reasoning_content"], reasoning = reasoning, ""
             messages.append(message)
@@ -101,10 +89,10 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 messages.append(turn)
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": string_field(item.get("call_id"), f"{where}.call_id"),
-                             "content": _text(item.get("output"), f"{where}.output")})
+                             "content": content_text(item.get("output"), f"{where}.output", _TEXT_PARTS)})
         elif kind == "reasoning":
             parts = item.get("content") or []
-            reasoning = _text(parts, f"{where}.content") if parts else ""
+            reasoning = content_text(parts, f"{where}.content", _TEXT_PARTS) if parts else ""
         else:
             raise InvalidArgument(f"unknown item type {kind!r}; use message, function_call, function_call_output "
                                   "or reasoning", field=f"{where}.type")
