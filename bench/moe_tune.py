@@ -196,21 +196,23 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     timer = Timer(device, warmup_ms=5, rep_ms=args.rep_ms)
     rows, launches = [], {}
     command = ["bench/moe_tune.py", *(argv if argv is not None else sys.argv[1:])]
-    for num_tokens in args.tokens:
-        row, launch = tune_tokens(num_tokens, shape, (w13, w2, router), device, dtype, args, timer)
-        rows.append(row)
-        launches[str(num_tokens)] = launch.to_json()
-        print(format_table([row], COLUMNS), flush=True)
     machine = machine_info()
     table_dir = Path(args.table_dir) if args.table_dir else TUNED_DIR
     table_dir.mkdir(parents=True, exist_ok=True)
     table_path = table_dir / tuned_file_name(shape.experts, shape.inter, shape.hidden, dtype, machine.device,
                                              args.packed_experts)
     name = run_name("moe-tune")
-    table_path.write_text(json.dumps({
-        "device": machine.device, "shape": asdict(shape), "command": "python " + " ".join(command),
-        "date": machine.date, "code": machine.code, "results": f"bench/results/moe/{name}.md", "launches": launches,
-    }, indent=1) + "\n")
+    for num_tokens in args.tokens:
+        row, launch = tune_tokens(num_tokens, shape, (w13, w2, router), device, dtype, args, timer)
+        rows.append(row)
+        launches[str(num_tokens)] = launch.to_json()
+        print(format_table([row], COLUMNS), flush=True)
+        # written after every token count, so a run cut short leaves the counts it finished
+        table_path.write_text(json.dumps({
+            "device": machine.device, "shape": asdict(shape), "command": "python " + " ".join(command),
+            "date": machine.date, "code": machine.code, "results": f"bench/results/moe/{name}.md",
+            "launches": launches,
+        }, indent=1) + "\n")
     print(format_table(rows, COLUMNS))
     write_results(args.out, name, rows, COLUMNS, summary={"shape": asdict(shape), "table": table_path.name},
                   argv=command)
