@@ -196,8 +196,10 @@ def write_results(
     columns: Sequence[str],
     summary: dict | None = None,
     argv: Sequence[str] | None = None,
+    details: dict | None = None,
 ) -> tuple[Path, Path]:
-    """Write `name`.json (everything) and `name`.md (header + table) under out_dir.
+    """Write `name`.json (everything) and `name`.md (header + table) under out_dir; `details`
+    (bulky data, e.g. per-step logs) goes into the JSON only.
 
     Pass `run_name(stem)` as `name`: a run may rewrite its own files (partial results saved
     after each part), and the UTC time keeps every other run's files apart.
@@ -207,6 +209,8 @@ def write_results(
     command = shlex.join(["python", *(sys.argv if argv is None else argv)])
     machine = asdict(machine_info())
     payload = {"command": command, "machine": machine, "summary": summary or {}, "rows": list(rows)}
+    if details:
+        payload["details"] = details
     json_path = out / f"{name}.json"
     json_path.write_text(json.dumps(payload, indent=1))
     header = [

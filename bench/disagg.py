@@ -392,15 +392,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def write_model(directory: Path, device: str) -> Path:
-    """engine.write_checkpoint, with the real `kernels` package imported first: transformers
-    imports it, and bench/kernels.py (bench/ is first on sys.path) would shadow it."""
-    bench_dir = Path(__file__).resolve().parent
-    path = list(sys.path)
-    sys.path[:] = [entry for entry in path if Path(entry or ".").resolve() != bench_dir]
-    try:
-        import transformers.integrations.hub_kernels  # noqa: F401
-    finally:
-        sys.path[:] = path
+    """engine.write_checkpoint: bench/engine.py's random Llama-3.2-1B-shaped checkpoint."""
     from engine import write_checkpoint
 
     return write_checkpoint(directory, device)

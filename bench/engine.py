@@ -154,6 +154,14 @@ def summarize(phase: str, mode: str, label: str, steps: list, synced: bool = Fal
     }
 
 
+def step_log(steps: list) -> list[list]:
+    """Every step as [sequences, tokens, wall ms, device ms, forward ms, postprocess ms] (the
+    launched step's batch; in overlapped steps device and postprocess time belong to the step
+    resolved, the one before), for the JSON: where a run's time went, step by step."""
+    return [[s.num_seqs, s.num_tokens, round(s.wall_s * 1e3, 3), round(s.device_s * 1e3, 3),
+             round(s.forward_s * 1e3, 3), round(s.postprocess_s * 1e3, 3)] for s in steps]
+
+
 def decode_steps(steps: list, lo: int, hi: int) -> list:
     return [s for s in steps if s.num_tokens == s.num_seqs and lo <= s.num_seqs <= hi]
 
@@ -199,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = [mode for mode in args.modes.split(",") if mode]
     if not modes or set(modes) - set(MODES):
         raise SystemExit(f"--modes takes a comma-separated subset of {', '.join(MODES)}")
-    rows, summary = [], {"modes": modes}
+    rows, summary, details = [], {"modes": modes}, {}
     breakdown_len = args.breakdown_output_len
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
@@ -221,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
                 selected = decode_steps(steps, lo, hi)
                 if selected:
                     rows.append(summarize("throughput", mode, f"decode {lo}-{hi}", selected))
+            with_prompts = [s for s in steps if s.num_tokens > s.num_seqs]
+            if with_prompts:
+                rows.append(summarize("throughput", mode, "with prompt tokens", with_prompts))
+            details[f"step_log_{mode}"] = step_log(steps)
             print(json.dumps(summary))
             print(format_table(rows, COLUMNS))
             del engine
@@ -251,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary))
     print(format_table(rows, COLUMNS))
     if args.out:
-        write_results(args.out, run_name("engine"), rows, COLUMNS, summary=summary)
+        write_results(args.out, run_name("engine"), rows, COLUMNS, summary=summary, details=details)
     return 0
 
 

@@ -41,8 +41,8 @@ import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-# bench/kernels.py would shadow the `kernels` package transformers imports: bench/ goes last.
-sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != BENCH] + [str(BENCH)]
+if str(BENCH) not in sys.path:  # loaded by path (tests): bench/'s helpers by their bare names
+    sys.path.append(str(BENCH))
 
 COLUMNS = ["batch", "freeze", "steps", "step_ms", "device_ms", "idle_pct", "wait_ms", "host_ms", "host_p50",
            "gc_ms", "full_gcs", "step_p50", "stagger"]

@@ -45,9 +45,6 @@ if TYPE_CHECKING:
     from cleave.engine.llm_engine import LLMEngine
 
 BENCH = Path(__file__).resolve().parent
-# bench/kernels.py would shadow the `kernels` package transformers imports: bench/ goes last.
-if sys.path and Path(sys.path[0] or ".").resolve() == BENCH:
-    sys.path.append(sys.path.pop(0))
 
 COLUMNS = ["mode", "mix", "batch", "status", "output_tokens_per_s", "seconds", "steady_seqs", "steady_steps",
            "step_ms", "device_ms", "gpu_idle_pct", "decode_tokens_per_s", "graph_pct", "preemptions", "reason"]
@@ -149,14 +146,7 @@ def choose_model(args: argparse.Namespace) -> None:
 
 
 def write_model(directory: Path, args: argparse.Namespace) -> Path:
-    """The sweep's checkpoint, with the real `kernels` package imported first: transformers
-    imports it while writing checkpoints, and bench/kernels.py would pass for it."""
-    path = list(sys.path)
-    sys.path[:] = [entry for entry in path if Path(entry or ".").resolve() != BENCH]
-    try:
-        import transformers.integrations.hub_kernels  # noqa: F401
-    finally:
-        sys.path[:] = path
+    """The sweep's checkpoint: the tiny test model, or bench/engine.py's random one."""
     if args.model == "tiny":
         from cleave.testing.tiny_models import write_tiny_checkpoint
 

@@ -19,9 +19,6 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 SCRIPTS = BENCH.parent / "scripts"
-# bench/kernels.py would shadow the `kernels` package transformers imports: bench/ goes last.
-if sys.path and Path(sys.path[0] or ".").resolve() == BENCH:
-    sys.path.append(sys.path.pop(0))
 COLUMNS = ["decoding", "temperature", "accuracy_3dp"]  # the tables print floats to 1 decimal
 
 

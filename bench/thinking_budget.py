@@ -19,9 +19,6 @@ import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-# bench/kernels.py would shadow the `kernels` package transformers imports: bench/ goes last.
-if sys.path and Path(sys.path[0] or ".").resolve() == BENCH:
-    sys.path.append(sys.path.pop(0))
 
 COLUMNS = ["max_thinking_tokens", "accuracy_3dp", "well_formed", "problems", "mean_reasoning_tokens"]
 ANSWER_RE = re.compile(r" The answer is \d+\.")

@@ -38,10 +38,6 @@ import torch
 from cleave.transfer.streams import Ready, order_after
 
 BENCH = Path(__file__).resolve().parent
-if sys.path and Path(sys.path[0]).resolve() == BENCH:
-    # bench/kernels.py would shadow the `kernels` package transformers imports; the bench
-    # helpers (`common`, `engine`) are found at the end of the path instead
-    sys.path.append(sys.path.pop(0))
 
 COLUMNS = ["mode", "tokens", "iters", "step_ms", "landed_ms", "exposed_ms", "kv_mb"]
 MODES = ("after", "layers")

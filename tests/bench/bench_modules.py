@@ -18,8 +18,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 def imported_bench(name: str) -> Iterator[ModuleType]:
     """bench/<name>.py, registered in sys.modules while in use (its dataclasses look their
     module up while being built). After it, sys.path and the modules are as before: a bench
-    script puts bench/ first on the path, where its `kernels.py` would shadow the `kernels`
-    package transformers looks for, and imports bench/'s `common` by that bare name."""
+    script may put bench/ on the path and imports bench/'s `common` by that bare name, which
+    later tests must not find."""
     module_name = f"bench_{name}"
     saved_path, saved_modules = list(sys.path), set(sys.modules)
     spec = importlib.util.spec_from_file_location(module_name, BENCH / f"{name}.py")

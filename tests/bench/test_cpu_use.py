@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-# Loaded by path, bench/ not put on sys.path: its kernels.py would shadow the `kernels`
-# package transformers imports in later tests of this process.
+# Loaded by path, bench/ not put on sys.path: the bench scripts' bare module names
+# (`common`, `engine`) stay out of later tests of this process.
 _spec = importlib.util.spec_from_file_location("bench_cpu_use", Path(__file__).resolve().parents[2] / "bench" / "cpu_use.py")
 cpu_use = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cpu_use)  # type: ignore[union-attr]

@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from cleave.metrics.engine import EngineMetrics
 from cleave.metrics.labels import MetricLabels
 
-# Loaded by path, bench/ not put on sys.path: its kernels.py would shadow the `kernels`
-# package transformers imports in later tests of this process.
+# Loaded by path, bench/ not put on sys.path: the bench scripts' bare module names
+# (`common`, `engine`) stay out of later tests of this process.
 _spec = importlib.util.spec_from_file_location("bench_engine_meter", Path(__file__).resolve().parents[2] / "bench" / "engine_meter.py")
 engine_meter = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = engine_meter  # its dataclasses look their module up there

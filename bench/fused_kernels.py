@@ -8,7 +8,7 @@ Each implementation is measured `--rounds` times, the implementations taking tur
 rotated order, and the median is reported, so drift of the machine during a run does not
 decide a comparison.
 
-    python bench/kernels.py --out bench/results/kernels
+    python bench/fused_kernels.py --out bench/results/kernels
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench/kernels.py needs a CUDA device")
+        raise SystemExit("bench/fused_kernels.py needs a CUDA device")
     rows, copy_gbs = run(args)
     print(format_table(rows, COLUMNS))
     checks = check_targets(rows)
