@@ -25,12 +25,19 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import format_table, graph_call_us, parse_heads, run_name, write_results  # noqa: E402
 
-from cleave.kernels.attention_decode import NUM_STAGES, choose_num_splits, paged_decode_attention  # noqa: E402
+from cleave.kernels.attention_decode import (  # noqa: E402
+    MAX_SPLITS,
+    NUM_STAGES,
+    choose_num_splits,
+    merge_block_s,
+    paged_decode_attention,
+)
 from cleave.kv.metadata import AttentionMetadata  # noqa: E402
 
 COLUMNS = ["heads", "batch", "context", "num_splits", "block_n", "num_warps", "num_stages", "heads_first", "us", "kv_gb",
@@ -95,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
             parse_ints(args.splits), parse_ints(args.block_n), parse_ints(args.num_warps), parse_ints(args.num_stages),
             args.heads_first,
         ):
-            num_splits = splits or choose_num_splits(batch, kv_heads, args.capacity, block_n)
+            merge_chunk = merge_block_s(q_heads // kv_heads, triton.next_power_of_2(head_dim), MAX_SPLITS)
+            num_splits = splits or choose_num_splits(batch, kv_heads, args.capacity, block_n, merge_chunk)
 
             def make_call(metadata: AttentionMetadata):
                 return lambda: paged_decode_attention(

@@ -168,6 +168,15 @@ def test_split_count_fills_the_gpu_from_the_batch_shape(num_seqs, max_seq_len, n
     assert choose_num_splits(num_seqs, 8, max_seq_len) == num_splits
 
 
+def test_wide_heads_cap_the_splits_at_sixteen_merge_chunks():
+    # Qwen3-30B-A3B: 4 KV heads of 8 x 128 query heads merge 4 partials a chunk, so at most 64
+    # splits (not the 256 that would bring the grid to 1024 programs at batch 1)
+    chunk = merge_block_s(8, 128, 256)
+    assert chunk == 4
+    assert choose_num_splits(1, 4, 40960, 64, chunk) == 64
+    assert choose_num_splits(1, 8, 40960, 64, merge_block_s(4, 64, 256)) == 128  # Llama-3.2-1B: unchanged
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_prefill_and_decode_match_reference(dtype):

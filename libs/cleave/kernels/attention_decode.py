@@ -71,6 +71,12 @@ NUM_STAGES = 2
 # 64); Qwen3-30B-A3B's 8 heads of 128 would be 256 a thread, more than a thread has, so such
 # shapes merge fewer splits per chunk.
 MERGE_TILE_ELEMENTS = 4096
+# Chunks the merging program reads one after another at most: the split count is capped at
+# this many chunks of `merge_block_s` partials. Qwen3-30B-A3B's shape merges 4 splits a chunk;
+# at batch 1 / 8k its 256 splits took 36-43 us and 64 splits 27 us (16: 30 us; at 1k every
+# count from 16 up took 14 us; bench/results/decode/attention_decode-20261205T040721Z.md).
+# Llama-3.2-1B's merges 16 a chunk, so its cap is MAX_SPLITS.
+MAX_MERGE_CHUNKS = 16
 
 
 @dataclass(frozen=True)
@@ -419,15 +425,17 @@ def merge_block_s(queries_per_kv: int, block_d: int, num_splits: int) -> int:
     return max(1, min(16, num_splits, MERGE_TILE_ELEMENTS // per_split))
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int = 64) -> int:
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int = 64,
+                      merge_chunk: int = 16) -> int:
     """Splits per sequence: a power of two that brings the grid to about TARGET_PROGRAMS.
 
     Depends only on host ints (under CUDA graphs: the bucket size and the capacity); never
-    more splits than `block_n`-token tiles in `max_seq_len`.
+    more splits than `block_n`-token tiles in `max_seq_len`, nor than MAX_MERGE_CHUNKS chunks
+    of `merge_chunk` (`merge_block_s`) partials for the merging program to read.
     """
     wanted = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads)))
     tiles = triton.cdiv(max(max_seq_len, 1), block_n)
-    return max(1, min(wanted, MAX_SPLITS, triton.next_power_of_2(tiles)))
+    return max(1, min(wanted, MAX_SPLITS, MAX_MERGE_CHUNKS * merge_chunk, triton.next_power_of_2(tiles)))
 
 
 def paged_decode_attention(
@@ -470,7 +478,8 @@ def paged_decode_attention(
     num_seqs = metadata.num_seqs
     if num_splits is None:
         visible = min(metadata.max_seq_len, sliding_window) if sliding_window else metadata.max_seq_len
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, visible, block_n)
+        merge_chunk = merge_block_s(num_q_heads // num_kv_heads, triton.next_power_of_2(head_dim), MAX_SPLITS)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, visible, block_n, merge_chunk)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     dot_dtype, precision = dot_settings(query)

@@ -14,8 +14,8 @@ Two layouts, on the Triton kernels:
   q/k norms also takes the rotary embedding and KV write as the qkv projection's epilogue.
   A mixture-of-experts layer of up
   to `moe_gemv.MAX_TOKENS` tokens runs its router on a GEMV with the norm in its prologue,
-  then the per-entry expert GEMVs with the norm and the top-k routing in the first one's
-  prologue and the residual add in the last one's epilogue (three launches); more tokens
+  the top-k routing, then the per-entry expert GEMVs with the norm in the first one's
+  prologue and the residual add in the last one's epilogue (four launches); more tokens
   take the norm, the fused MoE layer and an add.
 - deferred norms (dense layers without sinks or biases; larger decode-only batches, after
   `CausalLM.fold_norm_weights`): the
@@ -37,6 +37,7 @@ from cleave.kernels.activation import silu_and_mul
 from cleave.kernels.attention import paged_attention
 from cleave.kernels.attention_decode import NewKV, paged_decode_attention
 from cleave.kernels.dispatch import use_triton
+from cleave.kernels.fused_moe import route
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
 from cleave.kernels.gemv import RotaryKVWrite
 from cleave.kernels.moe_gemv import MAX_TOKENS as MOE_GEMV_MAX_TOKENS
@@ -169,18 +170,20 @@ def _gemv_mlp(mlp: MLP, residual: torch.Tensor, norm: RMSNorm, counters: torch.T
 
 def _gemv_moe(block: SparseMoeBlock, residual: torch.Tensor, norm: RMSNorm) -> None:
     """residual += block(norm(residual)): up to `moe_gemv.MAX_TOKENS` tokens with the norm
-    inside the router and expert GEMVs, the routing inside the first expert GEMV (gpt-oss's
-    softmax over its top-k logits is softmax-then-renormalise) and the add in the last one
-    (see the module doc)."""
+    inside the router and expert GEMVs, the routing in a launch of its own (gpt-oss's softmax
+    over its top-k logits is softmax-then-renormalise) and the add in the last GEMV (see the
+    module doc). Routing inside the first expert GEMV instead, one launch fewer, was slower on
+    an H200 (Qwen3-30B-A3B's layer at 1 / 2 / 4 tokens: 44.3 / 61.7 / 91.6 us with the route
+    launch, 47.5 / 66.0 / 106.9 without; bench/results/moe/moe-layer-20261205T040729Z.md)."""
     if residual.shape[0] > MOE_GEMV_MAX_TOKENS:
         residual.add_(block(rms_norm(residual, norm.weight, norm.eps, pdl=norm.pdl)))
         return
     logits = small_linear(residual, block.router.weight, norm_weight=norm.weight, eps=norm.eps, bias=block.router.bias,
                           pdl=norm.pdl)
+    weights, ids = route(logits, block.top_k, block.renormalize)
     experts = block.experts
-    moe_gemv(residual, experts.gate_up, experts.down, None, None, block.activation, experts.w13_bias, experts.w2_bias,
-             norm_weight=norm.weight, eps=norm.eps, add_to=residual, router_logits=logits, top_k=block.top_k,
-             renormalize=block.renormalize)
+    moe_gemv(residual, experts.gate_up, experts.down, weights, ids, block.activation, experts.w13_bias, experts.w2_bias,
+             norm_weight=norm.weight, eps=norm.eps, add_to=residual)
 
 
 # ---- deferred-norm layout ------------------------------------------------------------------
