@@ -428,8 +428,10 @@ def active_flops(shape: MoEShape, config, num_tokens: int) -> float:  # noqa: AN
 
 
 def _touched_experts(model, step: Callable[[], torch.Tensor]) -> list[int]:
-    """Distinct experts each MoE layer routes this step's tokens to (one eager run, hooked)."""
+    """Distinct experts each MoE layer routes this step's tokens to (one eager run, hooked:
+    the blocks' forwards, and the routing of the GEMV decode layout, which runs no forward)."""
     from cleave.kernels.fused_moe import route
+    from cleave.model import fused_decode
     from cleave.model.moe import SparseMoeBlock
 
     counts: list[int] = []
@@ -441,13 +443,22 @@ def _touched_experts(model, step: Callable[[], torch.Tensor]) -> list[int]:
         _, ids = route(logits, module.top_k, module.renormalize, impl="torch")
         counts.append(int(ids.unique().numel()))
 
+    def recorded_route(*args, **kwargs):  # noqa: ANN002, ANN003
+        weights, ids = route(*args, **kwargs)
+        counts.append(int(ids.unique().numel()))
+        return weights, ids
+
     handles = [m.register_forward_pre_hook(record) for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    fused_decode.route = recorded_route
     try:
         with torch.no_grad():
             step()
     finally:
+        fused_decode.route = route
         for handle in handles:
             handle.remove()
+    if not counts:
+        raise RuntimeError("no MoE layer routed during the step")
     return counts
 
 

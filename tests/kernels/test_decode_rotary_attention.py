@@ -36,7 +36,7 @@ def run_both(seq_lens, tables, num_q, num_kv, head_dim, dtype, is_neox, num_spli
     metadata.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     slot_mapping = torch.where(padding, -1, metadata.slot_mapping)
     positions = torch.tensor([max(length - 1, 0) for length in seq_lens], device=device)
-    cos_sin = make_cache(512, head_dim).to(device)
+    cos_sin = make_cache(max(512, max(seq_lens) + 1), head_dim).to(device)  # every position rotated
 
     def split(data):
         q, k = split_qkv(data, num_q, num_kv, head_dim)
