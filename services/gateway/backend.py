@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from cleave.generation.outputs import FinishReason
 from cleave.generation.sampling_params import SamplingParams
-from cleave.generation.tool_calls import ToolCall
+from cleave.generation.tool_calls import ForcedCall, ToolCall
 from cleave.rpc.types import ReasoningOptions, TopLogprobs, Usage
 from cleave.scaling.code_verifier import CodeTest
 from cleave.scaling.strategies import AnswerVotes, Strategy
@@ -106,6 +106,7 @@ class GenerateSpec:
     deadline: float | None = None  # event-loop time (loop.time()) by which the request must end
     parse_tool_calls: bool = False  # answers' tool calls come apart from their content
     parallel_tool_calls: bool = True  # False: an answer's first call only
+    forced_call: ForcedCall | None = None  # tool_choice forced calls: the answer is their JSON
 
 
 @dataclass(frozen=True)

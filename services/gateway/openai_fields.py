@@ -1,11 +1,12 @@
 """OpenAI request fields the gateway cannot honour: refused by name, never silently dropped.
 
-A client that sends `response_format` expects JSON back; answering with free text as if the
+A client that sends `modalities: ["audio"]` expects audio back; answering with text as if the
 field were absent is worse than an error. So, as vLLM does for what it cannot serve, each
 field below is a 400 naming it when it asks for something (a null, an empty list or the
 field's no-op value such as `function_call: "none"` asks for nothing and passes). Fields that
 change nothing about the output (`user`, `metadata`, `store`, `service_tier`) are accepted.
-Tools (`tools`, `tool_choice`, `parallel_tool_calls`) are served: `openai_tools`.
+Tools (`tools`, `tool_choice`, `parallel_tool_calls`) are served: `openai_tools`; structured
+outputs (`response_format`, `structured_outputs`, `guided_*`): `structured_request`.
 """
 
 from __future__ import annotations
@@ -15,13 +16,6 @@ from typing import Any
 from cleave.errors import InvalidArgument
 
 # field -> why it is refused (the message tells the client what to do instead)
-_REFUSED_BOTH = {
-    "response_format": "structured output (JSON mode, JSON schema) is not supported; only {\"type\": \"text\"}",
-    "guided_json": "guided decoding is not supported",
-    "guided_regex": "guided decoding is not supported",
-    "guided_choice": "guided decoding is not supported",
-    "guided_grammar": "guided decoding is not supported",
-}
 _REFUSED_CHAT = {
     "functions": "the legacy functions API is not supported; use tools",
     "function_call": "the legacy functions API is not supported (only \"none\"); use tool_choice",
@@ -42,8 +36,6 @@ def _asks_nothing(name: str, value: Any, body: dict[str, Any]) -> bool:
         return True
     if name == "function_call":
         return value == "none"
-    if name == "response_format":
-        return isinstance(value, dict) and value.get("type") == "text"
     if name == "modalities":
         return value == ["text"]
     if name == "best_of":
@@ -57,7 +49,7 @@ def _int(value: Any, default: int) -> int:
 
 def refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     """Raise InvalidArgument naming the first field of `body` this gateway cannot honour."""
-    refused = {**_REFUSED_BOTH, **(_REFUSED_CHAT if chat else _REFUSED_COMPLETIONS)}
+    refused = _REFUSED_CHAT if chat else _REFUSED_COMPLETIONS
     for name, reason in refused.items():
         if name in body and not _asks_nothing(name, body[name], body):
             raise InvalidArgument(reason, field=name)

@@ -27,6 +27,7 @@ from services.gateway.openai_tools import (
     tool_call_id,
 )
 from services.gateway.request_names import chat_role
+from services.gateway.structured_request import answer_shape
 
 _HTTP_STATUS = {
     "INVALID_ARGUMENT": 400,
@@ -344,6 +345,9 @@ def generate_spec(body: Any, request_id: str, model: str, chat: bool,
     stream = False if body.get("stream") is None else body["stream"]
     if not isinstance(stream, bool):
         raise InvalidArgument(f"must be true or false, got {stream!r}", field="stream")
+    parallel = parallel_tool_calls(body)
+    shape = answer_shape(body, prompt.tools, parallel) if chat else answer_shape(body, (), parallel)
+    sampling.structured_output = shape.structured_output
     spec = GenerateSpec(
         request_id=request_id,
         model=model,
@@ -353,6 +357,7 @@ def generate_spec(body: Any, request_id: str, model: str, chat: bool,
         scaling=Scaling(num_samples=sampling.n),
         stream=StreamShape(include_token_ids=True),
         parse_tool_calls=chat and parses_tool_calls(body, prompt.tools),
-        parallel_tool_calls=parallel_tool_calls(body),
+        parallel_tool_calls=parallel,
+        forced_call=shape.forced_call,
     )
     return spec, stream

@@ -6,7 +6,7 @@ OpenAI returns them.
 "auto" (the default) the answer's calls come back in `message.tool_calls` (streamed: one
 `delta.tool_calls` entry per call, whole) and the choice finishes with "tool_calls".
 "none" renders the tools but leaves the answer as text, as vLLM does. "required" and a named
-function need decoding constrained to a call, which cleave does not have: a 400.
+function decode the answer under the calls' JSON schema (`structured_request`), as vLLM does.
 `parallel_tool_calls: false` keeps an answer's first call only. An assistant turn's calls are
 handed to the template with their arguments as objects (what templates iterate over), a tool
 turn with the id of the call it answers.
@@ -77,17 +77,16 @@ def request_tools(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
 
 
 def parses_tool_calls(body: dict[str, Any], tools: tuple[dict[str, Any], ...]) -> bool:
-    """Whether the answer's tool calls come apart from its content: tools given and
-    `tool_choice` "auto" (or unset). Raises InvalidArgument for what cannot be honoured."""
+    """Whether the answer's tool calls are parsed out of its content in the model's own
+    format: tools given and `tool_choice` "auto" (or unset). Raises InvalidArgument for a
+    choice that is none of OpenAI's."""
     choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        if choice == "required" or isinstance(choice, dict):
-            raise InvalidArgument("\"required\" and a named function need decoding constrained to a tool call, "
-                                  "which is not supported; use \"auto\" or \"none\"", field="tool_choice")
-        raise InvalidArgument(f"must be \"auto\" or \"none\", got {choice!r}", field="tool_choice")
+    if choice not in (None, "auto", "none", "required") and not isinstance(choice, dict):
+        raise InvalidArgument(f"must be \"auto\", \"none\", \"required\" or a named function, got {choice!r}",
+                              field="tool_choice")
     if choice == "auto" and not tools:
         raise InvalidArgument("\"auto\" needs tools to choose from; give tools", field="tool_choice")
-    return bool(tools) and choice != "none"
+    return bool(tools) and choice in (None, "auto")  # "required" and named: `structured_request`
 
 
 def parallel_tool_calls(body: dict[str, Any]) -> bool:

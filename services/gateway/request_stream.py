@@ -83,7 +83,8 @@ async def stream_samples(
     texts = [
         SampleText(i, model.tokenizer, prompt_ids, spec.sampling, model.eos_token_ids, model.reasoning,
                    mode, spec.stream.include_token_ids, tag_tokens, model.token_pieces,
-                   model.tool_call_format if spec.parse_tool_calls else None, spec.parallel_tool_calls)
+                   spec.forced_call or (model.tool_call_format if spec.parse_tool_calls else None),
+                   spec.parallel_tool_calls)
         for i in range(spec.sampling.n)
     ]
     strategy = spec.scaling.strategy

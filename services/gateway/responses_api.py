@@ -9,8 +9,10 @@ Input: a string (one user turn) or items: messages (`role`, text `content` or te
 `function_call_output` items (tool turns); a `reasoning` item's text goes with the next
 assistant turn; `instructions` is a system turn before them. Tools are function tools
 (`{"type": "function", "name", "parameters"}`). Responses are not stored: `store` changes
-nothing, and `previous_response_id`, `conversation`, `background` and a non-text
-`text.format` are a 400 naming the field, as is every malformed item (`input[3].call_id`).
+nothing, and `previous_response_id`, `conversation` and `background` are a 400 naming the
+field, as is every malformed item (`input[3].call_id`). `text.format` (JSON mode, a JSON
+schema) and `tool_choice` "required" or a named function decode the answer under their
+constraint, as on the chat route.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ from services.gateway.request_names import chat_role
 
 # chat-completions names of the fields a translated request may be refused for -> the Responses API's
 PARAM_NAMES = {
+    "response_format": "text.format",
+    "response_format.type": "text.format.type",
+    "response_format.json_schema": "text.format",
+    "response_format.json_schema.name": "text.format.name",
+    "response_format.json_schema.schema": "text.format.schema",
+    "tool_choice.function.name": "tool_choice.name",
     "max_completion_tokens": "max_output_tokens",
     "reasoning_effort": "reasoning.effort",
     "messages": "input",
@@ -129,18 +137,16 @@ def responses_body(body: Any) -> dict[str, Any]:
     for name, reason in _REFUSED.items():
         if body.get(name) not in (None, False, ""):
             raise InvalidArgument(reason, field=name)
-    text = body.get("text")
-    if text is not None:
-        text_format = text.get("format") if isinstance(text, dict) else None
-        if text_format is not None and (not isinstance(text_format, dict) or text_format.get("type") != "text"):
-            raise InvalidArgument("only {\"type\": \"text\"} output is supported", field="text.format")
     chat: dict[str, Any] = {"messages": _messages(body)}
+    response_format = _response_format(body.get("text"))
+    if response_format is not None:
+        chat["response_format"] = response_format
     chat.update((name, body[name]) for name in _PASSED_ON if name in body)
     tools = _tools(body.get("tools"))
     if tools is not None:
         chat["tools"] = tools
     choice = body.get("tool_choice")
-    if isinstance(choice, dict) and choice.get("type") == "function":  # a named function: refused there
+    if isinstance(choice, dict) and choice.get("type") == "function":  # Responses names it flat
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     if choice is not None:
         chat["tool_choice"] = choice
@@ -153,6 +159,24 @@ def responses_body(body: Any) -> dict[str, Any]:
         if reasoning.get("effort") is not None:
             chat["reasoning_effort"] = reasoning["effort"]
     return chat
+
+
+def _response_format(text: Any) -> dict[str, Any] | None:
+    """`text.format` (flat: {"type": "json_schema", "name", "schema", "strict"}) as the chat
+    API's `response_format` (the schema nested under `json_schema`)."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise InvalidArgument(f"must be an object, got {json_type(text)}", field="text")
+    text_format = text.get("format")
+    if text_format is None:
+        return None
+    if not isinstance(text_format, dict):
+        raise InvalidArgument(f"must be an object, got {json_type(text_format)}", field="text.format")
+    if text_format.get("type") != "json_schema":
+        return text_format
+    schema = {key: text_format[key] for key in ("name", "schema", "strict") if key in text_format}
+    return {"type": "json_schema", "json_schema": schema}
 
 
 def _new_id(prefix: str) -> str:
@@ -224,7 +248,8 @@ class ResponseShaper:
             "temperature": request.get("temperature"), "top_p": request.get("top_p"),
             "max_output_tokens": request.get("max_output_tokens"), "previous_response_id": None,
             "reasoning": {"effort": self.spec.reasoning.reasoning_effort, "summary": None},
-            "text": {"format": {"type": "text"}}, "store": False, "truncation": "disabled", "metadata": {},
+            "text": {"format": (request.get("text") or {}).get("format") or {"type": "text"}},
+            "store": False, "truncation": "disabled", "metadata": {},
             "usage": {
                 "input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
                 "total_tokens": usage.prompt_tokens + usage.completion_tokens,

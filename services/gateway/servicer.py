@@ -12,6 +12,8 @@ import grpc
 
 from cleave.config import ModelConfig
 from cleave.errors import InvalidArgument
+from cleave.generation.structured_output import StructuredOutput
+from cleave.generation.tool_calls import ForcedCall, forced_call_schema
 from cleave.proto.cleave.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from cleave.rpc import current_request_id
 from cleave.rpc.convert import (
@@ -53,7 +55,8 @@ _STRATEGIES = {
     gateway_pb2.TestTimeScaling.STRATEGY_BEST_OF_N: Strategy.BEST_OF_N,
     gateway_pb2.TestTimeScaling.STRATEGY_GROUP_ROLLOUT: Strategy.GROUP_ROLLOUT,
 }
-_TOOL_CHOICES = (gateway_pb2.TOOL_CHOICE_UNSPECIFIED, gateway_pb2.TOOL_CHOICE_AUTO, gateway_pb2.TOOL_CHOICE_NONE)
+_TOOL_CHOICES = (gateway_pb2.TOOL_CHOICE_UNSPECIFIED, gateway_pb2.TOOL_CHOICE_AUTO, gateway_pb2.TOOL_CHOICE_NONE,
+                 gateway_pb2.TOOL_CHOICE_REQUIRED)
 _VERIFIERS = {
     gateway_pb2.Verifier.KIND_MATH: VerifierKind.MATH,
     gateway_pb2.Verifier.KIND_CODE: VerifierKind.CODE,
@@ -116,15 +119,27 @@ def _name(value: str, field: str) -> str:
     return value
 
 
-def with_tools(request: gateway_pb2.GenerateRequest, prompt: Prompt) -> tuple[Prompt, bool]:
-    """(the prompt with the request's tools, whether the answers' calls come apart from their
-    text: tools given and not TOOL_CHOICE_NONE). Tools need a prompt the chat template renders."""
+def with_tools(request: gateway_pb2.GenerateRequest, prompt: Prompt) -> tuple[Prompt, bool, ForcedCall | None]:
+    """(the prompt with the request's tools, whether the answers' calls are parsed out of
+    their text in the model's format: tools given and TOOL_CHOICE_AUTO, the call a choice
+    forces: REQUIRED or a named function). Tools need a prompt the chat template renders."""
     if request.tool_choice not in _TOOL_CHOICES:
         raise InvalidArgument(f"unknown tool choice {request.tool_choice}", field="tool_choice")
     tools = tools_from_proto(request.tools)
     if tools and (prompt.token_ids is not None or prompt.raw):
         raise InvalidArgument("tools are described by the chat template: give text or chat input, not raw", field="tools")
-    return replace(prompt, tools=tools), bool(tools) and request.tool_choice != gateway_pb2.TOOL_CHOICE_NONE
+    forced = None
+    if request.tool_choice_function:
+        if request.tool_choice_function not in {tool["function"]["name"] for tool in tools}:
+            raise InvalidArgument(f"names {request.tool_choice_function!r}, which is not among the tools",
+                                  field="tool_choice_function")
+        forced = ForcedCall(request.tool_choice_function)
+    elif request.tool_choice == gateway_pb2.TOOL_CHOICE_REQUIRED:
+        if not tools:
+            raise InvalidArgument("forces a tool call and needs tools to call; give tools", field="tool_choice")
+        forced = ForcedCall()
+    parse = bool(tools) and forced is None and request.tool_choice != gateway_pb2.TOOL_CHOICE_NONE
+    return replace(prompt, tools=tools), parse, forced
 
 
 def scaling_from_proto(message: gateway_pb2.TestTimeScaling, num_samples: int) -> Scaling:
@@ -214,7 +229,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
         # an unset message is all defaults, so both cases go through the same validation
         sampling = sampling_from_proto(request.sampling, reasoning=reasoning)
-        prompt, parse_tool_calls = with_tools(request, prompt_from_proto(request))
+        prompt, parse_tool_calls, forced = with_tools(request, prompt_from_proto(request))
+        if forced is not None:
+            if sampling.structured_output is not None:
+                raise InvalidArgument("a forced tool call constrains the answer already; leave it unset",
+                                      field="sampling.structured_output")
+            parallel = not request.HasField("parallel_tool_calls") or request.parallel_tool_calls
+            sampling.structured_output = StructuredOutput.json_schema(forced_call_schema(forced, prompt.tools, parallel))
         return GenerateSpec(
             request_id=require_request_id(request_id),
             model=resolve_model(self.models, request.model),
@@ -229,6 +250,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             ),
             parse_tool_calls=parse_tool_calls,
             parallel_tool_calls=not request.HasField("parallel_tool_calls") or request.parallel_tool_calls,
+            forced_call=forced,
         )
 
     async def Generate(

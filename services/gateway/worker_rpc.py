@@ -1,7 +1,8 @@
 """One gRPC call to a worker, with the gateway's error mapping and deadline arithmetic.
 
 A worker's status code becomes the matching `CleaveError` (the client sees the worker's
-reason, prefixed with where it came from); UNAVAILABLE also takes the worker out of rotation;
+reason, prefixed with where it came from; an INVALID_ARGUMENT keeps the field the worker
+named, as a GenerateRequest path); UNAVAILABLE also takes the worker out of rotation;
 anything else is Unavailable, which callers may retry elsewhere.
 """
 
@@ -13,8 +14,9 @@ from typing import TypeVar
 
 import grpc
 
-from cleave.errors import DeadlineExceeded, Unavailable
+from cleave.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from cleave.rpc.errors import error_detail, error_type_for
+from services.gateway.convert import request_field
 from services.gateway.workers import WorkerHandle, WorkerPool
 
 T = TypeVar("T")
@@ -27,6 +29,11 @@ async def call_worker(pool: WorkerPool, call: Awaitable[T], worker: WorkerHandle
     except grpc.aio.AioRpcError as error:
         where = f"{method} on {worker.role} worker {worker.address}"
         error_type = error_type_for(error.code())
+        if error_type is InvalidArgument:  # the request's fault: named by its field, as the gateway's own checks
+            detail = error_detail(error)
+            field = detail.field if detail is not None and detail.field else None
+            reason = (error.details() or "").removeprefix(f"{field}: " if field else "")
+            raise request_field(InvalidArgument(f"{where}: {reason}", field=field)) from None
         if error_type is not None:
             raise error_type(f"{where}: {error.details()}") from None
         behind = _behind(error)

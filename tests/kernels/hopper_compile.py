@@ -36,6 +36,7 @@ from cleave.kernels.moe_gemv import _down_sum_kernel, _gate_up_kernel
 from cleave.kernels.moe_tiles import SHARED_MEMORY_BYTES
 from cleave.kernels.rms_norm import _rms_norm_kernel
 from cleave.kernels.splitk_linear import _splitk_linear_kernel
+from cleave.kernels.token_bitmask import _token_bitmask_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {  # argument name -> pointer type; every other runtime argument is an i32
@@ -182,6 +183,9 @@ def main() -> None:
     compile_variant(_splitk_linear_kernel, splitk, 4)  # qkv with the input norm
     compile_variant(_splitk_linear_kernel, {**splitk, "GATED": True, "SPLIT_K": 2}, 4)  # gate_up
     compile_variant(_splitk_linear_kernel, {**splitk, "NORM": False, "ADD": True, "SPLIT_K": 1, "BLOCK_M": 32}, 4)
+    # grammar-constrained decoding: one 4096-token block of bf16 logits per program, rows listed
+    compile_variant(_token_bitmask_kernel, dict(HAS_ROWS=True, BLOCK_WORDS=128), 16,
+                    pointers={"bitmask_ptr": "*i32", "rows_ptr": "*i64"})
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 `RequestBuilder` holds what building needs (tokenizer, reasoning tags, limits) and touches
 no engine state, so `LLMEngine.prepare_request` may run it on any thread. Each sample gets
 its stop checker, a detokenizer (engines that make text) or a reasoning token counter
-(engines that do not), and a thinking-budget logits processor when the request asks for one.
+(engines that do not), a thinking-budget logits processor when the request asks for one,
+and its grammar's constraint when the request has a structured output.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 from collections.abc import Sequence as Seq
 from typing import Any, Union
 
+from cleave.engine.grammar import GrammarCompiler
 from cleave.engine.reasoning_tokens import ReasoningTokenCounter
 from cleave.engine.request import RequestState, SampleState
 from cleave.engine.sampling_tensors import LogitsProcessor
@@ -73,6 +75,7 @@ class RequestBuilder:
             self._answer_prefix_ids = tokenizer.encode(reasoning.answer_prefix, add_special_tokens=False)
             self._end_opens_with_marker = bool(self._end_tag_ids) and tokenizer.is_special(self._end_tag_ids[0])
         self._tag_tokens = special_tag_tokens(tokenizer, reasoning) if detokenize else {}
+        self._grammars = GrammarCompiler(tokenizer, vocab_size, sorted(eos_token_ids))
 
     def encode_prompt(self, prompt: Prompt, raw: bool = False) -> list[int]:
         """Token ids of a prompt: text (chat template for chat models unless `raw`), a
@@ -119,10 +122,13 @@ class RequestBuilder:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = [Sequence(request_id, prompt_ids, i, params, priority, arrival) for i in range(params.n)]
         max_new = params.max_new_tokens(self.max_model_len, len(prompt_ids))
-        samples = [self._new_sample(seq, params, prompt_ids, max_new) for seq in seqs]
+        grammar = None if params.structured_output is None else self._grammars.compile(params.structured_output)
+        samples = [self._new_sample(seq, params, prompt_ids, max_new, grammar) for seq in seqs]
         return RequestState(request_id, prompt_ids, params, samples, prefill_only=prefill_only)
 
-    def _new_sample(self, seq: Sequence, params: SamplingParams, prompt_ids: list[int], max_new: int) -> SampleState:
+    def _new_sample(
+        self, seq: Sequence, params: SamplingParams, prompt_ids: list[int], max_new: int, grammar: Any = None
+    ) -> SampleState:
         reasoning = None
         counter = None
         processors: list[LogitsProcessor] = []
@@ -136,10 +142,15 @@ class RequestBuilder:
                 )
             budget = ThinkingBudget.from_params(
                 params, self._end_tag_ids, self._start_tag_ids, self.reasoning.starts_in_reasoning,
-                self._answer_prefix_ids, self._end_opens_with_marker,
+                () if grammar is not None else self._answer_prefix_ids,  # the grammar opens the answer
+                self._end_opens_with_marker,
             )
             if budget is not None:
                 processors.append(budget)
+        if grammar is not None:
+            starts_in_reasoning = self.reasoning is not None and self.reasoning.starts_in_reasoning
+            processors.append(self._grammars.constraint(
+                grammar, self._start_tag_ids, self._end_tag_ids, starts_in_reasoning, seq.request_id))
         return SampleState(
             index=seq.sample_index,
             seq=seq,

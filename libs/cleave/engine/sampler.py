@@ -5,6 +5,7 @@ processors (rows that have any) and building `SamplingTensors` beforehand. Stage
 
     raw logits -> logprobs (log_softmax of the raw logits, if requested)
                -> logits processors (per row, e.g. thinking budgets)
+               -> allowed-token bitmasks (structured outputs; one kernel for the batch)
                -> logit biases (logit_bias; -inf on eos / stop ids before min_tokens)
                -> repetition / frequency / presence penalties
                -> greedy rows: argmax
@@ -24,6 +25,7 @@ import torch
 
 from cleave.engine.counter_rng import exponential_noise
 from cleave.engine.sampling_tensors import SamplingTensors
+from cleave.kernels.token_bitmask import apply_token_bitmask
 
 # Exp(1) draws of exactly 0 would turn a zero-probability token into 0/0 = NaN, which
 # argmax treats as the maximum.
@@ -76,6 +78,8 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if state.num_logprobs is not None else None
         logits = apply_logits_processors(logits, state)
+        if state.token_bitmask is not None:  # structured outputs (a new tensor: `logits` may be the caller's)
+            logits = apply_token_bitmask(logits, state.token_bitmask, state.bitmask_rows)
         if state.bias_index is not None:  # logit_bias, min_tokens (a new tensor: `logits` may be the caller's)
             logits = logits.index_put((state.bias_index[0], state.bias_index[1]), state.bias_values, accumulate=True)
         if state.needs_penalties:

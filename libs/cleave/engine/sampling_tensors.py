@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -18,10 +19,20 @@ from cleave.device_copy import tensor_on, to_device
 from cleave.engine.counter_rng import keys_to_tensor
 from cleave.generation.sampling_params import SamplingParams
 from cleave.generation.seed_keys import row_key
+from cleave.kernels.token_bitmask import bitmask_words
 
 # processor(output_token_ids, logits_row [V]) -> new logits row [V], or None after editing
 # the row in place.
 LogitsProcessor = Callable[[Sequence[int], torch.Tensor], "torch.Tensor | None"]
+
+
+class TokenMask(Protocol):
+    """A processor that restricts a row's next token to a set (a grammar): it writes the
+    allowed tokens into row `index` of a host [R, ceil(V / 32)] int32 bitmask (bit v % 32 of
+    word v // 32 set: token v allowed) and returns True, or returns False when the next
+    token is free. The sampler applies every row's bitmask in one kernel."""
+
+    def fill_bitmask(self, output_token_ids: Sequence[int], bitmask: torch.Tensor, index: int) -> bool: ...
 
 
 @dataclass
@@ -49,6 +60,8 @@ class SamplingTensors:
         seeded_rows: [S] int64 rows sampled from counter-based noise (None: no seeded row).
         seeded_keys: [S, 2] int64 (low, high) words of each seeded row's key.
         row_processors: rows that carry logits processors.
+        token_bitmask: [R, ceil(V / 32)] int32 allowed tokens of the rows `bitmask_rows` [R]
+            int64 constrains this step (structured outputs; None: no row is constrained).
         bias_index: [2, N] int64 (row, token id) of each logit to shift (None: none), and
         bias_values: [N] float32 the shifts: requests' logit_bias, and -inf on the eos and
             stop token ids of rows short of their min_tokens.
@@ -73,6 +86,8 @@ class SamplingTensors:
     seeded_rows: torch.Tensor | None = None
     seeded_keys: torch.Tensor | None = None
     row_processors: list[RowProcessors] = field(default_factory=list)
+    token_bitmask: torch.Tensor | None = None
+    bitmask_rows: torch.Tensor | None = None
     bias_index: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
     bias_depends_on_outputs: bool = False
@@ -147,14 +162,28 @@ class SamplingTensors:
         state._init_seeds(params, sampled, device, output_token_ids, sample_indices)
         state._init_bias(params, device, output_token_ids, eos_token_ids)
         if logits_processors is not None:
-            state.row_processors = [
-                RowProcessors(row, procs, output_token_ids[row])
-                for row, procs in enumerate(logits_processors)
-                if procs
-            ]
+            state._init_processors(logits_processors, output_token_ids, device)
         requested = [p.logprobs for p in params if p.logprobs is not None]
         state.num_logprobs = max(requested) if requested else None
         return state
+
+    def _init_processors(self, logits_processors, output_token_ids, device):
+        masks: list[tuple[int, TokenMask]] = []  # at most one a row
+        for row, procs in enumerate(logits_processors):
+            plain = [proc for proc in procs if not hasattr(proc, "fill_bitmask")]
+            if len(plain) < len(procs) - 1:
+                raise ValueError(f"row {row} has more than one token mask")
+            masks += [(row, proc) for proc in procs if hasattr(proc, "fill_bitmask")]
+            if plain:
+                self.row_processors.append(RowProcessors(row, plain, output_token_ids[row]))
+        if not masks:
+            return
+        bitmask = torch.full((len(masks), bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
+        kept = [index for index, (row, mask) in enumerate(masks)
+                if mask.fill_bitmask(output_token_ids[row], bitmask, index)]
+        if kept:
+            self.token_bitmask = to_device(bitmask if len(kept) == len(masks) else bitmask[kept], device)
+            self.bitmask_rows = tensor_on([masks[index][0] for index in kept], torch.int64, device)
 
     def _init_penalties(self, params, vocab_size, device, output_token_ids, prompt_token_ids):
         has_repetition = any(p.repetition_penalty != 1.0 for p in params)

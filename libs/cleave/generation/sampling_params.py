@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from cleave.errors import InvalidArgument
+from cleave.generation.structured_output import StructuredOutput
 
 # OpenAI caps top_logprobs at 20; larger values cost a [B, K] top-k per step for little use.
 MAX_LOGPROBS = 20
@@ -61,6 +62,8 @@ class SamplingParams:
             are not sampled before, and stop strings not matched; 0: no minimum.
         logit_bias: {token id: value in [-100, 100]} added to the token's logit before
             sampling (OpenAI's logit_bias; -100 bans it); None: no bias.
+        structured_output: what the answer must look like (a JSON schema, a regex, ...);
+            the engine masks each step's tokens to it once the thinking ended. None: free.
     """
 
     max_tokens: int | None = 16
@@ -84,6 +87,7 @@ class SamplingParams:
     include_reasoning: bool = True
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
+    structured_output: StructuredOutput | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -110,6 +114,10 @@ class SamplingParams:
         self._validate_bias(vocab_size)
         self._validate_reasoning()
         self._validate_length(max_model_len, prompt_len)
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise InvalidArgument("must be a StructuredOutput", field="structured_output")
+            self.structured_output.validate()
 
     def _validate_sampling(self) -> None:
         _require_real("temperature", self.temperature)

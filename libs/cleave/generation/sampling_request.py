@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from cleave.errors import InvalidArgument
 from cleave.generation.sampling_params import MAX_LOGPROBS, SamplingParams
+from cleave.generation.structured_output import StructuredOutput
 
 MAX_SAMPLES = 1024  # samples of one request
 MAX_TOKEN_ID = 2**31 - 1  # token ids must fit the engine's int32
@@ -46,6 +47,7 @@ class SamplingRequest:
     ignore_eos: bool = False
     skip_special_tokens: bool | None = None  # None: True
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    structured_output: StructuredOutput | None = None
 
 
 def _wire(value: float) -> float:
@@ -125,6 +127,7 @@ def to_sampling_params(
         include_reasoning=include_reasoning,
         min_tokens=request.min_tokens,
         logit_bias=dict(request.logit_bias) or None,
+        structured_output=request.structured_output,
     )
     try:
         params.validate()

@@ -34,6 +34,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cleave.generation.reasoning import longest_suffix_prefix
@@ -267,8 +268,71 @@ class HarmonyToolParser:
         self._taken = self._name = ""
 
 
-def tool_parser(tool_format: str) -> HermesToolParser | HarmonyToolParser:
-    """A fresh parser of `tool_format` ("hermes" or "harmony") for one sample."""
+@dataclass(frozen=True)
+class ForcedCall:
+    """A tool_choice that forces the answer to be calls (decoding constrained to them, see
+    `forced_call_schema`): one call of the function `name`, or with `name` None ("required")
+    a JSON list of one or more calls of the tools."""
+
+    name: str | None = None
+
+
+def forced_call_schema(forced: ForcedCall, tools: Sequence[dict], parallel: bool = True) -> dict:
+    """The JSON schema the answer is decoded under: the named function's parameters, or a
+    list of {"name": <a tool>, "parameters": <its parameters>} (at most one without
+    `parallel`), as vLLM constrains tool_choice "required". `tools` are OpenAI's tool objects."""
+    def parameters(tool: dict) -> dict:
+        return tool["function"].get("parameters") or {"type": "object"}
+
+    if forced.name is not None:
+        return next(parameters(tool) for tool in tools if tool["function"]["name"] == forced.name)
+    calls = [{"type": "object", "properties": {"name": {"const": tool["function"]["name"]}, "parameters": parameters(tool)},
+              "required": ["name", "parameters"], "additionalProperties": False} for tool in tools]
+    schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+class ForcedCallParser:
+    """The answer of a forced tool choice as calls: held back whole, then at the sample's end
+    one call of the named function with the answer as its arguments, or ("required") one call
+    per entry of the answer's list. An answer that is not what the grammar asked for (the
+    token limit cut it) stays content, as written."""
+
+    def __init__(self, forced: ForcedCall) -> None:
+        self._forced = forced
+        self._parts: list[str] = []
+
+    def feed(self, text: str) -> ToolParse:
+        self._parts.append(text)
+        return ToolParse()
+
+    def finish(self) -> ToolParse:
+        text = "".join(self._parts)
+        self._parts = []
+        calls = self._calls(text.strip())
+        return ToolParse(tool_calls=calls) if calls else ToolParse(content=text)
+
+    def _calls(self, text: str) -> tuple[ToolCall, ...]:
+        if self._forced.name is not None:
+            arguments = _arguments(text)
+            return () if arguments is None else (ToolCall(self._forced.name, arguments),)
+        try:
+            entries = json.loads(text)
+        except ValueError:
+            return ()
+        if not isinstance(entries, list):
+            return ()
+        calls = [parse_call(json.dumps(entry)) for entry in entries if isinstance(entry, dict)]
+        return tuple(calls) if calls and len(calls) == len(entries) and all(calls) else ()
+
+
+def tool_parser(tool_format: str | ForcedCall) -> HermesToolParser | HarmonyToolParser | ForcedCallParser:
+    """A fresh parser of `tool_format` ("hermes", "harmony", or a forced choice's calls) for
+    one sample."""
+    if isinstance(tool_format, ForcedCall):
+        return ForcedCallParser(tool_format)
     if tool_format == "hermes":
         return HermesToolParser()
     if tool_format == "harmony":

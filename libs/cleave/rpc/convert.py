@@ -18,6 +18,7 @@ from cleave.errors import InvalidArgument
 from cleave.generation.outputs import FinishReason
 from cleave.generation.sampling_params import SamplingParams
 from cleave.generation.sampling_request import MAX_SAMPLES, MAX_TOKEN_ID, SamplingRequest, to_sampling_params
+from cleave.generation.structured_output import StructuredKind, StructuredOutput
 from cleave.proto.cleave.v1 import common_pb2
 from cleave.rpc import types
 from cleave.rpc.errors import error_code_for
@@ -91,10 +92,33 @@ def sampling_from_proto(
         ignore_eos=message.ignore_eos,
         skip_special_tokens=_optional(message, "skip_special_tokens"),
         logit_bias=tuple(sorted(message.logit_bias.items())),
+        structured_output=structured_from_proto(message.structured_output)
+        if message.HasField("structured_output") else None,
     )
     if reasoning is None:
         return to_sampling_params(request, field)
     return to_sampling_params(request, field, **thinking_options(reasoning))
+
+
+def structured_from_proto(message: common_pb2.StructuredOutput, field: str = "sampling.structured_output"
+                          ) -> StructuredOutput:
+    """The constraint a StructuredOutput message sets (InvalidArgument when it sets none)."""
+    form = message.WhichOneof("form")
+    if form is None or (form == "json_object" and not message.json_object):
+        raise InvalidArgument("set one of json_schema, json_object, regex, choice or grammar", field=field)
+    if form == "choice":
+        return StructuredOutput(StructuredKind.CHOICE, choices=tuple(message.choice.choices))
+    if form == "json_object":
+        return StructuredOutput(StructuredKind.JSON_OBJECT)
+    return StructuredOutput(StructuredKind(form), getattr(message, form))
+
+
+def structured_to_proto(spec: StructuredOutput) -> common_pb2.StructuredOutput:
+    if spec.kind is StructuredKind.CHOICE:
+        return common_pb2.StructuredOutput(choice=common_pb2.StringChoices(choices=spec.choices))
+    if spec.kind is StructuredKind.JSON_OBJECT:
+        return common_pb2.StructuredOutput(json_object=True)
+    return common_pb2.StructuredOutput(**{spec.kind.value: spec.spec})
 
 
 def thinking_options(options: types.ReasoningOptions) -> dict[str, Any]:
@@ -131,6 +155,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         min_tokens=params.min_tokens,
         logit_bias=params.logit_bias or {},
     )
+    if params.structured_output is not None:
+        message.structured_output.CopyFrom(structured_to_proto(params.structured_output))
     for name in ("seed", "logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None:

@@ -138,7 +138,7 @@ async def test_unknown_paths_and_methods_answer_openai_shaped_json(stack):
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("tool_choice", "required"),
     ("functions", [{"name": "f", "parameters": {}}]),
-    ("response_format", {"type": "json_object"}),
+    ("modalities", ["audio"]),
 ])
 async def test_what_cannot_be_honoured_is_refused_by_name(stack, field, value):
     with pytest.raises(openai.BadRequestError) as raised:

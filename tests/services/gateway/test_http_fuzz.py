@@ -57,6 +57,10 @@ def served_by(schema: dict[str, Any], stack) -> dict[str, Any]:  # type: ignore[
     bias = components["SamplingFields"]["properties"]["logit_bias"]  # keys: token ids of the vocabulary
     value = bias.pop("additionalProperties")
     bias.update(properties={str(token_id): value for token_id in (0, 7, 42)}, additionalProperties=False)
+    # regexes, choices and grammars drawn at random are mostly not ones (a 400 each); the
+    # structured-output tests send real ones, and response_format stays in
+    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        del components["SamplingFields"]["properties"][name]
     if stack.router.model.tool_call_format is None:  # its chat template describes no tools: they are a 400
         chat = components["ChatCompletionRequest"]["allOf"][1]["properties"]
         for name in ("tools", "tool_choice", "parallel_tool_calls"):
@@ -116,6 +120,9 @@ def fuzz_operation(operation, mode: schemathesis.GenerationMode, base_url: str, 
               phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
     @given(case=operation.as_strategy(generation_mode=mode))
     def run(case) -> None:  # type: ignore[no-untyped-def]
+        if case.headers:  # framing headers are aiohttp's parser's (a plain-text 400 before any route runs)
+            case.headers = {name: value for name, value in case.headers.items()
+                            if name.lower() not in ("content-length", "transfer-encoding")}
         if isinstance(case.body, dict) and case.operation.path.startswith("/v1/"):
             body = copy.deepcopy(case.body)
             _cheap(body)

@@ -93,10 +93,27 @@ async def test_a_token_limit_makes_the_response_incomplete(tool_model):  # noqa:
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
 
 
+async def test_a_json_schema_format_and_a_forced_call_constrain_the_answer(tool_model):  # noqa: F811
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    async with serving(tool_model) as (client, backend):
+        backend.answer = 'Rome.</think>\n\n{"city": "Rome"}'
+        response = await client.responses.create(
+            model="tiny-tools", input="Where?", text={"format": {"type": "json_schema", "name": "place", "schema": schema}})
+        assert json.loads(response.output_text) == {"city": "Rome"}
+        assert response.text.format.type == "json_schema"
+        assert json.loads(backend.specs[-1].sampling.structured_output.spec) == schema
+        response = await client.responses.create(model="tiny-tools", input="Weather?", tools=[WEATHER],
+                                                 tool_choice={"type": "function", "name": "get_weather"})
+        (call,) = [item for item in response.output if item.type == "function_call"]
+        assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Rome"})
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
-    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": [1]}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"text": "json"}, "text"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [{"type": "function", "name": ""}]}, "tools[0].name"),
     ({"tools": [{"type": "function", "name": "f", "parameters": [1]}]}, "tools[0].parameters"),
@@ -107,7 +124,8 @@ async def test_a_token_limit_makes_the_response_incomplete(tool_model):  # noqa:
     ({"input": []}, "input"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
-    ({"tool_choice": "required", "tools": [WEATHER]}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "name": "get_stock"}, "tools": [WEATHER]}, "tool_choice.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
 ])
 async def test_what_cannot_be_honoured_is_a_400_naming_the_field(tool_model, fields, param):  # noqa: F811
     async with serving(tool_model) as (client, _):

@@ -18,6 +18,7 @@ import shutil
 from collections.abc import AsyncIterator
 
 import grpc
+import jsonschema
 import openai
 import pytest
 
@@ -82,11 +83,13 @@ class ScriptedBackend:
         self.answer = TWO_CALLS
         self.finish = common_pb2.FINISH_REASON_STOP  # how the answer ends
         self.prompts: list[str] = []
+        self.specs: list[GenerateSpec] = []
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
         model = self.model
         prompt_ids = model.encode(spec.prompt, spec.reasoning)
         self.prompts.append(model.tokenizer.decode(prompt_ids))
+        self.specs.append(spec)
         ids = model.tokenizer.encode(self.answer, add_special_tokens=False)
         running = RunningRequest(asyncio.Queue())
         running.add(WorkerRequest("worker-request", decode=None, stream=None, sample_indices=(0,)))  # type: ignore[arg-type]
@@ -142,16 +145,22 @@ async def test_calls_come_back_apart_from_the_content(api):
     assert " get_time=" in backend.prompts[-1]
 
 
-async def test_streamed_calls_arrive_whole_with_their_index(api):
-    client, _ = api
-    stream = await client.chat.completions.create(model="tiny-tools", messages=MESSAGES, tools=[WEATHER_TOOL, TIME_TOOL],
-                                                  tool_choice="auto", stream=True)
+async def streamed(stream) -> tuple[str, list, str | None]:  # type: ignore[no-untyped-def]
+    """A streamed one-choice answer's content, tool-call deltas and finish reason."""
     content, calls, finish = "", [], None
     async for chunk in stream:
         (choice,) = chunk.choices
         content += choice.delta.content or ""
         calls += choice.delta.tool_calls or []
         finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+async def test_streamed_calls_arrive_whole_with_their_index(api):
+    client, _ = api
+    stream = await client.chat.completions.create(model="tiny-tools", messages=MESSAGES, tools=[WEATHER_TOOL, TIME_TOOL],
+                                                  tool_choice="auto", stream=True)
+    content, calls, finish = await streamed(stream)
     assert content == "\n\nLet me look.\n" and finish == "tool_calls"
     assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         (0, "get_weather", {"city": "Paris"}), (1, "get_time", {})]
@@ -199,9 +208,57 @@ async def test_earlier_calls_and_their_results_reach_the_template(api):
     assert "tool[call_1]: sunny, 21 C\n" in rendered
 
 
+FORCED_LIST = ('Both.</think>\n\n[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+               '{"name": "get_time", "parameters": {}}]')
+FORCED_ARGUMENTS = 'Rome, then.</think>\n\n{"city": "Rome"}'
+
+
+async def test_a_forced_choice_is_decoded_under_the_calls_schema_and_comes_back_as_calls(api):
+    client, backend = api
+    backend.answer = FORCED_LIST
+    response = await client.chat.completions.create(model="tiny-tools", messages=MESSAGES,
+                                                    tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required")
+    (choice,) = response.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.reasoning_content == "Both."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {})]
+    # the workers decode the answer under a list of calls of the tools (what the scripted answer is)
+    schema = json.loads(backend.specs[-1].sampling.structured_output.spec)
+    jsonschema.validate(json.loads(FORCED_LIST.split("\n\n", 1)[1]), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_weather", "parameters": {}}], schema)  # its parameters say city
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([], schema)
+    backend.answer = FORCED_ARGUMENTS
+    stream = await client.chat.completions.create(
+        model="tiny-tools", messages=MESSAGES, tools=[WEATHER_TOOL, TIME_TOOL], stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    content, calls, finish = await streamed(stream)
+    assert (content, finish) == ("", "tool_calls")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Rome"})]
+    assert json.loads(backend.specs[-1].sampling.structured_output.spec) == WEATHER_TOOL["function"]["parameters"]
+    await client.chat.completions.create(model="tiny-tools", messages=MESSAGES, tools=[WEATHER_TOOL, TIME_TOOL],
+                                         tool_choice="required", parallel_tool_calls=False)
+    assert json.loads(backend.specs[-1].sampling.structured_output.spec)["maxItems"] == 1
+
+
+async def test_a_forced_answer_the_token_limit_cut_stays_content(api):
+    client, backend = api
+    backend.answer = 'Short.</think>\n\n[{"name": "get_wea'
+    backend.finish = common_pb2.FINISH_REASON_LENGTH
+    response = await client.chat.completions.create(model="tiny-tools", messages=MESSAGES, tools=[WEATHER_TOOL],
+                                                    tool_choice="required")
+    (choice,) = response.choices
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+    assert choice.message.content == '\n\n[{"name": "get_wea'
+
+
 @pytest.mark.parametrize("extra, param", [
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "tool_choice.function.name"),
+    ({"tool_choice": {"type": "retrieval"}}, "tool_choice.type"),
+    ({"tool_choice": "required", "tools": []}, "tool_choice"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
@@ -314,6 +371,21 @@ GRPC_TOOLS = [gateway_pb2.Tool(name="get_weather", description="Weather in a cit
               gateway_pb2.Tool(name="get_time")]
 
 
+async def test_grpc_forced_calls(grpc_stub):
+    stub, backend = grpc_stub
+    backend.answer = FORCED_LIST
+    deltas = [d async for r in stub.Generate(grpc_chat(tools=GRPC_TOOLS, tool_choice=gateway_pb2.TOOL_CHOICE_REQUIRED))
+              for d in r.samples]
+    assert [(c.name, json.loads(c.arguments_json)) for d in deltas for c in d.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert json.loads(backend.specs[-1].sampling.structured_output.spec)["type"] == "array"
+    backend.answer = FORCED_ARGUMENTS
+    deltas = [d async for r in stub.Generate(grpc_chat(tools=GRPC_TOOLS, tool_choice_function="get_weather"))
+              for d in r.samples]
+    assert [(c.name, json.loads(c.arguments_json)) for d in deltas for c in d.tool_calls] == [
+        ("get_weather", {"city": "Rome"})]
+
+
 async def test_grpc_calls_come_in_their_own_field(grpc_stub):
     stub, backend = grpc_stub
     calls, text, finish = [], "", None
@@ -348,6 +420,11 @@ async def test_grpc_calls_come_in_their_own_field(grpc_stub):
     ({"tools": [gateway_pb2.Tool(name="f", parameters_json="{")]}, "tools[0].parameters_json"),
     ({"tools": [gateway_pb2.Tool(name="f")] * 129}, "tools"),
     ({"tools": GRPC_TOOLS, "tool_choice": 7}, "tool_choice"),
+    ({"tools": GRPC_TOOLS, "tool_choice_function": "get_stock"}, "tool_choice_function"),
+    ({"tool_choice": gateway_pb2.TOOL_CHOICE_REQUIRED}, "tool_choice"),
+    ({"tools": GRPC_TOOLS, "tool_choice": gateway_pb2.TOOL_CHOICE_REQUIRED,
+      "sampling": common_pb2.SamplingParams(structured_output=common_pb2.StructuredOutput(json_object=True))},
+     "sampling.structured_output"),
     ({"chat": [gateway_pb2.ChatMessage(role="user", content="x", tool_call_id="c")]},
      "chat.messages[0].tool_call_id"),
     ({"chat": [gateway_pb2.ChatMessage(role="tool", content="x")]}, "chat.messages[0].tool_call_id"),

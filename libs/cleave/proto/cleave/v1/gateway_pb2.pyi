@@ -16,9 +16,11 @@ class ToolChoice(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TOOL_CHOICE_UNSPECIFIED: _ClassVar[ToolChoice]
     TOOL_CHOICE_AUTO: _ClassVar[ToolChoice]
     TOOL_CHOICE_NONE: _ClassVar[ToolChoice]
+    TOOL_CHOICE_REQUIRED: _ClassVar[ToolChoice]
 TOOL_CHOICE_UNSPECIFIED: ToolChoice
 TOOL_CHOICE_AUTO: ToolChoice
 TOOL_CHOICE_NONE: ToolChoice
+TOOL_CHOICE_REQUIRED: ToolChoice
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -131,7 +133,7 @@ class TestTimeScaling(_message.Message):
     def __init__(self, strategy: _Optional[_Union[TestTimeScaling.Strategy, str]] = ..., num_samples: _Optional[int] = ..., verifier: _Optional[_Union[Verifier, _Mapping]] = ..., return_all_samples: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "sampling", "reasoning", "scaling", "raw_prompt", "stream", "tools", "tool_choice", "parallel_tool_calls")
+    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "sampling", "reasoning", "scaling", "raw_prompt", "stream", "tools", "tool_choice", "parallel_tool_calls", "tool_choice_function")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +147,7 @@ class GenerateRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FUNCTION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -158,7 +161,8 @@ class GenerateRequest(_message.Message):
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
     tool_choice: ToolChoice
     parallel_tool_calls: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., reasoning: _Optional[_Union[_common_pb2.ReasoningOptions, _Mapping]] = ..., scaling: _Optional[_Union[TestTimeScaling, _Mapping]] = ..., raw_prompt: _Optional[bool] = ..., stream: _Optional[_Union[StreamOptions, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
+    tool_choice_function: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., reasoning: _Optional[_Union[_common_pb2.ReasoningOptions, _Mapping]] = ..., scaling: _Optional[_Union[TestTimeScaling, _Mapping]] = ..., raw_prompt: _Optional[bool] = ..., stream: _Optional[_Union[StreamOptions, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., parallel_tool_calls: _Optional[bool] = ..., tool_choice_function: _Optional[str] = ...) -> None: ...
 
 class SampleDelta(_message.Message):
     __slots__ = ("index", "text", "token_ids", "reasoning_text", "finish_reason", "logprobs", "reward", "advantage", "answer", "error", "tool_calls")

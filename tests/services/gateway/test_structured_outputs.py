@@ -1,0 +1,126 @@
+"""Structured outputs through the whole stack, in both modes, driven by the real `openai`
+client: the answers of a random tiny model decoded under `response_format` (a JSON schema,
+JSON mode) and vLLM's regex and choice constraints are what `jsonschema`, `json` and `re`
+accept, equal the in-process engine's under the same constraint, stream in pieces that add
+up, and leave the thinking free; a spec no grammar can be made of is a 400 naming its field."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from cleave.generation.sampling_params import SamplingParams
+from cleave.generation.structured_output import StructuredOutput
+from tests.services.gateway.helpers import reference_llm
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+MESSAGES = [{"role": "user", "content": "Describe the sky as JSON."}]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,5}$"},
+        "clear": {"type": "boolean"},
+        "color": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["name", "clear", "color", "tags"],
+    "additionalProperties": False,
+}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "sky", "schema": SCHEMA, "strict": True}}
+THINK = {"max_thinking_tokens": 2}  # the random model would think to the token limit; the grammar starts after
+
+
+def client(stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=stack.http_url, api_key="unused", max_retries=0)
+
+
+async def test_a_json_schema_answer_is_an_instance_and_equals_the_engines(stack, model_dir):
+    response = await client(stack).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=120, temperature=0.0, response_format=RESPONSE_FORMAT,
+        extra_body=THINK)
+    choice = response.choices[0]
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    assert choice.finish_reason == "stop"
+    assert choice.message.reasoning_content  # thought first, unconstrained
+    (expected,) = reference_llm(model_dir).generate(MESSAGES, SamplingParams(
+        max_tokens=120, temperature=0.0, max_thinking_tokens=2,
+        structured_output=StructuredOutput.json_schema(SCHEMA)))
+    assert choice.message.content == expected.outputs[0].text
+    assert choice.message.reasoning_content == expected.outputs[0].reasoning_text
+
+
+async def test_sampled_answers_stream_and_every_sample_is_an_instance(stack):
+    stream = await client(stack).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=120, temperature=1.0, seed=7, n=3, stream=True,
+        response_format=RESPONSE_FORMAT, extra_body=THINK)
+    contents = {0: "", 1: "", 2: ""}
+    finishes = {}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            contents[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    for content in contents.values():
+        jsonschema.validate(json.loads(content), SCHEMA)
+    assert finishes == {0: "stop", 1: "stop", 2: "stop"}
+
+
+async def test_json_mode_regex_and_choice(stack):
+    json_mode = await client(stack).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=150, temperature=0.0, response_format={"type": "json_object"},
+        extra_body=THINK)
+    text = json_mode.choices[0].message.content
+    if json_mode.choices[0].finish_reason == "stop":  # free-form JSON may outrun the token limit
+        assert isinstance(json.loads(text), dict)
+    else:
+        assert text.startswith("{")
+    choice = await client(stack).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=30, temperature=1.0, seed=5,
+        extra_body={**THINK, "guided_choice": ["cloudy", "clear sky", "storm"]})
+    assert choice.choices[0].message.content in ("cloudy", "clear sky", "storm")
+
+
+async def test_a_regex_answer_after_a_forced_end_of_thinking(stack):
+    response = await client(stack).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=40, temperature=1.0, seed=11,
+        extra_body={**THINK, "structured_outputs": {"regex": r"[A-Z]{2}-[0-9]{3}"}})
+    assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", response.choices[0].message.content)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "structured_output"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"structured_outputs": {"regex": "((("}}, "structured_output"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"guided_choice": []}, None),  # asks for nothing
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+async def test_bad_constraints_are_refused_naming_the_field(stack, body, param):
+    request = client(stack).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=5, temperature=0.0, extra_body={**THINK, **body})
+    if param is None:
+        await request
+        return
+    with pytest.raises(openai.BadRequestError) as raised:
+        await request
+    assert raised.value.body["param"] == param, raised.value.body
+
+
+async def test_refused_constraints_leave_no_kv_behind(stack):
+    from tests.services.gateway.helpers import free_blocks, wait_for_free_blocks
+
+    before = free_blocks(stack)
+    for _ in range(3):
+        with pytest.raises(openai.BadRequestError):
+            await client(stack).chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=5,
+                extra_body={**THINK, "structured_outputs": {"grammar": "root ::= ((("}})
+    assert await wait_for_free_blocks(stack, before) == before
