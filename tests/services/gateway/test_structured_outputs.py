@@ -9,13 +9,16 @@ from __future__ import annotations
 import json
 import re
 
+import grpc
 import jsonschema
 import openai
 import pytest
 
+from cleave.client import GatewayClient
 from cleave.generation.sampling_params import SamplingParams
 from cleave.generation.structured_output import StructuredOutput
-from tests.services.gateway.helpers import reference_llm
+from cleave.proto.cleave.v1 import common_pb2
+from tests.services.gateway.helpers import free_blocks, reference_llm, wait_for_free_blocks
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MESSAGES = [{"role": "user", "content": "Describe the sky as JSON."}]
@@ -115,8 +118,6 @@ async def test_bad_constraints_are_refused_naming_the_field(stack, body, param):
 
 
 async def test_refused_constraints_leave_no_kv_behind(stack):
-    from tests.services.gateway.helpers import free_blocks, wait_for_free_blocks
-
     before = free_blocks(stack)
     for _ in range(3):
         with pytest.raises(openai.BadRequestError):
@@ -124,3 +125,21 @@ async def test_refused_constraints_leave_no_kv_behind(stack):
                 model="tiny", messages=MESSAGES, max_tokens=5,
                 extra_body={**THINK, "structured_outputs": {"grammar": "root ::= ((("}})
     assert await wait_for_free_blocks(stack, before) == before
+
+
+async def test_grpc_clients_set_the_constraint_in_sampling_params(stack):
+    reasoning = common_pb2.ReasoningOptions(max_thinking_tokens=2)
+    async with GatewayClient(stack.gateway_address) as client:
+        result = await client.complete(
+            MESSAGES, max_tokens=120, temperature=1.0, seed=2, reasoning=reasoning,
+            structured_output=common_pb2.StructuredOutput(json_schema=json.dumps(SCHEMA)))
+        jsonschema.validate(json.loads(result.samples[0].text), SCHEMA)
+        choice = await client.complete(
+            MESSAGES, max_tokens=30, temperature=1.0, seed=4, reasoning=reasoning,
+            structured_output=common_pb2.StructuredOutput(choice=common_pb2.StringChoices(choices=["up", "down"])))
+        assert choice.samples[0].text in ("up", "down")
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await client.complete(MESSAGES, max_tokens=5, reasoning=reasoning,
+                                  structured_output=common_pb2.StructuredOutput(regex="((("))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.structured_output" in raised.value.details()
