@@ -346,7 +346,7 @@ def generate_spec(body: Any, request_id: str, model: str, chat: bool,
     if not isinstance(stream, bool):
         raise InvalidArgument(f"must be true or false, got {stream!r}", field="stream")
     parallel = parallel_tool_calls(body)
-    shape = answer_shape(body, prompt.tools, parallel) if chat else answer_shape(body, (), parallel)
+    shape = answer_shape(body, prompt.tools, parallel, chat)
     sampling.structured_output = shape.structured_output
     spec = GenerateSpec(
         request_id=request_id,

@@ -41,10 +41,12 @@ class AnswerShape:
     forced_call: ForcedCall | None = None
 
 
-def answer_shape(body: dict[str, Any], tools: tuple[dict[str, Any], ...], parallel: bool) -> AnswerShape:
-    """The body's one constraint on the answer, checked (tools: the request's checked tools)."""
-    shapes = [shape for shape in (_response_format(body), _vllm(body), _forced_call(body, tools, parallel))
-              if shape.structured_output is not None]
+def answer_shape(body: dict[str, Any], tools: tuple[dict[str, Any], ...], parallel: bool,
+                 chat: bool = True) -> AnswerShape:
+    """The body's one constraint on the answer, checked (tools: the request's checked tools;
+    a completion has none, and its `tool_choice` is not read, as its `tools` are not)."""
+    forced = _forced_call(body, tools, parallel) if chat else AnswerShape()
+    shapes = [shape for shape in (_response_format(body), _vllm(body), forced) if shape.structured_output is not None]
     if len(shapes) > 1:
         raise InvalidArgument(f"constrains the answer, and so does {shapes[0].field.split('.')[0]}; "
                               "give one", field=shapes[1].field.split(".")[0])
