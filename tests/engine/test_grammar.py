@@ -185,3 +185,22 @@ def test_specs_are_validated_before_compiling(spec):
     with pytest.raises(InvalidArgument) as raised:
         spec.validate("sampling.structured_output")
     assert raised.value.field == "sampling.structured_output"
+
+
+def test_multi_token_tags_are_followed_token_by_token(tokenizer, compiler):
+    # harmony-like tags of several tokens: the start tag, once begun, is finished; the end tag
+    # closes the thinking only whole (a partial one followed by another token stays thinking)
+    start, end = [300, 301, 302], [303, 304]  # ordinary tokens standing in for marker tokens
+    constraint = compiler.constraint(compiler.compile(StructuredOutput(StructuredKind.CHOICE, choices=("ok",))),
+                                     start, end, starts_in_reasoning=False)
+    bitmask = torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32)
+    assert constraint.fill_bitmask(start[:1], bitmask, 0)
+    assert allowed(bitmask) == [start[1]]
+    assert constraint.fill_bitmask(start[:2], bitmask, 0)
+    assert allowed(bitmask) == [start[2]]
+    thinking = start + [end[0], 7, end[0]]
+    assert not constraint.fill_bitmask(thinking, bitmask, 0)  # inside: free
+    assert constraint.phase is Phase.REASONING
+    tokens = walk(constraint, random.Random(0), given=thinking + [end[1]])
+    assert constraint.phase is Phase.ANSWER
+    assert answer_text(tokenizer, tokens[len(thinking) + 1:]) == "ok"
