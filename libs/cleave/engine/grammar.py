@@ -15,9 +15,8 @@ masked; after the end tag the grammar takes every token until a stop token ends 
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -63,14 +62,19 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutput, field: str = "structured_output") -> Any:
         """The compiled grammar of `spec`; InvalidArgument naming `field` when it has none."""
         compiler = self._compiler
-        with _refused_as(spec, field):
+        try:
             if spec.kind is StructuredKind.JSON_SCHEMA:
                 return compiler.compile_json_schema(spec.spec, any_whitespace=False, strict_mode=True)
             if spec.kind is StructuredKind.JSON_OBJECT:
                 return compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False)
             if spec.kind is StructuredKind.REGEX:
                 return compiler.compile_regex(spec.spec)
-            return compiler.compile_grammar(_ebnf(spec))
+            ebnf = spec.ebnf_of_choices() if spec.kind is StructuredKind.CHOICE else spec.spec
+            return compiler.compile_grammar(ebnf)
+        except (RuntimeError, ValueError) as error:  # xgrammar's parse errors: the request's fault
+            text = str(error).strip()
+            message = _without_source(text.splitlines()[-1]) if text else type(error).__name__
+            raise InvalidArgument(f"cannot compile the {spec.kind.value}: {message}", field=field) from None
 
     def constraint(
         self,
@@ -89,21 +93,6 @@ class GrammarCompiler:
 
 
 _ANY_OBJECT = json.dumps({"type": "object"})
-
-
-def _ebnf(spec: StructuredOutput) -> str:
-    return spec.ebnf_of_choices() if spec.kind is StructuredKind.CHOICE else spec.spec
-
-
-@contextlib.contextmanager
-def _refused_as(spec: StructuredOutput, field: str) -> Iterator[None]:
-    """xgrammar's parse errors (RuntimeError / ValueError) as InvalidArgument naming `field`."""
-    try:
-        yield
-    except (RuntimeError, ValueError) as error:
-        text = str(error).strip()
-        message = _without_source(text.splitlines()[-1]) if text else type(error).__name__
-        raise InvalidArgument(f"cannot compile the {spec.kind.value}: {message}", field=field) from None
 
 
 def _without_source(message: str) -> str:
