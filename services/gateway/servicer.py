@@ -12,8 +12,7 @@ import grpc
 
 from cleave.config import ModelConfig
 from cleave.errors import InvalidArgument
-from cleave.generation.structured_output import StructuredOutput
-from cleave.generation.tool_calls import ForcedCall, forced_call_schema
+from cleave.generation.tool_calls import ForcedCall
 from cleave.proto.cleave.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from cleave.rpc import current_request_id
 from cleave.rpc.convert import (
@@ -46,6 +45,7 @@ from services.gateway.backend import (
 )
 from services.gateway.openai_tools import MAX_TOOLS, json_object, new_call_id
 from services.gateway.request_names import chat_role, resolve_model
+from services.gateway.structured_request import forced_call_output
 
 DEADLINE_MARGIN_S = 0.05
 _STRATEGIES = {
@@ -130,13 +130,8 @@ def with_tools(request: gateway_pb2.GenerateRequest, prompt: Prompt) -> tuple[Pr
         raise InvalidArgument("tools are described by the chat template: give text or chat input, not raw", field="tools")
     forced = None
     if request.tool_choice_function:
-        if request.tool_choice_function not in {tool["function"]["name"] for tool in tools}:
-            raise InvalidArgument(f"names {request.tool_choice_function!r}, which is not among the tools",
-                                  field="tool_choice_function")
         forced = ForcedCall(request.tool_choice_function)
     elif request.tool_choice == gateway_pb2.TOOL_CHOICE_REQUIRED:
-        if not tools:
-            raise InvalidArgument("forces a tool call and needs tools to call; give tools", field="tool_choice")
         forced = ForcedCall()
     parse = bool(tools) and forced is None and request.tool_choice != gateway_pb2.TOOL_CHOICE_NONE
     return replace(prompt, tools=tools), parse, forced
@@ -231,11 +226,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         sampling = sampling_from_proto(request.sampling, reasoning=reasoning)
         prompt, parse_tool_calls, forced = with_tools(request, prompt_from_proto(request))
         if forced is not None:
+            parallel = not request.HasField("parallel_tool_calls") or request.parallel_tool_calls
+            constraint = forced_call_output(forced, prompt.tools, parallel, "tool_choice", "tool_choice_function")
             if sampling.structured_output is not None:
                 raise InvalidArgument("a forced tool call constrains the answer already; leave it unset",
                                       field="sampling.structured_output")
-            parallel = not request.HasField("parallel_tool_calls") or request.parallel_tool_calls
-            sampling.structured_output = StructuredOutput.json_schema(forced_call_schema(forced, prompt.tools, parallel))
+            sampling.structured_output = constraint
         return GenerateSpec(
             request_id=require_request_id(request_id),
             model=resolve_model(self.models, request.model),

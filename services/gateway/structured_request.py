@@ -121,16 +121,25 @@ def _forced_call(body: dict[str, Any], tools: tuple[dict[str, Any], ...], parall
         function = choice.get("function")
         if not isinstance(function, dict):
             raise InvalidArgument(f"must be an object, got {json_type(function)}", field="tool_choice.function")
-        name = string_field(function.get("name"), "tool_choice.function.name")
-        if name not in {tool["function"]["name"] for tool in tools}:
-            raise InvalidArgument(f"names {name!r}, which is not among the tools", field="tool_choice.function.name")
-        forced = ForcedCall(name)
+        forced = ForcedCall(string_field(function.get("name"), "tool_choice.function.name"))
     else:
         return AnswerShape()
+    spec = forced_call_output(forced, tools, parallel, "tool_choice", "tool_choice.function.name")
+    return AnswerShape(spec, "tool_choice", forced)
+
+
+def forced_call_output(forced: ForcedCall, tools: tuple[dict[str, Any], ...], parallel: bool, field: str,
+                       name_field: str) -> StructuredOutput:
+    """The constraint a forced tool choice decodes under (the calls' JSON schema), checked: a
+    named function is among the tools (else a refusal naming `name_field`), and there are
+    tools (`field`). Both front doors build it here."""
+    if forced.name is not None and forced.name not in {tool["function"]["name"] for tool in tools}:
+        raise InvalidArgument(f"names {forced.name!r}, which is not among the tools", field=name_field)
     if not tools:
-        raise InvalidArgument("forces a tool call and needs tools to call; give tools", field="tool_choice")
-    schema = StructuredOutput.json_schema(forced_call_schema(forced, tools, parallel))
-    return AnswerShape(_checked(schema, "tool_choice").structured_output, "tool_choice", forced)
+        raise InvalidArgument("forces a tool call and needs tools to call; give tools", field=field)
+    spec = StructuredOutput.json_schema(forced_call_schema(forced, tools, parallel))
+    spec.validate(field)
+    return spec
 
 
 def _checked(spec: StructuredOutput, field: str) -> AnswerShape:

@@ -93,6 +93,12 @@ def parse_call(body: str) -> ToolCall | None:
         value = json.loads(body)
     except ValueError:
         return None
+    return call_of(value)
+
+
+def call_of(value: object) -> ToolCall | None:
+    """A parsed JSON value as a call ({"name": str, "arguments" or "parameters": object or JSON
+    text of one}); None when it is not one."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
     arguments = _arguments(value.get("arguments", value.get("parameters", {})))
@@ -324,8 +330,8 @@ class ForcedCallParser:
             return ()
         if not isinstance(entries, list):
             return ()
-        calls = [parse_call(json.dumps(entry)) for entry in entries if isinstance(entry, dict)]
-        return tuple(calls) if calls and len(calls) == len(entries) and all(calls) else ()
+        calls = [call_of(entry) for entry in entries]
+        return tuple(calls) if calls and all(calls) else ()
 
 
 def tool_parser(tool_format: str | ForcedCall) -> HermesToolParser | HarmonyToolParser | ForcedCallParser:
