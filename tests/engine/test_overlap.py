@@ -1,9 +1,11 @@
 """Overlapped engine steps (`overlap_steps=True`) on CPU: exactly the plain loop's outputs
-(tokens, text, stops, logprobs, seeded samples, n > 1, penalties) under chunked prefill,
-preemption and aborts, one `step()` call later, with every KV block returned."""
+(tokens, text, stops, logprobs, seeded samples, n > 1, penalties, thinking budgets,
+grammars) under chunked prefill, preemption and aborts, one `step()` call later, with every
+KV block returned."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from cleave.engine.llm_engine import LLMEngine
 from cleave.engine.request import OutputAccumulator
 from cleave.generation.outputs import FinishReason
 from cleave.generation.sampling_params import SamplingParams
+from cleave.generation.structured_output import StructuredKind, StructuredOutput
 from cleave.testing.tiny_models import write_tiny_checkpoint
 
 TEXT_IDS = (8, 500)  # plain BPE tokens of the tiny tokenizer
@@ -164,3 +167,59 @@ def test_min_tokens_and_logit_bias_overlap_to_the_same_outputs(checkpoint):
         engine = LLM(checkpoint, device="cpu", overlap_steps=overlap)
         results[overlap] = [summary(output) for output in engine.generate(prompt_list, params)]
     assert results[True] == results[False]
+
+
+def test_samples_that_read_their_tokens_overlap_and_lag_one_call(checkpoint):
+    """A penalised sample's sampling reads its earlier tokens on the host: the step before is
+    resolved between its forward and its sampling, so it overlaps like any other."""
+    engine = LLMEngine(build_engine_config(checkpoint, device="cpu", max_model_len=64, overlap_steps=True))
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, frequency_penalty=0.5)
+    engine.add_request("a", prompts(1, seed=4)[0], params)
+    assert engine.step() == []  # the prefill is launched; its token is read next call
+    counts = [sum(len(s.token_ids) for o in engine.step() for s in o.outputs) for _ in range(3)]
+    assert counts == [1, 1, 1]
+    assert engine.step() == [] and not engine.has_unfinished()
+    assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks
+
+
+CHOICES = ("yes", "no", "perhaps not", "ask again later")
+REASONING = {"start_tag": "<think>", "end_tag": "</think>", "starts_in_reasoning": True}
+
+
+@pytest.fixture(scope="module")
+def reasoning_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama as a reasoning model whose prompt opens the think block."""
+    directory = write_tiny_checkpoint(tmp_path_factory.mktemp("overlap") / "reasoner", "llama")
+    (directory / "cleave_config.json").write_text(json.dumps({"reasoning": REASONING}))
+    return directory
+
+
+CONVERSATIONS = [[{"role": "user", "content": text}] for text in ("Will it rain?", "Is the sky blue?", "Why?")]
+
+
+def test_thinking_budgets_and_grammars_equal_the_synchronous_loop(reasoning_checkpoint):
+    """Thinking budgets and grammars (logits processors that read each sample's tokens on the
+    host), beside plain and penalised samples in the same batches, answer exactly as the plain
+    loop does."""
+    choice = StructuredOutput(StructuredKind.CHOICE, choices=CHOICES)
+    schema = StructuredOutput.json_schema({"type": "object", "properties": {"n": {"enum": [1, 2, 3]}},
+                                           "required": ["n"], "additionalProperties": False})
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.0, max_thinking_tokens=3, structured_output=choice),
+        SamplingParams(max_tokens=40, temperature=1.0, seed=3, n=2, max_thinking_tokens=2, structured_output=schema),
+        SamplingParams(max_tokens=12, temperature=1.0, seed=8, max_thinking_tokens=4, min_thinking_tokens=2),
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=0.8, ignore_eos=True),
+    ]
+    conversations = [CONVERSATIONS[index % len(CONVERSATIONS)] for index in range(len(params))]
+    results = {}
+    for overlap in (False, True):
+        llm = LLM(reasoning_checkpoint, device="cpu", overlap_steps=overlap, max_model_len=256,
+                  max_num_batched_tokens=48)
+        results[overlap] = [(summary(output), [s.reasoning_text for s in output.outputs])
+                            for output in llm.generate(conversations, params)]
+        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_usable_blocks
+    assert results[True] == results[False]
+    (chosen,), (thought,) = results[True][0]
+    assert chosen[2] in CHOICES and thought  # thought, then chose
+    assert all(json.loads(sample[2])["n"] in (1, 2, 3) for sample in results[True][1][0])

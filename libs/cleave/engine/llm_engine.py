@@ -20,11 +20,20 @@ never waits for output processing:
 
 Sampled ids stay on the device; step N reads step N-1's from there. The host learns them
 one call later, so a sequence that step N-1's token ends (a stop string, eos, max_tokens)
-was launched once more: that extra token is dropped (`Scheduler.resolve`). A step whose
-tokens the next one needs on the host is resolved at once, as in the plain loop: steps
-with forks (n > 1 prefills), prefill-only requests, and sequences with logits processors
-(thinking budgets) or penalties, whose next sampling reads the output tokens (min_tokens
-reads only their number, which the stand-ins keep exact).
+was launched once more: that extra token is dropped (`Scheduler.resolve`).
+
+A sequence whose sampling reads its earlier tokens on the host (logits processors: thinking
+budgets, grammars; penalties) needs step N-1's tokens before step N samples, not before
+step N's forward. A step holding one resolves N-1 between the two:
+
+        launched = runner.launch(output, processors, previous=in_flight,
+                                 while_device_runs=resolve(in_flight))  # N's forward runs meanwhile
+        scheduler.advance(output)
+
+so the host's grammar and penalty work overlaps the forward, and only the sampling waits
+for it. (min_tokens reads only the number of tokens, which the stand-ins keep exact.) A
+step is resolved at once, as in the plain loop, only when it has forks (n > 1 prefills) or
+a prefill-only request (its hand-off should not wait a step).
 
 `watch_layers` (None: off) is called on the step thread with each step's plan before its
 launch; a `LayerProgress` it returns hears each layer of that step's forward (see
@@ -58,6 +67,7 @@ import weakref
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import structlog
@@ -109,8 +119,10 @@ class LLMEngine:
         self._init_scheduler()
         self._overlap = self.config.overlaps_steps
         self._in_flight: LaunchedStep | None = None  # launched and advanced, not yet resolved
-        # Sequences whose tokens the next launch needs on the host (see the module docstring).
-        self._host_bound: set[str] = set()
+        # Sequences whose sampling reads their earlier tokens on the host, and those whose
+        # steps resolve as soon as they launch (see the module docstring).
+        self._reads_outputs: set[str] = set()
+        self._resolve_at_once: set[str] = set()
         self._requests: dict[str, RequestState] = {}
         self._samples: dict[str, SampleState] = {}  # seq_id -> sample
         self._processors: dict[str, list[LogitsProcessor]] = {}  # seq_id -> logits processors
@@ -259,15 +271,16 @@ class LLMEngine:
             state.report_phase = self._next_phase
             self._next_phase = (self._next_phase + 1) % self._stream_interval
         params = state.params
-        host_bound = state.prefill_only or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-        host_bound = host_bound or params.presence_penalty != 0.0
+        penalised = params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
         for sample in state.samples:
             seq_id = sample.seq.seq_id
             self._samples[seq_id] = sample
             if sample.logits_processors:
                 self._processors[seq_id] = sample.logits_processors
-            if host_bound or sample.logits_processors:
-                self._host_bound.add(seq_id)
+            if penalised or sample.logits_processors:
+                self._reads_outputs.add(seq_id)
+            if state.prefill_only:
+                self._resolve_at_once.add(seq_id)
 
     def abort(self, request_id: str) -> bool:
         """End every sample of a request and free its KV; its final output (finish reason
@@ -347,18 +360,22 @@ class LLMEngine:
         scheduled = time.perf_counter()
         launched = None
         stats = StepStats()
+        self._touched = {}
+        resolve_first = previous is not None and self._reads_outputs_in(output)
         if not output.is_empty:
             progress = self.watch_layers(output) if self.watch_layers is not None else None
-            launched = self.runner.launch(output, self._processors, previous, layer_progress=progress)
+            launched = self.runner.launch(
+                output, self._processors, previous, layer_progress=progress,
+                while_device_runs=partial(self._resolve, previous) if resolve_first else None,
+            )
             stats = launched.stats
             self.scheduler.advance(output)
             if self._can_overlap(output):
                 self._in_flight = launched
         stats.schedule_s = scheduled - start
         resolving = time.perf_counter()
-        self._touched = {}
         if previous is not None:
-            stats.device_s = self._resolve(previous)
+            stats.device_s = previous.stats.device_s if resolve_first else self._resolve(previous)
         if launched is not None and self._in_flight is None:
             self._resolve(launched)  # its tokens are needed before the next launch
         self._flush_text()
@@ -369,15 +386,11 @@ class LLMEngine:
 
     def _can_overlap(self, output: SchedulerOutput) -> bool:
         """Whether the next step may launch before this one's tokens reach the host."""
-        if output.has_forks:
-            return False
-        host_bound = self._host_bound
-        if not host_bound:
-            return True
-        for seq in output.sampled_seqs:
-            if seq.seq_id in host_bound:
-                return False
-        return True
+        return not output.has_forks and not _any_sampled_in(output, self._resolve_at_once)
+
+    def _reads_outputs_in(self, output: SchedulerOutput) -> bool:
+        """Whether a sequence of this step samples from its earlier tokens on the host."""
+        return _any_sampled_in(output, self._reads_outputs)
 
     def _resolve(self, launched: LaunchedStep) -> float:
         """Wait for a launched, advanced step's tokens and record them; returns its device seconds."""
@@ -497,7 +510,8 @@ class LLMEngine:
             self._samples.pop(seq_id, None)
             self._processors.pop(seq_id, None)
             self._deferred.pop(seq_id, None)
-            self._host_bound.discard(seq_id)
+            self._reads_outputs.discard(seq_id)
+            self._resolve_at_once.discard(seq_id)
 
     # ---- disaggregation hooks: `handoff` (see cleave.engine.handoff) ---------------------
 
@@ -513,3 +527,7 @@ class LLMEngine:
             self._register(state)
         self._pending[state.request_id] = state
 
+
+def _any_sampled_in(output: SchedulerOutput, seq_ids: set[str]) -> bool:
+    """Whether a sequence that samples in `output` is one of `seq_ids`."""
+    return bool(seq_ids) and any(seq.seq_id in seq_ids for seq in output.sampled_seqs)

@@ -6,7 +6,8 @@
            ids are replaced on the device by the tokens `previous` sampled
         3. forward: a decode-only batch replays a captured CUDA graph (logits of every row);
            anything else runs eagerly and computes logits only for sampling rows
-        4. SamplingTensors of each sampled sequence (built while the forward runs on the GPU)
+        4. SamplingTensors of each sampled sequence, built while the forward runs on the GPU
+           (after the caller's host work for this step: `while_device_runs`)
         5. sample; expand logits rows for forks; queue the device->host copy of the token
            ids and an event after it. Nothing here waits for the device.
     runner.collect(launched) -> RunnerOutput      # waits for that event only
@@ -328,7 +329,9 @@ class ModelRunner:
         """Queue one scheduled step on the device without waiting for it.
 
         Stand-in ids in `output` (see `Scheduler.advance`) take the tokens `previous`
-        sampled. `while_device_runs` runs once the forward is queued (time: `overlap_s`).
+        sampled. `while_device_runs` runs once the forward is queued and before the sampling
+        tensors are built, so what it tells the logits processors (e.g. `previous`'s tokens)
+        holds for this step's sampling (time: `overlap_s`).
         `layer_progress` hears every layer once, in order, before this returns: per layer
         in an eager forward, all at once after a graph replay.
         """
