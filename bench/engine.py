@@ -20,6 +20,7 @@ Two measures of host overhead per row:
 
     python bench/engine.py --out bench/results/engine
     python bench/engine.py --num-requests 32 --output-len 128     # a quick run
+    python bench/engine.py --penalised-share 0.1   # a tenth of the requests read their tokens on the host
 """
 
 from __future__ import annotations
@@ -121,10 +122,14 @@ def run_requests(engine, num_requests: int, args: argparse.Namespace, seed: int)
 
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
+    penalised = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True,
+                               frequency_penalty=0.1)
     top_id = min(128000, engine.model_config.vocab_size)  # a tiny test model has a small vocabulary
     for index in range(num_requests):
         prompt = [rng.randrange(3, top_id) for _ in range(args.prompt_len)]  # feeds every embedding row
-        engine.add_request(f"b{seed}-{index}", prompt, params)
+        share = args.penalised_share  # spread evenly: request i is penalised when the count steps up
+        reads_outputs = int((index + 1) * share) > int(index * share)
+        engine.add_request(f"b{seed}-{index}", prompt, penalised if reads_outputs else params)
     steps, num_output = [], 0
     start = time.perf_counter()
     with frozen_heap():  # as `LLM.generate` steps (and workers, which freeze at start-up)
@@ -187,6 +192,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=None, help="default: prompt + output length")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--penalised-share", type=float, default=0.0,
+                        help="share of requests with a frequency penalty: their sampling reads their tokens on the host")
     parser.add_argument("--breakdown-batch", type=int, default=64, help="0 skips phase 2")
     parser.add_argument("--breakdown-output-len", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -219,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             summary[f"startup_s_{mode}"] = round(time.perf_counter() - start, 1)
             summary["kv_blocks"] = engine.runner.num_blocks
             seconds, num_output, steps = run_requests(engine, args.num_requests, args, seed=0)
-            summary.update(requests=args.num_requests, prompt_len=args.prompt_len, output_len=args.output_len)
+            summary.update(requests=args.num_requests, prompt_len=args.prompt_len, output_len=args.output_len,
+                           penalised_share=args.penalised_share)
             summary[f"seconds_{mode}"] = round(seconds, 2)
             summary[f"output_tokens_per_s_{mode}"] = round(num_output / seconds, 1)
             summary[f"steps_{mode}"] = len(steps)
