@@ -13,7 +13,13 @@ the fraction of the HBM roofline (K and V bytes read / 4.26 TB/s).
     python bench/attention_decode.py --heads 32:4:128 --cases 1x1024 --capacity 40960 --num-warps 2 --heads-first auto,on
 
 `--heads-first` sets the grid order (KV head fastest, or split fastest; auto: the kernel's
-choice, KV head fastest from two sequences on).
+choice, KV head fastest from two sequences on). `--fused rotary,head-norms` times the kernel as
+the decode step launches it at small batches: it also rotates the query and the new key and
+writes the new key and value into the cache (`NewKV`), with Qwen3's per-head q/k norms first
+(`head-norms`).
+
+    python bench/attention_decode.py --heads 32:4:128 --cases 1x1024 --capacity 40960 \
+        --fused none,head-norms --num-warps 2,4,8 --splits auto,8,16
 """
 
 from __future__ import annotations
@@ -34,15 +40,18 @@ from common import format_table, graph_call_us, parse_heads, run_name, write_res
 from cleave.kernels.attention_decode import (  # noqa: E402
     MAX_SPLITS,
     NUM_STAGES,
+    HeadNorms,
+    NewKV,
     choose_num_splits,
     merge_block_s,
     paged_decode_attention,
 )
 from cleave.kv.metadata import AttentionMetadata  # noqa: E402
 
-COLUMNS = ["heads", "batch", "context", "num_splits", "block_n", "num_warps", "num_stages", "heads_first", "us", "kv_gb",
-           "roofline_pct"]
+COLUMNS = ["heads", "batch", "context", "fused", "num_splits", "block_n", "num_warps", "num_stages", "heads_first", "us",
+           "kv_gb", "roofline_pct"]
 HEADS_FIRST = {"auto": None, "on": True, "off": False}
+FUSED = ("none", "rotary", "head-norms")
 BLOCK_SIZE = 16
 
 
@@ -59,6 +68,40 @@ def parse_orders(text: str) -> list[str]:
     return orders
 
 
+def parse_fused(text: str) -> list[str]:
+    """`--fused`: comma-separated kinds of launch, each none, rotary or head-norms."""
+    kinds = text.split(",")
+    unknown = [kind for kind in kinds if kind not in FUSED]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"--fused takes {', '.join(FUSED)}, got {', '.join(unknown)}")
+    return kinds
+
+
+def new_kv_for(kind: str, metadata: AttentionMetadata, context: int, query: torch.Tensor,
+               kv_heads: int, capacity: int) -> NewKV | None:
+    """The `NewKV` a decode step passes for `kind`: each sequence's newest position (context - 1)
+    rotated and written to its slot in `metadata`'s tables, head norms first for head-norms."""
+    if kind == "none":
+        return None
+    batch, _, head_dim = query.shape
+    device = query.device
+    position = context - 1
+    tables = metadata.block_tables[:, position // BLOCK_SIZE].to(torch.int64)  # [B]
+    slots = tables * BLOCK_SIZE + position % BLOCK_SIZE
+    angles = torch.outer(torch.arange(capacity, device=device, dtype=torch.float32),
+                         10000.0 ** -(torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    head_norms = None
+    if kind == "head-norms":
+        weights = torch.rand(2, head_dim, device=device, dtype=query.dtype) + 0.5
+        head_norms = HeadNorms(weights[0], weights[1], 1e-6)
+    return NewKV(
+        key=torch.randn(batch, kv_heads, head_dim, dtype=query.dtype, device=device),
+        value=torch.randn(batch, kv_heads, head_dim, dtype=query.dtype, device=device),
+        positions=torch.full((batch,), position, dtype=torch.int64, device=device),
+        cos_sin_cache=torch.cat([angles.cos(), angles.sin()], dim=-1), slot_mapping=slots, head_norms=head_norms,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="1x1024,64x1024,32x32768")
@@ -66,11 +109,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--capacity", type=int, default=32768, help="max_seq_len the kernel is launched for")
     parser.add_argument("--splits", default="auto", help="comma-separated, 'auto' = choose_num_splits")
     parser.add_argument("--block-n", default="64")
-    parser.add_argument("--num-warps", default="4")
+    parser.add_argument("--num-warps", default="2", help="comma-separated (the library launches 2)")
     parser.add_argument("--num-stages", default=str(NUM_STAGES),
                         help="comma-separated; default: the library's; 'auto' = triton's default")
     parser.add_argument("--heads-first", type=parse_orders, default="auto",
                         help="comma-separated grid orders: auto, on (KV head fastest), off (split fastest)")
+    parser.add_argument("--fused", type=parse_fused, default="none",
+                        help="comma-separated: none, rotary (the step's rotary and KV write too), head-norms (and q/k norms)")
     parser.add_argument("--hbm-tbs", type=float, default=4.26)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -98,22 +143,24 @@ def main(argv: list[str] | None = None) -> None:
             metadata.max_seq_len = args.capacity
             metadatas.append(metadata)
         query = torch.randn(batch, q_heads, head_dim, dtype=torch.bfloat16, device=device)
-        for splits, block_n, warps, stages, order in itertools.product(
-            parse_ints(args.splits), parse_ints(args.block_n), parse_ints(args.num_warps), parse_ints(args.num_stages),
-            args.heads_first,
+        for fused, splits, block_n, warps, stages, order in itertools.product(
+            args.fused, parse_ints(args.splits), parse_ints(args.block_n), parse_ints(args.num_warps),
+            parse_ints(args.num_stages), args.heads_first,
         ):
-            merge_chunk = merge_block_s(q_heads // kv_heads, triton.next_power_of_2(head_dim), MAX_SPLITS)
+            merge_chunk = merge_block_s(q_heads // kv_heads, triton.next_power_of_2(head_dim), MAX_SPLITS, warps or 2)
             num_splits = splits or choose_num_splits(batch, kv_heads, args.capacity, block_n, merge_chunk)
 
             def make_call(metadata: AttentionMetadata):
+                new_kv = new_kv_for(fused, metadata, context, query, kv_heads, args.capacity)
                 return lambda: paged_decode_attention(
                     query, cache, metadata, head_dim**-0.5, num_splits=num_splits, block_n=block_n, num_warps=warps,
-                    num_stages=stages, heads_first=HEADS_FIRST[order],
+                    num_stages=stages, heads_first=HEADS_FIRST[order], new_kv=new_kv,
                 )
 
             us = graph_call_us([make_call(m) for m in metadatas])
             rows.append({
-                "heads": heads, "batch": batch, "context": context, "num_splits": num_splits, "block_n": block_n,
+                "heads": heads, "batch": batch, "context": context, "fused": fused, "num_splits": num_splits,
+                "block_n": block_n,
                 "num_warps": warps, "num_stages": stages or "-", "heads_first": order, "us": round(us, 2), "kv_gb": round(kv_gb, 4),
                 "roofline_pct": round(100 * kv_gb / (us * 1e-6) / (args.hbm_tbs * 1e3), 1),
             })

@@ -127,16 +127,20 @@ def test_decode_with_several_splits_gqa(dtype, num_splits):
     torch.testing.assert_close(out.float(), expected.float(), **tolerance(dtype))
 
 
-def test_wide_heads_merge_their_splits_in_smaller_chunks():
-    """Eight query heads of 128 per KV head (Qwen3-30B-A3B's shape) merge 4 splits per chunk:
-    11 active splits of 16 take three chunks, the last one partly masked."""
+@pytest.mark.parametrize("num_warps", [2, 4])
+def test_wide_heads_merge_their_splits_in_smaller_chunks(num_warps):
+    """Eight query heads of 128 per KV head (Qwen3-30B-A3B's shape) merge 4 splits per chunk
+    with two warps, 8 with four: 11 active splits of 16 take three chunks (two), the last one
+    partly masked."""
     assert merge_block_s(8, 128, 16) == 4 and merge_block_s(4, 64, 32) == 16 and merge_block_s(8, 128, 2) == 2
+    assert merge_block_s(8, 128, 16, num_warps=4) == 8 and merge_block_s(8, 128, 16, num_warps=8) == 16
     generator = torch.Generator().manual_seed(5)
     head_dim = 128
     cache = torch.randn(2, 44, BLOCK_SIZE, 1, head_dim, generator=generator)
     query = torch.randn(1, 8, head_dim, generator=generator)
     metadata = AttentionMetadata.build([1], [170], [list(range(43, 0, -1))], BLOCK_SIZE)  # 11 tiles of 16
-    out = paged_decode_attention(query, cache, metadata, head_dim**-0.5, num_splits=16, block_n=16)
+    out = paged_decode_attention(query, cache, metadata, head_dim**-0.5, num_splits=16, block_n=16,
+                                 num_warps=num_warps)
     expected = paged_attention_reference(query, cache, metadata, head_dim**-0.5)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 

@@ -66,11 +66,11 @@ HEADS_FIRST_MIN_SEQS = 2
 # three at every shape tried: batch 64 / 1k 1679.6 -> 1672.1 us per step, batch 32 / 32k
 # 9329 -> 9264 us, batch 1 / 1k 791.9 -> 790.1 us; four stages were slower at 32k.
 NUM_STAGES = 2
-# Partials the merging program loads at once: [query heads of a KV head, splits, head dim]
-# fp32. A 2-warp program holds 4096 of them in 64 registers a thread (Llama-3.2-1B: 4 x 16 x
-# 64); Qwen3-30B-A3B's 8 heads of 128 would be 256 a thread, more than a thread has, so such
-# shapes merge fewer splits per chunk.
-MERGE_TILE_ELEMENTS = 4096
+# Partials the merging program loads at once, per warp: [query heads of a KV head, splits,
+# head dim] fp32. A 2-warp program holds 4096 of them in 64 registers a thread (Llama-3.2-1B:
+# 4 x 16 x 64); Qwen3-30B-A3B's 8 heads of 128 would be 256 a thread, more than a thread has,
+# so such shapes merge fewer splits per chunk (more with more warps).
+MERGE_TILE_ELEMENTS_PER_WARP = 2048
 # Chunks the merging program reads one after another at most: the split count is capped at
 # this many chunks of `merge_block_s` partials. Qwen3-30B-A3B's shape merges 4 splits a chunk;
 # at batch 1 / 8k its 256 splits took 36-43 us and 64 splits 27 us (16: 30 us; at 1k every
@@ -418,11 +418,11 @@ def _merge_splits(
 _decode_launcher = CachedLauncher(_paged_decode_split_kernel)
 
 
-def merge_block_s(queries_per_kv: int, block_d: int, num_splits: int) -> int:
+def merge_block_s(queries_per_kv: int, block_d: int, num_splits: int, num_warps: int = 2) -> int:
     """Splits the merging program reads per chunk: up to 16, fewer where the chunk's partials
-    would exceed MERGE_TILE_ELEMENTS (a power of two)."""
+    would exceed MERGE_TILE_ELEMENTS_PER_WARP a warp (a power of two)."""
     per_split = triton.next_power_of_2(queries_per_kv) * block_d
-    return max(1, min(16, num_splits, MERGE_TILE_ELEMENTS // per_split))
+    return max(1, min(16, num_splits, MERGE_TILE_ELEMENTS_PER_WARP * num_warps // per_split))
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int = 64,
@@ -478,7 +478,8 @@ def paged_decode_attention(
     num_seqs = metadata.num_seqs
     if num_splits is None:
         visible = min(metadata.max_seq_len, sliding_window) if sliding_window else metadata.max_seq_len
-        merge_chunk = merge_block_s(num_q_heads // num_kv_heads, triton.next_power_of_2(head_dim), MAX_SPLITS)
+        merge_chunk = merge_block_s(num_q_heads // num_kv_heads, triton.next_power_of_2(head_dim), MAX_SPLITS,
+                                    num_warps)
         num_splits = choose_num_splits(num_seqs, num_kv_heads, visible, block_n, merge_chunk)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
@@ -540,7 +541,7 @@ def paged_decode_attention(
          new_kv.key.stride(0), new_kv.key.stride(1), new_kv.value.stride(0), new_kv.value.stride(1),
          new_kv.cos_sin_cache.stride(0), *norm.scalars, head_norms.eps if head_norms is not None else 0.0),
         (queries_per_kv, head_dim, num_splits, bool(sliding_window), max(16, triton.next_power_of_2(queries_per_kv)),
-         block_n, block_d, triton.next_power_of_2(queries_per_kv), merge_block_s(queries_per_kv, block_d, num_splits),
+         block_n, block_d, triton.next_power_of_2(queries_per_kv), merge_block_s(queries_per_kv, block_d, num_splits, num_warps),
          dot_dtype, precision,
          prefetch, rotary, new_kv.is_neox, norm.enabled, norm.block,
          heads_first, pdl, sinks is not None, head_norms is not None),
