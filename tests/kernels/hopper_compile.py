@@ -125,15 +125,24 @@ def main() -> None:
     compile_variant(_paged_decode_split_kernel, {**attention, "QUERIES_PER_KV": 8, "HEAD_DIM": 128, "BLOCK_D": 128,
                                                  "BLOCK_Q": 8, "BLOCK_S": 4, "NUM_SPLITS": 32, "ROTARY": True,
                                                  "HEAD_NORM": True}, 2)
+    # the same with four warps, which merge 8 splits a chunk
+    compile_variant(_paged_decode_split_kernel, {**attention, "QUERIES_PER_KV": 8, "HEAD_DIM": 128, "BLOCK_D": 128,
+                                                 "BLOCK_Q": 8, "BLOCK_S": 8, "NUM_SPLITS": 16, "ROTARY": True,
+                                                 "HEAD_NORM": True}, 4)
     compile_variant(_gated_act_kernel, dict(USE_GELU_TANH=False, BLOCK=1024, ROW_NORM=True, NORM_BLOCK=1024, PDL=True), 4)
     compile_variant(_fill_decode_inputs_kernel, dict(PAD_TOKEN=0, PAD_POSITION=0, PAD_SLOT=-1, PAD_SEQ_LEN=0,
                                                      NULL_BLOCK=0, BLOCK_W=1024, PDL=True), 4)
     compile_variant(_embedding_kernel, dict(BLOCK=2048, PDL=True), 8)
     compile_variant(_rms_norm_kernel, dict(HAS_RESIDUAL=False, ROWS=1, BLOCK_H=2048, PDL=True), 8)
     prefill = dict(QUERIES_PER_KV=4, HEAD_DIM=64, SLIDING=True, HAS_SINKS=False, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64,
-                   DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32")
+                   DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", GROUP=1, HEAVY_FIRST=False, CAUSAL_SPLIT=False)
     compile_variant(_paged_prefill_kernel, prefill, 4)
     compile_variant(_paged_prefill_kernel, {**prefill, "HAS_SINKS": True}, 4)
+    # packed GQA heads, heavy blocks first, the unmasked walk below the diagonal (Llama-3.2-1B, Qwen3-30B-A3B)
+    packed = {**prefill, "SLIDING": False, "BLOCK_M": 128, "GROUP": 4, "HEAVY_FIRST": True, "CAUSAL_SPLIT": True}
+    compile_variant(_paged_prefill_kernel, packed, 8)
+    compile_variant(_paged_prefill_kernel, {**packed, "QUERIES_PER_KV": 8, "GROUP": 8, "HEAD_DIM": 128,
+                                            "BLOCK_D": 128}, 8)
     # fused MoE (Qwen3-30B-A3B: 128 experts, top-8)
     compile_variant(_route_kernel, dict(TOP_K=8, BLOCK_K=8, BLOCK_E=128, RENORMALIZE=True), 4)
     compile_variant(_align_count_kernel, dict(BLOCK_E=128, BLOCK_T=64), 4)

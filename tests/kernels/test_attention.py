@@ -98,6 +98,32 @@ def test_prefill_mixed_batch_with_prefix_gqa_and_noncontiguous_tables():
     torch.testing.assert_close(out, expected, **tolerance(torch.float32))
 
 
+PREFILL_OPTIONS = [
+    dict(pack_gqa=True), dict(heavy_first=True), dict(causal_split=True),
+    dict(pack_gqa=True, heavy_first=True, causal_split=True),
+]
+
+
+@pytest.mark.parametrize("options", PREFILL_OPTIONS, ids=lambda options: "+".join(options))
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 2), (6, 2), (2, 2)])
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_launch_options_attend_as_the_reference(options, num_q_heads, num_kv_heads, window):
+    """Packed GQA heads (2 and 3 a KV head, and 1), heavy blocks first and the unmasked walk
+    below the diagonal: a prompt after a 19-token cached prefix over several query blocks,
+    a prompt without one, and a decode token, with and without a window; sinks on 6 heads."""
+    cache = random_cache(num_blocks=40, num_kv_heads=num_kv_heads, dtype=torch.float32)
+    tables = [list(range(39, 28, -1)), list(range(1, 11)), [20, 12, 25]]
+    metadata = AttentionMetadata.build([21, 37, 1], [40, 37, 9], tables, BLOCK_SIZE)
+    query = random_query(59, num_q_heads, torch.float32)
+    sinks = torch.linspace(-2.0, 2.0, num_q_heads) if num_q_heads == 6 else None
+
+    out = paged_prefill_attention(query, cache, metadata, SCALE, block_m=16, block_n=8, sliding_window=window,
+                                  sinks=sinks, **options)
+
+    expected = paged_attention_reference(query, cache, metadata, SCALE, sliding_window=window, sinks=sinks)
+    torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+
+
 def test_prefill_query_blocks_split_a_long_prompt():
     cache = random_cache(num_blocks=12, num_kv_heads=1, dtype=torch.float32)
     metadata = AttentionMetadata.build([19, 2], [21, 30], [list(range(1, 7)), list(range(11, 3, -1))], BLOCK_SIZE)
@@ -202,6 +228,27 @@ def test_gpu_prefill_and_decode_match_reference(dtype):
         out = paged_attention(query, cache, metadata, head_dim**-0.5, impl="triton")
         expected = paged_attention_reference(query, cache, metadata, head_dim**-0.5)
         torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", PREFILL_OPTIONS, ids=lambda options: "+".join(options))
+@pytest.mark.parametrize("heads", [(32, 8, 64), (32, 4, 128)], ids=["llama-1b", "qwen3-moe"])
+def test_gpu_prefill_launch_options_match_reference(options, heads):
+    """The prefill options at serving shapes in bf16, compiled for the device: a prompt after a
+    cached prefix and a 2048-token prompt, with 128-row blocks."""
+    device = torch.device("cuda")
+    generator = torch.Generator(device="cpu").manual_seed(3)
+    num_q_heads, num_kv_heads, head_dim = heads
+    block_size = 16
+    cache = torch.randn(2, 400, block_size, num_kv_heads, head_dim, generator=generator).to(device, torch.bfloat16)
+    permutation = (torch.randperm(399, generator=generator) + 1).tolist()
+    tables = [permutation[:200], permutation[200:328]]
+    metadata = AttentionMetadata.build([1000, 2048], [3190, 2048], tables, block_size, device=device)
+    query = torch.randn(3048, num_q_heads, head_dim, generator=generator).to(device, torch.bfloat16)
+    out = paged_prefill_attention(query, cache, metadata, head_dim**-0.5, block_m=128, block_n=64, num_warps=8,
+                                  **options)
+    expected = paged_attention_reference(query, cache, metadata, head_dim**-0.5)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

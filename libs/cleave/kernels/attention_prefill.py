@@ -2,12 +2,19 @@
 
 Queries of sequence `b` are the last `query_len` positions of a context of `seq_lens[b]`
 tokens; every key (cached prefix and the new tokens, already written by `write_kv`) is
-read from the paged cache through `block_tables`. One program handles one block of
-BLOCK_M queries of one query head of one sequence with a flash-attention online softmax
-in fp32. The grid comes from host ints only (`max_query_len`, `num_seqs`), so the launch
-is CUDA-graph safe; programs past a sequence's query length exit at once. With a sliding
-window W, a query at position i sees keys i - W + 1 .. i, and the key loop starts at the
-first tile any query of the block can see.
+read from the paged cache through `block_tables`. One program handles BLOCK_M rows of one
+sequence with a flash-attention online softmax in fp32: BLOCK_M queries of one query head,
+or (`pack_gqa`) BLOCK_M / G queries of each of the G query heads that share a KV head, so
+each K/V tile is gathered once for the group, not once per head. The grid comes from host
+ints only (`max_query_len`, `num_seqs`), so the launch is CUDA-graph safe; programs past a
+sequence's query length exit at once. With a sliding window W, a query at position i sees
+keys i - W + 1 .. i, and the key loop starts at the first tile any query of the block can
+see.
+
+Two launch options change only the order of work: `causal_split` walks the tiles every
+query of the block sees without the causal mask and masks only the tiles on the diagonal;
+`heavy_first` orders the grid query block slowest and last block first, so the blocks with
+the most keys start first and the short ones fill the tail.
 """
 
 from __future__ import annotations
@@ -46,31 +53,49 @@ def _paged_prefill_kernel(
     HEAD_DIM: tl.constexpr,
     SLIDING: tl.constexpr,
     HAS_SINKS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows: BLOCK_M // GROUP queries x GROUP head slots
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr,  # 1: one query head a program; else the KV head's QUERIES_PER_KV (padded to 2^k)
+    HEAVY_FIRST: tl.constexpr,
+    CAUSAL_SPLIT: tl.constexpr,
 ):
-    query_block = tl.program_id(0)
-    seq = tl.program_id(1)
-    q_head = tl.program_id(2)
-    kv_head = q_head // QUERIES_PER_KV
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
+    if HEAVY_FIRST:  # grid (head slots, sequences, query blocks), the last query block first
+        head_slot = tl.program_id(0)
+        seq = tl.program_id(1)
+        query_block = tl.num_programs(2) - 1 - tl.program_id(2)
+    else:  # grid (query blocks, sequences, head slots)
+        query_block = tl.program_id(0)
+        seq = tl.program_id(1)
+        head_slot = tl.program_id(2)
+    if GROUP == 1:  # the slot is a query head
+        kv_head = head_slot // QUERIES_PER_KV
+        first_head = head_slot
+        num_heads = 1
+    else:  # the slot is a KV head
+        kv_head = head_slot
+        first_head = head_slot * QUERIES_PER_KV
+        num_heads = QUERIES_PER_KV
 
     q_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if query_block * BLOCK_M >= query_len:
+    if query_block * BLOCK_Q >= query_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - query_len
 
-    rows = query_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query index in the sequence
+    lanes = tl.arange(0, BLOCK_M)
+    rows = query_block * BLOCK_Q + lanes // GROUP  # [BLOCK_M] query index in the sequence
+    heads = first_head + lanes % GROUP  # [BLOCK_M] query head of each row
     dims = tl.arange(0, BLOCK_D)
-    row_valid = rows < query_len
+    row_valid = (rows < query_len) & (lanes % GROUP < num_heads)
     dim_valid = dims < HEAD_DIM
     q_tokens = (q_start + rows).to(tl.int64)
     q = tl.load(
-        query_ptr + q_tokens[:, None] * stride_q_token + q_head * stride_q_head + dims[None, :],
+        query_ptr + q_tokens[:, None] * stride_q_token + heads[:, None] * stride_q_head + dims[None, :],
         mask=row_valid[:, None] & dim_valid[None, :],
         other=0.0,
     ).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
@@ -81,10 +106,23 @@ def _paged_prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
-    kv_end = tl.minimum(seq_len, context_len + (query_block + 1) * BLOCK_M)
+    first_query_pos = context_len + query_block * BLOCK_Q
+    kv_end = tl.minimum(seq_len, first_query_pos + BLOCK_Q)
     kv_start = 0
     if SLIDING:  # the block's first query sees nothing before its own window
-        kv_start = tl.maximum(context_len + query_block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+        kv_start = tl.maximum(first_query_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+    elif CAUSAL_SPLIT:  # whole tiles before the block's first query: every row sees every key
+        full_end = first_query_pos // BLOCK_N * BLOCK_N
+        for start in range(0, full_end, BLOCK_N):
+            k_ptrs, v_ptrs, key_valid, kv_mask = kv_tile_pointers(
+                cache_ptr, table_row, start, full_end, kv_head, dims, dim_valid, block_size,
+                stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N,
+            )
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+            m_i, l_i, acc = attend_tile(q, k, v, key_valid[None, :], m_i, l_i, acc, scale_log2, DOT_DTYPE,
+                                        DOT_PRECISION)
+        kv_start = full_end
     for start in range(kv_start, kv_end, BLOCK_N):
         k_ptrs, v_ptrs, key_valid, kv_mask = kv_tile_pointers(
             cache_ptr, table_row, start, kv_end, kv_head, dims, dim_valid, block_size,
@@ -99,13 +137,12 @@ def _paged_prefill_kernel(
         m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_DTYPE, DOT_PRECISION)
 
     if HAS_SINKS:
-        heads = q_head + tl.zeros([BLOCK_M], dtype=tl.int32)
         m_i, l_i, acc = add_sinks(sinks_ptr, heads, row_valid, m_i, l_i, acc)
     # A padding sequence (seq_len 0) sees no key: write zeros, not 0/0.
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     tl.store(
-        out_ptr + q_tokens[:, None] * stride_o_token + q_head * stride_o_head + dims[None, :],
+        out_ptr + q_tokens[:, None] * stride_o_token + heads[:, None] * stride_o_head + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=row_valid[:, None] & dim_valid[None, :],
     )
@@ -125,11 +162,17 @@ def paged_prefill_attention(
     sinks: torch.Tensor | None = None,  # [Hq] fp32
     num_warps: int = 4,
     num_stages: int | None = None,  # None: triton's default
+    pack_gqa: bool = False,
+    heavy_first: bool = False,
+    causal_split: bool = False,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal varlen attention of every sequence's new tokens over its paged context
     (only the last `sliding_window` positions of it per query, when given; `sinks`: one
-    extra softmax logit per query head, with no value). The tiles, warps and pipeline
-    stages are bench/attention_prefill.py's to sweep."""
+    extra softmax logit per query head, with no value).
+
+    `block_m` is a program's rows (queries x heads with `pack_gqa`), `block_n` its KV tile;
+    `pack_gqa`, `heavy_first` and `causal_split` are described in the module docstring. The
+    tiles, warps, stages and options are bench/attention_prefill.py's to sweep."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     if num_q_heads % num_kv_heads:
@@ -140,9 +183,16 @@ def paged_prefill_attention(
     out = torch.empty_like(query)
     if num_tokens == 0 or metadata.num_seqs == 0:
         return out
-    block_m = max(16, min(block_m, triton.next_power_of_2(max(metadata.max_query_len, 1))))
-    grid = (triton.cdiv(max(metadata.max_query_len, 1), block_m), metadata.num_seqs, num_q_heads)
     queries_per_kv = num_q_heads // num_kv_heads
+    group = triton.next_power_of_2(queries_per_kv) if pack_gqa and queries_per_kv > 1 else 1
+    block_q = min(max(1, block_m // group), triton.next_power_of_2(max(metadata.max_query_len, 1)))
+    block_q = max(block_q, triton.cdiv(16, group))  # tl.dot takes at least 16 rows
+    num_query_blocks = triton.cdiv(max(metadata.max_query_len, 1), block_q)
+    head_slots = num_kv_heads if group > 1 else num_q_heads
+    if heavy_first:
+        grid = (head_slots, metadata.num_seqs, num_query_blocks)
+    else:
+        grid = (num_query_blocks, metadata.num_seqs, head_slots)
     _prefill_launcher(
         grid,
         (query, kv_cache, out, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
@@ -150,8 +200,8 @@ def paged_prefill_attention(
          scale * LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
          kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
          metadata.block_tables.stride(0), kv_cache.shape[2], sliding_window or 0),
-        (queries_per_kv, head_dim, bool(sliding_window), sinks is not None, block_m, block_n,
-         max(16, triton.next_power_of_2(head_dim)), dot_dtype, precision),
+        (queries_per_kv, head_dim, bool(sliding_window), sinks is not None, block_q * group, block_n,
+         max(16, triton.next_power_of_2(head_dim)), dot_dtype, precision, group, heavy_first, causal_split),
         num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
