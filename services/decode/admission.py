@@ -147,7 +147,7 @@ class Admissions:
         self.gate.check()
         request_id, prompt = spec.request_id, list(spec.prompt_token_ids)
         self._check_new(request_id)
-        engine.prepare_request(request_id, prompt, spec.sampling)  # validation only: no engine state
+        await async_engine.prepare(request_id, prompt, spec.sampling)  # validation only: no engine state
         transport, nccl = await self.peers.transport_for(spec.prefill_worker_id, self.transfer_timeout_s)
         needed, usable = engine.handoff.num_blocks_for(len(prompt)), engine.handoff.snapshot().num_usable_blocks
         if needed > usable:
@@ -343,15 +343,15 @@ class Admissions:
         return 0
 
     async def _start_local(self, spec: StartSpec) -> int:
-        engine, async_engine, _ = self._require_engine()
-        self.gate.check()
+        _, async_engine, _ = self._require_engine()
         request_id, prompt = spec.request_id, list(spec.prompt_token_ids)
-        self._check_new(request_id)
         assert spec.sampling is not None  # the servicer requires it with prefill_locally
         params = copy.copy(spec.sampling)
         if spec.reasoning is not None:
             apply_reasoning(params, spec.reasoning)
-        state = engine.prepare_request(request_id, prompt, params)
+        state = await async_engine.prepare(request_id, prompt, params)  # a grammar compiles off the loop
+        self.gate.check()  # after the await: nothing between these checks and the registration yields
+        self._check_new(request_id)
         origin = TraceOrigin.capture()
         self._requests[request_id] = HeldRequest(
             request_id, spec.gateway_id, prompt, params, started=True, trace_start=origin)

@@ -135,3 +135,39 @@ async def test_a_failing_step_fails_the_streams_and_is_reported(checkpoint):
     assert [str(error) for error in errors] == ["device lost"] and not async_engine.is_running
     with pytest.raises(Unavailable):
         await async_engine.call(lambda e: None)
+
+
+async def test_a_grammar_compiles_off_the_event_loop(checkpoint, monkeypatch):
+    """A structured output's grammar is compiled on a worker thread: the loop runs (here: sets
+    the event the compile waits for) while it compiles, and the request then streams as usual."""
+    from cleave.engine.grammar import GrammarCompiler
+    from cleave.generation.structured_output import StructuredKind, StructuredOutput
+
+    loop_ran = threading.Event()
+    compiled_on: list[threading.Thread] = []
+    compile = GrammarCompiler.compile
+
+    def slow_compile(self, spec, field="structured_output"):
+        compiled_on.append(threading.current_thread())
+        assert loop_ran.wait(timeout=30), "the event loop did not run while the grammar compiled"
+        return compile(self, spec, field)
+
+    monkeypatch.setattr(GrammarCompiler, "compile", slow_compile)
+    engine = AsyncEngine(make_engine(checkpoint))
+    try:
+        params = SamplingParams(max_tokens=8, temperature=0.0,
+                                structured_output=StructuredOutput(StructuredKind.CHOICE, choices=("yes", "no")))
+
+        async def answer() -> str:
+            accumulator = OutputAccumulator("g")
+            async for output in engine.submit("g", PROMPTS[0], params):
+                accumulator.add(output)
+            return accumulator.result().outputs[0].text
+
+        task = asyncio.create_task(answer())
+        await asyncio.sleep(0)  # the submit starts, and hands the compile to a thread
+        loop_ran.set()
+        assert await task in ("yes", "no")
+        assert compiled_on and compiled_on[0] is not threading.main_thread()
+    finally:
+        await engine.shutdown()

@@ -8,8 +8,11 @@
 The engine is not thread-safe, so it is touched only by the step thread: `submit` and
 `abort` post commands that the thread applies between steps, and the thread hands each
 step's outputs back to the event loop in one `call_soon_threadsafe`. Tokenization and
-validation run in the caller (`prepare_request` has no side effects), so a bad request
-raises InvalidArgument from the first iteration of `submit` before anything is queued.
+validation run in the caller (`prepare`: `prepare_request` has no side effects), so a bad
+request raises InvalidArgument from the first iteration of `submit` before anything is
+queued. A structured output's grammar is compiled there too, on a worker thread: a new
+JSON schema over a 128k-token vocabulary takes tens of milliseconds, which the event loop
+(every other stream's outputs) should not wait for.
 Torch releases the GIL in the forward, so the event loop stays responsive while a step
 runs. Leaving an iteration early (break, cancellation, `aclose`) aborts the request and
 frees its KV blocks. A request submitted inside a traced request gets its engine spans
@@ -19,6 +22,7 @@ frees its KV blocks. A request submitted inside a traced request gets its engine
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +31,7 @@ from typing import Any, TypeVar
 import structlog
 
 from cleave.engine.llm_engine import LLMEngine, Prompt
+from cleave.engine.request import RequestState
 from cleave.engine.step_trace import StepTrace, TraceOrigin
 from cleave.errors import InvalidArgument, Unavailable
 from cleave.generation.outputs import RequestOutput
@@ -80,6 +85,25 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._closed
 
+    async def prepare(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        *,
+        raw: bool = False,
+        prefill_only: bool = False,
+    ) -> RequestState:
+        """`LLMEngine.prepare_request` (tokenize, validate, build the samples) without blocking
+        the event loop on a grammar compile: a request with a structured output is prepared on
+        a worker thread."""
+        prepare = functools.partial(self.engine.prepare_request, request_id, prompt, params, priority, raw=raw,
+                                    prefill_only=prefill_only)
+        if params is not None and params.structured_output is not None:
+            return await asyncio.to_thread(prepare)
+        return prepare()
+
     async def submit(
         self,
         request_id: str,
@@ -92,7 +116,7 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its delta outputs until the finished one."""
         self._check_open()
-        state = self.engine.prepare_request(request_id, prompt, params, priority, raw=raw, prefill_only=prefill_only)
+        state = await self.prepare(request_id, prompt, params, priority, raw=raw, prefill_only=prefill_only)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         with self._lock:
