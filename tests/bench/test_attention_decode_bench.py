@@ -23,3 +23,23 @@ def test_grid_orders_parse_and_unknown_ones_are_refused(bench):
     assert [bench.HEADS_FIRST[order] for order in ("auto", "on", "off")] == [None, True, False]
     with pytest.raises(argparse.ArgumentTypeError, match="auto, on or off, got sideways"):
         bench.parse_orders("on,sideways")
+
+
+def test_fused_launches_write_each_sequences_newest_position(bench):
+    """`--fused`: the NewKV of a decode step writes position context - 1 of each sequence into
+    the slot its block table gives, with head norms only for head-norms."""
+    import torch
+
+    from cleave.kv.metadata import AttentionMetadata
+
+    assert bench.parse_fused("none,rotary,head-norms") == ["none", "rotary", "head-norms"]
+    with pytest.raises(argparse.ArgumentTypeError, match="got sideways"):
+        bench.parse_fused("rotary,sideways")
+    metadata = AttentionMetadata.build([1, 1], [40, 40], [[1, 2, 3], [4, 5, 6]], bench.BLOCK_SIZE,
+                                       max_blocks_per_seq=4)
+    query = torch.zeros(2, 8, 64)
+    assert bench.new_kv_for("none", metadata, 40, query, 2, 64) is None
+    rotary = bench.new_kv_for("rotary", metadata, 40, query, 2, 64)
+    assert rotary.slot_mapping.tolist() == [3 * 16 + 7, 6 * 16 + 7] and rotary.positions.tolist() == [39, 39]
+    assert rotary.head_norms is None and rotary.cos_sin_cache.shape == (64, 64)
+    assert bench.new_kv_for("head-norms", metadata, 40, query, 2, 64).head_norms is not None

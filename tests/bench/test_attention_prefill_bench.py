@@ -18,3 +18,12 @@ def test_defaults_are_the_engines_settings_and_flops_count_the_lower_triangle(be
     assert sweep.block_m == [64, 128] and sweep.num_stages == [2, 3]
     # 8192 tokens, 32 heads of 64: 2 * 2 * 8192^2 / 2 * 32 * 64 = 275 GFLOP a layer
     assert bench.causal_flops(8192, 32, 64) == pytest.approx(2.749e11, rel=1e-3)
+
+
+def test_launch_options_sweep_on_and_off(bench):
+    args = bench.parse_args([])
+    assert (args.pack_gqa, args.heavy_first, args.causal_split) == (["off"], ["off"], ["off"])  # the engine's
+    sweep = bench.parse_args(["--pack-gqa", "off", "on", "--causal-split", "on"])
+    assert [bench.SWITCHES[value] for value in sweep.pack_gqa] == [False, True] and sweep.causal_split == ["on"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--heavy-first", "sometimes"])
