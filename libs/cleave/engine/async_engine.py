@@ -26,6 +26,7 @@ import functools
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import structlog
@@ -41,6 +42,7 @@ T = TypeVar("T")
 log = structlog.get_logger(__name__)
 
 _STOP = object()
+GRAMMAR_THREADS = 2  # each compile runs on one thread (`cleave.engine.grammar`)
 
 
 class AsyncEngine:
@@ -76,6 +78,9 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._closed = False
         self.step_trace = StepTrace()  # touched by the step thread only
+        # Grammar compiles of structured outputs (`prepare`): their own threads, so a burst of
+        # large specs queues here instead of taking the loop's default executor from its users.
+        self._compiles = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="cleave-grammar")
         self._thread = threading.Thread(target=self._run, name="cleave-engine", daemon=True)
         self._thread.start()
 
@@ -97,11 +102,11 @@ class AsyncEngine:
     ) -> RequestState:
         """`LLMEngine.prepare_request` (tokenize, validate, build the samples) without blocking
         the event loop on a grammar compile: a request with a structured output is prepared on
-        a worker thread."""
+        one of the engine's GRAMMAR_THREADS compile threads."""
         prepare = functools.partial(self.engine.prepare_request, request_id, prompt, params, priority, raw=raw,
                                     prefill_only=prefill_only)
         if params is not None and params.structured_output is not None:
-            return await asyncio.to_thread(prepare)
+            return await asyncio.get_running_loop().run_in_executor(self._compiles, prepare)
         return prepare()
 
     async def submit(
@@ -163,6 +168,7 @@ class AsyncEngine:
             return
         self._closed = True
         self._post(_STOP)
+        self._compiles.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(self._thread.join)
 
     async def __aenter__(self) -> "AsyncEngine":
