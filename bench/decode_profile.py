@@ -10,31 +10,42 @@ covers is reported as `(idle)`, and split by the kernel that ends each gap.
 
     python bench/decode_profile.py --cases 1x1024,64x1024,32x32768 --out bench/results/decode
     python bench/decode_profile.py --model qwen3-30b-a3b --cases 1x1024,64x1024 --max-model-len 2048
+    python bench/decode_profile.py --model gpt-oss-20b --cases 1x1024,64x1024 --max-model-len 2048
 
 `--model qwen3-30b-a3b` profiles bench/moe.py's Qwen3-30B-A3B-shaped MoE model instead
-(random weights built in device memory).
+(random weights built in device memory). `--model gpt-oss-20b` profiles its gpt-oss-20b
+shape as `bench/moe.py --part decode` times it: on the paired KV cache gpt-oss is served
+with (its sliding layers over window tables holding only the pages in view), each case's
+sequences holding CONTEXT tokens and decoding one more, each case's whole step captured
+into a CUDA graph of its own. Its `kv_gb` counts a sliding layer's window, not the context.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import format_table, run_name, write_results  # noqa: E402
-from decode import Case, build_model, decode_batch, kv_bytes_per_token, llama_3_2_1b_config, step_ms  # noqa: E402
+from decode import Case, build_model, decode_batch, llama_3_2_1b_config, step_ms  # noqa: E402
 
 from cleave.graphs.runner import CUDAGraphRunner, GraphRunnerConfig  # noqa: E402
+from cleave.model.config import ModelConfig  # noqa: E402
 from cleave.model.llama import allocate_kv_cache  # noqa: E402
 
 COLUMNS = ["case", "kernel", "per_step", "us_per_step", "critical_us", "pct_of_step"]
 IDLE = "(idle)"
-MODELS = {"llama-1b": "Llama-3.2-1B", "qwen3-30b-a3b": "Qwen3-30B-A3B"}
+MODELS = {"llama-1b": "Llama-3.2-1B", "qwen3-30b-a3b": "Qwen3-30B-A3B", "gpt-oss-20b": "gpt-oss-20b"}
+
+# a case's step as a call that replays its graph, and the KV-cache bytes that step reads
+CaseStep = Callable[[Case], tuple[Callable[[], object], int]]
 
 
 def profiled_model(name: str, max_model_len: int, device: torch.device):  # noqa: ANN201
@@ -46,6 +57,91 @@ def profiled_model(name: str, max_model_len: int, device: torch.device):  # noqa
 
     config = decode_model_config(MoEShape(), max_model_len)
     return config, random_model(config, torch.bfloat16, device)
+
+
+def kv_bytes_read(config: ModelConfig, batch: int, seq_len: int) -> int:
+    """KV-cache bytes one decode step's attention reads for `batch` sequences of `seq_len`
+    positions: each full-attention layer every position, each sliding layer its window at
+    most (gpt-oss: 128), as bench/moe.py's roofline counts them. For models without windows
+    this is `batch * seq_len * decode.kv_bytes_per_token(config)`, which would charge
+    gpt-oss's sliding layers the whole context."""
+    per_position = 2 * config.num_key_value_heads * config.head_dim * config.dtype.itemsize
+    positions = sum(min(seq_len, config.layer_sliding_window(layer) or seq_len)
+                    for layer in range(config.num_hidden_layers))
+    return batch * positions * per_position
+
+
+def runner_case_steps(name: str, cases: list[Case], block_size: int, max_model_len: int,
+                      device: torch.device) -> CaseStep:
+    """Llama / Qwen3: the model, one cache of random values with a block for every case's
+    sequences, and a `CUDAGraphRunner` captured for up to the largest batch; each case's
+    sequences hold CONTEXT tokens (the new one at position CONTEXT - 1) on shuffled blocks."""
+    config, model = profiled_model(name, max_model_len, device)
+    num_blocks = max(case.kv_blocks(block_size) for case in cases) + 1
+    kv_cache = allocate_kv_cache(config, num_blocks, block_size, device=device)
+    kv_cache.normal_(0.0, 1.0)
+
+    def step(input_ids, positions, metadata):
+        return model.compute_logits(model(input_ids, positions, kv_cache, metadata))
+
+    runner = CUDAGraphRunner(
+        step,
+        GraphRunnerConfig(
+            max_batch_size=max(case.batch for case in cases),
+            max_blocks_per_seq=-(-max_model_len // block_size),
+            block_size=block_size,
+        ),
+        device,
+    )
+    with torch.inference_mode():
+        runner.capture()
+
+    def case_step(case: Case) -> tuple[Callable[[], object], int]:
+        batch = decode_batch(case, block_size, num_blocks, device, seed=case.batch)
+        return functools.partial(runner.run, *batch), kv_bytes_read(config, case.batch, case.context)
+
+    return case_step
+
+
+def graph_replay(step: Callable[[], object]) -> Callable[[], None]:
+    """The replay of a CUDA graph of `step`, captured after three calls on a side stream
+    (Triton compiles, autotunes and allocates there), as bench/common.py's graph helpers do."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def gpt_oss_case_steps(cases: list[Case], block_size: int, max_model_len: int, device: torch.device) -> CaseStep:
+    """gpt-oss-20b as bench/moe.py's decode part runs it: random bf16 weights, and per case
+    `moe.decode_inputs` (each sequence CONTEXT tokens in the paired cache, the new one at
+    position CONTEXT) with the whole step captured into a graph of its own."""
+    from moe import MODELS as MOE_SHAPES
+    from moe import decode_inputs, decode_model_config, random_model
+
+    if max(case.context for case in cases) >= max_model_len:
+        raise SystemExit("gpt-oss-20b decodes token CONTEXT + 1: --max-model-len must exceed every case's context")
+    config = decode_model_config(MOE_SHAPES["gpt-oss-20b"], max_model_len)
+    model = random_model(config, torch.bfloat16, device)
+    generator = torch.Generator(device=device).manual_seed(1)
+
+    def case_step(case: Case) -> tuple[Callable[[], object], int]:
+        kv_cache, metadata, input_ids, positions = decode_inputs(config, case.batch, case.context, block_size,
+                                                                 torch.bfloat16, device, generator)
+
+        def step() -> torch.Tensor:
+            return model.compute_logits(model(input_ids, positions, kv_cache, metadata))
+
+        return graph_replay(step), kv_bytes_read(config, case.batch, case.context + 1)
+
+    return case_step
 
 
 def critical_path(events) -> dict[str, float]:
@@ -104,37 +200,23 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     device = torch.device("cuda")
-    config, model = profiled_model(args.model, args.max_model_len, device)
     cases = [Case(*map(int, item.split("x"))) for item in args.cases.split(",")]
-    num_blocks = max(case.kv_blocks(args.block_size) for case in cases) + 1
-    kv_cache = allocate_kv_cache(config, num_blocks, args.block_size, device=device)
-    kv_cache.normal_(0.0, 1.0)
-
-    def step(input_ids, positions, metadata):
-        return model.compute_logits(model(input_ids, positions, kv_cache, metadata))
-
-    runner = CUDAGraphRunner(
-        step,
-        GraphRunnerConfig(
-            max_batch_size=max(case.batch for case in cases),
-            max_blocks_per_seq=-(-args.max_model_len // args.block_size),
-            block_size=args.block_size,
-        ),
-        device,
-    )
+    if args.model == "gpt-oss-20b":
+        case_step = gpt_oss_case_steps(cases, args.block_size, args.max_model_len, device)
+    else:
+        case_step = runner_case_steps(args.model, cases, args.block_size, args.max_model_len, device)
     rows, summary = [], {"model": f"{MODELS[args.model]} shape, random bf16 weights", "max_model_len": args.max_model_len}
     with torch.inference_mode():
-        runner.capture()
         for case in cases:
-            batch = decode_batch(case, args.block_size, num_blocks, device, seed=case.batch)
-            ms = step_ms(lambda: runner.run(*batch), warmup=5, iters=30)
-            table, kernel_us = kernel_table(lambda: runner.run(*batch), args.steps)
+            replay, kv_bytes = case_step(case)
+            ms = step_ms(replay, warmup=5, iters=30)
+            table, kernel_us = kernel_table(replay, args.steps)
             label = f"b{case.batch}/ctx{case.context}"
             summary[label] = {
                 "step_us": round(ms * 1e3, 1),
                 "kernel_us": round(kernel_us, 1),
                 "kernels_per_step": round(sum(n for n, _, _ in table.values()), 1),
-                "kv_gb": round(case.batch * case.context * kv_bytes_per_token(config) / 1e9, 3),
+                "kv_gb": round(kv_bytes / 1e9, 3),
             }
             print(label, summary[label], flush=True)
             ranked = sorted(table.items(), key=lambda item: -item[1][2])[: args.top]

@@ -44,9 +44,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from cleave.kv.metadata import AttentionMetadata
+    from cleave.model.config import ModelConfig
 
 # A CPU dry run runs the Triton kernels in the interpreter, which triton reads when it is
 # imported (below, through common) and when each kernel is decorated.
@@ -323,34 +327,50 @@ def random_model(config, dtype: torch.dtype, device: torch.device):  # noqa: ANN
     return model.eval()
 
 
-def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, dtype: torch.dtype) -> list[dict]:
+def decode_inputs(config: ModelConfig, batch: int, context: int, block_size: int, dtype: torch.dtype,
+                  device: torch.device, generator: torch.Generator,
+                  ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor, torch.Tensor]:
+    """(kv_cache, metadata, input_ids, positions) of one decode step: `batch` sequences with
+    `context` tokens cached each, the new token at position `context` (seq_len context + 1).
+
+    The zeroed cache is [slots, 2, pages, block_size, kv_heads, head_dim] in the plan
+    `kv_groups(config)` serves: one slot a layer, or gpt-oss's pairs, where each sequence's
+    window table holds the pages in view and the null block 0 for those wholly behind the
+    window. Sequence i's pages follow sequence i-1's; input_ids and positions are [batch].
+    """
     from cleave.kv.groups import kv_groups
     from cleave.kv.metadata import AttentionMetadata
     from cleave.model.llama import allocate_kv_cache
 
-    max_len = args.context + 1
-    config = decode_model_config(shape, max(max_len, 64), args.packed_experts)
+    seq_len = context + 1
+    blocks_per_seq = -(-seq_len // block_size)
+    groups = kv_groups(config)
+    tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(batch)]
+    num_pages, window_tables = batch * blocks_per_seq + 1, None
+    if groups.is_paired:
+        assert groups.sliding_window is not None
+        unseen = max(0, (context - groups.sliding_window + 1) // block_size)
+        in_view = blocks_per_seq - unseen
+        window_tables = [[0] * unseen + list(range(num_pages + i * in_view, num_pages + (i + 1) * in_view))
+                         for i in range(batch)]
+        num_pages += batch * in_view
+    kv_cache = allocate_kv_cache(config, num_pages, block_size, dtype, device, num_slots=groups.num_slots)
+    metadata = AttentionMetadata.build([1] * batch, [seq_len] * batch, tables, block_size, device=device,
+                                       window_tables=window_tables)
+    input_ids = torch.randint(0, config.vocab_size, (batch,), device=device, generator=generator)
+    positions = torch.full((batch,), context, device=device, dtype=torch.long)
+    return kv_cache, metadata, input_ids, positions
+
+
+def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    config = decode_model_config(shape, max(args.context + 1, 64), args.packed_experts)
     model = random_model(config, dtype, device)
     generator = torch.Generator(device=device).manual_seed(1)
     timer_device = device
     rows = []
-    blocks_per_seq = -(-max_len // args.block_size)
-    groups = kv_groups(config)  # gpt-oss: the paired cache it is served with
     for batch in args.batch:
-        tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(batch)]
-        num_pages, window_tables = batch * blocks_per_seq + 1, None
-        if groups.is_paired:  # window tables hold the pages in view, the null block behind the window
-            assert groups.sliding_window is not None
-            unseen = max(0, (args.context - groups.sliding_window + 1) // args.block_size)
-            in_view = blocks_per_seq - unseen
-            window_tables = [[0] * unseen + list(range(num_pages + i * in_view, num_pages + (i + 1) * in_view))
-                             for i in range(batch)]
-            num_pages += batch * in_view
-        kv_cache = allocate_kv_cache(config, num_pages, args.block_size, dtype, device, num_slots=groups.num_slots)
-        metadata = AttentionMetadata.build([1] * batch, [max_len] * batch, tables, args.block_size, device=device,
-                                           window_tables=window_tables)
-        input_ids = torch.randint(0, shape.vocab, (batch,), device=device, generator=generator)
-        positions = torch.full((batch,), args.context, device=device, dtype=torch.long)
+        kv_cache, metadata, input_ids, positions = decode_inputs(config, batch, args.context, args.block_size, dtype,
+                                                                 device, generator)
 
         def step() -> torch.Tensor:
             return model.compute_logits(model(input_ids, positions, kv_cache, metadata))

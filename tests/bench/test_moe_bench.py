@@ -55,6 +55,27 @@ def test_gpt_oss_decode_dry_run_builds_its_model(bench, tmp_path):
     assert [row["batch"] for row in rows] == [1, 2] and all(row["bytes_gb"] > 0 for row in rows)
 
 
+def test_decode_inputs_put_the_null_block_behind_gpt_oss_windows(bench):
+    """gpt-oss's paired cache past its 128-token window: each window table holds the null
+    block for the pages wholly behind the window, and the step runs over it."""
+    torch = bench.torch
+    cpu = torch.device("cpu")
+    context, block_size = 200, 16  # the new token at 200 sees positions 73..200: pages 0-3 are behind
+    config = bench.decode_model_config(bench.replace(bench.TINY, architecture="gpt-oss"), context + 1)
+    model = bench.random_model(config, torch.float32, cpu)
+    kv_cache, metadata, input_ids, positions = bench.decode_inputs(
+        config, 2, context, block_size, torch.float32, cpu, torch.Generator().manual_seed(0))
+    assert kv_cache.shape[0] == 1  # the sliding layer and the full one share a slot
+    window = metadata.window.block_tables
+    assert window.shape == (2, 13) and (window[:, :4] == 0).all() and (window[:, 4:] > 0).all()
+    assert set(window[:, 4:].flatten().tolist()).isdisjoint(metadata.block_tables.flatten().tolist())
+    assert positions.tolist() == [context, context] and metadata.seq_lens.tolist() == [context + 1] * 2
+    with torch.no_grad():
+        logits = model.compute_logits(model(input_ids, positions, kv_cache, metadata))
+    assert logits.shape == (2, config.vocab_size) and torch.isfinite(logits).all()
+    assert (kv_cache[:, :, 0] == 0).all() and kv_cache.abs().sum() > 0  # written, never into the null block
+
+
 def test_gpt_oss_decode_dry_run_with_packed_experts(bench, tmp_path):
     config = bench.decode_model_config(bench.MODELS["gpt-oss-20b"], 2048, packed_experts=True)
     assert config.packed_experts and config.quantization == "mxfp4"
