@@ -80,3 +80,46 @@ async def test_a_stream_counts_when_it_ends(running):
         await asyncio.sleep(0.01)
     assert handled(registry, "Generate", "RESOURCE_EXHAUSTED") == 1
     assert timed(registry, "Generate") == 2
+
+
+class HeldStreamServicer(gateway_pb2_grpc.GatewayServicer):
+    """Generate returns an endless response generator and keeps a reference to it, so
+    garbage collection never ends it: only the interceptors' closing does."""
+
+    def __init__(self) -> None:
+        self.streams: list = []
+        self.closed = asyncio.Event()
+
+    def Generate(self, request, context):
+        stream = self._responses()
+        self.streams.append(stream)
+        return stream
+
+    async def _responses(self):
+        try:
+            while True:
+                yield gateway_pb2.GenerateResponse(request_id="tick")
+                await asyncio.sleep(0)
+        finally:
+            self.closed.set()
+
+
+async def test_a_cancelled_stream_closes_the_handlers_generator_through_both_interceptors():
+    """The client cancels after two messages: the handler's generator is closed (its finally
+    runs) by the request and metrics interceptors wrapping it, though the servicer still holds
+    it (without the closing, it would end only if garbage collected)."""
+    registry = CollectorRegistry()
+    servicer = HeldStreamServicer()
+    registration = ServiceRegistration("cleave.v1.Gateway", servicer, gateway_pb2_grpc.add_GatewayServicer_to_server)
+    server = await serve([registration], "127.0.0.1:0", handle_signals=False,
+                         metrics_interceptor=MetricsInterceptor(GrpcServerMetrics(registry, LABELS)))
+    channel = aio_channel(server.address)
+    try:
+        call = gateway_pb2_grpc.GatewayStub(channel).Generate(gateway_pb2.GenerateRequest(text="hi"))
+        assert [(await call.read()).request_id for _ in range(2)] == ["tick", "tick"]
+        call.cancel()
+        await asyncio.wait_for(servicer.closed.wait(), timeout=30)
+        assert servicer.streams[0].ag_frame is None  # finished, not suspended
+    finally:
+        await channel.close()
+        await server.drain(0)

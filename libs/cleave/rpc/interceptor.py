@@ -14,6 +14,7 @@ status code and duration.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import time
 import uuid
@@ -27,7 +28,7 @@ from google.protobuf.message import DecodeError
 from cleave.errors import InvalidArgument
 from cleave.rpc.auth import MetadataAuth
 from cleave.rpc.errors import map_exception
-from cleave.rpc.method_handlers import rewrap
+from cleave.rpc.method_handlers import responses_of, rewrap
 from cleave.tracing import NOOP_SERVER_SPAN, TRACEPARENT, TRACESTATE, TRACING_OFF, Tracing
 
 REQUEST_ID_KEY = "x-request-id"
@@ -165,12 +166,9 @@ def _stream_response(behavior: Callable[..., Any], call_for: Callable[[], _Call]
                 call.start_span()
                 if isinstance(request, _Undecodable):
                     request.check()
-                result = behavior(request, context)
-                if hasattr(result, "__aiter__"):
-                    async for response in result:
+                async with contextlib.aclosing(responses_of(behavior(request, context))) as responses:
+                    async for response in responses:
                         yield response
-                else:  # a coroutine that writes with context.write()
-                    await result
             except BaseException as exc:  # noqa: BLE001 - mapped to a status, then re-raised
                 await call.failed(exc, context)
             call.succeeded(context)

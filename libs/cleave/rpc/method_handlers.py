@@ -3,7 +3,8 @@ interceptors (`interceptor`, `metrics_interceptor`) share."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -30,3 +31,18 @@ def rewrap(
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(stream_response(handler.unary_stream), **single)
     return grpc.stream_stream_rpc_method_handler(stream_response(handler.stream_stream), **kwargs)
+
+
+async def responses_of(result: Any) -> AsyncIterator[Any]:
+    """The responses a streaming behaviour's `result` yields, or none from a coroutine that
+    writes with `context.write()`. An async generator is closed when its responses end for
+    any reason, so a call the client cancelled runs the handler's cleanup (a `finally`) at
+    once, not whenever the generator is garbage collected. Iterate this under
+    `contextlib.aclosing` for that to hold through the wrapper itself."""
+    if not hasattr(result, "__aiter__"):
+        await result
+        return
+    closing = contextlib.aclosing(result) if hasattr(result, "aclose") else contextlib.nullcontext(result)
+    async with closing as responses:
+        async for response in responses:
+            yield response

@@ -9,6 +9,7 @@ caller went away. A stream is timed from its start to its last message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
@@ -16,7 +17,7 @@ from typing import Any, Protocol
 import grpc
 
 from cleave.rpc.errors import map_exception
-from cleave.rpc.method_handlers import rewrap
+from cleave.rpc.method_handlers import responses_of, rewrap
 
 
 class CallObserver(Protocol):
@@ -52,12 +53,9 @@ def _stream(behavior: Callable[..., Any], method: str, observer: CallObserver):
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         started = time.perf_counter()
         try:
-            result = behavior(request, context)
-            if hasattr(result, "__aiter__"):
-                async for response in result:
+            async with contextlib.aclosing(responses_of(behavior(request, context))) as responses:
+                async for response in responses:
                     yield response
-            else:  # a coroutine that writes with context.write()
-                await result
         except BaseException as exc:  # noqa: BLE001 - observed, then re-raised
             observer.observe(method, _code_of(exc, context), time.perf_counter() - started)
             raise
