@@ -28,6 +28,7 @@ import argparse
 import itertools
 import random
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -59,22 +60,24 @@ def parse_ints(text: str) -> list[int | None]:
     return [None if item == "auto" else int(item) for item in text.split(",")]
 
 
-def parse_orders(text: str) -> list[str]:
-    """`--heads-first`: comma-separated grid orders, each auto, on or off."""
-    orders = text.split(",")
-    unknown = [order for order in orders if order not in HEADS_FIRST]
+def parse_choices(text: str, allowed: Sequence[str], what: str) -> list[str]:
+    """Comma-separated values, each one of `allowed` (ArgumentTypeError naming `what` else)."""
+    values = text.split(",")
+    unknown = [value for value in values if value not in allowed]
     if unknown:
-        raise argparse.ArgumentTypeError(f"grid orders are auto, on or off, got {', '.join(unknown)}")
-    return orders
+        listing = ", ".join(allowed[:-1]) + " or " + allowed[-1]
+        raise argparse.ArgumentTypeError(f"{what} are {listing}, got {', '.join(unknown)}")
+    return values
+
+
+def parse_orders(text: str) -> list[str]:
+    """`--heads-first`: grid orders, each auto, on or off."""
+    return parse_choices(text, list(HEADS_FIRST), "grid orders")
 
 
 def parse_fused(text: str) -> list[str]:
-    """`--fused`: comma-separated kinds of launch, each none, rotary or head-norms."""
-    kinds = text.split(",")
-    unknown = [kind for kind in kinds if kind not in FUSED]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"--fused takes {', '.join(FUSED)}, got {', '.join(unknown)}")
-    return kinds
+    """`--fused`: kinds of launch, each none, rotary or head-norms."""
+    return parse_choices(text, FUSED, "fused launches")
 
 
 def new_kv_for(kind: str, metadata: AttentionMetadata, context: int, query: torch.Tensor,

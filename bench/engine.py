@@ -115,8 +115,9 @@ def make_engine(
     return LLMEngine(config, sync_timing=sync_timing, device_timing=not sync_timing)
 
 
-def run_requests(engine, num_requests: int, args: argparse.Namespace, seed: int):
-    """Submit every request, step to completion; returns (seconds, output tokens, per-step stats)."""
+def run_requests(engine, num_requests: int, args: argparse.Namespace, seed: int, penalised_share: float = 0.0):
+    """Submit every request, step to completion; returns (seconds, output tokens, per-step stats).
+    `penalised_share` of the requests (spread evenly) carry a frequency penalty."""
     from cleave.engine.frozen_heap import frozen_heap
     from cleave.generation.sampling_params import SamplingParams
 
@@ -127,8 +128,8 @@ def run_requests(engine, num_requests: int, args: argparse.Namespace, seed: int)
     top_id = min(128000, engine.model_config.vocab_size)  # a tiny test model has a small vocabulary
     for index in range(num_requests):
         prompt = [rng.randrange(3, top_id) for _ in range(args.prompt_len)]  # feeds every embedding row
-        share = args.penalised_share  # spread evenly: request i is penalised when the count steps up
-        reads_outputs = int((index + 1) * share) > int(index * share)
+        # spread evenly: request i is penalised when the count of penalised requests steps up
+        reads_outputs = int((index + 1) * penalised_share) > int(index * penalised_share)
         engine.add_request(f"b{seed}-{index}", prompt, penalised if reads_outputs else params)
     steps, num_output = [], 0
     start = time.perf_counter()
@@ -225,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             engine = make_engine(model_dir, args, args.max_num_seqs, mode)
             summary[f"startup_s_{mode}"] = round(time.perf_counter() - start, 1)
             summary["kv_blocks"] = engine.runner.num_blocks
-            seconds, num_output, steps = run_requests(engine, args.num_requests, args, seed=0)
+            seconds, num_output, steps = run_requests(engine, args.num_requests, args, seed=0,
+                                                      penalised_share=args.penalised_share)
             summary.update(requests=args.num_requests, prompt_len=args.prompt_len, output_len=args.output_len,
                            penalised_share=args.penalised_share)
             summary[f"seconds_{mode}"] = round(seconds, 2)
@@ -252,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             runs = [(mode, False) for mode in modes] + ([("sync", True)] if "sync" in modes else [])
             for mode, synced in runs:
                 engine = make_engine(model_dir, breakdown_args, batch, mode, sync_timing=synced)
-                _, _, steps = run_requests(engine, batch, breakdown_args, seed=1)
+                _, _, steps = run_requests(engine, batch, breakdown_args, seed=1,
+                                           penalised_share=args.penalised_share)
                 selected = decode_steps(steps, batch, batch)
                 del engine
                 free_device_memory()
