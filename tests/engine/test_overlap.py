@@ -197,10 +197,9 @@ def reasoning_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 CONVERSATIONS = [[{"role": "user", "content": text}] for text in ("Will it rain?", "Is the sky blue?", "Why?")]
 
 
-def test_thinking_budgets_and_grammars_equal_the_synchronous_loop(reasoning_checkpoint):
+def host_reading_workload() -> tuple[list, list[SamplingParams]]:
     """Thinking budgets and grammars (logits processors that read each sample's tokens on the
-    host), beside plain and penalised samples in the same batches, answer exactly as the plain
-    loop does."""
+    host) beside plain and penalised samples, over the reasoning conversations."""
     choice = StructuredOutput(StructuredKind.CHOICE, choices=CHOICES)
     schema = StructuredOutput.json_schema({"type": "object", "properties": {"n": {"enum": [1, 2, 3]}},
                                            "required": ["n"], "additionalProperties": False})
@@ -211,15 +210,32 @@ def test_thinking_budgets_and_grammars_equal_the_synchronous_loop(reasoning_chec
         SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=0.8, ignore_eos=True),
     ]
-    conversations = [CONVERSATIONS[index % len(CONVERSATIONS)] for index in range(len(params))]
-    results = {}
-    for overlap in (False, True):
-        llm = LLM(reasoning_checkpoint, device="cpu", overlap_steps=overlap, max_model_len=256,
-                  max_num_batched_tokens=48)
-        results[overlap] = [(summary(output), [s.reasoning_text for s in output.outputs])
-                            for output in llm.generate(conversations, params)]
-        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_usable_blocks
+    return [CONVERSATIONS[index % len(CONVERSATIONS)] for index in range(len(params))], params
+
+
+def generate_reasoning(checkpoint: Path, device: str, overlap: bool) -> list[tuple]:
+    llm = LLM(checkpoint, device=device, dtype="float32", overlap_steps=overlap, max_model_len=256,
+              max_num_batched_tokens=48)
+    conversations, params = host_reading_workload()
+    results = [(summary(output), [s.reasoning_text for s in output.outputs])
+               for output in llm.generate(conversations, params)]
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_usable_blocks
+    return results
+
+
+def test_thinking_budgets_and_grammars_equal_the_synchronous_loop(reasoning_checkpoint):
+    """The host-reading workload answers exactly as the plain loop does."""
+    results = {overlap: generate_reasoning(reasoning_checkpoint, "cpu", overlap) for overlap in (False, True)}
     assert results[True] == results[False]
     (chosen,), (thought,) = results[True][0]
     assert chosen[2] in CHOICES and thought  # thought, then chose
     assert all(json.loads(sample[2])["n"] in (1, 2, 3) for sample in results[True][1][0])
+
+
+@pytest.mark.gpu
+def test_on_cuda_host_reading_samples_overlap_to_the_synchronous_answers(reasoning_checkpoint):
+    """On the GPU, where the forward of a step really runs while the host resolves the step
+    before it (and decode steps replay CUDA graphs), the host-reading workload answers as the
+    plain loop does there."""
+    assert generate_reasoning(reasoning_checkpoint, "cuda", True) == generate_reasoning(reasoning_checkpoint, "cuda",
+                                                                                        False)
