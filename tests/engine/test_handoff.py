@@ -74,6 +74,16 @@ def test_reserve_then_release_frees_exactly_the_reserved_blocks(checkpoint):
     assert used(engine) == 0
 
 
+def test_a_second_reservation_of_one_request_id_is_refused_naming_it(checkpoint):
+    engine = make_engine(checkpoint)
+    assert engine.handoff.reserve("twice", len(PROMPT)) == [1, 2, 3]
+    with pytest.raises(InvalidArgument, match="already holds KV blocks") as raised:
+        engine.handoff.reserve("twice", 5)
+    assert raised.value.field == "request_id" and used(engine) == 3  # the first reservation stands
+    engine.handoff.release("twice")
+    assert used(engine) == 0
+
+
 def test_reserve_raises_when_the_pool_is_short_and_takes_nothing(checkpoint):
     engine = make_engine(checkpoint)
     with pytest.raises(OutOfBlocksError):

@@ -275,8 +275,13 @@ class KVHandoff:
         """Decode side: allocate the blocks a prompt's KV arrives in (once, whatever the
         request's n); returns their ids, in token order, for the transport. The caller owns
         them until `receive` returns (then the engine does) or `release`. Raises
-        OutOfBlocksError (RESOURCE_EXHAUSTED). A paired cache's pages come as `export`'s."""
-        return self.kv.reserve(_first_sample_id(request_id), num_prompt_tokens)
+        OutOfBlocksError (RESOURCE_EXHAUSTED), or InvalidArgument when the request id already
+        holds blocks here. A paired cache's pages come as `export`'s."""
+        seq_id = _first_sample_id(request_id)
+        if self.kv.has(seq_id):
+            raise InvalidArgument(f"{request_id!r} already holds KV blocks on this worker; use a unique id",
+                                  field="request_id")
+        return self.kv.reserve(seq_id, num_prompt_tokens)
 
     def release(self, request_id: str) -> None:
         """Decode side: free a reservation that will not be received (the transfer failed,

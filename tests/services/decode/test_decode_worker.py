@@ -171,3 +171,18 @@ async def test_handshake_picks_tcp_on_cpu_and_checks_layouts(decode):
     assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "head_dim" in raised.value.details()
     await decode.stub.Abort(c.AbortRequest(request_id="h"))
     await wait_pool_full(decode.stub)
+
+
+async def test_two_admissions_of_one_id_at_once_admit_one_and_refuse_the_other(decode):
+    """Both pass the id check before either registers (the admission awaits the transport and
+    the reservation in between): the second is refused as a duplicate id, and the first's
+    reservation is untouched."""
+    results = await asyncio.gather(decode.stub.Admit(admit("twin")), decode.stub.Admit(admit("twin")),
+                                   return_exceptions=True)
+    errors = [result for result in results if isinstance(result, BaseException)]
+    assert len(errors) == 1 and len(results) == 2
+    (error,) = errors
+    assert isinstance(error, grpc.aio.AioRpcError), error
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in error.details(), error.details()
+    assert (await decode.stub.Abort(c.AbortRequest(request_id="twin"))).found
+    await wait_pool_full(decode.stub)
