@@ -110,6 +110,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="MXFP4 experts kept packed (as `--packed-experts` serves gpt-oss's): the layer part's "
                         "fused rows read them packed (random codes), the decode part is gpt-oss's only; the "
                         "roofline counts 4.25 bits a value")
+    parser.add_argument("--route-in-gemv", action="store_true",
+                        help="decode part: the GEMV layout routes in the first expert GEMV, not a launch of its own "
+                        "(SparseMoeBlock.route_in_gemv; the touched experts are counted with the route launch)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile reference")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' MoE block")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "moe"))
@@ -375,7 +378,9 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
         def step() -> torch.Tensor:
             return model.compute_logits(model(input_ids, positions, kv_cache, metadata))
 
+        _set_route_in_gemv(model, False)  # the count hooks the routing launch
         touched = _touched_experts(model, step)
+        _set_route_in_gemv(model, args.route_in_gemv)
         with torch.no_grad():
             if timer_device.type == "cuda":
                 us = graph_call_us([step])
@@ -445,6 +450,15 @@ def active_flops(shape: MoEShape, config, num_tokens: int) -> float:  # noqa: AN
         keys = sum(min(t + 1, window or t + 1) for t in range(num_tokens)) if window else num_tokens * (num_tokens + 1) / 2
         attention += 4.0 * q * keys
     return linear + attention
+
+
+def _set_route_in_gemv(model, value: bool) -> None:  # noqa: ANN001
+    """Every MoE block's `route_in_gemv` (the GEMV decode layout's routing launch or not)."""
+    from cleave.model.moe import SparseMoeBlock
+
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            module.route_in_gemv = value
 
 
 def _touched_experts(model, step: Callable[[], torch.Tensor]) -> list[int]:

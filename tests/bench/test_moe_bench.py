@@ -55,6 +55,28 @@ def test_gpt_oss_decode_dry_run_builds_its_model(bench, tmp_path):
     assert [row["batch"] for row in rows] == [1, 2] and all(row["bytes_gb"] > 0 for row in rows)
 
 
+def test_decode_dry_run_routes_inside_the_expert_gemv_when_asked(bench, tmp_path, monkeypatch):
+    """`--route-in-gemv`: each batch's experts are counted through the routing launch, then
+    the step is timed with every MoE block routing inside its first expert GEMV (the layout
+    itself is tested against transformers in tests/model/test_moe_parity.py)."""
+    from cleave.model.moe import SparseMoeBlock
+
+    models = []
+    real_random_model = bench.random_model
+
+    def keeping(*args, **kwargs):  # type: ignore[no-untyped-def]
+        models.append(real_random_model(*args, **kwargs))
+        return models[-1]
+
+    monkeypatch.setattr(bench, "random_model", keeping)
+    rows = bench.main(["--dry-run", "--part", "decode", "--model", "gpt-oss-20b", "--route-in-gemv",
+                       "--out", str(tmp_path)])["decode"]
+    assert [row["batch"] for row in rows] == [1, 2] and all(row["touched_experts_per_layer"] > 0 for row in rows)
+    (model,) = models
+    blocks = [module for module in model.modules() if isinstance(module, SparseMoeBlock)]
+    assert blocks and all(block.route_in_gemv for block in blocks)
+
+
 def test_decode_inputs_put_the_null_block_behind_gpt_oss_windows(bench):
     """gpt-oss's paired cache past its 128-token window: each window table holds the null
     block for the pages wholly behind the window, and the step runs over it."""

@@ -174,6 +174,9 @@ def main() -> None:
     compile_variant(_gate_up_kernel, {**gate_up, **routed}, 4, pointers=moe_ids)
     compile_variant(_gate_up_kernel, {**gate_up, "TOP_K": 4, "K_TILES": 2, "HAS_BIAS": True, "CLAMPED": True,
                                       "NORM": False}, 4, pointers=moe_ids)
+    # gpt-oss-20b's bf16 experts routing inside, the layer's norm in the prologue (`route_in_gemv`)
+    compile_variant(_gate_up_kernel, {**gate_up, "TOP_K": 4, "K_TILES": 2, "HAS_BIAS": True, "CLAMPED": True,
+                                      **routed, "BLOCK_TOPK": 4, "BLOCK_E": 32}, 4, pointers=moe_ids)
     down = dict(TOP_K=8, BLOCK_N=8, BLOCK_K=1024, K_TILES=1, HAS_BIAS=False, ADD=True, MXFP4=False)
     compile_variant(_down_sum_kernel, down, 4, pointers=moe_ids)
     compile_variant(_down_sum_kernel, {**down, "TOP_K": 4, "K_TILES": 2, "HAS_BIAS": True, "ADD": False}, 4,

@@ -134,6 +134,32 @@ def test_moe_decode_steps_on_the_gemv_layout_match_transformers(name, moe_checkp
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("name", ["qwen3-moe", "gpt-oss"])
+def test_routing_inside_the_first_expert_gemv_matches_transformers(name, moe_checkpoints, moe_hf_models, monkeypatch):
+    """`route_in_gemv`: the GEMV decode layout's single-token steps route in the first expert
+    GEMV (no routed weights passed in, the router logits instead), to the same logits."""
+    from cleave.model import fused_decode
+
+    routed_inside = []
+    real_moe_gemv = fused_decode.moe_gemv
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        routed_inside.append(args[3] is None and kwargs["router_logits"] is not None)
+        return real_moe_gemv(*args, **kwargs)
+
+    monkeypatch.setattr(fused_decode, "moe_gemv", counting)
+    model = load_model(moe_checkpoints[name], impl="triton")
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            module.route_in_gemv = True
+    input_ids = prompt_ids(model.config.vocab_size, 24)
+    expected = moe_hf_models[name](input_ids[None]).logits[0].float()
+    assert (run_chunks(model, input_ids, [21, 1, 1, 1]) - expected).abs().max().item() <= TOLERANCE
+    sparse_layers = sum(isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers)
+    assert routed_inside == [True] * (3 * sparse_layers)
+
+
+@torch.no_grad()
 def test_gpt_oss_sinks_window_and_clamp_each_change_the_logits(moe_checkpoints, moe_hf_models):
     """The checkpoint exercises what sets gpt-oss apart: removing any of them moves the logits."""
     path = moe_checkpoints["gpt-oss"]

@@ -172,16 +172,22 @@ def _gemv_moe(block: SparseMoeBlock, residual: torch.Tensor, norm: RMSNorm) -> N
     """residual += block(norm(residual)): up to `moe_gemv.MAX_TOKENS` tokens with the norm
     inside the router and expert GEMVs, the routing in a launch of its own (gpt-oss's softmax
     over its top-k logits is softmax-then-renormalise) and the add in the last GEMV (see the
-    module doc). Routing inside the first expert GEMV instead, one launch fewer, was slower on
-    an H200 (Qwen3-30B-A3B's layer at 1 / 2 / 4 tokens: 44.3 / 61.7 / 91.6 us with the route
-    launch, 47.5 / 66.0 / 106.9 without; bench/results/moe/moe-layer-20261205T040729Z.md)."""
+    module doc). Routing inside the first expert GEMV instead (`block.route_in_gemv`), one
+    launch fewer, was slower on an H200 for Qwen3-30B-A3B (its layer at 1 / 2 / 4 tokens: 44.3 /
+    61.7 / 91.6 us with the route launch, 47.5 / 66.0 / 106.9 without;
+    bench/results/moe/moe-layer-20261205T040729Z.md)."""
     if residual.shape[0] > MOE_GEMV_MAX_TOKENS:
         residual.add_(block(rms_norm(residual, norm.weight, norm.eps, pdl=norm.pdl)))
         return
     logits = small_linear(residual, block.router.weight, norm_weight=norm.weight, eps=norm.eps, bias=block.router.bias,
                           pdl=norm.pdl)
-    weights, ids = route(logits, block.top_k, block.renormalize)
     experts = block.experts
+    if block.route_in_gemv:
+        moe_gemv(residual, experts.gate_up, experts.down, None, None, block.activation, experts.w13_bias,
+                 experts.w2_bias, norm_weight=norm.weight, eps=norm.eps, add_to=residual, router_logits=logits,
+                 top_k=block.top_k, renormalize=block.renormalize)
+        return
+    weights, ids = route(logits, block.top_k, block.renormalize)
     moe_gemv(residual, experts.gate_up, experts.down, weights, ids, block.activation, experts.w13_bias, experts.w2_bias,
              norm_weight=norm.weight, eps=norm.eps, add_to=residual)
 

@@ -73,6 +73,9 @@ class SparseMoeBlock(nn.Module):
             self.activation = MoEActivation("swiglu_clamped", alpha=config.swiglu_alpha, limit=config.swiglu_limit)
         self.router = nn.Linear(config.hidden_size, config.num_experts, bias=config.router_bias)
         self.experts = Experts(config)
+        # the GEMV decode layout (cleave.model.fused_decode) routes in the first expert GEMV
+        # instead of a launch of its own; off: slower for Qwen3-30B-A3B's 128 experts
+        self.route_in_gemv = False
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [T, H] -> [T, H]
