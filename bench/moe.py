@@ -63,7 +63,9 @@ from common import event_times_ms, format_table, graph_call_us, median_ms, run_n
 
 HBM_BYTES_PER_S = 4.26e12  # H200 device copy, read + write (bench/results/kernels)
 LAYER_COLUMNS = ["tokens", "method", "us", "roofline_us", "roofline_pct", "touched_experts", "max_diff"]
-DECODE_COLUMNS = ["batch", "context", "us", "roofline_us", "roofline_pct", "touched_experts_per_layer", "bytes_gb"]
+DECODE_COLUMNS = ["batch", "context", "route", "us", "roofline_us", "roofline_pct", "touched_experts_per_layer",
+                  "bytes_gb"]
+ROUTES = {"launch": False, "in-gemv": True}  # --routes: SparseMoeBlock.route_in_gemv
 PREFILL_COLUMNS = ["tokens", "ms", "active_tflop", "tflops", "peak_pct"]
 PEAK_FLOPS = 790e12  # H200 dense bf16
 
@@ -110,9 +112,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="MXFP4 experts kept packed (as `--packed-experts` serves gpt-oss's): the layer part's "
                         "fused rows read them packed (random codes), the decode part is gpt-oss's only; the "
                         "roofline counts 4.25 bits a value")
-    parser.add_argument("--route-in-gemv", action="store_true",
-                        help="decode part: the GEMV layout routes in the first expert GEMV, not a launch of its own "
-                        "(SparseMoeBlock.route_in_gemv; the touched experts are counted with the route launch)")
+    parser.add_argument("--routes", default="launch", help="decode part, comma-separated: where the GEMV layout "
+                        "routes, 'launch' (its own) and/or 'in-gemv' (the first expert GEMV: "
+                        "SparseMoeBlock.route_in_gemv); the touched experts are counted with the routing launch")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile reference")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' MoE block")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "moe"))
@@ -123,6 +125,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.gemv_tiles = [tuple(int(n) for n in item.split(":")) for item in args.gemv_tiles.split(",") if item]
     args.batch = [int(value) for value in args.batch.split(",")]
     args.prefill_tokens = [int(value) for value in args.prefill_tokens.split(",")]
+    args.routes = [value for value in args.routes.split(",") if value]
+    if not args.routes or set(args.routes) - set(ROUTES):
+        parser.error(f"--routes takes a comma-separated subset of {', '.join(ROUTES)}")
     if args.dry_run:
         args.tokens = [min(value, 3) for value in args.tokens[:2]]
         args.batch = [min(value, 2) for value in args.batch[:2]]
@@ -380,20 +385,21 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
 
         _set_route_in_gemv(model, False)  # the count hooks the routing launch
         touched = _touched_experts(model, step)
-        _set_route_in_gemv(model, args.route_in_gemv)
-        with torch.no_grad():
-            if timer_device.type == "cuda":
-                us = graph_call_us([step])
-            else:
-                us = Timer(device).us(step)
         windows = [config.layer_sliding_window(layer) for layer in range(config.num_hidden_layers)]
         num_bytes = _decode_bytes(shape, dtype, batch, args.context, touched, windows, args.packed_experts)
         roofline_us = num_bytes / HBM_BYTES_PER_S * 1e6
-        rows.append({
-            "batch": batch, "context": args.context, "us": us, "roofline_us": roofline_us,
-            "roofline_pct": 100 * roofline_us / us, "touched_experts_per_layer": sum(touched) / len(touched),
-            "bytes_gb": num_bytes / 1e9,
-        })
+        for route_name in args.routes:
+            _set_route_in_gemv(model, ROUTES[route_name])
+            with torch.no_grad():
+                if timer_device.type == "cuda":
+                    us = graph_call_us([step])
+                else:
+                    us = Timer(device).us(step)
+            rows.append({
+                "batch": batch, "context": args.context, "route": route_name, "us": us, "roofline_us": roofline_us,
+                "roofline_pct": 100 * roofline_us / us, "touched_experts_per_layer": sum(touched) / len(touched),
+                "bytes_gb": num_bytes / 1e9,
+            })
     return rows
 
 

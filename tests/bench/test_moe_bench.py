@@ -55,10 +55,11 @@ def test_gpt_oss_decode_dry_run_builds_its_model(bench, tmp_path):
     assert [row["batch"] for row in rows] == [1, 2] and all(row["bytes_gb"] > 0 for row in rows)
 
 
-def test_decode_dry_run_routes_inside_the_expert_gemv_when_asked(bench, tmp_path, monkeypatch):
-    """`--route-in-gemv`: each batch's experts are counted through the routing launch, then
-    the step is timed with every MoE block routing inside its first expert GEMV (the layout
-    itself is tested against transformers in tests/model/test_moe_parity.py)."""
+def test_decode_dry_run_times_each_route_on_one_count(bench, tmp_path, monkeypatch):
+    """`--routes launch,in-gemv`: each batch's experts are counted once, through the routing
+    launch, and the step is timed both ways, the in-GEMV row last with every MoE block routing
+    inside its first expert GEMV (the layout itself is tested against transformers in
+    tests/model/test_moe_parity.py)."""
     from cleave.model.moe import SparseMoeBlock
 
     models = []
@@ -69,12 +70,16 @@ def test_decode_dry_run_routes_inside_the_expert_gemv_when_asked(bench, tmp_path
         return models[-1]
 
     monkeypatch.setattr(bench, "random_model", keeping)
-    rows = bench.main(["--dry-run", "--part", "decode", "--model", "gpt-oss-20b", "--route-in-gemv",
+    rows = bench.main(["--dry-run", "--part", "decode", "--model", "gpt-oss-20b", "--routes", "launch,in-gemv",
                        "--out", str(tmp_path)])["decode"]
-    assert [row["batch"] for row in rows] == [1, 2] and all(row["touched_experts_per_layer"] > 0 for row in rows)
+    assert [(row["batch"], row["route"]) for row in rows] == [(1, "launch"), (1, "in-gemv"), (2, "launch"),
+                                                               (2, "in-gemv")]
+    assert rows[0]["bytes_gb"] == rows[1]["bytes_gb"] and all(row["touched_experts_per_layer"] > 0 for row in rows)
     (model,) = models
     blocks = [module for module in model.modules() if isinstance(module, SparseMoeBlock)]
     assert blocks and all(block.route_in_gemv for block in blocks)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--routes", "launch,sideways"])
 
 
 def test_decode_inputs_put_the_null_block_behind_gpt_oss_windows(bench):
