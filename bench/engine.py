@@ -160,12 +160,16 @@ def summarize(phase: str, mode: str, label: str, steps: list, synced: bool = Fal
     }
 
 
+STEP_LOG_FIELDS = ["seqs", "tokens", "wall_ms", "device_ms", "forward_ms", "postprocess_ms", "graph"]
+
+
 def step_log(steps: list) -> list[list]:
-    """Every step as [sequences, tokens, wall ms, device ms, forward ms, postprocess ms] (the
-    launched step's batch; in overlapped steps device and postprocess time belong to the step
-    resolved, the one before), for the JSON: where a run's time went, step by step."""
+    """Every step as STEP_LOG_FIELDS: the launched step's batch, its times, and whether its
+    forward replayed a CUDA graph (1) or ran eagerly (0); in overlapped steps device and
+    postprocess time belong to the step resolved, the one before. For the JSON: where a run's
+    time went, step by step."""
     return [[s.num_seqs, s.num_tokens, round(s.wall_s * 1e3, 3), round(s.device_s * 1e3, 3),
-             round(s.forward_s * 1e3, 3), round(s.postprocess_s * 1e3, 3)] for s in steps]
+             round(s.forward_s * 1e3, 3), round(s.postprocess_s * 1e3, 3), int(s.used_graph)] for s in steps]
 
 
 def decode_steps(steps: list, lo: int, hi: int) -> list:
@@ -243,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             if with_prompts:
                 rows.append(summarize("throughput", mode, "with prompt tokens", with_prompts))
             details[f"step_log_{mode}"] = step_log(steps)
+            details["step_log_fields"] = STEP_LOG_FIELDS
             print(json.dumps(summary))
             print(format_table(rows, COLUMNS))
             del engine

@@ -32,3 +32,15 @@ def test_penalised_requests_are_spread_evenly(bench, share, penalised):
     bench.run_requests(engine, 16, args, seed=0, penalised_share=args.penalised_share)
     assert [i for i, params in enumerate(engine.params) if params.frequency_penalty != 0.0] == penalised
     assert all(params.max_tokens == 8 and params.ignore_eos for params in engine.params)
+
+
+def test_the_step_log_names_its_fields_and_marks_graph_replays(bench):
+    from cleave.engine.model_runner import StepStats
+
+    eager = StepStats(num_seqs=3, num_tokens=40, wall_s=0.0021, device_s=0.0019, forward_s=0.001, postprocess_s=0.0002)
+    replayed = StepStats(num_seqs=3, num_tokens=3, wall_s=0.001, used_graph=True)
+    log = bench.step_log([eager, replayed])
+    assert [dict(zip(bench.STEP_LOG_FIELDS, row)) for row in log] == [
+        {"seqs": 3, "tokens": 40, "wall_ms": 2.1, "device_ms": 1.9, "forward_ms": 1.0, "postprocess_ms": 0.2, "graph": 0},
+        {"seqs": 3, "tokens": 3, "wall_ms": 1.0, "device_ms": 0.0, "forward_ms": 0.0, "postprocess_ms": 0.0, "graph": 1},
+    ]
