@@ -41,11 +41,14 @@ def kv_tile_pointers(
 
 
 @triton.jit
-def attend_tile(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def attend_tile(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                MASKED: tl.constexpr = True):
     """Online-softmax update of (running max, sum, accumulator) [M], [M], [M, D] with one K/V
-    tile [N, D] for queries q [M, D]; `visible` ([M, N] or [1, N]) masks the scores."""
+    tile [N, D] for queries q [M, D]; `visible` ([M, N] or [1, N]) masks the scores, unless
+    MASKED is off (every row sees every key of the tile; `visible` is not read)."""
     scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2  # [M, N]
-    scores = tl.where(visible, scores, float("-inf"))
+    if MASKED:
+        scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])

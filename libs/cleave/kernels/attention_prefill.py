@@ -12,7 +12,7 @@ keys i - W + 1 .. i, and the key loop starts at the first tile any query of the 
 see.
 
 Two launch options change only the order of work: `causal_split` walks the tiles every
-query of the block sees without the causal mask and masks only the tiles on the diagonal;
+query of the block sees without any mask and masks only the tiles on the diagonal;
 `heavy_first` orders the grid query block slowest and last block first, so the blocks with
 the most keys start first and the short ones fill the tail.
 """
@@ -121,7 +121,7 @@ def _paged_prefill_kernel(
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
             m_i, l_i, acc = attend_tile(q, k, v, key_valid[None, :], m_i, l_i, acc, scale_log2, DOT_DTYPE,
-                                        DOT_PRECISION)
+                                        DOT_PRECISION, MASKED=False)
         kv_start = full_end
     for start in range(kv_start, kv_end, BLOCK_N):
         k_ptrs, v_ptrs, key_valid, kv_mask = kv_tile_pointers(
