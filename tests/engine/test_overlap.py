@@ -239,3 +239,16 @@ def test_on_cuda_host_reading_samples_overlap_to_the_synchronous_answers(reasoni
     plain loop does there."""
     assert generate_reasoning(reasoning_checkpoint, "cuda", True) == generate_reasoning(reasoning_checkpoint, "cuda",
                                                                                         False)
+
+
+def test_penalised_samples_under_preemption_equal_the_synchronous_loop(checkpoint):
+    """Samples whose sampling reads their tokens, in a cache small enough to preempt them: the
+    step before is resolved inside each launch, and preempted samples recompute, as in the
+    plain loop."""
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, frequency_penalty=0.5 * (i % 2),
+                             repetition_penalty=1.0 + 0.2 * (i % 3 == 0)) for i, n in enumerate((24, 24, 16, 24, 9, 24))]
+    preemptions: dict[bool, int] = {}
+    results = generate_both(checkpoint, prompts(6, seed=21), params, preemptions, max_model_len=96,
+                            max_num_batched_tokens=256, block_size=8, num_blocks=15)
+    assert results[True] == results[False]
+    assert preemptions[True] > 0 and preemptions[False] > 0
