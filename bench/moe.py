@@ -39,6 +39,7 @@ torch.compile skipped), so the script's wiring is tested without a GPU.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -66,7 +67,7 @@ LAYER_COLUMNS = ["tokens", "method", "us", "roofline_us", "roofline_pct", "touch
 DECODE_COLUMNS = ["batch", "context", "route", "us", "roofline_us", "roofline_pct", "touched_experts_per_layer",
                   "bytes_gb"]
 ROUTES = {"launch": False, "in-gemv": True}  # --routes: SparseMoeBlock.route_in_gemv
-PREFILL_COLUMNS = ["tokens", "ms", "active_tflop", "tflops", "peak_pct"]
+PREFILL_COLUMNS = ["tokens", "launch", "ms", "active_tflop", "tflops", "peak_pct"]
 PEAK_FLOPS = 790e12  # H200 dense bf16
 
 
@@ -115,6 +116,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--routes", default="launch", help="decode part, comma-separated: where the GEMV layout "
                         "routes, 'launch' (its own) and/or 'in-gemv' (the first expert GEMV: "
                         "SparseMoeBlock.route_in_gemv); the touched experts are counted with the routing launch")
+    parser.add_argument("--attention-launches", nargs="*", default=[], type=json.loads,
+                        help="prefill part: JSON PrefillLaunch keyword arguments (cleave.kernels.attention_prefill), "
+                        "a row each after the default launch's, set on every attention layer")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile reference")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' MoE block")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "moe"))
@@ -406,7 +410,9 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
 def prefill_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """One prompt of each `--prefill-tokens` length through the whole model (eager, in one
     chunk, as a prefill worker runs it), last-token logits included: time and TFLOP/s on the
-    FLOPs of the experts it routes to (`active_flops`)."""
+    FLOPs of the experts it routes to (`active_flops`), with the default prefill attention
+    launch and each of `--attention-launches`."""
+    from cleave.kernels.attention_prefill import PrefillLaunch
     from cleave.kv.groups import kv_groups
     from cleave.kv.metadata import AttentionMetadata
     from cleave.model.llama import allocate_kv_cache
@@ -430,14 +436,18 @@ def prefill_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device
         def step() -> torch.Tensor:
             return model.compute_logits(model(input_ids, positions, kv_cache, metadata)[-1:])
 
-        with torch.no_grad():
-            if device.type == "cuda":
-                ms = sorted(event_times_ms(step, warmup=2, iters=5))[2]
-            else:
-                ms = Timer(device).us(step) / 1e3
         flops = active_flops(shape, config, num_tokens)
-        rows.append({"tokens": num_tokens, "ms": ms, "active_tflop": flops / 1e12,
-                     "tflops": flops / (ms * 1e-3) / 1e12, "peak_pct": 100 * flops / (ms * 1e-3) / PEAK_FLOPS})
+        for launch in [{}, *args.attention_launches]:
+            for layer in model.layers:
+                layer.self_attn.prefill_launch = PrefillLaunch(**launch)
+            with torch.no_grad():
+                if device.type == "cuda":
+                    ms = sorted(event_times_ms(step, warmup=2, iters=5))[2]
+                else:
+                    ms = Timer(device).us(step) / 1e3
+            rows.append({"tokens": num_tokens, "launch": json.dumps(launch, sort_keys=True) if launch else "default",
+                         "ms": ms, "active_tflop": flops / 1e12, "tflops": flops / (ms * 1e-3) / 1e12,
+                         "peak_pct": 100 * flops / (ms * 1e-3) / PEAK_FLOPS})
         del kv_cache
     return rows
 

@@ -7,6 +7,12 @@ linear layers (2 * params * tokens, lm_head for the last token only) plus causal
 (QK^T and PV over the lower triangle: 2 * 2 * T^2 / 2 * Hq * D per layer).
 
     python bench/prefill.py --out bench/results/prefill.json   # writes prefill-<UTC time>.json
+    python bench/prefill.py --out bench/results/prefill/prefill.json --skip-hf \
+        --attention-launches '{"pack_gqa": true, "causal_split": true}' '{"block_m": 128, "num_warps": 8}'
+
+`--attention-launches` adds a cleave row per setting (JSON keyword arguments of
+`cleave.kernels.attention_prefill.PrefillLaunch`, set on every layer), timed in the same run
+as the default launch's row.
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-hf", action="store_true", help="time cleave only")
     parser.add_argument("--compiled", action="store_true", help="also time cleave under torch.compile")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attention-launches", nargs="*", default=[], type=json.loads,
+                        help="JSON PrefillLaunch keyword arguments, one cleave row each (the default launch first)")
     return parser.parse_args(argv)
 
 
@@ -70,12 +78,19 @@ def prefill_flops(config, num_tokens: int) -> float:
     return linear + attention
 
 
+def set_prefill_launch(model, launch) -> None:  # noqa: ANN001
+    """Every attention layer's `prefill_launch`."""
+    for layer in model.layers:
+        layer.self_attn.prefill_launch = launch
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
     import transformers
     from common import event_times_ms, format_table, machine_info, run_path
 
+    from cleave.kernels.attention_prefill import PrefillLaunch
     from cleave.kv.metadata import AttentionMetadata
     from cleave.model.compiled import compile_model
     from cleave.model.config import ModelConfig
@@ -132,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         return logits
 
     cleave_logits = record("cleave", cleave_step)
+    for launch in args.attention_launches:
+        set_prefill_launch(model, PrefillLaunch(**launch))
+        record(f"cleave {json.dumps(launch, sort_keys=True)}", cleave_step)
+    set_prefill_launch(model, PrefillLaunch())
     comparison: dict[str, object] = {}
     if not args.skip_hf:
         hf_logits = record("transformers-sdpa", hf_step)

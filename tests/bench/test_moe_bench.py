@@ -135,3 +135,15 @@ def test_prefill_dry_run_counts_active_flops(bench, tmp_path):
     full = bench.active_flops(gpt_oss, bench.replace(bench.decode_model_config(gpt_oss, 8193), layer_types=None,
                                                      sliding_window=None), 8192)
     assert windowed < full  # half its layers see 128 keys
+
+
+def test_prefill_dry_run_times_each_attention_launch(bench, tmp_path):
+    """`--attention-launches`: the default launch's row, then one row per setting, each set on
+    every attention layer (packed GQA heads and the unmasked walk below the diagonal here)."""
+    rows = bench.main(["--dry-run", "--part", "prefill", "--out", str(tmp_path), "--attention-launches",
+                       '{"pack_gqa": true, "causal_split": true, "block_m": 16, "block_n": 16}'])["prefill"]
+    assert [row["launch"] for row in rows] == [
+        "default", '{"block_m": 16, "block_n": 16, "causal_split": true, "pack_gqa": true}']
+    assert rows[0]["active_tflop"] == rows[1]["active_tflop"] and all(row["ms"] > 0 for row in rows)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--attention-launches", "{not json"])

@@ -99,3 +99,41 @@ def test_packed_experts_on_a_checkpoint_without_mxfp4_say_so(tiny_checkpoints):
         llm = LLM(tiny_checkpoints["llama"], device="cpu", dtype="float32", max_model_len=64, packed_experts=True)
     assert not llm.engine.model.config.packed_experts
     assert [entry["event"] for entry in logs if entry["log_level"] == "warning"] == ["packed_experts_unused"]
+
+
+@torch.no_grad()
+def test_each_layers_prefill_launch_reaches_the_prefill_kernel_and_keeps_the_answer(monkeypatch):
+    """`Attention.prefill_launch` (set per layer, as benchmarks A/B it) is what the prefill
+    kernel is launched with; packed heads, heavy blocks first and the unmasked walk below the
+    diagonal give the default launch's hidden states, over a cached prefix too."""
+    from cleave.kernels import attention as attention_ops
+    from cleave.kernels.attention_prefill import PrefillLaunch
+
+    launches: list[dict] = []
+    original = attention_ops.paged_prefill_attention
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        launches.append({key: kwargs[key] for key in ("block_m", "pack_gqa", "heavy_first", "causal_split")})
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(attention_ops, "paged_prefill_attention", recording)
+    torch.manual_seed(0)
+    config = tiny_config()
+    model = CausalLM(config, impl="triton").eval()
+    tokens = torch.arange(40) % config.vocab_size
+
+    def prefill_hidden() -> torch.Tensor:
+        kv_cache = allocate_kv_cache(config, 4, BLOCK_SIZE)
+        first = AttentionMetadata.build([24], [24], [[1, 2, 3]], BLOCK_SIZE)
+        model(tokens[:24], torch.arange(24), kv_cache, first)
+        rest = AttentionMetadata.build([16], [40], [[1, 2, 3]], BLOCK_SIZE)  # over the cached 24
+        return model(tokens[24:], torch.arange(24, 40), kv_cache, rest)
+
+    default = prefill_hidden()
+    assert launches[-1] == {"block_m": 64, "pack_gqa": False, "heavy_first": False, "causal_split": False}
+    options = PrefillLaunch(block_m=16, block_n=16, pack_gqa=True, heavy_first=True, causal_split=True)
+    for layer in model.layers:
+        layer.self_attn.prefill_launch = options
+    launches.clear()
+    torch.testing.assert_close(prefill_hidden(), default, atol=2e-5, rtol=1e-5)
+    assert launches == [{"block_m": 16, "pack_gqa": True, "heavy_first": True, "causal_split": True}] * 4

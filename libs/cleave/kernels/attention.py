@@ -7,10 +7,12 @@ Torch references live here; Triton kernels sit in their own files (`kv_write.py`
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import torch
 
 from cleave.kernels.attention_decode import paged_decode_attention
-from cleave.kernels.attention_prefill import paged_prefill_attention
+from cleave.kernels.attention_prefill import DEFAULT_PREFILL_LAUNCH, PrefillLaunch, paged_prefill_attention
 from cleave.kernels.dispatch import Impl, use_triton
 from cleave.kernels.kv_write import write_kv_triton
 from cleave.kv.metadata import AttentionMetadata
@@ -100,18 +102,20 @@ def paged_attention(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
     pdl: bool = True,
+    prefill: PrefillLaunch = DEFAULT_PREFILL_LAUNCH,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention of the batch's new tokens over the paged cache (Triton on CUDA).
 
     A decode-only batch (every query length 1) runs the split-KV decode kernel; any batch
-    with a prefill chunk, mixed or not, runs the varlen prefill kernel. `sliding_window`
-    (Mistral's): each query sees only its last W positions. `sinks` [Hq] (gpt-oss): one
-    extra logit per query head in every softmax. `pdl`: see `cleave.kernels.pdl` (the decode
-    kernel only).
+    with a prefill chunk, mixed or not, runs the varlen prefill kernel, launched as `prefill`
+    says. `sliding_window` (Mistral's): each query sees only its last W positions. `sinks`
+    [Hq] (gpt-oss): one extra logit per query head in every softmax. `pdl`: see
+    `cleave.kernels.pdl` (the decode kernel only).
     """
     if not use_triton(query, impl):
         return paged_attention_reference(query, kv_cache, metadata, scale, sliding_window, sinks)
     if metadata.is_decode_only:
         return paged_decode_attention(query, kv_cache, metadata, scale, sliding_window=sliding_window, sinks=sinks,
                                       pdl=pdl)
-    return paged_prefill_attention(query, kv_cache, metadata, scale, sliding_window=sliding_window, sinks=sinks)
+    return paged_prefill_attention(query, kv_cache, metadata, scale, sliding_window=sliding_window, sinks=sinks,
+                                   **asdict(prefill))

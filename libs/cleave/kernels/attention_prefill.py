@@ -19,6 +19,8 @@ the most keys start first and the short ones fill the tail.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -149,6 +151,24 @@ def _paged_prefill_kernel(
 
 
 _prefill_launcher = CachedLauncher(_paged_prefill_kernel)
+
+
+@dataclass(frozen=True)
+class PrefillLaunch:
+    """How a model's layers launch `paged_prefill_attention`: its keyword arguments past the
+    attention's own (tiles, warps, pipeline stages and the work-order options; see the module
+    docstring). The defaults are the function's."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int | None = None
+    pack_gqa: bool = False
+    heavy_first: bool = False
+    causal_split: bool = False
+
+
+DEFAULT_PREFILL_LAUNCH = PrefillLaunch()
 
 
 def paged_prefill_attention(

@@ -21,6 +21,7 @@ import torch
 
 from cleave.kernels.attention import paged_attention, write_kv
 from cleave.kernels.attention_decode import HeadNorms, NewKV, paged_decode_attention
+from cleave.kernels.attention_prefill import DEFAULT_PREFILL_LAUNCH, PrefillLaunch
 from cleave.kernels.dispatch import Impl, use_triton
 from cleave.kernels.rms_norm import rms_norm
 from cleave.kernels.rotary import apply_rotary
@@ -45,6 +46,7 @@ def rotary_paged_attention(
     rotary_in_decode_kernel: bool = True,
     pdl: bool = True,
     head_norms: HeadNorms | None = None,
+    prefill: PrefillLaunch = DEFAULT_PREFILL_LAUNCH,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention of q (NeoX-rotated) over the cache after writing the rotated k and v
     (`head_norms`: q and k RMS-normalised per head before the rotation).
@@ -52,7 +54,7 @@ def rotary_paged_attention(
     `impl` picks the rotary side and `attention_impl` the KV write and attention (see
     `cleave.model.compiled`); the fused layouts need both on Triton. `rotary_in_decode_kernel`
     False keeps decode batches on the two-launch layout (A/B benchmarks). `pdl`: see
-    `cleave.kernels.pdl`.
+    `cleave.kernels.pdl`. `prefill`: how batches with prompt tokens launch the prefill kernel.
     """
     fused = use_triton(q, impl) and use_triton(q, attention_impl)
     if fused and rotary_in_decode_kernel and metadata.is_decode_only and cos_sin_cache.shape[-1] == q.shape[-1]:
@@ -64,9 +66,9 @@ def rotary_paged_attention(
             k, head_norms.k_weight, head_norms.eps, impl, pdl)
     if fused:
         return _fused_rotary_attention(q, k, v, positions, cos_sin_cache, kv_cache, metadata, scale, sliding_window,
-                                       sinks, pdl)
+                                       sinks, pdl, prefill)
     apply_rotary(q, k, positions, cos_sin_cache, is_neox=True, impl=impl)
-    return _cached_attention(q, k, v, kv_cache, metadata, scale, attention_impl, sliding_window, sinks, pdl)
+    return _cached_attention(q, k, v, kv_cache, metadata, scale, attention_impl, sliding_window, sinks, pdl, prefill)
 
 
 @torch.compiler.disable
@@ -81,10 +83,11 @@ def _cached_attention(
     sliding_window: int | None,
     sinks: torch.Tensor | None,  # [Hq]
     pdl: bool,
+    prefill: PrefillLaunch,
 ) -> torch.Tensor:  # [T, Hq, D]
     write_kv(k, v, kv_cache, metadata.slot_mapping, impl=impl)
     return paged_attention(q, kv_cache, metadata, scale, impl=impl, sliding_window=sliding_window, sinks=sinks,
-                           pdl=pdl)
+                           pdl=pdl, prefill=prefill)
 
 
 def _normed_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: Impl, pdl: bool) -> torch.Tensor:
@@ -121,8 +124,9 @@ def _fused_rotary_attention(
     sliding_window: int | None,
     sinks: torch.Tensor | None,  # [Hq]
     pdl: bool,
+    prefill: PrefillLaunch,
 ) -> torch.Tensor:  # [T, Hq, D]
     rotary_write_kv(q, k, v, positions, cos_sin_cache, kv_cache, metadata.slot_mapping, is_neox=True, impl="triton",
                     pdl=pdl)
     return paged_attention(q, kv_cache, metadata, scale, impl="triton", sliding_window=sliding_window, sinks=sinks,
-                           pdl=pdl)
+                           pdl=pdl, prefill=prefill)
