@@ -19,10 +19,9 @@ import torch
 
 from common import format_table, run_name, write_results
 from decode import Case, decode_batch
+from decode_attention_binding import decode_attention_bound, require_calls
 from step_turns import build_step_bench, summary_row, time_in_turns
 
-import cleave.model.llama as llama
-from cleave.kernels.attention_decode import paged_decode_attention
 
 COLUMNS = ["case", "setting", "median_us", "min_us", "max_us", "roofline_pct", "rounds_us"]
 
@@ -53,10 +52,10 @@ def main(argv: list[str] | None = None) -> None:
                                  seed=case.batch + case.context)
             runners = []
             for setting in settings:
-                # the model's decode attention call is bound to the setting while it is captured
-                llama.paged_decode_attention = functools.partial(paged_decode_attention, **setting)
-                runners.append(bench.runner(bench.step, case.batch))
-            llama.paged_decode_attention = paged_decode_attention
+                # the model's decode attention calls are bound to the setting while it is captured
+                with decode_attention_bound(setting) as bound_calls:
+                    runners.append(bench.runner(bench.step, case.batch))
+                require_calls(bound_calls, setting)
             calls = [functools.partial(lambda runner: runner.run(*batch), runner) for runner in runners]
             times = time_in_turns(calls, args.rounds, iters=20 if case.context > 4096 else 50, trials=3)
             for setting, samples in zip(settings, times):

@@ -39,6 +39,7 @@ torch.compile skipped), so the script's wiring is tested without a GPU.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -61,11 +62,12 @@ if __name__ == "__main__" and "--dry-run" in sys.argv[1:] and not torch.cuda.is_
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import event_times_ms, format_table, graph_call_us, median_ms, run_name, write_results  # noqa: E402
+from decode_attention_binding import decode_attention_bound, require_calls  # noqa: E402
 
 HBM_BYTES_PER_S = 4.26e12  # H200 device copy, read + write (bench/results/kernels)
 LAYER_COLUMNS = ["tokens", "method", "us", "roofline_us", "roofline_pct", "touched_experts", "max_diff"]
-DECODE_COLUMNS = ["batch", "context", "route", "us", "roofline_us", "roofline_pct", "touched_experts_per_layer",
-                  "bytes_gb"]
+DECODE_COLUMNS = ["batch", "context", "route", "attention", "us", "roofline_us", "roofline_pct",
+                  "touched_experts_per_layer", "bytes_gb"]
 ROUTES = {"launch": False, "in-gemv": True}  # --routes: SparseMoeBlock.route_in_gemv
 PREFILL_COLUMNS = ["tokens", "launch", "ms", "active_tflop", "tflops", "peak_pct"]
 PEAK_FLOPS = 790e12  # H200 dense bf16
@@ -116,6 +118,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--routes", default="launch", help="decode part, comma-separated: where the GEMV layout "
                         "routes, 'launch' (its own) and/or 'in-gemv' (the first expert GEMV: "
                         "SparseMoeBlock.route_in_gemv); the touched experts are counted with the routing launch")
+    parser.add_argument("--decode-attention", nargs="*", default=[], type=json.loads,
+                        help="decode part: JSON keyword arguments of paged_decode_attention (e.g. '{\"num_warps\": 4}'), "
+                        "a row each after the default's, bound for the whole step (bench/decode_attention_binding.py)")
     parser.add_argument("--attention-launches", nargs="*", default=[], type=json.loads,
                         help="prefill part: JSON PrefillLaunch keyword arguments (cleave.kernels.attention_prefill), "
                         "a row each after the default launch's, set on every attention layer")
@@ -392,17 +397,20 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
         windows = [config.layer_sliding_window(layer) for layer in range(config.num_hidden_layers)]
         num_bytes = _decode_bytes(shape, dtype, batch, args.context, touched, windows, args.packed_experts)
         roofline_us = num_bytes / HBM_BYTES_PER_S * 1e6
-        for route_name in args.routes:
+        for route_name, attention in itertools.product(args.routes, [{}, *args.decode_attention]):
             _set_route_in_gemv(model, ROUTES[route_name])
-            with torch.no_grad():
+            with torch.no_grad(), decode_attention_bound(attention) as bound_calls:
                 if timer_device.type == "cuda":
-                    us = graph_call_us([step])
+                    us = graph_call_us([step])  # captured with the setting bound
                 else:
                     us = Timer(device).us(step)
+            if attention:
+                require_calls(bound_calls, attention)
             rows.append({
-                "batch": batch, "context": args.context, "route": route_name, "us": us, "roofline_us": roofline_us,
-                "roofline_pct": 100 * roofline_us / us, "touched_experts_per_layer": sum(touched) / len(touched),
-                "bytes_gb": num_bytes / 1e9,
+                "batch": batch, "context": args.context, "route": route_name,
+                "attention": json.dumps(attention, sort_keys=True) if attention else "default", "us": us,
+                "roofline_us": roofline_us, "roofline_pct": 100 * roofline_us / us,
+                "touched_experts_per_layer": sum(touched) / len(touched), "bytes_gb": num_bytes / 1e9,
             })
     return rows
 

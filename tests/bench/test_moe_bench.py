@@ -147,3 +147,12 @@ def test_prefill_dry_run_times_each_attention_launch(bench, tmp_path):
     assert rows[0]["active_tflop"] == rows[1]["active_tflop"] and all(row["ms"] > 0 for row in rows)
     with pytest.raises(SystemExit):
         bench.parse_args(["--attention-launches", "{not json"])
+
+
+def test_decode_rows_name_their_attention_setting_and_a_setting_no_call_takes_fails(bench, tmp_path):
+    """The default row says so; on the CPU the step's attention is torch's, so a kernel setting
+    reaches no call, and the run fails rather than time the default under its name."""
+    rows = bench.main(["--dry-run", "--part", "decode", "--out", str(tmp_path)])["decode"]
+    assert {row["attention"] for row in rows} == {"default"}
+    with pytest.raises(RuntimeError, match="no decode attention call took"):
+        bench.main(["--dry-run", "--part", "decode", "--decode-attention", '{"num_warps": 4}', "--out", str(tmp_path)])
