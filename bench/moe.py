@@ -274,16 +274,8 @@ def gemv_with_tiles(hidden, w13, w2, router, shape: MoEShape, gate_up_n: int, do
 
 def _transformers_block(shape: MoEShape, w13: torch.Tensor, w2: torch.Tensor, router: torch.Tensor):
     """transformers' Qwen3MoeSparseMoeBlock holding the same weights (its stacked layout is ours)."""
-    # bench/ is on sys.path, and its kernels.py would pass for the `kernels` package that
-    # transformers looks for while importing its models
-    bench_dir = str(Path(__file__).resolve().parent)
-    saved_path = list(sys.path)
-    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(bench_dir)]
-    try:
-        import transformers
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-    finally:
-        sys.path[:] = saved_path
+    import transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     config = transformers.Qwen3MoeConfig(
         hidden_size=shape.hidden, moe_intermediate_size=shape.inter, num_experts=shape.experts,
