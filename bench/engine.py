@@ -20,12 +20,13 @@ Two measures of host overhead per row:
 
     python bench/engine.py --out bench/results/engine
     python bench/engine.py --num-requests 32 --output-len 128     # a quick run
-    python bench/engine.py --penalised-share 0.1   # a tenth of the requests read their tokens on the host
+    python bench/engine.py --penalised-share 0 0.1   # none, then a tenth of the requests, read their tokens on the host
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import shutil
@@ -197,8 +198,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=None, help="default: prompt + output length")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--penalised-share", type=float, default=0.0,
-                        help="share of requests with a frequency penalty: their sampling reads their tokens on the host")
+    parser.add_argument("--penalised-share", type=float, nargs="+", default=[0.0],
+                        help="shares of requests with a frequency penalty (their sampling reads their tokens on the "
+                        "host); several run in turn, each on a fresh engine, in the same run")
     parser.add_argument("--breakdown-batch", type=int, default=64, help="0 skips phase 2")
     parser.add_argument("--breakdown-output-len", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -225,28 +227,29 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         model_dir = write_checkpoint(Path(tmp), args.device)
         summary["checkpoint_s"] = round(time.perf_counter() - start, 1)
-        for mode in modes:
+        shares = args.penalised_share
+        summary.update(requests=args.num_requests, prompt_len=args.prompt_len, output_len=args.output_len,
+                       penalised_share=shares)
+        for mode, share in itertools.product(modes, shares):
+            label = mode if len(shares) == 1 else f"{mode} penalised {share:g}"  # a fresh engine each
             start = time.perf_counter()
             engine = make_engine(model_dir, args, args.max_num_seqs, mode)
-            summary[f"startup_s_{mode}"] = round(time.perf_counter() - start, 1)
+            summary[f"startup_s_{label}"] = round(time.perf_counter() - start, 1)
             summary["kv_blocks"] = engine.runner.num_blocks
-            seconds, num_output, steps = run_requests(engine, args.num_requests, args, seed=0,
-                                                      penalised_share=args.penalised_share)
-            summary.update(requests=args.num_requests, prompt_len=args.prompt_len, output_len=args.output_len,
-                           penalised_share=args.penalised_share)
-            summary[f"seconds_{mode}"] = round(seconds, 2)
-            summary[f"output_tokens_per_s_{mode}"] = round(num_output / seconds, 1)
-            summary[f"steps_{mode}"] = len(steps)
-            summary[f"preemptions_{mode}"] = engine.scheduler.stats.num_preemptions
-            rows.append(summarize("throughput", mode, "all", steps))
+            seconds, num_output, steps = run_requests(engine, args.num_requests, args, seed=0, penalised_share=share)
+            summary[f"seconds_{label}"] = round(seconds, 2)
+            summary[f"output_tokens_per_s_{label}"] = round(num_output / seconds, 1)
+            summary[f"steps_{label}"] = len(steps)
+            summary[f"preemptions_{label}"] = engine.scheduler.stats.num_preemptions
+            rows.append(summarize("throughput", label, "all", steps))
             for lo, hi in ((1, 32), (33, 96), (97, 192), (193, 4096)):
                 selected = decode_steps(steps, lo, hi)
                 if selected:
-                    rows.append(summarize("throughput", mode, f"decode {lo}-{hi}", selected))
+                    rows.append(summarize("throughput", label, f"decode {lo}-{hi}", selected))
             with_prompts = [s for s in steps if s.num_tokens > s.num_seqs]
             if with_prompts:
-                rows.append(summarize("throughput", mode, "with prompt tokens", with_prompts))
-            details[f"step_log_{mode}"] = step_log(steps)
+                rows.append(summarize("throughput", label, "with prompt tokens", with_prompts))
+            details[f"step_log_{label}"] = step_log(steps)
             details["step_log_fields"] = STEP_LOG_FIELDS
             print(json.dumps(summary))
             print(format_table(rows, COLUMNS))
@@ -259,8 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = [(mode, False) for mode in modes] + ([("sync", True)] if "sync" in modes else [])
             for mode, synced in runs:
                 engine = make_engine(model_dir, breakdown_args, batch, mode, sync_timing=synced)
-                _, _, steps = run_requests(engine, batch, breakdown_args, seed=1,
-                                           penalised_share=args.penalised_share)
+                _, _, steps = run_requests(engine, batch, breakdown_args, seed=1, penalised_share=shares[0])
                 selected = decode_steps(steps, batch, batch)
                 del engine
                 free_device_memory()

@@ -29,7 +29,8 @@ class RecordingEngine:
 def test_penalised_requests_are_spread_evenly(bench, share, penalised):
     engine = RecordingEngine()
     args = bench.parse_args(["--prompt-len", "4", "--output-len", "8", "--penalised-share", str(share)])
-    bench.run_requests(engine, 16, args, seed=0, penalised_share=args.penalised_share)
+    (penalised_share,) = args.penalised_share
+    bench.run_requests(engine, 16, args, seed=0, penalised_share=penalised_share)
     assert [i for i, params in enumerate(engine.params) if params.frequency_penalty != 0.0] == penalised
     assert all(params.max_tokens == 8 and params.ignore_eos for params in engine.params)
 
