@@ -153,6 +153,9 @@ def _paged_prefill_kernel(
 _prefill_launcher = CachedLauncher(_paged_prefill_kernel)
 
 
+MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension (`heavy_first` puts query blocks there)
+
+
 @dataclass(frozen=True)
 class PrefillLaunch:
     """How a model's layers launch `paged_prefill_attention`: its keyword arguments past the
@@ -209,6 +212,7 @@ def paged_prefill_attention(
     block_q = max(block_q, triton.cdiv(16, group))  # tl.dot takes at least 16 rows
     num_query_blocks = triton.cdiv(max(metadata.max_query_len, 1), block_q)
     head_slots = num_kv_heads if group > 1 else num_q_heads
+    heavy_first = heavy_first and num_query_blocks <= MAX_GRID_Z  # else the blocks go where the grid has room
     if heavy_first:
         grid = (head_slots, metadata.num_seqs, num_query_blocks)
     else:
