@@ -16,8 +16,8 @@ masked; after the end tag the grammar takes every token until a stop token ends 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
-from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -47,17 +47,24 @@ class GrammarCompiler:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
+        self._building = threading.Lock()  # compiles run on several threads (`AsyncEngine.prepare`)
+        self._built: Any = None  # xgrammar.GrammarCompiler, built on first use
 
-    @cached_property
-    def _compiler(self) -> Any:  # xgrammar.GrammarCompiler, built on first use
-        import transformers
-        import xgrammar
+    @property
+    def _compiler(self) -> Any:
+        """xgrammar's compiler for the vocabulary: its tables take ~1 s at 128k tokens, built
+        once, by the first compile, while any other waits."""
+        with self._building:
+            if self._built is None:
+                import transformers
+                import xgrammar
 
-        fast = transformers.PreTrainedTokenizerFast(tokenizer_object=self._tokenizer.backend)
-        info = xgrammar.TokenizerInfo.from_huggingface(
-            fast, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids or None
-        )
-        return xgrammar.GrammarCompiler(info, max_threads=1)
+                fast = transformers.PreTrainedTokenizerFast(tokenizer_object=self._tokenizer.backend)
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    fast, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids or None
+                )
+                self._built = xgrammar.GrammarCompiler(info, max_threads=1)
+            return self._built
 
     def compile(self, spec: StructuredOutput, field: str = "structured_output") -> Any:
         """The compiled grammar of `spec`; InvalidArgument naming `field` when it has none."""
