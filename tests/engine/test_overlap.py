@@ -214,8 +214,9 @@ def host_reading_workload() -> tuple[list, list[SamplingParams]]:
 
 
 def generate_reasoning(checkpoint: Path, device: str, overlap: bool) -> list[tuple]:
+    # a cache of its own size: each engine of a CUDA process would otherwise claim 90% of the device
     llm = LLM(checkpoint, device=device, dtype="float32", overlap_steps=overlap, max_model_len=256,
-              max_num_batched_tokens=48)
+              max_num_batched_tokens=48, num_blocks=64)
     conversations, params = host_reading_workload()
     results = [(summary(output), [s.reasoning_text for s in output.outputs])
                for output in llm.generate(conversations, params)]
