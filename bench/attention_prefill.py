@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import format_table, graph_call_us, parse_heads, run_name, write_results  # noqa: E402
 
+from cleave.kernels.attention_prefill import DEFAULT_PREFILL_LAUNCH  # noqa: E402
+
 COLUMNS = ["heads", "tokens", "kernel", "block_m", "block_n", "num_warps", "num_stages", "pack_gqa", "heavy_first",
            "causal_split", "us", "tflops", "peak_pct"]
 BLOCK_SIZE = 16
@@ -57,12 +59,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--heads", type=parse_heads, default="32:8:64", help="query heads:KV heads:head dim")
-    parser.add_argument("--block-m", type=int, nargs="+", default=[64])
-    parser.add_argument("--block-n", type=int, nargs="+", default=[64])
-    parser.add_argument("--num-warps", type=int, nargs="+", default=[4])
-    parser.add_argument("--num-stages", type=int, nargs="+", default=[0], help="0: triton's default")
-    for option in ("--pack-gqa", "--heavy-first", "--causal-split"):
-        parser.add_argument(option, nargs="+", choices=sorted(SWITCHES), default=["off"])
+    engine = DEFAULT_PREFILL_LAUNCH  # the defaults are what the engine runs
+    parser.add_argument("--block-m", type=int, nargs="+", default=[engine.block_m])
+    parser.add_argument("--block-n", type=int, nargs="+", default=[engine.block_n])
+    parser.add_argument("--num-warps", type=int, nargs="+", default=[engine.num_warps])
+    parser.add_argument("--num-stages", type=int, nargs="+", default=[engine.num_stages or 0],
+                        help="0: triton's default")
+    for option, value in (("--pack-gqa", engine.pack_gqa), ("--heavy-first", engine.heavy_first),
+                          ("--causal-split", engine.causal_split)):
+        parser.add_argument(option, nargs="+", choices=sorted(SWITCHES), default=["on" if value else "off"])
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 matmul peak of the device")
     parser.add_argument("--out", default=None, help="directory for attention_prefill-<UTC time>.json / .md")
     return parser.parse_args(argv)

@@ -31,6 +31,20 @@ from cleave.kv.metadata import AttentionMetadata
 
 
 @triton.jit
+def _kv_tile(
+    cache_ptr, table_row, start, end, kv_head, dims, dim_valid, block_size,
+    stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N: tl.constexpr,
+):
+    """K and V [BLOCK_N, BLOCK_D] of the cached positions [start, start + BLOCK_N) of one KV
+    head (zeros at and past `end`), and which of those positions are below `end`."""
+    k_ptrs, v_ptrs, key_valid, kv_mask = kv_tile_pointers(
+        cache_ptr, table_row, start, end, kv_head, dims, dim_valid, block_size,
+        stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N,
+    )
+    return tl.load(k_ptrs, mask=kv_mask, other=0.0), tl.load(v_ptrs, mask=kv_mask, other=0.0), key_valid
+
+
+@triton.jit
 def _paged_prefill_kernel(
     query_ptr,  # [T, Hq, D]
     cache_ptr,  # [2, num_blocks, block_size, Hkv, D]
@@ -116,22 +130,15 @@ def _paged_prefill_kernel(
     elif CAUSAL_SPLIT:  # whole tiles before the block's first query: every row sees every key
         full_end = first_query_pos // BLOCK_N * BLOCK_N
         for start in range(0, full_end, BLOCK_N):
-            k_ptrs, v_ptrs, key_valid, kv_mask = kv_tile_pointers(
-                cache_ptr, table_row, start, full_end, kv_head, dims, dim_valid, block_size,
-                stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N,
-            )
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+            k, v, key_valid = _kv_tile(cache_ptr, table_row, start, full_end, kv_head, dims, dim_valid, block_size,
+                                       stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head,
+                                       BLOCK_N)
             m_i, l_i, acc = attend_tile(q, k, v, key_valid[None, :], m_i, l_i, acc, scale_log2, DOT_DTYPE,
                                         DOT_PRECISION, MASKED=False)
         kv_start = full_end
     for start in range(kv_start, kv_end, BLOCK_N):
-        k_ptrs, v_ptrs, key_valid, kv_mask = kv_tile_pointers(
-            cache_ptr, table_row, start, kv_end, kv_head, dims, dim_valid, block_size,
-            stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N,
-        )
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        k, v, key_valid = _kv_tile(cache_ptr, table_row, start, kv_end, kv_head, dims, dim_valid, block_size,
+                                   stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N)
         keys_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         visible = (keys_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
         if SLIDING:
@@ -160,7 +167,7 @@ MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension (`heavy_first` pu
 class PrefillLaunch:
     """How a model's layers launch `paged_prefill_attention`: its keyword arguments past the
     attention's own (tiles, warps, pipeline stages and the work-order options; see the module
-    docstring). The defaults are the function's."""
+    docstring). These defaults are the function's (it reads them from here)."""
 
     block_m: int = 64
     block_n: int = 64
@@ -179,15 +186,15 @@ def paged_prefill_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     metadata: AttentionMetadata,
     scale: float,
-    block_m: int = 64,
-    block_n: int = 64,
+    block_m: int = DEFAULT_PREFILL_LAUNCH.block_m,
+    block_n: int = DEFAULT_PREFILL_LAUNCH.block_n,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [Hq] fp32
-    num_warps: int = 4,
-    num_stages: int | None = None,  # None: triton's default
-    pack_gqa: bool = False,
-    heavy_first: bool = False,
-    causal_split: bool = False,
+    num_warps: int = DEFAULT_PREFILL_LAUNCH.num_warps,
+    num_stages: int | None = DEFAULT_PREFILL_LAUNCH.num_stages,  # None: triton's default
+    pack_gqa: bool = DEFAULT_PREFILL_LAUNCH.pack_gqa,
+    heavy_first: bool = DEFAULT_PREFILL_LAUNCH.heavy_first,
+    causal_split: bool = DEFAULT_PREFILL_LAUNCH.causal_split,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal varlen attention of every sequence's new tokens over its paged context
     (only the last `sliding_window` positions of it per query, when given; `sinks`: one
