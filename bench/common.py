@@ -151,6 +151,21 @@ def parse_heads(text: str) -> tuple[int, int, int]:
     return q_heads, kv_heads, head_dim
 
 
+def set_prefill_launch(model, launch: dict) -> None:  # noqa: ANN001
+    """Every attention layer's `prefill_launch` (`cleave.kernels.attention_prefill.PrefillLaunch`)
+    from JSON keyword arguments (`{}`: the default launch); scripts take them as
+    `--attention-launches`."""
+    from cleave.kernels.attention_prefill import PrefillLaunch
+
+    for layer in model.layers:
+        layer.self_attn.prefill_launch = PrefillLaunch(**launch)
+
+
+def launch_label(launch: dict) -> str:
+    """A JSON launch as a row label (sorted keys, no spaces)."""
+    return json.dumps(launch, sort_keys=True, separators=(",", ":"))
+
+
 def _cell(value: object) -> str:
     if value is None:
         return "-"

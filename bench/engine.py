@@ -21,6 +21,7 @@ Two measures of host overhead per row:
     python bench/engine.py --out bench/results/engine
     python bench/engine.py --num-requests 32 --output-len 128     # a quick run
     python bench/engine.py --penalised-share 0 0.1   # none, then a tenth of the requests, read their tokens on the host
+    python bench/engine.py --modes overlap --attention-launches '{}' '{"decode_rows": true}'   # mixed steps' decodes
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/'s `common`, imported where used
 
 COLUMNS = ["phase", "mode", "batch", "steps", "step_ms", "device_ms", "gpu_idle_pct", "schedule_ms", "prepare_ms",
            "forward_ms", "sample_ms", "sampling_prep_ms", "detokenize_ms", "host_pct", "graph_pct"]
@@ -173,6 +176,18 @@ def step_log(steps: list) -> list[list]:
              round(s.forward_s * 1e3, 3), round(s.postprocess_s * 1e3, 3), int(s.used_graph)] for s in steps]
 
 
+def run_label(mode: str, penalised_share: float | None, launch: dict | None) -> str:
+    """A throughput run's name: its step loop, then what it varies (None: not varied)."""
+    from common import launch_label
+
+    parts = [mode]
+    if penalised_share is not None:
+        parts.append(f"penalised {penalised_share:g}")
+    if launch is not None:
+        parts.append(f"attention {launch_label(launch) if launch else 'default'}")
+    return " ".join(parts)
+
+
 def decode_steps(steps: list, lo: int, hi: int) -> list:
     return [s for s in steps if s.num_tokens == s.num_seqs and lo <= s.num_seqs <= hi]
 
@@ -201,6 +216,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--penalised-share", type=float, nargs="+", default=[0.0],
                         help="shares of requests with a frequency penalty (their sampling reads their tokens on the "
                         "host); several run in turn, each on a fresh engine, in the same run")
+    parser.add_argument("--attention-launches", nargs="+", default=[{}], type=json.loads,
+                        help="JSON PrefillLaunch keyword arguments (cleave.kernels.attention_prefill) set on every "
+                        "attention layer, '{}' the default; several run in turn, each on a fresh engine, in the same run")
     parser.add_argument("--breakdown-batch", type=int, default=64, help="0 skips phase 2")
     parser.add_argument("--breakdown-output-len", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -216,7 +234,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from common import format_table, run_name, write_results
+    from common import format_table, run_name, set_prefill_launch, write_results
 
     modes = [mode for mode in args.modes.split(",") if mode]
     if not modes or set(modes) - set(MODES):
@@ -227,13 +245,14 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         model_dir = write_checkpoint(Path(tmp), args.device)
         summary["checkpoint_s"] = round(time.perf_counter() - start, 1)
-        shares = args.penalised_share
+        shares, launches = args.penalised_share, args.attention_launches
         summary.update(requests=args.num_requests, prompt_len=args.prompt_len, output_len=args.output_len,
-                       penalised_share=shares)
-        for mode, share in itertools.product(modes, shares):
-            label = mode if len(shares) == 1 else f"{mode} penalised {share:g}"  # a fresh engine each
+                       penalised_share=shares, attention_launches=launches)
+        for mode, share, launch in itertools.product(modes, shares, launches):
+            label = run_label(mode, share if len(shares) > 1 else None, launch if len(launches) > 1 else None)
             start = time.perf_counter()
-            engine = make_engine(model_dir, args, args.max_num_seqs, mode)
+            engine = make_engine(model_dir, args, args.max_num_seqs, mode)  # a fresh engine each
+            set_prefill_launch(engine.model, launch)
             summary[f"startup_s_{label}"] = round(time.perf_counter() - start, 1)
             summary["kv_blocks"] = engine.runner.num_blocks
             seconds, num_output, steps = run_requests(engine, args.num_requests, args, seed=0, penalised_share=share)

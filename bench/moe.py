@@ -61,7 +61,9 @@ if __name__ == "__main__" and "--dry-run" in sys.argv[1:] and not torch.cuda.is_
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import event_times_ms, format_table, graph_call_us, median_ms, run_name, write_results  # noqa: E402
+from common import (  # noqa: E402
+    event_times_ms, format_table, graph_call_us, launch_label, median_ms, run_name, set_prefill_launch, write_results,
+)
 from decode_attention_binding import decode_attention_bound, require_calls  # noqa: E402
 
 HBM_BYTES_PER_S = 4.26e12  # H200 device copy, read + write (bench/results/kernels)
@@ -412,7 +414,6 @@ def prefill_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device
     chunk, as a prefill worker runs it), last-token logits included: time and TFLOP/s on the
     FLOPs of the experts it routes to (`active_flops`), with the default prefill attention
     launch and each of `--attention-launches`."""
-    from cleave.kernels.attention_prefill import PrefillLaunch
     from cleave.kv.groups import kv_groups
     from cleave.kv.metadata import AttentionMetadata
     from cleave.model.llama import allocate_kv_cache
@@ -438,14 +439,13 @@ def prefill_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device
 
         flops = active_flops(shape, config, num_tokens)
         for launch in [{}, *args.attention_launches]:
-            for layer in model.layers:
-                layer.self_attn.prefill_launch = PrefillLaunch(**launch)
+            set_prefill_launch(model, launch)
             with torch.no_grad():
                 if device.type == "cuda":
                     ms = sorted(event_times_ms(step, warmup=2, iters=5))[2]
                 else:
                     ms = Timer(device).us(step) / 1e3
-            rows.append({"tokens": num_tokens, "launch": json.dumps(launch, sort_keys=True) if launch else "default",
+            rows.append({"tokens": num_tokens, "launch": launch_label(launch) if launch else "default",
                          "ms": ms, "active_tflop": flops / 1e12, "tflops": flops / (ms * 1e-3) / 1e12,
                          "peak_pct": 100 * flops / (ms * 1e-3) / PEAK_FLOPS})
         del kv_cache

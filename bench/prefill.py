@@ -78,19 +78,12 @@ def prefill_flops(config, num_tokens: int) -> float:
     return linear + attention
 
 
-def set_prefill_launch(model, launch) -> None:  # noqa: ANN001
-    """Every attention layer's `prefill_launch`."""
-    for layer in model.layers:
-        layer.self_attn.prefill_launch = launch
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
     import transformers
-    from common import event_times_ms, format_table, machine_info, run_path
+    from common import event_times_ms, format_table, launch_label, machine_info, run_path, set_prefill_launch
 
-    from cleave.kernels.attention_prefill import PrefillLaunch
     from cleave.kv.metadata import AttentionMetadata
     from cleave.model.compiled import compile_model
     from cleave.model.config import ModelConfig
@@ -148,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
 
     cleave_logits = record("cleave", cleave_step)
     for launch in args.attention_launches:
-        set_prefill_launch(model, PrefillLaunch(**launch))
-        record(f"cleave {json.dumps(launch, sort_keys=True)}", cleave_step)
-    set_prefill_launch(model, PrefillLaunch())
+        set_prefill_launch(model, launch)
+        record(f"cleave {launch_label(launch)}", cleave_step)
+    set_prefill_launch(model, {})
     comparison: dict[str, object] = {}
     if not args.skip_hf:
         hf_logits = record("transformers-sdpa", hf_step)

@@ -1,4 +1,4 @@
-"""bench/common.py result naming: every run writes new files, stamped with its UTC time."""
+"""bench/common.py: result naming (every run writes new files, stamped with its UTC time) and prefill launches."""
 
 from __future__ import annotations
 
@@ -66,3 +66,17 @@ def test_bench_scripts_name_results_per_run():
     offenders = {script.name: fixed_result_names(script) for script in sorted(BENCH.glob("*.py"))
                  if script.name not in FIXED_NAME_SCRIPTS}
     assert {name: lines for name, lines in offenders.items() if lines} == {}
+
+
+def test_prefill_launches_from_json_reach_every_layer(common):
+    from cleave.kernels.attention_prefill import PrefillLaunch
+    from cleave.model.llama import CausalLM
+    from tests.graphs.test_runner import tiny_config
+
+    model = CausalLM(tiny_config())
+    common.set_prefill_launch(model, {"pack_gqa": True, "decode_rows": True})
+    assert all(layer.self_attn.prefill_launch == PrefillLaunch(pack_gqa=True, decode_rows=True)
+               for layer in model.layers)
+    common.set_prefill_launch(model, {})
+    assert all(layer.self_attn.prefill_launch == PrefillLaunch() for layer in model.layers)
+    assert common.launch_label({"pack_gqa": True, "block_m": 128}) == '{"block_m":128,"pack_gqa":true}'

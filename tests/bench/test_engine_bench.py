@@ -45,3 +45,14 @@ def test_the_step_log_names_its_fields_and_marks_graph_replays(bench):
         {"seqs": 3, "tokens": 40, "wall_ms": 2.1, "device_ms": 1.9, "forward_ms": 1.0, "postprocess_ms": 0.2, "graph": 0},
         {"seqs": 3, "tokens": 3, "wall_ms": 1.0, "device_ms": 0.0, "forward_ms": 0.0, "postprocess_ms": 0.0, "graph": 1},
     ]
+
+
+def test_attention_launches_name_each_throughput_run(bench):
+    """`--attention-launches`: '{}' (the default launch) unless given; a run is named by what
+    the command varies."""
+    assert bench.parse_args([]).attention_launches == [{}]
+    args = bench.parse_args(["--attention-launches", "{}", '{"decode_rows": true}'])
+    assert args.attention_launches == [{}, {"decode_rows": True}]
+    assert bench.run_label("overlap", None, None) == "overlap"
+    assert bench.run_label("overlap", 0.1, {}) == "overlap penalised 0.1 attention default"
+    assert bench.run_label("sync", None, {"decode_rows": True}) == 'sync attention {"decode_rows":true}'

@@ -143,7 +143,7 @@ def test_prefill_dry_run_times_each_attention_launch(bench, tmp_path):
     rows = bench.main(["--dry-run", "--part", "prefill", "--out", str(tmp_path), "--attention-launches",
                        '{"pack_gqa": true, "causal_split": true, "block_m": 16, "block_n": 16}'])["prefill"]
     assert [row["launch"] for row in rows] == [
-        "default", '{"block_m": 16, "block_n": 16, "causal_split": true, "pack_gqa": true}']
+        "default", '{"block_m":16,"block_n":16,"causal_split":true,"pack_gqa":true}']
     assert rows[0]["active_tflop"] == rows[1]["active_tflop"] and all(row["ms"] > 0 for row in rows)
     with pytest.raises(SystemExit):
         bench.parse_args(["--attention-launches", "{not json"])

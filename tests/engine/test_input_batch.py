@@ -1,4 +1,5 @@
-"""InputBatchBuilder: the pure-decode path builds exactly what the general path builds."""
+"""InputBatchBuilder: the pure-decode path builds exactly what the general path builds; a mixed
+step's metadata counts its leading decodes."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def assert_same(fast: InputBatch, general: InputBatch) -> None:
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert fast.metadata.max_query_len == general.metadata.max_query_len == 1
     assert fast.metadata.max_seq_len == general.metadata.max_seq_len
+    assert fast.metadata.num_decode_seqs == general.metadata.num_decode_seqs == fast.num_entries
     assert fast.logits_indices is None and general.logits_indices is None
     assert fast.sample_rows is None and general.sample_rows is None
     assert fast.sampled_seqs == general.sampled_seqs
@@ -33,7 +35,7 @@ def test_decode_steps_match_general_path_across_blocks_and_membership_changes():
     for index, prompt_len in enumerate((3, 5, 9)):
         scheduler.add(Sequence(f"r{index}", list(range(10, 10 + prompt_len))))
     builder, reference = InputBatchBuilder(BLOCK, torch.device("cpu")), InputBatchBuilder(BLOCK, torch.device("cpu"))
-    num_fast = 0
+    num_fast = num_mixed = 0
     for step in range(14):
         output = scheduler.schedule()
         batch = builder.build(output)
@@ -41,6 +43,11 @@ def test_decode_steps_match_general_path_across_blocks_and_membership_changes():
         if all(entry.num_new_tokens == 1 for entry in output.scheduled):
             assert_same(batch, general)
             num_fast += 1
+        else:  # the decodes lead, and the metadata counts them for the decode kernel
+            decodes = [not entry.is_prefill for entry in output.scheduled]
+            assert decodes == sorted(decodes, reverse=True)
+            assert batch.metadata.num_decode_seqs == decodes.count(True)
+            num_mixed += 0 < decodes.count(True) < len(decodes)
         tokens = [20 + step + row for row in range(len(output.sampled_seqs))]
         scheduler.advance(output)
         scheduler.resolve(output, tokens)
@@ -48,7 +55,7 @@ def test_decode_steps_match_general_path_across_blocks_and_membership_changes():
             scheduler.finish("r1/0", SequenceStatus.FINISHED_STOPPED)
         if step == 9:
             scheduler.add(Sequence("r3", [1, 2, 3, 4, 5, 6]))
-    assert num_fast >= 10
+    assert num_fast >= 10 and num_mixed >= 1
     assert [len(kv.block_table(seq.seq_id)) for seq in scheduler.running] == [4, 6, 3]
 
 

@@ -16,7 +16,7 @@ from cleave.kernels.attention import (
     write_kv_reference,
 )
 from cleave.kernels.attention_decode import choose_num_splits, merge_block_s, paged_decode_attention
-from cleave.kernels.attention_prefill import paged_prefill_attention
+from cleave.kernels.attention_prefill import PrefillLaunch, paged_prefill_attention
 from cleave.kv.metadata import PAD_SLOT_ID, AttentionMetadata
 
 BLOCK_SIZE = 4
@@ -121,6 +121,65 @@ def test_prefill_launch_options_attend_as_the_reference(options, num_q_heads, nu
                                   sinks=sinks, **options)
 
     expected = paged_attention_reference(query, cache, metadata, SCALE, sliding_window=window, sinks=sinks)
+    torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+
+
+MIXED_TABLES = [[30, 31, 32, 33, 34, 35], [36], list(range(1, 11)), list(range(50, 40, -1)), list(range(14, 20))]
+
+
+def mixed_batch() -> AttentionMetadata:
+    """Two decodes (21 and 1 tokens of context) lead a 1-token prompt chunk, 21 prompt tokens
+    after a 19-token cached prefix and a 24-token prompt without one (48 tokens)."""
+    return AttentionMetadata.build([1, 1, 1, 21, 24], [21, 1, 37, 40, 24], MIXED_TABLES, BLOCK_SIZE)
+
+
+def test_metadata_counts_only_the_leading_single_token_sequences():
+    assert mixed_batch().num_decode_seqs == 3
+    assert AttentionMetadata.build([2, 1], [5, 6], [[1, 2], [3, 4]], BLOCK_SIZE).num_decode_seqs == 0
+    decodes = mixed_batch().leading(2)
+    assert (decodes.num_seqs, decodes.max_query_len, decodes.query_start_loc.tolist()) == (2, 1, [0, 1, 2])
+    with pytest.raises(ValueError, match="leads with 3"):
+        mixed_batch().leading(4)
+
+
+def test_prefill_kernel_from_first_seq_leaves_the_rows_before_it():
+    """`first_seq` starts the grid after the decodes: their rows of `out` stay as given."""
+    cache = random_cache(num_blocks=52, num_kv_heads=2, dtype=torch.float32)
+    metadata = mixed_batch()
+    query = random_query(48, 4, torch.float32)
+    out = torch.full_like(query, float("nan"))
+
+    paged_prefill_attention(query, cache, metadata, SCALE, block_m=16, block_n=8, first_seq=3, out=out)
+
+    expected = paged_attention_reference(query, cache, metadata, SCALE)
+    assert out[:3].isnan().all()
+    torch.testing.assert_close(out[3:], expected[3:], **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize(("num_q_heads", "window"), [(4, None), (6, 7)])
+def test_mixed_batch_decodes_on_the_decode_kernel_attend_as_the_reference(monkeypatch, num_q_heads, window):
+    """`PrefillLaunch(decode_rows=True)`: the leading decodes go to the split-KV decode kernel
+    (called once, over exactly them) and the prompts to the prefill kernel; with a window,
+    and sinks on 6 heads."""
+    import cleave.kernels.attention as attention
+
+    decode_batches = []
+
+    def spy(query, kv_cache, metadata, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        decode_batches.append(metadata.num_seqs)
+        return paged_decode_attention(query, kv_cache, metadata, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "paged_decode_attention", spy)
+    cache = random_cache(num_blocks=52, num_kv_heads=2, dtype=torch.float32)
+    metadata = mixed_batch()
+    query = random_query(48, num_q_heads, torch.float32)
+    sinks = torch.linspace(-2.0, 2.0, num_q_heads) if num_q_heads == 6 else None
+
+    out = paged_attention(query, cache, metadata, SCALE, impl="triton", sliding_window=window, sinks=sinks,
+                          prefill=PrefillLaunch(block_m=16, block_n=8, decode_rows=True))
+
+    expected = paged_attention_reference(query, cache, metadata, SCALE, sliding_window=window, sinks=sinks)
+    assert decode_batches == [3]
     torch.testing.assert_close(out, expected, **tolerance(torch.float32))
 
 
@@ -247,6 +306,33 @@ def test_gpu_prefill_launch_options_match_reference(options, heads):
     query = torch.randn(3048, num_q_heads, head_dim, generator=generator).to(device, torch.bfloat16)
     out = paged_prefill_attention(query, cache, metadata, head_dim**-0.5, block_m=128, block_n=64, num_warps=8,
                                   **options)
+    expected = paged_attention_reference(query, cache, metadata, head_dim**-0.5)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(32, 8, 64), (32, 4, 128)], ids=["llama-1b", "qwen3-moe"])
+def test_gpu_mixed_batch_decodes_on_the_decode_kernel_match_reference(heads):
+    """A mixed step as the engine builds it mid-ramp (64 decodes of 1-1.5k tokens of context
+    ahead of two 512-token prompt chunks, one after a cached prefix), bf16, with its decodes
+    on the decode kernel."""
+    device = torch.device("cuda")
+    generator = torch.Generator(device="cpu").manual_seed(4)
+    num_q_heads, num_kv_heads, head_dim = heads
+    block_size, num_decodes = 16, 64
+    contexts = torch.randint(1, 1536, (num_decodes,), generator=generator).tolist()
+    query_lens, seq_lens = [1] * num_decodes + [512, 512], contexts + [1024, 512]
+    widths = [-(-seq_len // block_size) for seq_len in seq_lens]
+    permutation = (torch.randperm(sum(widths), generator=generator) + 1).tolist()
+    tables, start = [], 0
+    for width in widths:
+        tables.append(permutation[start:start + width])
+        start += width
+    cache = torch.randn(2, sum(widths) + 1, block_size, num_kv_heads, head_dim, generator=generator)
+    cache = cache.to(device, torch.bfloat16)
+    metadata = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device=device)
+    query = torch.randn(sum(query_lens), num_q_heads, head_dim, generator=generator).to(device, torch.bfloat16)
+    out = paged_attention(query, cache, metadata, head_dim**-0.5, prefill=PrefillLaunch(decode_rows=True))
     expected = paged_attention_reference(query, cache, metadata, head_dim**-0.5)
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 

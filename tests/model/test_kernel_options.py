@@ -137,3 +137,39 @@ def test_each_layers_prefill_launch_reaches_the_prefill_kernel_and_keeps_the_ans
     launches.clear()
     torch.testing.assert_close(prefill_hidden(), default, atol=2e-5, rtol=1e-5)
     assert launches == [{"block_m": 16, "pack_gqa": True, "heavy_first": True, "causal_split": True}] * 4
+
+
+@torch.no_grad()
+def test_decode_rows_of_a_mixed_step_on_the_decode_kernel_keep_the_answer(monkeypatch):
+    """`PrefillLaunch(decode_rows=True)`: in a step that decodes one sequence and prefills
+    another, the decode goes to the decode kernel and the prompt to the prefill kernel (from
+    the second sequence on), with the default launch's hidden states."""
+    from cleave.kernels import attention as attention_ops
+    from cleave.kernels.attention_prefill import PrefillLaunch
+
+    first_seqs: list[int] = []
+    original = attention_ops.paged_prefill_attention
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        first_seqs.append(kwargs["first_seq"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(attention_ops, "paged_prefill_attention", recording)
+    torch.manual_seed(0)
+    config = tiny_config()
+    model = CausalLM(config, impl="triton").eval()
+    tokens = torch.arange(37) % config.vocab_size
+
+    def mixed_step_hidden() -> torch.Tensor:
+        kv_cache = allocate_kv_cache(config, 4, BLOCK_SIZE)
+        model(tokens[:20], torch.arange(20), kv_cache, AttentionMetadata.build([20], [20], [[1, 2]], BLOCK_SIZE))
+        mixed = AttentionMetadata.build([1, 16], [21, 16], [[1, 2], [3]], BLOCK_SIZE)  # decode, then a prompt
+        return model(tokens[20:], torch.cat([torch.tensor([20]), torch.arange(16)]), kv_cache, mixed)
+
+    default = mixed_step_hidden()
+    for layer in model.layers:
+        layer.self_attn.prefill_launch = PrefillLaunch(decode_rows=True)
+    first_seqs.clear()
+    torch.testing.assert_close(mixed_step_hidden(), default, atol=2e-5, rtol=1e-5)
+    num_layers = len(model.layers)
+    assert first_seqs == [0] * num_layers + [1] * num_layers  # the lone prompt, then the mixed step

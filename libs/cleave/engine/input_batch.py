@@ -43,7 +43,7 @@ import torch
 from cleave.engine.scheduler import SchedulerOutput
 from cleave.engine.scheduler_output import stand_in_row
 from cleave.engine.sequence import Sequence
-from cleave.kv.metadata import AttentionMetadata
+from cleave.kv.metadata import AttentionMetadata, leading_single_tokens
 
 _LAST = operator.itemgetter(-1)
 
@@ -235,13 +235,15 @@ class InputBatchBuilder:
         for length in lengths:
             views.append(device_buffer[offset : offset + length])
             offset += length
+        query_lens = output.query_lens
         metadata = AttentionMetadata(
             slot_mapping=views[2],
             query_start_loc=views[3].to(torch.int32),
             seq_lens=views[4].to(torch.int32),
             block_tables=views[5].to(torch.int32).view(num_entries, width),
-            max_query_len=max(output.query_lens),
+            max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
+            num_decode_seqs=leading_single_tokens(query_lens),
         )
         index = 6
         if has_windows:
@@ -308,6 +310,7 @@ class InputBatchBuilder:
             block_tables=self._block_tables(seqs, tables),
             max_query_len=1,
             max_seq_len=max(seq_lens),
+            num_decode_seqs=num_entries,
         )
         if window_tables is not None:
             metadata.window = metadata.over_tables(device_buffer[3 * num_entries : 4 * num_entries],

@@ -7,7 +7,6 @@ Torch references live here; Triton kernels sit in their own files (`kv_write.py`
 
 from __future__ import annotations
 
-from dataclasses import asdict
 
 import torch
 
@@ -108,7 +107,8 @@ def paged_attention(
 
     A decode-only batch (every query length 1) runs the split-KV decode kernel; any batch
     with a prefill chunk, mixed or not, runs the varlen prefill kernel, launched as `prefill`
-    says. `sliding_window` (Mistral's): each query sees only its last W positions. `sinks`
+    says (with `prefill.decode_rows`, a mixed batch's leading decodes,
+    `metadata.num_decode_seqs`, run the decode kernel and the rest the prefill kernel). `sliding_window` (Mistral's): each query sees only its last W positions. `sinks`
     [Hq] (gpt-oss): one extra logit per query head in every softmax. `pdl`: see
     `cleave.kernels.pdl` (the decode kernel only).
     """
@@ -117,5 +117,10 @@ def paged_attention(
     if metadata.is_decode_only:
         return paged_decode_attention(query, kv_cache, metadata, scale, sliding_window=sliding_window, sinks=sinks,
                                       pdl=pdl)
+    out = None
+    num_decodes = metadata.num_decode_seqs if prefill.decode_rows else 0
+    if num_decodes:
+        out = paged_decode_attention(query, kv_cache, metadata.leading(num_decodes), scale,
+                                     sliding_window=sliding_window, sinks=sinks, pdl=pdl)
     return paged_prefill_attention(query, kv_cache, metadata, scale, sliding_window=sliding_window, sinks=sinks,
-                                   **asdict(prefill))
+                                   first_seq=num_decodes, out=out, **prefill.kernel_options())

@@ -15,11 +15,17 @@ Two launch options change only the order of work: `causal_split` walks the tiles
 query of the block sees without any mask and masks only the tiles on the diagonal;
 `heavy_first` orders the grid query block slowest and last block first, so the blocks with
 the most keys start first and the short ones fill the tail.
+
+A mixed batch (decodes first, then prompt chunks) gives each decode a program per query
+head (per KV head with `pack_gqa`) of BLOCK_M rows with one of them a query, walking its
+whole context alone. `PrefillLaunch.decode_rows` sends those leading single-token sequences
+to the split-KV decode kernel instead (`paged_attention`; `first_seq` here starts the grid
+after them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import triton
@@ -65,6 +71,7 @@ def _paged_prefill_kernel(
     stride_table_seq,
     block_size,
     window,  # sliding window in tokens (used when SLIDING)
+    first_seq,  # the batch's first sequence this launch attends (the grid covers those after it)
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SLIDING: tl.constexpr,
@@ -81,11 +88,11 @@ def _paged_prefill_kernel(
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     if HEAVY_FIRST:  # grid (head slots, sequences, query blocks), the last query block first
         head_slot = tl.program_id(0)
-        seq = tl.program_id(1)
+        seq = first_seq + tl.program_id(1)
         query_block = tl.num_programs(2) - 1 - tl.program_id(2)
     else:  # grid (query blocks, sequences, head slots)
         query_block = tl.program_id(0)
-        seq = tl.program_id(1)
+        seq = first_seq + tl.program_id(1)
         head_slot = tl.program_id(2)
     if GROUP == 1:  # the slot is a query head
         kv_head = head_slot // QUERIES_PER_KV
@@ -176,6 +183,13 @@ class PrefillLaunch:
     pack_gqa: bool = False
     heavy_first: bool = False
     causal_split: bool = False
+    decode_rows: bool = False  # a mixed batch's leading decodes on the decode kernel (`paged_attention`)
+
+    def kernel_options(self) -> dict[str, int | bool | None]:
+        """The keyword arguments `paged_prefill_attention` takes from this launch."""
+        options = asdict(self)
+        del options["decode_rows"]
+        return options
 
 
 DEFAULT_PREFILL_LAUNCH = PrefillLaunch()
@@ -195,6 +209,8 @@ def paged_prefill_attention(
     pack_gqa: bool = DEFAULT_PREFILL_LAUNCH.pack_gqa,
     heavy_first: bool = DEFAULT_PREFILL_LAUNCH.heavy_first,
     causal_split: bool = DEFAULT_PREFILL_LAUNCH.causal_split,
+    first_seq: int = 0,
+    out: torch.Tensor | None = None,  # [T, Hq, D]
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal varlen attention of every sequence's new tokens over its paged context
     (only the last `sliding_window` positions of it per query, when given; `sinks`: one
@@ -202,7 +218,11 @@ def paged_prefill_attention(
 
     `block_m` is a program's rows (queries x heads with `pack_gqa`), `block_n` its KV tile;
     `pack_gqa`, `heavy_first` and `causal_split` are described in the module docstring. The
-    tiles, warps, stages and options are bench/attention_prefill.py's to sweep."""
+    tiles, warps, stages and options are bench/attention_prefill.py's to sweep.
+
+    `first_seq` > 0 attends only the sequences from that one on, writing their rows of `out`
+    (allocated when None; the other rows are left as they are): a mixed batch's leading
+    decodes go to the decode kernel (`paged_attention`)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     if num_q_heads % num_kv_heads:
@@ -210,8 +230,10 @@ def paged_prefill_attention(
     if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("paged attention needs the head dimension contiguous in query and kv_cache")
     dot_dtype, precision = dot_settings(query)
-    out = torch.empty_like(query)
-    if num_tokens == 0 or metadata.num_seqs == 0:
+    if out is None:
+        out = torch.empty_like(query)
+    num_seqs = metadata.num_seqs - first_seq
+    if num_tokens == 0 or num_seqs <= 0:
         return out
     queries_per_kv = num_q_heads // num_kv_heads
     group = triton.next_power_of_2(queries_per_kv) if pack_gqa and queries_per_kv > 1 else 1
@@ -221,16 +243,16 @@ def paged_prefill_attention(
     head_slots = num_kv_heads if group > 1 else num_q_heads
     heavy_first = heavy_first and num_query_blocks <= MAX_GRID_Z  # else the blocks go where the grid has room
     if heavy_first:
-        grid = (head_slots, metadata.num_seqs, num_query_blocks)
+        grid = (head_slots, num_seqs, num_query_blocks)
     else:
-        grid = (num_query_blocks, metadata.num_seqs, head_slots)
+        grid = (num_query_blocks, num_seqs, head_slots)
     _prefill_launcher(
         grid,
         (query, kv_cache, out, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
          sinks if sinks is not None else query,
          scale * LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
          kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-         metadata.block_tables.stride(0), kv_cache.shape[2], sliding_window or 0),
+         metadata.block_tables.stride(0), kv_cache.shape[2], sliding_window or 0, first_seq),
         (queries_per_kv, head_dim, bool(sliding_window), sinks is not None, block_q * group, block_n,
          max(16, triton.next_power_of_2(head_dim)), dot_dtype, precision, group, heavy_first, causal_split),
         num_warps,

@@ -20,6 +20,7 @@ of the sequences' window tables: `metadata.window` is the same batch over those 
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,9 @@ class AttentionMetadata:
             block) use, one launch after another, to find each output's last split; each
             launch leaves them zeroed. Without it the kernels allocate zeroed counters per call.
         window: the batch over the sequences' window tables (paired caches only), else None.
+        num_decode_seqs: host int, how many of the batch's first sequences feed one token
+            each (the scheduler puts decodes first; 0 where not counted, as in the CUDA
+            graphs' buffers); a mixed batch may attend them with the decode kernel (`leading`).
     """
 
     slot_mapping: torch.Tensor
@@ -53,12 +57,23 @@ class AttentionMetadata:
     max_seq_len: int
     split_counters: torch.Tensor | None = None
     window: AttentionMetadata | None = None
+    num_decode_seqs: int = 0
 
     def over_tables(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor) -> AttentionMetadata:
         """The same batch over other block tables (a window group's): only the slots and
         tables differ."""
         return AttentionMetadata(slot_mapping, self.query_start_loc, self.seq_lens, block_tables,
-                                 self.max_query_len, self.max_seq_len, self.split_counters)
+                                 self.max_query_len, self.max_seq_len, self.split_counters,
+                                 num_decode_seqs=self.num_decode_seqs)
+
+    def leading(self, num_seqs: int) -> AttentionMetadata:
+        """The batch's first `num_seqs` sequences, each feeding one token (views: they are
+        the leading rows of every tensor). Queries and outputs keep the whole batch's rows."""
+        if not 0 < num_seqs <= self.num_decode_seqs:
+            raise ValueError(f"the batch leads with {self.num_decode_seqs} single-token sequences, not {num_seqs}")
+        return AttentionMetadata(self.slot_mapping[:num_seqs], self.query_start_loc[: num_seqs + 1],
+                                 self.seq_lens[:num_seqs], self.block_tables[:num_seqs], 1, self.max_seq_len,
+                                 self.split_counters, num_decode_seqs=num_seqs)
 
     @property
     def num_seqs(self) -> int:
@@ -108,4 +123,10 @@ class AttentionMetadata:
             block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(block_tables), width),
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
+            num_decode_seqs=leading_single_tokens(query_lens),
         )
+
+
+def leading_single_tokens(query_lens: Seq[int]) -> int:
+    """How many of a batch's first sequences feed one token each."""
+    return next((index for index, query_len in enumerate(query_lens) if query_len != 1), len(query_lens))

@@ -150,7 +150,8 @@ def _gemv_attention(
                            bias=attention.qkv_proj.bias, pdl=pdl)
         q = qkv[:, : attention.q_size].view(num_tokens, attention.num_heads, attention.head_dim)
         out = paged_attention(q, kv_cache, metadata, attention.scale, impl="triton",
-                              sliding_window=attention.sliding_window, sinks=attention.sinks, pdl=pdl)
+                              sliding_window=attention.sliding_window, sinks=attention.sinks, pdl=pdl,
+                              prefill=attention.prefill_launch)
         out = out.reshape(num_tokens, attention.q_size)
     else:
         qkv = small_linear(residual, attention.qkv_proj.weight, norm_weight=norm.weight, eps=norm.eps,
