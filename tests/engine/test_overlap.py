@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from cleave.engine.llm import LLM, build_engine_config
 from cleave.engine.llm_engine import LLMEngine
@@ -142,9 +143,8 @@ def test_outputs_lag_one_call_and_stats_are_filled(checkpoint):
     assert stats.num_seqs == 1 and stats.wall_s > 0 and stats.prepare_s > 0
     counts = [sum(len(s.token_ids) for o in engine.step() for s in o.outputs) for _ in range(3)]
     assert counts == [1, 1, 1]
-    assert engine.has_unfinished()  # a step launched past max_tokens: resolved and dropped next
-    assert engine.step() == [] and not engine.has_unfinished()
-    assert engine.scheduler.stats.num_decode_tokens == 3  # one launched past max_tokens, dropped
+    assert not engine.has_unfinished()  # the last call launched nothing: max_tokens is known in advance
+    assert engine.scheduler.stats.num_decode_tokens == 2  # none launched past max_tokens
 
 
 def test_min_tokens_and_logit_bias_overlap_to_the_same_outputs(checkpoint):
@@ -253,3 +253,35 @@ def test_penalised_samples_under_preemption_equal_the_synchronous_loop(checkpoin
                             max_num_batched_tokens=256, block_size=8, num_blocks=15)
     assert results[True] == results[False]
     assert preemptions[True] > 0 and preemptions[False] > 0
+
+
+def test_prefill_only_steps_overlap_to_the_same_hand_offs(checkpoint):
+    """A prefill worker's engine: prompts one step each, the next launched before the last is
+    handed off. Each hand-off (first token and logprobs, the exported prompt KV) equals the
+    plain loop's, no step runs a decode row for an exporting prompt, and the blocks come back."""
+    prompt_list = [prompt[:16] + [TEXT_IDS[0]] * (16 - len(prompt)) for prompt in prompts(4, seed=21)]
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=3, logprobs=2)
+    hand_offs, arrivals = {}, {}
+    for overlap in (False, True):
+        engine = LLMEngine(build_engine_config(checkpoint, device="cpu", dtype="float32", block_size=4,
+                                               max_model_len=64, max_num_batched_tokens=16, overlap_steps=overlap))
+        for index, prompt in enumerate(prompt_list):
+            engine.add_request(f"p{index}", prompt, params, prefill_only=True)
+        got, calls = {}, []
+        while engine.has_unfinished():
+            outputs = engine.step()
+            calls.append(([output.request_id for output in outputs], engine.last_stats.num_seqs))
+            for output in outputs:
+                pages = engine.handoff.export(output.request_id)
+                got[output.request_id] = (summary(output), engine.kv_cache[:, :, pages].clone())
+                engine.handoff.release_export(output.request_id)
+        assert engine.scheduler.stats.num_decode_tokens == 0
+        assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks
+        hand_offs[overlap], arrivals[overlap] = got, calls
+    # the plain loop hands a prompt off in the call that ran it; the overlapped one a call
+    # later, in the call that launched the next prompt
+    assert arrivals[False] == [([f"p{i}"], 1) for i in range(4)]
+    assert arrivals[True] == [([], 1), (["p0"], 1), (["p1"], 1), (["p2"], 1), (["p3"], 0)]
+    for request_id, (outputs, kv) in hand_offs[False].items():
+        overlapped_outputs, overlapped_kv = hand_offs[True][request_id]
+        assert overlapped_outputs == outputs and torch.equal(overlapped_kv, kv)

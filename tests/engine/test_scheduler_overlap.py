@@ -179,3 +179,52 @@ def test_forks_start_in_advance_with_stand_ins_of_their_own_rows():
     assert [s.all_token_ids for s in group] == [[1, 2, 3]] * 3
     assert scheduler.resolve(second, [9, 9, 9], counting_checker()) == []
     assert scheduler.kv.num_free_blocks == scheduler.kv.num_usable_blocks
+
+
+def test_a_sequence_at_its_known_end_sits_out_until_its_token_resolves():
+    """`max_num_tokens` (a prefill-only prompt: the prompt and one token): once its last token
+    is sampled the sequence is planned into no step, keeps exactly its prompt's blocks, is
+    never the victim when another's slots run out (its hand-off needs them), and its token
+    ends it even without a checker."""
+    scheduler, _ = make(num_blocks=4, budget=16, max_model_len=12)
+    assert scheduler.kv.num_usable_blocks == 3
+    exporting = seq("p", list(range(1, 9)), priority=1, arrival=1.0)  # two blocks, the likeliest victim
+    exporting.limit_output_tokens(1)
+    decoding = seq("d", [1, 2, 3, 4], max_tokens=8)  # one full block: its first decode needs another
+    scheduler.add(exporting)
+    scheduler.add(decoding)
+    first = scheduler.schedule()
+    assert [entry.seq_id for entry in first.scheduled] == ["d/0", "p/0"]
+    scheduler.advance(first)
+    blocks = scheduler.kv.block_table("p/0")
+
+    second = scheduler.schedule()  # before the first step's tokens are known
+    assert second.is_empty and second.preempted_seq_ids == ["d/0"]  # not "p/0"
+    assert scheduler.kv.block_table("p/0") == blocks and len(blocks) == 2
+    scheduler.advance(second)
+    scheduler.resolve(first, [9, 7])
+    assert exporting.status is SequenceStatus.FINISHED_LENGTH and exporting.output_token_ids == [7]
+    assert scheduler.kv.num_free_blocks == 3  # the prompt's blocks, and the preempted decode's
+
+
+def test_known_ends_launch_no_step_past_max_tokens():
+    """With every sequence's max_tokens declared, the overlapped loop launches no token past
+    it (without, each sequence that ends by length is launched once more and its token
+    dropped), to the same outputs."""
+    random.seed(5)
+    prompts = [[random.randrange(1, 99) for _ in range(random.randrange(2, 12))] for _ in range(6)]
+
+    def run(declared: bool):
+        scheduler, runner = make(num_blocks=64, budget=16, max_num_seqs=4)
+        seqs = [seq(f"r{i}", prompt, max_tokens=3 + i) for i, prompt in enumerate(prompts)]
+        for sequence in seqs:
+            if declared:
+                sequence.limit_output_tokens(sequence.sampling_params.max_tokens)
+            scheduler.add(sequence)
+        run_overlapped(scheduler, StandInRunner(64))
+        return [sequence.output_token_ids for sequence in seqs], scheduler.stats.num_decode_tokens
+
+    (declared_outputs, declared_decodes), (outputs, decodes) = run(True), run(False)
+    assert declared_outputs == outputs
+    ended_by_length = sum(len(output) == 3 + i for i, output in enumerate(outputs))
+    assert ended_by_length and declared_decodes == decodes - ended_by_length

@@ -19,8 +19,11 @@ never waits for output processing:
         -> the outputs of step N-1
 
 Sampled ids stay on the device; step N reads step N-1's from there. The host learns them
-one call later, so a sequence that step N-1's token ends (a stop string, eos, max_tokens)
-was launched once more: that extra token is dropped (`Scheduler.resolve`).
+one call later, so a sequence that step N-1's token ends by a stop (a stop string, eos) was
+launched once more: that extra token is dropped (`Scheduler.resolve`). An end known in
+advance (max_tokens, the context, a prefill-only request's first token) is not launched
+again: the scheduler sits the sequence out until its last token resolves
+(`Sequence.max_num_tokens`).
 
 A sequence whose sampling reads its earlier tokens on the host (logits processors: thinking
 budgets, grammars; penalties) needs step N-1's tokens before step N samples, not before
@@ -32,8 +35,10 @@ step N's forward. A step holding one resolves N-1 between the two:
 
 so the host's grammar and penalty work overlaps the forward, and only the sampling waits
 for it. (min_tokens reads only the number of tokens, which the stand-ins keep exact.) A
-step is resolved at once, as in the plain loop, only when it has forks (n > 1 prefills) or
-a prefill-only request (its hand-off should not wait a step).
+step is resolved at once, as in the plain loop, only when it has forks (n > 1 prefills).
+A prefill worker's steps overlap too: a prompt's first token (its hand-off) is resolved
+once the next prompt's step is launched, so the device runs prompt after prompt while the
+host hands each one off.
 
 `watch_layers` (None: off) is called on the step thread with each step's plan before its
 launch; a `LayerProgress` it returns hears each layer of that step's forward (see
@@ -119,10 +124,8 @@ class LLMEngine:
         self._init_scheduler()
         self._overlap = self.config.overlaps_steps
         self._in_flight: LaunchedStep | None = None  # launched and advanced, not yet resolved
-        # Sequences whose sampling reads their earlier tokens on the host, and those whose
-        # steps resolve as soon as they launch (see the module docstring).
+        # Sequences whose sampling reads their earlier tokens on the host (see the module docstring).
         self._reads_outputs: set[str] = set()
-        self._resolve_at_once: set[str] = set()
         self._requests: dict[str, RequestState] = {}
         self._samples: dict[str, SampleState] = {}  # seq_id -> sample
         self._processors: dict[str, list[LogitsProcessor]] = {}  # seq_id -> logits processors
@@ -279,8 +282,6 @@ class LLMEngine:
                 self._processors[seq_id] = sample.logits_processors
             if penalised or sample.logits_processors:
                 self._reads_outputs.add(seq_id)
-            if state.prefill_only:
-                self._resolve_at_once.add(seq_id)
 
     def abort(self, request_id: str) -> bool:
         """End every sample of a request and free its KV; its final output (finish reason
@@ -386,7 +387,7 @@ class LLMEngine:
 
     def _can_overlap(self, output: SchedulerOutput) -> bool:
         """Whether the next step may launch before this one's tokens reach the host."""
-        return not output.has_forks and not _any_sampled_in(output, self._resolve_at_once)
+        return not output.has_forks
 
     def _reads_outputs_in(self, output: SchedulerOutput) -> bool:
         """Whether a sequence of this step samples from its earlier tokens on the host."""
@@ -511,7 +512,6 @@ class LLMEngine:
             self._processors.pop(seq_id, None)
             self._deferred.pop(seq_id, None)
             self._reads_outputs.discard(seq_id)
-            self._resolve_at_once.discard(seq_id)
 
     # ---- disaggregation hooks: `handoff` (see cleave.engine.handoff) ---------------------
 

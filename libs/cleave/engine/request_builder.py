@@ -122,6 +122,8 @@ class RequestBuilder:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = [Sequence(request_id, prompt_ids, i, params, priority, arrival) for i in range(params.n)]
         max_new = params.max_new_tokens(self.max_model_len, len(prompt_ids))
+        for seq in seqs:  # a prefill-only request ends on its first token
+            seq.limit_output_tokens(1 if prefill_only else max_new)
         grammar = None if params.structured_output is None else self._grammars.compile(params.structured_output)
         samples = [self._new_sample(seq, params, prompt_ids, max_new, grammar) for seq in seqs]
         return RequestState(request_id, prompt_ids, params, samples, prefill_only=prefill_only)

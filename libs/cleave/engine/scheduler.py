@@ -106,6 +106,9 @@ class Scheduler:
         # tokens: a decode that completes no block has nothing new to index.
         self._indexed: set[str] = set()
         self._in_flight: SchedulerOutput | None = None  # planned with work, not advanced yet
+        # Running sequences at their `max_num_tokens`, the last token not resolved yet: they
+        # sit out every step until `resolve` ends them.
+        self._done: dict[str, Sequence] = {}
 
     # ---- admission ------------------------------------------------------------------------
 
@@ -204,7 +207,10 @@ class Scheduler:
             if seq.status is RUNNING:  # not ended since the plan
                 seq.num_computed_tokens = entry.start_position + entry.num_new_tokens
                 if entry.sample:
-                    seq.all_token_ids.append(stand_in_token(row))
+                    tokens = seq.all_token_ids
+                    tokens.append(stand_in_token(row))
+                    if len(tokens) >= seq.max_num_tokens:
+                        self._done[seq.seq_id] = seq
                     if entry.forks:
                         self._start_forks(seq, entry.forks, row)
             if entry.sample:
@@ -270,7 +276,7 @@ class Scheduler:
             if seq.status is not RUNNING and seq.status in FINISHED_STATUSES:
                 continue  # a stop checked earlier in this loop ended it (its request aborted)
             status = token_checker(seq, token) if token_checker else None
-            if status is None and position + 1 >= max_model_len:
+            if status is None and (position + 1 >= max_model_len or position + 1 >= seq.max_num_tokens):
                 status = SequenceStatus.FINISHED_LENGTH
             if status is not None and seq.status not in FINISHED_STATUSES:
                 del seq.all_token_ids[position + 1 :]  # a later step's stand-in: never resolved
@@ -288,11 +294,12 @@ class Scheduler:
 
         threshold = self.config.long_prefill_token_threshold
         decodes_first = sorted(queues.running, key=lambda s: (s.num_uncomputed_tokens > 1, queues.priority_key(s)))
+        done = self._done
         for seq in decodes_first:
             if budget == 0 or len(planned) >= self.config.max_num_seqs:
                 break
-            if seq.status is not RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not RUNNING or seq.seq_id in done:
+                continue  # preempted earlier in this loop, or its last token is sampled
             num_new = min(seq.num_uncomputed_tokens, budget, threshold or budget)
             victims = self._allocate_or_preempt(seq, num_new)
             for victim in victims:
@@ -325,11 +332,11 @@ class Scheduler:
         block at a boundary or a copy-on-write of a shared last block). The plan is then
         exactly `_plan`'s, and nobody is preempted; otherwise nothing is allocated.
         """
-        queues, config, kv = self._queues, self.config, self.kv
+        queues, config, kv, done = self._queues, self.config, self.kv, self._done
         running = queues.running
-        num_running = len(running)
+        num_running = len(running) - len(done)
         if (
-            not running
+            not num_running
             or queues.waiting
             or queues.pending_forks
             or num_running > config.max_num_seqs
@@ -337,6 +344,8 @@ class Scheduler:
         ):
             return None
         order = queues.running_order()
+        if done:
+            order = [seq for seq in order if seq.seq_id not in done]
         starts = [len(seq.all_token_ids) - 1 for seq in order]
         if starts != [seq.num_computed_tokens for seq in order]:
             return None  # a sequence has more than one token to feed
@@ -443,8 +452,10 @@ class Scheduler:
         """
         preempted: list[Sequence] = []
         queues = self._queues
+        done = self._done
         while not self.kv.allocate_slots(seq.seq_id, num_new):
-            victim = max(queues.running, key=queues.priority_key)
+            # not one whose last token is sampled: its end (a prefill-only export) needs its blocks
+            victim = max((other for other in queues.running if other.seq_id not in done), key=queues.priority_key)
             self._release(victim.seq_id)
             queues.requeue(victim)
             self.stats.num_preemptions += 1
@@ -471,6 +482,8 @@ class Scheduler:
             child.num_computed_tokens = num_computed
             child.all_token_ids.append(stand_in_token(row + offset))
             self._queues.start_running(child)
+            if len(child.all_token_ids) >= child.max_num_tokens:
+                self._done[child.seq_id] = child
 
     def _finish(self, seq: Sequence, status: SequenceStatus, promote_forks: bool = True) -> None:
         self._queues.finish(seq, status, promote_forks)
@@ -480,6 +493,7 @@ class Scheduler:
         """Drop a sequence's blocks (finished or preempted); cached full blocks stay reusable."""
         self.kv.free(seq_id)
         self._indexed.discard(seq_id)
+        self._done.pop(seq_id, None)
 
 
 def _take_token(seq: Sequence, token: int, position: int, got: list[tuple[Sequence, int, int]]) -> None:

@@ -8,6 +8,7 @@ cache manager and in every scheduler output.
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -58,6 +59,10 @@ class Sequence:
         num_cached_tokens: tokens served from the prefix cache at its latest admission.
         num_preemptions: times its KV was dropped for recompute.
         parent_seq_id: for a sample forked from another one, that sample's seq_id.
+        max_num_tokens: its length (prompt and output) at which it surely ends, where that is
+            known in advance (max_tokens or the context; the prompt and one token for a
+            prefill-only request), else sys.maxsize. A sequence this long, its last token
+            sampled but not yet resolved, is not scheduled again (`Scheduler`).
     """
 
     def __init__(
@@ -86,6 +91,11 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        self.max_num_tokens = sys.maxsize
+
+    def limit_output_tokens(self, max_output_tokens: int) -> None:
+        """Declare that it ends after at most `max_output_tokens` generated tokens."""
+        self.max_num_tokens = self.num_prompt_tokens + max_output_tokens
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -132,6 +142,7 @@ class Sequence:
         )
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_computed_tokens = self.num_computed_tokens
+        child.max_num_tokens = self.max_num_tokens
         child.status = self.status
         return child
 
