@@ -1,4 +1,4 @@
-"""Compile the decode-step, attention and fused MoE kernels for Hopper (sm_90) without a GPU; run by
+"""Compile the decode-step, attention, fused MoE and sampling kernels for Hopper (sm_90) without a GPU; run by
 test_hopper_compile.
 
 Must run with TRITON_INTERPRET=0 (a fresh interpreter): under the interpreter `triton.jit`
@@ -36,6 +36,7 @@ from cleave.kernels.moe_gemv import _down_sum_kernel, _gate_up_kernel
 from cleave.kernels.moe_tiles import SHARED_MEMORY_BYTES
 from cleave.kernels.rms_norm import _rms_norm_kernel
 from cleave.kernels.splitk_linear import _splitk_linear_kernel
+from cleave.kernels.race_sample import BLOCK_V, _race_kernel
 from cleave.kernels.token_bitmask import _token_bitmask_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -198,6 +199,11 @@ def main() -> None:
     # grammar-constrained decoding: one 4096-token block of bf16 logits per program, rows listed
     compile_variant(_token_bitmask_kernel, dict(HAS_ROWS=True, BLOCK_WORDS=128), 16,
                     pointers={"bitmask_ptr": "*i32", "rows_ptr": "*i64"})
+    # sampling: the one-pass race over fp32 logits, its vocabulary split in chunks or not
+    race = {"logits_ptr": "*fp32", "temperatures_ptr": "*fp32", "greedy_ptr": "*i1", "keys_ptr": "*i64",
+            "part_score_ptr": "*fp32", "part_index_ptr": "*i32", "out_ptr": "*i64"}
+    compile_variant(_race_kernel, dict(NUM_SPLITS=64, BLOCK_V=BLOCK_V), 8, pointers=race)
+    compile_variant(_race_kernel, dict(NUM_SPLITS=1, BLOCK_V=BLOCK_V), 8, pointers=race)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,12 @@ processors (rows that have any) and building `SamplingTensors` beforehand. Stage
 The exponential race is an exact sampler of `probs`; its noise q comes from the Sampler's
 own generator for unseeded rows and from a counter-based hash of (seed, sample index, step,
 token id) for seeded rows, so a seeded row's tokens do not depend on the rest of the batch.
+
+On the Triton kernels (`impl`) a batch whose rows keep their whole distribution (no
+top-k, top-p or min-p) races in one kernel from the processed logits instead
+(`cleave.kernels.race_sample`: temperature, noise and argmax in one pass): every row then
+hashes its noise from a key, the seeded rows' own and, for the others, 64 random bits a
+row drawn from the Sampler's generator.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import torch
 
 from cleave.engine.counter_rng import exponential_noise
 from cleave.engine.sampling_tensors import SamplingTensors
+from cleave.kernels.dispatch import Impl, use_triton
+from cleave.kernels.race_sample import race_sample
 from cleave.kernels.token_bitmask import apply_token_bitmask
 
 # Exp(1) draws of exactly 0 would turn a zero-probability token into 0/0 = NaN, which
@@ -67,11 +75,16 @@ class Sampler:
 
     Args:
         seed: seeds the generator of unseeded rows (None: nondeterministic).
+        impl: "auto" races in one Triton kernel on CUDA (see the module docstring),
+            "triton" wherever triton runs (the interpreter on CPU), "torch" (the default:
+            the kernel has not run on a GPU yet) never.
     """
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, impl: Impl = "torch") -> None:
         self._seed = seed
+        self._impl = impl
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._race_counters: dict[torch.device, torch.Tensor] = {}  # zeroed between race launches
 
     def sample(self, logits: torch.Tensor, state: SamplingTensors) -> SamplerOutput:
         """logits: [B, V] float32 (not modified). Returns the batch's next tokens."""
@@ -86,6 +99,9 @@ class Sampler:
             logits = apply_penalties(logits, state)
         if state.all_greedy:
             token_ids = logits.argmax(dim=-1)  # [B]
+        elif self._races_in_one_kernel(logits, state):
+            token_ids = race_sample(logits, state.temperatures, state.is_greedy, self._race_keys(logits, state),
+                                    self._race_counter_buffer(logits.device, logits.shape[0]))
         else:
             token_ids = self._race(self.probabilities(logits, state), state)
             if state.any_greedy:
@@ -106,6 +122,25 @@ class Sampler:
         if state.needs_min_p:
             probs = apply_min_p(probs, state.min_p)
         return probs
+
+    def _races_in_one_kernel(self, logits: torch.Tensor, state: SamplingTensors) -> bool:
+        return (use_triton(logits, self._impl) and not state.needs_top_k and not state.needs_top_p
+                and not state.needs_min_p)
+
+    def _race_keys(self, logits: torch.Tensor, state: SamplingTensors) -> torch.Tensor:
+        """[B, 2] int64 noise keys: the seeded rows' own, random words for the others."""
+        keys = torch.randint(0, 1 << 32, (logits.shape[0], 2), dtype=torch.int64, device=logits.device,
+                             generator=self._generator(logits.device))
+        if state.seeded_rows is not None:
+            keys[state.seeded_rows] = state.seeded_keys
+        return keys
+
+    def _race_counter_buffer(self, device: torch.device, num_rows: int) -> torch.Tensor:
+        counters = self._race_counters.get(device)
+        if counters is None or counters.numel() < num_rows:
+            counters = torch.zeros(max(num_rows, 256), dtype=torch.int32, device=device)
+            self._race_counters[device] = counters
+        return counters
 
     def _race(self, probs: torch.Tensor, state: SamplingTensors) -> torch.Tensor:
         # probs: [B, V]; q: [B, V] Exp(1) noise; argmax(probs / q) ~ Categorical(probs).
