@@ -22,6 +22,7 @@ Two measures of host overhead per row:
     python bench/engine.py --num-requests 32 --output-len 128     # a quick run
     python bench/engine.py --penalised-share 0 0.1   # none, then a tenth of the requests, read their tokens on the host
     python bench/engine.py --modes overlap --attention-launches '{}' '{"decode_rows": true}'   # mixed steps' decodes
+    python bench/engine.py --modes overlap --sampler-impls torch auto   # the one-kernel race
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def step_log(steps: list) -> list[list]:
              round(s.forward_s * 1e3, 3), round(s.postprocess_s * 1e3, 3), int(s.used_graph)] for s in steps]
 
 
-def run_label(mode: str, penalised_share: float | None, launch: dict | None) -> str:
+def run_label(mode: str, penalised_share: float | None, launch: dict | None, sampler: str | None = None) -> str:
     """A throughput run's name: its step loop, then what it varies (None: not varied)."""
     from common import launch_label
 
@@ -185,6 +186,8 @@ def run_label(mode: str, penalised_share: float | None, launch: dict | None) -> 
         parts.append(f"penalised {penalised_share:g}")
     if launch is not None:
         parts.append(f"attention {launch_label(launch) if launch else 'default'}")
+    if sampler is not None:
+        parts.append(f"sampler {sampler}")
     return " ".join(parts)
 
 
@@ -219,6 +222,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attention-launches", nargs="+", default=[{}], type=json.loads,
                         help="JSON PrefillLaunch keyword arguments (cleave.kernels.attention_prefill) set on every "
                         "attention layer, '{}' the default; several run in turn, each on a fresh engine, in the same run")
+    parser.add_argument("--sampler-impls", nargs="+", default=["torch"], choices=["torch", "auto"],
+                        help="the sampler's path: torch ops, or 'auto' (the one-kernel race on CUDA); several run "
+                        "in turn, each on a fresh engine, in the same run")
     parser.add_argument("--breakdown-batch", type=int, default=64, help="0 skips phase 2")
     parser.add_argument("--breakdown-output-len", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -236,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from common import format_table, run_name, set_prefill_launch, write_results
 
+    from cleave.engine.sampler import Sampler
+
     modes = [mode for mode in args.modes.split(",") if mode]
     if not modes or set(modes) - set(MODES):
         raise SystemExit(f"--modes takes a comma-separated subset of {', '.join(MODES)}")
@@ -245,14 +253,16 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         model_dir = write_checkpoint(Path(tmp), args.device)
         summary["checkpoint_s"] = round(time.perf_counter() - start, 1)
-        shares, launches = args.penalised_share, args.attention_launches
+        shares, launches, samplers = args.penalised_share, args.attention_launches, args.sampler_impls
         summary.update(requests=args.num_requests, prompt_len=args.prompt_len, output_len=args.output_len,
-                       penalised_share=shares, attention_launches=launches)
-        for mode, share, launch in itertools.product(modes, shares, launches):
-            label = run_label(mode, share if len(shares) > 1 else None, launch if len(launches) > 1 else None)
+                       penalised_share=shares, attention_launches=launches, sampler_impls=samplers)
+        for mode, share, launch, sampler in itertools.product(modes, shares, launches, samplers):
+            label = run_label(mode, share if len(shares) > 1 else None, launch if len(launches) > 1 else None,
+                              sampler if len(samplers) > 1 else None)
             start = time.perf_counter()
             engine = make_engine(model_dir, args, args.max_num_seqs, mode)  # a fresh engine each
             set_prefill_launch(engine.model, launch)
+            engine.runner.sampler = Sampler(engine.config.seed, impl=sampler)
             summary[f"startup_s_{label}"] = round(time.perf_counter() - start, 1)
             summary["kv_blocks"] = engine.runner.num_blocks
             seconds, num_output, steps = run_requests(engine, args.num_requests, args, seed=0, penalised_share=share)
