@@ -101,25 +101,37 @@ def test_packed_experts_on_a_checkpoint_without_mxfp4_say_so(tiny_checkpoints):
     assert [entry["event"] for entry in logs if entry["log_level"] == "warning"] == ["packed_experts_unused"]
 
 
+def prefill_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """The keyword arguments of every prefill-kernel launch `paged_attention` makes from now on."""
+    from cleave.kernels import attention as attention_ops
+
+    calls: list[dict] = []
+    original = attention_ops.paged_prefill_attention
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(attention_ops, "paged_prefill_attention", recording)
+    return calls
+
+
+def triton_model() -> tuple:
+    """The tiny config and a model of it on the Triton kernels (the interpreter here)."""
+    torch.manual_seed(0)
+    config = tiny_config()
+    return config, CausalLM(config, impl="triton").eval()
+
+
 @torch.no_grad()
 def test_each_layers_prefill_launch_reaches_the_prefill_kernel_and_keeps_the_answer(monkeypatch):
     """`Attention.prefill_launch` (set per layer, as benchmarks A/B it) is what the prefill
     kernel is launched with; packed heads, heavy blocks first and the unmasked walk below the
     diagonal give the default launch's hidden states, over a cached prefix too."""
-    from cleave.kernels import attention as attention_ops
     from cleave.kernels.attention_prefill import PrefillLaunch
 
-    launches: list[dict] = []
-    original = attention_ops.paged_prefill_attention
-
-    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
-        launches.append({key: kwargs[key] for key in ("block_m", "pack_gqa", "heavy_first", "causal_split")})
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(attention_ops, "paged_prefill_attention", recording)
-    torch.manual_seed(0)
-    config = tiny_config()
-    model = CausalLM(config, impl="triton").eval()
+    calls = prefill_kernel_calls(monkeypatch)
+    config, model = triton_model()
     tokens = torch.arange(40) % config.vocab_size
 
     def prefill_hidden() -> torch.Tensor:
@@ -129,14 +141,17 @@ def test_each_layers_prefill_launch_reaches_the_prefill_kernel_and_keeps_the_ans
         rest = AttentionMetadata.build([16], [40], [[1, 2, 3]], BLOCK_SIZE)  # over the cached 24
         return model(tokens[24:], torch.arange(24, 40), kv_cache, rest)
 
+    def launches() -> list[dict]:
+        return [{key: call[key] for key in ("block_m", "pack_gqa", "heavy_first", "causal_split")} for call in calls]
+
     default = prefill_hidden()
-    assert launches[-1] == {"block_m": 64, "pack_gqa": False, "heavy_first": False, "causal_split": False}
+    assert launches()[-1] == {"block_m": 64, "pack_gqa": False, "heavy_first": False, "causal_split": False}
     options = PrefillLaunch(block_m=16, block_n=16, pack_gqa=True, heavy_first=True, causal_split=True)
     for layer in model.layers:
         layer.self_attn.prefill_launch = options
-    launches.clear()
+    calls.clear()
     torch.testing.assert_close(prefill_hidden(), default, atol=2e-5, rtol=1e-5)
-    assert launches == [{"block_m": 16, "pack_gqa": True, "heavy_first": True, "causal_split": True}] * 4
+    assert launches() == [{"block_m": 16, "pack_gqa": True, "heavy_first": True, "causal_split": True}] * 4
 
 
 @torch.no_grad()
@@ -144,20 +159,10 @@ def test_decode_rows_of_a_mixed_step_on_the_decode_kernel_keep_the_answer(monkey
     """`PrefillLaunch(decode_rows=True)`: in a step that decodes one sequence and prefills
     another, the decode goes to the decode kernel and the prompt to the prefill kernel (from
     the second sequence on), with the default launch's hidden states."""
-    from cleave.kernels import attention as attention_ops
     from cleave.kernels.attention_prefill import PrefillLaunch
 
-    first_seqs: list[int] = []
-    original = attention_ops.paged_prefill_attention
-
-    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
-        first_seqs.append(kwargs["first_seq"])
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(attention_ops, "paged_prefill_attention", recording)
-    torch.manual_seed(0)
-    config = tiny_config()
-    model = CausalLM(config, impl="triton").eval()
+    calls = prefill_kernel_calls(monkeypatch)
+    config, model = triton_model()
     tokens = torch.arange(37) % config.vocab_size
 
     def mixed_step_hidden() -> torch.Tensor:
@@ -169,7 +174,7 @@ def test_decode_rows_of_a_mixed_step_on_the_decode_kernel_keep_the_answer(monkey
     default = mixed_step_hidden()
     for layer in model.layers:
         layer.self_attn.prefill_launch = PrefillLaunch(decode_rows=True)
-    first_seqs.clear()
+    calls.clear()
     torch.testing.assert_close(mixed_step_hidden(), default, atol=2e-5, rtol=1e-5)
     num_layers = len(model.layers)
-    assert first_seqs == [0] * num_layers + [1] * num_layers  # the lone prompt, then the mixed step
+    assert [call["first_seq"] for call in calls] == [0] * num_layers + [1] * num_layers  # lone prompt, mixed step
