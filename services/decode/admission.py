@@ -365,6 +365,10 @@ class Admissions:
 
         try:
             return await async_engine.call(enqueue)
+        except asyncio.CancelledError:
+            # the engine queues the prompt all the same; the abort follows it there
+            self.abort_now(request_id)
+            raise
         except BaseException:
             self._requests.pop(request_id, None)
             raise

@@ -4,12 +4,15 @@ and the KV pool back to full after each path."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 import pytest
 
+from cleave.generation.sampling_params import SamplingParams
 from cleave.proto.cleave.v1 import common_pb2 as c
 from cleave.proto.cleave.v1 import decode_pb2 as d
+from services.decode.backend import StartSpec
 from tests.worker.cluster import GATEWAY, MODEL_ID, AttachReader, greedy, wait_pool_full
 
 PROMPT = list(range(10, 27))  # 17 tokens: 5 blocks of 4
@@ -186,3 +189,38 @@ async def test_two_admissions_of_one_id_at_once_admit_one_and_refuse_the_other(d
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in error.details(), error.details()
     assert (await decode.stub.Abort(c.AbortRequest(request_id="twin"))).found
     await wait_pool_full(decode.stub)
+
+
+async def test_a_local_start_cancelled_while_its_prompt_is_queued_is_aborted(decode, monkeypatch):
+    """The engine takes the prompt from its command queue even when the Start that put it
+    there is cancelled (the gateway's client went away) before the engine answered: the
+    request must end there as ABORT, not decode to max_tokens with nobody listening."""
+    reader = AttachReader(decode.stub)
+    async_engine = decode.backend.async_engine
+    loop = asyncio.get_running_loop()
+    posted, cancelled = asyncio.Event(), threading.Event()
+    real_call = async_engine.call
+
+    async def enqueue_after_the_cancel(fn):  # type: ignore[no-untyped-def]
+        monkeypatch.setattr(async_engine, "call", real_call)  # only the Start's own call waits
+
+        def run(engine):  # type: ignore[no-untyped-def]
+            loop.call_soon_threadsafe(posted.set)
+            cancelled.wait(10)
+            return fn(engine)
+
+        return await real_call(run)
+
+    monkeypatch.setattr(async_engine, "call", enqueue_after_the_cancel)
+    start = asyncio.ensure_future(decode.backend.start_request(StartSpec(
+        request_id="gone", gateway_id=GATEWAY, prefill_locally=True, prompt_token_ids=tuple(PROMPT),
+        sampling=SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))))
+    await posted.wait()
+    start.cancel()
+    await asyncio.gather(start, return_exceptions=True)
+    cancelled.set()
+    assert not await async_engine.call(lambda engine: engine.scheduler.has_unfinished()), "the prompt kept running"
+    await reader.wait_finished(["gone"])
+    assert reader.finish("gone") == c.FINISH_REASON_ABORT
+    await wait_pool_full(decode.stub)
+    await reader.cancel()
