@@ -203,6 +203,8 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     for key, bias in value.items():
         if not (isinstance(key, str) and key.isdigit() and key.isascii()):
             raise InvalidArgument(f"keys must be token ids, got {key!r}", field="logit_bias")
+        if len(key.lstrip("0")) > len(str(MAX_UINT32)):  # int() refuses thousands of digits
+            raise InvalidArgument(f"token id {key[:16]}... is out of range", field="logit_bias")
         pairs.append((_uint(int(key), "logit_bias"), _float(bias, f"logit_bias.{key}")))
     return tuple(pairs)
 

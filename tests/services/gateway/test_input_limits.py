@@ -267,6 +267,8 @@ MALFORMED = [
     (CHAT, _chat(reasoning_mode=["inline"]), "reasoning_mode"),
     (CHAT, _chat(stop=[1]), "stop[0]"),
     (CHAT, _chat(n=0), "n"),
+    # more digits than int() converts
+    (CHAT, _chat(logit_bias={"9" * 5000: 1}), "logit_bias"),
 ]
 
 
