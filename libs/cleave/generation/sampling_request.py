@@ -21,6 +21,7 @@ from cleave.generation.structured_output import StructuredOutput
 
 MAX_SAMPLES = 1024  # samples of one request
 MAX_TOKEN_ID = 2**31 - 1  # token ids must fit the engine's int32
+_MAX_FLOAT32 = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,13 @@ def _wire(value: float) -> float:
 
 
 def _check_finite(value: float, field: str) -> None:
+    """`value` is finite, and stays finite as the float32 the workers receive (1e300 would
+    arrive as inf)."""
     if not math.isfinite(value):
         raise InvalidArgument(f"must be a finite number, got {value}", field=field)
+    if not math.isfinite(_wire(value)):
+        raise InvalidArgument(f"must fit a 32-bit float (magnitude at most {_MAX_FLOAT32:.4g}), got {value:g}",
+                              field=field)
 
 
 def to_sampling_params(

@@ -267,6 +267,9 @@ MALFORMED = [
     (CHAT, _chat(reasoning_mode=["inline"]), "reasoning_mode"),
     (CHAT, _chat(stop=[1]), "stop[0]"),
     (CHAT, _chat(n=0), "n"),
+    # finite here, infinite as the 32-bit float a worker receives
+    (CHAT, _chat(temperature=1e300), "temperature"),
+    (COMPLETIONS, json.dumps({"prompt": "hi", "repetition_penalty": 1e39}).encode(), "repetition_penalty"),
     # more digits than int() converts
     (CHAT, _chat(logit_bias={"9" * 5000: 1}), "logit_bias"),
 ]
