@@ -38,6 +38,7 @@ def test_defaults_and_typical_params_are_valid():
         (dict(seed=2**64), "seed"),
         (dict(stop=["ok", ""]), "stop"),
         (dict(stop="abc"), "stop"),
+        (dict(stop=[f"stop {i}" for i in range(65)]), "stop"),
         (dict(stop_token_ids=[-3]), "stop_token_ids"),
         (dict(max_thinking_tokens=-1), "max_thinking_tokens"),
         (dict(min_thinking_tokens=-1), "min_thinking_tokens"),

@@ -25,6 +25,9 @@ GREEDY_TEMPERATURE = 1e-5
 # tokens one request may bias.
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_TOKENS = 1024
+# Every stop string is searched for after every token of every sample (on the gateway's event
+# loop, where thousands of them stalled every other stream); OpenAI takes 4.
+MAX_STOP_STRINGS = 64
 
 
 @dataclass
@@ -38,7 +41,8 @@ class SamplingParams:
         top_k: keep the k most likely tokens; 0 or -1 disables it.
         min_p: drop tokens whose probability is below min_p * max probability; 0 disables it.
         seed: makes sampling reproducible, independent of batch composition; None: random.
-        stop: strings that end generation; the matched string is not part of the output.
+        stop: strings that end generation (at most MAX_STOP_STRINGS); the matched string is
+            not part of the output.
         stop_token_ids: token ids that end generation (their text is not part of the output).
         ignore_eos: keep generating past the model's end-of-sequence token.
         n: number of independent samples for the prompt (they share the prompt's KV).
@@ -182,6 +186,8 @@ class SamplingParams:
             raise InvalidArgument("must be a list of strings", field="stop")
         if any(s == "" for s in self.stop):
             raise InvalidArgument("must not contain an empty string", field="stop")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidArgument(f"holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS}", field="stop")
         for token_id in self.stop_token_ids:
             _require_int("stop_token_ids", token_id)
             if token_id < 0:

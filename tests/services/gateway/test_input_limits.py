@@ -270,6 +270,8 @@ MALFORMED = [
     # finite here, infinite as the 32-bit float a worker receives
     (CHAT, _chat(temperature=1e300), "temperature"),
     (COMPLETIONS, json.dumps({"prompt": "hi", "repetition_penalty": 1e39}).encode(), "repetition_penalty"),
+    # every stop string is searched for after every token
+    (CHAT, _chat(stop=[f"stop {i}" for i in range(1000)]), "stop"),
     # more digits than int() converts
     (CHAT, _chat(logit_bias={"9" * 5000: 1}), "logit_bias"),
 ]
@@ -290,6 +292,7 @@ async def test_malformed_body_is_a_400_naming_the_field(gateway, path, body, par
     ("max_tokens", 2**32 - 1, "sampling.max_tokens"),
     ("n", 2**32 - 1, "sampling.n"),
     ("logprobs", 2**32 - 1, "sampling.logprobs"),
+    ("stop", [f"stop {i}" for i in range(1000)], "sampling.stop"),
 ])
 async def test_grpc_out_of_range_fields_are_invalid_argument(gateway, field, value, path):
     _, channel, _, _ = gateway
