@@ -160,3 +160,32 @@ async def test_status_set_by_the_servicer_passes_through(running):
         await stub.ListModels(gateway_pb2.ListModelsRequest())
     assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert raised.value.details() == "servicer chose this status"
+
+
+@pytest.mark.parametrize("echoed", ["r" * 20_000, "é" * 20_000], ids=["ascii", "accented"])
+async def test_an_error_echoing_a_long_value_keeps_its_code(running, echoed):
+    """A message quoting a client's long value travels in the trailers twice (grpc-message
+    and the ErrorDetail); past the client's metadata limit the call would end
+    RESOURCE_EXHAUSTED instead of with its own code."""
+    servicer, stub = running
+    servicer.error = errors.InvalidArgument(f"unknown role {echoed!r}; use one of user, assistant", field="role")
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await stub.Abort(common_pb2.AbortRequest(request_id="r"))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
+    assert raised.value.details().startswith(f"role: unknown role '{echoed[:100]}")
+    assert len(raised.value.details().encode()) <= 1024
+    detail = error_detail(raised.value)
+    assert detail.field == "role" and detail.message == raised.value.details()
+
+
+async def test_an_overlong_request_id_is_replaced(running):
+    """An x-request-id longer than a request id may be is not echoed into the trailers (nor
+    into every log line): the call gets an id of its own, as without one."""
+    servicer, stub = running
+    servicer.error = errors.NotFound("no such request", field="request_id")
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await stub.Abort(common_pb2.AbortRequest(request_id="r"), metadata=(("x-request-id", "q" * 7000),))
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND, raised.value.details()
+    ((seen, _),) = servicer.seen
+    assert len(seen) == 32 and error_detail(raised.value).request_id == seen
+    assert ("x-request-id", seen) in tuple(raised.value.trailing_metadata())

@@ -22,6 +22,7 @@ from cleave.generation.structured_output import StructuredKind, StructuredOutput
 from cleave.proto.cleave.v1 import common_pb2
 from cleave.rpc import types
 from cleave.rpc.errors import error_code_for
+from cleave.rpc.interceptor import MAX_REQUEST_ID_CHARS
 
 
 DTYPE_ITEMSIZE = {
@@ -426,6 +427,6 @@ def abort_target(request: common_pb2.AbortRequest) -> tuple[str, int | None]:
 def require_request_id(request_id: str, field: str = "request_id") -> str:
     if not request_id:
         raise InvalidArgument("must be set", field=field)
-    if len(request_id) > 256:
-        raise InvalidArgument("must be at most 256 characters", field=field)
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(f"must be at most {MAX_REQUEST_ID_CHARS} characters", field=field)
     return request_id

@@ -25,6 +25,9 @@ from cleave.proto.cleave.v1 import common_pb2
 
 ERROR_DETAIL_KEY = "cleave-error-bin"
 RETRY_AFTER_KEY = "retry-after-ms"
+# A message travels in the trailers twice (grpc-message, percent-encoded, and the ErrorDetail);
+# clients refuse trailers over 8 KiB, and the call would then end RESOURCE_EXHAUSTED instead.
+MAX_MESSAGE_BYTES = 1024
 _ERRORS_BY_CODE: dict[grpc.StatusCode, type[CleaveError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
@@ -75,10 +78,19 @@ def map_exception(exc: BaseException, request_id: str) -> MappedError:
         else:
             code, is_bug = grpc.StatusCode.INTERNAL, True
             message = f"internal error ({type(exc).__name__}); request id {request_id}"
+    message, field = clipped(message, MAX_MESSAGE_BYTES), clipped(field, MAX_MESSAGE_BYTES // 4)
     detail = common_pb2.ErrorDetail(
         code=error_code_for(code), message=message, field=field, request_id=request_id
     )
     return MappedError(code=code, message=message, detail=detail, is_bug=is_bug, retry_after_ms=retry_after_ms)
+
+
+def clipped(text: str, max_bytes: int) -> str:
+    """`text` cut to at most `max_bytes` of UTF-8, ending " ..." where it was cut (a message
+    quoting a long value a client sent)."""
+    if len(text.encode()) <= max_bytes:
+        return text
+    return text.encode()[:max_bytes - 4].decode(errors="ignore") + " ..."
 
 
 def error_code_for(code: grpc.StatusCode) -> int:

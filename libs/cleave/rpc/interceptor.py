@@ -1,7 +1,8 @@
 """The server interceptor every cleave service runs: request ids, traces, call logs, error mapping.
 
-For each call it takes the `x-request-id` metadata (or makes one), binds it (and the method)
-into structlog's context variables for every log line the call produces, checks the caller's
+For each call it takes the `x-request-id` metadata (or makes one, also for an id over
+`MAX_REQUEST_ID_CHARS`), binds it (and the method) into structlog's context variables for
+every log line the call produces, checks the caller's
 secret when the server asks for one (`cleave.rpc.auth`: UNAUTHENTICATED otherwise), starts the call's
 SERVER span under the caller's `traceparent` (`cleave.tracing`; a malformed one fails the
 call with INVALID_ARGUMENT naming it), runs the handler with that span current, maps a
@@ -32,6 +33,7 @@ from cleave.rpc.method_handlers import responses_of, rewrap
 from cleave.tracing import NOOP_SERVER_SPAN, TRACEPARENT, TRACESTATE, TRACING_OFF, Tracing
 
 REQUEST_ID_KEY = "x-request-id"
+MAX_REQUEST_ID_CHARS = 256  # a longer x-request-id is not taken (it would be echoed everywhere)
 _QUIET_PREFIXES = ("/grpc.health.", "/grpc.reflection.")  # polled often: log at debug
 # Codes that mark a server span failed (OpenTelemetry's gRPC conventions): the server's
 # faults, not the caller's (INVALID_ARGUMENT, NOT_FOUND, CANCELLED...)
@@ -199,8 +201,9 @@ class RequestInterceptor(grpc.aio.ServerInterceptor):
             return None
         method = handler_call_details.method
         metadata = handler_call_details.invocation_metadata or ()
-        request_id = next((value for key, value in metadata if key == REQUEST_ID_KEY), None)
-        request_id = str(request_id) if request_id else uuid.uuid4().hex
+        request_id = str(next((value for key, value in metadata if key == REQUEST_ID_KEY), ""))
+        if not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:
+            request_id = uuid.uuid4().hex
         trace_headers = (_metadata_value(metadata, TRACEPARENT), _metadata_value(metadata, TRACESTATE))
         tracing = self.tracing
         auth = self.auth
