@@ -18,10 +18,12 @@ A client that disconnects cancels its handler, which aborts the request on the w
 Every request runs in a server span under its `traceparent` header (`cleave.tracing`; a
 malformed one is a 400 naming it); a stream's first chunk with tokens is `gateway.first_byte`.
 With an API key, every /v1 route asks for `Authorization: Bearer <key>` (401 otherwise).
-A body over `max_request_bytes` is a 413, one that is not JSON a 400 (`http_body`); every
-other malformed field is a 400 naming it (`openai_request`), and so is a field the gateway
-cannot honour (`openai_fields`); unknown paths are OpenAI-shaped 404s (`http_errors`). A
-request refused because no worker can take it is a 503 with `Retry-After`.
+A body over `max_request_bytes` is a 413, one that is not JSON a 400, one that stops
+arriving a 408 (`http_body`); a connection that sends no whole request head within the idle
+timeout is closed, as is one idle that long between requests. Every other malformed field
+is a 400 naming it (`openai_request`), and so is a field the gateway cannot honour
+(`openai_fields`); unknown paths are OpenAI-shaped 404s (`http_errors`). A request refused
+because no worker can take it is a 503 with `Retry-After`.
 """
 
 from __future__ import annotations
@@ -47,10 +49,16 @@ from cleave.rpc.types import TopLogprobs, Usage
 from cleave.tracing import NOOP_SPAN, TRACEPARENT, TRACESTATE, TRACING_OFF, Tracing, annotate, span
 from services.gateway.backend import GatewayBackend, GenerateChunk, GenerateSpec, Prompt, SampleOutput
 from services.gateway.completions_batch import complete_batch
-from services.gateway.http_body import expect_handler, read_json
+from services.gateway.http_body import DEFAULT_BODY_TIMEOUT_S, expect_handler, read_json
 from services.gateway.http_errors import json_routing_errors
 from services.gateway.model import ServedModel
-from services.gateway.openai_request import completion_prompts, generate_spec, http_error, retry_after_headers
+from services.gateway.openai_request import (
+    HttpError,
+    completion_prompts,
+    generate_spec,
+    http_error,
+    retry_after_headers,
+)
 from services.gateway.openai_tools import call_json
 from services.gateway.readiness import Routability
 from services.gateway.request_names import resolve_model
@@ -61,6 +69,8 @@ from services.gateway.tokenize_api import detokenize, tokenize
 log = structlog.get_logger("cleave.gateway.http")
 _CHAT_PARAMS = {"input": "messages", "chat.messages": "messages", "sampling.logprobs": "top_logprobs"}
 _COMPLETION_PARAMS = {"input": "prompt", "text": "prompt", "token_ids.ids": "prompt"}
+DEFAULT_IDLE_TIMEOUT_S = 75.0  # aiohttp's run_app default; a bare AppRunner waits an hour
+_REQUEST_TIMEOUT = 408
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
@@ -89,14 +99,20 @@ class OpenAIApi:
         metrics_registry: served at `/metrics` (Prometheus text, no API key); None: no route.
         served_model: the tokenizer behind `/tokenize`, `/detokenize` and completions' `echo` of
             token-id prompts; None: no tokenize routes.
+        idle_timeout_s: a connection that sends no whole request head within this, or idles
+            this long between requests, is closed (`start_http`).
+        body_timeout_s: a request body must arrive whole within this (408 otherwise).
     """
 
     def __init__(self, backend: GatewayBackend, models: Sequence[ModelConfig], token_text,  # type: ignore[no-untyped-def]
                  tracing: Tracing = TRACING_OFF, api_key: str | None = None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                  routability: Routability | None = None, metrics_registry: CollectorRegistry | None = None,
-                 served_model: ServedModel | None = None) -> None:
+                 served_model: ServedModel | None = None, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
         self.backend = backend
+        self.idle_timeout_s = idle_timeout_s
+        self.body_timeout_s = body_timeout_s
         self.metrics_registry = metrics_registry
         self.routability = routability
         self.max_request_bytes = max_request_bytes
@@ -189,12 +205,11 @@ class OpenAIApi:
     def _tokenizer_route(self, answer):  # type: ignore[no-untyped-def]
         async def handle(request: web.Request) -> web.Response:
             try:
-                body = await read_json(request, self.max_request_bytes)
+                body = await read_json(request, self.max_request_bytes, self.body_timeout_s)
                 self._model(body)
                 return web.json_response(await answer(self.served_model, body))
             except Exception as error:
-                mapped = http_error(error, {})
-                return web.json_response(mapped.body, status=mapped.status, headers=mapped.headers)
+                return _error_response(http_error(error, {}))
         return handle
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -218,12 +233,12 @@ class OpenAIApi:
         OpenAI error body (its field named as `params` maps it)."""
         annotate(request_id=request_id)
         try:
-            return await respond(await read_json(request, self.max_request_bytes), request_id)
+            return await respond(await read_json(request, self.max_request_bytes, self.body_timeout_s), request_id)
         except Exception as error:
             mapped = http_error(error, params)
             if mapped.status == 500:
                 log.exception("request failed", request_id=request_id)
-            return web.json_response(mapped.body, status=mapped.status, headers=mapped.headers)
+            return _error_response(mapped)
 
     async def _generated(self, request: web.Request, spec: GenerateSpec, stream: bool, shaper: Any,
                          whole: Callable[[], dict[str, Any]], streamer: Any) -> web.StreamResponse:
@@ -312,6 +327,13 @@ class OpenAIApi:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+def _error_response(mapped: HttpError) -> web.Response:
+    response = web.json_response(mapped.body, status=mapped.status, headers=mapped.headers)
+    if mapped.status == _REQUEST_TIMEOUT:
+        response.force_close()  # the rest of the body is still on its way: no next request can follow it
+    return response
 
 
 def _model_card(model: ModelConfig) -> dict[str, Any]:
@@ -470,7 +492,7 @@ async def start_http(api: OpenAIApi, address: str, share_port: bool = False) -> 
     """Serve the API on host:port in the running event loop (port 0: any free port;
     `share_port`: SO_REUSEPORT, for gateway replicas on one port)."""
     host, _, port = address.rpartition(":")
-    runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None, keepalive_timeout=api.idle_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, host or "0.0.0.0", int(port), reuse_port=share_port or None)
     await site.start()

@@ -4,11 +4,13 @@ A body whose Content-Length is over the limit is refused with 413 before it is r
 `Expect: 100-continue` before the client sends it, so the client never uploads it; a
 chunked body is cut off by aiohttp's `client_max_size` (the same limit) once it passes it.
 A body that is not JSON (bad UTF-8, bad syntax, nesting deeper than the parser's recursion
-limit), or that does not decode as its `Content-Encoding` says, is a 400 naming `body`.
+limit), or that does not decode as its `Content-Encoding` says, is a 400 naming `body`; one
+that has not all arrived within the body timeout is a 408, and the connection closes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -17,9 +19,10 @@ from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_urldispatcher import _default_expect_handler  # "100 Continue", as aiohttp answers it
 
 from cleave.errors import InvalidArgument
-from services.gateway.openai_request import BodyTooLarge, http_error
+from services.gateway.openai_request import BodyTimedOut, BodyTooLarge, http_error
 
 _EXPECTATION_FAILED = 417
+DEFAULT_BODY_TIMEOUT_S = 60.0  # a body must arrive whole within this (else 408)
 
 
 def body_too_large(max_bytes: int, num_bytes: int | None) -> BodyTooLarge:
@@ -51,13 +54,16 @@ def expect_handler(max_bytes: int):  # type: ignore[no-untyped-def]
     return check
 
 
-async def read_json(request: web.Request, max_bytes: int) -> Any:
-    """The parsed body; raises BodyTooLarge over `max_bytes`, InvalidArgument (field
-    `body`) when it is not JSON."""
+async def read_json(request: web.Request, max_bytes: int, timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> Any:
+    """The parsed body; raises BodyTooLarge over `max_bytes`, BodyTimedOut when it has not
+    all arrived within `timeout_s`, InvalidArgument (field `body`) when it is not JSON."""
     if request.content_length is not None and request.content_length > max_bytes:
         raise body_too_large(max_bytes, request.content_length)
     try:
-        raw = await request.read()
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise BodyTimedOut(f"did not arrive whole within {timeout_s:g} s", field="body") from None
     except web.HTTPRequestEntityTooLarge:
         raise body_too_large(max_bytes, None) from None
     except RequestPayloadError as error:  # a Content-Encoding (gzip, deflate) that does not decode

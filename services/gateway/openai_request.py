@@ -40,8 +40,7 @@ _HTTP_STATUS = {
     "CANCELLED": 499,
 }
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
-                413: "invalid_request_error", 429: "rate_limit_error"}
-_BODY_TOO_LARGE = 413
+                408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 MAX_UINT32 = 2**32 - 1  # the widths the gRPC API's wire types give each option
 MAX_UINT64 = 2**64 - 1
 _REASONING_MODES = {"separate": ReasoningMode.SEPARATE, "hidden": ReasoningMode.HIDDEN, "inline": ReasoningMode.INLINE}
@@ -49,11 +48,26 @@ _TEMPLATE_KWARGS = ("enable_thinking", "reasoning_effort")  # the chat_template_
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request (lm-eval sends batches of them)
 
 
-class BodyTooLarge(CleaveError):
+class BodyError(CleaveError):
+    """An HTTP body the gateway could not take whole, answered with `http_status`."""
+
+    http_status = 400
+
+
+class BodyTooLarge(BodyError):
     """An HTTP body over the gateway's `--max-request-bytes` (HTTP 413; gRPC's own limit
     answers RESOURCE_EXHAUSTED)."""
 
     status_code = "RESOURCE_EXHAUSTED"
+    http_status = 413
+
+
+class BodyTimedOut(BodyError):
+    """An HTTP body that did not arrive whole in time (HTTP 408; the connection closes, as
+    the rest of the body was never read)."""
+
+    status_code = "DEADLINE_EXCEEDED"
+    http_status = 408
 
 
 @dataclass(frozen=True)
@@ -74,7 +88,7 @@ def retry_after_headers(retry_after_s: float | None) -> dict[str, str]:
 def http_error(error: BaseException, param_names: dict[str, str]) -> HttpError:
     """The HTTP status and OpenAI error body for an exception."""
     if isinstance(error, CleaveError):
-        status = _BODY_TOO_LARGE if isinstance(error, BodyTooLarge) else _HTTP_STATUS.get(error.status_code, 500)
+        status = error.http_status if isinstance(error, BodyError) else _HTTP_STATUS.get(error.status_code, 500)
         param = param_names.get(error.field or "", _openai_param(error.field))
         code = "model_not_found" if status == 404 and error.field == "model" else None
         code = "invalid_api_key" if status == 401 else code

@@ -176,6 +176,51 @@ async def test_expect_100_continue_over_the_limit_is_413_before_the_body():
         await runner.cleanup()
 
 
+async def _until_closed(port: int, sent: bytes) -> bytes:
+    """Everything the gateway answers to `sent` until it closes the connection (at most 10 s)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(sent)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), timeout=10)
+    finally:
+        writer.close()
+
+
+async def _answer(port: int, sent: bytes) -> tuple[bytes, bytes]:
+    """(head, body) of the gateway's answer to `sent` (at most 10 s)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(sent)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+        length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+        return head, await asyncio.wait_for(reader.readexactly(length), timeout=10)
+    finally:
+        writer.close()
+
+
+async def test_connections_that_never_send_a_whole_request_are_closed():
+    """Idle, half a request line, headers without their end: each held a connection for an
+    hour. A body that stops arriving held one (and a buffer of up to --max-request-bytes)
+    for as long as the client liked; now it is a 408 that closes the connection (once
+    aiohttp's lingering read of the rest ends)."""
+    api = OpenAIApi(GatedBackend(), [ModelConfig(source="tiny")], str, idle_timeout_s=0.2, body_timeout_s=0.2)
+    runner = await start_http(api, "127.0.0.1:0")
+    port = bound_port(runner)
+    try:
+        for partial in (b"", b"POST /v1/compl", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: "):
+            assert await _until_closed(port, partial) == b""
+        head = "POST {} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+            status, body = await _answer(port, head.format(path).encode() + b'{"prompt": "a')
+            assert status.startswith(b"HTTP/1.1 408 ") and b"Connection: close" in status, status
+            error = json.loads(body)["error"]
+            assert error["param"] == "body" and "0.2 s" in error["message"]
+    finally:
+        await runner.cleanup()
+
+
 # ---- prompt size before tokenizing ----------------------------------------------------------
 
 
