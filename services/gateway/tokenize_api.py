@@ -4,7 +4,7 @@ harness, benchmark tools) that count or split tokens with the served tokenizer.
     POST /tokenize    {"model"?, "prompt": str, "add_special_tokens"?: true}
                       or {"model"?, "messages": [...], "add_generation_prompt"?: true}
                       -> {"count", "max_model_len", "tokens": [...], "token_strs": null}
-    POST /detokenize  {"model"?, "tokens": [int, ...]} -> {"prompt": str}
+    POST /detokenize  {"model"?, "tokens": [int, ...]} -> {"prompt": str}  (at most the context's length)
 
 Tokenizing runs in a thread (a long prompt would hold the event loop); errors are the API's
 OpenAI-shaped 400s naming the field.
@@ -47,6 +47,9 @@ def detokenize_body(model: ServedModel, body: Any) -> dict[str, Any]:
     tokens = body.get("tokens") if isinstance(body, dict) else None
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise InvalidArgument("must be a list of token ids", field="tokens")
+    if len(tokens) > model.max_model_len:  # decoding millions of ids holds the GIL for seconds
+        raise InvalidArgument(f"holds {len(tokens)} token ids, more than this model's context of "
+                              f"{model.max_model_len} tokens", field="tokens")
     bad = next((t for t in tokens if not 0 <= t < model.vocab_size), None)
     if bad is not None:
         raise InvalidArgument(f"token id {bad} is outside this model's vocabulary [0, {model.vocab_size})",

@@ -111,9 +111,13 @@ async def test_tokenize_and_detokenize_round_trip(stack, model_dir):
         counted = (await http.post(f"{root(stack)}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})).json()
         text = (await http.post(f"{root(stack)}/detokenize", json={"tokens": tokens})).json()
         bad = await http.post(f"{root(stack)}/detokenize", json={"tokens": [10**6]})
+        # more tokens than the context holds: decoding millions of them held the gateway's GIL for seconds
+        too_many = await http.post(f"{root(stack)}/detokenize", json={"tokens": tokens * counted["max_model_len"]})
     assert counted["count"] == len(counted["tokens"]) > 1 and counted["max_model_len"] > 0
     assert text == {"prompt": CONTEXT}
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "tokens"
+    assert str(counted["max_model_len"]) in too_many.json()["error"]["message"]
 
 
 async def test_a_model_is_looked_up_by_id(stack):
