@@ -35,7 +35,10 @@ per sequence in `entry.sample_seqs` from that row: the sequence itself, then any
 
 `advance` counts every entry's tokens as computed and puts a stand-in
 (`stand_in_token(row)`, negative) where each sampled token will go; the runner feeds a
-stand-in from the tokens the launched step sampled on the device. `resolve` writes the real
+stand-in from the tokens the launched step sampled on the device. A sequence whose stand-in
+is its last token (`Sequence.max_num_tokens`: max_tokens, the context, or a prefill-only
+request's first token) sits out every later plan, keeping its blocks and never preempted,
+until `resolve` ends it. `resolve` writes the real
 ids over the stand-ins, indexes newly full blocks in the prefix cache, then asks
 `token_checker(seq, token)` whether each sequence that got a token should finish; the
 scheduler frees finished sequences' blocks. A sequence that ended after the launch (abort,
@@ -108,7 +111,7 @@ class Scheduler:
         self._in_flight: SchedulerOutput | None = None  # planned with work, not advanced yet
         # Running sequences at their `max_num_tokens`, the last token not resolved yet: they
         # sit out every step until `resolve` ends them.
-        self._done: dict[str, Sequence] = {}
+        self._done: set[str] = set()
 
     # ---- admission ------------------------------------------------------------------------
 
@@ -207,10 +210,8 @@ class Scheduler:
             if seq.status is RUNNING:  # not ended since the plan
                 seq.num_computed_tokens = entry.start_position + entry.num_new_tokens
                 if entry.sample:
-                    tokens = seq.all_token_ids
-                    tokens.append(stand_in_token(row))
-                    if len(tokens) >= seq.max_num_tokens:
-                        self._done[seq.seq_id] = seq
+                    seq.all_token_ids.append(stand_in_token(row))
+                    self._sit_out_if_done(seq)
                     if entry.forks:
                         self._start_forks(seq, entry.forks, row)
             if entry.sample:
@@ -482,8 +483,12 @@ class Scheduler:
             child.num_computed_tokens = num_computed
             child.all_token_ids.append(stand_in_token(row + offset))
             self._queues.start_running(child)
-            if len(child.all_token_ids) >= child.max_num_tokens:
-                self._done[child.seq_id] = child
+            self._sit_out_if_done(child)
+
+    def _sit_out_if_done(self, seq: Sequence) -> None:
+        """A sequence whose newest (stand-in) token is its last runs in no further step."""
+        if len(seq.all_token_ids) >= seq.max_num_tokens:
+            self._done.add(seq.seq_id)
 
     def _finish(self, seq: Sequence, status: SequenceStatus, promote_forks: bool = True) -> None:
         self._queues.finish(seq, status, promote_forks)
@@ -493,7 +498,7 @@ class Scheduler:
         """Drop a sequence's blocks (finished or preempted); cached full blocks stay reusable."""
         self.kv.free(seq_id)
         self._indexed.discard(seq_id)
-        self._done.pop(seq_id, None)
+        self._done.discard(seq_id)
 
 
 def _take_token(seq: Sequence, token: int, position: int, got: list[tuple[Sequence, int, int]]) -> None:

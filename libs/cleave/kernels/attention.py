@@ -7,7 +7,6 @@ Torch references live here; Triton kernels sit in their own files (`kv_write.py`
 
 from __future__ import annotations
 
-
 import torch
 
 from cleave.kernels.attention_decode import paged_decode_attention
