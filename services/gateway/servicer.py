@@ -209,13 +209,19 @@ def chunk_to_proto(
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    """Validates requests, hands them to a GatewayBackend, streams the results back."""
+    """Validates requests, hands them to a GatewayBackend, streams the results back.
+
+    `Abort` reaches only the requests the calling connection started: request ids may be
+    the client's own choice, so another client could know one, and a caller that is not the
+    request's gets `found: false`, as for an id that is not running.
+    """
 
     def __init__(self, backend: GatewayBackend, models: Sequence[ModelConfig]) -> None:
         if not models:
             raise ValueError("a gateway serves at least one model")
         self.backend = backend
         self.models = tuple(models)
+        self._callers: dict[str, str] = {}  # running request id -> the connection (peer) that started it
 
     def generate_spec(self, request: gateway_pb2.GenerateRequest) -> GenerateSpec:
         request_id = request.request_id or current_request_id() or ""
@@ -258,21 +264,31 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             # end a little before the client's deadline, so it gets our DEADLINE_EXCEEDED
             deadline = asyncio.get_running_loop().time() + max(remaining - DEADLINE_MARGIN_S, 0.0)
             spec = replace(spec, deadline=deadline)
-        # aclosing: a cancelled call closes the backend's stream at once, which aborts the
-        # request on its worker instead of leaving that to garbage collection
-        async with contextlib.aclosing(self.backend.generate(spec)) as chunks:
-            sent_tokens = False
-            async for chunk in chunks:
-                if not sent_tokens and chunk.samples:  # samples carry tokens
-                    sent_tokens = True
-                    mark("gateway.first_byte", request_id=spec.request_id)
-                yield chunk_to_proto(chunk, spec.request_id, spec.model)
+        callers = self._callers
+        owns = spec.request_id not in callers  # a running id keeps its caller (a second start of it fails)
+        if owns:
+            callers[spec.request_id] = context.peer()
+        try:
+            # aclosing: a cancelled call closes the backend's stream at once, which aborts the
+            # request on its worker instead of leaving that to garbage collection
+            async with contextlib.aclosing(self.backend.generate(spec)) as chunks:
+                sent_tokens = False
+                async for chunk in chunks:
+                    if not sent_tokens and chunk.samples:  # samples carry tokens
+                        sent_tokens = True
+                        mark("gateway.first_byte", request_id=spec.request_id)
+                    yield chunk_to_proto(chunk, spec.request_id, spec.model)
+        finally:
+            if owns:
+                del callers[spec.request_id]
 
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
-        found = await self.backend.abort(*abort_target(request))
-        return common_pb2.AbortResponse(found=found)
+        request_id, sample_index = abort_target(request)
+        if self._callers.get(request_id) != context.peer():
+            return common_pb2.AbortResponse(found=False)
+        return common_pb2.AbortResponse(found=await self.backend.abort(request_id, sample_index))
 
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

@@ -1,5 +1,6 @@
 """n > 1: a sample that a stop string ends at the gateway stops decoding on its worker at
-once (a per-sample Abort), while the request's other samples go on."""
+once (a per-sample Abort), while the request's other samples go on; an Abort reaches only
+the connection's own requests."""
 
 from __future__ import annotations
 
@@ -84,4 +85,25 @@ async def test_abort_rpc_with_a_sample_index_ends_only_that_sample(stack):
     assert found.found
     assert [s.finish_reason for s in result.samples] == ["length", "abort"]
     assert result.usage.completion_tokens < 2 * 60
+    assert await wait_for_free_blocks(stack, before) == before
+
+
+async def test_abort_reaches_only_the_connection_that_started_the_request(stack):
+    """A request id may be the client's choice, so another client may know it: its Abort,
+    over another connection, finds nothing and the request runs on; the starting
+    connection's Abort ends it."""
+    before = free_blocks(stack)
+    async with GatewayClient(stack.gateway_address) as owner, GatewayClient(stack.gateway_address) as other:
+        call = owner.stream(build_request(PROMPT, request_id="mine", max_tokens=40, temperature=1.0, seed=5,
+                                          ignore_eos=True))
+        await anext(aiter(call))
+        assert not (await other.stub.Abort(c.AbortRequest(request_id="mine"))).found
+        assert not (await other.stub.Abort(c.AbortRequest(request_id="mine", sample_index=0))).found
+        result = await collect(call)
+        assert [s.finish_reason for s in result.samples] == ["length"] and result.usage.completion_tokens == 40
+        again = owner.stream(build_request(PROMPT, request_id="mine", max_tokens=60, temperature=1.0, seed=5,
+                                           ignore_eos=True))
+        await anext(aiter(again))
+        assert (await owner.stub.Abort(c.AbortRequest(request_id="mine"))).found
+        assert [s.finish_reason for s in (await collect(again)).samples] == ["abort"]
     assert await wait_for_free_blocks(stack, before) == before

@@ -69,7 +69,8 @@ class GatewayServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Aborts a running request by id; its stream ends with FINISH_REASON_ABORT.
+        """Aborts a running request by id; its stream ends with FINISH_REASON_ABORT. Only the
+        connection that started the request reaches it: any other gets found = false.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
