@@ -14,7 +14,8 @@
 Streaming answers are server-sent events (`data: {...}\\n\\n`, then `data: [DONE]\\n\\n`).
 Reasoning models put their thinking in `reasoning_content` of the chat message (or delta),
 as vLLM and DeepSeek do, and count it in `usage.completion_tokens_details.reasoning_tokens`.
-A client that disconnects cancels its handler, which aborts the request on the worker.
+A client that disconnects cancels its handler (or fails its next write), which aborts the
+request on the worker and is logged once at INFO, without an error answer.
 Every request runs in a server span under its `traceparent` header (`cleave.tracing`; a
 malformed one is a 400 naming it); a stream's first chunk with tokens is `gateway.first_byte`.
 With an API key, every /v1 route asks for `Authorization: Bearer <key>` (401 otherwise).
@@ -34,7 +35,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import structlog
@@ -256,20 +257,21 @@ class OpenAIApi:
                                shaper: ResponseShaper) -> web.StreamResponse:
         first = await anext(chunks, None)  # errors before the first token still get a status
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        try:
-            await response.write(shaper.start_events())
-            if first is not None:
-                await response.write(shaper.events(first))
-                async for chunk in chunks:
-                    if data := shaper.events(chunk):
-                        await response.write(data)
-            await response.write(shaper.end_events())
-        except Exception as error:  # after the headers went out, an error travels as an event
-            if isinstance(error, ConnectionResetError):
-                raise
-            await response.write(shaper.error_event(http_error(error, RESPONSES_PARAMS).body))
-        await response.write_eof()
+        with _unless_client_left(request, shaper.spec.request_id):
+            await response.prepare(request)
+            try:
+                await response.write(shaper.start_events())
+                if first is not None:
+                    await response.write(shaper.events(first))
+                    async for chunk in chunks:
+                        if data := shaper.events(chunk):
+                            await response.write(data)
+                await response.write(shaper.end_events())
+            except Exception as error:  # after the headers went out, an error travels as an event
+                if isinstance(error, ConnectionResetError):
+                    raise
+                await response.write(shaper.error_event(http_error(error, RESPONSES_PARAMS).body))
+            await response.write_eof()
         return response
 
     def _model(self, body: Any) -> str:
@@ -309,24 +311,43 @@ class OpenAIApi:
     ) -> web.StreamResponse:
         first = await anext(chunks, None)  # errors before the first token still get a status
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        try:
-            if first is not None:
-                # a chunk with samples carries tokens; one without ends a request that made none
-                with span("gateway.first_byte", request_id=shaper.spec.request_id) if first.samples else NOOP_SPAN:
-                    await response.write(shaper.sse(first))
-                async for chunk in chunks:  # one write per chunk, whatever its samples
-                    if data := shaper.sse(chunk):
-                        await response.write(data)
-            if shaper.include_usage:
-                await response.write(_sse(shaper.usage_event()))
-        except Exception as error:  # after the headers went out, an error travels as an event
-            if isinstance(error, ConnectionResetError):
-                raise
-            await response.write(_sse(http_error(error, {}).body))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+        with _unless_client_left(request, shaper.spec.request_id):
+            await response.prepare(request)
+            try:
+                if first is not None:
+                    # a chunk with samples carries tokens; one without ends a request that made none
+                    with span("gateway.first_byte", request_id=shaper.spec.request_id) if first.samples else NOOP_SPAN:
+                        await response.write(shaper.sse(first))
+                    async for chunk in chunks:  # one write per chunk, whatever its samples
+                        if data := shaper.sse(chunk):
+                            await response.write(data)
+                if shaper.include_usage:
+                    await response.write(_sse(shaper.usage_event()))
+            except Exception as error:  # after the headers went out, an error travels as an event
+                if isinstance(error, ConnectionResetError):
+                    raise
+                await response.write(_sse(http_error(error, {}).body))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
         return response
+
+
+@contextlib.contextmanager
+def _unless_client_left(request: web.Request, request_id: str) -> Iterator[None]:
+    """Around a stream's writes: a client that went away ends them, logged once at INFO.
+
+    aiohttp cancels the handler when it sees the connection close, but a handler that resumes
+    first (a chunk's wake-up was already queued) meets the close as a ConnectionResetError
+    from its next write. Either way the stream's chunks are closed, which aborts the request
+    on its worker; a client going away is not a failure, and no answer can reach it, so the
+    stream's response is returned as it is (aiohttp finishes it quietly)."""
+    try:
+        yield
+    except ConnectionResetError:
+        if request.transport is not None and not request.transport.is_closing():
+            raise  # the connection is still up: not the client leaving
+        log.info("client went away mid-stream", request_id=request_id)
+        annotate(cancelled=True)
 
 
 def _error_response(mapped: HttpError) -> web.Response:
