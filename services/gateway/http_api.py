@@ -23,8 +23,10 @@ A body over `max_request_bytes` is a 413, one that is not JSON a 400, one that s
 arriving a 408 (`http_body`); a connection that sends no whole request head within the idle
 timeout is closed, as is one idle that long between requests. Every other malformed field
 is a 400 naming it (`openai_request`), and so is a field the gateway cannot honour
-(`openai_fields`); unknown paths are OpenAI-shaped 404s (`http_errors`). A request refused
-because no worker can take it is a 503 with `Retry-After`.
+(`openai_fields`); unknown paths are OpenAI-shaped 404s, and requests aiohttp cannot parse
+OpenAI-shaped 400s (415 for a Content-Encoding it cannot decode), each logged in one WARNING
+line (`http_errors`). A request refused because no worker can take it is a 503 with
+`Retry-After`.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from cleave.tracing import NOOP_SPAN, TRACEPARENT, TRACESTATE, TRACING_OFF, Trac
 from services.gateway.backend import GatewayBackend, GenerateChunk, GenerateSpec, Prompt, SampleOutput
 from services.gateway.completions_batch import complete_batch
 from services.gateway.http_body import DEFAULT_BODY_TIMEOUT_S, expect_handler, read_json
-from services.gateway.http_errors import json_routing_errors
+from services.gateway.http_errors import AppRunner, json_routing_errors
 from services.gateway.model import ServedModel
 from services.gateway.openai_request import (
     HttpError,
@@ -513,7 +515,7 @@ async def start_http(api: OpenAIApi, address: str, share_port: bool = False) -> 
     """Serve the API on host:port in the running event loop (port 0: any free port;
     `share_port`: SO_REUSEPORT, for gateway replicas on one port)."""
     host, _, port = address.rpartition(":")
-    runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None, keepalive_timeout=api.idle_timeout_s)
+    runner = AppRunner(api.app(), handler_cancellation=True, access_log=None, keepalive_timeout=api.idle_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, host or "0.0.0.0", int(port), reuse_port=share_port or None)
     await site.start()

@@ -1,13 +1,40 @@
-"""Routing errors of the HTTP API in OpenAI's error shape.
+"""Errors of the HTTP API that aiohttp would answer itself, in OpenAI's error shape.
 
-aiohttp answers an unknown path or a wrong method in plain text; OpenAI clients parse
-`{"error": {"message", "type", "param", "code"}}` from every non-2xx answer, so this
-middleware rewrites those answers (404 `not_found_error`, 405 `invalid_request_error`).
+OpenAI clients parse `{"error": {"message", "type", "param", "code"}}` from every non-2xx
+answer. aiohttp answers an unknown path or a wrong method in plain text; the
+`json_routing_errors` middleware rewrites those answers (404 `not_found_error`, 405
+`invalid_request_error`).
+
+A request aiohttp cannot parse (a bad request line or header, a bad chunk size, a
+Content-Encoding it has no decoder for) never reaches a middleware: aiohttp's connection
+protocol answered it in plain text and logged the parser's traceback at ERROR, as it did
+for a body that failed to decode once its handler had answered, so a client could flood
+the logs. `AppRunner` serves the app on `OpenAIProtocol` connections, which answer such a
+request with a 400 (a 415 with `Accept-Encoding` for a Content-Encoding it cannot decode)
+and log one WARNING line without a traceback, naming what was wrong but not the request
+bytes the parser's message quotes (a header's value may be a credential). aiohttp has no
+public hook for these answers (aio-libs/aiohttp#3287): the protocol class is chosen in
+`web.Server.__call__`, and `AppRunner._make_server` builds the server, as in every aiohttp
+from 3.9 on.
 """
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
+import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
+
+from cleave.errors import CleaveError, InvalidArgument
+from services.gateway.openai_request import BodyEncodingUnsupported, http_error
+
+log = structlog.get_logger("cleave.gateway.http")
+DECODED_ENCODINGS = ("gzip", "deflate")  # what aiohttp always decodes (br and zstd need optional packages)
+_MAX_REASON_CHARS = 200
+_QUOTED_BYTES = re.compile(r"""(?:^|[\s:(]+)(?:bytearray\(|b?['"]|\^)""")  # where a parser message quotes the request
 
 
 @web.middleware
@@ -26,3 +53,64 @@ async def json_routing_errors(request: web.Request, handler) -> web.StreamRespon
 def _error(status: int, error_type: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
     body = {"error": {"message": message, "type": error_type, "param": None, "code": None}}
     return web.json_response(body, status=status, headers=headers)
+
+
+def _parser_reason(error: BaseException) -> str:
+    """What aiohttp's parser found wrong, without the request bytes its message quotes."""
+    if not isinstance(error, HttpProcessingError) and isinstance(error.__cause__, HttpProcessingError):
+        error = error.__cause__  # a RequestPayloadError, raised from the parser's error
+    message = error.message if isinstance(error, HttpProcessingError) else str(error)
+    parts = [_QUOTED_BYTES.split(line.strip(), maxsplit=1)[0].rstrip(":. ") for line in message.splitlines()]
+    return ": ".join(part for part in parts if part)[:_MAX_REASON_CHARS] or type(error).__name__
+
+
+def _client_error(error: HttpProcessingError) -> CleaveError:
+    if isinstance(error, ContentEncodingError):  # raised with the head: a coding aiohttp has no decoder for
+        return BodyEncodingUnsupported(f"is not supported; send the body uncompressed or encoded as "
+                                       f"{' or '.join(DECODED_ENCODINGS)}", field="Content-Encoding")
+    return InvalidArgument(f"the HTTP request is malformed ({_parser_reason(error)})")
+
+
+class OpenAIProtocol(web.RequestHandler):
+    """aiohttp's HTTP/1 connection protocol, answering requests it cannot parse in OpenAI's
+    error shape with one log line each (module docstring). A handler's own failure (5xx)
+    is answered and logged as aiohttp does."""
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status >= 500 or not isinstance(exc, HttpProcessingError):
+            return super().handle_error(request, status, exc, message)
+        mapped = http_error(_client_error(exc), {})
+        log.warning("malformed HTTP request", status=mapped.status, reason=_parser_reason(exc), peer=request.remote)
+        headers = dict(mapped.headers)
+        if isinstance(exc, ContentEncodingError):
+            headers["Accept-Encoding"] = ", ".join(DECODED_ENCODINGS)
+        response = web.json_response(mapped.body, status=mapped.status, headers=headers)
+        response.force_close()  # the rest of the connection's bytes cannot be framed
+        return response
+
+    def log_exception(self, *args: Any, **kwargs: Any) -> None:
+        error = kwargs.get("exc_info")
+        if isinstance(error, RequestPayloadError):
+            # a body that did not decode (answered 400 by its handler, or not read at all), met
+            # again as aiohttp reads what is left of it after the answer
+            peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+            log.warning("malformed HTTP request body", reason=_parser_reason(error), peer=peer[0] if peer else None)
+            return
+        super().log_exception(*args, **kwargs)
+
+
+class _Server(web.Server):
+    """aiohttp's low-level server, making `OpenAIProtocol` connections."""
+
+    def __call__(self) -> web.RequestHandler:
+        return OpenAIProtocol(self, loop=self._loop, **self._kwargs)
+
+
+class AppRunner(web.AppRunner):
+    """`web.AppRunner` (same arguments) whose connections are `OpenAIProtocol`s."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()  # the app started and frozen: its handler and request factory
+        return _Server(server.request_handler, request_factory=server.request_factory,
+                       handler_cancellation=server.handler_cancellation, **server._kwargs)

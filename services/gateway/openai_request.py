@@ -40,7 +40,8 @@ _HTTP_STATUS = {
     "CANCELLED": 499,
 }
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
-                408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+                408: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+                429: "rate_limit_error"}
 MAX_UINT32 = 2**32 - 1  # the widths the gRPC API's wire types give each option
 MAX_UINT64 = 2**64 - 1
 _REASONING_MODES = {"separate": ReasoningMode.SEPARATE, "hidden": ReasoningMode.HIDDEN, "inline": ReasoningMode.INLINE}
@@ -68,6 +69,14 @@ class BodyTimedOut(BodyError):
 
     status_code = "DEADLINE_EXCEEDED"
     http_status = 408
+
+
+class BodyEncodingUnsupported(BodyError):
+    """An HTTP body in a Content-Encoding the gateway cannot decode (HTTP 415, answered with
+    the codings it can in `Accept-Encoding`: `http_errors`)."""
+
+    status_code = "INVALID_ARGUMENT"
+    http_status = 415
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 
 import grpc
 import httpx
 import openai
 import pytest
+import structlog
 
 from cleave.config import (
     DEFAULT_GATEWAY_MAX_MESSAGE_BYTES,
@@ -348,3 +350,61 @@ async def test_grpc_out_of_range_fields_are_invalid_argument(gateway, field, val
             pass
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error_detail(raised.value).field == path
+
+
+# ---- malformed HTTP requests ----------------------------------------------------------------
+
+SECRET = "sk-not-for-logs"
+
+
+def _post(headers: str, body: bytes = b"{}") -> bytes:
+    return f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{headers}\r\n".encode() + body
+
+
+def _decodes(coding: str) -> bool:
+    """Whether aiohttp here decodes the Content-Encoding (br and zstd need optional packages)."""
+    from aiohttp import compression_utils
+
+    return bool(getattr(compression_utils, {"br": "HAS_BROTLI", "zstd": "HAS_ZSTD"}[coding], False))
+
+
+MALFORMED_REQUESTS = [
+    ("request line", b"GARBAGE\r\n\r\n", 400),
+    ("HTTPS on the HTTP port", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(32) + b"\r\n\r\n", 400),
+    ("HTTP version", b"GET /health HTTP/9.x\r\nHost: x\r\n\r\n", 400),
+    ("request line too long", b"GET /" + b"a" * 10_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    ("header name", _post("Bad Header: y\r\nContent-Length: 2\r\n"), 400),
+    ("header value", _post(f"Authorization: Bearer {SECRET}\x01\r\nContent-Length: 2\r\n"), 400),
+    ("two Content-Lengths", _post("Content-Length: 2\r\nContent-Length: 3\r\n"), 400),
+    ("chunk size", _post("Transfer-Encoding: chunked\r\n", b"zz\r\n{}\r\n0\r\n\r\n"), 400),
+    ("gzip that does not decode", _post("Content-Encoding: gzip\r\nContent-Length: 8\r\n", b"not json"), 400),
+    ("br", _post("Content-Encoding: br\r\nContent-Length: 8\r\n", b"not json"), 400 if _decodes("br") else 415),
+    ("zstd", _post("Content-Encoding: zstd\r\nContent-Length: 8\r\n", b"not json"), 400 if _decodes("zstd") else 415),
+]
+
+
+@pytest.mark.parametrize(("sent", "status"), [case[1:] for case in MALFORMED_REQUESTS],
+                         ids=[case[0] for case in MALFORMED_REQUESTS])
+async def test_malformed_http_requests_get_openai_errors_and_one_log_line(caplog, sent, status):
+    """aiohttp answered these in plain text before any handler ran, and logged each at ERROR
+    with a traceback of some fifteen lines (a body that did not decode: once the handler had
+    answered, as aiohttp read the rest), so a client could flood the logs."""
+    api = OpenAIApi(GatedBackend(), [ModelConfig(source="tiny")], str)
+    runner = await start_http(api, "127.0.0.1:0")
+    try:
+        with structlog.testing.capture_logs() as logs, caplog.at_level(logging.DEBUG):
+            answer = await _until_closed(bound_port(runner), sent)
+    finally:
+        await runner.cleanup()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == str(status).encode(), answer
+    assert b"Content-Type: application/json" in head, answer
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["message"]
+    if status == 415:
+        assert error["param"] == "Content-Encoding" and b"Accept-Encoding: " in head
+    assert not [record for record in caplog.records if record.levelno >= logging.INFO or record.exc_info], caplog.text
+    (line,) = logs  # one line per request, without a traceback or the request's bytes
+    assert line["log_level"] in ("debug", "info", "warning") and not {"exc_info", "exception"} & line.keys(), line
+    assert SECRET not in str(line)
