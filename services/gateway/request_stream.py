@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Executor
 from dataclasses import replace
 
 import structlog
@@ -75,6 +76,7 @@ async def stream_samples(
     tag_tokens: dict[int, str],
     migrate: Migrate,
     abort_sample: Callable[[int], None],
+    verify_on: Executor | None = None,
 ) -> AsyncIterator[GenerateChunk]:
     """The request's chunks until every sample finished; marks `worker_finished[i]` as a
     worker reports sample i finished (the caller aborts the worker requests with a sample
@@ -147,7 +149,8 @@ async def stream_samples(
                 samples=tuple(news[i] for i in sorted(news)),
                 usage=usage() if spec.stream.continuous_usage else None,
             ), prompt_scores, prompt_ids)
-    yield with_prompt_scores(await final_chunk(spec, texts, collected, usage(), hold), prompt_scores, prompt_ids)
+    final = await final_chunk(spec, texts, collected, usage(), hold, verify_on)
+    yield with_prompt_scores(final, prompt_scores, prompt_ids)
 
 
 def with_prompt_scores(
@@ -168,13 +171,15 @@ async def final_chunk(
     collected: dict[int, SampleOutput],
     usage: Usage,
     hold: bool,
+    verify_on: Executor | None = None,
 ) -> GenerateChunk:
-    """The last chunk: usage, held samples, and the scaling strategy's verdict."""
+    """The last chunk: usage, held samples, and the scaling strategy's verdict (its
+    verifier on `verify_on`'s threads)."""
     strategy = spec.scaling.strategy
     if strategy is Strategy.NONE:
         samples = tuple(collected[i] for i in sorted(collected)) if hold else ()
         return GenerateChunk(samples=samples, usage=usage)
-    result = await combine(spec.request_id, spec.scaling, [scored_text(t) for t in texts])
+    result = await combine(spec.request_id, spec.scaling, [scored_text(t) for t in texts], verify_on)
     summary = summary_chunk(result)
     samples = []
     for entry in summary.samples:

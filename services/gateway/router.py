@@ -65,6 +65,7 @@ log = structlog.get_logger("cleave.gateway")
 # Prompts up to this many bytes tokenize on the event loop: a thread hop would cost more.
 INLINE_TOKENIZE_MAX_BYTES = 1024
 TOKENIZE_THREADS = 4
+VERIFY_THREADS = 4  # sandboxed verifications running at once, over every request
 MAX_PREFILL_RETRIES = 1  # other prefill workers tried after one fails a request's Prefill
 
 
@@ -124,6 +125,10 @@ class RoutingBackend:
         self._num_generating = 0  # generate() calls past the drain gate that have not ended
         self.gate = DrainGate(f"gateway {options.gateway_id}")
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="gateway-tokenize")
+        # test-time scaling's verifiers (code runs in sandboxes for up to MAX_CANDIDATE_TIMEOUT_S):
+        # threads of their own, so they bound how many sandboxes run at once and never hold
+        # the default executor's threads that other off-loop work shares
+        self._verify_pool = ThreadPoolExecutor(VERIFY_THREADS, thread_name_prefix="gateway-verify")
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -144,6 +149,7 @@ class RoutingBackend:
         await self.placement.close()
         await self.pool.close()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._verify_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _on_worker_change(self, worker: WorkerHandle) -> None:
         await self.placement.on_worker_change(worker)
@@ -242,6 +248,7 @@ class RoutingBackend:
             chunks = stream_samples(
                 spec, prompt_ids, num_cached, running, worker_finished,
                 model=self.model, tag_tokens=self._tag_tokens, migrate=migrate, abort_sample=abort_sample,
+                verify_on=self._verify_pool,
             )
             async for chunk in chunks:
                 yield chunk

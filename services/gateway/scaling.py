@@ -2,13 +2,15 @@
 
 All samples come from one n-sample engine request (they share the prompt's KV on the decode
 worker). Once every sample has finished, `run_scaling` extracts and votes on the answers,
-scores them with the requested verifier (in worker threads) and computes GRPO advantages;
+scores them with the requested verifier (on the gateway's verification threads, so a slow
+sandbox never holds the threads other work shares) and computes GRPO advantages;
 `summary_chunk` turns its `ScalingResult` into the stream's final message.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Executor
 
 from cleave.scaling import CodeVerifier, MathVerifier, ScalingRequest, ScalingResult, Strategy, run_scaling
 from cleave.scaling.code_verifier import MAX_CANDIDATE_TIMEOUT_S
@@ -28,8 +30,11 @@ def build_verifier(verifier: VerifierSpec | None) -> MathVerifier | CodeVerifier
     return CodeVerifier(verifier.tests, limits, total_timeout_s=MAX_CANDIDATE_TIMEOUT_S)
 
 
-async def combine(request_id: str, scaling: Scaling, texts: Sequence[str]) -> ScalingResult:
-    """Score and combine finished samples (`texts[i]` is sample i's answer text)."""
+async def combine(
+    request_id: str, scaling: Scaling, texts: Sequence[str], executor: Executor | None = None
+) -> ScalingResult:
+    """Score and combine finished samples (`texts[i]` is sample i's answer text), the
+    verifier on `executor`'s threads."""
     verifier = build_verifier(scaling.verifier)
     try:
         return await run_scaling(
@@ -38,6 +43,7 @@ async def combine(request_id: str, scaling: Scaling, texts: Sequence[str]) -> Sc
             scaling.strategy,
             len(texts),
             verifier,
+            executor,
         )
     finally:
         if isinstance(verifier, MathVerifier):

@@ -112,3 +112,28 @@ async def test_generation_failure_propagates():
 
     with pytest.raises(RuntimeError, match="decode worker lost"):
         await run_scaling(generate, ScalingRequest(), Strategy.MAJORITY_VOTE, 2, Verifier())
+
+
+async def test_the_verifier_runs_on_the_callers_executor_with_its_log_context():
+    """A gateway's verifications take threads of their own (`executor`), not the default
+    executor other off-loop work shares, and keep the request's structlog context."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import structlog
+
+    seen = []
+
+    class Recording:
+        def score(self, text):
+            seen.append((__import__("threading").current_thread().name,
+                         structlog.contextvars.get_contextvars().get("request_id")))
+            return 1.0
+
+    structlog.contextvars.bind_contextvars(request_id="r-7")
+    try:
+        with ThreadPoolExecutor(2, thread_name_prefix="verify") as pool:
+            result = await run_scaling(generate_list, ScalingRequest(), Strategy.BEST_OF_N, 6, Recording(), pool)
+    finally:
+        structlog.contextvars.unbind_contextvars("request_id")
+    assert result.rewards == [1.0] * 6
+    assert len(seen) == 6 and all(name.startswith("verify") and rid == "r-7" for name, rid in seen)

@@ -4,15 +4,18 @@ The caller supplies the samples through `generate_fn(n)`, typically one engine r
 `SamplingParams(n=n)` whose samples share the prompt's KV. It may return a list, an awaitable
 of a list, or an async iterator that yields samples as they finish; with an iterator each
 sample is verified while the others are still generating. Verifiers are synchronous
-(`score(text) -> float`, possibly slow: code runs in a sandbox) and run in worker threads,
-at most `ScalingRequest.max_concurrent_verifications` at a time.
+(`score(text) -> float`, possibly slow: code runs in a sandbox) and run in worker threads
+(the caller's `executor`, or asyncio's default one), at most
+`ScalingRequest.max_concurrent_verifications` at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, Union
 
@@ -78,23 +81,26 @@ def as_candidate(sample: SampleLike, arrival_index: int) -> Candidate:
     return Candidate(text, index, num_tokens, mean_logprob)
 
 
-async def _score(verifier: Verifier, text: str, limiter: asyncio.Semaphore) -> tuple[float, str | None]:
+async def _score(
+    verifier: Verifier, text: str, limiter: asyncio.Semaphore, executor: Executor | None
+) -> tuple[float, str | None]:
     async with limiter:
         try:
-            return float(await asyncio.to_thread(verifier.score, text)), None
+            call = contextvars.copy_context().run  # the caller's log context goes with the call
+            return float(await asyncio.get_running_loop().run_in_executor(executor, call, verifier.score, text)), None
         except Exception as error:  # a verifier failure costs the sample its reward, not the request
             return 0.0, f"{type(error).__name__}: {error}"
 
 
 async def _collect(
-    generated: GenerateResult, verifier: Verifier | None, limiter: asyncio.Semaphore
+    generated: GenerateResult, verifier: Verifier | None, limiter: asyncio.Semaphore, executor: Executor | None
 ) -> list[tuple[Candidate, asyncio.Task | None]]:
     if inspect.isawaitable(generated):
         generated = await generated
 
     def start(sample: SampleLike, arrival_index: int) -> tuple[Candidate, asyncio.Task | None]:
         candidate = as_candidate(sample, arrival_index)
-        task = asyncio.ensure_future(_score(verifier, candidate.text, limiter)) if verifier else None
+        task = asyncio.ensure_future(_score(verifier, candidate.text, limiter, executor)) if verifier else None
         return candidate, task
 
     collected: list[tuple[Candidate, asyncio.Task | None]] = []
@@ -126,8 +132,10 @@ async def run_scaling(
     strategy: Strategy,
     num_samples: int,
     verifier: Verifier | None = None,
+    executor: Executor | None = None,
 ) -> ScalingResult:
-    """Draw `num_samples` samples and combine them with `strategy`.
+    """Draw `num_samples` samples and combine them with `strategy`; the verifier runs on
+    `executor`'s threads (None: asyncio's default executor).
 
     BEST_OF_N ranks by verifier reward; without a verifier it ranks by mean token logprob
     when every sample carries one (a verifier-free heuristic), and otherwise is refused.
@@ -136,7 +144,7 @@ async def run_scaling(
     strategy = Strategy(strategy)
     _validate(strategy, num_samples, verifier)
     limiter = asyncio.Semaphore(max(1, request.max_concurrent_verifications))
-    collected = await _collect(generate_fn(num_samples), verifier, limiter)
+    collected = await _collect(generate_fn(num_samples), verifier, limiter, executor)
     if not collected:
         raise InvalidArgument(f"request {request.request_id!r}: generation returned no samples")
     collected.sort(key=lambda item: item[0].index)

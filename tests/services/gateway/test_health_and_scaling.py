@@ -96,6 +96,26 @@ async def test_group_rollout_rewards_and_advantages(two_decoders):
     assert [s.advantage for s in result.samples] == pytest.approx(group_advantages(rewards))
 
 
+async def test_verifiers_run_on_the_gateways_verification_threads(two_decoders, monkeypatch):
+    """Not on asyncio's default executor, which other off-loop work shares: a sandboxed code
+    verification may hold its thread for minutes."""
+    import threading
+
+    threads: list[str] = []
+    score = MathVerifier.score
+
+    def recording(self, text):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        return score(self, text)
+
+    monkeypatch.setattr(MathVerifier, "score", recording)
+    verifier = g.Verifier(kind=g.Verifier.KIND_MATH, expected_answer="3")
+    scaling = g.TestTimeScaling(strategy=g.TestTimeScaling.STRATEGY_GROUP_ROLLOUT, num_samples=3, verifier=verifier)
+    async with GatewayClient(two_decoders.gateway_address) as client:
+        await client.complete(PROMPT, max_tokens=4, temperature=1.0, seed=2, scaling=scaling)
+    assert len(threads) == 3 and all(name.startswith("gateway-verify") for name in threads)
+
+
 async def test_best_of_n_selects_the_highest_reward(two_decoders):
     verifier = g.Verifier(kind=g.Verifier.KIND_MATH, expected_answer="2")
     scaling = g.TestTimeScaling(strategy=g.TestTimeScaling.STRATEGY_BEST_OF_N, num_samples=4, verifier=verifier,
