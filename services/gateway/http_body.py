@@ -5,7 +5,9 @@ A body whose Content-Length is over the limit is refused with 413 before it is r
 chunked body is cut off by aiohttp's `client_max_size` (the same limit) once it passes it.
 A body that is not JSON (bad UTF-8, bad syntax, nesting deeper than the parser's recursion
 limit), or that does not decode as its `Content-Encoding` says, is a 400 naming `body`; one
-that has not all arrived within the body timeout is a 408, and the connection closes.
+that has not all arrived within the body timeout is a 408, and the connection closes. A body
+over `INLINE_PARSE_MAX_BYTES` is parsed in a worker thread, so other requests' streams go on
+meanwhile.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from services.gateway.openai_request import BodyTimedOut, BodyTooLarge, http_err
 
 _EXPECTATION_FAILED = 417
 DEFAULT_BODY_TIMEOUT_S = 60.0  # a body must arrive whole within this (else 408)
+INLINE_PARSE_MAX_BYTES = 1 << 20  # a larger body is parsed in a worker thread, off the event loop
 
 
 def body_too_large(max_bytes: int, num_bytes: int | None) -> BodyTooLarge:
@@ -70,6 +73,9 @@ async def read_json(request: web.Request, max_bytes: int, timeout_s: float = DEF
         encoding = request.headers.get("Content-Encoding", "")
         raise InvalidArgument(f"does not decode as its Content-Encoding {encoding!r}", field="body") from None
     try:
+        if len(raw) > INLINE_PARSE_MAX_BYTES:
+            # 30 MB of token ids takes about a quarter second to parse: on the loop, every stream would wait
+            return await asyncio.to_thread(json.loads, raw)
         return json.loads(raw)
     except RecursionError:
         raise InvalidArgument("is nested too deeply to parse", field="body") from None

@@ -1,6 +1,7 @@
 """Bounded input at the gateway: body and message size limits (413 / RESOURCE_EXHAUSTED),
-prompts refused by their UTF-8 size before the tokenizer runs, long prompts tokenized off
-the event loop, and a 400 naming the field for every malformed HTTP body.
+prompts refused by their UTF-8 size before the tokenizer runs, long prompts tokenized and
+large bodies parsed off the event loop, a 400 naming the field for every malformed HTTP body,
+and OpenAI-shaped answers, logged in one line, to requests the HTTP parser refuses.
 
 The routing backend here has workers that never answer: every request is refused or
 tokenized before it would need one.
@@ -35,6 +36,7 @@ from cleave.rpc.types import Usage
 from services.gateway.__main__ import registration
 from services.gateway.backend import GenerateChunk, SampleOutput
 from services.gateway.http_api import OpenAIApi, bound_port, start_http
+from services.gateway.http_body import INLINE_PARSE_MAX_BYTES
 from services.gateway.model import ServedModel
 from services.gateway.router import INLINE_TOKENIZE_MAX_BYTES, GatewayOptions, RoutingBackend
 from services.gateway.servicer import GatewayServicer
@@ -408,3 +410,64 @@ async def test_malformed_http_requests_get_openai_errors_and_one_log_line(caplog
     (line,) = logs  # one line per request, without a traceback or the request's bytes
     assert line["log_level"] in ("debug", "info", "warning") and not {"exc_info", "exception"} & line.keys(), line
     assert SECRET not in str(line)
+
+
+# ---- large bodies parse off the event loop ----------------------------------------------------
+
+LARGE = INLINE_PARSE_MAX_BYTES + 1024
+
+
+async def test_a_large_body_is_parsed_in_a_thread_while_the_loop_serves(monkeypatch):
+    backend = GatedBackend()
+    backend.go.set()
+    api = OpenAIApi(backend, [ModelConfig(source="tiny")], str)
+    runner = await start_http(api, "127.0.0.1:0")
+    parsing, health_answered = threading.Event(), threading.Event()
+    answered_while_parsing = []
+    loads = json.loads
+
+    def hold_until_health_answers(raw, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if len(raw) > INLINE_PARSE_MAX_BYTES:
+            # on the event loop this would block the health check below: the wait times out
+            parsing.set()
+            answered_while_parsing.append(health_answered.wait(timeout=5))
+        return loads(raw, *args, **kwargs)
+
+    monkeypatch.setattr(json, "loads", hold_until_health_answers)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{bound_port(runner)}", timeout=10) as client:
+            body = json.dumps({"prompt": "x" * LARGE, "max_tokens": 2}).encode()
+            request = asyncio.create_task(client.post("/v1/completions", content=body))
+            assert await asyncio.to_thread(parsing.wait, 5)
+            assert (await client.get("/health")).status_code == 200
+            health_answered.set()
+            response = await request
+    finally:
+        await runner.cleanup()
+    assert answered_while_parsing == [True]
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "ab"
+
+
+@pytest.mark.parametrize("body", [
+    b'{"prompt": "' + b"a" * LARGE,  # unterminated string
+    b'{"prompt": "' + b"a" * LARGE + b'\xff"}',  # not UTF-8
+    b"[" * LARGE + b"]" * LARGE,  # deeper than the parser's recursion limit
+    b'{"prompt": "' + b"a" * LARGE + b'"} trailing',
+], ids=["unterminated", "not UTF-8", "too deep", "extra data"])
+async def test_a_large_malformed_body_gets_the_same_400_as_a_small_one(body):
+    try:
+        json.loads(body)
+    except RecursionError:
+        expected = "body: is nested too deeply to parse"
+    except ValueError as error:
+        expected = f"body: is not valid JSON ({error})"
+    api = OpenAIApi(GatedBackend(), [ModelConfig(source="tiny")], str)
+    runner = await start_http(api, "127.0.0.1:0")
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{bound_port(runner)}", timeout=10) as client:
+            response = await client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    finally:
+        await runner.cleanup()
+    assert response.status_code == 400
+    assert response.json()["error"] == {"message": expected, "type": "invalid_request_error", "param": "body",
+                                        "code": None}
