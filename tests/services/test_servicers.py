@@ -54,7 +54,6 @@ CASES = [
     ("Gateway", "Generate", g.GenerateRequest(text="hi", scaling=g.TestTimeScaling(verifier=g.Verifier(kind=g.Verifier.KIND_CODE, tests=[g.CodeTest()], timeout=Duration(seconds=10**9)))), INVALID, "scaling.verifier.timeout: must be positive and at most 30s per test"),
     ("Gateway", "Generate", g.GenerateRequest(text="hi", model="tiny"), UNIMPLEMENTED, "Generate is not wired"),
     ("Gateway", "Abort", c.AbortRequest(), INVALID, "request_id: must be set"),
-    ("Gateway", "Abort", c.AbortRequest(request_id="r"), UNIMPLEMENTED, "Abort is not wired"),
     ("Prefill", "Prefill", p.PrefillRequest(), INVALID, "request_id: must be set"),
     ("Prefill", "Prefill", p.PrefillRequest(request_id="r"), INVALID, "prompt_token_ids: must contain"),
     ("Prefill", "Prefill", p.PrefillRequest(request_id="r", prompt_token_ids=[1], model="other"), INVALID, "model: this worker serves 'tiny'"),
