@@ -51,19 +51,26 @@ def mixed_lengths(decodes: int, context: int, budget: int, prompt_len: int) -> t
     return [1] * decodes + prompts, contexts + prompts
 
 
+def shuffled_tables(seq_lens: list[int], rng: random.Random) -> tuple[list[list[int]], int]:
+    """(block tables, blocks in the cache) for sequences of `seq_lens` tokens: every sequence
+    its own blocks, taken in shuffled order from 1 up (block 0 is the null block)."""
+    widths = [-(-seq_len // BLOCK_SIZE) for seq_len in seq_lens]
+    blocks = list(range(1, sum(widths) + 1))
+    rng.shuffle(blocks)
+    tables, start = [], 0
+    for width in widths:
+        tables.append(blocks[start:start + width])
+        start += width
+    return tables, len(blocks) + 1
+
+
 def build_batch(query_lens: list[int], seq_lens: list[int], kv_heads: int, head_dim: int, device: torch.device,
                 seed: int = 0):  # noqa: ANN201
     """(kv_cache, metadata) for the step: random bf16 KV on shuffled blocks."""
     from cleave.kv.metadata import AttentionMetadata
 
-    widths = [-(-seq_len // BLOCK_SIZE) for seq_len in seq_lens]
-    blocks = list(range(1, sum(widths) + 1))
-    random.Random(seed).shuffle(blocks)
-    tables, start = [], 0
-    for width in widths:
-        tables.append(blocks[start:start + width])
-        start += width
-    cache = torch.randn(2, len(blocks) + 1, BLOCK_SIZE, kv_heads, head_dim, dtype=torch.bfloat16, device=device)
+    tables, num_blocks = shuffled_tables(seq_lens, random.Random(seed))
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, head_dim, dtype=torch.bfloat16, device=device)
     return cache, AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE, device=device)
 
 

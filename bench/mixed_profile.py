@@ -30,11 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention_mixed import mixed_lengths  # noqa: E402
+from attention_mixed import BLOCK_SIZE, mixed_lengths, shuffled_tables  # noqa: E402
 from common import event_times_ms, format_table, launch_label, run_name, set_prefill_launch, write_results  # noqa: E402
 
 COLUMNS = ["case", "kernel", "per_step", "us_per_step", "critical_us", "pct_of_step"]
-BLOCK_SIZE = 16
 
 
 def mixed_step_inputs(query_lens: list[int], seq_lens: list[int], vocab_size: int, device: torch.device, seed: int = 0):  # noqa: ANN201
@@ -43,21 +42,14 @@ def mixed_step_inputs(query_lens: list[int], seq_lens: list[int], vocab_size: in
     its last token."""
     from cleave.kv.metadata import AttentionMetadata
 
-    widths = [-(-seq_len // BLOCK_SIZE) for seq_len in seq_lens]
-    blocks = list(range(1, sum(widths) + 1))
     rng = random.Random(seed)
-    rng.shuffle(blocks)
-    tables, start = [], 0
-    for width in widths:
-        tables.append(blocks[start:start + width])
-        start += width
+    tables, num_blocks = shuffled_tables(seq_lens, rng)
     positions = [position for query_len, seq_len in zip(query_lens, seq_lens)
                  for position in range(seq_len - query_len, seq_len)]
     ends = [sum(query_lens[: index + 1]) - 1 for index in range(len(query_lens))]
     input_ids = torch.tensor([rng.randrange(vocab_size) for _ in positions], device=device)
     metadata = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE, device=device)
-    return (input_ids, torch.tensor(positions, device=device), metadata, torch.tensor(ends, device=device),
-            len(blocks) + 1)
+    return input_ids, torch.tensor(positions, device=device), metadata, torch.tensor(ends, device=device), num_blocks
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
