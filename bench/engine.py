@@ -120,9 +120,11 @@ def make_engine(
     return LLMEngine(config, sync_timing=sync_timing, device_timing=not sync_timing)
 
 
-def run_requests(engine, num_requests: int, args: argparse.Namespace, seed: int, penalised_share: float = 0.0):
+def run_requests(engine, num_requests: int, args: argparse.Namespace, seed: int, penalised_share: float = 0.0,
+                 compile_log=None):  # type: ignore[no-untyped-def]
     """Submit every request, step to completion; returns (seconds, output tokens, per-step stats).
-    `penalised_share` of the requests (spread evenly) carry a frequency penalty."""
+    `penalised_share` of the requests (spread evenly) carry a frequency penalty; a
+    `compile_log` (bench/compile_log.py) has its label set to each step's index."""
     from cleave.engine.frozen_heap import frozen_heap
     from cleave.generation.sampling_params import SamplingParams
 
@@ -140,6 +142,8 @@ def run_requests(engine, num_requests: int, args: argparse.Namespace, seed: int,
     start = time.perf_counter()
     with frozen_heap():  # as `LLM.generate` steps (and workers, which freeze at start-up)
         while engine.has_unfinished():
+            if compile_log is not None:
+                compile_log.label = len(steps)
             outputs = engine.step()
             num_output += sum(len(sample.token_ids) for output in outputs for sample in output.outputs)
             steps.append(engine.last_stats)
@@ -241,6 +245,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from common import format_table, run_name, set_prefill_launch, write_results
+    from compile_log import CompileLog
 
     from cleave.engine.sampler import Sampler
 
@@ -260,12 +265,19 @@ def main(argv: list[str] | None = None) -> int:
             label = run_label(mode, share if len(shares) > 1 else None, launch if len(launches) > 1 else None,
                               sampler if len(samplers) > 1 else None)
             start = time.perf_counter()
-            engine = make_engine(model_dir, args, args.max_num_seqs, mode)  # a fresh engine each
-            set_prefill_launch(engine.model, launch)
-            engine.runner.sampler = Sampler(engine.config.seed, impl=sampler)
-            summary[f"startup_s_{label}"] = round(time.perf_counter() - start, 1)
-            summary["kv_blocks"] = engine.runner.num_blocks
-            seconds, num_output, steps = run_requests(engine, args.num_requests, args, seed=0, penalised_share=share)
+            with CompileLog() as compiles:
+                compiles.label = "startup"
+                engine = make_engine(model_dir, args, args.max_num_seqs, mode)  # a fresh engine each
+                set_prefill_launch(engine.model, launch)
+                engine.runner.sampler = Sampler(engine.config.seed, impl=sampler)
+                summary[f"startup_s_{label}"] = round(time.perf_counter() - start, 1)
+                summary["kv_blocks"] = engine.runner.num_blocks
+                seconds, num_output, steps = run_requests(engine, args.num_requests, args, seed=0,
+                                                          penalised_share=share, compile_log=compiles)
+            details[f"compiles_{label}"] = compiles.summary()
+            in_run = [event for event in compiles.events if event.label != "startup"]
+            summary[f"compiles_in_run_{label}"] = len(in_run)
+            summary[f"compile_s_in_run_{label}"] = round(sum(event.seconds for event in in_run), 2)
             summary[f"seconds_{label}"] = round(seconds, 2)
             summary[f"output_tokens_per_s_{label}"] = round(num_output / seconds, 1)
             summary[f"steps_{label}"] = len(steps)
@@ -282,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             details["step_log_fields"] = STEP_LOG_FIELDS
             print(json.dumps(summary))
             print(format_table(rows, COLUMNS))
+            for event in in_run[:12]:
+                print(f"compile in step {event.label}: {event.kernel} {event.seconds * 1e3:.0f} ms {event.signature[:160]}")
             del engine
             free_device_memory()
 

@@ -23,6 +23,7 @@ from cleave.kernels.activation import _gated_act_kernel
 from cleave.kernels.attention_decode import _paged_decode_split_kernel
 from cleave.kernels.attention_prefill import _paged_prefill_kernel
 from cleave.kernels.decode_inputs import _fill_decode_inputs_kernel
+from cleave.kernels.dispatch import unspecialised_params
 from cleave.kernels.embedding import _embedding_kernel
 from cleave.kernels.fused_moe import (
     _align_count_kernel,
@@ -70,9 +71,12 @@ def compile_variant(kernel, constexprs: dict, num_warps: int, pointers: dict | N
     }
     # pointers, strides and feature dimensions divisible by 16, as the JIT specialises them for
     # real shapes: masked loads vectorise and loops software-pipeline (async copies into
-    # shared memory) only then, so shared memory and registers are those of a real launch
+    # shared memory) only then, so shared memory and registers are those of a real launch;
+    # not the arguments the kernel leaves unspecialised (counts that change step to step)
+    unspecialised = unspecialised_params(kernel)
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
-               if signature[name].startswith("*") or name.startswith("stride") or name in FEATURE_DIMS}
+               if (signature[name].startswith("*") or name.startswith("stride") or name in FEATURE_DIMS)
+               and i not in unspecialised}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, aligned), target=TARGET,
                               options={"num_warps": num_warps, "num_stages": num_stages})
     if compiled.metadata.shared > SHARED_MEMORY_BYTES:  # a launch would fail for lack of shared memory

@@ -123,3 +123,22 @@ def test_cpu_tensors_always_take_tritons_path():
     launcher((3,), (torch.zeros(4), torch.zeros(4), 4), (True,), 4)
     assert calls == [(3,), (3,)]
     assert not dispatch.CachedLauncher(Plain())._launches
+
+
+class Param:
+    def __init__(self, do_not_specialize: bool) -> None:
+        self.do_not_specialize = do_not_specialize
+
+
+def test_unspecialised_scalars_share_one_compile_whatever_their_value(kernel):
+    # x, out, rows (do_not_specialize), width: a count the kernel leaves unspecialised keys
+    # nothing but its 64-bit range, so 17, 1 and 32 reuse the first compile; `width` still
+    # specialises
+    kernel.params = [Param(False), Param(False), Param(True), Param(False)]
+    launcher = CachedLauncher(kernel)
+    x, out = cuda_like(8), cuda_like(8)
+    for rows in (17, 1, 32, 2**33):
+        launcher((1,), (x, out, rows, 64), (True,), 4)
+    launcher((1,), (x, out, 5, 3), (True,), 4)  # width 3 is not divisible by 16: compiles
+    assert kinds(kernel.log) == ["triton", "cached", "cached", "triton", "triton"]
+    assert len(launcher._compiled) == 3

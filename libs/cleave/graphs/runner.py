@@ -90,7 +90,18 @@ class CUDAGraphRunner:
         for bucket in sorted(self.buckets, reverse=True):
             self._capture_bucket(bucket)
         upload_graphs(self._graphs.values())
+        self._warm_fill()
         torch.cuda.synchronize(self.device)
+
+    def _warm_fill(self) -> None:
+        """Run the input refill once on a padding row, so its kernel compiles here and not
+        in the first decode step (one variant serves every step: its counts are unspecialised
+        and its tile width is the capacity's)."""
+        assert self.buffers is not None
+        buffers = self.buffers
+        buffers.fill(buffers.input_ids[:1].clone(), buffers.positions[:1].clone(), buffers.metadata(1),
+                     pdl=self.config.pdl)
+        buffers.reset()
 
     def _capture_bucket(self, bucket: int) -> None:
         assert self.buffers is not None

@@ -160,7 +160,7 @@ def _split_range(seq_len, split, window, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.c
     return start, tl.minimum(seq_len, start + split_len), num_active
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table_seq"])
 def _paged_decode_split_kernel(
     query_ptr,  # [T, Hq, D]
     cache_ptr,  # [2, num_blocks, block_size, Hkv, D]

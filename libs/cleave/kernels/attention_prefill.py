@@ -50,7 +50,7 @@ def _kv_tile(
     return tl.load(k_ptrs, mask=kv_mask, other=0.0), tl.load(v_ptrs, mask=kv_mask, other=0.0), key_valid
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table_seq", "first_seq"])
 def _paged_prefill_kernel(
     query_ptr,  # [T, Hq, D]
     cache_ptr,  # [2, num_blocks, block_size, Hkv, D]

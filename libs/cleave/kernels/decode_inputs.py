@@ -55,7 +55,7 @@ class InputPadding:
     block_id: int
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_src_table", "batch_size", "width", "clear_width"])
 def _fill_decode_inputs_kernel(
     src_ids_ptr,  # [B]
     src_positions_ptr,  # [B]
@@ -139,7 +139,9 @@ def fill_decode_inputs(
     ):
         _fill_torch(src, dst, padding, dirty_rows, dirty_width)
         return
-    block_w = min(MAX_TABLE_BLOCK, triton.next_power_of_2(max(clear_width, 1)))
+    # Tile width from the capacity, not this step's width: one compiled variant for every
+    # step (a width that grows past a power of two would otherwise compile mid-run)
+    block_w = min(MAX_TABLE_BLOCK, triton.next_power_of_2(max(dst.block_tables.shape[1], 1)))
     pdl = pdl_enabled(dst.input_ids, pdl)
     _fill_launcher(
         (rows, triton.cdiv(max(clear_width, 1), block_w)),

@@ -110,14 +110,22 @@ def tile_launch(num_rows: int, width: int) -> TileLaunch:
     return TileLaunch(grid=(num_rows, triton.cdiv(width, block)), block=block, num_warps=num_warps)
 
 
-def _scalar_key(arg: Any) -> Any:
+def _scalar_key(arg: Any, specialised: bool = True) -> Any:
     # what triton specialises a scalar argument on: ==1, divisibility by 16 and 64-bit range
-    # of an int; the value of a bool; nothing for a float
+    # of an int (only the range where the kernel says `do_not_specialize`); the value of a
+    # bool; nothing for a float
     if isinstance(arg, bool):
         return arg
     if isinstance(arg, int):
-        return (arg == 1, arg % 16 == 0, arg > 0x7FFFFFFF)
+        return (arg == 1, arg % 16 == 0, arg > 0x7FFFFFFF) if specialised else arg > 0x7FFFFFFF
     return None
+
+
+def unspecialised_params(kernel: Any) -> frozenset[int]:
+    """Positions of a jit kernel's parameters marked `do_not_specialize` (none where the
+    kernel object does not say: the interpreter's, or another triton's layout)."""
+    params = getattr(kernel, "params", None) or ()
+    return frozenset(i for i, param in enumerate(params) if getattr(param, "do_not_specialize", False))
 
 
 def _direct_launch(compiled: Any) -> Callable[..., None] | None:
@@ -179,6 +187,7 @@ class CachedLauncher:
         self._launches: dict[tuple, Callable[..., None]] = {}  # raw scalars -> launcher
         self._compiled: dict[tuple, Callable[..., None]] = {}  # triton's specialisation -> launcher
         self._num_tensors: int | None = None  # leading tensor arguments (fixed per kernel)
+        self._unspecialised = unspecialised_params(kernel)
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: tuple, num_warps: int, **options: Any) -> None:
         first = args[0]
@@ -212,7 +221,9 @@ class CachedLauncher:
     ) -> Callable[..., None] | None:
         """The launcher for a new raw-scalar key: the one of its specialisation if compiled,
         else None after compiling (and launching) through triton."""
-        spec = (*key[:3], *map(_scalar_key, key[3]), *key[4:])
+        first_scalar, unspecialised = len(args) - len(key[3]), self._unspecialised
+        scalars = (_scalar_key(arg, first_scalar + i not in unspecialised) for i, arg in enumerate(key[3]))
+        spec = (*key[:3], *scalars, *key[4:])
         launch = self._compiled.get(spec)
         launched = launch is None
         if launched:

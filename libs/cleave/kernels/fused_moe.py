@@ -83,7 +83,7 @@ def _route_kernel(
     tl.store(out_ids_ptr + row * TOP_K + slots, ids, mask=slots < TOP_K)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_entries", "chunk"])
 def _align_count_kernel(
     topk_ids_ptr,  # [N] flat entries' expert ids
     counts_ptr,  # [P, BLOCK_E] int32: entries per expert in each program's chunk
@@ -102,7 +102,7 @@ def _align_count_kernel(
     tl.store(counts_ptr + program * BLOCK_E + experts, counts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_programs", "max_blocks"])
 def _align_offsets_kernel(
     counts_ptr,  # [P, BLOCK_E] int32
     offsets_ptr,  # [P, BLOCK_E] int32: where each chunk's first entry of each expert goes
@@ -137,7 +137,7 @@ def _align_offsets_kernel(
         tl.store(expert_ids_ptr + blocks, tl.where(first < total, expert, -1), mask=blocks < max_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_entries", "chunk"])
 def _align_scatter_kernel(
     topk_ids_ptr,  # [N]
     offsets_ptr,  # [P, BLOCK_E]
@@ -193,7 +193,7 @@ def _mxfp4_dot(a, rows, scale_rows, k0, col_valid, K, acc, BLOCK_M: tl.constexpr
     return tl.dot(a_odd.to(DOT_DTYPE), high, acc, input_precision=DOT_PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_entries"])
 def _moe_gemm_kernel(
     a_ptr,  # [rows, K]: hidden [T, K] (ROW_DIV = top_k) or intermediate [T*k, K] (ROW_DIV = 1)
     b_ptr,  # [E, N or 2N, K] (MXFP4: [E, N or 2N, K // 2] bytes)

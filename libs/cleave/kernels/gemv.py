@@ -70,7 +70,7 @@ def _dot_rows(x, w, BLOCK_M: tl.constexpr):
     return tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _gemv_kernel(
     x_ptr,  # [M, K] (NORM: the residual stream)
     w_ptr,  # [N, K] (GATED: [2N, K], gate rows then up rows)

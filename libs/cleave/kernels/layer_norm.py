@@ -34,7 +34,7 @@ def fused_add_layer_norm_reference(
     return layer_norm_reference(residual, weight, bias, eps), residual
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _layer_norm_kernel(
     x_ptr,  # [T, H]
     residual_ptr,  # [T, H], read and written when HAS_RESIDUAL

@@ -39,7 +39,7 @@ def fused_add_rms_norm_reference(
     return rms_norm_reference(residual, weight, eps), residual
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x_ptr,  # [T, H]
     residual_ptr,  # [T, H], read and written when HAS_RESIDUAL

@@ -56,7 +56,7 @@ MAX_ROWS = 64
 SPLITK_MIN_ROWS = 17
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _small_linear_kernel(
     x_ptr,  # [M, K] (NORM: the residual stream)
     w_ptr,  # [N, K] (GATED: [2N, K], gate rows then up rows)

@@ -78,7 +78,7 @@ def _splitk_tile(
     return acc, acc_up, sumsq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _splitk_linear_kernel(
     x_ptr,  # [M, K] (NORM: the residual stream)
     w_ptr,  # [N, K] (GATED: [2N, K], gate rows then up rows)

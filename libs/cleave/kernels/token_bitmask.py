@@ -85,7 +85,7 @@ def apply_token_bitmask_reference(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _token_bitmask_kernel(
     logits_ptr,  # [B, V]
     bitmask_ptr,  # [R, W] int32
