@@ -80,3 +80,49 @@ def test_decode_tables_follow_blocks_dropped_behind_a_sliding_window():
     # r1 has KV for 25 tokens; the next query (position 25) sees 20..25: blocks 0..4 are dropped.
     table = kv.block_table("r1/0")
     assert len(table) == 7 and table[:5] == [0] * 5 and 0 not in table[5:]
+
+
+def test_decode_tables_of_a_churning_batch_match_a_fresh_build(monkeypatch):
+    """Sequences finish, join (after their prompt step) and grow blocks at random: every pure
+    decode step's tables equal the general path's, and most changed batches are regathered
+    from the kept rows rather than written whole (fails if a kept row, a joining row's
+    padding or a grown block is left stale)."""
+    import random
+
+    rng = random.Random(3)
+    kv = KVCacheManager(1024, BLOCK)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=16, max_model_len=256), kv)
+    regathered = []
+    original = InputBatchBuilder._regathered
+
+    def spy(self, *args):
+        result = original(self, *args)
+        regathered.append(result is not None)
+        return result
+
+    monkeypatch.setattr(InputBatchBuilder, "_regathered", spy)
+    builder, reference = InputBatchBuilder(BLOCK, torch.device("cpu")), InputBatchBuilder(BLOCK, torch.device("cpu"))
+    next_id = 0
+    for _ in range(12):
+        scheduler.add(Sequence(f"r{next_id}", list(range(10, 10 + rng.randrange(1, 30)))))
+        next_id += 1
+    num_fast = 0
+    for step in range(80):
+        output = scheduler.schedule()
+        if output.is_empty:
+            break
+        batch = builder.build(output)
+        if all(entry.num_new_tokens == 1 for entry in output.scheduled):
+            assert_same(batch, reference.build_general(output))
+            num_fast += 1
+        scheduler.advance(output)
+        scheduler.resolve(output, [20 + step + row for row in range(len(output.sampled_seqs))])
+        running = [seq for seq in scheduler.running if seq.status is SequenceStatus.RUNNING]
+        for seq in rng.sample(running, min(len(running), rng.choice((0, 0, 0, 1, 2)))):
+            scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
+        if step % 3 == 0:
+            for _ in range(rng.choice((1, 2))):
+                scheduler.add(Sequence(f"r{next_id}", list(range(10, 10 + rng.randrange(1, 30)))))
+                next_id += 1
+    assert num_fast >= 40
+    assert regathered.count(True) >= 20

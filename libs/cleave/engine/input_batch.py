@@ -381,6 +381,11 @@ class InputBatchBuilder:
                 kept.copied = self._record_copy(kept.copied)
             return kept.device
         width = max(lengths)
+        if kept is not None:
+            regathered = self._regathered(kept, seqs, tables, lengths, lasts, width)
+            if regathered is not None:
+                self._decode_tables[group] = regathered
+                return regathered.device
         flat = array("i")
         for table, length in zip(tables, lengths):
             flat.extend(table)
@@ -396,6 +401,58 @@ class InputBatchBuilder:
             device = host if self.device.type == "cpu" else host.to(self.device)
         self._decode_tables[group] = _DecodeTables(list(seqs), lengths, lasts, tables, host, device, copied)
         return device
+
+    def _regathered(
+        self, kept: _DecodeTables, seqs: list[Sequence], tables: list[Seq[int]], lengths: list[int],
+        lasts: list[int], width: int,
+    ) -> _DecodeTables | None:
+        """The tables of a batch whose membership changed (sequences finished, joined or
+        moved), built from the kept ones: the rows of sequences still in the batch gathered
+        in one copy, then only the entries that differ written (a joining sequence's whole
+        row). None when fewer than half the rows carry over (a fresh build is as cheap).
+
+        Writing every row of a changed batch from its Python list is ~2.7 us a row (0.7 ms at
+        256 rows of ~96 blocks); a serving decode batch changes membership on most steps.
+        """
+        old_row = {id(seq): row for row, seq in enumerate(kept.seqs)}
+        rows = [old_row.get(id(seq), -1) for seq in seqs]
+        joined = rows.count(-1)
+        if 2 * joined > len(rows):
+            return None
+        old_width = kept.host.shape[1]
+        columns = min(width, old_width)
+        gathered = kept.host[:, :columns].index_select(0, torch.tensor([max(row, 0) for row in rows]))
+        host = torch.empty((len(rows), width), dtype=torch.int32, pin_memory=self._pin)
+        host[:, :columns] = gathered
+        if width > columns:
+            host[:, columns:] = 0  # the null block
+        slots, block_ids = array("q"), array("i")
+        old_tables, old_lengths, old_lasts = kept.tables, kept.lengths, kept.lasts
+        for new_row, old in enumerate(rows):
+            table, length = tables[new_row], lengths[new_row]
+            if old >= 0 and table is old_tables[old]:
+                old_length = old_lengths[old]
+                if length == old_length and lasts[new_row] == old_lasts[old]:
+                    continue
+                # changed in place at its end only (see `_changed_entries`)
+                start = old_length - 1 if old_length else 0
+                end = length
+            else:  # a joining sequence, or a replaced table: the whole row, padding included
+                start, end = 0, width
+            base = new_row * width
+            slots.extend(range(base + start, base + end))
+            block_ids.extend(table[start:length])
+            if end > length:
+                block_ids.frombytes(bytes(4 * (end - length)))
+        if slots:
+            host.view(-1)[torch.frombuffer(slots, dtype=torch.int64)] = torch.frombuffer(block_ids, dtype=torch.int32)
+        copied = None
+        if self._pin:
+            device = host.to(self.device, non_blocking=True)
+            copied = self._record_copy(None)
+        else:
+            device = host if self.device.type == "cpu" else host.to(self.device)
+        return _DecodeTables(list(seqs), lengths, lasts, tables, host, device, copied)
 
     def _widen(self, kept: _DecodeTables, width: int) -> None:
         """Give the kept tables `width` columns: the old ones, then zeros (the null block)."""
