@@ -29,6 +29,20 @@ def assert_same(fast: InputBatch, general: InputBatch) -> None:
     assert (fast.num_tokens, fast.num_entries) == (general.num_tokens, general.num_entries)
 
 
+def decode_step_matches(scheduler: Scheduler, builder: InputBatchBuilder, reference: InputBatchBuilder,
+                        step: int) -> bool:
+    """Schedule, build and run one step (token ids made up); a pure-decode step's batch must
+    equal the general path's. Returns whether the step was pure decode."""
+    output = scheduler.schedule()
+    batch = builder.build(output)
+    fast = all(entry.num_new_tokens == 1 for entry in output.scheduled)
+    if fast:
+        assert_same(batch, reference.build_general(output))
+    scheduler.advance(output)
+    scheduler.resolve(output, [20 + step + row for row in range(len(output.sampled_seqs))])
+    return fast
+
+
 def test_decode_steps_match_general_path_across_blocks_and_membership_changes():
     kv = KVCacheManager(64, BLOCK)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64), kv)
@@ -69,13 +83,7 @@ def test_decode_tables_follow_blocks_dropped_behind_a_sliding_window():
     builder, reference = InputBatchBuilder(BLOCK, torch.device("cpu")), InputBatchBuilder(BLOCK, torch.device("cpu"))
     num_fast = 0
     for step in range(20):
-        output = scheduler.schedule()
-        batch = builder.build(output)
-        if all(entry.num_new_tokens == 1 for entry in output.scheduled):
-            assert_same(batch, reference.build_general(output))
-            num_fast += 1
-        scheduler.advance(output)
-        scheduler.resolve(output, [20 + step + row for row in range(len(output.sampled_seqs))])
+        num_fast += decode_step_matches(scheduler, builder, reference, step)
     assert num_fast == 19
     # r1 has KV for 25 tokens; the next query (position 25) sees 20..25: blocks 0..4 are dropped.
     table = kv.block_table("r1/0")
@@ -108,15 +116,9 @@ def test_decode_tables_of_a_churning_batch_match_a_fresh_build(monkeypatch):
         next_id += 1
     num_fast = 0
     for step in range(80):
-        output = scheduler.schedule()
-        if output.is_empty:
+        if not scheduler.running and not scheduler.waiting:
             break
-        batch = builder.build(output)
-        if all(entry.num_new_tokens == 1 for entry in output.scheduled):
-            assert_same(batch, reference.build_general(output))
-            num_fast += 1
-        scheduler.advance(output)
-        scheduler.resolve(output, [20 + step + row for row in range(len(output.sampled_seqs))])
+        num_fast += decode_step_matches(scheduler, builder, reference, step)
         running = [seq for seq in scheduler.running if seq.status is SequenceStatus.RUNNING]
         for seq in rng.sample(running, min(len(running), rng.choice((0, 0, 0, 1, 2)))):
             scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
