@@ -3,10 +3,11 @@ orders a step that both decodes and prefills.
 
 The engine's throughput run (256 requests of 512 prompt tokens under a 4096-token step budget)
 spends its first ~33 steps this way: each step holds every request already generating (up to
-~250 decodes) and fills the rest of the budget with prompts. By default `paged_attention` runs
-such a batch through the prefill kernel, where each decode takes a BLOCK_M-row program per query
-head with one row in use and walks its whole context alone; `PrefillLaunch(decode_rows=True)`
-runs the leading decodes on the split-KV decode kernel instead.
+~250 decodes) and fills the rest of the budget with prompts. By default (`PrefillLaunch`'s
+`decode_rows`) `paged_attention` runs the leading decodes on the split-KV decode kernel and the
+prompts on the prefill kernel; with `decode_rows` off the whole batch goes through the prefill
+kernel, where each decode takes a BLOCK_M-row program per query head with one row in use and
+walks its whole context alone.
 
 For each `--decodes` count: that many decodes with contexts spread evenly over
 [`--context` / 2, `--context`], then `--budget` minus that many prompt tokens as fresh prompts of
@@ -18,7 +19,7 @@ reach.
 
     python bench/attention_mixed.py --out bench/results/prefill
     python bench/attention_mixed.py --heads 32:4:128 --decodes 64 248 \\
-        --attention-launches '{}' '{"decode_rows": true}' '{"decode_rows": true, "pack_gqa": true}'
+        --attention-launches '{"decode_rows": false}' '{}' '{"pack_gqa": true}'
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=1024, help="the longest decode's context")
     parser.add_argument("--budget", type=int, default=4096, help="tokens in the step (decodes + prompt tokens)")
     parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--attention-launches", nargs="+", default=[{}, {"decode_rows": True}], type=json.loads,
+    parser.add_argument("--attention-launches", nargs="+", default=[{"decode_rows": False}, {}], type=json.loads,
                         help="JSON PrefillLaunch keyword arguments, a row each ('{}': the default launch)")
     parser.add_argument("--out", default=None, help="directory for attention_mixed-<UTC time>.json / .md")
     return parser.parse_args(argv)

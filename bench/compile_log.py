@@ -27,7 +27,7 @@ class CompileEvent:
     label: Any  # the caller's label when the compile began
     kernel: str  # the kernel's qualified name
     seconds: float  # host time from the cache miss to the compiled kernel (compile or disk load)
-    signature: str  # the specialised argument types, as triton prints them
+    signature: str  # the arguments it specialised on: 16-byte divisible ones, those equal to 1, constexprs
 
 
 class CompileLog:
@@ -73,9 +73,7 @@ class CompileLog:
         label, started = self._started.pop()
         fn = kwargs.get("fn")
         name = getattr(fn, "name", None) or str(fn)
-        text = str(kwargs.get("repr", ""))
-        signature = text[text.find("]") + 1:] if "]" in text else text
-        self.events.append(CompileEvent(label, name, time.perf_counter() - started, signature[:600]))
+        self.events.append(CompileEvent(label, name, time.perf_counter() - started, _specialisation(fn, kwargs)))
 
     def summary(self) -> dict:
         """Count and total seconds, and the events as [label, kernel, ms, signature] rows."""
@@ -85,3 +83,26 @@ class CompileLog:
             "events": [[event.label, event.kernel, round(event.seconds * 1e3, 1), event.signature]
                        for event in self.events],
         }
+
+
+def _specialisation(fn: Any, kwargs: dict) -> str:
+    """The compile's specialisation in words: which arguments it took as divisible by 16
+    (`/16`) and which as constants (`=value`), by name where the kernel says its names."""
+    compile_info = kwargs.get("compile") or {}
+    jit = getattr(fn, "jit_function", None)
+    names = list(getattr(jit, "arg_names", None) or [])
+
+    def name_of(index: Any) -> str:
+        position = index[0] if isinstance(index, tuple) and index else index
+        return names[position] if isinstance(position, int) and position < len(names) else str(index)
+
+    parts = []
+    configs = compile_info.get("configs") or [{}]
+    attrs = configs[0] if isinstance(configs[0], dict) else {}
+    divisible = sorted(name_of(index) for index, values in attrs.items() if "tt.divisibility" in str(values))
+    if divisible:
+        parts.append("/16: " + ",".join(divisible))
+    constants = compile_info.get("constants") or {}
+    if isinstance(constants, dict):
+        parts.append("const: " + ",".join(f"{name_of(index)}={value}" for index, value in constants.items()))
+    return "; ".join(parts)[:1200]

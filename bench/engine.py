@@ -21,8 +21,11 @@ Two measures of host overhead per row:
     python bench/engine.py --out bench/results/engine
     python bench/engine.py --num-requests 32 --output-len 128     # a quick run
     python bench/engine.py --penalised-share 0 0.1   # none, then a tenth of the requests, read their tokens on the host
-    python bench/engine.py --modes overlap --attention-launches '{}' '{"decode_rows": true}'   # mixed steps' decodes
-    python bench/engine.py --modes overlap --sampler-impls torch auto   # the one-kernel race
+    python bench/engine.py --modes overlap --attention-launches '{}' '{"decode_rows": false}'   # mixed steps' decodes
+    python bench/engine.py --modes overlap --sampler-impls auto torch   # the one-kernel race vs torch ops
+
+Every Triton compile the run meets after start-up is counted per run (`compiles_in_run_*`,
+`compile_s_in_run_*`) and listed with its step in the JSON (bench/compile_log.py).
 """
 
 from __future__ import annotations
@@ -226,9 +229,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attention-launches", nargs="+", default=[{}], type=json.loads,
                         help="JSON PrefillLaunch keyword arguments (cleave.kernels.attention_prefill) set on every "
                         "attention layer, '{}' the default; several run in turn, each on a fresh engine, in the same run")
-    parser.add_argument("--sampler-impls", nargs="+", default=["torch"], choices=["torch", "auto"],
-                        help="the sampler's path: torch ops, or 'auto' (the one-kernel race on CUDA); several run "
-                        "in turn, each on a fresh engine, in the same run")
+    parser.add_argument("--sampler-impls", nargs="+", default=["auto"], choices=["torch", "auto"],
+                        help="the sampler's path: 'auto' (the default: the one-kernel race on CUDA) or torch ops; "
+                        "several run in turn, each on a fresh engine, in the same run")
     parser.add_argument("--breakdown-batch", type=int, default=64, help="0 skips phase 2")
     parser.add_argument("--breakdown-output-len", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -14,7 +14,7 @@ critical path (`bench/decode_profile.py`'s table), for each `--attention-launche
 and each `--sampler-impls` path.
 
     python bench/mixed_profile.py --out bench/results/prefill
-    python bench/mixed_profile.py --decodes 0 248 --attention-launches '{}' '{"decode_rows": true}' \\
+    python bench/mixed_profile.py --decodes 0 248 --attention-launches '{"decode_rows": false}' '{}' \\
         --sampler-impls torch auto
 """
 
@@ -58,9 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=1024, help="the longest decode's context")
     parser.add_argument("--budget", type=int, default=4096, help="tokens in the step (decodes + prompt tokens)")
     parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--attention-launches", nargs="+", default=[{}, {"decode_rows": True}], type=json.loads,
+    parser.add_argument("--attention-launches", nargs="+", default=[{"decode_rows": False}, {}], type=json.loads,
                         help="JSON PrefillLaunch keyword arguments, each profiled ('{}': the default launch)")
-    parser.add_argument("--sampler-impls", nargs="+", default=["torch"], choices=["torch", "auto"])
+    parser.add_argument("--sampler-impls", nargs="+", default=["auto"], choices=["torch", "auto"])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=14, help="kernels listed per case")
     parser.add_argument("--out", default=None, help="directory for mixed_profile-<UTC time>.json / .md")

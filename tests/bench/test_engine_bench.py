@@ -56,5 +56,5 @@ def test_attention_launches_name_each_throughput_run(bench):
     assert bench.run_label("overlap", None, None) == "overlap"
     assert bench.run_label("overlap", 0.1, {}) == "overlap penalised 0.1 attention default"
     assert bench.run_label("sync", None, {"decode_rows": True}) == 'sync attention {"decode_rows":true}'
-    assert bench.parse_args([]).sampler_impls == ["torch"]
+    assert bench.parse_args([]).sampler_impls == ["auto"]
     assert bench.run_label("overlap", None, None, "auto") == "overlap sampler auto"

@@ -15,7 +15,7 @@ def test_a_mixed_step_runs_its_decodes_first_and_samples_each_sequences_last_tok
     from tests.graphs.test_runner import tiny_config
 
     args = bench.parse_args([])
-    assert args.attention_launches == [{}, {"decode_rows": True}] and args.sampler_impls == ["torch"]
+    assert args.attention_launches == [{"decode_rows": False}, {}] and args.sampler_impls == ["auto"]
     query_lens, seq_lens = bench.mixed_lengths(3, 40, 60, 25)
     config = tiny_config()
     input_ids, positions, metadata, logits_rows, num_blocks = bench.mixed_step_inputs(

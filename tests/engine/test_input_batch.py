@@ -128,3 +128,27 @@ def test_decode_tables_of_a_churning_batch_match_a_fresh_build(monkeypatch):
                 next_id += 1
     assert num_fast >= 40
     assert regathered.count(True) >= 20
+
+
+def test_every_column_of_a_batch_starts_16_byte_aligned():
+    """Odd batch sizes and token counts: the int64 columns cut from one device buffer start
+    at 16-byte offsets from it (a kernel handed a misaligned view compiles a variant of its
+    own mid-run; fails without the padding between columns)."""
+    kv = KVCacheManager(64, BLOCK)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64), kv)
+    for index, prompt_len in enumerate((3, 6, 2)):
+        scheduler.add(Sequence(f"r{index}", list(range(10, 10 + prompt_len))))
+    builder = InputBatchBuilder(BLOCK, torch.device("cpu"))
+    kinds = set()
+    for step in range(3):
+        output = scheduler.schedule()
+        batch = builder.build(output)
+        base = batch.input_ids.data_ptr()
+        columns = [batch.positions, batch.metadata.slot_mapping, batch.metadata.seq_lens]
+        columns += [t for t in (batch.logits_indices, batch.sample_rows) if t is not None]
+        for column in columns:
+            assert (column.data_ptr() - base) % 16 == 0
+        kinds.add("decode" if batch.metadata.is_decode_only else "mixed")
+        scheduler.advance(output)
+        scheduler.resolve(output, [20 + row for row in range(len(output.sampled_seqs))])
+    assert kinds == {"decode", "mixed"}

@@ -38,6 +38,7 @@ from cleave.kernels.moe_tiles import SHARED_MEMORY_BYTES
 from cleave.kernels.rms_norm import _rms_norm_kernel
 from cleave.kernels.splitk_linear import _splitk_linear_kernel
 from cleave.kernels.race_sample import BLOCK_V, _race_kernel
+from cleave.kernels.race_sample import MAX_SPLITS as RACE_MAX_SPLITS
 from cleave.kernels.token_bitmask import _token_bitmask_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -206,8 +207,7 @@ def main() -> None:
     # sampling: the one-pass race over fp32 logits, its vocabulary split in chunks or not
     race = {"logits_ptr": "*fp32", "temperatures_ptr": "*fp32", "greedy_ptr": "*i1", "keys_ptr": "*i64",
             "part_score_ptr": "*fp32", "part_index_ptr": "*i32", "out_ptr": "*i64"}
-    compile_variant(_race_kernel, dict(NUM_SPLITS=64, BLOCK_V=BLOCK_V), 8, pointers=race)
-    compile_variant(_race_kernel, dict(NUM_SPLITS=1, BLOCK_V=BLOCK_V), 8, pointers=race)
+    compile_variant(_race_kernel, dict(MAX_SPLITS=RACE_MAX_SPLITS, BLOCK_V=BLOCK_V), 8, pointers=race)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,11 @@ import pytest
 import torch
 
 from cleave.kernels.attention import (
+    mixed_decode_splits,
+    mixed_decode_variants,
     paged_attention,
     paged_attention_reference,
+    warm_mixed_decodes,
     write_kv,
     write_kv_reference,
 )
@@ -265,6 +268,22 @@ def test_wide_heads_cap_the_splits_at_sixteen_merge_chunks():
     assert choose_num_splits(1, 4, 40960, 64, chunk) == 64
     assert choose_num_splits(1, 8, 40960, 64, merge_block_s(4, 64, 256)) == 128  # Llama-3.2-1B: unchanged
 
+
+
+def test_a_mixed_steps_decodes_split_by_their_count_alone_into_few_variants():
+    # Llama-3.2-1B's heads: powers of four from the count (the split count is a constexpr,
+    # so each value is a compiled variant); 256 decodes of any context take five variants
+    splits = [mixed_decode_splits(count, 32, 8, 64) for count in (1, 2, 3, 4, 8, 16, 33, 64, 248)]
+    assert splits == [64, 64, 64, 16, 16, 4, 4, 1, 1]
+    assert mixed_decode_variants(256, 32, 8, 64) == [1, 2, 4, 16, 64]
+
+
+def test_start_up_launches_each_mixed_decode_variant_and_writes_nothing():
+    cache = torch.randn(2, 4, 4, 2, 16)
+    before = cache.clone()
+    query = torch.zeros(3, 4, 16)
+    assert warm_mixed_decodes(query, cache, 0.25) == len(mixed_decode_variants(3, 4, 2, 16)) == 2
+    assert torch.equal(cache, before)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -227,6 +227,8 @@ class InputBatchBuilder:
         lengths = [len(part) for part in parts]
         flat = parts[0]  # extended in place: its own length was read above
         for part in parts[1:]:
+            if len(flat) % 2:
+                flat.append(0)  # every part starts 16-byte aligned (see `_build_decode`)
             flat.extend(part)
         device_buffer = self._to_device(flat)
 
@@ -234,7 +236,7 @@ class InputBatchBuilder:
         offset = 0
         for length in lengths:
             views.append(device_buffer[offset : offset + length])
-            offset += length
+            offset += length + length % 2
         query_lens = output.query_lens
         metadata = AttentionMetadata(
             slot_mapping=views[2],
@@ -286,25 +288,35 @@ class InputBatchBuilder:
         seq_lens = array("i", [start + 1 for start in starts])
         num_entries = len(tables)
         stand_ins = self._stand_ins(flat)
+        # Each column starts 16-byte aligned (`span` int64s apart): a kernel handed a view at
+        # an odd int64 offset specialises on the misaligned pointer (a compile in the middle
+        # of a run) and takes triton's slow launch path (`CachedLauncher`) on every such step.
+        span = num_entries + num_entries % 2
+        pad = [0] * (span - num_entries)
+        flat.extend(pad)
         flat.extend(positions)
+        flat.extend(pad)
         flat.extend(slots)
+        flat.extend(pad)
         window_tables = None
         if scheduled[0].window_table is not None:
             window_tables = [entry.window_table for entry in scheduled]
             flat.extend([table[start // block_size] * block_size + start % block_size
                          for table, start in zip(window_tables, starts)])
+            flat.extend(pad)
         seq_lens_start = len(flat)
-        if num_entries % 2:
-            seq_lens.append(0)
+        seq_lens.extend([0] * (-num_entries % 4))  # int32s: a whole number of 16-byte words
         flat.frombytes(seq_lens.tobytes())
         seq_lens_end = len(flat)
         if stand_ins:
             flat.extend(stand_ins[0])
+            if len(stand_ins[0]) % 2:
+                flat.append(0)
             flat.extend(stand_ins[1])
         device_buffer = self._to_device(flat)
         seqs = [entry.seq for entry in scheduled]
         metadata = AttentionMetadata(
-            slot_mapping=device_buffer[2 * num_entries : 3 * num_entries],
+            slot_mapping=device_buffer[2 * span : 2 * span + num_entries],
             query_start_loc=self._query_start_loc(num_entries),
             seq_lens=device_buffer[seq_lens_start:seq_lens_end].view(torch.int32)[:num_entries],
             block_tables=self._block_tables(seqs, tables),
@@ -313,11 +325,11 @@ class InputBatchBuilder:
             num_decode_seqs=num_entries,
         )
         if window_tables is not None:
-            metadata.window = metadata.over_tables(device_buffer[3 * num_entries : 4 * num_entries],
+            metadata.window = metadata.over_tables(device_buffer[3 * span : 3 * span + num_entries],
                                                    self._block_tables(seqs, window_tables, group=1))
         return InputBatch(
             input_ids=device_buffer[:num_entries],
-            positions=device_buffer[num_entries : 2 * num_entries],
+            positions=device_buffer[span : span + num_entries],
             metadata=metadata,
             logits_indices=None,
             sample_rows=None,
@@ -325,7 +337,8 @@ class InputBatchBuilder:
             num_tokens=num_entries,
             num_entries=num_entries,
             stand_in_rows=device_buffer[seq_lens_end : seq_lens_end + len(stand_ins[0])] if stand_ins else None,
-            stand_in_sources=device_buffer[seq_lens_end + len(stand_ins[0]) :] if stand_ins else None,
+            stand_in_sources=(device_buffer[seq_lens_end + len(stand_ins[0]) + len(stand_ins[0]) % 2 :]
+                              if stand_ins else None),
             all_stand_ins=stand_ins == (),
         )
 

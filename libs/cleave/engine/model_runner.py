@@ -195,6 +195,7 @@ class ModelRunner:
                                           num_slots=self.kv_groups.num_slots)
         self.graph_runner = self._init_graphs()
         self.prefill_graphs = self._init_prefill_graphs()
+        self._warm_kernels()
         # (rows, state) of the last step's SamplingTensors while they stay valid; holding the
         # sequences keeps their ids from being reused by new objects.
         self._cached_sampling: tuple[list, SamplingTensors] | None = None
@@ -248,6 +249,26 @@ class ModelRunner:
         del kv, logits
         torch.cuda.empty_cache()
         return peak
+
+    @torch.inference_mode()
+    def _warm_kernels(self) -> None:
+        """Compile at start-up the kernel variants that the profile run and the graph
+        captures do not reach and a serving step would: the one-kernel sampler, and each
+        attention layout's decode kernel for a mixed step's decodes. A step that meets a
+        new variant waits 0.3-1.3 s for its compile."""
+        if self.device.type != "cuda":
+            return
+        seen: set[tuple] = set()
+        for layer in getattr(self.model, "layers", ()):
+            attention = getattr(layer, "self_attn", None)
+            if attention is None or not hasattr(attention, "warm_mixed_decodes"):
+                continue
+            key = (attention.sliding_window, attention.sinks is None, attention.prefill_launch)
+            if key not in seen:
+                seen.add(key)
+                attention.warm_mixed_decodes(self.kv_cache[0], self.config.scheduler.max_num_seqs)
+        self.sampler.warm(self.vocab_size, self.device)
+        torch.cuda.synchronize(self.device)
 
     def _init_graphs(self) -> CUDAGraphRunner | None:
         if self.device.type != "cuda" or self.config.enforce_eager:

@@ -76,11 +76,10 @@ class Sampler:
     Args:
         seed: seeds the generator of unseeded rows (None: nondeterministic).
         impl: "auto" races in one Triton kernel on CUDA (see the module docstring),
-            "triton" wherever triton runs (the interpreter on CPU), "torch" (the default:
-            the kernel has not run on a GPU yet) never.
+            "triton" wherever triton runs (the interpreter on CPU), "torch" never.
     """
 
-    def __init__(self, seed: int | None = None, impl: Impl = "torch") -> None:
+    def __init__(self, seed: int | None = None, impl: Impl = "auto") -> None:
         self._seed = seed
         self._impl = impl
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -122,6 +121,16 @@ class Sampler:
         if state.needs_min_p:
             probs = apply_min_p(probs, state.min_p)
         return probs
+
+    def warm(self, vocab_size: int, device: torch.device) -> None:
+        """Compile the one-kernel race now (one variant serves every batch), not in the first
+        step that samples; draws nothing from this sampler's generator."""
+        logits = torch.zeros(2, vocab_size, dtype=torch.float32, device=device)
+        if not use_triton(logits, self._impl):
+            return
+        keys = torch.zeros(2, 2, dtype=torch.int64, device=device)
+        race_sample(logits, torch.ones(2, device=device), torch.zeros(2, dtype=torch.bool, device=device), keys,
+                    self._race_counter_buffer(device, 2))
 
     def _races_in_one_kernel(self, logits: torch.Tensor, state: SamplingTensors) -> bool:
         return (use_triton(logits, self._impl) and not state.needs_top_k and not state.needs_top_p

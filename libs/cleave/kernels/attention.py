@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from cleave.kernels.attention_decode import paged_decode_attention
+import triton
+
+from cleave.kernels.attention_decode import (
+    HEADS_FIRST_MIN_SEQS,
+    MAX_SPLITS,
+    choose_num_splits,
+    merge_block_s,
+    paged_decode_attention,
+)
 from cleave.kernels.attention_prefill import DEFAULT_PREFILL_LAUNCH, PrefillLaunch, paged_prefill_attention
 from cleave.kernels.dispatch import Impl, use_triton
 from cleave.kernels.kv_write import write_kv_triton
@@ -119,7 +127,54 @@ def paged_attention(
     out = None
     num_decodes = metadata.num_decode_seqs if prefill.decode_rows else 0
     if num_decodes:
-        out = paged_decode_attention(query, kv_cache, metadata.leading(num_decodes), scale,
+        splits = mixed_decode_splits(num_decodes, query.shape[1], kv_cache.shape[3], query.shape[2])
+        out = paged_decode_attention(query, kv_cache, metadata.leading(num_decodes), scale, num_splits=splits,
                                      sliding_window=sliding_window, sinks=sinks, pdl=pdl)
     return paged_prefill_attention(query, kv_cache, metadata, scale, sliding_window=sliding_window, sinks=sinks,
                                    first_seq=num_decodes, out=out, **prefill.kernel_options())
+
+
+# Contexts are not looked at when a mixed step's decodes choose their splits (see below).
+_ANY_CONTEXT = 1 << 30
+
+
+def mixed_decode_splits(num_decodes: int, num_q_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """Split count of a mixed step's leading decodes: from their number alone, rounded down
+    to a power of four. The split count is a constexpr of the decode kernel, so each value is
+    a compiled variant; chosen from the decodes' contexts as well (as for a decode-only
+    batch) it met new variants step after step as contexts grew (five compiles, 4.2 s, in one
+    engine run). From the count alone there are four or five, compiled at start-up
+    (`warm_mixed_decodes`). Splits past a short context exit at once."""
+    merge_chunk = merge_block_s(num_q_heads // num_kv_heads, triton.next_power_of_2(head_dim), MAX_SPLITS)
+    splits = choose_num_splits(num_decodes, num_kv_heads, _ANY_CONTEXT, merge_chunk=merge_chunk)
+    return 1 << (2 * ((splits.bit_length() - 1) // 2))
+
+
+def mixed_decode_variants(max_decodes: int, num_q_heads: int, num_kv_heads: int, head_dim: int) -> list[int]:
+    """One decode count for each decode-kernel variant a mixed step of up to `max_decodes`
+    decodes can launch (its split count and grid order)."""
+    counts: dict[tuple[int, bool], int] = {}
+    for count in range(1, max_decodes + 1):
+        key = (mixed_decode_splits(count, num_q_heads, num_kv_heads, head_dim), count >= HEADS_FIRST_MIN_SEQS)
+        counts.setdefault(key, count)
+    return sorted(counts.values())
+
+
+def warm_mixed_decodes(
+    query: torch.Tensor,  # [max_decodes, Hq, D], laid out as the layer's queries are (a view of its qkv)
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    pdl: bool = True,
+) -> int:
+    """Launch the decode kernel once per variant a mixed step's decodes can take (sequences of
+    one token in the null block 0: nothing is written), so their compiles happen at start-up
+    and not in a serving step. Returns the number of launches."""
+    counts = mixed_decode_variants(query.shape[0], query.shape[1], kv_cache.shape[3], query.shape[2])
+    for count in counts:
+        metadata = AttentionMetadata.build([1] * count, [1] * count, [[0]] * count, kv_cache.shape[2], query.device)
+        splits = mixed_decode_splits(count, query.shape[1], kv_cache.shape[3], query.shape[2])
+        paged_decode_attention(query, kv_cache, metadata.leading(count), scale, num_splits=splits,
+                               sliding_window=sliding_window, sinks=sinks, pdl=pdl)  # as `paged_attention` does
+    return len(counts)

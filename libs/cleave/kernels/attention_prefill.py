@@ -18,9 +18,10 @@ the most keys start first and the short ones fill the tail.
 
 A mixed batch (decodes first, then prompt chunks) gives each decode a program per query
 head (per KV head with `pack_gqa`) of BLOCK_M rows with one of them a query, walking its
-whole context alone. `PrefillLaunch.decode_rows` sends those leading single-token sequences
-to the split-KV decode kernel instead (`paged_attention`; `first_seq` here starts the grid
-after them).
+whole context alone. `PrefillLaunch.decode_rows` (the default) sends those leading
+single-token sequences to the split-KV decode kernel instead (`paged_attention`; `first_seq`
+here starts the grid after them): at 248 decodes of 1k context beside 3848 prompt tokens the
+layer's attention took 215 us instead of 632 (H100, bench/results/prefill/attention_mixed-*).
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ class PrefillLaunch:
     pack_gqa: bool = False
     heavy_first: bool = False
     causal_split: bool = False
-    decode_rows: bool = False  # a mixed batch's leading decodes on the decode kernel (`paged_attention`)
+    decode_rows: bool = True  # a mixed batch's leading decodes on the decode kernel (`paged_attention`)
 
     def kernel_options(self) -> dict[str, int | bool | None]:
         """The keyword arguments `paged_prefill_attention` takes from this launch."""

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from cleave.kernels.activation import silu_and_mul
+from cleave.kernels.attention import warm_mixed_decodes
 from cleave.kernels.attention_decode import HeadNorms
 from cleave.kernels.attention_prefill import DEFAULT_PREFILL_LAUNCH
 from cleave.kernels.dispatch import Impl, use_triton
@@ -123,6 +124,16 @@ class Attention(nn.Module):
             prefill=self.prefill_launch,
         )  # [T, Hq, D]
         return out.reshape(num_tokens, self.q_size)
+
+    def warm_mixed_decodes(self, kv_cache: torch.Tensor, max_decodes: int) -> int:
+        """Compile now the decode-kernel variants a mixed step's decodes can launch
+        (`PrefillLaunch.decode_rows`), rather than in a serving step; nothing is written.
+        `kv_cache` is a layer's [2, num_blocks, block_size, Hkv, D]. Returns the launches."""
+        if not self.prefill_launch.decode_rows or not use_triton(kv_cache, self.attention_impl) or max_decodes < 1:
+            return 0
+        qkv = torch.zeros(max_decodes, self.q_size + 2 * self.kv_size, dtype=kv_cache.dtype, device=kv_cache.device)
+        query = qkv[:, : self.q_size].view(max_decodes, self.num_heads, self.head_dim)  # as `attend` splits it
+        return warm_mixed_decodes(query, kv_cache, self.scale, self.sliding_window, self.sinks, self.pdl)
 
 
 class MLP(nn.Module):
