@@ -90,3 +90,15 @@ def test_a_truncating_row_keeps_the_batch_on_the_torch_path(monkeypatch):
     state = state_of(params, 50)
     tokens = Sampler(impl="triton").sample(logits, state).token_ids
     assert launched == [] and torch.equal(tokens, Sampler(impl="torch").sample(logits, state).token_ids)
+
+
+def test_warming_the_race_launches_it_once_and_draws_nothing_from_the_generator(monkeypatch):
+    launched = races(monkeypatch)
+    warmed, fresh = Sampler(seed=5, impl="triton"), Sampler(seed=5, impl="triton")
+    warmed.warm(300, torch.device("cpu"))
+    assert launched == [2]
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(1))
+    state = state_of([SamplingParams(temperature=0.9)] * 3, 300)
+    assert torch.equal(warmed.sample(logits, state).token_ids, fresh.sample(logits, state).token_ids)
+    Sampler(seed=5, impl="torch").warm(300, torch.device("cpu"))  # the torch path has nothing to compile
+    assert launched == [2, 3, 3]

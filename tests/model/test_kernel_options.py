@@ -156,9 +156,10 @@ def test_each_layers_prefill_launch_reaches_the_prefill_kernel_and_keeps_the_ans
 
 @torch.no_grad()
 def test_decode_rows_of_a_mixed_step_on_the_decode_kernel_keep_the_answer(monkeypatch):
-    """`PrefillLaunch(decode_rows=True)`: in a step that decodes one sequence and prefills
-    another, the decode goes to the decode kernel and the prompt to the prefill kernel (from
-    the second sequence on), with the default launch's hidden states."""
+    """`PrefillLaunch(decode_rows=True)` (the default): in a step that decodes one sequence and
+    prefills another, the decode goes to the decode kernel and the prompt to the prefill
+    kernel (from the second sequence on), with the hidden states of the whole batch on the
+    prefill kernel."""
     from cleave.kernels.attention_prefill import PrefillLaunch
 
     calls = prefill_kernel_calls(monkeypatch)
@@ -171,10 +172,40 @@ def test_decode_rows_of_a_mixed_step_on_the_decode_kernel_keep_the_answer(monkey
         mixed = AttentionMetadata.build([1, 16], [21, 16], [[1, 2], [3]], BLOCK_SIZE)  # decode, then a prompt
         return model(tokens[20:], torch.cat([torch.tensor([20]), torch.arange(16)]), kv_cache, mixed)
 
-    default = mixed_step_hidden()
     for layer in model.layers:
-        layer.self_attn.prefill_launch = PrefillLaunch(decode_rows=True)
+        layer.self_attn.prefill_launch = PrefillLaunch(decode_rows=False)
+    whole = mixed_step_hidden()
+    for layer in model.layers:
+        layer.self_attn.prefill_launch = PrefillLaunch()
     calls.clear()
-    torch.testing.assert_close(mixed_step_hidden(), default, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(mixed_step_hidden(), whole, atol=2e-5, rtol=1e-5)
     num_layers = len(model.layers)
     assert [call["first_seq"] for call in calls] == [0] * num_layers + [1] * num_layers  # lone prompt, mixed step
+
+
+@torch.no_grad()
+def test_start_up_warms_a_layers_mixed_decode_variants_and_leaves_the_cache(monkeypatch):
+    """`Attention.warm_mixed_decodes`: one decode-kernel launch per variant a mixed step of up
+    to max_num_seqs decodes can take, on the layer's own query layout; none with `decode_rows`
+    off."""
+    from cleave.kernels import attention as attention_module
+    from cleave.kernels.attention_prefill import PrefillLaunch
+
+    config, model = triton_model()
+    layer = model.layers[0].self_attn
+    kv_cache = allocate_kv_cache(config, 4, BLOCK_SIZE)[0]
+    before = kv_cache.clone()
+    launched = []
+    original = attention_module.paged_decode_attention
+
+    def counting(query, cache, metadata, scale, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        launched.append((query.stride(0), metadata.num_seqs, kwargs["num_splits"]))
+        return original(query, cache, metadata, scale, **kwargs)
+
+    monkeypatch.setattr(attention_module, "paged_decode_attention", counting)
+    assert layer.warm_mixed_decodes(kv_cache, 3) == 2
+    qkv_width = layer.q_size + 2 * layer.kv_size
+    assert [(stride, seqs) for stride, seqs, _ in launched] == [(qkv_width, 1), (qkv_width, 2)]
+    assert torch.equal(kv_cache, before)
+    layer.prefill_launch = PrefillLaunch(decode_rows=False)
+    assert layer.warm_mixed_decodes(kv_cache, 3) == 0
