@@ -149,13 +149,12 @@ def race_sample(
     if num_splits < 1 or num_splits & (num_splits - 1) or num_splits > MAX_SPLITS:
         raise ValueError(f"num_splits must be a power of two up to {MAX_SPLITS}, got {num_splits}")
     split_len = triton.cdiv(triton.cdiv(vocab_size, num_splits), BLOCK_V) * BLOCK_V
-    if num_splits == 1:
-        parts_score = parts_index = counters = out  # unread
-    else:
-        if counters is None or counters.numel() < num_rows:
-            counters = torch.zeros(num_rows, dtype=torch.int32, device=logits.device)
-        parts_score = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
-        parts_index = torch.empty(num_rows, num_splits, dtype=torch.int32, device=logits.device)
+    # Typed as when several chunks merge even where one chunk writes `out` itself: the
+    # pointers' element types are part of the compiled kernel's signature.
+    if counters is None or counters.numel() < num_rows:
+        counters = torch.zeros(num_rows, dtype=torch.int32, device=logits.device)
+    parts_score = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
+    parts_index = torch.empty(num_rows, num_splits, dtype=torch.int32, device=logits.device)
     _race_launcher(
         (num_splits, num_rows),
         (logits, temperatures, is_greedy, keys, parts_score, parts_index, counters, out,
