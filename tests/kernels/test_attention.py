@@ -14,7 +14,6 @@ from cleave.kernels.attention import (
     mixed_decode_variants,
     paged_attention,
     paged_attention_reference,
-    warm_mixed_decodes,
     write_kv,
     write_kv_reference,
 )
@@ -276,14 +275,6 @@ def test_a_mixed_steps_decodes_split_by_their_count_alone_into_few_variants():
     splits = [mixed_decode_splits(count, 32, 8, 64) for count in (1, 2, 3, 4, 8, 16, 33, 64, 248)]
     assert splits == [64, 64, 64, 16, 16, 4, 4, 1, 1]
     assert mixed_decode_variants(256, 32, 8, 64) == [1, 2, 4, 16, 64]
-
-
-def test_start_up_launches_each_mixed_decode_variant_and_writes_nothing():
-    cache = torch.randn(2, 4, 4, 2, 16)
-    before = cache.clone()
-    query = torch.zeros(3, 4, 16)
-    assert warm_mixed_decodes(query, cache, 0.25) == len(mixed_decode_variants(3, 4, 2, 16)) == 2
-    assert torch.equal(cache, before)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
