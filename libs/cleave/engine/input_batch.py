@@ -380,7 +380,8 @@ class InputBatchBuilder:
             width = max(lengths)
             if width > kept.host.shape[1]:
                 self._widen(kept, width)
-            slots, block_ids = self._changed_entries(kept, tables, lengths, lasts)
+            slots, block_ids = self._changed_entries(kept.host.shape[1], kept.tables, kept.lengths, kept.lasts,
+                                                     tables, lengths, lasts)
             if slots:
                 if kept.copied is not None:
                     kept.copied.synchronize()  # the device has read the host tensor
@@ -439,24 +440,11 @@ class InputBatchBuilder:
         host[:, :columns] = gathered
         if width > columns:
             host[:, columns:] = 0  # the null block
-        slots, block_ids = array("q"), array("i")
-        old_tables, old_lengths, old_lasts = kept.tables, kept.lengths, kept.lasts
-        for new_row, old in enumerate(rows):
-            table, length = tables[new_row], lengths[new_row]
-            if old >= 0 and table is old_tables[old]:
-                old_length = old_lengths[old]
-                if length == old_length and lasts[new_row] == old_lasts[old]:
-                    continue
-                # changed in place at its end only (see `_changed_entries`)
-                start = old_length - 1 if old_length else 0
-                end = length
-            else:  # a joining sequence, or a replaced table: the whole row, padding included
-                start, end = 0, width
-            base = new_row * width
-            slots.extend(range(base + start, base + end))
-            block_ids.extend(table[start:length])
-            if end > length:
-                block_ids.frombytes(bytes(4 * (end - length)))
+        # each row's previous table, length and last block (a joining row, -1: the appended none)
+        old_tables = list(map([*kept.tables, None].__getitem__, rows))
+        old_lengths = list(map([*kept.lengths, 0].__getitem__, rows))
+        old_lasts = list(map([*kept.lasts, -1].__getitem__, rows))
+        slots, block_ids = self._changed_entries(width, old_tables, old_lengths, old_lasts, tables, lengths, lasts)
         if slots:
             host.view(-1)[torch.frombuffer(slots, dtype=torch.int64)] = torch.frombuffer(block_ids, dtype=torch.int32)
         copied = None
@@ -476,28 +464,33 @@ class InputBatchBuilder:
 
     @staticmethod
     def _changed_entries(
-        kept: _DecodeTables, tables: list[Seq[int]], lengths: list[int], lasts: list[int]
+        width: int, old_tables: list, old_lengths: list[int], old_lasts: list[int],
+        tables: list[Seq[int]], lengths: list[int], lasts: list[int],
     ) -> tuple[array, array]:
-        """(flat [E * W] positions, block ids) of the table entries that differ from `kept`.
+        """(flat [E * width] positions, block ids) of the table entries that differ from each
+        row's previous table (`old_*`, row for row).
 
         The KV manager changes a table in place only at its end (new blocks appended, the
         last block copied on write) and replaces it otherwise, so a table that is still the
-        same object needs only its entries from its previous last one on.
+        same object needs only its entries from its previous last one on; another object (or
+        a row new to the batch: old table None) is written whole, its padding included.
         """
-        width = kept.host.shape[1]
-        old_tables, old_lengths = kept.tables, kept.lengths
         # Rows whose length, last block or table object changed, found without a Python loop
         # over the batch (most decode steps change a few rows, or none).
-        changed = map(operator.or_, map(operator.ne, lengths, old_lengths), map(operator.ne, lasts, kept.lasts))
+        changed = map(operator.or_, map(operator.ne, lengths, old_lengths), map(operator.ne, lasts, old_lasts))
         changed = map(operator.or_, changed, map(operator.is_not, tables, old_tables))
         slots, block_ids = array("q"), array("i")
         for row in compress(range(len(tables)), changed):
             table, length = tables[row], lengths[row]
-            old_length = old_lengths[row]
-            start = old_length - 1 if table is old_tables[row] and old_length else 0
             base = row * width
-            slots.extend(range(base + start, base + length))
-            block_ids.extend(table[start:length])
+            if table is old_tables[row]:
+                start = max(old_lengths[row] - 1, 0)
+                slots.extend(range(base + start, base + length))
+                block_ids.extend(table[start:length])
+            else:
+                slots.extend(range(base, base + width))
+                block_ids.extend(table)
+                block_ids.frombytes(bytes(4 * (width - length)))  # the null block
         return slots, block_ids
 
     @staticmethod

@@ -8,7 +8,6 @@ Torch references live here; Triton kernels sit in their own files (`kv_write.py`
 from __future__ import annotations
 
 import torch
-
 import triton
 
 from cleave.kernels.attention_decode import (
@@ -171,10 +170,11 @@ def warm_mixed_decodes(
     """Launch the decode kernel once per variant a mixed step's decodes can take (sequences of
     one token in the null block 0: nothing is written), so their compiles happen at start-up
     and not in a serving step. Returns the number of launches."""
-    counts = mixed_decode_variants(query.shape[0], query.shape[1], kv_cache.shape[3], query.shape[2])
+    num_q_heads, num_kv_heads, head_dim = query.shape[1], kv_cache.shape[3], query.shape[2]
+    counts = mixed_decode_variants(query.shape[0], num_q_heads, num_kv_heads, head_dim)
     for count in counts:
         metadata = AttentionMetadata.build([1] * count, [1] * count, [[0]] * count, kv_cache.shape[2], query.device)
-        splits = mixed_decode_splits(count, query.shape[1], kv_cache.shape[3], query.shape[2])
+        splits = mixed_decode_splits(count, num_q_heads, num_kv_heads, head_dim)
         paged_decode_attention(query, kv_cache, metadata.leading(count), scale, num_splits=splits,
                                sliding_window=sliding_window, sinks=sinks, pdl=pdl)  # as `paged_attention` does
     return len(counts)
