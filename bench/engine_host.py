@@ -43,6 +43,8 @@ its loop; `--gc both` runs each point both ways.
         --gc frozen --stream-interval 1 64 --repeats 3   # every step's outputs vs LLM.generate's
     python bench/engine_host.py --batch 48 --prompt-len 512 --temperature 0 --no-detokenize --mode overlap \
         --forward random --gc frozen --profile           # a decode worker's engine under the serving bench
+    python bench/engine_host.py --batch 64 256 --prompt-len 512 --output-len 400 --no-detokenize --mode overlap \
+        --forward random --gc frozen --churn both        # a stable batch vs one whose requests end and arrive
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ if str(BENCH) not in sys.path:  # loaded by path (tests): bench/'s helpers by th
 PHASES = ("schedule", "prepare", "forward", "detokenize", "sampling_prep", "sample", "postprocess")
 HOST_PHASES = ("schedule", "prepare", "detokenize", "sampling_prep", "postprocess")
 TEXT_IDS = (8, 500)  # plain BPE tokens of the tiny tokenizer (specials and think tags excluded)
+CHURN_ROUNDS = 4  # with --churn: requests in all, in batches' worth
 
 
 def phase_ms(stats) -> dict[str, float]:
@@ -148,8 +151,11 @@ def run_batch(
     frozen: bool = False,
     stream_interval: int = 1,
     stagger: bool = False,
+    churn: bool = False,
 ) -> dict:
-    """Decode `batch` requests to completion; median phase ms over full-batch decode steps."""
+    """Decode `batch` requests to completion; median phase ms over full-batch decode steps.
+    `churn`: requests arrive as a decode worker's do (prompt KV handed over, no prefill step)
+    and end at random lengths, each replaced at once, CHURN_ROUNDS x `batch` in all."""
     import torch
 
     from cleave.generation.sampling_params import SamplingParams
@@ -160,8 +166,25 @@ def run_batch(
         replace_forward_with_random_logits(engine)
     rng = random.Random(batch)
     params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
-    for index in range(batch):
-        engine.add_request(f"r{index}", [rng.randrange(*TEXT_IDS) for _ in range(args.prompt_len)], params)
+    num_admitted = expected_output = 0
+
+    def admit() -> None:
+        nonlocal num_admitted, expected_output
+        request_id, prompt = f"r{num_admitted}", [rng.randrange(*TEXT_IDS) for _ in range(args.prompt_len)]
+        num_admitted += 1
+        if not churn:
+            engine.add_request(request_id, prompt, params)
+            expected_output += args.output_len
+            return
+        length = rng.randrange(max(2, args.output_len // 4), args.output_len + 1)
+        engine.handoff.reserve(request_id, len(prompt))
+        engine.handoff.receive(request_id, prompt, [rng.randrange(*TEXT_IDS)],
+                               SamplingParams(max_tokens=length, temperature=args.temperature, ignore_eos=True))
+        expected_output += length  # the hand-off's first token is reported with the rest
+
+    for _ in range(batch):
+        admit()
+    full = batch - batch // 8 if churn else batch  # a churned batch counts once nearly full
     rows, num_output = [], 0
     if frozen:
         gc.collect()
@@ -180,7 +203,11 @@ def run_batch(
                 profiler.disable()
             num_output += sum(len(sample.token_ids) for output in outputs for sample in output.outputs)
             stats = engine.last_stats
-            if stats.num_seqs == batch and stats.num_tokens == batch:
+            if churn:
+                while num_admitted < CHURN_ROUNDS * batch and \
+                        engine.scheduler.num_running + engine.scheduler.num_waiting < batch:
+                    admit()
+            if stats.num_seqs >= full and stats.num_tokens == stats.num_seqs:
                 row = phase_ms(stats)
                 row["gc"], row["full_gcs"] = (gc_clock.seconds - gc_before) * 1e3, gc_clock.full - full_before
                 rows.append(row)
@@ -189,14 +216,14 @@ def run_batch(
         if frozen:
             gc.unfreeze()
     seconds = time.perf_counter() - start
-    if num_output != batch * args.output_len:
-        raise RuntimeError(f"expected {batch * args.output_len} output tokens, got {num_output}")
+    if num_output != expected_output:
+        raise RuntimeError(f"expected {expected_output} output tokens, got {num_output}")
     # Drop the first steps (allocator and cache warm-up).
     rows = rows[min(5, len(rows) // 4) :]
     if not rows:
         raise RuntimeError("no full-batch decode steps; raise --output-len")
     result = {"mode": "overlap" if overlap else "sync", "gc": "frozen" if frozen else "normal", "batch": batch,
-              "stream_interval": stream_interval, "stagger": stagger, "steps": len(rows)}
+              "stream_interval": stream_interval, "stagger": stagger, "churn": churn, "steps": len(rows)}
     for phase in PHASES:
         result[phase] = statistics.median(row[phase] for row in rows)
     result["host"] = sum(result[phase] for phase in HOST_PHASES)
@@ -211,8 +238,8 @@ def run_batch(
 
 
 def format_rows(results: list[dict]) -> str:
-    columns = ["mode", "gc", "batch", "stream_interval", "stagger", "steps", *PHASES, "host", "step", "host_us_per_seq",
-               "host_mean", "host_max", "gc_ms", "full_gcs"]
+    columns = ["mode", "gc", "batch", "stream_interval", "stagger", "churn", "steps", *PHASES, "host", "step",
+               "host_us_per_seq", "host_mean", "host_max", "gc_ms", "full_gcs"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in results:
         cells = [f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in columns]
@@ -235,6 +262,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "several: a row each (LLM.generate's engine runs at 64)")
     parser.add_argument("--stagger", choices=("off", "on", "both"), default="off",
                         help="EngineConfig.stagger_reports: each request reports on its own phase of the interval")
+    parser.add_argument("--churn", choices=("off", "on", "both"), default="off",
+                        help="requests handed over with their prompt's KV (a decode worker's), ending at random "
+                        "lengths in [output-len / 4, output-len] and replaced at once, so the batch's membership "
+                        "changes most steps")
     parser.add_argument("--detokenize", default=True, action=argparse.BooleanOptionalAction,
                         help="make text per token (--no-detokenize: token ids only, as a decode worker's engine)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per batch size; the fastest is kept")
@@ -264,9 +295,11 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batch:
             for overlap in modes:
                 staggers = {"off": (False,), "on": (True,), "both": (False, True)}[args.stagger]
-                for frozen, interval, stagger in itertools.product(freezes, args.stream_interval, staggers):
+                churns = {"off": (False,), "on": (True,), "both": (False, True)}[args.churn]
+                for frozen, interval, stagger, churn in itertools.product(freezes, args.stream_interval, staggers,
+                                                                          churns):
                     profiler = cProfile.Profile() if args.profile else None
-                    runs = [run_batch(model_dir, batch, args, profiler, overlap, frozen, interval, stagger)
+                    runs = [run_batch(model_dir, batch, args, profiler, overlap, frozen, interval, stagger, churn)
                             for _ in range(args.repeats)]
                     results.append(min(runs, key=lambda row: row["host"]))
                     if profiler is not None:
