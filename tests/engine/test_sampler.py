@@ -251,3 +251,46 @@ def test_min_tokens_keeps_eos_and_stop_ids_out_until_reached():
     beyond = _state([SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3, 2**31 - 1])], 10, [[]])
     assert beyond.bias_index.tolist() == [[0], [3]]
     assert Sampler(seed=0).sample(logits[:1], beyond).token_ids.tolist() == [2]
+
+
+def _fields(state):  # noqa: ANN001, ANN202
+    from dataclasses import fields
+
+    return {field.name: getattr(state, field.name) for field in fields(state)}
+
+
+@pytest.mark.parametrize("options", [
+    dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_k=5),
+    dict(temperature=0.5, min_p=0.1), dict(temperature=0.8, top_k=10_000),
+])
+def test_rows_of_one_plain_setting_build_what_the_row_by_row_path_builds(options):
+    from cleave.engine import sampling_tensors
+
+    params = [SamplingParams(max_tokens=9, **options) for _ in range(5)]  # equal, distinct objects
+    assert sampling_tensors.uniform_plain(params)
+    uniform = SamplingTensors.uniform(params[0], 5, 300, "cpu")
+    by_row = SamplingTensors.from_params(params, vocab_size=300, device="cpu", output_token_ids=[[1]] * 5)
+    expected = _fields(by_row)
+    for name, value in _fields(uniform).items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, expected[name]) and value.dtype == expected[name].dtype, name
+        else:
+            assert value == expected[name], name
+
+
+@pytest.mark.parametrize("other", [dict(temperature=0.6), dict(top_p=0.5), dict(top_k=3)])
+def test_a_row_of_another_setting_takes_the_row_by_row_path(other):
+    from cleave.engine import sampling_tensors
+
+    rows = [SamplingParams(temperature=0.7) for _ in range(3)]
+    assert not sampling_tensors.uniform_plain([*rows, SamplingParams(**{"temperature": 0.7, **other})])
+
+
+@pytest.mark.parametrize("per_row", [
+    dict(seed=3), dict(frequency_penalty=0.5), dict(presence_penalty=0.5), dict(repetition_penalty=1.2),
+    dict(logit_bias={4: 1.0}), dict(min_tokens=2), dict(logprobs=2),
+])
+def test_options_with_per_row_state_take_the_row_by_row_path_even_when_every_row_shares_them(per_row):
+    from cleave.engine import sampling_tensors
+
+    assert not sampling_tensors.uniform_plain([SamplingParams(temperature=0.7, **per_row) for _ in range(3)])

@@ -48,7 +48,7 @@ from cleave.engine.layer_progress import LayerProgress
 from cleave.engine.memory_budget import DeviceMemory, kv_blocks_for_share
 from cleave.engine.prompt_logprobs import PromptLogprobChunk, PromptRows, prompt_logprob_rows, score_prompt_rows
 from cleave.engine.sampler import Sampler
-from cleave.engine.sampling_tensors import LogitsProcessor, SamplingTensors
+from cleave.engine.sampling_tensors import LogitsProcessor, SamplingTensors, uniform_plain
 from cleave.engine.scheduler import SchedulerOutput
 from cleave.generation.outputs import TokenLogprob
 from cleave.generation.sampling_params import SamplingParams
@@ -510,6 +510,10 @@ class ModelRunner:
         ):
             return cached[1]  # same rows as last step, and nothing in them depends on outputs
         params = [seq.sampling_params for seq in seqs]
+        if not logits_processors and uniform_plain(params):  # one setting, nothing per row: no pass over them
+            state = SamplingTensors.uniform(params[0], len(seqs), self.vocab_size, self.device)
+            self._cached_sampling = (list(seqs), state)
+            return state
         needs_prompt = any(p.repetition_penalty != 1.0 for p in params)
         processors = None
         if logits_processors:

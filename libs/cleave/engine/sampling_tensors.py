@@ -9,6 +9,7 @@ options travel in two host -> device copies that do not wait for the device.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -167,6 +168,32 @@ class SamplingTensors:
         state.num_logprobs = max(requested) if requested else None
         return state
 
+    @classmethod
+    def uniform(cls, p: SamplingParams, num_rows: int, vocab_size: int, device: torch.device | str) -> SamplingTensors:
+        """What `from_params` builds for `num_rows` rows that all share `p`'s options and need
+        no per-row state (`uniform_plain`), without a pass over the rows."""
+        device = torch.device(device)
+        greedy = p.is_greedy
+        top_k = vocab_size if p.top_k <= 0 or p.top_k >= vocab_size else p.top_k
+        temperature = 1.0 if greedy else p.temperature
+        floats = [temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
+        flat: list[float] = []
+        for value in floats:
+            flat += [value] * num_rows
+        rows = tensor_on(flat, torch.float32, device).view(6, num_rows)
+        ints = tensor_on([top_k] * num_rows + [int(greedy)] * num_rows, torch.int64, device).view(2, num_rows)
+        state = cls(
+            vocab_size=vocab_size, temperatures=rows[0], is_greedy=ints[1] != 0, top_k=ints[0], top_p=rows[1],
+            min_p=rows[2], repetition_penalties=rows[3], frequency_penalties=rows[4], presence_penalties=rows[5],
+        )
+        sampled = not greedy
+        state.all_greedy = state.any_greedy = greedy
+        state.needs_temperature = sampled and temperature != 1.0
+        state.needs_top_k = sampled and top_k < vocab_size
+        state.needs_top_p = sampled and p.top_p < 1.0
+        state.needs_min_p = sampled and p.min_p > 0.0
+        return state
+
     def _init_processors(self, logits_processors, output_token_ids, device):
         masks: list[tuple[int, TokenMask]] = []  # at most one a row
         for row, procs in enumerate(logits_processors):
@@ -230,6 +257,25 @@ class SamplingTensors:
         ]
         self.seeded_rows = tensor_on(rows, torch.int64, device)
         self.seeded_keys = keys_to_tensor(keys, device)
+
+
+# The options `from_params` reads, a tuple per row (C-level, for `uniform_plain`).
+_SAMPLING_OPTIONS = operator.attrgetter(
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed",
+    "logprobs", "min_tokens", "logit_bias",
+)
+
+
+def uniform_plain(params: Sequence[SamplingParams]) -> bool:
+    """Whether every row has the first row's sampling options and those need nothing per row:
+    no seed, penalty, logit bias, min_tokens or logprobs (a serving batch of one setting; its
+    membership changes most steps, so `from_params` runs most steps)."""
+    first = params[0] if params else None
+    if (first is None or first.seed is not None or first.logprobs is not None or first.min_tokens or first.logit_bias
+            or first.repetition_penalty != 1.0 or first.frequency_penalty != 0.0 or first.presence_penalty != 0.0):
+        return False
+    options = _SAMPLING_OPTIONS(first)
+    return all(map(options.__eq__, map(_SAMPLING_OPTIONS, params)))
 
 
 def token_counts(
