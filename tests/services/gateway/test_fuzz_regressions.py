@@ -7,7 +7,6 @@ while the gateway validates it.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import grpc
@@ -25,6 +24,7 @@ from services.gateway.model import ServedModel
 from services.gateway.router import GatewayOptions, RoutingBackend
 from services.gateway.servicer import GatewayServicer
 from tests.services.gateway.proto_strategies import with_invalid_utf8
+from tests.services.gateway.raw_http import raw_exchange
 
 UNREACHABLE = "127.0.0.1:9"  # discard port: nothing answers
 CHAT = "/v1/chat/completions"
@@ -94,13 +94,7 @@ async def test_a_body_that_does_not_decode_as_its_content_encoding_is_a_400(gate
 async def _raw_http(port: int, request: bytes) -> bytes:
     """The status line the server answers to `request`, sent byte for byte (httpx will not send
     header values that are not ASCII)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(request)
-        await writer.drain()
-        return await asyncio.wait_for(reader.readline(), timeout=10)
-    finally:
-        writer.close()
+    return await raw_exchange(port, request, lambda reader: reader.readline())
 
 
 def _request(method: bytes, path: bytes, header: bytes, value: bytes, body: bytes = b"") -> bytes:

@@ -40,6 +40,7 @@ from services.gateway.http_body import INLINE_PARSE_MAX_BYTES
 from services.gateway.model import ServedModel
 from services.gateway.router import INLINE_TOKENIZE_MAX_BYTES, GatewayOptions, RoutingBackend
 from services.gateway.servicer import GatewayServicer
+from tests.services.gateway.raw_http import raw_exchange
 from tests.tracing.helpers import by_name, memory_tracing
 
 MAX_MODEL_LEN = 256
@@ -182,26 +183,18 @@ async def test_expect_100_continue_over_the_limit_is_413_before_the_body():
 
 async def _until_closed(port: int, sent: bytes) -> bytes:
     """Everything the gateway answers to `sent` until it closes the connection (at most 10 s)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(sent)
-        await writer.drain()
-        return await asyncio.wait_for(reader.read(), timeout=10)
-    finally:
-        writer.close()
+    return await raw_exchange(port, sent, lambda reader: reader.read())
 
 
 async def _answer(port: int, sent: bytes) -> tuple[bytes, bytes]:
     """(head, body) of the gateway's answer to `sent` (at most 10 s)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(sent)
-        await writer.drain()
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+
+    async def head_and_body(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+        head = await reader.readuntil(b"\r\n\r\n")
         length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
-        return head, await asyncio.wait_for(reader.readexactly(length), timeout=10)
-    finally:
-        writer.close()
+        return head, await reader.readexactly(length)
+
+    return await raw_exchange(port, sent, head_and_body)
 
 
 async def test_connections_that_never_send_a_whole_request_are_closed():
