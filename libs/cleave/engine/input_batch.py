@@ -406,15 +406,10 @@ class InputBatchBuilder:
             if length < width:
                 flat.frombytes(bytes(4 * (width - length)))  # zero padding: the null block
         host = torch.frombuffer(flat, dtype=torch.int32).view(len(tables), width).clone()
-        copied = None
         if self._pin:
             host = host.pin_memory()
-            device = host.to(self.device, non_blocking=True)
-            copied = self._record_copy(None)
-        else:
-            device = host if self.device.type == "cpu" else host.to(self.device)
-        self._decode_tables[group] = _DecodeTables(list(seqs), lengths, lasts, tables, host, device, copied)
-        return device
+        kept = self._decode_tables[group] = self._uploaded(seqs, lengths, lasts, tables, host)
+        return kept.device
 
     def _regathered(
         self, kept: _DecodeTables, seqs: list[Sequence], tables: list[Seq[int]], lengths: list[int],
@@ -447,6 +442,11 @@ class InputBatchBuilder:
         slots, block_ids = self._changed_entries(width, old_tables, old_lengths, old_lasts, tables, lengths, lasts)
         if slots:
             host.view(-1)[torch.frombuffer(slots, dtype=torch.int64)] = torch.frombuffer(block_ids, dtype=torch.int32)
+        return self._uploaded(seqs, lengths, lasts, tables, host)
+
+    def _uploaded(self, seqs: list[Sequence], lengths: list[int], lasts: list[int], tables: list[Seq[int]],
+                  host: torch.Tensor) -> _DecodeTables:
+        """New kept tables: `host` (pinned on CUDA) and its copy on the device, queued."""
         copied = None
         if self._pin:
             device = host.to(self.device, non_blocking=True)

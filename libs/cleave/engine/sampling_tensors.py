@@ -132,26 +132,14 @@ class SamplingTensors:
         device = torch.device(device)
         num_rows = len(params)
         greedy = [p.is_greedy for p in params]
-        top_k = [vocab_size if p.top_k <= 0 or p.top_k >= vocab_size else p.top_k for p in params]
+        top_k = [_top_k(p, vocab_size) for p in params]
         floats = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
         floats += [p.top_p for p in params]
         floats += [p.min_p for p in params]
         floats += [p.repetition_penalty for p in params]
         floats += [p.frequency_penalty for p in params]
         floats += [p.presence_penalty for p in params]
-        rows = tensor_on(floats, torch.float32, device).view(6, num_rows)  # one copy for six options
-        ints = tensor_on(top_k + greedy, torch.int64, device).view(2, num_rows)
-        state = cls(
-            vocab_size=vocab_size,
-            temperatures=rows[0],
-            is_greedy=ints[1] != 0,
-            top_k=ints[0],
-            top_p=rows[1],
-            min_p=rows[2],
-            repetition_penalties=rows[3],
-            frequency_penalties=rows[4],
-            presence_penalties=rows[5],
-        )
+        state = cls._of_columns(floats, top_k + greedy, num_rows, vocab_size, device)
         sampled = [i for i in range(num_rows) if not greedy[i]]
         state.all_greedy = not sampled
         state.any_greedy = len(sampled) < num_rows
@@ -172,20 +160,14 @@ class SamplingTensors:
     def uniform(cls, p: SamplingParams, num_rows: int, vocab_size: int, device: torch.device | str) -> SamplingTensors:
         """What `from_params` builds for `num_rows` rows that all share `p`'s options and need
         no per-row state (`uniform_plain`), without a pass over the rows."""
-        device = torch.device(device)
         greedy = p.is_greedy
-        top_k = vocab_size if p.top_k <= 0 or p.top_k >= vocab_size else p.top_k
+        top_k = _top_k(p, vocab_size)
         temperature = 1.0 if greedy else p.temperature
-        floats = [temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
-        flat: list[float] = []
-        for value in floats:
-            flat += [value] * num_rows
-        rows = tensor_on(flat, torch.float32, device).view(6, num_rows)
-        ints = tensor_on([top_k] * num_rows + [int(greedy)] * num_rows, torch.int64, device).view(2, num_rows)
-        state = cls(
-            vocab_size=vocab_size, temperatures=rows[0], is_greedy=ints[1] != 0, top_k=ints[0], top_p=rows[1],
-            min_p=rows[2], repetition_penalties=rows[3], frequency_penalties=rows[4], presence_penalties=rows[5],
-        )
+        floats: list[float] = []
+        for value in (temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty, p.presence_penalty):
+            floats += [value] * num_rows
+        state = cls._of_columns(floats, [top_k] * num_rows + [int(greedy)] * num_rows, num_rows, vocab_size,
+                                torch.device(device))
         sampled = not greedy
         state.all_greedy = state.any_greedy = greedy
         state.needs_temperature = sampled and temperature != 1.0
@@ -193,6 +175,19 @@ class SamplingTensors:
         state.needs_top_p = sampled and p.top_p < 1.0
         state.needs_min_p = sampled and p.min_p > 0.0
         return state
+
+    @classmethod
+    def _of_columns(cls, floats: list, ints: list, num_rows: int, vocab_size: int,
+                    device: torch.device) -> SamplingTensors:
+        """A state from its options laid out column after column: `floats` the six float
+        options (temperature, top_p, min_p, repetition, frequency, presence), `ints` top_k and
+        greediness, each [num_rows]; one copy each."""
+        rows = tensor_on(floats, torch.float32, device).view(6, num_rows)
+        ints_on = tensor_on(ints, torch.int64, device).view(2, num_rows)
+        return cls(
+            vocab_size=vocab_size, temperatures=rows[0], is_greedy=ints_on[1] != 0, top_k=ints_on[0], top_p=rows[1],
+            min_p=rows[2], repetition_penalties=rows[3], frequency_penalties=rows[4], presence_penalties=rows[5],
+        )
 
     def _init_processors(self, logits_processors, output_token_ids, device):
         masks: list[tuple[int, TokenMask]] = []  # at most one a row
@@ -264,6 +259,11 @@ _SAMPLING_OPTIONS = operator.attrgetter(
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed",
     "logprobs", "min_tokens", "logit_bias",
 )
+
+
+def _top_k(p: SamplingParams, vocab_size: int) -> int:
+    """A row's top_k, the vocabulary where it is off."""
+    return vocab_size if p.top_k <= 0 or p.top_k >= vocab_size else p.top_k
 
 
 def uniform_plain(params: Sequence[SamplingParams]) -> bool:
