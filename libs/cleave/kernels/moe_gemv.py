@@ -20,7 +20,9 @@ is no alignment at all:
 2. `down`: a program per (token, BLOCK_N hidden features) walks the token's k entries,
    each a GEMV of that expert's down rows against the entry's intermediate row (+ bias),
    scaled by the routing weight and summed in fp32 -> [T, H], rounded once. No [T*k, H]
-   fp32 buffer, no separate sum, and the order of the sum is fixed (deterministic).
+   fp32 buffer, no separate sum, and the order of the sum is fixed (deterministic). The
+   token's k expert ids, weights and residual row are read up front, so the walk's weight
+   tiles never wait on an id, and `DOWN_DEPTH` tiles are in flight ahead of the one reduced.
 
 Two launches after the router's GEMV (routing inside the first; three with a separate
 `route`), none of which reads a value back to the host: the layer stays inside a decode
@@ -43,6 +45,11 @@ from cleave.kernels.mxfp4 import MXFP4Weight, decode_e2m1, e8m0_scale, weight_la
 
 MAX_TOKENS = 4  # tokens `fused_experts` sends here by default; more go to the grouped GEMMs
 TILE_ELEMENTS = 8192  # weight elements per program per K tile (features x K), per half when gated
+# Down-projection weight tiles each program has in flight beyond the one it reduces. A
+# program walks its token's k entries one after another (Qwen3-30B-A3B: 8 steps of an
+# 8 x 768 tile), so at one step ahead its time is k round trips to HBM; two ahead halves
+# that chain for one more tile of registers.
+DOWN_DEPTH = 2
 
 
 @triton.jit
@@ -197,6 +204,12 @@ def _gate_up_kernel(
 
 
 @triton.jit
+def _slot_value(values, slots, slot):
+    """values[slot] of a [BLOCK_TOPK] vector held in registers (a masked sum: no memory)."""
+    return tl.sum(tl.where(slots == slot, values, 0), axis=0)
+
+
+@triton.jit
 def _down_sum_kernel(
     inter_ptr,  # [T * TOP_K, K]
     w_ptr,  # [E, N, K] (MXFP4: [E, N, K // 2] bytes)
@@ -215,54 +228,74 @@ def _down_sum_kernel(
     stride_bias,
     stride_out,
     TOP_K: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,  # next power of two >= TOP_K
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ADD: tl.constexpr,
     MXFP4: tl.constexpr,
+    DEPTH: tl.constexpr,  # weight tiles in flight beyond the one being reduced: 1 or 2
 ):
-    # One pass over the token's k entries x K tiles; each step's weight tile is loaded while
-    # the step before it is reduced, across entries too (one tile per entry at I <= 2048).
+    # One pass over the token's k entries x K tiles (one tile per entry at I <= 2048). The
+    # token's expert ids, routing weights and residual row are loaded first, in one round
+    # trip, so no weight load waits on an id load; each step's weight tile then goes out
+    # DEPTH steps before it is reduced, across entries too: the k entries are a chain of
+    # dependent steps, and with DEPTH tiles in flight it is that many times shorter.
     token = tl.program_id(0).to(tl.int64)
     features = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     feature_valid = features < num_out
     cols = tl.arange(0, BLOCK_K)
     row_offsets = features.to(tl.int64) * stride_wn
     scale_offsets = features.to(tl.int64) * stride_sn
-    expert = tl.load(ids_ptr + token * TOP_K).to(tl.int64)
-    w, scales = _weight_tile(w_ptr + expert * stride_we + row_offsets, scale_ptr + expert * stride_se + scale_offsets,
-                             0, feature_valid, num_in, BLOCK_K, MXFP4)
+    slots = tl.arange(0, BLOCK_TOPK)
+    slot_valid = slots < TOP_K
+    experts = tl.load(ids_ptr + token * TOP_K + slots, mask=slot_valid, other=0).to(tl.int64)  # [BLOCK_TOPK]
+    entry_weights = tl.load(weights_ptr + token * TOP_K + slots, mask=slot_valid, other=0.0)
+    out_ptrs = out_ptr + token * stride_out + features
+    residual = tl.zeros([BLOCK_N], dtype=out_ptr.dtype.element_ty)
+    if ADD:
+        residual = tl.load(out_ptrs, mask=feature_valid, other=0.0)
+    w_experts = w_ptr + row_offsets
+    s_experts = scale_ptr + scale_offsets
+    steps: tl.constexpr = TOP_K * K_TILES
+
+    expert = _slot_value(experts, slots, 0)
+    w, scales = _weight_tile(w_experts + expert * stride_we, s_experts + expert * stride_se, 0, feature_valid, num_in,
+                             BLOCK_K, MXFP4)
+    w2, scales2 = w, scales  # DEPTH 2: the tile after `w`
+    if DEPTH == 2 and steps > 1:
+        e1 = _slot_value(experts, slots, 1 // K_TILES)
+        w2, scales2 = _weight_tile(w_experts + e1 * stride_we, s_experts + e1 * stride_se, 1 % K_TILES, feature_valid,
+                                   num_in, BLOCK_K, MXFP4)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for step in tl.static_range(TOP_K * K_TILES):
+    for step in tl.static_range(steps):
         slot = step // K_TILES
         t = step % K_TILES
-        next_w, next_scales = w, scales
-        next_expert = expert
-        if step + 1 < TOP_K * K_TILES:
-            next_t = (step + 1) % K_TILES
-            if next_t == 0:
-                next_expert = tl.load(ids_ptr + token * TOP_K + slot + 1).to(tl.int64)
-            next_w, next_scales = _weight_tile(
-                w_ptr + next_expert * stride_we + row_offsets, scale_ptr + next_expert * stride_se + scale_offsets,
-                next_t, feature_valid, num_in, BLOCK_K, MXFP4,
+        ahead_w, ahead_scales = w, scales
+        if step + DEPTH < steps:
+            ahead_expert = _slot_value(experts, slots, (step + DEPTH) // K_TILES)
+            ahead_w, ahead_scales = _weight_tile(
+                w_experts + ahead_expert * stride_we, s_experts + ahead_expert * stride_se, (step + DEPTH) % K_TILES,
+                feature_valid, num_in, BLOCK_K, MXFP4,
             )
-        entry = token * TOP_K + slot
-        x = tl.load(inter_ptr + entry * stride_inter + t * BLOCK_K + cols,
+        x = tl.load(inter_ptr + (token * TOP_K + slot) * stride_inter + t * BLOCK_K + cols,
                     mask=t * BLOCK_K + cols < num_in, other=0.0).to(tl.float32)
         acc += _tile_dot(x, w, scales, BLOCK_N, BLOCK_K, MXFP4)
         if t == K_TILES - 1:  # the entry is done: its bias, its routing weight, into the sum
             if HAS_BIAS:
+                expert = _slot_value(experts, slots, slot)
                 acc += tl.load(bias_ptr + expert * stride_bias + features, mask=feature_valid, other=0.0).to(tl.float32)
-            total += acc * tl.load(weights_ptr + entry)
+            total += acc * _slot_value(entry_weights, slots, slot)
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        w, scales = next_w, next_scales
-        expert = next_expert
-    out_ptrs = out_ptr + token * stride_out + features
+        if DEPTH == 2:
+            w, scales = w2, scales2
+            w2, scales2 = ahead_w, ahead_scales
+        else:
+            w, scales = ahead_w, ahead_scales
     result = total.to(out_ptr.dtype.element_ty)  # the layer's output, rounded once
     if ADD:  # then added into the residual stream, as the next layer's fused add would
-        residual = tl.load(out_ptrs, mask=feature_valid, other=0.0)
         result = (residual.to(tl.float32) + result.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptrs, result, mask=feature_valid)
 
@@ -300,6 +333,7 @@ def moe_gemv(
     top_k: int | None = None,  # with `router_logits`
     renormalize: bool = True,  # with `router_logits`
     routing_out: tuple[torch.Tensor, torch.Tensor] | None = None,  # with `router_logits`: ([T, k] fp32, [T, k] int32)
+    down_depth: int = DOWN_DEPTH,  # down weight tiles in flight beyond the one reduced (1 or 2)
 ) -> torch.Tensor:  # [T, H]; `add_to` itself when given
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) by per-entry GEMVs
     (see the module doc); the caller has checked the layouts (`fused_experts`). With
@@ -313,6 +347,8 @@ def moe_gemv(
     `routing_out` when given (else to scratch), where the second kernel reads it."""
     num_tokens, hidden_size = hidden.shape
     inter = w13.shape[1] // 2
+    if down_depth not in (1, 2):
+        raise ValueError(f"down_depth must be 1 or 2, got {down_depth}")
     if add_to is None:
         out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     elif add_to.shape != hidden.shape or add_to.stride(-1) != 1 or add_to.dtype != hidden.dtype:
@@ -347,8 +383,8 @@ def moe_gemv(
         (intermediate, weights, scales, w2_bias if w2_bias is not None else hidden, routing.ids, routing.weights,
          out, hidden_size, inter, intermediate.stride(0),
          stride_we, stride_wn, stride_se, stride_sn, w2_bias.stride(0) if w2_bias is not None else 0, out.stride(0)),
-        (top_k, block_n, block_k, triton.cdiv(inter, block_k), w2_bias is not None, add_to is not None,
-         isinstance(w2, MXFP4Weight)),
+        (top_k, triton.next_power_of_2(top_k), block_n, block_k, triton.cdiv(inter, block_k), w2_bias is not None,
+         add_to is not None, isinstance(w2, MXFP4Weight), down_depth),
         warps,
     )
     return out
