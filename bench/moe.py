@@ -211,9 +211,14 @@ def layer_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, 
             return moe_gemv(hidden, packed13, packed2, None, None, SILU, router_logits=hidden @ router.t(),
                             top_k=shape.top_k, renormalize=True)
 
+        def down_one_ahead() -> torch.Tensor:  # `fused` with one down weight tile in flight instead of DOWN_DEPTH
+            weights, ids = route(hidden @ router.t(), shape.top_k, True, impl=impl)
+            return moe_gemv(hidden, packed13, packed2, weights, ids, SILU, down_depth=1)
+
         methods: dict[str, Callable[[], torch.Tensor]] = {"fused": fused}
-        if num_tokens <= GEMV_MAX_TOKENS:  # next to "fused": its A/B
+        if num_tokens <= GEMV_MAX_TOKENS:  # next to "fused": its A/Bs
             methods["fused, routing in GEMV"] = routed_gemv
+            methods["fused, down one tile ahead"] = down_one_ahead
         methods["reference"] = reference
         if num_tokens <= GEMV_MAX_TOKENS:
             methods["fused, grouped GEMMs"] = grouped
