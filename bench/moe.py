@@ -30,6 +30,7 @@ bf16, weights random and built in device memory):
     python bench/moe.py --part prefill --prefill-tokens 2048,8192
     python bench/moe.py --part decode --model gpt-oss-20b --batch 1   # sinks, biases, 128-token windows
     python bench/moe.py --part decode --model gpt-oss-20b --packed-experts   # its MXFP4 experts kept packed
+    python bench/moe.py --part decode --batch 1 --rotary-in-attention on,off   # q/k norms + rotary in attention or not
     python bench/moe.py --dry-run                        # tiny shapes on the CPU: checks the script
 
 `--dry-run` runs every method once at toy sizes (the Triton kernels in the interpreter,
@@ -71,6 +72,7 @@ LAYER_COLUMNS = ["tokens", "method", "us", "roofline_us", "roofline_pct", "touch
 DECODE_COLUMNS = ["batch", "context", "route", "attention", "us", "roofline_us", "roofline_pct",
                   "touched_experts_per_layer", "bytes_gb"]
 ROUTES = {"launch": False, "in-gemv": True}  # --routes: SparseMoeBlock.route_in_gemv
+ON_OFF = {"on": True, "off": False}  # --rotary-in-attention: Attention.rotary_in_decode_attention
 PREFILL_COLUMNS = ["tokens", "launch", "ms", "active_tflop", "tflops", "peak_pct"]
 PEAK_FLOPS = 790e12  # H200 dense bf16
 
@@ -120,6 +122,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--routes", default="launch", help="decode part, comma-separated: where the GEMV layout "
                         "routes, 'launch' (its own) and/or 'in-gemv' (the first expert GEMV: "
                         "SparseMoeBlock.route_in_gemv); the touched experts are counted with the routing launch")
+    parser.add_argument("--rotary-in-attention", default="on", help="decode part, comma-separated 'on' and/or 'off': "
+                        "whether the decode attention kernel applies the q/k norms, the rotary embedding and the KV "
+                        "write (Attention.rotary_in_decode_attention) or kernels of their own do, before it")
     parser.add_argument("--decode-attention", nargs="*", default=[], type=json.loads,
                         help="decode part: JSON keyword arguments of paged_decode_attention (e.g. '{\"num_warps\": 4}'), "
                         "a row each after the default's, bound for the whole step (bench/decode_attention_binding.py)")
@@ -137,6 +142,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.batch = [int(value) for value in args.batch.split(",")]
     args.prefill_tokens = [int(value) for value in args.prefill_tokens.split(",")]
     args.routes = [value for value in args.routes.split(",") if value]
+    args.rotary_in_attention = [value for value in args.rotary_in_attention.split(",") if value]
+    if not args.rotary_in_attention or set(args.rotary_in_attention) - set(ON_OFF):
+        parser.error("--rotary-in-attention takes 'on', 'off' or 'on,off'")
     if not args.routes or set(args.routes) - set(ROUTES):
         parser.error(f"--routes takes a comma-separated subset of {', '.join(ROUTES)}")
     if args.dry_run:
@@ -396,8 +404,11 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
         windows = [config.layer_sliding_window(layer) for layer in range(config.num_hidden_layers)]
         num_bytes = _decode_bytes(shape, dtype, batch, args.context, touched, windows, args.packed_experts)
         roofline_us = num_bytes / HBM_BYTES_PER_S * 1e6
-        for route_name, attention in itertools.product(args.routes, [{}, *args.decode_attention]):
+        for route_name, rotary, attention in itertools.product(args.routes, args.rotary_in_attention,
+                                                               [{}, *args.decode_attention]):
             _set_route_in_gemv(model, ROUTES[route_name])
+            for layer in model.layers:
+                layer.self_attn.rotary_in_decode_attention = ON_OFF[rotary]
             with torch.no_grad(), decode_attention_bound(attention) as bound_calls:
                 if timer_device.type == "cuda":
                     us = graph_call_us([step])  # captured with the setting bound
@@ -406,7 +417,7 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
             if attention:
                 require_calls(bound_calls, attention)
             rows.append({
-                "batch": batch, "context": args.context, "route": route_name,
+                "batch": batch, "context": args.context, "route": route_name, "rotary_in_attention": rotary,
                 "attention": json.dumps(attention, sort_keys=True) if attention else "default", "us": us,
                 "roofline_us": roofline_us, "roofline_pct": 100 * roofline_us / us,
                 "touched_experts_per_layer": sum(touched) / len(touched), "bytes_gb": num_bytes / 1e9,

@@ -83,6 +83,34 @@ def test_decode_dry_run_times_each_route_on_one_count(bench, tmp_path, monkeypat
         bench.parse_args(["--routes", "launch,sideways"])
 
 
+def test_decode_dry_run_times_the_rotary_inside_and_outside_attention(bench, tmp_path, monkeypatch):
+    """`--rotary-in-attention on,off`: a row of each per batch, with the layers' setting
+    changed before each timing (the step's kernels then read it)."""
+    seen = []
+    real_us = bench.Timer.us
+
+    def recording(timer, fn):  # type: ignore[no-untyped-def]
+        model_layers = models[-1].layers
+        seen.append({layer.self_attn.rotary_in_decode_attention for layer in model_layers})
+        return real_us(timer, fn)
+
+    models = []
+    real_random_model = bench.random_model
+
+    def keeping(*args, **kwargs):  # type: ignore[no-untyped-def]
+        models.append(real_random_model(*args, **kwargs))
+        return models[-1]
+
+    monkeypatch.setattr(bench, "random_model", keeping)
+    monkeypatch.setattr(bench.Timer, "us", recording)
+    rows = bench.main(["--dry-run", "--part", "decode", "--rotary-in-attention", "on,off", "--out", str(tmp_path)])
+    assert [(row["batch"], row["rotary_in_attention"]) for row in rows["decode"]] == [
+        (1, "on"), (1, "off"), (2, "on"), (2, "off")]
+    assert seen == [{True}, {False}, {True}, {False}]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rotary-in-attention", "sideways"])
+
+
 def test_decode_inputs_put_the_null_block_behind_gpt_oss_windows(bench):
     """gpt-oss's paired cache past its 128-token window: each window table holds the null
     block for the pages wholly behind the window, and the step runs over it."""
