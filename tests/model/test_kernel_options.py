@@ -155,6 +155,34 @@ def test_each_layers_prefill_launch_reaches_the_prefill_kernel_and_keeps_the_ans
 
 
 @torch.no_grad()
+def test_q_k_norms_and_rotary_outside_the_decode_kernel_keep_the_answer():
+    """`Attention.rotary_in_decode_attention` off (as `bench/moe.py --rotary-in-attention off`
+    times it): a q/k-normed model's decode step runs the head norms, the rotary embedding and
+    the KV write as kernels of their own before the decode kernel, with the hidden states and
+    the written KV of the kernel that does them all itself."""
+    torch.manual_seed(0)
+    config = dataclasses.replace(tiny_config(), qk_norm=True)
+    model = CausalLM(config, impl="triton").eval()
+    for layer in model.layers:  # norm weights away from one, so a skipped norm shows
+        layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+        layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    tokens = torch.arange(21) % config.vocab_size
+
+    def decode_step(rotary_in_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        for layer in model.layers:
+            layer.self_attn.rotary_in_decode_attention = rotary_in_kernel
+        kv_cache = allocate_kv_cache(config, 3, BLOCK_SIZE)
+        model(tokens[:20], torch.arange(20), kv_cache, AttentionMetadata.build([20], [20], [[1, 2]], BLOCK_SIZE))
+        decode = AttentionMetadata.build([1], [21], [[1, 2]], BLOCK_SIZE)
+        return model(tokens[20:], torch.tensor([20]), kv_cache, decode), kv_cache
+
+    fused_hidden, fused_cache = decode_step(True)
+    separate_hidden, separate_cache = decode_step(False)
+    torch.testing.assert_close(separate_hidden, fused_hidden, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(separate_cache, fused_cache, atol=2e-5, rtol=1e-5)
+
+
+@torch.no_grad()
 def test_decode_rows_of_a_mixed_step_on_the_decode_kernel_keep_the_answer(monkeypatch):
     """`PrefillLaunch(decode_rows=True)` (the default): in a step that decodes one sequence and
     prefills another, the decode goes to the decode kernel and the prompt to the prefill
