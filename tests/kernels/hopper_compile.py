@@ -1,5 +1,5 @@
-"""Compile the decode-step, attention, fused MoE and sampling kernels for Hopper (sm_90) without a GPU; run by
-test_hopper_compile.
+"""Compile the decode-step, attention, KV write, fused MoE and sampling kernels for Hopper (sm_90) without a GPU;
+run by test_hopper_compile.
 
 Must run with TRITON_INTERPRET=0 (a fresh interpreter): under the interpreter `triton.jit`
 functions cannot be compiled. Prints one line per compiled variant.
@@ -33,12 +33,14 @@ from cleave.kernels.fused_moe import (
     _route_kernel,
 )
 from cleave.kernels.gemv import _gemv_kernel
+from cleave.kernels.kv_write import _write_kv_kernel
 from cleave.kernels.moe_gemv import _down_sum_kernel, _gate_up_kernel
 from cleave.kernels.moe_tiles import SHARED_MEMORY_BYTES
 from cleave.kernels.rms_norm import _rms_norm_kernel
 from cleave.kernels.splitk_linear import _splitk_linear_kernel
 from cleave.kernels.race_sample import BLOCK_V, _race_kernel
 from cleave.kernels.race_sample import MAX_SPLITS as RACE_MAX_SPLITS
+from cleave.kernels.rotary_kv_write import _rotary_kv_write_kernel
 from cleave.kernels.token_bitmask import _token_bitmask_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -58,6 +60,7 @@ POINTERS = {  # argument name -> pointer type; every other runtime argument is a
     "topk_weights_ptr": "*fp32", "q_norm_w_ptr": "*bf16", "k_norm_w_ptr": "*bf16", "inter_ptr": "*bf16",
     "weights_ptr": "*fp32", "scale_ptr": "*bf16",
 }
+FP8_CACHE = {"cache_ptr": "*fp8e4nv"}  # `--kv-cache-dtype fp8`: float8 e4m3 stores and loads
 FEATURE_DIMS = {"N", "K", "num_in", "num_out"}  # runtime sizes that are multiples of 16 in every real model
 FLOATS = {"eps", "scale_log2", "norm_eps", "alpha", "limit", "head_norm_eps"}
 
@@ -108,6 +111,7 @@ def main() -> None:
                 ROTARY=False, IS_NEOX=True, HEAD_DIM=64, ROT_HALF=32, NUM_Q_HEADS=32, NUM_KV_HEADS=8, PDL=True)
     compile_variant(_gemv_kernel, {**gemv, "NORM": True, "ROTARY": True}, 4)  # qkv + rotary + KV write
     compile_variant(_gemv_kernel, {**gemv, "NORM": True, "ROTARY": True, "BIAS": True}, 4)  # gpt-oss's biased qkv
+    compile_variant(_gemv_kernel, {**gemv, "NORM": True, "ROTARY": True}, 4, pointers=FP8_CACHE)  # into an fp8 cache
     compile_variant(_gemv_kernel, {**gemv, "ADD": True, "BIAS": True, "BLOCK_N": 8, "K_TILES": 2}, 8)  # biased o
     compile_variant(_gemv_kernel, {**gemv, "NORM": True, "GATED": True, "BLOCK_N": 2}, 4)  # gate_up
     compile_variant(_gemv_kernel, {**gemv, "ADD": True, "BLOCK_N": 8, "K_TILES": 4}, 8)  # down
@@ -135,6 +139,10 @@ def main() -> None:
     compile_variant(_paged_decode_split_kernel, {**attention, "QUERIES_PER_KV": 8, "HEAD_DIM": 128, "BLOCK_D": 128,
                                                  "BLOCK_Q": 8, "BLOCK_S": 8, "NUM_SPLITS": 16, "ROTARY": True,
                                                  "HEAD_NORM": True}, 4)
+    # an fp8 cache: tiles upcast to bf16 for the dots; the fused rotary writes the new K/V saturated
+    compile_variant(_paged_decode_split_kernel, attention, 2, pointers=FP8_CACHE)
+    compile_variant(_paged_decode_split_kernel, {**attention, "NUM_SPLITS": 2, "PREFETCH": False, "ROTARY": True,
+                                                 "HEADS_FIRST": True}, 2, pointers=FP8_CACHE)
     compile_variant(_gated_act_kernel, dict(USE_GELU_TANH=False, BLOCK=1024, ROW_NORM=True, NORM_BLOCK=1024, PDL=True), 4)
     compile_variant(_fill_decode_inputs_kernel, dict(PAD_TOKEN=0, PAD_POSITION=0, PAD_SLOT=-1, PAD_SEQ_LEN=0,
                                                      NULL_BLOCK=0, BLOCK_W=1024, PDL=True), 4)
@@ -149,6 +157,13 @@ def main() -> None:
     compile_variant(_paged_prefill_kernel, packed, 8)
     compile_variant(_paged_prefill_kernel, {**packed, "QUERIES_PER_KV": 8, "GROUP": 8, "HEAD_DIM": 128,
                                             "BLOCK_D": 128}, 8)
+    compile_variant(_paged_prefill_kernel, prefill, 4, pointers=FP8_CACHE)
+    compile_variant(_paged_prefill_kernel, packed, 8, pointers=FP8_CACHE)
+    # the KV writes of prefill steps into an fp8 cache: plain, and fused with the rotary (Llama-3.2-1B)
+    compile_variant(_write_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=64, BLOCK_H=8, BLOCK_D=64), 4, pointers=FP8_CACHE)
+    compile_variant(_rotary_kv_write_kernel, dict(HALF=32, BLOCK_HALF=32, Q_HEADS=32, KV_HEADS=8, BLOCK_D=64,
+                                                  PARTIAL=False, IS_NEOX=True, PDL=True), 4,
+                    pointers={**FP8_CACHE, "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16"})
     # fused MoE (Qwen3-30B-A3B: 128 experts, top-8)
     compile_variant(_route_kernel, dict(TOP_K=8, BLOCK_K=8, BLOCK_E=128, RENORMALIZE=True), 4)
     compile_variant(_align_count_kernel, dict(BLOCK_E=128, BLOCK_T=64), 4)
@@ -183,10 +198,12 @@ def main() -> None:
     # gpt-oss-20b's bf16 experts routing inside, the layer's norm in the prologue (`route_in_gemv`)
     compile_variant(_gate_up_kernel, {**gate_up, "TOP_K": 4, "K_TILES": 2, "HAS_BIAS": True, "CLAMPED": True,
                                       **routed, "BLOCK_TOPK": 4, "BLOCK_E": 32}, 4, pointers=moe_ids)
-    down = dict(TOP_K=8, BLOCK_N=8, BLOCK_K=1024, K_TILES=1, HAS_BIAS=False, ADD=True, MXFP4=False)
+    down = dict(TOP_K=8, BLOCK_TOPK=8, BLOCK_N=8, BLOCK_K=1024, K_TILES=1, HAS_BIAS=False, ADD=True, MXFP4=False,
+                DEPTH=2)
     compile_variant(_down_sum_kernel, down, 4, pointers=moe_ids)
-    compile_variant(_down_sum_kernel, {**down, "TOP_K": 4, "K_TILES": 2, "HAS_BIAS": True, "ADD": False}, 4,
-                    pointers=moe_ids)
+    compile_variant(_down_sum_kernel, {**down, "DEPTH": 1}, 4, pointers=moe_ids)
+    compile_variant(_down_sum_kernel, {**down, "TOP_K": 4, "BLOCK_TOPK": 4, "K_TILES": 2, "HAS_BIAS": True,
+                                       "ADD": False}, 4, pointers=moe_ids)
     # the same for gpt-oss-20b's MXFP4 experts (hidden and intermediate 2880: two K tiles)
     packed_gemv = {**moe_ids, "w_ptr": "*u8", "scale_ptr": "*u8"}
     compile_variant(_gate_up_kernel, {**gate_up, "TOP_K": 4, "K_TILES": 2, "HAS_BIAS": True, "CLAMPED": True,
@@ -194,8 +211,8 @@ def main() -> None:
     compile_variant(_gate_up_kernel, {**gate_up, "TOP_K": 4, "K_TILES": 2, "HAS_BIAS": True, "CLAMPED": True,
                                       "MXFP4": True, **routed, "BLOCK_TOPK": 4, "BLOCK_E": 32}, 4,
                     pointers=packed_gemv)  # routing over gpt-oss-20b's 32 experts, top-4
-    compile_variant(_down_sum_kernel, {**down, "TOP_K": 4, "BLOCK_K": 2048, "K_TILES": 2, "HAS_BIAS": True,
-                                       "MXFP4": True}, 4, pointers=packed_gemv)
+    compile_variant(_down_sum_kernel, {**down, "TOP_K": 4, "BLOCK_TOPK": 4, "BLOCK_K": 2048, "K_TILES": 2,
+                                       "HAS_BIAS": True, "MXFP4": True}, 4, pointers=packed_gemv)
     splitk = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, NORM=True, GATED=False, ADD=False,
                   DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", PDL=True)
     compile_variant(_splitk_linear_kernel, splitk, 4)  # qkv with the input norm

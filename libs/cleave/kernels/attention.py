@@ -19,6 +19,7 @@ from cleave.kernels.attention_decode import (
 )
 from cleave.kernels.attention_prefill import DEFAULT_PREFILL_LAUNCH, PrefillLaunch, paged_prefill_attention
 from cleave.kernels.dispatch import Impl, use_triton
+from cleave.kernels.kv_cache_dtype import to_cache_dtype
 from cleave.kernels.kv_write import write_kv_triton
 from cleave.kv.metadata import AttentionMetadata
 
@@ -29,13 +30,14 @@ def write_kv_reference(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = padding
 ) -> None:
-    """Scatter new K/V into their slots; padding slots (-1) are skipped."""
+    """Scatter new K/V into their slots, cast as the cache stores them (`to_cache_dtype`: an
+    fp8 cache saturates); padding slots (-1) are skipped."""
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     flat = kv_cache.view(2, num_blocks * block_size, kv_cache.shape[3], kv_cache.shape[4])
-    flat[0, slots] = key[valid].to(kv_cache.dtype)
-    flat[1, slots] = value[valid].to(kv_cache.dtype)
+    flat[0, slots] = to_cache_dtype(key[valid], kv_cache.dtype)
+    flat[1, slots] = to_cache_dtype(value[valid], kv_cache.dtype)
 
 
 def paged_attention_reference(
@@ -46,7 +48,8 @@ def paged_attention_reference(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [Hq]
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Causal attention of each sequence's new tokens over its cached context (GQA); with a
+    """Causal attention of each sequence's new tokens over its cached context (GQA), in fp32
+    over the dequantised cache (an fp8 cache's values are its scale-1.0 values); with a
     `sliding_window` W, the query at position i sees keys i - W + 1 .. i only; `sinks` adds
     one logit per query head to each softmax (a sink that takes weight and gives no value)."""
     block_size = kv_cache.shape[2]

@@ -1,4 +1,4 @@
-"""Settings shared by the paged attention kernels."""
+"""Settings and tile helpers shared by the paged attention kernels."""
 
 from __future__ import annotations
 
@@ -41,12 +41,23 @@ def kv_tile_pointers(
 
 
 @triton.jit
+def load_kv_tile(k_ptrs, v_ptrs, kv_mask, DOT_DTYPE: tl.constexpr):
+    """K and V [BLOCK_N, BLOCK_D] at `k_ptrs` / `v_ptrs` (zeros where masked off), upcast from
+    the cache's element type (the model's, or float8 e4m3: `cleave.kernels.kv_cache_dtype`)
+    to the dot's operand dtype; every read of the cache goes through here."""
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    return k, v
+
+
+@triton.jit
 def attend_tile(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 MASKED: tl.constexpr = True):
     """Online-softmax update of (running max, sum, accumulator) [M], [M], [M, D] with one K/V
-    tile [N, D] for queries q [M, D]; `visible` ([M, N] or [1, N]) masks the scores, unless
-    MASKED is off (every row sees every key of the tile; `visible` is not read)."""
-    scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2  # [M, N]
+    tile [N, D] (`load_kv_tile`'s, in DOT_DTYPE) for queries q [M, D]; `visible` ([M, N] or
+    [1, N]) masks the scores, unless MASKED is off (every row sees every key of the tile;
+    `visible` is not read)."""
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, N]
     if MASKED:
         scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -54,7 +65,7 @@ def attend_tile(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_DTYPE: tl.const
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    acc = tl.dot(p.to(DOT_DTYPE), v, acc, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 

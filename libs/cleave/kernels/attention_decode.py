@@ -35,8 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from cleave.kernels.attention_common import LOG2E, add_sinks, attend_tile, dot_settings, kv_tile_pointers
+from cleave.kernels.attention_common import LOG2E, add_sinks, attend_tile, dot_settings, kv_tile_pointers, load_kv_tile
 from cleave.kernels.dispatch import CachedLauncher
+from cleave.kernels.kv_cache_dtype import to_cache
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 from cleave.kernels.row_norm import DeferredRMSNorm, row_inverse_rms, row_norm_args
 from cleave.kv.metadata import AttentionMetadata
@@ -256,8 +257,7 @@ def _paged_decode_split_kernel(
             cache_ptr, table_row, part_start, part_end, kv_head, dims, dim_valid, block_size,
             stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N,
         )
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        k, v = load_kv_tile(k_ptrs, v_ptrs, kv_mask, DOT_DTYPE)  # [BLOCK_N, BLOCK_D]
     wait_for_producer(PDL)
     release_dependents(PDL)
 
@@ -287,10 +287,13 @@ def _paged_decode_split_kernel(
             if ROW_NORM:
                 key = key * rstd
                 value = value.to(tl.float32) * rstd
+            # rounded to the activations' dtype first, as the unfused rotary + KV write stores them
+            key = to_cache(key.to(key_ptr.dtype.element_ty), cache_ptr)
+            value = to_cache(value.to(value_ptr.dtype.element_ty), cache_ptr)
             slot_ptr = cache_ptr + (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_slot
             dst = slot_ptr + head[:, None] * stride_cache_head + dims[None, :]
-            tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=one[:, None] & dim_valid[None, :])
-            tl.store(dst + stride_cache_kv, value.to(cache_ptr.dtype.element_ty), mask=one[:, None] & dim_valid[None, :])
+            tl.store(dst, key, mask=one[:, None] & dim_valid[None, :])
+            tl.store(dst + stride_cache_kv, value, mask=one[:, None] & dim_valid[None, :])
         tl.debug_barrier()  # the whole program sees the written slot
     else:
         q = tl.load(
@@ -305,8 +308,9 @@ def _paged_decode_split_kernel(
     if PREFETCH:
         # The newest position's K/V may come from the previous kernel: reload it.
         newest = (part_start + tl.arange(0, BLOCK_N) == seq_len - 1)[:, None] & kv_mask
-        k = tl.where(newest, tl.load(k_ptrs, mask=newest, other=0.0), k)
-        v = tl.where(newest, tl.load(v_ptrs, mask=newest, other=0.0), v)
+        newest_k, newest_v = load_kv_tile(k_ptrs, v_ptrs, newest, DOT_DTYPE)
+        k = tl.where(newest, newest_k, k)
+        v = tl.where(newest, newest_v, v)
         if part_start < part_end:
             m_i, l_i, acc = attend_tile(q, k, v, key_valid[None, :], m_i, l_i, acc, scale_log2, DOT_DTYPE, DOT_PRECISION)
         loop_start = part_start + BLOCK_N
@@ -315,8 +319,7 @@ def _paged_decode_split_kernel(
             cache_ptr, table_row, start, part_end, kv_head, dims, dim_valid, block_size,
             stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N,
         )
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        k, v = load_kv_tile(k_ptrs, v_ptrs, kv_mask, DOT_DTYPE)
         m_i, l_i, acc = attend_tile(q, k, v, key_valid[None, :], m_i, l_i, acc, scale_log2, DOT_DTYPE, DOT_PRECISION)
 
     if NUM_SPLITS == 1:

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cleave.kernels.attention_common import LOG2E, add_sinks, attend_tile, dot_settings, kv_tile_pointers
+from cleave.kernels.attention_common import LOG2E, add_sinks, attend_tile, dot_settings, kv_tile_pointers, load_kv_tile
 from cleave.kernels.dispatch import CachedLauncher
 from cleave.kv.metadata import AttentionMetadata
 
@@ -41,14 +41,16 @@ from cleave.kv.metadata import AttentionMetadata
 def _kv_tile(
     cache_ptr, table_row, start, end, kv_head, dims, dim_valid, block_size,
     stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
-    """K and V [BLOCK_N, BLOCK_D] of the cached positions [start, start + BLOCK_N) of one KV
-    head (zeros at and past `end`), and which of those positions are below `end`."""
+    """K and V [BLOCK_N, BLOCK_D] in DOT_DTYPE of the cached positions [start, start + BLOCK_N)
+    of one KV head (zeros at and past `end`), and which of those positions are below `end`."""
     k_ptrs, v_ptrs, key_valid, kv_mask = kv_tile_pointers(
         cache_ptr, table_row, start, end, kv_head, dims, dim_valid, block_size,
         stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N,
     )
-    return tl.load(k_ptrs, mask=kv_mask, other=0.0), tl.load(v_ptrs, mask=kv_mask, other=0.0), key_valid
+    k, v = load_kv_tile(k_ptrs, v_ptrs, kv_mask, DOT_DTYPE)
+    return k, v, key_valid
 
 
 @triton.jit(do_not_specialize=["stride_table_seq", "first_seq"])
@@ -140,13 +142,14 @@ def _paged_prefill_kernel(
         for start in range(0, full_end, BLOCK_N):
             k, v, key_valid = _kv_tile(cache_ptr, table_row, start, full_end, kv_head, dims, dim_valid, block_size,
                                        stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head,
-                                       BLOCK_N)
+                                       BLOCK_N, DOT_DTYPE)
             m_i, l_i, acc = attend_tile(q, k, v, key_valid[None, :], m_i, l_i, acc, scale_log2, DOT_DTYPE,
                                         DOT_PRECISION, MASKED=False)
         kv_start = full_end
     for start in range(kv_start, kv_end, BLOCK_N):
         k, v, key_valid = _kv_tile(cache_ptr, table_row, start, kv_end, kv_head, dims, dim_valid, block_size,
-                                   stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N)
+                                   stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N,
+                                   DOT_DTYPE)
         keys_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         visible = (keys_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
         if SLIDING:

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cleave.kernels.kv_cache_dtype import to_cache
 from cleave.kernels.pdl import release_dependents, wait_for_producer
 
 MAX_ROWS = 4  # rows the register GEMV takes
@@ -232,9 +233,8 @@ def _rotate_and_write_kv(
     slot_offset = (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_slot
     dst = cache_ptr + slot_offset[:, None] + head_offset[None, :]  # [BLOCK_M, BLOCK_N // 2]
     kv_mask = pair_mask & (slot >= 0)[:, None] & (kv_index >= 0)[None, :]
-    cache_dtype = cache_ptr.dtype.element_ty
-    tl.store(dst + first[None, :], out1.to(cache_dtype), mask=kv_mask)
-    tl.store(dst + second[None, :], out2.to(cache_dtype), mask=kv_mask)
+    tl.store(dst + first[None, :], to_cache(out1, cache_ptr), mask=kv_mask)
+    tl.store(dst + second[None, :], to_cache(out2, cache_ptr), mask=kv_mask)
 
 
 def gemv_tiles(num_rows: int, num_out: int, num_in: int, gated: bool) -> tuple[int, int, int]:

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from cleave.kernels.dispatch import CachedLauncher
+from cleave.kernels.kv_cache_dtype import to_cache
 
 
 @triton.jit
@@ -58,8 +59,8 @@ def _write_kv_kernel(
         + heads[:, None] * stride_cache_head
         + dims[None, :]
     )
-    tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_cache_kv, value.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, to_cache(key, cache_ptr), mask=mask)
+    tl.store(dst + stride_cache_kv, to_cache(value, cache_ptr), mask=mask)
 
 
 _launcher = CachedLauncher(_write_kv_kernel)

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from cleave.kernels.dispatch import CachedLauncher, Impl, use_triton
+from cleave.kernels.kv_cache_dtype import to_cache
 
 _TILE_ELEMENTS = 2048  # q/k elements one program rotates
 
@@ -47,7 +48,7 @@ def apply_rotary_reference(
 def _rotate_heads(
     base_ptr,  # this token's head 0
     head_stride,
-    dst_ptr,  # where the rotated head 0 goes (base_ptr itself to rotate in place)
+    dst_ptr,  # where the rotated head 0 goes (base_ptr itself to rotate in place, or a KV cache slot)
     dst_head_stride,
     first_head,
     num_heads,
@@ -74,8 +75,10 @@ def _rotate_heads(
     x2 = tl.load(head_ptrs + second_cols[None, :], mask=mask, other=0.0).to(tl.float32)
     out1 = x1 * cos[None, :] - x2 * sin[None, :]
     out2 = x2 * cos[None, :] + x1 * sin[None, :]
-    tl.store(dst_ptrs + first_cols[None, :], out1.to(dst_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst_ptrs + second_cols[None, :], out2.to(dst_ptr.dtype.element_ty), mask=mask)
+    # rounded to the activations' dtype first, as a rotated k in memory would be before its KV write
+    dtype = base_ptr.dtype.element_ty
+    tl.store(dst_ptrs + first_cols[None, :], to_cache(out1.to(dtype), dst_ptr), mask=mask)
+    tl.store(dst_ptrs + second_cols[None, :], to_cache(out2.to(dtype), dst_ptr), mask=mask)
 
 
 @triton.jit

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from cleave.kernels.attention import write_kv_reference
 from cleave.kernels.dispatch import CachedLauncher, Impl, use_triton
+from cleave.kernels.kv_cache_dtype import to_cache
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 from cleave.kernels.rotary import _rotate_heads, apply_rotary_reference
 
@@ -27,7 +28,7 @@ def _copy_heads(src_ptr, src_head_stride, dst_ptr, dst_head_stride, num_heads, f
     mask = (heads[:, None] < num_heads) & (cols[None, :] < num_cols)  # [HEADS, BLOCK_D]
     rows = heads[:, None].to(tl.int64)
     values = tl.load(src_ptr + rows * src_head_stride + cols[None, :], mask=mask)
-    tl.store(dst_ptr + rows * dst_head_stride + cols[None, :], values.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst_ptr + rows * dst_head_stride + cols[None, :], to_cache(values, dst_ptr), mask=mask)
 
 
 @triton.jit

@@ -131,7 +131,9 @@ class Attention(nn.Module):
         `kv_cache` is a layer's [2, num_blocks, block_size, Hkv, D]. Returns the launches."""
         if not self.prefill_launch.decode_rows or not use_triton(kv_cache, self.attention_impl) or max_decodes < 1:
             return 0
-        qkv = torch.zeros(max_decodes, self.q_size + 2 * self.kv_size, dtype=kv_cache.dtype, device=kv_cache.device)
+        # the activations' dtype, not the cache's (an fp8 cache holds what bf16 queries attend over)
+        qkv = torch.zeros(max_decodes, self.q_size + 2 * self.kv_size, dtype=self.qkv_proj.weight.dtype,
+                          device=kv_cache.device)
         query = qkv[:, : self.q_size].view(max_decodes, self.num_heads, self.head_dim)  # as `attend` splits it
         return warm_mixed_decodes(query, kv_cache, self.scale, self.sliding_window, self.sinks, self.pdl)
 
