@@ -10,7 +10,7 @@ from cleave.errors import InvalidArgument
 from cleave.transfer.block_copy import copy_blocks, copy_blocks_reference
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
 def test_kernel_matches_reference(dtype):
     src = torch.randn(3, 2, 6, 2, 2, 4).to(dtype)
     src_ids, dst_ids = torch.tensor([4, 0, 5]), torch.tensor([1, 7, 2])
@@ -20,9 +20,8 @@ def test_kernel_matches_reference(dtype):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     got = torch.zeros_like(expected, device=device)
     copy_blocks(src.to(device), got, src_ids.to(device), dst_ids.to(device), range(1, 3), use_kernel=True)
-    got = got.cpu()
-    assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                       expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    got, expected, src = got.cpu().view(torch.uint8), expected.view(torch.uint8), src.view(torch.uint8)  # bits
+    assert torch.equal(got, expected)
     assert torch.count_nonzero(got[0]) == 0  # layer 0 outside the range
     assert torch.equal(got[1:, :, [1, 7, 2]], src[1:, :, [4, 0, 5]])
 

@@ -39,7 +39,7 @@ async def client():
     await client.close()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 async def test_send_all_scatters_exact_bytes(dtype, client):
     receiver = KVReceiver(torch.zeros(L, 2, 16, BS, H, D, dtype=dtype))
     await receiver.start()
@@ -50,10 +50,10 @@ async def test_send_all_scatters_exact_bytes(dtype, client):
     stats = await sender.send_all(src, src_ids)
     received = await pending.wait()
     dst = receiver.kv_cache
-    # bitwise equal, compared as integers so bf16 NaN/rounding cannot hide a difference
-    assert torch.equal(dst[:, :, dst_ids].view(torch.int16), src[:, :, src_ids].view(torch.int16))
+    # bitwise equal, compared as bytes so NaN/rounding cannot hide a difference
+    assert torch.equal(dst[:, :, dst_ids].view(torch.uint8), src[:, :, src_ids].view(torch.uint8))
     untouched = [b for b in range(16) if b not in dst_ids]
-    assert torch.count_nonzero(dst[:, :, untouched]) == 0
+    assert torch.count_nonzero(dst[:, :, untouched].view(torch.uint8)) == 0
     expected_bytes = L * 2 * len(src_ids) * BS * H * D * src.element_size()
     assert (stats.num_bytes, received.num_bytes, received.num_blocks) == (expected_bytes, expected_bytes, 4)
     await receiver.close()
@@ -131,6 +131,20 @@ async def test_sender_refuses_handle_layout_mismatch(client):
     wrong = torch.zeros(L, 2, 4, BS, H + 1, D, dtype=torch.bfloat16)
     with pytest.raises(FailedPrecondition, match="num_kv_heads"):
         await sender.send_layer(0, wrong, [0])
+    await receiver.close()
+
+
+async def test_a_bf16_decode_cache_refuses_fp8_kv_from_a_prefill_worker(client):
+    # a decode worker on the model's dtype, a prefill worker with --kv-cache-dtype fp8
+    receiver = KVReceiver(torch.zeros(L, 2, 4, BS, H, D, dtype=torch.bfloat16),
+                          layout=KVLayout("m", "bfloat16", BS, L, H, D))
+    await receiver.start()
+    pending = receiver.expect("t", [0], timeout_s=10)
+    sender = await client.open(pending.handle)
+    refusal = r"differ in dtype: 'bfloat16' here, 'float8_e4m3fn' offered.*the same --dtype and --kv-cache-dtype"
+    with pytest.raises(FailedPrecondition, match=refusal):
+        await sender.send_layer(0, cache(4, torch.float8_e4m3fn, seed=5), [0])
+    assert torch.count_nonzero(receiver.kv_cache) == 0  # nothing was reinterpreted
     await receiver.close()
 
 

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from cleave.errors import InvalidArgument
 from cleave.kernels.dispatch import CachedLauncher
+from cleave.kernels.kv_cache_dtype import as_words
 
 MAX_TILE = 2048
 
@@ -69,9 +70,10 @@ def copy_blocks_reference(
     src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor,
     layers: range,
 ) -> None:
-    """Torch formulation: per layer, gather src blocks and scatter them into dst blocks."""
+    """Torch formulation: per layer, gather src blocks and scatter them into dst blocks (as
+    integer words: CPU `index_copy_` has no float8 kernel)."""
     for layer in layers:
-        dst[layer].index_copy_(1, dst_ids, src[layer].index_select(1, src_ids))
+        as_words(dst[layer]).index_copy_(1, dst_ids, as_words(src[layer]).index_select(1, src_ids))
 
 
 def copy_blocks(

@@ -28,6 +28,7 @@ import torch
 
 from cleave.device_copy import to_host
 from cleave.errors import FailedPrecondition, InvalidArgument
+from cleave.kernels.kv_cache_dtype import as_words
 from cleave.proto.cleave.v1 import kvstore_pb2, kvstore_pb2_grpc
 from cleave.rpc.client import aio_channel
 from cleave.rpc.convert import dtype_to_proto, kv_layout_to_proto
@@ -71,7 +72,13 @@ def gather_blocks(cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor
     cache: [L, 2, NB, BS, Hkv, D] -> [n, L, 2, BS, Hkv, D] (contiguous, cache's device)
     """
     index = torch.tensor(list(block_ids), dtype=torch.int64, device=cache.device)
-    return cache.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
+    return _gathered(cache, index)
+
+
+def _gathered(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[L, 2, NB, BS, Hkv, D] -> blocks `index` as [n, L, 2, BS, Hkv, D], gathered as integer
+    words (a float8 cache needs no gather kernel of its own)."""
+    return as_words(cache).index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous().view(cache.dtype)
 
 
 def gather_blocks_to_host(cache: torch.Tensor, block_ids: Sequence[int],
@@ -87,7 +94,7 @@ def gather_blocks_to_host(cache: torch.Tensor, block_ids: Sequence[int],
     stream = stream or torch.cuda.current_stream(cache.device)
     with torch.cuda.stream(stream):
         index = device_index(block_ids, cache.device, stream)
-        blocks = cache.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
+        blocks = _gathered(cache, index)
         host = to_host(blocks)
         done = torch.cuda.Event()
         done.record(stream)
@@ -97,8 +104,11 @@ def gather_blocks_to_host(cache: torch.Tensor, block_ids: Sequence[int],
 
 def scatter_blocks(cache: torch.Tensor, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
     """Write per-block payloads [n, L, 2, BS, Hkv, D] into blocks `block_ids` of the cache."""
+    if blocks.dtype != cache.dtype:
+        raise InvalidArgument(f"{blocks.dtype} blocks for a {cache.dtype} KV cache: their bytes would be misread",
+                              field="blocks")
     index = torch.tensor(list(block_ids), dtype=torch.int64, device=cache.device)
-    cache.index_copy_(2, index, blocks.to(cache.device).permute(1, 2, 0, 3, 4, 5))
+    as_words(cache).index_copy_(2, index, as_words(blocks.to(cache.device)).permute(1, 2, 0, 3, 4, 5))
 
 
 class KVStoreClient:

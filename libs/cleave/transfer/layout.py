@@ -10,6 +10,9 @@ from cleave.transfer.tensors import check_kv_cache, dtype_name
 
 LAYOUT_FIELDS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "hash_namespace")
 _FIELDS_BUT_HEADS = tuple(name for name in LAYOUT_FIELDS if name != "num_kv_heads")
+# how to fix a mismatch, where the layouts come from worker flags: a cache's dtype is the
+# weights' (--dtype) unless --kv-cache-dtype makes it fp8, and its bytes mean nothing in another
+_FIXES = {"dtype": " (start prefill and decode workers with the same --dtype and --kv-cache-dtype)"}
 
 
 def layout_of(cache: torch.Tensor, model_id: str, hash_namespace: str = "", kv_head_start: int = 0,
@@ -37,7 +40,8 @@ def head_slice(source: KVLayout, destination: KVLayout, what: str = "layout") ->
     if name is not None:
         raise FailedPrecondition(
             f"KV layouts differ in {name}: the sender's {getattr(source, name)!r}, the receiver's "
-            f"{getattr(destination, name)!r}; KV moves only between equal layouts", field=f"{what}.{name}")
+            f"{getattr(destination, name)!r}; KV moves only between equal layouts{_FIXES.get(name, '')}",
+            field=f"{what}.{name}")
     if source.model_kv_heads != destination.model_kv_heads:
         raise FailedPrecondition(
             f"KV layouts are of models with {source.model_kv_heads} and {destination.model_kv_heads} KV heads",
@@ -74,7 +78,7 @@ def require_same_layout(expected: KVLayout, actual: KVLayout, what: str = "layou
     if name is not None:
         raise FailedPrecondition(
             f"KV layouts differ in {name}: {getattr(expected, name)!r} here, "
-            f"{getattr(actual, name)!r} offered; KV moves only between equal layouts",
+            f"{getattr(actual, name)!r} offered; KV moves only between equal layouts{_FIXES.get(name, '')}",
             field=f"{what}.{name}",
         )
 

@@ -4,7 +4,9 @@ The paged KV cache is `[num_layers, 2, num_blocks, block_size, num_kv_heads, hea
 (`cleave.kv.metadata`). A transfer moves, per layer, the K and V of a list of blocks: the
 sender gathers them into one contiguous `[2, n, block_size, num_kv_heads, head_dim]` tensor,
 the wire carries its raw little-endian bytes, the receiver scatters them into its own block
-ids. Nothing here is pickled; bytes are reinterpreted through `uint8` views.
+ids. Nothing here is pickled; bytes are reinterpreted through `uint8` views, and blocks are
+scattered as integer words of the element's width (`as_words`), so a float8 cache moves as
+any other (its dtype travels in the layout and the chunk headers, and must match).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from cleave.device_copy import tensor_on
 from cleave.errors import InvalidArgument
+from cleave.kernels.kv_cache_dtype import as_words
 
 KV_CACHE_DIMS = 6  # [L, 2, NB, BS, Hkv, D]
 
@@ -70,7 +73,7 @@ def gather_layer(cache: torch.Tensor, layer: int, index: torch.Tensor) -> torch.
 
     cache: [L, 2, NB, BS, Hkv, D]; index: [n] int64 -> [2, n, BS, Hkv, D]
     """
-    return cache[layer].index_select(1, index)
+    return as_words(cache[layer]).index_select(1, index).view(cache.dtype)
 
 
 def scatter_layer(cache: torch.Tensor, layer: int, index: torch.Tensor, chunk: torch.Tensor) -> None:
@@ -78,7 +81,9 @@ def scatter_layer(cache: torch.Tensor, layer: int, index: torch.Tensor, chunk: t
 
     cache: [L, 2, NB, BS, Hkv, D]; index: [n]; chunk: [2, n, BS, Hkv, D]
     """
-    cache[layer].index_copy_(1, index, chunk)
+    if chunk.dtype != cache.dtype:
+        raise InvalidArgument(f"a {chunk.dtype} chunk for a {cache.dtype} KV cache: its bytes would be misread")
+    as_words(cache[layer]).index_copy_(1, index, as_words(chunk))
 
 
 def scatter_layers(cache: torch.Tensor, layers: range, index: torch.Tensor, chunk: torch.Tensor) -> None:
