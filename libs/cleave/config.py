@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from cleave.engine.config import KV_CACHE_DTYPES
 from cleave.generation.reasoning_formats import REASONING_PARSERS
 
 ENV_PREFIX = "CLEAVE_"
@@ -163,6 +164,9 @@ class WorkerConfig:
     kv_listen: str  # host:port of the bulk TCP KV endpoint
     dtype: str = "auto"  # weights and KV: auto (checkpoint's on CUDA, float32 on CPU), bfloat16, ...
     block_size: int = 16  # tokens per KV block
+    # the KV cache's element type: auto (the model's dtype) or fp8 (float8 e4m3, scale 1.0, half
+    # the bytes); a prefill and a decode worker hand KV over only when theirs are the same
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 256  # sequences per engine step
     max_num_batched_tokens: int = 2048  # tokens per engine step
     # a prompt with more tokens than this left gets at most this many per step before shorter
@@ -439,6 +443,9 @@ def worker_config(
     flags.add("--kv-listen", f"{LOOPBACK}:0", "bulk TCP KV transfer address host:port", aliases=("--transfer-listen",))
     flags.add("--dtype", "auto", "weights and KV dtype: auto, bfloat16, float16 or float32")
     flags.add("--block-size", 16, "tokens per KV block", type=int)
+    flags.add("--kv-cache-dtype", "auto", "KV cache element type: auto (the model's dtype) or fp8 (float8 e4m3 "
+              "with scale 1.0, values clamped to +-448: half the bytes, so twice the tokens fit; prefill and "
+              "decode workers must use the same)", choices=KV_CACHE_DTYPES)
     flags.add("--max-num-seqs", 256, "sequences per engine step", type=int)
     flags.add("--max-num-batched-tokens", 2048, "tokens per engine step", type=int)
     flags.add("--long-prefill-token-threshold", 0,
@@ -512,6 +519,7 @@ def worker_config(
         kv_listen=args.kv_listen,
         dtype=args.dtype,
         block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,

@@ -32,8 +32,14 @@ def test_packed_experts_go_to_the_workers_only():
     assert spec.worker_args == ("--packed-experts",) and spec.gateway_args == ()
 
 
+def test_an_fp8_kv_cache_goes_to_every_worker_and_auto_passes_nothing():
+    assert spec_of("--kv-cache-dtype", "fp8").worker_args == ("--kv-cache-dtype", "fp8")
+    assert spec_of("--kv-cache-dtype", "auto").worker_args == ()
+    assert spec_of("--kv-cache-dtype", "fp8").gateway_args == ()
+
+
 @pytest.mark.parametrize("flags", [("--reasoning-parser", "nonsense"), ("--stream-interval", "0"),
-                                   ("--stream-interval", "two")])
+                                   ("--stream-interval", "two"), ("--kv-cache-dtype", "fp4")])
 def test_bad_values_are_refused_by_the_parser(flags, capsys):
     with pytest.raises(SystemExit) as exited:
         build_parser().parse_args(["up", *flags])

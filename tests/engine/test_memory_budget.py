@@ -17,6 +17,7 @@ from cleave.engine.memory_budget import (
 )
 from cleave.engine.model_runner import ModelRunner
 from cleave.errors import ResourceExhausted
+from cleave.kernels.kv_cache_dtype import resolve_kv_cache_dtype
 from cleave.kv.groups import KVGroups
 
 GIB = 2**30
@@ -82,7 +83,7 @@ def _runner(cache: CacheConfig, device: str = "cuda:0") -> ModelRunner:
     runner.config = EngineConfig(model="unused", device=device, cache=cache)
     runner.device = torch.device(device)
     runner.block_size = cache.block_size
-    runner.kv_dtype = torch.bfloat16
+    runner.kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, torch.bfloat16)  # a bf16 model's
     runner.model_config = SimpleNamespace(num_hidden_layers=4, num_key_value_heads=2, head_dim=64)
     runner.kv_groups = KVGroups(tuple(range(4)), (False,) * 4, None)  # a slot per layer
     return runner
@@ -104,6 +105,19 @@ def test_a_paired_cache_block_holds_half_the_layers():
     runner = _runner(CacheConfig(block_size=16))
     runner.kv_groups = KVGroups((0, 0, 1, 1), (True, False, True, False), 128)
     assert runner._bytes_per_block() == 2 * 2 * 16 * 2 * 64 * 2  # slots * K,V * tokens * heads * dim * bf16
+
+
+def test_an_fp8_cache_fits_twice_the_blocks_of_a_bf16_model_in_the_same_share(monkeypatch):
+    monkeypatch.setattr(ModelRunner, "_profile_peak_bytes", lambda self: PEAK)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (TOTAL - WEIGHTS, TOTAL))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: WEIGHTS)
+    auto = _runner(CacheConfig(block_size=16, gpu_memory_utilization=0.3))
+    fp8 = _runner(CacheConfig(block_size=16, gpu_memory_utilization=0.3, kv_cache_dtype="fp8"))
+    assert fp8.kv_dtype == torch.float8_e4m3fn
+    assert 2 * fp8._bytes_per_block() == auto._bytes_per_block() == 4 * 2 * 16 * 2 * 64 * 2
+    auto_blocks, fp8_blocks = auto._init_num_blocks(), fp8._init_num_blocks()
+    # the null block 0 is counted once in each, and the KV bytes need not divide evenly
+    assert 2 * (auto_blocks - 1) <= fp8_blocks - 1 <= 2 * (auto_blocks - 1) + 1
 
 
 def test_runner_refusal_names_the_device(monkeypatch):

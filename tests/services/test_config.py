@@ -148,3 +148,11 @@ def test_prefill_graph_max_tokens_is_a_worker_flag_on_cuda_by_default():
     assert engine_config_from_worker(cpu).prefill_graph_max_tokens == 0
     with pytest.raises(SystemExit, match="--prefill-graph-max-tokens"):
         worker_config("prefill", ["--prefill-graph-max-tokens", "-1"], {})
+
+
+def test_kv_cache_dtype_is_a_worker_flag_and_env_variable_with_auto_by_default():
+    assert worker_config("decode", [], {}).kv_cache_dtype == "auto"
+    assert worker_config("decode", ["--kv-cache-dtype", "fp8"], {}).kv_cache_dtype == "fp8"
+    assert worker_config("prefill", [], {"CLEAVE_KV_CACHE_DTYPE": "fp8"}).kv_cache_dtype == "fp8"
+    with pytest.raises(SystemExit):
+        worker_config("prefill", ["--kv-cache-dtype", "int8"], {})

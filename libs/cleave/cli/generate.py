@@ -11,6 +11,8 @@ import argparse
 import json
 import sys
 
+from cleave.engine.config import KV_CACHE_DTYPES
+
 # Measured with bench/cli_generate.py on a 2-core machine (bench/results/cli/): with one
 # thread the whole command took 4.1 s (median), with torch's default of one per core 10.0 s,
 # and 2.5x the CPU time: the shipped reasoner's ops are too small to split, and two threads
@@ -38,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     engine_kwargs = {"seed": args.seed, "device": args.device, "dtype": args.dtype, "max_model_len": args.max_model_len,
-                     "packed_experts": args.packed_experts}
+                     "packed_experts": args.packed_experts, "kv_cache_dtype": args.kv_cache_dtype}
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, n=args.n
     )
@@ -85,6 +87,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16 (default auto)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length cap")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="KV cache element type: auto (the model's dtype) or fp8 (float8 e4m3, scale 1.0)")
     parser.add_argument("--packed-experts", action="store_true",
                         help="keep a checkpoint's MXFP4 experts (gpt-oss) packed in memory (default: dequantised)")
     parser.add_argument("--threads", type=int, default=DEFAULT_CPU_THREADS,

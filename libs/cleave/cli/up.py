@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from cleave.cli._arg_types import positive_int
 from cleave.cli._memory_split import DEFAULT_GPU_MEMORY_UTILIZATION, MemorySplit
 from cleave.config import API_KEY_ENV
+from cleave.engine.config import KV_CACHE_DTYPES
 from cleave.generation.reasoning_formats import REASONING_PARSERS
 
 if TYPE_CHECKING:
@@ -96,6 +97,8 @@ def stack_spec(args: argparse.Namespace, model: Path, default_name: str) -> "Sta
         worker_args += ("--stream-interval", str(args.stream_interval))
     if args.packed_experts:
         worker_args += ("--packed-experts",)
+    if args.kv_cache_dtype != "auto":  # every worker alike: a hand-off needs equal KV dtypes
+        worker_args += ("--kv-cache-dtype", args.kv_cache_dtype)
     return StackSpec(
         model=model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode, num_gateways=args.gateways,
         grpc_port=args.grpc_port, http_port=None if args.http_port < 0 else args.http_port,
@@ -247,6 +250,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--packed-experts", action="store_true",
                         help="workers keep a checkpoint's MXFP4 experts (gpt-oss) packed in memory, read by the "
                              "expert kernels: a quarter of bf16's bytes (default: dequantised at load)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="every worker's KV cache element type: auto (the model's dtype) or fp8 (float8 e4m3, "
+                             "scale 1.0, clamped to +-448: half the bytes, twice the tokens; greedy outputs may "
+                             "differ from the model dtype's)")
     parser.add_argument("--served-model-name", default="", help="model id clients use (default: the model directory's name)")
     parser.add_argument("--store-to-kvstore", action=argparse.BooleanOptionalAction, default=True,
                         help="prefill workers put new prompt blocks into the kvstore (default on; off for an A/B)")

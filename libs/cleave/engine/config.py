@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 from cleave.generation.reasoning_formats import REASONING_PARSERS
 
+# CacheConfig.kv_cache_dtype's values (`cleave.kernels.kv_cache_dtype` maps them to torch dtypes)
+KV_CACHE_DTYPES = ("auto", "fp8")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -61,6 +64,9 @@ class CacheConfig:
         pair_window_layers: a model mixing full-attention layers with as many sliding-window
             layers (gpt-oss) pairs them in the cache, the sliding ones over window tables
             that drop pages behind the window (cleave.kv.groups); False keeps every block.
+        kv_cache_dtype: the cache's element type: "auto" is the model's dtype; "fp8" stores
+            float8 e4m3 with a scale of 1.0, clamped to +-448 (`cleave.kernels.kv_cache_dtype`):
+            half the bytes of bf16, so twice the tokens fit, at some cost in precision.
     """
 
     block_size: int = 16
@@ -68,6 +74,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     pair_window_layers: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -76,6 +83,9 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"CacheConfig.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -84,7 +94,8 @@ class EngineConfig:
 
     Attributes:
         model: a local directory or hub id of the weights.
-        dtype: weight and KV dtype name ("bfloat16", "float16", "float32").
+        dtype: weight dtype name ("bfloat16", "float16", "float32"), the KV cache's too unless
+            `cache.kv_cache_dtype` says otherwise.
         device: torch device string.
         seed: base seed for sampling.
         enforce_eager: run the decode forward eagerly instead of replaying CUDA graphs.

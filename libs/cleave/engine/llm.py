@@ -25,7 +25,7 @@ from cleave.generation.sampling_params import SamplingParams
 from cleave.model.source import resolve_model_dir
 
 _SCHEDULER_KEYS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "enable_chunked_prefill")
-_CACHE_KEYS = ("block_size", "num_blocks", "enable_prefix_caching", "gpu_memory_utilization")
+_CACHE_KEYS = ("block_size", "num_blocks", "enable_prefix_caching", "gpu_memory_utilization", "kv_cache_dtype")
 _ENGINE_KEYS = (
     "dtype", "device", "seed", "enforce_eager", "detokenize", "overlap_steps", "pdl", "tensor_parallel_size",
     "reasoning_parser", "stream_interval", "stagger_reports", "prefill_graph_max_tokens", "packed_experts",
@@ -77,8 +77,8 @@ class LLM:
     Args:
         model: checkpoint directory (HF layout).
         **engine_kwargs: see `build_engine_config` (max_model_len, max_num_seqs, block_size,
-            num_blocks, device, dtype, seed, enforce_eager, detokenize, overlap_steps, pdl,
-            tensor_parallel_size, reasoning_parser, stream_interval (default
+            num_blocks, kv_cache_dtype, device, dtype, seed, enforce_eager, detokenize,
+            overlap_steps, pdl, tensor_parallel_size, reasoning_parser, stream_interval (default
             `BATCH_STREAM_INTERVAL`), stagger_reports (default True), ...).
     """
 

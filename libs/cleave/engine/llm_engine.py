@@ -196,6 +196,9 @@ class LLMEngine:
             model=f"{Path(self.config.model).resolve().name}@{weights_id}",
             dtype=str(self.dtype).removeprefix("torch."),
             block_size=cache.block_size,
+            # an fp8 cache's blocks hold other bytes than the model dtype's: never the same hashes
+            # ("auto" adds nothing, so the hashes of existing caches and kvstores stay as they were)
+            extra={"kv_cache_dtype": cache.kv_cache_dtype} if cache.kv_cache_dtype != "auto" else None,
         )
         groups = self.runner.kv_groups
         self.kv = KVCacheManager(

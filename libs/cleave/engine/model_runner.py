@@ -54,6 +54,7 @@ from cleave.generation.outputs import TokenLogprob
 from cleave.generation.sampling_params import SamplingParams
 from cleave.graphs.prefill import PrefillGraphConfig, PrefillGraphRunner
 from cleave.graphs.runner import CUDAGraphRunner, GraphRunnerConfig
+from cleave.kernels.kv_cache_dtype import as_words, resolve_kv_cache_dtype
 from cleave.kv.groups import kv_groups
 from cleave.kv.metadata import AttentionMetadata
 from cleave.model.llama import CausalLM, allocate_kv_cache
@@ -184,7 +185,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.sync_timing = sync_timing
         self.device_timing = device_timing and self.device.type == "cuda"
-        self.kv_dtype = next(model.parameters()).dtype
+        self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, next(model.parameters()).dtype)
         self.vocab_size = model.config.vocab_size
         self.sampler = Sampler(config.seed)
         self.inputs = InputBatchBuilder(self.block_size, self.device)
@@ -219,6 +220,8 @@ class ModelRunner:
         return kv_blocks_for_share(memory, cache.gpu_memory_utilization, peak, self._bytes_per_block())
 
     def _bytes_per_block(self) -> int:
+        """Bytes of one block in every layer slot, K and V, at the cache's own element size
+        (half the model's for an fp8 cache of a bf16 model)."""
         cfg = self.model_config
         return self.kv_groups.num_slots * 2 * self.block_size * cfg.num_key_value_heads * cfg.head_dim * self.kv_dtype.itemsize
 
@@ -445,7 +448,8 @@ class ModelRunner:
         pairs = to_device(torch.tensor(copies, dtype=torch.int64).view(-1, 2), self.device)  # [C, 2]
         src, dst = pairs[:, 0], pairs[:, 1]
         # kv_cache: [slots, 2, NB, BS, Hkv, D]; dsts are fresh blocks, never a src of the same step
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        words = as_words(self.kv_cache)  # a copy of bits: no float8 indexing kernel needed
+        words[:, :, dst] = words[:, :, src]
 
     def _forward(
         self, batch: InputBatch, layer_progress: LayerProgress | None = None, prompt_rows: Seq[PromptRows] = ()
