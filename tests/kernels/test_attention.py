@@ -17,7 +17,7 @@ from cleave.kernels.attention import (
     write_kv,
     write_kv_reference,
 )
-from cleave.kernels.attention_decode import choose_num_splits, merge_block_s, paged_decode_attention
+from cleave.kernels.attention_decode import choose_num_splits, decode_num_warps, merge_block_s, paged_decode_attention
 from cleave.kernels.attention_prefill import PrefillLaunch, paged_prefill_attention
 from cleave.kv.metadata import PAD_SLOT_ID, AttentionMetadata
 
@@ -230,6 +230,32 @@ def test_wide_heads_merge_their_splits_in_smaller_chunks(num_warps):
                                  num_warps=num_warps)
     expected = paged_attention_reference(query, cache, metadata, head_dim**-0.5)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_heads_128_wide_decode_on_four_warps(monkeypatch):
+    """The decode kernel's default warps follow the head width (`decode_num_warps`): two
+    for 64-wide heads, four for 128-wide ones, with the answer of either."""
+    from cleave.kernels import attention_decode
+
+    assert decode_num_warps(64) == 2 and decode_num_warps(128) == 4 and decode_num_warps(256) == 4
+    launches: list[int] = []
+    original = attention_decode._decode_launcher
+
+    def recording(grid, args, constexprs, num_warps, **launch):  # type: ignore[no-untyped-def]
+        launches.append(num_warps)
+        return original(grid, args, constexprs, num_warps, **launch)
+
+    monkeypatch.setattr(attention_decode, "_decode_launcher", recording)
+    generator = torch.Generator().manual_seed(6)
+    for head_dim in (64, 128):
+        pages = -(-20 // BLOCK_SIZE)
+        cache = torch.randn(2, pages + 1, BLOCK_SIZE, 1, head_dim, generator=generator)
+        query = torch.randn(1, 8, head_dim, generator=generator)
+        metadata = AttentionMetadata.build([1], [20], [list(range(pages, 0, -1))], BLOCK_SIZE)
+        out = paged_decode_attention(query, cache, metadata, head_dim**-0.5, num_splits=2, block_n=16)
+        torch.testing.assert_close(out, paged_attention_reference(query, cache, metadata, head_dim**-0.5),
+                                   atol=2e-5, rtol=1e-5)
+    assert launches == [2, 4]
 
 
 def test_decode_capacity_grid_and_padding_rows_give_zeros():

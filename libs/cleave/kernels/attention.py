@@ -14,6 +14,7 @@ from cleave.kernels.attention_decode import (
     HEADS_FIRST_MIN_SEQS,
     MAX_SPLITS,
     choose_num_splits,
+    decode_num_warps,
     merge_block_s,
     paged_decode_attention,
 )
@@ -147,7 +148,8 @@ def mixed_decode_splits(num_decodes: int, num_q_heads: int, num_kv_heads: int, h
     batch) it met new variants step after step as contexts grew (five compiles, 4.2 s, in one
     engine run). From the count alone there are four or five, compiled at start-up
     (`warm_mixed_decodes`). Splits past a short context exit at once."""
-    merge_chunk = merge_block_s(num_q_heads // num_kv_heads, triton.next_power_of_2(head_dim), MAX_SPLITS)
+    merge_chunk = merge_block_s(num_q_heads // num_kv_heads, triton.next_power_of_2(head_dim), MAX_SPLITS,
+                                decode_num_warps(head_dim))  # as paged_decode_attention launches them
     splits = choose_num_splits(num_decodes, num_kv_heads, _ANY_CONTEXT, merge_chunk=merge_chunk)
     return 1 << (2 * ((splits.bit_length() - 1) // 2))
 

@@ -62,6 +62,14 @@ PREFETCH_MIN_SPLITS = 8
 # sequence, 128 splits) it was 2 us slower (793.8 -> 795.9 us), so one sequence keeps splits
 # fastest.
 HEADS_FIRST_MIN_SEQS = 2
+# Warps of a decode program. Two read the tiles of 64-wide heads (Llama-3.2-1B: 4 query
+# heads a KV head; gpt-oss-20b: 8) fastest (bench/results/decode/attention_decode.md); heads
+# this wide or wider take four, which also merge twice the splits a chunk. Graph-replayed
+# Qwen3-30B-A3B-shaped steps on an H100 (128-wide heads, 8 a KV head;
+# bench/results/moe/moe-decode-20261205T213058Z.md, ...213106Z.md): batch 1 / 1k 3557 -> 3358
+# us, batch 1 / 8k 4100 -> 3933 us, batch 64 / 1k 25420 -> 25386 us (eight warps: 3442 and
+# 25368); gpt-oss-20b's batch 1 was 3101 -> 3137 us with four (...213121Z.md).
+WIDE_HEAD_DIM = 128
 # Software-pipeline depth of the KV loop. Timed inside the graph-replayed decode step on an
 # H200 (bench/results/decode/ab/attention_in_step*.md), two stages beat triton's default of
 # three at every shape tried: batch 64 / 1k 1679.6 -> 1672.1 us per step, batch 32 / 32k
@@ -421,6 +429,11 @@ def _merge_splits(
 _decode_launcher = CachedLauncher(_paged_decode_split_kernel)
 
 
+def decode_num_warps(head_dim: int) -> int:
+    """Warps of a decode program for heads `head_dim` wide (see WIDE_HEAD_DIM)."""
+    return 4 if head_dim >= WIDE_HEAD_DIM else 2
+
+
 def merge_block_s(queries_per_kv: int, block_d: int, num_splits: int, num_warps: int = 2) -> int:
     """Splits the merging program reads per chunk: up to 16, fewer where the chunk's partials
     would exceed MERGE_TILE_ELEMENTS_PER_WARP a warp (a power of two)."""
@@ -448,7 +461,7 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     block_n: int = 64,
-    num_warps: int = 2,
+    num_warps: int | None = None,
     num_stages: int | None = NUM_STAGES,
     sliding_window: int | None = None,
     pdl: bool = True,
@@ -463,6 +476,7 @@ def paged_decode_attention(
     query head with no value (gpt-oss), folded in where the output is normalised.
 
     `num_splits` (a power of two) defaults to `choose_num_splits`; `block_n` is the KV tile;
+    `num_warps` defaults to `decode_num_warps` of the head width;
     `num_stages` None leaves the pipeline depth to triton. With `new_kv` the query and the new
     key are unrotated: the kernel applies the rotary embedding (full head width) and writes
     the new key and value into their slots first.
@@ -479,6 +493,8 @@ def paged_decode_attention(
     if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("paged attention needs the head dimension contiguous in query and kv_cache")
     num_seqs = metadata.num_seqs
+    if num_warps is None:
+        num_warps = decode_num_warps(head_dim)
     if num_splits is None:
         visible = min(metadata.max_seq_len, sliding_window) if sliding_window else metadata.max_seq_len
         merge_chunk = merge_block_s(num_q_heads // num_kv_heads, triton.next_power_of_2(head_dim), MAX_SPLITS,
