@@ -154,5 +154,7 @@ def test_kv_cache_dtype_is_a_worker_flag_and_env_variable_with_auto_by_default()
     assert worker_config("decode", [], {}).kv_cache_dtype == "auto"
     assert worker_config("decode", ["--kv-cache-dtype", "fp8"], {}).kv_cache_dtype == "fp8"
     assert worker_config("prefill", [], {"CLEAVE_KV_CACHE_DTYPE": "fp8"}).kv_cache_dtype == "fp8"
+    assert engine_config_from_worker(worker_config("decode", ["--kv-cache-dtype", "fp8"], {})).cache.kv_cache_dtype == "fp8"
+    assert engine_config_from_worker(worker_config("prefill", [], {})).cache.kv_cache_dtype == "auto"
     with pytest.raises(SystemExit):
         worker_config("prefill", ["--kv-cache-dtype", "int8"], {})

@@ -30,6 +30,7 @@ def engine_config_from_worker(config: WorkerConfig) -> EngineConfig:
         block_size=config.block_size,
         num_blocks=config.num_kv_blocks or None,
         gpu_memory_utilization=config.gpu_memory_utilization,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
     return EngineConfig(
         model=config.model.source,
