@@ -61,6 +61,12 @@ from cleave.model.llama import CausalLM, allocate_kv_cache
 from cleave.parallel.model import TensorParallelCausalLM
 
 DEFAULT_CPU_KV_TOKENS = 8192
+# Prompt lengths whose kernels compile at start-up beside the profile run's full budget: the
+# prefill attention's query block follows the longest prompt of a step up to 64 rows (16 and
+# 32 below that) and the elementwise kernels take 1024-column blocks under 1024 rows (4096
+# at the budget). An engine run that met them only in a serving step compiled them there
+# (H100, 256 x (512 + 1024): the step with the last prompt chunk waited 0.3 s).
+WARM_PREFILL_TOKENS = (16, 32)
 log = structlog.get_logger(__name__)
 
 
@@ -231,15 +237,11 @@ class ModelRunner:
         sched = self.config.scheduler
         num_tokens = sched.max_num_batched_tokens
         num_rows = min(sched.max_num_seqs, num_tokens)
-        blocks = -(-num_tokens // self.block_size)
-        kv = allocate_kv_cache(self.model_config, blocks + 1, self.block_size, self.kv_dtype, self.device)
+        kv = self._scratch_cache(num_tokens)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        metadata = AttentionMetadata.build([num_tokens], [num_tokens], [list(range(1, blocks + 1))], self.block_size, self.device)
-        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device)
-        hidden = self.model(input_ids, positions, kv, metadata)
+        hidden = self._dummy_prefill(num_tokens, kv)
         logits = self.model.compute_logits(hidden[-num_rows:].contiguous())
         del hidden
         params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=50)] * num_rows
@@ -253,12 +255,39 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
+    def _scratch_cache(self, num_tokens: int) -> torch.Tensor:
+        """A KV cache of its own for one `num_tokens`-token dummy prompt (block 0 unused, as
+        in the real cache), laid out as the real one."""
+        blocks = -(-num_tokens // self.block_size)
+        return allocate_kv_cache(self.model_config, blocks + 1, self.block_size, self.kv_dtype, self.device)
+
+    def _dummy_prefill(self, num_tokens: int, kv: torch.Tensor) -> torch.Tensor:
+        """The model over one prompt of `num_tokens` zeros in the scratch cache `kv`
+        (`_scratch_cache`): its hidden states. The real cache is not touched."""
+        blocks = -(-num_tokens // self.block_size)
+        metadata = AttentionMetadata.build([num_tokens], [num_tokens], [list(range(1, blocks + 1))], self.block_size,
+                                           self.device)
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        return self.model(input_ids, positions, kv, metadata)
+
+    @torch.inference_mode()
+    def _warm_prefill_shapes(self) -> int:
+        """Run the eager model over the short prompts whose kernel launches differ from the
+        profile run's full-budget one (`WARM_PREFILL_TOKENS`), so that their variants compile
+        now and not in a serving step. Returns the prompts run."""
+        budget = self.config.scheduler.max_num_batched_tokens
+        lengths = [length for length in WARM_PREFILL_TOKENS if length < budget]
+        for length in lengths:
+            self._dummy_prefill(length, self._scratch_cache(length))
+        return len(lengths)
+
     @torch.inference_mode()
     def _warm_kernels(self) -> None:
         """Compile at start-up the kernel variants that the profile run and the graph
-        captures do not reach and a serving step would: the one-kernel sampler, and each
-        attention layout's decode kernel for a mixed step's decodes. A step that meets a
-        new variant waits 0.3-1.3 s for its compile."""
+        captures do not reach and a serving step would: the one-kernel sampler, each
+        attention layout's decode kernel for a mixed step's decodes, and the launches of
+        short prompts. A step that meets a new variant waits 0.3-1.3 s for its compile."""
         if self.device.type != "cuda":
             return
         seen: set[tuple] = set()
@@ -270,6 +299,7 @@ class ModelRunner:
             if key not in seen:
                 seen.add(key)
                 attention.warm_mixed_decodes(self.kv_cache[0], self.config.scheduler.max_num_seqs)
+        self._warm_prefill_shapes()
         self.sampler.warm(self.vocab_size, self.device)
         torch.cuda.synchronize(self.device)
 
