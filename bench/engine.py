@@ -23,6 +23,7 @@ Two measures of host overhead per row:
     python bench/engine.py --penalised-share 0 0.1   # none, then a tenth of the requests, read their tokens on the host
     python bench/engine.py --modes overlap --attention-launches '{}' '{"decode_rows": false}'   # mixed steps' decodes
     python bench/engine.py --modes overlap --sampler-impls auto torch   # the one-kernel race vs torch ops
+    python bench/engine.py --modes overlap --kv-cache-dtypes auto fp8   # the model's dtype vs an fp8 KV cache
 
 Every Triton compile the run meets after start-up is counted per run (`compiles_in_run_*`,
 `compile_s_in_run_*`) and listed with its step in the JSON (bench/compile_log.py).
@@ -105,7 +106,7 @@ def write_checkpoint(directory: Path, device: str) -> Path:
 
 def make_engine(
     model_dir: Path, args: argparse.Namespace, max_num_seqs: int, mode: str, sync_timing: bool = False,
-    dtype: str = "bfloat16", num_blocks: int | None = None, stagger_reports: bool = True,
+    dtype: str = "bfloat16", num_blocks: int | None = None, stagger_reports: bool = True, kv_cache_dtype: str = "auto",
 ):
     """An engine for `mode`'s step loop, reporting outputs as `LLM.generate`'s does (every
     `BATCH_STREAM_INTERVAL` steps, ends at once; `stagger_reports`: each request on its own
@@ -118,7 +119,7 @@ def make_engine(
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         block_size=args.block_size, enforce_eager=args.enforce_eager, num_blocks=num_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, overlap_steps=mode == "overlap",
-        stream_interval=BATCH_STREAM_INTERVAL, stagger_reports=stagger_reports,
+        stream_interval=BATCH_STREAM_INTERVAL, stagger_reports=stagger_reports, kv_cache_dtype=kv_cache_dtype,
     )
     return LLMEngine(config, sync_timing=sync_timing, device_timing=not sync_timing)
 
@@ -184,7 +185,8 @@ def step_log(steps: list) -> list[list]:
              round(s.forward_s * 1e3, 3), round(s.postprocess_s * 1e3, 3), int(s.used_graph)] for s in steps]
 
 
-def run_label(mode: str, penalised_share: float | None, launch: dict | None, sampler: str | None = None) -> str:
+def run_label(mode: str, penalised_share: float | None, launch: dict | None, sampler: str | None = None,
+              kv_cache_dtype: str | None = None) -> str:
     """A throughput run's name: its step loop, then what it varies (None: not varied)."""
     from common import launch_label
 
@@ -195,6 +197,8 @@ def run_label(mode: str, penalised_share: float | None, launch: dict | None, sam
         parts.append(f"attention {launch_label(launch) if launch else 'default'}")
     if sampler is not None:
         parts.append(f"sampler {sampler}")
+    if kv_cache_dtype is not None:
+        parts.append(f"kv {kv_cache_dtype}")
     return " ".join(parts)
 
 
@@ -232,6 +236,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sampler-impls", nargs="+", default=["auto"], choices=["torch", "auto"],
                         help="the sampler's path: 'auto' (the default: the one-kernel race on CUDA) or torch ops; "
                         "several run in turn, each on a fresh engine, in the same run")
+    parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=["auto", "fp8"],
+                        help="the KV cache's dtype: 'auto' (the model's) or 'fp8' (e4m3); several run in turn, each on "
+                        "a fresh engine, in the same run")
     parser.add_argument("--breakdown-batch", type=int, default=64, help="0 skips phase 2")
     parser.add_argument("--breakdown-output-len", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -262,15 +269,17 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = write_checkpoint(Path(tmp), args.device)
         summary["checkpoint_s"] = round(time.perf_counter() - start, 1)
         shares, launches, samplers = args.penalised_share, args.attention_launches, args.sampler_impls
+        kv_dtypes = args.kv_cache_dtypes
         summary.update(requests=args.num_requests, prompt_len=args.prompt_len, output_len=args.output_len,
-                       penalised_share=shares, attention_launches=launches, sampler_impls=samplers)
-        for mode, share, launch, sampler in itertools.product(modes, shares, launches, samplers):
+                       penalised_share=shares, attention_launches=launches, sampler_impls=samplers,
+                       kv_cache_dtypes=kv_dtypes)
+        for mode, share, launch, sampler, kv_dtype in itertools.product(modes, shares, launches, samplers, kv_dtypes):
             label = run_label(mode, share if len(shares) > 1 else None, launch if len(launches) > 1 else None,
-                              sampler if len(samplers) > 1 else None)
+                              sampler if len(samplers) > 1 else None, kv_dtype if len(kv_dtypes) > 1 else None)
             start = time.perf_counter()
             with CompileLog() as compiles:
                 compiles.label = "startup"
-                engine = make_engine(model_dir, args, args.max_num_seqs, mode)  # a fresh engine each
+                engine = make_engine(model_dir, args, args.max_num_seqs, mode, kv_cache_dtype=kv_dtype)  # fresh each
                 set_prefill_launch(engine.model, launch)
                 engine.runner.sampler = Sampler(engine.config.seed, impl=sampler)
                 summary[f"startup_s_{label}"] = round(time.perf_counter() - start, 1)

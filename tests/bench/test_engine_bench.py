@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+import cleave
 from tests.bench.bench_modules import bench_fixture
 
 bench = bench_fixture("engine")
@@ -58,3 +60,19 @@ def test_attention_launches_name_each_throughput_run(bench):
     assert bench.run_label("sync", None, {"decode_rows": True}) == 'sync attention {"decode_rows":true}'
     assert bench.parse_args([]).sampler_impls == ["auto"]
     assert bench.run_label("overlap", None, None, "auto") == "overlap sampler auto"
+
+
+def test_kv_cache_dtypes_reach_the_engine_config_and_name_each_run(bench, monkeypatch):
+    """`--kv-cache-dtypes auto fp8`: each run's engine is built with its cache dtype, and the
+    run's name says which when several are compared."""
+    import cleave.engine.llm_engine as llm_engine
+
+    assert bench.parse_args([]).kv_cache_dtypes == ["auto"]
+    assert bench.parse_args(["--kv-cache-dtypes", "auto", "fp8"]).kv_cache_dtypes == ["auto", "fp8"]
+    assert bench.run_label("overlap", None, None, None, "fp8") == "overlap kv fp8"
+    built = []
+    monkeypatch.setattr(llm_engine, "LLMEngine", lambda config, **kwargs: built.append(config))
+    args = bench.parse_args(["--device", "cpu"])
+    reasoner = Path(cleave.__file__).parent / "assets" / "reasoner"  # any checkpoint: the engine is not built
+    bench.make_engine(reasoner, args, 4, "overlap", kv_cache_dtype="fp8")
+    assert built[0].cache.kv_cache_dtype == "fp8"
