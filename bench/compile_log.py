@@ -105,4 +105,9 @@ def _specialisation(fn: Any, kwargs: dict) -> str:
     constants = compile_info.get("constants") or {}
     if isinstance(constants, dict):
         parts.append("const: " + ",".join(f"{name_of(index)}={value}" for index, value in constants.items()))
-    return "; ".join(parts)[:1200]
+    signature = compile_info.get("signature") or {}
+    if isinstance(signature, dict):  # the pointers' element types: two compiles may differ only there
+        pointers = [f"{name}={kind}" for name, kind in signature.items() if str(kind).startswith("*")]
+        if pointers:
+            parts.append("types: " + ",".join(pointers))
+    return "; ".join(parts)[:1600]
