@@ -181,7 +181,7 @@ def expert_bytes(shape: MoEShape, dtype: torch.dtype, packed: bool = False) -> i
 def layer_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, dtype: torch.dtype) -> list[dict]:
     from cleave.kernels.fused_moe import fused_experts, fused_moe, route
     from cleave.kernels.moe_gemv import MAX_TOKENS as GEMV_MAX_TOKENS
-    from cleave.kernels.moe_gemv import moe_gemv
+    from cleave.kernels.moe_gemv import down_depth_for, moe_gemv
     from cleave.kernels.moe_reference import SILU, fused_moe_reference
 
     generator = torch.Generator(device=device).manual_seed(0)
@@ -219,14 +219,16 @@ def layer_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, 
             return moe_gemv(hidden, packed13, packed2, None, None, SILU, router_logits=hidden @ router.t(),
                             top_k=shape.top_k, renormalize=True)
 
-        def down_one_ahead() -> torch.Tensor:  # `fused` with one down weight tile in flight instead of DOWN_DEPTH
+        other_depth = 3 - down_depth_for(num_tokens)  # `fused` with the down GEMV's other depth
+
+        def down_other_depth() -> torch.Tensor:
             weights, ids = route(hidden @ router.t(), shape.top_k, True, impl=impl)
-            return moe_gemv(hidden, packed13, packed2, weights, ids, SILU, down_depth=1)
+            return moe_gemv(hidden, packed13, packed2, weights, ids, SILU, down_depth=other_depth)
 
         methods: dict[str, Callable[[], torch.Tensor]] = {"fused": fused}
         if num_tokens <= GEMV_MAX_TOKENS:  # next to "fused": its A/Bs
             methods["fused, routing in GEMV"] = routed_gemv
-            methods["fused, down one tile ahead"] = down_one_ahead
+            methods[f"fused, down {'one tile' if other_depth == 1 else 'two tiles'} ahead"] = down_other_depth
         methods["reference"] = reference
         if num_tokens <= GEMV_MAX_TOKENS:
             methods["fused, grouped GEMMs"] = grouped

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cleave.kernels.fused_moe import align_block_size, fused_experts, fused_moe, route
-from cleave.kernels.moe_gemv import moe_gemv
+from cleave.kernels.moe_gemv import down_depth_for, moe_gemv
 from cleave.kernels.moe_reference import (
     SILU,
     MoEActivation,
@@ -139,6 +139,7 @@ def test_down_weight_tiles_two_steps_ahead_sum_as_one_step_ahead(down_tiles):
     assert experts_out.float().abs().amax() > 0.1
     with pytest.raises(ValueError, match="down_depth"):
         moe_gemv(residual, w13, w2, weights, ids, SILU, down_depth=3)
+    assert [down_depth_for(tokens) for tokens in (1, 2, 3, 4)] == [2, 2, 1, 1]  # the default: deep for few programs
 
 
 # (tokens, experts, top_k, renormalize, gpt-oss experts (biases, clamped SwiGLU), norm prologue + add epilogue, dtype)

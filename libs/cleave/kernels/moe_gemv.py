@@ -22,7 +22,8 @@ is no alignment at all:
    scaled by the routing weight and summed in fp32 -> [T, H], rounded once. No [T*k, H]
    fp32 buffer, no separate sum, and the order of the sum is fixed (deterministic). The
    token's k expert ids, weights and residual row are read up front, so the walk's weight
-   tiles never wait on an id, and `DOWN_DEPTH` tiles are in flight ahead of the one reduced.
+   tiles never wait on an id, and one or two tiles are in flight ahead of the one reduced
+   (`down_depth_for`).
 
 Two launches after the router's GEMV (routing inside the first; three with a separate
 `route`), none of which reads a value back to the host: the layer stays inside a decode
@@ -47,9 +48,17 @@ MAX_TOKENS = 4  # tokens `fused_experts` sends here by default; more go to the g
 TILE_ELEMENTS = 8192  # weight elements per program per K tile (features x K), per half when gated
 # Down-projection weight tiles each program has in flight beyond the one it reduces. A
 # program walks its token's k entries one after another (Qwen3-30B-A3B: 8 steps of an
-# 8 x 768 tile), so at one step ahead its time is k round trips to HBM; two ahead halves
-# that chain for one more tile of registers.
-DOWN_DEPTH = 2
+# 8 x 768 tile), so at one step ahead its time is k round trips to HBM; two ahead shorten
+# that chain for one more tile of registers. That pays while there are few programs: the
+# Qwen3-30B-A3B-shaped layer at 1 / 2 / 4 tokens, two vs one ahead, took 44.4 / 67.3 / 103.4
+# vs 46.3 / 68.7 / 98.1 us on an H200 (bench/results/moe/moe-layer-20261205T214643Z.md; on an
+# H100 52.2 / 80.2 / 122.7 vs 54.0 / 81.2 / 118.2 us, moe-layer-20261205T212951Z.md).
+DEEP_DOWN_MAX_TOKENS = 2
+
+
+def down_depth_for(num_tokens: int) -> int:
+    """The down GEMV's tiles in flight ahead for `num_tokens` tokens (see DEEP_DOWN_MAX_TOKENS)."""
+    return 2 if num_tokens <= DEEP_DOWN_MAX_TOKENS else 1
 
 
 @triton.jit
@@ -333,7 +342,7 @@ def moe_gemv(
     top_k: int | None = None,  # with `router_logits`
     renormalize: bool = True,  # with `router_logits`
     routing_out: tuple[torch.Tensor, torch.Tensor] | None = None,  # with `router_logits`: ([T, k] fp32, [T, k] int32)
-    down_depth: int = DOWN_DEPTH,  # down weight tiles in flight beyond the one reduced (1 or 2)
+    down_depth: int | None = None,  # down weight tiles in flight beyond the one reduced (1, 2; None: down_depth_for)
 ) -> torch.Tensor:  # [T, H]; `add_to` itself when given
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) by per-entry GEMVs
     (see the module doc); the caller has checked the layouts (`fused_experts`). With
@@ -347,7 +356,9 @@ def moe_gemv(
     `routing_out` when given (else to scratch), where the second kernel reads it."""
     num_tokens, hidden_size = hidden.shape
     inter = w13.shape[1] // 2
-    if down_depth not in (1, 2):
+    if down_depth is None:
+        down_depth = down_depth_for(num_tokens)
+    elif down_depth not in (1, 2):
         raise ValueError(f"down_depth must be 1 or 2, got {down_depth}")
     if add_to is None:
         out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
