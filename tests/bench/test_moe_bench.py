@@ -57,52 +57,49 @@ def test_gpt_oss_decode_dry_run_builds_its_model(bench, tmp_path):
     assert [row["batch"] for row in rows] == [1, 2] and all(row["bytes_gb"] > 0 for row in rows)
 
 
-def test_decode_dry_run_times_each_route_on_one_count(bench, tmp_path, monkeypatch):
+@pytest.fixture
+def built_models(bench, monkeypatch) -> list:
+    """Every model the bench builds from now on, in order."""
+    models = []
+    real_random_model = bench.random_model
+
+    def keeping(*args, **kwargs):  # type: ignore[no-untyped-def]
+        models.append(real_random_model(*args, **kwargs))
+        return models[-1]
+
+    monkeypatch.setattr(bench, "random_model", keeping)
+    return models
+
+
+def test_decode_dry_run_times_each_route_on_one_count(bench, tmp_path, built_models):
     """`--routes launch,in-gemv`: each batch's experts are counted once, through the routing
     launch, and the step is timed both ways, the in-GEMV row last with every MoE block routing
     inside its first expert GEMV (the layout itself is tested against transformers in
     tests/model/test_moe_parity.py)."""
     from cleave.model.moe import SparseMoeBlock
 
-    models = []
-    real_random_model = bench.random_model
-
-    def keeping(*args, **kwargs):  # type: ignore[no-untyped-def]
-        models.append(real_random_model(*args, **kwargs))
-        return models[-1]
-
-    monkeypatch.setattr(bench, "random_model", keeping)
     rows = bench.main(["--dry-run", "--part", "decode", "--model", "gpt-oss-20b", "--routes", "launch,in-gemv",
                        "--out", str(tmp_path)])["decode"]
     assert [(row["batch"], row["route"]) for row in rows] == [(1, "launch"), (1, "in-gemv"), (2, "launch"),
                                                                (2, "in-gemv")]
     assert rows[0]["bytes_gb"] == rows[1]["bytes_gb"] and all(row["touched_experts_per_layer"] > 0 for row in rows)
-    (model,) = models
+    (model,) = built_models
     blocks = [module for module in model.modules() if isinstance(module, SparseMoeBlock)]
     assert blocks and all(block.route_in_gemv for block in blocks)
     with pytest.raises(SystemExit):
         bench.parse_args(["--routes", "launch,sideways"])
 
 
-def test_decode_dry_run_times_the_rotary_inside_and_outside_attention(bench, tmp_path, monkeypatch):
+def test_decode_dry_run_times_the_rotary_inside_and_outside_attention(bench, tmp_path, monkeypatch, built_models):
     """`--rotary-in-attention on,off`: a row of each per batch, with the layers' setting
     changed before each timing (the step's kernels then read it)."""
     seen = []
     real_us = bench.Timer.us
 
     def recording(timer, fn):  # type: ignore[no-untyped-def]
-        model_layers = models[-1].layers
-        seen.append({layer.self_attn.rotary_in_decode_attention for layer in model_layers})
+        seen.append({layer.self_attn.rotary_in_decode_attention for layer in built_models[-1].layers})
         return real_us(timer, fn)
 
-    models = []
-    real_random_model = bench.random_model
-
-    def keeping(*args, **kwargs):  # type: ignore[no-untyped-def]
-        models.append(real_random_model(*args, **kwargs))
-        return models[-1]
-
-    monkeypatch.setattr(bench, "random_model", keeping)
     monkeypatch.setattr(bench.Timer, "us", recording)
     rows = bench.main(["--dry-run", "--part", "decode", "--rotary-in-attention", "on,off", "--out", str(tmp_path)])
     assert [(row["batch"], row["rotary_in_attention"]) for row in rows["decode"]] == [
