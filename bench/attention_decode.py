@@ -11,6 +11,7 @@ the fraction of the HBM roofline (K and V bytes read / 4.26 TB/s).
     python bench/attention_decode.py --cases 1x1024,64x1024,32x32768 --out bench/results/decode
     python bench/attention_decode.py --heads 32:4:128 --cases 1x1024 --capacity 1025 --splits auto,8,16,64
     python bench/attention_decode.py --heads 32:4:128 --cases 1x1024 --capacity 40960 --num-warps 2 --heads-first auto,on
+    python bench/attention_decode.py --cases 256x1024,32x32768 --kv-cache-dtypes auto,fp8   # an fp8 cache's reads
 
 `--heads-first` sets the grid order (KV head fastest, or split fastest; auto: the kernel's
 choice, KV head fastest from two sequences on). `--fused rotary,head-norms` times the kernel as
@@ -44,12 +45,14 @@ from cleave.kernels.attention_decode import (  # noqa: E402
     HeadNorms,
     NewKV,
     choose_num_splits,
+    decode_num_warps,
     merge_block_s,
     paged_decode_attention,
 )
+from cleave.kernels.kv_cache_dtype import resolve_kv_cache_dtype, to_cache_dtype  # noqa: E402
 from cleave.kv.metadata import AttentionMetadata  # noqa: E402
 
-COLUMNS = ["heads", "batch", "context", "fused", "num_splits", "block_n", "num_warps", "num_stages", "heads_first", "us",
+COLUMNS = ["heads", "kv_dtype", "batch", "context", "fused", "num_splits", "block_n", "num_warps", "num_stages", "heads_first", "us",
            "kv_gb", "roofline_pct"]
 HEADS_FIRST = {"auto": None, "on": True, "off": False}
 FUSED = ("none", "rotary", "head-norms")
@@ -112,7 +115,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--capacity", type=int, default=32768, help="max_seq_len the kernel is launched for")
     parser.add_argument("--splits", default="auto", help="comma-separated, 'auto' = choose_num_splits")
     parser.add_argument("--block-n", default="64")
-    parser.add_argument("--num-warps", default="2", help="comma-separated (the library launches 2)")
+    parser.add_argument("--num-warps", default="auto",
+                        help="comma-separated; auto: the library's (decode_num_warps: 2 below 128-wide heads, else 4)")
+    parser.add_argument("--kv-cache-dtypes", default="auto",
+                        help="comma-separated cache element types: auto (bf16, the queries') and/or fp8 (e4m3)")
     parser.add_argument("--num-stages", default=str(NUM_STAGES),
                         help="comma-separated; default: the library's; 'auto' = triton's default")
     parser.add_argument("--heads-first", type=parse_orders, default="auto",
@@ -127,13 +133,15 @@ def main(argv: list[str] | None = None) -> None:
     q_heads, kv_heads, head_dim = args.heads
     heads = f"{q_heads}:{kv_heads}:{head_dim}"
     rows = []
-    for item in args.cases.split(","):
+    for item, kv_setting in itertools.product(args.cases.split(","), args.kv_cache_dtypes.split(",")):
+        kv_dtype = resolve_kv_cache_dtype(kv_setting, torch.bfloat16)
         batch, context = map(int, item.split("x"))
         per_seq = -(-context // BLOCK_SIZE)
-        kv_gb = 2 * batch * context * kv_heads * head_dim * 2 / 1e9
+        kv_gb = 2 * batch * context * kv_heads * head_dim * kv_dtype.itemsize / 1e9
         copies = max(1, min(32, int(0.25 / kv_gb)))  # >= 250 MB touched per graph replay
         num_blocks = copies * batch * per_seq + 1
-        cache = torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, head_dim, dtype=torch.bfloat16, device=device)
+        cache = to_cache_dtype(torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, head_dim, dtype=torch.bfloat16,
+                                           device=device), kv_dtype)
         blocks = list(range(1, num_blocks))
         random.Random(batch).shuffle(blocks)
         metadatas = []
@@ -150,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
             args.fused, parse_ints(args.splits), parse_ints(args.block_n), parse_ints(args.num_warps),
             parse_ints(args.num_stages), args.heads_first,
         ):
-            merge_chunk = merge_block_s(q_heads // kv_heads, triton.next_power_of_2(head_dim), MAX_SPLITS, warps or 2)
+            warps = warps or decode_num_warps(head_dim)
+            merge_chunk = merge_block_s(q_heads // kv_heads, triton.next_power_of_2(head_dim), MAX_SPLITS, warps)
             num_splits = splits or choose_num_splits(batch, kv_heads, args.capacity, block_n, merge_chunk)
 
             def make_call(metadata: AttentionMetadata):
@@ -162,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
 
             us = graph_call_us([make_call(m) for m in metadatas])
             rows.append({
-                "heads": heads, "batch": batch, "context": context, "fused": fused, "num_splits": num_splits,
+                "heads": heads, "kv_dtype": kv_setting, "batch": batch, "context": context, "fused": fused, "num_splits": num_splits,
                 "block_n": block_n,
                 "num_warps": warps, "num_stages": stages or "-", "heads_first": order, "us": round(us, 2), "kv_gb": round(kv_gb, 4),
                 "roofline_pct": round(100 * kv_gb / (us * 1e-6) / (args.hbm_tbs * 1e3), 1),
