@@ -69,6 +69,20 @@ def test_greedy_matches_transformers_while_window_pages_are_dropped(checkpoint, 
     assert hit_prefix_twice(engine, prompts[3], expected[3], MAX_TOKENS) >= 28  # every full prompt block
 
 
+def test_start_up_prompts_in_the_real_paired_cache_leave_it_ready_for_serving(checkpoint, hf_greedy):
+    """The start-up warm-up's prompts (`ModelRunner._warm_prefill_shapes`: the step budget of
+    16 tokens here, with a window table) run in the real cache, then serving answers as
+    transformers does and every block is free again."""
+    prompts, expected = hf_greedy
+    engine = _engine(checkpoint)
+    assert engine.runner._warm_prefill_shapes() == 1
+    free = engine.kv.num_free_blocks
+    generate_checking_blocks(engine, prompts, expected, MAX_TOKENS,
+                             lambda seq_id: sum(1 for page in engine.kv.window_table_view(seq_id)
+                                                if page != NULL_BLOCK_ID), BOUND)
+    assert engine.kv.num_free_blocks == free
+
+
 def test_a_layer_listener_hears_each_slot_after_both_its_layers(checkpoint, hf_greedy):
     prompts, expected = hf_greedy
     engine = _engine(checkpoint)

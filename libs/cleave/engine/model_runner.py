@@ -61,10 +61,10 @@ from cleave.model.llama import CausalLM, allocate_kv_cache
 from cleave.parallel.model import TensorParallelCausalLM
 
 DEFAULT_CPU_KV_TOKENS = 8192
-# Prompt lengths whose kernels compile at start-up beside the profile run's full budget: the
-# prefill attention's query block follows the longest prompt of a step up to 64 rows (16 and
-# 32 below that) and the elementwise kernels take 1024-column blocks under 1024 rows (4096
-# at the budget). An engine run that met them only in a serving step compiled them there
+# Prompt lengths whose kernels compile at start-up beside the full step budget: the prefill
+# attention's query block follows the longest prompt of a step up to 64 rows (16 and 32
+# below that) and the elementwise kernels take 1024-column blocks under 1024 rows (4096 at
+# the budget). An engine run that met them only in a serving step compiled them there
 # (H100, 256 x (512 + 1024): the step with the last prompt chunk waited 0.3 s).
 WARM_PREFILL_TOKENS = (16, 32)
 log = structlog.get_logger(__name__)
@@ -241,7 +241,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        hidden = self._dummy_prefill(num_tokens, kv)
+        hidden = self._dummy_prefill(num_tokens, kv)  # a scratch cache: the real one is sized from this run
         logits = self.model.compute_logits(hidden[-num_rows:].contiguous())
         del hidden
         params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=50)] * num_rows
@@ -261,25 +261,34 @@ class ModelRunner:
         blocks = -(-num_tokens // self.block_size)
         return allocate_kv_cache(self.model_config, blocks + 1, self.block_size, self.kv_dtype, self.device)
 
-    def _dummy_prefill(self, num_tokens: int, kv: torch.Tensor) -> torch.Tensor:
-        """The model over one prompt of `num_tokens` zeros in the scratch cache `kv`
-        (`_scratch_cache`): its hidden states. The real cache is not touched."""
-        blocks = -(-num_tokens // self.block_size)
-        metadata = AttentionMetadata.build([num_tokens], [num_tokens], [list(range(1, blocks + 1))], self.block_size,
-                                           self.device)
+    def _dummy_prefill(self, num_tokens: int, kv: torch.Tensor, paired: bool = False) -> torch.Tensor:
+        """The model over one prompt of `num_tokens` zeros in blocks 1.. of `kv` (and, `paired`,
+        a window table on the blocks after them, as a paired cache's steps have): its hidden
+        states."""
+        pages = -(-num_tokens // self.block_size)
+        window_tables = [list(range(pages + 1, 2 * pages + 1))] if paired else None
+        metadata = AttentionMetadata.build([num_tokens], [num_tokens], [list(range(1, pages + 1))], self.block_size,
+                                           self.device, window_tables=window_tables)
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         return self.model(input_ids, positions, kv, metadata)
 
     @torch.inference_mode()
     def _warm_prefill_shapes(self) -> int:
-        """Run the eager model over the short prompts whose kernel launches differ from the
-        profile run's full-budget one (`WARM_PREFILL_TOKENS`), so that their variants compile
-        now and not in a serving step. Returns the prompts run."""
+        """Run the eager model over prompts of `WARM_PREFILL_TOKENS` and of the full step
+        budget in the real cache, so that their kernel variants compile now and not in a
+        serving step. The real cache, not one of the profile run's size: a kernel's integer
+        arguments are typed 32 or 64 bits by their value, and a big cache's strides pass 2^31
+        (an fp8 cache of 496k blocks did on an H200, and its first serving step compiled the
+        prefill and KV-write kernels again). Nothing is cached yet, so the blocks written are
+        free. Returns the prompts run."""
         budget = self.config.scheduler.max_num_batched_tokens
-        lengths = [length for length in WARM_PREFILL_TOKENS if length < budget]
+        paired = self.kv_groups.is_paired
+        usable = (self.num_blocks - 1) // (2 if paired else 1)
+        lengths = list(dict.fromkeys(length for length in (*WARM_PREFILL_TOKENS, budget)
+                                     if length <= budget and -(-length // self.block_size) <= usable))
         for length in lengths:
-            self._dummy_prefill(length, self._scratch_cache(length))
+            self._dummy_prefill(length, self.kv_cache, paired)
         return len(lengths)
 
     @torch.inference_mode()
