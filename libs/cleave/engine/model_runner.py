@@ -237,7 +237,8 @@ class ModelRunner:
         sched = self.config.scheduler
         num_tokens = sched.max_num_batched_tokens
         num_rows = min(sched.max_num_seqs, num_tokens)
-        kv = self._scratch_cache(num_tokens)
+        blocks = -(-num_tokens // self.block_size)
+        kv = allocate_kv_cache(self.model_config, blocks + 1, self.block_size, self.kv_dtype, self.device)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -254,12 +255,6 @@ class ModelRunner:
         del kv, logits
         torch.cuda.empty_cache()
         return peak
-
-    def _scratch_cache(self, num_tokens: int) -> torch.Tensor:
-        """A KV cache of its own for one `num_tokens`-token dummy prompt (block 0 unused, as
-        in the real cache), laid out as the real one."""
-        blocks = -(-num_tokens // self.block_size)
-        return allocate_kv_cache(self.model_config, blocks + 1, self.block_size, self.kv_dtype, self.device)
 
     def _dummy_prefill(self, num_tokens: int, kv: torch.Tensor, paired: bool = False) -> torch.Tensor:
         """The model over one prompt of `num_tokens` zeros in blocks 1.. of `kv` (and, `paired`,

@@ -219,6 +219,16 @@ def _slot_value(values, slots, slot):
 
 
 @triton.jit
+def _step_tile(w_experts, s_experts, experts, slots, step, stride_we, stride_se, feature_valid, num_in,
+               K_TILES: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
+    """The down walk's weight tile of `step` (entry step // K_TILES, K tile step % K_TILES):
+    `_weight_tile` of that entry's expert, read from the ids in registers."""
+    expert = _slot_value(experts, slots, step // K_TILES)
+    return _weight_tile(w_experts + expert * stride_we, s_experts + expert * stride_se, step % K_TILES, feature_valid,
+                        num_in, BLOCK_K, MXFP4)
+
+
+@triton.jit
 def _down_sum_kernel(
     inter_ptr,  # [T * TOP_K, K]
     w_ptr,  # [E, N, K] (MXFP4: [E, N, K // 2] bytes)
@@ -269,14 +279,12 @@ def _down_sum_kernel(
     s_experts = scale_ptr + scale_offsets
     steps: tl.constexpr = TOP_K * K_TILES
 
-    expert = _slot_value(experts, slots, 0)
-    w, scales = _weight_tile(w_experts + expert * stride_we, s_experts + expert * stride_se, 0, feature_valid, num_in,
-                             BLOCK_K, MXFP4)
+    w, scales = _step_tile(w_experts, s_experts, experts, slots, 0, stride_we, stride_se, feature_valid, num_in,
+                           K_TILES, BLOCK_K, MXFP4)
     w2, scales2 = w, scales  # DEPTH 2: the tile after `w`
     if DEPTH == 2 and steps > 1:
-        e1 = _slot_value(experts, slots, 1 // K_TILES)
-        w2, scales2 = _weight_tile(w_experts + e1 * stride_we, s_experts + e1 * stride_se, 1 % K_TILES, feature_valid,
-                                   num_in, BLOCK_K, MXFP4)
+        w2, scales2 = _step_tile(w_experts, s_experts, experts, slots, 1, stride_we, stride_se, feature_valid, num_in,
+                                 K_TILES, BLOCK_K, MXFP4)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for step in tl.static_range(steps):
@@ -284,11 +292,8 @@ def _down_sum_kernel(
         t = step % K_TILES
         ahead_w, ahead_scales = w, scales
         if step + DEPTH < steps:
-            ahead_expert = _slot_value(experts, slots, (step + DEPTH) // K_TILES)
-            ahead_w, ahead_scales = _weight_tile(
-                w_experts + ahead_expert * stride_we, s_experts + ahead_expert * stride_se, (step + DEPTH) % K_TILES,
-                feature_valid, num_in, BLOCK_K, MXFP4,
-            )
+            ahead_w, ahead_scales = _step_tile(w_experts, s_experts, experts, slots, step + DEPTH, stride_we, stride_se,
+                                               feature_valid, num_in, K_TILES, BLOCK_K, MXFP4)
         x = tl.load(inter_ptr + (token * TOP_K + slot) * stride_inter + t * BLOCK_K + cols,
                     mask=t * BLOCK_K + cols < num_in, other=0.0).to(tl.float32)
         acc += _tile_dot(x, w, scales, BLOCK_N, BLOCK_K, MXFP4)
