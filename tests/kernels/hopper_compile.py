@@ -34,7 +34,7 @@ from cleave.kernels.fused_moe import (
 )
 from cleave.kernels.gemv import _gemv_kernel
 from cleave.kernels.kv_write import _write_kv_kernel
-from cleave.kernels.moe_gemv import _down_sum_kernel, _gate_up_kernel
+from cleave.kernels.moe_gemv import _down_entries_kernel, _down_sum_kernel, _gate_up_kernel
 from cleave.kernels.moe_tiles import SHARED_MEMORY_BYTES
 from cleave.kernels.rms_norm import _rms_norm_kernel
 from cleave.kernels.splitk_linear import _splitk_linear_kernel
@@ -165,7 +165,7 @@ def main() -> None:
                                                   PARTIAL=False, IS_NEOX=True, PDL=True), 4,
                     pointers={**FP8_CACHE, "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16"})
     # fused MoE (Qwen3-30B-A3B: 128 experts, top-8)
-    compile_variant(_route_kernel, dict(TOP_K=8, BLOCK_K=8, BLOCK_E=128, RENORMALIZE=True), 4)
+    compile_variant(_route_kernel, dict(TOP_K=8, BLOCK_K=8, BLOCK_E=128, RENORMALIZE=True, PDL=True), 1)
     compile_variant(_align_count_kernel, dict(BLOCK_E=128, BLOCK_T=64), 4)
     compile_variant(_align_offsets_kernel, dict(BLOCK_SIZE=64, BLOCK_E=128, BLOCK_P=64, BLOCK_T=64), 8)
     compile_variant(_align_scatter_kernel, dict(BLOCK_E=128, BLOCK_T=64), 4)
@@ -188,7 +188,7 @@ def main() -> None:
     # per-entry expert GEMVs (decode): norm prologue, clamped SwiGLU with biases, residual add
     moe_ids = {"ids_ptr": "*i32"}
     gate_up = dict(TOP_K=8, BLOCK_N=2, BLOCK_K=2048, K_TILES=1, HAS_BIAS=False, CLAMPED=False, NORM=True, MXFP4=False,
-                   ROUTE=False, BLOCK_TOPK=1, BLOCK_E=1, RENORMALIZE=False)
+                   ROUTE=False, BLOCK_TOPK=1, BLOCK_E=1, RENORMALIZE=False, PDL=True)
     compile_variant(_gate_up_kernel, gate_up, 4, pointers=moe_ids)
     # ... routing its token from the router logits (Qwen3-30B-A3B: 128 experts, top-8, hidden 2048)
     routed = dict(ROUTE=True, BLOCK_TOPK=8, BLOCK_E=128, RENORMALIZE=True)
@@ -199,11 +199,17 @@ def main() -> None:
     compile_variant(_gate_up_kernel, {**gate_up, "TOP_K": 4, "K_TILES": 2, "HAS_BIAS": True, "CLAMPED": True,
                                       **routed, "BLOCK_TOPK": 4, "BLOCK_E": 32}, 4, pointers=moe_ids)
     down = dict(TOP_K=8, BLOCK_TOPK=8, BLOCK_N=8, BLOCK_K=1024, K_TILES=1, HAS_BIAS=False, ADD=True, MXFP4=False,
-                DEPTH=2)
+                DEPTH=2, PDL=True, EARLY=True)
     compile_variant(_down_sum_kernel, down, 4, pointers=moe_ids)
     compile_variant(_down_sum_kernel, {**down, "DEPTH": 1}, 4, pointers=moe_ids)
     compile_variant(_down_sum_kernel, {**down, "TOP_K": 4, "BLOCK_TOPK": 4, "K_TILES": 2, "HAS_BIAS": True,
                                        "ADD": False}, 4, pointers=moe_ids)
+    # the down products side by side, the last entry of a token summing them
+    entries = dict(TOP_K=8, BLOCK_N=8, BLOCK_K=1024, K_TILES=1, HAS_BIAS=False, ADD=True, MXFP4=False, PDL=True,
+                   EARLY=True)
+    entries_ptrs = {**moe_ids, "part_ptr": "*fp32", "counters_ptr": "*i32"}
+    compile_variant(_down_entries_kernel, entries, 4, pointers=entries_ptrs)
+    compile_variant(_down_entries_kernel, {**entries, "EARLY": False}, 4, pointers=entries_ptrs)
     # the same for gpt-oss-20b's MXFP4 experts (hidden and intermediate 2880: two K tiles)
     packed_gemv = {**moe_ids, "w_ptr": "*u8", "scale_ptr": "*u8"}
     compile_variant(_gate_up_kernel, {**gate_up, "TOP_K": 4, "K_TILES": 2, "HAS_BIAS": True, "CLAMPED": True,
@@ -213,6 +219,8 @@ def main() -> None:
                     pointers=packed_gemv)  # routing over gpt-oss-20b's 32 experts, top-4
     compile_variant(_down_sum_kernel, {**down, "TOP_K": 4, "BLOCK_TOPK": 4, "BLOCK_K": 2048, "K_TILES": 2,
                                        "HAS_BIAS": True, "MXFP4": True}, 4, pointers=packed_gemv)
+    compile_variant(_down_entries_kernel, {**entries, "TOP_K": 4, "BLOCK_K": 2048, "K_TILES": 2, "HAS_BIAS": True,
+                                           "MXFP4": True}, 4, pointers={**packed_gemv, **entries_ptrs})
     splitk = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, NORM=True, GATED=False, ADD=False,
                   DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", PDL=True)
     compile_variant(_splitk_linear_kernel, splitk, 4)  # qkv with the input norm

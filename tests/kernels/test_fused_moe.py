@@ -142,6 +142,37 @@ def test_down_weight_tiles_two_steps_ahead_sum_as_one_step_ahead(down_tiles):
     assert [down_depth_for(tokens) for tokens in (1, 2, 3, 4)] == [2, 2, 1, 1]  # the default: deep for few programs
 
 
+@pytest.mark.parametrize("down_tiles", [None, (8, 16, 4)])  # one K tile an entry; four K tiles, four blocks
+@pytest.mark.parametrize("routed", [False, True])  # the routing given, or routed in the first kernel
+def test_down_products_summed_by_the_last_entry_equal_the_walk(down_tiles, routed):
+    """The "entries" down kernel (a program per entry, the last of a token's entries summing
+    their products) adds in the walk's order: equal to it bit for bit, with biases, a token
+    whose slots share one expert and the residual add. It leaves the counters it was given at
+    zero, and a buffer too small for its feature blocks is replaced, not overrun."""
+    generator = torch.Generator().manual_seed(61)
+    residual = (torch.randn(3, HIDDEN, generator=generator) * 2).to(torch.bfloat16)
+    w13, w2, w13_bias, w2_bias = _weights(torch.bfloat16, seed=62, bias=True)
+    logits = _ragged_logits(3, seed=63).to(torch.bfloat16)
+    weights, ids = route_reference(logits, 3, True)
+    ids[1] = 4
+    routing = {"router_logits": logits, "top_k": 3} if routed else {}
+    counters = torch.zeros(64, dtype=torch.int32)
+    outputs = {}
+    for kernel, scratch in (("walk", None), ("entries", counters), ("entries", counters[:2])):
+        stream = residual.clone()
+        given = () if routed else (weights, ids)
+        moe_gemv(stream, w13, w2, *(given or (None, None)), SILU, w13_bias, w2_bias, down_tiles=down_tiles,
+                 add_to=stream, down_kernel=kernel, counters=scratch, **routing)
+        outputs.setdefault(kernel, []).append(stream)
+    assert all(torch.equal(outputs["walk"][0], out) for out in outputs["entries"])
+    assert not counters.any()
+    if not routed:
+        experts_out = fused_experts_reference(residual, w13, w2, weights, ids, SILU, w13_bias, w2_bias)
+        _assert_close(outputs["entries"][0], (residual.float() + experts_out.float()).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="down_kernel"):
+        moe_gemv(residual, w13, w2, weights, ids, SILU, down_kernel="sorted")
+
+
 # (tokens, experts, top_k, renormalize, gpt-oss experts (biases, clamped SwiGLU), norm prologue + add epilogue, dtype)
 GEMV_ROUTING_CASES = [
     (1, 8, 2, True, False, False, torch.float32),

@@ -118,20 +118,18 @@ class HeadNorms:
 @triton.jit
 def _head_normed(x, rstd, weight, row_ptr):
     """RMSNorm of head vectors as `rms_norm` rounds it: normalised and rounded to the
-    activations' dtype (`row_ptr`'s), scaled by the weight and rounded again (fp32 in and out)."""
+    activations' dtype (`row_ptr`'s), scaled by the weight [D] fp32 and rounded again (fp32 in
+    and out)."""
     dtype = row_ptr.dtype.element_ty
     normed = (x * rstd[:, None]).to(dtype).to(tl.float32)
-    return (normed * weight.to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+    return (normed * weight[None, :]).to(dtype).to(tl.float32)
 
 
 @triton.jit
-def _rotated_rows(
-    row_ptr, rows, row_stride, rows_valid, dims, cos_sin_row, norm_w_ptr, norm_eps,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr, HEAD_NORM: tl.constexpr,
-):
-    """[R, BLOCK_D] fp32: head vectors `rows` at `row_ptr` rotated by one position's angles
-    (`cos_sin_row`: cos then sin, HALF each; full-width rotary); with HEAD_NORM each vector
-    is RMS-normalised first with the [D] weight at `norm_w_ptr`."""
+def _rotation(cos_sin_row, dims, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    """One position's rotary angles over the head dims [BLOCK_D] (`cos_sin_row`: cos then sin,
+    HALF each; full-width rotary): (partner dims, cos, signed sin), so that a head vector x
+    rotates to x * cos + x[partner] * signed_sin."""
     if IS_NEOX:  # pairs (d, d + HALF)
         first = dims < HALF
         partner = tl.where(first, dims + HALF, dims - HALF)
@@ -141,17 +139,42 @@ def _rotated_rows(
         partner = dims ^ 1
         pair = dims // 2
     dim_valid = dims < HEAD_DIM
+    cos = tl.load(cos_sin_row + pair, mask=dim_valid, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_row + HALF + pair, mask=dim_valid, other=0.0).to(tl.float32)
+    return partner, cos, tl.where(first, -sin, sin)
+
+
+@triton.jit
+def _norm_weights(norm_w_ptr, dims, partner, HEAD_DIM: tl.constexpr, HEAD_NORM: tl.constexpr):
+    """A head norm's [D] weight at the head dims and at their rotary partners (HEAD_NORM; else
+    placeholders)."""
+    weight = tl.zeros(dims.shape, dtype=tl.float32)
+    weight_partner = weight
+    if HEAD_NORM:
+        dim_valid = dims < HEAD_DIM
+        weight = tl.load(norm_w_ptr + dims, mask=dim_valid, other=0.0).to(tl.float32)
+        weight_partner = tl.load(norm_w_ptr + partner, mask=dim_valid, other=0.0).to(tl.float32)
+    return weight, weight_partner
+
+
+@triton.jit
+def _rotated_rows(
+    row_ptr, rows, row_stride, rows_valid, dims, partner, cos, signed_sin, norm_w, norm_w_partner, norm_eps,
+    HEAD_DIM: tl.constexpr, HEAD_NORM: tl.constexpr,
+):
+    """[R, BLOCK_D] fp32: head vectors `rows` at `row_ptr` rotated by one position's angles
+    (`_rotation`); with HEAD_NORM each vector is RMS-normalised first with the weight
+    `norm_w` (`_norm_weights`)."""
+    dim_valid = dims < HEAD_DIM
     mask = rows_valid[:, None] & dim_valid[None, :]
     ptrs = row_ptr + rows[:, None].to(tl.int64) * row_stride
     x = tl.load(ptrs + dims[None, :], mask=mask, other=0.0).to(tl.float32)
     y = tl.load(ptrs + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     if HEAD_NORM:  # y is a permutation of x within each row: one inverse RMS for both
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + norm_eps)
-        x = _head_normed(x, rstd, tl.load(norm_w_ptr + dims, mask=dim_valid, other=0.0), row_ptr)
-        y = _head_normed(y, rstd, tl.load(norm_w_ptr + partner, mask=dim_valid, other=0.0), row_ptr)
-    cos = tl.load(cos_sin_row + pair, mask=dim_valid, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_row + HALF + pair, mask=dim_valid, other=0.0).to(tl.float32)
-    return x * cos[None, :] + y * tl.where(first, -sin, sin)[None, :]
+        x = _head_normed(x, rstd, norm_w, row_ptr)
+        y = _head_normed(y, rstd, norm_w_partner, row_ptr)
+    return x * cos[None, :] + y * signed_sin[None, :]
 
 
 @triton.jit
@@ -266,43 +289,48 @@ def _paged_decode_split_kernel(
             stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_N,
         )
         k, v = load_kv_tile(k_ptrs, v_ptrs, kv_mask, DOT_DTYPE)  # [BLOCK_N, BLOCK_D]
+    if ROTARY:  # positions and slots are written with the sequence lengths: their loads go first too
+        half: tl.constexpr = HEAD_DIM // 2
+        q_token64 = q_token.to(tl.int64)
+        cos_sin_row = cos_sin_ptr + tl.load(positions_ptr + q_token64).to(tl.int64) * stride_cos_sin
+        partner, cos, signed_sin = _rotation(cos_sin_row, dims, HEAD_DIM, half, IS_NEOX)
+        q_norm_w, q_norm_w_partner = _norm_weights(q_norm_w_ptr, dims, partner, HEAD_DIM, HEAD_NORM)
+        k_norm_w, k_norm_w_partner = _norm_weights(k_norm_w_ptr, dims, partner, HEAD_DIM, HEAD_NORM)
+        slot = tl.load(slot_mapping_ptr + q_token64).to(tl.int64)
     wait_for_producer(PDL)
     release_dependents(PDL)
 
     if ROTARY:
-        half: tl.constexpr = HEAD_DIM // 2
-        q_token64 = q_token.to(tl.int64)
-        cos_sin_row = cos_sin_ptr + tl.load(positions_ptr + q_token64).to(tl.int64) * stride_cos_sin
         rstd = 1.0
         if ROW_NORM:
             rstd = row_inverse_rms(norm_src_ptr + q_token64 * stride_norm_row, norm_hidden, norm_eps, NORM_BLOCK)
         q = _rotated_rows(
-            query_ptr + q_token64 * stride_q_token, q_heads, stride_q_head, group_valid, dims, cos_sin_row,
-            q_norm_w_ptr, head_norm_eps, HEAD_DIM, half, IS_NEOX, HEAD_NORM,
+            query_ptr + q_token64 * stride_q_token, q_heads, stride_q_head, group_valid, dims, partner, cos,
+            signed_sin, q_norm_w, q_norm_w_partner, head_norm_eps, HEAD_DIM, HEAD_NORM,
         )
         if ROW_NORM:
             q = q * rstd
         q = q.to(query_ptr.dtype.element_ty).to(DOT_DTYPE)  # rounded as a rotated query in memory would be
-        slot = tl.load(slot_mapping_ptr + q_token64).to(tl.int64)
+        # The new key and value (loaded beside the query, so no program waits on them later);
+        # only the last split, whose partition holds the newest position, writes them.
+        head = kv_head + tl.arange(0, 1)  # [1]
+        one = head == kv_head
+        key = _rotated_rows(key_ptr + q_token64 * stride_k_token, head, stride_k_head, one, dims, partner, cos,
+                            signed_sin, k_norm_w, k_norm_w_partner, head_norm_eps, HEAD_DIM, HEAD_NORM)
+        value = tl.load(value_ptr + q_token64 * stride_v_token + head[:, None] * stride_v_head + dims[None, :],
+                        mask=one[:, None] & dim_valid[None, :])
+        if ROW_NORM:
+            key = key * rstd
+            value = value.to(tl.float32) * rstd
+        # rounded to the activations' dtype first, as the unfused rotary + KV write stores them
+        key = to_cache(key.to(key_ptr.dtype.element_ty), cache_ptr)  # [1, BLOCK_D]
+        value = to_cache(value.to(value_ptr.dtype.element_ty), cache_ptr)
         if (split == num_active - 1) & (slot >= 0):
-            # The newest position lies in the last split: write it, then read it back below.
-            head = kv_head + tl.arange(0, 1)  # [1]
-            one = head == kv_head
-            key = _rotated_rows(key_ptr + q_token64 * stride_k_token, head, stride_k_head, one, dims, cos_sin_row,
-                                k_norm_w_ptr, head_norm_eps, HEAD_DIM, half, IS_NEOX, HEAD_NORM)
-            value = tl.load(value_ptr + q_token64 * stride_v_token + head[:, None] * stride_v_head + dims[None, :],
-                            mask=one[:, None] & dim_valid[None, :])
-            if ROW_NORM:
-                key = key * rstd
-                value = value.to(tl.float32) * rstd
-            # rounded to the activations' dtype first, as the unfused rotary + KV write stores them
-            key = to_cache(key.to(key_ptr.dtype.element_ty), cache_ptr)
-            value = to_cache(value.to(value_ptr.dtype.element_ty), cache_ptr)
             slot_ptr = cache_ptr + (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_slot
             dst = slot_ptr + head[:, None] * stride_cache_head + dims[None, :]
             tl.store(dst, key, mask=one[:, None] & dim_valid[None, :])
             tl.store(dst + stride_cache_kv, value, mask=one[:, None] & dim_valid[None, :])
-        tl.debug_barrier()  # the whole program sees the written slot
+        tl.debug_barrier()  # the whole program sees the written slot in the tiles it loads from here on
     else:
         q = tl.load(
             query_ptr + q_token.to(tl.int64) * stride_q_token + q_heads[:, None] * stride_q_head + dims[None, :],
@@ -314,11 +342,16 @@ def _paged_decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     loop_start = part_start
     if PREFETCH:
-        # The newest position's K/V may come from the previous kernel: reload it.
+        # The prefetched tile may predate the newest position's K/V: with ROTARY this program
+        # holds them in registers, else the previous kernel wrote them and they are reloaded.
         newest = (part_start + tl.arange(0, BLOCK_N) == seq_len - 1)[:, None] & kv_mask
-        newest_k, newest_v = load_kv_tile(k_ptrs, v_ptrs, newest, DOT_DTYPE)
-        k = tl.where(newest, newest_k, k)
-        v = tl.where(newest, newest_v, v)
+        if ROTARY:
+            k = tl.where(newest & (slot >= 0), key.to(DOT_DTYPE), k)
+            v = tl.where(newest & (slot >= 0), value.to(DOT_DTYPE), v)
+        else:
+            newest_k, newest_v = load_kv_tile(k_ptrs, v_ptrs, newest, DOT_DTYPE)
+            k = tl.where(newest, newest_k, k)
+            v = tl.where(newest, newest_v, v)
         if part_start < part_end:
             m_i, l_i, acc = attend_tile(q, k, v, key_valid[None, :], m_i, l_i, acc, scale_log2, DOT_DTYPE, DOT_PRECISION)
         loop_start = part_start + BLOCK_N

@@ -35,16 +35,20 @@ import triton
 import triton.language as tl
 
 from cleave.kernels.attention_common import dot_settings
-from cleave.kernels.dispatch import Impl, use_triton
+from cleave.kernels.dispatch import CachedLauncher, Impl, use_triton
 from cleave.kernels.moe_gemv import MAX_TOKENS as GEMV_MAX_TOKENS
 from cleave.kernels.moe_gemv import gated_activation, moe_gemv
 from cleave.kernels.moe_reference import SILU, MoEActivation, fused_experts_reference, route_reference
 from cleave.kernels.moe_routing import routing_blocks, top_k_routing
 from cleave.kernels.moe_tiles import GemmTiles, MoELaunch, moe_launch
 from cleave.kernels.mxfp4 import MXFP4Weight, decode_e2m1, dense_weight, e8m0_scale, weight_launch_args
+from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 
 
 ALIGN_MAX_PROGRAMS = 64  # chunks the alignment's count and scatter kernels split the entries into
+# Router logits a routing warp holds per program before another warp joins (`route_num_warps`):
+# 128 experts (Qwen3-30B-A3B) are four a thread of one warp.
+ROUTE_EXPERTS_PER_WARP = 128
 
 
 @dataclass(frozen=True)
@@ -74,8 +78,11 @@ def _route_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # a program per token; the per-entry GEMVs route inside their first kernel with the same helper
+    wait_for_producer(PDL)
+    release_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     weights, ids = top_k_routing(logits_ptr + row * stride_logits, num_experts, TOP_K, BLOCK_K, BLOCK_E, RENORMALIZE)
     slots = tl.arange(0, BLOCK_K)
@@ -281,8 +288,11 @@ def route(
     top_k: int,
     renormalize: bool = True,
     impl: Impl = "auto",
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] fp32, ids [T, k] int32
-    """Top-k experts per token and their routing weights (see `route_reference`)."""
+    """Top-k experts per token and their routing weights (see `route_reference`); `pdl`:
+    launched with programmatic dependent launch where the device has it (it waits on the
+    kernel before it, then lets the next one in)."""
     if not use_triton(router_logits, impl):
         return route_reference(router_logits, top_k, renormalize)
     num_tokens, num_experts = router_logits.shape
@@ -291,11 +301,21 @@ def route(
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
     if num_tokens:
-        _route_kernel[(num_tokens,)](
-            logits, weights, ids, num_experts, logits.stride(0),
-            TOP_K=top_k, BLOCK_K=block_k, BLOCK_E=block_e, RENORMALIZE=renormalize,
-        )
+        pdl = pdl_enabled(logits, pdl)
+        _route_launcher((num_tokens,), (logits, weights, ids, num_experts, logits.stride(0)),
+                        (top_k, block_k, block_e, renormalize, pdl), route_num_warps(num_experts),
+                        **launch_options(pdl))
     return weights, ids
+
+
+_route_launcher = CachedLauncher(_route_kernel)
+
+
+def route_num_warps(num_experts: int) -> int:
+    """Warps of a routing program: one while a warp holds the token's logits in a few
+    registers a thread (each top-k round is then a shuffle reduction with no barrier), up to
+    four for wider routers."""
+    return max(1, min(4, triton.cdiv(num_experts, ROUTE_EXPERTS_PER_WARP)))
 
 
 def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: int) -> AlignedEntries:

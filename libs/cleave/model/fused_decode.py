@@ -124,7 +124,7 @@ def _gemv_layer(
     residual adds into the projections that produce them."""
     _gemv_attention(layer.self_attn, residual, layer.input_layernorm, positions, kv_cache, metadata, cos_sin_cache)
     if isinstance(layer.mlp, SparseMoeBlock):
-        _gemv_moe(layer.mlp, residual, layer.post_attention_layernorm)
+        _gemv_moe(layer.mlp, residual, layer.post_attention_layernorm, metadata.split_counters)
     else:
         _gemv_mlp(layer.mlp, residual, layer.post_attention_layernorm, metadata.split_counters)
 
@@ -169,28 +169,30 @@ def _gemv_mlp(mlp: MLP, residual: torch.Tensor, norm: RMSNorm, counters: torch.T
     small_linear(act, mlp.down_proj.weight, add_to=residual, counters=counters, pdl=mlp.pdl)  # [T, I] -> += [T, H]
 
 
-def _gemv_moe(block: SparseMoeBlock, residual: torch.Tensor, norm: RMSNorm) -> None:
+def _gemv_moe(block: SparseMoeBlock, residual: torch.Tensor, norm: RMSNorm, counters: torch.Tensor | None) -> None:
     """residual += block(norm(residual)): up to `moe_gemv.MAX_TOKENS` tokens with the norm
     inside the router and expert GEMVs, the routing in a launch of its own (gpt-oss's softmax
     over its top-k logits is softmax-then-renormalise) and the add in the last GEMV (see the
     module doc). Routing inside the first expert GEMV instead (`block.route_in_gemv`), one
     launch fewer, was slower on an H200 for Qwen3-30B-A3B (its layer at 1 / 2 / 4 tokens: 44.3 /
     61.7 / 91.6 us with the route launch, 47.5 / 66.0 / 106.9 without;
-    bench/results/moe/moe-layer-20261205T040729Z.md)."""
+    bench/results/moe/moe-layer-20261205T040729Z.md). `counters`: the "entries" down kernel's
+    scratch (AttentionMetadata.split_counters)."""
     if residual.shape[0] > MOE_GEMV_MAX_TOKENS:
         residual.add_(block(rms_norm(residual, norm.weight, norm.eps, pdl=norm.pdl)))
         return
     logits = small_linear(residual, block.router.weight, norm_weight=norm.weight, eps=norm.eps, bias=block.router.bias,
                           pdl=norm.pdl)
-    experts = block.experts
+    experts, pdl = block.experts, norm.pdl
+    options = {"down_kernel": block.down_kernel, "counters": counters, "pdl": pdl}
     if block.route_in_gemv:
         moe_gemv(residual, experts.gate_up, experts.down, None, None, block.activation, experts.w13_bias,
                  experts.w2_bias, norm_weight=norm.weight, eps=norm.eps, add_to=residual, router_logits=logits,
-                 top_k=block.top_k, renormalize=block.renormalize)
+                 top_k=block.top_k, renormalize=block.renormalize, **options)
         return
-    weights, ids = route(logits, block.top_k, block.renormalize)
+    weights, ids = route(logits, block.top_k, block.renormalize, pdl=pdl)
     moe_gemv(residual, experts.gate_up, experts.down, weights, ids, block.activation, experts.w13_bias, experts.w2_bias,
-             norm_weight=norm.weight, eps=norm.eps, add_to=residual)
+             norm_weight=norm.weight, eps=norm.eps, add_to=residual, **options)
 
 
 # ---- deferred-norm layout ------------------------------------------------------------------

@@ -14,6 +14,7 @@ from torch import nn
 
 from cleave.kernels.dispatch import Impl
 from cleave.kernels.fused_moe import fused_moe
+from cleave.kernels.moe_gemv import DownKernel
 from cleave.kernels.moe_reference import MoEActivation
 from cleave.kernels.mxfp4 import MXFP4Weight
 from cleave.model.config import ModelConfig
@@ -76,6 +77,8 @@ class SparseMoeBlock(nn.Module):
         # the GEMV decode layout (cleave.model.fused_decode) routes in the first expert GEMV
         # instead of a launch of its own; off: slower for Qwen3-30B-A3B's 128 experts
         self.route_in_gemv = False
+        # the GEMV decode layout's down kernel (`moe_gemv.DownKernel`; None: the library's default)
+        self.down_kernel: DownKernel | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [T, H] -> [T, H]
