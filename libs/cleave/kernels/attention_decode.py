@@ -399,6 +399,26 @@ def _paged_decode_split_kernel(
 
 
 @triton.jit
+def _load_partials(part_max_ptr, part_sum_ptr, part_acc_ptr, row0, group_valid, dims, dim_valid, chunk, num_active,
+                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The partials (max [BLOCK_Q, BLOCK_S], sum, accumulator [BLOCK_Q, BLOCK_S, BLOCK_D]) of
+    splits chunk .. chunk + BLOCK_S - 1 below `num_active` (neutral values past it), read
+    past L1: other programs wrote them."""
+    splits = chunk + tl.arange(0, BLOCK_S)  # [BLOCK_S]
+    valid = group_valid[:, None] & (splits < num_active)[None, :]  # [BLOCK_Q, BLOCK_S]
+    rows = row0[:, None] + splits[None, :]  # [BLOCK_Q, BLOCK_S]
+    part_max = tl.load(part_max_ptr + rows, mask=valid, other=-1.0e30, cache_modifier=".cg")
+    part_sum = tl.load(part_sum_ptr + rows, mask=valid, other=0.0, cache_modifier=".cg")
+    part_acc = tl.load(
+        part_acc_ptr + rows[:, :, None] * HEAD_DIM + dims[None, None, :],
+        mask=valid[:, :, None] & dim_valid[None, None, :],
+        other=0.0,
+        cache_modifier=".cg",
+    )
+    return part_max, part_sum, part_acc
+
+
+@triton.jit
 def _merge_splits(
     out_ptr,  # [T, Hq, D]
     part_max_ptr,  # [B, Hq, S] fp32
@@ -430,24 +450,20 @@ def _merge_splits(
     total_max = tl.full([BLOCK_Q], -1.0e30, dtype=tl.float32)
     total_sum = tl.zeros([BLOCK_Q], dtype=tl.float32)
     total_acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    # Each chunk's loads go out before the previous chunk is reduced: two chunks take one
+    # round trip to L2, not two (Qwen3-30B-A3B's shape merges 16 splits at 1k in two chunks).
+    part_max, part_sum, part_acc = _load_partials(part_max_ptr, part_sum_ptr, part_acc_ptr, row0, group_valid, dims,
+                                                  dim_valid, 0, num_active, HEAD_DIM, BLOCK_S)
     for chunk in range(0, num_active, BLOCK_S):
-        splits = chunk + tl.arange(0, BLOCK_S)  # [BLOCK_S]
-        valid = group_valid[:, None] & (splits < num_active)[None, :]  # [BLOCK_Q, BLOCK_S]
-        rows = row0[:, None] + splits[None, :]  # [BLOCK_Q, BLOCK_S]
-        part_max = tl.load(part_max_ptr + rows, mask=valid, other=-1.0e30, cache_modifier=".cg")
-        part_sum = tl.load(part_sum_ptr + rows, mask=valid, other=0.0, cache_modifier=".cg")
-        part_acc = tl.load(
-            part_acc_ptr + rows[:, :, None] * HEAD_DIM + dims[None, None, :],
-            mask=valid[:, :, None] & dim_valid[None, None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )  # [BLOCK_Q, BLOCK_S, BLOCK_D]
+        next_max, next_sum, next_acc = _load_partials(part_max_ptr, part_sum_ptr, part_acc_ptr, row0, group_valid,
+                                                      dims, dim_valid, chunk + BLOCK_S, num_active, HEAD_DIM, BLOCK_S)
         new_max = tl.maximum(total_max, tl.max(part_max, axis=1))  # [BLOCK_Q]
         weights = tl.exp2(part_max - new_max[:, None])  # [BLOCK_Q, BLOCK_S]
         rescale = tl.exp2(total_max - new_max)  # [BLOCK_Q]
         total_sum = total_sum * rescale + tl.sum(part_sum * weights, axis=1)
         total_acc = total_acc * rescale[:, None] + tl.sum(part_acc * weights[:, :, None], axis=1)
         total_max = new_max
+        part_max, part_sum, part_acc = next_max, next_sum, next_acc
     if HAS_SINKS:
         total_max, total_sum, total_acc = add_sinks(sinks_ptr, q_heads, group_valid, total_max, total_sum, total_acc)
     # A padding sequence (seq_len 0) ran no tile: write zeros, not 0/0.
