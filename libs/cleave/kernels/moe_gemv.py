@@ -23,7 +23,15 @@ is no alignment at all:
    fp32 buffer, no separate sum, and the order of the sum is fixed (deterministic). The
    token's k expert ids, weights and residual row are read up front, so the walk's weight
    tiles never wait on an id, and one or two tiles are in flight ahead of the one reduced
-   (`down_depth_for`).
+   (`down_depth_for`). Or ("entries", `_down_entries_kernel`) a program per (entry, BLOCK_N
+   hidden features) multiplies one expert's rows and writes the fp32 product; the program
+   that finishes a (token, feature block) last (an atomic counter, as the split-K linear
+   kernel's) sums the token's k products in the walk's order, so the two agree bit for bit.
+
+With programmatic dependent launch (`pdl`, the decode layout's) the routing kernel and the
+first expert kernel wait on their producer before they let the next kernel in, so the down
+kernel, when the routing was given, reads it and streams its first weight tiles before its
+own wait, while the gate_up kernel still runs.
 
 Two launches after the router's GEMV (routing inside the first; three with a separate
 `route`), none of which reads a value back to the host: the layer stays inside a decode
