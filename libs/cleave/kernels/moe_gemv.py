@@ -250,6 +250,17 @@ def _step_tile(w_experts, s_experts, experts, slots, step, stride_we, stride_se,
 
 
 @triton.jit
+def _store_sum(total, residual, out_ptrs, feature_valid, ADD: tl.constexpr):
+    """Store a token's weighted expert sum (fp32 [BLOCK_N]) rounded once to the output dtype;
+    with ADD added into the residual row it holds, as the next layer's fused add would."""
+    dtype = out_ptrs.dtype.element_ty
+    result = total.to(dtype)
+    if ADD:
+        result = (residual.to(tl.float32) + result.to(tl.float32)).to(dtype)
+    tl.store(out_ptrs, result, mask=feature_valid)
+
+
+@triton.jit
 def _down_sum_kernel(
     inter_ptr,  # [T * TOP_K, K]
     w_ptr,  # [E, N, K] (MXFP4: [E, N, K // 2] bytes)
@@ -336,10 +347,7 @@ def _down_sum_kernel(
             w2, scales2 = ahead_w, ahead_scales
         else:
             w, scales = ahead_w, ahead_scales
-    result = total.to(out_ptr.dtype.element_ty)  # the layer's output, rounded once
-    if ADD:  # then added into the residual stream, as the next layer's fused add would
-        result = (residual.to(tl.float32) + result.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptrs, result, mask=feature_valid)
+    _store_sum(total, residual, out_ptrs, feature_valid, ADD)
 
 
 @triton.jit
@@ -421,10 +429,7 @@ def _down_entries_kernel(
         part = tl.load(parts + slot * num_out, mask=feature_valid, other=0.0, cache_modifier=".cg")
         total += part * tl.load(weights_ptr + token * TOP_K + slot)
     tl.atomic_xchg(counter, 0)
-    result = total.to(out_ptr.dtype.element_ty)  # the layer's output, rounded once
-    if ADD:
-        result = (residual.to(tl.float32) + result.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptrs, result, mask=feature_valid)
+    _store_sum(total, residual, out_ptrs, feature_valid, ADD)
 
 
 def gemv_tiles(num_out: int, num_in: int, gated: bool) -> tuple[int, int, int]:
