@@ -22,6 +22,8 @@ def test_defaults_are_the_h200_plan(bench):
     assert (custom.part, custom.tokens, custom.batch, custom.context) == ("layer", [2, 4], [8], 64)
     assert args.gemv_tiles == [] and bench.parse_args(["--gemv-tiles", "2:4,4:8"]).gemv_tiles == [(2, 4), (4, 8)]
 
+GEMV_DOWN_ROWS = ("fused, down by entries", "decode layout (PDL), down walk", "decode layout (PDL), down by entries")
+
 
 def test_dry_run_writes_both_parts(bench, tmp_path):
     results = bench.main(["--dry-run", "--out", str(tmp_path)])
@@ -29,9 +31,10 @@ def test_dry_run_writes_both_parts(bench, tmp_path):
     methods = {row["method"] for row in layer}
     # torch.compile skipped in a dry run; 1 and 3 tokens also run the grouped GEMMs and the
     # GEMVs routing inside their first kernel, and the down GEMV at its other depth (1 token: one
-    # tile ahead instead of two; 3 tokens: two instead of one)
+    # tile ahead instead of two; 3 tokens: two instead of one), the down products side by side, and
+    # the decode layout's launches under PDL with either down kernel
     assert methods == {"fused", "fused, routing in GEMV", "fused, down one tile ahead", "fused, down two tiles ahead",
-                       "fused, grouped GEMMs", "reference", "transformers"}
+                       "fused, grouped GEMMs", "reference", "transformers", *GEMV_DOWN_ROWS}
     assert all("error" not in row and row["us"] > 0 for row in layer)
     assert all(row["max_diff"] < 1e-4 for row in layer)  # fused and transformers agree with the reference
     assert {row["tokens"] for row in layer} == {1, 3}
@@ -146,7 +149,7 @@ def test_layer_dry_run_reads_packed_experts(bench, tmp_path):
     rows = bench.main(["--dry-run", "--part", "layer", "--packed-experts", "--out", str(tmp_path)])["layer"]
     assert {row["method"] for row in rows} == {"fused", "fused, routing in GEMV", "fused, down one tile ahead",
                                                "fused, down two tiles ahead", "fused, grouped GEMMs", "reference",
-                                               "transformers"}
+                                               "transformers", *GEMV_DOWN_ROWS}
     assert all("error" not in row and row["max_diff"] < 1e-4 for row in rows)
 
 
