@@ -58,6 +58,7 @@ from cleave.kernels.kv_cache_dtype import as_words, resolve_kv_cache_dtype
 from cleave.kv.groups import kv_groups
 from cleave.kv.metadata import AttentionMetadata
 from cleave.model.llama import CausalLM, allocate_kv_cache
+from cleave.model.moe import SparseMoeBlock
 from cleave.parallel.model import TensorParallelCausalLM
 
 DEFAULT_CPU_KV_TOKENS = 8192
@@ -304,8 +305,23 @@ class ModelRunner:
                 seen.add(key)
                 attention.warm_mixed_decodes(self.kv_cache[0], self.config.scheduler.max_num_seqs)
         self._warm_prefill_shapes()
+        self._warm_experts()
         self.sampler.warm(self.vocab_size, self.device)
         torch.cuda.synchronize(self.device)
+
+    def _warm_experts(self) -> int:
+        """Compile the expert kernels of every token count a step can hold (`max_num_batched_tokens`):
+        a tuned table picks grouped-GEMM tiles by token count, so the start-up prompts reach only
+        some of them. One block of each expert shape runs; the others share its variants.
+        Returns the blocks run."""
+        shapes: set[tuple] = set()
+        for module in self.model.modules():
+            if isinstance(module, SparseMoeBlock):
+                shape = (type(module), tuple(module.experts.gate_up.shape), module.top_k)
+                if shape not in shapes:
+                    shapes.add(shape)
+                    module.warm_variants(self.config.scheduler.max_num_batched_tokens)
+        return len(shapes)
 
     def _init_graphs(self) -> CUDAGraphRunner | None:
         if self.device.type != "cuda" or self.config.enforce_eager:

@@ -37,7 +37,7 @@ import triton.language as tl
 from cleave.kernels.attention_common import dot_settings
 from cleave.kernels.dispatch import CachedLauncher, Impl, use_triton
 from cleave.kernels.moe_gemv import MAX_TOKENS as GEMV_MAX_TOKENS
-from cleave.kernels.moe_gemv import gated_activation, moe_gemv
+from cleave.kernels.moe_gemv import down_depth_for, gated_activation, moe_gemv
 from cleave.kernels.moe_reference import SILU, MoEActivation, fused_experts_reference, route_reference
 from cleave.kernels.moe_routing import routing_blocks, top_k_routing
 from cleave.kernels.moe_tiles import GemmTiles, MoELaunch, moe_launch
@@ -318,6 +318,15 @@ def route_num_warps(num_experts: int) -> int:
     return max(1, min(4, triton.cdiv(num_experts, ROUTE_EXPERTS_PER_WARP)))
 
 
+def _align_layout(num_entries: int, num_experts: int) -> tuple[int, int, int, int]:
+    """The alignment's (BLOCK_E, BLOCK_T, programs, entries per program) for `num_entries`."""
+    block_e = triton.next_power_of_2(num_experts)
+    block_t = max(16, min(128, 8192 // block_e))
+    num_programs = max(1, min(ALIGN_MAX_PROGRAMS, triton.cdiv(num_entries, block_t)))
+    chunk = max(1, triton.cdiv(triton.cdiv(num_entries, num_programs), block_t)) * block_t
+    return block_e, block_t, max(1, triton.cdiv(num_entries, chunk)), chunk
+
+
 def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: int) -> AlignedEntries:
     """Group the flat (token, slot) entries by expert, each group padded to `block_size`,
     on the device (outputs sized for the worst case: see `AlignedEntries`).
@@ -330,11 +339,7 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: int) 
     max_padded = max_blocks * block_size
     device = topk_ids.device
     flat_ids = topk_ids.reshape(-1)
-    block_e = triton.next_power_of_2(num_experts)
-    block_t = max(16, min(128, 8192 // block_e))
-    num_programs = max(1, min(ALIGN_MAX_PROGRAMS, triton.cdiv(num_entries, block_t)))
-    chunk = max(1, triton.cdiv(triton.cdiv(num_entries, num_programs), block_t)) * block_t
-    num_programs = max(1, triton.cdiv(num_entries, chunk))
+    block_e, block_t, num_programs, chunk = _align_layout(num_entries, num_experts)
     sorted_ids = torch.full((max_padded,), num_entries, dtype=torch.int32, device=device)
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
@@ -436,6 +441,26 @@ def fused_experts(
     grouped_gemm(intermediate, w2, w2_bias, per_slot, aligned, launch.down, 1, None,
                   topk_weights.reshape(-1).to(torch.float32))
     return per_slot.view(num_tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
+
+
+def variant_token_counts(max_tokens: int, top_k: int, num_experts: int, inter: int, hidden: int,
+                         activations: torch.Tensor, mxfp4: bool = False) -> list[int]:
+    """Token counts, one for each kernel variant `fused_experts` compiles for 1..`max_tokens`
+    tokens of these shapes (the smallest count that reaches it): the per-entry GEMVs' down
+    depth up to `moe_gemv.MAX_TOKENS`, then each grouped-GEMM launch (`moe_launch`: tuned
+    tables pick tiles by token count) with the alignment's program count, whose power of two
+    its offsets kernel is compiled for. Running the experts once at each count compiles every
+    variant a prefill or mixed step of up to `max_tokens` tokens can meet."""
+    counts: dict[tuple, int] = {}
+    for num_tokens in range(1, max_tokens + 1):
+        if num_tokens <= GEMV_MAX_TOKENS:
+            key: tuple = ("gemv", down_depth_for(num_tokens))
+        else:
+            launch = moe_launch(num_tokens, top_k, num_experts, inter, hidden, activations, mxfp4=mxfp4)
+            programs = _align_layout(num_tokens * top_k, num_experts)[2]
+            key = ("grouped", launch, triton.next_power_of_2(programs))
+        counts.setdefault(key, num_tokens)
+    return sorted(counts.values())
 
 
 def fused_moe(

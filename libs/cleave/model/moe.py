@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from cleave.kernels.dispatch import Impl
-from cleave.kernels.fused_moe import fused_moe
+from cleave.kernels.fused_moe import fused_moe, variant_token_counts
 from cleave.kernels.moe_gemv import DownKernel
 from cleave.kernels.moe_reference import MoEActivation
 from cleave.kernels.mxfp4 import MXFP4Weight
@@ -79,6 +79,20 @@ class SparseMoeBlock(nn.Module):
         self.route_in_gemv = False
         # the GEMV decode layout's down kernel (`moe_gemv.DownKernel`; None: the library's default)
         self.down_kernel: DownKernel | None = None
+
+    @torch.inference_mode()
+    def warm_variants(self, max_tokens: int) -> int:
+        """Run this block once over zeros at each token count `variant_token_counts` lists for
+        1..`max_tokens` tokens, so that no prefill or mixed step of up to that many tokens meets
+        an expert-kernel variant still to compile (each compile stalls its step 0.3-1.3 s).
+        Returns the counts run."""
+        weight, gate_up = self.router.weight, self.experts.gate_up
+        num_experts, inter2, hidden = gate_up.shape
+        counts = variant_token_counts(max_tokens, self.top_k, num_experts, inter2 // 2, hidden, weight,
+                                      mxfp4=isinstance(gate_up, MXFP4Weight))
+        for num_tokens in counts:
+            self(torch.zeros(num_tokens, hidden, dtype=weight.dtype, device=weight.device))
+        return len(counts)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [T, H] -> [T, H]

@@ -47,6 +47,11 @@ class ExpertParallelMoeBlock(SparseMoeBlock):
         self.num_experts = config.num_experts
         self.num_local_experts = layout.num_local_experts
 
+    def warm_variants(self, max_tokens: int) -> int:
+        """Nothing: a forward here is an exchange every rank must join, and each rank's experts
+        see the token counts the routing sends them, so they compile in the first steps."""
+        return 0
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [T, H], identical on every rank -> [T, H], identical on every rank
         if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
