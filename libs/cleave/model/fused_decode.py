@@ -21,7 +21,11 @@ Two layouts, on the Triton kernels:
   `CausalLM.fold_norm_weights`): the
   projections are cuBLAS GEMMs, each norm is a per-row scale that the decode attention and
   SwiGLU kernels apply (`cleave.kernels.row_norm`), and the residual adds are the o and down
-  GEMMs' own epilogue (beta = 1): five launches a layer, no norm kernel.
+  GEMMs' own epilogue (beta = 1): five launches a layer, no norm kernel. With
+  `CausalLM.deferred_norm_gemm = "splitk"` the four projections run the split-K Triton kernel
+  instead (`cleave.kernels.splitk_linear`: no norm to fuse here, the adds in its epilogue, the
+  product rounded once before the add), which streams its first weight tile before waiting
+  on the kernel before it (PDL), as cuBLAS cannot; not yet timed on a GPU.
 
 Both update the residual stream in place, so the caller applies the final norm to it.
 Every kernel call passes the modules' `pdl` option (`cleave.kernels.pdl`).
@@ -29,7 +33,9 @@ Every kernel call passes the modules' `pdl` option (`cleave.kernels.pdl`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -44,6 +50,7 @@ from cleave.kernels.moe_gemv import MAX_TOKENS as MOE_GEMV_MAX_TOKENS
 from cleave.kernels.moe_gemv import moe_gemv
 from cleave.kernels.rms_norm import rms_norm
 from cleave.kernels.row_norm import DeferredRMSNorm
+from cleave.kernels.small_linear import MAX_ROWS as SMALL_LINEAR_MAX_ROWS
 from cleave.kernels.small_linear import small_linear
 from cleave.kv.metadata import AttentionMetadata
 from cleave.model.moe import SparseMoeBlock
@@ -54,6 +61,8 @@ if TYPE_CHECKING:
 # Batches of up to this many tokens take the GEMV layout by default (see
 # `CausalLM.decode_gemv_max_tokens`); above it, cuBLAS GEMMs with separate norm kernels.
 DECODE_GEMV_MAX_TOKENS = 16
+# The deferred-norm layout's projection kernel (`CausalLM.deferred_norm_gemm`).
+DeferredGemm = Literal["cublas", "splitk"]
 
 
 def run_fused_decode(
@@ -68,7 +77,7 @@ def run_fused_decode(
     if gemv_layout_applies(model, hidden):
         layer_fn = _gemv_layer
     elif deferred_norm_layout_applies(model, hidden, metadata):
-        layer_fn = _deferred_norm_layer
+        layer_fn = functools.partial(_deferred_norm_layer, gemm=model.deferred_norm_gemm)
     else:
         return False
     for layer, (cache, layer_metadata) in zip(model.layers, layer_kv):
@@ -205,12 +214,26 @@ def _deferred_norm_layer(
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     cos_sin_cache: torch.Tensor,
+    gemm: DeferredGemm = "cublas",
 ) -> None:
     """One decoder layer on GEMMs with the norm weights folded into qkv_proj and gate_up_proj:
     the norms are applied by the attention and SwiGLU kernels, the adds by the o and down GEMMs."""
+    project = functools.partial(_deferred_projection, gemm=gemm, counters=metadata.split_counters,
+                                pdl=layer.self_attn.pdl)
     _deferred_norm_attention(layer.self_attn, residual, layer.input_layernorm.eps, positions, kv_cache, metadata,
-                             cos_sin_cache)
-    _deferred_norm_mlp(layer.mlp, residual, layer.post_attention_layernorm.eps)  # type: ignore[arg-type]
+                             cos_sin_cache, project)
+    _deferred_norm_mlp(layer.mlp, residual, layer.post_attention_layernorm.eps, project)  # type: ignore[arg-type]
+
+
+def _deferred_projection(x: torch.Tensor, weight: torch.Tensor, add_to: torch.Tensor | None, gemm: DeferredGemm,
+                         counters: torch.Tensor | None, pdl: bool) -> torch.Tensor:
+    """x @ weight.T (added into `add_to` in place when given) on cuBLAS or, up to its
+    `small_linear.MAX_ROWS` rows, the split-K kernel."""
+    if gemm == "splitk" and x.shape[0] <= SMALL_LINEAR_MAX_ROWS:
+        return small_linear(x, weight, add_to=add_to, kernel="splitk", counters=counters, pdl=pdl)
+    if add_to is None:
+        return torch.mm(x, weight.t())
+    return add_to.addmm_(x, weight.t())
 
 
 def _deferred_norm_attention(
@@ -221,12 +244,13 @@ def _deferred_norm_attention(
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     cos_sin_cache: torch.Tensor,
+    project: Callable[..., torch.Tensor],  # `_deferred_projection` bound to the layout's GEMM
 ) -> None:
     """residual += o_proj(attention(qkv_proj(norm(residual)))) with the norm applied by the
     decode attention kernel (with the rotary embedding and the KV write) and the add by the
     o GEMM (beta = 1)."""
     num_tokens, head_dim = residual.shape[0], attention.head_dim
-    qkv = torch.mm(residual, attention.qkv_proj.weight.t())  # [T, (Hq + 2 Hkv) D], unnormalised
+    qkv = project(residual, attention.qkv_proj.weight, None)  # [T, (Hq + 2 Hkv) D], unnormalised
     q, k, v = qkv.split([attention.q_size, attention.kv_size, attention.kv_size], dim=-1)
     new_kv = NewKV(
         k.view(num_tokens, attention.num_kv_heads, head_dim), v.view(num_tokens, attention.num_kv_heads, head_dim),
@@ -236,13 +260,13 @@ def _deferred_norm_attention(
     out = paged_decode_attention(q.view(num_tokens, attention.num_heads, head_dim), kv_cache, metadata,
                                  attention.scale, sliding_window=attention.sliding_window, new_kv=new_kv,
                                  sinks=attention.sinks, pdl=attention.pdl)
-    residual.addmm_(out.view(num_tokens, attention.q_size), attention.o_proj.weight.t())
+    project(out.view(num_tokens, attention.q_size), attention.o_proj.weight, residual)
 
 
-def _deferred_norm_mlp(mlp: MLP, residual: torch.Tensor, norm_eps: float) -> None:
+def _deferred_norm_mlp(mlp: MLP, residual: torch.Tensor, norm_eps: float, project: Callable[..., torch.Tensor]) -> None:
     """residual += down(silu(gate) * up) of norm(residual), the norm's weight folded into
     gate_up_proj and its per-row scale applied by the SwiGLU kernel, the add by the down
     GEMM (beta = 1)."""
-    gate_up = torch.mm(residual, mlp.gate_up_proj.weight.t())  # [T, 2I], unnormalised
+    gate_up = project(residual, mlp.gate_up_proj.weight, None)  # [T, 2I], unnormalised
     act = silu_and_mul(gate_up, impl=mlp.impl, row_norm=DeferredRMSNorm(residual, norm_eps), pdl=mlp.pdl)
-    residual.addmm_(act, mlp.down_proj.weight.t())
+    project(act, mlp.down_proj.weight, residual)
