@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -64,8 +65,7 @@ def prepare(rev: str, ab_dir: Path = AB_DIR) -> Path:
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "libs", "bench"], check=True,
                              capture_output=True).stdout
     target = ab_dir / rev
-    if target.exists():
-        subprocess.run(["rm", "-rf", str(target)], check=True)
+    shutil.rmtree(target, ignore_errors=True)
     target.mkdir(parents=True)
     with tarfile.open(fileobj=BytesIO(archive)) as tar:
         tar.extractall(target, filter="data")
@@ -79,8 +79,8 @@ def run_once(code: Code, round_index: int, bench_args: Sequence[str], out: Path)
     run_dir.mkdir(parents=True, exist_ok=True)
     script, *rest = bench_args
     args = [arg.replace("{out}", str(run_dir)) for arg in rest]
-    env = {**os.environ, "CLEAVE_CODE_REV": code.rev,
-           "PYTHONPATH": os.pathsep.join([str(code.root / "libs"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    paths = [str(code.root / "libs"), str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "CLEAVE_CODE_REV": code.rev, "PYTHONPATH": os.pathsep.join(paths)}
     before = set(run_dir.rglob("*"))
     start = time.monotonic()
     result = subprocess.run([sys.executable, str(code.root / "bench" / script), *args], env=env, cwd=ROOT,
