@@ -74,6 +74,7 @@ DECODE_COLUMNS = ["batch", "context", "route", "moe_down", "attention", "us", "r
 ROUTES = {"launch": False, "in-gemv": True}  # --routes: SparseMoeBlock.route_in_gemv
 ON_OFF = {"on": True, "off": False}  # --rotary-in-attention: Attention.rotary_in_decode_attention
 PREFILL_COLUMNS = ["tokens", "launch", "ms", "active_tflop", "tflops", "peak_pct"]
+PROFILE_COLUMNS = ["tokens", "what", "name", "calls", "us", "tflops", "critical_us"]
 PEAK_FLOPS = 790e12  # H200 dense bf16
 
 
@@ -133,6 +134,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attention-launches", nargs="*", default=[], type=json.loads,
                         help="prefill part: JSON PrefillLaunch keyword arguments (cleave.kernels.attention_prefill), "
                         "a row each after the default launch's, set on every attention layer")
+    parser.add_argument("--profile", action="store_true", help="prefill part: also profile the default launch at the "
+                        "longest prompt (bench/step_profile.py: GEMMs by shape, kernels by name), written as "
+                        "moe-prefill-profile-<time>")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile reference")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' MoE block")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "moe"))
@@ -446,11 +450,13 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
     return rows
 
 
-def prefill_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, dtype: torch.dtype) -> list[dict]:
+def prefill_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
+                 dtype: torch.dtype) -> tuple[list[dict], list[dict]]:
     """One prompt of each `--prefill-tokens` length through the whole model (eager, in one
     chunk, as a prefill worker runs it), last-token logits included: time and TFLOP/s on the
     FLOPs of the experts it routes to (`active_flops`), with the default prefill attention
-    launch and each of `--attention-launches`."""
+    launch and each of `--attention-launches`. With `--profile`, also the default launch's
+    profile at the longest prompt (PROFILE_COLUMNS rows: its GEMMs, then its kernels)."""
     from cleave.kv.groups import kv_groups
     from cleave.kv.metadata import AttentionMetadata
     from cleave.model.llama import allocate_kv_cache
@@ -459,7 +465,7 @@ def prefill_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device
     model = random_model(config, dtype, device)
     groups = kv_groups(config)
     generator = torch.Generator(device=device).manual_seed(2)
-    rows = []
+    rows, profile = [], []
     for num_tokens in args.prefill_tokens:
         pages = -(-num_tokens // args.block_size)
         table = list(range(1, pages + 1))
@@ -485,8 +491,24 @@ def prefill_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device
             rows.append({"tokens": num_tokens, "launch": launch_label(launch) if launch else "default",
                          "ms": ms, "active_tflop": flops / 1e12, "tflops": flops / (ms * 1e-3) / 1e12,
                          "peak_pct": 100 * flops / (ms * 1e-3) / PEAK_FLOPS})
+        if args.profile and num_tokens == max(args.prefill_tokens):
+            profile = prefill_profile(step, model, rows[-1 - len(args.attention_launches)]["ms"], num_tokens)
         del kv_cache
-    return rows
+    return rows, profile
+
+
+def prefill_profile(step: Callable[[], object], model, ms: float, num_tokens: int) -> list[dict]:  # noqa: ANN001
+    """The default launch's prefill of `num_tokens`: its GEMMs by shape, then its kernels."""
+    from step_profile import gemm_rows, kernel_rows
+
+    set_prefill_launch(model, {})
+    with torch.no_grad():
+        gemms = [{"tokens": num_tokens, "what": "gemm", "name": row["shape"], "calls": row["calls"], "us": row["us"],
+                  "tflops": row["tflops"]} for row in gemm_rows(step, PEAK_FLOPS / 1e12)]
+        kernels = [{"tokens": num_tokens, "what": "kernel", "name": row["kernel"], "calls": row["launches"],
+                    "us": row["us"], "critical_us": row["critical_us"]}
+                   for row in (kernel_rows(step, ms * 1e3) if torch.cuda.is_available() else [])]
+    return gemms + kernels
 
 
 def active_flops(shape: MoEShape, config, num_tokens: int) -> float:  # noqa: ANN001
@@ -587,11 +609,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[dict]]:
                       argv=["bench/moe.py", *(argv if argv is not None else sys.argv[1:])])
         results["layer"] = rows
     if args.part in ("prefill", "all"):
-        rows = prefill_rows(args, shape, device, dtype)
+        rows, profile = prefill_rows(args, shape, device, dtype)
         print(format_table(rows, PREFILL_COLUMNS))
         write_results(args.out, run_name(f"{args.name or 'moe'}-prefill"), rows, PREFILL_COLUMNS,
                       summary={"shape": asdict(shape)}, argv=["bench/moe.py", *(argv if argv is not None else sys.argv[1:])])
         results["prefill"] = rows
+        if args.profile:
+            print(format_table(profile, PROFILE_COLUMNS))
+            write_results(args.out, run_name(f"{args.name or 'moe'}-prefill-profile"), profile, PROFILE_COLUMNS,
+                          summary={"shape": asdict(shape)},
+                          argv=["bench/moe.py", *(argv if argv is not None else sys.argv[1:])])
+            results["prefill_profile"] = profile
     if args.part in ("decode", "all"):
         rows = decode_rows(args, shape, device, dtype)
         print(format_table(rows, DECODE_COLUMNS))

@@ -10,7 +10,9 @@ linear layers (2 * params * tokens, lm_head for the last token only) plus causal
     python bench/prefill.py --out bench/results/prefill/prefill.json --skip-hf \
         --attention-launches '{"pack_gqa": true, "causal_split": true}' '{"block_m": 128, "num_warps": 8}'
 
-`--attention-launches` adds a cleave row per setting (JSON keyword arguments of
+`--profile` adds where the default cleave prefill's time goes (bench/step_profile.py): its
+GEMMs by shape with their TFLOP/s, and its kernels by name with their time on the critical
+path. `--attention-launches` adds a cleave row per setting (JSON keyword arguments of
 `cleave.kernels.attention_prefill.PrefillLaunch`, set on every layer), timed in the same run
 as the default launch's row.
 """
@@ -66,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--attention-launches", nargs="*", default=[], type=json.loads,
                         help="JSON PrefillLaunch keyword arguments, one cleave row each (the default launch first)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile the default cleave prefill: its GEMMs by shape and its kernels by name")
     return parser.parse_args(argv)
 
 
@@ -140,6 +144,15 @@ def main(argv: list[str] | None = None) -> int:
         return logits
 
     cleave_logits = record("cleave", cleave_step)
+    profile: dict[str, object] = {}
+    if args.profile:
+        from step_profile import GEMM_COLUMNS, KERNEL_COLUMNS, gemm_rows, kernel_rows
+
+        with torch.inference_mode():
+            profile = {"gemms": gemm_rows(cleave_step, args.peak_tflops),
+                       "kernels": kernel_rows(cleave_step, rows[0]["median_ms"] * 1e3)}
+        print(format_table(profile["gemms"], GEMM_COLUMNS))
+        print(format_table(profile["kernels"], KERNEL_COLUMNS))
     for launch in args.attention_launches:
         set_prefill_launch(model, launch)
         record(f"cleave {launch_label(launch)}", cleave_step)
@@ -173,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         "peak_tflops": args.peak_tflops,
         "results": rows,
         "comparison": comparison,
+        "profile": profile,
     }
     out = run_path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

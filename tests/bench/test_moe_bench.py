@@ -171,11 +171,16 @@ def test_prefill_dry_run_counts_active_flops(bench, tmp_path):
 def test_prefill_dry_run_times_each_attention_launch(bench, tmp_path):
     """`--attention-launches`: the default launch's row, then one row per setting, each set on
     every attention layer (packed GQA heads and the unmasked walk below the diagonal here)."""
-    rows = bench.main(["--dry-run", "--part", "prefill", "--out", str(tmp_path), "--attention-launches",
-                       '{"pack_gqa": true, "causal_split": true, "block_m": 16, "block_n": 16}'])["prefill"]
+    results = bench.main(["--dry-run", "--part", "prefill", "--out", str(tmp_path), "--profile", "--attention-launches",
+                          '{"pack_gqa": true, "causal_split": true, "block_m": 16, "block_n": 16}'])
+    rows = results["prefill"]
     assert [row["launch"] for row in rows] == [
         "default", '{"block_m":16,"block_n":16,"causal_split":true,"pack_gqa":true}']
     assert rows[0]["active_tflop"] == rows[1]["active_tflop"] and all(row["ms"] > 0 for row in rows)
+    # `--profile`: the prompt's matrix products by shape, each layer's qkv projection among them
+    # (24 tokens x hidden 64 x (4 + 2 x 2 heads of 16)); kernels only on a GPU
+    gemms = {row["name"]: row for row in results["prefill_profile"] if row["what"] == "gemm"}
+    assert gemms["24x64x128"]["calls"] == bench.TINY.layers and len(list(tmp_path.glob("moe-prefill-profile-*.md"))) == 1
     with pytest.raises(SystemExit):
         bench.parse_args(["--attention-launches", "{not json"])
 
