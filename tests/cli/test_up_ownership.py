@@ -1,6 +1,7 @@
 """`cleave up` leaves no process behind: Ctrl-C after its stdout pipe closed (`cleave up | tee`
-whose tee died first) and a closed terminal (SIGHUP) both stop every child; a busy port fails
-at once, naming it, before any worker loads."""
+whose tee died first; and started with SIGINT ignored, as a shell starts `cleave up &`) and a
+closed terminal (SIGHUP) both stop every child; a busy port fails at once, naming it, before
+any worker loads."""
 
 from __future__ import annotations
 
@@ -43,9 +44,12 @@ def _alive(pid: int) -> bool:
 
 
 def _up(model: Path, workdir: Path) -> subprocess.Popen:
+    """`cleave up` as a script's `cleave up &` starts it: with SIGINT ignored, which it inherits
+    (the shell's `trap "" INT`, kept across its exec)."""
+    command = [sys.executable, "-m", "cleave.cli.main", "up", "--model", str(model), "--mode", "colocated",
+               "--grpc-port", "0", "--http-port", "-1", "--workdir", str(workdir), "--num-kv-blocks", "256"]
     return subprocess.Popen(
-        [sys.executable, "-m", "cleave.cli.main", "up", "--model", str(model), "--mode", "colocated",
-         "--grpc-port", "0", "--http-port", "-1", "--workdir", str(workdir), "--num-kv-blocks", "256"],
+        ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *command],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
     )
 

@@ -36,6 +36,17 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _take_stop_signals() -> dict[int, object]:
+    """Stop on Ctrl-C, SIGTERM and SIGHUP, however they were set when this process started
+    (a shell runs `cleave up &` with SIGINT ignored, and the ignoring is inherited), and
+    return the handlers they had."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    return {signum: signal.signal(signum, _raise_interrupt) for signum in STOP_SIGNALS}
+
+
 def _say(text: str, file=None) -> None:  # type: ignore[no-untyped-def]
     """Print one line; a closed pipe (the reader of `cleave up | tee` is gone) silences the
     rest of the output instead of raising out of the shutdown."""
@@ -141,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     spec = stack_spec(args, model, served_name(args.model, model))
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="cleave-up-"))
     stack = ProcessStack(spec, workdir)
-    previous = {signum: signal.signal(signum, _raise_interrupt) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    previous = _take_stop_signals()
     started = time.monotonic()
     try:
         _say(f"starting cleave ({spec.mode}, model {model.name}, device {spec.device}); logs in {workdir}")
