@@ -3,8 +3,10 @@ GPUs of a tensor-parallel pool.
 
 `run_ranks(program, world_size, *args)` spawns the ranks, each of which joins the group over
 TCP on a free local port, calls `program(group, *args)` and saves what it returns; the parent
-waits on the processes' exits (not on sleeps) up to a deadline and ends every process it
-started on every path, so a hung collective fails the test instead of hanging it.
+waits on the processes' exits (not on sleeps) up to a deadline that starts once every rank has
+joined (spawning and importing torch take what they take on a busy machine; a rank that never
+joins fails on the group's own timeout) and ends every process it started on every path, so a
+hung collective fails the test instead of hanging it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.multiprocessing as mp
 from cleave.parallel.group import TensorParallelGroup
 
 DEFAULT_TIMEOUT_S = 240.0
+POLL_S = 0.25  # how often the parent looks for the ranks' joined marks while none has exited
 # a collective whose peer is gone fails after this instead of waiting forever
 COLLECTIVE_TIMEOUT = timedelta(seconds=90)
 
@@ -41,8 +44,8 @@ def run_ranks(
     """What `program(group, *args)` returned on each rank, in rank order.
 
     `program` must be a module-level function (the ranks are spawned, not forked). A rank's
-    exception is raised here with its traceback; ranks still running at the deadline are
-    ended and TimeoutError is raised.
+    exception is raised here with its traceback; ranks still running `timeout_s` after every
+    rank joined the group are ended and TimeoutError is raised.
     """
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="cleave-tp-") as out_dir:
@@ -51,10 +54,14 @@ def run_ranks(
             start_method="spawn",
         )
         try:
-            deadline = time.monotonic() + timeout_s
-            while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"{world_size} tensor-parallel ranks still running after {timeout_s:.0f} s")
+            deadline = None
+            while not context.join(timeout=POLL_S if deadline is None else max(0.0, deadline - time.monotonic())):
+                if deadline is None:
+                    if all((Path(out_dir) / f"rank{rank}.joined").exists() for rank in range(world_size)):
+                        deadline = time.monotonic() + timeout_s
+                elif time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"{world_size} tensor-parallel ranks still running {timeout_s:g} s after they joined")
         finally:
             _end(context.processes)
         return [torch.load(Path(out_dir) / f"rank{rank}.pt") for rank in range(world_size)]
@@ -67,6 +74,7 @@ def _rank_main(
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
     )
+    (Path(out_dir) / f"rank{rank}.joined").touch()
     try:
         result = program(TensorParallelGroup.from_process_group(), *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")

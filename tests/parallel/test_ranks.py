@@ -14,8 +14,8 @@ from tests.parallel.ranks import run_ranks
 
 
 def test_hung_ranks_are_ended_at_the_deadline(tmp_path: Path) -> None:
-    with pytest.raises(TimeoutError, match="still running after 30 s"):
-        run_ranks(hang, 2, str(tmp_path), timeout_s=30)
+    with pytest.raises(TimeoutError, match="still running 5 s after they joined"):
+        run_ranks(hang, 2, str(tmp_path), timeout_s=5)
     pids = [int(file.read_text()) for file in sorted(tmp_path.glob("*.pid"))]
     assert len(pids) == 2
     for pid in pids:
