@@ -7,7 +7,7 @@ For each prompt length of a Llama-3.2-1B-shaped layer (32 query heads, 8 KV head
 `--num-stages` and of the kernel's launch options (`--pack-gqa`, `--heavy-first`,
 `--causal-split`: see `cleave.kernels.attention_prefill`), and reports microseconds, TFLOP/s
 (causal: 2 x 2 x T^2 / 2 x Hq x D) and the share of `--peak-tflops`. The first combination of
-the defaults is what the engine runs. Each prompt length also gets a row for torch's
+the defaults is what the engine runs for that head size (`prefill_launch_for`). Each prompt length also gets a row for torch's
 `scaled_dot_product_attention` on contiguous [1, Hq, T, D] tensors with the KV heads repeated
 (transformers' sdpa path: the baseline a user would otherwise run). One layer's share of an
 8192-token prefill: multiply by the layer count (16 for the 1B).
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import format_table, graph_call_us, parse_heads, run_name, write_results  # noqa: E402
 
-from cleave.kernels.attention_prefill import DEFAULT_PREFILL_LAUNCH  # noqa: E402
+from cleave.kernels.attention_prefill import prefill_launch_for  # noqa: E402
 
 COLUMNS = ["heads", "tokens", "kernel", "block_m", "block_n", "num_warps", "num_stages", "pack_gqa", "heavy_first",
            "causal_split", "us", "tflops", "peak_pct"]
@@ -59,18 +59,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--heads", type=parse_heads, default="32:8:64", help="query heads:KV heads:head dim")
-    engine = DEFAULT_PREFILL_LAUNCH  # the defaults are what the engine runs
-    parser.add_argument("--block-m", type=int, nargs="+", default=[engine.block_m])
-    parser.add_argument("--block-n", type=int, nargs="+", default=[engine.block_n])
-    parser.add_argument("--num-warps", type=int, nargs="+", default=[engine.num_warps])
-    parser.add_argument("--num-stages", type=int, nargs="+", default=[engine.num_stages or 0],
-                        help="0: triton's default")
-    for option, value in (("--pack-gqa", engine.pack_gqa), ("--heavy-first", engine.heavy_first),
-                          ("--causal-split", engine.causal_split)):
-        parser.add_argument(option, nargs="+", choices=sorted(SWITCHES), default=["on" if value else "off"])
+    # left out: what the engine runs for --heads' head size (`prefill_launch_for`)
+    parser.add_argument("--block-m", type=int, nargs="+")
+    parser.add_argument("--block-n", type=int, nargs="+")
+    parser.add_argument("--num-warps", type=int, nargs="+")
+    parser.add_argument("--num-stages", type=int, nargs="+", help="0: triton's default")
+    for option in ("--pack-gqa", "--heavy-first", "--causal-split"):
+        parser.add_argument(option, nargs="+", choices=sorted(SWITCHES))
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 matmul peak of the device")
     parser.add_argument("--out", default=None, help="directory for attention_prefill-<UTC time>.json / .md")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    engine = prefill_launch_for(args.heads[2])
+    for name in ("block_m", "block_n", "num_warps"):
+        if getattr(args, name) is None:
+            setattr(args, name, [getattr(engine, name)])
+    args.num_stages = args.num_stages or [engine.num_stages or 0]
+    for name in ("pack_gqa", "heavy_first", "causal_split"):
+        if getattr(args, name) is None:
+            setattr(args, name, ["on" if getattr(engine, name) else "off"])
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

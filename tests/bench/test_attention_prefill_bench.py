@@ -12,7 +12,10 @@ bench = bench_fixture("attention_prefill")
 
 def test_defaults_are_the_engines_settings_and_flops_count_the_lower_triangle(bench):
     args = bench.parse_args([])
-    assert (args.block_m, args.block_n, args.num_warps, args.num_stages) == ([64], [64], [4], [0])
+    # left out, the settings are the engine's for the head size
+    assert (args.block_m, args.block_n, args.num_warps, args.num_stages) == ([128], [64], [8], [0])
+    qwen = bench.parse_args(["--heads", "32:4:128"])
+    assert (qwen.block_m, qwen.block_n, qwen.num_warps) == ([128], [64], [4])
     assert args.heads == (32, 8, 64) and args.tokens == [2048, 8192]
     sweep = bench.parse_args(["--tokens", "8192", "--block-m", "64", "128", "--num-stages", "2", "3"])
     assert sweep.block_m == [64, 128] and sweep.num_stages == [2, 3]
@@ -22,7 +25,7 @@ def test_defaults_are_the_engines_settings_and_flops_count_the_lower_triangle(be
 
 def test_launch_options_sweep_on_and_off(bench):
     args = bench.parse_args([])
-    assert (args.pack_gqa, args.heavy_first, args.causal_split) == (["off"], ["off"], ["off"])  # the engine's
+    assert (args.pack_gqa, args.heavy_first, args.causal_split) == (["off"], ["on"], ["on"])  # the engine's
     sweep = bench.parse_args(["--pack-gqa", "off", "on", "--causal-split", "on"])
     assert [bench.SWITCHES[value] for value in sweep.pack_gqa] == [False, True] and sweep.causal_split == ["on"]
     with pytest.raises(SystemExit):

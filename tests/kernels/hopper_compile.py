@@ -157,6 +157,12 @@ def main() -> None:
     compile_variant(_paged_prefill_kernel, packed, 8)
     compile_variant(_paged_prefill_kernel, {**packed, "QUERIES_PER_KV": 8, "GROUP": 8, "HEAD_DIM": 128,
                                             "BLOCK_D": 128}, 8)
+    # the layers' tuned launches (`prefill_launch_for`): heads of 64 (Llama-3.2-1B; gpt-oss's, windowed
+    # with sinks) on 8 warps, heads of 128 (Qwen3-30B-A3B) on 4
+    tuned = {**prefill, "SLIDING": False, "BLOCK_M": 128, "HEAVY_FIRST": True, "CAUSAL_SPLIT": True}
+    compile_variant(_paged_prefill_kernel, tuned, 8)
+    compile_variant(_paged_prefill_kernel, {**tuned, "SLIDING": True, "HAS_SINKS": True, "QUERIES_PER_KV": 8}, 8)
+    compile_variant(_paged_prefill_kernel, {**tuned, "QUERIES_PER_KV": 8, "HEAD_DIM": 128, "BLOCK_D": 128}, 4)
     compile_variant(_paged_prefill_kernel, prefill, 4, pointers=FP8_CACHE)
     compile_variant(_paged_prefill_kernel, packed, 8, pointers=FP8_CACHE)
     # the KV writes of prefill steps into an fp8 cache: plain, and fused with the rotary (Llama-3.2-1B)

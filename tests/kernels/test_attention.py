@@ -106,6 +106,14 @@ PREFILL_OPTIONS = [
 ]
 
 
+def test_layers_start_with_the_prefill_launch_tuned_for_their_head_size():
+    from cleave.kernels.attention_prefill import DEFAULT_PREFILL_LAUNCH, TUNED_PREFILL_LAUNCHES, prefill_launch_for
+
+    assert prefill_launch_for(64) == prefill_launch_for(16) == TUNED_PREFILL_LAUNCHES[64]
+    assert prefill_launch_for(128) == prefill_launch_for(96) == TUNED_PREFILL_LAUNCHES[128]
+    assert prefill_launch_for(256) == DEFAULT_PREFILL_LAUNCH  # no tuned launch holds heads this large
+
+
 @pytest.mark.parametrize("options", PREFILL_OPTIONS, ids=lambda options: "+".join(options))
 @pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 2), (6, 2), (2, 2)])
 @pytest.mark.parametrize("window", [None, 7])

@@ -197,6 +197,21 @@ class PrefillLaunch:
 
 
 DEFAULT_PREFILL_LAUNCH = PrefillLaunch()
+# By head size, the launch of the fastest setting of bench/attention_prefill.py's sweeps at 8192
+# tokens on the H200 (bench/results/prefill/attention_prefill-20261206T03*): 32:8:64 heads 1305 ->
+# 868 us a layer, 32:4:128 heads 1703 us (8 warps: 1882); an 8k Llama-3.2-1B prefill 46.3 ->
+# 39.8 ms, Qwen3-30B-A3B's 218 -> 193 ms with the launches nearest these.
+TUNED_PREFILL_LAUNCHES = {
+    64: PrefillLaunch(block_m=128, block_n=64, num_warps=8, heavy_first=True, causal_split=True),
+    128: PrefillLaunch(block_m=128, block_n=64, num_warps=4, heavy_first=True, causal_split=True),
+}
+
+
+def prefill_launch_for(head_dim: int) -> PrefillLaunch:
+    """The launch a model's attention layers start with: the tuned one of the smallest tuned head
+    size that holds `head_dim`, else (larger heads) the function's defaults."""
+    fitting = [size for size in TUNED_PREFILL_LAUNCHES if head_dim <= size]
+    return TUNED_PREFILL_LAUNCHES[min(fitting)] if fitting else DEFAULT_PREFILL_LAUNCH
 
 
 def paged_prefill_attention(

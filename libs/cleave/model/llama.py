@@ -28,7 +28,7 @@ from torch import nn
 from cleave.kernels.activation import silu_and_mul
 from cleave.kernels.attention import warm_mixed_decodes
 from cleave.kernels.attention_decode import HeadNorms
-from cleave.kernels.attention_prefill import DEFAULT_PREFILL_LAUNCH
+from cleave.kernels.attention_prefill import prefill_launch_for
 from cleave.kernels.dispatch import Impl, use_triton
 from cleave.kernels.embedding import embedding
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
@@ -80,8 +80,9 @@ class Attention(nn.Module):
         self.pdl = pdl
         # decode-only batches: rotary + KV write inside the decode attention kernel (one launch)
         self.rotary_in_decode_attention = True
-        # how batches with prompt tokens launch the prefill attention kernel (A/B benchmarks)
-        self.prefill_launch = DEFAULT_PREFILL_LAUNCH
+        # how batches with prompt tokens launch the prefill attention kernel (tuned by head size;
+        # A/B benchmarks set others)
+        self.prefill_launch = prefill_launch_for(self.head_dim)
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
