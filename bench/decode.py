@@ -11,7 +11,6 @@ that loop (input copies, graph launch), which a synchronised step adds to the de
 
     python bench/decode.py --out bench/results/decode
     python bench/decode.py --no-pdl ...   # the same without programmatic dependent launch
-    python bench/decode.py --batches 32,64 --contexts 1024 --deferred-gemm splitk   # projections on split-K, not cuBLAS
 """
 
 from __future__ import annotations
@@ -167,9 +166,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-graphs", action="store_true", help="measure eager mode only")
     parser.add_argument("--gemv-max-tokens", type=int, default=None,
                         help="batches up to this size take the fused GEMV path (default: the model's)")
-    parser.add_argument("--deferred-gemm", choices=("cublas", "splitk"), default=None,
-                        help="the deferred-norm layout's projections (batches past the GEMV layout, up to 64 rows "
-                        "for split-K; default: the model's, CausalLM.deferred_norm_gemm)")
     parser.add_argument("--no-pdl", dest="pdl", action="store_false",
                         help="launch no kernel with programmatic dependent launch (A/B against the default)")
     parser.add_argument("--out", default=None, help="directory for decode-<UTC time>.json / .md")
@@ -185,8 +181,6 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(config, device, pdl=args.pdl)
     if args.gemv_max_tokens is not None:
         model.decode_gemv_max_tokens = args.gemv_max_tokens
-    if args.deferred_gemm is not None:
-        model.deferred_norm_gemm = args.deferred_gemm
     weights = weight_bytes_read(model)
 
     cases = [Case(int(b), int(c)) for c in args.contexts.split(",") for b in args.batches.split(",")]
@@ -250,7 +244,6 @@ def main(argv: list[str] | None = None) -> None:
         "block_size": args.block_size,
         "max_model_len": max_model_len,
         "decode_gemv_max_tokens": model.decode_gemv_max_tokens,
-        "deferred_norm_gemm": model.deferred_norm_gemm,
         "pdl": args.pdl,
         "hbm_tbs": args.hbm_tbs,
         "skipped_no_memory": ", ".join(f"b{c.batch}/ctx{c.context}" for c in skipped) or "none",

@@ -69,7 +69,7 @@ from decode_attention_binding import decode_attention_bound, require_calls  # no
 
 HBM_BYTES_PER_S = 4.26e12  # H200 device copy, read + write (bench/results/kernels)
 LAYER_COLUMNS = ["tokens", "method", "us", "roofline_us", "roofline_pct", "touched_experts", "max_diff"]
-DECODE_COLUMNS = ["batch", "context", "route", "moe_down", "attention", "us", "roofline_us", "roofline_pct",
+DECODE_COLUMNS = ["batch", "context", "route", "attention", "us", "roofline_us", "roofline_pct",
                   "touched_experts_per_layer", "bytes_gb"]
 ROUTES = {"launch": False, "in-gemv": True}  # --routes: SparseMoeBlock.route_in_gemv
 ON_OFF = {"on": True, "off": False}  # --rotary-in-attention: Attention.rotary_in_decode_attention
@@ -123,8 +123,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--routes", default="launch", help="decode part, comma-separated: where the GEMV layout "
                         "routes, 'launch' (its own) and/or 'in-gemv' (the first expert GEMV: "
                         "SparseMoeBlock.route_in_gemv); the touched experts are counted with the routing launch")
-    parser.add_argument("--moe-down", default="default", help="decode part, comma-separated: the GEMV layout's down "
-                        "kernel, 'default' (the library's) and/or 'walk', 'entries' (SparseMoeBlock.down_kernel)")
     parser.add_argument("--rotary-in-attention", default="on", help="decode part, comma-separated 'on' and/or 'off': "
                         "whether the decode attention kernel applies the q/k norms, the rotary embedding and the KV "
                         "write (Attention.rotary_in_decode_attention) or kernels of their own do, before it")
@@ -149,9 +147,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.prefill_tokens = [int(value) for value in args.prefill_tokens.split(",")]
     args.routes = [value for value in args.routes.split(",") if value]
     args.rotary_in_attention = [value for value in args.rotary_in_attention.split(",") if value]
-    args.moe_down = [value for value in args.moe_down.split(",") if value]
-    if not args.moe_down or set(args.moe_down) - {"default", "walk", "entries"}:
-        parser.error("--moe-down takes a comma-separated subset of default, walk, entries")
     if not args.rotary_in_attention or set(args.rotary_in_attention) - set(ON_OFF):
         parser.error("--rotary-in-attention takes 'on', 'off' or 'on,off'")
     if not args.routes or set(args.routes) - set(ROUTES):
@@ -234,22 +229,16 @@ def layer_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, 
             weights, ids = route(hidden @ router.t(), shape.top_k, True, impl=impl)
             return moe_gemv(hidden, packed13, packed2, weights, ids, SILU, down_depth=other_depth)
 
-        def decode_layout(down_kernel: str) -> Callable[[], torch.Tensor]:
+        def decode_layout() -> torch.Tensor:
             # as the GEMV decode layout launches it: routing of its own, PDL between the three
-            def run() -> torch.Tensor:
-                weights, ids = route(hidden @ router.t(), shape.top_k, True, impl=impl, pdl=True)
-                return moe_gemv(hidden, packed13, packed2, weights, ids, SILU, down_kernel=down_kernel, pdl=True)
-            return run
+            weights, ids = route(hidden @ router.t(), shape.top_k, True, impl=impl, pdl=True)
+            return moe_gemv(hidden, packed13, packed2, weights, ids, SILU, pdl=True)
 
         methods: dict[str, Callable[[], torch.Tensor]] = {"fused": fused}
         if num_tokens <= GEMV_MAX_TOKENS:  # next to "fused": its A/Bs
             methods["fused, routing in GEMV"] = routed_gemv
             methods[f"fused, down {'one tile' if other_depth == 1 else 'two tiles'} ahead"] = down_other_depth
-            methods["fused, down by entries"] = lambda: moe_gemv(
-                hidden, packed13, packed2, *route(hidden @ router.t(), shape.top_k, True, impl=impl), SILU,
-                down_kernel="entries")
-            methods["decode layout (PDL), down walk"] = decode_layout("walk")
-            methods["decode layout (PDL), down by entries"] = decode_layout("entries")
+            methods["decode layout (PDL)"] = decode_layout
         methods["reference"] = reference
         if num_tokens <= GEMV_MAX_TOKENS:
             methods["fused, grouped GEMMs"] = grouped
@@ -427,10 +416,9 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
         windows = [config.layer_sliding_window(layer) for layer in range(config.num_hidden_layers)]
         num_bytes = _decode_bytes(shape, dtype, batch, args.context, touched, windows, args.packed_experts)
         roofline_us = num_bytes / HBM_BYTES_PER_S * 1e6
-        for route_name, rotary, down, attention in itertools.product(args.routes, args.rotary_in_attention,
-                                                                     args.moe_down, [{}, *args.decode_attention]):
+        for route_name, rotary, attention in itertools.product(args.routes, args.rotary_in_attention,
+                                                               [{}, *args.decode_attention]):
             _set_route_in_gemv(model, ROUTES[route_name])
-            _set_down_kernel(model, None if down == "default" else down)
             for layer in model.layers:
                 layer.self_attn.rotary_in_decode_attention = ON_OFF[rotary]
             with torch.no_grad(), decode_attention_bound(attention) as bound_calls:
@@ -442,7 +430,6 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
                 require_calls(bound_calls, attention)
             rows.append({
                 "batch": batch, "context": args.context, "route": route_name, "rotary_in_attention": rotary,
-                "moe_down": down,
                 "attention": json.dumps(attention, sort_keys=True) if attention else "default", "us": us,
                 "roofline_us": roofline_us, "roofline_pct": 100 * roofline_us / us,
                 "touched_experts_per_layer": sum(touched) / len(touched), "bytes_gb": num_bytes / 1e9,
@@ -534,15 +521,6 @@ def _set_route_in_gemv(model, value: bool) -> None:  # noqa: ANN001
     for module in model.modules():
         if isinstance(module, SparseMoeBlock):
             module.route_in_gemv = value
-
-
-def _set_down_kernel(model, value: str | None) -> None:  # noqa: ANN001
-    """Every MoE block's `down_kernel` (the GEMV decode layout's down kernel; None: the default)."""
-    from cleave.model.moe import SparseMoeBlock
-
-    for module in model.modules():
-        if isinstance(module, SparseMoeBlock):
-            module.down_kernel = value
 
 
 def _touched_experts(model, step: Callable[[], torch.Tensor]) -> list[int]:

@@ -34,7 +34,7 @@ from cleave.kernels.fused_moe import (
 )
 from cleave.kernels.gemv import _gemv_kernel
 from cleave.kernels.kv_write import _write_kv_kernel
-from cleave.kernels.moe_gemv import _down_entries_kernel, _down_sum_kernel, _gate_up_kernel
+from cleave.kernels.moe_gemv import _down_sum_kernel, _gate_up_kernel
 from cleave.kernels.moe_tiles import SHARED_MEMORY_BYTES
 from cleave.kernels.rms_norm import _rms_norm_kernel
 from cleave.kernels.splitk_linear import _splitk_linear_kernel
@@ -210,12 +210,6 @@ def main() -> None:
     compile_variant(_down_sum_kernel, {**down, "DEPTH": 1}, 4, pointers=moe_ids)
     compile_variant(_down_sum_kernel, {**down, "TOP_K": 4, "BLOCK_TOPK": 4, "K_TILES": 2, "HAS_BIAS": True,
                                        "ADD": False}, 4, pointers=moe_ids)
-    # the down products side by side, the last entry of a token summing them
-    entries = dict(TOP_K=8, BLOCK_N=8, BLOCK_K=1024, K_TILES=1, HAS_BIAS=False, ADD=True, MXFP4=False, PDL=True,
-                   EARLY=True)
-    entries_ptrs = {**moe_ids, "part_ptr": "*fp32", "counters_ptr": "*i32"}
-    compile_variant(_down_entries_kernel, entries, 4, pointers=entries_ptrs)
-    compile_variant(_down_entries_kernel, {**entries, "EARLY": False}, 4, pointers=entries_ptrs)
     # the same for gpt-oss-20b's MXFP4 experts (hidden and intermediate 2880: two K tiles)
     packed_gemv = {**moe_ids, "w_ptr": "*u8", "scale_ptr": "*u8"}
     compile_variant(_gate_up_kernel, {**gate_up, "TOP_K": 4, "K_TILES": 2, "HAS_BIAS": True, "CLAMPED": True,
@@ -225,8 +219,6 @@ def main() -> None:
                     pointers=packed_gemv)  # routing over gpt-oss-20b's 32 experts, top-4
     compile_variant(_down_sum_kernel, {**down, "TOP_K": 4, "BLOCK_TOPK": 4, "BLOCK_K": 2048, "K_TILES": 2,
                                        "HAS_BIAS": True, "MXFP4": True}, 4, pointers=packed_gemv)
-    compile_variant(_down_entries_kernel, {**entries, "TOP_K": 4, "BLOCK_K": 2048, "K_TILES": 2, "HAS_BIAS": True,
-                                           "MXFP4": True}, 4, pointers={**packed_gemv, **entries_ptrs})
     splitk = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, NORM=True, GATED=False, ADD=False,
                   DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", PDL=True)
     compile_variant(_splitk_linear_kernel, splitk, 4)  # qkv with the input norm

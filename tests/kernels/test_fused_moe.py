@@ -143,34 +143,25 @@ def test_down_weight_tiles_two_steps_ahead_sum_as_one_step_ahead(down_tiles):
 
 
 @pytest.mark.parametrize("down_tiles", [None, (8, 16, 4)])  # one K tile an entry; four K tiles, four blocks
-@pytest.mark.parametrize("routed", [False, True])  # the routing given, or routed in the first kernel
-def test_down_products_summed_by_the_last_entry_equal_the_walk(down_tiles, routed):
-    """The "entries" down kernel (a program per entry, the last of a token's entries summing
-    their products) adds in the walk's order: equal to it bit for bit, with biases, a token
-    whose slots share one expert and the residual add. It leaves the counters it was given at
-    zero, and a buffer too small for its feature blocks is replaced, not overrun."""
+def test_down_walk_with_biases_a_shared_expert_and_the_residual_add(down_tiles):
+    """The down kernel's walk over a token's entries, with biases, a token whose slots share
+    one expert and the residual add: as the reference, and the same whether the routing was
+    given or routed in the first kernel."""
     generator = torch.Generator().manual_seed(61)
     residual = (torch.randn(3, HIDDEN, generator=generator) * 2).to(torch.bfloat16)
     w13, w2, w13_bias, w2_bias = _weights(torch.bfloat16, seed=62, bias=True)
     logits = _ragged_logits(3, seed=63).to(torch.bfloat16)
     weights, ids = route_reference(logits, 3, True)
+    given, routed = residual.clone(), residual.clone()
+    moe_gemv(given, w13, w2, weights, ids, SILU, w13_bias, w2_bias, down_tiles=down_tiles, add_to=given)
+    moe_gemv(routed, w13, w2, None, None, SILU, w13_bias, w2_bias, down_tiles=down_tiles, add_to=routed,
+             router_logits=logits, top_k=3)
+    assert torch.equal(given, routed)
+    shared = residual.clone()
     ids[1] = 4
-    routing = {"router_logits": logits, "top_k": 3} if routed else {}
-    counters = torch.zeros(64, dtype=torch.int32)
-    outputs = {}
-    for kernel, scratch in (("walk", None), ("entries", counters), ("entries", counters[:2])):
-        stream = residual.clone()
-        given = () if routed else (weights, ids)
-        moe_gemv(stream, w13, w2, *(given or (None, None)), SILU, w13_bias, w2_bias, down_tiles=down_tiles,
-                 add_to=stream, down_kernel=kernel, counters=scratch, **routing)
-        outputs.setdefault(kernel, []).append(stream)
-    assert all(torch.equal(outputs["walk"][0], out) for out in outputs["entries"])
-    assert not counters.any()
-    if not routed:
-        experts_out = fused_experts_reference(residual, w13, w2, weights, ids, SILU, w13_bias, w2_bias)
-        _assert_close(outputs["entries"][0], (residual.float() + experts_out.float()).to(torch.bfloat16))
-    with pytest.raises(ValueError, match="down_kernel"):
-        moe_gemv(residual, w13, w2, weights, ids, SILU, down_kernel="sorted")
+    moe_gemv(shared, w13, w2, weights, ids, SILU, w13_bias, w2_bias, down_tiles=down_tiles, add_to=shared)
+    experts_out = fused_experts_reference(residual, w13, w2, weights, ids, SILU, w13_bias, w2_bias)
+    _assert_close(shared, (residual.float() + experts_out.float()).to(torch.bfloat16))
 
 
 # (tokens, experts, top_k, renormalize, gpt-oss experts (biases, clamped SwiGLU), norm prologue + add epilogue, dtype)

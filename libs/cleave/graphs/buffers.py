@@ -19,12 +19,9 @@ from cleave.kv.metadata import AttentionMetadata
 MAX_KV_HEADS = 128  # KV heads per layer the split counters are sized for
 
 
-# Counters the kernels that count finished programs need at most, beside the decode
-# attention's (sequences x KV heads): the widest split-K projection's feature blocks
-# (cleave.kernels.splitk_linear; a 28672-wide gate_up at 64 features per block: 448), and the
-# MoE "entries" down kernel's tokens x feature blocks (cleave.kernels.moe_gemv; gpt-oss-20b at
-# its 4 tokens: 4 x 2880 / 8 = 1440). 16 KiB, so no graph carries a memset for them.
-MIN_SPLIT_COUNTERS = 4096
+# Feature blocks of the widest split-K projection (cleave.kernels.splitk_linear), e.g. a
+# 28672-wide gate_up at 64 features per block.
+MIN_SPLIT_COUNTERS = 1024
 
 PADDING = InputPadding(PAD_TOKEN_ID, PAD_POSITION, PAD_SLOT_ID, PAD_SEQ_LEN, NULL_BLOCK_ID)
 

@@ -23,10 +23,9 @@ is no alignment at all:
    fp32 buffer, no separate sum, and the order of the sum is fixed (deterministic). The
    token's k expert ids, weights and residual row are read up front, so the walk's weight
    tiles never wait on an id, and one or two tiles are in flight ahead of the one reduced
-   (`down_depth_for`). Or ("entries", `_down_entries_kernel`) a program per (entry, BLOCK_N
-   hidden features) multiplies one expert's rows and writes the fp32 product; the program
-   that finishes a (token, feature block) last (an atomic counter, as the split-K linear
-   kernel's) sums the token's k products in the walk's order, so the two agree bit for bit.
+   (`down_depth_for`). A program per (entry, feature block) instead, the last of a token's k
+   summing their products, was slower on the H200 (the Qwen3-30B-A3B-shaped step at batch 1:
+   2852 vs 2662 us, bench/results/moe/moe-decode-20261206T030643Z.md) and was removed.
 
 With programmatic dependent launch (`pdl`, the decode layout's) the routing kernel and the
 first expert kernel wait on their producer before they let the next kernel in, so the down
@@ -42,7 +41,6 @@ which is why `fused_experts` sends only up to `MAX_TOKENS` tokens here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import triton
@@ -64,11 +62,6 @@ TILE_ELEMENTS = 8192  # weight elements per program per K tile (features x K), p
 # vs 46.3 / 68.7 / 98.1 us on an H200 (bench/results/moe/moe-layer-20261205T214643Z.md; on an
 # H100 52.2 / 80.2 / 122.7 vs 54.0 / 81.2 / 118.2 us, moe-layer-20261205T212951Z.md).
 DEEP_DOWN_MAX_TOKENS = 2
-# The down projection's kernel: "walk" (`_down_sum_kernel`: a program per (token, feature
-# block) walks the token's k entries) or "entries" (`_down_entries_kernel`: a program per
-# (entry, feature block), the last of a token's k summing their products).
-DownKernel = Literal["walk", "entries"]
-DEFAULT_DOWN_KERNEL: DownKernel = "walk"
 
 
 def down_depth_for(num_tokens: int) -> int:
@@ -178,7 +171,7 @@ def _gate_up_kernel(
 ):
     # Everything this kernel reads may come from the launch before it (the routing, or the
     # router's logits and the residual stream): it waits first, then lets the down kernel's
-    # programs in, which find the routing complete (`_down_entries_kernel`).
+    # programs in, which find the routing complete (`_down_sum_kernel`'s EARLY).
     wait_for_producer(PDL)
     release_dependents(PDL)
     entry = tl.program_id(0).to(tl.int64)
@@ -350,88 +343,6 @@ def _down_sum_kernel(
     _store_sum(total, residual, out_ptrs, feature_valid, ADD)
 
 
-@triton.jit
-def _down_entries_kernel(
-    inter_ptr,  # [T * TOP_K, K]
-    w_ptr,  # [E, N, K] (MXFP4: [E, N, K // 2] bytes)
-    scale_ptr,  # MXFP4: [E, N, K // 32] scale codes
-    bias_ptr,  # [E, N] when HAS_BIAS
-    ids_ptr,  # [T * TOP_K] int32
-    weights_ptr,  # [T * TOP_K] fp32 routing weights
-    part_ptr,  # [T * TOP_K, N] fp32: each entry's output (+ bias), unweighted
-    counters_ptr,  # [>= T * feature blocks] int32, zero between launches
-    out_ptr,  # [T, N]; ADD: the residual stream, updated in place
-    num_out,  # N (hidden)
-    num_in,  # K (intermediate)
-    stride_inter,
-    stride_we,
-    stride_wn,
-    stride_se,
-    stride_sn,
-    stride_bias,
-    stride_out,
-    TOP_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    K_TILES: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    ADD: tl.constexpr,
-    MXFP4: tl.constexpr,
-    PDL: tl.constexpr,
-    EARLY: tl.constexpr,  # PDL with routing the first kernel did not write: its weights stream before the wait
-):
-    # Program (entry, feature block): one expert's down rows against one intermediate row,
-    # all programs side by side (no walk over the token's entries). Each writes its fp32
-    # product; the program that finishes a (token, feature block) last weights and sums the
-    # token's k products in slot order, exactly as `_down_sum_kernel` does, and writes the
-    # result (into the residual stream with ADD).
-    entry = tl.program_id(0).to(tl.int64)
-    block = tl.program_id(1)
-    token = entry // TOP_K
-    features = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    feature_valid = features < num_out
-    cols = tl.arange(0, BLOCK_K)
-    if not EARLY:
-        wait_for_producer(PDL)
-    expert = tl.load(ids_ptr + entry).to(tl.int64)
-    rows = w_ptr + expert * stride_we + features.to(tl.int64) * stride_wn
-    scale_rows = scale_ptr + expert * stride_se + features.to(tl.int64) * stride_sn
-    w, scales = _weight_tile(rows, scale_rows, 0, feature_valid, num_in, BLOCK_K, MXFP4)
-    if EARLY:
-        wait_for_producer(PDL)
-    release_dependents(PDL)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for t in tl.static_range(K_TILES):
-        next_w, next_scales = w, scales
-        if t + 1 < K_TILES:
-            next_w, next_scales = _weight_tile(rows, scale_rows, t + 1, feature_valid, num_in, BLOCK_K, MXFP4)
-        x = tl.load(inter_ptr + entry * stride_inter + t * BLOCK_K + cols, mask=t * BLOCK_K + cols < num_in,
-                    other=0.0).to(tl.float32)
-        acc += _tile_dot(x, w, scales, BLOCK_N, BLOCK_K, MXFP4)
-        w, scales = next_w, next_scales
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + expert * stride_bias + features, mask=feature_valid, other=0.0).to(tl.float32)
-    parts = part_ptr + token * TOP_K * num_out + features  # slot 0's row of this token
-    tl.store(parts + (entry - token * TOP_K) * num_out, acc, mask=feature_valid)
-    # Every thread's product is written before the counter moves (release); the program that
-    # moves it last sees them all (acquire) and sums.
-    tl.debug_barrier()
-    counter = counters_ptr + token * tl.num_programs(1) + block
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") != TOP_K - 1:
-        return
-    tl.debug_barrier()
-    out_ptrs = out_ptr + token * stride_out + features
-    residual = tl.zeros([BLOCK_N], dtype=out_ptr.dtype.element_ty)
-    if ADD:
-        residual = tl.load(out_ptrs, mask=feature_valid, other=0.0)
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for slot in tl.static_range(TOP_K):
-        part = tl.load(parts + slot * num_out, mask=feature_valid, other=0.0, cache_modifier=".cg")
-        total += part * tl.load(weights_ptr + token * TOP_K + slot)
-    tl.atomic_xchg(counter, 0)
-    _store_sum(total, residual, out_ptrs, feature_valid, ADD)
-
-
 def gemv_tiles(num_out: int, num_in: int, gated: bool) -> tuple[int, int, int]:
     """(block_n, block_k, num_warps): rows up to 2048 wide are one K tile; each program
     owns few features (many small programs: every SM streams), fewer again when gated
@@ -444,7 +355,6 @@ def gemv_tiles(num_out: int, num_in: int, gated: bool) -> tuple[int, int, int]:
 Tiles = tuple[int, int, int]  # (block_n, block_k, num_warps)
 _gate_up_launcher = CachedLauncher(_gate_up_kernel)
 _down_sum_launcher = CachedLauncher(_down_sum_kernel)
-_down_entries_launcher = CachedLauncher(_down_entries_kernel)
 
 
 def moe_gemv(
@@ -467,8 +377,6 @@ def moe_gemv(
     renormalize: bool = True,  # with `router_logits`
     routing_out: tuple[torch.Tensor, torch.Tensor] | None = None,  # with `router_logits`: ([T, k] fp32, [T, k] int32)
     down_depth: int | None = None,  # down weight tiles in flight beyond the one reduced (1, 2; None: down_depth_for)
-    down_kernel: DownKernel | None = None,  # None: DEFAULT_DOWN_KERNEL
-    counters: torch.Tensor | None = None,  # int32 zeros for the "entries" down kernel (allocated when None)
     pdl: bool = False,
 ) -> torch.Tensor:  # [T, H]; `add_to` itself when given
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) by per-entry GEMVs
@@ -483,9 +391,6 @@ def moe_gemv(
     `routing_out` when given (else to scratch), where the second kernel reads it."""
     num_tokens, hidden_size = hidden.shape
     inter = w13.shape[1] // 2
-    down_kernel = down_kernel or DEFAULT_DOWN_KERNEL
-    if down_kernel not in ("walk", "entries"):
-        raise ValueError(f"down_kernel must be 'walk' or 'entries', got {down_kernel!r}")
     if down_depth is None:
         down_depth = down_depth_for(num_tokens)
     elif down_depth not in (1, 2):
@@ -528,26 +433,12 @@ def moe_gemv(
     # With PDL the first kernel waits before it lets this one in, so routing it did not write
     # is complete when this one starts: its reads (and the weights they pick) go before the wait.
     early = pdl and routing.logits is None
-    k_tiles = triton.cdiv(inter, block_k)
-    if down_kernel == "walk":
-        _down_sum_launcher(
-            (num_tokens, num_blocks),
-            (intermediate, weights, scales, bias, routing.ids, routing.weights, out, hidden_size, inter,
-             intermediate.stride(0), *strides),
-            (top_k, triton.next_power_of_2(top_k), block_n, block_k, k_tiles, w2_bias is not None,
-             add_to is not None, isinstance(w2, MXFP4Weight), down_depth, pdl, early),
-            warps, **launch,
-        )
-        return out
-    if counters is None or counters.numel() < num_tokens * num_blocks:
-        counters = torch.zeros(num_tokens * num_blocks, dtype=torch.int32, device=hidden.device)
-    products = torch.empty(num_tokens * top_k, hidden_size, dtype=torch.float32, device=hidden.device)
-    _down_entries_launcher(
-        (num_tokens * top_k, num_blocks),
-        (intermediate, weights, scales, bias, routing.ids, routing.weights, products, counters, out, hidden_size,
-         inter, intermediate.stride(0), *strides),
-        (top_k, block_n, block_k, k_tiles, w2_bias is not None, add_to is not None, isinstance(w2, MXFP4Weight),
-         pdl, early),
+    _down_sum_launcher(
+        (num_tokens, num_blocks),
+        (intermediate, weights, scales, bias, routing.ids, routing.weights, out, hidden_size, inter,
+         intermediate.stride(0), *strides),
+        (top_k, triton.next_power_of_2(top_k), block_n, block_k, triton.cdiv(inter, block_k), w2_bias is not None,
+         add_to is not None, isinstance(w2, MXFP4Weight), down_depth, pdl, early),
         warps, **launch,
     )
     return out

@@ -21,11 +21,10 @@ Two layouts, on the Triton kernels:
   `CausalLM.fold_norm_weights`): the
   projections are cuBLAS GEMMs, each norm is a per-row scale that the decode attention and
   SwiGLU kernels apply (`cleave.kernels.row_norm`), and the residual adds are the o and down
-  GEMMs' own epilogue (beta = 1): five launches a layer, no norm kernel. With
-  `CausalLM.deferred_norm_gemm = "splitk"` the four projections run the split-K Triton kernel
-  instead (`cleave.kernels.splitk_linear`: no norm to fuse here, the adds in its epilogue, the
-  product rounded once before the add), which streams its first weight tile before waiting
-  on the kernel before it (PDL), as cuBLAS cannot; not yet timed on a GPU.
+  GEMMs' own epilogue (beta = 1): five launches a layer, no norm kernel. The split-K Triton
+  kernel in cuBLAS's place (it streams its first weight tile under PDL; nothing to fuse here)
+  made the step slower on the H200: batch 64 / 1k 1.88 vs 1.61 ms, batch 32 1.60 vs 1.33
+  (bench/results/decode/deferred_gemm/).
 
 Both update the residual stream in place, so the caller applies the final norm to it.
 Every kernel call passes the modules' `pdl` option (`cleave.kernels.pdl`).
@@ -33,9 +32,7 @@ Every kernel call passes the modules' `pdl` option (`cleave.kernels.pdl`).
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -50,7 +47,6 @@ from cleave.kernels.moe_gemv import MAX_TOKENS as MOE_GEMV_MAX_TOKENS
 from cleave.kernels.moe_gemv import moe_gemv
 from cleave.kernels.rms_norm import rms_norm
 from cleave.kernels.row_norm import DeferredRMSNorm
-from cleave.kernels.small_linear import MAX_ROWS as SMALL_LINEAR_MAX_ROWS
 from cleave.kernels.small_linear import small_linear
 from cleave.kv.metadata import AttentionMetadata
 from cleave.model.moe import SparseMoeBlock
@@ -61,8 +57,6 @@ if TYPE_CHECKING:
 # Batches of up to this many tokens take the GEMV layout by default (see
 # `CausalLM.decode_gemv_max_tokens`); above it, cuBLAS GEMMs with separate norm kernels.
 DECODE_GEMV_MAX_TOKENS = 16
-# The deferred-norm layout's projection kernel (`CausalLM.deferred_norm_gemm`).
-DeferredGemm = Literal["cublas", "splitk"]
 
 
 def run_fused_decode(
@@ -77,7 +71,7 @@ def run_fused_decode(
     if gemv_layout_applies(model, hidden):
         layer_fn = _gemv_layer
     elif deferred_norm_layout_applies(model, hidden, metadata):
-        layer_fn = functools.partial(_deferred_norm_layer, gemm=model.deferred_norm_gemm)
+        layer_fn = _deferred_norm_layer
     else:
         return False
     for layer, (cache, layer_metadata) in zip(model.layers, layer_kv):
@@ -133,7 +127,7 @@ def _gemv_layer(
     residual adds into the projections that produce them."""
     _gemv_attention(layer.self_attn, residual, layer.input_layernorm, positions, kv_cache, metadata, cos_sin_cache)
     if isinstance(layer.mlp, SparseMoeBlock):
-        _gemv_moe(layer.mlp, residual, layer.post_attention_layernorm, metadata.split_counters)
+        _gemv_moe(layer.mlp, residual, layer.post_attention_layernorm)
     else:
         _gemv_mlp(layer.mlp, residual, layer.post_attention_layernorm, metadata.split_counters)
 
@@ -178,30 +172,28 @@ def _gemv_mlp(mlp: MLP, residual: torch.Tensor, norm: RMSNorm, counters: torch.T
     small_linear(act, mlp.down_proj.weight, add_to=residual, counters=counters, pdl=mlp.pdl)  # [T, I] -> += [T, H]
 
 
-def _gemv_moe(block: SparseMoeBlock, residual: torch.Tensor, norm: RMSNorm, counters: torch.Tensor | None) -> None:
+def _gemv_moe(block: SparseMoeBlock, residual: torch.Tensor, norm: RMSNorm) -> None:
     """residual += block(norm(residual)): up to `moe_gemv.MAX_TOKENS` tokens with the norm
     inside the router and expert GEMVs, the routing in a launch of its own (gpt-oss's softmax
     over its top-k logits is softmax-then-renormalise) and the add in the last GEMV (see the
     module doc). Routing inside the first expert GEMV instead (`block.route_in_gemv`), one
     launch fewer, was slower on an H200 for Qwen3-30B-A3B (its layer at 1 / 2 / 4 tokens: 44.3 /
     61.7 / 91.6 us with the route launch, 47.5 / 66.0 / 106.9 without;
-    bench/results/moe/moe-layer-20261205T040729Z.md). `counters`: the "entries" down kernel's
-    scratch (AttentionMetadata.split_counters)."""
+    bench/results/moe/moe-layer-20261205T040729Z.md)."""
     if residual.shape[0] > MOE_GEMV_MAX_TOKENS:
         residual.add_(block(rms_norm(residual, norm.weight, norm.eps, pdl=norm.pdl)))
         return
     logits = small_linear(residual, block.router.weight, norm_weight=norm.weight, eps=norm.eps, bias=block.router.bias,
                           pdl=norm.pdl)
     experts, pdl = block.experts, norm.pdl
-    options = {"down_kernel": block.down_kernel, "counters": counters, "pdl": pdl}
     if block.route_in_gemv:
         moe_gemv(residual, experts.gate_up, experts.down, None, None, block.activation, experts.w13_bias,
                  experts.w2_bias, norm_weight=norm.weight, eps=norm.eps, add_to=residual, router_logits=logits,
-                 top_k=block.top_k, renormalize=block.renormalize, **options)
+                 top_k=block.top_k, renormalize=block.renormalize, pdl=pdl)
         return
     weights, ids = route(logits, block.top_k, block.renormalize, pdl=pdl)
     moe_gemv(residual, experts.gate_up, experts.down, weights, ids, block.activation, experts.w13_bias, experts.w2_bias,
-             norm_weight=norm.weight, eps=norm.eps, add_to=residual, **options)
+             norm_weight=norm.weight, eps=norm.eps, add_to=residual, pdl=pdl)
 
 
 # ---- deferred-norm layout ------------------------------------------------------------------
@@ -214,26 +206,12 @@ def _deferred_norm_layer(
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     cos_sin_cache: torch.Tensor,
-    gemm: DeferredGemm = "cublas",
 ) -> None:
     """One decoder layer on GEMMs with the norm weights folded into qkv_proj and gate_up_proj:
     the norms are applied by the attention and SwiGLU kernels, the adds by the o and down GEMMs."""
-    project = functools.partial(_deferred_projection, gemm=gemm, counters=metadata.split_counters,
-                                pdl=layer.self_attn.pdl)
     _deferred_norm_attention(layer.self_attn, residual, layer.input_layernorm.eps, positions, kv_cache, metadata,
-                             cos_sin_cache, project)
-    _deferred_norm_mlp(layer.mlp, residual, layer.post_attention_layernorm.eps, project)  # type: ignore[arg-type]
-
-
-def _deferred_projection(x: torch.Tensor, weight: torch.Tensor, add_to: torch.Tensor | None, gemm: DeferredGemm,
-                         counters: torch.Tensor | None, pdl: bool) -> torch.Tensor:
-    """x @ weight.T (added into `add_to` in place when given) on cuBLAS or, up to its
-    `small_linear.MAX_ROWS` rows, the split-K kernel."""
-    if gemm == "splitk" and x.shape[0] <= SMALL_LINEAR_MAX_ROWS:
-        return small_linear(x, weight, add_to=add_to, kernel="splitk", counters=counters, pdl=pdl)
-    if add_to is None:
-        return torch.mm(x, weight.t())
-    return add_to.addmm_(x, weight.t())
+                             cos_sin_cache)
+    _deferred_norm_mlp(layer.mlp, residual, layer.post_attention_layernorm.eps)  # type: ignore[arg-type]
 
 
 def _deferred_norm_attention(
@@ -244,13 +222,12 @@ def _deferred_norm_attention(
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     cos_sin_cache: torch.Tensor,
-    project: Callable[..., torch.Tensor],  # `_deferred_projection` bound to the layout's GEMM
 ) -> None:
     """residual += o_proj(attention(qkv_proj(norm(residual)))) with the norm applied by the
     decode attention kernel (with the rotary embedding and the KV write) and the add by the
     o GEMM (beta = 1)."""
     num_tokens, head_dim = residual.shape[0], attention.head_dim
-    qkv = project(residual, attention.qkv_proj.weight, None)  # [T, (Hq + 2 Hkv) D], unnormalised
+    qkv = torch.mm(residual, attention.qkv_proj.weight.t())  # [T, (Hq + 2 Hkv) D], unnormalised
     q, k, v = qkv.split([attention.q_size, attention.kv_size, attention.kv_size], dim=-1)
     new_kv = NewKV(
         k.view(num_tokens, attention.num_kv_heads, head_dim), v.view(num_tokens, attention.num_kv_heads, head_dim),
@@ -260,13 +237,13 @@ def _deferred_norm_attention(
     out = paged_decode_attention(q.view(num_tokens, attention.num_heads, head_dim), kv_cache, metadata,
                                  attention.scale, sliding_window=attention.sliding_window, new_kv=new_kv,
                                  sinks=attention.sinks, pdl=attention.pdl)
-    project(out.view(num_tokens, attention.q_size), attention.o_proj.weight, residual)
+    residual.addmm_(out.view(num_tokens, attention.q_size), attention.o_proj.weight.t())
 
 
-def _deferred_norm_mlp(mlp: MLP, residual: torch.Tensor, norm_eps: float, project: Callable[..., torch.Tensor]) -> None:
+def _deferred_norm_mlp(mlp: MLP, residual: torch.Tensor, norm_eps: float) -> None:
     """residual += down(silu(gate) * up) of norm(residual), the norm's weight folded into
     gate_up_proj and its per-row scale applied by the SwiGLU kernel, the add by the down
     GEMM (beta = 1)."""
-    gate_up = project(residual, mlp.gate_up_proj.weight, None)  # [T, 2I], unnormalised
+    gate_up = torch.mm(residual, mlp.gate_up_proj.weight.t())  # [T, 2I], unnormalised
     act = silu_and_mul(gate_up, impl=mlp.impl, row_norm=DeferredRMSNorm(residual, norm_eps), pdl=mlp.pdl)
-    project(act, mlp.down_proj.weight, residual)
+    residual.addmm_(act, mlp.down_proj.weight.t())

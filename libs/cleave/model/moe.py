@@ -14,7 +14,6 @@ from torch import nn
 
 from cleave.kernels.dispatch import Impl
 from cleave.kernels.fused_moe import fused_moe, variant_token_counts
-from cleave.kernels.moe_gemv import DownKernel
 from cleave.kernels.moe_reference import MoEActivation
 from cleave.kernels.mxfp4 import MXFP4Weight
 from cleave.model.config import ModelConfig
@@ -77,8 +76,6 @@ class SparseMoeBlock(nn.Module):
         # the GEMV decode layout (cleave.model.fused_decode) routes in the first expert GEMV
         # instead of a launch of its own; off: slower for Qwen3-30B-A3B's 128 experts
         self.route_in_gemv = False
-        # the GEMV decode layout's down kernel (`moe_gemv.DownKernel`; None: the library's default)
-        self.down_kernel: DownKernel | None = None
 
     @torch.inference_mode()
     def warm_variants(self, max_tokens: int) -> int:
