@@ -152,13 +152,15 @@ def parse_heads(text: str) -> tuple[int, int, int]:
 
 
 def set_prefill_launch(model, launch: dict) -> None:  # noqa: ANN001
-    """Every attention layer's `prefill_launch` (`cleave.kernels.attention_prefill.PrefillLaunch`)
-    from JSON keyword arguments (`{}`: the default launch); scripts take them as
-    `--attention-launches`."""
-    from cleave.kernels.attention_prefill import PrefillLaunch
+    """Every attention layer's `prefill_launch` (`cleave.kernels.attention_prefill.PrefillLaunch`):
+    the layer's default (`prefill_launch_for` its head size) with the JSON keyword arguments
+    over it (`{}`: the default itself); scripts take them as `--attention-launches`."""
+    from dataclasses import replace
+
+    from cleave.kernels.attention_prefill import prefill_launch_for
 
     for layer in model.layers:
-        layer.self_attn.prefill_launch = PrefillLaunch(**launch)
+        layer.self_attn.prefill_launch = replace(prefill_launch_for(layer.self_attn.head_dim), **launch)
 
 
 def launch_label(launch: dict) -> str:

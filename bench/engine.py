@@ -231,8 +231,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="shares of requests with a frequency penalty (their sampling reads their tokens on the "
                         "host); several run in turn, each on a fresh engine, in the same run")
     parser.add_argument("--attention-launches", nargs="+", default=[{}], type=json.loads,
-                        help="JSON PrefillLaunch keyword arguments (cleave.kernels.attention_prefill) set on every "
-                        "attention layer, '{}' the default; several run in turn, each on a fresh engine, in the same run")
+                        help="JSON PrefillLaunch keyword arguments (cleave.kernels.attention_prefill) over the layers' "
+                        "default launch, set on every attention layer, '{}' the default; several run in turn, each on a fresh engine, in the same run")
     parser.add_argument("--sampler-impls", nargs="+", default=["auto"], choices=["torch", "auto"],
                         help="the sampler's path: 'auto' (the default: the one-kernel race on CUDA) or torch ops; "
                         "several run in turn, each on a fresh engine, in the same run")

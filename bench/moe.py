@@ -130,8 +130,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="decode part: JSON keyword arguments of paged_decode_attention (e.g. '{\"num_warps\": 4}'), "
                         "a row each after the default's, bound for the whole step (bench/decode_attention_binding.py)")
     parser.add_argument("--attention-launches", nargs="*", default=[], type=json.loads,
-                        help="prefill part: JSON PrefillLaunch keyword arguments (cleave.kernels.attention_prefill), "
-                        "a row each after the default launch's, set on every attention layer")
+                        help="prefill part: JSON PrefillLaunch keyword arguments (cleave.kernels.attention_prefill) "
+                        "over the layers' default launch, a row each after the default launch's, set on every "
+                        "attention layer")
     parser.add_argument("--profile", action="store_true", help="prefill part: also profile the default launch at the "
                         "longest prompt (bench/step_profile.py: GEMMs by shape, kernels by name), written as "
                         "moe-prefill-profile-<time>")

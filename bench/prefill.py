@@ -8,13 +8,13 @@ linear layers (2 * params * tokens, lm_head for the last token only) plus causal
 
     python bench/prefill.py --out bench/results/prefill.json   # writes prefill-<UTC time>.json
     python bench/prefill.py --out bench/results/prefill/prefill.json --skip-hf \
-        --attention-launches '{"pack_gqa": true, "causal_split": true}' '{"block_m": 128, "num_warps": 8}'
+        --attention-launches '{"pack_gqa": true}' '{"dense_fresh": true}'
 
 `--profile` adds where the default cleave prefill's time goes (bench/step_profile.py): its
 GEMMs by shape with their TFLOP/s, and its kernels by name with their time on the critical
 path. `--attention-launches` adds a cleave row per setting (JSON keyword arguments of
-`cleave.kernels.attention_prefill.PrefillLaunch`, set on every layer), timed in the same run
-as the default launch's row.
+`cleave.kernels.attention_prefill.PrefillLaunch` over each layer's default launch, set on
+every layer), timed in the same run as the default launch's row.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compiled", action="store_true", help="also time cleave under torch.compile")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--attention-launches", nargs="*", default=[], type=json.loads,
-                        help="JSON PrefillLaunch keyword arguments, one cleave row each (the default launch first)")
+                        help="JSON PrefillLaunch keyword arguments over the layers' default launch, one cleave row "
+                        "each (the default launch first)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile the default cleave prefill: its GEMMs by shape and its kernels by name")
     return parser.parse_args(argv)

@@ -18,6 +18,7 @@ from cleave.kernels.attention_decode import (
     merge_block_s,
     paged_decode_attention,
 )
+from cleave.kernels.attention_fresh import fresh_prompt_attention, lone_fresh_prompt
 from cleave.kernels.attention_prefill import DEFAULT_PREFILL_LAUNCH, PrefillLaunch, paged_prefill_attention
 from cleave.kernels.dispatch import Impl, use_triton
 from cleave.kernels.kv_cache_dtype import to_cache_dtype
@@ -118,7 +119,10 @@ def paged_attention(
     A decode-only batch (every query length 1) runs the split-KV decode kernel; any batch
     with a prefill chunk, mixed or not, runs the varlen prefill kernel, launched as `prefill`
     says (with `prefill.decode_rows`, a mixed batch's leading decodes,
-    `metadata.num_decode_seqs`, run the decode kernel and the rest the prefill kernel). `sliding_window` (Mistral's): each query sees only its last W positions. `sinks`
+    `metadata.num_decode_seqs`, run the decode kernel and the rest the prefill kernel; with
+    `prefill.dense_fresh`, a batch that is one prompt with nothing cached before it runs
+    torch's dense SDPA, `cleave.kernels.attention_fresh`). `sliding_window` (Mistral's): each
+    query sees only its last W positions. `sinks`
     [Hq] (gpt-oss): one extra logit per query head in every softmax. `pdl`: see
     `cleave.kernels.pdl` (the decode kernel only).
     """
@@ -127,6 +131,8 @@ def paged_attention(
     if metadata.is_decode_only:
         return paged_decode_attention(query, kv_cache, metadata, scale, sliding_window=sliding_window, sinks=sinks,
                                       pdl=pdl)
+    if prefill.dense_fresh and lone_fresh_prompt(query, kv_cache, metadata, sliding_window, sinks):
+        return fresh_prompt_attention(query, kv_cache, metadata, scale)
     out = None
     num_decodes = metadata.num_decode_seqs if prefill.decode_rows else 0
     if num_decodes:

@@ -188,11 +188,13 @@ class PrefillLaunch:
     heavy_first: bool = False
     causal_split: bool = False
     decode_rows: bool = True  # a mixed batch's leading decodes on the decode kernel (`paged_attention`)
+    # a lone prompt with no cached prefix on torch's dense SDPA (`cleave.kernels.attention_fresh`)
+    dense_fresh: bool = False
 
     def kernel_options(self) -> dict[str, int | bool | None]:
         """The keyword arguments `paged_prefill_attention` takes from this launch."""
         options = asdict(self)
-        del options["decode_rows"]
+        del options["decode_rows"], options["dense_fresh"]
         return options
 
 
