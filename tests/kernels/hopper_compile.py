@@ -168,8 +168,12 @@ def main() -> None:
     # the KV writes of prefill steps into an fp8 cache: plain, and fused with the rotary (Llama-3.2-1B)
     compile_variant(_write_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=64, BLOCK_H=8, BLOCK_D=64), 4, pointers=FP8_CACHE)
     compile_variant(_rotary_kv_write_kernel, dict(HALF=32, BLOCK_HALF=32, Q_HEADS=32, KV_HEADS=8, BLOCK_D=64,
-                                                  PARTIAL=False, IS_NEOX=True, PDL=True), 4,
+                                                  PARTIAL=False, IS_NEOX=True, HEAD_NORM=False, PDL=True), 4,
                     pointers={**FP8_CACHE, "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16"})
+    # Qwen3-30B-A3B's prompt steps: its per-head q/k norms inside the rotary + KV write
+    compile_variant(_rotary_kv_write_kernel, dict(HALF=64, BLOCK_HALF=64, Q_HEADS=32, KV_HEADS=4, BLOCK_D=128,
+                                                  PARTIAL=False, IS_NEOX=True, HEAD_NORM=True, PDL=True), 4,
+                    pointers={"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16"})
     # fused MoE (Qwen3-30B-A3B: 128 experts, top-8)
     compile_variant(_route_kernel, dict(TOP_K=8, BLOCK_K=8, BLOCK_E=128, RENORMALIZE=True, PDL=True), 1)
     compile_variant(_align_count_kernel, dict(BLOCK_E=128, BLOCK_T=64), 4)

@@ -39,6 +39,7 @@ from cleave.kernels.attention_common import LOG2E, add_sinks, attend_tile, dot_s
 from cleave.kernels.dispatch import CachedLauncher
 from cleave.kernels.kv_cache_dtype import to_cache
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
+from cleave.kernels.rotary import head_normed as _head_normed
 from cleave.kernels.row_norm import DeferredRMSNorm, row_inverse_rms, row_norm_args
 from cleave.kv.metadata import AttentionMetadata
 
@@ -113,16 +114,6 @@ class HeadNorms:
     q_weight: torch.Tensor  # [D]
     k_weight: torch.Tensor  # [D]
     eps: float
-
-
-@triton.jit
-def _head_normed(x, rstd, weight, row_ptr):
-    """RMSNorm of head vectors as `rms_norm` rounds it: normalised and rounded to the
-    activations' dtype (`row_ptr`'s), scaled by the weight [D] fp32 and rounded again (fp32 in
-    and out)."""
-    dtype = row_ptr.dtype.element_ty
-    normed = (x * rstd[:, None]).to(dtype).to(tl.float32)
-    return (normed * weight[None, :]).to(dtype).to(tl.float32)
 
 
 @triton.jit

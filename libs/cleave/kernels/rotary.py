@@ -45,6 +45,16 @@ def apply_rotary_reference(
 
 
 @triton.jit
+def head_normed(x, rstd, weight, row_ptr):
+    """RMSNorm of head vectors as `rms_norm` rounds it: normalised and rounded to the
+    activations' dtype (`row_ptr`'s), scaled by the weight fp32 and rounded again (fp32 in
+    and out; `x` [heads, dims], `rstd` [heads], `weight` [dims])."""
+    dtype = row_ptr.dtype.element_ty
+    normed = (x * rstd[:, None]).to(dtype).to(tl.float32)
+    return (normed * weight[None, :]).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _rotate_heads(
     base_ptr,  # this token's head 0
     head_stride,
@@ -58,6 +68,9 @@ def _rotate_heads(
     BLOCK_HALF: tl.constexpr,
     HEADS: tl.constexpr,
     IS_NEOX: tl.constexpr,
+    norm_w_ptr,  # HEAD_NORM: [2 * HALF] the heads' RMSNorm weight
+    norm_eps,
+    HEAD_NORM: tl.constexpr,  # RMS-normalise each head first (the rotary spans the whole head)
 ):
     heads = first_head + tl.arange(0, HEADS)  # [HEADS]
     dims = tl.arange(0, BLOCK_HALF)  # [BLOCK_HALF]
@@ -73,6 +86,13 @@ def _rotate_heads(
     dst_ptrs = dst_ptr + heads[:, None].to(tl.int64) * dst_head_stride
     x1 = tl.load(head_ptrs + first_cols[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(head_ptrs + second_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HEAD_NORM:  # the two halves are the whole head
+        rstd = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + norm_eps)
+        dim_valid = dims < HALF
+        x1 = head_normed(x1, rstd, tl.load(norm_w_ptr + first_cols, mask=dim_valid, other=0.0).to(tl.float32),
+                         base_ptr)
+        x2 = head_normed(x2, rstd, tl.load(norm_w_ptr + second_cols, mask=dim_valid, other=0.0).to(tl.float32),
+                         base_ptr)
     out1 = x1 * cos[None, :] - x2 * sin[None, :]
     out2 = x2 * cos[None, :] + x1 * sin[None, :]
     # rounded to the activations' dtype first, as a rotated k in memory would be before its KV write
@@ -111,13 +131,13 @@ def _rotary_kernel(
         q_row = q_ptr + token * q_token_stride
         _rotate_heads(
             q_row, q_head_stride, q_row, q_head_stride, head_block * HEADS, num_q_heads,
-            cos, sin, HALF, BLOCK_HALF, HEADS, IS_NEOX,
+            cos, sin, HALF, BLOCK_HALF, HEADS, IS_NEOX, q_row, 0.0, False,
         )
     else:
         k_row = k_ptr + token * k_token_stride
         _rotate_heads(
             k_row, k_head_stride, k_row, k_head_stride, (head_block - num_q_blocks) * HEADS,
-            num_kv_heads, cos, sin, HALF, BLOCK_HALF, HEADS, IS_NEOX,
+            num_kv_heads, cos, sin, HALF, BLOCK_HALF, HEADS, IS_NEOX, k_row, 0.0, False,
         )
 
 

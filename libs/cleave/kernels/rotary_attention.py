@@ -5,10 +5,11 @@ kernels carry that out is a kernel-side choice:
 - a decode-only batch on the Triton kernels with a full-width rotary table: one launch, the
   split-KV decode kernel rotates q and k (after their per-head norms, `head_norms`, when the
   model has them) and writes k and v itself (`NewKV`);
-- other batches on the Triton kernels: `rotary_write_kv` (one launch for rotary and the KV
-  write), then `paged_attention`;
+- other batches on the Triton kernels: `rotary_write_kv` (one launch for the head norms,
+  rotary and the KV write), then `paged_attention`;
 - otherwise the rotary op on `impl`, then the KV write and attention on `attention_impl`.
-Outside the one-launch layout `head_norms` run first, as two RMSNorm launches.
+Outside those fused layouts (or with a partial rotary) `head_norms` run first, as two RMSNorm
+launches.
 
 The cache work is kept out of `torch.compile` graphs (`torch.compiler.disable`): the Triton
 kernels are opaque to Dynamo and the torch reference walks the batch on the host
@@ -61,12 +62,14 @@ def rotary_paged_attention(
         # one launch: the decode kernel normalises and rotates q and k and writes k and v itself
         new_kv = NewKV(k, v, positions, cos_sin_cache, metadata.slot_mapping, is_neox=True, head_norms=head_norms)
         return _decode_attention(q, kv_cache, metadata, scale, sliding_window, new_kv, sinks, pdl)
-    if head_norms is not None:
+    norms_in_rotary = fused and cos_sin_cache.shape[-1] == q.shape[-1]
+    if head_norms is not None and not norms_in_rotary:
         q, k = _normed_heads(q, head_norms.q_weight, head_norms.eps, impl, pdl), _normed_heads(
             k, head_norms.k_weight, head_norms.eps, impl, pdl)
+        head_norms = None
     if fused:
         return _fused_rotary_attention(q, k, v, positions, cos_sin_cache, kv_cache, metadata, scale, sliding_window,
-                                       sinks, pdl, prefill)
+                                       sinks, pdl, prefill, head_norms)
     apply_rotary(q, k, positions, cos_sin_cache, is_neox=True, impl=impl)
     return _cached_attention(q, k, v, kv_cache, metadata, scale, attention_impl, sliding_window, sinks, pdl, prefill)
 
@@ -125,8 +128,9 @@ def _fused_rotary_attention(
     sinks: torch.Tensor | None,  # [Hq]
     pdl: bool,
     prefill: PrefillLaunch,
+    head_norms: HeadNorms | None,
 ) -> torch.Tensor:  # [T, Hq, D]
     rotary_write_kv(q, k, v, positions, cos_sin_cache, kv_cache, metadata.slot_mapping, is_neox=True, impl="triton",
-                    pdl=pdl)
+                    pdl=pdl, head_norms=head_norms)
     return paged_attention(q, kv_cache, metadata, scale, impl="triton", sliding_window=sliding_window, sinks=sinks,
                            pdl=pdl, prefill=prefill)
