@@ -161,14 +161,10 @@ def critical_path(events) -> dict[str, float]:
 def kernel_table(fn, steps: int) -> tuple[dict[str, tuple[float, float, float]], float]:
     """{kernel name: (launches per step, device us per step, critical-path us per step)} over
     `steps` calls, and the summed device time per step."""
-    from torch.profiler import ProfilerActivity, profile
+    from step_profile import profiled_calls
+    from torch.profiler import ProfilerActivity
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
+    prof = profiled_calls(fn, steps, [ProfilerActivity.CUDA])
     counts: collections.Counter[str] = collections.Counter()
     times: collections.Counter[str] = collections.Counter()
     spans = []

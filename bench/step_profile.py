@@ -8,6 +8,10 @@ so this table says which shapes (and so which cuBLAS tile choices) hold it below
 time on the critical path, gaps as `(idle)`) for one call: what the rest of the time is
 (attention, norms, rotary, KV writes, launch gaps).
 
+Both profile `calls` calls after one call the profiler records and discards
+(`profiled_calls`): its first profiled launches carry the profiler's own start-up on the
+host, which showed as a millisecond-long gap early in every prefill profile.
+
 On a CPU (tests) the products' times are host times: there is no device to read.
 """
 
@@ -25,20 +29,33 @@ KERNEL_COLUMNS = ["kernel", "launches", "us", "critical_us", "pct_of_call"]
 GEMM_OPERANDS = {"aten::mm": (0, 1), "aten::addmm": (1, 2)}
 
 
-def gemm_rows(step: Callable[[], object], peak_tflops: float, calls: int = 2) -> list[dict[str, object]]:
-    """`step`'s matrix products grouped by M x K x N, slowest total first (per call of `step`)."""
-    from torch.profiler import ProfilerActivity, profile
+def profiled_calls(step: Callable[[], object], calls: int, activities: list, record_shapes: bool = False):
+    """A finished `torch.profiler.profile` of `calls` calls of `step`, run after one
+    unprofiled call and one profiled call whose events are dropped (the schedule's warm-up:
+    the profiler's start-up lands there, not in the calls it reports)."""
+    from torch.profiler import profile, schedule
 
     on_device = torch.cuda.is_available()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
     step()
     if on_device:
         torch.cuda.synchronize()
-    with profile(activities=activities, record_shapes=True) as prof:
-        for _ in range(calls):
+    with profile(activities=activities, record_shapes=record_shapes,
+                 schedule=schedule(wait=0, warmup=1, active=calls, repeat=1)) as prof:
+        for index in range(1 + calls):
             step()
-        if on_device:
-            torch.cuda.synchronize()
+            if on_device and index == calls:
+                torch.cuda.synchronize()  # every kernel ends before the last step closes the trace
+            prof.step()
+    return prof
+
+
+def gemm_rows(step: Callable[[], object], peak_tflops: float, calls: int = 2) -> list[dict[str, object]]:
+    """`step`'s matrix products grouped by M x K x N, slowest total first (per call of `step`)."""
+    from torch.profiler import ProfilerActivity
+
+    on_device = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
+    prof = profiled_calls(step, calls, activities, record_shapes=True)
     count: collections.Counter[tuple[int, int, int]] = collections.Counter()
     time_us: collections.Counter[tuple[int, int, int]] = collections.Counter()
     for event in prof.events():
