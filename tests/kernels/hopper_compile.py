@@ -31,6 +31,7 @@ from cleave.kernels.fused_moe import (
     _align_scatter_kernel,
     _moe_gemm_kernel,
     _route_kernel,
+    _slot_sum_kernel,
 )
 from cleave.kernels.gemv import _gemv_kernel
 from cleave.kernels.kv_write import _write_kv_kernel
@@ -61,7 +62,7 @@ POINTERS = {  # argument name -> pointer type; every other runtime argument is a
     "weights_ptr": "*fp32", "scale_ptr": "*bf16",
 }
 FP8_CACHE = {"cache_ptr": "*fp8e4nv"}  # `--kv-cache-dtype fp8`: float8 e4m3 stores and loads
-FEATURE_DIMS = {"N", "K", "num_in", "num_out"}  # runtime sizes that are multiples of 16 in every real model
+FEATURE_DIMS = {"N", "K", "num_in", "num_out", "hidden_size"}  # runtime sizes that are multiples of 16 in every real model
 FLOATS = {"eps", "scale_log2", "norm_eps", "alpha", "limit", "head_norm_eps"}
 
 
@@ -185,6 +186,7 @@ def main() -> None:
     compile_variant(_moe_gemm_kernel, {**moe, "CLAMPED": True, "HAS_BIAS": True, "BLOCK_M": 64}, 8)  # gpt-oss
     compile_variant(_moe_gemm_kernel, {**moe, "ROW_DIV": 1, "GATED": False, "MUL_WEIGHT": True}, 4,
                     pointers={"c_ptr": "*fp32"})  # down, weighted, fp32 per-slot output
+    compile_variant(_slot_sum_kernel, dict(TOP_K=8, BLOCK_H=1024), 4, pointers={"per_slot_ptr": "*fp32"})
     # the largest tiles `bench/moe_tune.py` tries (prefill): they fit in shared memory
     compile_variant(_moe_gemm_kernel, {**moe, "BLOCK_M": 128, "BLOCK_N": 128}, 8, num_stages=4)
     compile_variant(_moe_gemm_kernel, {**moe, "ROW_DIV": 1, "GATED": False, "MUL_WEIGHT": True, "BLOCK_M": 128,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cleave.kernels.fused_moe import align_block_size, fused_experts, fused_moe, route
+from cleave.kernels.fused_moe import align_block_size, fused_experts, fused_moe, route, sum_slots
 from cleave.kernels.moe_gemv import down_depth_for, moe_gemv
 from cleave.kernels.moe_reference import (
     SILU,
@@ -274,6 +274,26 @@ def test_gemv_experts_take_either_the_routing_or_the_router_logits():
     with pytest.raises(ValueError, match="routing_out"):
         moe_gemv(hidden, w13, w2, None, None, SILU, router_logits=logits, top_k=2,
                  routing_out=(weights, ids.long()))
+
+
+@pytest.mark.parametrize(("num_tokens", "top_k", "hidden_size"), [(3, 2, 40), (2, 8, 1100), (0, 4, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slot_sums_round_once_to_the_output_dtype(num_tokens, top_k, hidden_size, dtype):
+    # 40 columns: a masked tail in one block; 1100: two blocks, the second mostly masked
+    generator = torch.Generator().manual_seed(hidden_size)
+    per_slot = torch.randn(num_tokens * top_k, hidden_size, generator=generator)
+    out = torch.full((num_tokens, hidden_size), float("nan"), dtype=dtype)
+    assert sum_slots(per_slot, top_k, out) is out
+    expected = per_slot.view(num_tokens, top_k, hidden_size).double().sum(dim=1)
+    # fp32 sums in another order: a few fp32 ulps; bf16: the one rounding (the interpreter
+    # truncates where torch rounds to nearest: one ulp of slack)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2 ** -7, "atol": 2 ** -7}
+    torch.testing.assert_close(out.double(), expected.to(dtype).double(), **tolerance)
+
+
+def test_slot_sums_refuse_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"per_slot \[6, 8\]"):
+        sum_slots(torch.zeros(6, 9), 2, torch.empty(3, 8))
 
 
 def test_fused_experts_refuses_an_unknown_kernel():

@@ -54,7 +54,9 @@ def _forged_calls(decode, prefill, kvstore):  # type: ignore[no-untyped-def]
         "Prefill.Prefill": lambda: prefill_response(prefill.Prefill(p.PrefillRequest(
             request_id="forged", prompt_token_ids=[5, 6, 7], sampling=greedy(4)))),
         "KVStore.Lookup": lambda: kvstore.Lookup(k.LookupRequest(layout_id="x", block_hashes=[b"h"])),
-        "KVStore.Put": lambda: kvstore.Put(iter([k.KVBlock()])),
+        # no message written: the refusal comes at the headers, and a write racing it would
+        # end the call as INTERNAL on the client (grpc's aio writer), not with the status
+        "KVStore.Put": lambda: kvstore.Put(timeout=30),
         "KVStore.Get": lambda: _drain(kvstore.Get(k.GetRequest(layout_id="x", block_hashes=[b"h"]))),
         # which prompt blocks are stored says which prompts were seen
         "KVStore.Watch": lambda: _drain(kvstore.Watch(k.WatchRequest(layout_id="x"))),

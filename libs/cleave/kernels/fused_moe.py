@@ -1,6 +1,6 @@
 """Fused mixture-of-experts layer: routing, token-to-expert alignment, grouped GEMMs.
 
-The layer runs as six launches and one reduction, none of which reads a value back to the
+The layer runs as seven launches, none of which reads a value back to the
 host, so it can be captured in a CUDA graph:
 
 1. `route`: per token, softmax over the router logits, top-k (ties: the lower expert id),
@@ -13,8 +13,8 @@ host, so it can be captured in a CUDA graph:
    and BLOCK_N columns of both its gate and up rows, and applies the gated activation in
    its epilogue -> intermediate [T*k, I].
 4. Second grouped GEMM: intermediate @ w2[expert].T (+ bias), times the entry's routing
-   weight in the epilogue -> [T*k, H] fp32; then a sum over the k slots -> [T, H], rounded
-   once (no atomics, so the result is deterministic).
+   weight in the epilogue -> [T*k, H] fp32; then one launch sums the k slots and rounds
+   once to the activations' dtype -> [T, H] (no atomics, so the result is deterministic).
 
 Blocks past the padded length return at once, so the grid is sized for the worst case.
 Tiles come from `cleave.kernels.moe_tiles` (a table tuned on the device, else a built-in
@@ -283,6 +283,44 @@ def _moe_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
 
 
+@triton.jit
+def _slot_sum_kernel(
+    per_slot_ptr,  # [T * TOP_K, H] fp32: each (token, slot) entry's weighted expert output
+    out_ptr,  # [T, H]
+    hidden_size,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    # a program per (token, BLOCK_H columns): the slots summed in fp32, rounded once on the store
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    valid = cols < hidden_size
+    first = per_slot_ptr + token * TOP_K * hidden_size + cols
+    total = tl.load(first, mask=valid, other=0.0)
+    for slot in tl.static_range(1, TOP_K):
+        total += tl.load(first + slot * hidden_size, mask=valid, other=0.0)
+    tl.store(out_ptr + token * hidden_size + cols, total.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+SLOT_SUM_BLOCK_H = 1024  # columns a slot-sum program adds: 4 KiB of each slot's fp32 row
+
+
+def sum_slots(per_slot: torch.Tensor, top_k: int, out: torch.Tensor) -> torch.Tensor:
+    """out [T, H] = per_slot [T * top_k, H] (fp32, contiguous) summed over each token's
+    top_k rows, rounded once to out's dtype: one pass over the slots (a torch sum, then a
+    cast, reads and writes the [T, H] sum once more in fp32)."""
+    num_tokens, hidden_size = out.shape
+    if per_slot.shape != (num_tokens * top_k, hidden_size) or not per_slot.is_contiguous() or not out.is_contiguous():
+        raise ValueError(f"sum_slots wants contiguous per_slot [{num_tokens * top_k}, {hidden_size}] and out "
+                         f"[{num_tokens}, {hidden_size}], got {tuple(per_slot.shape)} and {tuple(out.shape)}")
+    if num_tokens:
+        block_h = min(SLOT_SUM_BLOCK_H, triton.next_power_of_2(hidden_size))
+        grid = (num_tokens, triton.cdiv(hidden_size, block_h))
+        _slot_sum_kernel[grid](per_slot, out, hidden_size, TOP_K=top_k, BLOCK_H=block_h,
+                               num_warps=max(1, min(8, block_h // 256)))
+    return out
+
+
 def route(
     router_logits: torch.Tensor,  # [T, E]
     top_k: int,
@@ -440,7 +478,7 @@ def fused_experts(
     per_slot = torch.empty(num_entries, hidden_size, dtype=torch.float32, device=hidden.device)
     grouped_gemm(intermediate, w2, w2_bias, per_slot, aligned, launch.down, 1, None,
                   topk_weights.reshape(-1).to(torch.float32))
-    return per_slot.view(num_tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
+    return sum_slots(per_slot, top_k, out)
 
 
 def variant_token_counts(max_tokens: int, top_k: int, num_experts: int, inter: int, hidden: int,
