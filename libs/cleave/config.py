@@ -51,6 +51,10 @@ class RpcConfig:
     # and the kernel spreads connections over them. Off by default: then a second process
     # on a port in use fails at start instead of silently taking half its connections.
     share_port: bool = False
+    # Client connections the server holds at once; past it a connection is closed at once
+    # (the gateway's HTTP API answers it 503). None: from the open-file limit
+    # (`cleave.rpc.connection_limits`).
+    max_connections: int | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,7 @@ class GatewayConfig:
     max_prompt_bytes: int = 0
     # Public routes (HTTP /v1, gRPC Gateway) require `Bearer <api_key>`; None: open
     api_key: str | None = field(default=None, repr=False)
+    http_port_file: Path | None = None  # the HTTP API's bound port is written here once it listens
 
 
 @dataclass(frozen=True)
@@ -268,6 +273,9 @@ def _flags(name: str, environ: Mapping[str, str], max_message_bytes: int = DEFAU
               action=argparse.BooleanOptionalAction)
     flags.add("--max-message-bytes", max_message_bytes, "gRPC message size limit", type=int)
     flags.add("--grace-seconds", 10.0, "time in-flight calls get to finish on SIGTERM", type=float)
+    flags.add("--max-connections", None, "client connections each server of this process holds at once (gRPC, "
+              "and the gateway's HTTP API); more are closed at once, HTTP ones answered 503 (default: half the "
+              "open-file limit left after 256)", type=int)
     flags.add("--trace-file", None, "append this process's trace spans to this JSON-lines file", type=Path)
     # the OpenTelemetry variable is the default, so collectors set up for any OTel app just work
     flags.add("--otlp-endpoint", environ.get(OTLP_ENDPOINT_ENV) or None,
@@ -314,13 +322,16 @@ def _add_model_flags(flags: _FlagSet, default_model: str = DEFAULT_MODEL) -> Non
 def _service(name: str, args: argparse.Namespace) -> ServiceConfig:
     if args.max_message_bytes <= 0:
         raise SystemExit("--max-message-bytes must be positive")
+    if args.max_connections is not None and args.max_connections < 1:
+        raise SystemExit(f"--max-connections must be >= 1, got {args.max_connections}")
     return ServiceConfig(
         name=name,
         listen=args.listen,
         port_file=args.port_file,
         log_level=args.log_level,
         log_json=args.log_json,
-        rpc=RpcConfig(max_message_bytes=args.max_message_bytes, grace_seconds=args.grace_seconds),
+        rpc=RpcConfig(max_message_bytes=args.max_message_bytes, grace_seconds=args.grace_seconds,
+                      max_connections=args.max_connections),
         tracing=TracingConfig(service_name=f"cleave-{name}", otlp_endpoint=args.otlp_endpoint or None,
                               trace_file=args.trace_file),
         internal_token=_internal_token(args),
@@ -371,6 +382,7 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
     _add_model_flags(flags)
     flags.add("--http-listen", f"0.0.0.0:{DEFAULT_HTTP_PORT}",
               "OpenAI-compatible HTTP address host:port ('' disables it)")
+    flags.add("--http-port-file", None, "write the HTTP API's bound port to this file once it listens", type=Path)
     flags.add("--mode", "disaggregated", "how workers are used (conditional: per request, by prompt length, "
               "decode-side cache and prefill queue)", choices=("disaggregated", "colocated", "conditional"))
     flags.add("--local-prefill-max-tokens", 1024, "conditional mode: uncached prompt tokens a decode worker "
@@ -426,6 +438,7 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
         max_request_bytes=args.max_request_bytes,
         max_prompt_bytes=args.max_prompt_bytes,
         api_key=args.api_key or None,
+        http_port_file=args.http_port_file,
     )
 
 

@@ -6,6 +6,7 @@ import asyncio
 import os
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import structlog
 from aiohttp import web
@@ -15,7 +16,7 @@ from cleave.logging import configure_logging
 from cleave.metrics import GatewayMetrics, MetricLabels, ServiceMetrics
 from cleave.model.source import ModelNotFound
 from cleave.proto.cleave.v1 import gateway_pb2, gateway_pb2_grpc
-from cleave.rpc import ServiceRegistration, run_service
+from cleave.rpc import ServiceRegistration, run_service, write_port_file
 from cleave.rpc.auth import api_key_auth
 from cleave.tracing import TRACING_OFF, Tracing, setup_tracing
 from services.gateway.client_errors import ClientSafeBackend
@@ -40,19 +41,25 @@ class GatewayProcess:
     SERVING, stopped after it drained."""
 
     def __init__(
-        self, backend: RoutingBackend, api: OpenAIApi | None, http_listen: str | None, share_port: bool = False
+        self, backend: RoutingBackend, api: OpenAIApi | None, http_listen: str | None, share_port: bool = False,
+        max_connections: int | None = None, http_port_file: Path | None = None,
     ) -> None:
         self.backend = backend
         self.api = api
         self.http_listen = http_listen
         self.share_port = share_port
+        self.max_connections = max_connections
+        self.http_port_file = http_port_file
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
         await self.backend.start()
         if self.api is not None and self.http_listen:
-            self._runner = await start_http(self.api, self.http_listen, self.share_port)
-            log.info("openai http api listening", port=bound_port(self._runner))
+            self._runner = await start_http(self.api, self.http_listen, self.share_port, self.max_connections)
+            port = bound_port(self._runner)
+            if self.http_port_file is not None:
+                write_port_file(self.http_port_file, port)
+            log.info("openai http api listening", port=port)
 
     async def shutdown(self) -> None:
         if self._runner is not None:
@@ -91,7 +98,8 @@ def build(config: GatewayConfig, tracing: Tracing = TRACING_OFF,
                      max_request_bytes=config.max_request_bytes, routability=backend.routability,
                      metrics_registry=metrics.registry, served_model=model)
            if config.http_listen else None)
-    return servicer, GatewayProcess(backend, api, config.http_listen, config.share_port)
+    return servicer, GatewayProcess(backend, api, config.http_listen, config.share_port,
+                                    config.service.rpc.max_connections, config.http_port_file)
 
 
 def gateway_metrics(config: GatewayConfig) -> ServiceMetrics:

@@ -21,7 +21,8 @@ malformed one is a 400 naming it); a stream's first chunk with tokens is `gatewa
 With an API key, every /v1 route asks for `Authorization: Bearer <key>` (401 otherwise).
 A body over `max_request_bytes` is a 413, one that is not JSON a 400, one that stops
 arriving a 408 (`http_body`); a connection that sends no whole request head within the idle
-timeout is closed, as is one idle that long between requests. Every other malformed field
+timeout is closed, as is one idle that long between requests, and one past the connection
+cap is answered 503 (`http_errors`). Every other malformed field
 is a 400 naming it (`openai_request`), and so is a field the gateway cannot honour
 (`openai_fields`); unknown paths are OpenAI-shaped 404s, and requests aiohttp cannot parse
 OpenAI-shaped 400s (415 for a Content-Encoding it cannot decode), each logged in one WARNING
@@ -48,6 +49,7 @@ from cleave.config import DEFAULT_MAX_REQUEST_BYTES, ModelConfig
 from cleave.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
 from cleave.metrics.exposition import metrics_handler
 from cleave.rpc.auth import bearer_matches
+from cleave.rpc.connection_limits import connection_cap
 from cleave.rpc.types import TopLogprobs, Usage
 from cleave.tracing import NOOP_SPAN, TRACEPARENT, TRACESTATE, TRACING_OFF, Tracing, annotate, span
 from services.gateway.backend import GatewayBackend, GenerateChunk, GenerateSpec, Prompt, SampleOutput
@@ -511,11 +513,14 @@ class _Shaper:
         return event
 
 
-async def start_http(api: OpenAIApi, address: str, share_port: bool = False) -> web.AppRunner:
+async def start_http(api: OpenAIApi, address: str, share_port: bool = False,
+                     max_connections: int | None = None) -> web.AppRunner:
     """Serve the API on host:port in the running event loop (port 0: any free port;
-    `share_port`: SO_REUSEPORT, for gateway replicas on one port)."""
+    `share_port`: SO_REUSEPORT, for gateway replicas on one port; `max_connections`: open
+    connections past which a new one is answered 503, None: from the open-file limit)."""
     host, _, port = address.rpartition(":")
-    runner = AppRunner(api.app(), handler_cancellation=True, access_log=None, keepalive_timeout=api.idle_timeout_s)
+    runner = AppRunner(api.app(), handler_cancellation=True, access_log=None, keepalive_timeout=api.idle_timeout_s,
+                       max_connections=connection_cap(max_connections))
     await runner.setup()
     site = web.TCPSite(runner, host or "0.0.0.0", int(port), reuse_port=share_port or None)
     await site.start()

@@ -16,10 +16,20 @@ bytes the parser's message quotes (a header's value may be a credential). aiohtt
 public hook for these answers (aio-libs/aiohttp#3287): the protocol class is chosen in
 `web.Server.__call__`, and `AppRunner._make_server` builds the server, as in every aiohttp
 from 3.9 on.
+
+`AppRunner` also caps the connections it holds (`max_connections`, from the open-file
+limit by default: `cleave.rpc.connection_limits`). A connection past the cap gets a 503
+in the same error shape, with `Retry-After`, before any request is read, then the
+server's half of it is shut and the rest closed once the client closes or
+`REFUSED_LINGER_S` passed (closing at once, with the request unread, would reset the
+connection and could lose the answer). The count is of connections made, so a burst
+accepted in one event-loop turn can pass the cap by up to asyncio's accept batch (100).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 from typing import Any
 
@@ -28,12 +38,13 @@ from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from cleave.errors import CleaveError, InvalidArgument
+from cleave.errors import CleaveError, InvalidArgument, Unavailable
 from services.gateway.openai_request import BodyEncodingUnsupported, http_error
 
 log = structlog.get_logger("cleave.gateway.http")
 DECODED_ENCODINGS = ("gzip", "deflate")  # what aiohttp always decodes (br and zstd need optional packages)
 _MAX_REASON_CHARS = 200
+REFUSED_LINGER_S = 2.0  # longest a refused connection stays open for its client to read the 503
 _QUOTED_BYTES = re.compile(r"""(?:^|[\s:(]+)(?:bytearray\(|b?['"]|\^)""")  # where a parser message quotes the request
 
 
@@ -100,17 +111,80 @@ class OpenAIProtocol(web.RequestHandler):
         super().log_exception(*args, **kwargs)
 
 
-class _Server(web.Server):
-    """aiohttp's low-level server, making `OpenAIProtocol` connections."""
+class _RefusedConnection(asyncio.Protocol):
+    """A connection past the server's cap: the 503 written at once, the request never read."""
 
-    def __call__(self) -> web.RequestHandler:
+    def __init__(self, loop: asyncio.AbstractEventLoop, answer: bytes) -> None:
+        self._loop = loop
+        self._answer = answer
+        self._close_handle: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.write(self._answer)
+        if transport.can_write_eof():
+            transport.write_eof()  # FIN after the answer: the client reads it, then closes
+        self._close_handle = self._loop.call_later(REFUSED_LINGER_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass  # the request: not read, only drained so the close is not a reset
+
+    def eof_received(self) -> bool:
+        return False  # the client closed its half: close the connection
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._close_handle is not None:
+            self._close_handle.cancel()
+
+
+def refused_connection_answer(max_connections: int) -> bytes:
+    """The whole HTTP/1.1 503 a connection past the cap gets (OpenAI's error shape)."""
+    error = Unavailable(f"the server is at its limit of {max_connections} open HTTP connections; retry later, "
+                        "or reuse a connection (keep-alive)")
+    mapped = http_error(error, {})
+    body = json.dumps(mapped.body).encode()
+    head = [f"HTTP/1.1 {mapped.status} Service Unavailable", "Content-Type: application/json; charset=utf-8",
+            f"Content-Length: {len(body)}", "Connection: close",
+            *(f"{name}: {value}" for name, value in mapped.headers.items())]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+class _Server(web.Server):
+    """aiohttp's low-level server, making `OpenAIProtocol` connections up to `max_connections`
+    open at once and `_RefusedConnection`s past it."""
+
+    def __init__(self, *args: Any, max_connections: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.max_connections = max_connections
+        self.open_connections = 0
+        self._refusal = refused_connection_answer(max_connections)
+
+    def __call__(self) -> asyncio.Protocol:  # type: ignore[override]
+        if self.open_connections >= self.max_connections:
+            log.warning("HTTP connection refused: at the connection cap", max_connections=self.max_connections)
+            return _RefusedConnection(self._loop, self._refusal)
         return OpenAIProtocol(self, loop=self._loop, **self._kwargs)
+
+    def connection_made(self, handler: web.RequestHandler, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        self.open_connections += 1
+
+    def connection_lost(self, handler: web.RequestHandler, exc: BaseException | None = None) -> None:
+        if handler in self._connections:  # aiohttp calls this once per connection it made
+            self.open_connections -= 1
+        super().connection_lost(handler, exc)
 
 
 class AppRunner(web.AppRunner):
-    """`web.AppRunner` (same arguments) whose connections are `OpenAIProtocol`s."""
+    """`web.AppRunner` (same arguments, and `max_connections`) whose connections are
+    `OpenAIProtocol`s, at most `max_connections` open at once."""
+
+    def __init__(self, app: web.Application, *, max_connections: int, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.max_connections = max_connections
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()  # the app started and frozen: its handler and request factory
         return _Server(server.request_handler, request_factory=server.request_factory,
-                       handler_cancellation=server.handler_cancellation, **server._kwargs)
+                       handler_cancellation=server.handler_cancellation, max_connections=self.max_connections,
+                       **server._kwargs)

@@ -123,17 +123,25 @@ def test_a_child_that_keeps_crashing_at_start_is_given_up_naming_it(stack):
 
 def test_a_restarted_gateway_keeps_its_ports(monkeypatch, tmp_path):
     monkeypatch.setattr(_stack.subprocess, "Popen", FakeProcess)
-    monkeypatch.setattr(ProcessStack, "_wait_healthy", lambda self, children, timeout_s: [
-        setattr(child, "address", "127.0.0.1:41234") for child in children])
+    def healthy(self, children, timeout_s):  # type: ignore[no-untyped-def]
+        for child in children:
+            child.address = "127.0.0.1:41234"
+            if "--http-port-file" in child.process.command:  # the gateway reports the HTTP port it bound
+                Path(_flag(child.process.command, "--http-port-file")).write_text("41235\n")
+
+    monkeypatch.setattr(ProcessStack, "_wait_healthy", healthy)
     monkeypatch.setattr(ProcessStack, "_wait_attached", lambda self, decode, num_gateways, timeout_s: None)
     stack = ProcessStack(StackSpec(model=Path("/m"), grpc_port=0, http_port=0), tmp_path)
     stack.start()
     try:
         gateway = stack.gateway
+        assert _flag(gateway.process.command, "--http-listen") == "127.0.0.1:0"
+        assert stack.http_port == 41235 and stack.http_url == "http://127.0.0.1:41235/v1"
         gateway.process.exit(1)
         restarted = stack.restart(gateway)
         assert _flag(restarted.process.command, "--listen") == "127.0.0.1:41234"
-        assert _flag(restarted.process.command, "--http-listen") == _flag(gateway.process.command, "--http-listen")
+        assert _flag(restarted.process.command, "--http-listen") == "127.0.0.1:41235"
+        assert "--http-port-file" not in restarted.process.command
         assert stack.gateway is restarted
     finally:
         stack.stop()

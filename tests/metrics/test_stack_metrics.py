@@ -19,11 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from cleave.cli._stack import ProcessStack, StackSpec, free_port
+from cleave.cli._stack import ProcessStack, StackSpec
 from cleave.client import GatewayClient
 from cleave.testing.tiny_models import write_tiny_checkpoint
 from tests.metrics.scrape import Samples, has, scrape, value
 from tests.metrics.test_dashboard import dashboard_exprs
+from tests.parallel.ranks import free_port
 
 NUM_REQUESTS = 6
 MAX_TOKENS = 8

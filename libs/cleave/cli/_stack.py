@@ -23,7 +23,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -126,13 +125,6 @@ class Child:
         return "\n".join(lines[-num_lines:])
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (for the gateway's HTTP listener)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 @dataclass
 class ProcessStack:
     """Starts and stops the stack described by a StackSpec.
@@ -230,6 +222,10 @@ class ProcessStack:
         args = list(child.args)
         if child.address and "--listen" in args:
             args[args.index("--listen") + 1] = child.address
+        if "--http-port-file" in args and self.http_port is not None:  # the HTTP port it bound and reported
+            at = args.index("--http-port-file")
+            del args[at:at + 2]
+            args[args.index("--http-listen") + 1] = f"{self.spec.host}:{self.http_port}"
         child.log.close()
         log = open(child.log_path, "ab")
         log.write(f"\n---- {child.name} restarted ----\n".encode())
@@ -359,11 +355,34 @@ class ProcessStack:
             role_args = ()
         return args + list(spec.worker_args) + list(role_args)
 
+    @property
+    def http_port_file(self) -> Path:
+        """Where the first gateway reports the HTTP port it bound (`--http-port 0`)."""
+        return self.workdir / "gateway.http.port"
+
+    def _http_args(self) -> list[str]:
+        """The gateway's HTTP flags: none; the port asked for or bound before (replicas and
+        restarts keep it); or any free port, bound by the gateway itself and reported in
+        `http_port_file` (a port picked here and passed on could be taken in between)."""
+        spec = self.spec
+        if spec.http_port is None:
+            return ["--http-listen", ""]
+        if self.http_port is not None:
+            return ["--http-listen", f"{spec.host}:{self.http_port}"]
+        self.http_port_file.unlink(missing_ok=True)
+        return ["--http-listen", f"{spec.host}:0", "--http-port-file", str(self.http_port_file)]
+
+    def _reported_http_port(self) -> int:
+        text = self.http_port_file.read_text().strip() if self.http_port_file.is_file() else ""
+        if not text:
+            raise RuntimeError(f"the gateway serves but did not report its HTTP port in {self.http_port_file}")
+        return int(text)
+
     def _gateway_args(self, workers: list[Child], index: int = 0, port: int | str | None = None) -> list[str]:
         spec = self.spec
         port = spec.grpc_port if port is None else port
         args = ["--listen", f"{spec.host}:{port}", "--model", str(spec.model), "--mode", spec.mode,
-                "--http-listen", f"{spec.host}:{self.http_port}" if self.http_port is not None else "",
+                *self._http_args(),
                 "--grace-seconds", "5", "--store-to-kvstore" if spec.store_to_kvstore else "--no-store-to-kvstore"]
         if spec.served_model_name:
             args += ["--served-model-name", spec.served_model_name]
@@ -391,10 +410,11 @@ class ProcessStack:
                                    self._worker_args(placed.name, kvstore.address))
                        for placed in self.placed_workers()]
             self._wait_healthy(workers, timeout_s)
-            if spec.http_port is not None:
-                self.http_port = spec.http_port or free_port(spec.host)
+            self.http_port = spec.http_port or None  # 0: the gateway binds one and reports it
             gateway = self._spawn("gateway", "services.gateway", self._gateway_args(workers))
-            self._wait_healthy([gateway], timeout_s)
+            self._wait_healthy([gateway], timeout_s)  # SERVING once its HTTP API listens too
+            if spec.http_port == 0:
+                self.http_port = self._reported_http_port()
             # Replicas bind the first one's port; each attaches to the decode workers under
             # its own gateway id, and the kernel spreads client connections over them.
             replicas = [self._spawn(f"gateway-{index}", "services.gateway",

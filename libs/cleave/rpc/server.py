@@ -31,6 +31,7 @@ from cleave.config import RpcConfig, ServiceConfig
 from cleave.parent_death import follow_parent
 from cleave.rpc.auth import MetadataAuth
 from cleave.rpc.client import channel_options
+from cleave.rpc.connection_limits import connection_cap, raise_open_file_limit
 from cleave.rpc.interceptor import RequestInterceptor
 from cleave.tracing import TRACING_OFF, Tracing
 
@@ -177,7 +178,8 @@ async def serve(
         interceptors=[*outermost, RequestInterceptor(tracing, auth), *interceptors],
         # With SO_REUSEPORT a second process "binds" a port that is in use and the kernel
         # splits connections between the two: only replicas that mean to share ask for it.
-        options=[*channel_options(config.max_message_bytes), ("grpc.so_reuseport", int(config.share_port))],
+        options=[*channel_options(config.max_message_bytes), ("grpc.so_reuseport", int(config.share_port)),
+                 ("grpc.max_allowed_incoming_connections", connection_cap(config.max_connections))],
     )
     names = [service.name for service in services]
     for service in services:
@@ -277,6 +279,7 @@ async def run_service(
     a signal would, and then the process, with exit code 1 (SystemExit), for its supervisor
     to restart."""
     follow_parent(config.parent_pid)  # before anything that takes long: a dead parent ends this
+    raise_open_file_limit()  # before the servers size their connection caps from it
     set_gil_switch_interval(config.gil_switch_interval_ms)
     server = await serve(services, config.listen, config.rpc, tracing=tracing, auth=auth,
                          metrics_interceptor=metrics.interceptor if metrics is not None else None)
