@@ -20,7 +20,7 @@ from cleave.errors import InvalidArgument
 from cleave.proto.cleave.v1 import kvstore_pb2, kvstore_pb2_grpc
 from cleave.rpc.convert import DTYPE_ITEMSIZE, dtype_from_proto, dtype_to_proto, kv_layout_from_proto
 from cleave.rpc.types import TensorBytes
-from cleave.transfer.kvstore_wire import WireKVBlock, decode_kv_block, encode_kv_block
+from cleave.rpc.kvstore_wire import WireKVBlock, decode_kv_block, encode_kv_block
 from services.kvstore.backend import KVBlock, KVStoreBackend
 
 MAX_HASH_BYTES = 64

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cleave.proto.cleave.v1 import common_pb2, kvstore_pb2
-from cleave.transfer.kvstore_wire import PUT_METHOD, encode_kv_block
+from cleave.rpc.kvstore_wire import PUT_METHOD, encode_kv_block
 from cleave.transfer.tensors import as_bytes
 
 

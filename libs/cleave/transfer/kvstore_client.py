@@ -34,7 +34,7 @@ from cleave.rpc.client import aio_channel
 from cleave.rpc.convert import dtype_to_proto, kv_layout_to_proto
 from cleave.rpc.types import KVLayout
 from cleave.transfer.kvstore_index import StoredIndex
-from cleave.transfer.kvstore_wire import GET_METHOD, PUT_METHOD, decode_kv_block, encode_kv_block
+from cleave.rpc.kvstore_wire import GET_METHOD, PUT_METHOD, decode_kv_block, encode_kv_block
 from cleave.transfer.tensors import as_bytes, device_index, dtype_name, torch_dtype
 
 PUT_BATCH_BLOCKS = 8  # blocks per message batch built off the event loop

@@ -7,7 +7,7 @@ import pytest
 from google.protobuf.message import DecodeError
 
 from cleave.proto.cleave.v1 import common_pb2 as c, kvstore_pb2 as k
-from cleave.transfer.kvstore_wire import WireKVBlock, decode_kv_block, encode_kv_block
+from cleave.rpc.kvstore_wire import WireKVBlock, decode_kv_block, encode_kv_block
 from services.kvstore.store import StoreConfig
 from tests.services.kvstore.test_store import Store
 
