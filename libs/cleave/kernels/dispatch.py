@@ -35,6 +35,20 @@ def use_triton(tensor: torch.Tensor, impl: Impl = "auto") -> bool:
     return tensor.is_cuda
 
 
+def outside_compiled_graphs(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, which `torch.compile` calls eagerly between its graphs (as `torch.compiler.disable`
+    does); torch._dynamo is imported only when a compile traces a call, not when the module
+    defining `fn` is imported (1.4 s of a worker's start)."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(fn)(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
+
+
 MAX_ROW_BLOCK = 65536  # widest row a row-wise kernel holds in registers at once
 
 

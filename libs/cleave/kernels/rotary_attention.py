@@ -11,7 +11,7 @@ kernels carry that out is a kernel-side choice:
 Outside those fused layouts (or with a partial rotary) `head_norms` run first, as two RMSNorm
 launches.
 
-The cache work is kept out of `torch.compile` graphs (`torch.compiler.disable`): the Triton
+The cache work is kept out of `torch.compile` graphs (`outside_compiled_graphs`): the Triton
 kernels are opaque to Dynamo and the torch reference walks the batch on the host
 (`.tolist()`), so graphs split cleanly around it while the rotary reference stays inside.
 """
@@ -23,7 +23,7 @@ import torch
 from cleave.kernels.attention import paged_attention, write_kv
 from cleave.kernels.attention_decode import HeadNorms, NewKV, paged_decode_attention
 from cleave.kernels.attention_prefill import DEFAULT_PREFILL_LAUNCH, PrefillLaunch
-from cleave.kernels.dispatch import Impl, use_triton
+from cleave.kernels.dispatch import Impl, outside_compiled_graphs, use_triton
 from cleave.kernels.rms_norm import rms_norm
 from cleave.kernels.rotary import apply_rotary
 from cleave.kernels.rotary_kv_write import rotary_write_kv
@@ -74,7 +74,7 @@ def rotary_paged_attention(
     return _cached_attention(q, k, v, kv_cache, metadata, scale, attention_impl, sliding_window, sinks, pdl, prefill)
 
 
-@torch.compiler.disable
+@outside_compiled_graphs
 def _cached_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hkv, D]
@@ -99,7 +99,7 @@ def _normed_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: Impl,
     return rms_norm(x.reshape(-1, head_dim), weight, eps, impl=impl, pdl=pdl).view(num_tokens, num_heads, head_dim)
 
 
-@torch.compiler.disable
+@outside_compiled_graphs
 def _decode_attention(
     q: torch.Tensor,  # [T, Hq, D], unrotated
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
@@ -114,7 +114,7 @@ def _decode_attention(
                                   sinks=sinks, pdl=pdl)
 
 
-@torch.compiler.disable
+@outside_compiled_graphs
 def _fused_rotary_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hkv, D]

@@ -200,7 +200,12 @@ class CausalLM(nn.Module):
         self.config = config
         self.impl: Impl = impl
         self.pdl = pdl
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # built on the meta device (`loader.empty_model`) the table is left uninitialised, as
+        # every weight is loaded: nn.Embedding's normal_ on meta imports torch._dynamo (1.4 s
+        # of a worker's start on a 2-core host)
+        on_meta = torch.get_default_device().type == "meta"
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(
+            config.vocab_size, config.hidden_size) if on_meta else None)
         self.layers = nn.ModuleList(
             DecoderLayer(config, impl, index, pdl) for index in range(config.num_hidden_layers)
         )
