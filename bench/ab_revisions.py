@@ -5,14 +5,15 @@ code travels as files. Here, before the device call (`.ab/` is ignored by git; c
 
     python bench/ab_revisions.py --prepare ba2b575
 
-writes `git archive ba2b575 libs bench` to `.ab/ba2b575/`. Then, on the device:
+writes `git archive ba2b575 libs bench services` to `.ab/ba2b575/`. Then, on the device:
 
     python bench/ab_revisions.py --base ba2b575 --rounds 2 --out $OUT/ab -- \\
         moe.py --part decode --batch 1 --out {out}
 
 runs `bench/moe.py ...` over the tree's libraries and `.ab/ba2b575/bench/moe.py ...` over the
 commit's, alternating for `--rounds` rounds, each in a subprocess whose `PYTHONPATH` starts
-with that code's `libs` and whose `CLEAVE_CODE_REV` names it (the tree's from `--tree-rev`,
+with that code's `libs` and then its root (its `services`, for benches that start the
+service processes, which inherit it) and whose `CLEAVE_CODE_REV` names it (the tree's from `--tree-rev`,
 else `CLEAVE_CODE_REV`, else git's), so every result file says which code made it. `{out}` in
 the bench's arguments becomes that run's own directory, `--out/<rev>-<round>/`. It prints each
 run's last lines and writes `ab-<UTC time>.md` under `--out`: the command, the machine and, per
@@ -44,7 +45,8 @@ TAIL_LINES = 12
 
 @dataclass(frozen=True)
 class Code:
-    """One side of the comparison: its revision name and the directory holding its libs/ and bench/."""
+    """One side of the comparison: its revision name and the directory holding its libs/, bench/
+    and services/."""
 
     rev: str
     root: Path
@@ -61,8 +63,8 @@ class Run:
 
 
 def prepare(rev: str, ab_dir: Path = AB_DIR) -> Path:
-    """`git archive REV libs bench` unpacked into `ab_dir/REV` (replacing what was there)."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "libs", "bench"], check=True,
+    """`git archive REV libs bench services` unpacked into `ab_dir/REV` (replacing what was there)."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "libs", "bench", "services"], check=True,
                              capture_output=True).stdout
     target = ab_dir / rev
     shutil.rmtree(target, ignore_errors=True)
@@ -79,11 +81,13 @@ def run_once(code: Code, round_index: int, bench_args: Sequence[str], out: Path)
     run_dir.mkdir(parents=True, exist_ok=True)
     script, *rest = bench_args
     args = [arg.replace("{out}", str(run_dir)) for arg in rest]
-    paths = [str(code.root / "libs"), str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    roots = dict.fromkeys([str(code.root / "libs"), str(code.root), str(ROOT)])  # the tree's root: tests/ for some
+    paths = [*roots, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = {**os.environ, "CLEAVE_CODE_REV": code.rev, "PYTHONPATH": os.pathsep.join(paths)}
     before = set(run_dir.rglob("*"))
     start = time.monotonic()
-    result = subprocess.run([sys.executable, str(code.root / "bench" / script), *args], env=env, cwd=ROOT,
+    # in its own root: `python -m services.X` (a bench starting services) puts the directory first
+    result = subprocess.run([sys.executable, str(code.root / "bench" / script), *args], env=env, cwd=code.root,
                             capture_output=True, text=True)
     seconds = time.monotonic() - start
     files = sorted(path for path in set(run_dir.rglob("*")) - before if path.is_file())

@@ -19,9 +19,15 @@ def ab(monkeypatch):
 def test_each_revision_runs_its_own_bench_over_its_own_libraries(ab, tmp_path):
     base = ab.prepare("HEAD", tmp_path / "ab")
     assert (base / "libs" / "cleave" / "__init__.py").is_file() and (base / "bench" / "moe.py").is_file()
-    (base / "bench" / "where.py").write_text("import cleave\nprint('cleave at', cleave.__file__)\n")
+    (base / "bench" / "where.py").write_text(
+        "import cleave, services, subprocess, sys\nprint('cleave at', cleave.__file__)\n"
+        "print('services at', services.__file__)\n"  # and where a service process started with -m finds them:
+        "subprocess.run([sys.executable, '-m', 'services.where'], check=True)\n")
+    (base / "services" / "where.py").write_text("import services\nprint('-m services at', services.__file__)\n")
     run = ab.run_once(ab.Code("HEAD", base), 0, ["where.py"], tmp_path / "out")
     assert run.returncode == 0 and f"cleave at {base / 'libs' / 'cleave' / '__init__.py'}" in run.tail
+    assert f"services at {base / 'services' / '__init__.py'}" in run.tail
+    assert f"-m services at {base / 'services' / '__init__.py'}" in run.tail, run.tail
 
     out = tmp_path / "results"
     runs = ab.main(["--base", "HEAD", "--tree-rev", "tree", "--rounds", "2", "--ab-dir", str(tmp_path / "ab"),
