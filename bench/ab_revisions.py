@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> list[Run]:
                          "(and carry .ab to the device)")
     codes = [Code(args.tree_rev or code_revision(), ROOT),
              Code(args.base, base_root)]
-    out = args.out / run_name("ab")
+    out = args.out.resolve() / run_name("ab")  # absolute: each side runs in its own root
     runs = []
     for round_index in range(args.rounds):
         for code in codes:
