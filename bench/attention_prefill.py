@@ -9,18 +9,23 @@ For each prompt length of a Llama-3.2-1B-shaped layer (32 query heads, 8 KV head
 (causal: 2 x 2 x T^2 / 2 x Hq x D) and the share of `--peak-tflops`. The first combination of
 the defaults is what the engine runs for that head size (`prefill_launch_for`). Each prompt length also gets a row for torch's
 `scaled_dot_product_attention` on contiguous [1, Hq, T, D] tensors with the KV heads repeated
-(transformers' sdpa path: the baseline a user would otherwise run). One layer's share of an
-8192-token prefill: multiply by the layer count (16 for the 1B).
+(transformers' sdpa path: the baseline a user would otherwise run), and one for each other
+`--sdpa` variant: an SDPA backend (`auto`: torch's choice, `flash`, `cudnn`, `efficient`),
+with `+gqa` for the KV heads left unrepeated under SDPA's `enable_gqa` (what
+`PrefillLaunch.dense_backend` / `dense_gqa` would run). One layer's share of an 8192-token
+prefill: multiply by the layer count (16 for the 1B).
 
     python bench/attention_prefill.py --tokens 2048 8192 --out bench/results/prefill
     python bench/attention_prefill.py --tokens 8192 --block-m 64 128 --block-n 32 64 --num-warps 4 8 --num-stages 2 3 4
     python bench/attention_prefill.py --tokens 8192 --block-m 64 128 --num-warps 4 8 --pack-gqa off on \
         --heavy-first off on --causal-split off on
+    python bench/attention_prefill.py --tokens 8192 --sdpa auto cudnn flash auto+gqa cudnn+gqa
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import random
 import sys
@@ -45,14 +50,24 @@ def causal_flops(tokens: int, q_heads: int, head_dim: int) -> float:
     return 2 * 2 * tokens * tokens / 2 * q_heads * head_dim
 
 
-def sdpa_call(query: torch.Tensor, kv_heads: int):  # noqa: ANN201
+def sdpa_call(query: torch.Tensor, kv_heads: int, variant: str = "auto"):  # noqa: ANN201
     """torch's causal SDPA on [1, Hq, T, D] query, key and value (KV heads repeated, as
-    transformers' sdpa attention runs a GQA model); key and value are random."""
+    transformers' sdpa attention runs a GQA model, unless `variant` ends in "+gqa"), on the
+    backend `variant` names (`attention_fresh.SDPA_BACKENDS`, or "auto"); key and value are random."""
+    from cleave.kernels.attention_fresh import SDPA_BACKENDS
+    from torch.nn.attention import sdpa_kernel
+
+    backend, _, gqa = variant.partition("+")
     tokens, q_heads, head_dim = query.shape
     q = query.transpose(0, 1).unsqueeze(0).contiguous()
     kv = torch.randn(2, 1, kv_heads, tokens, head_dim, dtype=query.dtype, device=query.device)
-    k, v = (t.repeat_interleave(q_heads // kv_heads, dim=1).contiguous() for t in kv)
-    return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    k, v = (t.repeat_interleave(1 if gqa else q_heads // kv_heads, dim=1).contiguous() for t in kv)
+
+    def call() -> torch.Tensor:
+        with contextlib.nullcontext() if backend == "auto" else sdpa_kernel(SDPA_BACKENDS[backend]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=bool(gqa))
+
+    return call
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-stages", type=int, nargs="+", help="0: triton's default")
     for option in ("--pack-gqa", "--heavy-first", "--causal-split"):
         parser.add_argument(option, nargs="+", choices=sorted(SWITCHES))
+    parser.add_argument("--sdpa", nargs="+", default=["auto"],
+                        help="torch SDPA rows: auto, flash, cudnn, efficient, each with +gqa for unrepeated KV heads")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 matmul peak of the device")
     parser.add_argument("--out", default=None, help="directory for attention_prefill-<UTC time>.json / .md")
     args = parser.parse_args(argv)
@@ -126,7 +143,12 @@ def main(argv: list[str] | None = None) -> int:
                 add_row(type(error).__name__, **setting)
                 continue
             add_row(us, **setting)
-        add_row(graph_call_us([sdpa_call(query, kv_heads)]), kernel="torch sdpa")
+        for variant in args.sdpa:
+            kernel = "torch sdpa" if variant == "auto" else f"torch sdpa {variant}"
+            try:
+                add_row(graph_call_us([sdpa_call(query, kv_heads, variant)]), kernel=kernel)
+            except Exception as error:  # noqa: BLE001 - a backend the device lacks is a row
+                add_row(type(error).__name__, kernel=kernel)
     print(format_table(rows, COLUMNS))
     if args.out:
         write_results(args.out, run_name("attention_prefill"), rows, COLUMNS, {"peak_tflops": args.peak_tflops})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.bench.bench_modules import bench_fixture
 
@@ -30,3 +31,14 @@ def test_launch_options_sweep_on_and_off(bench):
     assert [bench.SWITCHES[value] for value in sweep.pack_gqa] == [False, True] and sweep.causal_split == ["on"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--heavy-first", "sometimes"])
+
+
+def test_sdpa_rows_take_a_backend_and_unrepeated_kv_heads(bench):
+    assert bench.parse_args([]).sdpa == ["auto"]
+    query = torch.randn(24, 4, 8)
+    outputs = {}
+    for variant in ("auto", "math", "auto+gqa", "math+gqa"):
+        torch.manual_seed(0)  # the same random key and value for every variant
+        outputs[variant] = bench.sdpa_call(query, 2, variant)()
+    for variant in ("math", "auto+gqa", "math+gqa"):
+        torch.testing.assert_close(outputs[variant], outputs["auto"])

@@ -31,6 +31,16 @@ def test_a_fresh_prompt_attends_as_the_paged_reference(num_q_heads, num_kv_heads
     torch.testing.assert_close(out, expected, **tolerance(torch.float32))
 
 
+@pytest.mark.parametrize("backend", ["auto", "math"])
+def test_kv_heads_left_for_sdpas_gqa_attend_as_repeated_ones(backend):
+    cache = random_cache(num_blocks=12, num_kv_heads=2, dtype=torch.float32)
+    query = random_query(13, 6, torch.float32)
+    out = fresh_prompt_attention(query, cache, FRESH, SCALE, backend=backend, gqa=True)
+    torch.testing.assert_close(out, paged_attention_reference(query, cache, FRESH, SCALE), **tolerance(torch.float32))
+    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
+        fresh_prompt_attention(query, cache, FRESH, SCALE, backend="fa3")
+
+
 def test_only_a_lone_prompt_with_no_prefix_window_sinks_or_fp8_cache_qualifies():
     cache = random_cache(num_blocks=12, num_kv_heads=2, dtype=torch.float32)
     query = random_query(13, 4, torch.float32)
@@ -82,6 +92,7 @@ def test_gpu_fresh_prompt_matches_the_paged_kernel(heads):
     cache = torch.randn(2, 401, block_size, num_kv_heads, head_dim, generator=generator).to(device, torch.bfloat16)
     metadata = AttentionMetadata.build([num_tokens], [num_tokens], [blocks], block_size, device=device)
     query = torch.randn(num_tokens, num_q_heads, head_dim, generator=generator).to(device, torch.bfloat16)
-    dense = paged_attention(query, cache, metadata, head_dim**-0.5, prefill=PrefillLaunch(dense_fresh=True))
     paged = paged_attention(query, cache, metadata, head_dim**-0.5)
-    torch.testing.assert_close(dense.float(), paged.float(), atol=2e-2, rtol=2e-2)
+    for launch in (PrefillLaunch(dense_fresh=True), PrefillLaunch(dense_fresh=True, dense_gqa=True)):
+        dense = paged_attention(query, cache, metadata, head_dim**-0.5, prefill=launch)
+        torch.testing.assert_close(dense.float(), paged.float(), atol=2e-2, rtol=2e-2)

@@ -132,7 +132,7 @@ def paged_attention(
         return paged_decode_attention(query, kv_cache, metadata, scale, sliding_window=sliding_window, sinks=sinks,
                                       pdl=pdl)
     if prefill.dense_fresh and lone_fresh_prompt(query, kv_cache, metadata, sliding_window, sinks):
-        return fresh_prompt_attention(query, kv_cache, metadata, scale)
+        return fresh_prompt_attention(query, kv_cache, metadata, scale, prefill.dense_backend, prefill.dense_gqa)
     out = None
     num_decodes = metadata.num_decode_seqs if prefill.decode_rows else 0
     if num_decodes:

@@ -188,13 +188,18 @@ class PrefillLaunch:
     heavy_first: bool = False
     causal_split: bool = False
     decode_rows: bool = True  # a mixed batch's leading decodes on the decode kernel (`paged_attention`)
-    # a lone prompt with no cached prefix on torch's dense SDPA (`cleave.kernels.attention_fresh`)
+    # a lone prompt with no cached prefix on torch's dense SDPA (`cleave.kernels.attention_fresh`),
+    # on the SDPA backend named ("auto": torch's choice; "flash", "cudnn", "efficient"), its KV
+    # heads repeated for the query heads, or not (`dense_gqa`: SDPA's enable_gqa)
     dense_fresh: bool = False
+    dense_backend: str = "auto"
+    dense_gqa: bool = False
 
     def kernel_options(self) -> dict[str, int | bool | None]:
         """The keyword arguments `paged_prefill_attention` takes from this launch."""
         options = asdict(self)
-        del options["decode_rows"], options["dense_fresh"]
+        for name in ("decode_rows", "dense_fresh", "dense_backend", "dense_gqa"):
+            del options[name]
         return options
 
 
