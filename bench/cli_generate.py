@@ -49,6 +49,20 @@ def time_once(argv: list[str], timeout_s: float) -> tuple[float, float]:
     return wall, cpu
 
 
+def timing_row(walls: list[float], cpus: list[float], argv: list[str]) -> dict[str, object]:
+    """One variant's runs: their count, wall seconds (median, min, max, each run's), median CPU
+    seconds, and the command (`python` for the interpreter's path)."""
+    return {
+        "runs": len(walls),
+        "wall_median_s": statistics.median(walls),
+        "wall_min_s": min(walls),
+        "wall_max_s": max(walls),
+        "cpu_median_s": statistics.median(cpus),
+        "wall_s": walls,
+        "command": shlex.join(["python", *argv[1:]]),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", default=README_PROMPT, help=f"prompt (default: the README's, {README_PROMPT!r})")
@@ -70,19 +84,8 @@ def main() -> None:
             wall, cpu = time_once(command(args, threads), args.timeout_s)
             walls[threads].append(wall)
             cpus[threads].append(cpu)
-    rows = [
-        {
-            "threads": threads,
-            "runs": len(walls[threads]),
-            "wall_median_s": statistics.median(walls[threads]),
-            "wall_min_s": min(walls[threads]),
-            "wall_max_s": max(walls[threads]),
-            "cpu_median_s": statistics.median(cpus[threads]),
-            "wall_s": walls[threads],
-            "command": shlex.join(["python", *command(args, threads)[1:]]),
-        }
-        for threads in variants
-    ]
+    rows = [{"threads": threads, **timing_row(walls[threads], cpus[threads], command(args, threads))}
+            for threads in variants]
     summary = {"timed command": shlex.join(["python", *command(args, variants[0])[1:-1]]) + " N",
                "threads 0": "torch's default (one per core)",
                "cores": os.cpu_count(),

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_generate import time_once  # noqa: E402
+from cli_generate import time_once, timing_row  # noqa: E402
 from common import format_table, run_name, write_results  # noqa: E402
 
 COLUMNS = ("mode", "runs", "wall_median_s", "wall_min_s", "wall_max_s", "cpu_median_s")
@@ -55,19 +53,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 wall, cpu = time_once(command(mode, f"{scratch}/{mode}-{run}"), args.timeout_s)
                 walls[mode].append(wall)
                 cpus[mode].append(cpu)
-    rows = [
-        {
-            "mode": mode,
-            "runs": len(walls[mode]),
-            "wall_median_s": statistics.median(walls[mode]),
-            "wall_min_s": min(walls[mode]),
-            "wall_max_s": max(walls[mode]),
-            "cpu_median_s": statistics.median(cpus[mode]),
-            "wall_s": walls[mode],
-            "command": shlex.join(["python", *command(mode, "DIR")[1:]]),
-        }
-        for mode in modes
-    ]
+    rows = [{"mode": mode, **timing_row(walls[mode], cpus[mode], command(mode, "DIR"))} for mode in modes]
     summary = {"cores": os.cpu_count(),
                # the machine is shared: a load above the core count inflates wall time, not CPU time
                "load average (1 min) at start / end": f"{load_before[0]:.1f} / {os.getloadavg()[0]:.1f}"}
