@@ -62,9 +62,9 @@ def fresh_prompt_attention(
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     slots = metadata.slot_mapping[:num_tokens]
-    repeats = 1 if gqa else num_q_heads // num_kv_heads
-    key, value = (kv_cache[i].reshape(-1, num_kv_heads, head_dim).index_select(0, slots)
-                  .repeat_interleave(repeats, dim=1) for i in (0, 1))  # [T, Hq or Hkv, D]
+    key, value = (kv_cache[i].reshape(-1, num_kv_heads, head_dim).index_select(0, slots) for i in (0, 1))
+    if not gqa and num_q_heads != num_kv_heads:  # [T, Hkv, D] -> [T, Hq, D]
+        key, value = (t.repeat_interleave(num_q_heads // num_kv_heads, dim=1) for t in (key, value))
     with contextlib.nullcontext() if backend == "auto" else sdpa_kernel(SDPA_BACKENDS[backend]):
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None], is_causal=True,
