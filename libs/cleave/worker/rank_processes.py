@@ -24,7 +24,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import socket
 from multiprocessing.connection import Connection
 from dataclasses import replace
 from datetime import timedelta
@@ -60,7 +59,10 @@ def start_lockstep_engine(config: EngineConfig) -> LockstepEngine:
     started and loaded. Blocking (minutes on a large model): call it off the event loop.
     If any rank fails to start, every started rank is ended and the error raised."""
     size = config.tensor_parallel_size
-    port = _free_port()
+    # the group's rendezvous store, bound here on any free port before a rank is started (a port
+    # picked, released and passed on could be taken in between)
+    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    port = store.port
     context = multiprocessing.get_context("spawn")
     pipes = [context.Pipe() for _ in range(1, size)]
     controls = [context.Pipe() for _ in range(1, size)]  # the ranks' KV receivers
@@ -80,7 +82,7 @@ def start_lockstep_engine(config: EngineConfig) -> LockstepEngine:
             dist.destroy_process_group()
 
     try:
-        _join_group(0, size, port, config.device)
+        _join_group(0, size, port, config.device, store)
         channel = LockstepChannel(0, [leader_end for leader_end, _ in pipes])
         engine = LockstepEngine(replace(config, device=rank_device(config.device, 0)), channel, on_close=stop_ranks,
                                 rank_links=[leader_end for leader_end, _ in controls])
@@ -117,7 +119,9 @@ def _rank_main(rank: int, port: int, config: EngineConfig, parent_pid: int, conn
         dist.destroy_process_group()
 
 
-def _join_group(rank: int, size: int, port: int, device: str) -> None:
+def _join_group(rank: int, size: int, port: int, device: str, store: dist.Store | None = None) -> None:
+    """Join the ranks' process group: rank 0 through the `store` it serves, the others through
+    its port."""
     if device.startswith("cuda"):
         torch.cuda.set_device(rank_device(device, rank))
         backend = "nccl"
@@ -125,8 +129,9 @@ def _join_group(rank: int, size: int, port: int, device: str) -> None:
         # ranks share the host's cores: each takes its share of the intra-op threads
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         backend = "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=COLLECTIVE_TIMEOUT)
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
 
 
 def _join_or_end(processes: list[multiprocessing.process.BaseProcess]) -> None:
@@ -138,8 +143,3 @@ def _join_or_end(processes: list[multiprocessing.process.BaseProcess]) -> None:
             process.kill()
             process.join()
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
