@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import subprocess
 import time
 import urllib.error
@@ -24,7 +25,6 @@ from cleave.client import GatewayClient
 from cleave.testing.tiny_models import write_tiny_checkpoint
 from tests.metrics.scrape import Samples, has, scrape, value
 from tests.metrics.test_dashboard import dashboard_exprs
-from tests.parallel.ranks import free_port
 
 NUM_REQUESTS = 6
 MAX_TOKENS = 8
@@ -169,6 +169,14 @@ def _query(prometheus_url: str, promql: str) -> list[dict]:
         body = json.loads(response.read())
     assert body["status"] == "success", body
     return body["data"]["result"]
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (bound to port 0, then released): Prometheus has
+    no way to report a port it bound itself."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @pytest.fixture

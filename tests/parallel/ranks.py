@@ -1,8 +1,8 @@
 """Run one function in N processes joined by a gloo process group: the CPU stand-in for N
 GPUs of a tensor-parallel pool.
 
-`run_ranks(program, world_size, *args)` spawns the ranks, each of which joins the group over
-TCP on a free local port, calls `program(group, *args)` and saves what it returns; the parent
+`run_ranks(program, world_size, *args)` spawns the ranks, each of which joins the group through
+a rendezvous store the parent serves on a free local port (bound before the ranks start), calls `program(group, *args)` and saves what it returns; the parent
 waits on the processes' exits (not on sleeps) up to a deadline that starts once every rank has
 joined (spawning and importing torch take what they take on a busy machine; a rank that never
 joins fails on the group's own timeout) and ends every process it started on every path, so a
@@ -11,7 +11,6 @@ hung collective fails the test instead of hanging it.
 
 from __future__ import annotations
 
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,13 +30,6 @@ POLL_S = 0.25  # how often the parent looks for the ranks' joined marks while no
 COLLECTIVE_TIMEOUT = timedelta(seconds=90)
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago (bound to port 0, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def run_ranks(
     program: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> list[Any]:
@@ -47,10 +39,11 @@ def run_ranks(
     exception is raised here with its traceback; ranks still running `timeout_s` after every
     rank joined the group are ended and TimeoutError is raised.
     """
-    port = free_port()
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
+                          wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="cleave-tp-") as out_dir:
         context = mp.start_processes(
-            _rank_main, args=(world_size, port, out_dir, program, args), nprocs=world_size, join=False,
+            _rank_main, args=(world_size, store.port, out_dir, program, args), nprocs=world_size, join=False,
             start_method="spawn",
         )
         try:
@@ -71,9 +64,8 @@ def _rank_main(
     rank: int, world_size: int, port: int, out_dir: str, program: Callable[..., Any], args: tuple[Any, ...]
 ) -> None:
     torch.set_num_threads(1)  # two ranks share a small CPU; oversubscribed threads crawl
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
-    )
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
     (Path(out_dir) / f"rank{rank}.joined").touch()
     try:
         result = program(TensorParallelGroup.from_process_group(), *args)
