@@ -158,11 +158,16 @@ class _Server(web.Server):
         self.max_connections = max_connections
         self.open_connections = 0
         self._refusal = refused_connection_answer(max_connections)
+        self._refusing = False  # one WARNING a stretch of refusals, not one a connection (a flood)
 
     def __call__(self) -> asyncio.Protocol:  # type: ignore[override]
         if self.open_connections >= self.max_connections:
-            log.warning("HTTP connection refused: at the connection cap", max_connections=self.max_connections)
+            if not self._refusing:
+                log.warning("HTTP connections refused until one closes: at the connection cap",
+                            max_connections=self.max_connections)
+            self._refusing = True
             return _RefusedConnection(self._loop, self._refusal)
+        self._refusing = False
         return OpenAIProtocol(self, loop=self._loop, **self._kwargs)
 
     def connection_made(self, handler: web.RequestHandler, transport: asyncio.Transport) -> None:
