@@ -112,6 +112,8 @@ def test_layers_start_with_the_prefill_launch_tuned_for_their_head_size():
     assert prefill_launch_for(64) == prefill_launch_for(16) == TUNED_PREFILL_LAUNCHES[64]
     assert prefill_launch_for(128) == prefill_launch_for(96) == TUNED_PREFILL_LAUNCHES[128]
     assert prefill_launch_for(256) == DEFAULT_PREFILL_LAUNCH  # no tuned launch holds heads this large
+    # a lone fresh prompt goes to dense SDPA with grouped KV heads on every tuned launch
+    assert all(launch.dense_fresh and launch.dense_gqa for launch in TUNED_PREFILL_LAUNCHES.values())
 
 
 @pytest.mark.parametrize("options", PREFILL_OPTIONS, ids=lambda options: "+".join(options))
