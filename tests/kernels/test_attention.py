@@ -212,7 +212,8 @@ def test_prefill_query_blocks_split_a_long_prompt():
 def test_decode_with_several_splits_gqa(dtype, num_splits):
     cache = random_cache(num_blocks=20, num_kv_heads=2, dtype=dtype)
     # 16-token tiles over 4 splits: seq 0 (3 tiles) uses 3 splits, seq 1 one partial tile,
-    # seq 2 exactly two; with one split the kernel normalises and writes the output itself.
+    # seq 2 exactly two; with one split (or one active: seq 1) the kernel normalises and writes
+    # the output itself.
     metadata = AttentionMetadata.build(
         [1, 1, 1], [37, 5, 32], [list(range(19, 9, -1)), [3, 8], list(range(1, 9))], BLOCK_SIZE
     )

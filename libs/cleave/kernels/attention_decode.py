@@ -9,10 +9,10 @@ The split count depends only on the batch shape (sequences x KV heads, chosen so
 fills the GPU), never on the context: under CUDA graphs the grid is static while each
 partition's length follows the sequence's actual length, read on the device. A short
 context is spread over every split (one or two tiles each, so a batch-1 step is not a
-serial walk over the context) and a long one gets long partitions. With one split the
-kernel normalises and writes the output itself; otherwise each split writes a partial
-result (running max, sum of exponentials, unnormalised accumulator) and counts itself done
-on a per-(sequence, KV head) atomic counter; the split that finishes last merges the
+serial walk over the context) and a long one gets long partitions. With one split, or a
+context short enough for one, the kernel normalises and writes the output itself;
+otherwise each split writes a partial result (running max, sum of exponentials,
+unnormalised accumulator) and counts itself done on a per-(sequence, KV head) atomic counter; the split that finishes last merges the
 partials and writes the output, then zeroes the counter for the next launch. One launch
 per layer, no separate reduction kernel. The counters live in `metadata.split_counters`
 (zeroed once, e.g. by the CUDA-graph buffers) or are allocated zeroed per call.
@@ -354,16 +354,13 @@ def _paged_decode_split_kernel(
         k, v = load_kv_tile(k_ptrs, v_ptrs, kv_mask, DOT_DTYPE)
         m_i, l_i, acc = attend_tile(q, k, v, key_valid[None, :], m_i, l_i, acc, scale_log2, DOT_DTYPE, DOT_PRECISION)
 
-    if NUM_SPLITS == 1:
-        if HAS_SINKS:
-            m_i, l_i, acc = add_sinks(sinks_ptr, q_heads, group_valid, m_i, l_i, acc)
-        # A padding sequence (seq_len 0) ran no tile: write zeros, not 0/0.
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(
-            out_ptr + q_token.to(tl.int64) * stride_o_token + q_heads[:, None] * stride_o_head + dims[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=group_valid[:, None] & dim_valid[None, :],
-        )
+    # One split, or one that covers the whole context (a short one): normalise and write here.
+    alone = True
+    if NUM_SPLITS > 1:
+        alone = num_active == 1
+    if alone:
+        _store_output(out_ptr, sinks_ptr, q_token, q_heads, group_valid, dims, dim_valid, m_i, l_i, acc,
+                      stride_o_token, stride_o_head, HAS_SINKS)
     else:
         num_q_heads = QUERIES_PER_KV * num_kv_heads
         part_row = (seq.to(tl.int64) * num_q_heads + q_heads) * NUM_SPLITS + split  # [BLOCK_G]
@@ -386,7 +383,25 @@ def _paged_decode_split_kernel(
                 num_active, stride_o_token, stride_o_head, QUERIES_PER_KV, HEAD_DIM, NUM_SPLITS, BLOCK_Q, BLOCK_S,
                 BLOCK_D, HAS_SINKS,
             )
-            tl.atomic_xchg(counter, 0)
+            # Every split of this (sequence, KV head) has counted itself, so nothing else touches
+            # the counter in this launch, and the launch boundary orders the reset before the
+            # next launch's atomics: a plain store, not a fenced atomic on the program's way out.
+            tl.store(counter, 0)
+
+
+@triton.jit
+def _store_output(out_ptr, sinks_ptr, q_token, q_heads, group_valid, dims, dim_valid, m_i, l_i, acc, stride_o_token,
+                  stride_o_head, HAS_SINKS: tl.constexpr):
+    """out[q_token, q_heads] = acc / l (with the heads' sink logits first, HAS_SINKS)."""
+    if HAS_SINKS:
+        m_i, l_i, acc = add_sinks(sinks_ptr, q_heads, group_valid, m_i, l_i, acc)
+    # A padding sequence (seq_len 0) ran no tile: write zeros, not 0/0.
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + q_token.to(tl.int64) * stride_o_token + q_heads[:, None] * stride_o_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=group_valid[:, None] & dim_valid[None, :],
+    )
 
 
 @triton.jit
@@ -455,15 +470,8 @@ def _merge_splits(
         total_acc = total_acc * rescale[:, None] + tl.sum(part_acc * weights[:, :, None], axis=1)
         total_max = new_max
         part_max, part_sum, part_acc = next_max, next_sum, next_acc
-    if HAS_SINKS:
-        total_max, total_sum, total_acc = add_sinks(sinks_ptr, q_heads, group_valid, total_max, total_sum, total_acc)
-    # A padding sequence (seq_len 0) ran no tile: write zeros, not 0/0.
-    out = total_acc / tl.where(total_sum > 0.0, total_sum, 1.0)[:, None]
-    tl.store(
-        out_ptr + q_token.to(tl.int64) * stride_o_token + q_heads[:, None] * stride_o_head + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=group_valid[:, None] & dim_valid[None, :],
-    )
+    _store_output(out_ptr, sinks_ptr, q_token, q_heads, group_valid, dims, dim_valid, total_max, total_sum, total_acc,
+                  stride_o_token, stride_o_head, HAS_SINKS)
 
 
 _decode_launcher = CachedLauncher(_paged_decode_split_kernel)
