@@ -155,17 +155,18 @@ def mixed_decode_splits(num_decodes: int, num_q_heads: int, num_kv_heads: int, h
     engine run). From the count alone there are four or five, compiled at start-up
     (`warm_mixed_decodes`). Splits past a short context exit at once."""
     merge_chunk = merge_block_s(num_q_heads // num_kv_heads, triton.next_power_of_2(head_dim), MAX_SPLITS,
-                                decode_num_warps(head_dim))  # as paged_decode_attention launches them
+                                decode_num_warps(head_dim, num_decodes))  # as paged_decode_attention launches them
     splits = choose_num_splits(num_decodes, num_kv_heads, _ANY_CONTEXT, merge_chunk=merge_chunk)
     return 1 << (2 * ((splits.bit_length() - 1) // 2))
 
 
 def mixed_decode_variants(max_decodes: int, num_q_heads: int, num_kv_heads: int, head_dim: int) -> list[int]:
     """One decode count for each decode-kernel variant a mixed step of up to `max_decodes`
-    decodes can launch (its split count and grid order)."""
-    counts: dict[tuple[int, bool], int] = {}
+    decodes can launch (its split count, grid order and warps)."""
+    counts: dict[tuple[int, bool, int], int] = {}
     for count in range(1, max_decodes + 1):
-        key = (mixed_decode_splits(count, num_q_heads, num_kv_heads, head_dim), count >= HEADS_FIRST_MIN_SEQS)
+        key = (mixed_decode_splits(count, num_q_heads, num_kv_heads, head_dim), count >= HEADS_FIRST_MIN_SEQS,
+               decode_num_warps(head_dim, count))
         counts.setdefault(key, count)
     return sorted(counts.values())
 
