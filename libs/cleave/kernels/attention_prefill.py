@@ -209,10 +209,9 @@ DEFAULT_PREFILL_LAUNCH = PrefillLaunch()
 # 868 us a layer, 32:4:128 heads 1703 us (8 warps: 1882); an 8k Llama-3.2-1B prefill 46.3 ->
 # 39.8 ms, Qwen3-30B-A3B's 218 -> 193 ms with the launches nearest these. A lone fresh prompt
 # goes to dense SDPA with grouped KV heads: on an H100 (bench/results/prefill/*-20261206T0734*,
-# bench/results/moe/moe-prefill-20261206T073509Z.md)
-# one layer's attention takes 618 us for 32:8:64 heads (the kernel: 874) and 929 us for
-# 32:4:128 (1704); the 8k Llama prefill 41.3 -> 38.4 ms (transformers 52.1) and Qwen3-30B-A3B's
-# 242.5 -> 214.0 ms.
+# bench/results/moe/moe-prefill-20261206T073509Z.md) one layer's attention takes 618 us for
+# 32:8:64 heads (the kernel: 874) and 929 us for 32:4:128 (1704); the 8k Llama prefill 41.3 ->
+# 38.4 ms (transformers 52.1) and Qwen3-30B-A3B's 242.5 -> 214.0 ms.
 TUNED_PREFILL_LAUNCHES = {
     64: PrefillLaunch(block_m=128, block_n=64, num_warps=8, heavy_first=True, causal_split=True, dense_fresh=True,
                       dense_gqa=True),
