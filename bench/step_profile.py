@@ -43,8 +43,10 @@ def profiled_calls(step: Callable[[], object], calls: int, activities: list, rec
                  schedule=schedule(wait=0, warmup=1, active=calls, repeat=1)) as prof:
         for index in range(1 + calls):
             step()
-            if on_device and index == calls:
-                torch.cuda.synchronize()  # every kernel ends before the last step closes the trace
+            if on_device and index in (0, calls):
+                # the warm-up call's kernels end before the reported calls start (else the ones
+                # still queued land in their counts), and every kernel before the trace closes
+                torch.cuda.synchronize()
             prof.step()
     return prof
 
