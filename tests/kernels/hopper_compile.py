@@ -184,19 +184,19 @@ def main() -> None:
                BLOCK_N=64, BLOCK_K=64, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32")
     compile_variant(_moe_gemm_kernel, moe, 4)  # gate_up + SwiGLU
     compile_variant(_moe_gemm_kernel, {**moe, "CLAMPED": True, "HAS_BIAS": True, "BLOCK_M": 64}, 8)  # gpt-oss
-    compile_variant(_moe_gemm_kernel, {**moe, "ROW_DIV": 1, "GATED": False, "MUL_WEIGHT": True}, 4,
-                    pointers={"c_ptr": "*fp32"})  # down, weighted, fp32 per-slot output
+    compile_variant(_moe_gemm_kernel, {**moe, "ROW_DIV": 1, "GATED": False, "MUL_WEIGHT": True}, 4)  # down, weighted
+    compile_variant(_slot_sum_kernel, dict(TOP_K=8, BLOCK_H=1024), 4)  # bf16 slots
     compile_variant(_slot_sum_kernel, dict(TOP_K=8, BLOCK_H=1024), 4, pointers={"per_slot_ptr": "*fp32"})
     # the largest tiles `bench/moe_tune.py` tries (prefill): they fit in shared memory
     compile_variant(_moe_gemm_kernel, {**moe, "BLOCK_M": 128, "BLOCK_N": 128}, 8, num_stages=4)
     compile_variant(_moe_gemm_kernel, {**moe, "ROW_DIV": 1, "GATED": False, "MUL_WEIGHT": True, "BLOCK_M": 128,
-                                       "BLOCK_N": 256}, 8, pointers={"c_ptr": "*fp32"}, num_stages=4)
+                                       "BLOCK_N": 256}, 8, num_stages=4)
     # gpt-oss's MXFP4 experts read packed (grouped GEMMs: gate_up with biases, weighted down)
     packed = {"b_ptr": "*u8", "scale_ptr": "*u8"}
     compile_variant(_moe_gemm_kernel, {**moe, "MXFP4": True, "CLAMPED": True, "HAS_BIAS": True, "BLOCK_M": 64}, 8,
                     pointers=packed)
     compile_variant(_moe_gemm_kernel, {**moe, "MXFP4": True, "ROW_DIV": 1, "GATED": False, "MUL_WEIGHT": True,
-                                       "HAS_BIAS": True}, 4, pointers={**packed, "c_ptr": "*fp32"})
+                                       "HAS_BIAS": True}, 4, pointers=packed)
     # per-entry expert GEMVs (decode): norm prologue, clamped SwiGLU with biases, residual add
     moe_ids = {"ids_ptr": "*i32"}
     gate_up = dict(TOP_K=8, BLOCK_N=2, BLOCK_K=2048, K_TILES=1, HAS_BIAS=False, CLAMPED=False, NORM=True, MXFP4=False,

@@ -13,8 +13,9 @@ host, so it can be captured in a CUDA graph:
    and BLOCK_N columns of both its gate and up rows, and applies the gated activation in
    its epilogue -> intermediate [T*k, I].
 4. Second grouped GEMM: intermediate @ w2[expert].T (+ bias), times the entry's routing
-   weight in the epilogue -> [T*k, H] fp32; then one launch sums the k slots and rounds
-   once to the activations' dtype -> [T, H] (no atomics, so the result is deterministic).
+   weight in the epilogue -> [T*k, H] in the activations' dtype (each weighted expert output
+   rounded once, as transformers rounds it before its sum); then one launch sums the k slots
+   in fp32 and rounds once more -> [T, H] (no atomics, so the result is deterministic).
 
 Blocks past the padded length return at once, so the grid is sized for the worst case.
 Tiles come from `cleave.kernels.moe_tiles` (a table tuned on the device, else a built-in
@@ -285,7 +286,7 @@ def _moe_gemm_kernel(
 
 @triton.jit
 def _slot_sum_kernel(
-    per_slot_ptr,  # [T * TOP_K, H] fp32: each (token, slot) entry's weighted expert output
+    per_slot_ptr,  # [T * TOP_K, H]: each (token, slot) entry's weighted expert output
     out_ptr,  # [T, H]
     hidden_size,
     TOP_K: tl.constexpr,
@@ -296,19 +297,19 @@ def _slot_sum_kernel(
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     valid = cols < hidden_size
     first = per_slot_ptr + token * TOP_K * hidden_size + cols
-    total = tl.load(first, mask=valid, other=0.0)
+    total = tl.load(first, mask=valid, other=0.0).to(tl.float32)
     for slot in tl.static_range(1, TOP_K):
-        total += tl.load(first + slot * hidden_size, mask=valid, other=0.0)
+        total += tl.load(first + slot * hidden_size, mask=valid, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * hidden_size + cols, total.to(out_ptr.dtype.element_ty), mask=valid)
 
 
-SLOT_SUM_BLOCK_H = 1024  # columns a slot-sum program adds: 4 KiB of each slot's fp32 row
+SLOT_SUM_BLOCK_H = 1024  # columns a slot-sum program adds: 2-4 KiB of each slot's row
 
 
 def sum_slots(per_slot: torch.Tensor, top_k: int, out: torch.Tensor) -> torch.Tensor:
-    """out [T, H] = per_slot [T * top_k, H] (fp32, contiguous) summed over each token's
-    top_k rows, rounded once to out's dtype: one pass over the slots (a torch sum, then a
-    cast, reads and writes the [T, H] sum once more in fp32)."""
+    """out [T, H] = per_slot [T * top_k, H] (contiguous, any float dtype) summed in fp32 over
+    each token's top_k rows, rounded once to out's dtype: one pass over the slots (a torch
+    sum, then a cast, reads and writes the [T, H] sum once more in fp32)."""
     num_tokens, hidden_size = out.shape
     if per_slot.shape != (num_tokens * top_k, hidden_size) or not per_slot.is_contiguous() or not out.is_contiguous():
         raise ValueError(f"sum_slots wants contiguous per_slot [{num_tokens * top_k}, {hidden_size}] and out "
@@ -474,8 +475,9 @@ def fused_experts(
     aligned = align_block_size(topk_ids.to(torch.int32), num_experts, launch.block_m)
     intermediate = torch.empty(num_entries, inter, dtype=hidden.dtype, device=hidden.device)
     grouped_gemm(hidden, w13, w13_bias, intermediate, aligned, launch.gate_up, top_k, activation, None)
-    # fp32 slot outputs: the sum over slots rounds once (one ulp in bf16, not k + 1 roundings)
-    per_slot = torch.empty(num_entries, hidden_size, dtype=torch.float32, device=hidden.device)
+    # Slot outputs in the activations' dtype: half the bytes of fp32 for the down GEMM to write
+    # and the sum to read ([T*k, H]: 268 MB a layer for Qwen3-30B-A3B's 8k prompt in bf16).
+    per_slot = torch.empty(num_entries, hidden_size, dtype=hidden.dtype, device=hidden.device)
     grouped_gemm(intermediate, w2, w2_bias, per_slot, aligned, launch.down, 1, None,
                   topk_weights.reshape(-1).to(torch.float32))
     return sum_slots(per_slot, top_k, out)

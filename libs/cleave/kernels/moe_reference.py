@@ -69,9 +69,12 @@ def fused_experts_reference(
     activation: MoEActivation = SILU,
     w13_bias: torch.Tensor | None = None,  # [E, 2I]
     w2_bias: torch.Tensor | None = None,  # [E, H]
+    round_slots: bool = False,
 ) -> torch.Tensor:  # [T, H]
     """sum_k weight_k * expert_k(x), one expert at a time in fp32; the activation is rounded
-    to the input dtype (as the kernel stores it) and the sum once at the end."""
+    to the input dtype (as the kernels store it) and the sum once at the end. `round_slots`:
+    each weighted expert output is rounded to the input dtype before the sum, as the grouped
+    kernels store it (`fused_moe.fused_experts` past `moe_gemv.MAX_TOKENS` tokens)."""
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     for expert in topk_ids.unique().tolist():
         rows, slots = (topk_ids == expert).nonzero(as_tuple=True)
@@ -83,7 +86,8 @@ def fused_experts_reference(
         y = act @ w2[expert].float().t()  # [n, H]
         if w2_bias is not None:
             y = y + w2_bias[expert].float()
-        out.index_add_(0, rows, y * topk_weights[rows, slots, None].float())
+        y = y * topk_weights[rows, slots, None].float()
+        out.index_add_(0, rows, y.to(hidden.dtype).float() if round_slots else y)
     return out.to(hidden.dtype)
 
 
@@ -97,10 +101,11 @@ def fused_moe_reference(
     activation: MoEActivation = SILU,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    round_slots: bool = False,
 ) -> torch.Tensor:  # [T, H]
     """Routing then the experts, both on the references."""
     weights, ids = route_reference(router_logits, top_k, renormalize)
-    return fused_experts_reference(hidden, w13, w2, weights, ids, activation, w13_bias, w2_bias)
+    return fused_experts_reference(hidden, w13, w2, weights, ids, activation, w13_bias, w2_bias, round_slots)
 
 
 def align_block_size_reference(
