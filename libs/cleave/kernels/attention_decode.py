@@ -12,9 +12,9 @@ context is spread over every split (one or two tiles each, so a batch-1 step is 
 serial walk over the context) and a long one gets long partitions. With one split, or a
 context short enough for one, the kernel normalises and writes the output itself;
 otherwise each split writes a partial result (running max, sum of exponentials,
-unnormalised accumulator) and counts itself done on a per-(sequence, KV head) atomic counter; the split that finishes last merges the
-partials and writes the output, then zeroes the counter for the next launch. One launch
-per layer, no separate reduction kernel. The counters live in `metadata.split_counters`
+unnormalised accumulator) and counts itself done on a per-(sequence, KV head) atomic
+counter; the split that finishes last merges the partials and writes the output, then
+zeroes the counter for the next launch. One launch per layer, no separate reduction kernel. The counters live in `metadata.split_counters`
 (zeroed once, e.g. by the CUDA-graph buffers) or are allocated zeroed per call.
 
 With `new_kv` the kernel also takes the layer's rotary embedding and KV write (batches whose
