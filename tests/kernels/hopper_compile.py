@@ -185,7 +185,7 @@ def main() -> None:
     compile_variant(_moe_gemm_kernel, moe, 4)  # gate_up + SwiGLU
     compile_variant(_moe_gemm_kernel, {**moe, "CLAMPED": True, "HAS_BIAS": True, "BLOCK_M": 64}, 8)  # gpt-oss
     compile_variant(_moe_gemm_kernel, {**moe, "ROW_DIV": 1, "GATED": False, "MUL_WEIGHT": True}, 4)  # down, weighted
-    compile_variant(_slot_sum_kernel, dict(TOP_K=8, BLOCK_H=1024), 4)  # bf16 slots
+    compile_variant(_slot_sum_kernel, dict(TOP_K=8, BLOCK_H=1024), 4, pointers={"per_slot_ptr": "*bf16"})
     compile_variant(_slot_sum_kernel, dict(TOP_K=8, BLOCK_H=1024), 4, pointers={"per_slot_ptr": "*fp32"})
     # the largest tiles `bench/moe_tune.py` tries (prefill): they fit in shared memory
     compile_variant(_moe_gemm_kernel, {**moe, "BLOCK_M": 128, "BLOCK_N": 128}, 8, num_stages=4)
