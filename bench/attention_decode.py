@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--splits", default="auto", help="comma-separated, 'auto' = choose_num_splits")
     parser.add_argument("--block-n", default="64")
     parser.add_argument("--num-warps", default="auto",
-                        help="comma-separated; auto: the library's (decode_num_warps: 2 below 128-wide heads, else 8 for one sequence and 4 for more)")
+                        help="comma-separated; auto: the library's (decode_num_warps: by head width, query heads a KV "
+                        "head and batch)")
     parser.add_argument("--kv-cache-dtypes", default="auto",
                         help="comma-separated cache element types: auto (bf16, the queries') and/or fp8 (e4m3)")
     parser.add_argument("--num-stages", default=str(NUM_STAGES),
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
             args.fused, parse_ints(args.splits), parse_ints(args.block_n), parse_ints(args.num_warps),
             parse_ints(args.num_stages), args.heads_first,
         ):
-            warps = warps or decode_num_warps(head_dim, batch)
+            warps = warps or decode_num_warps(head_dim, batch, q_heads // kv_heads)
             merge_chunk = merge_block_s(q_heads // kv_heads, triton.next_power_of_2(head_dim), MAX_SPLITS, warps)
             num_splits = splits or choose_num_splits(batch, kv_heads, args.capacity, block_n, merge_chunk)
 

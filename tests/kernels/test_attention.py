@@ -243,15 +243,16 @@ def test_wide_heads_merge_their_splits_in_smaller_chunks(num_warps):
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 
 
-def test_heads_128_wide_decode_on_four_warps_or_eight_for_one_sequence(monkeypatch):
-    """The decode kernel's default warps follow the head width and batch (`decode_num_warps`):
-    two for 64-wide heads, four for 128-wide ones, eight for those of a lone sequence, with
-    the answer of each."""
+def test_decode_warps_follow_the_heads_and_the_batch(monkeypatch):
+    """The decode kernel's default warps (`decode_num_warps`): two for 64-wide heads, four for
+    128-wide ones; a lone sequence's take eight, and four where 8 query heads of 64 share a
+    KV head (gpt-oss-20b; Llama-3.2-1B's 4 keep two); with the answer of each."""
     from cleave.kernels import attention_decode
 
-    assert [decode_num_warps(64, 1), decode_num_warps(64, 8), decode_num_warps(128, 2), decode_num_warps(256, 64)] == [
-        2, 2, 4, 4]
-    assert decode_num_warps(128, 1) == decode_num_warps(256, 1) == 8
+    assert [decode_num_warps(64, 8, 8), decode_num_warps(64, 1, 4), decode_num_warps(128, 2, 8),
+            decode_num_warps(256, 64, 1)] == [2, 2, 4, 4]
+    assert decode_num_warps(64, 1, 8) == 4
+    assert decode_num_warps(128, 1, 8) == decode_num_warps(256, 1, 1) == 8
     launches: list[int] = []
     original = attention_decode._decode_launcher
 
@@ -269,7 +270,7 @@ def test_heads_128_wide_decode_on_four_warps_or_eight_for_one_sequence(monkeypat
         out = paged_decode_attention(query, cache, metadata, head_dim**-0.5, num_splits=2, block_n=16)
         torch.testing.assert_close(out, paged_attention_reference(query, cache, metadata, head_dim**-0.5),
                                    atol=2e-5, rtol=1e-5)
-    assert launches == [2, 8]  # one sequence each
+    assert launches == [4, 8]  # one sequence each, 8 query heads a KV head
 
 
 def test_decode_capacity_grid_and_padding_rows_give_zeros():

@@ -154,8 +154,9 @@ def mixed_decode_splits(num_decodes: int, num_q_heads: int, num_kv_heads: int, h
     batch) it met new variants step after step as contexts grew (five compiles, 4.2 s, in one
     engine run). From the count alone there are four or five, compiled at start-up
     (`warm_mixed_decodes`). Splits past a short context exit at once."""
-    merge_chunk = merge_block_s(num_q_heads // num_kv_heads, triton.next_power_of_2(head_dim), MAX_SPLITS,
-                                decode_num_warps(head_dim, num_decodes))  # as paged_decode_attention launches them
+    group = num_q_heads // num_kv_heads
+    warps = decode_num_warps(head_dim, num_decodes, group)  # as paged_decode_attention launches them
+    merge_chunk = merge_block_s(group, triton.next_power_of_2(head_dim), MAX_SPLITS, warps)
     splits = choose_num_splits(num_decodes, num_kv_heads, _ANY_CONTEXT, merge_chunk=merge_chunk)
     return 1 << (2 * ((splits.bit_length() - 1) // 2))
 
@@ -166,7 +167,7 @@ def mixed_decode_variants(max_decodes: int, num_q_heads: int, num_kv_heads: int,
     counts: dict[tuple[int, bool, int], int] = {}
     for count in range(1, max_decodes + 1):
         key = (mixed_decode_splits(count, num_q_heads, num_kv_heads, head_dim), count >= HEADS_FIRST_MIN_SEQS,
-               decode_num_warps(head_dim, count))
+               decode_num_warps(head_dim, count, num_q_heads // num_kv_heads))
         counts.setdefault(key, count)
     return sorted(counts.values())
 

@@ -73,9 +73,14 @@ HEADS_FIRST_MIN_SEQS = 2
 # q/k head norms moved into the kernel, a lone sequence's step reads its wide heads fastest
 # on eight (H100, bench/results/moe/moe-decode-20261206T074900Z.md, ...T075207Z.md: batch 1 / 1k
 # 3060 -> 2958 and 3070 -> 2964 us in two runs; batch 64 / 1k 25018 -> 25113 us, so larger
-# batches keep four).
+# batches keep four). In the same runs gpt-oss-20b's lone sequence (8 query heads of 64 a KV
+# head) was faster on four warps, 3038 -> 3021 and 3043 -> 3026 us (...T074923Z.md,
+# ...T075224Z.md), and Llama-3.2-1B's (4 of 64) slower, 990 -> 998 us
+# (bench/results/decode/attention_in_step-20261206T074840Z.md): one sequence's programs take
+# four from GROUP_TILE_FOUR_WARPS query-head elements up.
 WIDE_HEAD_DIM = 128
 WIDE_HEAD_ONE_SEQUENCE_WARPS = 8
+GROUP_TILE_FOUR_WARPS = 512
 # Software-pipeline depth of the KV loop. Timed inside the graph-replayed decode step on an
 # H200 (bench/results/decode/ab/attention_in_step*.md), two stages beat triton's default of
 # three at every shape tried: batch 64 / 1k 1679.6 -> 1672.1 us per step, batch 32 / 32k
@@ -482,12 +487,16 @@ def _merge_splits(
 _decode_launcher = CachedLauncher(_paged_decode_split_kernel)
 
 
-def decode_num_warps(head_dim: int, num_seqs: int) -> int:
-    """Warps of a decode program for heads `head_dim` wide in a launch over `num_seqs`
-    sequences (see WIDE_HEAD_DIM)."""
-    if head_dim < WIDE_HEAD_DIM:
-        return 2
-    return WIDE_HEAD_ONE_SEQUENCE_WARPS if num_seqs == 1 else 4
+def decode_num_warps(head_dim: int, num_seqs: int, queries_per_kv: int) -> int:
+    """Warps of a decode program for `queries_per_kv` query heads `head_dim` wide in a launch
+    over `num_seqs` sequences (see WIDE_HEAD_DIM)."""
+    wide = head_dim >= WIDE_HEAD_DIM
+    if num_seqs == 1:
+        if wide:
+            return WIDE_HEAD_ONE_SEQUENCE_WARPS
+        if queries_per_kv * head_dim >= GROUP_TILE_FOUR_WARPS:
+            return 4
+    return 4 if wide else 2
 
 
 def merge_block_s(queries_per_kv: int, block_d: int, num_splits: int, num_warps: int = 2) -> int:
@@ -532,7 +541,7 @@ def paged_decode_attention(
     query head with no value (gpt-oss), folded in where the output is normalised.
 
     `num_splits` (a power of two) defaults to `choose_num_splits`; `block_n` is the KV tile;
-    `num_warps` defaults to `decode_num_warps` of the head width and batch;
+    `num_warps` defaults to `decode_num_warps` of the heads and batch;
     `num_stages` None leaves the pipeline depth to triton. With `new_kv` the query and the new
     key are unrotated: the kernel applies the rotary embedding (full head width) and writes
     the new key and value into their slots first.
@@ -550,7 +559,7 @@ def paged_decode_attention(
         raise ValueError("paged attention needs the head dimension contiguous in query and kv_cache")
     num_seqs = metadata.num_seqs
     if num_warps is None:
-        num_warps = decode_num_warps(head_dim, num_seqs)
+        num_warps = decode_num_warps(head_dim, num_seqs, num_q_heads // num_kv_heads)
     if num_splits is None:
         visible = min(metadata.max_seq_len, sliding_window) if sliding_window else metadata.max_seq_len
         merge_chunk = merge_block_s(num_q_heads // num_kv_heads, triton.next_power_of_2(head_dim), MAX_SPLITS,
