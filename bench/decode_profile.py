@@ -144,6 +144,13 @@ def gpt_oss_case_steps(cases: list[Case], block_size: int, max_model_len: int, d
     return case_step
 
 
+def case_steps(name: str, cases: list[Case], block_size: int, max_model_len: int, device: torch.device) -> CaseStep:
+    """`--model`'s case steps: gpt-oss-20b's (`gpt_oss_case_steps`) or a graph runner's."""
+    if name == "gpt-oss-20b":
+        return gpt_oss_case_steps(cases, block_size, max_model_len, device)
+    return runner_case_steps(name, cases, block_size, max_model_len, device)
+
+
 def critical_path(events) -> dict[str, float]:
     """{kernel name: microseconds it extends the timeline} for device events; gaps under IDLE."""
     charged: collections.Counter[str] = collections.Counter()
@@ -197,10 +204,7 @@ def main(argv: list[str] | None = None) -> None:
 
     device = torch.device("cuda")
     cases = [Case(*map(int, item.split("x"))) for item in args.cases.split(",")]
-    if args.model == "gpt-oss-20b":
-        case_step = gpt_oss_case_steps(cases, args.block_size, args.max_model_len, device)
-    else:
-        case_step = runner_case_steps(args.model, cases, args.block_size, args.max_model_len, device)
+    case_step = case_steps(args.model, cases, args.block_size, args.max_model_len, device)
     rows, summary = [], {"model": f"{MODELS[args.model]} shape, random bf16 weights", "max_model_len": args.max_model_len}
     with torch.inference_mode():
         for case in cases:

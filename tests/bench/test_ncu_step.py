@@ -1,0 +1,64 @@
+"""bench/ncu_step.py's reading of Nsight Compute's raw CSV and the command it profiles with
+(ncu itself needs a GPU whose runtime lets it read counters)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench.ncu_step import METRICS, SECTIONS, by_kernel, main, ncu_command, parse_raw_csv
+
+HEADER = ['"ID"', '"Process ID"', '"Kernel Name"', '"gpu__time_duration.sum"',
+          '"dram__throughput.avg.pct_of_peak_sustained_elapsed"', '"sm__warps_active.avg.pct_of_peak_sustained_active"',
+          '"launch__registers_per_thread"']
+UNITS = ['""', '""', '""', '"nsecond"', '"%"', '"%"', '"register/thread"']
+RAW = "\n".join([
+    "==PROF== Connected to process 4242",
+    ",".join(HEADER),
+    ",".join(UNITS),
+    '"0","4242","_gemv_kernel","2,500","80.5","40.0","96"',
+    '"1","4242","_paged_decode_split_kernel","9,000","60.0","n/a","128"',
+    '"2","4242","_gemv_kernel","7,500","90.5","20.0","96"',
+    "==PROF== Disconnected from process 4242",
+])
+
+
+def test_raw_rows_carry_microseconds_and_none_for_what_ncu_did_not_give():
+    rows = parse_raw_csv(RAW)
+    assert [row["index"] for row in rows] == [0, 1, 2]
+    assert rows[0]["kernel"] == "_gemv_kernel" and rows[0]["us"] == pytest.approx(2.5)
+    assert rows[1]["us"] == pytest.approx(9.0) and rows[1]["occupancy_pct"] is None
+    assert rows[0]["dram_pct"] == pytest.approx(80.5) and rows[0]["registers"] == 96
+    assert rows[0]["sm_pct"] is None and rows[0]["long_scoreboard"] is None  # not in this output
+    assert set(rows[0]) == {"index", "kernel", *METRICS}
+
+
+def test_kernels_are_summed_by_name_with_duration_weighted_averages():
+    summary = by_kernel("b64/ctx1024", parse_raw_csv(RAW))
+    assert [(row["kernel"], row["calls"], row["us"]) for row in summary] == [
+        ("_gemv_kernel", 2, 10.0), ("_paged_decode_split_kernel", 1, 9.0)]
+    assert summary[0]["dram_pct"] == pytest.approx((2.5 * 80.5 + 7.5 * 90.5) / 10, abs=0.05)
+    assert summary[1]["occupancy_pct"] is None
+
+
+def test_output_without_a_csv_header_is_an_error():
+    with pytest.raises(ValueError, match="no ncu CSV header"):
+        parse_raw_csv("==PROF== No kernels were profiled.")
+
+
+def test_the_step_runs_under_ncu_node_by_node_with_the_clocks_left_alone():
+    args = argparse.Namespace(model="qwen3-30b-a3b", block_size=16, max_model_len=2048)
+    command = ncu_command("/opt/ncu", args, "1x1024")
+    assert command[0] == "/opt/ncu"
+    assert command[command.index("--clock-control") + 1] == "none"
+    assert command[command.index("--graph-profiling") + 1] == "node"
+    assert command[command.index("--profile-from-start") + 1] == "off"
+    assert [command[i + 1] for i, arg in enumerate(command) if arg == "--section"] == list(SECTIONS)
+    tail = command[command.index("--run"):]
+    assert tail[tail.index("--cases") + 1] == "1x1024" and tail[tail.index("--model") + 1] == "qwen3-30b-a3b"
+
+
+def test_a_missing_ncu_is_named():
+    with pytest.raises(SystemExit, match="no-such-ncu"):
+        main(["--ncu", "no-such-ncu"])
