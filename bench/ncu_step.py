@@ -99,16 +99,17 @@ def by_kernel(case: str, rows: Sequence[dict[str, object]]) -> list[dict[str, ob
     for name, members in groups.items():
         total = sum(float(row["us"] or 0.0) for row in members)
         summary.append({"case": case, "kernel": name[:NAME_WIDTH], "calls": len(members), "us": round(total, 1),
-                        **{column: _weighted(members, column, total) for column in WEIGHTED}})
+                        **{column: _weighted(members, column) for column in WEIGHTED}})
     return sorted(summary, key=lambda row: -float(row["us"]))
 
 
-def _weighted(rows: Sequence[dict[str, object]], column: str, total_us: float) -> float | None:
-    """`column` averaged over `rows` weighted by their durations (None where ncu gave none)."""
+def _weighted(rows: Sequence[dict[str, object]], column: str) -> float | None:
+    """`column` averaged by duration over the `rows` ncu gave it for (None where it gave none)."""
     pairs = [(float(row["us"] or 0.0), float(row[column])) for row in rows if row[column] is not None]
-    if not pairs or total_us <= 0:
+    weight = sum(us for us, _ in pairs)
+    if weight <= 0:
         return None
-    return round(sum(us * value for us, value in pairs) / total_us, 1)
+    return round(sum(us * value for us, value in pairs) / weight, 1)
 
 
 def run_profiled_step(args: argparse.Namespace) -> None:

@@ -42,6 +42,12 @@ def test_kernels_are_summed_by_name_with_duration_weighted_averages():
     assert summary[1]["occupancy_pct"] is None
 
 
+def test_a_kernel_averages_only_the_calls_ncu_gave_a_value_for():
+    rows = parse_raw_csv(RAW.replace('"7,500","90.5","20.0"', '"7,500","90.5","n/a"'))
+    (gemv,) = [row for row in by_kernel("b1/ctx1024", rows) if row["kernel"] == "_gemv_kernel"]
+    assert gemv["occupancy_pct"] == pytest.approx(40.0)  # not diluted by the call without one
+
+
 def test_output_without_a_csv_header_is_an_error():
     with pytest.raises(ValueError, match="no ncu CSV header"):
         parse_raw_csv("==PROF== No kernels were profiled.")
