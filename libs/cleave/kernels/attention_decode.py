@@ -14,8 +14,9 @@ context short enough for one, the kernel normalises and writes the output itself
 otherwise each split writes a partial result (running max, sum of exponentials,
 unnormalised accumulator) and counts itself done on a per-(sequence, KV head) atomic
 counter; the split that finishes last merges the partials and writes the output, then
-zeroes the counter for the next launch. One launch per layer, no separate reduction kernel. The counters live in `metadata.split_counters`
-(zeroed once, e.g. by the CUDA-graph buffers) or are allocated zeroed per call.
+zeroes the counter for the next launch. One launch per layer, no separate reduction
+kernel. The counters live in `metadata.split_counters` (zeroed once, e.g. by the
+CUDA-graph buffers) or are allocated zeroed per call.
 
 With `new_kv` the kernel also takes the layer's rotary embedding and KV write (batches whose
 qkv projection is a cuBLAS GEMM, which has no epilogue to carry them): every program
