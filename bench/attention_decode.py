@@ -52,10 +52,19 @@ from cleave.kernels.attention_decode import (  # noqa: E402
 from cleave.kernels.kv_cache_dtype import resolve_kv_cache_dtype, to_cache_dtype  # noqa: E402
 from cleave.kv.metadata import AttentionMetadata  # noqa: E402
 
-COLUMNS = ["heads", "kv_dtype", "batch", "context", "fused", "num_splits", "block_n", "num_warps", "num_stages", "heads_first", "us",
+COLUMNS = ["heads", "kv_dtype", "layout", "batch", "context", "fused", "num_splits", "block_n", "num_warps", "num_stages", "heads_first", "us",
            "kv_gb", "roofline_pct"]
 HEADS_FIRST = {"auto": None, "on": True, "off": False}
 FUSED = ("none", "rotary", "head-norms")
+# Where a cache element lives, as the dims of the allocation the [2, blocks, slots, KV heads, D]
+# view the kernel takes is a permutation of: "nhd" is that order itself (a block's slots hold
+# every head side by side), "hnd" puts each head's slots of a block side by side, "block-hnd"
+# also puts a block's K and V side by side.
+LAYOUTS = {
+    "nhd": ((2, "blocks", "slots", "heads", "dim"), (0, 1, 2, 3, 4)),
+    "hnd": ((2, "blocks", "heads", "slots", "dim"), (0, 1, 3, 2, 4)),
+    "block-hnd": (("blocks", 2, "heads", "slots", "dim"), (1, 0, 3, 2, 4)),
+}
 BLOCK_SIZE = 16
 
 
@@ -81,6 +90,22 @@ def parse_orders(text: str) -> list[str]:
 def parse_fused(text: str) -> list[str]:
     """`--fused`: kinds of launch, each none, rotary or head-norms."""
     return parse_choices(text, FUSED, "fused launches")
+
+
+def parse_layouts(text: str) -> list[str]:
+    """`--layouts`: cache layouts, each one of LAYOUTS."""
+    return parse_choices(text, list(LAYOUTS), "cache layouts")
+
+
+def cache_in_layout(layout: str, num_blocks: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
+    """A random [2, num_blocks, BLOCK_SIZE, kv_heads, head_dim] cache of `kv_dtype`, a view of an
+    allocation laid out as `layout` says."""
+    order, permutation = LAYOUTS[layout]
+    sizes = {"blocks": num_blocks, "slots": BLOCK_SIZE, "heads": kv_heads, "dim": head_dim}
+    shape = [sizes.get(dim, dim) for dim in order]
+    stored = to_cache_dtype(torch.randn(*shape, dtype=torch.bfloat16, device=device), kv_dtype)
+    return stored.permute(*permutation)
 
 
 def new_kv_for(kind: str, metadata: AttentionMetadata, context: int, query: torch.Tensor,
@@ -126,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated grid orders: auto, on (KV head fastest), off (split fastest)")
     parser.add_argument("--fused", type=parse_fused, default="none",
                         help="comma-separated: none, rotary (the step's rotary and KV write too), head-norms (and q/k norms)")
+    parser.add_argument("--layouts", type=parse_layouts, default="nhd",
+                        help=f"cache layouts: {', '.join(LAYOUTS)} (comma-separated)")
     parser.add_argument("--hbm-tbs", type=float, default=4.26)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -141,8 +168,6 @@ def main(argv: list[str] | None = None) -> None:
         kv_gb = 2 * batch * context * kv_heads * head_dim * kv_dtype.itemsize / 1e9
         copies = max(1, min(32, int(0.25 / kv_gb)))  # >= 250 MB touched per graph replay
         num_blocks = copies * batch * per_seq + 1
-        cache = to_cache_dtype(torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, head_dim, dtype=torch.bfloat16,
-                                           device=device), kv_dtype)
         blocks = list(range(1, num_blocks))
         random.Random(batch).shuffle(blocks)
         metadatas = []
@@ -155,10 +180,15 @@ def main(argv: list[str] | None = None) -> None:
             metadata.max_seq_len = args.capacity
             metadatas.append(metadata)
         query = torch.randn(batch, q_heads, head_dim, dtype=torch.bfloat16, device=device)
-        for fused, splits, block_n, warps, stages, order in itertools.product(
-            args.fused, parse_ints(args.splits), parse_ints(args.block_n), parse_ints(args.num_warps),
+        cache, cache_layout = None, None
+        for layout, fused, splits, block_n, warps, stages, order in itertools.product(
+            args.layouts, args.fused, parse_ints(args.splits), parse_ints(args.block_n), parse_ints(args.num_warps),
             parse_ints(args.num_stages), args.heads_first,
         ):
+            if cache is None or cache_layout != layout:
+                cache = None
+                cache = cache_in_layout(layout, num_blocks, kv_heads, head_dim, kv_dtype, device)
+                cache_layout = layout
             warps = warps or decode_num_warps(head_dim, batch, q_heads // kv_heads)
             merge_chunk = merge_block_s(q_heads // kv_heads, triton.next_power_of_2(head_dim), MAX_SPLITS, warps)
             num_splits = splits or choose_num_splits(batch, kv_heads, args.capacity, block_n, merge_chunk)
@@ -172,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
 
             us = graph_call_us([make_call(m) for m in metadatas])
             rows.append({
-                "heads": heads, "kv_dtype": kv_setting, "batch": batch, "context": context, "fused": fused, "num_splits": num_splits,
+                "heads": heads, "kv_dtype": kv_setting, "layout": layout, "batch": batch, "context": context, "fused": fused, "num_splits": num_splits,
                 "block_n": block_n,
                 "num_warps": warps, "num_stages": stages or "-", "heads_first": order, "us": round(us, 2), "kv_gb": round(kv_gb, 4),
                 "roofline_pct": round(100 * kv_gb / (us * 1e-6) / (args.hbm_tbs * 1e3), 1),

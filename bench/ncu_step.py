@@ -48,6 +48,8 @@ METRICS = {
     "long_scoreboard": ("smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
                         "smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio"),
 }
+# ncu's time units (older versions spell them out) in microseconds
+TIME_UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats")
 CALL_COLUMNS = ["case", "index", "kernel", *METRICS]
 WEIGHTED = ("dram_pct", "sm_pct", "occupancy_pct", "long_scoreboard")  # averaged over calls by duration
@@ -75,18 +77,22 @@ def parse_raw_csv(text: str) -> list[dict[str, object]]:
         row: dict[str, object] = {"index": int(fields["ID"]), "kernel": fields["Kernel Name"]}
         for column, names in METRICS.items():
             metric = next((name for name in names if name in fields), None)
-            row[column] = None if metric is None else _number(fields[metric], units.get(metric, ""))
+            row[column] = None if metric is None else _number(fields[metric], units.get(metric, ""), column == "us")
         rows.append(row)
     return rows
 
 
-def _number(value: str | None, unit: str) -> float | None:
-    """ncu's value as a float (thousands separators dropped; times in microseconds)."""
+def _number(value: str | None, unit: str, is_time: bool = False) -> float | None:
+    """ncu's value as a float (thousands separators dropped; a time in microseconds, from the
+    unit ncu printed it in)."""
     if value is None or value.strip() in ("", "n/a"):
         return None
     number = float(value.replace(",", ""))
-    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(unit.strip(), 1.0)
-    return number * scale
+    if not is_time:
+        return number
+    if unit.strip() not in TIME_UNITS:
+        raise ValueError(f"ncu gave a duration in {unit!r}, not a time unit this script knows ({', '.join(TIME_UNITS)})")
+    return number * TIME_UNITS[unit.strip()]
 
 
 def by_kernel(case: str, rows: Sequence[dict[str, object]]) -> list[dict[str, object]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from tests.bench.bench_modules import bench_fixture
 
@@ -43,3 +44,24 @@ def test_fused_launches_write_each_sequences_newest_position(bench):
     assert rotary.slot_mapping.tolist() == [3 * 16 + 7, 6 * 16 + 7] and rotary.positions.tolist() == [39, 39]
     assert rotary.head_norms is None and rotary.cos_sin_cache.shape == (64, 64)
     assert bench.new_kv_for("head-norms", metadata, 40, query, 2, 64).head_norms is not None
+
+
+@pytest.mark.parametrize("layout", ["nhd", "hnd", "block-hnd"])
+def test_each_cache_layout_is_a_view_the_kernel_takes(bench, layout):
+    """`--layouts`: every layout is a [2, blocks, slots, KV heads, D] view with the head dim
+    contiguous; hnd puts a head's slots of a block side by side, block-hnd a block's K and V too."""
+    cache = bench.cache_in_layout(layout, num_blocks=3, kv_heads=2, head_dim=8, kv_dtype=torch.bfloat16,
+                                  device=torch.device("cpu"))
+    assert cache.shape == (2, 3, bench.BLOCK_SIZE, 2, 8)
+    assert cache.stride(-1) == 1
+    slot_stride, head_stride = cache.stride(2), cache.stride(3)
+    if layout == "nhd":
+        assert (slot_stride, head_stride) == (16, 8)
+    else:
+        assert (slot_stride, head_stride) == (8, 8 * bench.BLOCK_SIZE)
+    assert (cache.stride(0) < cache.stride(1)) == (layout == "block-hnd")
+
+
+def test_unknown_layouts_are_refused(bench):
+    with pytest.raises(argparse.ArgumentTypeError, match="nhd, hnd or block-hnd, got hdn"):
+        bench.parse_layouts("hnd,hdn")

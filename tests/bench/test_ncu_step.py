@@ -48,6 +48,18 @@ def test_a_kernel_averages_only_the_calls_ncu_gave_a_value_for():
     assert gemv["occupancy_pct"] == pytest.approx(40.0)  # not diluted by the call without one
 
 
+@pytest.mark.parametrize(("unit", "us"), [("ns", 2.5), ("usecond", 2500.0), ("us", 2500.0), ("ms", 2.5e6)])
+def test_durations_are_read_in_the_unit_ncu_printed(unit, us):
+    """Recent ncu prints "ns"/"us"/"ms", older ones spell the units out."""
+    (first, *_) = parse_raw_csv(RAW.replace('"nsecond"', f'"{unit}"'))
+    assert first["us"] == pytest.approx(us)
+
+
+def test_a_duration_in_an_unknown_unit_is_an_error_not_a_guess():
+    with pytest.raises(ValueError, match="duration in 'cycle'"):
+        parse_raw_csv(RAW.replace('"nsecond"', '"cycle"'))
+
+
 def test_output_without_a_csv_header_is_an_error():
     with pytest.raises(ValueError, match="no ncu CSV header"):
         parse_raw_csv("==PROF== No kernels were profiled.")
