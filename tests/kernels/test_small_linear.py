@@ -211,3 +211,82 @@ def test_gpu_bf16_biased_gpt_oss_shapes(rows, kernel):
     small_linear(attn, o_weight, bias=o_bias, add_to=ours, kernel=kernel)
     small_linear_reference(attn, o_weight, bias=o_bias, add_to=theirs)
     torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-2)
+
+
+def _router_case(rows, num_experts, num_in, dtype, seed=3):
+    x, weight, norm_weight, _ = make(rows, num_experts, num_in, False, dtype=dtype, seed=seed)
+    bias = (0.1 * torch.randn(num_experts, generator=torch.Generator().manual_seed(seed))).to(dtype)
+    return x, weight, norm_weight, bias
+
+
+@pytest.mark.parametrize(("rows", "num_experts", "top_k", "renormalize", "dtype", "biased"), [
+    (1, 16, 4, True, torch.float32, False),  # Qwen3's router in small: softmax, top-k, renormalised
+    (3, 8, 2, False, torch.bfloat16, True),  # biased (gpt-oss), the top-k's softmax weights as they are
+    (4, 32, 8, True, torch.bfloat16, False),
+])
+def test_route_epilogue_picks_the_routing_launchs_experts(rows, num_experts, top_k, renormalize, dtype, biased):
+    """`route`: the router GEMV's last program routes each row from the logits as stored,
+    which are the plain GEMV's; the experts and weights are `route_reference`'s of them, and
+    the counter is left zeroed for the next launch."""
+    from cleave.kernels.gemv import RouterTopK
+    from cleave.kernels.moe_reference import route_reference
+
+    x, weight, norm_weight, bias = _router_case(rows, num_experts, 48, dtype)
+    bias = bias if biased else None
+    routing = RouterTopK.for_rows(rows, top_k, renormalize, torch.zeros(4, dtype=torch.int32), x.device)
+    logits = small_linear(x, weight, norm_weight=norm_weight, bias=bias, route=routing, impl="triton", block_n=4,
+                          block_k=16)
+    plain = small_linear(x, weight, norm_weight=norm_weight, bias=bias, impl="triton", kernel="fma", block_n=4,
+                         block_k=16)
+    torch.testing.assert_close(logits, plain, rtol=0, atol=0)
+    weights, ids = route_reference(logits, top_k, renormalize)
+    assert torch.equal(routing.ids, ids)
+    torch.testing.assert_close(routing.weights, weights, rtol=1e-6, atol=1e-6)
+    assert routing.counter.eq(0).all()
+
+
+def test_route_epilogue_breaks_ties_toward_the_lower_expert():
+    """Experts with equal logits (equal router rows) are picked lowest id first, as the routing
+    launch picks them."""
+    from cleave.kernels.gemv import RouterTopK
+
+    x, weight, _, _ = _router_case(2, 8, 32, torch.float32)
+    weight[5] = weight[2]
+    weight[6] = weight[2]
+    weight[2] += 1.0  # no longer tied; 5 and 6 are
+    routing = RouterTopK.for_rows(2, 8, True, None, x.device)
+    logits = small_linear(x, weight, route=routing, impl="triton")
+    order = routing.ids.tolist()
+    for row in range(2):
+        assert logits[row, 5] == logits[row, 6]
+        assert order[row].index(5) < order[row].index(6)
+    assert sorted(order[0]) == list(range(8))
+
+
+def test_route_refusals_name_what_it_cannot_take():
+    from cleave.kernels.gemv import RouterTopK
+
+    x, weight, _, _ = _router_case(2, 8, 32, torch.float32)
+    routing = RouterTopK.for_rows(2, 2, True, None, x.device)
+    with pytest.raises(ValueError, match="not with gated, add_to, rotary or kernel 'dot'"):
+        small_linear(x, weight, route=routing, impl="triton", kernel="dot")
+    with pytest.raises(ValueError, match="not with gated"):
+        small_linear(x, weight, route=routing, add_to=torch.zeros(2, 8), impl="triton")
+    with pytest.raises(ValueError, match="route takes at most 4 rows"):
+        small_linear(torch.zeros(5, 32), weight, route=RouterTopK.for_rows(5, 2, True, None, x.device), impl="triton")
+    with pytest.raises(ValueError, match=r"route.ids must be a contiguous \[2, 2\] torch.int32"):
+        small_linear(x, weight, route=RouterTopK(2, True, routing.weights, routing.ids.long(), routing.counter),
+                     impl="triton")
+    with pytest.raises(ValueError, match="top_k must be in 1..8, got 9"):
+        small_linear(x, weight, route=RouterTopK.for_rows(2, 9, True, None, x.device), impl="triton")
+
+
+def test_route_on_the_torch_path_writes_the_reference_routing():
+    from cleave.kernels.gemv import RouterTopK
+    from cleave.kernels.moe_reference import route_reference
+
+    x, weight, norm_weight, _ = _router_case(3, 16, 32, torch.float32)
+    routing = RouterTopK.for_rows(3, 4, False, None, x.device)
+    logits = small_linear(x, weight, norm_weight=norm_weight, route=routing, impl="torch")
+    weights, ids = route_reference(logits, 4, False)
+    assert torch.equal(routing.ids, ids) and torch.equal(routing.weights, weights)
