@@ -71,8 +71,7 @@ HBM_BYTES_PER_S = 4.26e12  # H200 device copy, read + write (bench/results/kerne
 LAYER_COLUMNS = ["tokens", "method", "us", "roofline_us", "roofline_pct", "touched_experts", "max_diff"]
 DECODE_COLUMNS = ["batch", "context", "route", "attention", "us", "roofline_us", "roofline_pct",
                   "touched_experts_per_layer", "bytes_gb"]
-# --routes: where the GEMV decode layout routes, as SparseMoeBlock's (route_in_gemv, route_in_router)
-ROUTES = {"launch": (False, False), "in-gemv": (True, False), "in-router": (False, True)}
+ROUTES = {"launch": False, "in-gemv": True}  # --routes: SparseMoeBlock.route_in_gemv
 ON_OFF = {"on": True, "off": False}  # --rotary-in-attention: Attention.rotary_in_decode_attention
 PREFILL_COLUMNS = ["tokens", "launch", "ms", "active_tflop", "tflops", "peak_pct"]
 PROFILE_COLUMNS = ["tokens", "what", "name", "calls", "us", "tflops", "critical_us"]
@@ -122,9 +121,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "fused rows read them packed (random codes), the decode part is gpt-oss's only; the "
                         "roofline counts 4.25 bits a value")
     parser.add_argument("--routes", default="launch", help="decode part, comma-separated: where the GEMV layout "
-                        "routes, 'launch' (its own), 'in-gemv' (the first expert GEMV: SparseMoeBlock.route_in_gemv) "
-                        "and/or 'in-router' (the router GEMV's epilogue: route_in_router); the touched experts are "
-                        "counted with the routing launch")
+                        "routes, 'launch' (its own) and/or 'in-gemv' (the first expert GEMV: "
+                        "SparseMoeBlock.route_in_gemv); the touched experts are counted with the routing launch")
     parser.add_argument("--rotary-in-attention", default="on", help="decode part, comma-separated 'on' and/or 'off': "
                         "whether the decode attention kernel applies the q/k norms, the rotary embedding and the KV "
                         "write (Attention.rotary_in_decode_attention) or kernels of their own do, before it")
@@ -414,14 +412,14 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
         def step() -> torch.Tensor:
             return model.compute_logits(model(input_ids, positions, kv_cache, metadata))
 
-        _set_routing(model, "launch")  # the count hooks the routing launch
+        _set_route_in_gemv(model, False)  # the count hooks the routing launch
         touched = _touched_experts(model, step)
         windows = [config.layer_sliding_window(layer) for layer in range(config.num_hidden_layers)]
         num_bytes = _decode_bytes(shape, dtype, batch, args.context, touched, windows, args.packed_experts)
         roofline_us = num_bytes / HBM_BYTES_PER_S * 1e6
         for route_name, rotary, attention in itertools.product(args.routes, args.rotary_in_attention,
                                                                [{}, *args.decode_attention]):
-            _set_routing(model, route_name)
+            _set_route_in_gemv(model, ROUTES[route_name])
             for layer in model.layers:
                 layer.self_attn.rotary_in_decode_attention = ON_OFF[rotary]
             with torch.no_grad(), decode_attention_bound(attention) as bound_calls:
@@ -517,14 +515,13 @@ def active_flops(shape: MoEShape, config, num_tokens: int) -> float:  # noqa: AN
     return linear + attention
 
 
-def _set_routing(model, route_name: str) -> None:  # noqa: ANN001
-    """Where every MoE block of the GEMV decode layout routes (ROUTES)."""
+def _set_route_in_gemv(model, value: bool) -> None:  # noqa: ANN001
+    """Every MoE block's `route_in_gemv` (the GEMV decode layout's routing launch or not)."""
     from cleave.model.moe import SparseMoeBlock
 
-    in_gemv, in_router = ROUTES[route_name]
     for module in model.modules():
         if isinstance(module, SparseMoeBlock):
-            module.route_in_gemv, module.route_in_router = in_gemv, in_router
+            module.route_in_gemv = value
 
 
 def _touched_experts(model, step: Callable[[], torch.Tensor]) -> list[int]:

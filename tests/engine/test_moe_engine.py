@@ -94,13 +94,11 @@ def test_llm_greedy_matches_transformers_on_cuda(arch, eager, moe_checkpoints, h
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("where", ["expert-gemv", "router-gemv"])
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
-def test_routing_inside_a_gemv_on_cuda_matches_transformers(arch, where, moe_checkpoints, hf_greedy):
-    """On the GPU, the decode steps route without a launch of their own: in the first expert
-    GEMV (`SparseMoeBlock.route_in_gemv`) or in the router GEMV's epilogue (`route_in_router`),
-    in eager decode steps (the engine captures its graphs at start, before the blocks are
-    switched)."""
+def test_routing_inside_the_expert_gemv_on_cuda_matches_transformers(arch, moe_checkpoints, hf_greedy):
+    """`SparseMoeBlock.route_in_gemv` on the GPU: the first expert GEMV routes each token
+    itself, in eager decode steps (the engine captures its graphs at start, before the blocks
+    are switched)."""
     from cleave.model.moe import SparseMoeBlock
 
     prompts, expected = hf_greedy[arch]
@@ -108,8 +106,7 @@ def test_routing_inside_a_gemv_on_cuda_matches_transformers(arch, where, moe_che
               max_num_batched_tokens=48, block_size=16, num_blocks=128, enforce_eager=True)
     blocks = [module for module in llm.engine.model.modules() if isinstance(module, SparseMoeBlock)]
     for block in blocks:
-        block.route_in_gemv = where == "expert-gemv"
-        block.route_in_router = where == "router-gemv"
+        block.route_in_gemv = True
     assert blocks and _generate(llm, prompts, MAX_TOKENS) == expected
 
 

@@ -62,7 +62,6 @@ POINTERS = {  # argument name -> pointer type; every other runtime argument is a
     "weights_ptr": "*fp32", "scale_ptr": "*bf16",
 }
 FP8_CACHE = {"cache_ptr": "*fp8e4nv"}  # `--kv-cache-dtype fp8`: float8 e4m3 stores and loads
-ROUTE_OUTPUTS = {"counter_ptr": "*i32", "route_weights_ptr": "*fp32", "route_ids_ptr": "*i32"}
 FEATURE_DIMS = {"N", "K", "num_in", "num_out", "hidden_size"}  # runtime sizes that are multiples of 16 in every real model
 FLOATS = {"eps", "scale_log2", "norm_eps", "alpha", "limit", "head_norm_eps"}
 
@@ -110,8 +109,7 @@ def resource_usage(cubin: bytes) -> tuple[int, int]:
 
 def main() -> None:
     gemv = dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, K_TILES=1, NORM=False, GATED=False, BIAS=False, ADD=False,
-                ROTARY=False, IS_NEOX=True, HEAD_DIM=64, ROT_HALF=32, NUM_Q_HEADS=32, NUM_KV_HEADS=8, ROUTE=False,
-                TOP_K=1, BLOCK_TOPK=1, BLOCK_E=1, RENORMALIZE=False, PDL=True)
+                ROTARY=False, IS_NEOX=True, HEAD_DIM=64, ROT_HALF=32, NUM_Q_HEADS=32, NUM_KV_HEADS=8, PDL=True)
     compile_variant(_gemv_kernel, {**gemv, "NORM": True, "ROTARY": True}, 4)  # qkv + rotary + KV write
     compile_variant(_gemv_kernel, {**gemv, "NORM": True, "ROTARY": True, "BIAS": True}, 4)  # gpt-oss's biased qkv
     compile_variant(_gemv_kernel, {**gemv, "NORM": True, "ROTARY": True}, 4, pointers=FP8_CACHE)  # into an fp8 cache
@@ -119,10 +117,6 @@ def main() -> None:
     compile_variant(_gemv_kernel, {**gemv, "NORM": True, "GATED": True, "BLOCK_N": 2}, 4)  # gate_up
     compile_variant(_gemv_kernel, {**gemv, "ADD": True, "BLOCK_N": 8, "K_TILES": 4}, 8)  # down
     compile_variant(_gemv_kernel, {**gemv, "BLOCK_M": 4, "BLOCK_N": 2, "PDL": False}, 4)
-    route = {"ROUTE": True, "RENORMALIZE": True, "TOP_K": 8, "BLOCK_TOPK": 8, "BLOCK_E": 128}
-    compile_variant(_gemv_kernel, {**gemv, **route, "NORM": True}, 4, pointers=ROUTE_OUTPUTS)  # Qwen3's router
-    compile_variant(_gemv_kernel, {**gemv, **route, "NORM": True, "BIAS": True, "BLOCK_M": 4, "BLOCK_N": 8, "K_TILES": 2,
-                                   "TOP_K": 4, "BLOCK_TOPK": 4, "BLOCK_E": 32}, 8, pointers=ROUTE_OUTPUTS)  # gpt-oss's
     attention = dict(QUERIES_PER_KV=4, HEAD_DIM=64, NUM_SPLITS=16, SLIDING=False, BLOCK_G=16, BLOCK_N=64, BLOCK_D=64,
                      BLOCK_Q=4, BLOCK_S=16, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", PREFETCH=True, ROTARY=False,
                      IS_NEOX=True, ROW_NORM=False, NORM_BLOCK=16, HEADS_FIRST=False, PDL=True, HAS_SINKS=False,

@@ -134,38 +134,29 @@ def test_moe_decode_steps_on_the_gemv_layout_match_transformers(name, moe_checkp
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("where", ["expert-gemv", "router-gemv"])
 @pytest.mark.parametrize("name", ["qwen3-moe", "gpt-oss"])
-def test_routing_inside_a_gemv_matches_transformers(name, where, moe_checkpoints, moe_hf_models, monkeypatch):
-    """The GEMV decode layout's single-token steps route without a launch of their own, to the
-    same logits: in the first expert GEMV (`route_in_gemv`: no routed weights passed in, the
-    router logits instead) or in the router GEMV's epilogue (`route_in_router`: no `route`
-    launch, the expert GEMVs given its routing)."""
+def test_routing_inside_the_first_expert_gemv_matches_transformers(name, moe_checkpoints, moe_hf_models, monkeypatch):
+    """`route_in_gemv`: the GEMV decode layout's single-token steps route in the first expert
+    GEMV (no routed weights passed in, the router logits instead), to the same logits."""
     from cleave.model import fused_decode
 
-    calls = []
-    real_moe_gemv, real_route = fused_decode.moe_gemv, fused_decode.route
+    routed_inside = []
+    real_moe_gemv = fused_decode.moe_gemv
 
     def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append("inside" if args[3] is None and kwargs["router_logits"] is not None else "given")
+        routed_inside.append(args[3] is None and kwargs["router_logits"] is not None)
         return real_moe_gemv(*args, **kwargs)
 
-    def routing_launch(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append("route")
-        return real_route(*args, **kwargs)
-
     monkeypatch.setattr(fused_decode, "moe_gemv", counting)
-    monkeypatch.setattr(fused_decode, "route", routing_launch)
     model = load_model(moe_checkpoints[name], impl="triton")
     for module in model.modules():
         if isinstance(module, SparseMoeBlock):
-            module.route_in_gemv = where == "expert-gemv"
-            module.route_in_router = where == "router-gemv"
+            module.route_in_gemv = True
     input_ids = prompt_ids(model.config.vocab_size, 24)
     expected = moe_hf_models[name](input_ids[None]).logits[0].float()
     assert (run_chunks(model, input_ids, [21, 1, 1, 1]) - expected).abs().max().item() <= TOLERANCE
     sparse_layers = sum(isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers)
-    assert calls == ["inside" if where == "expert-gemv" else "given"] * (3 * sparse_layers)
+    assert routed_inside == [True] * (3 * sparse_layers)
 
 
 @torch.no_grad()

@@ -31,13 +31,6 @@ layout, 2i and 2i + 1 in GPT-J's; v heads and dims past the rotary width pair up
 unrotated), so both halves of a rotation are in its registers. The rotation reads the
 projection rounded to the activation dtype, as the unfused kernels do; q lands rotated in
 the output (k and v there are not read again).
-
-And one is a MoE router's: `ROUTE` (a `RouterTopK`) picks each row's top-k experts from the
-logits the kernel has just stored, which is `fused_moe.route` after the router, one launch
-fewer per MoE layer. Every program stores its logits and counts itself done on a counter
-(release / acquire); the last one routes each row with the routing kernel's own code
-(`moe_routing.top_k_routing`, reading the logits as rounded in memory, so the experts and
-weights are the routing launch's, ties included) and zeroes the counter for the next launch.
 """
 
 from __future__ import annotations
@@ -49,7 +42,6 @@ import triton
 import triton.language as tl
 
 from cleave.kernels.kv_cache_dtype import to_cache
-from cleave.kernels.moe_routing import routing_blocks, top_k_routing
 from cleave.kernels.pdl import release_dependents, wait_for_producer
 
 MAX_ROWS = 4  # rows the register GEMV takes
@@ -71,64 +63,6 @@ class RotaryKVWrite:
     is_neox: bool = True
 
 
-@dataclass(frozen=True)
-class RouterTopK:
-    """Top-k routing of a router projection's rows, as its epilogue (see the module doc)."""
-
-    top_k: int
-    renormalize: bool
-    weights: torch.Tensor  # [T, top_k] fp32, written
-    ids: torch.Tensor  # [T, top_k] int32, written
-    counter: torch.Tensor  # int32 zeros (one is used), left zeroed
-
-    @classmethod
-    def for_rows(cls, num_rows: int, top_k: int, renormalize: bool, counters: torch.Tensor | None,
-                 device: torch.device) -> RouterTopK:
-        """Fresh outputs for `num_rows` rows; `counters` (int32 zeros, e.g. the decode step's
-        `AttentionMetadata.split_counters`), else a zeroed counter of its own."""
-        if counters is None:
-            counters = torch.zeros(1, dtype=torch.int32, device=device)
-        return cls(top_k, renormalize, torch.empty(num_rows, top_k, dtype=torch.float32, device=device),
-                   torch.empty(num_rows, top_k, dtype=torch.int32, device=device), counters)
-
-    def check(self, num_rows: int, num_experts: int) -> tuple[int, int]:
-        """(BLOCK_TOPK, BLOCK_E) of the routing; refuses outputs of the wrong shape or dtype."""
-        blocks = routing_blocks(num_experts, self.top_k)
-        for name, tensor, dtype in (("weights", self.weights, torch.float32), ("ids", self.ids, torch.int32)):
-            if tensor.shape != (num_rows, self.top_k) or tensor.dtype != dtype or not tensor.is_contiguous():
-                raise ValueError(f"route.{name} must be a contiguous [{num_rows}, {self.top_k}] {dtype} tensor, "
-                                 f"got {tuple(tensor.shape)} {tensor.dtype}")
-        if self.counter.dtype != torch.int32 or self.counter.numel() < 1:
-            raise ValueError("route.counter must hold at least one int32 zero")
-        return blocks
-
-
-@triton.jit
-def _route_when_last(
-    out_ptr, stride_out_row, num_rows, num_out, counter_ptr, route_weights_ptr, route_ids_ptr,
-    BLOCK_M: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-):
-    """ROUTE epilogue: this program's logits are stored; the last program to finish routes
-    every row from all of them and zeroes the counter."""
-    # Every thread's logits are written before the counter moves (release); the program that
-    # moves it last sees every program's (acquire).
-    tl.debug_barrier()
-    finished = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if finished == tl.num_programs(0) - 1:
-        tl.debug_barrier()
-        slots = tl.arange(0, BLOCK_TOPK)
-        for m in tl.static_range(BLOCK_M):
-            if m < num_rows:
-                weights, ids = top_k_routing(out_ptr + m * stride_out_row, num_out, TOP_K, BLOCK_TOPK, BLOCK_E,
-                                             RENORMALIZE)
-                tl.store(route_weights_ptr + m * TOP_K + slots, weights, mask=slots < TOP_K)
-                tl.store(route_ids_ptr + m * TOP_K + slots, ids, mask=slots < TOP_K)
-        # every program has counted itself, and the launch boundary orders this store before
-        # the next launch's atomics
-        tl.store(counter_ptr, 0)
-
-
 @triton.jit
 def _dot_rows(x, w, BLOCK_M: tl.constexpr):
     """[BLOCK_M, BLOCK_K] x [BLOCK_N, BLOCK_K] -> [BLOCK_M, BLOCK_N] fp32, by FMAs."""
@@ -148,9 +82,6 @@ def _gemv_kernel(
     cos_sin_ptr,  # ROTARY: [max_pos, 2 * ROT_HALF]
     cache_ptr,  # ROTARY: [2, num_blocks, block_size, Hkv, HEAD_DIM]
     slot_mapping_ptr,  # ROTARY: [M] int64, -1 = padding
-    counter_ptr,  # ROUTE: int32 zero, left zeroed
-    route_weights_ptr,  # ROUTE: [M, TOP_K] fp32
-    route_ids_ptr,  # ROUTE: [M, TOP_K] int32
     num_rows,
     num_out,  # N
     num_in,  # K
@@ -178,11 +109,6 @@ def _gemv_kernel(
     ROT_HALF: tl.constexpr,  # rotary_dim // 2
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
-    ROUTE: tl.constexpr,
-    TOP_K: tl.constexpr,
-    BLOCK_TOPK: tl.constexpr,  # ROUTE: next power of two >= TOP_K
-    BLOCK_E: tl.constexpr,  # ROUTE: next power of two >= N
-    RENORMALIZE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if ROTARY:  # BLOCK_N // 2 rotary pairs, each pair's features side by side
@@ -270,9 +196,6 @@ def _gemv_kernel(
         residual = tl.load(out_ptrs, mask=out_mask, other=0.0)
         result = (residual.to(tl.float32) + result.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptrs, result, mask=out_mask)
-    if ROUTE:
-        _route_when_last(out_ptr, stride_out_row, num_rows, num_out, counter_ptr, route_weights_ptr, route_ids_ptr,
-                         BLOCK_M, TOP_K, BLOCK_TOPK, BLOCK_E, RENORMALIZE)
 
 
 @triton.jit

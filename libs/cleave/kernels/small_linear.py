@@ -12,10 +12,7 @@ power of two of at least 16 rows for `tl.dot`. What would otherwise be separate 
   computes both halves of its features and writes silu(gate) * up;
 - `bias`: added to the fp32 product (not with `gated`), as `nn.Linear`'s before its rounding;
 - `add_to`: the product is added in place into the residual stream (each program owns its
-  features, so no two programs touch the same element) instead of being written out;
-- `route` (a MoE router's logits, up to 4 rows, on the register GEMV): each row's top-k
-  experts and weights are picked from the stored logits by the kernel's last program
-  (`cleave.kernels.gemv.RouterTopK`), as the routing launch after it would.
+  features, so no two programs touch the same element) instead of being written out.
 
 Rounding matches the unfused ops: the normalised input is rounded to the activation dtype
 before the product, the product before it is added, the sum when it is stored (the split-K
@@ -47,9 +44,8 @@ from cleave.kernels.attention_common import dot_settings
 from cleave.kernels.dispatch import CachedLauncher, Impl, use_triton
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
 from cleave.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
-from cleave.kernels.gemv import RotaryKVWrite, RouterTopK, _gemv_kernel, gemv_tiles
+from cleave.kernels.gemv import RotaryKVWrite, _gemv_kernel, gemv_tiles
 from cleave.kernels.linear_common import linear_tile, store_linear_output
-from cleave.kernels.moe_reference import route_reference
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 from cleave.kernels.rms_norm import rms_norm_reference
 from cleave.kernels.rotary_kv_write import rotary_write_kv_reference
@@ -194,28 +190,16 @@ def small_linear(
     out_dtype: torch.dtype | None = None,  # register GEMV: store the (rounded) product as this dtype
     split_k: int | None = None,  # split-K kernel: K splits (default: fill the GPU)
     counters: torch.Tensor | None = None,  # split-K kernel: int32 zeros it may use and leaves zeroed
-    route: RouterTopK | None = None,  # a router's logits: route each row in the epilogue (register GEMV)
 ) -> torch.Tensor:  # [M, N] (gated: [M, I]); `add_to` itself when given
     """x @ weight.T for at most MAX_ROWS rows, with the fusions described in the module doc."""
     if bias is not None and (gated or bias.shape != (weight.shape[0],)):
         raise ValueError(f"bias must be [{weight.shape[0]}] and not with gated, got {tuple(bias.shape)}")
-    if route is not None:
-        if gated or add_to is not None or rotary is not None or kernel not in ("auto", "fma"):
-            raise ValueError("route is a plain projection's epilogue on the register GEMV: not with gated, add_to, "
-                             f"rotary or kernel {kernel!r}")
-        if x.shape[0] > GEMV_MAX_ROWS:
-            raise ValueError(f"route takes at most {GEMV_MAX_ROWS} rows, got {x.shape[0]}")
-        route.check(x.shape[0], weight.shape[0])
     if not use_triton(x, impl):
         out = small_linear_reference(x, weight, gated, norm_weight, eps, add_to, bias)
         if out_dtype is not None:
             out = out.to(out_dtype)
         if rotary is not None:
             _rotary_write_kv_reference(out, rotary)
-        if route is not None:
-            weights, ids = route_reference(out, route.top_k, route.renormalize)
-            route.weights.copy_(weights)
-            route.ids.copy_(ids)
         return out
     num_rows, num_in = x.shape
     if num_rows > MAX_ROWS:
@@ -237,11 +221,11 @@ def small_linear(
         return out
     if rotary is not None:
         _check_rotary(rotary, num_rows, num_out, gated, add_to, kernel)
-    if kernel == "fma" or rotary is not None or route is not None or out.dtype != x.dtype or (
+    if kernel == "fma" or rotary is not None or out.dtype != x.dtype or (
         kernel == "auto" and num_rows <= GEMV_AUTO_MAX_ROWS
     ):
         _launch_gemv(x, weight, norm_weight, bias, out, eps, gated, add_to is not None, block_n, block_k, num_warps,
-                     pdl, rotary, route)
+                     pdl, rotary)
         return out
     dot_dtype, precision = dot_settings(x)  # the activations' dtype on a GPU; fp32 in the interpreter
     if kernel == "splitk" and bias is not None:
@@ -281,7 +265,6 @@ def _launch_gemv(
     num_warps: int | None,
     pdl: bool,
     rotary: RotaryKVWrite | None,
-    route: RouterTopK | None = None,
 ) -> None:
     """`small_linear` through the register GEMV (cleave.kernels.gemv)."""
     num_rows, num_in = x.shape
@@ -305,19 +288,12 @@ def _launch_gemv(
                           cache.stride(3), cache.shape[2])
         rotary_constexprs = (True, rotary.is_neox, rotary.head_dim, rotary.cos_sin_cache.shape[-1] // 2,
                              rotary.num_q_heads, rotary.num_kv_heads)
-    if route is None:
-        route_tensors = (x, x, x)
-        route_constexprs = (False, 1, 1, 1, False)
-    else:
-        route_tensors = (route.counter, route.weights, route.ids)
-        route_constexprs = (True, route.top_k, *route.check(num_rows, num_out), route.renormalize)
     _gemv_launcher(
         (grid,),
         (x, weight, x if norm_weight is None else norm_weight, x if bias is None else bias, out, *rotary_tensors,
-         *route_tensors, num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0), eps,
-         *rotary_scalars),
+         num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0), eps, *rotary_scalars),
         (triton.next_power_of_2(num_rows), block_n, block_k, triton.cdiv(num_in, block_k),
-         norm_weight is not None, gated, bias is not None, add, *rotary_constexprs, *route_constexprs, pdl),
+         norm_weight is not None, gated, bias is not None, add, *rotary_constexprs, pdl),
         num_warps or tiles[2], num_stages=1, **launch_options(pdl),
     )
 

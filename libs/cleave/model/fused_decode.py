@@ -42,7 +42,7 @@ from cleave.kernels.attention_decode import NewKV, paged_decode_attention
 from cleave.kernels.dispatch import use_triton
 from cleave.kernels.fused_moe import route
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
-from cleave.kernels.gemv import RotaryKVWrite, RouterTopK
+from cleave.kernels.gemv import RotaryKVWrite
 from cleave.kernels.moe_gemv import MAX_TOKENS as MOE_GEMV_MAX_TOKENS
 from cleave.kernels.moe_gemv import moe_gemv
 from cleave.kernels.rms_norm import rms_norm
@@ -127,7 +127,7 @@ def _gemv_layer(
     residual adds into the projections that produce them."""
     _gemv_attention(layer.self_attn, residual, layer.input_layernorm, positions, kv_cache, metadata, cos_sin_cache)
     if isinstance(layer.mlp, SparseMoeBlock):
-        _gemv_moe(layer.mlp, residual, layer.post_attention_layernorm, metadata.split_counters)
+        _gemv_moe(layer.mlp, residual, layer.post_attention_layernorm)
     else:
         _gemv_mlp(layer.mlp, residual, layer.post_attention_layernorm, metadata.split_counters)
 
@@ -172,34 +172,26 @@ def _gemv_mlp(mlp: MLP, residual: torch.Tensor, norm: RMSNorm, counters: torch.T
     small_linear(act, mlp.down_proj.weight, add_to=residual, counters=counters, pdl=mlp.pdl)  # [T, I] -> += [T, H]
 
 
-def _gemv_moe(block: SparseMoeBlock, residual: torch.Tensor, norm: RMSNorm, counters: torch.Tensor | None) -> None:
+def _gemv_moe(block: SparseMoeBlock, residual: torch.Tensor, norm: RMSNorm) -> None:
     """residual += block(norm(residual)): up to `moe_gemv.MAX_TOKENS` tokens with the norm
     inside the router and expert GEMVs, the routing in a launch of its own (gpt-oss's softmax
     over its top-k logits is softmax-then-renormalise) and the add in the last GEMV (see the
     module doc). Routing inside the first expert GEMV instead (`block.route_in_gemv`), one
     launch fewer, was slower on an H200 for Qwen3-30B-A3B (its layer at 1 / 2 / 4 tokens: 44.3 /
     61.7 / 91.6 us with the route launch, 47.5 / 66.0 / 106.9 without;
-    bench/results/moe/moe-layer-20261205T040729Z.md). Or the router GEMV's last program routes
-    every token (`block.route_in_router`, `counters`: its scratch, see
-    AttentionMetadata.split_counters), also one launch fewer."""
+    bench/results/moe/moe-layer-20261205T040729Z.md)."""
     if residual.shape[0] > MOE_GEMV_MAX_TOKENS:
         residual.add_(block(rms_norm(residual, norm.weight, norm.eps, pdl=norm.pdl)))
         return
+    logits = small_linear(residual, block.router.weight, norm_weight=norm.weight, eps=norm.eps, bias=block.router.bias,
+                          pdl=norm.pdl)
     experts, pdl = block.experts, norm.pdl
-    router = block.router
-    if block.route_in_router and not block.route_in_gemv:
-        routing = RouterTopK.for_rows(residual.shape[0], block.top_k, block.renormalize, counters, residual.device)
-        small_linear(residual, router.weight, norm_weight=norm.weight, eps=norm.eps, bias=router.bias, route=routing,
-                     pdl=pdl)
-        weights, ids = routing.weights, routing.ids
-    else:
-        logits = small_linear(residual, router.weight, norm_weight=norm.weight, eps=norm.eps, bias=router.bias, pdl=pdl)
-        if block.route_in_gemv:
-            moe_gemv(residual, experts.gate_up, experts.down, None, None, block.activation, experts.w13_bias,
-                     experts.w2_bias, norm_weight=norm.weight, eps=norm.eps, add_to=residual, router_logits=logits,
-                     top_k=block.top_k, renormalize=block.renormalize, pdl=pdl)
-            return
-        weights, ids = route(logits, block.top_k, block.renormalize, pdl=pdl)
+    if block.route_in_gemv:
+        moe_gemv(residual, experts.gate_up, experts.down, None, None, block.activation, experts.w13_bias,
+                 experts.w2_bias, norm_weight=norm.weight, eps=norm.eps, add_to=residual, router_logits=logits,
+                 top_k=block.top_k, renormalize=block.renormalize, pdl=pdl)
+        return
+    weights, ids = route(logits, block.top_k, block.renormalize, pdl=pdl)
     moe_gemv(residual, experts.gate_up, experts.down, weights, ids, block.activation, experts.w13_bias, experts.w2_bias,
              norm_weight=norm.weight, eps=norm.eps, add_to=residual, pdl=pdl)
 

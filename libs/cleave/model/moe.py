@@ -76,8 +76,6 @@ class SparseMoeBlock(nn.Module):
         # the GEMV decode layout (cleave.model.fused_decode) routes in the first expert GEMV
         # instead of a launch of its own; off: slower for Qwen3-30B-A3B's 128 experts
         self.route_in_gemv = False
-        # or in the router GEMV's epilogue (its last program routes every row), one launch fewer
-        self.route_in_router = False
 
     @torch.inference_mode()
     def warm_variants(self, max_tokens: int) -> int:
