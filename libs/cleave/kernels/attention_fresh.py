@@ -7,15 +7,10 @@ prefill kernel gathers each K/V tile through the block table inside its loop; he
 prompt's context is gathered once into contiguous [S, Hkv, D] tensors (the rotated keys, as
 cached) and torch's `scaled_dot_product_attention` runs the device's flash attention over
 them. A query block shorter than its context is causal from the bottom right (query i of Q
-sees keys 0 .. S - Q + i). On a CUDA device in 16-bit floats such a block runs FlashAttention's
-varlen kernel itself (`torch.ops.aten._flash_attention_forward`, which is causal from the
-bottom right and takes fewer KV heads than query heads); through SDPA (`causal_lower_right`
-with grouped heads) it missed the flash kernel and ran 8-15% slower than the paged kernel on an
-H100 (bench/results/prefill/prefill-20261206T1010*). A prompt with no prefix runs SDPA, its KV
-heads repeated for the query heads (as transformers' SDPA path does), which keeps the flash
-backend eligible, or left as they are for SDPA's `enable_gqa` (`gqa=True`). `backend` picks
-SDPA's kernel (`SDPA_BACKENDS`; "auto": torch's own choice, and FlashAttention's varlen kernel
-for a prefix).
+sees keys 0 .. S - Q + i: `causal_lower_right`), which SDPA's flash kernel does natively.
+The KV heads are repeated for the query heads (as transformers' SDPA path does), which keeps
+the flash backend eligible, or left as they are for SDPA's `enable_gqa` (`gqa=True`).
+`backend` picks SDPA's kernel (`SDPA_BACKENDS`; "auto": torch's own choice).
 
 `dense_prompt` says when this applies: the batch is the leading single-token decodes it was
 told of (`first_seq`; the decode kernel attends those) and then one prompt with no padding
@@ -108,11 +103,9 @@ def dense_prompt_attention(
     blocks = metadata.block_tables[prompt.seq, : -(-seq_len // block_size)].to(torch.int64)
     slots = (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)).reshape(-1)[:seq_len]
     key, value = (kv_cache[i].reshape(-1, num_kv_heads, head_dim).index_select(0, slots) for i in (0, 1))
-    rows = query[prompt.seq : prompt.seq + num_queries]
-    if prompt.has_prefix and backend == "auto" and flash_varlen_eligible(query):
-        return _flash_varlen(rows, key, value, metadata, prompt, scale)
     if not gqa and num_q_heads != num_kv_heads:  # [S, Hkv, D] -> [S, Hq, D]
         key, value = (t.repeat_interleave(num_q_heads // num_kv_heads, dim=1) for t in (key, value))
+    rows = query[prompt.seq : prompt.seq + num_queries]
     if prompt.has_prefix:
         from torch.nn.attention.bias import causal_lower_right  # imports torch._dynamo: only when used
 
@@ -125,28 +118,3 @@ def dense_prompt_attention(
             enable_gqa=gqa, **causal,
         )  # [1, Hq, Q, D]
     return out[0].transpose(0, 1)
-
-
-def flash_varlen_eligible(query: torch.Tensor) -> bool:
-    """Whether FlashAttention's varlen kernel takes these queries: CUDA, 16-bit floats, a head
-    size it has (a multiple of 8, at most 256)."""
-    head_dim = query.shape[-1]
-    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
-
-
-def _flash_varlen(
-    rows: torch.Tensor,  # [Q, Hq, D]
-    key: torch.Tensor,  # [S, Hkv, D]
-    value: torch.Tensor,
-    metadata: AttentionMetadata,
-    prompt: DensePrompt,
-    scale: float,
-) -> torch.Tensor:  # [Q, Hq, D]
-    """The prompt's block over its context on FlashAttention's varlen kernel: one sequence,
-    its query and key offsets taken on the device from the batch's (no host-to-device copy)."""
-    starts = metadata.query_start_loc[prompt.seq : prompt.seq + 2]
-    cum_seq_q = starts - starts[:1]  # [0, Q]
-    cum_seq_k = F.pad(metadata.seq_lens[prompt.seq : prompt.seq + 1], (1, 0))  # [0, S]
-    return torch.ops.aten._flash_attention_forward(
-        rows, key, value, cum_seq_q, cum_seq_k, prompt.num_queries, prompt.seq_len, 0.0, True, False, scale=scale,
-    )[0]
