@@ -246,7 +246,6 @@ class InputBatchBuilder:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             num_decode_seqs=leading_single_tokens(query_lens),
-            host_seq_lens=seq_lens,
         )
         index = 6
         if has_windows:
@@ -324,7 +323,6 @@ class InputBatchBuilder:
             max_query_len=1,
             max_seq_len=max(seq_lens),
             num_decode_seqs=num_entries,
-            host_seq_lens=seq_lens,
         )
         if window_tables is not None:
             metadata.window = metadata.over_tables(device_buffer[3 * span : 3 * span + num_entries],

@@ -18,7 +18,7 @@ from cleave.kernels.attention_decode import (
     merge_block_s,
     paged_decode_attention,
 )
-from cleave.kernels.attention_fresh import dense_prompt, dense_prompt_attention
+from cleave.kernels.attention_fresh import fresh_prompt_attention, lone_fresh_prompt
 from cleave.kernels.attention_prefill import DEFAULT_PREFILL_LAUNCH, PrefillLaunch, paged_prefill_attention
 from cleave.kernels.dispatch import Impl, use_triton
 from cleave.kernels.kv_cache_dtype import to_cache_dtype
@@ -119,10 +119,9 @@ def paged_attention(
     A decode-only batch (every query length 1) runs the split-KV decode kernel; any batch
     with a prefill chunk, mixed or not, runs the varlen prefill kernel, launched as `prefill`
     says (with `prefill.decode_rows`, a mixed batch's leading decodes,
-    `metadata.num_decode_seqs`, run the decode kernel and the rest the prefill kernel; a
-    batch whose rest is one prompt runs torch's dense SDPA for it instead, with nothing cached
-    before it when `prefill.dense_fresh`, after a cached prefix when `prefill.dense_prefix`:
-    `cleave.kernels.attention_fresh`). `sliding_window` (Mistral's): each
+    `metadata.num_decode_seqs`, run the decode kernel and the rest the prefill kernel; with
+    `prefill.dense_fresh`, a batch that is one prompt with nothing cached before it runs
+    torch's dense SDPA, `cleave.kernels.attention_fresh`). `sliding_window` (Mistral's): each
     query sees only its last W positions. `sinks`
     [Hq] (gpt-oss): one extra logit per query head in every softmax. `pdl`: see
     `cleave.kernels.pdl` (the decode kernel only).
@@ -132,22 +131,14 @@ def paged_attention(
     if metadata.is_decode_only:
         return paged_decode_attention(query, kv_cache, metadata, scale, sliding_window=sliding_window, sinks=sinks,
                                       pdl=pdl)
+    if prefill.dense_fresh and lone_fresh_prompt(query, kv_cache, metadata, sliding_window, sinks):
+        return fresh_prompt_attention(query, kv_cache, metadata, scale, prefill.dense_backend, prefill.dense_gqa)
     out = None
     num_decodes = metadata.num_decode_seqs if prefill.decode_rows else 0
-    prompt = None
-    if prefill.dense_fresh or prefill.dense_prefix:
-        prompt = dense_prompt(query, kv_cache, metadata, sliding_window, sinks, num_decodes, prefill.dense_fresh,
-                              prefill.dense_prefix)
     if num_decodes:
         splits = mixed_decode_splits(num_decodes, query.shape[1], kv_cache.shape[3], query.shape[2])
         out = paged_decode_attention(query, kv_cache, metadata.leading(num_decodes), scale, num_splits=splits,
                                      sliding_window=sliding_window, sinks=sinks, pdl=pdl)
-    if prompt is not None:
-        rows = dense_prompt_attention(query, kv_cache, metadata, prompt, scale, prefill.dense_backend, prefill.dense_gqa)
-        if out is None:
-            return rows
-        out[num_decodes:] = rows
-        return out
     return paged_prefill_attention(query, kv_cache, metadata, scale, sliding_window=sliding_window, sinks=sinks,
                                    first_seq=num_decodes, out=out, **prefill.kernel_options())
 

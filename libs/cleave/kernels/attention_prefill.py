@@ -188,19 +188,17 @@ class PrefillLaunch:
     heavy_first: bool = False
     causal_split: bool = False
     decode_rows: bool = True  # a mixed batch's leading decodes on the decode kernel (`paged_attention`)
-    # a batch's one prompt (after its leading decodes) on torch's dense SDPA
-    # (`cleave.kernels.attention_fresh`): with no cached prefix (`dense_fresh`), with one
-    # (`dense_prefix`), on the SDPA backend named ("auto": torch's choice; "flash", "cudnn",
-    # "efficient"), its KV heads repeated for the query heads, or not (`dense_gqa`: SDPA's enable_gqa)
+    # a lone prompt with no cached prefix on torch's dense SDPA (`cleave.kernels.attention_fresh`),
+    # on the SDPA backend named ("auto": torch's choice; "flash", "cudnn", "efficient"), its KV
+    # heads repeated for the query heads, or not (`dense_gqa`: SDPA's enable_gqa)
     dense_fresh: bool = False
-    dense_prefix: bool = False
     dense_backend: str = "auto"
     dense_gqa: bool = False
 
     def kernel_options(self) -> dict[str, int | bool | None]:
         """The keyword arguments `paged_prefill_attention` takes from this launch."""
         options = asdict(self)
-        for name in ("decode_rows", "dense_fresh", "dense_prefix", "dense_backend", "dense_gqa"):
+        for name in ("decode_rows", "dense_fresh", "dense_backend", "dense_gqa"):
             del options[name]
         return options
 
@@ -216,9 +214,9 @@ DEFAULT_PREFILL_LAUNCH = PrefillLaunch()
 # 38.4 ms (transformers 52.1) and Qwen3-30B-A3B's 242.5 -> 214.0 ms.
 TUNED_PREFILL_LAUNCHES = {
     64: PrefillLaunch(block_m=128, block_n=64, num_warps=8, heavy_first=True, causal_split=True, dense_fresh=True,
-                      dense_prefix=True, dense_gqa=True),
+                      dense_gqa=True),
     128: PrefillLaunch(block_m=128, block_n=64, num_warps=4, heavy_first=True, causal_split=True, dense_fresh=True,
-                       dense_prefix=True, dense_gqa=True),
+                       dense_gqa=True),
 }
 
 

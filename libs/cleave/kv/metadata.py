@@ -47,9 +47,6 @@ class AttentionMetadata:
         num_decode_seqs: host int, how many of the batch's first sequences feed one token
             each (the scheduler puts decodes first; 0 where not counted, as in the CUDA
             graphs' buffers); a mixed batch may attend them with the decode kernel (`leading`).
-        host_seq_lens: seq_lens as host ints where the builder had them (the eager batches),
-            None in the CUDA graphs' buffers; the dense prompt path needs a prompt's exact
-            context length without reading the device (`cleave.kernels.attention_fresh`).
     """
 
     slot_mapping: torch.Tensor
@@ -61,14 +58,13 @@ class AttentionMetadata:
     split_counters: torch.Tensor | None = None
     window: AttentionMetadata | None = None
     num_decode_seqs: int = 0
-    host_seq_lens: Seq[int] | None = None
 
     def over_tables(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor) -> AttentionMetadata:
         """The same batch over other block tables (a window group's): only the slots and
         tables differ."""
         return AttentionMetadata(slot_mapping, self.query_start_loc, self.seq_lens, block_tables,
                                  self.max_query_len, self.max_seq_len, self.split_counters,
-                                 num_decode_seqs=self.num_decode_seqs, host_seq_lens=self.host_seq_lens)
+                                 num_decode_seqs=self.num_decode_seqs)
 
     def leading(self, num_seqs: int) -> AttentionMetadata:
         """The batch's first `num_seqs` sequences, each feeding one token (views: they are
@@ -77,8 +73,7 @@ class AttentionMetadata:
             raise ValueError(f"the batch leads with {self.num_decode_seqs} single-token sequences, not {num_seqs}")
         return AttentionMetadata(self.slot_mapping[:num_seqs], self.query_start_loc[: num_seqs + 1],
                                  self.seq_lens[:num_seqs], self.block_tables[:num_seqs], 1, self.max_seq_len,
-                                 self.split_counters, num_decode_seqs=num_seqs,
-                                 host_seq_lens=None if self.host_seq_lens is None else self.host_seq_lens[:num_seqs])
+                                 self.split_counters, num_decode_seqs=num_seqs)
 
     @property
     def num_seqs(self) -> int:
@@ -129,7 +124,6 @@ class AttentionMetadata:
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
             num_decode_seqs=leading_single_tokens(query_lens),
-            host_seq_lens=tuple(seq_lens),
         )
 
 
