@@ -9,6 +9,10 @@ linear layers (2 * params * tokens, lm_head for the last token only) plus causal
     python bench/prefill.py --out bench/results/prefill.json   # writes prefill-<UTC time>.json
     python bench/prefill.py --out bench/results/prefill/prefill.json --skip-hf \
         --attention-launches '{"pack_gqa": true}' '{"dense_fresh": true}'
+    python bench/prefill.py --out bench/results/prefill/prefill.json --tokens 32768 --chunk 2048 --skip-hf
+
+`--chunk` prefills the prompt as a chunked engine does: steps of that many tokens, each after
+the ones before it in the cache (transformers still takes the prompt in one pass).
 
 `--profile` adds where the default cleave prefill's time goes (bench/step_profile.py): its
 GEMMs by shape with their TFLOP/s, and its kernels by name with their time on the critical
@@ -59,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="JSON results path; the run writes STEM-<UTC time>.json beside it")
     parser.add_argument("--tokens", type=int, default=8192, help="prompt length (one sequence)")
+    parser.add_argument("--chunk", type=int, default=0,
+                        help="cleave prefills the prompt in steps of this many tokens, each after the cached ones "
+                        "(as an engine with max_num_batched_tokens = CHUNK does); 0: one step")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
@@ -72,6 +79,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="also profile the default cleave prefill: its GEMMs by shape and its kernels by name")
     return parser.parse_args(argv)
+
+
+def prefill_steps(num_tokens: int, chunk: int, block_table: list[int], block_size: int, device):  # noqa: ANN001, ANN201
+    """(start, end, AttentionMetadata) of each step that prefills a `num_tokens` prompt on
+    `block_table`, `chunk` tokens a step after the ones cached before them (0: one step)."""
+    from cleave.kv.metadata import AttentionMetadata
+
+    size = chunk or num_tokens
+    return [(start, min(num_tokens, start + size),
+             AttentionMetadata.build([min(num_tokens, start + size) - start], [min(num_tokens, start + size)],
+                                     [block_table], block_size, device=device))
+            for start in range(0, num_tokens, size)]
 
 
 def prefill_flops(config, num_tokens: int) -> float:
@@ -89,7 +108,6 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
     from common import event_times_ms, format_table, launch_label, machine_info, run_path, set_prefill_launch
 
-    from cleave.kv.metadata import AttentionMetadata
     from cleave.model.compiled import compile_model
     from cleave.model.config import ModelConfig
     from cleave.model.llama import allocate_kv_cache
@@ -114,12 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator().manual_seed(args.seed)
     block_table = torch.randperm(num_blocks + 64, generator=generator)[:num_blocks].tolist()  # scattered blocks
     kv_cache = allocate_kv_cache(config, num_blocks + 64, block_size, torch.bfloat16, device)
-    metadata = AttentionMetadata.build([num_tokens], [num_tokens], [block_table], block_size, device=device)
     input_ids = torch.randint(0, config.vocab_size, (num_tokens,), generator=generator).to(device)
     positions = torch.arange(num_tokens, device=device)
+    steps = prefill_steps(num_tokens, args.chunk, block_table, block_size, device)
 
     def cleave_step(lm=model) -> torch.Tensor:
-        hidden = lm(input_ids, positions, kv_cache, metadata)  # [T, H]
+        for start, end, metadata in steps:
+            hidden = lm(input_ids[start:end], positions[start:end], kv_cache, metadata)  # [chunk, H]
         return lm.compute_logits(hidden[-1:])  # [1, V]
 
     def hf_step() -> torch.Tensor:
@@ -170,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         load_hf_state_dict(compiled, hf_model.state_dict())
         record("cleave-torch.compile", lambda: cleave_step(compiled))
 
-    print(f"prefill of {num_tokens} tokens, {flops / 1e12:.2f} TFLOP, peak {args.peak_tflops:.0f} TFLOP/s")
+    chunking = f" in steps of {args.chunk} (transformers: one)" if args.chunk else ""
+    print(f"prefill of {num_tokens} tokens{chunking}, {flops / 1e12:.2f} TFLOP, peak {args.peak_tflops:.0f} TFLOP/s")
     print(format_table(rows, COLUMNS))
     for key, value in comparison.items():
         print(f"{key}: {value}")
@@ -182,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         "transformers": transformers.__version__,
         "model_shape": "Llama-3.2-1B (random bf16 weights)",
         "num_tokens": num_tokens,
+        "chunk": args.chunk,
         "block_size": block_size,
         "flops": flops,
         "peak_tflops": args.peak_tflops,
