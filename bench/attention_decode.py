@@ -52,8 +52,7 @@ from cleave.kernels.attention_decode import (  # noqa: E402
 from cleave.kernels.kv_cache_dtype import resolve_kv_cache_dtype, to_cache_dtype  # noqa: E402
 from cleave.kv.metadata import AttentionMetadata  # noqa: E402
 
-COLUMNS = ["heads", "kv_dtype", "layout", "batch", "context", "fused", "num_splits", "block_n", "num_warps", "num_stages",
-           "maxnreg", "heads_first", "us",
+COLUMNS = ["heads", "kv_dtype", "layout", "batch", "context", "fused", "num_splits", "block_n", "num_warps", "num_stages", "heads_first", "us",
            "kv_gb", "roofline_pct"]
 HEADS_FIRST = {"auto": None, "on": True, "off": False}
 FUSED = ("none", "rotary", "head-norms")
@@ -152,8 +151,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated grid orders: auto, on (KV head fastest), off (split fastest)")
     parser.add_argument("--fused", type=parse_fused, default="none",
                         help="comma-separated: none, rotary (the step's rotary and KV write too), head-norms (and q/k norms)")
-    parser.add_argument("--maxnreg", default="auto",
-                        help="registers a thread may use (ptxas .maxnreg), comma-separated; auto: the compiler's choice")
     parser.add_argument("--layouts", type=parse_layouts, default="nhd",
                         help=f"cache layouts: {', '.join(LAYOUTS)} (comma-separated)")
     parser.add_argument("--hbm-tbs", type=float, default=4.26)
@@ -184,9 +181,9 @@ def main(argv: list[str] | None = None) -> None:
             metadatas.append(metadata)
         query = torch.randn(batch, q_heads, head_dim, dtype=torch.bfloat16, device=device)
         cache, cache_layout = None, None
-        for layout, fused, splits, block_n, warps, stages, registers, order in itertools.product(
+        for layout, fused, splits, block_n, warps, stages, order in itertools.product(
             args.layouts, args.fused, parse_ints(args.splits), parse_ints(args.block_n), parse_ints(args.num_warps),
-            parse_ints(args.num_stages), parse_ints(args.maxnreg), args.heads_first,
+            parse_ints(args.num_stages), args.heads_first,
         ):
             if cache is None or cache_layout != layout:
                 cache = None
@@ -200,14 +197,14 @@ def main(argv: list[str] | None = None) -> None:
                 new_kv = new_kv_for(fused, metadata, context, query, kv_heads, args.capacity)
                 return lambda: paged_decode_attention(
                     query, cache, metadata, head_dim**-0.5, num_splits=num_splits, block_n=block_n, num_warps=warps,
-                    num_stages=stages, heads_first=HEADS_FIRST[order], new_kv=new_kv, max_registers=registers,
+                    num_stages=stages, heads_first=HEADS_FIRST[order], new_kv=new_kv,
                 )
 
             us = graph_call_us([make_call(m) for m in metadatas])
             rows.append({
                 "heads": heads, "kv_dtype": kv_setting, "layout": layout, "batch": batch, "context": context, "fused": fused, "num_splits": num_splits,
                 "block_n": block_n,
-                "num_warps": warps, "num_stages": stages or "-", "maxnreg": registers or "auto", "heads_first": order, "us": round(us, 2), "kv_gb": round(kv_gb, 4),
+                "num_warps": warps, "num_stages": stages or "-", "heads_first": order, "us": round(us, 2), "kv_gb": round(kv_gb, 4),
                 "roofline_pct": round(100 * kv_gb / (us * 1e-6) / (args.hbm_tbs * 1e3), 1),
             })
             print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)

@@ -535,7 +535,6 @@ def paged_decode_attention(
     prefetch: bool | None = None,
     heads_first: bool | None = None,
     sinks: torch.Tensor | None = None,
-    max_registers: int | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Split-KV decode attention: every sequence's single new token over its paged context
     (its last `sliding_window` positions only, when given), with programmatic dependent
@@ -547,9 +546,6 @@ def paged_decode_attention(
     `num_stages` None leaves the pipeline depth to triton. With `new_kv` the query and the new
     key are unrotated: the kernel applies the rotary embedding (full head width) and writes
     the new key and value into their slots first.
-
-    `max_registers` caps a thread's registers (ptxas `.maxnreg`; None: the compiler's choice),
-    which sets how many programs an SM holds at once.
 
     `prefetch` (None: from `num_splits`, see PREFETCH_MIN_SPLITS) loads each program's first
     KV tile before the PDL wait; `heads_first` (None: from the number of sequences, see
@@ -611,8 +607,6 @@ def paged_decode_attention(
     launch = launch_options(pdl)
     if num_stages is not None:
         launch["num_stages"] = num_stages
-    if max_registers is not None:
-        launch["maxnreg"] = max_registers
     if prefetch is None:
         prefetch = num_splits >= PREFETCH_MIN_SPLITS
     if heads_first is None:
