@@ -10,12 +10,14 @@ thread, grid and block size and the cycles an issued instruction waits on memory
 scoreboard), summed by kernel name in the table (each call in step order in the JSON).
 
     python bench/ncu_step.py --cases 64x1024 --out bench/results/decode
-    python bench/ncu_step.py --model qwen3-30b-a3b --cases 1x1024 --max-model-len 2048
+    python bench/ncu_step.py --model qwen3-30b-a3b --cases 1x1024 --kernels "_gate_up|_down_sum"
 
 `ncu` reads the counters on the device kinds whose runtime lets it (on the lent H100s, not on
 the lent H200s: ../.library/device/KINDS.md). Each kernel replays many times under the
-profiler, so a step takes seconds; the durations are those of a kernel run alone, without
-the overlap programmatic dependent launch gives it inside the step.
+profiler, so a step takes seconds to minutes; the durations are those of a kernel run alone,
+without the overlap programmatic dependent launch gives it inside the step. A MoE model's
+step (~340 kernels for Qwen3-30B-A3B's shape) took longer than 6 minutes on an H100:
+`--kernels` profiles only the kernels whose names match a regular expression.
 """
 
 from __future__ import annotations
@@ -139,7 +141,8 @@ def run_profiled_step(args: argparse.Namespace) -> None:
 
 def ncu_command(ncu: str, args: argparse.Namespace, case: str) -> list[str]:
     """The ncu command line that profiles `case`'s step (this script with `--run`)."""
-    return [ncu, "--clock-control", "none", "--profile-from-start", "off", "--graph-profiling", "node",
+    only = ["--kernel-name", f"regex:{args.kernels}"] if args.kernels else []
+    return [ncu, "--clock-control", "none", "--profile-from-start", "off", "--graph-profiling", "node", *only,
             *(arg for section in SECTIONS for arg in ("--section", section)), "--csv", "--page", "raw",
             sys.executable, str(Path(__file__).resolve()), "--run", "--model", args.model, "--cases", case,
             "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len)]
@@ -151,6 +154,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", choices=("llama-1b", "qwen3-30b-a3b", "gpt-oss-20b"), default="llama-1b")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--kernels", default=None,
+                        help="profile only the kernels whose names match this regular expression")
     parser.add_argument("--ncu", default=os.environ.get("NCU", "ncu"), help="the Nsight Compute CLI")
     parser.add_argument("--timeout", type=float, default=540.0, help="seconds for each case's ncu run")
     parser.add_argument("--run", action="store_true", help=argparse.SUPPRESS)
@@ -168,7 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{args.ncu!r} not found: pass --ncu PATH (Nsight Compute's CLI) or set NCU")
     calls, rows = [], []
     for case in args.cases.split(","):
-        done = subprocess.run(ncu_command(ncu, args, case), capture_output=True, text=True, timeout=args.timeout)
+        try:
+            done = subprocess.run(ncu_command(ncu, args, case), capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"ncu did not finish {case} in {args.timeout:.0f} s: profile fewer kernels "
+                             "(--kernels REGEX) or give it longer (--timeout)") from None
         if done.returncode != 0:
             raise SystemExit(f"ncu failed on {case} (exit {done.returncode}):\n{done.stderr[-3000:]}")
         kernels = parse_raw_csv(done.stdout)

@@ -66,7 +66,7 @@ def test_output_without_a_csv_header_is_an_error():
 
 
 def test_the_step_runs_under_ncu_node_by_node_with_the_clocks_left_alone():
-    args = argparse.Namespace(model="qwen3-30b-a3b", block_size=16, max_model_len=2048)
+    args = argparse.Namespace(model="qwen3-30b-a3b", block_size=16, max_model_len=2048, kernels=None)
     command = ncu_command("/opt/ncu", args, "1x1024")
     assert command[0] == "/opt/ncu"
     assert command[command.index("--clock-control") + 1] == "none"
@@ -80,3 +80,25 @@ def test_the_step_runs_under_ncu_node_by_node_with_the_clocks_left_alone():
 def test_a_missing_ncu_is_named():
     with pytest.raises(SystemExit, match="no-such-ncu"):
         main(["--ncu", "no-such-ncu"])
+
+
+def test_kernels_narrows_what_ncu_profiles():
+    args = argparse.Namespace(model="qwen3-30b-a3b", block_size=16, max_model_len=2048, kernels="_gate_up|_down_sum")
+    command = ncu_command("/opt/ncu", args, "1x1024")
+    assert command[command.index("--kernel-name") + 1] == "regex:_gate_up|_down_sum"
+    args.kernels = None
+    assert "--kernel-name" not in ncu_command("/opt/ncu", args, "1x1024")
+
+
+def test_an_ncu_run_past_its_timeout_says_what_to_do(monkeypatch, tmp_path):
+    import subprocess
+
+    import bench.ncu_step as ncu_step
+
+    def slow(command, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        raise subprocess.TimeoutExpired(command, kwargs["timeout"])
+
+    monkeypatch.setattr(ncu_step.subprocess, "run", slow)
+    monkeypatch.setattr(ncu_step.shutil, "which", lambda name: "/opt/ncu")
+    with pytest.raises(SystemExit, match="did not finish 1x1024 in 5 s: profile fewer kernels"):
+        main(["--cases", "1x1024", "--timeout", "5", "--ncu", "ncu"])
