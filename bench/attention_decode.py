@@ -3,7 +3,8 @@
 For each (batch, context) of a Llama-3.2-1B-shaped layer (32 query heads, 8 KV heads,
 head_dim 64; `--heads 32:4:128` is Qwen3-30B-A3B's; bf16, 16-token blocks on shuffled block
 ids), times `paged_decode_attention`
-inside a CUDA graph (so the number is device time, not launch overhead; small cases rotate
+inside a CUDA graph (so the number is device time, not launch overhead; with zeroed split
+counters, as the decode graphs give them, so no memset is timed with it; small cases rotate
 over disjoint block sets bigger than L2 together, so KV comes from HBM) with the default
 split count and with the settings given on the command line, and reports microseconds and
 the fraction of the HBM roofline (K and V bytes read / 4.26 TB/s).
@@ -49,6 +50,7 @@ from cleave.kernels.attention_decode import (  # noqa: E402
     merge_block_s,
     paged_decode_attention,
 )
+from cleave.graphs.buffers import split_counters  # noqa: E402
 from cleave.kernels.kv_cache_dtype import resolve_kv_cache_dtype, to_cache_dtype  # noqa: E402
 from cleave.kv.metadata import AttentionMetadata  # noqa: E402
 
@@ -178,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
                 BLOCK_SIZE, device=device, max_blocks_per_seq=-(-args.capacity // BLOCK_SIZE),
             )
             metadata.max_seq_len = args.capacity
+            metadata.split_counters = split_counters(batch, device)  # as the decode graphs give them: no memset
             metadatas.append(metadata)
         query = torch.randn(batch, q_heads, head_dim, dtype=torch.bfloat16, device=device)
         cache, cache_layout = None, None

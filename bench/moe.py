@@ -374,7 +374,11 @@ def decode_inputs(config: ModelConfig, batch: int, context: int, block_size: int
     `kv_groups(config)` serves: one slot a layer, or gpt-oss's pairs, where each sequence's
     window table holds the pages in view and the null block 0 for those wholly behind the
     window. Sequence i's pages follow sequence i-1's; input_ids and positions are [batch].
+    The metadata carries zeroed split counters, as the decode graphs' buffers do (without
+    them every attention layer would allocate its own: a memset launch the engine's step
+    does not have).
     """
+    from cleave.graphs.buffers import split_counters
     from cleave.kv.groups import kv_groups
     from cleave.kv.metadata import AttentionMetadata
     from cleave.model.llama import allocate_kv_cache
@@ -394,6 +398,9 @@ def decode_inputs(config: ModelConfig, batch: int, context: int, block_size: int
     kv_cache = allocate_kv_cache(config, num_pages, block_size, dtype, device, num_slots=groups.num_slots)
     metadata = AttentionMetadata.build([1] * batch, [seq_len] * batch, tables, block_size, device=device,
                                        window_tables=window_tables)
+    metadata.split_counters = split_counters(batch, device)
+    if metadata.window is not None:
+        metadata.window.split_counters = metadata.split_counters
     input_ids = torch.randint(0, config.vocab_size, (batch,), device=device, generator=generator)
     positions = torch.full((batch,), context, device=device, dtype=torch.long)
     return kv_cache, metadata, input_ids, positions

@@ -127,6 +127,9 @@ def test_decode_inputs_put_the_null_block_behind_gpt_oss_windows(bench):
     assert window.shape == (2, 13) and (window[:, :4] == 0).all() and (window[:, 4:] > 0).all()
     assert set(window[:, 4:].flatten().tolist()).isdisjoint(metadata.block_tables.flatten().tolist())
     assert positions.tolist() == [context, context] and metadata.seq_lens.tolist() == [context + 1] * 2
+    # zeroed split counters, shared with the window layers, as the decode graphs' buffers give them
+    assert metadata.split_counters is not None and not metadata.split_counters.any()
+    assert metadata.window.split_counters is metadata.split_counters
     with torch.no_grad():
         logits = model.compute_logits(model(input_ids, positions, kv_cache, metadata))
     assert logits.shape == (2, config.vocab_size) and torch.isfinite(logits).all()

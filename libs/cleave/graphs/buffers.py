@@ -26,6 +26,13 @@ MIN_SPLIT_COUNTERS = 1024
 PADDING = InputPadding(PAD_TOKEN_ID, PAD_POSITION, PAD_SLOT_ID, PAD_SEQ_LEN, NULL_BLOCK_ID)
 
 
+def split_counters(max_batch_size: int, device: torch.device | str) -> torch.Tensor:
+    """The zeroed int32 scratch a decode step's split kernels count in (`AttentionMetadata.
+    split_counters`): max_batch_size x MAX_KV_HEADS, at least MIN_SPLIT_COUNTERS. A step given
+    none allocates zeroed counters in every attention layer (a memset launch each)."""
+    return torch.zeros(max(max_batch_size * MAX_KV_HEADS, MIN_SPLIT_COUNTERS), dtype=torch.int32, device=device)
+
+
 class StaticDecodeBuffers:
     """Capacity-sized decode inputs (one query token per sequence) for graph capture/replay.
 
@@ -56,9 +63,7 @@ class StaticDecodeBuffers:
             (max_batch_size, max_blocks_per_seq), NULL_BLOCK_ID, dtype=torch.int32, device=device
         )
         self.query_start_loc = torch.arange(max_batch_size + 1, dtype=torch.int32, device=device)
-        self.split_counters = torch.zeros(
-            max(max_batch_size * MAX_KV_HEADS, MIN_SPLIT_COUNTERS), dtype=torch.int32, device=device
-        )
+        self.split_counters = split_counters(max_batch_size, device)
         self._static = DecodeInputs(self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables)
         self.window: DecodeInputs | None = None
         if window_tables:  # ids, positions and lengths shared: the second fill rewrites the same values
