@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
             parse_ints(args.num_stages), args.heads_first,
         ):
             if cache is None or cache_layout != layout:
-                cache = None
+                cache = None  # the last layout's cache goes before the next one is allocated
                 cache = cache_in_layout(layout, num_blocks, kv_heads, head_dim, kv_dtype, device)
                 cache_layout = layout
             warps = warps or decode_num_warps(head_dim, batch, q_heads // kv_heads)

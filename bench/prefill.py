@@ -87,10 +87,12 @@ def prefill_steps(num_tokens: int, chunk: int, block_table: list[int], block_siz
     from cleave.kv.metadata import AttentionMetadata
 
     size = chunk or num_tokens
-    return [(start, min(num_tokens, start + size),
-             AttentionMetadata.build([min(num_tokens, start + size) - start], [min(num_tokens, start + size)],
-                                     [block_table], block_size, device=device))
-            for start in range(0, num_tokens, size)]
+    steps = []
+    for start in range(0, num_tokens, size):
+        end = min(num_tokens, start + size)
+        steps.append((start, end, AttentionMetadata.build([end - start], [end], [block_table], block_size,
+                                                          device=device)))
+    return steps
 
 
 def prefill_flops(config, num_tokens: int) -> float:
