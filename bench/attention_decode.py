@@ -50,9 +50,8 @@ from cleave.kernels.attention_decode import (  # noqa: E402
     merge_block_s,
     paged_decode_attention,
 )
-from cleave.graphs.buffers import split_counters  # noqa: E402
 from cleave.kernels.kv_cache_dtype import resolve_kv_cache_dtype, to_cache_dtype  # noqa: E402
-from cleave.kv.metadata import AttentionMetadata  # noqa: E402
+from cleave.kv.metadata import AttentionMetadata, zeroed_split_counters  # noqa: E402
 
 COLUMNS = ["heads", "kv_dtype", "layout", "batch", "context", "fused", "num_splits", "block_n", "num_warps", "num_stages", "heads_first", "us",
            "kv_gb", "roofline_pct"]
@@ -180,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
                 BLOCK_SIZE, device=device, max_blocks_per_seq=-(-args.capacity // BLOCK_SIZE),
             )
             metadata.max_seq_len = args.capacity
-            metadata.split_counters = split_counters(batch, device)  # as the decode graphs give them: no memset
+            metadata.split_counters = zeroed_split_counters(batch, device)  # as the decode graphs give them: no memset
             metadatas.append(metadata)
         query = torch.randn(batch, q_heads, head_dim, dtype=torch.bfloat16, device=device)
         cache, cache_layout = None, None

@@ -384,7 +384,7 @@ def decode_inputs(config: ModelConfig, batch: int, context: int, block_size: int
     them every attention layer would allocate its own: a memset launch the engine's step
     does not have).
     """
-    from cleave.graphs.buffers import split_counters
+    from cleave.kv.metadata import zeroed_split_counters
     from cleave.kv.groups import kv_groups
     from cleave.kv.metadata import AttentionMetadata
     from cleave.model.llama import allocate_kv_cache
@@ -404,7 +404,7 @@ def decode_inputs(config: ModelConfig, batch: int, context: int, block_size: int
     kv_cache = allocate_kv_cache(config, num_pages, block_size, dtype, device, num_slots=groups.num_slots)
     metadata = AttentionMetadata.build([1] * batch, [seq_len] * batch, tables, block_size, device=device,
                                        window_tables=window_tables)
-    metadata.split_counters = split_counters(batch, device)
+    metadata.split_counters = zeroed_split_counters(batch, device)
     if metadata.window is not None:
         metadata.window.split_counters = metadata.split_counters
     input_ids = torch.randint(0, config.vocab_size, (batch,), device=device, generator=generator)

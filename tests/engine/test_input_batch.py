@@ -152,3 +152,31 @@ def test_every_column_of_a_batch_starts_16_byte_aligned():
         scheduler.advance(output)
         scheduler.resolve(output, [20 + row for row in range(len(output.sampled_seqs))])
     assert kinds == {"decode", "mixed"}
+
+
+def test_every_batch_shares_one_zeroed_set_of_split_counters():
+    """Decode and mixed batches alike carry the builder's split counters (the attention kernels
+    count in them and leave them zeroed), so no attention layer zeroes counters of its own; a
+    batch of more entries than they were sized for gets larger ones."""
+    from cleave.kv.metadata import MAX_KV_HEADS
+
+    kv = KVCacheManager(64, BLOCK)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16, max_model_len=64), kv)
+    for index, prompt_len in enumerate((3, 5, 9)):
+        scheduler.add(Sequence(f"r{index}", list(range(10, 10 + prompt_len))))
+    builder = InputBatchBuilder(BLOCK, torch.device("cpu"))
+    seen = []
+    for step in range(4):
+        output = scheduler.schedule()
+        batch = builder.build(output)
+        seen.append(batch.metadata.split_counters)
+        scheduler.advance(output)
+        scheduler.resolve(output, [20 + step + row for row in range(len(output.sampled_seqs))])
+    assert all(counters is seen[0] for counters in seen) and not seen[0].any()
+    assert seen[0].numel() >= 3 * MAX_KV_HEADS
+    for index in range(3, 12):  # a batch too large for them
+        scheduler.add(Sequence(f"r{index}", [1, 2]))
+    output = scheduler.schedule()
+    larger = builder.build(output).metadata.split_counters
+    assert len(output.scheduled) * MAX_KV_HEADS > seen[0].numel()
+    assert larger.numel() >= len(output.scheduled) * MAX_KV_HEADS and not larger.any()

@@ -43,7 +43,7 @@ import torch
 from cleave.engine.scheduler import SchedulerOutput
 from cleave.engine.scheduler_output import stand_in_row
 from cleave.engine.sequence import Sequence
-from cleave.kv.metadata import AttentionMetadata, leading_single_tokens
+from cleave.kv.metadata import MAX_KV_HEADS, AttentionMetadata, leading_single_tokens, zeroed_split_counters
 
 _LAST = operator.itemgetter(-1)
 
@@ -159,6 +159,17 @@ class InputBatchBuilder:
         # per table group (block tables, window tables): the previous decode batch's tables
         self._decode_tables: list[_DecodeTables | None] = [None, None]
         self._query_starts: dict[int, torch.Tensor] = {}  # E -> arange(E + 1) int32 on device
+        # zeroed scratch the split kernels count in, shared by every batch (each launch leaves
+        # it zeroed; one stream runs them in order), so no attention layer zeroes its own
+        self._split_counters: torch.Tensor | None = None
+
+    def _counters(self, num_entries: int) -> torch.Tensor:
+        """The shared split counters, grown (zeroed anew) for a batch of more entries than
+        they were sized for."""
+        counters = self._split_counters
+        if counters is None or counters.numel() < num_entries * MAX_KV_HEADS:
+            counters = self._split_counters = zeroed_split_counters(num_entries, self.device)
+        return counters
 
     def build(self, output: SchedulerOutput) -> InputBatch:
         """Flatten `output` (non-empty) into one host buffer and move it in one copy."""
@@ -245,6 +256,7 @@ class InputBatchBuilder:
             block_tables=views[5].to(torch.int32).view(num_entries, width),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
+            split_counters=self._counters(num_entries),
             num_decode_seqs=leading_single_tokens(query_lens),
         )
         index = 6
@@ -322,6 +334,7 @@ class InputBatchBuilder:
             block_tables=self._block_tables(seqs, tables),
             max_query_len=1,
             max_seq_len=max(seq_lens),
+            split_counters=self._counters(num_entries),
             num_decode_seqs=num_entries,
         )
         if window_tables is not None:

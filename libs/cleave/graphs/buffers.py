@@ -14,23 +14,9 @@ import torch
 from cleave.graphs.buckets import NULL_BLOCK_ID, PAD_POSITION, PAD_SEQ_LEN, PAD_SLOT_ID, PAD_TOKEN_ID
 from cleave.kernels.decode_inputs import DecodeInputs, InputPadding, fill_decode_inputs
 from cleave.kernels.dispatch import Impl
-from cleave.kv.metadata import AttentionMetadata
-
-MAX_KV_HEADS = 128  # KV heads per layer the split counters are sized for
-
-
-# Feature blocks of the widest split-K projection (cleave.kernels.splitk_linear), e.g. a
-# 28672-wide gate_up at 64 features per block.
-MIN_SPLIT_COUNTERS = 1024
+from cleave.kv.metadata import AttentionMetadata, zeroed_split_counters
 
 PADDING = InputPadding(PAD_TOKEN_ID, PAD_POSITION, PAD_SLOT_ID, PAD_SEQ_LEN, NULL_BLOCK_ID)
-
-
-def split_counters(max_batch_size: int, device: torch.device | str) -> torch.Tensor:
-    """The zeroed int32 scratch a decode step's split kernels count in (`AttentionMetadata.
-    split_counters`): max_batch_size x MAX_KV_HEADS, at least MIN_SPLIT_COUNTERS. A step given
-    none allocates zeroed counters in every attention layer (a memset launch each)."""
-    return torch.zeros(max(max_batch_size * MAX_KV_HEADS, MIN_SPLIT_COUNTERS), dtype=torch.int32, device=device)
 
 
 class StaticDecodeBuffers:
@@ -43,9 +29,9 @@ class StaticDecodeBuffers:
         seq_lens: [max_batch_size] int32 context length including the new token.
         block_tables: [max_batch_size, max_blocks_per_seq] int32.
         query_start_loc: [max_batch_size + 1] int32, constant 0..max_batch_size (one token each).
-        split_counters: int32 zeros (max_batch_size x MAX_KV_HEADS, at least
-            MIN_SPLIT_COUNTERS), the scratch of the decode attention and split-K linear
-            kernels (left zeroed by every launch), so graphs carry no memset for it.
+        split_counters: int32 zeros (`cleave.kv.metadata.split_counters`), the scratch of the
+            decode attention and split-K linear kernels (left zeroed by every launch), so
+            graphs carry no memset for it.
         window: the slots and block tables of the window tables, as `slot_mapping` and
             `block_tables` (`window_tables=True`: a paired cache, cleave.kv.groups), else None.
     """
@@ -63,7 +49,7 @@ class StaticDecodeBuffers:
             (max_batch_size, max_blocks_per_seq), NULL_BLOCK_ID, dtype=torch.int32, device=device
         )
         self.query_start_loc = torch.arange(max_batch_size + 1, dtype=torch.int32, device=device)
-        self.split_counters = split_counters(max_batch_size, device)
+        self.split_counters = zeroed_split_counters(max_batch_size, device)
         self._static = DecodeInputs(self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables)
         self.window: DecodeInputs | None = None
         if window_tables:  # ids, positions and lengths shared: the second fill rewrites the same values

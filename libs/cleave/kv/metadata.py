@@ -26,6 +26,17 @@ from dataclasses import dataclass
 import torch
 
 PAD_SLOT_ID = -1
+MAX_KV_HEADS = 128  # KV heads per layer the split counters are sized for
+# Feature blocks of the widest split-K projection (cleave.kernels.splitk_linear), e.g. a
+# 28672-wide gate_up at 64 features per block.
+MIN_SPLIT_COUNTERS = 1024
+
+
+def zeroed_split_counters(max_num_seqs: int, device: torch.device | str) -> torch.Tensor:
+    """Zeroed int32 `AttentionMetadata.split_counters` for batches of up to `max_num_seqs`
+    sequences: max_num_seqs x MAX_KV_HEADS, at least MIN_SPLIT_COUNTERS. A batch given none
+    makes every attention layer zero counters of its own (a memset launch each)."""
+    return torch.zeros(max(max_num_seqs * MAX_KV_HEADS, MIN_SPLIT_COUNTERS), dtype=torch.int32, device=device)
 
 
 @dataclass
