@@ -29,7 +29,7 @@ class StaticDecodeBuffers:
         seq_lens: [max_batch_size] int32 context length including the new token.
         block_tables: [max_batch_size, max_blocks_per_seq] int32.
         query_start_loc: [max_batch_size + 1] int32, constant 0..max_batch_size (one token each).
-        split_counters: int32 zeros (`cleave.kv.metadata.split_counters`), the scratch of the
+        split_counters: int32 zeros (`cleave.kv.metadata.zeroed_split_counters`), the scratch of the
             decode attention and split-K linear kernels (left zeroed by every launch), so
             graphs carry no memset for it.
         window: the slots and block tables of the window tables, as `slot_mapping` and
