@@ -154,9 +154,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--rotary-in-attention takes 'on', 'off' or 'on,off'")
     if not args.routes or set(args.routes) - set(ROUTES):
         parser.error(f"--routes takes a comma-separated subset of {', '.join(ROUTES)}")
+    from cleave.kernels.moe_gemv import MAX_DOWN_DEPTH
+
     depths = [value for value in args.down_depths.split(",") if value]
-    if not depths or any(value != "auto" and value not in ("1", "2", "3", "4") for value in depths):
-        parser.error("--down-depths takes a comma-separated list of 1-4 and auto")
+    allowed = {"auto", *(str(depth) for depth in range(1, MAX_DOWN_DEPTH + 1))}
+    if not depths or set(depths) - allowed:
+        parser.error(f"--down-depths takes a comma-separated list of 1-{MAX_DOWN_DEPTH} and auto")
     args.down_depths = [None if value == "auto" else int(value) for value in depths]
     if args.dry_run:
         args.tokens = [min(value, 3) for value in args.tokens[:2]]

@@ -22,10 +22,11 @@ is no alignment at all:
    scaled by the routing weight and summed in fp32 -> [T, H], rounded once. No [T*k, H]
    fp32 buffer, no separate sum, and the order of the sum is fixed (deterministic). The
    token's k expert ids, weights and residual row are read up front, so the walk's weight
-   tiles never wait on an id, and one to four tiles are in flight ahead of the one reduced
-   (`down_depth_for` picks one or two; `MAX_DOWN_DEPTH`). A program per (entry, feature block) instead, the last of a token's k
-   summing their products, was slower on the H200 (the Qwen3-30B-A3B-shaped step at batch 1:
-   2852 vs 2662 us, bench/results/moe/moe-decode-20261206T030643Z.md) and was removed.
+   tiles never wait on an id, and one to `MAX_DOWN_DEPTH` tiles are in flight ahead of the
+   one reduced (`down_depth_for` picks one or two). A program per (entry, feature block)
+   instead, the last of a token's k summing their products, was slower on the H200 (the
+   Qwen3-30B-A3B-shaped step at batch 1: 2852 vs 2662 us,
+   bench/results/moe/moe-decode-20261206T030643Z.md) and was removed.
 
 With programmatic dependent launch (`pdl`, the decode layout's) the routing kernel and the
 first expert kernel wait on their producer before they let the next kernel in, so the down
