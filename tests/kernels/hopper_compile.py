@@ -62,7 +62,7 @@ POINTERS = {  # argument name -> pointer type; every other runtime argument is a
     "weights_ptr": "*fp32", "scale_ptr": "*bf16",
 }
 FP8_CACHE = {"cache_ptr": "*fp8e4nv"}  # `--kv-cache-dtype fp8`: float8 e4m3 stores and loads
-FEATURE_DIMS = {"N", "K", "num_in", "num_out", "hidden_size"}  # runtime sizes that are multiples of 16 in every real model
+FEATURE_DIMS = {"N", "K", "num_in", "num_out", "hidden_size", "k_per_split"}  # runtime sizes that are multiples of 16 in every real model
 FLOATS = {"eps", "scale_log2", "norm_eps", "alpha", "limit", "head_norm_eps"}
 
 
