@@ -16,7 +16,6 @@ that loop (input copies, graph launch), which a synchronised step adds to the de
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -29,7 +28,6 @@ from common import event_times_ms, format_table, run_name, write_results
 from cleave.graphs.runner import CUDAGraphRunner, GraphRunnerConfig
 from cleave.kv.metadata import AttentionMetadata
 from cleave.model.config import ModelConfig
-from cleave.model.fused_decode import DEFERRED_PROJECTIONS, SplitKTiles
 from cleave.model.llama import CausalLM, allocate_kv_cache
 
 COLUMNS = ["mode", "batch", "context", "step_ms", "tokens_per_s", "kernels", "host_launches", "gb_read", "roofline_pct",
@@ -170,21 +168,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="batches up to this size take the fused GEMV path (default: the model's)")
     parser.add_argument("--no-pdl", dest="pdl", action="store_false",
                         help="launch no kernel with programmatic dependent launch (A/B against the default)")
-    parser.add_argument("--deferred-splitk", type=parse_splitk, default={},
-                        help='JSON {"o": {"block_n": 64, "block_k": 512, "split_k": 4, "num_warps": 8}, ...}: these '
-                             f"projections of the deferred-norm layout ({', '.join(DEFERRED_PROJECTIONS)}) run on the "
-                             "split-K Triton kernel with these tiles ({} for its defaults) instead of cuBLAS")
     parser.add_argument("--out", default=None, help="directory for decode-<UTC time>.json / .md")
     return parser.parse_args(argv)
-
-
-def parse_splitk(text: str) -> dict[str, SplitKTiles]:
-    """`--deferred-splitk`'s JSON as the model's `deferred_splitk`."""
-    chosen = json.loads(text)
-    unknown = sorted(set(chosen) - set(DEFERRED_PROJECTIONS))
-    if not isinstance(chosen, dict) or unknown:
-        raise argparse.ArgumentTypeError(f"projections must be among {DEFERRED_PROJECTIONS}, got {unknown or chosen}")
-    return {name: SplitKTiles(**tiles) for name, tiles in chosen.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -196,7 +181,6 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(config, device, pdl=args.pdl)
     if args.gemv_max_tokens is not None:
         model.decode_gemv_max_tokens = args.gemv_max_tokens
-    model.deferred_splitk = args.deferred_splitk
     weights = weight_bytes_read(model)
 
     cases = [Case(int(b), int(c)) for c in args.contexts.split(",") for b in args.batches.split(",")]
@@ -261,7 +245,6 @@ def main(argv: list[str] | None = None) -> None:
         "max_model_len": max_model_len,
         "decode_gemv_max_tokens": model.decode_gemv_max_tokens,
         "pdl": args.pdl,
-        "deferred_splitk": {name: vars(tiles) for name, tiles in args.deferred_splitk.items()} or "none",
         "hbm_tbs": args.hbm_tbs,
         "skipped_no_memory": ", ".join(f"b{c.batch}/ctx{c.context}" for c in skipped) or "none",
     }

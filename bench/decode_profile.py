@@ -34,11 +34,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import format_table, run_name, write_results  # noqa: E402
-from decode import Case, build_model, decode_batch, llama_3_2_1b_config, parse_splitk, step_ms  # noqa: E402
+from decode import Case, build_model, decode_batch, llama_3_2_1b_config, step_ms  # noqa: E402
 
 from cleave.graphs.runner import CUDAGraphRunner, GraphRunnerConfig  # noqa: E402
 from cleave.model.config import ModelConfig  # noqa: E402
-from cleave.model.fused_decode import SplitKTiles  # noqa: E402
 from cleave.model.llama import allocate_kv_cache  # noqa: E402
 
 COLUMNS = ["case", "kernel", "per_step", "us_per_step", "critical_us", "pct_of_step"]
@@ -73,12 +72,11 @@ def kv_bytes_read(config: ModelConfig, batch: int, seq_len: int) -> int:
 
 
 def runner_case_steps(name: str, cases: list[Case], block_size: int, max_model_len: int,
-                      device: torch.device, splitk: dict[str, SplitKTiles] | None = None) -> CaseStep:
+                      device: torch.device) -> CaseStep:
     """Llama / Qwen3: the model, one cache of random values with a block for every case's
     sequences, and a `CUDAGraphRunner` captured for up to the largest batch; each case's
     sequences hold CONTEXT tokens (the new one at position CONTEXT - 1) on shuffled blocks."""
     config, model = profiled_model(name, max_model_len, device)
-    model.deferred_splitk = splitk or {}
     num_blocks = max(case.kv_blocks(block_size) for case in cases) + 1
     kv_cache = allocate_kv_cache(config, num_blocks, block_size, device=device)
     kv_cache.normal_(0.0, 1.0)
@@ -146,13 +144,11 @@ def gpt_oss_case_steps(cases: list[Case], block_size: int, max_model_len: int, d
     return case_step
 
 
-def case_steps(name: str, cases: list[Case], block_size: int, max_model_len: int, device: torch.device,
-               splitk: dict[str, SplitKTiles] | None = None) -> CaseStep:
-    """`--model`'s case steps: gpt-oss-20b's (`gpt_oss_case_steps`) or a graph runner's, the
-    latter's deferred-norm projections named in `splitk` on the split-K kernel."""
+def case_steps(name: str, cases: list[Case], block_size: int, max_model_len: int, device: torch.device) -> CaseStep:
+    """`--model`'s case steps: gpt-oss-20b's (`gpt_oss_case_steps`) or a graph runner's."""
     if name == "gpt-oss-20b":
         return gpt_oss_case_steps(cases, block_size, max_model_len, device)
-    return runner_case_steps(name, cases, block_size, max_model_len, device, splitk)
+    return runner_case_steps(name, cases, block_size, max_model_len, device)
 
 
 def critical_path(events) -> dict[str, float]:
@@ -203,17 +199,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=16, help="kernels listed per case")
     parser.add_argument("--model", choices=MODELS, default="llama-1b")
-    parser.add_argument("--deferred-splitk", type=parse_splitk, default={},
-                        help="Llama / Qwen3: as bench/decode.py's, the deferred-norm projections on the split-K kernel")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
     device = torch.device("cuda")
     cases = [Case(*map(int, item.split("x"))) for item in args.cases.split(",")]
-    case_step = case_steps(args.model, cases, args.block_size, args.max_model_len, device, args.deferred_splitk)
+    case_step = case_steps(args.model, cases, args.block_size, args.max_model_len, device)
     rows, summary = [], {"model": f"{MODELS[args.model]} shape, random bf16 weights", "max_model_len": args.max_model_len}
-    if args.deferred_splitk:
-        summary["deferred_splitk"] = {name: vars(tiles) for name, tiles in args.deferred_splitk.items()}
     with torch.inference_mode():
         for case in cases:
             replay, kv_bytes = case_step(case)

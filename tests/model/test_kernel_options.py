@@ -13,7 +13,6 @@ from cleave.engine.llm import build_engine_config
 from cleave.kernels import rotary_attention
 from cleave.kv.metadata import AttentionMetadata
 from cleave.model import fused_decode, llama
-from cleave.model.fused_decode import DEFERRED_PROJECTIONS, SplitKTiles
 from cleave.model.llama import CausalLM, allocate_kv_cache
 from cleave.worker import engine_config_from_worker
 from tests.graphs.test_runner import tiny_config
@@ -65,10 +64,6 @@ def test_model_built_without_pdl_passes_pdl_false_to_every_kernel(kernel_pdl):
     _step(model, kv_cache, 4, 1)  # unfused layers, rotary inside the decode attention kernel
     model.fold_norm_weights()
     _step(model, kv_cache, 5, 1)  # deferred-norm layout
-    splitk_before = len(kernel_pdl)
-    model.deferred_splitk = {name: SplitKTiles() for name in DEFERRED_PROJECTIONS}
-    _step(model, kv_cache, 6, 1)  # the same, its four projections on the split-K kernel
-    assert [name for name, _ in kernel_pdl[splitk_before:]].count("cleave.model.fused_decode.small_linear") == 4
 
     called = {name for name, _ in kernel_pdl}
     assert called == {f"{module.__name__}.{name}" for module, name in KERNEL_CALLS}

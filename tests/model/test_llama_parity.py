@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cleave.kv.metadata import AttentionMetadata
-from cleave.model.fused_decode import SplitKTiles, deferred_norm_layout_applies, gemv_layout_applies
+from cleave.model.fused_decode import deferred_norm_layout_applies, gemv_layout_applies
 from cleave.model.llama import CausalLM, allocate_kv_cache
 from cleave.model.loader import load_model
 from cleave.model.tokenizer import Tokenizer
@@ -178,9 +178,6 @@ def test_folded_norms_match_transformers(tiny_checkpoints, hf_models, name, chun
     assert deferred_norm_layout_applies(model, hidden, decode)
     assert not deferred_norm_layout_applies(model, torch.zeros(2, model.config.hidden_size),
                                         AttentionMetadata.build([2], [5], [[0]], BLOCK_SIZE))
-    assert (run_chunks(model, input_ids, chunks) - expected).abs().max().item() <= TOLERANCE
-    # o and down on the split-K kernel, one K tile a program (the whole slice before the wait)
-    model.deferred_splitk = {"o": SplitKTiles(block_k=16, split_k=4), "down": SplitKTiles()}
     assert (run_chunks(model, input_ids, chunks) - expected).abs().max().item() <= TOLERANCE
 
 

@@ -22,11 +22,12 @@ Two layouts, on the Triton kernels:
   projections are cuBLAS GEMMs, each norm is a per-row scale that the decode attention and
   SwiGLU kernels apply (`cleave.kernels.row_norm`), and the residual adds are the o and down
   GEMMs' own epilogue (beta = 1): five launches a layer, no norm kernel. The split-K Triton
-  kernel in cuBLAS's place for all four projections (it streams its first weight tile under
-  PDL; nothing to fuse here) made the step slower on the H200: batch 64 / 1k 1.88 vs 1.61 ms,
-  batch 32 1.60 vs 1.33 (bench/results/decode/deferred_gemm/). `CausalLM.deferred_splitk`
-  puts chosen projections on it with chosen tiles: with one K tile a program, the program's
-  whole weight slice streams in while the kernel before it (the attention, for o) still runs.
+  kernel in cuBLAS's place (it streams its first weight tile under PDL; nothing to fuse here)
+  made the step slower on the H200: batch 64 / 1k 1.88 vs 1.61 ms, batch 32 1.60 vs 1.33
+  (bench/results/decode/deferred_gemm/). So did the o projection alone on it with one K tile
+  a program, its whole weight slice streamed before its wait while the attention still runs
+  (H100, batch 64: 2.126 vs 2.085 ms; with down or qkv as well 2.21-2.39;
+  bench/results/decode/deferred_splitk/).
 
 Both update the residual stream in place, so the caller applies the final norm to it.
 Every kernel call passes the modules' `pdl` option (`cleave.kernels.pdl`).
@@ -34,8 +35,6 @@ Every kernel call passes the modules' `pdl` option (`cleave.kernels.pdl`).
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,7 +50,6 @@ from cleave.kernels.moe_gemv import MAX_TOKENS as MOE_GEMV_MAX_TOKENS
 from cleave.kernels.moe_gemv import moe_gemv
 from cleave.kernels.rms_norm import rms_norm
 from cleave.kernels.row_norm import DeferredRMSNorm
-from cleave.kernels.small_linear import MAX_ROWS as SMALL_LINEAR_MAX_ROWS
 from cleave.kernels.small_linear import small_linear
 from cleave.kv.metadata import AttentionMetadata
 from cleave.model.moe import SparseMoeBlock
@@ -62,20 +60,6 @@ if TYPE_CHECKING:
 # Batches of up to this many tokens take the GEMV layout by default (see
 # `CausalLM.decode_gemv_max_tokens`); above it, cuBLAS GEMMs with separate norm kernels.
 DECODE_GEMV_MAX_TOKENS = 16
-# The deferred-norm layout's projections, as `CausalLM.deferred_splitk` names them.
-DEFERRED_PROJECTIONS = ("qkv", "o", "gate_up", "down")
-
-
-@dataclass(frozen=True)
-class SplitKTiles:
-    """Launch settings of the split-K kernel (`cleave.kernels.splitk_linear`) for one projection
-    of the deferred-norm layout; None takes the kernel's default."""
-
-    block_n: int | None = None
-    block_k: int | None = None
-    split_k: int | None = None
-    num_warps: int | None = None
-    num_stages: int | None = None
 
 
 def run_fused_decode(
@@ -90,7 +74,7 @@ def run_fused_decode(
     if gemv_layout_applies(model, hidden):
         layer_fn = _gemv_layer
     elif deferred_norm_layout_applies(model, hidden, metadata):
-        layer_fn = functools.partial(_deferred_norm_layer, splitk=model.deferred_splitk)
+        layer_fn = _deferred_norm_layer
     else:
         return False
     for layer, (cache, layer_metadata) in zip(model.layers, layer_kv):
@@ -225,36 +209,12 @@ def _deferred_norm_layer(
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     cos_sin_cache: torch.Tensor,
-    splitk: dict[str, SplitKTiles] | None = None,  # projections on the split-K kernel (else cuBLAS)
 ) -> None:
     """One decoder layer on GEMMs with the norm weights folded into qkv_proj and gate_up_proj:
     the norms are applied by the attention and SwiGLU kernels, the adds by the o and down GEMMs."""
-    project = _DeferredProjections(splitk or {}, metadata.split_counters, layer.self_attn.pdl)
     _deferred_norm_attention(layer.self_attn, residual, layer.input_layernorm.eps, positions, kv_cache, metadata,
-                             cos_sin_cache, project)
-    _deferred_norm_mlp(layer.mlp, residual, layer.post_attention_layernorm.eps, project)  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True)
-class _DeferredProjections:
-    """The deferred-norm layout's GEMMs: cuBLAS, or the split-K kernel for the projections
-    named in `splitk` (up to its `small_linear.MAX_ROWS` rows)."""
-
-    splitk: dict[str, SplitKTiles]
-    counters: torch.Tensor | None  # zeroed int32 scratch the split-K kernel leaves zeroed
-    pdl: bool
-
-    def __call__(self, name: str, x: torch.Tensor, weight: torch.Tensor,
-                 add_to: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ weight.T, added into `add_to` in place when given."""
-        tiles = self.splitk.get(name)
-        if tiles is not None and x.shape[0] <= SMALL_LINEAR_MAX_ROWS:
-            return small_linear(x, weight, add_to=add_to, kernel="splitk", counters=self.counters, pdl=self.pdl,
-                                block_n=tiles.block_n, block_k=tiles.block_k, split_k=tiles.split_k,
-                                num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-        if add_to is None:
-            return torch.mm(x, weight.t())
-        return add_to.addmm_(x, weight.t())
+                             cos_sin_cache)
+    _deferred_norm_mlp(layer.mlp, residual, layer.post_attention_layernorm.eps)  # type: ignore[arg-type]
 
 
 def _deferred_norm_attention(
@@ -265,13 +225,12 @@ def _deferred_norm_attention(
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     cos_sin_cache: torch.Tensor,
-    project: _DeferredProjections,
 ) -> None:
     """residual += o_proj(attention(qkv_proj(norm(residual)))) with the norm applied by the
     decode attention kernel (with the rotary embedding and the KV write) and the add by the
     o GEMM (beta = 1)."""
     num_tokens, head_dim = residual.shape[0], attention.head_dim
-    qkv = project("qkv", residual, attention.qkv_proj.weight)  # [T, (Hq + 2 Hkv) D], unnormalised
+    qkv = torch.mm(residual, attention.qkv_proj.weight.t())  # [T, (Hq + 2 Hkv) D], unnormalised
     q, k, v = qkv.split([attention.q_size, attention.kv_size, attention.kv_size], dim=-1)
     new_kv = NewKV(
         k.view(num_tokens, attention.num_kv_heads, head_dim), v.view(num_tokens, attention.num_kv_heads, head_dim),
@@ -281,13 +240,13 @@ def _deferred_norm_attention(
     out = paged_decode_attention(q.view(num_tokens, attention.num_heads, head_dim), kv_cache, metadata,
                                  attention.scale, sliding_window=attention.sliding_window, new_kv=new_kv,
                                  sinks=attention.sinks, pdl=attention.pdl)
-    project("o", out.view(num_tokens, attention.q_size), attention.o_proj.weight, add_to=residual)
+    residual.addmm_(out.view(num_tokens, attention.q_size), attention.o_proj.weight.t())
 
 
-def _deferred_norm_mlp(mlp: MLP, residual: torch.Tensor, norm_eps: float, project: _DeferredProjections) -> None:
+def _deferred_norm_mlp(mlp: MLP, residual: torch.Tensor, norm_eps: float) -> None:
     """residual += down(silu(gate) * up) of norm(residual), the norm's weight folded into
     gate_up_proj and its per-row scale applied by the SwiGLU kernel, the add by the down
     GEMM (beta = 1)."""
-    gate_up = project("gate_up", residual, mlp.gate_up_proj.weight)  # [T, 2I], unnormalised
+    gate_up = torch.mm(residual, mlp.gate_up_proj.weight.t())  # [T, 2I], unnormalised
     act = silu_and_mul(gate_up, impl=mlp.impl, row_norm=DeferredRMSNorm(residual, norm_eps), pdl=mlp.pdl)
-    project("down", act, mlp.down_proj.weight, add_to=residual)
+    residual.addmm_(act, mlp.down_proj.weight.t())
