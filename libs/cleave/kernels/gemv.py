@@ -47,6 +47,12 @@ from cleave.kernels.pdl import release_dependents, wait_for_producer
 MAX_ROWS = 4  # rows the register GEMV takes
 AUTO_MAX_ROWS = 1  # rows `small_linear` sends here by default: at 2-4 rows the tensor-core kernel wins
 TILE_ELEMENTS = 16384  # products per program per K tile ([rows, features, K]) the registers hold
+# Weight tiles a program has in flight beyond the one it reduces, and loads before its PDL
+# wait. With two, a program of a two-tile projection (the o projection of 4096-wide
+# attention: Qwen3-30B-A3B, gpt-oss-20b) has its whole weight slice in flight while the
+# attention before it still runs, and one of four tiles (Llama-3.2-1B's down projection)
+# streams its first half beside the gated GEMV before it.
+TILES_AHEAD = 2
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,19 @@ def _dot_rows(x, w, BLOCK_M: tl.constexpr):
     if BLOCK_M == 1:
         return tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=1)[None, :]
     return tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+
+
+@triton.jit
+def _weight_tile(w_rows, up_offset, tile: tl.constexpr, cols, feature_valid, num_in, BLOCK_K: tl.constexpr,
+                 GATED: tl.constexpr):
+    """K tile `tile` of the program's weight rows [BLOCK_N, BLOCK_K], and of their up half when
+    GATED (else the same tile again)."""
+    mask = feature_valid[:, None] & (tile * BLOCK_K + cols < num_in)[None, :]
+    w = tl.load(w_rows + tile * BLOCK_K, mask=mask, other=0.0)
+    w_up = w
+    if GATED:
+        w_up = tl.load(w_rows + up_offset + tile * BLOCK_K, mask=mask, other=0.0)
+    return w, w_up
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -110,6 +129,7 @@ def _gemv_kernel(
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     PDL: tl.constexpr,
+    AHEAD: tl.constexpr,  # weight tiles in flight beyond the one reduced (1 or 2), as many before the wait
 ):
     if ROTARY:  # BLOCK_N // 2 rotary pairs, each pair's features side by side
         pair = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -133,14 +153,13 @@ def _gemv_kernel(
     up_offset = num_out.to(tl.int64) * stride_w_row
     x_rows = x_ptr + rows[:, None] * stride_x_row + cols[None, :]  # [BLOCK_M, BLOCK_K]
 
-    # The next kernel may be scheduled at once, and the first weight tile is loaded before
-    # the wait: no kernel in the step writes weights.
+    # The next kernel may be scheduled at once, and the first weight tile (AHEAD of them) is
+    # loaded before the wait: no kernel in the step writes weights.
     release_dependents(PDL)
-    w_mask = feature_valid[:, None] & (cols < num_in)[None, :]
-    w = tl.load(w_rows, mask=w_mask, other=0.0)
-    w_up = w
-    if GATED:
-        w_up = tl.load(w_rows + up_offset, mask=w_mask, other=0.0)
+    w, w_up = _weight_tile(w_rows, up_offset, 0, cols, feature_valid, num_in, BLOCK_K, GATED)
+    ahead, ahead_up = w, w_up  # AHEAD == 2: the tile after the one reduced
+    if AHEAD == 2 and K_TILES > 1:
+        ahead, ahead_up = _weight_tile(w_rows, up_offset, 1, cols, feature_valid, num_in, BLOCK_K, GATED)
     bias = tl.zeros([BLOCK_N], dtype=tl.float32)
     if BIAS:
         bias = tl.load(bias_ptr + features, mask=feature_valid, other=0.0).to(tl.float32)
@@ -157,14 +176,16 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for t in tl.static_range(K_TILES):
-        # the next tile's loads go out before this tile is reduced
-        next_w = w
-        next_w_up = w_up
-        if t + 1 < K_TILES:
-            next_mask = feature_valid[:, None] & ((t + 1) * BLOCK_K + cols < num_in)[None, :]
-            next_w = tl.load(w_rows + (t + 1) * BLOCK_K, mask=next_mask, other=0.0)
-            if GATED:
-                next_w_up = tl.load(w_rows + up_offset + (t + 1) * BLOCK_K, mask=next_mask, other=0.0)
+        # tile t + AHEAD's loads go out before tile t is reduced
+        if AHEAD == 2:
+            next_w, next_w_up = ahead, ahead_up
+            if t + 2 < K_TILES:
+                ahead, ahead_up = _weight_tile(w_rows, up_offset, t + 2, cols, feature_valid, num_in, BLOCK_K, GATED)
+        else:
+            next_w, next_w_up = w, w_up
+            if t + 1 < K_TILES:
+                next_w, next_w_up = _weight_tile(w_rows, up_offset, t + 1, cols, feature_valid, num_in, BLOCK_K,
+                                                 GATED)
         col_valid = t * BLOCK_K + cols < num_in
         x = tl.load(x_rows + t * BLOCK_K, mask=row_valid[:, None] & col_valid[None, :], other=0.0)
         if NORM:
