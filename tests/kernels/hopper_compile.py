@@ -33,7 +33,6 @@ from cleave.kernels.fused_moe import (
     _route_kernel,
     _slot_sum_kernel,
 )
-from cleave.kernels.gemv import TILES_AHEAD as GEMV_TILES_AHEAD
 from cleave.kernels.gemv import _gemv_kernel
 from cleave.kernels.kv_write import _write_kv_kernel
 from cleave.kernels.moe_gemv import _down_sum_kernel, _gate_up_kernel
@@ -111,14 +110,14 @@ def resource_usage(cubin: bytes) -> tuple[int, int]:
 def main() -> None:
     gemv = dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, K_TILES=1, NORM=False, GATED=False, BIAS=False, ADD=False,
                 ROTARY=False, IS_NEOX=True, HEAD_DIM=64, ROT_HALF=32, NUM_Q_HEADS=32, NUM_KV_HEADS=8, PDL=True,
-                AHEAD=GEMV_TILES_AHEAD)
+                AHEAD=1)
     compile_variant(_gemv_kernel, {**gemv, "NORM": True, "ROTARY": True}, 4)  # qkv + rotary + KV write
     compile_variant(_gemv_kernel, {**gemv, "NORM": True, "ROTARY": True, "BIAS": True}, 4)  # gpt-oss's biased qkv
     compile_variant(_gemv_kernel, {**gemv, "NORM": True, "ROTARY": True}, 4, pointers=FP8_CACHE)  # into an fp8 cache
-    compile_variant(_gemv_kernel, {**gemv, "ADD": True, "BIAS": True, "BLOCK_N": 8, "K_TILES": 2}, 8)  # biased o
+    compile_variant(_gemv_kernel, {**gemv, "ADD": True, "BIAS": True, "BLOCK_N": 8, "K_TILES": 2, "AHEAD": 2}, 8)  # biased o
     compile_variant(_gemv_kernel, {**gemv, "NORM": True, "GATED": True, "BLOCK_N": 2}, 4)  # gate_up
-    compile_variant(_gemv_kernel, {**gemv, "ADD": True, "BLOCK_N": 8, "K_TILES": 4}, 8)  # down
-    compile_variant(_gemv_kernel, {**gemv, "ADD": True, "BLOCK_N": 8, "K_TILES": 4, "AHEAD": 1}, 8)
+    compile_variant(_gemv_kernel, {**gemv, "ADD": True, "BLOCK_N": 8, "K_TILES": 4, "AHEAD": 2}, 8)  # down
+    compile_variant(_gemv_kernel, {**gemv, "BLOCK_N": 8, "K_TILES": 2}, 8)  # gpt-oss's lm_head
     compile_variant(_gemv_kernel, {**gemv, "BLOCK_M": 4, "BLOCK_N": 2, "PDL": False}, 4)
     attention = dict(QUERIES_PER_KV=4, HEAD_DIM=64, NUM_SPLITS=16, SLIDING=False, BLOCK_G=16, BLOCK_N=64, BLOCK_D=64,
                      BLOCK_Q=4, BLOCK_S=16, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", PREFETCH=True, ROTARY=False,

@@ -213,12 +213,13 @@ def test_gpu_bf16_biased_gpt_oss_shapes(rows, kernel):
     torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("gated", [False, True])
-def test_register_gemv_walks_four_k_tiles_two_ahead(gated):
-    # K = 100 in 32-wide tiles: four, the last ragged; the first two load before the wait
-    # and tile t + 2 goes out before tile t is reduced (gemv.TILES_AHEAD)
-    x, weight, norm_weight, residual = make(1, 24, 100, gated, torch.float32)
-    out = small_linear(x, weight, gated=gated, norm_weight=norm_weight, impl="triton", kernel="fma", block_n=8,
-                       block_k=32)
-    expected = small_linear_reference(x, weight, gated=gated, norm_weight=norm_weight)
+@pytest.mark.parametrize("add", [False, True])
+def test_register_gemv_walks_four_k_tiles_one_or_two_ahead(add):
+    # K = 100 in 32-wide tiles: four, the last ragged; with add_to (gemv.tiles_ahead: 2) the
+    # first two load before the wait and tile t + 2 goes out before tile t is reduced
+    x, weight, norm_weight, residual = make(1, 24, 100, False, torch.float32)
+    ours, theirs = residual.clone(), residual.clone()
+    out = small_linear(x, weight, norm_weight=norm_weight, add_to=ours if add else None, impl="triton", kernel="fma",
+                       block_n=8, block_k=32)
+    expected = small_linear_reference(x, weight, norm_weight=norm_weight, add_to=theirs if add else None)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)

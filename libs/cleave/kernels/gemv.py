@@ -47,12 +47,18 @@ from cleave.kernels.pdl import release_dependents, wait_for_producer
 MAX_ROWS = 4  # rows the register GEMV takes
 AUTO_MAX_ROWS = 1  # rows `small_linear` sends here by default: at 2-4 rows the tensor-core kernel wins
 TILE_ELEMENTS = 16384  # products per program per K tile ([rows, features, K]) the registers hold
-# Weight tiles a program has in flight beyond the one it reduces, and loads before its PDL
-# wait. With two, a program of a two-tile projection (the o projection of 4096-wide
-# attention: Qwen3-30B-A3B, gpt-oss-20b) has its whole weight slice in flight while the
-# attention before it still runs, and one of four tiles (Llama-3.2-1B's down projection)
-# streams its first half beside the gated GEMV before it.
-TILES_AHEAD = 2
+
+
+def tiles_ahead(add: bool) -> int:
+    """Weight tiles a program has in flight beyond the one it reduces, all loaded before its
+    PDL wait. Two for the projections that add into the residual stream (o, down): the kernel
+    before them leaves bandwidth to spare (the attention) or ends in a tail, and a two-tile o
+    projection (4096-wide attention) then has its whole weight slice in flight before the
+    attention ends: Qwen3-30B-A3B batch-1 step 2891 -> 2822 us on an H100, Llama-3.2-1B level
+    (bench/results/decode/gemv_ahead/). One for the rest: with two for every projection,
+    gpt-oss-20b's (2880-wide rows: two tiles for its qkv, router and 201k-row lm_head) lost
+    3045 -> 3077 us."""
+    return 2 if add else 1
 
 
 @dataclass(frozen=True)
