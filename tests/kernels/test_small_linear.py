@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cleave.kernels.gemv import RotaryKVWrite
+from cleave.kernels.gemv import RotaryKVWrite, tiles_ahead
 from cleave.kernels.small_linear import small_linear, small_linear_reference
 from tests.kernels.ulp import assert_close_ulps
 
@@ -213,13 +213,21 @@ def test_gpu_bf16_biased_gpt_oss_shapes(rows, kernel):
     torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("add", [False, True])
-def test_register_gemv_walks_four_k_tiles_one_or_two_ahead(add):
-    # K = 100 in 32-wide tiles: four, the last ragged; with add_to (gemv.tiles_ahead: 2) the
-    # first two load before the wait and tile t + 2 goes out before tile t is reduced
-    x, weight, norm_weight, residual = make(1, 24, 100, False, torch.float32)
+@pytest.mark.parametrize(("num_in", "add"), [(60, True), (60, False), (100, True)])
+def test_register_gemv_over_two_or_four_k_tiles(num_in, add):
+    # 32-wide tiles, the last ragged: two tiles with add_to take both before the wait
+    # (gemv.tiles_ahead -> 2), the others one tile ahead
+    x, weight, norm_weight, residual = make(1, 24, num_in, False, torch.float32)
     ours, theirs = residual.clone(), residual.clone()
     out = small_linear(x, weight, norm_weight=norm_weight, add_to=ours if add else None, impl="triton", kernel="fma",
                        block_n=8, block_k=32)
     expected = small_linear_reference(x, weight, norm_weight=norm_weight, add_to=theirs if add else None)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_two_tiles_ahead_only_for_a_whole_two_tile_slice_in_one_wave():
+    assert tiles_ahead(add=True, k_tiles=2, programs=256, sms=132) == 2  # Qwen3-30B-A3B's o
+    assert tiles_ahead(add=True, k_tiles=2, programs=360, sms=132) == 1  # gpt-oss-20b's o: two waves
+    assert tiles_ahead(add=True, k_tiles=4, programs=256, sms=132) == 1  # Llama-3.2-1B's down
+    assert tiles_ahead(add=False, k_tiles=2, programs=256, sms=132) == 1  # qkv, lm_head
+    assert tiles_ahead(add=True, k_tiles=1, programs=256, sms=132) == 1

@@ -35,6 +35,7 @@ the output (k and v there are not read again).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -48,17 +49,31 @@ MAX_ROWS = 4  # rows the register GEMV takes
 AUTO_MAX_ROWS = 1  # rows `small_linear` sends here by default: at 2-4 rows the tensor-core kernel wins
 TILE_ELEMENTS = 16384  # products per program per K tile ([rows, features, K]) the registers hold
 
+# Streaming multiprocessors the interpreter (CPU tensors) decides `tiles_ahead` by: an H100's or H200's.
+INTERPRETER_SMS = 132
 
-def tiles_ahead(add: bool) -> int:
+
+def tiles_ahead(add: bool, k_tiles: int, programs: int, sms: int) -> int:
     """Weight tiles a program has in flight beyond the one it reduces, all loaded before its
-    PDL wait. Two for the projections that add into the residual stream (o, down): the kernel
-    before them leaves bandwidth to spare (the attention) or ends in a tail, and a two-tile o
-    projection (4096-wide attention) then has its whole weight slice in flight before the
-    attention ends: Qwen3-30B-A3B batch-1 step 2891 -> 2822 us on an H100, Llama-3.2-1B level
-    (bench/results/decode/gemv_ahead/). One for the rest: with two for every projection,
-    gpt-oss-20b's (2880-wide rows: two tiles for its qkv, router and 201k-row lm_head) lost
-    3045 -> 3077 us."""
-    return 2 if add else 1
+    PDL wait: two where that is the program's whole weight slice (two K tiles) for a
+    projection that adds into the residual stream, whose grid is one wave of two programs an
+    SM; one elsewhere. Then every program of the o projection of 4096-wide attention has its
+    whole slice in flight while the attention still runs: Qwen3-30B-A3B's batch-1 step 2888 /
+    2892 -> 2825 / 2831 us on an H100 (its o: 256 programs). Measured slower, so left at one:
+    gpt-oss-20b with two for its o (360 programs, two waves) 3027 -> 3078 us; Llama-3.2-1B with
+    two for its four-tile down projection 957 -> 951 tokens/s; every two-tile projection of
+    gpt-oss (qkv, router, lm_head as well) 3045 -> 3077 us (bench/results/decode/gemv_ahead/)."""
+    return 2 if add and k_tiles == 2 and programs <= 2 * sms else 1
+
+
+def streaming_multiprocessors(tensor: torch.Tensor) -> int:
+    """SMs of `tensor`'s GPU (INTERPRETER_SMS for CPU tensors)."""
+    return _sm_count(tensor.get_device()) if tensor.is_cuda else INTERPRETER_SMS
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from cleave.kernels.attention_common import dot_settings
 from cleave.kernels.dispatch import CachedLauncher, Impl, use_triton
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
 from cleave.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
-from cleave.kernels.gemv import RotaryKVWrite, _gemv_kernel, gemv_tiles, tiles_ahead
+from cleave.kernels.gemv import RotaryKVWrite, _gemv_kernel, gemv_tiles, streaming_multiprocessors, tiles_ahead
 from cleave.kernels.linear_common import linear_tile, store_linear_output
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 from cleave.kernels.rms_norm import rms_norm_reference
@@ -288,12 +288,14 @@ def _launch_gemv(
                           cache.stride(3), cache.shape[2])
         rotary_constexprs = (True, rotary.is_neox, rotary.head_dim, rotary.cos_sin_cache.shape[-1] // 2,
                              rotary.num_q_heads, rotary.num_kv_heads)
+    k_tiles = triton.cdiv(num_in, block_k)
+    ahead = tiles_ahead(add, k_tiles, grid, streaming_multiprocessors(x))
     _gemv_launcher(
         (grid,),
         (x, weight, x if norm_weight is None else norm_weight, x if bias is None else bias, out, *rotary_tensors,
          num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0), eps, *rotary_scalars),
-        (triton.next_power_of_2(num_rows), block_n, block_k, triton.cdiv(num_in, block_k),
-         norm_weight is not None, gated, bias is not None, add, *rotary_constexprs, pdl, tiles_ahead(add)),
+        (triton.next_power_of_2(num_rows), block_n, block_k, k_tiles,
+         norm_weight is not None, gated, bias is not None, add, *rotary_constexprs, pdl, ahead),
         num_warps or tiles[2], num_stages=1, **launch_options(pdl),
     )
 
