@@ -55,14 +55,15 @@ INTERPRETER_SMS = 132
 
 def tiles_ahead(add: bool, k_tiles: int, programs: int, sms: int) -> int:
     """Weight tiles a program has in flight beyond the one it reduces, all loaded before its
-    PDL wait: two where that is the program's whole weight slice (two K tiles) for a
-    projection that adds into the residual stream, whose grid is one wave of two programs an
-    SM; one elsewhere. Then every program of the o projection of 4096-wide attention has its
-    whole slice in flight while the attention still runs: Qwen3-30B-A3B's batch-1 step 2888 /
-    2892 -> 2825 / 2831 us on an H100 (its o: 256 programs). Measured slower, so left at one:
-    gpt-oss-20b with two for its o (360 programs, two waves) 3027 -> 3078 us; Llama-3.2-1B with
-    two for its four-tile down projection 957 -> 951 tokens/s; every two-tile projection of
-    gpt-oss (qkv, router, lm_head as well) 3045 -> 3077 us (bench/results/decode/gemv_ahead/)."""
+    PDL wait: two where that is the program's whole weight slice (two K tiles) of a projection
+    that adds into the residual stream and the grid is at most two programs an SM; one
+    elsewhere. The o projection of Qwen3-30B-A3B (4096 wide, 256 programs) then has its whole
+    weight in flight while the attention still runs: batch-1 step 2888 / 2892 -> 2825 / 2831
+    us on an H100. Slower, so left at one (bench/results/decode/gemv_ahead/): gpt-oss-20b's o
+    (360 programs, 23.6 MB in flight beside an attention that reads 128 tokens on half its
+    layers) 3027 -> 3078 us; Llama-3.2-1B's four-tile down 0.997 -> 1.004 ms; gpt-oss-20b's
+    non-adding two-tile projections (qkv, router, lm_head) as well 3045 -> 3077 us. The bound
+    on programs separates the faster case from the slower; it is untested beyond them."""
     return 2 if add and k_tiles == 2 and programs <= 2 * sms else 1
 
 
