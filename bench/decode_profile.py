@@ -165,9 +165,46 @@ def critical_path(events) -> dict[str, float]:
     return charged
 
 
-def kernel_table(fn, steps: int) -> tuple[dict[str, tuple[float, float, float]], float]:
+def label_roles(spans: list[tuple[float, float, str]], roles: dict[str, list[str]],
+                steps: int) -> list[tuple[float, float, str]]:
+    """`spans` (start, end, kernel name) of `steps` calls with each kernel named in `roles`
+    renamed by its place in its call: its k-th launch of a call becomes `name[role]` for
+    role `roles[name][k % len]`, and the launches after the last whole round of roles
+    `name[rest]` (the 65 register GEMVs of a 16-layer Llama step: qkv, o, gate_up, down 16
+    times, then lm_head). The launches of a kernel must be the same in every call."""
+    launches = collections.Counter(name for _, _, name in spans)
+    seen: collections.Counter[str] = collections.Counter()
+    labelled = []
+    for start, end, name in sorted(spans):
+        names = roles.get(name)
+        if names:
+            per_call, remainder = divmod(launches[name], steps)
+            if remainder:
+                raise ValueError(f"{name}: {launches[name]} launches in {steps} calls")
+            place = seen[name] % per_call
+            seen[name] += 1
+            whole = per_call - per_call % len(names)
+            name = f"{name}[{names[place % len(names)] if place < whole else 'rest'}]"
+        labelled.append((start, end, name))
+    return labelled
+
+
+def parse_roles(text: str) -> dict[str, list[str]]:
+    """`--roles`' "NAME=ROLE,ROLE;NAME=..." as {kernel name: roles}."""
+    roles = {}
+    for item in filter(None, text.split(";")):
+        name, _, listed = item.partition("=")
+        if not name or not listed:
+            raise argparse.ArgumentTypeError(f"--roles takes NAME=ROLE,ROLE,...; got {item!r}")
+        roles[name.strip()] = [role.strip() for role in listed.split(",")]
+    return roles
+
+
+def kernel_table(fn, steps: int, roles: dict[str, list[str]] | None = None) -> tuple[
+        dict[str, tuple[float, float, float]], float]:
     """{kernel name: (launches per step, device us per step, critical-path us per step)} over
-    `steps` calls, and the summed device time per step."""
+    `steps` calls, and the summed device time per step; kernels named in `roles` are split
+    by their place in the step (`label_roles`)."""
     from step_profile import profiled_calls
     from torch.profiler import ProfilerActivity
 
@@ -179,9 +216,11 @@ def kernel_table(fn, steps: int) -> tuple[dict[str, tuple[float, float, float]],
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
         name = event.name if len(event.name) <= 70 else event.name[:67] + "..."
-        counts[name] += 1
-        times[name] += event.device_time
         spans.append((event.time_range.start, event.time_range.end, name))
+    spans = label_roles(spans, roles or {}, steps)
+    for start, end, name in spans:
+        counts[name] += 1
+        times[name] += end - start
     # the host's time between one replay and the next counts as idle too
     critical = critical_path(spans)
     table = {name: (counts[name] / steps, times[name] / steps, critical[name] / steps) for name in times}
@@ -199,6 +238,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=16, help="kernels listed per case")
     parser.add_argument("--model", choices=MODELS, default="llama-1b")
+    parser.add_argument("--roles", type=parse_roles, default={},
+                        help='split kernels by their place in the step: "_gemv_kernel=qkv,o,gate_up,down" (Llama at '
+                             'batch 1; launches past the last whole round are "rest"), several joined by ";"')
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -206,11 +248,13 @@ def main(argv: list[str] | None = None) -> None:
     cases = [Case(*map(int, item.split("x"))) for item in args.cases.split(",")]
     case_step = case_steps(args.model, cases, args.block_size, args.max_model_len, device)
     rows, summary = [], {"model": f"{MODELS[args.model]} shape, random bf16 weights", "max_model_len": args.max_model_len}
+    if args.roles:
+        summary["roles"] = {name: ",".join(roles) for name, roles in args.roles.items()}
     with torch.inference_mode():
         for case in cases:
             replay, kv_bytes = case_step(case)
             ms = step_ms(replay, warmup=5, iters=30)
-            table, kernel_us = kernel_table(replay, args.steps)
+            table, kernel_us = kernel_table(replay, args.steps, args.roles)
             label = f"b{case.batch}/ctx{case.context}"
             summary[label] = {
                 "step_us": round(ms * 1e3, 1),
