@@ -69,7 +69,7 @@ from decode_attention_binding import decode_attention_bound, require_calls  # no
 
 HBM_BYTES_PER_S = 4.26e12  # H200 device copy, read + write (bench/results/kernels)
 LAYER_COLUMNS = ["tokens", "method", "us", "roofline_us", "roofline_pct", "touched_experts", "max_diff"]
-DECODE_COLUMNS = ["batch", "context", "route", "down_depth", "attention", "us", "roofline_us", "roofline_pct",
+DECODE_COLUMNS = ["batch", "context", "route", "attention", "us", "roofline_us", "roofline_pct",
                   "touched_experts_per_layer", "bytes_gb"]
 ROUTES = {"launch": False, "in-gemv": True}  # --routes: SparseMoeBlock.route_in_gemv
 ON_OFF = {"on": True, "off": False}  # --rotary-in-attention: Attention.rotary_in_decode_attention
@@ -123,8 +123,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--routes", default="launch", help="decode part, comma-separated: where the GEMV layout "
                         "routes, 'launch' (its own) and/or 'in-gemv' (the first expert GEMV: "
                         "SparseMoeBlock.route_in_gemv); the touched experts are counted with the routing launch")
-    parser.add_argument("--down-depths", default="auto", help="decode part, comma-separated: the expert down "
-                        "GEMV's weight tiles in flight (SparseMoeBlock.down_depth: 1-4, or auto for the default)")
     parser.add_argument("--rotary-in-attention", default="on", help="decode part, comma-separated 'on' and/or 'off': "
                         "whether the decode attention kernel applies the q/k norms, the rotary embedding and the KV "
                         "write (Attention.rotary_in_decode_attention) or kernels of their own do, before it")
@@ -154,13 +152,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--rotary-in-attention takes 'on', 'off' or 'on,off'")
     if not args.routes or set(args.routes) - set(ROUTES):
         parser.error(f"--routes takes a comma-separated subset of {', '.join(ROUTES)}")
-    from cleave.kernels.moe_gemv import MAX_DOWN_DEPTH
-
-    depths = [value for value in args.down_depths.split(",") if value]
-    allowed = {"auto", *(str(depth) for depth in range(1, MAX_DOWN_DEPTH + 1))}
-    if not depths or set(depths) - allowed:
-        parser.error(f"--down-depths takes a comma-separated list of 1-{MAX_DOWN_DEPTH} and auto")
-    args.down_depths = [None if value == "auto" else int(value) for value in depths]
     if args.dry_run:
         args.tokens = [min(value, 3) for value in args.tokens[:2]]
         args.batch = [min(value, 2) for value in args.batch[:2]]
@@ -433,11 +424,9 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
         windows = [config.layer_sliding_window(layer) for layer in range(config.num_hidden_layers)]
         num_bytes = _decode_bytes(shape, dtype, batch, args.context, touched, windows, args.packed_experts)
         roofline_us = num_bytes / HBM_BYTES_PER_S * 1e6
-        for route_name, depth, rotary, attention in itertools.product(args.routes, args.down_depths,
-                                                                      args.rotary_in_attention,
-                                                                      [{}, *args.decode_attention]):
+        for route_name, rotary, attention in itertools.product(args.routes, args.rotary_in_attention,
+                                                               [{}, *args.decode_attention]):
             _set_route_in_gemv(model, ROUTES[route_name])
-            _set_down_depth(model, depth)
             for layer in model.layers:
                 layer.self_attn.rotary_in_decode_attention = ON_OFF[rotary]
             with torch.no_grad(), decode_attention_bound(attention) as bound_calls:
@@ -448,8 +437,7 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
             if attention:
                 require_calls(bound_calls, attention)
             rows.append({
-                "batch": batch, "context": args.context, "route": route_name, "down_depth": depth or "auto",
-                "rotary_in_attention": rotary,
+                "batch": batch, "context": args.context, "route": route_name, "rotary_in_attention": rotary,
                 "attention": json.dumps(attention, sort_keys=True) if attention else "default", "us": us,
                 "roofline_us": roofline_us, "roofline_pct": 100 * roofline_us / us,
                 "touched_experts_per_layer": sum(touched) / len(touched), "bytes_gb": num_bytes / 1e9,
@@ -541,15 +529,6 @@ def _set_route_in_gemv(model, value: bool) -> None:  # noqa: ANN001
     for module in model.modules():
         if isinstance(module, SparseMoeBlock):
             module.route_in_gemv = value
-
-
-def _set_down_depth(model, depth: int | None) -> None:  # noqa: ANN001
-    """Every MoE block's `down_depth` (None: the default for the token count)."""
-    from cleave.model.moe import SparseMoeBlock
-
-    for module in model.modules():
-        if isinstance(module, SparseMoeBlock):
-            module.down_depth = depth
 
 
 def _touched_experts(model, step: Callable[[], torch.Tensor]) -> list[int]:

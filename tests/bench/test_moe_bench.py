@@ -195,20 +195,3 @@ def test_decode_rows_name_their_attention_setting_and_a_setting_no_call_takes_fa
     assert {row["attention"] for row in rows} == {"default"}
     with pytest.raises(RuntimeError, match="no decode attention call took"):
         bench.main(["--dry-run", "--part", "decode", "--decode-attention", '{"num_warps": 4}', "--out", str(tmp_path)])
-
-
-def test_decode_dry_run_times_each_down_depth(bench, tmp_path, built_models):
-    """`--down-depths auto,4`: a row per depth, each timed with every MoE block's `down_depth` set
-    (the GEMV layout passes it to the down kernel; equal sums at every depth:
-    tests/kernels/test_fused_moe.py); the last one stays set."""
-    from cleave.model.moe import SparseMoeBlock
-
-    rows = bench.main(["--dry-run", "--part", "decode", "--model", "gpt-oss-20b", "--down-depths", "auto,4",
-                       "--out", str(tmp_path)])["decode"]
-    assert [(row["batch"], row["down_depth"]) for row in rows] == [(1, "auto"), (1, 4), (2, "auto"), (2, 4)]
-    (model,) = built_models
-    blocks = [module for module in model.modules() if isinstance(module, SparseMoeBlock)]
-    assert blocks and all(block.down_depth == 4 for block in blocks)
-    for wrong in ("5", "0,auto", "deep", ""):
-        with pytest.raises(SystemExit):
-            bench.parse_args(["--down-depths", wrong])

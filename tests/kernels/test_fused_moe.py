@@ -122,10 +122,10 @@ def test_gemv_experts_normalise_their_input_and_add_into_the_residual(num_tokens
 
 
 @pytest.mark.parametrize("down_tiles", [None, (8, 16, 4)])  # one K tile an entry; four (12 steps in the walk)
-def test_down_weight_tiles_further_ahead_sum_as_one_step_ahead(down_tiles):
+def test_down_weight_tiles_two_steps_ahead_sum_as_one_step_ahead(down_tiles):
     """The down kernel's tiles in flight (`down_depth`) change when weights are loaded, never
-    the order of the sum: depths 2-4 equal depth 1 bit for bit, biases, ragged routing (a token
-    with all three slots on one expert) and the residual add included, and all equal the
+    the order of the sum: depth 2 equals depth 1 bit for bit, biases, ragged routing (a token
+    with all three slots on one expert) and the residual add included, and both equal the
     reference. Any other depth is refused."""
     generator = torch.Generator().manual_seed(51)
     residual = (torch.randn(3, HIDDEN, generator=generator) * 2).to(torch.bfloat16)
@@ -133,18 +133,17 @@ def test_down_weight_tiles_further_ahead_sum_as_one_step_ahead(down_tiles):
     weights, ids = route_reference(_ragged_logits(3, seed=53), 3, True)
     ids[1] = 4
     outputs = []
-    for depth in (1, 2, 3, 4):
+    for depth in (1, 2):
         stream = residual.clone()
         moe_gemv(stream, w13, w2, weights, ids, SILU, w13_bias, w2_bias, down_tiles=down_tiles, add_to=stream,
                  down_depth=depth)
         outputs.append(stream)
-    assert all(torch.equal(outputs[0], output) for output in outputs[1:])
+    assert torch.equal(outputs[0], outputs[1])
     experts_out = fused_experts_reference(residual, w13, w2, weights, ids, SILU, w13_bias, w2_bias)
-    _assert_close(outputs[0], (residual.float() + experts_out.float()).to(torch.bfloat16))
+    _assert_close(outputs[1], (residual.float() + experts_out.float()).to(torch.bfloat16))
     assert experts_out.float().abs().amax() > 0.1
-    for depth in (0, 5):
-        with pytest.raises(ValueError, match="down_depth must be 1 to 4"):
-            moe_gemv(residual, w13, w2, weights, ids, SILU, down_depth=depth)
+    with pytest.raises(ValueError, match="down_depth"):
+        moe_gemv(residual, w13, w2, weights, ids, SILU, down_depth=3)
     assert [down_depth_for(tokens) for tokens in (1, 2, 3, 4)] == [2, 2, 1, 1]  # the default: deep for few programs
 
 

@@ -160,33 +160,6 @@ def test_routing_inside_the_first_expert_gemv_matches_transformers(name, moe_che
 
 
 @torch.no_grad()
-def test_a_deeper_down_walk_gives_the_same_logits(moe_checkpoints, monkeypatch):
-    """`SparseMoeBlock.down_depth`: the GEMV decode layout's down kernel with four tiles in
-    flight sums in the same order as with the default's, so single-token steps give the same
-    logits bit for bit."""
-    from cleave.model import fused_decode
-
-    depths = []
-    real_moe_gemv = fused_decode.moe_gemv
-
-    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
-        depths.append(kwargs["down_depth"])
-        return real_moe_gemv(*args, **kwargs)
-
-    monkeypatch.setattr(fused_decode, "moe_gemv", recording)
-    logits = []
-    for depth in (None, 4):
-        model = load_model(moe_checkpoints["qwen3-moe"], impl="triton")
-        for module in model.modules():
-            if isinstance(module, SparseMoeBlock):
-                module.down_depth = depth
-        logits.append(run_chunks(model, prompt_ids(model.config.vocab_size, 12), [10, 1, 1]))
-    assert torch.equal(logits[0], logits[1])
-    sparse_layers = sum(isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers)
-    assert depths == [None] * (2 * sparse_layers) + [4] * (2 * sparse_layers)  # both 1-token steps, both runs
-
-
-@torch.no_grad()
 def test_gpt_oss_sinks_window_and_clamp_each_change_the_logits(moe_checkpoints, moe_hf_models):
     """The checkpoint exercises what sets gpt-oss apart: removing any of them moves the logits."""
     path = moe_checkpoints["gpt-oss"]

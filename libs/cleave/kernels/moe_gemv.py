@@ -22,11 +22,10 @@ is no alignment at all:
    scaled by the routing weight and summed in fp32 -> [T, H], rounded once. No [T*k, H]
    fp32 buffer, no separate sum, and the order of the sum is fixed (deterministic). The
    token's k expert ids, weights and residual row are read up front, so the walk's weight
-   tiles never wait on an id, and one to `MAX_DOWN_DEPTH` tiles are in flight ahead of the
-   one reduced (`down_depth_for` picks one or two). A program per (entry, feature block)
-   instead, the last of a token's k summing their products, was slower on the H200 (the
-   Qwen3-30B-A3B-shaped step at batch 1: 2852 vs 2662 us,
-   bench/results/moe/moe-decode-20261206T030643Z.md) and was removed.
+   tiles never wait on an id, and one or two tiles are in flight ahead of the one reduced
+   (`down_depth_for`). A program per (entry, feature block) instead, the last of a token's k
+   summing their products, was slower on the H200 (the Qwen3-30B-A3B-shaped step at batch 1:
+   2852 vs 2662 us, bench/results/moe/moe-decode-20261206T030643Z.md) and was removed.
 
 With programmatic dependent launch (`pdl`, the decode layout's) the routing kernel and the
 first expert kernel wait on their producer before they let the next kernel in, so the down
@@ -63,13 +62,6 @@ TILE_ELEMENTS = 8192  # weight elements per program per K tile (features x K), p
 # vs 46.3 / 68.7 / 98.1 us on an H200 (bench/results/moe/moe-layer-20261205T214643Z.md; on an
 # H100 52.2 / 80.2 / 122.7 vs 54.0 / 81.2 / 118.2 us, moe-layer-20261205T212951Z.md).
 DEEP_DOWN_MAX_TOKENS = 2
-# Deeper still (3 or 4 tiles ahead: `moe_gemv(down_depth=)`, `SparseMoeBlock.down_depth`) the
-# walk's chain is three or four times shorter than at one, for that many more tiles in
-# registers. On eight warps such programs were slower on an H100 (Qwen3-30B-A3B batch-1 step
-# 3127-3145 vs 2895-2908 us, bench/results/moe/moe-decode-20261206T114530Z.md): at 134-142
-# registers an SM holds one, so its 256 programs ran in two waves. On four warps (184
-# registers for sm_90: two an SM, one wave) not yet timed, so no default picks them.
-MAX_DOWN_DEPTH = 4
 
 
 def down_depth_for(num_tokens: int) -> int:
@@ -287,7 +279,7 @@ def _down_sum_kernel(
     HAS_BIAS: tl.constexpr,
     ADD: tl.constexpr,
     MXFP4: tl.constexpr,
-    DEPTH: tl.constexpr,  # weight tiles in flight beyond the one being reduced: 1 to MAX_DOWN_DEPTH
+    DEPTH: tl.constexpr,  # weight tiles in flight beyond the one being reduced: 1 or 2
     PDL: tl.constexpr,
     EARLY: tl.constexpr,  # PDL with routing the first kernel did not write: read it before the wait
 ):
@@ -316,20 +308,11 @@ def _down_sum_kernel(
     s_experts = scale_ptr + scale_offsets
     steps: tl.constexpr = TOP_K * K_TILES
 
-    # the tile reduced next (w) and the DEPTH - 1 after it (w2, w3, w4), loaded up front
     w, scales = _step_tile(w_experts, s_experts, experts, slots, 0, stride_we, stride_se, feature_valid, num_in,
                            K_TILES, BLOCK_K, MXFP4)
-    w2, scales2 = w, scales
-    w3, scales3 = w, scales
-    w4, scales4 = w, scales
-    if DEPTH >= 2 and steps > 1:
+    w2, scales2 = w, scales  # DEPTH 2: the tile after `w`
+    if DEPTH == 2 and steps > 1:
         w2, scales2 = _step_tile(w_experts, s_experts, experts, slots, 1, stride_we, stride_se, feature_valid, num_in,
-                                 K_TILES, BLOCK_K, MXFP4)
-    if DEPTH >= 3 and steps > 2:
-        w3, scales3 = _step_tile(w_experts, s_experts, experts, slots, 2, stride_we, stride_se, feature_valid, num_in,
-                                 K_TILES, BLOCK_K, MXFP4)
-    if DEPTH >= 4 and steps > 3:
-        w4, scales4 = _step_tile(w_experts, s_experts, experts, slots, 3, stride_we, stride_se, feature_valid, num_in,
                                  K_TILES, BLOCK_K, MXFP4)
     if EARLY:
         wait_for_producer(PDL)
@@ -352,20 +335,11 @@ def _down_sum_kernel(
                 acc += tl.load(bias_ptr + expert * stride_bias + features, mask=feature_valid, other=0.0).to(tl.float32)
             total += acc * _slot_value(entry_weights, slots, slot)
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        if DEPTH == 1:
-            w, scales = ahead_w, ahead_scales
-        elif DEPTH == 2:
+        if DEPTH == 2:
             w, scales = w2, scales2
             w2, scales2 = ahead_w, ahead_scales
-        elif DEPTH == 3:
-            w, scales = w2, scales2
-            w2, scales2 = w3, scales3
-            w3, scales3 = ahead_w, ahead_scales
         else:
-            w, scales = w2, scales2
-            w2, scales2 = w3, scales3
-            w3, scales3 = w4, scales4
-            w4, scales4 = ahead_w, ahead_scales
+            w, scales = ahead_w, ahead_scales
     _store_sum(total, residual, out_ptrs, feature_valid, ADD)
 
 
@@ -402,7 +376,7 @@ def moe_gemv(
     top_k: int | None = None,  # with `router_logits`
     renormalize: bool = True,  # with `router_logits`
     routing_out: tuple[torch.Tensor, torch.Tensor] | None = None,  # with `router_logits`: ([T, k] fp32, [T, k] int32)
-    down_depth: int | None = None,  # down weight tiles in flight beyond the one reduced (1-4; None: down_depth_for)
+    down_depth: int | None = None,  # down weight tiles in flight beyond the one reduced (1, 2; None: down_depth_for)
     pdl: bool = False,
 ) -> torch.Tensor:  # [T, H]; `add_to` itself when given
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) by per-entry GEMVs
@@ -419,8 +393,8 @@ def moe_gemv(
     inter = w13.shape[1] // 2
     if down_depth is None:
         down_depth = down_depth_for(num_tokens)
-    elif not 1 <= down_depth <= MAX_DOWN_DEPTH:
-        raise ValueError(f"down_depth must be 1 to {MAX_DOWN_DEPTH}, got {down_depth}")
+    elif down_depth not in (1, 2):
+        raise ValueError(f"down_depth must be 1 or 2, got {down_depth}")
     if add_to is None:
         out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     elif add_to.shape != hidden.shape or add_to.stride(-1) != 1 or add_to.dtype != hidden.dtype:

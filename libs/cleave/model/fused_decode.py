@@ -192,11 +192,11 @@ def _gemv_moe(block: SparseMoeBlock, residual: torch.Tensor, norm: RMSNorm) -> N
     if block.route_in_gemv:
         moe_gemv(residual, experts.gate_up, experts.down, None, None, block.activation, experts.w13_bias,
                  experts.w2_bias, norm_weight=norm.weight, eps=norm.eps, add_to=residual, router_logits=logits,
-                 top_k=block.top_k, renormalize=block.renormalize, down_depth=block.down_depth, pdl=pdl)
+                 top_k=block.top_k, renormalize=block.renormalize, pdl=pdl)
         return
     weights, ids = route(logits, block.top_k, block.renormalize, pdl=pdl)
     moe_gemv(residual, experts.gate_up, experts.down, weights, ids, block.activation, experts.w13_bias, experts.w2_bias,
-             norm_weight=norm.weight, eps=norm.eps, add_to=residual, down_depth=block.down_depth, pdl=pdl)
+             norm_weight=norm.weight, eps=norm.eps, add_to=residual, pdl=pdl)
 
 
 # ---- deferred-norm layout ------------------------------------------------------------------

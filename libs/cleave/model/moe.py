@@ -76,9 +76,6 @@ class SparseMoeBlock(nn.Module):
         # the GEMV decode layout (cleave.model.fused_decode) routes in the first expert GEMV
         # instead of a launch of its own; off: slower for Qwen3-30B-A3B's 128 experts
         self.route_in_gemv = False
-        # the expert down GEMV's weight tiles in flight in that layout (`moe_gemv(down_depth=)`;
-        # None: `moe_gemv.down_depth_for` the token count)
-        self.down_depth: int | None = None
 
     @torch.inference_mode()
     def warm_variants(self, max_tokens: int) -> int:
