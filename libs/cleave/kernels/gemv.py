@@ -112,6 +112,13 @@ def _weight_tile(w_rows, up_offset, tile: tl.constexpr, cols, feature_valid, num
     return w, w_up
 
 
+@triton.jit
+def _input_tile(x_rows, tile: tl.constexpr, cols, row_valid, num_in, BLOCK_K: tl.constexpr):
+    """K tile `tile` of the input rows [BLOCK_M, BLOCK_K], in their dtype."""
+    mask = row_valid[:, None] & (tile * BLOCK_K + cols < num_in)[None, :]
+    return tl.load(x_rows + tile * BLOCK_K, mask=mask, other=0.0)
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _gemv_kernel(
     x_ptr,  # [M, K] (NORM: the residual stream)
@@ -190,11 +197,13 @@ def _gemv_kernel(
     if NORM:
         squares = tl.zeros([BLOCK_M], dtype=tl.float32)
         for t in tl.static_range(K_TILES):
-            x_mask = row_valid[:, None] & (t * BLOCK_K + cols < num_in)[None, :]
-            x = tl.load(x_rows + t * BLOCK_K, mask=x_mask, other=0.0).to(tl.float32)
+            x = _input_tile(x_rows, t, cols, row_valid, num_in, BLOCK_K).to(tl.float32)
             squares += tl.sum(x * x, axis=1)
         rstd = tl.math.rsqrt(squares / num_in + eps)
 
+    # the input's next tile goes out with the reduction of the one before it, not after:
+    # loaded where it is reduced, its L2 round trip stood before every tile's FMAs
+    x_next = _input_tile(x_rows, 0, cols, row_valid, num_in, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for t in tl.static_range(K_TILES):
@@ -208,10 +217,12 @@ def _gemv_kernel(
             if t + 1 < K_TILES:
                 next_w, next_w_up = _weight_tile(w_rows, up_offset, t + 1, cols, feature_valid, num_in, BLOCK_K,
                                                  GATED)
-        col_valid = t * BLOCK_K + cols < num_in
-        x = tl.load(x_rows + t * BLOCK_K, mask=row_valid[:, None] & col_valid[None, :], other=0.0)
+        x = x_next
+        if t + 1 < K_TILES:
+            x_next = _input_tile(x_rows, t + 1, cols, row_valid, num_in, BLOCK_K)
         if NORM:
-            norm_w = tl.load(norm_w_ptr + t * BLOCK_K + cols, mask=col_valid, other=0.0).to(tl.float32)
+            norm_w = tl.load(norm_w_ptr + t * BLOCK_K + cols, mask=t * BLOCK_K + cols < num_in,
+                             other=0.0).to(tl.float32)
             normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
             x = (normed * norm_w[None, :]).to(x.dtype)
         acc += _dot_rows(x, w, BLOCK_M)

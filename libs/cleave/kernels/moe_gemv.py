@@ -243,6 +243,16 @@ def _step_tile(w_experts, s_experts, experts, slots, step, stride_we, stride_se,
 
 
 @triton.jit
+def _step_inputs(inter_rows, step, cols, num_in, stride_inter, K_TILES: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The down walk's input of `step`: K tile step % K_TILES of entry step // K_TILES's
+    intermediate row ([BLOCK_K] in its stored dtype; `inter_rows` points at the token's first
+    entry's row)."""
+    t = step % K_TILES
+    row = inter_rows + (step // K_TILES) * stride_inter + t * BLOCK_K
+    return tl.load(row + cols, mask=t * BLOCK_K + cols < num_in, other=0.0)
+
+
+@triton.jit
 def _store_sum(total, residual, out_ptrs, feature_valid, ADD: tl.constexpr):
     """Store a token's weighted expert sum (fp32 [BLOCK_N]) rounded once to the output dtype;
     with ADD added into the residual row it holds, as the next layer's fused add would."""
@@ -287,7 +297,10 @@ def _down_sum_kernel(
     # token's expert ids, routing weights and residual row are loaded first, in one round
     # trip, so no weight load waits on an id load; each step's weight tile then goes out
     # DEPTH steps before it is reduced, across entries too: the k entries are a chain of
-    # dependent steps, and with DEPTH tiles in flight it is that many times shorter.
+    # dependent steps, and with DEPTH tiles in flight it is that many times shorter. Each
+    # step's slice of the intermediate rows (written by the gate/up kernel, so read after
+    # the wait) goes out with its weight tile: loaded at the step that reduces it, its L2
+    # round trip stood before every step's reduction (sm_90 code for Qwen3-30B-A3B's shape).
     token = tl.program_id(0).to(tl.int64)
     features = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     feature_valid = features < num_out
@@ -317,18 +330,22 @@ def _down_sum_kernel(
     if EARLY:
         wait_for_producer(PDL)
     release_dependents(PDL)
+    inter_rows = inter_ptr + token * TOP_K * stride_inter
+    x = _step_inputs(inter_rows, 0, cols, num_in, stride_inter, K_TILES, BLOCK_K)
+    x2 = x  # DEPTH 2: the input after `x`
+    if DEPTH == 2 and steps > 1:
+        x2 = _step_inputs(inter_rows, 1, cols, num_in, stride_inter, K_TILES, BLOCK_K)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for step in tl.static_range(steps):
         slot = step // K_TILES
         t = step % K_TILES
-        ahead_w, ahead_scales = w, scales
+        ahead_w, ahead_scales, ahead_x = w, scales, x
         if step + DEPTH < steps:
             ahead_w, ahead_scales = _step_tile(w_experts, s_experts, experts, slots, step + DEPTH, stride_we, stride_se,
                                                feature_valid, num_in, K_TILES, BLOCK_K, MXFP4)
-        x = tl.load(inter_ptr + (token * TOP_K + slot) * stride_inter + t * BLOCK_K + cols,
-                    mask=t * BLOCK_K + cols < num_in, other=0.0).to(tl.float32)
-        acc += _tile_dot(x, w, scales, BLOCK_N, BLOCK_K, MXFP4)
+            ahead_x = _step_inputs(inter_rows, step + DEPTH, cols, num_in, stride_inter, K_TILES, BLOCK_K)
+        acc += _tile_dot(x.to(tl.float32), w, scales, BLOCK_N, BLOCK_K, MXFP4)
         if t == K_TILES - 1:  # the entry is done: its bias, its routing weight, into the sum
             if HAS_BIAS:
                 expert = _slot_value(experts, slots, slot)
@@ -336,10 +353,10 @@ def _down_sum_kernel(
             total += acc * _slot_value(entry_weights, slots, slot)
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         if DEPTH == 2:
-            w, scales = w2, scales2
-            w2, scales2 = ahead_w, ahead_scales
+            w, scales, x = w2, scales2, x2
+            w2, scales2, x2 = ahead_w, ahead_scales, ahead_x
         else:
-            w, scales = ahead_w, ahead_scales
+            w, scales, x = ahead_w, ahead_scales, ahead_x
     _store_sum(total, residual, out_ptrs, feature_valid, ADD)
 
 
