@@ -119,6 +119,12 @@ def _input_tile(x_rows, tile: tl.constexpr, cols, row_valid, num_in, BLOCK_K: tl
     return tl.load(x_rows + tile * BLOCK_K, mask=mask, other=0.0)
 
 
+@triton.jit
+def _norm_weight_tile(norm_w_ptr, tile: tl.constexpr, cols, num_in, BLOCK_K: tl.constexpr):
+    """K tile `tile` of the RMSNorm weight [BLOCK_K], in its dtype."""
+    return tl.load(norm_w_ptr + tile * BLOCK_K + cols, mask=tile * BLOCK_K + cols < num_in, other=0.0)
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _gemv_kernel(
     x_ptr,  # [M, K] (NORM: the residual stream)
@@ -192,6 +198,9 @@ def _gemv_kernel(
     bias = tl.zeros([BLOCK_N], dtype=tl.float32)
     if BIAS:
         bias = tl.load(bias_ptr + features, mask=feature_valid, other=0.0).to(tl.float32)
+    norm_w_next = tl.zeros([BLOCK_K], dtype=x_ptr.dtype.element_ty)  # NORM: the norm weight's first tile
+    if NORM:
+        norm_w_next = _norm_weight_tile(norm_w_ptr, 0, cols, num_in, BLOCK_K)
     wait_for_producer(PDL)
 
     if NORM:
@@ -218,13 +227,14 @@ def _gemv_kernel(
                 next_w, next_w_up = _weight_tile(w_rows, up_offset, t + 1, cols, feature_valid, num_in, BLOCK_K,
                                                  GATED)
         x = x_next
+        norm_w = norm_w_next
         if t + 1 < K_TILES:
             x_next = _input_tile(x_rows, t + 1, cols, row_valid, num_in, BLOCK_K)
+            if NORM:
+                norm_w_next = _norm_weight_tile(norm_w_ptr, t + 1, cols, num_in, BLOCK_K)
         if NORM:
-            norm_w = tl.load(norm_w_ptr + t * BLOCK_K + cols, mask=t * BLOCK_K + cols < num_in,
-                             other=0.0).to(tl.float32)
             normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
-            x = (normed * norm_w[None, :]).to(x.dtype)
+            x = (normed * norm_w.to(tl.float32)[None, :]).to(x.dtype)
         acc += _dot_rows(x, w, BLOCK_M)
         if GATED:
             acc_up += _dot_rows(x, w_up, BLOCK_M)

@@ -169,9 +169,15 @@ def _gate_up_kernel(
     RENORMALIZE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # Everything this kernel reads may come from the launch before it (the routing, or the
-    # router's logits and the residual stream): it waits first, then lets the down kernel's
-    # programs in, which find the routing complete (`_down_sum_kernel`'s EARLY).
+    # Everything this kernel reads but the norm's weight may come from the launch before it
+    # (the routing, or the router's logits and the residual stream): it waits first, then
+    # lets the down kernel's programs in, which find the routing complete
+    # (`_down_sum_kernel`'s EARLY). The norm weight's first tile goes out before the wait,
+    # not after the row's rsqrt.
+    cols = tl.arange(0, BLOCK_K)
+    norm_w_first = tl.zeros([BLOCK_K], dtype=x_ptr.dtype.element_ty)
+    if NORM:
+        norm_w_first = tl.load(norm_w_ptr + cols, mask=cols < num_in, other=0.0)
     wait_for_producer(PDL)
     release_dependents(PDL)
     entry = tl.program_id(0).to(tl.int64)
@@ -183,7 +189,6 @@ def _gate_up_kernel(
         expert = tl.load(ids_ptr + entry).to(tl.int64)
     features = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     feature_valid = features < num_out
-    cols = tl.arange(0, BLOCK_K)
     rows = w_ptr + expert * stride_we + features.to(tl.int64) * stride_wn  # [BN] gate rows
     scale_rows = scale_ptr + expert * stride_se + features.to(tl.int64) * stride_sn
     up_rows = rows + num_out.to(tl.int64) * stride_wn
@@ -210,7 +215,9 @@ def _gate_up_kernel(
         col_valid = t * BLOCK_K + cols < num_in
         x = tl.load(x_row + t * BLOCK_K, mask=col_valid, other=0.0)
         if NORM:  # rounded as the unfused RMSNorm's output: normalised, then scaled by the weight
-            norm_w = tl.load(norm_w_ptr + t * BLOCK_K + cols, mask=col_valid, other=0.0).to(tl.float32)
+            norm_w = norm_w_first.to(tl.float32)
+            if t > 0:
+                norm_w = tl.load(norm_w_ptr + t * BLOCK_K + cols, mask=col_valid, other=0.0).to(tl.float32)
             normed = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
             x = (normed * norm_w).to(x.dtype)
         x = x.to(tl.float32)
