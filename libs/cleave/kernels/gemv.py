@@ -215,9 +215,6 @@ def _gemv_kernel(
     x_next = _input_tile(x_rows, 0, cols, row_valid, num_in, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # one row, several K tiles, one weight half: the tiles' products are added elementwise and
-    # reduced across the program once, after the last tile, not once a tile
-    products = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for t in tl.static_range(K_TILES):
         # tile t + AHEAD's loads go out before tile t is reduced
         if AHEAD == 2:
@@ -238,16 +235,11 @@ def _gemv_kernel(
         if NORM:
             normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
             x = (normed * norm_w.to(tl.float32)[None, :]).to(x.dtype)
-        if BLOCK_M == 1 and K_TILES > 1 and not GATED:
-            products += x.to(tl.float32) * w.to(tl.float32)
-        else:
-            acc += _dot_rows(x, w, BLOCK_M)
+        acc += _dot_rows(x, w, BLOCK_M)
         if GATED:
             acc_up += _dot_rows(x, w_up, BLOCK_M)
         w = next_w
         w_up = next_w_up
-    if BLOCK_M == 1 and K_TILES > 1 and not GATED:
-        acc = tl.sum(products, axis=1)[None, :]
     if BIAS:
         acc += bias[None, :]
 
