@@ -308,12 +308,16 @@ def _down_sum_kernel(
     # step's slice of the intermediate rows (written by the gate/up kernel, so read after
     # the wait) goes out with its weight tile: loaded at the step that reduces it, its L2
     # round trip stood before every step's reduction (sm_90 code for Qwen3-30B-A3B's shape).
-    # bf16 / fp16 weights: each step adds its tile's products, scaled by the entry's routing
-    # weight, into one [BLOCK_N, BLOCK_K] fp32 accumulator, reduced across the program once
-    # after the walk: the sm_90 code of Qwen3-30B-A3B's shape had two barriers and 65 shuffles
-    # in every step (17 and 520 in all), now 3 and 128, for 255 registers instead of 128
-    # (still two programs an SM). MXFP4 tiles sum each 32-value group before its scale, so
-    # they keep a reduction a step.
+    # Entries of one bf16 / fp16 K tile (Qwen3-30B-A3B's): each step adds its tile's products,
+    # scaled by the entry's routing weight, into one [BLOCK_N, BLOCK_K] fp32 accumulator,
+    # reduced across the program once after the walk. The sm_90 code of that shape had two
+    # barriers and 65 shuffles in every step (17 and 520 in all), now 3 and 128, for 255
+    # registers instead of 128 (still two programs an SM; step 2797 -> 2650 us on an H100 with
+    # the load-order changes, 2796 -> 2697 without, bench/results/moe/ab/ab-20261206T141833Z.md,
+    # ...141921Z.md). Two K tiles an entry (gpt-oss-20b's bf16 experts: 720 programs) went from
+    # 144 to 255 registers, three programs an SM to two, and its step was slower (3008 -> 3179
+    # us, ab-20261206T142138Z.md), so they keep a reduction a step, as MXFP4 tiles do (each
+    # 32-value group is summed before its scale).
     token = tl.program_id(0).to(tl.int64)
     features = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     feature_valid = features < num_out
@@ -350,7 +354,7 @@ def _down_sum_kernel(
         x2 = _step_inputs(inter_rows, 1, cols, num_in, stride_inter, K_TILES, BLOCK_K)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    products = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # not MXFP4: reduced once, after the walk
+    products = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # one bf16 K tile: reduced once, after the walk
     for step in tl.static_range(steps):
         slot = step // K_TILES
         t = step % K_TILES
@@ -359,7 +363,7 @@ def _down_sum_kernel(
             ahead_w, ahead_scales = _step_tile(w_experts, s_experts, experts, slots, step + DEPTH, stride_we, stride_se,
                                                feature_valid, num_in, K_TILES, BLOCK_K, MXFP4)
             ahead_x = _step_inputs(inter_rows, step + DEPTH, cols, num_in, stride_inter, K_TILES, BLOCK_K)
-        if MXFP4:
+        if MXFP4 or K_TILES > 1:
             acc += _tile_dot(x.to(tl.float32), w, scales, BLOCK_N, BLOCK_K, MXFP4)
         else:
             products += w.to(tl.float32) * (x.to(tl.float32) * _slot_value(entry_weights, slots, slot))[None, :]
@@ -374,7 +378,7 @@ def _down_sum_kernel(
             w2, scales2, x2 = ahead_w, ahead_scales, ahead_x
         else:
             w, scales, x = ahead_w, ahead_scales, ahead_x
-    if not MXFP4:
+    if not MXFP4 and K_TILES == 1:
         total += tl.sum(products, axis=1)
     _store_sum(total, residual, out_ptrs, feature_valid, ADD)
 
