@@ -314,10 +314,11 @@ def _down_sum_kernel(
     # barriers and 65 shuffles in every step (17 and 520 in all), now 3 and 128, for 255
     # registers instead of 128 (still two programs an SM; step 2797 -> 2650 us on an H100 with
     # the load-order changes, 2796 -> 2697 without, bench/results/moe/ab/ab-20261206T141833Z.md,
-    # ...141921Z.md). Two K tiles an entry (gpt-oss-20b's bf16 experts: 720 programs) went from
-    # 144 to 255 registers, three programs an SM to two, and its step was slower (3008 -> 3179
-    # us, ab-20261206T142138Z.md), so they keep a reduction a step, as MXFP4 tiles do (each
-    # 32-value group is summed before its scale).
+    # ...141921Z.md). Entries of two K tiles (gpt-oss-20b's bf16 experts: 720 programs) went
+    # from 144 to 255 registers that way, three programs an SM to two; a tree that also summed
+    # the register GEMV's tiles once made gpt-oss-20b's step slower (3008 -> 3179 us,
+    # ab-20261206T142138Z.md; the parts not timed apart), so they keep a reduction a step, as
+    # MXFP4 tiles do (each 32-value group is summed before its scale).
     token = tl.program_id(0).to(tl.int64)
     features = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     feature_valid = features < num_out
