@@ -46,6 +46,7 @@ from cleave.kernels.dispatch import use_triton
 from cleave.kernels.fused_moe import route
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
 from cleave.kernels.gemv import RotaryKVWrite
+from cleave.kernels.l2_prefetch import NO_PREFETCH, L2Prefetch
 from cleave.kernels.moe_gemv import MAX_TOKENS as MOE_GEMV_MAX_TOKENS
 from cleave.kernels.moe_gemv import moe_gemv
 from cleave.kernels.rms_norm import rms_norm
@@ -128,7 +129,11 @@ def _gemv_layer(
 ) -> None:
     """One decoder layer with the norms fused into the projections that read them and the
     residual adds into the projections that produce them."""
-    _gemv_attention(layer.self_attn, residual, layer.input_layernorm, positions, kv_cache, metadata, cos_sin_cache)
+    o_prefetch = NO_PREFETCH
+    if not isinstance(layer.mlp, SparseMoeBlock) and residual.shape[0] <= GEMV_AUTO_MAX_ROWS:
+        o_prefetch = gate_up_prefetch(layer.mlp)
+    _gemv_attention(layer.self_attn, residual, layer.input_layernorm, positions, kv_cache, metadata, cos_sin_cache,
+                    o_prefetch)
     if isinstance(layer.mlp, SparseMoeBlock):
         _gemv_moe(layer.mlp, residual, layer.post_attention_layernorm)
     else:
@@ -143,11 +148,13 @@ def _gemv_attention(
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     cos_sin_cache: torch.Tensor,
+    o_prefetch: L2Prefetch = NO_PREFETCH,
 ) -> None:
     """residual += o_proj(attention(qkv_proj(norm(residual)))).
 
     A single token without q/k norms takes the rotary embedding and KV write as the qkv
-    projection's epilogue (one launch fewer per layer)."""
+    projection's epilogue (one launch fewer per layer). `o_prefetch`: weights the o
+    projection's programs pull into L2 before their wait, beside the attention."""
     num_tokens, pdl = residual.shape[0], attention.pdl
     if num_tokens <= GEMV_AUTO_MAX_ROWS and attention.q_norm is None:
         rotary = RotaryKVWrite(positions, cos_sin_cache, kv_cache, metadata.slot_mapping,
@@ -164,7 +171,19 @@ def _gemv_attention(
                            bias=attention.qkv_proj.bias, counters=metadata.split_counters, pdl=pdl)
         out = attention.attend(qkv, positions, kv_cache, metadata, cos_sin_cache)  # [T, Hq D]
     small_linear(out, attention.o_proj.weight, add_to=residual, bias=attention.o_proj.bias,
-                 counters=metadata.split_counters, pdl=pdl)
+                 counters=metadata.split_counters, pdl=pdl, l2_prefetch=o_prefetch)
+
+
+def gate_up_prefetch(mlp: MLP) -> L2Prefetch:
+    """The leading rows of each half of `mlp`'s gate_up weight, `gate_up_l2_prefetch_bytes` in
+    all: the rows the register GEMV's first programs read (program i owns features [i B, (i +
+    1) B) of both halves), so the GEMV's first waves find them in L2."""
+    weight = mlp.gate_up_proj.weight  # [2I, K]
+    half = weight.shape[0] // 2
+    rows = min(half, mlp.gate_up_l2_prefetch_bytes // (2 * weight.stride(0) * weight.element_size()))
+    if rows == 0:
+        return NO_PREFETCH
+    return L2Prefetch((weight[:rows], weight[half:half + rows]), evict_last=mlp.gate_up_l2_evict_last)
 
 
 def _gemv_mlp(mlp: MLP, residual: torch.Tensor, norm: RMSNorm, counters: torch.Tensor | None) -> None:

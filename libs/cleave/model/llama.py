@@ -146,6 +146,10 @@ class MLP(nn.Module):
         super().__init__()
         self.impl: Impl = impl
         self.pdl = pdl
+        # batch-1 GEMV layout: bytes of gate_up's leading rows (half from each half) that the
+        # o projection pulls into L2 while the attention runs (cleave.model.fused_decode)
+        self.gate_up_l2_prefetch_bytes = 0
+        self.gate_up_l2_evict_last = False
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
