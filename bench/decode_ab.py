@@ -20,15 +20,16 @@ another, so drift of the machine over the run hits all of them alike. Variants:
   kept from reducing split-K partials in reduced precision
   (`allow_bf16_reduced_precision_reduction = False`); both change which kernels the BLAS
   heuristics pick;
-- `gate_up_l2:<MB>` (`gate_up_l2:<MB>:last`): `deferred_norms` with the batch-1 o projection
-  pulling that many MB of each layer's gate_up weight into L2 (with the evict-last policy)
-  while the attention runs (`MLP.gate_up_l2_prefetch_bytes`, cleave.kernels.l2_prefetch).
+- `l2:<spec>`: `deferred_norms` with the batch-1 o projection pulling weights into L2 while
+  the attention runs, `<spec>` as `DecodeL2Prefetch.parse` reads it (cleave.model.fused_decode):
+  `l2:16` 16 MB of the layer's gate_up, `l2:16:qkv:last` that and the next layer's qkv,
+  evict-last.
 
 The bench model's norm weights are ones, so folding them changes no weight and every variant
 computes the same step.
 
     python bench/decode_ab.py --batches 1,64 --contexts 1024 --rounds 5 --out bench/results/decode/ab
-    python bench/decode_ab.py --batches 1 --variants deferred_norms,gate_up_l2:16,gate_up_l2:16:last ...
+    python bench/decode_ab.py --batches 1 --variants deferred_norms,l2:16,l2:16:qkv:last ...
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from decode import Case, decode_batch
 from step_turns import build_step_bench, summary_row, time_in_turns
 
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
+from cleave.model.fused_decode import DecodeL2Prefetch
 
 # name -> (fill impl, fill with PDL, rotary inside the decode attention kernel, logits by a
 # cast pass, norms deferred to the attention and SwiGLU kernels)
@@ -60,14 +62,11 @@ VARIANTS = {
 }
 
 
-def variant_settings(name: str) -> tuple[tuple, int, bool]:
-    """(the VARIANTS tuple, gate_up bytes pulled into L2, evict-last) of a variant's name."""
-    if not name.startswith("gate_up_l2:"):
-        return VARIANTS[name], 0, False
-    _, megabytes, *policy = name.split(":")
-    if policy not in ([], ["last"]):
-        raise SystemExit(f"variant {name!r}: gate_up_l2:<MB> or gate_up_l2:<MB>:last")
-    return VARIANTS["deferred_norms"], int(float(megabytes) * 2**20), policy == ["last"]
+def variant_settings(name: str) -> tuple[tuple, DecodeL2Prefetch]:
+    """(the VARIANTS tuple, the batch-1 L2 prefetch) of a variant's name."""
+    if not name.startswith("l2:"):
+        return VARIANTS[name], DecodeL2Prefetch()
+    return VARIANTS["deferred_norms"], DecodeL2Prefetch.parse(name.removeprefix("l2:"))
 
 
 @contextlib.contextmanager
@@ -119,13 +118,11 @@ def main(argv: list[str] | None = None) -> None:
     runners = {}
     with torch.inference_mode():
         for name in names:
-            settings, l2_bytes, evict_last = variant_settings(name)
+            settings, model.decode_l2_prefetch = variant_settings(name)
             fill_impl, fill_pdl, rotary_in_attention, cast_logits, deferred_norms = settings
             model.deferred_norm_decode = deferred_norms
             for layer in model.layers:
                 layer.self_attn.rotary_in_decode_attention = rotary_in_attention
-                layer.mlp.gate_up_l2_prefetch_bytes = l2_bytes
-                layer.mlp.gate_up_l2_evict_last = evict_last
             with blas_setting(name):
                 runner = bench.runner(step_cast_logits if cast_logits else bench.step,
                                       max(case.batch for case in cases))
@@ -145,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
 
     summary = {"model": "Llama-3.2-1B shape, random bf16 weights", "weights_gb": round(bench.weight_bytes / 1e9, 3),
                "max_model_len": args.max_model_len, "iters": args.iters,
-               "variants": {name: variant_settings(name) for name in names}}
+               "variants": {name: [*variant_settings(name)[0], str(variant_settings(name)[1])] for name in names}}
     print(format_table(rows, COLUMNS))
     if args.out:
         json_path, md_path = write_results(args.out, run_name("decode_ab"), rows, COLUMNS, summary)

@@ -46,7 +46,8 @@ from cleave.kernels.token_bitmask import _token_bitmask_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {  # argument name -> pointer type; every other runtime argument is an i32
-    "x_ptr": "*bf16", "w_ptr": "*bf16", "l2_first_ptr": "*bf16", "l2_second_ptr": "*bf16", "norm_w_ptr": "*bf16", "out_ptr": "*bf16", "positions_ptr": "*i64",
+    "x_ptr": "*bf16", "w_ptr": "*bf16", "l2_first_ptr": "*bf16", "l2_second_ptr": "*bf16",
+    "l2_third_ptr": "*bf16", "norm_w_ptr": "*bf16", "out_ptr": "*bf16", "positions_ptr": "*i64",
     "cos_sin_ptr": "*fp32", "cache_ptr": "*bf16", "slot_mapping_ptr": "*i64", "query_ptr": "*bf16",
     "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_acc_ptr": "*fp32", "counters_ptr": "*i32",
     "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",
@@ -116,8 +117,9 @@ def main() -> None:
     compile_variant(_gemv_kernel, {**gemv, "NORM": True, "ROTARY": True}, 4, pointers=FP8_CACHE)  # into an fp8 cache
     compile_variant(_gemv_kernel, {**gemv, "ADD": True, "BIAS": True, "BLOCK_N": 8, "K_TILES": 2, "AHEAD": 2}, 8)  # biased o
     compile_variant(_gemv_kernel, {**gemv, "NORM": True, "GATED": True, "BLOCK_N": 2}, 4)  # gate_up
-    compile_variant(_gemv_kernel, {**gemv, "ADD": True, "L2_REGIONS": 2}, 4)  # o, gate_up's leading rows into L2
-    compile_variant(_gemv_kernel, {**gemv, "ADD": True, "L2_REGIONS": 1, "L2_EVICT_LAST": True}, 4)
+    compile_variant(_gemv_kernel, {**gemv, "ADD": True, "L2_REGIONS": 3}, 4)  # o: gate_up's leading rows, next qkv
+    compile_variant(_gemv_kernel, {**gemv, "ADD": True, "BLOCK_N": 8, "K_TILES": 2, "AHEAD": 2, "L2_REGIONS": 1,
+                                   "L2_EVICT_LAST": True, "THREADS": 256}, 8)  # Qwen3-30B-A3B's o: the next layer's qkv
     compile_variant(_gemv_kernel, {**gemv, "ADD": True, "BLOCK_N": 8, "K_TILES": 4, "THREADS": 256}, 8)  # down
     compile_variant(_gemv_kernel, {**gemv, "BLOCK_N": 8, "K_TILES": 2, "THREADS": 256}, 8)  # gpt-oss's lm_head
     compile_variant(_gemv_kernel, {**gemv, "BLOCK_M": 4, "BLOCK_N": 2, "PDL": False}, 4)

@@ -14,7 +14,7 @@ An earlier form (prefetches from the attention and SwiGLU kernels at batch 32-64
 attention itself streams its KV at bandwidth) made those steps slower on an H200
 (bench/results/decode/deferred/prefetch_ab.md); at batch 1 the attention does not.
 
-`L2Prefetch` names up to two contiguous regions; `prefetch_regions` is the kernels' side.
+`L2Prefetch` names up to three contiguous regions; `prefetch_regions` is the kernels' side.
 On CPU tensors (the interpreter) nothing is prefetched: the kernels compile without it.
 """
 
@@ -27,12 +27,12 @@ import triton
 import triton.language as tl
 
 LINE_BYTES = 128  # one L2 line per prefetch instruction
-MAX_REGIONS = 2
+MAX_REGIONS = 3
 
 
 @dataclass(frozen=True)
 class L2Prefetch:
-    """Contiguous tensors (at most two) that a kernel pulls into L2 for a kernel after it;
+    """Contiguous tensors (at most three) that a kernel pulls into L2 for kernels after it;
     `evict_last` marks the lines to outlive lines loaded with the default policy."""
 
     regions: tuple[torch.Tensor, ...] = ()
@@ -50,7 +50,7 @@ class L2Prefetch:
         return sum(region.numel() * region.element_size() for region in self.regions)
 
     def launch_args(self, like: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...], int, bool]:
-        """(the two region tensors, their sizes in lines, the REGIONS constexpr, EVICT_LAST)
+        """(the MAX_REGIONS region tensors, their sizes in lines, the REGIONS constexpr, EVICT_LAST)
         for a kernel whose tensors live with `like`; no regions off the GPU, unused slots
         filled with `like` and zero lines."""
         regions = [region for region in self.regions if region.numel() > 0] if like.is_cuda else []
@@ -82,11 +82,13 @@ def _prefetch_lines(base_ptr, num_lines, part, num_parts, STEP: tl.constexpr, EV
 
 
 @triton.jit
-def prefetch_regions(first_ptr, first_lines, second_ptr, second_lines, part, num_parts, REGIONS: tl.constexpr,
-                     EVICT_LAST: tl.constexpr, STEP: tl.constexpr):
-    """Program `part` of `num_parts` prefetches its share of each of the REGIONS (0-2) regions,
+def prefetch_regions(first_ptr, first_lines, second_ptr, second_lines, third_ptr, third_lines, part, num_parts,
+                     REGIONS: tl.constexpr, EVICT_LAST: tl.constexpr, STEP: tl.constexpr):
+    """Program `part` of `num_parts` prefetches its share of each of the REGIONS (0-3) regions,
     STEP lines at a time (one a thread: the program's thread count)."""
     if REGIONS >= 1:
         _prefetch_lines(first_ptr, first_lines, part, num_parts, STEP, EVICT_LAST)
     if REGIONS >= 2:
         _prefetch_lines(second_ptr, second_lines, part, num_parts, STEP, EVICT_LAST)
+    if REGIONS >= 3:
+        _prefetch_lines(third_ptr, third_lines, part, num_parts, STEP, EVICT_LAST)

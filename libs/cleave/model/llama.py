@@ -38,7 +38,7 @@ from cleave.kernels.small_linear import small_linear
 from cleave.kv.groups import kv_groups
 from cleave.kv.metadata import AttentionMetadata
 from cleave.model.config import ModelConfig
-from cleave.model.fused_decode import DECODE_GEMV_MAX_TOKENS, run_fused_decode
+from cleave.model.fused_decode import DECODE_GEMV_MAX_TOKENS, DecodeL2Prefetch, run_fused_decode
 from cleave.model.moe import SparseMoeBlock
 from cleave.model.projection import project
 from cleave.model.rope import build_cos_sin_cache
@@ -146,10 +146,6 @@ class MLP(nn.Module):
         super().__init__()
         self.impl: Impl = impl
         self.pdl = pdl
-        # batch-1 GEMV layout: bytes of gate_up's leading rows (half from each half) that the
-        # o projection pulls into L2 while the attention runs (cleave.model.fused_decode)
-        self.gate_up_l2_prefetch_bytes = 0
-        self.gate_up_l2_evict_last = False
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
@@ -221,6 +217,8 @@ class CausalLM(nn.Module):
         self.decode_gemv_max_tokens = DECODE_GEMV_MAX_TOKENS
         self.norms_folded = False  # set by fold_norm_weights
         self.deferred_norm_decode = True  # larger decode batches apply folded norms in kernels
+        # batch-1 GEMV layout: weights the o projection pulls into L2 beside the attention
+        self.decode_l2_prefetch = DecodeL2Prefetch()
         # the deferred-norm layout folds norms into dense projections and drops biases; the GEMV
         # layout lays out every model (biases in its epilogues, MoE layers' norms unfolded)
         self.has_fused_decode_layouts = not (config.is_moe or config.attention_sinks or config.o_proj_bias)
