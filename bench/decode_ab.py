@@ -19,17 +19,12 @@ another, so drift of the machine over the run hits all of them alike. Variants:
   cuBLASLt (`torch.backends.cuda.preferred_blas_library("cublaslt")`), or with bf16 GEMMs
   kept from reducing split-K partials in reduced precision
   (`allow_bf16_reduced_precision_reduction = False`); both change which kernels the BLAS
-  heuristics pick;
-- `l2:<spec>`: `deferred_norms` with the batch-1 o projection pulling weights into L2 while
-  the attention runs, `<spec>` as `DecodeL2Prefetch.parse` reads it (cleave.model.fused_decode):
-  `l2:16` 16 MB of the layer's gate_up, `l2:16:qkv:last` that and the next layer's qkv,
-  evict-last.
+  heuristics pick.
 
 The bench model's norm weights are ones, so folding them changes no weight and every variant
 computes the same step.
 
     python bench/decode_ab.py --batches 1,64 --contexts 1024 --rounds 5 --out bench/results/decode/ab
-    python bench/decode_ab.py --batches 1 --variants deferred_norms,l2:16,l2:16:qkv:last ...
 """
 
 from __future__ import annotations
@@ -46,7 +41,6 @@ from decode import Case, decode_batch
 from step_turns import build_step_bench, summary_row, time_in_turns
 
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
-from cleave.model.fused_decode import DecodeL2Prefetch
 
 # name -> (fill impl, fill with PDL, rotary inside the decode attention kernel, logits by a
 # cast pass, norms deferred to the attention and SwiGLU kernels)
@@ -60,13 +54,6 @@ VARIANTS = {
     "deferred_cublaslt": ("auto", True, True, False, True),
     "deferred_fp32_reduction": ("auto", True, True, False, True),
 }
-
-
-def variant_settings(name: str) -> tuple[tuple, DecodeL2Prefetch]:
-    """(the VARIANTS tuple, the batch-1 L2 prefetch) of a variant's name."""
-    if not name.startswith("l2:"):
-        return VARIANTS[name], DecodeL2Prefetch()
-    return VARIANTS["deferred_norms"], DecodeL2Prefetch.parse(name.removeprefix("l2:"))
 
 
 @contextlib.contextmanager
@@ -118,8 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     runners = {}
     with torch.inference_mode():
         for name in names:
-            settings, model.decode_l2_prefetch = variant_settings(name)
-            fill_impl, fill_pdl, rotary_in_attention, cast_logits, deferred_norms = settings
+            fill_impl, fill_pdl, rotary_in_attention, cast_logits, deferred_norms = VARIANTS[name]
             model.deferred_norm_decode = deferred_norms
             for layer in model.layers:
                 layer.self_attn.rotary_in_decode_attention = rotary_in_attention
@@ -142,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
 
     summary = {"model": "Llama-3.2-1B shape, random bf16 weights", "weights_gb": round(bench.weight_bytes / 1e9, 3),
                "max_model_len": args.max_model_len, "iters": args.iters,
-               "variants": {name: [*variant_settings(name)[0], str(variant_settings(name)[1])] for name in names}}
+               "variants": {name: VARIANTS[name] for name in names}}
     print(format_table(rows, COLUMNS))
     if args.out:
         json_path, md_path = write_results(args.out, run_name("decode_ab"), rows, COLUMNS, summary)

@@ -69,7 +69,7 @@ from decode_attention_binding import decode_attention_bound, require_calls  # no
 
 HBM_BYTES_PER_S = 4.26e12  # H200 device copy, read + write (bench/results/kernels)
 LAYER_COLUMNS = ["tokens", "method", "us", "roofline_us", "roofline_pct", "touched_experts", "max_diff"]
-DECODE_COLUMNS = ["batch", "context", "route", "attention", "l2_prefetch", "us", "roofline_us", "roofline_pct",
+DECODE_COLUMNS = ["batch", "context", "route", "attention", "us", "roofline_us", "roofline_pct",
                   "touched_experts_per_layer", "bytes_gb"]
 ROUTES = {"launch": False, "in-gemv": True}  # --routes: SparseMoeBlock.route_in_gemv
 ON_OFF = {"on": True, "off": False}  # --rotary-in-attention: Attention.rotary_in_decode_attention
@@ -123,9 +123,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--routes", default="launch", help="decode part, comma-separated: where the GEMV layout "
                         "routes, 'launch' (its own) and/or 'in-gemv' (the first expert GEMV: "
                         "SparseMoeBlock.route_in_gemv); the touched experts are counted with the routing launch")
-    parser.add_argument("--l2-prefetch", default="off", help="decode part, comma-separated: what the batch-1 o "
-                        "projection pulls into L2, 'off' or DecodeL2Prefetch.parse's '<gate_up MB>[:qkv][:last]' "
-                        "('0:qkv:last': the next layer's qkv, evict-last)")
     parser.add_argument("--rotary-in-attention", default="on", help="decode part, comma-separated 'on' and/or 'off': "
                         "whether the decode attention kernel applies the q/k norms, the rotary embedding and the KV "
                         "write (Attention.rotary_in_decode_attention) or kernels of their own do, before it")
@@ -150,7 +147,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.batch = [int(value) for value in args.batch.split(",")]
     args.prefill_tokens = [int(value) for value in args.prefill_tokens.split(",")]
     args.routes = [value for value in args.routes.split(",") if value]
-    args.l2_prefetch = [value for value in args.l2_prefetch.split(",") if value]
     args.rotary_in_attention = [value for value in args.rotary_in_attention.split(",") if value]
     if not args.rotary_in_attention or set(args.rotary_in_attention) - set(ON_OFF):
         parser.error("--rotary-in-attention takes 'on', 'off' or 'on,off'")
@@ -411,8 +407,6 @@ def decode_inputs(config: ModelConfig, batch: int, context: int, block_size: int
 
 
 def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    from cleave.model.fused_decode import DecodeL2Prefetch
-
     config = decode_model_config(shape, max(args.context + 1, 64), args.packed_experts)
     model = random_model(config, dtype, device)
     generator = torch.Generator(device=device).manual_seed(1)
@@ -430,10 +424,9 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
         windows = [config.layer_sliding_window(layer) for layer in range(config.num_hidden_layers)]
         num_bytes = _decode_bytes(shape, dtype, batch, args.context, touched, windows, args.packed_experts)
         roofline_us = num_bytes / HBM_BYTES_PER_S * 1e6
-        for route_name, rotary, attention, l2_prefetch in itertools.product(
-                args.routes, args.rotary_in_attention, [{}, *args.decode_attention], args.l2_prefetch):
+        for route_name, rotary, attention in itertools.product(args.routes, args.rotary_in_attention,
+                                                               [{}, *args.decode_attention]):
             _set_route_in_gemv(model, ROUTES[route_name])
-            model.decode_l2_prefetch = DecodeL2Prefetch.parse(l2_prefetch)
             for layer in model.layers:
                 layer.self_attn.rotary_in_decode_attention = ON_OFF[rotary]
             with torch.no_grad(), decode_attention_bound(attention) as bound_calls:
@@ -445,8 +438,7 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
                 require_calls(bound_calls, attention)
             rows.append({
                 "batch": batch, "context": args.context, "route": route_name, "rotary_in_attention": rotary,
-                "attention": json.dumps(attention, sort_keys=True) if attention else "default",
-                "l2_prefetch": l2_prefetch, "us": us,
+                "attention": json.dumps(attention, sort_keys=True) if attention else "default", "us": us,
                 "roofline_us": roofline_us, "roofline_pct": 100 * roofline_us / us,
                 "touched_experts_per_layer": sum(touched) / len(touched), "bytes_gb": num_bytes / 1e9,
             })

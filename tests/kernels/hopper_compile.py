@@ -46,8 +46,7 @@ from cleave.kernels.token_bitmask import _token_bitmask_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {  # argument name -> pointer type; every other runtime argument is an i32
-    "x_ptr": "*bf16", "w_ptr": "*bf16", "l2_first_ptr": "*bf16", "l2_second_ptr": "*bf16",
-    "l2_third_ptr": "*bf16", "norm_w_ptr": "*bf16", "out_ptr": "*bf16", "positions_ptr": "*i64",
+    "x_ptr": "*bf16", "w_ptr": "*bf16", "norm_w_ptr": "*bf16", "out_ptr": "*bf16", "positions_ptr": "*i64",
     "cos_sin_ptr": "*fp32", "cache_ptr": "*bf16", "slot_mapping_ptr": "*i64", "query_ptr": "*bf16",
     "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_acc_ptr": "*fp32", "counters_ptr": "*i32",
     "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",
@@ -111,17 +110,14 @@ def resource_usage(cubin: bytes) -> tuple[int, int]:
 def main() -> None:
     gemv = dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, K_TILES=1, NORM=False, GATED=False, BIAS=False, ADD=False,
                 ROTARY=False, IS_NEOX=True, HEAD_DIM=64, ROT_HALF=32, NUM_Q_HEADS=32, NUM_KV_HEADS=8, PDL=True,
-                AHEAD=1, L2_REGIONS=0, L2_EVICT_LAST=False, THREADS=128)
+                AHEAD=1)
     compile_variant(_gemv_kernel, {**gemv, "NORM": True, "ROTARY": True}, 4)  # qkv + rotary + KV write
     compile_variant(_gemv_kernel, {**gemv, "NORM": True, "ROTARY": True, "BIAS": True}, 4)  # gpt-oss's biased qkv
     compile_variant(_gemv_kernel, {**gemv, "NORM": True, "ROTARY": True}, 4, pointers=FP8_CACHE)  # into an fp8 cache
     compile_variant(_gemv_kernel, {**gemv, "ADD": True, "BIAS": True, "BLOCK_N": 8, "K_TILES": 2, "AHEAD": 2}, 8)  # biased o
     compile_variant(_gemv_kernel, {**gemv, "NORM": True, "GATED": True, "BLOCK_N": 2}, 4)  # gate_up
-    compile_variant(_gemv_kernel, {**gemv, "ADD": True, "L2_REGIONS": 3}, 4)  # o: gate_up's leading rows, next qkv
-    compile_variant(_gemv_kernel, {**gemv, "ADD": True, "BLOCK_N": 8, "K_TILES": 2, "AHEAD": 2, "L2_REGIONS": 1,
-                                   "L2_EVICT_LAST": True, "THREADS": 256}, 8)  # Qwen3-30B-A3B's o: the next layer's qkv
-    compile_variant(_gemv_kernel, {**gemv, "ADD": True, "BLOCK_N": 8, "K_TILES": 4, "THREADS": 256}, 8)  # down
-    compile_variant(_gemv_kernel, {**gemv, "BLOCK_N": 8, "K_TILES": 2, "THREADS": 256}, 8)  # gpt-oss's lm_head
+    compile_variant(_gemv_kernel, {**gemv, "ADD": True, "BLOCK_N": 8, "K_TILES": 4}, 8)  # down
+    compile_variant(_gemv_kernel, {**gemv, "BLOCK_N": 8, "K_TILES": 2}, 8)  # gpt-oss's lm_head
     compile_variant(_gemv_kernel, {**gemv, "BLOCK_M": 4, "BLOCK_N": 2, "PDL": False}, 4)
     attention = dict(QUERIES_PER_KV=4, HEAD_DIM=64, NUM_SPLITS=16, SLIDING=False, BLOCK_G=16, BLOCK_N=64, BLOCK_D=64,
                      BLOCK_Q=4, BLOCK_S=16, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", PREFETCH=True, ROTARY=False,

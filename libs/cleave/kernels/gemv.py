@@ -43,7 +43,6 @@ import triton
 import triton.language as tl
 
 from cleave.kernels.kv_cache_dtype import to_cache
-from cleave.kernels.l2_prefetch import prefetch_regions
 from cleave.kernels.pdl import release_dependents, wait_for_producer
 
 MAX_ROWS = 4  # rows the register GEMV takes
@@ -137,9 +136,6 @@ def _gemv_kernel(
     cos_sin_ptr,  # ROTARY: [max_pos, 2 * ROT_HALF]
     cache_ptr,  # ROTARY: [2, num_blocks, block_size, Hkv, HEAD_DIM]
     slot_mapping_ptr,  # ROTARY: [M] int64, -1 = padding
-    l2_first_ptr,  # L2_REGIONS >= 1: a later kernel's weights, pulled into L2 before the wait
-    l2_second_ptr,  # L2_REGIONS >= 2
-    l2_third_ptr,  # L2_REGIONS == 3
     num_rows,
     num_out,  # N
     num_in,  # K
@@ -153,9 +149,6 @@ def _gemv_kernel(
     stride_cache_slot,
     stride_cache_head,
     block_size,
-    l2_first_lines,
-    l2_second_lines,
-    l2_third_lines,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -172,9 +165,6 @@ def _gemv_kernel(
     NUM_KV_HEADS: tl.constexpr,
     PDL: tl.constexpr,
     AHEAD: tl.constexpr,  # weight tiles in flight beyond the one reduced (1 or 2), as many before the wait
-    L2_REGIONS: tl.constexpr,  # 0-3 regions of `cleave.kernels.l2_prefetch`
-    L2_EVICT_LAST: tl.constexpr,
-    THREADS: tl.constexpr,  # num_warps * 32
 ):
     if ROTARY:  # BLOCK_N // 2 rotary pairs, each pair's features side by side
         pair = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -211,9 +201,6 @@ def _gemv_kernel(
     norm_w_next = tl.zeros([BLOCK_K], dtype=x_ptr.dtype.element_ty)  # NORM: the norm weight's first tile
     if NORM:
         norm_w_next = _norm_weight_tile(norm_w_ptr, 0, cols, num_in, BLOCK_K)
-    if L2_REGIONS > 0:  # behind the program's own weight loads
-        prefetch_regions(l2_first_ptr, l2_first_lines, l2_second_ptr, l2_second_lines, l2_third_ptr, l2_third_lines,
-                         tl.program_id(0), tl.num_programs(0), L2_REGIONS, L2_EVICT_LAST, THREADS)
     wait_for_producer(PDL)
 
     if NORM:

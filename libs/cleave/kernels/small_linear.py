@@ -45,7 +45,6 @@ from cleave.kernels.dispatch import CachedLauncher, Impl, use_triton
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
 from cleave.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from cleave.kernels.gemv import RotaryKVWrite, _gemv_kernel, gemv_tiles, streaming_multiprocessors, tiles_ahead
-from cleave.kernels.l2_prefetch import NO_PREFETCH, L2Prefetch
 from cleave.kernels.linear_common import linear_tile, store_linear_output
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
 from cleave.kernels.rms_norm import rms_norm_reference
@@ -191,7 +190,6 @@ def small_linear(
     out_dtype: torch.dtype | None = None,  # register GEMV: store the (rounded) product as this dtype
     split_k: int | None = None,  # split-K kernel: K splits (default: fill the GPU)
     counters: torch.Tensor | None = None,  # split-K kernel: int32 zeros it may use and leaves zeroed
-    l2_prefetch: L2Prefetch = NO_PREFETCH,  # register GEMV: a later kernel's weights to pull into L2
 ) -> torch.Tensor:  # [M, N] (gated: [M, I]); `add_to` itself when given
     """x @ weight.T for at most MAX_ROWS rows, with the fusions described in the module doc."""
     if bias is not None and (gated or bias.shape != (weight.shape[0],)):
@@ -227,10 +225,8 @@ def small_linear(
         kernel == "auto" and num_rows <= GEMV_AUTO_MAX_ROWS
     ):
         _launch_gemv(x, weight, norm_weight, bias, out, eps, gated, add_to is not None, block_n, block_k, num_warps,
-                     pdl, rotary, l2_prefetch)
+                     pdl, rotary)
         return out
-    if l2_prefetch.regions:
-        raise ValueError("l2_prefetch is for the register GEMV (one row, or kernel 'fma')")
     dot_dtype, precision = dot_settings(x)  # the activations' dtype on a GPU; fp32 in the interpreter
     if kernel == "splitk" and bias is not None:
         raise ValueError("the split-K kernel adds no bias; pass kernel 'auto' or 'dot'")
@@ -269,7 +265,6 @@ def _launch_gemv(
     num_warps: int | None,
     pdl: bool,
     rotary: RotaryKVWrite | None,
-    l2_prefetch: L2Prefetch,
 ) -> None:
     """`small_linear` through the register GEMV (cleave.kernels.gemv)."""
     num_rows, num_in = x.shape
@@ -295,17 +290,13 @@ def _launch_gemv(
                              rotary.num_q_heads, rotary.num_kv_heads)
     k_tiles = triton.cdiv(num_in, block_k)
     ahead = tiles_ahead(add, k_tiles, grid, streaming_multiprocessors(x))
-    num_warps = num_warps or tiles[2]
-    l2_tensors, l2_lines, l2_regions, l2_evict_last = l2_prefetch.launch_args(x)
     _gemv_launcher(
         (grid,),
         (x, weight, x if norm_weight is None else norm_weight, x if bias is None else bias, out, *rotary_tensors,
-         *l2_tensors, num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0), eps, *rotary_scalars,
-         *l2_lines),
+         num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0), eps, *rotary_scalars),
         (triton.next_power_of_2(num_rows), block_n, block_k, k_tiles,
-         norm_weight is not None, gated, bias is not None, add, *rotary_constexprs, pdl, ahead,
-         l2_regions, l2_evict_last, 32 * num_warps),
-        num_warps, num_stages=1, **launch_options(pdl),
+         norm_weight is not None, gated, bias is not None, add, *rotary_constexprs, pdl, ahead),
+        num_warps or tiles[2], num_stages=1, **launch_options(pdl),
     )
 
 

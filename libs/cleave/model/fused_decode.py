@@ -35,7 +35,6 @@ Every kernel call passes the modules' `pdl` option (`cleave.kernels.pdl`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,7 +46,6 @@ from cleave.kernels.dispatch import use_triton
 from cleave.kernels.fused_moe import route
 from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
 from cleave.kernels.gemv import RotaryKVWrite
-from cleave.kernels.l2_prefetch import NO_PREFETCH, L2Prefetch
 from cleave.kernels.moe_gemv import MAX_TOKENS as MOE_GEMV_MAX_TOKENS
 from cleave.kernels.moe_gemv import moe_gemv
 from cleave.kernels.rms_norm import rms_norm
@@ -73,19 +71,14 @@ def run_fused_decode(
 ) -> bool:
     """Run every layer on the fused decode layout that fits this batch; False (and `hidden`
     untouched) when none does."""
-    layers = list(model.layers)
     if gemv_layout_applies(model, hidden):
-        # the L2 prefetch only where its attention is one token's (see DecodeL2Prefetch)
-        prefetch = model.decode_l2_prefetch if hidden.shape[0] <= GEMV_AUTO_MAX_ROWS else DecodeL2Prefetch()
-        for index, (layer, (cache, layer_metadata)) in enumerate(zip(layers, layer_kv)):
-            next_layer = layers[index + 1] if index + 1 < len(layers) else None
-            _gemv_layer(layer, hidden, positions, cache, layer_metadata, model.cos_sin_cache,
-                        prefetch.regions(layer, next_layer))
+        layer_fn = _gemv_layer
     elif deferred_norm_layout_applies(model, hidden, metadata):
-        for layer, (cache, layer_metadata) in zip(layers, layer_kv):
-            _deferred_norm_layer(layer, hidden, positions, cache, layer_metadata, model.cos_sin_cache)
+        layer_fn = _deferred_norm_layer
     else:
         return False
+    for layer, (cache, layer_metadata) in zip(model.layers, layer_kv):
+        layer_fn(layer, hidden, positions, cache, layer_metadata, model.cos_sin_cache)
     return True
 
 
@@ -132,13 +125,10 @@ def _gemv_layer(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     metadata: AttentionMetadata,
     cos_sin_cache: torch.Tensor,
-    o_prefetch: L2Prefetch = NO_PREFETCH,
 ) -> None:
     """One decoder layer with the norms fused into the projections that read them and the
-    residual adds into the projections that produce them; the o projection pulls
-    `o_prefetch` into L2."""
-    _gemv_attention(layer.self_attn, residual, layer.input_layernorm, positions, kv_cache, metadata, cos_sin_cache,
-                    o_prefetch)
+    residual adds into the projections that produce them."""
+    _gemv_attention(layer.self_attn, residual, layer.input_layernorm, positions, kv_cache, metadata, cos_sin_cache)
     if isinstance(layer.mlp, SparseMoeBlock):
         _gemv_moe(layer.mlp, residual, layer.post_attention_layernorm)
     else:
@@ -153,13 +143,11 @@ def _gemv_attention(
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     cos_sin_cache: torch.Tensor,
-    o_prefetch: L2Prefetch = NO_PREFETCH,
 ) -> None:
     """residual += o_proj(attention(qkv_proj(norm(residual)))).
 
     A single token without q/k norms takes the rotary embedding and KV write as the qkv
-    projection's epilogue (one launch fewer per layer). `o_prefetch`: weights the o
-    projection's programs pull into L2 before their wait, beside the attention."""
+    projection's epilogue (one launch fewer per layer)."""
     num_tokens, pdl = residual.shape[0], attention.pdl
     if num_tokens <= GEMV_AUTO_MAX_ROWS and attention.q_norm is None:
         rotary = RotaryKVWrite(positions, cos_sin_cache, kv_cache, metadata.slot_mapping,
@@ -176,44 +164,7 @@ def _gemv_attention(
                            bias=attention.qkv_proj.bias, counters=metadata.split_counters, pdl=pdl)
         out = attention.attend(qkv, positions, kv_cache, metadata, cos_sin_cache)  # [T, Hq D]
     small_linear(out, attention.o_proj.weight, add_to=residual, bias=attention.o_proj.bias,
-                 counters=metadata.split_counters, pdl=pdl, l2_prefetch=o_prefetch)
-
-
-@dataclass(frozen=True)
-class DecodeL2Prefetch:
-    """What the o projection of a one-token GEMV-layout step pulls into L2 while the attention
-    beside it leaves HBM idle (cleave.kernels.l2_prefetch): the leading rows of each half of
-    the layer's dense gate_up weight, `gate_up_bytes` in all (the rows the gate_up GEMV's
-    first programs read: program i owns features [i B, (i + 1) B) of both halves), and the
-    next layer's qkv weight whole (read after the MLP's whole stream: `evict_last` keeps
-    it in L2 past that)."""
-
-    gate_up_bytes: int = 0
-    next_qkv: bool = False
-    evict_last: bool = False
-
-    @classmethod
-    def parse(cls, spec: str) -> DecodeL2Prefetch:
-        """'off', or '<gate_up MB>' followed by any of ':qkv' and ':last' ('16', '0:qkv:last')."""
-        if spec == "off":
-            return cls()
-        megabytes, *flags = spec.split(":")
-        if not set(flags) <= {"qkv", "last"}:
-            raise ValueError(f"L2 prefetch {spec!r}: 'off' or '<MB>[:qkv][:last]'")
-        return cls(int(float(megabytes) * 2**20), "qkv" in flags, "last" in flags)
-
-    def regions(self, layer: DecoderLayer, next_layer: DecoderLayer | None) -> L2Prefetch:
-        """`layer`'s o projection's regions."""
-        regions: list[torch.Tensor] = []
-        if self.gate_up_bytes > 0 and not isinstance(layer.mlp, SparseMoeBlock):
-            weight = layer.mlp.gate_up_proj.weight  # [2I, K]
-            half = weight.shape[0] // 2
-            rows = min(half, self.gate_up_bytes // (2 * weight.stride(0) * weight.element_size()))
-            if rows > 0:
-                regions += [weight[:rows], weight[half:half + rows]]
-        if self.next_qkv and next_layer is not None:
-            regions.append(next_layer.self_attn.qkv_proj.weight)
-        return L2Prefetch(tuple(regions), self.evict_last) if regions else NO_PREFETCH
+                 counters=metadata.split_counters, pdl=pdl)
 
 
 def _gemv_mlp(mlp: MLP, residual: torch.Tensor, norm: RMSNorm, counters: torch.Tensor | None) -> None:

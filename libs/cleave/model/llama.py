@@ -38,7 +38,7 @@ from cleave.kernels.small_linear import small_linear
 from cleave.kv.groups import kv_groups
 from cleave.kv.metadata import AttentionMetadata
 from cleave.model.config import ModelConfig
-from cleave.model.fused_decode import DECODE_GEMV_MAX_TOKENS, DecodeL2Prefetch, run_fused_decode
+from cleave.model.fused_decode import DECODE_GEMV_MAX_TOKENS, run_fused_decode
 from cleave.model.moe import SparseMoeBlock
 from cleave.model.projection import project
 from cleave.model.rope import build_cos_sin_cache
@@ -217,8 +217,6 @@ class CausalLM(nn.Module):
         self.decode_gemv_max_tokens = DECODE_GEMV_MAX_TOKENS
         self.norms_folded = False  # set by fold_norm_weights
         self.deferred_norm_decode = True  # larger decode batches apply folded norms in kernels
-        # batch-1 GEMV layout: weights the o projection pulls into L2 beside the attention
-        self.decode_l2_prefetch = DecodeL2Prefetch()
         # the deferred-norm layout folds norms into dense projections and drops biases; the GEMV
         # layout lays out every model (biases in its epilogues, MoE layers' norms unfolded)
         self.has_fused_decode_layouts = not (config.is_moe or config.attention_sinks or config.o_proj_bias)
