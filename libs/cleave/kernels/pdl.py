@@ -23,7 +23,11 @@ and passes it to every kernel call as `pdl=`.
 
 Measured on an H200 (bench/results/decode/decode_pdl.md): 4-5% off a graph-replayed decode
 step of a 1B model at batch 1-64 in one A/B, no difference beyond noise in a second one.
-Prefetching the next projection's weights into L2 before the wait was tried and gave nothing.
+Prefetching the next projection's weights into L2 before the wait was tried and made the
+step slower: at batch 32-64 from the attention and SwiGLU kernels
+(bench/results/decode/deferred/prefetch_ab.md), and at batch 1 from the o projection beside
+the attention (gate_up's leading rows or the next layer's qkv; Llama-3.2-1B 968.7 -> 981-1027
+us, Qwen3-30B-A3B 2620 -> 2791 us on an H100; bench/results/decode/l2_prefetch_b1/).
 """
 
 from __future__ import annotations
