@@ -69,7 +69,7 @@ from decode_attention_binding import decode_attention_bound, require_calls  # no
 
 HBM_BYTES_PER_S = 4.26e12  # H200 device copy, read + write (bench/results/kernels)
 LAYER_COLUMNS = ["tokens", "method", "us", "roofline_us", "roofline_pct", "touched_experts", "max_diff"]
-DECODE_COLUMNS = ["batch", "context", "route", "attention", "us", "roofline_us", "roofline_pct",
+DECODE_COLUMNS = ["batch", "context", "route", "attention", "route_prefetch_rows", "us", "roofline_us", "roofline_pct",
                   "touched_experts_per_layer", "bytes_gb"]
 ROUTES = {"launch": False, "in-gemv": True}  # --routes: SparseMoeBlock.route_in_gemv
 ON_OFF = {"on": True, "off": False}  # --rotary-in-attention: Attention.rotary_in_decode_attention
@@ -123,6 +123,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--routes", default="launch", help="decode part, comma-separated: where the GEMV layout "
                         "routes, 'launch' (its own) and/or 'in-gemv' (the first expert GEMV: "
                         "SparseMoeBlock.route_in_gemv); the touched experts are counted with the routing launch")
+    parser.add_argument("--route-prefetch-rows", default="0", help="decode part, comma-separated: leading rows of "
+                        "each half of the chosen experts' gate_up that the routing launch pulls into L2 "
+                        "(SparseMoeBlock.route_prefetch_rows; 0: none)")
     parser.add_argument("--rotary-in-attention", default="on", help="decode part, comma-separated 'on' and/or 'off': "
                         "whether the decode attention kernel applies the q/k norms, the rotary embedding and the KV "
                         "write (Attention.rotary_in_decode_attention) or kernels of their own do, before it")
@@ -147,6 +150,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.batch = [int(value) for value in args.batch.split(",")]
     args.prefill_tokens = [int(value) for value in args.prefill_tokens.split(",")]
     args.routes = [value for value in args.routes.split(",") if value]
+    args.route_prefetch_rows = [int(value) for value in args.route_prefetch_rows.split(",") if value]
     args.rotary_in_attention = [value for value in args.rotary_in_attention.split(",") if value]
     if not args.rotary_in_attention or set(args.rotary_in_attention) - set(ON_OFF):
         parser.error("--rotary-in-attention takes 'on', 'off' or 'on,off'")
@@ -419,14 +423,14 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
         def step() -> torch.Tensor:
             return model.compute_logits(model(input_ids, positions, kv_cache, metadata))
 
-        _set_route_in_gemv(model, False)  # the count hooks the routing launch
+        _set_moe_blocks(model, route_in_gemv=False)  # the count hooks the routing launch
         touched = _touched_experts(model, step)
         windows = [config.layer_sliding_window(layer) for layer in range(config.num_hidden_layers)]
         num_bytes = _decode_bytes(shape, dtype, batch, args.context, touched, windows, args.packed_experts)
         roofline_us = num_bytes / HBM_BYTES_PER_S * 1e6
-        for route_name, rotary, attention in itertools.product(args.routes, args.rotary_in_attention,
-                                                               [{}, *args.decode_attention]):
-            _set_route_in_gemv(model, ROUTES[route_name])
+        for route_name, rotary, attention, prefetch_rows in itertools.product(
+                args.routes, args.rotary_in_attention, [{}, *args.decode_attention], args.route_prefetch_rows):
+            _set_moe_blocks(model, route_in_gemv=ROUTES[route_name], route_prefetch_rows=prefetch_rows)
             for layer in model.layers:
                 layer.self_attn.rotary_in_decode_attention = ON_OFF[rotary]
             with torch.no_grad(), decode_attention_bound(attention) as bound_calls:
@@ -438,7 +442,8 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
                 require_calls(bound_calls, attention)
             rows.append({
                 "batch": batch, "context": args.context, "route": route_name, "rotary_in_attention": rotary,
-                "attention": json.dumps(attention, sort_keys=True) if attention else "default", "us": us,
+                "attention": json.dumps(attention, sort_keys=True) if attention else "default",
+                "route_prefetch_rows": prefetch_rows, "us": us,
                 "roofline_us": roofline_us, "roofline_pct": 100 * roofline_us / us,
                 "touched_experts_per_layer": sum(touched) / len(touched), "bytes_gb": num_bytes / 1e9,
             })
@@ -522,13 +527,15 @@ def active_flops(shape: MoEShape, config, num_tokens: int) -> float:  # noqa: AN
     return linear + attention
 
 
-def _set_route_in_gemv(model, value: bool) -> None:  # noqa: ANN001
-    """Every MoE block's `route_in_gemv` (the GEMV decode layout's routing launch or not)."""
+def _set_moe_blocks(model, **settings: object) -> None:  # noqa: ANN001
+    """Set these attributes of every MoE block (`route_in_gemv`: the GEMV decode layout's
+    routing launch or not; `route_prefetch_rows`)."""
     from cleave.model.moe import SparseMoeBlock
 
     for module in model.modules():
         if isinstance(module, SparseMoeBlock):
-            module.route_in_gemv = value
+            for name, value in settings.items():
+                setattr(module, name, value)
 
 
 def _touched_experts(model, step: Callable[[], torch.Tensor]) -> list[int]:

@@ -44,10 +44,15 @@ def _capability_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
+def hopper_or_later(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` lives on a CUDA device of compute capability 9+ (PDL, bulk copies)."""
+    return tensor.is_cuda and _capability_major(tensor.get_device()) >= 9
+
+
 def pdl_enabled(tensor: torch.Tensor, enabled: bool = True) -> bool:
     """Whether kernels working on `tensor` launch with PDL: `enabled` (the caller's option) and
     a CUDA device of compute capability 9+."""
-    return enabled and tensor.is_cuda and _capability_major(tensor.get_device()) >= 9
+    return enabled and hopper_or_later(tensor)
 
 
 def launch_options(pdl: bool) -> dict[str, bool]:
