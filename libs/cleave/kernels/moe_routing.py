@@ -42,10 +42,14 @@ class ExpertPrefetch:
         half = self.gate_up.shape[1] // 2
         if not 0 < self.rows <= half:
             raise ValueError(f"ExpertPrefetch rows must be in 1..{half}, got {self.rows}")
-        num_bytes = self.rows * self.gate_up.stride(1) * self.gate_up.element_size()
-        if num_bytes % 16 or num_bytes > MAX_BULK_PREFETCH_BYTES:
+        if self.range_bytes % 16 or self.range_bytes > MAX_BULK_PREFETCH_BYTES:
             raise ValueError(f"ExpertPrefetch ranges must be a multiple of 16 bytes up to {MAX_BULK_PREFETCH_BYTES}, "
-                             f"got {self.rows} rows of {num_bytes // self.rows} bytes")
+                             f"got {self.rows} rows of {self.range_bytes // self.rows} bytes")
+
+    @property
+    def range_bytes(self) -> int:
+        """Bytes of one prefetched range: `rows` rows of one half of one expert."""
+        return self.rows * self.gate_up.stride(1) * self.gate_up.element_size()
 
     def launch_args(self, like: torch.Tensor) -> tuple[torch.Tensor, int, int, int, bool]:
         """(weight, expert stride, up-half offset, bytes a range: in bytes; PREFETCH) for the
@@ -54,8 +58,8 @@ class ExpertPrefetch:
         if not hopper_or_later(like):
             return like, 0, 0, 0, False
         size = weight.element_size()
-        return (weight, weight.stride(0) * size, weight.shape[1] // 2 * weight.stride(1) * size,
-                self.rows * weight.stride(1) * size, True)
+        return (weight, weight.stride(0) * size, weight.shape[1] // 2 * weight.stride(1) * size, self.range_bytes,
+                True)
 
 
 @triton.jit
