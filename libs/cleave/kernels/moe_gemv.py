@@ -368,7 +368,9 @@ def _down_sum_kernel(
             acc += _tile_dot(x.to(tl.float32), w, scales, BLOCK_N, BLOCK_K, MXFP4)
         else:
             products += w.to(tl.float32) * (x.to(tl.float32) * _slot_value(entry_weights, slots, slot))[None, :]
-        if t == K_TILES - 1:  # the entry is done: its bias, its routing weight, into the sum
+        # The entry is done: its bias, its routing weight, into the sum (nothing to add on the
+        # single-reduction path without a bias: its products were scaled as they went in).
+        if t == K_TILES - 1 and (MXFP4 or K_TILES > 1 or HAS_BIAS):
             if HAS_BIAS:
                 expert = _slot_value(experts, slots, slot)
                 acc += tl.load(bias_ptr + expert * stride_bias + features, mask=feature_valid, other=0.0).to(tl.float32)
