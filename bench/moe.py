@@ -71,7 +71,11 @@ HBM_BYTES_PER_S = 4.26e12  # H200 device copy, read + write (bench/results/kerne
 LAYER_COLUMNS = ["tokens", "method", "us", "roofline_us", "roofline_pct", "touched_experts", "max_diff"]
 DECODE_COLUMNS = ["batch", "context", "route", "attention", "route_prefetch_rows", "us", "roofline_us", "roofline_pct",
                   "touched_experts_per_layer", "bytes_gb"]
-ROUTES = {"launch": False, "in-gemv": True}  # --routes: SparseMoeBlock.route_in_gemv
+ROUTES = {  # --routes: where SparseMoeBlock routes in the GEMV decode layout
+    "launch": {"route_in_gemv": False, "route_in_router": False},
+    "in-gemv": {"route_in_gemv": True, "route_in_router": False},
+    "in-router": {"route_in_gemv": False, "route_in_router": True},
+}
 ON_OFF = {"on": True, "off": False}  # --rotary-in-attention: Attention.rotary_in_decode_attention
 PREFILL_COLUMNS = ["tokens", "launch", "ms", "active_tflop", "tflops", "peak_pct"]
 PROFILE_COLUMNS = ["tokens", "what", "name", "calls", "us", "tflops", "critical_us"]
@@ -121,8 +125,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "fused rows read them packed (random codes), the decode part is gpt-oss's only; the "
                         "roofline counts 4.25 bits a value")
     parser.add_argument("--routes", default="launch", help="decode part, comma-separated: where the GEMV layout "
-                        "routes, 'launch' (its own) and/or 'in-gemv' (the first expert GEMV: "
-                        "SparseMoeBlock.route_in_gemv); the touched experts are counted with the routing launch")
+                        "routes, 'launch' (its own), 'in-gemv' (the first expert GEMV: "
+                        "SparseMoeBlock.route_in_gemv) and/or 'in-router' (the router GEMV's last program, "
+                        "batch 1: SparseMoeBlock.route_in_router); the touched experts are counted with the "
+                        "routing launch")
     parser.add_argument("--route-prefetch-rows", default="0", help="decode part, comma-separated: leading rows of "
                         "each half of the chosen experts' gate_up that the routing launch pulls into L2 "
                         "(SparseMoeBlock.route_prefetch_rows; 0: none)")
@@ -423,14 +429,14 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
         def step() -> torch.Tensor:
             return model.compute_logits(model(input_ids, positions, kv_cache, metadata))
 
-        _set_moe_blocks(model, route_in_gemv=False)  # the count hooks the routing launch
+        _set_moe_blocks(model, **ROUTES["launch"])  # the count hooks the routing launch
         touched = _touched_experts(model, step)
         windows = [config.layer_sliding_window(layer) for layer in range(config.num_hidden_layers)]
         num_bytes = _decode_bytes(shape, dtype, batch, args.context, touched, windows, args.packed_experts)
         roofline_us = num_bytes / HBM_BYTES_PER_S * 1e6
         for route_name, rotary, attention, prefetch_rows in itertools.product(
                 args.routes, args.rotary_in_attention, [{}, *args.decode_attention], args.route_prefetch_rows):
-            _set_moe_blocks(model, route_in_gemv=ROUTES[route_name], route_prefetch_rows=prefetch_rows)
+            _set_moe_blocks(model, **ROUTES[route_name], route_prefetch_rows=prefetch_rows)
             for layer in model.layers:
                 layer.self_attn.rotary_in_decode_attention = ON_OFF[rotary]
             with torch.no_grad(), decode_attention_bound(attention) as bound_calls:
@@ -528,8 +534,7 @@ def active_flops(shape: MoEShape, config, num_tokens: int) -> float:  # noqa: AN
 
 
 def _set_moe_blocks(model, **settings: object) -> None:  # noqa: ANN001
-    """Set these attributes of every MoE block (`route_in_gemv`: the GEMV decode layout's
-    routing launch or not; `route_prefetch_rows`)."""
+    """Set these attributes of every MoE block (`ROUTES`' settings, `route_prefetch_rows`)."""
     from cleave.model.moe import SparseMoeBlock
 
     for module in model.modules():

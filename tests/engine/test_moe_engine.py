@@ -111,6 +111,24 @@ def test_routing_inside_the_expert_gemv_on_cuda_matches_transformers(arch, moe_c
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_routing_in_the_router_gemv_on_cuda_matches_transformers(arch, moe_checkpoints, hf_greedy):
+    """`SparseMoeBlock.route_in_router` on the GPU: each single-token step's router GEMV routes
+    in its last program, in eager decode steps (graphs are captured at start, before the
+    blocks are switched; tests/kernels/test_moe_router.py replays the kernel from a graph).
+    One prompt at a time: its decode steps are single-token."""
+    from cleave.model.moe import SparseMoeBlock
+
+    prompts, expected = hf_greedy[arch]
+    llm = LLM(moe_checkpoints[arch], device="cuda", dtype="float32", max_model_len=256,
+              max_num_batched_tokens=48, block_size=16, num_blocks=128, enforce_eager=True)
+    blocks = [module for module in llm.engine.model.modules() if isinstance(module, SparseMoeBlock)]
+    for block in blocks:
+        block.route_in_router = True
+    assert blocks and [_generate(llm, [prompt], MAX_TOKENS)[0] for prompt in prompts] == expected
+
+
+@pytest.mark.gpu
 def test_packed_mxfp4_experts_on_cuda_generate_what_the_dequantised_ones_do(tmp_path_factory):
     """The same on the GPU, in bf16, decode steps replayed from CUDA graphs."""
     root = tmp_path_factory.mktemp("engine-mxfp4-cuda")

@@ -36,6 +36,7 @@ from cleave.kernels.fused_moe import (
 from cleave.kernels.gemv import _gemv_kernel
 from cleave.kernels.kv_write import _write_kv_kernel
 from cleave.kernels.moe_gemv import _down_sum_kernel, _gate_up_kernel
+from cleave.kernels.moe_router import _router_route_kernel
 from cleave.kernels.moe_tiles import SHARED_MEMORY_BYTES
 from cleave.kernels.rms_norm import _rms_norm_kernel
 from cleave.kernels.splitk_linear import _splitk_linear_kernel
@@ -183,6 +184,14 @@ def main() -> None:
     compile_variant(_route_kernel, route, 1)
     compile_variant(_route_kernel, {**route, "PREFETCH": True}, 1)  # Qwen3-30B-A3B's experts' rows into L2
     compile_variant(_route_kernel, {**route, "TOP_K": 4, "BLOCK_K": 4, "BLOCK_E": 32, "PREFETCH": True}, 1)  # gpt-oss
+    # the router GEMV whose last program routes (`route_in_router`): Qwen3-30B-A3B's, with and
+    # without the expert-row prefetch; gpt-oss-20b's (two K tiles, a bias)
+    router = dict(BLOCK_N=1, BLOCK_K=2048, K_TILES=1, NORM=True, BIAS=False, TOP_K=8, BLOCK_TOPK=8, BLOCK_E=128,
+                  RENORMALIZE=True, PDL=True, PREFETCH=False)
+    compile_variant(_router_route_kernel, router, 1)
+    compile_variant(_router_route_kernel, {**router, "PREFETCH": True}, 1)
+    compile_variant(_router_route_kernel, {**router, "K_TILES": 2, "BIAS": True, "TOP_K": 4, "BLOCK_TOPK": 4,
+                                           "BLOCK_E": 32}, 1)
     compile_variant(_align_count_kernel, dict(BLOCK_E=128, BLOCK_T=64), 4)
     compile_variant(_align_offsets_kernel, dict(BLOCK_SIZE=64, BLOCK_E=128, BLOCK_P=64, BLOCK_T=64), 8)
     compile_variant(_align_scatter_kernel, dict(BLOCK_E=128, BLOCK_T=64), 4)

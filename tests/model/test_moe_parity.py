@@ -160,6 +160,33 @@ def test_routing_inside_the_first_expert_gemv_matches_transformers(name, moe_che
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("name", ["qwen3-moe", "gpt-oss"])
+def test_routing_in_the_router_gemv_matches_transformers(name, moe_checkpoints, moe_hf_models, monkeypatch):
+    """`route_in_router`: the GEMV decode layout's single-token steps route in the router
+    GEMV's last program (no routing launch), to the same logits; steps of more tokens route
+    as before."""
+    from cleave.model import fused_decode
+
+    calls = []
+    real_router_route = fused_decode.router_route
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(args[0].shape[0])
+        return real_router_route(*args, **kwargs)
+
+    monkeypatch.setattr(fused_decode, "router_route", counting)
+    model = load_model(moe_checkpoints[name], impl="triton")
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            module.route_in_router = True
+    input_ids = prompt_ids(model.config.vocab_size, 24)
+    expected = moe_hf_models[name](input_ids[None]).logits[0].float()
+    assert (run_chunks(model, input_ids, [20, 2, 1, 1]) - expected).abs().max().item() <= TOLERANCE
+    sparse_layers = sum(isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers)
+    assert calls == [1] * (2 * sparse_layers)
+
+
+@torch.no_grad()
 def test_gpt_oss_sinks_window_and_clamp_each_change_the_logits(moe_checkpoints, moe_hf_models):
     """The checkpoint exercises what sets gpt-oss apart: removing any of them moves the logits."""
     path = moe_checkpoints["gpt-oss"]

@@ -40,7 +40,7 @@ from cleave.kernels.dispatch import CachedLauncher, Impl, use_triton
 from cleave.kernels.moe_gemv import MAX_TOKENS as GEMV_MAX_TOKENS
 from cleave.kernels.moe_gemv import down_depth_for, gated_activation, moe_gemv
 from cleave.kernels.moe_reference import SILU, MoEActivation, fused_experts_reference, route_reference
-from cleave.kernels.moe_routing import ExpertPrefetch, prefetch_expert_rows, routing_blocks, top_k_routing
+from cleave.kernels.moe_routing import ExpertPrefetch, routing_blocks, store_routing, top_k_routing
 from cleave.kernels.moe_tiles import GemmTiles, MoELaunch, moe_launch
 from cleave.kernels.mxfp4 import MXFP4Weight, decode_e2m1, dense_weight, e8m0_scale, weight_launch_args
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
@@ -91,13 +91,8 @@ def _route_kernel(
     release_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     weights, ids = top_k_routing(logits_ptr + row * stride_logits, num_experts, TOP_K, BLOCK_K, BLOCK_E, RENORMALIZE)
-    slots = tl.arange(0, BLOCK_K)
-    if PREFETCH:  # before the stores: the chosen experts' weight stream starts now
-        first = tl.sum(tl.where(slots == 0, ids, 0), axis=0)  # padding slots repeat the first expert
-        prefetch_expert_rows(prefetch_w_ptr, tl.where(slots < TOP_K, ids, first), prefetch_stride_expert,
-                             prefetch_up_offset, prefetch_bytes)
-    tl.store(out_weights_ptr + row * TOP_K + slots, weights, mask=slots < TOP_K)
-    tl.store(out_ids_ptr + row * TOP_K + slots, ids, mask=slots < TOP_K)
+    store_routing(weights, ids, out_weights_ptr + row * TOP_K, out_ids_ptr + row * TOP_K, prefetch_w_ptr,
+                  prefetch_stride_expert, prefetch_up_offset, prefetch_bytes, TOP_K, BLOCK_K, PREFETCH)
 
 
 @triton.jit(do_not_specialize=["num_entries", "chunk"])

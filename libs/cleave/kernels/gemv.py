@@ -125,6 +125,72 @@ def _norm_weight_tile(norm_w_ptr, tile: tl.constexpr, cols, num_in, BLOCK_K: tl.
     return tl.load(norm_w_ptr + tile * BLOCK_K + cols, mask=tile * BLOCK_K + cols < num_in, other=0.0)
 
 
+@triton.jit
+def gemv_product(
+    x_rows,  # [BLOCK_M, BLOCK_K] pointers to the input rows' first tile
+    w_rows,  # [BLOCK_N, BLOCK_K] pointers to the program's weight rows' first tile
+    norm_w_ptr, bias_ptr, features, up_offset, cols, row_valid, feature_valid, num_in, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+    NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr,
+):
+    """The register GEMV's pass over its program's weight rows, PDL wait included: (acc,
+    acc_up) [BLOCK_M, BLOCK_N] fp32, the bias added to acc; acc_up is the up half's when
+    GATED. Shared by `_gemv_kernel` and kernels that add their own epilogue."""
+    # The next kernel may be scheduled at once, and the first weight tile (AHEAD of them) is
+    # loaded before the wait: no kernel in the step writes weights.
+    release_dependents(PDL)
+    w, w_up = _weight_tile(w_rows, up_offset, 0, cols, feature_valid, num_in, BLOCK_K, GATED)
+    ahead, ahead_up = w, w_up  # AHEAD == 2: the tile after the one reduced
+    if AHEAD == 2 and K_TILES > 1:
+        ahead, ahead_up = _weight_tile(w_rows, up_offset, 1, cols, feature_valid, num_in, BLOCK_K, GATED)
+    bias = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if BIAS:
+        bias = tl.load(bias_ptr + features, mask=feature_valid, other=0.0).to(tl.float32)
+    norm_w_next = tl.zeros([BLOCK_K], dtype=x_rows.dtype.element_ty)  # NORM: the norm weight's first tile
+    if NORM:
+        norm_w_next = _norm_weight_tile(norm_w_ptr, 0, cols, num_in, BLOCK_K)
+    wait_for_producer(PDL)
+    if NORM:
+        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for t in tl.static_range(K_TILES):
+            x = _input_tile(x_rows, t, cols, row_valid, num_in, BLOCK_K).to(tl.float32)
+            squares += tl.sum(x * x, axis=1)
+        rstd = tl.math.rsqrt(squares / num_in + eps)
+    # the input's next tile goes out with the reduction of the one before it, not after:
+    # loaded where it is reduced, its L2 round trip stood before every tile's FMAs
+    x_next = _input_tile(x_rows, 0, cols, row_valid, num_in, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for t in tl.static_range(K_TILES):
+        # tile t + AHEAD's loads go out before tile t is reduced
+        if AHEAD == 2:
+            next_w, next_w_up = ahead, ahead_up
+            if t + 2 < K_TILES:
+                ahead, ahead_up = _weight_tile(w_rows, up_offset, t + 2, cols, feature_valid, num_in, BLOCK_K, GATED)
+        else:
+            next_w, next_w_up = w, w_up
+            if t + 1 < K_TILES:
+                next_w, next_w_up = _weight_tile(w_rows, up_offset, t + 1, cols, feature_valid, num_in, BLOCK_K,
+                                                 GATED)
+        x = x_next
+        norm_w = norm_w_next
+        if t + 1 < K_TILES:
+            x_next = _input_tile(x_rows, t + 1, cols, row_valid, num_in, BLOCK_K)
+            if NORM:
+                norm_w_next = _norm_weight_tile(norm_w_ptr, t + 1, cols, num_in, BLOCK_K)
+        if NORM:
+            normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
+            x = (normed * norm_w.to(tl.float32)[None, :]).to(x.dtype)
+        acc += _dot_rows(x, w, BLOCK_M)
+        if GATED:
+            acc_up += _dot_rows(x, w_up, BLOCK_M)
+        w = next_w
+        w_up = next_w_up
+    if BIAS:
+        acc += bias[None, :]
+    return acc, acc_up
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _gemv_kernel(
     x_ptr,  # [M, K] (NORM: the residual stream)
@@ -188,60 +254,9 @@ def _gemv_kernel(
     up_offset = num_out.to(tl.int64) * stride_w_row
     x_rows = x_ptr + rows[:, None] * stride_x_row + cols[None, :]  # [BLOCK_M, BLOCK_K]
 
-    # The next kernel may be scheduled at once, and the first weight tile (AHEAD of them) is
-    # loaded before the wait: no kernel in the step writes weights.
-    release_dependents(PDL)
-    w, w_up = _weight_tile(w_rows, up_offset, 0, cols, feature_valid, num_in, BLOCK_K, GATED)
-    ahead, ahead_up = w, w_up  # AHEAD == 2: the tile after the one reduced
-    if AHEAD == 2 and K_TILES > 1:
-        ahead, ahead_up = _weight_tile(w_rows, up_offset, 1, cols, feature_valid, num_in, BLOCK_K, GATED)
-    bias = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if BIAS:
-        bias = tl.load(bias_ptr + features, mask=feature_valid, other=0.0).to(tl.float32)
-    norm_w_next = tl.zeros([BLOCK_K], dtype=x_ptr.dtype.element_ty)  # NORM: the norm weight's first tile
-    if NORM:
-        norm_w_next = _norm_weight_tile(norm_w_ptr, 0, cols, num_in, BLOCK_K)
-    wait_for_producer(PDL)
-
-    if NORM:
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for t in tl.static_range(K_TILES):
-            x = _input_tile(x_rows, t, cols, row_valid, num_in, BLOCK_K).to(tl.float32)
-            squares += tl.sum(x * x, axis=1)
-        rstd = tl.math.rsqrt(squares / num_in + eps)
-
-    # the input's next tile goes out with the reduction of the one before it, not after:
-    # loaded where it is reduced, its L2 round trip stood before every tile's FMAs
-    x_next = _input_tile(x_rows, 0, cols, row_valid, num_in, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for t in tl.static_range(K_TILES):
-        # tile t + AHEAD's loads go out before tile t is reduced
-        if AHEAD == 2:
-            next_w, next_w_up = ahead, ahead_up
-            if t + 2 < K_TILES:
-                ahead, ahead_up = _weight_tile(w_rows, up_offset, t + 2, cols, feature_valid, num_in, BLOCK_K, GATED)
-        else:
-            next_w, next_w_up = w, w_up
-            if t + 1 < K_TILES:
-                next_w, next_w_up = _weight_tile(w_rows, up_offset, t + 1, cols, feature_valid, num_in, BLOCK_K,
-                                                 GATED)
-        x = x_next
-        norm_w = norm_w_next
-        if t + 1 < K_TILES:
-            x_next = _input_tile(x_rows, t + 1, cols, row_valid, num_in, BLOCK_K)
-            if NORM:
-                norm_w_next = _norm_weight_tile(norm_w_ptr, t + 1, cols, num_in, BLOCK_K)
-        if NORM:
-            normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
-            x = (normed * norm_w.to(tl.float32)[None, :]).to(x.dtype)
-        acc += _dot_rows(x, w, BLOCK_M)
-        if GATED:
-            acc_up += _dot_rows(x, w_up, BLOCK_M)
-        w = next_w
-        w_up = next_w_up
-    if BIAS:
-        acc += bias[None, :]
+    acc, acc_up = gemv_product(x_rows, w_rows, norm_w_ptr, bias_ptr, features, up_offset, cols, row_valid,
+                               feature_valid, num_in, eps, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, NORM, GATED, BIAS,
+                               PDL, AHEAD)
 
     if ROTARY:
         _rotate_and_write_kv(

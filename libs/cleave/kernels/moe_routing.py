@@ -1,8 +1,9 @@
 """Top-k routing of one token's router logits, as a `triton.jit` helper shared by the kernels.
 
-`fused_moe._route_kernel` (a launch of its own, before the grouped GEMMs) and
+`fused_moe._route_kernel` (a launch of its own, before the grouped GEMMs),
 `moe_gemv._gate_up_kernel` (each program routes its token itself, so the per-entry GEMVs
-need no routing launch) both call `top_k_routing`: the two paths choose the same experts
+need no routing launch) and `moe_router._router_route_kernel` (the router GEMV's last
+program routes) all call `top_k_routing`: given the same logits they choose the same experts
 with the same weights, ties included. It lives apart from both kernels' modules because
 `fused_moe` imports `moe_gemv`.
 """
@@ -71,6 +72,23 @@ def prefetch_expert_rows(w_ptr, ids, stride_expert, up_offset, num_bytes):
     for half in tl.static_range(2):
         tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
                                   [gate + half * up_offset, sizes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def store_routing(weights, ids, out_weights_row, out_ids_row, prefetch_w_ptr, prefetch_stride_expert,
+                  prefetch_up_offset, prefetch_bytes, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PREFETCH: tl.constexpr):
+    """Write one token's routing (`top_k_routing`'s outputs) to its [TOP_K] rows; with
+    PREFETCH the chosen experts' leading gate_up rows are pulled into L2 first
+    (`ExpertPrefetch.launch_args` gives the pointer, strides and size), so their weight
+    stream starts before the stores."""
+    slots = tl.arange(0, BLOCK_K)
+    if PREFETCH:
+        first = tl.sum(tl.where(slots == 0, ids, 0), axis=0)  # padding slots repeat the first expert
+        prefetch_expert_rows(prefetch_w_ptr, tl.where(slots < TOP_K, ids, first), prefetch_stride_expert,
+                             prefetch_up_offset, prefetch_bytes)
+    tl.store(out_weights_row + slots, weights, mask=slots < TOP_K)
+    tl.store(out_ids_row + slots, ids, mask=slots < TOP_K)
 
 
 @triton.jit

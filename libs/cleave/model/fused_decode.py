@@ -17,8 +17,9 @@ Two layouts, on the Triton kernels:
   the top-k routing, then the per-entry expert GEMVs with the norm in the first one's
   prologue and the residual add in the last one's epilogue (four launches); more tokens
   take the norm, the fused MoE layer and an add. With `SparseMoeBlock.route_prefetch_rows`
-  the routing launch pulls the chosen experts' leading gate_up rows into L2 (off by
-  default: not yet timed).
+  the routing launch pulls the chosen experts' leading gate_up rows into L2, and with
+  `SparseMoeBlock.route_in_router` a single token's router GEMV routes in its last program
+  (`cleave.kernels.moe_router`: three launches; both off by default, not yet timed).
 - deferred norms (dense layers without sinks or biases; larger decode-only batches, after
   `CausalLM.fold_norm_weights`): the
   projections are cuBLAS GEMMs, each norm is a per-row scale that the decode attention and
@@ -50,6 +51,7 @@ from cleave.kernels.gemv import AUTO_MAX_ROWS as GEMV_AUTO_MAX_ROWS
 from cleave.kernels.gemv import RotaryKVWrite
 from cleave.kernels.moe_gemv import MAX_TOKENS as MOE_GEMV_MAX_TOKENS
 from cleave.kernels.moe_gemv import moe_gemv
+from cleave.kernels.moe_router import router_route
 from cleave.kernels.moe_routing import ExpertPrefetch
 from cleave.kernels.rms_norm import rms_norm
 from cleave.kernels.row_norm import DeferredRMSNorm
@@ -133,7 +135,7 @@ def _gemv_layer(
     residual adds into the projections that produce them."""
     _gemv_attention(layer.self_attn, residual, layer.input_layernorm, positions, kv_cache, metadata, cos_sin_cache)
     if isinstance(layer.mlp, SparseMoeBlock):
-        _gemv_moe(layer.mlp, residual, layer.post_attention_layernorm)
+        _gemv_moe(layer.mlp, residual, layer.post_attention_layernorm, metadata.split_counters)
     else:
         _gemv_mlp(layer.mlp, residual, layer.post_attention_layernorm, metadata.split_counters)
 
@@ -178,28 +180,35 @@ def _gemv_mlp(mlp: MLP, residual: torch.Tensor, norm: RMSNorm, counters: torch.T
     small_linear(act, mlp.down_proj.weight, add_to=residual, counters=counters, pdl=mlp.pdl)  # [T, I] -> += [T, H]
 
 
-def _gemv_moe(block: SparseMoeBlock, residual: torch.Tensor, norm: RMSNorm) -> None:
+def _gemv_moe(block: SparseMoeBlock, residual: torch.Tensor, norm: RMSNorm, counters: torch.Tensor | None) -> None:
     """residual += block(norm(residual)): up to `moe_gemv.MAX_TOKENS` tokens with the norm
     inside the router and expert GEMVs, the routing in a launch of its own (gpt-oss's softmax
     over its top-k logits is softmax-then-renormalise) and the add in the last GEMV (see the
     module doc). Routing inside the first expert GEMV instead (`block.route_in_gemv`), one
     launch fewer, was slower on an H200 for Qwen3-30B-A3B (its layer at 1 / 2 / 4 tokens: 44.3 /
     61.7 / 91.6 us with the route launch, 47.5 / 66.0 / 106.9 without;
-    bench/results/moe/moe-layer-20261205T040729Z.md)."""
+    bench/results/moe/moe-layer-20261205T040729Z.md). A single token's router GEMV routes in
+    its last program instead with `block.route_in_router` (`counters`: its scratch, see
+    AttentionMetadata.split_counters)."""
     if residual.shape[0] > MOE_GEMV_MAX_TOKENS:
         residual.add_(block(rms_norm(residual, norm.weight, norm.eps, pdl=norm.pdl)))
         return
-    logits = small_linear(residual, block.router.weight, norm_weight=norm.weight, eps=norm.eps, bias=block.router.bias,
-                          pdl=norm.pdl)
-    experts, pdl = block.experts, norm.pdl
+    experts, pdl, router = block.experts, norm.pdl, block.router
+    prefetch = None
+    if block.route_prefetch_rows and isinstance(experts.gate_up, torch.Tensor):
+        prefetch = ExpertPrefetch(experts.gate_up, block.route_prefetch_rows)
+    if block.route_in_router and residual.shape[0] == 1:
+        _, weights, ids = router_route(residual, router.weight, block.top_k, block.renormalize, norm.weight, norm.eps,
+                                       router.bias, counters=counters, pdl=pdl, prefetch=prefetch)
+        moe_gemv(residual, experts.gate_up, experts.down, weights, ids, block.activation, experts.w13_bias,
+                 experts.w2_bias, norm_weight=norm.weight, eps=norm.eps, add_to=residual, pdl=pdl)
+        return
+    logits = small_linear(residual, router.weight, norm_weight=norm.weight, eps=norm.eps, bias=router.bias, pdl=pdl)
     if block.route_in_gemv:
         moe_gemv(residual, experts.gate_up, experts.down, None, None, block.activation, experts.w13_bias,
                  experts.w2_bias, norm_weight=norm.weight, eps=norm.eps, add_to=residual, router_logits=logits,
                  top_k=block.top_k, renormalize=block.renormalize, pdl=pdl)
         return
-    prefetch = None
-    if block.route_prefetch_rows and isinstance(experts.gate_up, torch.Tensor):
-        prefetch = ExpertPrefetch(experts.gate_up, block.route_prefetch_rows)
     weights, ids = route(logits, block.top_k, block.renormalize, pdl=pdl, prefetch=prefetch)
     moe_gemv(residual, experts.gate_up, experts.down, weights, ids, block.activation, experts.w13_bias, experts.w2_bias,
              norm_weight=norm.weight, eps=norm.eps, add_to=residual, pdl=pdl)
