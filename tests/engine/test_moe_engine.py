@@ -95,10 +95,13 @@ def test_llm_greedy_matches_transformers_on_cuda(arch, eager, moe_checkpoints, h
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
-def test_routing_inside_the_expert_gemv_on_cuda_matches_transformers(arch, moe_checkpoints, hf_greedy):
-    """`SparseMoeBlock.route_in_gemv` on the GPU: the first expert GEMV routes each token
-    itself, in eager decode steps (the engine captures its graphs at start, before the blocks
-    are switched)."""
+@pytest.mark.parametrize("setting", ["route_in_gemv", "route_in_router"])
+def test_routing_settings_on_cuda_match_transformers(arch, setting, moe_checkpoints, hf_greedy):
+    """`SparseMoeBlock.route_in_gemv` (the first expert GEMV routes each token itself) and
+    `route_in_router` (the router GEMV's last program routes) on the GPU, in eager decode steps
+    (the engine captures its graphs at start, before the blocks are switched;
+    tests/kernels/test_moe_router.py replays the router from a graph). One prompt at a time,
+    so the decode steps are single-token, as `route_in_router` needs."""
     from cleave.model.moe import SparseMoeBlock
 
     prompts, expected = hf_greedy[arch]
@@ -106,25 +109,7 @@ def test_routing_inside_the_expert_gemv_on_cuda_matches_transformers(arch, moe_c
               max_num_batched_tokens=48, block_size=16, num_blocks=128, enforce_eager=True)
     blocks = [module for module in llm.engine.model.modules() if isinstance(module, SparseMoeBlock)]
     for block in blocks:
-        block.route_in_gemv = True
-    assert blocks and _generate(llm, prompts, MAX_TOKENS) == expected
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
-def test_routing_in_the_router_gemv_on_cuda_matches_transformers(arch, moe_checkpoints, hf_greedy):
-    """`SparseMoeBlock.route_in_router` on the GPU: each single-token step's router GEMV routes
-    in its last program, in eager decode steps (graphs are captured at start, before the
-    blocks are switched; tests/kernels/test_moe_router.py replays the kernel from a graph).
-    One prompt at a time: its decode steps are single-token."""
-    from cleave.model.moe import SparseMoeBlock
-
-    prompts, expected = hf_greedy[arch]
-    llm = LLM(moe_checkpoints[arch], device="cuda", dtype="float32", max_model_len=256,
-              max_num_batched_tokens=48, block_size=16, num_blocks=128, enforce_eager=True)
-    blocks = [module for module in llm.engine.model.modules() if isinstance(module, SparseMoeBlock)]
-    for block in blocks:
-        block.route_in_router = True
+        setattr(block, setting, True)
     assert blocks and [_generate(llm, [prompt], MAX_TOKENS)[0] for prompt in prompts] == expected
 
 
