@@ -69,7 +69,7 @@ from decode_attention_binding import decode_attention_bound, require_calls  # no
 
 HBM_BYTES_PER_S = 4.26e12  # H200 device copy, read + write (bench/results/kernels)
 LAYER_COLUMNS = ["tokens", "method", "us", "roofline_us", "roofline_pct", "touched_experts", "max_diff"]
-DECODE_COLUMNS = ["batch", "context", "route", "attention", "route_prefetch_rows", "us", "roofline_us", "roofline_pct",
+DECODE_COLUMNS = ["batch", "context", "route", "attention", "router_tiles", "us", "roofline_us", "roofline_pct",
                   "touched_experts_per_layer", "bytes_gb"]
 ROUTES = {  # --routes: where SparseMoeBlock routes in the GEMV decode layout
     "launch": {"route_in_gemv": False, "route_in_router": False},
@@ -129,9 +129,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "SparseMoeBlock.route_in_gemv) and/or 'in-router' (the router GEMV's last program, "
                         "batch 1: SparseMoeBlock.route_in_router); the touched experts are counted with the "
                         "routing launch")
-    parser.add_argument("--route-prefetch-rows", default="0", help="decode part, comma-separated: leading rows of "
-                        "each half of the chosen experts' gate_up that the routing launch pulls into L2 "
-                        "(SparseMoeBlock.route_prefetch_rows; 0: none)")
+    parser.add_argument("--router-tiles", default="", help="decode part with --routes in-router, comma-separated "
+                        "BLOCK_N:num_warps of the router GEMV that routes (SparseMoeBlock.router_tiles; "
+                        "'default': moe_router.router_tiles' rule)")
     parser.add_argument("--rotary-in-attention", default="on", help="decode part, comma-separated 'on' and/or 'off': "
                         "whether the decode attention kernel applies the q/k norms, the rotary embedding and the KV "
                         "write (Attention.rotary_in_decode_attention) or kernels of their own do, before it")
@@ -156,10 +156,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.batch = [int(value) for value in args.batch.split(",")]
     args.prefill_tokens = [int(value) for value in args.prefill_tokens.split(",")]
     args.routes = [value for value in args.routes.split(",") if value]
-    args.route_prefetch_rows = [int(value) for value in args.route_prefetch_rows.split(",") if value]
     args.rotary_in_attention = [value for value in args.rotary_in_attention.split(",") if value]
     if not args.rotary_in_attention or set(args.rotary_in_attention) - set(ON_OFF):
         parser.error("--rotary-in-attention takes 'on', 'off' or 'on,off'")
+    args.router_tiles = [None if item == "default" else tuple(int(n) for n in item.split(":"))
+                         for item in args.router_tiles.split(",") if item] or [None]
     if not args.routes or set(args.routes) - set(ROUTES):
         parser.error(f"--routes takes a comma-separated subset of {', '.join(ROUTES)}")
     if args.dry_run:
@@ -434,9 +435,9 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
         windows = [config.layer_sliding_window(layer) for layer in range(config.num_hidden_layers)]
         num_bytes = _decode_bytes(shape, dtype, batch, args.context, touched, windows, args.packed_experts)
         roofline_us = num_bytes / HBM_BYTES_PER_S * 1e6
-        for route_name, rotary, attention, prefetch_rows in itertools.product(
-                args.routes, args.rotary_in_attention, [{}, *args.decode_attention], args.route_prefetch_rows):
-            _set_moe_blocks(model, **ROUTES[route_name], route_prefetch_rows=prefetch_rows)
+        for route_name, rotary, attention, router_tiles in itertools.product(
+                args.routes, args.rotary_in_attention, [{}, *args.decode_attention], args.router_tiles):
+            _set_moe_blocks(model, **ROUTES[route_name], router_tiles=router_tiles)
             for layer in model.layers:
                 layer.self_attn.rotary_in_decode_attention = ON_OFF[rotary]
             with torch.no_grad(), decode_attention_bound(attention) as bound_calls:
@@ -449,7 +450,7 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
             rows.append({
                 "batch": batch, "context": args.context, "route": route_name, "rotary_in_attention": rotary,
                 "attention": json.dumps(attention, sort_keys=True) if attention else "default",
-                "route_prefetch_rows": prefetch_rows, "us": us,
+                "router_tiles": "default" if router_tiles is None else "%d:%d" % router_tiles, "us": us,
                 "roofline_us": roofline_us, "roofline_pct": 100 * roofline_us / us,
                 "touched_experts_per_layer": sum(touched) / len(touched), "bytes_gb": num_bytes / 1e9,
             })
@@ -534,7 +535,7 @@ def active_flops(shape: MoEShape, config, num_tokens: int) -> float:  # noqa: AN
 
 
 def _set_moe_blocks(model, **settings: object) -> None:  # noqa: ANN001
-    """Set these attributes of every MoE block (`ROUTES`' settings, `route_prefetch_rows`)."""
+    """Set these attributes of every MoE block (`ROUTES`' settings)."""
     from cleave.model.moe import SparseMoeBlock
 
     for module in model.modules():

@@ -57,7 +57,6 @@ POINTERS = {  # argument name -> pointer type; every other runtime argument is a
     "dst_seq_lens_ptr": "*i32", "dst_tables_ptr": "*i32", "ids_ptr": "*i64", "table_ptr": "*bf16",
     "residual_ptr": "*bf16", "weight_ptr": "*bf16", "norm_src_ptr": "*bf16", "sinks_ptr": "*fp32",
     "logits_ptr": "*bf16", "out_weights_ptr": "*fp32", "out_ids_ptr": "*i32", "topk_ids_ptr": "*i32",
-    "prefetch_w_ptr": "*bf16",
     "counts_ptr": "*i32", "offsets_ptr": "*i32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
     "num_padded_ptr": "*i32", "a_ptr": "*bf16", "b_ptr": "*bf16", "bias_ptr": "*bf16", "c_ptr": "*bf16",
     "topk_weights_ptr": "*fp32", "q_norm_w_ptr": "*bf16", "k_norm_w_ptr": "*bf16", "inter_ptr": "*bf16",
@@ -180,16 +179,14 @@ def main() -> None:
                                                   PARTIAL=False, IS_NEOX=True, HEAD_NORM=True, PDL=True), 4,
                     pointers={"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16"})
     # fused MoE (Qwen3-30B-A3B: 128 experts, top-8)
-    route = dict(TOP_K=8, BLOCK_K=8, BLOCK_E=128, RENORMALIZE=True, PDL=True, PREFETCH=False)
+    route = dict(TOP_K=8, BLOCK_K=8, BLOCK_E=128, RENORMALIZE=True, PDL=True)
     compile_variant(_route_kernel, route, 1)
-    compile_variant(_route_kernel, {**route, "PREFETCH": True}, 1)  # Qwen3-30B-A3B's experts' rows into L2
-    compile_variant(_route_kernel, {**route, "TOP_K": 4, "BLOCK_K": 4, "BLOCK_E": 32, "PREFETCH": True}, 1)  # gpt-oss
-    # the router GEMV whose last program routes (`route_in_router`): Qwen3-30B-A3B's, with and
-    # without the expert-row prefetch; gpt-oss-20b's (two K tiles, a bias)
+    # the router GEMV whose last program routes (`route_in_router`): Qwen3-30B-A3B's on one warp
+    # and on four (four rows a program); gpt-oss-20b's (two K tiles, a bias)
     router = dict(BLOCK_N=1, BLOCK_K=2048, K_TILES=1, NORM=True, BIAS=False, TOP_K=8, BLOCK_TOPK=8, BLOCK_E=128,
-                  RENORMALIZE=True, PDL=True, PREFETCH=False)
+                  RENORMALIZE=True, PDL=True)
     compile_variant(_router_route_kernel, router, 1)
-    compile_variant(_router_route_kernel, {**router, "PREFETCH": True}, 1)
+    compile_variant(_router_route_kernel, {**router, "BLOCK_N": 4}, 4)
     compile_variant(_router_route_kernel, {**router, "K_TILES": 2, "BIAS": True, "TOP_K": 4, "BLOCK_TOPK": 4,
                                            "BLOCK_E": 32}, 1)
     compile_variant(_align_count_kernel, dict(BLOCK_E=128, BLOCK_T=64), 4)

@@ -9,7 +9,6 @@ import torch
 from cleave.kernels.fused_moe import align_block_size, fused_experts, fused_moe, route, sum_slots
 from cleave.kernels.moe_gemv import MAX_TOKENS as GEMV_MAX_TOKENS
 from cleave.kernels.moe_gemv import down_depth_for, moe_gemv
-from cleave.kernels.moe_routing import ExpertPrefetch
 from cleave.kernels.moe_reference import (
     SILU,
     MoEActivation,
@@ -347,41 +346,6 @@ def test_route_ties_pick_lower_expert_and_renormalise():
     torch.testing.assert_close(weights.sum(dim=-1), torch.ones(3))
     # renormalised softmax of the top-k == softmax over the top-k logits (gpt-oss's router)
     torch.testing.assert_close(weights[2], torch.softmax(torch.tensor([5.0, 4.0]), dim=0))
-
-
-def test_expert_prefetch_refusals_name_the_limit():
-    gate_up = torch.zeros(4, 16, 64, dtype=torch.bfloat16)  # 8 rows a half of 128 bytes
-    with pytest.raises(ValueError, match="rows must be in 1..8"):
-        ExpertPrefetch(gate_up, 9)
-    with pytest.raises(ValueError, match="contiguous along K"):
-        ExpertPrefetch(gate_up.transpose(1, 2), 1)
-    with pytest.raises(ValueError, match="multiple of 16 bytes"):
-        ExpertPrefetch(torch.zeros(2, 4, 5, dtype=torch.bfloat16), 1)  # 10-byte rows
-    assert ExpertPrefetch(gate_up, 8).launch_args(gate_up)[-1] is False  # CPU tensors: no prefetch
-
-
-def test_routing_with_an_expert_prefetch_routes_as_without():
-    # on the CPU (the interpreter) the kernel compiles without the prefetch; the sm_90 code
-    # with it is compiled by test_hopper_compile and run by the GPU test below
-    logits = torch.randn(3, EXPERTS, generator=torch.Generator().manual_seed(5))
-    prefetch = ExpertPrefetch(torch.zeros(EXPERTS, 16, 64, dtype=torch.bfloat16), 4)
-    weights, ids = route(logits, 2, True, impl="triton", prefetch=prefetch)
-    expected_weights, expected_ids = route(logits, 2, True, impl="triton")
-    assert torch.equal(ids, expected_ids) and torch.equal(weights, expected_weights)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("experts", "top_k", "rows"), [(128, 8, 48), (32, 4, 16), (8, 3, 768)])
-def test_gpu_routing_prefetching_expert_rows_routes_as_without(experts, top_k, rows):
-    # Qwen3-30B-A3B's 128 experts (top-8), gpt-oss-20b's 32 (top-4), and a top-k that is
-    # not a power of two, each expert's whole gate_up half prefetched in the last
-    generator = torch.Generator(device="cuda").manual_seed(experts)
-    logits = torch.randn(4, experts, device="cuda", generator=generator).bfloat16()
-    gate_up = torch.zeros(experts, 1536, 256, device="cuda", dtype=torch.bfloat16)
-    weights, ids = route(logits, top_k, True, pdl=True, prefetch=ExpertPrefetch(gate_up, rows))
-    expected_weights, expected_ids = route(logits, top_k, True, pdl=True)
-    torch.cuda.synchronize()
-    assert torch.equal(ids, expected_ids) and torch.equal(weights, expected_weights)
 
 
 @pytest.mark.parametrize(("num_tokens", "top_k", "block_size"),

@@ -9,7 +9,6 @@ import torch
 
 from cleave.kernels.fused_moe import route
 from cleave.kernels.moe_router import router_route
-from cleave.kernels.moe_routing import ExpertPrefetch
 from cleave.kernels.small_linear import small_linear, small_linear_reference
 from tests.kernels.ulp import assert_close_ulps
 
@@ -61,6 +60,12 @@ def test_router_route_matches_the_projection_and_route(dtype, tokens, experts, h
     _check(x, weight, top_k, renormalize, norm_weight if norm else None, bias_vector if bias else None, counters)
 
 
+def test_router_route_with_several_rows_a_program_counts_each_program_once():
+    # 12 experts in blocks of 4 (3 programs), over two warps: the last of 3 routes
+    x, weight, norm_weight, bias = _inputs(2, 12, 64, torch.float32, seed=4)
+    _check(x, weight, 3, True, norm_weight, bias, torch.zeros(2, dtype=torch.int32), tiles=(4, 2))
+
+
 def test_router_route_reuses_its_counters_launch_after_launch():
     counters = torch.zeros(1, dtype=torch.int32)
     for seed in (1, 2):
@@ -89,32 +94,28 @@ def test_router_route_torch_path_is_the_reference():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("experts", "hidden", "top_k", "renormalize", "bias", "prefetch_rows"), [
-    (128, 2048, 8, True, False, 0),  # Qwen3-30B-A3B
-    (128, 2048, 8, True, False, 32),  # with the chosen experts' gate_up rows prefetched
-    (32, 2880, 4, True, True, 0),  # gpt-oss-20b: two K tiles, a bias
+@pytest.mark.parametrize(("experts", "hidden", "top_k", "bias", "tiles"), [
+    (128, 2048, 8, False, None),  # Qwen3-30B-A3B
+    (128, 2048, 8, False, (4, 4)),  # four rows a program over four warps: the routing crosses warps
+    (32, 2880, 4, True, None),  # gpt-oss-20b: two K tiles, a bias
 ])
-def test_gpu_router_route_matches_the_projection_and_route(experts, hidden, top_k, renormalize, bias, prefetch_rows):
+def test_gpu_router_route_matches_the_projection_and_route(experts, hidden, top_k, bias, tiles):
     """At the real models' shapes, with PDL, replayed from a CUDA graph (the counters must be
     zero again at every replay)."""
     x, weight, norm_weight, bias_vector = _inputs(1, experts, hidden, torch.bfloat16, seed=experts, device="cuda")
     bias_vector = bias_vector if bias else None
     counters = torch.zeros(4, dtype=torch.int32, device="cuda")
-    prefetch = None
-    if prefetch_rows:
-        prefetch = ExpertPrefetch(torch.zeros(experts, 2 * 768, hidden, dtype=torch.bfloat16, device="cuda"),
-                                  prefetch_rows)
-    _check(x, weight, top_k, renormalize, norm_weight, bias_vector, counters, pdl=True, prefetch=prefetch)
+    _check(x, weight, top_k, True, norm_weight, bias_vector, counters, pdl=True, tiles=tiles)
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        logits, weights, ids = router_route(x, weight, top_k, renormalize, norm_weight, 1e-5, bias_vector,
-                                            counters=counters, pdl=True, prefetch=prefetch)
+        logits, weights, ids = router_route(x, weight, top_k, True, norm_weight, 1e-5, bias_vector,
+                                            counters=counters, pdl=True, tiles=tiles)
     for seed in (1, 2, 3):
         x.copy_(_inputs(1, experts, hidden, torch.bfloat16, seed=seed, device="cuda")[0])
         graph.replay()
         torch.cuda.synchronize()
         _assert_logits(logits, x, weight, norm_weight, bias_vector)
-        expected_weights, expected_ids = route(logits, top_k, renormalize)
+        expected_weights, expected_ids = route(logits, top_k, True)
         assert torch.equal(ids, expected_ids) and torch.equal(weights, expected_weights)
         assert not counters.any()

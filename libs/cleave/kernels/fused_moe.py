@@ -40,7 +40,7 @@ from cleave.kernels.dispatch import CachedLauncher, Impl, use_triton
 from cleave.kernels.moe_gemv import MAX_TOKENS as GEMV_MAX_TOKENS
 from cleave.kernels.moe_gemv import down_depth_for, gated_activation, moe_gemv
 from cleave.kernels.moe_reference import SILU, MoEActivation, fused_experts_reference, route_reference
-from cleave.kernels.moe_routing import ExpertPrefetch, routing_blocks, store_routing, top_k_routing
+from cleave.kernels.moe_routing import routing_blocks, store_routing, top_k_routing
 from cleave.kernels.moe_tiles import GemmTiles, MoELaunch, moe_launch
 from cleave.kernels.mxfp4 import MXFP4Weight, decode_e2m1, dense_weight, e8m0_scale, weight_launch_args
 from cleave.kernels.pdl import launch_options, pdl_enabled, release_dependents, wait_for_producer
@@ -73,26 +73,20 @@ def _route_kernel(
     logits_ptr,  # [T, E]
     out_weights_ptr,  # [T, TOP_K] fp32
     out_ids_ptr,  # [T, TOP_K] int32
-    prefetch_w_ptr,  # PREFETCH: [E, 2N, K] gate_up weight (`ExpertPrefetch`)
     num_experts,
     stride_logits,
-    prefetch_stride_expert,  # PREFETCH, in bytes
-    prefetch_up_offset,
-    prefetch_bytes,
     TOP_K: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     # a program per token; the per-entry GEMVs route inside their first kernel with the same helper
     wait_for_producer(PDL)
     release_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     weights, ids = top_k_routing(logits_ptr + row * stride_logits, num_experts, TOP_K, BLOCK_K, BLOCK_E, RENORMALIZE)
-    store_routing(weights, ids, out_weights_ptr + row * TOP_K, out_ids_ptr + row * TOP_K, prefetch_w_ptr,
-                  prefetch_stride_expert, prefetch_up_offset, prefetch_bytes, TOP_K, BLOCK_K, PREFETCH)
+    store_routing(weights, ids, out_weights_ptr + row * TOP_K, out_ids_ptr + row * TOP_K, TOP_K, BLOCK_K)
 
 
 @triton.jit(do_not_specialize=["num_entries", "chunk"])
@@ -332,12 +326,10 @@ def route(
     renormalize: bool = True,
     impl: Impl = "auto",
     pdl: bool = False,
-    prefetch: ExpertPrefetch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] fp32, ids [T, k] int32
     """Top-k experts per token and their routing weights (see `route_reference`); `pdl`:
     launched with programmatic dependent launch where the device has it (it waits on the
-    kernel before it, then lets the next one in); `prefetch`: the chosen experts' leading
-    gate_up rows pulled into L2 by the kernel (on Hopper and later)."""
+    kernel before it, then lets the next one in)."""
     if not use_triton(router_logits, impl):
         return route_reference(router_logits, top_k, renormalize)
     num_tokens, num_experts = router_logits.shape
@@ -347,11 +339,8 @@ def route(
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
     if num_tokens:
         pdl = pdl_enabled(logits, pdl)
-        prefetch_w, stride_expert, up_offset, num_bytes, prefetching = (
-            prefetch.launch_args(logits) if prefetch is not None else (logits, 0, 0, 0, False))
-        _route_launcher((num_tokens,), (logits, weights, ids, prefetch_w, num_experts, logits.stride(0), stride_expert,
-                                        up_offset, num_bytes),
-                        (top_k, block_k, block_e, renormalize, pdl, prefetching), route_num_warps(num_experts),
+        _route_launcher((num_tokens,), (logits, weights, ids, num_experts, logits.stride(0)),
+                        (top_k, block_k, block_e, renormalize, pdl), route_num_warps(num_experts),
                         **launch_options(pdl))
     return weights, ids
 

@@ -26,12 +26,17 @@ import triton.language as tl
 from cleave.kernels.dispatch import CachedLauncher, Impl, use_triton
 from cleave.kernels.gemv import gemv_product
 from cleave.kernels.moe_reference import route_reference
-from cleave.kernels.moe_routing import ExpertPrefetch, routing_blocks, store_routing, top_k_routing
+from cleave.kernels.moe_routing import routing_blocks, store_routing, top_k_routing
 from cleave.kernels.pdl import launch_options, pdl_enabled
 from cleave.kernels.small_linear import small_linear_reference
 
-BLOCK_N = 1  # logits a program computes: one weight row, 2048-wide K tiles over one warp
-BLOCK_K_MAX = 2048
+BLOCK_K_MAX = 2048  # K tile of the router GEMV's pass (`gemv.gemv_product`)
+
+
+def router_tiles(num_experts: int, num_in: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of `router_route`: one weight row a program over one warp, so the
+    last program's top-k rounds are shuffle reductions with no barrier."""
+    return 1, 1
 
 
 @triton.jit
@@ -44,15 +49,11 @@ def _router_route_kernel(
     out_weights_ptr,  # [T, TOP_K] fp32 out
     out_ids_ptr,  # [T, TOP_K] int32 out
     counters_ptr,  # [>= T] int32, zero between launches (zero again after this one)
-    prefetch_w_ptr,  # PREFETCH: [E, 2N, K] gate_up weight (`ExpertPrefetch`)
     num_experts,
     num_in,
     stride_x_row,
     stride_w_row,
     eps,
-    prefetch_stride_expert,  # PREFETCH, in bytes
-    prefetch_up_offset,
-    prefetch_bytes,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr,
@@ -63,7 +64,6 @@ def _router_route_kernel(
     BLOCK_E: tl.constexpr,  # next power of two >= num_experts
     RENORMALIZE: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     # grid (feature blocks, tokens)
     row = tl.program_id(1).to(tl.int64)
@@ -85,8 +85,7 @@ def _router_route_kernel(
     counted = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if counted == tl.num_programs(0) - 1:
         weights, ids = top_k_routing(logits_row, num_experts, TOP_K, BLOCK_TOPK, BLOCK_E, RENORMALIZE)
-        store_routing(weights, ids, out_weights_ptr + row * TOP_K, out_ids_ptr + row * TOP_K, prefetch_w_ptr,
-                      prefetch_stride_expert, prefetch_up_offset, prefetch_bytes, TOP_K, BLOCK_TOPK, PREFETCH)
+        store_routing(weights, ids, out_weights_ptr + row * TOP_K, out_ids_ptr + row * TOP_K, TOP_K, BLOCK_TOPK)
         # every program of this token has counted, so nothing else touches the counter in this
         # launch, and the launch boundary orders the reset before the next launch's atomics
         tl.store(counter, 0)
@@ -106,13 +105,13 @@ def router_route(
     counters: torch.Tensor | None = None,  # int32 zeros, >= T of them; allocated when None
     impl: Impl = "auto",
     pdl: bool = False,
-    prefetch: ExpertPrefetch | None = None,
+    tiles: tuple[int, int] | None = None,  # (BLOCK_N, num_warps); None: `router_tiles`
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits [T, E] in hidden's dtype, weights [T, k] fp32, ids [T, k] int32): the router
     projection (`small_linear`'s rounding and fusions: norm, bias) and `route` of its logits,
     in one launch. `counters` are left zero (see `AttentionMetadata.split_counters`, whose
-    scratch this shares: the counters are touched only after the PDL wait); `pdl` and
-    `prefetch` as for `route`."""
+    scratch this shares: the counters are touched only after the PDL wait); `pdl` as for
+    `route`."""
     num_experts, num_in = weight.shape
     block_topk, block_e = routing_blocks(num_experts, top_k)
     if weight.stride(-1) != 1:
@@ -135,17 +134,15 @@ def router_route(
     if not num_tokens:
         return logits, weights, ids
     block_k = min(triton.next_power_of_2(num_in), BLOCK_K_MAX)
+    block_n, num_warps = tiles or router_tiles(num_experts, num_in)
     pdl = pdl_enabled(x, pdl)
-    prefetch_w, stride_expert, up_offset, num_bytes, prefetching = (
-        prefetch.launch_args(x) if prefetch is not None else (x, 0, 0, 0, False))
     _launcher(
-        (triton.cdiv(num_experts, BLOCK_N), num_tokens),
+        (triton.cdiv(num_experts, block_n), num_tokens),
         (x, weight, x if norm_weight is None else norm_weight, x if bias is None else bias, logits, weights, ids,
-         counters, prefetch_w, num_experts, num_in, x.stride(0), weight.stride(0), eps, stride_expert, up_offset,
-         num_bytes),
-        (BLOCK_N, block_k, triton.cdiv(num_in, block_k), norm_weight is not None, bias is not None, top_k, block_topk,
-         block_e, renormalize, pdl, prefetching),
-        1,
+         counters, num_experts, num_in, x.stride(0), weight.stride(0), eps),
+        (block_n, block_k, triton.cdiv(num_in, block_k), norm_weight is not None, bias is not None, top_k, block_topk,
+         block_e, renormalize, pdl),
+        num_warps,
         **launch_options(pdl),
     )
     return logits, weights, ids

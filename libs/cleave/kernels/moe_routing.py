@@ -4,89 +4,20 @@
 `moe_gemv._gate_up_kernel` (each program routes its token itself, so the per-entry GEMVs
 need no routing launch) and `moe_router._router_route_kernel` (the router GEMV's last
 program routes) all call `top_k_routing`: given the same logits they choose the same experts
-with the same weights, ties included. It lives apart from both kernels' modules because
+with the same weights, ties included. It lives apart from the kernels' modules because
 `fused_moe` imports `moe_gemv`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
 import triton
 import triton.language as tl
 
-from cleave.kernels.pdl import hopper_or_later
-
-
-# One bulk prefetch moves at most this much: sm_90 code carries its size in 16-byte units in
-# 16 bits.
-MAX_BULK_PREFETCH_BYTES = 16 * 0xFFFF
-
-
-@dataclass(frozen=True)
-class ExpertPrefetch:
-    """The leading `rows` of each half of the chosen experts' gate_up weight, which the
-    routing kernel pulls into L2 (`cp.async.bulk.prefetch.L2`, one instruction a range) as
-    soon as it has chosen them: the rows the per-entry gate_up GEMV's first programs read
-    (its grid is entry-fastest, program (entry, b) owning features [b B, (b + 1) B) of both
-    halves), whose weight stream would otherwise start only once the routing is written and
-    read back after that kernel's wait."""
-
-    gate_up: torch.Tensor  # [E, 2N, K], contiguous along K
-    rows: int  # per half, 1..N
-
-    def __post_init__(self) -> None:
-        if self.gate_up.dim() != 3 or self.gate_up.stride(-1) != 1:
-            raise ValueError(f"ExpertPrefetch needs a [E, 2N, K] gate_up contiguous along K, got "
-                             f"{tuple(self.gate_up.shape)} with strides {tuple(self.gate_up.stride())}")
-        half = self.gate_up.shape[1] // 2
-        if not 0 < self.rows <= half:
-            raise ValueError(f"ExpertPrefetch rows must be in 1..{half}, got {self.rows}")
-        if self.range_bytes % 16 or self.range_bytes > MAX_BULK_PREFETCH_BYTES:
-            raise ValueError(f"ExpertPrefetch ranges must be a multiple of 16 bytes up to {MAX_BULK_PREFETCH_BYTES}, "
-                             f"got {self.rows} rows of {self.range_bytes // self.rows} bytes")
-
-    @property
-    def range_bytes(self) -> int:
-        """Bytes of one prefetched range: `rows` rows of one half of one expert."""
-        return self.rows * self.gate_up.stride(1) * self.gate_up.element_size()
-
-    def launch_args(self, like: torch.Tensor) -> tuple[torch.Tensor, int, int, int, bool]:
-        """(weight, expert stride, up-half offset, bytes a range: in bytes; PREFETCH) for the
-        routing kernel; off (PREFETCH False) before Hopper and on CPU tensors."""
-        weight = self.gate_up
-        if not hopper_or_later(like):
-            return like, 0, 0, 0, False
-        size = weight.element_size()
-        return (weight, weight.stride(0) * size, weight.shape[1] // 2 * weight.stride(1) * size, self.range_bytes,
-                True)
-
 
 @triton.jit
-def prefetch_expert_rows(w_ptr, ids, stride_expert, up_offset, num_bytes):
-    """Bulk-prefetch `num_bytes` (a multiple of 16) from the start of each half of every
-    expert in `ids` into L2 (strides and offset in bytes)."""
-    gate = w_ptr.to(tl.pointer_type(tl.int8)) + ids.to(tl.int64) * stride_expert
-    sizes = tl.full(ids.shape, 0, tl.int32) + num_bytes
-    for half in tl.static_range(2):
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                  [gate + half * up_offset, sizes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def store_routing(weights, ids, out_weights_row, out_ids_row, prefetch_w_ptr, prefetch_stride_expert,
-                  prefetch_up_offset, prefetch_bytes, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PREFETCH: tl.constexpr):
-    """Write one token's routing (`top_k_routing`'s outputs) to its [TOP_K] rows; with
-    PREFETCH the chosen experts' leading gate_up rows are pulled into L2 first
-    (`ExpertPrefetch.launch_args` gives the pointer, strides and size), so their weight
-    stream starts before the stores."""
+def store_routing(weights, ids, out_weights_row, out_ids_row, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Write one token's routing (`top_k_routing`'s outputs) to its [TOP_K] rows."""
     slots = tl.arange(0, BLOCK_K)
-    if PREFETCH:
-        first = tl.sum(tl.where(slots == 0, ids, 0), axis=0)  # padding slots repeat the first expert
-        prefetch_expert_rows(prefetch_w_ptr, tl.where(slots < TOP_K, ids, first), prefetch_stride_expert,
-                             prefetch_up_offset, prefetch_bytes)
     tl.store(out_weights_row + slots, weights, mask=slots < TOP_K)
     tl.store(out_ids_row + slots, ids, mask=slots < TOP_K)
 

@@ -16,10 +16,9 @@ Two layouts, on the Triton kernels:
   to `moe_gemv.MAX_TOKENS` tokens runs its router on a GEMV with the norm in its prologue,
   the top-k routing, then the per-entry expert GEMVs with the norm in the first one's
   prologue and the residual add in the last one's epilogue (four launches); more tokens
-  take the norm, the fused MoE layer and an add. With `SparseMoeBlock.route_prefetch_rows`
-  the routing launch pulls the chosen experts' leading gate_up rows into L2, and with
-  `SparseMoeBlock.route_in_router` a single token's router GEMV routes in its last program
-  (`cleave.kernels.moe_router`: three launches; both off by default, not yet timed).
+  take the norm, the fused MoE layer and an add. With `SparseMoeBlock.route_in_router` a
+  single token's router GEMV routes in its last program (`cleave.kernels.moe_router`: three
+  launches).
 - deferred norms (dense layers without sinks or biases; larger decode-only batches, after
   `CausalLM.fold_norm_weights`): the
   projections are cuBLAS GEMMs, each norm is a per-row scale that the decode attention and
@@ -52,7 +51,6 @@ from cleave.kernels.gemv import RotaryKVWrite
 from cleave.kernels.moe_gemv import MAX_TOKENS as MOE_GEMV_MAX_TOKENS
 from cleave.kernels.moe_gemv import moe_gemv
 from cleave.kernels.moe_router import router_route
-from cleave.kernels.moe_routing import ExpertPrefetch
 from cleave.kernels.rms_norm import rms_norm
 from cleave.kernels.row_norm import DeferredRMSNorm
 from cleave.kernels.small_linear import small_linear
@@ -194,12 +192,9 @@ def _gemv_moe(block: SparseMoeBlock, residual: torch.Tensor, norm: RMSNorm, coun
         residual.add_(block(rms_norm(residual, norm.weight, norm.eps, pdl=norm.pdl)))
         return
     experts, pdl, router = block.experts, norm.pdl, block.router
-    prefetch = None
-    if block.route_prefetch_rows and isinstance(experts.gate_up, torch.Tensor):
-        prefetch = ExpertPrefetch(experts.gate_up, block.route_prefetch_rows)
     if block.route_in_router and residual.shape[0] == 1:
         _, weights, ids = router_route(residual, router.weight, block.top_k, block.renormalize, norm.weight, norm.eps,
-                                       router.bias, counters=counters, pdl=pdl, prefetch=prefetch)
+                                       router.bias, counters=counters, pdl=pdl, tiles=block.router_tiles)
         moe_gemv(residual, experts.gate_up, experts.down, weights, ids, block.activation, experts.w13_bias,
                  experts.w2_bias, norm_weight=norm.weight, eps=norm.eps, add_to=residual, pdl=pdl)
         return
@@ -209,7 +204,7 @@ def _gemv_moe(block: SparseMoeBlock, residual: torch.Tensor, norm: RMSNorm, coun
                  experts.w2_bias, norm_weight=norm.weight, eps=norm.eps, add_to=residual, router_logits=logits,
                  top_k=block.top_k, renormalize=block.renormalize, pdl=pdl)
         return
-    weights, ids = route(logits, block.top_k, block.renormalize, pdl=pdl, prefetch=prefetch)
+    weights, ids = route(logits, block.top_k, block.renormalize, pdl=pdl)
     moe_gemv(residual, experts.gate_up, experts.down, weights, ids, block.activation, experts.w13_bias, experts.w2_bias,
              norm_weight=norm.weight, eps=norm.eps, add_to=residual, pdl=pdl)
 

@@ -76,12 +76,10 @@ class SparseMoeBlock(nn.Module):
         # the GEMV decode layout (cleave.model.fused_decode) routes in the first expert GEMV
         # instead of a launch of its own; off: slower for Qwen3-30B-A3B's 128 experts
         self.route_in_gemv = False
-        # the GEMV decode layout's routing launch pulls this many leading rows of each half of
-        # the chosen experts' gate_up weight into L2 (`ExpertPrefetch`; 0: none, bf16 experts)
-        self.route_prefetch_rows = 0
         # the GEMV decode layout's single-token router GEMV routes in its last program instead
         # of a routing launch (`cleave.kernels.moe_router`; off: not yet timed)
         self.route_in_router = False
+        self.router_tiles: tuple[int, int] | None = None  # its (BLOCK_N, num_warps); None: moe_router's rule
 
     @torch.inference_mode()
     def warm_variants(self, max_tokens: int) -> int:
