@@ -77,7 +77,9 @@ class SparseMoeBlock(nn.Module):
         # instead of a launch of its own; off: slower for Qwen3-30B-A3B's 128 experts
         self.route_in_gemv = False
         # the GEMV decode layout's single-token router GEMV routes in its last program instead
-        # of a routing launch (`cleave.kernels.moe_router`; off: not yet timed)
+        # of a routing launch (`cleave.kernels.moe_router`); off: on an H100 slower for
+        # Qwen3-30B-A3B (2711 vs 2619 us a step), faster for gpt-oss-20b (2995 vs 3021;
+        # bench/results/moe/moe-decode-20261206T191132Z.md, ...191149Z.md)
         self.route_in_router = False
         self.router_tiles: tuple[int, int] | None = None  # its (BLOCK_N, num_warps); None: moe_router's rule
 
