@@ -131,7 +131,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "routing launch")
     parser.add_argument("--router-tiles", default="", help="decode part with --routes in-router, comma-separated "
                         "BLOCK_N:num_warps of the router GEMV that routes (SparseMoeBlock.router_tiles; "
-                        "'default': moe_router.router_tiles' rule)")
+                        "'default': moe_router.DEFAULT_TILES)")
     parser.add_argument("--rotary-in-attention", default="on", help="decode part, comma-separated 'on' and/or 'off': "
                         "whether the decode attention kernel applies the q/k norms, the rotary embedding and the KV "
                         "write (Attention.rotary_in_decode_attention) or kernels of their own do, before it")

@@ -31,12 +31,9 @@ from cleave.kernels.pdl import launch_options, pdl_enabled
 from cleave.kernels.small_linear import small_linear_reference
 
 BLOCK_K_MAX = 2048  # K tile of the router GEMV's pass (`gemv.gemv_product`)
-
-
-def router_tiles(num_experts: int, num_in: int) -> tuple[int, int]:
-    """(BLOCK_N, num_warps) of `router_route`: one weight row a program over one warp, so the
-    last program's top-k rounds are shuffle reductions with no barrier."""
-    return 1, 1
+# (BLOCK_N, num_warps) of `router_route` by default: one weight row a program over one warp, so
+# the last program's top-k rounds are shuffle reductions with no barrier
+DEFAULT_TILES = (1, 1)
 
 
 @triton.jit
@@ -70,11 +67,10 @@ def _router_route_kernel(
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     feature_valid = features < num_experts
     cols = tl.arange(0, BLOCK_K)
-    one = tl.arange(0, 1)
     w_rows = w_ptr + features.to(tl.int64)[:, None] * stride_w_row + cols[None, :]  # [BLOCK_N, BLOCK_K]
-    x_rows = x_ptr + row * stride_x_row + one[:, None] * 0 + cols[None, :]  # [1, BLOCK_K]
-    acc, _ = gemv_product(x_rows, w_rows, norm_w_ptr, bias_ptr, features, 0, cols, one == 0, feature_valid, num_in,
-                          eps, 1, BLOCK_N, BLOCK_K, K_TILES, NORM, False, BIAS, PDL, 1)
+    x_rows = x_ptr + row * stride_x_row + cols[None, :]  # [1, BLOCK_K]
+    acc, _ = gemv_product(x_rows, w_rows, norm_w_ptr, bias_ptr, features, 0, cols, tl.full([1], True, tl.int1),
+                          feature_valid, num_in, eps, 1, BLOCK_N, BLOCK_K, K_TILES, NORM, False, BIAS, PDL, 1)
     logits_row = logits_ptr + row * num_experts
     logits = acc.to(x_ptr.dtype.element_ty).to(logits_ptr.dtype.element_ty)  # [1, BLOCK_N], rounded as activations
     tl.store(logits_row + features[None, :], logits, mask=feature_valid[None, :])
@@ -105,7 +101,7 @@ def router_route(
     counters: torch.Tensor | None = None,  # int32 zeros, >= T of them; allocated when None
     impl: Impl = "auto",
     pdl: bool = False,
-    tiles: tuple[int, int] | None = None,  # (BLOCK_N, num_warps); None: `router_tiles`
+    tiles: tuple[int, int] | None = None,  # (BLOCK_N, num_warps); None: DEFAULT_TILES
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits [T, E] in hidden's dtype, weights [T, k] fp32, ids [T, k] int32): the router
     projection (`small_linear`'s rounding and fusions: norm, bias) and `route` of its logits,
@@ -134,7 +130,7 @@ def router_route(
     if not num_tokens:
         return logits, weights, ids
     block_k = min(triton.next_power_of_2(num_in), BLOCK_K_MAX)
-    block_n, num_warps = tiles or router_tiles(num_experts, num_in)
+    block_n, num_warps = tiles or DEFAULT_TILES
     pdl = pdl_enabled(x, pdl)
     _launcher(
         (triton.cdiv(num_experts, block_n), num_tokens),

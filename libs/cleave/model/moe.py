@@ -81,7 +81,7 @@ class SparseMoeBlock(nn.Module):
         # Qwen3-30B-A3B (2711 vs 2619 us a step), faster for gpt-oss-20b (2995 vs 3021;
         # bench/results/moe/moe-decode-20261206T191132Z.md, ...191149Z.md)
         self.route_in_router = False
-        self.router_tiles: tuple[int, int] | None = None  # its (BLOCK_N, num_warps); None: moe_router's rule
+        self.router_tiles: tuple[int, int] | None = None  # its (BLOCK_N, num_warps); None: moe_router.DEFAULT_TILES
 
     @torch.inference_mode()
     def warm_variants(self, max_tokens: int) -> int:
