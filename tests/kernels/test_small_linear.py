@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cleave.kernels.gemv import RotaryKVWrite, tiles_ahead
+from cleave.kernels.gemv import MIN_PROGRAMS, RotaryKVWrite, gemv_tiles, tiles_ahead
 from cleave.kernels.small_linear import small_linear, small_linear_reference
 from tests.kernels.ulp import assert_close_ulps
 
@@ -231,3 +231,13 @@ def test_two_tiles_ahead_only_for_a_whole_two_tile_slice_in_one_wave():
     assert tiles_ahead(add=True, k_tiles=4, programs=256, sms=132) == 1  # Llama-3.2-1B's down
     assert tiles_ahead(add=False, k_tiles=2, programs=256, sms=132) == 1  # qkv, lm_head
     assert tiles_ahead(add=True, k_tiles=1, programs=256, sms=132) == 1
+
+
+def test_narrow_projections_keep_a_wide_grid():
+    assert gemv_tiles(1, 32, 2880, gated=False) == (1, 2048, 8)  # gpt-oss-20b's router: 32 programs, not 4
+    assert gemv_tiles(1, 128, 2048, gated=False) == (4, 2048, 4)  # Qwen3-30B-A3B's router: 32 already
+    assert gemv_tiles(1, 2048, 8192, gated=False) == (8, 2048, 8)  # Llama-3.2-1B's down: wide, unchanged
+    assert gemv_tiles(1, 16, 64, gated=True) == (2, 64, 4)  # a gated pair stays whole
+    for num_out in (8, 48, 100, 256):
+        block_n = gemv_tiles(1, num_out, 4096, gated=False)[0]
+        assert -(-num_out // block_n) >= min(MIN_PROGRAMS, num_out)

@@ -48,6 +48,7 @@ from cleave.kernels.pdl import release_dependents, wait_for_producer
 MAX_ROWS = 4  # rows the register GEMV takes
 AUTO_MAX_ROWS = 1  # rows `small_linear` sends here by default: at 2-4 rows the tensor-core kernel wins
 TILE_ELEMENTS = 16384  # products per program per K tile ([rows, features, K]) the registers hold
+MIN_PROGRAMS = 32  # programs a narrow projection's grid keeps (`gemv_tiles`)
 
 # Streaming multiprocessors the interpreter (CPU tensors) decides `tiles_ahead` by: an H100's or H200's.
 INTERPRETER_SMS = 132
@@ -323,7 +324,9 @@ def gemv_tiles(num_rows: int, num_out: int, num_in: int, gated: bool) -> tuple[i
     wide are one K tile, read by many small programs of 4 warps (4 features each, 2 per half
     when gated) that the PDL launch can start beside the previous kernel; wider rows (the
     down projection) take 8 features per program and 8 warps over double-buffered 2048-wide
-    tiles. More rows shrink the tile so the [rows, features, K] products stay in registers.
+    tiles. A narrow projection (a router) takes fewer features a program, down to one, so that
+    its grid keeps `MIN_PROGRAMS` programs reading beside each other. More rows shrink the
+    tile so the [rows, features, K] products stay in registers.
     """
     block_k = min(triton.next_power_of_2(num_in), 2048)
     multi_tile = triton.cdiv(num_in, block_k) > 1
@@ -331,6 +334,8 @@ def gemv_tiles(num_rows: int, num_out: int, num_in: int, gated: bool) -> tuple[i
         block_n = 8
     else:
         block_n = 2 if gated else 4
+    while block_n > (2 if gated else 1) and triton.cdiv(num_out, block_n) < MIN_PROGRAMS:
+        block_n //= 2
     block_m = triton.next_power_of_2(num_rows)
     while block_m * block_n * block_k > TILE_ELEMENTS and block_n > 1:
         block_n //= 2
