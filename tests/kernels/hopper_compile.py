@@ -119,6 +119,7 @@ def main() -> None:
     compile_variant(_gemv_kernel, {**gemv, "NORM": True, "GATED": True, "BLOCK_N": 2}, 4)  # gate_up
     compile_variant(_gemv_kernel, {**gemv, "ADD": True, "BLOCK_N": 8, "K_TILES": 4}, 8)  # down
     compile_variant(_gemv_kernel, {**gemv, "BLOCK_N": 8, "K_TILES": 2}, 8)  # gpt-oss's lm_head
+    compile_variant(_gemv_kernel, {**gemv, "NORM": True, "BIAS": True, "BLOCK_N": 1, "K_TILES": 2}, 8)  # gpt-oss's router
     compile_variant(_gemv_kernel, {**gemv, "BLOCK_M": 4, "BLOCK_N": 2, "PDL": False}, 4)
     attention = dict(QUERIES_PER_KV=4, HEAD_DIM=64, NUM_SPLITS=16, SLIDING=False, BLOCK_G=16, BLOCK_N=64, BLOCK_D=64,
                      BLOCK_Q=4, BLOCK_S=16, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", PREFETCH=True, ROTARY=False,
