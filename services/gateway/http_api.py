@@ -62,6 +62,7 @@ from services.gateway.openai_request import (
     completion_prompts,
     generate_spec,
     http_error,
+    include_usage,
     retry_after_headers,
 )
 from services.gateway.openai_tools import call_json
@@ -289,7 +290,7 @@ class OpenAIApi:
                 if len(prompts) > 1 or body.get("echo"):
                     return web.json_response(await self._complete_batch(body, request_id, model, prompts))
             spec, stream = generate_spec(body, request_id, model, chat)
-            shaper = _Shaper(spec, chat, self.token_text, include_usage=_include_usage(body))
+            shaper = _Shaper(spec, chat, self.token_text, include_usage=include_usage(body, stream))
             return await self._generated(request, spec, stream, shaper, shaper.complete, self._stream)
 
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -364,11 +365,6 @@ def _error_response(mapped: HttpError) -> web.Response:
 def _model_card(model: ModelConfig) -> dict[str, Any]:
     return {"id": model.id, "object": "model", "created": 0, "owned_by": "cleave", "root": model.source,
             "max_model_len": model.max_context_length}
-
-
-def _include_usage(body: Any) -> bool:
-    options = body.get("stream_options") if isinstance(body, dict) else None
-    return isinstance(options, dict) and bool(options.get("include_usage"))
 
 
 def _sample_state() -> dict[str, Any]:

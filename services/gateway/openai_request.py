@@ -142,6 +142,20 @@ def _bool(value: Any, param: str) -> bool:
     return value
 
 
+def include_usage(body: dict[str, Any], stream: bool) -> bool:
+    """`stream_options.include_usage`: whether a stream ends with a usage chunk. The options
+    are an object, and only for a stream (as OpenAI and vLLM refuse them otherwise)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise InvalidArgument(f"must be an object, got {json_type(options)}", field="stream_options")
+    if not stream:
+        raise InvalidArgument("is only allowed when stream is true", field="stream_options")
+    usage = options.get("include_usage")
+    return False if usage is None else _bool(usage, "stream_options.include_usage")
+
+
 def text_field(value: Any, field: str) -> str:
     """A string that can be sent on as UTF-8 (JSON's "\\ud800" escapes decode to lone
     surrogates, which cannot)."""
@@ -370,6 +384,7 @@ def generate_spec(body: Any, request_id: str, model: str, chat: bool,
     stream = False if body.get("stream") is None else body["stream"]
     if not isinstance(stream, bool):
         raise InvalidArgument(f"must be true or false, got {stream!r}", field="stream")
+    include_usage(body, stream)
     parallel = parallel_tool_calls(body)
     shape = answer_shape(body, prompt.tools, parallel, chat)
     sampling.structured_output = shape.structured_output

@@ -306,6 +306,10 @@ MALFORMED = [
     (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature"),
     (CHAT, _chat(seed=10**30), "seed"),
     (CHAT, _chat(stream="yes"), "stream"),
+    (CHAT, _chat(stream=True, stream_options=5), "stream_options"),
+    (CHAT, _chat(stream_options={"include_usage": True}), "stream_options"),  # only for a stream
+    (COMPLETIONS, json.dumps({"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}}).encode(),
+     "stream_options.include_usage"),
     (CHAT, _chat(reasoning_mode=["inline"]), "reasoning_mode"),
     (CHAT, _chat(stop=[1]), "stop[0]"),
     (CHAT, _chat(n=0), "n"),
