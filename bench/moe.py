@@ -435,8 +435,11 @@ def decode_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device,
         windows = [config.layer_sliding_window(layer) for layer in range(config.num_hidden_layers)]
         num_bytes = _decode_bytes(shape, dtype, batch, args.context, touched, windows, args.packed_experts)
         roofline_us = num_bytes / HBM_BYTES_PER_S * 1e6
-        for route_name, rotary, attention, router_tiles in itertools.product(
-                args.routes, args.rotary_in_attention, [{}, *args.decode_attention], args.router_tiles):
+        # the router's tiles matter only where it routes
+        routes = [(name, tiles) for name in args.routes
+                  for tiles in (args.router_tiles if ROUTES[name]["route_in_router"] else [None])]
+        for (route_name, router_tiles), rotary, attention in itertools.product(
+                routes, args.rotary_in_attention, [{}, *args.decode_attention]):
             _set_moe_blocks(model, **ROUTES[route_name], router_tiles=router_tiles)
             for layer in model.layers:
                 layer.self_attn.rotary_in_decode_attention = ON_OFF[rotary]
