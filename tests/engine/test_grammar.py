@@ -204,3 +204,12 @@ def test_multi_token_tags_are_followed_token_by_token(tokenizer, compiler):
     tokens = walk(constraint, random.Random(0), given=thinking + [end[1]])
     assert constraint.phase is Phase.ANSWER
     assert answer_text(tokenizer, tokens[len(thinking) + 1:]) == "ok"
+
+
+def test_tables_built_ahead_serve_every_later_compile(tokenizer):
+    grammars = GrammarCompiler(tokenizer, VOCAB, sorted(tokenizer.eos_token_ids))
+    grammars.build_tables()
+    built = grammars._compiler
+    grammars.build_tables()  # once only
+    assert grammars._compiler is built
+    assert grammars.compile(StructuredOutput(StructuredKind.REGEX, "[ab]+")) is not None

@@ -66,6 +66,11 @@ class GrammarCompiler:
                 self._built = xgrammar.GrammarCompiler(info, max_threads=1)
             return self._built
 
+    def build_tables(self) -> None:
+        """Build the vocabulary's tables now rather than on the first compile (a GPU worker
+        does this on a thread of its own at start-up, `cleave.worker.engine_setup`)."""
+        self._compiler  # noqa: B018 (the property builds them)
+
     def compile(self, spec: StructuredOutput, field: str = "structured_output") -> Any:
         """The compiled grammar of `spec`; InvalidArgument naming `field` when it has none."""
         compiler = self._compiler

@@ -225,6 +225,11 @@ class LLMEngine:
         message list (always templated) or token ids (checked against the vocabulary)."""
         return self._builder.encode_prompt(prompt, raw)
 
+    def build_grammar_tables(self) -> None:
+        """Build the structured-output grammar tables of the vocabulary now, not on the first
+        constrained request (~1 s at 128k tokens, plus xgrammar's import); safe on another thread."""
+        self._builder.build_grammar_tables()
+
     def prepare_request(
         self,
         request_id: str,

@@ -77,6 +77,10 @@ class RequestBuilder:
         self._tag_tokens = special_tag_tokens(tokenizer, reasoning) if detokenize else {}
         self._grammars = GrammarCompiler(tokenizer, vocab_size, sorted(eos_token_ids))
 
+    def build_grammar_tables(self) -> None:
+        """Build the structured-output grammar tables of the vocabulary now (`GrammarCompiler.build_tables`)."""
+        self._grammars.build_tables()
+
     def encode_prompt(self, prompt: Prompt, raw: bool = False) -> list[int]:
         """Token ids of a prompt: text (chat template for chat models unless `raw`), a
         message list (always templated) or token ids (checked against the vocabulary)."""
