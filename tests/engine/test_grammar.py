@@ -206,10 +206,13 @@ def test_multi_token_tags_are_followed_token_by_token(tokenizer, compiler):
     assert answer_text(tokenizer, tokens[len(thinking) + 1:]) == "ok"
 
 
-def test_tables_built_ahead_serve_every_later_compile(tokenizer):
+@pytest.mark.parametrize("fails", [False, True])
+def test_tables_built_ahead_serve_every_later_compile(tokenizer, monkeypatch, fails):
     grammars = GrammarCompiler(tokenizer, VOCAB, sorted(tokenizer.eos_token_ids))
-    grammars.build_tables()
-    built = grammars._compiler
-    grammars.build_tables()  # once only
-    assert grammars._compiler is built
+    if fails:  # logged on the thread; the first compile builds them itself
+        monkeypatch.setattr(GrammarCompiler, "build_tables", lambda self: 1 / 0)
+    grammars.build_tables_in_background().join(timeout=120)
+    built = grammars._built
+    assert (built is None) == fails
     assert grammars.compile(StructuredOutput(StructuredKind.REGEX, "[ab]+")) is not None
+    assert grammars._built is not None and (fails or grammars._built is built)

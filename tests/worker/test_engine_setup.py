@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import threading
 
 import pytest
 
@@ -77,31 +76,6 @@ def test_load_engine_turns_a_memory_refusal_into_a_clean_exit(monkeypatch):
     with pytest.raises(SystemExit) as caught:
         asyncio.run(load_engine(EngineConfig(model=str(SHIPPED_MODEL_DIR), device="cuda")))  # resolves, then refuses
     assert caught.value.code == "error: cuda:0 has 1.00 GiB free of 80.00 GiB"
-
-
-class _TablesEngine:
-    """Stands in for the engine `load_engine` builds: records the grammar-table build."""
-
-    def __init__(self, config: EngineConfig, fails: bool = False) -> None:
-        self.built = threading.Event()
-        self.fails = fails
-
-    def build_grammar_tables(self) -> None:
-        self.built.set()
-        if self.fails:
-            raise RuntimeError("no tables")
-
-
-@pytest.mark.parametrize("fails", [False, True])
-def test_a_gpu_worker_builds_the_grammar_tables_on_a_thread_at_start(monkeypatch, fails):
-    monkeypatch.setattr(engine_setup, "LLMEngine", lambda config: _TablesEngine(config, fails))
-    engine = asyncio.run(load_engine(EngineConfig(model=str(SHIPPED_MODEL_DIR), device="cuda")))
-    assert engine.built.wait(timeout=60)  # a failure is logged; the first constrained request retries
-
-
-def test_a_cpu_worker_builds_them_on_first_use():
-    assert not engine_setup.builds_grammar_tables_at_start(EngineConfig(model=str(SHIPPED_MODEL_DIR), device="cpu"))
-    assert engine_setup.builds_grammar_tables_at_start(EngineConfig(model=str(SHIPPED_MODEL_DIR), device="cuda:1"))
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])

@@ -67,9 +67,23 @@ class GrammarCompiler:
             return self._built
 
     def build_tables(self) -> None:
-        """Build the vocabulary's tables now rather than on the first compile (a GPU worker
-        does this on a thread of its own at start-up, `cleave.worker.engine_setup`)."""
+        """Build the vocabulary's tables now rather than on the first compile."""
         self._compiler  # noqa: B018 (the property builds them)
+
+    def build_tables_in_background(self) -> threading.Thread:
+        """Start building the tables on a thread of their own (a GPU engine does, beside its
+        weights load and graph capture: `LLMEngine`); a failure is logged, and the first
+        compile builds them again and reports it."""
+
+        def build() -> None:
+            try:
+                self.build_tables()
+            except Exception as error:
+                log.warning("grammar_tables_not_built", error=str(error))
+
+        thread = threading.Thread(target=build, name="grammar-tables", daemon=True)
+        thread.start()
+        return thread
 
     def compile(self, spec: StructuredOutput, field: str = "structured_output") -> Any:
         """The compiled grammar of `spec`; InvalidArgument naming `field` when it has none."""

@@ -164,14 +164,6 @@ class LLMEngine:
             config, enforce_eager=eager, scheduler=replace(config.scheduler, max_model_len=max_model_len)
         )
         self.dtype = dtype
-        # norm weights folded into the projections after them: decode batches on GEMMs then
-        # run without norm kernels (CausalLM.fold_norm_weights)
-        if config.packed_experts and self.model_config.quantization != "mxfp4":
-            log.warning("packed_experts_unused", model=str(path),
-                        reason="the checkpoint has no MXFP4 experts; its weights load as stored")
-        self.model = load_model(path, dtype=dtype, device=device, pdl=config.pdl,
-                                tensor_parallel=tensor_parallel_group(config.tensor_parallel_size),
-                                packed_experts=config.packed_experts).fold_norm_weights()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._builder = RequestBuilder(
             self.tokenizer,
@@ -182,6 +174,19 @@ class LLMEngine:
             self.config.scheduler.max_num_seqs,
             self.config.detokenize,
         )
+        if device.type == "cuda":
+            # the structured-output tables (~1 s at 128k tokens, plus xgrammar's import) build
+            # beside the weights load and graph capture, not on the first constrained request;
+            # a CPU engine (the demo, the tests: few cores, busy starting) builds them on first use
+            self._builder.grammars.build_tables_in_background()
+        # norm weights folded into the projections after them: decode batches on GEMMs then
+        # run without norm kernels (CausalLM.fold_norm_weights)
+        if config.packed_experts and self.model_config.quantization != "mxfp4":
+            log.warning("packed_experts_unused", model=str(path),
+                        reason="the checkpoint has no MXFP4 experts; its weights load as stored")
+        self.model = load_model(path, dtype=dtype, device=device, pdl=config.pdl,
+                                tensor_parallel=tensor_parallel_group(config.tensor_parallel_size),
+                                packed_experts=config.packed_experts).fold_norm_weights()
 
     def _init_runner(self, sync_timing: bool, device_timing: bool) -> None:
         torch.manual_seed(self.config.seed)
@@ -224,11 +229,6 @@ class LLMEngine:
         """Token ids of a prompt: text (chat template for chat models unless `raw`), a
         message list (always templated) or token ids (checked against the vocabulary)."""
         return self._builder.encode_prompt(prompt, raw)
-
-    def build_grammar_tables(self) -> None:
-        """Build the structured-output grammar tables of the vocabulary now, not on the first
-        constrained request (~1 s at 128k tokens, plus xgrammar's import); safe on another thread."""
-        self._builder.build_grammar_tables()
 
     def prepare_request(
         self,

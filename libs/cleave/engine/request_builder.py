@@ -75,11 +75,7 @@ class RequestBuilder:
             self._answer_prefix_ids = tokenizer.encode(reasoning.answer_prefix, add_special_tokens=False)
             self._end_opens_with_marker = bool(self._end_tag_ids) and tokenizer.is_special(self._end_tag_ids[0])
         self._tag_tokens = special_tag_tokens(tokenizer, reasoning) if detokenize else {}
-        self._grammars = GrammarCompiler(tokenizer, vocab_size, sorted(eos_token_ids))
-
-    def build_grammar_tables(self) -> None:
-        """Build the structured-output grammar tables of the vocabulary now (`GrammarCompiler.build_tables`)."""
-        self._grammars.build_tables()
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, sorted(eos_token_ids))
 
     def encode_prompt(self, prompt: Prompt, raw: bool = False) -> list[int]:
         """Token ids of a prompt: text (chat template for chat models unless `raw`), a
@@ -128,7 +124,7 @@ class RequestBuilder:
         max_new = params.max_new_tokens(self.max_model_len, len(prompt_ids))
         for seq in seqs:  # a prefill-only request ends on its first token
             seq.limit_output_tokens(1 if prefill_only else max_new)
-        grammar = None if params.structured_output is None else self._grammars.compile(params.structured_output)
+        grammar = None if params.structured_output is None else self.grammars.compile(params.structured_output)
         samples = [self._new_sample(seq, params, prompt_ids, max_new, grammar) for seq in seqs]
         return RequestState(request_id, prompt_ids, params, samples, prefill_only=prefill_only)
 
@@ -155,7 +151,7 @@ class RequestBuilder:
                 processors.append(budget)
         if grammar is not None:
             starts_in_reasoning = self.reasoning is not None and self.reasoning.starts_in_reasoning
-            processors.append(self._grammars.constraint(
+            processors.append(self.grammars.constraint(
                 grammar, self._start_tag_ids, self._end_tag_ids, starts_in_reasoning, seq.request_id))
         return SampleState(
             index=seq.sample_index,

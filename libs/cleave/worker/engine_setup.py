@@ -4,10 +4,7 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 from dataclasses import replace
-
-import structlog
 
 from cleave.config import WorkerConfig
 from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -17,9 +14,7 @@ from cleave.model.source import ModelNotFound, resolve_model_dir
 from cleave.worker.kv_layout import kv_layout_of
 from cleave.worker.rank_processes import start_lockstep_engine
 
-log = structlog.get_logger(__name__)
-
-__all__ = ["builds_grammar_tables_at_start", "engine_config_from_worker", "kv_layout_of", "load_engine"]
+__all__ = ["engine_config_from_worker", "kv_layout_of", "load_engine"]
 
 
 def engine_config_from_worker(config: WorkerConfig) -> EngineConfig:
@@ -61,34 +56,13 @@ async def load_engine(config: EngineConfig) -> LLMEngine:
     one line on stderr, exit code 1, no traceback); the server's shutdown still runs. So does
     one whose `--model` is neither a checkpoint directory nor a Hub id it can fetch
     (`cleave.model.source`). With `tensor_parallel_size` > 1 the other ranks start too
-    (`cleave.worker.rank_processes`); the engine's `close()` stops them. A GPU engine's
-    structured-output grammar tables are then built on a thread of their own
-    (`builds_grammar_tables_at_start`).
+    (`cleave.worker.rank_processes`); the engine's `close()` stops them.
     """
     try:
         model_dir = await asyncio.to_thread(resolve_model_dir, config.model)
         build = start_lockstep_engine if config.tensor_parallel_size > 1 else LLMEngine
-        engine = await asyncio.to_thread(build, replace(config, model=str(model_dir)))
+        return await asyncio.to_thread(build, replace(config, model=str(model_dir)))
     except ModelNotFound as error:
         raise SystemExit(f"error: {error}") from None
     except InsufficientDeviceMemory as error:
         raise SystemExit(f"error: {error}") from None
-    if builds_grammar_tables_at_start(config):
-        threading.Thread(target=_build_grammar_tables, args=(engine,), name="grammar-tables", daemon=True).start()
-    return engine
-
-
-def _build_grammar_tables(engine: LLMEngine) -> None:
-    try:
-        engine.build_grammar_tables()
-    except Exception as error:  # the first constrained request builds them again and reports the error
-        log.warning("grammar_tables_not_built", error=str(error))
-
-
-def builds_grammar_tables_at_start(config: EngineConfig) -> bool:
-    """Whether a worker builds the structured-output grammar tables on a thread while it starts
-    serving, so that the first constrained request does not wait for them (~1 s at 128k tokens,
-    plus xgrammar's ~2 s import): on a GPU, where start-up takes longer than that anyway. A CPU
-    worker (the demo, the tests) builds them on first use, as its cores are few and busy
-    starting the stack."""
-    return config.device.startswith("cuda")
