@@ -195,16 +195,15 @@ def _gemv_moe(block: SparseMoeBlock, residual: torch.Tensor, norm: RMSNorm, coun
     if block.route_in_router and residual.shape[0] == 1:
         _, weights, ids = router_route(residual, router.weight, block.top_k, block.renormalize, norm.weight, norm.eps,
                                        router.bias, counters=counters, pdl=pdl, tiles=block.router_tiles)
-        moe_gemv(residual, experts.gate_up, experts.down, weights, ids, block.activation, experts.w13_bias,
-                 experts.w2_bias, norm_weight=norm.weight, eps=norm.eps, add_to=residual, pdl=pdl)
-        return
-    logits = small_linear(residual, router.weight, norm_weight=norm.weight, eps=norm.eps, bias=router.bias, pdl=pdl)
-    if block.route_in_gemv:
-        moe_gemv(residual, experts.gate_up, experts.down, None, None, block.activation, experts.w13_bias,
-                 experts.w2_bias, norm_weight=norm.weight, eps=norm.eps, add_to=residual, router_logits=logits,
-                 top_k=block.top_k, renormalize=block.renormalize, pdl=pdl)
-        return
-    weights, ids = route(logits, block.top_k, block.renormalize, pdl=pdl)
+    else:
+        logits = small_linear(residual, router.weight, norm_weight=norm.weight, eps=norm.eps, bias=router.bias,
+                              pdl=pdl)
+        if block.route_in_gemv:
+            moe_gemv(residual, experts.gate_up, experts.down, None, None, block.activation, experts.w13_bias,
+                     experts.w2_bias, norm_weight=norm.weight, eps=norm.eps, add_to=residual, router_logits=logits,
+                     top_k=block.top_k, renormalize=block.renormalize, pdl=pdl)
+            return
+        weights, ids = route(logits, block.top_k, block.renormalize, pdl=pdl)
     moe_gemv(residual, experts.gate_up, experts.down, weights, ids, block.activation, experts.w13_bias, experts.w2_bias,
              norm_weight=norm.weight, eps=norm.eps, add_to=residual, pdl=pdl)
 
