@@ -14,8 +14,13 @@ worth of distinct weights (so every call streams its weight from HBM, not L2):
 
 Bytes are the weights read; the roofline is bytes / 4.26 TB/s.
 
+With `--model gpt-oss-20b` only the sweep runs, over that model's dense projections (qkv and
+lm_head read 2880-wide rows: a 2048-wide K tile leaves the second tile 40% full) and the
+register GEMV's K tiles (`WIDE_SWEEP`); its layers are mixture-of-experts (bench/moe.py).
+
     python bench/decode_gemv.py --rows 1 --out bench/results/decode
     python bench/decode_gemv.py --rows 64 --out bench/results/decode
+    python bench/decode_gemv.py --model gpt-oss-20b --out bench/results/decode
 """
 
 from __future__ import annotations
@@ -55,6 +60,11 @@ SWEEP_SPLITK = [(block_n, block_k, split_k, stages) for block_n in (32, 64) for 
                 for split_k in (1, 2, 4, 8) for stages in ((3, 4) if block_k == 64 else (3,))]
 # the fusions each projection carries in a decode step
 FUSIONS = {"qkv": "norm", "o": "add", "gate_up": "norm", "down": "add"}
+# gpt-oss-20b's dense projections (N, K) at one row, each over its layers' distinct weights,
+# and the register GEMV settings (block_n, block_k, num_warps) tried on each; None: its default
+GPT_OSS_SHAPES = {"qkv": (5120, 2880, 24), "o": (2880, 4096, 24), "lm_head": (201088, 2880, 2)}
+WIDE_SWEEP = [None, (8, 1024, 8), (8, 1024, 4), (4, 1024, 4), (16, 1024, 8), (8, 512, 4), (4, 4096, 8),
+              (2, 4096, 4), (16, 2048, 8)]
 
 
 def make_layers(num_layers: int) -> list[dict[str, torch.Tensor]]:
@@ -131,8 +141,27 @@ def sweep_splitk(layers, rows: int, record) -> dict[str, tuple[float, dict]]:
     return best
 
 
+def sweep_gpt_oss(record) -> None:
+    """gpt-oss-20b's dense projections alone at one row over `WIDE_SWEEP`, beside cuBLAS."""
+    from cleave.kernels.gemv import gemv_tiles
+
+    for name, (num_out, num_in, num_layers) in GPT_OSS_SHAPES.items():
+        weights = [torch.randn(num_out, num_in, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(num_layers)]
+        x = torch.randn(1, num_in, device="cuda", dtype=torch.bfloat16)
+        nbytes = num_out * num_in * 2
+        record("sweep", name, 1, "cublas", graph_call_us([lambda w=w: F.linear(x, w) for w in weights]), nbytes)
+        for tiles in WIDE_SWEEP:
+            block_n, block_k, warps = tiles or gemv_tiles(1, num_out, num_in, gated=False)
+            settings = dict(kernel="fma", block_n=block_n, block_k=block_k, num_warps=warps)
+            us = graph_call_us([lambda w=w: small_linear(x, w, **settings) for w in weights])
+            record("sweep", name, 1, "fma" if tiles else "fma (default)", us, nbytes, block_n=block_n,
+                   block_k=block_k, num_warps=warps)
+        del weights
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("llama-3.2-1b", "gpt-oss-20b"), default="llama-3.2-1b")
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
@@ -141,13 +170,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
-    layers = make_layers(args.layers)
     results: list[dict] = []
 
     def record(measure: str, shape: str, rows: int, impl: str, us: float, nbytes: int, **settings) -> None:
         results.append({"measure": measure, "shape": shape, "rows": rows, "impl": impl, **settings, "us": round(us, 2),
                         "roofline_pct": round(100 * nbytes / (us * 1e-6) / (args.hbm_tbs * 1e12), 1)})
         print(format_table(results[-1:], COLUMNS).splitlines()[-1], flush=True)
+
+    if args.model == "gpt-oss-20b":
+        sweep_gpt_oss(record)
+        print(format_table(results, COLUMNS))
+        if args.out:
+            write_results(args.out, run_name("decode_gemv"), results, COLUMNS)
+        return
+    layers = make_layers(args.layers)
 
     for rows in args.rows:
         best: dict[str, tuple[float, dict]] = {}

@@ -119,7 +119,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--gemv-tiles", default="",
                         help="layer part, up to moe_gemv.MAX_TOKENS tokens: also the per-entry GEMVs with these "
-                        "features per program, GATE_UP:DOWN[,...] (e.g. 2:4,4:8; default tiles: the 'fused' row)")
+                        "features per program, GATE_UP:DOWN[:BLOCK_K[:WARPS]][,...] (e.g. 2:4,4:8:1024:8; the K tile "
+                        "and warps of both kernels, default theirs; default tiles: the 'fused' row)")
     parser.add_argument("--packed-experts", action="store_true",
                         help="MXFP4 experts kept packed (as `--packed-experts` serves gpt-oss's): the layer part's "
                         "fused rows read them packed (random codes), the decode part is gpt-oss's only; the "
@@ -153,6 +154,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.tokens = [int(value) for value in args.tokens.split(",")]
     args.gemv_tiles = [tuple(int(n) for n in item.split(":")) for item in args.gemv_tiles.split(",") if item]
+    if any(not 2 <= len(tiles) <= 4 for tiles in args.gemv_tiles):
+        raise SystemExit("--gemv-tiles takes GATE_UP:DOWN[:BLOCK_K[:WARPS]] items")
     args.batch = [int(value) for value in args.batch.split(",")]
     args.prefill_tokens = [int(value) for value in args.prefill_tokens.split(",")]
     args.routes = [value for value in args.routes.split(",") if value]
@@ -254,9 +257,9 @@ def layer_rows(args: argparse.Namespace, shape: MoEShape, device: torch.device, 
         methods["reference"] = reference
         if num_tokens <= GEMV_MAX_TOKENS:
             methods["fused, grouped GEMMs"] = grouped
-            for gate_up_n, down_n in args.gemv_tiles:
-                methods[f"fused, GEMV tiles {gate_up_n}:{down_n}"] = gemv_with_tiles(
-                    hidden, packed13, packed2, router, shape, gate_up_n, down_n)
+            for tiles in args.gemv_tiles:
+                methods[f"fused, GEMV tiles {':'.join(map(str, tiles))}"] = gemv_with_tiles(
+                    hidden, packed13, packed2, router, shape, *tiles)
         if compiled is not None:
             methods["reference+compile"] = lambda: compiled(hidden, w13, w2, hidden @ router.t(), shape.top_k, True)
         if hf_block is not None:
@@ -294,14 +297,18 @@ def packed_weight(experts: int, rows: int, columns: int, device: torch.device, g
     return MXFP4Weight(blocks, scales)
 
 
-def gemv_with_tiles(hidden, w13, w2, router, shape: MoEShape, gate_up_n: int, down_n: int):  # noqa: ANN001
-    """The per-entry GEMV experts with `gate_up_n` / `down_n` features per program."""
+def gemv_with_tiles(hidden, w13, w2, router, shape: MoEShape, gate_up_n: int, down_n: int,  # noqa: ANN001
+                    block_k: int | None = None, warps: int | None = None):
+    """The per-entry GEMV experts with `gate_up_n` / `down_n` features per program (and, where
+    given, both kernels' K tile and warps)."""
     from cleave.kernels.fused_moe import route
     from cleave.kernels.moe_gemv import gemv_tiles, moe_gemv
     from cleave.kernels.moe_reference import SILU
 
     _, gate_up_k, gate_up_warps = gemv_tiles(shape.inter, shape.hidden, gated=True)
     _, down_k, down_warps = gemv_tiles(shape.hidden, shape.inter, gated=False)
+    gate_up_k, down_k = block_k or gate_up_k, block_k or down_k
+    gate_up_warps, down_warps = warps or gate_up_warps, warps or down_warps
 
     def run() -> torch.Tensor:
         weights, ids = route(hidden @ router.t(), shape.top_k, True)

@@ -21,6 +21,16 @@ def test_defaults_are_the_h200_plan(bench):
     custom = bench.parse_args(["--part", "layer", "--tokens", "2,4", "--batch", "8", "--context", "64"])
     assert (custom.part, custom.tokens, custom.batch, custom.context) == ("layer", [2, 4], [8], 64)
     assert args.gemv_tiles == [] and bench.parse_args(["--gemv-tiles", "2:4,4:8"]).gemv_tiles == [(2, 4), (4, 8)]
+    assert bench.parse_args(["--gemv-tiles", "4:8:1024:8,2:4:512"]).gemv_tiles == [(4, 8, 1024, 8), (2, 4, 512)]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--gemv-tiles", "4"])
+
+
+def test_layer_dry_run_times_gemv_tiles_with_their_k_tile(bench, tmp_path):
+    rows = bench.main(["--dry-run", "--part", "layer", "--tokens", "1", "--no-transformers", "--gemv-tiles",
+                       "2:4:16:2", "--out", str(tmp_path)])["layer"]
+    (row,) = [row for row in rows if row["method"] == "fused, GEMV tiles 2:4:16:2"]
+    assert "error" not in row and row["max_diff"] < 1e-4
 
 GEMV_DOWN_ROWS = ("decode layout (PDL)",)
 
