@@ -1,9 +1,10 @@
 """One gRPC call to a worker, with the gateway's error mapping and deadline arithmetic.
 
 A worker's status code becomes the matching `CleaveError` (the client sees the worker's
-reason, prefixed with where it came from; an INVALID_ARGUMENT keeps the field the worker
-named, as a GenerateRequest path); UNAVAILABLE also takes the worker out of rotation;
-anything else is Unavailable, which callers may retry elsewhere.
+reason, prefixed with where it came from); an INVALID_ARGUMENT is the request's fault, so the
+client sees only the worker's reason under the field it named, as a GenerateRequest path,
+as for the gateway's own checks (where it came from goes to the log); UNAVAILABLE also takes
+the worker out of rotation; anything else is Unavailable, which callers may retry elsewhere.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 import grpc
+import structlog
 
 from cleave.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from cleave.rpc.errors import error_detail, error_type_for
@@ -20,6 +22,7 @@ from services.gateway.convert import request_field
 from services.gateway.workers import WorkerHandle, WorkerPool
 
 T = TypeVar("T")
+log = structlog.get_logger("cleave.gateway.workers")
 
 
 async def call_worker(pool: WorkerPool, call: Awaitable[T], worker: WorkerHandle, method: str) -> T:
@@ -33,7 +36,8 @@ async def call_worker(pool: WorkerPool, call: Awaitable[T], worker: WorkerHandle
             detail = error_detail(error)
             field = detail.field if detail is not None and detail.field else None
             reason = (error.details() or "").removeprefix(f"{field}: " if field else "")
-            raise request_field(InvalidArgument(f"{where}: {reason}", field=field)) from None
+            log.info("worker refused the request", where=where, field=field, reason=reason)
+            raise request_field(InvalidArgument(reason, field=field)) from None
         if error_type is not None:
             raise error_type(f"{where}: {error.details()}") from None
         behind = _behind(error)

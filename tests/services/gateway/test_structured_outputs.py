@@ -115,6 +115,7 @@ async def test_bad_constraints_are_refused_naming_the_field(stack, body, param):
     with pytest.raises(openai.BadRequestError) as raised:
         await request
     assert raised.value.body["param"] == param, raised.value.body
+    assert "worker" not in raised.value.body["message"], raised.value.body  # the request's fault, not a worker's
 
 
 async def test_refused_constraints_leave_no_kv_behind(stack):
