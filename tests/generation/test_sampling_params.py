@@ -39,6 +39,7 @@ def test_defaults_and_typical_params_are_valid():
         (dict(stop=["ok", ""]), "stop"),
         (dict(stop="abc"), "stop"),
         (dict(stop=[f"stop {i}" for i in range(65)]), "stop"),
+        (dict(stop=["ok", "x" * 1025]), "stop"),
         (dict(stop_token_ids=[-3]), "stop_token_ids"),
         (dict(max_thinking_tokens=-1), "max_thinking_tokens"),
         (dict(min_thinking_tokens=-1), "min_thinking_tokens"),
@@ -53,6 +54,10 @@ def test_invalid_field_is_named(options, field):
     assert isinstance(info.value, CleaveError)
     assert info.value.status_code == "INVALID_ARGUMENT"
     assert str(info.value).startswith(f"{field}: ")
+
+
+def test_stop_strings_up_to_the_length_limit_are_taken():
+    SamplingParams(stop=["x" * 1024] * 64).validate()
 
 
 def test_length_against_context_window():

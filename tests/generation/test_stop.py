@@ -86,6 +86,46 @@ def test_random_streams_match_reference_truncation():
         assert seen == expected == checker.text
 
 
+def test_held_back_text_is_the_longest_stop_prefix_for_long_and_periodic_stops():
+    """The held-back tail against the plain definition (the longest proper prefix of a stop
+    string that the text ends with), on stop strings longer than the searched tail and
+    periodic ones, where a prefix occurs in many places: the text mostly follows a stop
+    string, so long tails are held back, then strays."""
+    rng = random.Random(1)
+    longest_held = 0
+    for _ in range(1500):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 60))) for _ in range(rng.randint(1, 3))]
+        if rng.random() < 0.5:
+            stops.append("ab" * rng.randint(10, 30) + "c")
+        checker = StopChecker(SamplingParams(stop=stops))
+        for _ in range(rng.randint(1, 30)):
+            follow = rng.choice(stops)
+            held = len(checker.held_back)
+            new = follow[held:held + rng.randint(1, 6)] if follow.startswith(checker.held_back) else ""
+            if not new or rng.random() < 0.15:
+                new = "".join(rng.choice("abc") for _ in range(rng.randint(1, 4)))
+            buffer = checker.held_back + new
+            if checker.append_text(new).finished:
+                break
+            expected = max((k for s in stops for k in range(len(s)) if buffer.endswith(s[:k])), default=0)
+            assert len(checker.held_back) == expected and buffer.endswith(checker.held_back), (stops, buffer)
+            longest_held = max(longest_held, expected)
+    assert longest_held > 40  # tails longer than the searched one were held back
+
+
+def test_held_back_prefix_found_behind_a_later_occurrence_of_the_text_tail():
+    tail = "abcdefghijklmnop"  # as long as the tail searched for at once
+    stop = "z" + tail + "q" + tail + "!"  # the tail ends two prefixes; the text ends with the shorter
+    checker = StopChecker(SamplingParams(stop=[stop]))
+    assert checker.append_text("q" * 20 + "z" + tail).text == "q" * 20
+    assert checker.held_back == "z" + tail
+    assert checker.append_text("q" + tail).text == "" and checker.held_back == "z" + tail + "q" + tail
+    update = checker.append_text("!")
+    assert update.finished and update.stop_reason == stop and checker.text == "q" * 20
+    checker = StopChecker(SamplingParams(stop=[tail + "x!"]))  # a prefix exactly as long as the tail
+    assert checker.append_text("w" + tail).text == "w" and checker.held_back == tail
+
+
 def test_eos_stop_token_and_ignore_eos():
     eos = 9
     checker = StopChecker(SamplingParams(stop_token_ids=[7]), eos_token_ids=[eos])

@@ -318,6 +318,8 @@ MALFORMED = [
     (COMPLETIONS, json.dumps({"prompt": "hi", "repetition_penalty": 1e39}).encode(), "repetition_penalty"),
     # every stop string is searched for after every token
     (CHAT, _chat(stop=[f"stop {i}" for i in range(1000)]), "stop"),
+    # and what could still become one is held back and searched again with each token
+    (CHAT, _chat(stop=["x" * 5000]), "stop"),
     # more digits than int() converts
     (CHAT, _chat(logit_bias={"9" * 5000: 1}), "logit_bias"),
 ]
@@ -339,6 +341,7 @@ async def test_malformed_body_is_a_400_naming_the_field(gateway, path, body, par
     ("n", 2**32 - 1, "sampling.n"),
     ("logprobs", 2**32 - 1, "sampling.logprobs"),
     ("stop", [f"stop {i}" for i in range(1000)], "sampling.stop"),
+    ("stop", ["x" * 5000], "sampling.stop"),
 ])
 async def test_grpc_out_of_range_fields_are_invalid_argument(gateway, field, value, path):
     _, channel, _, _ = gateway
