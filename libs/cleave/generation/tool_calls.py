@@ -111,6 +111,7 @@ class HermesToolParser:
     def __init__(self) -> None:
         self._held = ""  # text not yet known to be content or a call
         self._in_block = False
+        self._searched = 0  # in a block: where the end tag may still start in `_held`
         self._num_calls = 0
 
     def feed(self, text: str) -> ToolParse:
@@ -119,9 +120,10 @@ class HermesToolParser:
         content: list[str] = []
         calls: list[ToolCall] = []
         while True:
-            if self._in_block:
-                end = self._held.find(END)
+            if self._in_block:  # a block's text is searched once, not again with each piece
+                end = self._held.find(END, self._searched)
                 if end < 0:
+                    self._searched = max(0, len(self._held) - len(END) + 1)
                     break
                 self._close_block(self._held[:end], END, content, calls)
                 self._held = self._held[end + len(END):]
@@ -130,7 +132,7 @@ class HermesToolParser:
             if start >= 0:
                 self._emit(self._held[:start], content)
                 self._held = self._held[start + len(START):]
-                self._in_block = True
+                self._in_block, self._searched = True, 0
                 continue
             keep = longest_suffix_prefix(self._held, START)
             ready, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep:]
@@ -189,6 +191,7 @@ class HarmonyToolParser:
         self._lead = ""  # "<|end|><|start|>assistant" before the current header, held with it
         self._name = ""  # the function the current call message is addressed to
         self._taken = ""  # the call message's text so far (given back if it is not a call)
+        self._searched = 0  # in a call: where its end may still start in `_held`
 
     def feed(self, text: str) -> ToolParse:
         self._held += text
@@ -227,11 +230,13 @@ class HarmonyToolParser:
                 self._pass_on(self._lead + header + HARMONY_MESSAGE, out, _Harmony.BODY)
             else:
                 self._name, self._taken = recipient.group(1), self._lead + header + HARMONY_MESSAGE
-                self._lead, self._state = "", _Harmony.CALL
+                self._lead, self._state, self._searched = "", _Harmony.CALL, 0
             return True
-        if self._state is _Harmony.CALL:
-            ends = [i for i in (held.find(HARMONY_CALL), held.find(HARMONY_END)) if i >= 0]
+        if self._state is _Harmony.CALL:  # a call's text is searched once, not again with each piece
+            ends = [i for i in (held.find(HARMONY_CALL, self._searched), held.find(HARMONY_END, self._searched))
+                    if i >= 0]
             if not ends:
+                self._searched = max(0, len(held) - max(len(HARMONY_CALL), len(HARMONY_END)) + 1)
                 return False
             end = min(ends)
             marker = HARMONY_CALL if held.startswith(HARMONY_CALL, end) else HARMONY_END
