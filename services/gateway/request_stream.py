@@ -12,9 +12,10 @@ a sample that a stop string ends here is aborted alone on its worker while the o
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import replace
+from itertools import chain
 
 import structlog
 
@@ -37,18 +38,19 @@ log = structlog.get_logger("cleave.gateway")
 Migrate = Callable[[list[WorkerLost], list[SampleText]], Awaitable[list[TokenDelta]]]
 
 
-def merge_outputs(first: SampleOutput | None, second: SampleOutput) -> SampleOutput:
-    """Two consecutive outputs of one sample as one."""
-    if first is None:
-        return second
+def merge_outputs(outputs: Sequence[SampleOutput]) -> SampleOutput:
+    """Consecutive outputs of one sample as one, joined once (a held sample of 30k tokens
+    is not copied again with each of its chunks)."""
+    if len(outputs) == 1:
+        return outputs[0]
     return replace(
-        second,
-        text=first.text + second.text,
-        reasoning_text=first.reasoning_text + second.reasoning_text,
-        token_ids=first.token_ids + second.token_ids,
-        logprobs=first.logprobs + second.logprobs,
-        tool_calls=first.tool_calls + second.tool_calls,
-        finish_reason=second.finish_reason or first.finish_reason,
+        outputs[-1],
+        text="".join(output.text for output in outputs),
+        reasoning_text="".join(output.reasoning_text for output in outputs),
+        token_ids=tuple(chain.from_iterable(output.token_ids for output in outputs)),
+        logprobs=tuple(chain.from_iterable(output.logprobs for output in outputs)),
+        tool_calls=tuple(chain.from_iterable(output.tool_calls for output in outputs)),
+        finish_reason=next((output.finish_reason for output in reversed(outputs) if output.finish_reason), None),
     )
 
 
@@ -94,7 +96,7 @@ async def stream_samples(
         strategy in (Strategy.MAJORITY_VOTE, Strategy.BEST_OF_N)
         and not spec.scaling.return_all_samples
     )
-    collected: dict[int, SampleOutput] = {}
+    held: dict[int, list[SampleOutput]] = {}  # with `hold`: each sample's outputs, merged at the end
     stopped_here: set[int] = set()  # samples the gateway ended (stop strings)
     prompt_scores: list[tuple[TopLogprobs, ...]] = []  # sent by a worker, until a chunk carries them
 
@@ -106,7 +108,7 @@ async def stream_samples(
             cached_prompt_tokens=num_cached,
         )
 
-    def take(delta: TokenDelta, news: dict[int, SampleOutput]) -> None:
+    def take(delta: TokenDelta, news: dict[int, list[SampleOutput]]) -> None:
         if delta.prompt_logprobs:
             prompt_scores.append(delta.prompt_logprobs)
         if delta.finish_reason is not None:
@@ -116,7 +118,7 @@ async def stream_samples(
         text = texts[delta.sample_index]
         output = text.push(delta)
         if output is not None:
-            news[output.index] = merge_outputs(news.get(output.index), output)
+            news.setdefault(output.index, []).append(output)
         if text.finished and not worker_finished[text.index] and text.index not in stopped_here:
             # A stop string matched here: the sample stops decoding on its worker now, not
             # when the whole request ends (n = 1: the request is aborted as the stream ends,
@@ -126,7 +128,7 @@ async def stream_samples(
                 abort_sample(text.index)
 
     while not all(t.finished for t in texts):
-        news: dict[int, SampleOutput] = {}
+        news: dict[int, list[SampleOutput]] = {}
         lost: list[WorkerLost] = []
         for item in await next_items(spec, running.queue):
             if isinstance(item, WorkerLost):
@@ -142,13 +144,15 @@ async def stream_samples(
         if lost:
             for delta in await migrate(lost, texts):
                 take(delta, news)
-        for index, output in news.items():
-            collected[index] = merge_outputs(collected.get(index), output)
-        if news and not hold:
+        if hold:
+            for index, outputs in news.items():
+                held.setdefault(index, []).extend(outputs)
+        elif news:
             yield with_prompt_scores(GenerateChunk(
-                samples=tuple(news[i] for i in sorted(news)),
+                samples=tuple(merge_outputs(news[i]) for i in sorted(news)),
                 usage=usage() if spec.stream.continuous_usage else None,
             ), prompt_scores, prompt_ids)
+    collected = {index: merge_outputs(outputs) for index, outputs in held.items()}
     final = await final_chunk(spec, texts, collected, usage(), hold, verify_on)
     yield with_prompt_scores(final, prompt_scores, prompt_ids)
 

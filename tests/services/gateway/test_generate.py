@@ -81,6 +81,23 @@ async def test_n_samples_share_one_request(stack):
     assert result.usage.completion_tokens == 18
 
 
+async def test_an_aggregated_request_answers_once_with_what_it_would_have_streamed(stack):
+    options = dict(max_tokens=24, temperature=0.0, n=2, logprobs=2)
+    async with GatewayClient(stack.gateway_address) as client:
+        streamed = [response async for response in client.stream(build_request(PROMPT, stream=IDS, **options))]
+        (whole,) = [response async for response in client.stream(build_request(
+            PROMPT, stream=g.StreamOptions(include_token_ids=True, aggregate=True), **options))]
+    assert len(streamed) > 2  # several chunks, merged into the one answer
+    for sample in whole.samples:
+        deltas = [delta for response in streamed for delta in response.samples if delta.index == sample.index]
+        assert sample.text == "".join(delta.text for delta in deltas)
+        assert sample.reasoning_text == "".join(delta.reasoning_text for delta in deltas)
+        assert list(sample.token_ids) == [token for delta in deltas for token in delta.token_ids]
+        assert len(sample.logprobs) == len(sample.token_ids) == 24
+        assert sample.finish_reason == deltas[-1].finish_reason != c.FINISH_REASON_UNSPECIFIED
+    assert sorted(sample.index for sample in whole.samples) == [0, 1]
+
+
 @pytest.mark.parametrize(
     ("request_kwargs", "code", "text"),
     [
