@@ -102,6 +102,27 @@ def test_greedy_matches_transformers(arch, mode, checkpoints, hf_greedy):
     assert_pool_empty(engine)
 
 
+@pytest.mark.parametrize("mode", ["batched", "preempt"])
+def test_repetition_penalty_matches_transformers_beside_plain_rows(mode, checkpoints, hf_greedy):
+    """Every other request has a repetition penalty (over prompt and output, as transformers
+    applies it): its greedy tokens are transformers' with the same penalty, the others' plain
+    greedy ones, through steps that gather the penalised rows' counts kept on the device."""
+    arch = ARCHITECTURES[0]
+    prompts, plain = hf_greedy[arch]
+    _, penalised = hf_greedy_continuations(checkpoints[arch], make_prompts, MAX_TOKENS, repetition_penalty=1.5)
+    assert penalised != plain  # the penalty changes the continuations
+    engine = make_engine(checkpoints[arch], *MODES[mode])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, repetition_penalty=1.5)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"r{index}", prompt, params if index % 2 else GREEDY)
+    accumulators: dict[str, OutputAccumulator] = {}
+    run_to_completion(engine, accumulators)
+    for index in range(NUM_PROMPTS):
+        (sample,) = accumulators[f"r{index}"].result().outputs
+        assert sample.token_ids == (penalised if index % 2 else plain)[index], f"prompt {index}"
+    assert_pool_empty(engine)
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(checkpoints):
     engine = make_engine(checkpoints["qwen3"])
     prompts = make_prompts(engine.model_config.vocab_size, seed=3)

@@ -282,13 +282,12 @@ class LLMEngine:
             state.report_phase = self._next_phase
             self._next_phase = (self._next_phase + 1) % self._stream_interval
         params = state.params
-        penalised = params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
         for sample in state.samples:
             seq_id = sample.seq.seq_id
             self._samples[seq_id] = sample
             if sample.logits_processors:
                 self._processors[seq_id] = sample.logits_processors
-            if penalised or sample.logits_processors:
+            if params.has_penalties or sample.logits_processors:
                 self._reads_outputs.add(seq_id)
 
     def abort(self, request_id: str) -> bool:

@@ -46,6 +46,7 @@ from cleave.engine.config import EngineConfig
 from cleave.engine.input_batch import InputBatch, InputBatchBuilder, OutputTokens
 from cleave.engine.layer_progress import LayerProgress
 from cleave.engine.memory_budget import DeviceMemory, kv_blocks_for_share
+from cleave.engine.penalty_counts import PenaltyCounts
 from cleave.engine.prompt_logprobs import PromptLogprobChunk, PromptRows, prompt_logprob_rows, score_prompt_rows
 from cleave.engine.sampler import Sampler
 from cleave.engine.sampling_tensors import LogitsProcessor, SamplingTensors, uniform_plain
@@ -195,6 +196,7 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, next(model.parameters()).dtype)
         self.vocab_size = model.config.vocab_size
         self.sampler = Sampler(config.seed)
+        self.penalty_counts = PenaltyCounts(self.vocab_size, self.device)  # penalised sequences' token counts
         self.inputs = InputBatchBuilder(self.block_size, self.device)
         # the cache's layer slots: paired window layers (cleave.kv.groups) or one per layer
         self.kv_groups = kv_groups(self.model_config, config.cache.pair_window_layers)
@@ -568,19 +570,21 @@ class ModelRunner:
             state = SamplingTensors.uniform(params[0], len(seqs), self.vocab_size, self.device)
             self._cached_sampling = (list(seqs), state)
             return state
-        needs_prompt = any(p.repetition_penalty != 1.0 for p in params)
         processors = None
         if logits_processors:
             processors = [logits_processors.get(seq.seq_id, ()) for seq in seqs]
+        penalty_counts = None
+        if any(p.has_penalties for p in params):  # counts kept from step to step, not recounted
+            penalty_counts = self.penalty_counts.gather(seqs, any(p.repetition_penalty != 1.0 for p in params))
         state = SamplingTensors.from_params(
             params,
             vocab_size=self.vocab_size,
             device=self.device,
             output_token_ids=[OutputTokens(seq) for seq in seqs],
-            prompt_token_ids=[seq.prompt_token_ids for seq in seqs] if needs_prompt else None,
             sample_indices=[seq.sample_index for seq in seqs],
             logits_processors=processors,
             eos_token_ids=self.eos_token_ids,
+            penalty_counts=penalty_counts,
         )
         # Seeded noise, penalties and min_tokens change with every token; plain rows do not.
         reusable = (state.seeded_rows is None and not state.needs_penalties and not state.row_processors

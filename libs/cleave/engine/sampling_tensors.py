@@ -113,6 +113,7 @@ class SamplingTensors:
         sample_indices: Sequence[int] | None = None,
         logits_processors: Sequence[Sequence[LogitsProcessor]] | None = None,
         eos_token_ids: Collection[int] = (),
+        penalty_counts: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     ) -> SamplingTensors:
         """Gather one step's rows.
 
@@ -128,6 +129,9 @@ class SamplingTensors:
                 seeded samples of one request differ from each other.
             logits_processors: per-row processors (empty sequence for none).
             eos_token_ids: the model's, kept from rows short of their min_tokens.
+            penalty_counts: the rows' output counts and prompt masks where the caller keeps
+                them (`cleave.engine.penalty_counts`); None: counted here from
+                `output_token_ids` and `prompt_token_ids`.
         """
         device = torch.device(device)
         num_rows = len(params)
@@ -147,7 +151,7 @@ class SamplingTensors:
         state.needs_top_k = any(top_k[i] < vocab_size for i in sampled)
         state.needs_top_p = any(params[i].top_p < 1.0 for i in sampled)
         state.needs_min_p = any(params[i].min_p > 0.0 for i in sampled)
-        state._init_penalties(params, vocab_size, device, output_token_ids, prompt_token_ids)
+        state._init_penalties(params, vocab_size, device, output_token_ids, prompt_token_ids, penalty_counts)
         state._init_seeds(params, sampled, device, output_token_ids, sample_indices)
         state._init_bias(params, device, output_token_ids, eos_token_ids)
         if logits_processors is not None:
@@ -207,11 +211,13 @@ class SamplingTensors:
             self.token_bitmask = to_device(bitmask if len(kept) == len(masks) else bitmask[kept], device)
             self.bitmask_rows = tensor_on([masks[index][0] for index in kept], torch.int64, device)
 
-    def _init_penalties(self, params, vocab_size, device, output_token_ids, prompt_token_ids):
+    def _init_penalties(self, params, vocab_size, device, output_token_ids, prompt_token_ids, penalty_counts):
         has_repetition = any(p.repetition_penalty != 1.0 for p in params)
-        has_additive = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
-        self.needs_penalties = has_repetition or has_additive
+        self.needs_penalties = any(p.has_penalties for p in params)
         if not self.needs_penalties:
+            return
+        if penalty_counts is not None:
+            self.output_counts, self.prompt_mask = penalty_counts
             return
         self.output_counts = token_counts(output_token_ids, vocab_size, device)
         if has_repetition and prompt_token_ids is not None:
@@ -272,7 +278,7 @@ def uniform_plain(params: Sequence[SamplingParams]) -> bool:
     membership changes most steps, so `from_params` runs most steps)."""
     first = params[0] if params else None
     if (first is None or first.seed is not None or first.logprobs is not None or first.min_tokens or first.logit_bias
-            or first.repetition_penalty != 1.0 or first.frequency_penalty != 0.0 or first.presence_penalty != 0.0):
+            or first.has_penalties):
         return False
     options = _SAMPLING_OPTIONS(first)
     return all(map(options.__eq__, map(_SAMPLING_OPTIONS, params)))

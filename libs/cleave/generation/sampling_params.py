@@ -103,6 +103,12 @@ class SamplingParams:
         """True when the sample is the argmax token (temperature 0)."""
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def has_penalties(self) -> bool:
+        """True when sampling reads the sample's token counts (a repetition, frequency or
+        presence penalty that is not neutral)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     def max_new_tokens(self, max_model_len: int, prompt_len: int) -> int:
         """Tokens this request may generate per sample within a `max_model_len` context."""
         room = max_model_len - prompt_len
