@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for i in range(batch)]
         for seq in seqs:
             seq.all_token_ids += [rng.randrange(args.vocab) for _ in range(outputs)]
-        table = PenaltyCounts(args.vocab, "cpu")
+        table = PenaltyCounts(args.vocab, "cpu", max_rows=batch)
         table.gather(seqs, with_prompt=False)  # the sequences' first step counts their outputs so far
         kept = recounted = 0.0
         for _ in range(args.steps):

@@ -24,6 +24,7 @@ GIB = 2**30
 TOTAL = 80 * GIB
 WEIGHTS = 2 * GIB
 PEAK = 1 * GIB
+VOCAB = 128256
 BLOCK = 2 * 2**20  # 2 MiB per block
 
 
@@ -86,6 +87,7 @@ def _runner(cache: CacheConfig, device: str = "cuda:0") -> ModelRunner:
     runner.kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, torch.bfloat16)  # a bf16 model's
     runner.model_config = SimpleNamespace(num_hidden_layers=4, num_key_value_heads=2, head_dim=64)
     runner.kv_groups = KVGroups(tuple(range(4)), (False,) * 4, None)  # a slot per layer
+    runner.vocab_size = VOCAB
     return runner
 
 
@@ -97,7 +99,10 @@ def test_runner_sizes_the_cache_from_its_share_of_total_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: WEIGHTS)
     bytes_per_block = 4 * 2 * 16 * 2 * 64 * 2  # layers * K,V * tokens * heads * dim * bf16
     assert runner._bytes_per_block() == bytes_per_block
-    expected = int((0.3 * TOTAL - WEIGHTS - PEAK - CUDA_HEADROOM_BYTES) // bytes_per_block) + 1
+    # the penalty tables' full size is set aside: a count and a flag per token for every
+    # sequence a step may sample, kept and gathered (cleave.engine.penalty_counts)
+    penalty_tables = (2 * runner.config.scheduler.max_num_seqs + 1) * VOCAB * 5
+    expected = int((0.3 * TOTAL - WEIGHTS - PEAK - penalty_tables - CUDA_HEADROOM_BYTES) // bytes_per_block) + 1
     assert runner._init_num_blocks() == expected
 
 

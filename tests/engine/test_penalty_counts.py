@@ -1,6 +1,7 @@
 """PenaltyCounts: the device-kept token counts of penalised sequences equal a fresh count of
 their outputs (and prompts) at every step, rows are freed with their sequences and reused
-zeroed, the tables grow, and a shortened output is counted again."""
+zeroed, the tables grow up to their cap and then lend out the rows of sequences a step does
+not sample, and a shortened output is counted again."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def expected(seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_counts_follow_outputs_step_by_step_as_sequences_come_and_go():
     rng = random.Random(0)
-    table = PenaltyCounts(VOCAB, "cpu")
+    table = PenaltyCounts(VOCAB, "cpu", max_rows=8)
     live: list[Sequence] = []
     for step in range(60):
         if len(live) < 7 and rng.random() < 0.4:  # more penalised sequences than the first table holds
@@ -56,7 +57,7 @@ def test_counts_follow_outputs_step_by_step_as_sequences_come_and_go():
 
 
 def test_a_freed_row_is_reused_zeroed():
-    table = PenaltyCounts(VOCAB, "cpu")
+    table = PenaltyCounts(VOCAB, "cpu", max_rows=8)
     first = Sequence("a", [1, 2], sampling_params=PENALISED[2])
     for token in (3, 3, 4):
         first.append_token(token)
@@ -72,7 +73,7 @@ def test_a_freed_row_is_reused_zeroed():
 
 
 def test_a_shortened_output_is_counted_again():
-    table = PenaltyCounts(VOCAB, "cpu")
+    table = PenaltyCounts(VOCAB, "cpu", max_rows=8)
     seq = Sequence("a", [1], sampling_params=PENALISED[0])
     for token in (7, 8, 9):
         seq.append_token(token)
@@ -81,3 +82,20 @@ def test_a_shortened_output_is_counted_again():
     seq.all_token_ids.pop()
     counts, _ = table.gather([seq], with_prompt=False)
     assert counts[0].nonzero().flatten().tolist() == [7]
+
+
+def test_at_the_cap_a_step_takes_the_rows_of_sequences_it_does_not_sample():
+    rng = random.Random(3)
+    table = PenaltyCounts(VOCAB, "cpu", max_rows=2)
+    seqs = [Sequence(f"r{i}", [rng.randrange(VOCAB) for _ in range(5)], sampling_params=PENALISED[i % 3])
+            for i in range(5)]
+    for step in range(40):
+        batch = rng.sample(seqs, 2)  # five penalised sequences take turns in two rows
+        for seq in batch:
+            seq.append_token(rng.randrange(VOCAB))
+        counts, prompts = table.gather(batch, with_prompt=True)
+        want_counts, want_prompts = expected(batch)
+        assert torch.equal(counts, want_counts) and torch.equal(prompts, want_prompts), step
+        assert table.num_rows_held == 2
+    counts, _ = table.gather(seqs[:4], with_prompt=False)  # a step past the cap grows the tables
+    assert torch.equal(counts, expected(seqs[:4])[0]) and table.num_rows_held == 4

@@ -196,7 +196,8 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, next(model.parameters()).dtype)
         self.vocab_size = model.config.vocab_size
         self.sampler = Sampler(config.seed)
-        self.penalty_counts = PenaltyCounts(self.vocab_size, self.device)  # penalised sequences' token counts
+        # penalised sequences' token counts, kept between steps
+        self.penalty_counts = PenaltyCounts(self.vocab_size, self.device, config.scheduler.max_num_seqs)
         self.inputs = InputBatchBuilder(self.block_size, self.device)
         # the cache's layer slots: paired window layers (cleave.kv.groups) or one per layer
         self.kv_groups = kv_groups(self.model_config, config.cache.pair_window_layers)
@@ -222,7 +223,8 @@ class ModelRunner:
             return tables * -(-tokens // self.block_size) + 1
         # gpu_memory_utilization is this process's share of the device's total memory (see
         # memory_budget): workers sharing a GPU never count each other's memory as theirs.
-        peak = self._profile_peak_bytes()
+        # the penalty tables grow as penalised samples come: set their full size aside
+        peak = self._profile_peak_bytes() + PenaltyCounts.table_bytes(self.vocab_size, self.config.scheduler.max_num_seqs)
         free, total = torch.cuda.mem_get_info(self.device)
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         memory = DeviceMemory(f"cuda:{index}", free, total, torch.cuda.memory_reserved(self.device))

@@ -13,7 +13,10 @@ penalties read the zero row 0 (their penalties are neutral, so their counts are 
 
 A sequence's row is freed once the sequence object is garbage-collected (the engine drops it
 when it ends; the row is zeroed and reused at the next step, on the thread that steps), and
-the table grows by doubling when no row is free. Tokens a sequence has
+the table grows by doubling when no row is free, up to `max_rows` rows besides the zero row
+(`table_bytes`: what the engine's memory budget sets aside for it). At that size a new
+sequence takes the row of one the step does not sample (a preempted or waiting one), which
+is counted afresh if it comes back. Tokens a sequence has
 already had counted are assumed fixed; a sequence whose output got shorter since (a dropped
 token) is counted again from its start.
 """
@@ -48,11 +51,13 @@ class PenaltyCounts:
     Args:
         vocab_size: V, the logits' width.
         device: where the sampler runs.
+        max_rows: most sequences with a row at once (at least a step's rows: max_num_seqs).
     """
 
-    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+    def __init__(self, vocab_size: int, device: torch.device | str, max_rows: int) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.max_rows = max_rows
         self._counts = torch.zeros(2, vocab_size, dtype=torch.int32, device=self.device)  # row 0: zeros
         self._prompt_mask = torch.zeros(2, vocab_size, dtype=torch.bool, device=self.device)
         self._free = [1]
@@ -63,10 +68,17 @@ class PenaltyCounts:
     def num_rows_held(self) -> int:
         return len(self._rows)
 
+    @staticmethod
+    def table_bytes(vocab_size: int, max_rows: int) -> int:
+        """Device bytes of the full tables and of one step's gathered rows (max_rows of them)."""
+        per_row = vocab_size * (torch.int32.itemsize + torch.bool.itemsize)
+        return (2 * max_rows + 1) * per_row
+
     def gather(self, seqs: Seq[Sequence], with_prompt: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's [B, V] int32 output counts and, `with_prompt`, its [B, V] bool prompt
         masks, one row per sequence of `seqs` (zeros for sequences without penalties)."""
         self._free_released()
+        step = {id(seq) for seq in seqs}
         indices: list[int] = []
         new_rows: list[int] = []
         new_tokens: list[int] = []
@@ -74,7 +86,7 @@ class PenaltyCounts:
             if not seq.sampling_params.has_penalties:
                 indices.append(0)
                 continue
-            row = self._row_of(seq)
+            row = self._row_of(seq, step)
             outputs = seq.num_output_tokens
             if outputs < row.counted:  # tokens were dropped: count the whole output again
                 self._counts[row.index].zero_()
@@ -96,27 +108,36 @@ class PenaltyCounts:
         counts = self._counts.index_select(0, index)
         return counts, self._prompt_mask.index_select(0, index) if with_prompt else None
 
-    def _row_of(self, seq: Sequence) -> _Row:
+    def _row_of(self, seq: Sequence, step: set[int]) -> _Row:
         row = self._rows.get(id(seq))
         if row is None:
             if not self._free:
-                self._grow()
+                self._make_room(step)
             row = self._rows[id(seq)] = _Row(self._free.pop())
             weakref.finalize(seq, self._released.append, id(seq))
         return row
 
+    def _make_room(self, step: set[int]) -> None:
+        """A free row: the tables doubled, or at `max_rows` the row of a sequence this step
+        (`step`: its sequences' ids) does not sample."""
+        size = self._counts.shape[0]
+        evicted = next((key for key in self._rows if key not in step), None) if size > self.max_rows else None
+        if evicted is not None:
+            self._free_row(self._rows.pop(evicted))
+            return
+        grown = max(min(2 * size, self.max_rows + 1), size + 1)  # past max_rows only for a step that big
+        self._counts = torch.cat([self._counts, self._counts.new_zeros(grown - size, self.vocab_size)])
+        self._prompt_mask = torch.cat([self._prompt_mask, self._prompt_mask.new_zeros(grown - size, self.vocab_size)])
+        self._free += range(grown - 1, size - 1, -1)
+
     def _free_released(self) -> None:
-        """Zero and free the rows of the sequences gone since the last step."""
+        """Free the rows of the sequences gone since the last step."""
         while self._released:
             row = self._rows.pop(self._released.pop(), None)
             if row is not None:
-                self._counts[row.index].zero_()
-                self._prompt_mask[row.index] = False
-                self._free.append(row.index)
+                self._free_row(row)
 
-    def _grow(self) -> None:
-        """Double the tables (row 0 stays the zero row)."""
-        size = self._counts.shape[0]
-        self._counts = torch.cat([self._counts, torch.zeros_like(self._counts)])
-        self._prompt_mask = torch.cat([self._prompt_mask, torch.zeros_like(self._prompt_mask)])
-        self._free += range(2 * size - 1, size - 1, -1)
+    def _free_row(self, row: _Row) -> None:
+        self._counts[row.index].zero_()
+        self._prompt_mask[row.index] = False
+        self._free.append(row.index)
