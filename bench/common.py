@@ -189,6 +189,14 @@ def _markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def keep_lowest(best: dict, key: object, row: dict, columns: Sequence[str]) -> None:
+    """Fold one round's `row` into `best[key]`: each of `columns` at its lowest over the
+    rounds so far (a spike of the machine's own lands in one round), the rest from the row."""
+    if key in best:
+        row = {**row, **{column: min(row[column], best[key][column]) for column in columns}}
+    best[key] = row
+
+
 def utc_stamp(now: datetime.datetime | None = None) -> str:
     """UTC time as `20261203T184539Z`: sorts by time and is safe in a file name."""
     now = now or datetime.datetime.now(datetime.timezone.utc)

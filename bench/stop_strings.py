@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import format_table, run_name, write_results  # noqa: E402
+from common import format_table, keep_lowest, run_name, write_results  # noqa: E402
 
 from cleave.generation.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams  # noqa: E402
 from cleave.generation.stop import StopChecker  # noqa: E402
@@ -95,11 +95,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 row = {"case": case.name, "search": search, "stops": len(case.stops),
                        "stop_chars": max(map(len, case.stops)), "tokens": args.tokens, "mean_us": round(mean_us, 2),
                        "worst_ms": round(worst_ms, 3)}
-                key = (case.name, search)
-                if key in best:
-                    row["mean_us"] = min(row["mean_us"], best[key]["mean_us"])
-                    row["worst_ms"] = min(row["worst_ms"], best[key]["worst_ms"])
-                best[key] = row
+                keep_lowest(best, (case.name, search), row, ("mean_us", "worst_ms"))
     rows = list(best.values())
     print(format_table(rows, COLUMNS))
     if args.out:

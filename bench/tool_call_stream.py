@@ -5,7 +5,7 @@ The Hermes and harmony parsers (`cleave.generation.tool_calls`) hold a call's te
 end marker arrives. Each case streams one call's opening, then `--pieces` pieces of
 `--piece-chars` characters inside it, then its end, through the parser as it is and through
 one that searches the whole held call again with each piece (its search offset reset before
-every piece), in turns, `--rounds` times; the table keeps each one's fastest round.
+every piece), in turns, `--rounds` times; the table keeps each one's fastest time.
 
     python bench/tool_call_stream.py --out bench/results/tool_calls
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import format_table, run_name, write_results  # noqa: E402
+from common import format_table, keep_lowest, run_name, write_results  # noqa: E402
 
 from cleave.generation.tool_calls import HarmonyToolParser, HermesToolParser, ToolParse  # noqa: E402
 
@@ -68,11 +68,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for name, (parser_type, opening, end) in FORMATS.items():
             for search, kind in (("from where it stopped", parser_type), ("whole call", rescanning(parser_type))):
                 seconds, calls = stream(kind, opening, end, args.pieces, piece)
-                key = (name, search)
-                if key not in best or seconds * 1e3 < best[key]["total_ms"]:
-                    best[key] = {"format": name, "search": search, "pieces": args.pieces,
-                                 "piece_chars": args.piece_chars, "total_ms": round(seconds * 1e3, 1),
-                                 "us_per_piece": round(seconds / args.pieces * 1e6, 2), "calls": calls}
+                row = {"format": name, "search": search, "pieces": args.pieces, "piece_chars": args.piece_chars,
+                       "total_ms": round(seconds * 1e3, 1), "us_per_piece": round(seconds / args.pieces * 1e6, 2),
+                       "calls": calls}
+                keep_lowest(best, (name, search), row, ("total_ms", "us_per_piece"))
     rows = list(best.values())
     print(format_table(rows, COLUMNS))
     if args.out:
