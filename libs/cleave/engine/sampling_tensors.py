@@ -212,7 +212,6 @@ class SamplingTensors:
             self.bitmask_rows = tensor_on([masks[index][0] for index in kept], torch.int64, device)
 
     def _init_penalties(self, params, vocab_size, device, output_token_ids, prompt_token_ids, penalty_counts):
-        has_repetition = any(p.repetition_penalty != 1.0 for p in params)
         self.needs_penalties = any(p.has_penalties for p in params)
         if not self.needs_penalties:
             return
@@ -220,7 +219,7 @@ class SamplingTensors:
             self.output_counts, self.prompt_mask = penalty_counts
             return
         self.output_counts = token_counts(output_token_ids, vocab_size, device)
-        if has_repetition and prompt_token_ids is not None:
+        if prompt_token_ids is not None and any(p.repetition_penalty != 1.0 for p in params):
             self.prompt_mask = token_counts(prompt_token_ids, vocab_size, device) > 0
 
     def _init_bias(self, params, device, output_token_ids, eos_token_ids):
