@@ -61,8 +61,11 @@ class OutputTokens(Seq[int]):
 
     def __getitem__(self, index):  # type: ignore[no-untyped-def]
         start = self._seq.num_prompt_tokens
-        if isinstance(index, slice):
-            return self._seq.all_token_ids[start:][index]
+        if isinstance(index, slice):  # the slice's tokens only (a processor's new tokens), not a copy of all
+            first, stop, step = index.indices(len(self))
+            if step < 0:
+                return self._seq.all_token_ids[start:][index]
+            return self._seq.all_token_ids[start + first : start + max(first, stop) : step]
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):
