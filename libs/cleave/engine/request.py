@@ -332,8 +332,10 @@ class OutputAccumulator:
             self.prompt_token_ids = list(delta.prompt_token_ids)
         self.finished = delta.finished
         self.usage = delta.usage
-        if delta.prompt_logprobs is not None:
-            self.prompt_logprobs = (self.prompt_logprobs or []) + list(delta.prompt_logprobs)
+        if delta.prompt_logprobs is not None:  # extended in place: a long output is not copied per delta
+            if self.prompt_logprobs is None:
+                self.prompt_logprobs = []
+            self.prompt_logprobs.extend(delta.prompt_logprobs)
         for piece in delta.outputs:
             sample = self._samples.get(piece.index)
             if sample is None:
@@ -343,7 +345,9 @@ class OutputAccumulator:
             self._reasoning[piece.index].append(piece.reasoning_text)
             sample.token_ids.extend(piece.token_ids)
             if piece.logprobs is not None:
-                sample.logprobs = (sample.logprobs or []) + list(piece.logprobs)
+                if sample.logprobs is None:
+                    sample.logprobs = []
+                sample.logprobs.extend(piece.logprobs)
             sample.finish_reason = piece.finish_reason
             sample.stop_reason = piece.stop_reason
             sample.cumulative_logprob = piece.cumulative_logprob
