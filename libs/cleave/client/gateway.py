@@ -134,13 +134,15 @@ class GatewayClient:
 async def collect(responses: AsyncIterator[gateway_pb2.GenerateResponse]) -> Completion:
     """Fold a Generate stream into a Completion."""
     samples: dict[int, SampleResult] = {}
+    texts: dict[int, tuple[list[str], list[str]]] = {}  # each sample's text and reasoning, joined at the end
     completion = Completion(request_id="", samples=[], usage=common_pb2.Usage())
     async for response in responses:
         completion.request_id = response.request_id
         for delta in response.samples:
             sample = samples.setdefault(delta.index, SampleResult(delta.index))
-            sample.text += delta.text
-            sample.reasoning_text += delta.reasoning_text
+            text, reasoning = texts.setdefault(delta.index, ([], []))
+            text.append(delta.text)
+            reasoning.append(delta.reasoning_text)
             sample.token_ids.extend(delta.token_ids)
             if delta.finish_reason:
                 sample.finish_reason = common_pb2.FinishReason.Name(delta.finish_reason).removeprefix("FINISH_REASON_").lower()
@@ -153,6 +155,8 @@ async def collect(responses: AsyncIterator[gateway_pb2.GenerateResponse]) -> Com
             completion.selected_index = response.selected_index
         if response.votes.answers:
             completion.votes = list(response.votes.answers)
+    for index, (text, reasoning) in texts.items():
+        samples[index].text, samples[index].reasoning_text = "".join(text), "".join(reasoning)
     completion.samples = [samples[i] for i in sorted(samples)]
     return completion
 
