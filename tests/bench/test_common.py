@@ -81,3 +81,12 @@ def test_prefill_launches_from_json_reach_every_layer_over_its_default(common):
     common.set_prefill_launch(model, {})
     assert all(layer.self_attn.prefill_launch == default for layer in model.layers)
     assert common.launch_label({"pack_gqa": True, "block_m": 128}) == '{"block_m":128,"pack_gqa":true}'
+
+
+def test_rounds_fold_into_each_cases_lowest_times(common):
+    best: dict = {}
+    common.keep_lowest(best, "a", {"case": "a", "mean": 3.0, "worst": 9.0, "round": 0}, ("mean", "worst"))
+    common.keep_lowest(best, "b", {"case": "b", "mean": 5.0, "worst": 5.0, "round": 0}, ("mean", "worst"))
+    common.keep_lowest(best, "a", {"case": "a", "mean": 4.0, "worst": 2.0, "round": 1}, ("mean", "worst"))
+    assert best == {"a": {"case": "a", "mean": 3.0, "worst": 2.0, "round": 1},
+                    "b": {"case": "b", "mean": 5.0, "worst": 5.0, "round": 0}}
