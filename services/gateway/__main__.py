@@ -91,6 +91,7 @@ def build(config: GatewayConfig, tracing: Tracing = TRACING_OFF,
         ),
         observer=requests,
     )
+    requests.track_decode_workers(backend.decode_loads)
     metered = ClientSafeBackend(MeteredBackend(backend, requests))  # what both public APIs reach
     servicer = GatewayServicer(metered, [served])
     token_text = lambda token_id: model.tokenizer.decode([token_id])  # noqa: E731

@@ -151,6 +151,10 @@ class RoutingBackend:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
         self._verify_pool.shutdown(wait=False, cancel_futures=True)
 
+    def decode_loads(self) -> list[tuple[str, int]]:
+        """Each decode worker (in rotation or not) and the requests this gateway streams from it."""
+        return [(worker.worker_id, worker.in_flight) for worker in self.pool.of_role("decode", healthy_only=False)]
+
     async def _on_worker_change(self, worker: WorkerHandle) -> None:
         await self.placement.on_worker_change(worker)
         await self.routability.update()

@@ -29,7 +29,7 @@ def defined_series() -> set[str]:
     labels = MetricLabels("m", "w")
     service = ServiceMetrics(labels)
     registry: CollectorRegistry = service.registry
-    GatewayMetrics(registry, labels)
+    GatewayMetrics(registry, labels).track_decode_workers(lambda: ())
     EngineMetrics(registry, labels)
     PrefillTransferMetrics(registry, labels, lambda: _Counters(), lambda: None)
     KVStoreMetrics(registry, labels, BlockStore(StoreConfig(ram_bytes=1)).stats)  # type: ignore[arg-type]

@@ -127,8 +127,10 @@ async def test_kv_usage_rises_while_a_request_runs_and_returns_to_zero(stack):
         await anext(stream)  # the first token, from the prefill worker
         await anext(stream)  # the decode worker's: it runs there now
         running = metrics_of(stack, "decode-0")
+        routed = metrics_of(stack, "gateway")
         call.cancel()
     assert value(running, "cleave:kv_cache_usage_perc") > 0
+    assert value(routed, "cleave:num_decode_worker_requests", decode_worker="decode-0") == 1
     assert value(running, "cleave:num_sequences_running") == 1
     deadline = time.monotonic() + 10
     while True:

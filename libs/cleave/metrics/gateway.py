@@ -20,14 +20,37 @@ yet routed is remembered by id until its first start (or its end).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from cleave.metrics.labels import (
     PER_TOKEN_BUCKETS, PREFIX, REQUEST_SECONDS_BUCKETS, TTFT_BUCKETS, MetricLabels, one_two_five_buckets,
 )
+
+
+DecodeLoads = Callable[[], Iterable[tuple[str, int]]]  # (decode worker id, requests there) at scrape time
+
+
+class _DecodeRequestsGauge:
+    """`num_decode_worker_requests{decode_worker}`, read at scrape time: workers come and go."""
+
+    NAME = f"{PREFIX}num_decode_worker_requests"
+    DOC = "Requests this gateway has streaming from each decode worker (started and not ended)"
+
+    def __init__(self, names: Sequence[str], values: Sequence[str], read: DecodeLoads) -> None:
+        self._names, self._values, self._read = [*names, "decode_worker"], list(values), read
+
+    def describe(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(self.NAME, self.DOC, labels=self._names)
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self.NAME, self.DOC, labels=self._names)
+        for worker_id, count in self._read():
+            family.add_metric([*self._values, worker_id], count)
+        yield family
 
 
 @dataclass
@@ -50,7 +73,8 @@ class GatewayMetrics:
 
     def __init__(self, registry: CollectorRegistry, labels: MetricLabels, max_model_len: int = 1 << 20) -> None:
         names, values = list(MetricLabels.NAMES), labels.values
-        self._values = values
+        self._names, self._values = names, values
+        self._registry = registry
         self._unrouted: dict[str, float] = {}  # request id -> arrival, until its first start
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
@@ -93,6 +117,10 @@ class GatewayMetrics:
         """Read the running and waiting gauges from these callbacks at scrape time."""
         self.running.set_function(running)
         self.waiting.set_function(waiting)
+
+    def track_decode_workers(self, loads: DecodeLoads) -> None:
+        """Report each decode worker's requests (`num_decode_worker_requests`) from `loads`."""
+        self._registry.register(_DecodeRequestsGauge(self._names, self._values, loads))
 
     def arrived(self, request_id: str, clock: RequestClock) -> None:
         """A request came in; its queue time ends at its first `routed`."""

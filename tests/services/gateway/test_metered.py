@@ -115,3 +115,14 @@ async def test_gauges_follow_requests_and_a_client_that_leaves_is_cancelled(mete
     assert (get(registry, "cleave:num_requests_waiting"), get(registry, "cleave:num_requests_running")) == (0, 0)
     assert get(registry, "cleave:request_failure_total", code="CANCELLED") == 1
     assert get(registry, "cleave:test_time_scaling_samples_total", strategy="majority_vote") == 3
+
+
+def test_each_decode_workers_requests_are_read_at_scrape_time():
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics(registry, LABELS, max_model_len=256)
+    loads = {"decode-0": 2}
+    metrics.track_decode_workers(lambda: loads.items())
+    assert get(registry, "cleave:num_decode_worker_requests", decode_worker="decode-0") == 2
+    loads.update({"decode-0": 0, "decode-1": 3})  # a worker that joined later is reported too
+    assert get(registry, "cleave:num_decode_worker_requests", decode_worker="decode-0") == 0
+    assert get(registry, "cleave:num_decode_worker_requests", decode_worker="decode-1") == 3
