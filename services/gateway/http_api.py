@@ -75,6 +75,7 @@ from services.gateway.tokenize_api import detokenize, tokenize
 log = structlog.get_logger("cleave.gateway.http")
 _CHAT_PARAMS = {"input": "messages", "chat.messages": "messages", "sampling.logprobs": "top_logprobs"}
 _COMPLETION_PARAMS = {"input": "prompt", "text": "prompt", "token_ids.ids": "prompt"}
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # served without the API key (probes, Prometheus)
 DEFAULT_IDLE_TIMEOUT_S = 75.0  # aiohttp's run_app default; a bare AppRunner waits an hour
 _REQUEST_TIMEOUT = 408
 
@@ -172,8 +173,9 @@ class OpenAIApi:
 
     @web.middleware
     async def _authorized(self, request: web.Request, handler) -> web.StreamResponse:  # type: ignore[no-untyped-def]
-        """Refuse a /v1 request without the API key (401, OpenAI's error shape)."""
-        if self.api_key is None or not request.path.startswith("/v1") or bearer_matches(
+        """Refuse a request without the API key (401, OpenAI's error shape), except the
+        probes and the metrics (`OPEN_PATHS`): the tokenizer routes do work for a caller too."""
+        if self.api_key is None or request.path in OPEN_PATHS or bearer_matches(
                 request.headers.get("Authorization"), self.api_key):
             return await handler(request)
         sent = "a wrong API key" if "Authorization" in request.headers else "no API key"

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from prometheus_client import CollectorRegistry
+
 from cleave.config import ModelConfig
 from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cleave.rpc import Readiness, Server, aio_channel, serve
@@ -136,7 +138,7 @@ async def start_stack(
                            auth=api_key_auth(api_key), readiness=router.routability)
     stack.gateway_address = gateway.address
     api = OpenAIApi(ClientSafeBackend(router), models, lambda token_id: model.tokenizer.decode([token_id]), api_key=api_key,
-                    routability=router.routability, served_model=model)
+                    routability=router.routability, served_model=model, metrics_registry=CollectorRegistry())
     stack.http_runner = await start_http(api, "127.0.0.1:0")
     stack.http_url = f"http://127.0.0.1:{bound_port(stack.http_runner)}/v1"  # type: ignore[arg-type]
     return stack

@@ -1,5 +1,6 @@
-"""The gateway's API key (`--api-key`): every /v1 route and the gRPC Gateway service ask for
-`Bearer <key>`; /health and gRPC health stay open; without a key nothing is asked."""
+"""The gateway's API key (`--api-key`): every HTTP route but the probes and /metrics, and the
+gRPC Gateway service, ask for `Bearer <key>`; /health, /ready, /metrics and gRPC health stay
+open; without a key nothing is asked."""
 
 from __future__ import annotations
 
@@ -46,16 +47,26 @@ async def test_a_wrong_key_is_401_in_openais_error_shape(stack):
     assert "wrong API key" in error["message"]
 
 
-@pytest.mark.parametrize("path", ["/v1/models", "/v1/chat/completions", "/v1/completions"])
-async def test_no_key_is_401_on_every_v1_route_and_health_stays_open(stack, path):
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses",
+                                  "/tokenize", "/detokenize"])
+async def test_no_key_is_401_on_every_api_route_and_the_probes_stay_open(stack, path):
     base = stack.http_url.removesuffix("/v1")
     async with httpx.AsyncClient(base_url=base) as http:
         method = http.get if path == "/v1/models" else http.post
-        kwargs = {} if path == "/v1/models" else {"json": {"model": "tiny", "prompt": "x"}}
+        kwargs = {} if path == "/v1/models" else {"json": {"model": "tiny", "prompt": "x", "tokens": [1]}}
         response = await method(path, **kwargs)
         assert response.status_code == 401 and response.headers["WWW-Authenticate"] == "Bearer"
         assert "no API key" in response.json()["error"]["message"]
-        assert (await http.get("/health")).status_code == 200
+        for open_path in ("/health", "/ready", "/metrics"):
+            assert (await http.get(open_path)).status_code == 200, open_path
+
+
+async def test_the_tokenizer_routes_answer_with_the_key(stack):
+    base = stack.http_url.removesuffix("/v1")
+    async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        tokens = (await http.post("/tokenize", json={"model": "tiny", "prompt": "Hello"})).json()["tokens"]
+        text = (await http.post("/detokenize", json={"model": "tiny", "tokens": tokens})).json()["prompt"]
+    assert tokens and text.endswith("Hello")
 
 
 async def test_grpc_generate_asks_for_the_key(stack):
