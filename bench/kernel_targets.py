@@ -308,7 +308,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--targets", default=",".join(GROUPS),
                         type=lambda text: [_group(name) for name in text.split(",") if name],
                         help=f"comma-separated groups, of {', '.join(GROUPS)}")
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=BENCH / "results" / "kernel_targets",
+                        help="directory for kernel-targets-<UTC time>.json / .md and each bench's files")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="longest one bench may run")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     return parser.parse_args(argv)

@@ -61,7 +61,9 @@ LLAMA_3_2_1B = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="JSON results path; the run writes STEM-<UTC time>.json beside it")
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).resolve().parent / "results" / "prefill" / "prefill.json",
+                        help="JSON results path; the run writes STEM-<UTC time>.json beside it")
     parser.add_argument("--tokens", type=int, default=8192, help="prompt length (one sequence)")
     parser.add_argument("--chunk", type=int, default=0,
                         help="cleave prefills the prompt in steps of this many tokens, each after the cached ones "

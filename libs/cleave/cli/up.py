@@ -265,7 +265,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="every worker's KV cache element type: auto (the model's dtype) or fp8 (float8 e4m3, "
                              "scale 1.0, clamped to +-448: half the bytes, twice the tokens; greedy outputs may "
                              "differ from the model dtype's)")
-    parser.add_argument("--served-model-name", default="", help="model id clients use (default: the model directory's name)")
+    parser.add_argument("--served-model-name", default="",
+                        help="model id clients use (default: the Hub id without its revision, or the model directory's name)")
     parser.add_argument("--store-to-kvstore", action=argparse.BooleanOptionalAction, default=True,
                         help="prefill workers put new prompt blocks into the kvstore (default on; off for an A/B)")
     parser.add_argument("--workdir", default=None, help="port files and logs (default: a temporary directory)")
