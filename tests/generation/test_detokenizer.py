@@ -7,11 +7,12 @@ import json
 import random
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from cleave.generation.detokenizer import IncrementalDetokenizer
 from cleave.generation.token_pieces import TokenPieces
 from cleave.model.tokenizer import Tokenizer as CleaveTokenizer
+from tests.generation.byte_level import byte_level_bpe
 
 CORPUS = [
     "Hello world, this is a small corpus for a tokenizer.",
@@ -32,17 +33,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def byte_level() -> Tokenizer:
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=700,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=SPECIAL_TOKENS,
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(CORPUS * 10, trainer)
-    return tokenizer
+    return byte_level_bpe(CORPUS * 10, 700, SPECIAL_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,13 @@ max_tokens, and the detokenizer's held-back bytes when eos or length ends the sa
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from cleave.generation.detokenizer import IncrementalDetokenizer
 from cleave.generation.outputs import FinishReason
 from cleave.generation.sampling_params import SamplingParams
 from cleave.generation.stop import StopChecker, StopUpdate
+from tests.generation.byte_level import byte_level_bpe
 from tests.generation.test_stop import PieceTokenizer
 
 EOS = 9
@@ -20,17 +21,7 @@ CRAB = "🦀"  # four UTF-8 bytes, one token each under a byte-level BPE that ne
 @pytest.fixture(scope="module")
 def byte_level() -> Tokenizer:
     """A GPT-2-style byte-level BPE trained on ASCII only, so a 4-byte character is 4 tokens."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[END_OF_TEXT],
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(["plain ascii text"] * 10, trainer)
-    return tokenizer
+    return byte_level_bpe(["plain ascii text"] * 10, 300, [END_OF_TEXT])
 
 
 def _process(checker: StopChecker, detokenizer: IncrementalDetokenizer, token_ids: list[int]) -> list[StopUpdate]:
