@@ -1,0 +1,125 @@
+"""The OpenAI JSON body parser keeps each option to its wire type's range, refuses JSON
+booleans where numbers belong, and names the exact field (list position included) it refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from cleave.errors import InvalidArgument
+from cleave.generation.sampling_request import MAX_SAMPLES
+from services.gateway.openai_request import (
+    MAX_PROMPTS,
+    MAX_UINT32,
+    MAX_UINT64,
+    CompletionEcho,
+    completion_prompts,
+    generate_spec,
+)
+
+
+def completion(**options):
+    spec, stream = generate_spec({"prompt": "hi", **options}, "r", "m", chat=False)
+    return spec
+
+
+def chat(**options):
+    spec, stream = generate_spec({"messages": [{"role": "user", "content": "x"}], **options}, "r", "m", chat=True)
+    return spec
+
+
+def refused_field(build, **options) -> str:
+    with pytest.raises(InvalidArgument) as raised:
+        build(**options)
+    return raised.value.field
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"seed": True}, "seed"),
+    ({"min_tokens": False}, "min_tokens"),
+    ({"temperature": True}, "temperature"),
+    ({"max_thinking_tokens": True}, "max_thinking_tokens"),
+])
+def test_booleans_are_not_numbers(options, field):
+    assert refused_field(completion, **options) == field
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"seed": -1}, "seed"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"max_thinking_tokens": -1}, "max_thinking_tokens"),
+    ({"n": 0}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+])
+def test_values_below_the_range_are_refused(options, field):
+    assert refused_field(completion, **options) == field
+
+
+def test_the_top_of_each_range_is_accepted():
+    spec = completion(seed=MAX_UINT64, n=MAX_SAMPLES, max_thinking_tokens=MAX_UINT32)
+    assert (spec.sampling.seed, spec.sampling.n, spec.reasoning.max_thinking_tokens) == (MAX_UINT64, MAX_SAMPLES, MAX_UINT32)
+
+
+def test_a_seed_wider_than_32_bits_is_accepted():
+    assert completion(seed=2**40).sampling.seed == 2**40
+
+
+def test_max_tokens_zero_is_accepted_only_with_echo():
+    assert completion(max_tokens=0, echo=True).sampling.max_tokens == 1
+    assert refused_field(completion, max_tokens=0, echo=False) == "max_tokens"
+
+
+def test_max_completion_tokens_errors_name_that_field():
+    assert refused_field(chat, max_completion_tokens=0) == "max_completion_tokens"
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"stop_token_ids": [1, -1]}, "stop_token_ids[1]"),
+    ({"stop": ["a", 3]}, "stop[1]"),
+    ({"logit_bias": {"5": "x"}}, "logit_bias.5"),
+])
+def test_list_and_object_errors_name_the_item(options, field):
+    assert refused_field(completion, **options) == field
+
+
+def test_logit_bias_keys_must_be_ascii_digits():
+    assert refused_field(completion, logit_bias={"\u0661\u0662": 1.0}) == "logit_bias"
+
+
+def test_chat_logprobs_without_top_logprobs_asks_for_none_of_the_alternatives():
+    assert chat(logprobs=True).sampling.logprobs == 0
+
+
+def test_stream_must_be_a_boolean():
+    assert refused_field(completion, stream="yes") == "stream"
+
+
+def test_stream_options_need_a_stream():
+    assert refused_field(completion, stream=False, stream_options={"include_usage": True}) == "stream_options"
+
+
+def test_prompt_token_ids_must_not_be_negative():
+    assert refused_field(completion_prompts_of, prompt=[1, -1]) == "prompt"
+
+
+def test_an_empty_prompt_string_is_refused():
+    assert refused_field(completion_prompts_of, prompt=["ok", ""]) == "prompt[1]"
+
+
+def test_a_batch_of_max_prompts_is_accepted_and_one_more_refused():
+    assert len(completion_prompts({"prompt": ["x"] * MAX_PROMPTS})) == MAX_PROMPTS
+    assert refused_field(completion_prompts_of, prompt=["x"] * (MAX_PROMPTS + 1)) == "prompt"
+
+
+def test_echo_scores_the_prompt_alone_only_for_max_tokens_zero():
+    assert CompletionEcho.of({"echo": True, "max_tokens": 0}).prompt_only
+    assert not CompletionEcho.of({"echo": True, "max_tokens": 5}).prompt_only
+
+
+def completion_prompts_of(**body):
+    return completion_prompts(body)
+
+
+def test_a_boolean_max_tokens_is_refused_as_not_a_positive_integer():
+    with pytest.raises(InvalidArgument, match="must be a positive integer, got True") as raised:
+        completion(max_tokens=True)
+    assert raised.value.field == "max_tokens"
