@@ -577,7 +577,7 @@ class ModelRunner:
             processors = [logits_processors.get(seq.seq_id, ()) for seq in seqs]
         penalty_counts = None
         if any(p.has_penalties for p in params):  # counts kept from step to step, not recounted
-            penalty_counts = self.penalty_counts.gather(seqs, any(p.repetition_penalty != 1.0 for p in params))
+            penalty_counts = self.penalty_counts.gather(seqs, any(p.has_repetition_penalty for p in params))
         state = SamplingTensors.from_params(
             params,
             vocab_size=self.vocab_size,

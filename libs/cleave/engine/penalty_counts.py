@@ -96,7 +96,7 @@ class PenaltyCounts:
                 new_tokens += seq.all_token_ids[seq.num_prompt_tokens + row.counted:]
                 new_rows += [row.index] * (outputs - row.counted)
                 row.counted = outputs
-            if with_prompt and not row.has_prompt and seq.sampling_params.repetition_penalty != 1.0:
+            if with_prompt and not row.has_prompt and seq.sampling_params.has_repetition_penalty:
                 prompt = tensor_on(seq.all_token_ids[: seq.num_prompt_tokens], torch.int64, self.device)
                 self._prompt_mask[row.index, prompt] = True
                 row.has_prompt = True

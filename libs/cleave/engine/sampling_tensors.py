@@ -219,7 +219,7 @@ class SamplingTensors:
             self.output_counts, self.prompt_mask = penalty_counts
             return
         self.output_counts = token_counts(output_token_ids, vocab_size, device)
-        if prompt_token_ids is not None and any(p.repetition_penalty != 1.0 for p in params):
+        if prompt_token_ids is not None and any(p.has_repetition_penalty for p in params):
             self.prompt_mask = token_counts(prompt_token_ids, vocab_size, device) > 0
 
     def _init_bias(self, params, device, output_token_ids, eos_token_ids):

@@ -107,7 +107,13 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """True when sampling reads the sample's token counts (a repetition, frequency or
         presence penalty that is not neutral)."""
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        return self.has_repetition_penalty or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def has_repetition_penalty(self) -> bool:
+        """True when sampling also reads which tokens the prompt holds (a repetition penalty
+        that is not neutral)."""
+        return self.repetition_penalty != 1.0
 
     def max_new_tokens(self, max_model_len: int, prompt_len: int) -> int:
         """Tokens this request may generate per sample within a `max_model_len` context."""
