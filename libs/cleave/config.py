@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from cleave.engine.config import KV_CACHE_DTYPES
 from cleave.generation.reasoning_formats import REASONING_PARSERS
+from cleave.tls import CA_FLAG, CERT_FLAG, KEY_FLAG, TlsConfig, TlsConfigError
 
 ENV_PREFIX = "CLEAVE_"
 # The reasoning model shipped inside the package: every service defaults to it, so the stack
@@ -55,6 +56,9 @@ class RpcConfig:
     # (the gateway's HTTP API answers it 503). None: from the open-file limit
     # (`cleave.rpc.connection_limits`).
     max_connections: int | None = None
+    tls: TlsConfig | None = None  # --tls-cert-file / --tls-key-file / --tls-ca-file; None: plain text
+    # With `tls` and its CA: clients must present a certificate the CA signed (internal services).
+    mutual_tls: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,9 @@ class ServiceConfig:
     # Shared secret sent on every call to another cleave service; prefill, decode and kvstore
     # also require it on their own calls (health and reflection stay open). None: auth off.
     internal_token: str | None = field(default=None, repr=False)
+    # This process's certificate and key, and its peers' CA (`cleave.tls`): its servers serve
+    # TLS, its calls and bulk KV connections to other services use it. None: plain text.
+    tls: TlsConfig | None = None
     metrics: MetricsConfig | None = None  # --metrics-port; None: no metrics server
     parent_pid: int | None = None  # --parent-pid: exit with this process (`cleave.parent_death`)
     # How long a thread may hold the GIL while another waits for it (sys.setswitchinterval);
@@ -283,6 +290,12 @@ def _flags(name: str, environ: Mapping[str, str], max_message_bytes: int = DEFAU
     flags.add("--internal-token-file", None, f"file holding the shared secret between cleave services "
               f"(default: env {INTERNAL_TOKEN_ENV}; neither: internal calls are not authenticated)", type=Path)
     flags.parser.set_defaults(internal_token=environ.get(INTERNAL_TOKEN_ENV) or None)
+    flags.add(CERT_FLAG, None, "PEM certificate this process serves TLS with and presents to the services it "
+              "calls (with --tls-key-file; unset: plain text)", type=Path)
+    flags.add(KEY_FLAG, None, "PEM private key of --tls-cert-file", type=Path)
+    flags.add(CA_FLAG, None, "PEM CA that signed the peers' certificates: servers this process calls are "
+              "checked against it (unset: the system's roots), and prefill, decode and kvstore accept only "
+              "clients presenting a certificate it signed", type=Path)
     flags.add("--metrics-port", None, "serve Prometheus metrics at http://<host>:<port>/metrics "
               "(0: any free port; unset: no metrics server)", type=int)
     flags.add("--metrics-host", "", "address the metrics server binds (default: the --listen host)")
@@ -308,6 +321,13 @@ def _internal_token(args: argparse.Namespace) -> str | None:
     return token
 
 
+def _tls(args: argparse.Namespace) -> TlsConfig | None:
+    try:
+        return TlsConfig.from_files(args.tls_cert_file, args.tls_key_file, args.tls_ca_file)
+    except TlsConfigError as exc:
+        raise SystemExit(str(exc)) from None
+
+
 def _add_model_flags(flags: _FlagSet, default_model: str = DEFAULT_MODEL) -> None:
     flags.add("--model", default_model, "model directory (HF layout: config.json, safetensors, tokenizer)")
     flags.add("--served-model-name", "", "model id clients use (default: --model)")
@@ -324,6 +344,7 @@ def _service(name: str, args: argparse.Namespace) -> ServiceConfig:
         raise SystemExit("--max-message-bytes must be positive")
     if args.max_connections is not None and args.max_connections < 1:
         raise SystemExit(f"--max-connections must be >= 1, got {args.max_connections}")
+    tls = _tls(args)
     return ServiceConfig(
         name=name,
         listen=args.listen,
@@ -331,10 +352,11 @@ def _service(name: str, args: argparse.Namespace) -> ServiceConfig:
         log_level=args.log_level,
         log_json=args.log_json,
         rpc=RpcConfig(max_message_bytes=args.max_message_bytes, grace_seconds=args.grace_seconds,
-                      max_connections=args.max_connections),
+                      max_connections=args.max_connections, tls=tls, mutual_tls=name != "gateway"),
         tracing=TracingConfig(service_name=f"cleave-{name}", otlp_endpoint=args.otlp_endpoint or None,
                               trace_file=args.trace_file),
         internal_token=_internal_token(args),
+        tls=tls,
         metrics=_metrics(args),
         parent_pid=args.parent_pid,
         gil_switch_interval_ms=_switch_interval(args.gil_switch_interval_ms),

@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         transfer_listen=config.kv_listen,
         transfer_timeout_s=config.transfer_timeout_s,
         internal_token=config.service.internal_token,
+        tls=config.service.tls,
         max_queued_admissions=config.max_queued_admissions,
     )
     servicer = DecodeServicer(backend)

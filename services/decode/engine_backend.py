@@ -44,6 +44,7 @@ from cleave.engine.lockstep import LockstepEngine
 from cleave.errors import FailedPrecondition, Unavailable
 from cleave.rpc.drain import DrainGate, wait_until
 from cleave.rpc.types import KVLayout, RequestDelta, StepOutput, TransferHandle, WorkerLoad
+from cleave.tls import TlsConfig
 from cleave.transfer import KVReceiver
 from cleave.transfer.rank_receivers import RankReceivers
 from cleave.worker import kv_layout_of, load_engine
@@ -73,6 +74,8 @@ class EngineDecodeBackend:
             this time, or its blocks are freed and it fails with DEADLINE_EXCEEDED.
         internal_token: bulk KV connections must open with this shared secret (`cleave.rpc.auth`);
             None: any connection is read.
+        tls: the process's certificate and CA (`cleave.tls`): the bulk KV endpoints serve TLS
+            and take only senders presenting a certificate the CA signed; None: plain text.
         max_queued_admissions: Admits that may wait for free KV blocks at once
             (`admission_queue`); one more is RESOURCE_EXHAUSTED.
     """
@@ -89,10 +92,12 @@ class EngineDecodeBackend:
         load_interval_s: float = 1.0,
         control_address: str = "",
         internal_token: str | None = None,
+        tls: TlsConfig | None = None,
         max_queued_admissions: int = DEFAULT_MAX_QUEUED_ADMISSIONS,
     ) -> None:
         self.engine_config = replace(engine_config, detokenize=False)  # the gateway makes the text
         self._internal_token = internal_token  # prefill workers' bulk KV connections must open with it
+        self._tls = tls
         self.worker_id = worker_id
         self.failure = EngineFailure()  # the engine's error, if it fails: the service then ends
         self.model_id = model_id
@@ -139,7 +144,7 @@ class EngineDecodeBackend:
         host, _, port = self._transfer_listen.rpartition(":")
         self.receiver = KVReceiver(
             self.engine.kv_cache, host=host, port=int(port), advertise_host=self._advertise_host, layout=self.layout,
-            internal_token=self._internal_token,
+            internal_token=self._internal_token, tls=self._tls,
         )
         await self.receiver.start()
         self.transfers = self.receiver
@@ -147,7 +152,7 @@ class EngineDecodeBackend:
             # every rank receives its heads' slice over an endpoint of its own (TCP)
             self.transfers = RankReceivers(self.receiver, self.engine.rank_links)
             await self.transfers.start(host=host, model_id=self.model_id, advertise_host=self._advertise_host,
-                                       internal_token=self._internal_token)
+                                       internal_token=self._internal_token, tls=self._tls)
         self.failure.bind()
         self.async_engine = AsyncEngine(self.engine, on_step=self.delivery.on_step, on_failure=self.failure.report)
 

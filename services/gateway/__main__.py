@@ -18,6 +18,7 @@ from cleave.model.source import ModelNotFound
 from cleave.proto.cleave.v1 import gateway_pb2, gateway_pb2_grpc
 from cleave.rpc import ServiceRegistration, run_service, write_port_file
 from cleave.rpc.auth import api_key_auth
+from cleave.tls import TlsConfig
 from cleave.tracing import TRACING_OFF, Tracing, setup_tracing
 from services.gateway.client_errors import ClientSafeBackend
 from services.gateway.disagg_policy import DisaggregationPolicy
@@ -42,7 +43,7 @@ class GatewayProcess:
 
     def __init__(
         self, backend: RoutingBackend, api: OpenAIApi | None, http_listen: str | None, share_port: bool = False,
-        max_connections: int | None = None, http_port_file: Path | None = None,
+        max_connections: int | None = None, http_port_file: Path | None = None, tls: TlsConfig | None = None,
     ) -> None:
         self.backend = backend
         self.api = api
@@ -50,16 +51,18 @@ class GatewayProcess:
         self.share_port = share_port
         self.max_connections = max_connections
         self.http_port_file = http_port_file
+        self.tls = tls  # the HTTP API serves HTTPS with it
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
         await self.backend.start()
         if self.api is not None and self.http_listen:
-            self._runner = await start_http(self.api, self.http_listen, self.share_port, self.max_connections)
+            self._runner = await start_http(self.api, self.http_listen, self.share_port, self.max_connections,
+                                            tls=self.tls)
             port = bound_port(self._runner)
             if self.http_port_file is not None:
                 write_port_file(self.http_port_file, port)
-            log.info("openai http api listening", port=port)
+            log.info("openai http api listening", port=port, scheme="http" if self.tls is None else "https")
 
     async def shutdown(self) -> None:
         if self._runner is not None:
@@ -87,7 +90,7 @@ def build(config: GatewayConfig, tracing: Tracing = TRACING_OFF,
                 remote_idle_tokens=config.remote_prefill_idle_tokens,
                 local_max_running=config.local_prefill_max_running,
                 remote_busy_max_queue_tokens=config.remote_prefill_busy_max_queue_tokens),
-            pool=PoolOptions(internal_token=config.service.internal_token),
+            pool=PoolOptions(internal_token=config.service.internal_token, tls=config.service.tls),
         ),
         observer=requests,
     )
@@ -100,7 +103,7 @@ def build(config: GatewayConfig, tracing: Tracing = TRACING_OFF,
                      metrics_registry=metrics.registry, served_model=model)
            if config.http_listen else None)
     return servicer, GatewayProcess(backend, api, config.http_listen, config.share_port,
-                                    config.service.rpc.max_connections, config.http_port_file)
+                                    config.service.rpc.max_connections, config.http_port_file, tls=config.service.tls)
 
 
 def gateway_metrics(config: GatewayConfig) -> ServiceMetrics:

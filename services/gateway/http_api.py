@@ -51,6 +51,7 @@ from cleave.metrics.exposition import metrics_handler
 from cleave.rpc.auth import bearer_matches
 from cleave.rpc.connection_limits import connection_cap
 from cleave.rpc.types import TopLogprobs, Usage
+from cleave.tls import TlsConfig
 from cleave.tracing import NOOP_SPAN, TRACEPARENT, TRACESTATE, TRACING_OFF, Tracing, annotate, span
 from services.gateway.backend import GatewayBackend, GenerateChunk, GenerateSpec, Prompt, SampleOutput
 from services.gateway.completions_batch import complete_batch
@@ -512,15 +513,17 @@ class _Shaper:
 
 
 async def start_http(api: OpenAIApi, address: str, share_port: bool = False,
-                     max_connections: int | None = None) -> web.AppRunner:
+                     max_connections: int | None = None, *, tls: TlsConfig | None = None) -> web.AppRunner:
     """Serve the API on host:port in the running event loop (port 0: any free port;
     `share_port`: SO_REUSEPORT, for gateway replicas on one port; `max_connections`: open
-    connections past which a new one is answered 503, None: from the open-file limit)."""
+    connections past which a new one is answered 503, None: from the open-file limit; `tls`:
+    HTTPS with its certificate, no client certificate asked)."""
     host, _, port = address.rpartition(":")
     runner = AppRunner(api.app(), handler_cancellation=True, access_log=None, keepalive_timeout=api.idle_timeout_s,
                        max_connections=connection_cap(max_connections))
     await runner.setup()
-    site = web.TCPSite(runner, host or "0.0.0.0", int(port), reuse_port=share_port or None)
+    ssl_context = None if tls is None else tls.server_context(mutual=False)
+    site = web.TCPSite(runner, host or "0.0.0.0", int(port), reuse_port=share_port or None, ssl_context=ssl_context)
     await site.start()
     return runner
 

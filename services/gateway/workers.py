@@ -24,7 +24,8 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cleave.proto.cleave.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from cleave.rpc import aio_channel
+from cleave.rpc.client import aio_channel, tls_credentials
+from cleave.tls import TlsConfig
 
 Role = Literal["prefill", "decode"]
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -40,6 +41,7 @@ class PoolOptions:
     check_timeout_s: float = 2.0
     lost_after_failed_checks: int = 2  # unanswered checks in a row before a worker is lost
     internal_token: str | None = field(default=None, repr=False)  # sent on every call to a worker
+    tls: TlsConfig | None = None  # calls to workers go over TLS with it (`cleave.tls`)
 
 
 @dataclass(eq=False)
@@ -92,7 +94,8 @@ class WorkerPool:
         self._load_poller: asyncio.Task[None] | None = None
 
     def _handle(self, role: Role, address: str) -> WorkerHandle:
-        channel = aio_channel(address, internal_token=self.options.internal_token)
+        channel = aio_channel(address, internal_token=self.options.internal_token,
+                              credentials=tls_credentials(self.options.tls))
         stub = (prefill_pb2_grpc.PrefillStub if role == "prefill" else decode_pb2_grpc.DecodeStub)(channel)
         return WorkerHandle(role, address, channel, stub, health_pb2_grpc.HealthStub(channel))
 

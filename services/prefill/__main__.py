@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         kvstore_min_prefix_tokens=config.kvstore_min_prefix_tokens,
         layer_streaming=config.layer_streaming,  # type: ignore[arg-type]
         internal_token=config.service.internal_token,
+        tls=config.service.tls,
     )
     servicer = PrefillServicer(backend, config.model.id)
     # Model and engine objects live as long as the process: out of the collector's walks.

@@ -28,10 +28,11 @@ import structlog
 
 from cleave.errors import CleaveError, Unavailable
 from cleave.proto.cleave.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from cleave.rpc.client import aio_channel
+from cleave.rpc.client import aio_channel, tls_credentials
 from cleave.rpc.convert import reasoning_to_proto, sampling_to_proto, top_logprobs_to_proto, transfer_handle_from_proto
 from cleave.rpc.errors import error_type_for
 from cleave.rpc.types import TopLogprobs, TransferHandle
+from cleave.tls import TlsConfig
 from services.prefill.backend import PrefillSpec
 
 log = structlog.get_logger("cleave.prefill")
@@ -42,15 +43,17 @@ Spawn = Callable[[Awaitable[object]], None]
 class DecodeLinks:
     """One channel per decode worker address, opened on first use, closed at shutdown."""
 
-    def __init__(self, internal_token: str | None = None) -> None:
+    def __init__(self, internal_token: str | None = None, *, tls: TlsConfig | None = None) -> None:
         self._internal_token = internal_token
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, decode_pb2_grpc.DecodeStub] = {}
 
     def stub(self, address: str) -> decode_pb2_grpc.DecodeStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = self._channels[address] = aio_channel(address, internal_token=self._internal_token)
+            channel = self._channels[address] = aio_channel(address, internal_token=self._internal_token,
+                                                            credentials=tls_credentials(self._tls))
             stub = self._stubs[address] = decode_pb2_grpc.DecodeStub(channel)
         return stub
 

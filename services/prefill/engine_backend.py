@@ -65,6 +65,7 @@ from cleave.generation.outputs import RequestOutput
 from cleave.metrics.transfer import TransferTotals, add_transfer
 from cleave.rpc.drain import DrainGate, wait_until
 from cleave.rpc.types import KVLayout, TopLogprobs, TransferHandle, TransferStats, TransportKind, WorkerLoad
+from cleave.tls import TlsConfig
 from cleave.tracing import span
 from cleave.transfer import KVSender, KVStoreClient, KVTransferClient, local_endpoint
 from cleave.transfer.layout import head_slice
@@ -115,6 +116,8 @@ class EnginePrefillBackend:
         kvstore_address: host:port of a kvstore service, or None.
         internal_token: the stack's shared secret (`cleave.rpc.auth`), sent on calls to decode
             workers and the kvstore and on bulk KV connections; None: sent nowhere.
+        tls: the process's certificate and CA (`cleave.tls`): calls to decode workers and the
+            kvstore and bulk KV connections go over TLS with it; None: plain text.
         store_backlog_bytes: host bytes of background kvstore puts in flight at most; a
             prompt that would exceed it is not stored (counted in `num_kvstore_puts_skipped`).
         layer_streaming: "auto" streams KV layer by layer during the forward over CUDA IPC
@@ -134,6 +137,7 @@ class EnginePrefillBackend:
         store_backlog_bytes: int = STORE_BACKLOG_BYTES,
         layer_streaming: LayerStreaming = "auto",
         internal_token: str | None = None,
+        tls: TlsConfig | None = None,
         kvstore_min_prefix_tokens: int = DEFAULT_MIN_PREFIX_TOKENS,
     ) -> None:
         if layer_streaming not in LAYER_STREAMING_MODES:
@@ -146,10 +150,11 @@ class EnginePrefillBackend:
         self.kvstore_address = kvstore_address
         self.kvstore_min_prefix_tokens = kvstore_min_prefix_tokens
         self._internal_token = internal_token  # sent on calls to decode workers and the kvstore
+        self._tls = tls
         self.engine: LLMEngine | None = None
         self.async_engine: AsyncEngine | None = None
         self.layout: KVLayout | None = None
-        self.transfers = KVTransferClient(internal_token)
+        self.transfers = KVTransferClient(internal_token, tls=tls)
         self.negotiator: TransportNegotiator | None = None
         self.kvstore: KVStorePrefix | None = None
         self.counters = PrefillCounters()
@@ -158,7 +163,7 @@ class EnginePrefillBackend:
         self.puts: BackgroundPuts | None = None  # with a kvstore, set at start()
         self._tables: dict[str, list[int]] = {}  # request id -> prompt blocks, read on the step thread
         self._releases: set[asyncio.Task[None]] = set()  # block releases after a response went out
-        self.decode_links = DecodeLinks(internal_token)
+        self.decode_links = DecodeLinks(internal_token, tls=tls)
         self._handoffs: set[asyncio.Future] = set()  # Start / Abort calls on decode workers
         self.layer_streaming = layer_streaming
         self.layer_streams: LayerStreams | None = None  # set at start() unless streaming is off
@@ -171,7 +176,7 @@ class EnginePrefillBackend:
         nccl = device_nccl(device)
         self.negotiator = TransportNegotiator(
             self.worker_id, local_endpoint(device, nccl_available=nccl is not None), self.layout,
-            self.transfers, nccl=nccl, call=grpc_handshake(HANDSHAKE_TIMEOUT_S, self._internal_token))
+            self.transfers, nccl=nccl, call=grpc_handshake(HANDSHAKE_TIMEOUT_S, self._internal_token, tls=self._tls))
         if self.layer_streaming != "off":
             cache = self.engine.kv_cache
             self.layer_streams = LayerStreams(asyncio.get_running_loop(), cache.shape[0], cache.device)
@@ -179,7 +184,8 @@ class EnginePrefillBackend:
         self.failure.bind()
         self.async_engine = AsyncEngine(self.engine, on_step=self._keep_block_tables, on_failure=self.failure.report)
         if self.kvstore_address:
-            client = KVStoreClient(self.kvstore_address, client_id=self.worker_id, internal_token=self._internal_token)
+            client = KVStoreClient(self.kvstore_address, client_id=self.worker_id, internal_token=self._internal_token,
+                                   tls=self._tls)
             await client.connect(self.layout)
             self.kvstore = KVStorePrefix(client, self.engine, self.async_engine, self.kvstore_min_prefix_tokens)
             await self.kvstore.start()  # follows what the store holds: misses need no Lookup

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from cleave.config import DEFAULT_MAX_MESSAGE_BYTES, gateway_config, kvstore_config, worker_config
 from cleave.worker import engine_config_from_worker
+from tests.tls_files import stack_tls
 
 
 def test_defaults():
@@ -158,3 +160,29 @@ def test_kv_cache_dtype_is_a_worker_flag_and_env_variable_with_auto_by_default()
     assert engine_config_from_worker(worker_config("prefill", [], {})).cache.kv_cache_dtype == "auto"
     with pytest.raises(SystemExit):
         worker_config("prefill", ["--kv-cache-dtype", "int8"], {})
+
+
+def test_tls_files_from_flags_or_environment_mutual_on_internal_services_only(tmp_path):
+    tls = stack_tls(tmp_path / "tls")
+    env = {"CLEAVE_TLS_CERT_FILE": str(tls.cert_file), "CLEAVE_TLS_KEY_FILE": str(tls.key_file),
+           "CLEAVE_TLS_CA_FILE": str(tls.ca_file)}
+    for config in (worker_config("decode", [], env).service, worker_config("prefill", [], env).service,
+                   kvstore_config([], env).service):
+        assert config.tls == tls and config.rpc.tls == tls and config.rpc.mutual_tls
+    gateway = gateway_config([], env).service
+    assert gateway.tls == tls and not gateway.rpc.mutual_tls  # its clients authenticate with the API key
+    flags = ["--tls-cert-file", str(tls.cert_file), "--tls-key-file", str(tls.key_file)]
+    assert worker_config("decode", flags, {}).service.tls == replace(tls, ca_file=None)
+    assert worker_config("decode", [], {}).service.tls is None and gateway_config([], {}).service.rpc.tls is None
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--tls-cert-file", "CERT"], "--tls-key-file is missing"),
+    (["--tls-ca-file", "CA"], "--tls-ca-file needs --tls-cert-file and --tls-key-file"),
+    (["--tls-cert-file", "CERT", "--tls-key-file", "nowhere.pem"], "--tls-key-file: nowhere.pem is not a readable"),
+])
+def test_tls_flags_that_do_not_make_a_configuration_exit_naming_the_flag(tmp_path, argv, message):
+    tls = stack_tls(tmp_path / "tls")
+    argv = [{"CERT": str(tls.cert_file), "CA": str(tls.ca_file)}.get(arg, arg) for arg in argv]
+    with pytest.raises(SystemExit, match=message):
+        worker_config("decode", argv, {})

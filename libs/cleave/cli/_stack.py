@@ -40,9 +40,11 @@ from cleave.cli._memory_split import (
 )
 from cleave.cli._ownership import check_ports_free
 from cleave.cli.health import EXIT_SERVING, check
-from cleave.config import INTERNAL_TOKEN_ENV
+from cleave.cli.tls_certs import StackCertificates, write_certificates
+from cleave.config import INTERNAL_TOKEN_ENV, env_name
 from cleave.proto.cleave.v1 import common_pb2, decode_pb2_grpc
 from cleave.rpc.auth import INTERNAL_TOKEN_KEY
+from cleave.tls import CA_FLAG, CERT_FLAG, KEY_FLAG, TlsConfig
 
 DEFAULT_CPU_KV_BLOCKS = 1024
 
@@ -85,6 +87,9 @@ class StackSpec:
     # latter each rank receives its KV heads' slice over TCP; prefill workers keep one rank);
     # on CUDA a worker on cuda:K uses cuda:K..K+N-1
     decode_tensor_parallel_size: int = 1
+    # every service serves TLS with a certificate of the stack's own CA (`cleave tls-certs`,
+    # written under the work directory), checks its peers against it, and the HTTP API is HTTPS
+    tls: bool = False
 
     def __post_init__(self) -> None:
         if self.decode_tensor_parallel_size < 1:
@@ -142,6 +147,7 @@ class ProcessStack:
     # (tests, benchmarks) passes it to `aio_channel(..., internal_token=)`
     internal_token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
     mps: MpsDaemon | None = None  # the stack's MPS daemon while it runs
+    tls: StackCertificates | None = None  # with `spec.tls`: the stack's CA and certificate, once started
 
     @property
     def gateway(self) -> Child:
@@ -153,7 +159,14 @@ class ProcessStack:
 
     @property
     def http_url(self) -> str | None:
-        return None if self.http_port is None else f"http://{self.spec.host}:{self.http_port}/v1"
+        scheme = "https" if self.spec.tls else "http"
+        return None if self.http_port is None else f"{scheme}://{self.spec.host}:{self.http_port}/v1"
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """Credentials a client of the stack's services connects with (the stack's CA, and its
+        certificate for the services that ask for one); None without TLS."""
+        return None if self.tls is None else TlsConfig(self.tls.cert_file, self.tls.key_file,
+                                                       self.tls.ca_file).channel_credentials()
 
     def _spawn(self, name: str, module: str, args: list[str]) -> Child:
         child = self._launch(name, module, args, open(self.workdir / f"{name}.log", "wb"))
@@ -237,14 +250,19 @@ class ProcessStack:
 
     def is_serving(self, child: Child) -> bool:
         """Whether a child answers SERVING now (one health check)."""
-        return bool(child.address) and check(child.address, timeout_s=1.0)[0] == EXIT_SERVING
+        return bool(child.address) and check(child.address, timeout_s=1.0, credentials=self.channel_credentials())[0] == EXIT_SERVING
 
     def child_env(self, environ: Mapping[str, str]) -> dict[str, str]:
-        """A child's environment: `environ` with this stack's internal token (a token file
-        named there would give the children another secret than the stack's)."""
-        env = {key: value for key, value in environ.items() if key != f"{INTERNAL_TOKEN_ENV}_FILE"}
+        """A child's environment: `environ` with this stack's internal token and TLS files (a
+        token file or certificates named there would give the children other secrets than the
+        stack's, and its health checks could not reach them)."""
+        own = {f"{INTERNAL_TOKEN_ENV}_FILE", *(env_name(flag) for flag in (CERT_FLAG, KEY_FLAG, CA_FLAG))}
+        env = {key: value for key, value in environ.items() if key not in own}
         mps = self.mps.env if self.mps is not None else {}
-        return {**env, **mps, "PYTHONUNBUFFERED": "1", INTERNAL_TOKEN_ENV: self.internal_token}
+        tls = {} if self.tls is None else {env_name(CERT_FLAG): str(self.tls.cert_file),
+                                           env_name(KEY_FLAG): str(self.tls.key_file),
+                                           env_name(CA_FLAG): str(self.tls.ca_file)}
+        return {**env, **mps, **tls, "PYTHONUNBUFFERED": "1", INTERNAL_TOKEN_ENV: self.internal_token}
 
     def _start_mps(self) -> None:
         """Start the stack's MPS daemon when its GPU workers share a device (`_mps`); with
@@ -291,16 +309,18 @@ class ProcessStack:
             text = child.port_file.read_text().strip()
             if text:
                 child.address = f"{self.spec.host}:{int(text)}"
-        return bool(child.address) and check(child.address, timeout_s=1.0)[0] == EXIT_SERVING
+        return bool(child.address) and check(child.address, timeout_s=1.0, credentials=self.channel_credentials())[0] == EXIT_SERVING
 
     def _wait_attached(self, decode: list[Child], num_gateways: int, timeout_s: float) -> None:
         """Wait until every gateway streams from every decode worker: a gateway attaches to a
         worker once it is in its rotation, so the first requests spread over all of them
         (a worker whose first health check timed out would otherwise join a moment later)."""
         metadata = ((INTERNAL_TOKEN_KEY, self.internal_token),) if self.internal_token else ()
+        credentials = self.channel_credentials()
 
         def attached(child: Child) -> bool:
-            with grpc.insecure_channel(child.address) as channel:
+            with (grpc.insecure_channel(child.address) if credentials is None
+                  else grpc.secure_channel(child.address, credentials)) as channel:
                 try:
                     load = decode_pb2_grpc.DecodeStub(channel).GetLoad(
                         common_pb2.GetLoadRequest(), timeout=2.0, metadata=metadata).load
@@ -401,6 +421,8 @@ class ProcessStack:
         if spec.http_port is not None:
             ports.append((spec.http_port, "gateway HTTP, --http-port"))
         check_ports_free(spec.host, ports)
+        if spec.tls:
+            self.tls = write_certificates(self.workdir / "tls", hosts=[spec.host])
         try:
             self._start_mps()
             kvstore = self._spawn("kvstore", "services.kvstore", [

@@ -1,11 +1,16 @@
 """`cleave health ADDRESS [--service NAME]`: exit 0 when the service reports SERVING.
 
-Used by container health checks, so it imports only grpc (starts in well under a second).
+Used by container health checks, so it imports only grpc (starts in well under a second). A
+service that serves TLS is checked over TLS: `--tls-ca-file` (and, for prefill, decode and the
+kvstore, which ask their clients for a certificate, `--tls-cert-file` / `--tls-key-file`), read
+from CLEAVE_TLS_* like the services' own flags, so a container's check needs no flag.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -15,13 +20,16 @@ EXIT_NOT_SERVING = 1
 EXIT_UNREACHABLE = 2
 
 
-def check(address: str, service: str = "", timeout_s: float = 3.0) -> tuple[int, str]:
-    """Ask `address` for the health of `service` ("" = the whole server).
+def check(address: str, service: str = "", timeout_s: float = 3.0,
+          credentials: grpc.ChannelCredentials | None = None) -> tuple[int, str]:
+    """Ask `address` for the health of `service` ("" = the whole server), over TLS with
+    `credentials`.
 
     Returns (exit code, status text): SERVING -> 0, any other reported status -> 1,
     unreachable or not answering in time -> 2.
     """
-    with grpc.insecure_channel(address) as channel:
+    with (grpc.insecure_channel(address) if credentials is None
+          else grpc.secure_channel(address, credentials)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             response = stub.Check(
@@ -33,8 +41,20 @@ def check(address: str, service: str = "", timeout_s: float = 3.0) -> tuple[int,
     return (EXIT_SERVING if status == "SERVING" else EXIT_NOT_SERVING), status
 
 
+def tls_credentials(ca_file: Path | None, cert_file: Path | None, key_file: Path | None) -> grpc.ChannelCredentials | None:
+    """TLS credentials of the given files (None: none given, plain text)."""
+    if ca_file is None and cert_file is None:
+        return None
+    if (cert_file is None) != (key_file is None):
+        raise SystemExit("--tls-cert-file and --tls-key-file go together")
+    read = lambda path: None if path is None else Path(path).read_bytes()  # noqa: E731
+    return grpc.ssl_channel_credentials(root_certificates=read(ca_file), private_key=read(key_file),
+                                        certificate_chain=read(cert_file))
+
+
 def run(args: argparse.Namespace) -> int:
-    code, status = check(args.address, args.service, args.timeout)
+    credentials = tls_credentials(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
+    code, status = check(args.address, args.service, args.timeout, credentials)
     print(f"{args.address} {args.service or '(server)'}: {status}")
     return code
 
@@ -50,4 +70,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--service", default="", help="service name, e.g. cleave.v1.Decode (default: whole server)"
     )
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait (default 3)")
+    for flag, what in (("--tls-ca-file", "CA to check a TLS server against"),
+                       ("--tls-cert-file", "client certificate, for a server that asks for one"),
+                       ("--tls-key-file", "the client certificate's key")):
+        env = "CLEAVE_" + flag.lstrip("-").upper().replace("-", "_")
+        parser.add_argument(flag, type=Path, default=os.environ.get(env) or None, help=f"{what} (env {env})")
     parser.set_defaults(handler=run)

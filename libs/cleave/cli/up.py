@@ -27,6 +27,8 @@ from cleave.engine.config import KV_CACHE_DTYPES
 from cleave.generation.reasoning_formats import REASONING_PARSERS
 
 if TYPE_CHECKING:
+    import grpc
+
     from cleave.cli._stack import StackSpec
 
 DEMO_MAX_TOKENS = 256
@@ -68,9 +70,10 @@ def _silence(out) -> None:  # type: ignore[no-untyped-def]
         pass
 
 
-async def demo(address: str, out=sys.stdout, api_key: str | None = None) -> str:  # type: ignore[no-untyped-def]
+async def demo(address: str, out=sys.stdout, api_key: str | None = None,  # type: ignore[no-untyped-def]
+               credentials: grpc.ChannelCredentials | None = None) -> str:
     """Ask one held-out arithmetic question; stream reasoning and answer to `out`. Returns
-    the answer text. `api_key`: the gateway's, when it asks for one."""
+    the answer text. `api_key`: the gateway's, when it asks for one; `credentials`: TLS."""
     from cleave.client import GatewayClient
     from cleave.tasks.arithmetic import format_prompt, heldout_problems
 
@@ -78,7 +81,7 @@ async def demo(address: str, out=sys.stdout, api_key: str | None = None) -> str:
     print(f"\n> {format_prompt(problem)}", file=out)
     answer: list[str] = []
     section = ""
-    async with GatewayClient(address, api_key=api_key) as client:
+    async with GatewayClient(address, api_key=api_key, credentials=credentials) as client:
         async for response in client.generate(format_prompt(problem), max_tokens=DEMO_MAX_TOKENS, temperature=0.0):
             for sample in response.samples:
                 for name, text in (("reasoning", sample.reasoning_text), ("answer", sample.text)):
@@ -119,6 +122,7 @@ def stack_spec(args: argparse.Namespace, model: Path, default_name: str) -> "Sta
         gpu_memory_utilization=args.gpu_memory_utilization, gpu_memory_split=args.gpu_memory_split,
         metrics=args.metrics, mps=args.mps, prefill_gpus=args.prefill_gpus, decode_gpus=args.decode_gpus,
         decode_tensor_parallel_size=args.tensor_parallel_size, worker_args=worker_args, gateway_args=model_args,
+        tls=args.tls,
     )
 
 
@@ -165,13 +169,16 @@ def run(args: argparse.Namespace) -> int:
         _say(f"  gRPC gateway: {stack.gateway_address}")
         if stack.http_url:
             _say(f"  OpenAI HTTP:  {stack.http_url}")
+        if stack.tls is not None:
+            _say(f"  TLS CA:       {stack.tls.ca_file} (clients check the gateway against it)")
         for name, address in stack.metrics_addresses().items():
             _say(f"  metrics:      {name} http://{address}/metrics")
         if spec.metrics:
             _say(f"  Prometheus targets: {stack.prometheus_targets_file}")
         if args.demo:
             # the gateway inherited CLEAVE_API_KEY, if it is set: the demo sends the same key
-            asyncio.run(demo(stack.gateway_address, api_key=os.environ.get(API_KEY_ENV) or None))
+            asyncio.run(demo(stack.gateway_address, api_key=os.environ.get(API_KEY_ENV) or None,
+                             credentials=stack.channel_credentials()))
             return 0
         _say("press Ctrl-C to stop")
         supervisor = Supervisor(stack, RestartPolicy(max_fast_crashes=args.max_fast_crashes),
@@ -279,5 +286,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-fast-crashes", type=int, default=5,
                         help="give up (and stop the stack) after a service crashed this many times in a row, "
                              "each soon after its start (default 5); dead services are restarted until then")
+    parser.add_argument("--tls", action="store_true",
+                        help="TLS between every service and on the gateway's gRPC and HTTPS APIs, with a CA and "
+                             "certificate made for this stack under <workdir>/tls (`cleave tls-certs`; clients "
+                             "check the gateway against its ca.pem)")
     parser.add_argument("--demo", action="store_true", help="send one arithmetic question, print, and stop")
     parser.set_defaults(handler=run)

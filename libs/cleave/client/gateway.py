@@ -77,11 +77,14 @@ def build_request(
 
 class GatewayClient:
     """An asyncio client of one gateway (host:port); `api_key`: the gateway's --api-key,
-    sent as `authorization: Bearer <key>` on every call (None: the gateway asks for none)."""
+    sent as `authorization: Bearer <key>` on every call (None: the gateway asks for none);
+    `credentials`: TLS for a gateway that serves it, e.g.
+    `grpc.ssl_channel_credentials(Path("ca.pem").read_bytes())` (None: plain text)."""
 
-    def __init__(self, address: str, api_key: str | None = None) -> None:
+    def __init__(self, address: str, api_key: str | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.address = address
-        self.channel = aio_channel(address, api_key=api_key)
+        self.channel = aio_channel(address, api_key=api_key, credentials=credentials)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
     async def __aenter__(self) -> "GatewayClient":

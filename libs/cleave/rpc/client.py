@@ -10,6 +10,7 @@ from cleave.config import DEFAULT_MAX_MESSAGE_BYTES
 from cleave.rpc.auth import call_metadata
 from cleave.rpc.call_details import details_interceptors, with_metadata
 from cleave.rpc.client_tracing import with_trace_context
+from cleave.tls import TlsConfig
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -32,15 +33,24 @@ def aio_channel(
     *,
     internal_token: str | None = None,
     api_key: str | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> grpc.aio.Channel:
-    """An insecure grpc.aio channel to a cleave service at host:port; calls made inside a
-    traced request send its `traceparent`, and every call sends `internal_token` (calls
-    between cleave services) or `api_key` (a client of the gateway) when given."""
+    """A grpc.aio channel to a cleave service at host:port, over TLS with `credentials`
+    (`cleave.tls.TlsConfig.channel_credentials` between services, `grpc.ssl_channel_credentials`
+    for a client of the gateway), else plain text; calls made inside a traced request send its
+    `traceparent`, and every call sends `internal_token` (calls between cleave services) or
+    `api_key` (a client of the gateway) when given."""
     secrets = call_metadata(internal_token, api_key)
     rewrites = [with_trace_context]
     if secrets:
         rewrites.append(lambda details: with_metadata(details, secrets))
-    return grpc.aio.insecure_channel(
-        address, options=[*channel_options(max_message_bytes), LOCAL_SUBCHANNELS],
-        interceptors=details_interceptors(*rewrites),
-    )
+    options = [*channel_options(max_message_bytes), LOCAL_SUBCHANNELS]
+    interceptors = details_interceptors(*rewrites)
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+
+
+def tls_credentials(tls: TlsConfig | None) -> grpc.ChannelCredentials | None:
+    """Channel credentials of a process's TLS configuration (None: plain text)."""
+    return None if tls is None else tls.channel_credentials()

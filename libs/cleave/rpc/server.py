@@ -169,7 +169,8 @@ async def serve(
     traffic. Port 0 in `address` binds a free port, reported as `Server.port`. Every call
     gets a server span in `tracing` (`cleave.tracing.setup_tracing`). With `auth`
     (`cleave.rpc.auth.internal_auth`, `api_key_auth`) every call but health and reflection
-    must carry its secret, or ends UNAUTHENTICATED. `metrics_interceptor`
+    must carry its secret, or ends UNAUTHENTICATED. With `config.tls` the port serves TLS
+    (`cleave.tls`; `config.mutual_tls`: clients present a certificate). `metrics_interceptor`
     (`cleave.rpc.metrics_interceptor`) runs outermost, so it sees the status callers get.
     """
     host = _split_host(address)
@@ -193,7 +194,10 @@ async def serve(
             (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
     try:
-        port = server.add_insecure_port(address)
+        if config.tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, config.tls.server_credentials(mutual=config.mutual_tls))
     except RuntimeError as exc:
         await server.stop(None)
         raise OSError(f"cannot listen on {address}: {exc}; is the port already in use?") from exc
@@ -201,7 +205,8 @@ async def serve(
     handle = Server(server, health_servicer, names, host, port, config.grace_seconds)
     if handle_signals:
         handle.handle_signals()
-    handle.log.info("listening", address=handle.address, services=names)
+    handle.log.info("listening", address=handle.address, services=names,
+                    tls="off" if config.tls is None else "mutual" if config.mutual_tls and config.tls.ca_file else "on")
     return handle
 
 

@@ -18,6 +18,7 @@ from cleave.errors import (
     Unavailable,
 )
 from cleave.proto.cleave.v1 import common_pb2
+from cleave.tls import TlsConfig, server_name
 from cleave.transfer import framing
 
 _ERRORS: dict[int, type[CleaveError]] = {
@@ -46,13 +47,16 @@ class BulkConnection:
         self._reader_task = asyncio.ensure_future(self._read_results())
 
     @classmethod
-    async def open(cls, address: str, timeout_s: float = 10.0, internal_token: str | None = None) -> BulkConnection:
-        """Connect; with `internal_token` the connection opens with it (`framing.encode_hello`),
+    async def open(cls, address: str, timeout_s: float = 10.0, internal_token: str | None = None, *,
+                   tls: TlsConfig | None = None) -> BulkConnection:
+        """Connect (over TLS with `tls`, the receiver's certificate checked against the host
+        dialled); with `internal_token` the connection opens with it (`framing.encode_hello`),
         written ahead of the first chunk."""
         host, _, port = address.rpartition(":")
+        secure = {} if tls is None else {"ssl": tls.client_context(), "server_hostname": server_name(address)}
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
-        except (OSError, asyncio.TimeoutError) as exc:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port), **secure), timeout_s)
+        except (OSError, asyncio.TimeoutError) as exc:  # ssl.SSLError is an OSError
             raise Unavailable(f"cannot reach the KV receiver at {address}: {exc}") from None
         if internal_token is not None:
             writer.write(framing.encode_hello(internal_token))

@@ -30,9 +30,10 @@ from cleave.device_copy import to_host
 from cleave.errors import FailedPrecondition, InvalidArgument
 from cleave.kernels.kv_cache_dtype import as_words
 from cleave.proto.cleave.v1 import kvstore_pb2, kvstore_pb2_grpc
-from cleave.rpc.client import aio_channel
+from cleave.rpc.client import aio_channel, tls_credentials
 from cleave.rpc.convert import dtype_to_proto, kv_layout_to_proto
 from cleave.rpc.types import KVLayout
+from cleave.tls import TlsConfig
 from cleave.transfer.kvstore_index import StoredIndex
 from cleave.rpc.kvstore_wire import GET_METHOD, PUT_METHOD, decode_kv_block, encode_kv_block
 from cleave.transfer.tensors import as_bytes, device_index, dtype_name, torch_dtype
@@ -115,9 +116,10 @@ class KVStoreClient:
     """One connection to a KV store, bound to one layout after `connect`."""
 
     def __init__(
-        self, address: str, client_id: str = "", timeout_s: float = 30.0, internal_token: str | None = None
+        self, address: str, client_id: str = "", timeout_s: float = 30.0, internal_token: str | None = None,
+        *, tls: TlsConfig | None = None,
     ) -> None:
-        self._channel = aio_channel(address, internal_token=internal_token)
+        self._channel = aio_channel(address, internal_token=internal_token, credentials=tls_credentials(tls))
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
         # Put's messages are wire bytes already (`encode_kv_block`): sent without a serializer.
         self._put = self._channel.stream_unary(PUT_METHOD, response_deserializer=kvstore_pb2.PutResponse.FromString)

@@ -21,6 +21,7 @@ from typing import Union
 
 from cleave.errors import CleaveError
 from cleave.rpc.types import KVLayout, TransferHandle, TransferStats
+from cleave.tls import TlsConfig
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class Listen:
     advertise_host: str | None
     internal_token: str | None
     model_id: str
+    tls: TlsConfig | None = None  # the endpoint serves TLS with it (`cleave.tls`)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ import structlog
 
 from cleave.errors import CleaveError, FailedPrecondition, NotFound, Unavailable
 from cleave.rpc.types import KVLayout, TransferHandle, TransferStats, TransportKind
+from cleave.tls import TlsConfig
 from cleave.transfer.nccl import NcclCommunicator
 from cleave.transfer.rank_messages import (
     Cancel,
@@ -177,13 +178,14 @@ class RankReceivers:
         return [link.address for link in self._links]
 
     async def start(self, *, host: str, model_id: str, advertise_host: str | None = None,
-                    internal_token: str | None = None, timeout_s: float = LISTEN_TIMEOUT_S) -> None:
+                    internal_token: str | None = None, tls: TlsConfig | None = None,
+                    timeout_s: float = LISTEN_TIMEOUT_S) -> None:
         """Start every follower's endpoint (on `host`, any free port) and learn its address."""
         self._loop = loop = asyncio.get_running_loop()
         for link in self._links:
             link.listening = loop.create_future()
             loop.add_reader(link.connection.fileno(), self._readable, link)
-            link.send(Listen(host, advertise_host, internal_token, model_id))
+            link.send(Listen(host, advertise_host, internal_token, model_id, tls))
         replies = await asyncio.wait_for(asyncio.gather(*(link.listening for link in self._links)), timeout_s)
         for link, reply in zip(self._links, replies):
             link.address, link.layout = reply.address, reply.layout

@@ -32,6 +32,7 @@ import torch
 from cleave.errors import CleaveError, FailedPrecondition, InvalidArgument, NotFound, Unauthenticated
 from cleave.proto.cleave.v1 import common_pb2
 from cleave.rpc.types import KVLayout, TransferHandle, TransferStats, TransportKind
+from cleave.tls import TlsConfig
 from cleave.transfer import framing
 from cleave.transfer.base import BaseKVReceiver
 from cleave.transfer.cuda_ipc import CudaIpcKVReceiver, export_tensor
@@ -88,9 +89,11 @@ class KVReceiver:
         advertise_host: str | None = None,
         layout: KVLayout | None = None,
         internal_token: str | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         check_kv_cache(kv_cache)
         self._internal_token = None if internal_token is None else internal_token.encode()
+        self._tls = tls  # senders connect over TLS, presenting a certificate its CA signed
         if layout is not None:
             check_layout(layout, kv_cache)
         self.kv_cache = kv_cache
@@ -115,7 +118,8 @@ class KVReceiver:
 
     async def start(self) -> None:
         """Listen for senders."""
-        self._server = await asyncio.start_server(self._on_connection, self._host, self._port)
+        ssl = None if self._tls is None else self._tls.server_context(mutual=True)
+        self._server = await asyncio.start_server(self._on_connection, self._host, self._port, ssl=ssl)
 
     async def close(self) -> None:
         """Stop listening, fail every pending transfer, close connections."""

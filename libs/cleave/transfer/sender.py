@@ -17,6 +17,7 @@ import torch
 
 from cleave.errors import FailedPrecondition, InvalidArgument
 from cleave.rpc.types import TransferHandle, TransportKind
+from cleave.tls import TlsConfig
 from cleave.transfer.base import BaseKVSender
 from cleave.transfer.connection import BulkConnection
 from cleave.transfer.cuda_ipc import CudaIpcKVSender, IpcCacheMap
@@ -30,8 +31,9 @@ KVSender = BaseKVSender
 class KVTransferClient:
     """A worker's sending side: bulk connections, mapped CUDA IPC caches, NCCL peers."""
 
-    def __init__(self, internal_token: str | None = None) -> None:
+    def __init__(self, internal_token: str | None = None, *, tls: TlsConfig | None = None) -> None:
         self._internal_token = internal_token  # every bulk connection opens with it
+        self._tls = tls  # bulk connections go over TLS with it
         self._connections: dict[str, BulkConnection] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
         self._nccl: dict[str, NcclCommunicator] = {}
@@ -61,7 +63,7 @@ class KVTransferClient:
             connection = self._connections.get(address)
             if connection is None or connection.is_closed:
                 connection = self._connections[address] = await BulkConnection.open(
-                    address, internal_token=self._internal_token)
+                    address, internal_token=self._internal_token, tls=self._tls)
             return connection
 
     async def open(self, handle: TransferHandle) -> BaseKVSender:

@@ -31,9 +31,10 @@ import torch
 
 from cleave.errors import CleaveError, FailedPrecondition
 from cleave.proto.cleave.v1 import decode_pb2, decode_pb2_grpc
-from cleave.rpc.client import aio_channel
+from cleave.rpc.client import aio_channel, tls_credentials
 from cleave.rpc.convert import kv_layout_from_proto, kv_layout_to_proto, transport_from_proto, transport_to_proto
 from cleave.rpc.types import KVLayout, TransferHandle, TransportKind
+from cleave.tls import TlsConfig
 from cleave.transfer import EndpointInfo, KVTransferClient
 from cleave.transfer.choose import proposed_transports
 from cleave.transfer.layout import head_slice
@@ -88,12 +89,13 @@ def device_nccl(device: torch.device | str) -> DeviceNccl | None:
         return None
 
 
-def grpc_handshake(timeout_s: float, internal_token: str | None = None) -> HandshakeCall:
+def grpc_handshake(timeout_s: float, internal_token: str | None = None, *,
+                   tls: TlsConfig | None = None) -> HandshakeCall:
     """Calls Decode.Handshake at an address over a channel opened for that one call (sending
-    the internal token when there is one)."""
+    the internal token when there is one; over TLS with `tls`)."""
 
     async def call(address: str, request: decode_pb2.HandshakeRequest) -> decode_pb2.HandshakeResponse:
-        channel = aio_channel(address, internal_token=internal_token)
+        channel = aio_channel(address, internal_token=internal_token, credentials=tls_credentials(tls))
         try:
             return await decode_pb2_grpc.DecodeStub(channel).Handshake(request, timeout=timeout_s)
         finally:

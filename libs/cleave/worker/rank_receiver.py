@@ -132,7 +132,7 @@ class FollowerReceiver:
         try:
             layout = self._layout_of(message.model_id)
             receiver = KVReceiver(self.kv_cache, host=message.host, port=0, advertise_host=message.advertise_host,
-                                  layout=layout, internal_token=message.internal_token)
+                                  layout=layout, internal_token=message.internal_token, tls=message.tls)
             await receiver.start()
         except (CleaveError, OSError) as error:
             self._send(ListenFailed(str(error)))
