@@ -37,12 +37,14 @@ def tp_model(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("e2e-tp") / "model", "llama", seed=5)
 
 
-@pytest.fixture(scope="module", params=["colocated", "disaggregated"])
+@pytest.fixture(scope="module", params=["colocated", "disaggregated", "disaggregated-tls"])
 def tp_stack(request, tp_model, tmp_path_factory):
     """The stack; after it stops, every service exited cleanly, the second rank is gone and
-    its KV pool was whole when it stopped."""
-    spec = StackSpec(model=tp_model, mode=request.param, grpc_port=0, http_port=0, num_kv_blocks=NUM_KV_BLOCKS,
-                     log_level="INFO", metrics=False, decode_tensor_parallel_size=2)
+    its KV pool was whole when it stopped. "-tls": TLS everywhere, each rank's bulk KV
+    endpoint included."""
+    mode, _, tls = request.param.partition("-")
+    spec = StackSpec(model=tp_model, mode=mode, grpc_port=0, http_port=0, num_kv_blocks=NUM_KV_BLOCKS,
+                     log_level="INFO", metrics=False, decode_tensor_parallel_size=2, tls=bool(tls))
     stack = ProcessStack(spec, tmp_path_factory.mktemp(f"tp-stack-{request.param}"))
     pids: list[int] = []
     try:
@@ -85,7 +87,7 @@ async def test_a_two_rank_decode_worker_streams_the_single_rank_engines_tokens(t
         "greedy": engine.generate(PROMPTS, GREEDY),
         "seeded": engine.generate(PROMPTS, SEEDED),
     }
-    async with GatewayClient(tp_stack.gateway_address) as client:
+    async with GatewayClient(tp_stack.gateway_address, credentials=tp_stack.channel_credentials()) as client:
         for name, params in (("greedy", GREEDY), ("seeded", SEEDED)):
             results = await asyncio.gather(*(
                 collect(client.generate(prompt, max_tokens=params.max_tokens, temperature=params.temperature,
@@ -98,16 +100,17 @@ async def test_a_two_rank_decode_worker_streams_the_single_rank_engines_tokens(t
                 assert all(len(s.token_ids) == MAX_TOKENS for s in result.samples)
     assert all(_alive(pid) for pid in _rank_pids(tp_stack))
     decode = next(child for child in tp_stack.children if child.name.startswith("decode"))
-    await _wait_pool_full(decode, tp_stack.internal_token)
+    await _wait_pool_full(decode, tp_stack)
     if tp_stack.spec.mode == "disaggregated":  # the KV came from the prefill worker, to both ranks
         assert "tensor-parallel KV receivers listening" in _decode_log(tp_stack)
         prefill = next(child for child in tp_stack.children if child.name.startswith("prefill"))
         assert "Prefill/Prefill" in prefill.log_path.read_text()
 
 
-async def _wait_pool_full(worker, internal_token: str) -> None:  # type: ignore[no-untyped-def]
+async def _wait_pool_full(worker, stack: ProcessStack) -> None:  # type: ignore[no-untyped-def]
     """Rank 0's KV pool whole again (GetLoad; releases apply between engine steps)."""
-    async with aio_channel(worker.address, internal_token=internal_token) as channel:
+    async with aio_channel(worker.address, internal_token=stack.internal_token,
+                           credentials=stack.channel_credentials()) as channel:
         stub = decode_pb2_grpc.DecodeStub(channel)
         deadline = time.monotonic() + 30
         while True:
