@@ -3,6 +3,9 @@ errors. Real servers on loopback, real grpcio clients."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -36,30 +39,33 @@ async def health(address: str, credentials: grpc.ChannelCredentials | None) -> s
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
+@contextlib.asynccontextmanager
+async def serving(tls: TlsConfig, mutual: bool, host: str = "127.0.0.1") -> AsyncIterator[str]:
+    """A health-only server with `tls` on `host`, SERVING; yields its address."""
+    server = await serve([], f"{host}:0", RpcConfig(tls=tls, mutual_tls=mutual), handle_signals=False)
+    try:
+        await server.set_ready()
+        yield f"{host}:{server.port}"
+    finally:
+        await server.drain(0)
+
+
 @pytest.fixture
 async def internal_server(tls):
     """A server as prefill, decode and the kvstore run it: TLS, clients must present a certificate."""
-    server = await serve([], "127.0.0.1:0", RpcConfig(tls=tls, mutual_tls=True), handle_signals=False)
-    try:
-        await server.set_ready()
-        yield server
-    finally:
-        await server.drain(0)
+    async with serving(tls, mutual=True) as address:
+        yield address
 
 
 @pytest.fixture
 async def public_server(tls):
     """A server as the gateway runs it: TLS, no client certificate asked."""
-    server = await serve([], "127.0.0.1:0", RpcConfig(tls=tls, mutual_tls=False), handle_signals=False)
-    try:
-        await server.set_ready()
-        yield server
-    finally:
-        await server.drain(0)
+    async with serving(tls, mutual=False) as address:
+        yield address
 
 
 async def test_an_internal_server_takes_only_clients_with_a_certificate_of_its_ca(internal_server, tls, stranger):
-    address = f"127.0.0.1:{internal_server.port}"
+    address = internal_server
     assert await health(address, tls_credentials(tls)) == "SERVING"
     ca_only = grpc.ssl_channel_credentials(tls.ca_file.read_bytes())
     assert await health(address, ca_only) == "UNAVAILABLE"  # no client certificate: no connection
@@ -72,29 +78,21 @@ async def test_an_internal_server_takes_only_clients_with_a_certificate_of_its_c
 
 async def test_a_client_checks_the_server_against_its_ca(internal_server, stranger):
     # the stranger's CA did not sign the server's certificate: the client refuses the server
-    assert await health(f"127.0.0.1:{internal_server.port}", tls_credentials(stranger)) == "UNAVAILABLE"
+    assert await health(internal_server, tls_credentials(stranger)) == "UNAVAILABLE"
 
 
 async def test_the_server_certificate_must_name_the_host_dialled(tmp_path):
     only_localhost = stack_tls(tmp_path / "narrow")
-    server = await serve([], "127.0.0.2:0", RpcConfig(tls=only_localhost, mutual_tls=True), handle_signals=False)
-    try:
-        await server.set_ready()
+    async with serving(only_localhost, mutual=True, host="127.0.0.2") as address:
         # 127.0.0.2 is loopback too, but the certificate names 127.0.0.1, ::1, localhost and the host name
-        assert await health(f"127.0.0.2:{server.port}", tls_credentials(only_localhost)) == "UNAVAILABLE"
-    finally:
-        await server.drain(0)
+        assert await health(address, tls_credentials(only_localhost)) == "UNAVAILABLE"
     named = stack_tls(tmp_path / "named", hosts=("127.0.0.2",))
-    server = await serve([], "127.0.0.2:0", RpcConfig(tls=named, mutual_tls=True), handle_signals=False)
-    try:
-        await server.set_ready()
-        assert await health(f"127.0.0.2:{server.port}", tls_credentials(named)) == "SERVING"
-    finally:
-        await server.drain(0)
+    async with serving(named, mutual=True, host="127.0.0.2") as address:
+        assert await health(address, tls_credentials(named)) == "SERVING"
 
 
 async def test_a_public_server_asks_no_client_certificate(public_server, tls):
-    address = f"127.0.0.1:{public_server.port}"
+    address = public_server
     assert await health(address, grpc.ssl_channel_credentials(tls.ca_file.read_bytes())) == "SERVING"
     assert await health(address, tls_credentials(tls)) == "SERVING"
     assert await health(address, None) == "UNAVAILABLE"
