@@ -10,14 +10,14 @@ import stat
 from cryptography import x509
 
 from cleave.cli.main import main
-from cleave.cli.tls_certs import StackCertificates
+from cleave.cli.tls_certs import stack_files
 
 
 def test_the_certificate_names_the_hosts_and_its_key_is_private(tmp_path, capsys):
     directory = tmp_path / "tls"
     assert main(["tls-certs", str(directory), "--host", "decode", "--host", "10.0.0.7", "--days", "2"]) == 0
-    files = StackCertificates.under(directory)
-    assert files.complete and stat.S_IMODE(files.key_file.stat().st_mode) == 0o600
+    files = stack_files(directory)
+    assert files.ca_file.is_file() and stat.S_IMODE(files.key_file.stat().st_mode) == 0o600
     cert = x509.load_pem_x509_certificate(files.cert_file.read_bytes())
     names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert {"localhost", "decode"} <= set(names.get_values_for_type(x509.DNSName))
@@ -35,7 +35,7 @@ def test_the_certificate_names_the_hosts_and_its_key_is_private(tmp_path, capsys
 def test_existing_certificates_are_kept_unless_forced(tmp_path, capsys):
     directory = tmp_path / "tls"
     main(["tls-certs", str(directory)])
-    files = StackCertificates.under(directory)
+    files = stack_files(directory)
     first = files.cert_file.read_bytes()
     assert main(["tls-certs", str(directory)]) == 0 and files.cert_file.read_bytes() == first
     assert "(kept)" in capsys.readouterr().err

@@ -40,7 +40,7 @@ from cleave.cli._memory_split import (
 )
 from cleave.cli._ownership import check_ports_free
 from cleave.cli.health import EXIT_SERVING, check
-from cleave.cli.tls_certs import StackCertificates, write_certificates
+from cleave.cli.tls_certs import write_certificates
 from cleave.config import INTERNAL_TOKEN_ENV, env_name
 from cleave.proto.cleave.v1 import common_pb2, decode_pb2_grpc
 from cleave.rpc.auth import INTERNAL_TOKEN_KEY
@@ -147,7 +147,7 @@ class ProcessStack:
     # (tests, benchmarks) passes it to `aio_channel(..., internal_token=)`
     internal_token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
     mps: MpsDaemon | None = None  # the stack's MPS daemon while it runs
-    tls: StackCertificates | None = None  # with `spec.tls`: the stack's CA and certificate, once started
+    tls: TlsConfig | None = None  # with `spec.tls`: the stack's CA and certificate, once started
 
     @property
     def gateway(self) -> Child:
@@ -165,8 +165,7 @@ class ProcessStack:
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
         """Credentials a client of the stack's services connects with (the stack's CA, and its
         certificate for the services that ask for one); None without TLS."""
-        return None if self.tls is None else TlsConfig(self.tls.cert_file, self.tls.key_file,
-                                                       self.tls.ca_file).channel_credentials()
+        return None if self.tls is None else self.tls.channel_credentials()
 
     def _spawn(self, name: str, module: str, args: list[str]) -> Child:
         child = self._launch(name, module, args, open(self.workdir / f"{name}.log", "wb"))

@@ -15,6 +15,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cleave.tls import CA_FLAG, CERT_FLAG, KEY_FLAG
+
 EXIT_SERVING = 0
 EXIT_NOT_SERVING = 1
 EXIT_UNREACHABLE = 2
@@ -41,19 +43,19 @@ def check(address: str, service: str = "", timeout_s: float = 3.0,
     return (EXIT_SERVING if status == "SERVING" else EXIT_NOT_SERVING), status
 
 
-def tls_credentials(ca_file: Path | None, cert_file: Path | None, key_file: Path | None) -> grpc.ChannelCredentials | None:
+def _credentials(ca_file: Path | None, cert_file: Path | None, key_file: Path | None) -> grpc.ChannelCredentials | None:
     """TLS credentials of the given files (None: none given, plain text)."""
     if ca_file is None and cert_file is None:
         return None
     if (cert_file is None) != (key_file is None):
-        raise SystemExit("--tls-cert-file and --tls-key-file go together")
+        raise SystemExit(f"{CERT_FLAG} and {KEY_FLAG} go together")
     read = lambda path: None if path is None else Path(path).read_bytes()  # noqa: E731
     return grpc.ssl_channel_credentials(root_certificates=read(ca_file), private_key=read(key_file),
                                         certificate_chain=read(cert_file))
 
 
 def run(args: argparse.Namespace) -> int:
-    credentials = tls_credentials(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
+    credentials = _credentials(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
     code, status = check(args.address, args.service, args.timeout, credentials)
     print(f"{args.address} {args.service or '(server)'}: {status}")
     return code
@@ -70,9 +72,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--service", default="", help="service name, e.g. cleave.v1.Decode (default: whole server)"
     )
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait (default 3)")
-    for flag, what in (("--tls-ca-file", "CA to check a TLS server against"),
-                       ("--tls-cert-file", "client certificate, for a server that asks for one"),
-                       ("--tls-key-file", "the client certificate's key")):
-        env = "CLEAVE_" + flag.lstrip("-").upper().replace("-", "_")
+    for flag, what in ((CA_FLAG, "CA to check a TLS server against"),
+                       (CERT_FLAG, "client certificate, for a server that asks for one"),
+                       (KEY_FLAG, "the client certificate's key")):
+        env = "CLEAVE_" + flag.lstrip("-").upper().replace("-", "_")  # as the services read it (cleave.config)
         parser.add_argument(flag, type=Path, default=os.environ.get(env) or None, help=f"{what} (env {env})")
     parser.set_defaults(handler=run)

@@ -15,6 +15,7 @@ import secrets
 import sys
 from pathlib import Path
 
+from cleave.cli._private_file import write_private
 from cleave.config import INTERNAL_TOKEN_ENV
 
 
@@ -23,11 +24,7 @@ def write_token(path: Path, given: str | None) -> str:
     if not given and path.is_file() and path.read_text().strip():
         return "kept"
     path.parent.mkdir(parents=True, exist_ok=True)
-    staged = path.with_name(path.name + ".tmp")
-    descriptor = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as out:
-        out.write(given or secrets.token_urlsafe(32))
-    os.replace(staged, path)  # readers never see a half-written token
+    write_private(path, (given or secrets.token_urlsafe(32)).encode())
     return "given" if given else "new"
 
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import ipaddress
-import os
 import socket
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from cleave.cli._private_file import write_private
+from cleave.tls import TlsConfig
 
 if TYPE_CHECKING:
     from cryptography import x509
@@ -31,21 +32,9 @@ DEFAULT_DAYS = 365
 BASE_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
-@dataclass(frozen=True)
-class StackCertificates:
-    """Where `write_certificates` put a stack's files."""
-
-    ca_file: Path
-    cert_file: Path
-    key_file: Path
-
-    @classmethod
-    def under(cls, directory: Path) -> StackCertificates:
-        return cls(directory / CA_FILE, directory / CERT_FILE, directory / KEY_FILE)
-
-    @property
-    def complete(self) -> bool:
-        return all(path.is_file() for path in (self.ca_file, self.cert_file, self.key_file))
+def stack_files(directory: Path) -> TlsConfig:
+    """The TLS configuration of the files `write_certificates` puts under `directory`."""
+    return TlsConfig(directory / CERT_FILE, directory / KEY_FILE, directory / CA_FILE)
 
 
 def _alt_name(name: str) -> x509.GeneralName:
@@ -66,17 +55,9 @@ def _names(hosts: Iterable[str]) -> list[str]:
     return names
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    staged = path.with_name(path.name + ".tmp")
-    descriptor = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "wb") as out:
-        out.write(data)
-    os.replace(staged, path)
-
-
-def write_certificates(directory: Path, hosts: Sequence[str] = (), days: int = DEFAULT_DAYS) -> StackCertificates:
+def write_certificates(directory: Path, hosts: Sequence[str] = (), days: int = DEFAULT_DAYS) -> TlsConfig:
     """Write a fresh CA and a certificate it signed for `hosts` (and the base names) into
-    `directory`, replacing what is there."""
+    `directory`, replacing what is there; returns the files as a process's TLS configuration."""
     # imported here: a stack without TLS (and the GPU images) need not have the package
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -85,7 +66,7 @@ def write_certificates(directory: Path, hosts: Sequence[str] = (), days: int = D
 
     if days < 1:
         raise ValueError(f"days must be >= 1, got {days}")
-    files = StackCertificates.under(directory)
+    files = stack_files(directory)
     directory.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
@@ -114,7 +95,7 @@ def write_certificates(directory: Path, hosts: Sequence[str] = (), days: int = D
                            critical=False)
             .sign(ca_key, hashes.SHA256()))
 
-    _write_private(files.key_file, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+    write_private(files.key_file, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                                      serialization.NoEncryption()))
     files.cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     files.ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))  # written last: marks the set complete
@@ -123,8 +104,8 @@ def write_certificates(directory: Path, hosts: Sequence[str] = (), days: int = D
 
 def run(args: argparse.Namespace) -> int:
     directory = Path(args.directory)
-    files = StackCertificates.under(directory)
-    if files.complete and not args.force:
+    files = stack_files(directory)
+    if all(path.is_file() for path in (files.cert_file, files.key_file, files.ca_file)) and not args.force:
         print(f"TLS certificates at {directory} (kept)", file=sys.stderr)
         return 0
     write_certificates(directory, args.host, args.days)
