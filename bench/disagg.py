@@ -50,6 +50,9 @@ Presets (explicit flags still win):
     python bench/disagg.py --device cpu --num-users 4 --prompt-len 32 --output-len 16 --duration-s 3 \\
         --long-interval-s 1 --client-procs 2 --out /tmp/disagg   # CPU smoke, shipped reasoner
     python bench/disagg.py --device cpu --api http --num-users 4 --output-len 16 --duration-s 3 --client-procs 2
+    python bench/disagg.py --device cpu --num-users 4 --prompt-len 64 --output-len 64 --duration-s 10 \
+        --long-interval-s 0 --client-procs 1 --modes disaggregated --tls off,on --api grpc,http --rounds 2 \
+        --out bench/results/disagg   # what TLS costs the served path, in one run
 """
 
 from __future__ import annotations
@@ -79,9 +82,11 @@ from serve_load import (  # noqa: E402
 )
 
 if TYPE_CHECKING:
+    import grpc
+
     from cleave.cli._stack import StackSpec
 
-COLUMNS = ["mode", "round", "gateways", "api", "transport", "mps", "prefill_sm_pct", "metrics", "switch_ms", "policy", "prefill_variant", "worker_variant", "kvstore_puts", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms",
+COLUMNS = ["mode", "round", "gateways", "api", "transport", "tls", "mps", "prefill_sm_pct", "metrics", "switch_ms", "policy", "prefill_variant", "worker_variant", "kvstore_puts", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms",
            "tpot_p50_ms", "tpot_p90_ms", "itl_p99_ms", "long_prompts", "long_ttft_p50_ms", "output_tok_s",
            "goodput_rps", "slo_pct", "wall_s", "cpu_gateway", "cpu_decode", "cpu_prefill", "cpu_clients", "host_cpus",
            "decode_step_ms", "decode_busy_pct", "decode_tokens", "prefill_step_ms", "prefill_busy_pct", "prefill_tokens"]
@@ -93,15 +98,16 @@ PRESETS = {
 }
 
 
-async def negotiated_transport(decode_address: str, prefill_worker_id: str, internal_token: str | None) -> str:
+async def negotiated_transport(decode_address: str, prefill_worker_id: str, internal_token: str | None,
+                               credentials: grpc.ChannelCredentials | None = None) -> str:
     """The transport the decode worker's Admit hands out for this prefill worker now (the
-    stack's internal token authenticates the probe)."""
+    stack's internal token authenticates the probe; `credentials`: a TLS stack's)."""
     from cleave.proto.cleave.v1 import common_pb2 as c
     from cleave.proto.cleave.v1 import decode_pb2 as d
     from cleave.proto.cleave.v1 import decode_pb2_grpc
     from cleave.rpc import aio_channel
 
-    async with aio_channel(decode_address, internal_token=internal_token) as channel:
+    async with aio_channel(decode_address, internal_token=internal_token, credentials=credentials) as channel:
         stub = decode_pb2_grpc.DecodeStub(channel)
         admitted = await stub.Admit(d.AdmitRequest(
             request_id="bench-transport-probe", prompt_token_ids=[FIRST_TOKEN_ID] * 4,
@@ -125,6 +131,7 @@ class Variant:
     policy: "ConditionalPolicy | None" = None  # conditional mode's thresholds; None: the gateway's defaults
     prefill_variant: str = ""  # extra prefill-worker flags of this row (--prefill-variant)
     worker_variant: str = ""  # extra flags of every worker of this row (--worker-variant)
+    tls: bool = False  # TLS between the services and to the gateway (cleave up --tls)
 
 
 @dataclass(frozen=True)
@@ -177,7 +184,7 @@ def stack_spec(variant: Variant, model_dir: Path, args: argparse.Namespace, work
         worker_args.append("--enforce-eager")
     service_args = [] if variant.switch_ms is None else ["--gil-switch-interval-ms", f"{variant.switch_ms:g}"]
     name = (f"{variant.mode}-{variant.num_gateways}-{variant.puts}-{variant.api}-{variant.mps}-{variant.sm_percent}-"
-            f"{variant.metrics}-{variant.switch_ms}-{variant.policy}-")
+            f"{variant.metrics}-{variant.switch_ms}-{variant.policy}-{variant.tls}-")
     name += "".join(c if c.isalnum() else "_" for c in variant.prefill_variant + "-" + variant.worker_variant)
     return StackSpec(model=model_dir, mode=variant.mode, grpc_port=0, http_port=0 if variant.api == "http" else None,
                      device=args.device, num_kv_blocks=args.num_kv_blocks, log_level="WARNING",
@@ -187,7 +194,8 @@ def stack_spec(variant: Variant, model_dir: Path, args: argparse.Namespace, work
                      + (variant.policy.gateway_args() if variant.policy is not None else ()),
                      num_gateways=variant.num_gateways, store_to_kvstore=variant.puts, mps=variant.mps,
                      prefill_sm_percent=variant.sm_percent if variant.sm_percent < 100 else None,
-                     metrics=variant.metrics, trace_dir=workdir / name / "traces" if args.trace else None), name
+                     metrics=variant.metrics, trace_dir=workdir / name / "traces" if args.trace else None,
+                     tls=variant.tls), name
 
 
 def run_mode(variant: Variant, model_dir: Path, args: argparse.Namespace, workdir: Path, vocab: int) -> dict:
@@ -200,12 +208,14 @@ def run_mode(variant: Variant, model_dir: Path, args: argparse.Namespace, workdi
     stack.start(timeout_s=args.start_timeout_s)
     under_mps = stack.mps is not None
     try:
-        load = workload(args, stack.gateway_address, stack.http_url, vocab)
+        load = workload(args, stack.gateway_address, stack.http_url, vocab,
+                        None if stack.tls is None else str(stack.tls.ca_file))
         asyncio.run(warm_up(load, min(args.num_users, 8)))
         transport = "local"
         if any(child.name == "prefill-0" for child in stack.children):
             decode = next(child for child in stack.children if child.name == "decode-0")
-            transport = asyncio.run(negotiated_transport(decode.address, "prefill-0", stack.internal_token))
+            transport = asyncio.run(negotiated_transport(decode.address, "prefill-0", stack.internal_token,
+                                                         stack.channel_credentials()))
         roles: dict[str, list[int]] = {}
         for child in stack.children:
             roles.setdefault(role_of(child.name), []).append(child.process.pid)
@@ -222,6 +232,7 @@ def run_mode(variant: Variant, model_dir: Path, args: argparse.Namespace, workdi
            "mps": under_mps,
            "prefill_sm_pct": variant.sm_percent if under_mps and variant.mode != "colocated" else 100,
            "metrics": variant.metrics,
+           "tls": variant.tls,
            "switch_ms": variant.switch_ms if variant.switch_ms is not None else 5.0,
            "policy": str(variant.policy) if variant.policy is not None else "-",
            "prefill_variant": variant.prefill_variant or "-",
@@ -242,9 +253,10 @@ def run_mode(variant: Variant, model_dir: Path, args: argparse.Namespace, workdi
     return row
 
 
-def workload(args: argparse.Namespace, grpc_address: str, http_url: str | None, vocab: int) -> Workload:
-    """The load of a run: the flags, the stack's addresses and the ids prompts are drawn from."""
-    given = {"grpc_address": grpc_address, "http_url": http_url, "vocab": vocab}
+def workload(args: argparse.Namespace, grpc_address: str, http_url: str | None, vocab: int,
+             tls_ca_file: str | None = None) -> Workload:
+    """The load of a run: the flags, the stack's addresses and CA, and the ids prompts are drawn from."""
+    given = {"grpc_address": grpc_address, "http_url": http_url, "vocab": vocab, "tls_ca_file": tls_ca_file}
     return Workload(**given, **{f.name: getattr(args, f.name) for f in fields(Workload) if f.name not in given})
 
 
@@ -356,6 +368,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--metrics", type=lambda text: [{"on": True, "off": False}[v] for v in text.split(",")],
                         default=[True], help="on, off or on,off: every process serves Prometheus metrics "
                         "(cleave up --metrics; a list runs each mode both ways, for the cost of the metrics)")
+    parser.add_argument("--tls", type=lambda text: [{"on": True, "off": False}[v] for v in text.split(",")],
+                        default=[False], help="off, on or off,on: TLS between the services and to the gateway "
+                        "(cleave up --tls; a list runs each mode both ways, for the cost of TLS)")
     parser.add_argument("--gil-switch-interval-ms", type=lambda text: [float(v) for v in text.split(",")],
                         default=[None], help="every service's --gil-switch-interval-ms (default: Python's 5 ms); "
                         "a list runs each mode with each")
@@ -482,7 +497,7 @@ def run_variants(args: argparse.Namespace, model_dir: Path, workdir: Path, vocab
     for round_index, values in itertools.product(range(1, args.rounds + 1), itertools.product(
             args.modes.split(","), args.gateways, args.kvstore_puts, args.api.split(","), args.mps, args.prefill_sm_percent,
             args.metrics, args.gil_switch_interval_ms, args.conditional_policy, args.prefill_variant or [""],
-            args.worker_variant or [""])):
+            args.worker_variant or [""], args.tls)):
         variant = Variant(*values)
         if variant.mode == "colocated" and variant.prefill_variant != (args.prefill_variant or [""])[0]:
             continue  # no prefill worker

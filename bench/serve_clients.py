@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 REASONING_MODES = {"inline": 3, "separate": 1, "hidden": 2}  # cleave.v1.ReasoningMode values
 
@@ -76,7 +78,8 @@ class GrpcClient:
         num_channels: requests pick one by index.
     """
 
-    def __init__(self, address: str, reasoning_mode: str, timeout_s: float, num_channels: int = 1) -> None:
+    def __init__(self, address: str, reasoning_mode: str, timeout_s: float, num_channels: int = 1,
+                 ca_file: str | None = None) -> None:
         import grpc
 
         from cleave.proto.cleave.v1 import gateway_pb2_grpc
@@ -84,7 +87,12 @@ class GrpcClient:
 
         # a local subchannel pool: channels with equal options would otherwise share one connection
         options = channel_options() + [("grpc.use_local_subchannel_pool", 1)]
-        self.channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(max(num_channels, 1))]
+        if ca_file is None:
+            self.channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(max(num_channels, 1))]
+        else:  # TLS, the gateway checked against the stack's CA
+            credentials = grpc.ssl_channel_credentials(Path(ca_file).read_bytes())
+            self.channels = [grpc.aio.secure_channel(address, credentials, options=options)
+                             for _ in range(max(num_channels, 1))]
         self.stubs = [gateway_pb2_grpc.GatewayStub(channel) for channel in self.channels]
         self.reasoning_mode = REASONING_MODES[reasoning_mode]
         self.timeout_s = timeout_s
@@ -126,11 +134,13 @@ class HttpClient:
         timeout_s: per request.
     """
 
-    def __init__(self, url: str, reasoning_mode: str, timeout_s: float) -> None:
+    def __init__(self, url: str, reasoning_mode: str, timeout_s: float, ca_file: str | None = None) -> None:
         import aiohttp
 
+        # https: the gateway checked against the stack's CA
+        tls = True if ca_file is None else ssl.create_default_context(cafile=ca_file)
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=timeout_s))
+            connector=aiohttp.TCPConnector(limit=0, ssl=tls), timeout=aiohttp.ClientTimeout(total=timeout_s))
         self.url = url
         self.reasoning_mode = reasoning_mode
 

@@ -67,6 +67,7 @@ class Workload:
     timeout_s: float  # per request
     seed: int
     vocab: int  # prompt ids are drawn from [FIRST_TOKEN_ID, vocab)
+    tls_ca_file: str | None = None  # a TLS stack's CA, which clients check the gateway against
 
 
 def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
@@ -100,8 +101,9 @@ async def send(client: GrpcClient | HttpClient, workload: Workload, kind: str, r
 def make_client(workload: Workload, num_channels: int = 1) -> GrpcClient | HttpClient:
     if workload.api == "http":
         assert workload.http_url, "the stack has no HTTP API (StackSpec.http_port=None)"
-        return HttpClient(workload.http_url, workload.reasoning_mode, workload.timeout_s)
-    return GrpcClient(workload.grpc_address, workload.reasoning_mode, workload.timeout_s, num_channels)
+        return HttpClient(workload.http_url, workload.reasoning_mode, workload.timeout_s, workload.tls_ca_file)
+    return GrpcClient(workload.grpc_address, workload.reasoning_mode, workload.timeout_s, num_channels,
+                      workload.tls_ca_file)
 
 
 async def warm_up(workload: Workload, num_parallel: int) -> None:
