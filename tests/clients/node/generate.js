@@ -1,11 +1,13 @@
 // Streams one Generate call from a cleave gateway using only protos/ and the npm packages.
-// Usage: node generate.js PROTO_ROOT GATEWAY_ADDRESS PROMPT
+// Usage: node generate.js PROTO_ROOT GATEWAY_ADDRESS PROMPT [CA_FILE]
+// With CA_FILE the call goes over TLS, the gateway checked against that CA.
 // Prints one JSON line: {"text", "reasoning", "finish_reason", "completion_tokens", "messages"}.
 const grpc = require("@grpc/grpc-js");
 const protoLoader = require("@grpc/proto-loader");
+const fs = require("fs");
 const path = require("path");
 
-const [protoRoot, address, prompt] = process.argv.slice(2);
+const [protoRoot, address, prompt, caFile] = process.argv.slice(2);
 const definition = protoLoader.loadSync(path.join(protoRoot, "cleave/v1/gateway.proto"), {
   includeDirs: [protoRoot],
   keepCase: true,
@@ -15,7 +17,8 @@ const definition = protoLoader.loadSync(path.join(protoRoot, "cleave/v1/gateway.
   oneofs: true,
 });
 const cleave = grpc.loadPackageDefinition(definition).cleave.v1;
-const client = new cleave.Gateway(address, grpc.credentials.createInsecure());
+const credentials = caFile ? grpc.credentials.createSsl(fs.readFileSync(caFile)) : grpc.credentials.createInsecure();
+const client = new cleave.Gateway(address, credentials);
 
 let text = "";
 let reasoning = "";
