@@ -10,6 +10,7 @@ import pytest
 from cleave.benchmark.client import EndpointError, EndpointSpec, OpenAIClient, check_endpoint
 from cleave.benchmark.load import LoadSpec, run_load
 from cleave.benchmark.workload import BenchRequest
+from cleave.cli.tls_certs import write_certificates
 
 REQUEST = BenchRequest(prompt="hello there", prompt_len=None, output_len=5)
 
@@ -130,3 +131,13 @@ async def test_arrival_offsets_are_kept(fake_server):
     sent = [r.sent_s for r in result.records]
     assert all(actual >= planned for actual, planned in zip(sent, offsets))
     assert sent[2] - sent[0] >= 0.15 - 1e-3
+
+
+async def test_an_https_server_is_checked_against_the_given_ca(fake_server, tmp_path):
+    tls = write_certificates(tmp_path / "tls")
+    _, url = await fake_server(ssl_context=tls.server_context(mutual=False))
+    assert url.startswith("https://")
+    record = await send(url, ca_file=str(tls.ca_file))
+    assert record.success and record.output_tokens == 5
+    refused = await send(url)  # the system's roots do not know the stack's CA
+    assert not refused.success and "certificate" in refused.error.lower()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import ssl
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -39,7 +40,8 @@ class EndpointSpec:
 
     base_url is scheme://host:port (with any path prefix before /v1); endpoint the route,
     `/v1/completions` or `/v1/chat/completions`; model None leaves `model` out of the body;
-    ignore_eos sends `ignore_eos` and `min_tokens` so every request produces its full length.
+    ignore_eos sends `ignore_eos` and `min_tokens` so every request produces its full length;
+    ca_file: the CA an https server is checked against (None: the system's roots).
     """
 
     base_url: str
@@ -49,6 +51,12 @@ class EndpointSpec:
     ignore_eos: bool = True
     temperature: float = 0.0
     request_timeout_s: float = 600.0
+    ca_file: str | None = None
+
+    def ssl_context(self) -> ssl.SSLContext | bool:
+        """What the session checks an https server with: the CA's context, or True (the
+        system's roots)."""
+        return True if self.ca_file is None else ssl.create_default_context(cafile=self.ca_file)
 
     @property
     def url(self) -> str:
@@ -169,7 +177,7 @@ class OpenAIClient:
 
     async def __aenter__(self) -> "OpenAIClient":
         connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=self.max_connections,
-                                         keepalive_timeout=60)
+                                         keepalive_timeout=60, ssl=self.spec.ssl_context())
         self._session = aiohttp.ClientSession(connector=connector, headers=self.spec.headers(),
                                               timeout=aiohttp.ClientTimeout(total=self.spec.request_timeout_s))
         return self

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
     endpoint = EndpointSpec(base_url=args.base_url, endpoint=args.endpoint, model=args.model, api_key=args.api_key,
                             ignore_eos=args.ignore_eos, temperature=args.temperature,
-                            request_timeout_s=args.request_timeout)
+                            request_timeout_s=args.request_timeout, ca_file=args.ca_file)
     workload = (JsonlWorkload(Path(args.dataset_path), args.random_output_len) if args.dataset_path
                 else RandomWorkload(args.random_input_len, args.random_output_len, args.random_range_ratio))
     config = ServeBenchConfig(
@@ -91,6 +91,9 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
                         help="/v1/completions (default) or /v1/chat/completions")
     server.add_argument("--model", default=None, help="model id to send (default: the first of GET /v1/models)")
     server.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    server.add_argument("--ca-file", default=None,
+                        help="CA an https --base-url is checked against (a `cleave up --tls` stack's ca.pem; "
+                             "default: the system's roots)")
     server.add_argument("--request-timeout", type=positive_float, default=600.0,
                         help="seconds one request may take before it counts as failed (default 600)")
 
