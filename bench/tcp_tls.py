@@ -83,8 +83,7 @@ def main() -> None:
                         help="directory for tcp_tls-<UTC time>.json / .md")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
-        files = write_certificates(Path(directory))
-        rows = asyncio.run(run(args, TlsConfig(files.cert_file, files.key_file, files.ca_file)))
+        rows = asyncio.run(run(args, write_certificates(Path(directory))))
     print(format_table(rows, COLUMNS))
     write_results(args.out, run_name("tcp_tls"), rows, COLUMNS)
 
