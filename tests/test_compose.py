@@ -24,11 +24,12 @@ SERVICE_NAMES = {"gateway": "cleave.v1.Gateway", "prefill": "cleave.v1.Prefill",
                  "decode": "cleave.v1.Decode", "kvstore": "cleave.v1.KVStore"}
 MONITORING = {"prometheus", "grafana"}  # upstream images, not cleave's
 TOKEN_FILE = "/run/cleave-secrets/internal-token"  # written by the secrets service, read by the others
+# each service's config from its flags and, when given, its environment
 PARSERS = {
-    "gateway": lambda argv: gateway_config(argv, {}),
-    "prefill": lambda argv: worker_config("prefill", argv, {}),
-    "decode": lambda argv: worker_config("decode", argv, {}),
-    "kvstore": lambda argv: kvstore_config(argv, {}),
+    "gateway": lambda argv, env=None: gateway_config(argv, env or {}),
+    "prefill": lambda argv, env=None: worker_config("prefill", argv, env or {}),
+    "decode": lambda argv, env=None: worker_config("decode", argv, env or {}),
+    "kvstore": lambda argv, env=None: kvstore_config(argv, env or {}),
 }
 
 
@@ -190,7 +191,7 @@ def test_internal_services_read_the_token_from_the_environment_and_listen_on_eve
     config = PARSERS[name](compose["services"][name]["command"][3:])
     assert config.service.listen.startswith("0.0.0.0:")
     env = {"CLEAVE_INTERNAL_TOKEN": "s3cret"}
-    parsed = kvstore_config([], env) if name == "kvstore" else worker_config(name, [], env)
+    parsed = PARSERS[name]([], env)
     assert parsed.service.internal_token == "s3cret"
 
 
@@ -214,12 +215,7 @@ def test_prometheus_scrapes_every_service_on_its_metrics_port(compose):
     expected = set()
     for name in SERVICE_NAMES:
         env = {"CLEAVE_METRICS_PORT": str(services[name]["environment"]["CLEAVE_METRICS_PORT"])}
-        argv = services[name]["command"][3:]
-        if name in ("prefill", "decode"):
-            parsed = worker_config(name, argv, env)
-        else:
-            parsed = gateway_config(argv, env) if name == "gateway" else kvstore_config(argv, env)
-        metrics = parsed.service.metrics
+        metrics = PARSERS[name](services[name]["command"][3:], env).service.metrics
         assert metrics is not None and metrics.host == ""  # binds the --listen host: 0.0.0.0
         expected.add(f"{name}:{metrics.port}")
     mounts = _mounts(services["prometheus"])
@@ -277,8 +273,6 @@ def test_the_tls_override_certifies_every_name_a_service_is_dialled_by(tmp_path,
     for name in SERVICE_NAMES:
         service = services[name]
         env = {key: _local_paths(value, secrets) for key, value in service["environment"].items()}
-        parsed = (gateway_config(service["command"][3:], env) if name == "gateway" else
-                  kvstore_config(service["command"][3:], env) if name == "kvstore" else
-                  worker_config(name, service["command"][3:], env))
+        parsed = PARSERS[name](service["command"][3:], env)
         assert parsed.service.tls is not None and parsed.service.tls.ca_file is not None, name
         assert parsed.service.rpc.mutual_tls == (name != "gateway"), name

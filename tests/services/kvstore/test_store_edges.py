@@ -132,12 +132,19 @@ async def test_a_lookup_refreshes_a_disk_block_so_the_next_eviction_spares_it(tm
 
 # -- the store: corrupt files, counters and watchers -----------------------------------------------
 
-async def test_a_corrupt_file_found_by_lookup_counts_the_rest_of_the_chain_as_misses(tmp_path: Path):
+async def _chain_with_corrupt_middle(tmp_path: Path, seed: int) -> tuple[StoreConfig, list, torch.Tensor]:
+    """Three blocks put on disk by one store, the middle one's file then corrupted: the config
+    a second store opens them with, the hashes and the blocks."""
     config = StoreConfig(ram_bytes=BLOCK_BYTES // 2, disk_path=tmp_path, disk_bytes=1 << 20)
-    hashes, blocks = chain(3, seed=27)
+    hashes, blocks = chain(3, seed=seed)
     async with Store(config) as store:
         await store.client.put(hashes, blocks)
     _corrupt(tmp_path, hashes[1])
+    return config, hashes, blocks
+
+
+async def test_a_corrupt_file_found_by_lookup_counts_the_rest_of_the_chain_as_misses(tmp_path: Path):
+    config, hashes, _ = await _chain_with_corrupt_middle(tmp_path, seed=27)
     async with Store(config) as store:
         assert await store.client.lookup(hashes) == 1
         stats = await store.client.stats()
@@ -145,11 +152,7 @@ async def test_a_corrupt_file_found_by_lookup_counts_the_rest_of_the_chain_as_mi
 
 
 async def test_a_corrupt_file_found_by_get_is_published_as_removed(tmp_path: Path):
-    config = StoreConfig(ram_bytes=BLOCK_BYTES // 2, disk_path=tmp_path, disk_bytes=1 << 20)
-    hashes, blocks = chain(3, seed=28)
-    async with Store(config) as store:
-        await store.client.put(hashes, blocks)
-    _corrupt(tmp_path, hashes[1])
+    config, hashes, blocks = await _chain_with_corrupt_middle(tmp_path, seed=28)
     async with Store(config) as store:
         call = watch_call(store)
         try:
