@@ -357,7 +357,7 @@ class Admissions:
             request_id, spec.gateway_id, prompt, params, started=True, trace_start=origin)
 
         def enqueue(e: LLMEngine) -> int:
-            cached = e.handoff.cached_prefix(prompt)
+            cached = e.handoff.cached_prefix(prompt, params.cache_salt)
             e.enqueue(state)
             if origin is not None:  # the same engine spans as a prefill worker's
                 async_engine.step_trace.watch(state, origin)

@@ -221,6 +221,8 @@ def _sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
             raise InvalidArgument(f"must be an integer in [1, {MAX_SAMPLES}], got {n!r}", field="n")
         options["n"] = n
     options["stop"] = tuple(_stop(body.get("stop")))
+    if body.get("cache_salt") is not None:
+        options["cache_salt"] = _cache_salt(body["cache_salt"])
     if chat:
         if body.get("logprobs"):
             options["logprobs"] = _uint(body.get("top_logprobs") or 0, "top_logprobs")
@@ -229,6 +231,14 @@ def _sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
         if body.get("echo") is True:  # the echoed prompt's tokens get logprobs too
             options["prompt_logprobs"] = options["logprobs"]
     return SamplingRequest(**options)
+
+
+def _cache_salt(value: Any) -> str:
+    """vLLM's cache_salt: a non-empty string (absent or null: the shared prefix cache)."""
+    salt = text_field(value, "cache_salt")
+    if not salt:
+        raise InvalidArgument("must not be empty; leave it out to share the prefix cache", field="cache_salt")
+    return salt
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:

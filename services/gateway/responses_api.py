@@ -50,7 +50,8 @@ _REFUSED = {
     "background": "background responses are not supported",
     "prompt": "stored prompt templates are not supported",
 }
-_PASSED_ON = ("model", "temperature", "top_p", "parallel_tool_calls", "stream", "seed", "top_logprobs", "user")
+_PASSED_ON = ("model", "temperature", "top_p", "parallel_tool_calls", "stream", "seed", "top_logprobs", "user",
+              "cache_salt")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 

@@ -269,7 +269,8 @@ class RoutingBackend:
         a new worker request id (`DecodePlacement.renew`)."""
         (part,) = running.parts.values()
         # prefix hashes of the prompt's leading blocks, for prefill affinity and conditional mode alike
-        hashes = self.affinity.hashes(prompt_ids) if self.options.mode != "colocated" else []
+        colocated = self.options.mode == "colocated"
+        hashes = [] if colocated else self.affinity.hashes(prompt_ids, spec.sampling.cache_salt)
         remote = self._prefills_remotely(part, prompt_ids, hashes)
         self.observer.routed(spec.request_id, remote, part.decode.worker_id)
         if not remote:

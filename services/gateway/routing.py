@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from cleave.kv.prefix_hash import block_hashes
+from cleave.kv.prefix_hash import block_hashes, salt_root
 from services.gateway.workers import WorkerHandle
 
 AFFINITY_SLACK_TOKENS = 2048
@@ -39,9 +39,12 @@ class PrefixAffinity:
         self.capacity = capacity
         self._owner: OrderedDict[bytes, str] = OrderedDict()
 
-    def hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """The chained hashes of a prompt's leading blocks, as `lookup` and `record` take them."""
-        return block_hashes(token_ids[: self.block_size * self.max_blocks], self.block_size)
+    def hashes(self, token_ids: Sequence[int], cache_salt: str = "") -> list[bytes]:
+        """The chained hashes of a prompt's leading blocks, as `lookup` and `record` take them
+        (under the request's cache salt: a salted prompt shares a worker's cache only with
+        prompts of its salt, so only they count as its prefix there)."""
+        return block_hashes(token_ids[: self.block_size * self.max_blocks], self.block_size,
+                            parent=salt_root(cache_salt))
 
     def lookup(self, token_ids: Sequence[int], hashes: Sequence[bytes] | None = None) -> tuple[str | None, int]:
         """(address of the worker holding the longest known prefix, its length in blocks);

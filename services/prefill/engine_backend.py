@@ -81,7 +81,6 @@ from services.prefill.layer_stream import LAYER_STREAMING_MODES, LayerStream, La
 from services.prefill.rank_sends import send_to_every_rank
 
 log = structlog.get_logger("cleave.prefill")
-NO_FETCH = PrefixFetch(0, 0)
 STORE_DRAIN_S = 5.0  # at shutdown, how long background kvstore puts may still run
 HANDSHAKE_TIMEOUT_S = 30.0  # one Decode.Handshake call
 # "auto" streams a prompt's layers only from this length on. A shorter prompt's forward is
@@ -262,12 +261,12 @@ class EnginePrefillBackend:
             handoff = DecodeHandoff(self.decode_links, spec, self.worker_id, self._spawn_handoff)
             handoff.admit()  # the decode worker reserves while the prompt runs
         opening = self._open_layer_stream(request_id, spec.destination or handoff, len(prompt))
-        fetch = NO_FETCH
+        fetch = PrefixFetch(0, 0, cache_salt=spec.sampling.cache_salt)
         handed_off = False  # the background store releases the blocks from then on
         stream: LayerStream | None = None
         try:
             if spec.sampling.prompt_logprobs is None:  # a scored prompt runs whole: nothing to fetch
-                fetch = await self._fetch_prefix(request_id, prompt)
+                fetch = await self._fetch_prefix(request_id, prompt, spec.sampling.cache_salt)
             if opening is not None and spec.destination is not None:
                 await asyncio.wait({opening})  # a known destination streams from the first step on
             result = await self._run_prefill(async_engine, request_id, prompt, spec)
@@ -383,14 +382,14 @@ class EnginePrefillBackend:
             prompt_logprobs=tuple(prompt_logprobs),
         )
 
-    async def _fetch_prefix(self, request_id: str, prompt: list[int]) -> PrefixFetch:
+    async def _fetch_prefix(self, request_id: str, prompt: list[int], cache_salt: str) -> PrefixFetch:
         if self.kvstore is None:
-            return NO_FETCH
+            return PrefixFetch(0, 0, cache_salt=cache_salt)
         try:
-            fetch = await self.kvstore.fetch(request_id, prompt)
+            fetch = await self.kvstore.fetch(request_id, prompt, cache_salt)
         except (grpc.aio.AioRpcError, CleaveError) as error:  # the store is an optimisation
             log.warning("kvstore lookup failed; computing the whole prompt", request_id=request_id, error=str(error))
-            return NO_FETCH
+            return PrefixFetch(0, 0, cache_salt=cache_salt)
         self.counters.num_kvstore_blocks_loaded += fetch.num_loaded_blocks
         return fetch
 

@@ -25,7 +25,8 @@ that engine round trip for blocks this worker computed lately (its memory of has
 those are most likely still in its prefix cache, where the scheduler finds them anyway,
 and if they were evicted the prompt is computed, as on any miss.
 
-Block hashes are the engine's own (`block_hashes` under the engine's KV namespace), so a
+Block hashes are the engine's own (`block_hashes` under the engine's KV namespace and the
+request's cache salt, which `PrefixFetch` carries from the lookup to the put), so a
 block fetched from the store and registered in the engine's prefix cache is found by the
 scheduler like any locally computed block: those tokens are not recomputed. The fetched
 blocks are held (`engine.handoff.hold_prefix`) until the prefill has taken them over; the
@@ -65,6 +66,7 @@ class PrefixFetch:
     # chained hashes of the prompt's full blocks, when the lookup computed them (the put
     # after the prefill reuses them instead of hashing the prompt again)
     hashes: tuple[bytes, ...] | None = None
+    cache_salt: str = ""  # the request's: every hash of its prompt is taken under it
 
 
 @dataclass(frozen=True)
@@ -140,41 +142,41 @@ class KVStorePrefix:
             self._stream = torch.cuda.Stream(cache.device)
         return self._stream
 
-    def hashes(self, prompt: Sequence[int]) -> list[bytes]:
-        """Chained hashes of the prompt's full blocks."""
-        return self.engine.handoff.block_hashes(prompt)
+    def hashes(self, prompt: Sequence[int], cache_salt: str = "") -> list[bytes]:
+        """Chained hashes of the prompt's full blocks under the request's cache salt."""
+        return self.engine.handoff.block_hashes(prompt, cache_salt)
 
-    async def fetch(self, request_id: str, prompt: Sequence[int]) -> PrefixFetch:
+    async def fetch(self, request_id: str, prompt: Sequence[int], cache_salt: str = "") -> PrefixFetch:
         """Load the stored prefix that the engine does not hold yet into its prefix cache.
         At most len(prompt) - 1 tokens: the last prompt token always runs for the logits.
         Blocks may stay held for the request even when none were loaded: the caller releases
         the hold (`engine.handoff.release_hold`) after the prefill, on every path."""
         usable = (len(prompt) - 1) // self.block_size
         if usable < self.min_blocks:
-            return PrefixFetch(0, 0)  # too short to be worth a lookup
-        all_hashes = tuple(self.hashes(prompt))
+            return PrefixFetch(0, 0, cache_salt=cache_salt)  # too short to be worth a lookup
+        all_hashes = tuple(self.hashes(prompt, cache_salt))
         hashes = all_hashes[:usable]
         num_hit = await self.num_stored(hashes)
         if num_hit - self.num_seen(hashes[:num_hit]) < self.min_blocks:
-            return PrefixFetch(num_hit, 0, all_hashes)  # little the engine would not compute (or hold) itself
+            return PrefixFetch(num_hit, 0, all_hashes, cache_salt)  # little the engine would not compute or hold
         num_local = await self.async_engine.call(lambda e: e.handoff.num_cached_blocks(list(hashes[:num_hit])))
         if num_local >= num_hit:
-            return PrefixFetch(num_hit, 0, all_hashes)
+            return PrefixFetch(num_hit, 0, all_hashes, cache_salt)
         keys = list(hashes[num_local:num_hit])
         first_window = max(num_local, self.first_window_page(num_hit))  # window pages the engine lacks
         if self.paired:
             keys += self.engine.handoff.window_page_hashes(hashes[first_window:num_hit])
         got = await self.client.get(keys)  # [n, L, 2, BS, Hkv, D]
         if self.paired and got.shape[0] < len(keys):
-            return PrefixFetch(num_hit, 0, all_hashes)  # a page left the store meanwhile: computed here
+            return PrefixFetch(num_hit, 0, all_hashes, cache_salt)  # a page left the store meanwhile: computed here
         num_hit = num_local + min(got.shape[0], num_hit - num_local)  # fewer when blocks left the store meanwhile
         if got.shape[0] == 0:
-            return PrefixFetch(num_hit, 0, all_hashes)
+            return PrefixFetch(num_hit, 0, all_hashes, cache_salt)
         blocks, window_blocks = got[: num_hit - num_local], got[num_hit - num_local :]
         tokens = list(prompt[: num_hit * self.block_size])
 
         def load(e: LLMEngine) -> int:
-            hold = e.handoff.hold_prefix(request_id, tokens)
+            hold = e.handoff.hold_prefix(request_id, tokens, cache_salt)
             if hold is None:
                 return 0  # no room: the engine computes these tokens itself
             if hold.num_cached_blocks < num_local:  # local blocks were evicted meanwhile: no payload for them
@@ -183,11 +185,11 @@ class KVStorePrefix:
             scatter_blocks(e.kv_cache, hold.new_block_ids, blocks[hold.num_cached_blocks - num_local :])
             if hold.new_window_page_ids:
                 scatter_blocks(e.kv_cache, hold.new_window_page_ids, window_blocks[hold.first_new_window_page - first_window :])
-            e.handoff.publish_hold(request_id, tokens)
+            e.handoff.publish_hold(request_id, tokens, cache_salt)
             return len(hold.new_block_ids)
 
         loaded = await self.async_engine.call(load)
-        return PrefixFetch(num_hit, loaded, all_hashes)
+        return PrefixFetch(num_hit, loaded, all_hashes, cache_salt)
 
     async def gather(self, request_id: str, prompt: Sequence[int], block_table: Sequence[int],
                      fetch: PrefixFetch) -> StorePayload | None:
@@ -196,27 +198,27 @@ class KVStorePrefix:
         which may be freed once this returns (a paired cache's pages come from the prefix
         cache instead: `gather_cached`)."""
         num_stored = fetch.num_store_blocks
-        hashes = list(fetch.hashes) if fetch.hashes is not None else self.hashes(prompt)
+        hashes = list(fetch.hashes) if fetch.hashes is not None else self.hashes(prompt, fetch.cache_salt)
         num_repeated = self.repeated(hashes)
         if num_repeated - num_stored < self.min_blocks:
             return None
         hashes = hashes[:num_repeated]
         if self.paired:
-            return await self.gather_cached(request_id, prompt, hashes, num_stored)
+            return await self.gather_cached(request_id, prompt, hashes, num_stored, fetch.cache_salt)
         ids = list(block_table[num_stored:num_repeated])
         blocks = await self._copy_to_host(ids)
         parent = hashes[num_stored - 1] if num_stored else b""
         return StorePayload(hashes[num_stored:], blocks, parent)
 
     async def gather_cached(self, request_id: str, prompt: Sequence[int], hashes: list[bytes],
-                            num_stored: int) -> StorePayload | None:
+                            num_stored: int, cache_salt: str = "") -> StorePayload | None:
         """A paired cache's pages for the prompt's blocks `hashes` (the store holds the first
         `num_stored` with their window pages), held out of the prefix cache while they are
         copied: the full pages the store lacks and the window pages in view after the
         longest prefix still cached. None when that adds fewer than `min_blocks` blocks."""
         tokens = list(prompt[: len(hashes) * self.block_size])
         try:
-            pages = await self.async_engine.call(lambda e: e.handoff.hold_cached(request_id, tokens))
+            pages = await self.async_engine.call(lambda e: e.handoff.hold_cached(request_id, tokens, cache_salt))
             if pages.num_blocks - num_stored < self.min_blocks:
                 return None
             hashes = hashes[: pages.num_blocks]
@@ -247,7 +249,7 @@ class KVStorePrefix:
 
     def remember(self, prompt: Sequence[int], fetch: PrefixFetch) -> None:
         """Note a prompt this worker computed without putting it (see `repeated`)."""
-        self.repeated(list(fetch.hashes) if fetch.hashes is not None else self.hashes(prompt))
+        self.repeated(list(fetch.hashes) if fetch.hashes is not None else self.hashes(prompt, fetch.cache_salt))
 
     def repeated(self, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of a prompt this worker computed before; then remembers

@@ -118,3 +118,46 @@ async def test_workers_and_kvstore_refuse_callers_without_the_stacks_token(proce
                 assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED, (child.name, token)
         async with aio_channel(child.address, internal_token=process_stack.internal_token) as channel:
             await _internal_call(child, channel)
+
+
+async def test_a_cache_salt_shares_cached_prefixes_only_within_its_salt(process_stack):
+    """What a caller can learn of another's prompt from the prefix cache (the cached tokens
+    a response reports, its time to first token) stops at the salt: a prompt cached under
+    one salt is a hit for that salt only, through gRPC and the openai client alike."""
+    import openai
+
+    prompt = "Salted: " + " ".join(reversed(WORDS * 2))  # no other test's prompt starts so
+
+    def salted(salt: str) -> gateway_pb2.GenerateRequest:
+        message = request(prompt)
+        message.sampling.cache_salt = salt
+        return message
+
+    async with GatewayClient(process_stack.gateway_address) as client:
+        first = await collect(client.stream(salted("tenant-a")))
+        again = await collect(client.stream(salted("tenant-a")))
+        other = await collect(client.stream(salted("tenant-b")))
+        unsalted = await collect(client.stream(request(prompt)))
+    assert first.usage.cached_prompt_tokens == 0
+    assert again.usage.cached_prompt_tokens > 0
+    assert other.usage.cached_prompt_tokens == 0 and unsalted.usage.cached_prompt_tokens == 0
+    tokens = {tuple(result.samples[0].token_ids) for result in (first, again, other, unsalted)}
+    assert len(tokens) == 1  # the salt changes what is cached, never the output
+
+    http = openai.AsyncOpenAI(base_url=process_stack.http_url, api_key="unused", max_retries=0)
+    async with http:
+        model = (await http.models.list()).data[0].id
+
+        def complete(salt: str | None):
+            extra = {"cache_salt": salt} if salt is not None else {}
+            return http.completions.create(model=model, prompt=prompt + " http",
+                                           max_tokens=2, temperature=0, extra_body=extra)
+
+        http_first = await complete("tenant-c")
+        http_again = await complete("tenant-c")
+        http_other = await complete("tenant-a")
+        with pytest.raises(openai.BadRequestError, match="cache_salt"):
+            await complete("")
+    assert http_first.usage.prompt_tokens_details.cached_tokens == 0
+    assert http_again.usage.prompt_tokens_details.cached_tokens > 0
+    assert http_other.usage.prompt_tokens_details.cached_tokens == 0

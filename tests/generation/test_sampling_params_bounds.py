@@ -14,6 +14,7 @@ SEED_MAX = 2**64 - 1
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_ABS_LOGIT_BIAS = 100.0
+MAX_CACHE_SALT_CHARS = 256
 VOCAB_SIZE = 2048
 
 
@@ -29,6 +30,7 @@ VOCAB_SIZE = 2048
         dict(max_thinking_tokens=0),
         dict(logit_bias={i: MAX_ABS_LOGIT_BIAS for i in range(MAX_LOGIT_BIAS_TOKENS)}),
         dict(logit_bias={0: -MAX_ABS_LOGIT_BIAS, VOCAB_SIZE - 1: MAX_ABS_LOGIT_BIAS}),
+        dict(cache_salt="s" * MAX_CACHE_SALT_CHARS),
     ],
 )
 def test_values_exactly_at_a_limit_are_taken(options):
@@ -49,6 +51,9 @@ def test_values_exactly_at_a_limit_are_taken(options):
         (dict(logit_bias={-1: 1.0}), "logit_bias"),
         (dict(logit_bias={7: MAX_ABS_LOGIT_BIAS + 0.5}), "logit_bias.7"),
         (dict(logit_bias={7: -MAX_ABS_LOGIT_BIAS - 0.5}), "logit_bias.7"),
+        (dict(cache_salt="s" * (MAX_CACHE_SALT_CHARS + 1)), "cache_salt"),
+        (dict(cache_salt=b"tenant"), "cache_salt"),
+        (dict(cache_salt="\udc80"), "cache_salt"),
     ],
 )
 def test_values_one_past_a_limit_are_refused_by_name(options, field):

@@ -3,7 +3,7 @@ import struct
 
 import pytest
 
-from cleave.kv.prefix_hash import block_hashes, hash_block, kv_namespace
+from cleave.kv.prefix_hash import block_hashes, hash_block, kv_namespace, salt_root
 
 GOLDEN_ROOT_1234 = "db6dca7e61fe821c975eb657adac6394e7767bb8b7bb81a42c248a2e89d9ff7b"
 
@@ -58,3 +58,21 @@ def test_rejects_bad_tokens_and_parents():
         hash_block(None, [-1])
     with pytest.raises(ValueError):
         hash_block(b"short", [1])
+
+
+def test_a_salted_chain_starts_at_the_documented_salt_root():
+    root = hashlib.sha256(b"cleave.kv.salt/v1" + "tenant-é".encode("utf-8")).digest()
+    assert salt_root("tenant-é") == root and salt_root("") is None
+    namespace = kv_namespace("m", "bfloat16", 2)
+    salted = block_hashes([5, 6, 7, 8], 2, namespace, parent=root)
+    assert salted[0] == _spec_hash(root, [5, 6], namespace)
+    assert salted[1] == _spec_hash(salted[0], [7, 8], namespace)
+
+
+def test_salts_separate_chains_that_one_salt_shares():
+    tokens = [1, 2, 3, 4, 5, 6]
+    unsalted = block_hashes(tokens, 2)
+    by_salt = {salt: block_hashes(tokens, 2, parent=salt_root(salt)) for salt in ("a", "b")}
+    assert by_salt["a"] == block_hashes(tokens, 2, parent=salt_root("a"))
+    everything = unsalted + by_salt["a"] + by_salt["b"]
+    assert len(set(everything)) == len(everything)  # no block of one chain names a block of another

@@ -46,7 +46,7 @@ from cleave.engine.sequence import Sequence, SequenceStatus
 from cleave.errors import InvalidArgument, NotFound
 from cleave.generation.sampling_params import SamplingParams
 from cleave.kv.manager import KVCacheManager
-from cleave.kv.prefix_hash import block_hashes
+from cleave.kv.prefix_hash import block_hashes, salt_root
 
 # KV manager ids, private to this module: `<request_id><suffix>`; a reservation is the
 # first sample's own sequence id (`Sequence.seq_id` of sample 0).
@@ -151,10 +151,10 @@ class KVHandoff:
         it skips blocks the destination has cached (any thread)."""
         return self.kv.num_unseen_pages(num_prompt_tokens)
 
-    def block_hashes(self, token_ids: Seq[int]) -> list[bytes]:
-        """Chained hashes of the full blocks of `token_ids` under the engine's KV namespace:
-        the prefix cache's keys and the kvstore's (any thread)."""
-        return block_hashes(token_ids, self.kv.block_size, self.kv.namespace)
+    def block_hashes(self, token_ids: Seq[int], cache_salt: str = "") -> list[bytes]:
+        """Chained hashes of the full blocks of `token_ids` under the engine's KV namespace
+        and the request's cache salt: the prefix cache's keys and the kvstore's (any thread)."""
+        return block_hashes(token_ids, self.kv.block_size, self.kv.namespace, salt_root(cache_salt))
 
     @property
     def pairs_window_pages(self) -> bool:
@@ -218,15 +218,17 @@ class KVHandoff:
 
     # ---- prefill side: a kvstore prefix held until the prefill takes it over -------------
 
-    def hold_prefix(self, request_id: str, token_ids: Seq[int]) -> PrefixHold | None:
+    def hold_prefix(self, request_id: str, token_ids: Seq[int], cache_salt: str = "") -> PrefixHold | None:
         """Prefill side (kvstore): hold blocks for `token_ids` (a prompt's leading full
         blocks) under the request's hold; blocks the prefix cache has are shared, the rest
         are new (in a paired cache, new window pages only for the blocks a query after the
         prefix sees). None, with nothing held, when the pool lacks free blocks. The caller
-        owns the hold until `release_hold`, also when it fills nothing."""
+        owns the hold until `release_hold`, also when it fills nothing. `cache_salt`: the
+        request's (every method taking tokens hashes them under it)."""
         hold_id = request_id + _HOLD_SUFFIX
         tokens = list(token_ids)
-        hit = self.kv.get_computed_blocks(hold_id, tokens + [0])  # + a token: every block may hit
+        # + a token: every block may hit
+        hit = self.kv.get_computed_blocks(hold_id, tokens + [0], salt_root(cache_salt))
         if not self.kv.allocate_slots(hold_id, len(tokens) - hit.num_computed_tokens, hit):
             self.kv.free(hold_id)
             return None
@@ -240,17 +242,17 @@ class KVHandoff:
         first_new = max(num_cached, self.kv.num_unseen_pages(len(tokens)))
         return PrefixHold(num_cached, new_block_ids, first_new, list(self.kv.window_table_view(hold_id)[first_new:]))
 
-    def publish_hold(self, request_id: str, token_ids: Seq[int]) -> None:
+    def publish_hold(self, request_id: str, token_ids: Seq[int], cache_salt: str = "") -> None:
         """Prefill side (kvstore): the held blocks for `token_ids` are filled: index them in
-        the prefix cache, where the request's prefill (and any other) finds them."""
-        self.kv.cache_full_blocks(request_id + _HOLD_SUFFIX, list(token_ids))
+        the prefix cache, where the request's prefill (and any other of its salt) finds them."""
+        self.kv.cache_full_blocks(request_id + _HOLD_SUFFIX, list(token_ids), root=salt_root(cache_salt))
 
     def release_hold(self, request_id: str) -> None:
         """Prefill side (kvstore): let go of the request's hold after its prefill (no-op
         when none); published blocks stay cached."""
         self.kv.free(request_id + _HOLD_SUFFIX)
 
-    def hold_cached(self, request_id: str, token_ids: Seq[int]) -> CachedPages:
+    def hold_cached(self, request_id: str, token_ids: Seq[int], cache_salt: str = "") -> CachedPages:
         """Prefill side (kvstore put): hold the pages of the longest prefix of `token_ids`
         (whole blocks) that a prefix hit would take now, so that a copy may read them beside
         the engine's steps: its full pages and, in a paired cache, the window pages in view
@@ -258,7 +260,8 @@ class KVHandoff:
         prefix cache kept). Empty when nothing is cached. Held until `release_cached`."""
         copy_id = request_id + _COPY_SUFFIX
         tokens = list(token_ids)
-        hit = self.kv.get_computed_blocks(copy_id, tokens + [0])  # + a token: every block may hit
+        # + a token: every block may hit
+        hit = self.kv.get_computed_blocks(copy_id, tokens + [0], salt_root(cache_salt))
         if not hit.block_ids or not self.kv.allocate_slots(copy_id, 0, hit):
             self.kv.free(copy_id)  # forgets the lookup's hashes
             return CachedPages([])
@@ -314,7 +317,7 @@ class KVHandoff:
         self.requests.track_received(state, self._admit(state, tokens))
         return state
 
-    def cached_prefix(self, prompt_token_ids: Seq[int]) -> int:
+    def cached_prefix(self, prompt_token_ids: Seq[int], cache_salt: str = "") -> int:
         """Decode side (colocated admission): leading prompt tokens whose full blocks the
         prefix cache holds now, what the scheduler will reuse unless they are evicted first
         (the last prompt token is always computed; 0 with prefix caching off)."""
@@ -322,7 +325,7 @@ class KVHandoff:
             return 0
         block_size = self.kv.block_size
         usable = (len(prompt_token_ids) - 1) // block_size
-        hashes = self.block_hashes(list(prompt_token_ids[: usable * block_size]))
+        hashes = self.block_hashes(list(prompt_token_ids[: usable * block_size]), cache_salt)
         return self.num_cached_blocks(hashes) * block_size
 
     def _admit(self, state: RequestState, first_tokens: Seq[int]) -> bool:
@@ -331,7 +334,7 @@ class KVHandoff:
         leader = state.samples[0].seq
         if not self.kv.has(leader.seq_id):
             self.kv.reserve(leader.seq_id, leader.num_prompt_tokens)
-        self.kv.cache_full_blocks(leader.seq_id, leader.all_token_ids)  # hashes the forks inherit
+        self.kv.cache_full_blocks(leader.seq_id, leader.all_token_ids, root=leader.hash_root)  # the forks inherit these
         for sample in state.samples[1:]:
             self.kv.fork(leader.seq_id, sample.seq.seq_id)
         running = []

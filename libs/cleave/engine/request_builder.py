@@ -26,6 +26,7 @@ from cleave.generation.reasoning_formats import special_tag_tokens
 from cleave.generation.sampling_params import SamplingParams
 from cleave.generation.stop import StopChecker
 from cleave.generation.token_pieces import TokenPieces
+from cleave.kv.prefix_hash import salt_root
 from cleave.model.tokenizer import Tokenizer
 
 Message = dict[str, Any]
@@ -120,7 +121,8 @@ class RequestBuilder:
         if params.n > max_num_seqs:  # the samples run at once: more could never be admitted
             raise InvalidArgument(f"must be at most max_num_seqs ({max_num_seqs}) on this engine", field="n")
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        seqs = [Sequence(request_id, prompt_ids, i, params, priority, arrival) for i in range(params.n)]
+        root = salt_root(params.cache_salt)
+        seqs = [Sequence(request_id, prompt_ids, i, params, priority, arrival, hash_root=root) for i in range(params.n)]
         max_new = params.max_new_tokens(self.max_model_len, len(prompt_ids))
         for seq in seqs:  # a prefill-only request ends on its first token
             seq.limit_output_tokens(1 if prefill_only else max_new)

@@ -265,7 +265,7 @@ class Scheduler:
             seq_id = seq.seq_id
             # A decode that filled no block has nothing new to index.
             if num_new != 1 or not seq_len % block_size or seq_id not in indexed:
-                cache_full_blocks(seq_id, seq.all_token_ids, seq_len)
+                cache_full_blocks(seq_id, seq.all_token_ids, seq_len, seq.hash_root)
                 indexed.add(seq_id)
             if sliding_window and (seq_len > seq.num_prompt_tokens or drops_in_prefill):
                 # The next step's queries, launched already or not, start at seq_len.
@@ -382,7 +382,8 @@ class Scheduler:
                 break
             # prompt logprobs need every prompt position's logits: no prefix-cache hit
             wants_prompt_logprobs = getattr(seq.sampling_params, "prompt_logprobs", None) is not None
-            hit = NO_HIT if wants_prompt_logprobs else kv.get_computed_blocks(seq.seq_id, seq.all_token_ids)
+            hit = NO_HIT if wants_prompt_logprobs else kv.get_computed_blocks(seq.seq_id, seq.all_token_ids,
+                                                                              seq.hash_root)
             num_new = seq.num_tokens - hit.num_computed_tokens
             if num_new > budget:
                 if not config.enable_chunked_prefill:
@@ -473,7 +474,7 @@ class Scheduler:
         prompt holds no stand-in, so its hashes are final already.
         """
         leader_id, num_computed = leader.seq_id, leader.num_computed_tokens
-        self.kv.cache_full_blocks(leader_id, leader.all_token_ids, num_computed)
+        self.kv.cache_full_blocks(leader_id, leader.all_token_ids, num_computed, leader.hash_root)
         self._indexed.add(leader_id)
         pending = self._queues.take_forks(leader_id)
         for offset, child in enumerate(forks, 1):

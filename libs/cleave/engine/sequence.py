@@ -59,6 +59,8 @@ class Sequence:
         num_cached_tokens: tokens served from the prefix cache at its latest admission.
         num_preemptions: times its KV was dropped for recompute.
         parent_seq_id: for a sample forked from another one, that sample's seq_id.
+        hash_root: the salt root its blocks' prefix hashes chain from (its request's cache
+            salt, `cleave.kv.prefix_hash.salt_root`); None: the shared, unsalted chain.
         max_num_tokens: its length (prompt and output) at which it surely ends, where that is
             known in advance (max_tokens or the context; the prompt and one token for a
             prefill-only request), else sys.maxsize. A sequence this long, its last token
@@ -74,6 +76,7 @@ class Sequence:
         priority: int = 0,
         arrival_time: float | None = None,
         parent_seq_id: str | None = None,
+        hash_root: bytes | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt; send at least one token")
@@ -85,6 +88,7 @@ class Sequence:
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.parent_seq_id = parent_seq_id
+        self.hash_root = hash_root
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.all_token_ids)
         self.status = SequenceStatus.WAITING
@@ -139,6 +143,7 @@ class Sequence:
             priority=self.priority,
             arrival_time=self.arrival_time,
             parent_seq_id=self.seq_id,
+            hash_root=self.hash_root,
         )
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_computed_tokens = self.num_computed_tokens

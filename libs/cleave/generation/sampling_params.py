@@ -32,6 +32,9 @@ MAX_LOGIT_BIAS_TOKENS = 1024
 # 64 stop strings of this length followed and then broken).
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
+# A cache salt is hashed once per admission; 256 characters hold any random key (vLLM
+# suggests 43 base64 characters, 256 bits) or a tenant's name and a key.
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass
@@ -73,6 +76,10 @@ class SamplingParams:
             sampling (OpenAI's logit_bias; -100 bans it); None: no bias.
         structured_output: what the answer must look like (a JSON schema, a regex, ...);
             the engine masks each step's tokens to it once the thinking ended. None: free.
+        cache_salt: the prompt's KV is cached, and cached prefixes are reused, only among
+            requests with this same salt (at most MAX_CACHE_SALT_CHARS characters): another
+            caller cannot tell from cached-token counts or first-token times whether it sent
+            a prompt. "": the prefix cache shared by every unsalted request.
     """
 
     max_tokens: int | None = 16
@@ -97,6 +104,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     structured_output: StructuredOutput | None = None
+    cache_salt: str = ""
 
     @property
     def is_greedy(self) -> bool:
@@ -135,6 +143,7 @@ class SamplingParams:
         self._validate_bias(vocab_size)
         self._validate_reasoning()
         self._validate_length(max_model_len, prompt_len)
+        self._validate_cache_salt()
         if self.structured_output is not None:
             if not isinstance(self.structured_output, StructuredOutput):
                 raise InvalidArgument("must be a StructuredOutput", field="structured_output")
@@ -197,6 +206,17 @@ class SamplingParams:
                     f"got {value}",
                     field=name,
                 )
+
+    def _validate_cache_salt(self) -> None:
+        salt = self.cache_salt
+        if not isinstance(salt, str):
+            raise InvalidArgument(f"must be a string, got {type(salt).__name__}", field="cache_salt")
+        if len(salt) > MAX_CACHE_SALT_CHARS:
+            raise InvalidArgument(f"holds {len(salt)} characters; at most {MAX_CACHE_SALT_CHARS}", field="cache_salt")
+        try:
+            salt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgument("must be valid Unicode text (no lone surrogates)", field="cache_salt") from None
 
     def _validate_lists(self) -> None:
         if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):

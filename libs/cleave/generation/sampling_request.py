@@ -49,6 +49,7 @@ class SamplingRequest:
     skip_special_tokens: bool | None = None  # None: True
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     structured_output: StructuredOutput | None = None
+    cache_salt: str = ""  # "": the shared prefix cache
 
 
 def _wire(value: float) -> float:
@@ -134,6 +135,7 @@ def to_sampling_params(
         min_tokens=request.min_tokens,
         logit_bias=dict(request.logit_bias) or None,
         structured_output=request.structured_output,
+        cache_salt=request.cache_salt,
     )
     try:
         params.validate()

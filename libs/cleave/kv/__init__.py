@@ -2,7 +2,7 @@
 
 from cleave.kv.block_pool import NULL_BLOCK_ID, BlockPool, OutOfBlocksError
 from cleave.kv.manager import ComputedBlocks, KVCacheManager
-from cleave.kv.prefix_hash import BlockHash, block_hashes, hash_block, kv_namespace
+from cleave.kv.prefix_hash import BlockHash, block_hashes, hash_block, kv_namespace, salt_root
 
 __all__ = [
     "NULL_BLOCK_ID",
@@ -14,4 +14,5 @@ __all__ = [
     "block_hashes",
     "hash_block",
     "kv_namespace",
+    "salt_root",
 ]

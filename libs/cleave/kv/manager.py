@@ -2,10 +2,10 @@
 
 The scheduler talks to the KV cache only through `KVCacheManager`, keyed by sequence id:
 
-    hit = kv.get_computed_blocks(seq_id, token_ids)       # longest cached prefix (no side effects)
-    kv.allocate_slots(seq_id, num_new_tokens, hit)          # False -> nothing changed, preempt
+    hit = kv.get_computed_blocks(seq_id, token_ids, root)       # longest cached prefix (no side effects)
+    kv.allocate_slots(seq_id, num_new_tokens, hit)                # False -> nothing changed, preempt
     ... runner applies kv.take_pending_copies(), then writes the new tokens' KV ...
-    kv.cache_full_blocks(seq_id, token_ids, num_computed)   # index blocks that became full
+    kv.cache_full_blocks(seq_id, token_ids, num_computed, root)   # index blocks that became full
     kv.fork(parent_id, child_id)                            # n>1 samples share the prompt
     kv.free(seq_id)                                         # finished, aborted or preempted
 
@@ -14,6 +14,9 @@ filled last block. Whichever of them next writes into that shared block gets a f
 in its table instead, and the manager queues `(src, dst)`; the runner must copy block `src`
 to block `dst` (all layers, K and V) before the step's forward writes new KV. Copies of one
 step may be applied in order, or as one gather-then-scatter.
+
+`root` is the sequence's salt root (`cleave.kv.prefix_hash.salt_root` of its request's
+cache salt; None without one): its blocks are indexed and looked up under that chain only.
 
 A decode worker in disaggregated mode uses `reserve`/`release`: the same allocation, for
 KV that will arrive over the network instead of being computed locally.
@@ -181,8 +184,11 @@ class KVCacheManager:
         state = self._seqs.get(seq_id)
         return state.num_tokens if state else 0
 
-    def get_computed_blocks(self, seq_id: SeqId, token_ids: Sequence[int]) -> ComputedBlocks:
-        """Longest run of cached full blocks that prefixes `token_ids`.
+    def get_computed_blocks(
+        self, seq_id: SeqId, token_ids: Sequence[int], root: BlockHash | None = None
+    ) -> ComputedBlocks:
+        """Longest run of cached full blocks that prefixes `token_ids` (hashed from `root`,
+        the sequence's salt root).
 
         At most `len(token_ids) - 1` tokens are reported computed: the last token must run
         through the model to produce logits. Nothing is reserved; pass the result straight to
@@ -194,7 +200,7 @@ class KVCacheManager:
         if state.block_ids:
             raise RuntimeError(f"sequence {seq_id!r} already holds blocks; look up prefixes before allocating")
         max_blocks = (len(token_ids) - 1) // self.block_size
-        self._extend_hashes(state, token_ids, max_blocks)
+        self._extend_hashes(state, token_ids, max_blocks, root)
         block_ids = self._cached_run(state.block_hashes[:max_blocks])
         if self._windows is not None:
             return self._window_hit(state.block_hashes, block_ids)
@@ -433,7 +439,10 @@ class KVCacheManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
-    def cache_full_blocks(self, seq_id: SeqId, token_ids: Sequence[int], num_computed_tokens: int | None = None) -> None:
+    def cache_full_blocks(
+        self, seq_id: SeqId, token_ids: Sequence[int], num_computed_tokens: int | None = None,
+        root: BlockHash | None = None,
+    ) -> None:
         """Index the sequence's blocks that are full of computed KV.
 
         `token_ids` are the sequence's tokens; only the first `num_computed_tokens` (default:
@@ -448,7 +457,7 @@ class KVCacheManager:
         num_full = min(num_computed, state.num_tokens) // self.block_size
         if num_full <= state.num_cached_blocks:
             return
-        self._extend_hashes(state, token_ids, num_full)
+        self._extend_hashes(state, token_ids, num_full, root)
         for index in range(max(state.num_cached_blocks, state.num_dropped), num_full):
             self.pool.cache_block(state.block_ids[index], state.block_hashes[index])
         state.num_cached_blocks = num_full
@@ -460,10 +469,12 @@ class KVCacheManager:
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _extend_hashes(self, state: _SeqBlocks, token_ids: Sequence[int], num_blocks: int) -> None:
+    def _extend_hashes(
+        self, state: _SeqBlocks, token_ids: Sequence[int], num_blocks: int, root: BlockHash | None
+    ) -> None:
         size = self.block_size
         for index in range(len(state.block_hashes), num_blocks):
-            parent = state.block_hashes[-1] if state.block_hashes else None
+            parent = state.block_hashes[-1] if state.block_hashes else root
             chunk = token_ids[index * size : (index + 1) * size]
             state.block_hashes.append(hash_block(parent, chunk, self.namespace))
 

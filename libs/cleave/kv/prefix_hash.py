@@ -16,6 +16,14 @@ Encoding (version 1), fed to SHA-256 in this order:
     u32le(num_tokens) || u32le(token_0) || ... || u32le(token_{n-1})
 The prefill engine and the KV block store (services/kvstore) call these same functions;
 changing the encoding means bumping the version tag.
+
+A cache salt (a request's `cache_salt`) starts a chain of its own: its first block's parent
+is `salt_root(salt)` instead of none,
+    SHA-256(b"cleave.kv.salt/v1" || salt as UTF-8)
+so a salted prompt's blocks match only blocks of prompts sent with the same salt, and never
+an unsalted prompt's (whose first block has no parent). Requests of one tenant that share a
+salt share cached prefixes; nobody else can detect them (by the prompt tokens a response
+reports cached, or by its time to first token).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ BlockHash = bytes
 
 HASH_SIZE = 32
 _DOMAIN_TAG = b"cleave.kv.block/v1"
+_SALT_TAG = b"cleave.kv.salt/v1"
 _MAX_TOKEN_ID = 2**32 - 1
 
 
@@ -53,6 +62,13 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], namespace: by
     return digest.digest()
 
 
+def salt_root(cache_salt: str) -> BlockHash | None:
+    """The parent of a salted chain's first block (None without a salt: an unsalted chain)."""
+    if not cache_salt:
+        return None
+    return hashlib.sha256(_SALT_TAG + cache_salt.encode("utf-8")).digest()
+
+
 def block_hashes(
     token_ids: Sequence[int],
     block_size: int,
@@ -62,7 +78,8 @@ def block_hashes(
     """Chained hashes of every full block of `token_ids` (a trailing partial block is skipped).
 
     `parent` continues an existing chain: pass the hash of the block just before
-    `token_ids[0]` to hash only the new blocks of a growing sequence.
+    `token_ids[0]` to hash only the new blocks of a growing sequence, or a prompt's
+    `salt_root` to hash it from its start under its salt.
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")

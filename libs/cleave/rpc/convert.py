@@ -95,6 +95,7 @@ def sampling_from_proto(
         logit_bias=tuple(sorted(message.logit_bias.items())),
         structured_output=structured_from_proto(message.structured_output)
         if message.HasField("structured_output") else None,
+        cache_salt=message.cache_salt,
     )
     if reasoning is None:
         return to_sampling_params(request, field)
@@ -155,6 +156,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         skip_special_tokens=params.skip_special_tokens,
         min_tokens=params.min_tokens,
         logit_bias=params.logit_bias or {},
+        cache_salt=params.cache_salt,
     )
     if params.structured_output is not None:
         message.structured_output.CopyFrom(structured_to_proto(params.structured_output))

@@ -123,3 +123,13 @@ def test_a_boolean_max_tokens_is_refused_as_not_a_positive_integer():
     with pytest.raises(InvalidArgument, match="must be a positive integer, got True") as raised:
         completion(max_tokens=True)
     assert raised.value.field == "max_tokens"
+
+
+def test_a_cache_salt_travels_in_the_sampling_params_and_must_be_a_non_empty_string():
+    assert completion(cache_salt="tenant-a").sampling.cache_salt == "tenant-a"
+    assert chat(cache_salt="tenant-a").sampling.cache_salt == "tenant-a"
+    assert completion(cache_salt=None).sampling.cache_salt == "" == completion().sampling.cache_salt
+    for bad in ("", 7, ["a"], True, "\ud800"):
+        assert refused_field(completion, cache_salt=bad) == "cache_salt"
+    assert refused_field(completion, cache_salt="x" * 257) == "sampling.cache_salt"  # 400 naming cache_salt
+    assert completion(cache_salt="x" * 256).sampling.cache_salt == "x" * 256

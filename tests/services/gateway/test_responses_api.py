@@ -132,3 +132,10 @@ async def test_what_cannot_be_honoured_is_a_400_naming_the_field(tool_model, fie
         with pytest.raises(openai.BadRequestError) as raised:
             await client.responses.create(model="tiny-tools", **{"input": "hi", **fields})
     assert raised.value.body["param"] == param
+
+
+def test_a_cache_salt_is_passed_on_to_the_chat_request():
+    from services.gateway.responses_api import responses_body
+
+    assert responses_body({"input": "hi", "cache_salt": "tenant-a"})["cache_salt"] == "tenant-a"
+    assert "cache_salt" not in responses_body({"input": "hi"})

@@ -33,6 +33,15 @@ def test_prefix_affinity_follows_the_longest_known_prefix():
     assert affinity.lookup([0, 1, 2]) == (None, 0)  # no full block
 
 
+def test_prefix_affinity_counts_a_prefix_only_under_its_salt():
+    affinity = PrefixAffinity(block_size=4)
+    prompt = list(range(8))
+    affinity.record(prompt, "p1", affinity.hashes(prompt, "tenant-a"))
+    assert affinity.lookup(prompt, affinity.hashes(prompt, "tenant-a")) == ("p1", 2)
+    assert affinity.lookup(prompt, affinity.hashes(prompt, "tenant-b")) == (None, 0)
+    assert affinity.lookup(prompt) == (None, 0)
+
+
 def test_prefill_uses_affinity_unless_much_busier():
     affinity = PrefixAffinity(block_size=4)
     prompt = list(range(16))

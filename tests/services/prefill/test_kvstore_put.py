@@ -78,6 +78,34 @@ async def test_first_token_does_not_wait_for_the_put(checkpoint, kvstore):
             await worker.close()
 
 
+async def test_a_salted_prefix_in_the_store_is_found_only_under_its_salt(checkpoint, kvstore):
+    first, second = await start_prefill(checkpoint, kvstore), await start_prefill(checkpoint, kvstore)
+
+    def request(request_id: str, salt: str = "", store: bool = False) -> p.PrefillRequest:
+        sampling = greedy(4)
+        sampling.cache_salt = salt
+        return p.PrefillRequest(request_id=request_id, prompt_token_ids=PROMPT, sampling=sampling,
+                                store_to_kvstore=store)
+
+    try:
+        prefix = first.backend.kvstore
+        prefix.repeated(prefix.hashes(PROMPT, "tenant-a"))  # computed once before: the put sends it
+        stored = await prefill_response(first.stub.Prefill(request("a", "tenant-a", store=True)))
+        assert await first.backend.wait_for_stores(timeout_s=5)
+        assert first.backend.counters.num_kvstore_blocks_stored == NUM_FULL_BLOCKS
+        for request_id, salt in [("unsalted", ""), ("b", "tenant-b")]:
+            miss = await prefill_response(second.stub.Prefill(request(request_id, salt)))
+            assert (miss.num_cached_tokens, second.backend.counters.num_kvstore_blocks_loaded) == (0, 0), salt
+        hit = await prefill_response(second.stub.Prefill(request("a-again", "tenant-a")))
+        assert (hit.num_cached_tokens, second.backend.counters.num_kvstore_blocks_loaded) == (16, NUM_FULL_BLOCKS)
+        assert hit.first_token_ids == stored.first_token_ids == miss.first_token_ids
+        for worker in (first, second):
+            await wait_pool_full(worker.stub)
+    finally:
+        for worker in (first, second):
+            await worker.close()
+
+
 async def test_blocks_stay_held_until_gathered_and_a_failed_put_is_only_logged(checkpoint, kvstore):
     worker = await start_prefill(checkpoint, kvstore)
     try:
@@ -246,10 +274,10 @@ async def test_a_prompt_is_hashed_once_for_its_lookup_and_its_put(checkpoint, kv
     calls = 0
     original = prefix.hashes
 
-    def counted(prompt):  # type: ignore[no-untyped-def]
+    def counted(prompt, cache_salt=""):  # type: ignore[no-untyped-def]
         nonlocal calls
         calls += 1
-        return original(prompt)
+        return original(prompt, cache_salt)
 
     prefix.hashes = counted
     try:
