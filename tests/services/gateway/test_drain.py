@@ -122,9 +122,9 @@ async def test_a_draining_prefill_worker_finishes_its_prefills_and_refuses_new_o
         release = asyncio.Event()
         real_fetch = prefill._fetch_prefix
 
-        async def held_fetch(request_id, prompt):  # type: ignore[no-untyped-def]
+        async def held_fetch(request_id, prompt, cache_salt):  # type: ignore[no-untyped-def]
             await release.wait()  # every prompt is admitted here and held until the drain began
-            return await real_fetch(request_id, prompt)
+            return await real_fetch(request_id, prompt, cache_salt)
 
         monkeypatch.setattr(prefill, "_fetch_prefix", held_fetch)
         expected = expected_tokens(model_dir, PROMPTS)
