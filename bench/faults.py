@@ -27,6 +27,10 @@ on one stack:
 
     python bench/faults.py            # full: 800 / 8 clients, 1,000 mixed, 1 GB, 200 MB
     python bench/faults.py --quick    # 80 requests, 100 mixed, 64 MB bodies and message
+
+`--tls` runs the same stack as `cleave up --tls` does (mutual TLS between the services, TLS
+bulk KV, HTTPS and TLS on the gateway), every client checking the stack's CA, the attacks
+included.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import asyncio
 import multiprocessing
 import random
 import signal
+import ssl
 import sys
 import tempfile
 import threading
@@ -87,11 +92,21 @@ QUICK = Settings(num_requests=80, max_tokens=8, num_drain=6, drain_max_tokens=16
 
 
 class FaultStack(SupervisedStack):
-    """The supervised stack, plus what the figures read from the gateway's log."""
+    """The supervised stack, plus what the figures read from the gateway's log and the
+    clients it takes (over TLS with a TLS stack)."""
 
     def migrations(self) -> int:
         """Requests the gateway moved to another decode worker (its log spans restarts)."""
         return self.child("gateway").log_path.read_text(errors="replace").count("request migrated")
+
+    def client(self) -> GatewayClient:
+        """A client of the gateway's gRPC API."""
+        return GatewayClient(self.stack.gateway_address, credentials=self.stack.channel_credentials())
+
+    @property
+    def ca_file(self) -> str | None:
+        """The stack's CA (None without TLS), for a client in another process."""
+        return None if self.stack.tls is None else str(self.stack.tls.ca_file)
 
 
 # ---- requests ---------------------------------------------------------------------------------
@@ -111,13 +126,13 @@ async def greedy(client: GatewayClient, prompt: str, max_tokens: int, on_token=N
     return list(sample.token_ids)
 
 
-async def run_clients(address: str, batches: list[list[str]], max_tokens: int,
+async def run_clients(supervised: FaultStack, batches: list[list[str]], max_tokens: int,
                       on_done=None) -> list[list[list[int] | str]]:  # type: ignore[no-untyped-def]
     """Each batch from its own client, one request after another: tokens, or the error."""
 
     async def one_client(batch: list[str]) -> list[list[int] | str]:
         results: list[list[int] | str] = []
-        async with GatewayClient(address) as client:
+        async with supervised.client() as client:
             for prompt in batch:
                 try:
                     results.append(await greedy(client, prompt, max_tokens))
@@ -130,9 +145,11 @@ async def run_clients(address: str, batches: list[list[str]], max_tokens: int,
     return list(await asyncio.gather(*(one_client(batch) for batch in batches)))
 
 
-async def worker_load(worker: Child, internal_token: str) -> common_pb2.WorkerLoad:
+async def worker_load(supervised: FaultStack, worker: Child) -> common_pb2.WorkerLoad:
     stub_type = decode_pb2_grpc.DecodeStub if worker.name.startswith("decode") else prefill_pb2_grpc.PrefillStub
-    async with aio_channel(worker.address, internal_token=internal_token) as channel:
+    stack = supervised.stack
+    async with aio_channel(worker.address, internal_token=stack.internal_token,
+                           credentials=stack.channel_credentials()) as channel:
         return (await stub_type(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=5)).load
 
 
@@ -140,12 +157,11 @@ async def worker_load(worker: Child, internal_token: str) -> common_pb2.WorkerLo
 
 
 async def kill_decode(supervised: FaultStack, settings: Settings) -> dict:
-    address = supervised.stack.gateway_address
     per_client = settings.num_requests // settings.num_clients
     batches = [[f"fault {client} {index}: tell me about the fox" for index in range(per_client)]
                for client in range(settings.num_clients)]
     start = time.monotonic()
-    reference = await run_clients(address, batches, settings.max_tokens)
+    reference = await run_clients(supervised, batches, settings.max_tokens)
     undisturbed_s = time.monotonic() - start
     victim = supervised.child("decode-0")
     migrated_before = supervised.migrations()
@@ -164,7 +180,7 @@ async def kill_decode(supervised: FaultStack, settings: Settings) -> dict:
 
     start = time.monotonic()
     killer = asyncio.ensure_future(kill_later())
-    disturbed = await run_clients(address, batches, settings.max_tokens, on_done=count)
+    disturbed = await run_clients(supervised, batches, settings.max_tokens, on_done=count)
     disturbed_s = time.monotonic() - start
     await killer
     restarted = await asyncio.to_thread(supervised.wait_restarted, victim)
@@ -193,11 +209,11 @@ async def kill_decode(supervised: FaultStack, settings: Settings) -> dict:
 async def takes_traffic(supervised: FaultStack, worker: Child, max_tokens: int, timeout_s: float = 60.0) -> bool:
     """Whether bursts through the gateway reach `worker` (its token rate shows the work)."""
     deadline = time.monotonic() + timeout_s
-    async with GatewayClient(supervised.stack.gateway_address) as client:
+    async with supervised.client() as client:
         while time.monotonic() < deadline:
             burst = [f"after {time.monotonic()} {index}" for index in range(8)]
             await asyncio.gather(*(greedy(client, prompt, max_tokens) for prompt in burst))
-            if (await worker_load(worker, supervised.stack.internal_token)).tokens_per_second > 0:
+            if (await worker_load(supervised, worker)).tokens_per_second > 0:
                 return True
     return False
 
@@ -206,9 +222,8 @@ async def takes_traffic(supervised: FaultStack, worker: Child, max_tokens: int, 
 
 
 async def drain(supervised: FaultStack, name: str, settings: Settings) -> dict:
-    address = supervised.stack.gateway_address
     prompts = [f"drain {name} {index}: the quick brown fox jumps over the lazy dog" for index in range(settings.num_drain)]
-    (reference,) = await run_clients(address, [prompts], settings.drain_max_tokens)
+    (reference,) = await run_clients(supervised, [prompts], settings.drain_max_tokens)
     victim = supervised.child(name)
     migrated_before = supervised.migrations()
     streaming: set[int] = set()
@@ -230,7 +245,7 @@ async def drain(supervised: FaultStack, name: str, settings: Settings) -> dict:
         finally:
             finished.add(index)
 
-    async with GatewayClient(address) as client:
+    async with supervised.client() as client:
         tasks = [asyncio.ensure_future(one(client, index)) for index in range(len(prompts))]
         await asyncio.wait_for(ready.wait(), 120)
         in_flight = len(prompts) - len(finished)
@@ -241,7 +256,7 @@ async def drain(supervised: FaultStack, name: str, settings: Settings) -> dict:
         results = await asyncio.wait_for(asyncio.gather(*tasks), 180)
     lost = sum(isinstance(got, str) or got != want for want, got in zip(reference, results))
     restarted = await asyncio.to_thread(supervised.wait_restarted, victim)
-    await wait_until_serving(address)
+    await wait_until_serving(supervised.stack.gateway_address, credentials=supervised.stack.channel_credentials())
     return {
         "service": name,
         "in_flight": in_flight,
@@ -300,13 +315,13 @@ async def mixed(supervised: FaultStack, settings: Settings, seed: int = 11) -> d
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
 
     start = time.monotonic()
-    async with GatewayClient(supervised.stack.gateway_address) as client:
+    async with supervised.client() as client:
         await asyncio.gather(*(bounded(client, index) for index in range(settings.num_mixed)))
     run_s = time.monotonic() - start
     workers = [child for child in supervised.stack.children if child.name.startswith(("decode", "prefill"))]
     deadline = time.monotonic() + 30
     while True:  # handlers of clients that gave up end a moment after them
-        loads = {worker.name: await worker_load(worker, supervised.stack.internal_token) for worker in workers}
+        loads = {worker.name: await worker_load(supervised, worker) for worker in workers}
         idle = all(load.num_free_blocks == load.num_total_blocks and load.num_running == load.num_waiting == 0
                    for load in loads.values())
         if idle or time.monotonic() > deadline:
@@ -355,9 +370,11 @@ class RssPeak:
         return self.peak - self.baseline
 
 
-async def http_body_attack(host: str, port: int, num_bytes: int, declared: bool) -> dict:
-    """POST a `num_bytes` body from a generator of 1 MiB chunks until the gateway answers."""
-    reader, writer = await asyncio.open_connection(host, port)
+async def http_body_attack(host: str, port: int, num_bytes: int, declared: bool, ca_file: str | None) -> dict:
+    """POST a `num_bytes` body from a generator of 1 MiB chunks until the gateway answers
+    (over TLS, checked against `ca_file`, when given)."""
+    context = None if ca_file is None else ssl.create_default_context(cafile=ca_file)
+    reader, writer = await asyncio.open_connection(host, port, ssl=context)
     framing = f"Content-Length: {num_bytes}" if declared else "Transfer-Encoding: chunked"
     head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{framing}\r\n\r\n"
     answered_at: list[float] = []
@@ -392,12 +409,17 @@ async def http_body_attack(host: str, port: int, num_bytes: int, declared: bool)
             "sent_mb": round(sent / 2**20, 1)}
 
 
-async def grpc_message_attack(address: str, num_bytes: int) -> dict:
-    """Send one Generate request of `num_bytes`, serialized before the clock starts."""
+async def grpc_message_attack(address: str, num_bytes: int, ca_file: str | None) -> dict:
+    """Send one Generate request of `num_bytes`, serialized before the clock starts (over
+    TLS, checked against `ca_file`, when given)."""
     payload = gateway_pb2.GenerateRequest(text="x" * num_bytes).SerializeToString()
     method = f"/{gateway_pb2.DESCRIPTOR.services_by_name['Gateway'].full_name}/Generate"
     options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-    async with grpc.aio.insecure_channel(address, options=options) as channel:
+    if ca_file is None:
+        channel = grpc.aio.insecure_channel(address, options=options)
+    else:
+        channel = grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(Path(ca_file).read_bytes()), options)
+    async with channel:
         generate = channel.unary_stream(method, request_serializer=None,
                                         response_deserializer=gateway_pb2.GenerateResponse.FromString)
         start = time.monotonic()
@@ -410,21 +432,22 @@ async def grpc_message_attack(address: str, num_bytes: int) -> dict:
         return {"status": code, "refused_s": round(time.monotonic() - start, 3), "sent_mb": round(len(payload) / 2**20, 1)}
 
 
-def attack_round(host: str, http_port: int, grpc_address: str, body_bytes: int, grpc_bytes: int) -> dict[str, dict]:
+def attack_round(host: str, http_port: int, grpc_address: str, body_bytes: int, grpc_bytes: int,
+                 ca_file: str | None) -> dict[str, dict]:
     """The three attacks once, one after another. Runs in a process of its own: building and
     sending the payloads there never stalls the event loop that times the streams."""
 
     async def in_turn() -> dict[str, dict]:
         return {
-            "http_content_length": await http_body_attack(host, http_port, body_bytes, True),
-            "http_chunked": await http_body_attack(host, http_port, body_bytes, False),
-            "grpc_message": await grpc_message_attack(grpc_address, grpc_bytes),
+            "http_content_length": await http_body_attack(host, http_port, body_bytes, True, ca_file),
+            "http_chunked": await http_body_attack(host, http_port, body_bytes, False, ca_file),
+            "grpc_message": await grpc_message_attack(grpc_address, grpc_bytes, ca_file),
         }
 
     return asyncio.run(in_turn())
 
 
-async def stream_gaps_ms(address: str, max_tokens: int, num_streams: int = 4) -> list[float]:
+async def stream_gaps_ms(supervised: FaultStack, max_tokens: int, num_streams: int = 4) -> list[float]:
     """Gaps between token-carrying messages of `num_streams` concurrent streams, as their
     client sees them (a message may carry several tokens when the client reads late)."""
 
@@ -439,7 +462,7 @@ async def stream_gaps_ms(address: str, max_tokens: int, num_streams: int = 4) ->
                 last = now
         return gaps
 
-    async with GatewayClient(address) as client:
+    async with supervised.client() as client:
         return [gap for gaps in await asyncio.gather(*(one(client, index) for index in range(num_streams)))
                 for gap in gaps]
 
@@ -461,12 +484,12 @@ async def oversized(supervised: FaultStack, settings: Settings) -> dict:
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as attacker:
         await loop.run_in_executor(attacker, time.monotonic)  # started and imported before any clock runs
         for _ in range(NUM_WINDOWS):  # quiet and attacked windows in turns: the spread of each is the noise
-            quiet.append(await stream_gaps_ms(address, settings.stream_max_tokens))
+            quiet.append(await stream_gaps_ms(supervised, settings.stream_max_tokens))
             peak = RssPeak(supervised.child("gateway").process.pid)
-            streams = asyncio.ensure_future(stream_gaps_ms(address, settings.stream_max_tokens))
+            streams = asyncio.ensure_future(stream_gaps_ms(supervised, settings.stream_max_tokens))
             while not streams.done():  # attack for as long as the streams run
                 round_ = await loop.run_in_executor(attacker, attack_round, stack.spec.host, http_port, address,
-                                                    settings.body_bytes, settings.grpc_bytes)
+                                                    settings.body_bytes, settings.grpc_bytes, supervised.ca_file)
                 for kind, result in round_.items():
                     attacks[kind].append(result)
             attacked.append(await streams)
@@ -537,9 +560,9 @@ def figures(kill: dict | None, drains: list[dict], mix: dict | None, attack: dic
     return rows
 
 
-def start_stack(model: Path, workdir: Path) -> FaultStack:
+def start_stack(model: Path, workdir: Path, tls: bool = False) -> FaultStack:
     spec = StackSpec(model=model, mode="disaggregated", num_prefill=2, num_decode=2, grpc_port=0, http_port=0,
-                     log_level="WARNING", metrics=False)
+                     log_level="WARNING", metrics=False, tls=tls)
     stack = ProcessStack(spec, workdir)
     stack.start(timeout_s=600)
     return FaultStack(stack)
@@ -569,6 +592,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="80 requests, 100 mixed, 64 MB bodies")
     parser.add_argument("--parts", default="kill,drain,mixed,oversized", help="comma-separated, run in this order")
     parser.add_argument("--model", type=Path, default=SHIPPED_MODEL_DIR)
+    parser.add_argument("--tls", action="store_true", help="a TLS stack (cleave up --tls), every client over TLS")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "faults")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else Settings()
@@ -576,17 +600,18 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = set(parts) - {"kill", "drain", "mixed", "oversized"}
     if unknown:
         parser.error(f"--parts: unknown {sorted(unknown)}")
-    name = run_name("faults-quick" if args.quick else "faults")
+    name = run_name("faults" + ("-quick" if args.quick else "") + ("-tls" if args.tls else ""))
 
     def save(results: dict) -> None:
         rows = figures(results["kill"], results["drain"], results["mixed"], results["oversized"])
-        summary = {"settings": asdict(settings), "stack": "disaggregated, 2 prefill + 2 decode, CPU, supervised",
+        stack = "disaggregated, 2 prefill + 2 decode, CPU, supervised" + (", TLS everywhere" if args.tls else "")
+        summary = {"settings": asdict(settings), "stack": stack,
                    **{key: value for key, value in results.items() if value}}
         write_results(args.out, name, rows, COLUMNS, summary=summary,
                       argv=[sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
 
     with tempfile.TemporaryDirectory(prefix="cleave-faults-") as workdir:
-        supervised = start_stack(args.model, Path(workdir))
+        supervised = start_stack(args.model, Path(workdir), tls=args.tls)
         try:
             results = asyncio.run(run(supervised, settings, parts, save))
         finally:

@@ -164,13 +164,15 @@ async def collect(responses: AsyncIterator[gateway_pb2.GenerateResponse]) -> Com
     return completion
 
 
-async def wait_until_serving(address: str, timeout_s: float = 120.0, api_key: str | None = None) -> None:
+async def wait_until_serving(address: str, timeout_s: float = 120.0, api_key: str | None = None,
+                             credentials: grpc.ChannelCredentials | None = None) -> None:
     """Return once a one-token request through the gateway at `address` succeeds (after a
-    restart, say); past `timeout_s` (a guard against a hang) the last failure is raised."""
+    restart, say; `credentials` for a TLS gateway); past `timeout_s` (a guard against a
+    hang) the last failure is raised."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            async with GatewayClient(address, api_key=api_key) as client:
+            async with GatewayClient(address, api_key=api_key, credentials=credentials) as client:
                 await client.complete("ping", max_tokens=1, timeout=10)
             return
         except grpc.aio.AioRpcError:
