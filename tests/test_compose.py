@@ -162,7 +162,7 @@ def test_docker_compose_accepts_the_file(token_file):
     services = json.loads(result.stdout)["services"]
     assert services["secrets"]["environment"]["CLEAVE_INTERNAL_TOKEN"] == "s3cret"  # the operator's token wins
     gateway_env = local_env(services["gateway"]["environment"], token_file)
-    assert gateway_config(services["gateway"]["command"][3:], gateway_env).api_key is None  # CLEAVE_API_KEY unset
+    assert gateway_config(services["gateway"]["command"][3:], gateway_env).api_keys is None  # CLEAVE_API_KEY unset
 
 
 def test_every_service_reads_one_token_written_before_it_starts():

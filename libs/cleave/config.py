@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from cleave.api_keys import ApiKeys
 from cleave.engine.config import KV_CACHE_DTYPES
 from cleave.generation.reasoning_formats import REASONING_PARSERS
 from cleave.tls import CA_FLAG, CERT_FLAG, KEY_FLAG, TlsConfig, TlsConfigError
@@ -158,8 +159,9 @@ class GatewayConfig:
     # prompt text refused before tokenizing above this many UTF-8 bytes; 0: the most the
     # context could hold (max_model_len * the longest token's bytes)
     max_prompt_bytes: int = 0
-    # Public routes (HTTP /v1, gRPC Gateway) require `Bearer <api_key>`; None: open
-    api_key: str | None = field(default=None, repr=False)
+    # Public routes (HTTP /v1, gRPC Gateway) require `Bearer <key>` for one of the keys
+    # (--api-key and each line of --api-key-file); None: open
+    api_keys: ApiKeys | None = field(default=None, repr=False)
     http_port_file: Path | None = None  # the HTTP API's bound port is written here once it listens
 
 
@@ -321,6 +323,31 @@ def _internal_token(args: argparse.Namespace) -> str | None:
     return token
 
 
+def gateway_api_keys(environ: Mapping[str, str]) -> ApiKeys | None:
+    """The API keys a gateway started with `environ` and no key flags takes (`cleave up`'s
+    demo sends the first)."""
+    key_file = environ.get(env_name("--api-key-file"))
+    return _api_keys(environ.get(API_KEY_ENV) or None, Path(key_file) if key_file else None)
+
+
+def _api_keys(api_key: str | None, key_file: Path | None) -> ApiKeys | None:
+    """The gateway's keys: --api-key's, then each line of --api-key-file; None: none."""
+    keys = [api_key] if api_key is not None else []
+    if key_file is not None:
+        try:
+            lines = key_file.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SystemExit(f"--api-key-file: cannot read {key_file}: {exc}") from exc
+        from_file = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        if not from_file:
+            raise SystemExit(f"--api-key-file: {key_file} holds no key; write one a line or leave the flag out")
+        keys += from_file
+    try:
+        return ApiKeys(tuple(keys)) if keys else None
+    except ValueError as exc:
+        raise SystemExit(f"--api-key / --api-key-file: {exc}") from None
+
+
 def _tls(args: argparse.Namespace) -> TlsConfig | None:
     try:
         return TlsConfig.from_files(args.tls_cert_file, args.tls_key_file, args.tls_ca_file)
@@ -431,6 +458,9 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
               action=argparse.BooleanOptionalAction)
     flags.add("--api-key", None, "clients of the HTTP /v1 routes and the gRPC Gateway service must send "
               "'Authorization: Bearer <key>' (unset: no key asked; prefer the env variable, `ps` shows flags)")
+    flags.add("--api-key-file", None, "more API keys, one a line ('#' comments): any one is taken, and with "
+              "two or more in all each key's requests share cached prompt prefixes only with each other",
+              type=Path)
     flags.add("--max-request-bytes", DEFAULT_MAX_REQUEST_BYTES, "HTTP request body limit (larger: 413)", type=int)
     flags.add("--max-prompt-bytes", 0, "prompt text limit in UTF-8 bytes, checked before tokenizing "
               "(0: the context length times the longest token's bytes)", type=int)
@@ -459,7 +489,7 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
         remote_prefill_busy_max_queue_tokens=args.remote_prefill_busy_max_queue_tokens,
         max_request_bytes=args.max_request_bytes,
         max_prompt_bytes=args.max_prompt_bytes,
-        api_key=args.api_key or None,
+        api_keys=_api_keys(args.api_key or None, args.api_key_file),
         http_port_file=args.http_port_file,
     )
 

@@ -96,9 +96,9 @@ def build(config: GatewayConfig, tracing: Tracing = TRACING_OFF,
     )
     requests.track_decode_workers(backend.decode_loads)
     metered = ClientSafeBackend(MeteredBackend(backend, requests))  # what both public APIs reach
-    servicer = GatewayServicer(metered, [served])
+    servicer = GatewayServicer(metered, [served], api_keys=config.api_keys)
     token_text = lambda token_id: model.tokenizer.decode([token_id])  # noqa: E731
-    api = (OpenAIApi(metered, [served], token_text, tracing=tracing, api_key=config.api_key,
+    api = (OpenAIApi(metered, [served], token_text, tracing=tracing, api_keys=config.api_keys,
                      max_request_bytes=config.max_request_bytes, routability=backend.routability,
                      metrics_registry=metrics.registry, served_model=model)
            if config.http_listen else None)
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         # the public service asks for the API key, not the internal token (which it sends to workers)
         # health follows the workers: NOT_SERVING while no request could be routed
         asyncio.run(run_service([registration(servicer)], config.service, process, tracing=tracing,
-                                auth=api_key_auth(config.api_key), readiness=process.backend.routability,
+                                auth=api_key_auth(config.api_keys), readiness=process.backend.routability,
                                 work=process.backend, metrics=metrics))
     finally:
         tracing.shutdown()

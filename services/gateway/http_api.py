@@ -45,10 +45,10 @@ import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from cleave.api_keys import ApiKeys
 from cleave.config import DEFAULT_MAX_REQUEST_BYTES, ModelConfig
 from cleave.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
 from cleave.metrics.exposition import metrics_handler
-from cleave.rpc.auth import bearer_matches
 from cleave.rpc.connection_limits import connection_cap
 from cleave.rpc.types import TopLogprobs, Usage
 from cleave.tls import TlsConfig
@@ -71,12 +71,14 @@ from services.gateway.readiness import Routability
 from services.gateway.request_names import resolve_model
 from services.gateway.responses_api import PARAM_NAMES as RESPONSES_PARAMS
 from services.gateway.responses_api import ResponseShaper, responses_body
+from services.gateway.tenants import TenantBackend
 from services.gateway.tokenize_api import detokenize, tokenize
 
 log = structlog.get_logger("cleave.gateway.http")
 _CHAT_PARAMS = {"input": "messages", "chat.messages": "messages", "sampling.logprobs": "top_logprobs"}
 _COMPLETION_PARAMS = {"input": "prompt", "text": "prompt", "token_ids.ids": "prompt"}
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # served without the API key (probes, Prometheus)
+TENANT_KEY = "cleave.tenant"  # a request's tenant, with several API keys (`_authorized`)
 DEFAULT_IDLE_TIMEOUT_S = 75.0  # aiohttp's run_app default; a bare AppRunner waits an hour
 _REQUEST_TIMEOUT = 408
 
@@ -100,8 +102,10 @@ class OpenAIApi:
         token_text: token id -> its text (for logprobs).
         tracing: where each request's server span goes (off by default).
         max_request_bytes: larger request bodies are refused with 413 (`http_body`).
-        api_key: every /v1 route asks for `Authorization: Bearer <api_key>` (401 otherwise;
-            /health and /ready stay open); None: no key asked.
+        api_keys: every route but the probes and the metrics asks for `Authorization:
+            Bearer <key>` of one of them (401 otherwise); with several, each key's requests
+            run as its tenant (`services.gateway.tenants`); a string: that one key; None:
+            no key asked.
         routability: what `/ready` reports (`RoutingBackend.routability`); None: ready
             whenever the process serves.
         metrics_registry: served at `/metrics` (Prometheus text, no API key); None: no route.
@@ -113,7 +117,7 @@ class OpenAIApi:
     """
 
     def __init__(self, backend: GatewayBackend, models: Sequence[ModelConfig], token_text,  # type: ignore[no-untyped-def]
-                 tracing: Tracing = TRACING_OFF, api_key: str | None = None,
+                 tracing: Tracing = TRACING_OFF, api_keys: ApiKeys | str | None = None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                  routability: Routability | None = None, metrics_registry: CollectorRegistry | None = None,
                  served_model: ServedModel | None = None, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
@@ -124,7 +128,7 @@ class OpenAIApi:
         self.metrics_registry = metrics_registry
         self.routability = routability
         self.max_request_bytes = max_request_bytes
-        self.api_key = api_key
+        self.api_keys = ApiKeys((api_keys,)) if isinstance(api_keys, str) else api_keys
         self.models = tuple(models)
         self.token_text = token_text
         self.served_model = served_model
@@ -174,10 +178,16 @@ class OpenAIApi:
 
     @web.middleware
     async def _authorized(self, request: web.Request, handler) -> web.StreamResponse:  # type: ignore[no-untyped-def]
-        """Refuse a request without the API key (401, OpenAI's error shape), except the
-        probes and the metrics (`OPEN_PATHS`): the tokenizer routes do work for a caller too."""
-        if self.api_key is None or request.path in OPEN_PATHS or bearer_matches(
-                request.headers.get("Authorization"), self.api_key):
+        """Refuse a request without an API key (401, OpenAI's error shape), except the
+        probes and the metrics (`OPEN_PATHS`): the tokenizer routes do work for a caller too.
+        With several keys, the request runs as the tenant of the key it sent (`_backend`)."""
+        keys = self.api_keys
+        if keys is None or request.path in OPEN_PATHS:
+            return await handler(request)
+        tenant = keys.tenant(request.headers.get("Authorization"))
+        if tenant is not None:
+            if keys.isolates:
+                request[TENANT_KEY] = tenant
             return await handler(request)
         sent = "a wrong API key" if "Authorization" in request.headers else "no API key"
         mapped = http_error(Unauthenticated(
@@ -253,7 +263,7 @@ class OpenAIApi:
                          whole: Callable[[], dict[str, Any]], streamer: Any) -> web.StreamResponse:
         """Run the request: streamed by `streamer(request, chunks, shaper)`, or every chunk into
         `shaper.add` and the `whole()` answer."""
-        chunks = self.backend.generate(spec)
+        chunks = self._backend(request).generate(spec)
         async with contextlib.aclosing(chunks):
             if stream:
                 return await streamer(request, chunks, shaper)
@@ -291,7 +301,7 @@ class OpenAIApi:
             if not chat and isinstance(body, dict):
                 prompts = completion_prompts(body)
                 if len(prompts) > 1 or body.get("echo"):
-                    return web.json_response(await self._complete_batch(body, request_id, model, prompts))
+                    return web.json_response(await self._complete_batch(request, body, request_id, model, prompts))
             spec, stream = generate_spec(body, request_id, model, chat)
             shaper = _Shaper(spec, chat, self.token_text, include_usage=include_usage(body, stream))
             return await self._generated(request, spec, stream, shaper, shaper.complete, self._stream)
@@ -299,9 +309,14 @@ class OpenAIApi:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         return await self._handle(request, request_id, _CHAT_PARAMS if chat else _COMPLETION_PARAMS, respond)
 
-    async def _complete_batch(self, body: dict[str, Any], request_id: str, model: str,
+    def _backend(self, request: web.Request) -> GatewayBackend:
+        """The backend as the request's tenant reaches it (the backend itself with one key)."""
+        tenant = request.get(TENANT_KEY)
+        return self.backend if tenant is None else TenantBackend(self.backend, tenant)
+
+    async def _complete_batch(self, request: web.Request, body: dict[str, Any], request_id: str, model: str,
                               prompts: list[Prompt]) -> dict[str, Any]:
-        answer, usage = await complete_batch(self.backend, body, request_id, model, prompts,
+        answer, usage = await complete_batch(self._backend(request), body, request_id, model, prompts,
                                              lambda spec: _Shaper(spec, False, self.token_text, include_usage=False),
                                              self._prompt_text, self.token_text)
         return {**answer, "usage": usage_json(usage)}

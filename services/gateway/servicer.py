@@ -10,11 +10,13 @@ from typing import Any
 
 import grpc
 
+from cleave.api_keys import ApiKeys
 from cleave.config import ModelConfig
-from cleave.errors import InvalidArgument
+from cleave.errors import InvalidArgument, Unauthenticated
 from cleave.generation.tool_calls import ForcedCall
 from cleave.proto.cleave.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from cleave.rpc import current_request_id
+from cleave.rpc.auth import AUTHORIZATION_KEY
 from cleave.rpc.convert import (
     abort_target,
     MAX_SAMPLES,
@@ -46,6 +48,7 @@ from services.gateway.backend import (
 from services.gateway.openai_tools import MAX_TOOLS, json_object, new_call_id
 from services.gateway.request_names import chat_role, resolve_model
 from services.gateway.structured_request import forced_call_output
+from services.gateway.tenants import for_tenant
 
 DEADLINE_MARGIN_S = 0.05
 _STRATEGIES = {
@@ -213,15 +216,28 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     `Abort` reaches only the requests the calling connection started: request ids may be
     the client's own choice, so another client could know one, and a caller that is not the
-    request's gets `found: false`, as for an id that is not running.
+    request's gets `found: false`, as for an id that is not running. With several API keys
+    (`api_keys`, checked by the server's interceptor before a call gets here) a request
+    runs as the tenant of the key it sent (`services.gateway.tenants`).
     """
 
-    def __init__(self, backend: GatewayBackend, models: Sequence[ModelConfig]) -> None:
+    def __init__(self, backend: GatewayBackend, models: Sequence[ModelConfig], api_keys: ApiKeys | None = None) -> None:
         if not models:
             raise ValueError("a gateway serves at least one model")
         self.backend = backend
         self.models = tuple(models)
+        self.api_keys = api_keys
         self._callers: dict[str, str] = {}  # running request id -> the connection (peer) that started it
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> str | None:
+        """The tenant of the caller's key, with several keys (None: one key or none)."""
+        if self.api_keys is None or not self.api_keys.isolates:
+            return None
+        sent = next((value for key, value in context.invocation_metadata() or () if key == AUTHORIZATION_KEY), None)
+        tenant = self.api_keys.tenant(sent if isinstance(sent, str) else None)
+        if tenant is None:  # the interceptor let no such call through; refuse rather than share a cache
+            raise Unauthenticated("send 'authorization: Bearer <key>' with one of the gateway's API keys")
+        return tenant
 
     def generate_spec(self, request: gateway_pb2.GenerateRequest) -> GenerateSpec:
         request_id = request.request_id or current_request_id() or ""
@@ -258,7 +274,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        spec = self.generate_spec(request)
+        spec = for_tenant(self.generate_spec(request), self._tenant(context))
         remaining = context.time_remaining()
         if remaining is not None:
             # end a little before the client's deadline, so it gets our DEADLINE_EXCEEDED

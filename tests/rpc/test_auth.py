@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cleave.errors import Unauthenticated
+from cleave.api_keys import ApiKeys, key_tag
 from cleave.rpc.auth import api_key_auth, bearer_matches, call_metadata, internal_auth
 
 TOKEN = "s3cret-token"
@@ -39,3 +40,24 @@ def test_the_api_key_is_a_bearer_authorization():
         auth.check("/cleave.v1.Gateway/Generate", (("authorization", "sk-1"),))
     assert bearer_matches("Bearer sk-1", "sk-1")
     assert not bearer_matches(None, "sk-1") and not bearer_matches("Bearer sk-2", "sk-1")
+
+
+def test_any_of_several_api_keys_is_taken_and_names_its_tenant():
+    keys = ApiKeys(("sk-a", "sk-b"))
+    auth = api_key_auth(keys)
+    for key in keys.keys:
+        auth.check("/cleave.v1.Gateway/Generate", call_metadata(api_key=key))
+    with pytest.raises(Unauthenticated, match="is wrong"):
+        auth.check("/cleave.v1.Gateway/Generate", call_metadata(api_key="sk-c"))
+    assert keys.isolates and not ApiKeys(("sk-a",)).isolates
+    tenants = {keys.tenant(f"Bearer {key}") for key in keys.keys}
+    assert tenants == {key_tag("sk-a"), key_tag("sk-b")} and len(tenants) == 2
+    assert keys.tenant("Bearer sk-c") is None and keys.tenant(None) is None
+    assert all(len(tag) == 16 and "sk-" not in tag for tag in tenants)
+    assert "sk-a" not in repr(keys) and "sk-a" not in repr(auth)
+
+
+@pytest.mark.parametrize("keys", [(), ("",), ("sk-a\n",), ("sk-a", "sk-a")])
+def test_api_keys_that_could_not_be_sent_or_tell_tenants_apart_are_refused(keys):
+    with pytest.raises(ValueError):
+        ApiKeys(keys)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cleave.config import DEFAULT_MAX_MESSAGE_BYTES, gateway_config, kvstore_config, worker_config
+from cleave.config import DEFAULT_MAX_MESSAGE_BYTES, gateway_api_keys, gateway_config, kvstore_config, worker_config
 from cleave.worker import engine_config_from_worker
 from tests.tls_files import stack_tls
 
@@ -109,11 +109,36 @@ def test_internal_token_from_environment_or_file_and_hidden_from_repr(tmp_path):
 
 
 def test_api_key_from_flag_or_environment_off_when_unset():
-    assert gateway_config([], {}).api_key is None
-    assert gateway_config([], {"CLEAVE_API_KEY": ""}).api_key is None  # compose passes an empty one
+    assert gateway_config([], {}).api_keys is None
+    assert gateway_config([], {"CLEAVE_API_KEY": ""}).api_keys is None  # compose passes an empty one
     config = gateway_config([], {"CLEAVE_API_KEY": "sk-env"})
-    assert config.api_key == "sk-env" and "sk-env" not in repr(config)
-    assert gateway_config(["--api-key", "sk-flag"], {"CLEAVE_API_KEY": "sk-env"}).api_key == "sk-flag"
+    assert config.api_keys.keys == ("sk-env",) and "sk-env" not in repr(config)
+    assert not config.api_keys.isolates
+    assert gateway_config(["--api-key", "sk-flag"], {"CLEAVE_API_KEY": "sk-env"}).api_keys.keys == ("sk-flag",)
+
+
+def test_an_api_key_file_adds_a_key_a_line_and_several_keys_are_tenants(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# tenants\nsk-a\n\n  sk-b  \n")
+    config = gateway_config(["--api-key-file", str(keys)], {"CLEAVE_API_KEY": "sk-env"})
+    assert config.api_keys.keys == ("sk-env", "sk-a", "sk-b") and config.api_keys.isolates
+    assert "sk-a" not in repr(config)
+    assert gateway_config([], {"CLEAVE_API_KEY_FILE": str(keys)}).api_keys.keys == ("sk-a", "sk-b")
+    assert gateway_api_keys({"CLEAVE_API_KEY_FILE": str(keys)}).keys == ("sk-a", "sk-b")
+
+
+@pytest.mark.parametrize("content, message", [
+    ("# nothing but a comment\n", "holds no key"),
+    ("sk-a\nsk-a\n", "given twice"),
+    (None, "cannot read"),
+])
+def test_a_bad_api_key_file_stops_the_gateway_naming_the_flag(tmp_path, content, message):
+    keys = tmp_path / "keys"
+    if content is not None:
+        keys.write_text(content)
+    with pytest.raises(SystemExit, match=message) as raised:
+        gateway_config(["--api-key-file", str(keys)], {})
+    assert "--api-key-file" in str(raised.value)
 
 
 def test_internal_services_listen_on_loopback_by_default_the_gateway_everywhere():

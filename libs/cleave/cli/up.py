@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from cleave.cli._arg_types import positive_int
 from cleave.cli._memory_split import DEFAULT_GPU_MEMORY_UTILIZATION, MemorySplit
-from cleave.config import API_KEY_ENV
+from cleave.config import gateway_api_keys
 from cleave.engine.config import KV_CACHE_DTYPES
 from cleave.generation.reasoning_formats import REASONING_PARSERS
 
@@ -176,8 +176,9 @@ def run(args: argparse.Namespace) -> int:
         if spec.metrics:
             _say(f"  Prometheus targets: {stack.prometheus_targets_file}")
         if args.demo:
-            # the gateway inherited CLEAVE_API_KEY, if it is set: the demo sends the same key
-            asyncio.run(demo(stack.gateway_address, api_key=os.environ.get(API_KEY_ENV) or None,
+            # the gateway inherited CLEAVE_API_KEY and CLEAVE_API_KEY_FILE: the demo sends its first key
+            keys = gateway_api_keys(os.environ)
+            asyncio.run(demo(stack.gateway_address, api_key=keys.keys[0] if keys is not None else None,
                              credentials=stack.channel_credentials()))
             return 0
         _say("press Ctrl-C to stop")

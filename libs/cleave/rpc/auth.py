@@ -7,51 +7,42 @@ Both are one shared secret in one metadata entry, checked the same way:
   added by the channel (`aio_channel(..., internal_token=)`); prefill, decode and kvstore
   refuse a call without it, or with another, as UNAUTHENTICATED.
 - API key: the gateway's public gRPC service asks for `authorization: Bearer <key>`, the
-  same header its HTTP API asks for (`bearer_matches`).
+  same header its HTTP API asks for (`bearer_matches`). A gateway may take several keys
+  (`cleave.api_keys.ApiKeys`), any one of them: with more than one, each is a tenant whose
+  requests share cached prompt prefixes only with each other (`services.gateway.tenants`).
 
 Health and reflection stay open, so probes and `grpcurl list` need no secret. A secret of
-None turns its check off. Secrets are compared with `hmac.compare_digest`.
+None turns its check off. Secrets are compared with `hmac.compare_digest`, against every
+accepted value (no early exit that would tell which one came close).
 """
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from cleave.api_keys import ApiKeys, any_secret, bearer, bearer_matches, key_tag
 from cleave.errors import Unauthenticated
+
+__all__ = ["ApiKeys", "MetadataAuth", "api_key_auth", "bearer", "bearer_matches", "call_metadata",
+           "internal_auth", "key_tag"]
 
 INTERNAL_TOKEN_KEY = "x-cleave-internal-token"
 AUTHORIZATION_KEY = "authorization"  # gRPC metadata keys are lower case; HTTP's is `Authorization`
 OPEN_METHOD_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
 
 
-def _same_secret(sent: str, expected: str) -> bool:
-    # surrogatepass: aiohttp decodes header bytes that are not UTF-8 to lone surrogates
-    return hmac.compare_digest(sent.encode("utf-8", "surrogatepass"), expected.encode())
-
-
-def bearer(api_key: str) -> str:
-    """The `Authorization` value that carries `api_key`."""
-    return f"Bearer {api_key}"
-
-
-def bearer_matches(authorization: str | None, api_key: str) -> bool:
-    """Whether an `Authorization` header (or metadata value) carries `api_key`."""
-    return authorization is not None and _same_secret(authorization, bearer(api_key))
-
-
 @dataclass(frozen=True)
 class MetadataAuth:
-    """Refuses calls whose `key` metadata is not `expected` (health and reflection excepted).
+    """Refuses calls whose `key` metadata is none of `expected` (health and reflection excepted).
 
     Run by `cleave.rpc.RequestInterceptor` before the handler; a refusal is UNAUTHENTICATED
     and names the missing entry and how to set it.
     """
 
     key: str
-    expected: str = field(repr=False)
+    expected: tuple[str, ...] = field(repr=False)
     what: str  # the secret, as refusals name it: "the internal token"
     how_to_fix: str
 
@@ -62,7 +53,7 @@ class MetadataAuth:
         sent = next((value for key, value in metadata if key == self.key), None)
         if sent is None:
             raise Unauthenticated(f"{method} needs {self.what} in the '{self.key}' metadata; {self.how_to_fix}")
-        if isinstance(sent, bytes) or not _same_secret(sent, self.expected):
+        if isinstance(sent, bytes) or not any_secret(sent, self.expected):
             raise Unauthenticated(f"{method}: {self.what} in '{self.key}' is wrong; {self.how_to_fix}")
 
 
@@ -71,18 +62,20 @@ def internal_auth(token: str | None) -> MetadataAuth | None:
     if token is None:
         return None
     return MetadataAuth(
-        INTERNAL_TOKEN_KEY, token, "the internal token",
+        INTERNAL_TOKEN_KEY, (token,), "the internal token",
         "start every service of the stack with the same CLEAVE_INTERNAL_TOKEN (or --internal-token-file); "
         "`cleave up` and docker-compose.yml do this",
     )
 
 
-def api_key_auth(api_key: str | None) -> MetadataAuth | None:
-    """The check on the gateway's public gRPC service (None: no --api-key, calls open)."""
-    if api_key is None:
+def api_key_auth(api_keys: ApiKeys | str | None) -> MetadataAuth | None:
+    """The check on the gateway's public gRPC service (None: no API key, calls open)."""
+    if api_keys is None:
         return None
+    if isinstance(api_keys, str):
+        api_keys = ApiKeys((api_keys,))
     return MetadataAuth(
-        AUTHORIZATION_KEY, bearer(api_key), "the API key",
+        AUTHORIZATION_KEY, tuple(bearer(key) for key in api_keys.keys), "an API key",
         "send 'authorization: Bearer <key>' with the gateway's --api-key (GatewayClient(api_key=...))",
     )
 

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from cleave.config import ModelConfig
 from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cleave.rpc import Readiness, Server, aio_channel, serve
+from cleave.api_keys import ApiKeys
 from cleave.rpc.auth import MetadataAuth, api_key_auth, internal_auth
 from services.decode.__main__ import registration as decode_registration
 from services.decode.engine_backend import EngineDecodeBackend
@@ -101,11 +102,12 @@ async def start_stack(
     health_interval_s: float = 0.2,
     max_migrations: int = GatewayOptions.max_migrations,
     policy: DisaggregationPolicy = DisaggregationPolicy(),
-    api_key: str | None = None,
+    api_key: str | ApiKeys | None = None,
     num_prefill: int = 1,
 ) -> Stack:
     """Start kvstore, prefill (not colocated), decode worker(s) and the gateway (asking
-    clients for `api_key` when given)."""
+    clients for `api_key`, or one of several, when given)."""
+    api_keys = ApiKeys((api_key,)) if isinstance(api_key, str) else api_key
     stack = Stack()
     config = engine_config(model_dir)
     store = BlockStore(StoreConfig(ram_bytes=64 * 1024 * 1024))
@@ -134,10 +136,10 @@ async def start_stack(
     )
     stack.router = router
     models = [served]
-    gateway = await _serve(stack, gateway_registration(GatewayServicer(ClientSafeBackend(router), models)), router,
-                           auth=api_key_auth(api_key), readiness=router.routability)
+    gateway = await _serve(stack, gateway_registration(GatewayServicer(ClientSafeBackend(router), models, api_keys)),
+                           router, auth=api_key_auth(api_keys), readiness=router.routability)
     stack.gateway_address = gateway.address
-    api = OpenAIApi(ClientSafeBackend(router), models, lambda token_id: model.tokenizer.decode([token_id]), api_key=api_key,
+    api = OpenAIApi(ClientSafeBackend(router), models, lambda token_id: model.tokenizer.decode([token_id]), api_keys=api_keys,
                     routability=router.routability, served_model=model, metrics_registry=CollectorRegistry())
     stack.http_runner = await start_http(api, "127.0.0.1:0")
     stack.http_url = f"http://127.0.0.1:{bound_port(stack.http_runner)}/v1"  # type: ignore[arg-type]

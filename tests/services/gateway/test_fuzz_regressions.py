@@ -108,7 +108,7 @@ async def keyed_http(model_dir):
     """The port of an HTTP API that asks for API_KEY (its workers never answer)."""
     model = ServedModel(ModelConfig(source=str(model_dir), served_name="tiny", max_context_length=256))
     backend = RoutingBackend(model, [UNREACHABLE], [UNREACHABLE], GatewayOptions(mode="disaggregated"))
-    runner = await start_http(OpenAIApi(backend, [model.config], str, api_key=API_KEY), "127.0.0.1:0")
+    runner = await start_http(OpenAIApi(backend, [model.config], str, api_keys=API_KEY), "127.0.0.1:0")
     try:
         yield bound_port(runner)
     finally:

@@ -1,0 +1,64 @@
+"""A gateway with several API keys: each key is a tenant whose requests share cached prompt
+prefixes only with each other, over HTTP (the openai client) and gRPC alike; a request's own
+cache salt splits its tenant's cache further; outputs never change."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import pytest_asyncio
+
+from cleave.api_keys import ApiKeys
+from cleave.client import GatewayClient
+from cleave.proto.cleave.v1 import gateway_pb2
+from services.gateway.tenants import tenant_salt
+from tests.services.gateway.stack import MODEL_NAME, start_stack
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+KEYS = ("sk-tenant-a", "sk-tenant-b")
+PROMPT = "Tenants share one gateway and one prefix cache, but never each other's prompts. " * 2
+IDS = gateway_pb2.StreamOptions(include_token_ids=True)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(model_dir):
+    running = await start_stack(model_dir, "colocated", api_key=ApiKeys(KEYS))
+    yield running
+    await running.close()
+
+
+async def complete(stack, key: str, prompt: str, **extra):  # type: ignore[no-untyped-def]
+    client = openai.AsyncOpenAI(base_url=stack.http_url, api_key=key, max_retries=0)
+    async with client:
+        return await client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0,
+                                               extra_body=extra)
+
+
+async def test_over_http_a_prompt_is_cached_for_its_tenant_only(stack):
+    prompt = "HTTP. " + PROMPT
+    first = await complete(stack, KEYS[0], prompt)
+    again = await complete(stack, KEYS[0], prompt)
+    other = await complete(stack, KEYS[1], prompt)
+    salted = await complete(stack, KEYS[0], prompt, cache_salt="project-x")
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in (first, again, other, salted)]
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] == 0 and cached[3] == 0, cached
+    assert len({r.choices[0].text for r in (first, again, other, salted)}) == 1
+    with pytest.raises(openai.AuthenticationError):
+        await complete(stack, "sk-tenant-c", prompt)
+
+
+async def test_over_grpc_a_prompt_is_cached_for_its_tenant_only(stack):
+    async def generate(key: str) -> tuple[int, list[int]]:
+        async with GatewayClient(stack.gateway_address, api_key=key) as client:
+            result = await client.complete("gRPC. " + PROMPT, max_tokens=3, temperature=0.0, stream=IDS)
+        return result.usage.cached_prompt_tokens, result.samples[0].token_ids
+
+    (first, tokens), (again, _), (other, other_tokens) = [await generate(key) for key in (KEYS[1], KEYS[1], KEYS[0])]
+    assert first == 0 and again > 0 and other == 0
+    assert tokens == other_tokens
+
+
+def test_tenant_salts_differ_by_tenant_and_by_salt_and_stay_bounded():
+    salts = {tenant_salt(tenant, salt) for tenant in ("t1", "t2") for salt in ("", "x", "x" * 256)}
+    assert len(salts) == 6 and all(len(salt) == 64 for salt in salts)
+    assert tenant_salt("t1", "x") == tenant_salt("t1", "x")
