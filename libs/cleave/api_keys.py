@@ -4,15 +4,15 @@ A gateway takes one key or several (`ApiKeys`: `--api-key`, `--api-key-file`); a
 sends one as `Authorization: Bearer <key>` (gRPC metadata `authorization`). With several,
 each key is a tenant: `key_tag` names it by a digest that does not give the key away, and
 its requests share cached prompt prefixes only with each other (`services.gateway.tenants`).
-Secrets are compared with `hmac.compare_digest`, each accepted value in turn (no early exit
-that would tell which one came close).
+A sent secret is looked up by its SHA-256 digest among the digests of the accepted ones
+(`secret_digest`): one lookup however many keys there are, and how far two digests agree
+tells nothing of the secrets behind them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -31,10 +31,9 @@ def bearer_matches(authorization: str | None, api_key: str) -> bool:
     return authorization is not None and same_secret(authorization, bearer(api_key))
 
 
-def any_secret(sent: str, accepted: Iterable[str]) -> bool:
-    """Whether `sent` is one of `accepted`, each compared in constant time."""
-    matches = [same_secret(sent, value) for value in accepted]
-    return any(matches)
+def secret_digest(value: str) -> bytes:
+    """What a secret is looked up by (surrogatepass: as `same_secret` encodes it)."""
+    return hashlib.sha256(value.encode("utf-8", "surrogatepass")).digest()
 
 
 def key_tag(api_key: str) -> str:
@@ -52,6 +51,8 @@ class ApiKeys:
     """
 
     keys: tuple[str, ...] = field(repr=False)
+    # the digest of each key's `Authorization` value -> the key's tag
+    _tenants: dict[bytes, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.keys:
@@ -61,6 +62,12 @@ class ApiKeys:
                 raise ValueError(f"API key {position + 1} is empty or holds a line break or NUL")
         if len(set(self.keys)) != len(self.keys):
             raise ValueError("an API key is given twice")
+        object.__setattr__(self, "_tenants", {secret_digest(bearer(key)): key_tag(key) for key in self.keys})
+
+    @property
+    def accepted(self) -> frozenset[bytes]:
+        """The digests of the `Authorization` values the keys are sent as."""
+        return frozenset(self._tenants)
 
     @property
     def isolates(self) -> bool:
@@ -69,8 +76,4 @@ class ApiKeys:
 
     def tenant(self, authorization: str | None) -> str | None:
         """The `key_tag` of the key an `Authorization` value carries (None: none of them)."""
-        found = None
-        for key in self.keys:  # every key compared: no early exit
-            if bearer_matches(authorization, key):
-                found = key_tag(key)
-        return found
+        return None if authorization is None else self._tenants.get(secret_digest(authorization))

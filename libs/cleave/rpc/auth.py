@@ -12,8 +12,9 @@ Both are one shared secret in one metadata entry, checked the same way:
   requests share cached prompt prefixes only with each other (`services.gateway.tenants`).
 
 Health and reflection stay open, so probes and `grpcurl list` need no secret. A secret of
-None turns its check off. Secrets are compared with `hmac.compare_digest`, against every
-accepted value (no early exit that would tell which one came close).
+None turns its check off. A sent secret is looked up by its SHA-256 digest among the
+accepted ones' (`cleave.api_keys.secret_digest`): one lookup however many keys a gateway
+takes, and how far two digests agree tells nothing of the secrets behind them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cleave.api_keys import ApiKeys, any_secret, bearer, bearer_matches, key_tag
+from cleave.api_keys import ApiKeys, bearer, bearer_matches, key_tag, secret_digest
 from cleave.errors import Unauthenticated
 
 __all__ = ["ApiKeys", "MetadataAuth", "api_key_auth", "bearer", "bearer_matches", "call_metadata",
@@ -35,14 +36,14 @@ OPEN_METHOD_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
 
 @dataclass(frozen=True)
 class MetadataAuth:
-    """Refuses calls whose `key` metadata is none of `expected` (health and reflection excepted).
+    """Refuses calls whose `key` metadata is none of the accepted values (health and reflection excepted).
 
     Run by `cleave.rpc.RequestInterceptor` before the handler; a refusal is UNAUTHENTICATED
     and names the missing entry and how to set it.
     """
 
     key: str
-    expected: tuple[str, ...] = field(repr=False)
+    expected: frozenset[bytes] = field(repr=False)  # `secret_digest`s of the accepted values
     what: str  # the secret, as refusals name it: "the internal token"
     how_to_fix: str
 
@@ -53,7 +54,7 @@ class MetadataAuth:
         sent = next((value for key, value in metadata if key == self.key), None)
         if sent is None:
             raise Unauthenticated(f"{method} needs {self.what} in the '{self.key}' metadata; {self.how_to_fix}")
-        if isinstance(sent, bytes) or not any_secret(sent, self.expected):
+        if isinstance(sent, bytes) or secret_digest(sent) not in self.expected:
             raise Unauthenticated(f"{method}: {self.what} in '{self.key}' is wrong; {self.how_to_fix}")
 
 
@@ -62,7 +63,7 @@ def internal_auth(token: str | None) -> MetadataAuth | None:
     if token is None:
         return None
     return MetadataAuth(
-        INTERNAL_TOKEN_KEY, (token,), "the internal token",
+        INTERNAL_TOKEN_KEY, frozenset({secret_digest(token)}), "the internal token",
         "start every service of the stack with the same CLEAVE_INTERNAL_TOKEN (or --internal-token-file); "
         "`cleave up` and docker-compose.yml do this",
     )
@@ -75,7 +76,7 @@ def api_key_auth(api_keys: ApiKeys | str | None) -> MetadataAuth | None:
     if isinstance(api_keys, str):
         api_keys = ApiKeys((api_keys,))
     return MetadataAuth(
-        AUTHORIZATION_KEY, tuple(bearer(key) for key in api_keys.keys), "an API key",
+        AUTHORIZATION_KEY, api_keys.accepted, "an API key",
         "send 'authorization: Bearer <key>' with the gateway's --api-key (GatewayClient(api_key=...))",
     )
 
