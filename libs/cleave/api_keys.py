@@ -12,13 +12,7 @@ tells nothing of the secrets behind them.
 from __future__ import annotations
 
 import hashlib
-import hmac
 from dataclasses import dataclass, field
-
-
-def same_secret(sent: str, expected: str) -> bool:
-    # surrogatepass: aiohttp decodes header bytes that are not UTF-8 to lone surrogates
-    return hmac.compare_digest(sent.encode("utf-8", "surrogatepass"), expected.encode())
 
 
 def bearer(api_key: str) -> str:
@@ -26,13 +20,9 @@ def bearer(api_key: str) -> str:
     return f"Bearer {api_key}"
 
 
-def bearer_matches(authorization: str | None, api_key: str) -> bool:
-    """Whether an `Authorization` header (or metadata value) carries `api_key`."""
-    return authorization is not None and same_secret(authorization, bearer(api_key))
-
-
 def secret_digest(value: str) -> bytes:
-    """What a secret is looked up by (surrogatepass: as `same_secret` encodes it)."""
+    """What a secret is looked up by (surrogatepass: aiohttp decodes header bytes that are
+    not UTF-8 to lone surrogates)."""
     return hashlib.sha256(value.encode("utf-8", "surrogatepass")).digest()
 
 

@@ -7,7 +7,7 @@ Both are one shared secret in one metadata entry, checked the same way:
   added by the channel (`aio_channel(..., internal_token=)`); prefill, decode and kvstore
   refuse a call without it, or with another, as UNAUTHENTICATED.
 - API key: the gateway's public gRPC service asks for `authorization: Bearer <key>`, the
-  same header its HTTP API asks for (`bearer_matches`). A gateway may take several keys
+  same header its HTTP API asks for (`ApiKeys.tenant`). A gateway may take several keys
   (`cleave.api_keys.ApiKeys`), any one of them: with more than one, each is a tenant whose
   requests share cached prompt prefixes only with each other (`services.gateway.tenants`).
 
@@ -23,11 +23,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cleave.api_keys import ApiKeys, bearer, bearer_matches, key_tag, secret_digest
+from cleave.api_keys import ApiKeys, bearer, key_tag, secret_digest
 from cleave.errors import Unauthenticated
 
-__all__ = ["ApiKeys", "MetadataAuth", "api_key_auth", "bearer", "bearer_matches", "call_metadata",
-           "internal_auth", "key_tag"]
+__all__ = ["ApiKeys", "MetadataAuth", "api_key_auth", "bearer", "call_metadata", "internal_auth", "key_tag"]
 
 INTERNAL_TOKEN_KEY = "x-cleave-internal-token"
 AUTHORIZATION_KEY = "authorization"  # gRPC metadata keys are lower case; HTTP's is `Authorization`
