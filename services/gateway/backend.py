@@ -107,6 +107,7 @@ class GenerateSpec:
     parse_tool_calls: bool = False  # answers' tool calls come apart from their content
     parallel_tool_calls: bool = True  # False: an answer's first call only
     forced_call: ForcedCall | None = None  # tool_choice forced calls: the answer is their JSON
+    tenant: str = ""  # with several API keys, the tag of the key it came with (`services.gateway.tenants`)
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,7 @@ class MeteredBackend:
                 generation_tokens=usage.completion_tokens if usage else 0,
                 reasoning_tokens=usage.reasoning_tokens if usage else 0,
                 cached_prompt_tokens=usage.cached_prompt_tokens if usage else 0,
+                tenant=spec.tenant,
             )
         finally:
             if clock.first_token is None:

@@ -6,7 +6,8 @@ workers as sent. With several (`cleave.api_keys.ApiKeys.isolates`), the salt it 
 them with is a digest of its key's tag and the salt it sent, empty or not: two keys never
 share a salt, so no tenant's prompt is a prefix-cache hit, or a sooner first token, for
 another (`cleave.kv.prefix_hash.salt_root`), while a tenant's own salts still split its
-share of the cache further.
+share of the cache further. The gateway's metrics count each tenant's finished requests and
+their tokens (`cleave:tenant_requests_total`, `cleave:tenant_tokens_total{kind}`).
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ def tenant_salt(tenant: str, cache_salt: str) -> str:
 
 
 def for_tenant(spec: GenerateSpec, tenant: str | None) -> GenerateSpec:
-    """`spec` with its cache salt scoped to `tenant` (None: `spec` as it is)."""
+    """`spec` as `tenant`'s request: its cache salt scoped to the tenant, which the gateway's
+    per-tenant usage counts it under (None: `spec` as it is)."""
     if tenant is None:
         return spec
-    return replace(spec, sampling=replace(spec.sampling, cache_salt=tenant_salt(tenant, spec.sampling.cache_salt)))
+    salted = replace(spec.sampling, cache_salt=tenant_salt(tenant, spec.sampling.cache_salt))
+    return replace(spec, sampling=salted, tenant=tenant)
 
 
 class TenantBackend:

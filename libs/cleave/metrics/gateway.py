@@ -108,6 +108,12 @@ class GatewayMetrics:
                                [*names, "prefill", "decode_worker"], registry=registry)
         self.scaling_samples = Counter(f"{PREFIX}test_time_scaling_samples", "Samples drawn for test-time scaling",
                                        [*names, "strategy"], registry=registry)
+        # with several API keys: each key's (its tag's) finished requests and their tokens
+        self.tenant_requests = Counter(f"{PREFIX}tenant_requests", "Finished requests by tenant (API key tag)",
+                                       [*names, "tenant"], registry=registry)
+        self.tenant_tokens = Counter(f"{PREFIX}tenant_tokens", "Tokens of finished requests by tenant (API key "
+                                     "tag) and kind: prompt, cached_prompt (of the prompt), generation",
+                                     [*names, "tenant", "kind"], registry=registry)
         self.running = Gauge(f"{PREFIX}num_requests_running", "Requests streaming tokens", names,
                              registry=registry).labels(*values)
         self.waiting = Gauge(f"{PREFIX}num_requests_waiting", "Requests without a first token yet", names,
@@ -145,8 +151,9 @@ class GatewayMetrics:
         self.scaling_samples.labels(*self._values, strategy).inc(num_samples)
 
     def finished(self, clock: RequestClock, finished_reason: str, prompt_tokens: int, generation_tokens: int,
-                 reasoning_tokens: int = 0, cached_prompt_tokens: int = 0) -> None:
-        """A request that ended with its last chunk (the first-token time must be set)."""
+                 reasoning_tokens: int = 0, cached_prompt_tokens: int = 0, tenant: str = "") -> None:
+        """A request that ended with its last chunk (the first-token time must be set);
+        `tenant`: its API key's tag, with several keys ("": not counted per tenant)."""
         now = time.perf_counter()
         first = clock.first_token if clock.first_token is not None else now
         e2e = now - clock.arrival
@@ -160,6 +167,11 @@ class GatewayMetrics:
             self.reasoning_tokens.inc(reasoning_tokens)
         if cached_prompt_tokens:
             self.cached_prompt_tokens.inc(cached_prompt_tokens)
+        if tenant:
+            self.tenant_requests.labels(*self._values, tenant).inc()
+            for kind, count in (("prompt", prompt_tokens), ("cached_prompt", cached_prompt_tokens),
+                                ("generation", generation_tokens)):
+                self.tenant_tokens.labels(*self._values, tenant, kind).inc(count)
 
     def failed(self, code: str) -> None:
         self.failure.labels(*self._values, code).inc()

@@ -19,6 +19,7 @@ from services.gateway.backend import (
     GenerateChunk, GenerateSpec, Prompt, SampleOutput, Scaling, StreamShape,
 )
 from services.gateway.metered import MeteredBackend
+from services.gateway.tenants import TenantBackend
 
 LABELS = MetricLabels("tiny", "gw-0")
 
@@ -85,6 +86,23 @@ async def test_finished_requests_count_once_with_their_tokens(metered):
     assert get(registry, "cleave:reasoning_tokens_total") == 8
     assert get(registry, "cleave:routing_decisions_total", prefill="remote", decode_worker="decode-0") == 4
     assert get(registry, "cleave:request_failure_total", code="RESOURCE_EXHAUSTED") == 0
+
+
+async def test_each_tenants_finished_requests_and_tokens_are_counted_under_its_tag(metered):
+    wrapped, backend, registry = metered
+    for request_id, tenant in [("a1", "tag-a"), ("a2", "tag-a"), ("b1", "tag-b")]:
+        _ = [chunk async for chunk in TenantBackend(wrapped, tenant).generate(spec(request_id))]
+    _ = [chunk async for chunk in wrapped.generate(spec("one-key"))]  # no tenant: not counted per tenant
+    backend.error = ResourceExhausted("full")
+    with pytest.raises(ResourceExhausted):
+        _ = [chunk async for chunk in TenantBackend(wrapped, "tag-b").generate(spec("b-failed"))]
+    assert get(registry, "cleave:tenant_requests_total", tenant="tag-a") == 2
+    assert get(registry, "cleave:tenant_requests_total", tenant="tag-b") == 1
+    assert get(registry, "cleave:tenant_tokens_total", tenant="tag-a", kind="prompt") == 10
+    assert get(registry, "cleave:tenant_tokens_total", tenant="tag-a", kind="generation") == 6
+    assert get(registry, "cleave:tenant_tokens_total", tenant="tag-b", kind="generation") == 3
+    assert get(registry, "cleave:tenant_tokens_total", tenant="", kind="prompt") == 0
+    assert get(registry, "cleave:request_success_total", finished_reason="length") == 4
 
 
 async def test_a_failed_request_counts_its_code_and_not_a_success(metered):
