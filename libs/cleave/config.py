@@ -162,6 +162,7 @@ class GatewayConfig:
     # Public routes (HTTP /v1, gRPC Gateway) require `Bearer <key>` for one of the keys
     # (--api-key and each line of --api-key-file); None: open
     api_keys: ApiKeys | None = field(default=None, repr=False)
+    max_requests_per_key: int = 0  # requests one API key (with one key or none: all) may run at once; 0: no cap
     http_port_file: Path | None = None  # the HTTP API's bound port is written here once it listens
 
 
@@ -461,12 +462,17 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
     flags.add("--api-key-file", None, "more API keys, one a line ('#' comments): any one is taken, and with "
               "two or more in all each key's requests share cached prompt prefixes only with each other",
               type=Path)
+    flags.add("--max-requests-per-key", 0, "requests one API key may have running at once (with one key or none: "
+              "all callers together); more are refused at once (RESOURCE_EXHAUSTED / 429, Retry-After 1 s); 0: no cap",
+              type=int)
     flags.add("--max-request-bytes", DEFAULT_MAX_REQUEST_BYTES, "HTTP request body limit (larger: 413)", type=int)
     flags.add("--max-prompt-bytes", 0, "prompt text limit in UTF-8 bytes, checked before tokenizing "
               "(0: the context length times the longest token's bytes)", type=int)
     args = flags.parse(argv)
     if args.max_request_bytes <= 0 or args.max_prompt_bytes < 0:
         raise SystemExit("--max-request-bytes must be positive and --max-prompt-bytes >= 0")
+    if args.max_requests_per_key < 0:
+        raise SystemExit(f"--max-requests-per-key must be >= 0 (0: no cap), got {args.max_requests_per_key}")
     for flag in ("--local-prefill-max-tokens", "--remote-prefill-max-queue-tokens", "--remote-prefill-idle-tokens",
                  "--local-prefill-max-running", "--remote-prefill-busy-max-queue-tokens"):
         if getattr(args, flag.lstrip("-").replace("-", "_")) < 0:
@@ -490,6 +496,7 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
         max_request_bytes=args.max_request_bytes,
         max_prompt_bytes=args.max_prompt_bytes,
         api_keys=_api_keys(args.api_key or None, args.api_key_file),
+        max_requests_per_key=args.max_requests_per_key,
         http_port_file=args.http_port_file,
     )
 

@@ -27,6 +27,7 @@ from services.gateway.metered import MeteredBackend
 from services.gateway.model import ServedModel
 from services.gateway.router import GatewayOptions, RoutingBackend
 from services.gateway.servicer import GatewayServicer
+from services.gateway.tenant_limits import TenantLimits
 from services.gateway.workers import PoolOptions
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
@@ -95,7 +96,8 @@ def build(config: GatewayConfig, tracing: Tracing = TRACING_OFF,
         observer=requests,
     )
     requests.track_decode_workers(backend.decode_loads)
-    metered = ClientSafeBackend(MeteredBackend(backend, requests))  # what both public APIs reach
+    limited = TenantLimits(backend, config.max_requests_per_key) if config.max_requests_per_key else backend
+    metered = ClientSafeBackend(MeteredBackend(limited, requests))  # what both public APIs reach
     servicer = GatewayServicer(metered, [served], api_keys=config.api_keys)
     token_text = lambda token_id: model.tokenizer.decode([token_id])  # noqa: E731
     api = (OpenAIApi(metered, [served], token_text, tracing=tracing, api_keys=config.api_keys,

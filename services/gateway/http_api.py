@@ -78,7 +78,8 @@ log = structlog.get_logger("cleave.gateway.http")
 _CHAT_PARAMS = {"input": "messages", "chat.messages": "messages", "sampling.logprobs": "top_logprobs"}
 _COMPLETION_PARAMS = {"input": "prompt", "text": "prompt", "token_ids.ids": "prompt"}
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # served without the API key (probes, Prometheus)
-TENANT_KEY = "cleave.tenant"  # a request's tenant, with several API keys (`_authorized`)
+# a request's tenant, with several API keys (`_authorized`); older aiohttp keys requests by str
+TENANT_KEY = web.RequestKey("cleave.tenant", str) if hasattr(web, "RequestKey") else "cleave.tenant"
 DEFAULT_IDLE_TIMEOUT_S = 75.0  # aiohttp's run_app default; a bare AppRunner waits an hour
 _REQUEST_TIMEOUT = 408
 

@@ -211,3 +211,10 @@ def test_tls_flags_that_do_not_make_a_configuration_exit_naming_the_flag(tmp_pat
     argv = [{"CERT": str(tls.cert_file), "CA": str(tls.ca_file)}.get(arg, arg) for arg in argv]
     with pytest.raises(SystemExit, match=message):
         worker_config("decode", argv, {})
+
+
+def test_max_requests_per_key_defaults_to_no_cap_and_refuses_a_negative_one():
+    assert gateway_config([], {}).max_requests_per_key == 0
+    assert gateway_config([], {"CLEAVE_MAX_REQUESTS_PER_KEY": "8"}).max_requests_per_key == 8
+    with pytest.raises(SystemExit, match="--max-requests-per-key must be >= 0"):
+        gateway_config(["--max-requests-per-key", "-1"], {})
