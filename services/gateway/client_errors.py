@@ -6,7 +6,9 @@ gateway's logs need that, its clients must not learn the cluster's addresses. Bo
 APIs (gRPC `Generate`/`Abort` and the OpenAI HTTP routes) reach the routing logic through a
 `GatewayBackend`; `ClientSafeBackend` wraps it so every error leaving it has its addresses
 replaced, a server-side failure carries the request id to quote, and an internal failure is
-reduced to "internal error". The original is logged once, with the request id.
+reduced to "internal error". The original of what was withheld is logged once, with the
+request id (not for an error that only gained the id: a capped tenant's refusals would
+otherwise log a line each).
 """
 
 from __future__ import annotations
@@ -62,8 +64,10 @@ def client_error(error: BaseException, request_id: str) -> BaseException:
     message = client_message(error, request_id)
     if message == error.message:
         return error
-    log.warning("failure reported to the client without internal details", request_id=request_id,
-                error=str(error), client_message=message, status=error.status_code)
+    if error.status_code in _SERVER_FAULTS or withhold_addresses(error.message) != error.message:
+        # only the request id added (a refusal the client may retry): nothing to keep for the logs
+        log.warning("failure reported to the client without internal details", request_id=request_id,
+                    error=str(error), client_message=message, status=error.status_code)
     safe = type(error).__new__(type(error))
     safe.__dict__.update(error.__dict__)
     safe.args = (message,)

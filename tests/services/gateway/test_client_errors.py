@@ -10,7 +10,7 @@ import httpx
 import pytest
 import structlog
 
-from cleave.errors import InvalidArgument, ResourceExhausted, Unavailable
+from cleave.errors import CleaveError, InvalidArgument, ResourceExhausted, Unavailable
 from cleave.proto.cleave.v1 import gateway_pb2 as g
 from cleave.rpc import error_detail
 from cleave.client import GatewayClient
@@ -63,6 +63,15 @@ async def test_the_wrapper_keeps_chunks_and_cleans_errors():
     with pytest.raises(Unavailable) as raised:
         await ClientSafeBackend(Failing()).abort("req-9")  # type: ignore[arg-type]
     assert "127.0.0.1" not in str(raised.value)
+
+
+def test_an_error_that_only_gains_the_request_id_is_not_logged_but_a_withheld_one_is():
+    with structlog.testing.capture_logs() as logs:
+        busy = client_error(ResourceExhausted("this API key has 4 requests running"), "req-1")
+        internal = client_error(ResourceExhausted("decode worker 10.0.0.7:50071 is full"), "req-2")
+        crashed = client_error(CleaveError("the step thread died"), "req-3")
+    assert "req-1" in str(busy) and "10.0.0.7" not in str(internal) and str(crashed).endswith("request id req-3")
+    assert [entry["request_id"] for entry in logs] == ["req-2", "req-3"]
 
 
 def test_the_gateway_serves_both_apis_through_the_wrapper(model_dir, tmp_path):
