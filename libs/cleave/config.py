@@ -163,6 +163,7 @@ class GatewayConfig:
     # (--api-key and each line of --api-key-file); None: open
     api_keys: ApiKeys | None = field(default=None, repr=False)
     max_requests_per_key: int = 0  # requests one API key (with one key or none: all) may run at once; 0: no cap
+    tenant_metrics: bool = False  # per-key (tag) request and token counters on /metrics
     http_port_file: Path | None = None  # the HTTP API's bound port is written here once it listens
 
 
@@ -465,6 +466,9 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
     flags.add("--max-requests-per-key", 0, "requests one API key may have running at once (with one key or none: "
               "all callers together); more are refused at once (RESOURCE_EXHAUSTED / 429, Retry-After 1 s); 0: no cap",
               type=int)
+    flags.add("--tenant-metrics", False, "with several API keys, count each key's finished requests and tokens "
+              "under its tag on /metrics (whoever reads /metrics, which asks for no key, sees every key's usage)",
+              action=argparse.BooleanOptionalAction)
     flags.add("--max-request-bytes", DEFAULT_MAX_REQUEST_BYTES, "HTTP request body limit (larger: 413)", type=int)
     flags.add("--max-prompt-bytes", 0, "prompt text limit in UTF-8 bytes, checked before tokenizing "
               "(0: the context length times the longest token's bytes)", type=int)
@@ -497,6 +501,7 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
         max_prompt_bytes=args.max_prompt_bytes,
         api_keys=_api_keys(args.api_key or None, args.api_key_file),
         max_requests_per_key=args.max_requests_per_key,
+        tenant_metrics=args.tenant_metrics,
         http_port_file=args.http_port_file,
     )
 

@@ -78,7 +78,7 @@ def build(config: GatewayConfig, tracing: Tracing = TRACING_OFF,
     API also serves at /metrics)."""
     metrics = metrics or gateway_metrics(config)
     model = ServedModel(config.model, max_prompt_bytes=config.max_prompt_bytes)
-    requests = GatewayMetrics(metrics.registry, metrics.labels, model.max_model_len)
+    requests = GatewayMetrics(metrics.registry, metrics.labels, model.max_model_len, tenants=config.tenant_metrics)
     served = replace(config.model, max_context_length=model.max_model_len,
                      is_reasoning_model=model.is_reasoning_model)
     backend = RoutingBackend(

@@ -69,9 +69,13 @@ class GatewayMetrics:
         registry: the process's registry (`ServiceMetrics.registry`).
         labels: model_name and worker_id (the gateway id).
         max_model_len: upper end of the token-count buckets.
+        tenants: count each tenant's finished requests and tokens (`tenant_requests`,
+            `tenant_tokens`); off, `finished` ignores its `tenant` (whoever can read the
+            metrics would learn every key's usage).
     """
 
-    def __init__(self, registry: CollectorRegistry, labels: MetricLabels, max_model_len: int = 1 << 20) -> None:
+    def __init__(self, registry: CollectorRegistry, labels: MetricLabels, max_model_len: int = 1 << 20,
+                 tenants: bool = False) -> None:
         names, values = list(MetricLabels.NAMES), labels.values
         self._names, self._values = names, values
         self._registry = registry
@@ -108,12 +112,14 @@ class GatewayMetrics:
                                [*names, "prefill", "decode_worker"], registry=registry)
         self.scaling_samples = Counter(f"{PREFIX}test_time_scaling_samples", "Samples drawn for test-time scaling",
                                        [*names, "strategy"], registry=registry)
-        # with several API keys: each key's (its tag's) finished requests and their tokens
-        self.tenant_requests = Counter(f"{PREFIX}tenant_requests", "Finished requests by tenant (API key tag)",
-                                       [*names, "tenant"], registry=registry)
-        self.tenant_tokens = Counter(f"{PREFIX}tenant_tokens", "Tokens of finished requests by tenant (API key "
-                                     "tag) and kind: prompt, cached_prompt (of the prompt), generation",
-                                     [*names, "tenant", "kind"], registry=registry)
+        # with several API keys and `tenants`: each key's (its tag's) finished requests and their tokens
+        self.tenant_requests = self.tenant_tokens = None
+        if tenants:
+            self.tenant_requests = Counter(f"{PREFIX}tenant_requests", "Finished requests by tenant (API key tag)",
+                                           [*names, "tenant"], registry=registry)
+            self.tenant_tokens = Counter(f"{PREFIX}tenant_tokens", "Tokens of finished requests by tenant (API "
+                                         "key tag) and kind: prompt, cached_prompt (of the prompt), generation",
+                                         [*names, "tenant", "kind"], registry=registry)
         self.running = Gauge(f"{PREFIX}num_requests_running", "Requests streaming tokens", names,
                              registry=registry).labels(*values)
         self.waiting = Gauge(f"{PREFIX}num_requests_waiting", "Requests without a first token yet", names,
@@ -153,7 +159,8 @@ class GatewayMetrics:
     def finished(self, clock: RequestClock, finished_reason: str, prompt_tokens: int, generation_tokens: int,
                  reasoning_tokens: int = 0, cached_prompt_tokens: int = 0, tenant: str = "") -> None:
         """A request that ended with its last chunk (the first-token time must be set);
-        `tenant`: its API key's tag, with several keys ("": not counted per tenant)."""
+        `tenant`: its API key's tag, with several keys ("": not counted per tenant; counted
+        only with `tenants` on)."""
         now = time.perf_counter()
         first = clock.first_token if clock.first_token is not None else now
         e2e = now - clock.arrival
@@ -167,7 +174,7 @@ class GatewayMetrics:
             self.reasoning_tokens.inc(reasoning_tokens)
         if cached_prompt_tokens:
             self.cached_prompt_tokens.inc(cached_prompt_tokens)
-        if tenant:
+        if tenant and self.tenant_requests is not None and self.tenant_tokens is not None:
             self.tenant_requests.labels(*self._values, tenant).inc()
             for kind, count in (("prompt", prompt_tokens), ("cached_prompt", cached_prompt_tokens),
                                 ("generation", generation_tokens)):

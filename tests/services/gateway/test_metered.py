@@ -88,8 +88,11 @@ async def test_finished_requests_count_once_with_their_tokens(metered):
     assert get(registry, "cleave:request_failure_total", code="RESOURCE_EXHAUSTED") == 0
 
 
-async def test_each_tenants_finished_requests_and_tokens_are_counted_under_its_tag(metered):
-    wrapped, backend, registry = metered
+async def test_each_tenants_finished_requests_and_tokens_are_counted_under_its_tag():
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics(registry, LABELS, max_model_len=256, tenants=True)
+    backend = ScriptedBackend(metrics)
+    wrapped = MeteredBackend(backend, metrics)
     for request_id, tenant in [("a1", "tag-a"), ("a2", "tag-a"), ("b1", "tag-b")]:
         _ = [chunk async for chunk in TenantBackend(wrapped, tenant).generate(spec(request_id))]
     _ = [chunk async for chunk in wrapped.generate(spec("one-key"))]  # no tenant: not counted per tenant
@@ -103,6 +106,13 @@ async def test_each_tenants_finished_requests_and_tokens_are_counted_under_its_t
     assert get(registry, "cleave:tenant_tokens_total", tenant="tag-b", kind="generation") == 3
     assert get(registry, "cleave:tenant_tokens_total", tenant="", kind="prompt") == 0
     assert get(registry, "cleave:request_success_total", finished_reason="length") == 4
+
+
+async def test_without_tenant_metrics_no_tenant_series_is_served(metered):
+    wrapped, _, registry = metered
+    _ = [chunk async for chunk in TenantBackend(wrapped, "tag-a").generate(spec("a1"))]
+    assert get(registry, "cleave:request_success_total", finished_reason="length") == 1
+    assert not [metric for metric in registry.collect() if metric.name.startswith("cleave:tenant_")]
 
 
 async def test_a_failed_request_counts_its_code_and_not_a_success(metered):
