@@ -6,8 +6,9 @@ workers as sent. With several (`cleave.api_keys.ApiKeys.isolates`), the salt it 
 them with is a digest of its key's tag and the salt it sent, empty or not: two keys never
 share a salt, so no tenant's prompt is a prefix-cache hit, or a sooner first token, for
 another (`cleave.kv.prefix_hash.salt_root`), while a tenant's own salts still split its
-share of the cache further. The gateway's metrics count each tenant's finished requests and
-their tokens (`cleave:tenant_requests_total`, `cleave:tenant_tokens_total{kind}`).
+share of the cache further. With `--tenant-metrics` the gateway's metrics count each
+tenant's finished requests and their tokens (`cleave:tenant_requests_total`,
+`cleave:tenant_tokens_total{kind}`).
 """
 
 from __future__ import annotations
