@@ -1,0 +1,30 @@
+"""bench/tenants.py end to end on the CPU: a two-key colocated stack, one key flooding, once
+without a cap and once with a cap of 1: the capped run refuses some of the flood, the calm key
+gets every answer both times, and the result files hold both rows."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(600)  # a guard against a hang; two stacks start and run in about 30 s
+def test_a_short_run_reports_both_caps(tmp_path):
+    out = tmp_path / "out"
+    command = [sys.executable, str(ROOT / "bench" / "tenants.py"), "--caps", "0,1", "--flood", "3",
+               "--flood-tokens", "8", "--calm-requests", "3", "--calm-tokens", "2", "--out", str(out)]
+    finished = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    (result,) = out.glob("tenants-*.json")
+    uncapped, capped = json.loads(result.read_text())["rows"]
+    assert (uncapped["cap"], capped["cap"]) == (0, 1)
+    assert uncapped["flood_refused"] == 0 and capped["flood_refused"] > 0  # 3 streams, one allowed
+    for row in (uncapped, capped):
+        assert row["calm_failed"] == 0 and len(row["calm_ttfts_ms"]) == 3 and row["calm_ttft_p50_ms"] > 0, row
+    assert "calm_ttft_p50_ms" in result.with_suffix(".md").read_text()
