@@ -156,3 +156,23 @@ class GatewayBackend(Protocol):
     async def abort(self, request_id: str, sample_index: int | None = None) -> bool:
         """Abort a running request (or only its sample `sample_index`: the stream goes on
         with the others); False if it is unknown or already finished."""
+
+
+class BackendLayer:
+    """A GatewayBackend around another (metering, limits, tenants, client-safe errors): start,
+    shutdown, abort and generate go to `backend`; a layer overrides what it changes."""
+
+    def __init__(self, backend: GatewayBackend) -> None:
+        self.backend = backend
+
+    async def start(self) -> None:
+        await self.backend.start()
+
+    async def shutdown(self) -> None:
+        await self.backend.shutdown()
+
+    def generate(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
+        return self.backend.generate(spec)
+
+    async def abort(self, request_id: str, sample_index: int | None = None) -> bool:
+        return await self.backend.abort(request_id, sample_index)

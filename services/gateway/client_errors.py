@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 import structlog
 
 from cleave.errors import CleaveError
-from services.gateway.backend import GatewayBackend, GenerateChunk, GenerateSpec
+from services.gateway.backend import BackendLayer, GenerateChunk, GenerateSpec
 
 WITHHELD = "(internal address)"
 # A peer's address in any of the forms gRPC and the services write: an optional scheme
@@ -75,21 +75,12 @@ def client_error(error: BaseException, request_id: str) -> BaseException:
     return safe
 
 
-class ClientSafeBackend:
+class ClientSafeBackend(BackendLayer):
     """A GatewayBackend whose errors are safe to show a client (`client_error`).
 
     Args:
         backend: the gateway's backend (metered routing).
     """
-
-    def __init__(self, backend: GatewayBackend) -> None:
-        self.backend = backend
-
-    async def start(self) -> None:
-        await self.backend.start()
-
-    async def shutdown(self) -> None:
-        await self.backend.shutdown()
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
         async with contextlib.aclosing(self.backend.generate(spec)) as chunks:

@@ -20,14 +20,14 @@ from collections.abc import AsyncIterator
 from cleave.metrics.gateway import GatewayMetrics, RequestClock
 from cleave.rpc.errors import map_exception
 from cleave.scaling.strategies import Strategy
-from services.gateway.backend import GatewayBackend, GenerateChunk, GenerateSpec
+from services.gateway.backend import BackendLayer, GatewayBackend, GenerateChunk, GenerateSpec
 
 
 def _carries_output(chunk: GenerateChunk) -> bool:
     return any(sample.text or sample.reasoning_text or sample.token_ids for sample in chunk.samples)
 
 
-class MeteredBackend:
+class MeteredBackend(BackendLayer):
     """A GatewayBackend that records request metrics around `backend`.
 
     Args:
@@ -36,20 +36,11 @@ class MeteredBackend:
     """
 
     def __init__(self, backend: GatewayBackend, metrics: GatewayMetrics) -> None:
-        self.backend = backend
+        super().__init__(backend)
         self.metrics = metrics
         self._num_waiting = 0  # no first token yet
         self._num_running = 0
         metrics.track_in_flight(lambda: self._num_running, lambda: self._num_waiting)
-
-    async def start(self) -> None:
-        await self.backend.start()
-
-    async def shutdown(self) -> None:
-        await self.backend.shutdown()
-
-    async def abort(self, request_id: str, sample_index: int | None = None) -> bool:
-        return await self.backend.abort(request_id, sample_index)
 
     # ---- requests --------------------------------------------------------------------------
 

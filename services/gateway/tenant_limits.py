@@ -15,7 +15,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from cleave.errors import ResourceExhausted
-from services.gateway.backend import GatewayBackend, GenerateChunk, GenerateSpec
+from services.gateway.backend import BackendLayer, GatewayBackend, GenerateChunk, GenerateSpec
 
 
 class TenantBusy(ResourceExhausted):
@@ -24,7 +24,7 @@ class TenantBusy(ResourceExhausted):
     retry_after_s = 1.0
 
 
-class TenantLimits:
+class TenantLimits(BackendLayer):
     """A GatewayBackend that refuses a tenant's request while `max_requests` of its own run.
 
     Args:
@@ -35,22 +35,13 @@ class TenantLimits:
     def __init__(self, backend: GatewayBackend, max_requests: int) -> None:
         if max_requests < 1:
             raise ValueError(f"max_requests must be at least 1, got {max_requests}")
-        self.backend = backend
+        super().__init__(backend)
         self.max_requests = max_requests
         self._running: dict[str, int] = {}  # tenant -> its requests running now
 
     def running(self, tenant: str = "") -> int:
         """Requests `tenant` has running now."""
         return self._running.get(tenant, 0)
-
-    async def start(self) -> None:
-        await self.backend.start()
-
-    async def shutdown(self) -> None:
-        await self.backend.shutdown()
-
-    async def abort(self, request_id: str, sample_index: int | None = None) -> bool:
-        return await self.backend.abort(request_id, sample_index)
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
         tenant = spec.tenant

@@ -17,7 +17,7 @@ import hashlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from services.gateway.backend import GatewayBackend, GenerateChunk, GenerateSpec
+from services.gateway.backend import BackendLayer, GatewayBackend, GenerateChunk, GenerateSpec
 
 _TAG = b"cleave.tenant-salt/v1\x00"
 
@@ -36,21 +36,12 @@ def for_tenant(spec: GenerateSpec, tenant: str | None) -> GenerateSpec:
     return replace(spec, sampling=salted, tenant=tenant)
 
 
-class TenantBackend:
+class TenantBackend(BackendLayer):
     """The gateway's backend as one tenant's requests reach it (`for_tenant` on each)."""
 
     def __init__(self, backend: GatewayBackend, tenant: str) -> None:
-        self.backend = backend
+        super().__init__(backend)
         self.tenant = tenant
 
     def generate(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
         return self.backend.generate(for_tenant(spec, self.tenant))
-
-    async def abort(self, request_id: str, sample_index: int | None = None) -> bool:
-        return await self.backend.abort(request_id, sample_index)
-
-    async def start(self) -> None:
-        await self.backend.start()
-
-    async def shutdown(self) -> None:
-        await self.backend.shutdown()
