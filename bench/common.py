@@ -197,6 +197,13 @@ def keep_lowest(best: dict, key: object, row: dict, columns: Sequence[str]) -> N
     best[key] = row
 
 
+def nearest_rank(values: Sequence[float], fraction: float, digits: int = 2) -> float | None:
+    """The value `fraction` of the way up the sorted `values` (nearest rank, no interpolation),
+    rounded to `digits`; None for no values."""
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(fraction * len(ordered)))], digits) if ordered else None
+
+
 def utc_stamp(now: datetime.datetime | None = None) -> str:
     """UTC time as `20261203T184539Z`: sorts by time and is safe in a file name."""
     now = now or datetime.datetime.now(datetime.timezone.utc)

@@ -60,7 +60,7 @@ from cleave.proto.cleave.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, pre
 from cleave.rpc import aio_channel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import run_name, write_results  # noqa: E402
+from common import nearest_rank, run_name, write_results  # noqa: E402
 
 IDS = gateway_pb2.StreamOptions(include_token_ids=True)
 DRAINED = ("decode-0", "prefill-0", "kvstore", "gateway")
@@ -467,11 +467,6 @@ async def stream_gaps_ms(supervised: FaultStack, max_tokens: int, num_streams: i
                 for gap in gaps]
 
 
-def percentile(values: list[float], fraction: float) -> float | None:
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(fraction * len(ordered)))], 2) if ordered else None
-
-
 async def oversized(supervised: FaultStack, settings: Settings) -> dict:
     stack = supervised.stack
     address, http_port = stack.gateway_address, stack.http_port
@@ -502,12 +497,12 @@ async def oversized(supervised: FaultStack, settings: Settings) -> dict:
                            "max_sent_mb": max(run["sent_mb"] for run in runs)} for name, runs in attacks.items()},
         "max_refused_s": max(run["refused_s"] for runs in attacks.values() for run in runs),
         "rss_growth_mb": round(growth / 2**20, 1),
-        "itl_p50_quiet_ms": percentile([gap for gaps in quiet for gap in gaps], 0.5),
-        "itl_p50_attacked_ms": percentile([gap for gaps in attacked for gap in gaps], 0.5),
-        "itl_p99_quiet_ms": percentile([gap for gaps in quiet for gap in gaps], 0.99),
-        "itl_p99_attacked_ms": percentile([gap for gaps in attacked for gap in gaps], 0.99),
-        "itl_p99_quiet_windows_ms": [percentile(gaps, 0.99) for gaps in quiet],
-        "itl_p99_attacked_windows_ms": [percentile(gaps, 0.99) for gaps in attacked],
+        "itl_p50_quiet_ms": nearest_rank([gap for gaps in quiet for gap in gaps], 0.5),
+        "itl_p50_attacked_ms": nearest_rank([gap for gaps in attacked for gap in gaps], 0.5),
+        "itl_p99_quiet_ms": nearest_rank([gap for gaps in quiet for gap in gaps], 0.99),
+        "itl_p99_attacked_ms": nearest_rank([gap for gaps in attacked for gap in gaps], 0.99),
+        "itl_p99_quiet_windows_ms": [nearest_rank(gaps, 0.99) for gaps in quiet],
+        "itl_p99_attacked_windows_ms": [nearest_rank(gaps, 0.99) for gaps in attacked],
     }
 
 

@@ -31,7 +31,7 @@ from cleave.config import SHIPPED_MODEL_DIR
 from cleave.proto.cleave.v1 import gateway_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import format_table, run_name, write_results  # noqa: E402
+from common import format_table, nearest_rank, run_name, write_results  # noqa: E402
 
 KEYS = ("sk-flood", "sk-calm")
 IDS = gateway_pb2.StreamOptions(include_token_ids=True)
@@ -47,11 +47,6 @@ class Flood:
     refused: int = 0
     tokens: int = 0
     streaming: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-def percentile(values: list[float], fraction: float) -> float | None:
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(fraction * len(ordered)))], 1) if ordered else None
 
 
 def retry_after_s(error: grpc.aio.AioRpcError) -> float:
@@ -116,8 +111,8 @@ async def load(address: str, args: argparse.Namespace) -> dict:
                 stream.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
     return {
-        "calm_ttft_p50_ms": percentile(ttfts, 0.5), "calm_ttft_p90_ms": percentile(ttfts, 0.9),
-        "calm_e2e_p50_ms": percentile(totals, 0.5), "calm_e2e_p90_ms": percentile(totals, 0.9),
+        "calm_ttft_p50_ms": nearest_rank(ttfts, 0.5, 1), "calm_ttft_p90_ms": nearest_rank(ttfts, 0.9, 1),
+        "calm_e2e_p50_ms": nearest_rank(totals, 0.5, 1), "calm_e2e_p90_ms": nearest_rank(totals, 0.9, 1),
         "calm_failed": failed, "flood_finished": flood.finished, "flood_refused": flood.refused,
         "flood_tok_per_s": round(flood_tokens / wall_s, 1), "calm_ttfts_ms": [round(t, 1) for t in ttfts],
     }

@@ -90,3 +90,10 @@ def test_rounds_fold_into_each_cases_lowest_times(common):
     common.keep_lowest(best, "a", {"case": "a", "mean": 4.0, "worst": 2.0, "round": 1}, ("mean", "worst"))
     assert best == {"a": {"case": "a", "mean": 3.0, "worst": 2.0, "round": 1},
                     "b": {"case": "b", "mean": 5.0, "worst": 5.0, "round": 0}}
+
+
+def test_nearest_rank_takes_a_value_of_the_list_without_interpolating(common):
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert common.nearest_rank(values, 0.5) == 3.0 and common.nearest_rank(values, 0.99) == 5.0
+    assert common.nearest_rank(values, 0.0) == 1.0 and common.nearest_rank([], 0.5) is None
+    assert common.nearest_rank([1.234567], 0.5, 1) == 1.2
