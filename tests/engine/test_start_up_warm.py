@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cleave.engine.config import EngineConfig, SchedulerConfig
-from cleave.engine.model_runner import WARM_PREFILL_TOKENS, ModelRunner
+from cleave.engine.model_runner import PAGED_WARM_TOKENS, WARM_PREFILL_TOKENS, ModelRunner
 from cleave.kv.groups import KVGroups
 from cleave.model.llama import CausalLM, allocate_kv_cache
 from tests.graphs.test_runner import tiny_config
@@ -34,13 +34,22 @@ def _runner(budget: int, num_blocks: int, paired: bool = False) -> ModelRunner:
     return runner
 
 
-def _recorded_forwards(runner: ModelRunner) -> list[tuple[int, int, bool]]:
-    """(prompt tokens, cache pointer, has a window table) of every forward from now on."""
-    seen: list[tuple[int, int, bool]] = []
+def _recorded_forwards(runner: ModelRunner) -> list[tuple[int, int, bool, int]]:
+    """(a prompt's tokens, cache pointer, has a window table, prompts) of every forward from
+    now on."""
+    seen: list[tuple[int, int, bool, int]] = []
     forward = runner.model.forward
 
     def recording(input_ids, positions, kv_cache, metadata):  # type: ignore[no-untyped-def]
-        seen.append((input_ids.shape[0], kv_cache.data_ptr(), metadata.window is not None))
+        num_prompts = metadata.num_seqs
+        assert input_ids.shape[0] == num_prompts * metadata.max_query_len  # prompts of one length
+        tables = metadata.block_tables[:num_prompts].tolist()
+        pages = [page for table in tables for page in table if page]
+        if metadata.window is not None:
+            pages += [page for table in metadata.window.block_tables[:num_prompts].tolist() for page in table if page]
+        assert len(pages) == len(set(pages)) and 0 not in pages  # no prompt writes another's blocks
+        assert positions.tolist() == list(range(metadata.max_query_len)) * num_prompts
+        seen.append((metadata.max_query_len, kv_cache.data_ptr(), metadata.window is not None, num_prompts))
         if metadata.window is None:  # the tiny model has no sliding layer to read a window table
             return forward(input_ids, positions, kv_cache, metadata)
         return None
@@ -49,25 +58,29 @@ def _recorded_forwards(runner: ModelRunner) -> list[tuple[int, int, bool]]:
     return seen
 
 
-@pytest.mark.parametrize(("budget", "num_blocks", "lengths"),
-                         [(4096, 4, [16, 32]), (24, 4, [16, 24]), (16, 4, [16]), (64, 5, [16, 32, 64])])
-def test_short_prompts_and_the_budget_run_in_the_real_cache(budget, num_blocks, lengths):
-    """One eager forward per warm length and the step budget, each that fits the cache's free
-    blocks (block 0 is the null block), in the real cache: its strides are what serving
-    steps launch with (their 32- or 64-bit typing included)."""
-    assert WARM_PREFILL_TOKENS == (16, 32)
+@pytest.mark.parametrize(("budget", "num_blocks", "lengths", "pairs"),
+                         [(4096, 4, [16, 32], [16]), (24, 4, [16, 24], []), (16, 4, [16], []),
+                          (64, 5, [16, 32, 64], [16, 32]), (4096, 18, [16, 32], [16, 32, 64, 128])])
+def test_short_prompts_the_budget_and_pairs_of_prompts_run_in_the_real_cache(budget, num_blocks, lengths, pairs):
+    """One eager forward per warm length and the step budget, and one of two prompts per paged
+    warm length, each that fits the step budget and the cache's free blocks (block 0 is the
+    null block), in the real cache: its strides are what serving steps launch with (their
+    32- or 64-bit typing included). A lone fresh prompt attends on dense SDPA on the GPU; two
+    reach the paged prefill kernel, whose query block follows the longest."""
+    assert WARM_PREFILL_TOKENS == (16, 32) and PAGED_WARM_TOKENS == (16, 32, 64, 128)
     runner = _runner(budget, num_blocks)
     seen = _recorded_forwards(runner)
-    assert runner._warm_prefill_shapes() == len(lengths)
-    assert [length for length, _, _ in seen] == lengths
-    assert {pointer for _, pointer, _ in seen} == {runner.kv_cache.data_ptr()}
-    assert not any(window for _, _, window in seen)
+    assert runner._warm_prefill_shapes() == len(lengths) + len(pairs)
+    assert [(length, prompts) for length, _, _, prompts in seen] == [(n, 1) for n in lengths] + [(n, 2) for n in pairs]
+    assert {pointer for _, pointer, _, _ in seen} == {runner.kv_cache.data_ptr()}
+    assert not any(window for _, _, window, _ in seen)
 
 
 def test_a_paired_cache_warms_with_a_window_table_on_blocks_of_its_own():
-    """A paired cache's prompts carry a window table (as its serving steps do), on the blocks
-    after the full table's, so each length needs twice its pages."""
+    """A paired cache's prompts carry window tables (as its serving steps do), on the blocks
+    after the full tables', so each length needs twice its pages."""
     runner = _runner(64, 7, paired=True)  # 6 free blocks: 3 pages a table, up to 48 tokens
     seen = _recorded_forwards(runner)
-    assert runner._warm_prefill_shapes() == 2
-    assert [(length, window) for length, _, window in seen] == [(16, True), (32, True)]
+    assert runner._warm_prefill_shapes() == 3
+    assert [(length, window, prompts) for length, _, window, prompts in seen] == [
+        (16, True, 1), (32, True, 1), (16, True, 2)]

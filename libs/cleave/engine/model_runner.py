@@ -69,6 +69,13 @@ DEFAULT_CPU_KV_TOKENS = 8192
 # the budget). An engine run that met them only in a serving step compiled them there
 # (H100, 256 x (512 + 1024): the step with the last prompt chunk waited 0.3 s).
 WARM_PREFILL_TOKENS = (16, 32)
+# Those prompts run alone and fresh, so their attention is dense SDPA (`attention_fresh`); a
+# step of several prompts, or of a chunk after a cached one, runs the paged prefill kernel,
+# whose query block follows the step's longest prompt: 16, 32, 64 or 128 rows (the tuned
+# launches' most). Two prompts of each of these lengths compile its variants at start-up (an
+# H100 engine run, 256 x (512 + 1024), compiled the 128- and 32-row ones in serving steps:
+# 1.2 s).
+PAGED_WARM_TOKENS = (16, 32, 64, 128)
 log = structlog.get_logger(__name__)
 
 
@@ -261,35 +268,46 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def _dummy_prefill(self, num_tokens: int, kv: torch.Tensor, paired: bool = False) -> torch.Tensor:
-        """The model over one prompt of `num_tokens` zeros in blocks 1.. of `kv` (and, `paired`,
-        a window table on the blocks after them, as a paired cache's steps have): its hidden
-        states."""
+    def _dummy_prefill(self, num_tokens: int, kv: torch.Tensor, paired: bool = False,
+                       num_prompts: int = 1) -> torch.Tensor:
+        """The model over `num_prompts` prompts of `num_tokens` zeros each in blocks 1.. of `kv`
+        (and, `paired`, window tables on the blocks after them, as a paired cache's steps
+        have): their hidden states."""
         pages = -(-num_tokens // self.block_size)
-        window_tables = [list(range(pages + 1, 2 * pages + 1))] if paired else None
-        metadata = AttentionMetadata.build([num_tokens], [num_tokens], [list(range(1, pages + 1))], self.block_size,
-                                           self.device, window_tables=window_tables)
-        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device)
+
+        def tables(first: int) -> list[list[int]]:
+            return [list(range(first + index * pages, first + (index + 1) * pages)) for index in range(num_prompts)]
+
+        window_tables = tables(1 + num_prompts * pages) if paired else None
+        metadata = AttentionMetadata.build([num_tokens] * num_prompts, [num_tokens] * num_prompts, tables(1),
+                                           self.block_size, self.device, window_tables=window_tables)
+        input_ids = torch.zeros(num_tokens * num_prompts, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device).repeat(num_prompts)
         return self.model(input_ids, positions, kv, metadata)
 
     @torch.inference_mode()
     def _warm_prefill_shapes(self) -> int:
         """Run the eager model over prompts of `WARM_PREFILL_TOKENS` and of the full step
-        budget in the real cache, so that their kernel variants compile now and not in a
-        serving step. The real cache, not one of the profile run's size: a kernel's integer
-        arguments are typed 32 or 64 bits by their value, and a big cache's strides pass 2^31
-        (an fp8 cache of 496k blocks did on an H200, and its first serving step compiled the
-        prefill and KV-write kernels again). Nothing is cached yet, so the blocks written are
-        free. Returns the prompts run."""
+        budget, and over pairs of prompts of `PAGED_WARM_TOKENS`, in the real cache, so that
+        their kernel variants compile now and not in a serving step. The real cache, not one
+        of the profile run's size: a kernel's integer arguments are typed 32 or 64 bits by
+        their value, and a big cache's strides pass 2^31 (an fp8 cache of 496k blocks did on
+        an H200, and its first serving step compiled the prefill and KV-write kernels again).
+        Nothing is cached yet, so the blocks written are free. Returns the forwards run."""
         budget = self.config.scheduler.max_num_batched_tokens
         paired = self.kv_groups.is_paired
         usable = (self.num_blocks - 1) // (2 if paired else 1)
-        lengths = list(dict.fromkeys(length for length in (*WARM_PREFILL_TOKENS, budget)
-                                     if length <= budget and -(-length // self.block_size) <= usable))
+
+        def fits(length: int, num_prompts: int) -> bool:
+            return length * num_prompts <= budget and num_prompts * -(-length // self.block_size) <= usable
+
+        lengths = list(dict.fromkeys(length for length in (*WARM_PREFILL_TOKENS, budget) if fits(length, 1)))
+        pairs = [length for length in PAGED_WARM_TOKENS if fits(length, 2)]
         for length in lengths:
             self._dummy_prefill(length, self.kv_cache, paired)
-        return len(lengths)
+        for length in pairs:
+            self._dummy_prefill(length, self.kv_cache, paired, num_prompts=2)
+        return len(lengths) + len(pairs)
 
     @torch.inference_mode()
     def _warm_kernels(self) -> None:
