@@ -1,16 +1,20 @@
 """One tenant's flood against another tenant's requests, through a gateway with two API keys,
-without and with `--max-requests-per-key`.
+without and with `--max-requests-per-key`, and with B's requests at other priorities.
 
 The stack runs as `cleave up` runs it (colocated by default, the shipped model, the CPU unless
 `--device`), its gateway taking two keys from a key file. Tenant A keeps `--flood` streams
 open (greedy requests of `--flood-tokens` tokens each, a new one as each ends; one the gateway
 refuses is sent again after the Retry-After it came with, as a well-behaved client does);
 tenant B sends `--calm-requests` requests of `--calm-tokens` tokens one after another once
-the flood streams. Per cap (0: none): B's time to first token and request time (p50, p90),
-A's finished and refused requests and its generated tokens per second.
+the flood streams, at each priority of `--calm-priorities` (A's are 0; a non-zero one runs
+the gateway with `--scheduling-policy priority`). Per cap (0: none) and priority: B's time to
+first token and request time (p50, p90), A's finished and refused requests and its generated
+tokens per second. `--max-num-seqs` bounds each worker's running requests, so that a flood
+larger than it waits (priorities order only what waits).
 
     python bench/tenants.py                      # caps 0 and 4, 32 flood streams
     python bench/tenants.py --caps 0,2,8 --flood 64
+    python bench/tenants.py --caps 0 --calm-priorities 0,-1 --max-num-seqs 8
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from common import format_table, nearest_rank, run_name, write_results  # noqa: 
 
 KEYS = ("sk-flood", "sk-calm")
 IDS = gateway_pb2.StreamOptions(include_token_ids=True)
-COLUMNS = ("cap", "calm_ttft_p50_ms", "calm_ttft_p90_ms", "calm_e2e_p50_ms", "calm_e2e_p90_ms", "calm_failed",
+COLUMNS = ("cap", "calm_priority", "calm_ttft_p50_ms", "calm_ttft_p90_ms", "calm_e2e_p50_ms", "calm_e2e_p90_ms", "calm_failed",
            "flood_finished", "flood_refused", "flood_tok_per_s")
 
 
@@ -74,7 +78,8 @@ async def flood_stream(client: GatewayClient, index: int, tokens: int, flood: Fl
             await asyncio.sleep(retry_after_s(error))  # the client honours the gateway's Retry-After
 
 
-async def calm_requests(client: GatewayClient, count: int, tokens: int) -> tuple[list[float], list[float], int]:
+async def calm_requests(client: GatewayClient, count: int, tokens: int,
+                        priority: int) -> tuple[list[float], list[float], int]:
     """Tenant B's requests, one after another: (TTFT ms, request ms, failures)."""
     ttfts, totals, failed = [], [], 0
     for index in range(count):
@@ -82,7 +87,7 @@ async def calm_requests(client: GatewayClient, count: int, tokens: int) -> tuple
         first = None
         try:
             async for response in client.generate(f"calm {index}: what is 17 + 25?", max_tokens=tokens,
-                                                  temperature=0.0, ignore_eos=True, stream=IDS):
+                                                  temperature=0.0, ignore_eos=True, stream=IDS, priority=priority):
                 if first is None and any(sample.token_ids for sample in response.samples):
                     first = time.perf_counter()
         except grpc.aio.AioRpcError:
@@ -94,7 +99,7 @@ async def calm_requests(client: GatewayClient, count: int, tokens: int) -> tuple
     return ttfts, totals, failed
 
 
-async def load(address: str, args: argparse.Namespace) -> dict:
+async def load(address: str, args: argparse.Namespace, priority: int) -> dict:
     flood, stop = Flood(), asyncio.Event()
     async with GatewayClient(address, api_key=KEYS[0]) as flooder, GatewayClient(address, api_key=KEYS[1]) as calm:
         streams = [asyncio.ensure_future(flood_stream(flooder, index, args.flood_tokens, flood, stop))
@@ -102,7 +107,7 @@ async def load(address: str, args: argparse.Namespace) -> dict:
         try:
             await asyncio.wait_for(flood.streaming.wait(), args.start_timeout_s)
             tokens_before, start = flood.tokens, time.perf_counter()
-            ttfts, totals, failed = await calm_requests(calm, args.calm_requests, args.calm_tokens)
+            ttfts, totals, failed = await calm_requests(calm, args.calm_requests, args.calm_tokens, priority)
             wall_s = time.perf_counter() - start
             flood_tokens = flood.tokens - tokens_before
         finally:
@@ -118,16 +123,18 @@ async def load(address: str, args: argparse.Namespace) -> dict:
     }
 
 
-def run_cap(cap: int, args: argparse.Namespace, workdir: Path) -> dict:
+def run_cap(cap: int, priority: int, args: argparse.Namespace, workdir: Path) -> dict:
     key_file = workdir / "api-keys"
     key_file.write_text("\n".join(KEYS) + "\n")
+    policy = ("--scheduling-policy", "priority") if priority else ()
+    seats = ("--max-num-seqs", str(args.max_num_seqs)) if args.max_num_seqs else ()
     spec = StackSpec(model=args.model, mode=args.mode, grpc_port=0, http_port=None, device=args.device,
-                     log_level="WARNING", metrics=False,
-                     gateway_args=("--api-key-file", str(key_file), "--max-requests-per-key", str(cap)))
-    stack = ProcessStack(spec, workdir / f"cap-{cap}")
+                     log_level="WARNING", metrics=False, worker_args=seats,
+                     gateway_args=("--api-key-file", str(key_file), "--max-requests-per-key", str(cap), *policy))
+    stack = ProcessStack(spec, workdir / f"cap-{cap}-priority-{priority}")
     stack.start(timeout_s=args.start_timeout_s)
     try:
-        row = {"cap": cap, **asyncio.run(load(stack.gateway_address, args))}
+        row = {"cap": cap, "calm_priority": priority, **asyncio.run(load(stack.gateway_address, args, priority))}
     finally:
         stack.stop()
     print(format_table([row], COLUMNS), flush=True)
@@ -141,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flood-tokens", type=int, default=64, help="tokens of each of A's requests")
     parser.add_argument("--calm-requests", type=int, default=20, help="tenant B's requests, one after another")
     parser.add_argument("--calm-tokens", type=int, default=8, help="tokens of each of B's requests")
+    parser.add_argument("--calm-priorities", default="0", help="priorities of B's requests, comma-separated, "
+                        "one run each (lower first; A's are 0)")
+    parser.add_argument("--max-num-seqs", type=int, default=0, help="each worker's running requests at most "
+                        "(0: the workers' default)")
     parser.add_argument("--mode", default="colocated", choices=["colocated", "disaggregated", "conditional"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", type=Path, default=SHIPPED_MODEL_DIR)
@@ -148,16 +159,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "tenants")
     args = parser.parse_args(argv)
     caps = [int(cap) for cap in args.caps.split(",") if cap]
-    if any(cap < 0 for cap in caps) or args.flood < 1 or args.calm_requests < 1:
-        parser.error("caps must be >= 0, --flood and --calm-requests >= 1")
+    priorities = [int(priority) for priority in args.calm_priorities.split(",") if priority]
+    if any(cap < 0 for cap in caps) or args.flood < 1 or args.calm_requests < 1 or args.max_num_seqs < 0:
+        parser.error("caps and --max-num-seqs must be >= 0, --flood and --calm-requests >= 1")
     rows = []
     with tempfile.TemporaryDirectory(prefix="cleave-tenants-") as workdir:
         for cap in caps:
-            rows.append(run_cap(cap, args, Path(workdir)))
+            for priority in priorities:
+                rows.append(run_cap(cap, priority, args, Path(workdir)))
     print(format_table(rows, COLUMNS))
     summary = {"stack": f"{args.mode}, {args.device}, {args.model.name}, two API keys",
                "flood": f"{args.flood} streams of {args.flood_tokens} tokens (tenant A)",
-               "calm": f"{args.calm_requests} requests of {args.calm_tokens} tokens one after another (tenant B)"}
+               "calm": f"{args.calm_requests} requests of {args.calm_tokens} tokens one after another (tenant B)",
+               "max_num_seqs": args.max_num_seqs or "the workers' default"}
     write_results(args.out, run_name("tenants"), rows, COLUMNS, summary)
     return 0
 

@@ -6,7 +6,8 @@ blocks with this interpreter, Node blocks with `node` (packages from tests/clien
 installed the way tests/clients/test_node_client.py does). They talk to one CPU stack with
 the shipped reasoner, started once for the module on the README's own ports (gRPC 50051,
 HTTP 8000) and in colocated mode, the quickest to start; the examples are the same in every
-mode. A busy port skips the module, naming it. ```text and unlabelled blocks are not run,
+mode. Its gateway takes request priorities (`--scheduling-policy priority`), as the
+Priorities example says it must; nothing else differs from `cleave up`. A busy port skips the module, naming it. ```text and unlabelled blocks are not run,
 nor a block right under an HTML comment `<!-- not run: REASON -->` (it is skipped with the
 reason).
 """
@@ -119,7 +120,8 @@ def readme_stack(tmp_path_factory):
     except PortInUse as error:
         pytest.skip(f"README examples use fixed ports: {error}")
     spec = StackSpec(model=model, mode="colocated", grpc_port=GRPC_PORT, http_port=HTTP_PORT,
-                     served_model_name=served_name(None, model), log_level="WARNING", metrics=False)
+                     served_model_name=served_name(None, model), log_level="WARNING", metrics=False,
+                     gateway_args=("--scheduling-policy", "priority"))  # the Priorities example sends one
     stack = ProcessStack(spec, tmp_path_factory.mktemp("readme-stack"))
     try:
         stack.start(timeout_s=START_HANG_S)  # stops what it started if it fails

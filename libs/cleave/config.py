@@ -18,6 +18,8 @@ from typing import Any, Literal
 from cleave.api_keys import ApiKeys
 from cleave.engine.config import KV_CACHE_DTYPES
 from cleave.generation.reasoning_formats import REASONING_PARSERS
+
+SCHEDULING_POLICIES = ("fcfs", "priority")  # the gateway's --scheduling-policy
 from cleave.tls import CA_FLAG, CERT_FLAG, KEY_FLAG, TlsConfig, TlsConfigError
 
 ENV_PREFIX = "CLEAVE_"
@@ -164,6 +166,8 @@ class GatewayConfig:
     api_keys: ApiKeys | None = field(default=None, repr=False)
     max_requests_per_key: int = 0  # requests one API key (with one key or none: all) may run at once; 0: no cap
     tenant_metrics: bool = False  # per-key (tag) request and token counters on /metrics
+    # "priority": requests may set `priority` (lower scheduled first); "fcfs": a non-zero one is refused
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     http_port_file: Path | None = None  # the HTTP API's bound port is written here once it listens
 
 
@@ -244,6 +248,7 @@ class _FlagSet:
         self.parser = argparse.ArgumentParser(prog=prog)
         self.environ = environ
         self._list_defaults: dict[str, tuple[str, ...]] = {}
+        self._choices: dict[str, tuple[str, Sequence[Any]]] = {}  # dest -> (flag, choices)
 
     def add(self, flag: str, default: Any, help: str, aliases: Sequence[str] = (), **kwargs: Any) -> None:
         env = env_name(flag)
@@ -259,12 +264,18 @@ class _FlagSet:
                 value = parse_bool(value)
             except ValueError as exc:
                 raise SystemExit(f"{env}: {exc}") from exc
+        if "choices" in kwargs:
+            self._choices[flag.lstrip("-").replace("-", "_")] = (flag, kwargs["choices"])
         self.parser.add_argument(
             flag, *aliases, default=default if value is None else value, help=f"{help} (env {env})", **kwargs
         )
 
     def parse(self, argv: Sequence[str] | None) -> argparse.Namespace:
         args = self.parser.parse_args(argv)
+        for dest, (flag, choices) in self._choices.items():  # argparse checks the command line's only
+            if getattr(args, dest) not in choices:
+                raise SystemExit(f"{flag} ({env_name(flag)}): {getattr(args, dest)!r} is not one of "
+                                 f"{', '.join(map(str, choices))}")
         for flag, default in self._list_defaults.items():
             dest = flag.lstrip("-").replace("-", "_")
             if getattr(args, dest) is None:
@@ -410,10 +421,6 @@ def _metrics(args: argparse.Namespace) -> MetricsConfig | None:
 
 def _model(args: argparse.Namespace) -> ModelConfig:
     shipped = args.model in ("", DEFAULT_MODEL)  # empty: compose's unset CLEAVE_MODEL
-    # argparse checks choices on the command line only, not a default taken from the environment
-    if args.reasoning_parser not in REASONING_PARSERS:
-        raise SystemExit(f"--reasoning-parser ({env_name('--reasoning-parser')}): {args.reasoning_parser!r} is not "
-                         f"one of {', '.join(REASONING_PARSERS)}")
     if not args.reasoning_model and args.reasoning_parser not in ("auto", "none"):
         raise SystemExit(f"--no-reasoning-model contradicts --reasoning-parser {args.reasoning_parser}; "
                          f"drop one of them")
@@ -469,6 +476,9 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
     flags.add("--tenant-metrics", False, "with several API keys, count each key's finished requests and tokens "
               "under its tag on /metrics (whoever reads /metrics, which asks for no key, sees every key's usage)",
               action=argparse.BooleanOptionalAction)
+    flags.add("--scheduling-policy", "fcfs", "priority: a request's `priority` (lower first) orders it among "
+              "waiting requests on every worker, and a lower value is preempted last; fcfs: requests in arrival "
+              "order, and a non-zero priority is refused (INVALID_ARGUMENT / 400)", choices=SCHEDULING_POLICIES)
     flags.add("--max-request-bytes", DEFAULT_MAX_REQUEST_BYTES, "HTTP request body limit (larger: 413)", type=int)
     flags.add("--max-prompt-bytes", 0, "prompt text limit in UTF-8 bytes, checked before tokenizing "
               "(0: the context length times the longest token's bytes)", type=int)
@@ -502,6 +512,7 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
         api_keys=_api_keys(args.api_key or None, args.api_key_file),
         max_requests_per_key=args.max_requests_per_key,
         tenant_metrics=args.tenant_metrics,
+        scheduling_policy=args.scheduling_policy,
         http_port_file=args.http_port_file,
     )
 

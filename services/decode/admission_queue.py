@@ -1,21 +1,24 @@
 """Admissions that wait for KV blocks instead of being refused.
 
-When a decode worker's pool cannot hold a new prompt, its Admit waits here, first come first
-served, until running requests finish or reservations are released; only past
+When a decode worker's pool cannot hold a new prompt, its Admit waits here, in order of
+priority (the request's `priority`, lower first) and then of arrival, until running requests
+finish or reservations are released; only past
 `max_waiting` waiting admissions is it refused (RESOURCE_EXHAUSTED with a retry hint), as a
 colocated worker's scheduler queues prompts rather than refusing them. A prompt larger than
 the whole pool is refused at once: no amount of waiting would make it fit.
 
 Only the head of the queue tries to reserve, each time blocks may have been freed (`wake()`:
 after every engine step and every released reservation), so a small prompt never overtakes
-a large one that has waited longer. A waiting Admit that is cancelled (the prefill worker
+a large one that has waited longer at its priority; an admission of a lower priority value
+than every waiting one tries at once. A waiting Admit that is cancelled (the prefill worker
 gave up) leaves the queue and holds nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
+import bisect
+import itertools
 from collections.abc import Awaitable, Callable
 
 from cleave.errors import CleaveError, ResourceExhausted
@@ -26,15 +29,18 @@ RETRY_AFTER_S = 1.0  # a full queue's hint: about the time a few requests take t
 
 
 class _Turn:
-    """One waiting admission: woken when it may try again, or failed."""
+    """One waiting admission: woken when it may try again, or failed. `key`: its place in
+    the queue, (priority, arrival order)."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: tuple[int, int]) -> None:
+        self.key = key
         self.wakeup = asyncio.Event()
         self.error: CleaveError | None = None
 
 
 class AdmissionQueue:
-    """Bounded FIFO of admissions waiting for free blocks (see the module docstring).
+    """Bounded queue of admissions waiting for free blocks, by priority then arrival (see the
+    module docstring).
 
     Args:
         max_waiting: admissions that may wait at once; one more is RESOURCE_EXHAUSTED.
@@ -44,16 +50,18 @@ class AdmissionQueue:
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.max_waiting = max_waiting
-        self._waiting: collections.deque[_Turn] = collections.deque()
+        self._waiting: list[_Turn] = []  # sorted by key: the head tries next
+        self._arrivals = itertools.count()
 
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
 
-    async def reserve(self, attempt: Callable[[], Awaitable[list[int]]]) -> list[int]:
+    async def reserve(self, attempt: Callable[[], Awaitable[list[int]]], priority: int = 0) -> list[int]:
         """`attempt()` (a reservation that raises OutOfBlocksError when the pool is short),
-        at once when nobody waits, else in turn once blocks were freed."""
-        if not self._waiting:
+        at once when nobody waits at `priority` or a lower value, else in turn once blocks
+        were freed."""
+        if not self._waiting or priority < self._waiting[0].key[0]:
             try:
                 return await attempt()
             except OutOfBlocksError:
@@ -64,8 +72,8 @@ class AdmissionQueue:
                 f"(--max-queued-admissions {self.max_waiting}); retry later or on another worker")
             error.retry_after_s = RETRY_AFTER_S
             raise error
-        turn = _Turn()
-        self._waiting.append(turn)
+        turn = _Turn((priority, next(self._arrivals)))
+        bisect.insort(self._waiting, turn, key=lambda waiting: waiting.key)
         try:
             while True:
                 await turn.wakeup.wait()

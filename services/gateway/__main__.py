@@ -85,6 +85,7 @@ def build(config: GatewayConfig, tracing: Tracing = TRACING_OFF,
         model, config.prefill_addresses, config.decode_addresses,
         GatewayOptions(
             gateway_id=config.gateway_id, mode=config.mode, store_to_kvstore=config.store_to_kvstore,
+            priorities=config.scheduling_policy == "priority",
             policy=DisaggregationPolicy(
                 local_max_tokens=config.local_prefill_max_tokens,
                 remote_max_queue_tokens=config.remote_prefill_max_queue_tokens,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cleave.errors import CleaveError, InvalidArgument
+from cleave.generation.sampling_params import PRIORITY_MAX, PRIORITY_MIN
 from cleave.generation.sampling_request import MAX_SAMPLES, SamplingRequest, to_sampling_params
 from cleave.rpc.convert import checked_reasoning_effort, thinking_options
 from cleave.rpc.types import ReasoningMode, ReasoningOptions
@@ -119,10 +120,15 @@ def _openai_param(field: str | None) -> str | None:
 
 def _uint(value: Any, param: str, high: int = MAX_UINT32) -> int:
     """A JSON integer in [0, high] (bools are not integers here)."""
+    return _integer(value, param, 0, high)
+
+
+def _integer(value: Any, param: str, low: int, high: int) -> int:
+    """A JSON integer in [low, high] (bools are not integers here)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidArgument(f"must be an integer, got {json_type(value)}", field=param)
-    if not 0 <= value <= high:
-        raise InvalidArgument(f"must be in [0, {high}], got {value}", field=param)
+    if not low <= value <= high:
+        raise InvalidArgument(f"must be in [{low}, {high}], got {value}", field=param)
     return value
 
 
@@ -223,6 +229,8 @@ def _sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
     options["stop"] = tuple(_stop(body.get("stop")))
     if body.get("cache_salt") is not None:
         options["cache_salt"] = _cache_salt(body["cache_salt"])
+    if body.get("priority") is not None:  # vLLM's: lower first, with --scheduling-policy priority
+        options["priority"] = _integer(body["priority"], "priority", PRIORITY_MIN, PRIORITY_MAX)
     if chat:
         if body.get("logprobs"):
             options["logprobs"] = _uint(body.get("top_logprobs") or 0, "top_logprobs")

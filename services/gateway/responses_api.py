@@ -51,7 +51,7 @@ _REFUSED = {
     "prompt": "stored prompt templates are not supported",
 }
 _PASSED_ON = ("model", "temperature", "top_p", "parallel_tool_calls", "stream", "seed", "top_logprobs", "user",
-              "cache_salt")
+              "cache_salt", "priority")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 

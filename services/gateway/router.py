@@ -79,6 +79,7 @@ class GatewayOptions:
     policy: DisaggregationPolicy = DisaggregationPolicy()  # conditional mode: where each request prefills
     pool: PoolOptions = PoolOptions()
     max_migrations: int = 2  # restarts of one request on another decode worker after losing its own
+    priorities: bool = False  # requests may set sampling.priority (--scheduling-policy priority)
 
 
 class RoutingBackend:
@@ -222,6 +223,9 @@ class RoutingBackend:
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
         self.gate.check()
+        if spec.sampling.priority and not self.options.priorities:
+            raise InvalidArgument("priority scheduling is off on this gateway (--scheduling-policy priority turns "
+                                  "it on); leave priority out or 0", field="sampling.priority")
         self._num_generating += 1
         try:
             async with contextlib.aclosing(self._generate(spec)) as chunks:

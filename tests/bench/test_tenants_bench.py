@@ -1,6 +1,7 @@
 """bench/tenants.py end to end on the CPU: a two-key colocated stack, one key flooding, once
 without a cap and once with a cap of 1: the capped run refuses some of the flood, the calm key
-gets every answer both times, and the result files hold both rows."""
+gets every answer both times, and the result files hold both rows; and a run with the calm key
+at priority -1."""
 
 from __future__ import annotations
 
@@ -28,3 +29,19 @@ def test_a_short_run_reports_both_caps(tmp_path):
     for row in (uncapped, capped):
         assert row["calm_failed"] == 0 and len(row["calm_ttfts_ms"]) == 3 and row["calm_ttft_p50_ms"] > 0, row
     assert "calm_ttft_p50_ms" in result.with_suffix(".md").read_text()
+
+
+@pytest.mark.timeout(600)  # a guard against a hang
+def test_a_short_run_with_the_calm_tenant_at_a_lower_priority(tmp_path):
+    """B at priority -1 over workers of two seats: the gateway takes priorities for that run
+    (without `--scheduling-policy priority` every request of B would be refused)."""
+    out = tmp_path / "out"
+    command = [sys.executable, str(ROOT / "bench" / "tenants.py"), "--caps", "0", "--calm-priorities", "-1",
+               "--max-num-seqs", "2", "--flood", "3", "--flood-tokens", "8", "--calm-requests", "2",
+               "--calm-tokens", "2", "--out", str(out)]
+    finished = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    (result,) = out.glob("tenants-*.json")
+    (row,) = json.loads(result.read_text())["rows"]
+    assert (row["cap"], row["calm_priority"], row["calm_failed"]) == (0, -1, 0), row
+    assert len(row["calm_ttfts_ms"]) == 2

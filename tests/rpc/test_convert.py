@@ -59,7 +59,7 @@ def test_sampling_round_trip():
     params = SamplingParams(
         max_tokens=64, temperature=0.75, top_p=0.875, top_k=40, seed=0, stop=["</s>"],
         stop_token_ids=[2, 7], n=4, logprobs=0, repetition_penalty=1.125, skip_special_tokens=False,
-        min_tokens=3, logit_bias={11: -100.0, 4: 0.5}, cache_salt="tenant-a",
+        min_tokens=3, logit_bias={11: -100.0, 4: 0.5}, cache_salt="tenant-a", priority=-3,
     )
     wire = common_pb2.SamplingParams.FromString(convert.sampling_to_proto(params).SerializeToString())
     back = convert.sampling_from_proto(wire)

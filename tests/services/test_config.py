@@ -218,3 +218,24 @@ def test_max_requests_per_key_defaults_to_no_cap_and_refuses_a_negative_one():
     assert gateway_config([], {"CLEAVE_MAX_REQUESTS_PER_KEY": "8"}).max_requests_per_key == 8
     with pytest.raises(SystemExit, match="--max-requests-per-key must be >= 0"):
         gateway_config(["--max-requests-per-key", "-1"], {})
+
+
+def test_scheduling_policy_is_fcfs_by_default_and_priority_from_flag_or_environment():
+    assert gateway_config([], {}).scheduling_policy == "fcfs"
+    assert gateway_config(["--scheduling-policy", "priority"], {}).scheduling_policy == "priority"
+    assert gateway_config([], {"CLEAVE_SCHEDULING_POLICY": "priority"}).scheduling_policy == "priority"
+    assert gateway_config(["--scheduling-policy", "fcfs"], {"CLEAVE_SCHEDULING_POLICY": "priority"}).scheduling_policy == "fcfs"
+    with pytest.raises(SystemExit):
+        gateway_config(["--scheduling-policy", "lifo"], {})
+
+
+@pytest.mark.parametrize(("flag", "variable", "config"), [
+    ("--scheduling-policy", "CLEAVE_SCHEDULING_POLICY", lambda env: gateway_config([], env)),
+    ("--mode", "CLEAVE_MODE", lambda env: gateway_config([], env)),
+    ("--kv-cache-dtype", "CLEAVE_KV_CACHE_DTYPE", lambda env: worker_config("decode", [], env)),
+    ("--layer-streaming", "CLEAVE_LAYER_STREAMING", lambda env: worker_config("prefill", [], env)),
+])
+def test_a_choice_from_the_environment_outside_its_choices_exits_naming_flag_and_variable(flag, variable, config):
+    """argparse checks choices on the command line only: a variable's value is checked too."""
+    with pytest.raises(SystemExit, match=f"{flag} \\({variable}\\): 'bogus' is not one of"):
+        config({variable: "bogus"})

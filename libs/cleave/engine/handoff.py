@@ -108,7 +108,7 @@ class RequestIntake(Protocol):
         request_id: str,
         prompt: list[int],
         params: SamplingParams | None = None,
-        priority: int = 0,
+        priority: int | None = None,
         arrival_time: float | None = None,
     ) -> RequestState: ...
 
@@ -297,7 +297,7 @@ class KVHandoff:
         prompt_token_ids: Seq[int],
         first_tokens: int | Seq[int],
         params: SamplingParams | None = None,
-        priority: int = 0,
+        priority: int | None = None,
         arrival_time: float | None = None,
     ) -> RequestState:
         """Decode side: start decoding a request whose prompt KV fills its reservation

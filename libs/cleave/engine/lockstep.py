@@ -210,7 +210,7 @@ class _LockstepHandoff(KVHandoff):
         prompt_token_ids: Sequence[int],
         first_tokens: int | Sequence[int],
         params: SamplingParams | None = None,
-        priority: int = 0,
+        priority: int | None = None,
         arrival_time: float | None = None,
     ) -> RequestState:
         state = super().receive(request_id, prompt_token_ids, first_tokens, params, priority, arrival_time)

@@ -104,14 +104,14 @@ class RequestBuilder:
         request_id: str,
         prompt: Prompt,
         params: SamplingParams | None = None,
-        priority: int = 0,
+        priority: int | None = None,
         arrival_time: float | None = None,
         *,
         raw: bool = False,
         prefill_only: bool = False,
     ) -> RequestState:
         """Tokenize and validate a request and build its state. Raises InvalidArgument
-        naming the bad field."""
+        naming the bad field. `priority` None: the params' (lower is scheduled first)."""
         if not isinstance(request_id, str) or not request_id or "/" in request_id:
             raise InvalidArgument("must be a non-empty string without '/'", field="request_id")
         params = SamplingParams() if params is None else params
@@ -121,6 +121,7 @@ class RequestBuilder:
         if params.n > max_num_seqs:  # the samples run at once: more could never be admitted
             raise InvalidArgument(f"must be at most max_num_seqs ({max_num_seqs}) on this engine", field="n")
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        priority = params.priority if priority is None else priority
         root = salt_root(params.cache_salt)
         seqs = [Sequence(request_id, prompt_ids, i, params, priority, arrival, hash_root=root) for i in range(params.n)]
         max_new = params.max_new_tokens(self.max_model_len, len(prompt_ids))

@@ -35,6 +35,9 @@ MAX_STOP_STRING_CHARS = 1024
 # A cache salt is hashed once per admission; 256 characters hold any random key (vLLM
 # suggests 43 base64 characters, 256 bits) or a tenant's name and a key.
 MAX_CACHE_SALT_CHARS = 256
+# A priority travels as a protobuf int32.
+PRIORITY_MIN = -(2**31)
+PRIORITY_MAX = 2**31 - 1
 
 
 @dataclass
@@ -80,6 +83,9 @@ class SamplingParams:
             requests with this same salt (at most MAX_CACHE_SALT_CHARS characters): another
             caller cannot tell from cached-token counts or first-token times whether it sent
             a prompt. "": the prefix cache shared by every unsalted request.
+        priority: the scheduling order among waiting requests, lower first (vLLM's): a
+            lower value is admitted before and preempted after a higher one; equal
+            priorities are served in arrival order. An int32; 0 by default.
     """
 
     max_tokens: int | None = 16
@@ -105,6 +111,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     structured_output: StructuredOutput | None = None
     cache_salt: str = ""
+    priority: int = 0
 
     @property
     def is_greedy(self) -> bool:
@@ -144,6 +151,7 @@ class SamplingParams:
         self._validate_reasoning()
         self._validate_length(max_model_len, prompt_len)
         self._validate_cache_salt()
+        self._validate_priority()
         if self.structured_output is not None:
             if not isinstance(self.structured_output, StructuredOutput):
                 raise InvalidArgument("must be a StructuredOutput", field="structured_output")
@@ -217,6 +225,13 @@ class SamplingParams:
             salt.encode("utf-8")
         except UnicodeEncodeError:
             raise InvalidArgument("must be valid Unicode text (no lone surrogates)", field="cache_salt") from None
+
+    def _validate_priority(self) -> None:
+        priority = self.priority
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidArgument(f"must be an integer, got {type(priority).__name__}", field="priority")
+        if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            raise InvalidArgument(f"must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {priority}", field="priority")
 
     def _validate_lists(self) -> None:
         if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):

@@ -50,6 +50,7 @@ class SamplingRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     structured_output: StructuredOutput | None = None
     cache_salt: str = ""  # "": the shared prefix cache
+    priority: int = 0  # lower first
 
 
 def _wire(value: float) -> float:
@@ -136,6 +137,7 @@ def to_sampling_params(
         logit_bias=dict(request.logit_bias) or None,
         structured_output=request.structured_output,
         cache_salt=request.cache_salt,
+        priority=request.priority,
     )
     try:
         params.validate()

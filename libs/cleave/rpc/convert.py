@@ -96,6 +96,7 @@ def sampling_from_proto(
         structured_output=structured_from_proto(message.structured_output)
         if message.HasField("structured_output") else None,
         cache_salt=message.cache_salt,
+        priority=message.priority,
     )
     if reasoning is None:
         return to_sampling_params(request, field)
@@ -157,6 +158,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         min_tokens=params.min_tokens,
         logit_bias=params.logit_bias or {},
         cache_salt=params.cache_salt,
+        priority=params.priority,
     )
     if params.structured_output is not None:
         message.structured_output.CopyFrom(structured_to_proto(params.structured_output))

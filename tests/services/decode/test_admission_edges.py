@@ -39,8 +39,8 @@ async def test_a_drain_that_begins_while_an_admission_reserves_frees_its_blocks(
     admissions = decode.backend.admissions
     reserve = admissions.queue.reserve
 
-    async def reserve_then_drain(attempt):  # type: ignore[no-untyped-def]
-        block_ids = await reserve(attempt)
+    async def reserve_then_drain(attempt, priority=0):  # type: ignore[no-untyped-def]
+        block_ids = await reserve(attempt, priority)
         admissions.gate.close()  # the drain begins as the reservation comes back
         return block_ids
 

@@ -1,6 +1,7 @@
-"""AdmissionQueue at its edges, over a pool of free blocks: first come first served (a small
-prompt never overtakes a larger one that waits), only the head tries, a head that leaves
-hands its turn on, a short head keeps waiting, and a drain fails everyone who waits."""
+"""AdmissionQueue at its edges, over a pool of free blocks: first come first served within a
+priority (a small prompt never overtakes a larger one that waits), a lower priority value
+ahead of every higher one, only the head tries, a head that leaves hands its turn on, a short
+head keeps waiting, and a drain fails everyone who waits."""
 
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ class Pool:
         self.queue.wake()
 
 
-def admit(pool: Pool, name: str, num_blocks: int) -> asyncio.Task:
-    return asyncio.ensure_future(pool.queue.reserve(pool.attempt(name, num_blocks)))
+def admit(pool: Pool, name: str, num_blocks: int, priority: int = 0) -> asyncio.Task:
+    return asyncio.ensure_future(pool.queue.reserve(pool.attempt(name, num_blocks), priority))
 
 
 async def until(condition: Callable[[], bool]) -> None:
@@ -71,6 +72,44 @@ async def test_a_small_prompt_waits_behind_a_larger_one_that_came_first():
     pool.free(6)
     assert await asyncio.wait_for(asyncio.gather(large, small), TIMEOUT_S) == [list(range(8)), list(range(2))]
     assert pool.admitted == ["large", "small"] and queue.num_waiting == 0
+
+
+async def test_a_lower_priority_value_goes_ahead_of_everyone_waiting_at_a_higher_one():
+    queue = AdmissionQueue()
+    pool = Pool(queue, num_free=0)
+    batch = [admit(pool, f"batch{index}", 2, priority=5) for index in range(2)]
+    await until_waiting(queue, 2)
+    assert pool.num_attempts == 1  # the first tried (nobody waited), the second queued behind it
+    plain = admit(pool, "plain", 2)  # tries at once: nobody waits at 0 or lower
+    await until_waiting(queue, 3)
+    urgent = admit(pool, "urgent", 2, priority=-1)
+    await until_waiting(queue, 4)
+    assert pool.num_attempts == 3 and pool.admitted == []
+    later = admit(pool, "batch-later", 2, priority=5)
+    await until_waiting(queue, 5)
+    for expected in (["urgent"], ["urgent", "plain"], ["urgent", "plain", "batch0"]):
+        pool.free(2)
+        await until(lambda: len(pool.admitted) == len(expected))
+        assert pool.admitted == expected
+    pool.free(4)
+    await asyncio.wait_for(asyncio.gather(urgent, plain, *batch, later), TIMEOUT_S)
+    assert pool.admitted == ["urgent", "plain", "batch0", "batch1", "batch-later"] and queue.num_waiting == 0
+
+
+async def test_an_urgent_admission_that_fits_takes_the_blocks_a_waiting_larger_one_needs():
+    """A lower priority value than every waiting admission tries at once, so it may take free
+    blocks the waiting head is short of: priority first, then arrival."""
+    queue = AdmissionQueue()
+    pool = Pool(queue, num_free=3)
+    large = admit(pool, "large", 4)
+    await until_waiting(queue, 1)
+    assert await asyncio.wait_for(queue.reserve(pool.attempt("urgent", 2), -1), TIMEOUT_S) == [0, 1]
+    same = admit(pool, "same", 1)  # its priority is the waiting head's: it queues behind it
+    await until_waiting(queue, 2)
+    assert pool.admitted == ["urgent"]
+    pool.free(5)
+    await asyncio.wait_for(asyncio.gather(large, same), TIMEOUT_S)
+    assert pool.admitted == ["urgent", "large", "same"]
 
 
 async def test_an_admitted_head_lets_the_next_one_try_with_what_is_left():

@@ -47,10 +47,10 @@ def write_reasoning_config(model_dir: Path) -> None:
     (model_dir / "cleave_config.json").write_text(json.dumps({"reasoning": REASONING}))
 
 
-def engine_config(model_dir: Path) -> EngineConfig:
+def engine_config(model_dir: Path, max_num_seqs: int = 64, max_model_len: int = MAX_MODEL_LEN) -> EngineConfig:
     return EngineConfig(
         model=str(model_dir), dtype="float32", device="cpu", enforce_eager=True,
-        scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=64),
+        scheduler=SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs),
         cache=CacheConfig(num_blocks=NUM_BLOCKS),
     )
 
@@ -104,12 +104,16 @@ async def start_stack(
     policy: DisaggregationPolicy = DisaggregationPolicy(),
     api_key: str | ApiKeys | None = None,
     num_prefill: int = 1,
+    priorities: bool = False,
+    max_num_seqs: int = 64,
+    max_model_len: int = MAX_MODEL_LEN,
 ) -> Stack:
     """Start kvstore, prefill (not colocated), decode worker(s) and the gateway (asking
-    clients for `api_key`, or one of several, when given)."""
+    clients for `api_key`, or one of several, when given; taking requests' priorities with
+    `priorities`, as `--scheduling-policy priority` does)."""
     api_keys = ApiKeys((api_key,)) if isinstance(api_key, str) else api_key
     stack = Stack()
-    config = engine_config(model_dir)
+    config = engine_config(model_dir, max_num_seqs, max_model_len)
     store = BlockStore(StoreConfig(ram_bytes=64 * 1024 * 1024))
     kv_server = await _serve(stack, kvstore_registration(KVStoreServicer(store)), None)
     stack.kvstore_address = kv_server.address
@@ -127,12 +131,12 @@ async def start_stack(
         server = await _serve(stack, decode_registration(DecodeServicer(backend)), backend)
         stack.decode.append(backend)
         decode_addresses.append(server.address)
-    served = ModelConfig(source=str(model_dir), served_name=MODEL_NAME, max_context_length=MAX_MODEL_LEN)
+    served = ModelConfig(source=str(model_dir), served_name=MODEL_NAME, max_context_length=max_model_len)
     model = ServedModel(served)
     router = RoutingBackend(
         model, prefill_addresses, decode_addresses,
         GatewayOptions(gateway_id="gw-test", mode=mode, pool=PoolOptions(health_interval_s=health_interval_s, internal_token=INTERNAL_TOKEN),
-                       max_migrations=max_migrations, policy=policy),
+                       max_migrations=max_migrations, policy=policy, priorities=priorities),
     )
     stack.router = router
     models = [served]

@@ -133,3 +133,12 @@ def test_a_cache_salt_travels_in_the_sampling_params_and_must_be_a_non_empty_str
         assert refused_field(completion, cache_salt=bad) == "cache_salt"
     assert refused_field(completion, cache_salt="x" * 257) == "sampling.cache_salt"  # 400 naming cache_salt
     assert completion(cache_salt="x" * 256).sampling.cache_salt == "x" * 256
+
+
+def test_a_priority_travels_in_the_sampling_params_and_must_be_an_int32():
+    assert completion(priority=-5).sampling.priority == -5
+    assert chat(priority=2**31 - 1).sampling.priority == 2**31 - 1
+    assert completion(priority=-(2**31)).sampling.priority == -(2**31)
+    assert completion(priority=None).sampling.priority == 0 == completion().sampling.priority
+    for bad in (True, 1.0, "1", [1], 2**31, -(2**31) - 1):
+        assert refused_field(completion, priority=bad) == "priority"

@@ -139,3 +139,10 @@ def test_a_cache_salt_is_passed_on_to_the_chat_request():
 
     assert responses_body({"input": "hi", "cache_salt": "tenant-a"})["cache_salt"] == "tenant-a"
     assert "cache_salt" not in responses_body({"input": "hi"})
+
+
+def test_a_priority_is_passed_on_to_the_chat_request():
+    from services.gateway.responses_api import responses_body
+
+    assert responses_body({"input": "hi", "priority": -2})["priority"] == -2
+    assert "priority" not in responses_body({"input": "hi"})
