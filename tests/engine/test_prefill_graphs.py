@@ -14,6 +14,7 @@ import torch
 from cleave.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from cleave.engine.llm_engine import LLMEngine
 from cleave.generation.sampling_params import SamplingParams
+from cleave.graphs.prefill import PrefillGraphConfig
 from cleave.testing.tiny_models import write_tiny_checkpoint
 
 SHARED = list(range(40, 72))  # two full 16-token blocks: a cached prefix for the second prompt
@@ -25,13 +26,20 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return write_tiny_checkpoint(tmp_path_factory.mktemp("prefill-graphs") / request.param, request.param, seed=5)
 
 
+MAX_MODEL_LEN = 128
+
+
+def engine_for(checkpoint: Path, max_tokens: int, device: str = "cpu") -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(checkpoint), dtype="float32", device=device,
+                                  prefill_graph_max_tokens=max_tokens,
+                                  scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=4),
+                                  cache=CacheConfig(num_blocks=64)))  # a small cache, also on a GPU
+
+
 def generate_one_at_a_time(checkpoint: Path, max_tokens: int, device: str = "cpu") -> tuple[dict, torch.Tensor, list[int]]:
     """Each prompt alone (every prefill a one-sequence step): greedy tokens and logprobs by
     request, the KV cache afterwards, and the bucket of every prefill that took the graph path."""
-    engine = LLMEngine(EngineConfig(model=str(checkpoint), dtype="float32", device=device,
-                                    prefill_graph_max_tokens=max_tokens,
-                                    scheduler=SchedulerConfig(max_model_len=128, max_num_seqs=4),
-                                    cache=CacheConfig(num_blocks=64)))  # a small cache, also on a GPU
+    engine = engine_for(checkpoint, max_tokens, device)
     buckets: list[int] = []
     graphs = engine.runner.prefill_graphs
     if graphs is not None:
@@ -78,6 +86,30 @@ def test_gpu_replayed_prefills_generate_what_eager_ones_do(checkpoint):
         assert replayed[request_id][0] == eager[request_id][0]
         assert replayed[request_id][1] == pytest.approx(eager[request_id][1], abs=1e-3)
     torch.testing.assert_close(replayed_kv, eager_kv, atol=1e-3, rtol=1e-3)
+
+
+def test_graphs_stop_short_of_the_context_a_prompt_cannot_fill(tmp_path):
+    """A limit past the context (the workers' 1024 with --max-context-length 128): the largest
+    graph holds max_model_len - 1 tokens, the most a prompt may have (one new token must fit),
+    so no bucket fills the context its padded metadata claims."""
+    engine = engine_for(write_tiny_checkpoint(tmp_path / "llama", "llama"), 1024)
+    assert engine.runner.prefill_graphs.buckets[-1] == MAX_MODEL_LEN - 1
+    engine.close()
+    for max_tokens in (0, 128, 129):
+        with pytest.raises(ValueError, match=r"max_tokens must be in \[1, 128\)"):
+            PrefillGraphConfig(max_tokens=max_tokens, max_blocks_per_seq=8, block_size=16)
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_captured_up_to_the_context_generate_what_eager_ones_do(checkpoint):
+    """On CUDA a limit past the context once captured a bucket filling it, whose eager warm-up
+    took the dense path over the padding's slots: a device-side assert, and every later CUDA
+    call of the worker failed (it could not start)."""
+    eager, _, _ = generate_one_at_a_time(checkpoint, 0, "cuda")
+    replayed, _, buckets = generate_one_at_a_time(checkpoint, 1024, "cuda")
+    assert buckets == [32, 48, 48, 32]
+    for request_id in PROMPTS:
+        assert replayed[request_id][0] == eager[request_id][0]
 
 
 def test_a_negative_limit_is_refused():

@@ -60,6 +60,16 @@ class PrefillGraphConfig:
     block_size: int
     window_tables: bool = False
 
+    def __post_init__(self) -> None:
+        # The buffers' metadata claims the whole context (max_seq_len = the capacity), so a
+        # bucket that filled it would pass for a lone fresh prompt in the eager warm-up before
+        # each capture; dense attention would then gather the padding's slots (a device-side
+        # assert on CUDA, which leaves the context unusable) where the graph runs the paged kernel.
+        capacity = self.max_blocks_per_seq * self.block_size
+        if not 1 <= self.max_tokens < capacity:
+            raise ValueError(f"max_tokens must be in [1, {capacity}) (the context capacity: "
+                             f"{self.max_blocks_per_seq} blocks of {self.block_size}), got {self.max_tokens}")
+
 
 class StaticPrefillBuffers:
     """The inputs every prefill graph reads: `max_tokens` rows of one sequence."""
