@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from cleave.graphs.buckets import NULL_BLOCK_ID, PAD_POSITION, PAD_SLOT_ID, PAD_TOKEN_ID
-from cleave.graphs.runner import upload_graphs
+from cleave.graphs.runner import graph_capture, upload_graphs
 from cleave.kv.metadata import AttentionMetadata
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
@@ -186,7 +186,7 @@ class PrefillGraphRunner:
             self.forward_fn(input_ids, positions, metadata)  # warm-up: kernels compiled, workspaces set
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with graph_capture(graph, pool=pool):
                 self._outputs[bucket] = self.forward_fn(input_ids, positions, metadata)
             pool = pool or graph.pool()
             self._graphs[bucket] = graph

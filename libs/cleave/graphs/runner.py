@@ -10,7 +10,9 @@ run the step eagerly.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import gc
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Callable
 
@@ -114,7 +116,7 @@ class CUDAGraphRunner:
             # the buffers hold padding, so it writes no KV and reads none.
             self.step_fn(input_ids, positions, metadata)
             torch.cuda.synchronize(self.device)
-            with torch.cuda.graph(graph, pool=self._pool):
+            with graph_capture(graph, pool=self._pool):
                 output = self.step_fn(input_ids, positions, metadata)
         except (RuntimeError, torch.OutOfMemoryError) as error:
             raise GraphCaptureError(
@@ -149,6 +151,24 @@ class CUDAGraphRunner:
         self.buffers.fill(input_ids, positions, metadata, pdl=self.config.pdl)
         self._graphs[bucket].replay()
         return self._outputs[bucket][:batch_size]
+
+
+@contextlib.contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None = None) -> Iterator[None]:
+    """`torch.cuda.graph` with automatic garbage collection paused while the stream captures.
+    A collection inside the capture can finalize an earlier engine's CUDA graphs in this
+    process (tests, benches that build engines one after another), and destroying a graph
+    is not permitted while a stream captures: the capture is invalidated ("operation failed
+    due to a previous error during capture"). `torch.cuda.graph` collects once on entry,
+    before the capture begins."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def upload_graphs(graphs: Iterable[torch.cuda.CUDAGraph]) -> None:
