@@ -18,11 +18,10 @@ from typing import Any, Literal
 from cleave.api_keys import ApiKeys
 from cleave.engine.config import KV_CACHE_DTYPES
 from cleave.generation.reasoning_formats import REASONING_PARSERS
-
-SCHEDULING_POLICIES = ("fcfs", "priority")  # the gateway's --scheduling-policy
 from cleave.tls import CA_FLAG, CERT_FLAG, KEY_FLAG, TlsConfig, TlsConfigError
 
 ENV_PREFIX = "CLEAVE_"
+SCHEDULING_POLICIES = ("fcfs", "priority")  # the gateway's --scheduling-policy
 # The reasoning model shipped inside the package: every service defaults to it, so the stack
 # runs with no download.
 SHIPPED_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "reasoner"

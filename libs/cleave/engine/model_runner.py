@@ -368,8 +368,11 @@ class ModelRunner:
         if max_tokens == 0 or self.config.enforce_eager or self.config.tensor_parallel_size > 1:
             return None  # tensor-parallel ranks prefill eagerly (their collectives are not captured)
         sched = self.config.scheduler
-        config = PrefillGraphConfig(  # a prompt leaves room for one new token: at most max_model_len - 1
-            max_tokens=min(max_tokens, sched.max_num_batched_tokens, sched.max_model_len - 1),
+        max_tokens = min(max_tokens, sched.max_num_batched_tokens, sched.max_model_len - 1)  # room for a new token
+        if max_tokens < 2:
+            return None  # a one-token prefill runs eagerly either way (`PrefillGraphRunner.bucket_for`)
+        config = PrefillGraphConfig(
+            max_tokens=max_tokens,
             max_blocks_per_seq=-(-sched.max_model_len // self.block_size),
             block_size=self.block_size,
             window_tables=self.kv_groups.is_paired,
