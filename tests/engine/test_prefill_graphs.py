@@ -115,3 +115,22 @@ def test_gpu_graphs_captured_up_to_the_context_generate_what_eager_ones_do(check
 def test_a_negative_limit_is_refused():
     with pytest.raises(ValueError, match="prefill_graph_max_tokens"):
         EngineConfig(model="m", prefill_graph_max_tokens=-1)
+
+
+def test_a_capture_failure_that_left_the_device_unusable_is_raised_not_run_around(monkeypatch):
+    """Falling back to eager prefill after a failed capture only helps while the device still
+    runs work; after a device-side assert the context is gone and the worker must stop, naming
+    the cause and the flag that avoids it."""
+    from cleave.engine.model_runner import _check_device_usable
+
+    first = RuntimeError("CUDA error: device-side assert triggered")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    assert _check_device_usable(torch.device("cuda"), "capturing", "--flag 0", first) is None
+
+    def lost(device=None):  # type: ignore[no-untyped-def]
+        raise RuntimeError("CUDA error: device-side assert triggered (again)")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lost)
+    with pytest.raises(RuntimeError, match=r"capturing left the CUDA context unusable .*--flag 0") as raised:
+        _check_device_usable(torch.device("cuda"), "capturing", "--flag 0", first)
+    assert raised.value.__cause__ is first

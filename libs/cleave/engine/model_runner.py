@@ -165,6 +165,17 @@ class LaunchedStep:
     prompt_logprobs: list[PromptLogprobChunk] = field(default_factory=list)  # on the host already
 
 
+def _check_device_usable(device: torch.device, doing: str, instead: str, error: BaseException) -> None:
+    """After a failure in `doing`, raise RuntimeError unless `device` still runs work: a
+    device-side assert or a fault leaves the CUDA context unusable, so falling back to eager
+    work would only fail later, further from the cause. The message names `instead`."""
+    try:
+        torch.cuda.synchronize(device)
+    except RuntimeError as lost:
+        raise RuntimeError(f"{doing} left the CUDA context unusable ({lost}); the first error was: {error}. "
+                           f"Start without it ({instead}) and report the failure") from error
+
+
 def _check_tensor_parallel(config: EngineConfig, model: CausalLM) -> None:
     """Refuse a model split over a different number of ranks than the config asks for."""
     model_ranks = model.group.world_size if isinstance(model, TensorParallelCausalLM) else 1
@@ -381,6 +392,8 @@ class ModelRunner:
         try:
             runner.capture()
         except (RuntimeError, torch.OutOfMemoryError) as error:
+            _check_device_usable(self.device, "capturing the prefill graphs", "--prefill-graph-max-tokens 0",
+                                 error)
             log.warning("prefill graphs not captured: prompts prefill eagerly", error=str(error),
                         max_tokens=config.max_tokens)
             return None
