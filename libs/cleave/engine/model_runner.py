@@ -392,7 +392,8 @@ class ModelRunner:
         try:
             runner.capture()
         except (RuntimeError, torch.OutOfMemoryError) as error:
-            _check_device_usable(self.device, "capturing the prefill graphs", "--prefill-graph-max-tokens 0",
+            _check_device_usable(self.device, "capturing the prefill graphs",
+                                 "--prefill-graph-max-tokens 0, EngineConfig.prefill_graph_max_tokens=0",
                                  error)
             log.warning("prefill graphs not captured: prompts prefill eagerly", error=str(error),
                         max_tokens=config.max_tokens)
