@@ -76,7 +76,8 @@ class MeteredBackend(BackendLayer):
                     yield chunk
         except BaseException as exc:  # noqa: BLE001 - counted, then re-raised
             cancelled = isinstance(exc, (asyncio.CancelledError, GeneratorExit))
-            metrics.failed("CANCELLED" if cancelled else map_exception(exc, request_id).code.name)
+            metrics.failed("CANCELLED" if cancelled else map_exception(exc, request_id).code.name, request_id,
+                           spec.tenant)
             raise
         else:
             if clock.first_token is None:  # nothing streamed before the end: the end is the first token

@@ -79,10 +79,11 @@ async def stream_samples(
     migrate: Migrate,
     abort_sample: Callable[[int], None],
     verify_on: Executor | None = None,
+    on_end: Callable[[Usage], None] | None = None,
 ) -> AsyncIterator[GenerateChunk]:
     """The request's chunks until every sample finished; marks `worker_finished[i]` as a
     worker reports sample i finished (the caller aborts the worker requests with a sample
-    that is not)."""
+    that is not). `on_end` gets the usage so far when the stream ends, however it ends."""
     mode = resolve_mode(spec.reasoning.mode, model.reasoning)
     texts = [
         SampleText(i, model.tokenizer, prompt_ids, spec.sampling, model.eos_token_ids, model.reasoning,
@@ -127,34 +128,38 @@ async def stream_samples(
             if len(texts) > 1:
                 abort_sample(text.index)
 
-    while not all(t.finished for t in texts):
-        news: dict[int, list[SampleOutput]] = {}
-        lost: list[WorkerLost] = []
-        for item in await next_items(spec, running.queue):
-            if isinstance(item, WorkerLost):
-                lost.append(item)  # its worker request's deltas all came before it
-            elif isinstance(item, BaseException):
-                raise item
-            elif (dropped := running.lost_in_handoff(item)) is not None:
-                lost.append(dropped)
-            else:
-                index = running.request_sample(item.request_id, item.sample_index)
-                if index is not None:  # None: a worker request this request left
-                    take(replace(token_delta_from_proto(item), sample_index=index), news)
-        if lost:
-            for delta in await migrate(lost, texts):
-                take(delta, news)
-        if hold:
-            for index, outputs in news.items():
-                held.setdefault(index, []).extend(outputs)
-        elif news:
-            yield with_prompt_scores(GenerateChunk(
-                samples=tuple(merge_outputs(news[i]) for i in sorted(news)),
-                usage=usage() if spec.stream.continuous_usage else None,
-            ), prompt_scores, prompt_ids)
-    collected = {index: merge_outputs(outputs) for index, outputs in held.items()}
-    final = await final_chunk(spec, texts, collected, usage(), hold, verify_on)
-    yield with_prompt_scores(final, prompt_scores, prompt_ids)
+    try:
+        while not all(t.finished for t in texts):
+            news: dict[int, list[SampleOutput]] = {}
+            lost: list[WorkerLost] = []
+            for item in await next_items(spec, running.queue):
+                if isinstance(item, WorkerLost):
+                    lost.append(item)  # its worker request's deltas all came before it
+                elif isinstance(item, BaseException):
+                    raise item
+                elif (dropped := running.lost_in_handoff(item)) is not None:
+                    lost.append(dropped)
+                else:
+                    index = running.request_sample(item.request_id, item.sample_index)
+                    if index is not None:  # None: a worker request this request left
+                        take(replace(token_delta_from_proto(item), sample_index=index), news)
+            if lost:
+                for delta in await migrate(lost, texts):
+                    take(delta, news)
+            if hold:
+                for index, outputs in news.items():
+                    held.setdefault(index, []).extend(outputs)
+            elif news:
+                yield with_prompt_scores(GenerateChunk(
+                    samples=tuple(merge_outputs(news[i]) for i in sorted(news)),
+                    usage=usage() if spec.stream.continuous_usage else None,
+                ), prompt_scores, prompt_ids)
+        collected = {index: merge_outputs(outputs) for index, outputs in held.items()}
+        final = await final_chunk(spec, texts, collected, usage(), hold, verify_on)
+        yield with_prompt_scores(final, prompt_scores, prompt_ids)
+    finally:
+        if on_end is not None:
+            on_end(usage())
 
 
 def with_prompt_scores(

@@ -256,10 +256,11 @@ class RoutingBackend:
             chunks = stream_samples(
                 spec, prompt_ids, num_cached, running, worker_finished,
                 model=self.model, tag_tokens=self._tag_tokens, migrate=migrate, abort_sample=abort_sample,
-                verify_on=self._verify_pool,
+                verify_on=self._verify_pool, on_end=lambda usage: self.observer.ended(spec.request_id, usage),
             )
-            async for chunk in chunks:
-                yield chunk
+            async with contextlib.aclosing(chunks):  # closed at once when this one is: its end is reported now
+                async for chunk in chunks:
+                    yield chunk
         finally:
             self._running.pop(spec.request_id, None)
             self.placement.leave_all(running, finished=lambda index: worker_finished[index])

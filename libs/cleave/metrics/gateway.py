@@ -29,6 +29,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from cleave.metrics.labels import (
     PER_TOKEN_BUCKETS, PREFIX, REQUEST_SECONDS_BUCKETS, TTFT_BUCKETS, MetricLabels, one_two_five_buckets,
 )
+from cleave.rpc.types import Usage
 
 
 DecodeLoads = Callable[[], Iterable[tuple[str, int]]]  # (decode worker id, requests there) at scrape time
@@ -69,9 +70,10 @@ class GatewayMetrics:
         registry: the process's registry (`ServiceMetrics.registry`).
         labels: model_name and worker_id (the gateway id).
         max_model_len: upper end of the token-count buckets.
-        tenants: count each tenant's finished requests and tokens (`tenant_requests`,
-            `tenant_tokens`); off, `finished` ignores its `tenant` (whoever can read the
-            metrics would learn every key's usage).
+        tenants: count each tenant's finished requests (`tenant_requests`) and the tokens of
+            all its requests, those that ended early included (`tenant_tokens`); off, `finished`
+            and `failed` ignore their `tenant` (whoever can read the metrics would learn every
+            key's usage).
     """
 
     def __init__(self, registry: CollectorRegistry, labels: MetricLabels, max_model_len: int = 1 << 20,
@@ -80,6 +82,7 @@ class GatewayMetrics:
         self._names, self._values = names, values
         self._registry = registry
         self._unrouted: dict[str, float] = {}  # request id -> arrival, until its first start
+        self._ended: dict[str, Usage] = {}  # request id -> its usage as its stream ended, until it leaves
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
             return Histogram(f"{PREFIX}{name}", doc, names, buckets=buckets, registry=registry).labels(*values)
@@ -117,8 +120,9 @@ class GatewayMetrics:
         if tenants:
             self.tenant_requests = Counter(f"{PREFIX}tenant_requests", "Finished requests by tenant (API key tag)",
                                            [*names, "tenant"], registry=registry)
-            self.tenant_tokens = Counter(f"{PREFIX}tenant_tokens", "Tokens of finished requests by tenant (API "
-                                         "key tag) and kind: prompt, cached_prompt (of the prompt), generation",
+            self.tenant_tokens = Counter(f"{PREFIX}tenant_tokens", "Tokens by tenant (API key tag) and kind: "
+                                         "prompt, cached_prompt (of the prompt), generation; requests that "
+                                         "ended early (failed, cancelled) count what they had",
                                          [*names, "tenant", "kind"], registry=registry)
         self.running = Gauge(f"{PREFIX}num_requests_running", "Requests streaming tokens", names,
                              registry=registry).labels(*values)
@@ -141,6 +145,13 @@ class GatewayMetrics:
     def left(self, request_id: str) -> None:
         """A request ended (forget it if it never started)."""
         self._unrouted.pop(request_id, None)
+        self._ended.pop(request_id, None)
+
+    def ended(self, request_id: str, usage: Usage) -> None:
+        """RouteObserver: the request's stream ended with `usage` so far; `failed` counts a
+        tenant's tokens from it (a finished request's come with its last chunk)."""
+        if self.tenant_tokens is not None:
+            self._ended[request_id] = usage
 
     def routed(self, request_id: str, remote_prefill: bool, decode_worker: str) -> None:
         """RouteObserver: the request starts on `decode_worker` (again, after a move)."""
@@ -174,11 +185,21 @@ class GatewayMetrics:
             self.reasoning_tokens.inc(reasoning_tokens)
         if cached_prompt_tokens:
             self.cached_prompt_tokens.inc(cached_prompt_tokens)
-        if tenant and self.tenant_requests is not None and self.tenant_tokens is not None:
+        if tenant and self.tenant_requests is not None:
             self.tenant_requests.labels(*self._values, tenant).inc()
-            for kind, count in (("prompt", prompt_tokens), ("cached_prompt", cached_prompt_tokens),
-                                ("generation", generation_tokens)):
-                self.tenant_tokens.labels(*self._values, tenant, kind).inc(count)
+            self._count_tenant_tokens(tenant, prompt_tokens, cached_prompt_tokens, generation_tokens)
 
-    def failed(self, code: str) -> None:
+    def _count_tenant_tokens(self, tenant: str, prompt: int, cached_prompt: int, generation: int) -> None:
+        if self.tenant_tokens is None:
+            return
+        for kind, count in (("prompt", prompt), ("cached_prompt", cached_prompt), ("generation", generation)):
+            self.tenant_tokens.labels(*self._values, tenant, kind).inc(count)
+
+    def failed(self, code: str, request_id: str = "", tenant: str = "") -> None:
+        """A request that ended without its last chunk (an error, a deadline, a client that
+        left); with `tenants` on, the tokens of `tenant`'s request up to then (reported by
+        `ended`: none when it ended before its prompt was computed)."""
         self.failure.labels(*self._values, code).inc()
+        usage = self._ended.pop(request_id, None)
+        if tenant and usage is not None:
+            self._count_tenant_tokens(tenant, usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens)

@@ -50,12 +50,17 @@ class ScriptedBackend:
         self.observer.routed(spec.request_id, True, "decode-0")
         if self.gate is not None:
             await self.gate.wait()
-        for index in range(self.tokens):
-            yield GenerateChunk(samples=(SampleOutput(index=0, text=f"t{index}"),))
-            if self.error is not None:
-                raise self.error
-        yield GenerateChunk(samples=(SampleOutput(index=0, finish_reason=FinishReason.LENGTH),),
-                            usage=Usage(prompt_tokens=5, completion_tokens=self.tokens, reasoning_tokens=2))
+        sent = 0
+        try:
+            for index in range(self.tokens):
+                yield GenerateChunk(samples=(SampleOutput(index=0, text=f"t{index}"),))
+                sent += 1
+                if self.error is not None:
+                    raise self.error
+            yield GenerateChunk(samples=(SampleOutput(index=0, finish_reason=FinishReason.LENGTH),),
+                                usage=Usage(prompt_tokens=5, completion_tokens=self.tokens, reasoning_tokens=2))
+        finally:  # as the routing backend reports every stream's end
+            self.observer.ended(spec.request_id, Usage(prompt_tokens=5, completion_tokens=sent, cached_prompt_tokens=1))
 
 
 def get(registry: CollectorRegistry, name: str, **labels: str) -> float:
@@ -100,12 +105,30 @@ async def test_each_tenants_finished_requests_and_tokens_are_counted_under_its_t
     with pytest.raises(ResourceExhausted):
         _ = [chunk async for chunk in TenantBackend(wrapped, "tag-b").generate(spec("b-failed"))]
     assert get(registry, "cleave:tenant_requests_total", tenant="tag-a") == 2
-    assert get(registry, "cleave:tenant_requests_total", tenant="tag-b") == 1
+    assert get(registry, "cleave:tenant_requests_total", tenant="tag-b") == 1  # finished ones
     assert get(registry, "cleave:tenant_tokens_total", tenant="tag-a", kind="prompt") == 10
     assert get(registry, "cleave:tenant_tokens_total", tenant="tag-a", kind="generation") == 6
-    assert get(registry, "cleave:tenant_tokens_total", tenant="tag-b", kind="generation") == 3
+    # b's failed request counts the prompt and the one token it had streamed
+    assert get(registry, "cleave:tenant_tokens_total", tenant="tag-b", kind="prompt") == 10
+    assert get(registry, "cleave:tenant_tokens_total", tenant="tag-b", kind="cached_prompt") == 1
+    assert get(registry, "cleave:tenant_tokens_total", tenant="tag-b", kind="generation") == 3 + 1
     assert get(registry, "cleave:tenant_tokens_total", tenant="", kind="prompt") == 0
     assert get(registry, "cleave:request_success_total", finished_reason="length") == 4
+
+
+async def test_a_tenant_that_leaves_mid_stream_is_counted_for_what_it_got():
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics(registry, LABELS, max_model_len=256, tenants=True)
+    backend = ScriptedBackend(metrics, tokens=8)
+    stream = TenantBackend(MeteredBackend(backend, metrics), "tag-a").generate(spec("a1"))
+    for _ in range(3):
+        await anext(stream)
+    await stream.aclose()  # the client went away after three tokens
+    assert get(registry, "cleave:request_failure_total", code="CANCELLED") == 1
+    assert get(registry, "cleave:tenant_requests_total", tenant="tag-a") == 0
+    assert get(registry, "cleave:tenant_tokens_total", tenant="tag-a", kind="prompt") == 5
+    assert get(registry, "cleave:tenant_tokens_total", tenant="tag-a", kind="generation") == 2  # the third was not yet counted as sent
+    assert metrics._ended == {}  # nothing kept once the request left
 
 
 async def test_without_tenant_metrics_no_tenant_series_is_served(metered):
