@@ -47,12 +47,18 @@ def withhold_addresses(text: str) -> str:
 
 def client_message(error: CleaveError, request_id: str) -> str:
     """What the client is told about `error` (without its field prefix)."""
+    return _told(error, request_id)[0]
+
+
+def _told(error: CleaveError, request_id: str) -> tuple[str, bool]:
+    """`client_message`, and whether it withholds anything of `error`'s (more than the request
+    id added to a refusal the client may retry)."""
     if error.status_code in _SERVER_FAULTS:
-        return f"internal error; request id {request_id}"
-    message = withhold_addresses(error.message)
+        return f"internal error; request id {request_id}", True
+    message, num_withheld = _ADDRESS.subn(WITHHELD, error.message)
     if error.status_code in _WORKER_FAULTS and request_id not in message:
         message = f"{message} (request id {request_id})"
-    return message
+    return message, num_withheld > 0
 
 
 def client_error(error: BaseException, request_id: str) -> BaseException:
@@ -61,11 +67,10 @@ def client_error(error: BaseException, request_id: str) -> BaseException:
     a bare "internal error" and log the traceback."""
     if not isinstance(error, CleaveError):
         return error
-    message = client_message(error, request_id)
+    message, withheld = _told(error, request_id)
     if message == error.message:
         return error
-    if error.status_code in _SERVER_FAULTS or withhold_addresses(error.message) != error.message:
-        # only the request id added (a refusal the client may retry): nothing to keep for the logs
+    if withheld:  # else only the request id was added: nothing to keep for the logs
         log.warning("failure reported to the client without internal details", request_id=request_id,
                     error=str(error), client_message=message, status=error.status_code)
     safe = type(error).__new__(type(error))
