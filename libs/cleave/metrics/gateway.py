@@ -63,6 +63,26 @@ class RequestClock:
     last_token: float | None = None
 
 
+class TenantSeries:
+    """Per-tenant (API key tag) counters: its finished requests, and the tokens of each of its
+    requests that got as far as a computed prompt, however it ended."""
+
+    def __init__(self, registry: CollectorRegistry, names: list[str], values: tuple[str, ...]) -> None:
+        self._values = values
+        self.requests = Counter(f"{PREFIX}tenant_requests", "Finished requests by tenant (API key tag)",
+                                [*names, "tenant"], registry=registry)
+        self.tokens = Counter(f"{PREFIX}tenant_tokens", "Tokens by tenant (API key tag) and kind: prompt, "
+                              "cached_prompt (of the prompt), generation; requests that ended early (failed, "
+                              "cancelled) count what they had", [*names, "tenant", "kind"], registry=registry)
+
+    def count(self, tenant: str, usage: Usage, finished: bool) -> None:
+        if finished:
+            self.requests.labels(*self._values, tenant).inc()
+        for kind, count in (("prompt", usage.prompt_tokens), ("cached_prompt", usage.cached_prompt_tokens),
+                            ("generation", usage.completion_tokens)):
+            self.tokens.labels(*self._values, tenant, kind).inc(count)
+
+
 class GatewayMetrics:
     """Every gateway series, labelled with the served model and the gateway id.
 
@@ -70,8 +90,7 @@ class GatewayMetrics:
         registry: the process's registry (`ServiceMetrics.registry`).
         labels: model_name and worker_id (the gateway id).
         max_model_len: upper end of the token-count buckets.
-        tenants: count each tenant's finished requests (`tenant_requests`) and the tokens of
-            all its requests, those that ended early included (`tenant_tokens`); off, `finished`
+        tenants: count each tenant's requests and tokens (`TenantSeries`); off, `finished`
             and `failed` ignore their `tenant` (whoever can read the metrics would learn every
             key's usage).
     """
@@ -115,15 +134,8 @@ class GatewayMetrics:
                                [*names, "prefill", "decode_worker"], registry=registry)
         self.scaling_samples = Counter(f"{PREFIX}test_time_scaling_samples", "Samples drawn for test-time scaling",
                                        [*names, "strategy"], registry=registry)
-        # with several API keys and `tenants`: each key's (its tag's) finished requests and their tokens
-        self.tenant_requests = self.tenant_tokens = None
-        if tenants:
-            self.tenant_requests = Counter(f"{PREFIX}tenant_requests", "Finished requests by tenant (API key tag)",
-                                           [*names, "tenant"], registry=registry)
-            self.tenant_tokens = Counter(f"{PREFIX}tenant_tokens", "Tokens by tenant (API key tag) and kind: "
-                                         "prompt, cached_prompt (of the prompt), generation; requests that "
-                                         "ended early (failed, cancelled) count what they had",
-                                         [*names, "tenant", "kind"], registry=registry)
+        # with several API keys and `tenants`: each key's (its tag's) requests and tokens
+        self.tenants = TenantSeries(registry, names, values) if tenants else None
         self.running = Gauge(f"{PREFIX}num_requests_running", "Requests streaming tokens", names,
                              registry=registry).labels(*values)
         self.waiting = Gauge(f"{PREFIX}num_requests_waiting", "Requests without a first token yet", names,
@@ -150,7 +162,7 @@ class GatewayMetrics:
     def ended(self, request_id: str, usage: Usage) -> None:
         """RouteObserver: the request's stream ended with `usage` so far; `failed` counts a
         tenant's tokens from it (a finished request's come with its last chunk)."""
-        if self.tenant_tokens is not None:
+        if self.tenants is not None:
             self._ended[request_id] = usage
 
     def routed(self, request_id: str, remote_prefill: bool, decode_worker: str) -> None:
@@ -185,15 +197,10 @@ class GatewayMetrics:
             self.reasoning_tokens.inc(reasoning_tokens)
         if cached_prompt_tokens:
             self.cached_prompt_tokens.inc(cached_prompt_tokens)
-        if tenant and self.tenant_requests is not None:
-            self.tenant_requests.labels(*self._values, tenant).inc()
-            self._count_tenant_tokens(tenant, prompt_tokens, cached_prompt_tokens, generation_tokens)
-
-    def _count_tenant_tokens(self, tenant: str, prompt: int, cached_prompt: int, generation: int) -> None:
-        if self.tenant_tokens is None:
-            return
-        for kind, count in (("prompt", prompt), ("cached_prompt", cached_prompt), ("generation", generation)):
-            self.tenant_tokens.labels(*self._values, tenant, kind).inc(count)
+        if tenant and self.tenants is not None:
+            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=generation_tokens,
+                          reasoning_tokens=reasoning_tokens, cached_prompt_tokens=cached_prompt_tokens)
+            self.tenants.count(tenant, usage, finished=True)
 
     def failed(self, code: str, request_id: str = "", tenant: str = "") -> None:
         """A request that ended without its last chunk (an error, a deadline, a client that
@@ -201,5 +208,5 @@ class GatewayMetrics:
         `ended`: none when it ended before its prompt was computed)."""
         self.failure.labels(*self._values, code).inc()
         usage = self._ended.pop(request_id, None)
-        if tenant and usage is not None:
-            self._count_tenant_tokens(tenant, usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens)
+        if tenant and usage is not None and self.tenants is not None:
+            self.tenants.count(tenant, usage, finished=False)
