@@ -187,9 +187,13 @@ class OpenAIApi:
             return await handler(request)
         tenant = keys.tenant(request.headers.get("Authorization"))
         if tenant is not None:
-            if keys.isolates:
-                request[TENANT_KEY] = tenant
-            return await handler(request)
+            if not keys.isolates:
+                return await handler(request)
+            request[TENANT_KEY] = tenant
+            # the request's log lines name its tenant (the key's tag); reset after it, since one
+            # keep-alive connection's requests share a task
+            with structlog.contextvars.bound_contextvars(tenant=tenant):
+                return await handler(request)
         sent = "a wrong API key" if "Authorization" in request.headers else "no API key"
         mapped = http_error(Unauthenticated(
             f"{sent} was sent; send 'Authorization: Bearer <key>' with the gateway's --api-key"), {})

@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 import grpc
+import structlog
 
 from cleave.api_keys import ApiKeys
 from cleave.config import ModelConfig
@@ -275,6 +276,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         spec = for_tenant(self.generate_spec(request), self._tenant(context))
+        if spec.tenant:  # the call's log lines, its "rpc" line included, name the tenant (its task's alone)
+            structlog.contextvars.bind_contextvars(tenant=spec.tenant)
         remaining = context.time_remaining()
         if remaining is not None:
             # end a little before the client's deadline, so it gets our DEADLINE_EXCEEDED

@@ -1,14 +1,17 @@
 """A gateway with several API keys: each key is a tenant whose requests share cached prompt
 prefixes only with each other, over HTTP (the openai client) and gRPC alike; a request's own
-cache salt splits its tenant's cache further; outputs never change."""
+cache salt splits its tenant's cache further; outputs never change; a request's log lines name
+its tenant (the key's tag, never the key), and no other request's do."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 import pytest_asyncio
+import structlog
 
-from cleave.api_keys import ApiKeys
+from cleave.api_keys import ApiKeys, key_tag
 from cleave.client import GatewayClient
 from cleave.proto.cleave.v1 import gateway_pb2
 from services.gateway.tenants import tenant_salt
@@ -62,3 +65,33 @@ def test_tenant_salts_differ_by_tenant_and_by_salt_and_stay_bounded():
     salts = {tenant_salt(tenant, salt) for tenant in ("t1", "t2") for salt in ("", "x", "x" * 256)}
     assert len(salts) == 6 and all(len(salt) == 64 for salt in salts)
     assert tenant_salt("t1", "x") == tenant_salt("t1", "x")
+
+
+async def test_a_requests_log_lines_name_its_tenant_and_no_other_requests_do(stack, monkeypatch):
+    prepare = stack.router._prepare
+
+    def logging_prepare(spec):  # type: ignore[no-untyped-def]
+        structlog.get_logger("test").info("preparing", request_id=spec.request_id)  # inside the request
+        return prepare(spec)
+
+    monkeypatch.setattr(stack.router, "_prepare", logging_prepare)
+    with structlog.testing.capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+        async with GatewayClient(stack.gateway_address, api_key=KEYS[0]) as client:
+            await client.complete("logged", max_tokens=2)
+            await client.list_models()  # the same connection, no tenant's work
+        async with GatewayClient(stack.gateway_address, api_key=KEYS[1]) as client:
+            await client.complete("logged", max_tokens=2)
+        headers = {"Authorization": f"Bearer {KEYS[1]}"}
+        async with httpx.AsyncClient(base_url=stack.http_url, headers=headers, timeout=30) as http:
+            body = {"model": MODEL_NAME, "prompt": "logged", "max_tokens": 2}
+            assert (await http.post("/completions", json=body)).status_code == 200
+            assert (await http.get("/models")).status_code == 200  # the same connection, after it
+            assert (await http.post("/completions", json=body, headers={"Authorization": f"Bearer {KEYS[0]}"})
+                    ).status_code == 200
+    rpc = [(entry["rpc"], entry.get("tenant")) for entry in logs if entry["event"] == "rpc"
+           and entry["rpc"].startswith("/cleave.v1.Gateway/")]
+    assert rpc == [("/cleave.v1.Gateway/Generate", key_tag(KEYS[0])), ("/cleave.v1.Gateway/ListModels", None),
+                   ("/cleave.v1.Gateway/Generate", key_tag(KEYS[1]))]
+    prepared = [entry.get("tenant") for entry in logs if entry["event"] == "preparing"]
+    assert prepared == [key_tag(KEYS[0]), key_tag(KEYS[1]), key_tag(KEYS[1]), key_tag(KEYS[0])]
+    assert not any(key in repr(entry) for entry in logs for key in KEYS)  # tags only, never a key
