@@ -113,40 +113,47 @@ async def start_stack(
     `priorities`, as `--scheduling-policy priority` does)."""
     api_keys = ApiKeys((api_key,)) if isinstance(api_key, str) else api_key
     stack = Stack()
-    config = engine_config(model_dir, max_num_seqs, max_model_len)
-    store = BlockStore(StoreConfig(ram_bytes=64 * 1024 * 1024))
-    kv_server = await _serve(stack, kvstore_registration(KVStoreServicer(store)), None)
-    stack.kvstore_address = kv_server.address
-    prefill_addresses = []
-    for index in range(num_prefill if mode != "colocated" else 0):
-        backend = EnginePrefillBackend(config, worker_id=f"prefill-{index}", model_id=MODEL_NAME,
-                                       kvstore_address=kv_server.address, internal_token=INTERNAL_TOKEN)
-        server = await _serve(stack, prefill_registration(PrefillServicer(backend, MODEL_NAME)), backend)
-        stack.prefill.append(backend)
-        prefill_addresses.append(server.address)
-    decode_addresses = []
-    for index in range(num_decode):
-        backend = EngineDecodeBackend(config, worker_id=f"decode-{index}", model_id=MODEL_NAME,
-                                      transfer_listen="127.0.0.1:0", internal_token=INTERNAL_TOKEN)
-        server = await _serve(stack, decode_registration(DecodeServicer(backend)), backend)
-        stack.decode.append(backend)
-        decode_addresses.append(server.address)
-    served = ModelConfig(source=str(model_dir), served_name=MODEL_NAME, max_context_length=max_model_len)
-    model = ServedModel(served)
-    router = RoutingBackend(
-        model, prefill_addresses, decode_addresses,
-        GatewayOptions(gateway_id="gw-test", mode=mode, pool=PoolOptions(health_interval_s=health_interval_s, internal_token=INTERNAL_TOKEN),
-                       max_migrations=max_migrations, policy=policy, priorities=priorities),
-    )
-    stack.router = router
-    models = [served]
-    gateway = await _serve(stack, gateway_registration(GatewayServicer(ClientSafeBackend(router), models, api_keys)),
-                           router, auth=api_key_auth(api_keys), readiness=router.routability)
-    stack.gateway_address = gateway.address
-    api = OpenAIApi(ClientSafeBackend(router), models, lambda token_id: model.tokenizer.decode([token_id]), api_keys=api_keys,
-                    routability=router.routability, served_model=model, metrics_registry=CollectorRegistry())
-    stack.http_runner = await start_http(api, "127.0.0.1:0")
-    stack.http_url = f"http://127.0.0.1:{bound_port(stack.http_runner)}/v1"  # type: ignore[arg-type]
+    try:
+        config = engine_config(model_dir, max_num_seqs, max_model_len)
+        store = BlockStore(StoreConfig(ram_bytes=64 * 1024 * 1024))
+        kv_server = await _serve(stack, kvstore_registration(KVStoreServicer(store)), None)
+        stack.kvstore_address = kv_server.address
+        prefill_addresses = []
+        for index in range(num_prefill if mode != "colocated" else 0):
+            backend = EnginePrefillBackend(config, worker_id=f"prefill-{index}", model_id=MODEL_NAME,
+                                           kvstore_address=kv_server.address, internal_token=INTERNAL_TOKEN)
+            server = await _serve(stack, prefill_registration(PrefillServicer(backend, MODEL_NAME)), backend)
+            stack.prefill.append(backend)
+            prefill_addresses.append(server.address)
+        decode_addresses = []
+        for index in range(num_decode):
+            backend = EngineDecodeBackend(config, worker_id=f"decode-{index}", model_id=MODEL_NAME,
+                                          transfer_listen="127.0.0.1:0", internal_token=INTERNAL_TOKEN)
+            server = await _serve(stack, decode_registration(DecodeServicer(backend)), backend)
+            stack.decode.append(backend)
+            decode_addresses.append(server.address)
+        served = ModelConfig(source=str(model_dir), served_name=MODEL_NAME, max_context_length=max_model_len)
+        model = ServedModel(served)
+        router = RoutingBackend(
+            model, prefill_addresses, decode_addresses,
+            GatewayOptions(gateway_id="gw-test", mode=mode,
+                           pool=PoolOptions(health_interval_s=health_interval_s, internal_token=INTERNAL_TOKEN),
+                           max_migrations=max_migrations, policy=policy, priorities=priorities),
+        )
+        stack.router = router
+        models = [served]
+        servicer = GatewayServicer(ClientSafeBackend(router), models, api_keys)
+        gateway = await _serve(stack, gateway_registration(servicer), router, auth=api_key_auth(api_keys),
+                               readiness=router.routability)
+        stack.gateway_address = gateway.address
+        api = OpenAIApi(ClientSafeBackend(router), models, lambda token_id: model.tokenizer.decode([token_id]),
+                        api_keys=api_keys, routability=router.routability, served_model=model,
+                        metrics_registry=CollectorRegistry())
+        stack.http_runner = await start_http(api, "127.0.0.1:0")
+        stack.http_url = f"http://127.0.0.1:{bound_port(stack.http_runner)}/v1"  # type: ignore[arg-type]
+    except BaseException:  # a start that fails part-way stops what it started
+        await stack.close()
+        raise
     return stack
 
 
