@@ -18,6 +18,7 @@ import pytest_asyncio
 from cleave.client import GatewayClient
 from cleave.proto.cleave.v1 import gateway_pb2
 from tests.services.gateway.stack import MODEL_NAME, start_stack
+from tests.services.gateway.test_tenant_limits import until
 
 TIMEOUT_S = 60.0  # a guard against a hang; every wait below ends on an event
 IDS = gateway_pb2.StreamOptions(include_token_ids=True)
@@ -67,7 +68,7 @@ async def test_a_priority_is_refused_naming_it_unless_the_gateway_takes_prioriti
 
 async def _run(stream, name: str, order: list[str]) -> None:  # type: ignore[no-untyped-def]
     """Read the stream to its end, then note `name` (with a seat for one, a request that
-    decodes first ends first; disaggregated, first tokens come from the prefill worker)."""
+    starts first ends first)."""
     async with contextlib.aclosing(stream) as chunks:
         tokens = [chunk async for chunk in chunks]
     assert sum(tokens) >= 1, name
@@ -79,14 +80,6 @@ async def _http_tokens(client: openai.AsyncOpenAI, priority: int):  # type: igno
                                              stream=True, extra_body={"priority": priority, "ignore_eos": True})
     async for chunk in stream:
         yield bool(chunk.choices and (chunk.choices[0].text or getattr(chunk.choices[0], "reasoning_content", None)))
-
-
-async def _until(condition) -> None:  # type: ignore[no-untyped-def]
-    async def passes() -> None:
-        while not condition():
-            await asyncio.sleep(0.01)
-
-    await asyncio.wait_for(passes(), TIMEOUT_S)
 
 
 @pytest.mark.asyncio(loop_scope="module")
@@ -103,9 +96,9 @@ async def test_a_later_request_of_a_lower_value_runs_first_when_the_seat_frees(o
         try:
             later, sooner = _http_tokens(http, 5), _http_tokens(http, -5)
             waits = [asyncio.ensure_future(_run(later, "priority 5", order))]
-            await _until(lambda: decode.load().num_running == 2)  # in the engine, waiting for the seat
+            await until(lambda: decode.load().num_running == 2, TIMEOUT_S)  # in the engine, waiting for the seat
             waits.append(asyncio.ensure_future(_run(sooner, "priority -5", order)))
-            await _until(lambda: decode.load().num_running == 3)
+            await until(lambda: decode.load().num_running == 3, TIMEOUT_S)
             assert order == []
         finally:
             holder.cancel()  # the gateway aborts it on its worker, and the seat frees
