@@ -21,7 +21,8 @@ tokens reach the host:
 `schedule()` fills a token budget (`max_num_batched_tokens`) with at most `max_num_seqs`
 sequences: first every running sequence, decodes (1 token) before unfinished prefills, then
 waiting sequences in (priority, arrival) order, each possibly resuming from a prefix-cache
-hit. A prompt longer than what is left of the budget is cut into chunks; the rest continues
+hit. A sequence whose prompt KV arrived from elsewhere (`add_prefilled`) waits for a seat
+holding its blocks and takes a free one before any waiting prompt. A prompt longer than what is left of the budget is cut into chunks; the rest continues
 next step, ahead of new arrivals. When KV blocks run out, the running sequence with the
 lowest priority (highest number), latest arrival, is preempted: its blocks are freed, it goes
 back to waiting with `num_computed_tokens = 0`, and its prompt *and* generated tokens are
@@ -133,6 +134,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._queues.running)
 
+    @property
+    def num_parked(self) -> int:
+        """Received sequences waiting for a seat (`add_prefilled`)."""
+        return len(self._queues.parked)
+
     def has_unfinished(self) -> bool:
         return self._queues.has_unfinished()
 
@@ -145,11 +151,13 @@ class Scheduler:
         self._queues.add_group(seqs)
 
     def add_prefilled(self, seq: Sequence) -> None:
-        """Start decoding a sequence whose KV is already in the cache under `seq.seq_id`.
+        """Queue for decoding a sequence whose KV is already in the cache under `seq.seq_id`.
 
         For a decode worker: blocks come from `kv.reserve`, the prefill worker's KV fills
         them, `seq.num_computed_tokens` counts those tokens and the first sampled token has
-        been appended (so exactly one token is left to feed).
+        been appended (so exactly one token is left to feed). It waits in `parked`, holding
+        its blocks, until the batch has a seat (`max_num_seqs`): seated in priority order at
+        the next `schedule()`, ahead of waiting prompts, since it needs no new blocks to run.
         """
         if self._queues.is_added(seq.seq_id):
             raise ValueError(f"sequence {seq.seq_id} was already added")
@@ -160,7 +168,7 @@ class Scheduler:
                 "the first sampled token before admitting"
             )
         self._queues.register(seq)
-        self._queues.start_running(seq)
+        self._queues.park(seq)
 
     def abort(self, request_id: str) -> list[Sequence]:
         """End every sample of a request (FINISHED_ABORTED) and free its blocks."""
@@ -186,6 +194,8 @@ class Scheduler:
         """Plan the next step. Call `advance` with the result before scheduling again."""
         if self._in_flight is not None:
             raise RuntimeError("the previous SchedulerOutput was not advanced; call advance() first")
+        if self._queues.parked:
+            self._seat_parked()
         output = self._plan_decodes()
         if output is None:
             output = self._plan()
@@ -368,17 +378,29 @@ class Scheduler:
         stats.num_prefill_tokens += num_running - num_decodes
         return SchedulerOutput(scheduled, kv.take_pending_copies(), [], queues.take_finished())
 
+    def _seat_parked(self) -> None:
+        """Move received sequences from `parked` to `running` while the batch has seats, in
+        priority order. Before waiting prompts whatever their priority: a parked sequence
+        holds its blocks already, so seating it can never wait on a prompt that waits for
+        blocks it holds."""
+        queues = self._queues
+        parked = queues.parked
+        free = self.config.max_num_seqs - queues.reserved_seats()
+        while parked and free > 0:
+            queues.start_running(parked.pop(0))
+            free -= 1
+
     def _admit_waiting(self, budget: int, planned: dict[str, tuple[Sequence, int]]) -> int:
         """Admit waiting sequences in priority order while budget, seats and blocks last;
         returns the budget left."""
         queues, kv, config, stats = self._queues, self.kv, self.config, self.stats
         threshold = config.long_prefill_token_threshold
         pending_forks = queues.pending_forks
-        reserved_forks = sum(len(pending_forks.get(s.seq_id, ())) for s in queues.running)
+        seats = queues.reserved_seats()
         while queues.waiting and budget > 0 and len(planned) < config.max_num_seqs:
             seq = queues.waiting[0]
             group_size = 1 + len(pending_forks.get(seq.seq_id, ()))
-            if len(queues.running) + reserved_forks + group_size > config.max_num_seqs:
+            if seats + group_size > config.max_num_seqs:
                 break
             # prompt logprobs need every prompt position's logits: no prefix-cache hit
             wants_prompt_logprobs = getattr(seq.sampling_params, "prompt_logprobs", None) is not None
@@ -400,7 +422,7 @@ class Scheduler:
             if kv.enable_prefix_caching:
                 stats.num_prefix_cache_query_tokens += seq.num_tokens
             queues.start_running(seq)
-            reserved_forks += group_size - 1
+            seats += group_size
             planned[seq.seq_id] = (seq, num_new)
             budget -= num_new
         return budget

@@ -5,6 +5,8 @@
 - `waiting`, kept sorted by `priority_key` = (priority, arrival time, add order), so the
   head is the next sequence to admit and preempted sequences go back in their place;
 - `running`, in admission order, with a cached priority-sorted view for the decode fast path;
+- `parked`, sorted like `waiting`: sequences whose prompt KV is already in the cache (received
+  from a prefill worker) waiting for a seat in the batch, holding their blocks;
 - `pending_forks`: per n-sample leader, the samples that will fork from its prefill;
 - the unfinished sequences of each request (what `abort` ends) and their add order;
 - the seq_ids that ended since the last `SchedulerOutput` (`take_finished`).
@@ -29,6 +31,7 @@ class SequenceQueues:
         self.max_model_len = max_model_len
         self.waiting: list[Sequence] = []  # sorted by priority_key
         self.running: list[Sequence] = []
+        self.parked: list[Sequence] = []  # sorted by priority_key; their KV is computed
         self.pending_forks: dict[str, list[Sequence]] = {}  # leader seq_id -> samples to fork
         self._requests: dict[str, list[Sequence]] = {}
         self._add_order: dict[str, int] = {}
@@ -39,7 +42,7 @@ class SequenceQueues:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + sum(len(forks) for forks in self.pending_forks.values())
+        return len(self.waiting) + len(self.parked) + sum(len(forks) for forks in self.pending_forks.values())
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -111,6 +114,16 @@ class SequenceQueues:
         """Put a sequence in `waiting` at its priority's place."""
         bisect.insort(self.waiting, seq, key=self.priority_key)
 
+    def park(self, seq: Sequence) -> None:
+        """Put a sequence whose KV is computed in `parked` at its priority's place."""
+        bisect.insort(self.parked, seq, key=self.priority_key)
+
+    def reserved_seats(self) -> int:
+        """Seats the batch has taken: running sequences and the samples that will fork from
+        running leaders."""
+        pending = self.pending_forks
+        return len(self.running) + (sum(len(pending.get(s.seq_id, ())) for s in self.running) if pending else 0)
+
     def start_running(self, seq: Sequence) -> None:
         """Mark a sequence RUNNING and append it to `running` (it left `waiting` already)."""
         seq.status = SequenceStatus.RUNNING
@@ -141,6 +154,8 @@ class SequenceQueues:
             self._running_order = None
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.parked:
+            self.parked.remove(seq)
         elif seq.parent_seq_id in self.pending_forks:
             pending = self.pending_forks[seq.parent_seq_id]
             pending.remove(seq)

@@ -1,9 +1,10 @@
 """Request priorities through the gateway: a non-zero `priority` is refused unless the gateway
 takes priorities (`--scheduling-policy priority`); taken, it reaches the engines of both
-workers a disaggregated request runs on (over HTTP and gRPC), and orders waiting requests: on a
-colocated worker with one seat held, a later request of a lower value runs before an earlier
-one of a higher value. (A disaggregated decode worker runs every request it received; there
-priorities order the admissions that wait for KV blocks: tests/services/decode.)"""
+workers a disaggregated request runs on (over HTTP and gRPC), and orders waiting requests: with
+the one seat of a decode worker held, colocated or disaggregated (where requests whose KV
+arrived wait for the seat holding it), a later request of a lower value runs before an earlier
+one of a higher value. (Priorities also order the admissions that wait for a disaggregated
+decode worker's KV blocks: tests/services/decode.)"""
 
 from __future__ import annotations
 
@@ -31,11 +32,11 @@ async def fcfs_stack(model_dir):
     await running.close()
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def one_seat_stack(model_dir):
-    """A gateway that takes priorities, over a colocated worker that runs one request at a time
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["colocated", "disaggregated"])
+async def one_seat_stack(model_dir, request):
+    """A gateway that takes priorities, over a decode worker that runs one request at a time
     (with a context long enough for a request that holds the seat far longer than needed)."""
-    running = await start_stack(model_dir, "colocated", priorities=True, max_num_seqs=1, max_model_len=1024)
+    running = await start_stack(model_dir, request.param, priorities=True, max_num_seqs=1, max_model_len=1024)
     yield running
     await running.close()
 
@@ -82,6 +83,12 @@ async def _http_tokens(client: openai.AsyncOpenAI, priority: int):  # type: igno
         yield bool(chunk.choices and (chunk.choices[0].text or getattr(chunk.choices[0], "reasoning_content", None)))
 
 
+def _waiting_in_engine(backend) -> int:  # type: ignore[no-untyped-def]
+    """Sequences in the worker's engine waiting for its seat: prompts, or received KV."""
+    scheduler = backend.engine.scheduler
+    return len(scheduler.waiting) + scheduler.num_parked
+
+
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_later_request_of_a_lower_value_runs_first_when_the_seat_frees(one_seat_stack):
     stack = one_seat_stack
@@ -94,11 +101,14 @@ async def test_a_later_request_of_a_lower_value_runs_first_when_the_seat_frees(o
         while not any(sample.token_ids for sample in (await holder.read()).samples):
             pass  # the one seat is taken once tokens flow
         try:
+            await until(lambda: decode.engine.scheduler.num_running == 1, TIMEOUT_S)
             later, sooner = _http_tokens(http, 5), _http_tokens(http, -5)
             waits = [asyncio.ensure_future(_run(later, "priority 5", order))]
-            await until(lambda: decode.load().num_running == 2, TIMEOUT_S)  # in the engine, waiting for the seat
+            await until(lambda: _waiting_in_engine(decode) == 1, TIMEOUT_S)
             waits.append(asyncio.ensure_future(_run(sooner, "priority -5", order)))
-            await until(lambda: decode.load().num_running == 3, TIMEOUT_S)
+            await until(lambda: _waiting_in_engine(decode) == 2, TIMEOUT_S)
+            load = decode.load()
+            assert (load.num_running, load.num_waiting) == (1, 2)  # the seat's bound holds
             assert order == []
         finally:
             holder.cancel()  # the gateway aborts it on its worker, and the seat frees
