@@ -125,6 +125,8 @@ def json_object(text: str, field: str) -> dict[str, Any]:
     """JSON text of an object (call arguments, a parameters schema) as the object."""
     try:
         value = json.loads(text)
+    except RecursionError:
+        raise InvalidArgument("is nested too deeply to parse", field=field) from None
     except ValueError:
         raise InvalidArgument("must be JSON text of an object", field=field) from None
     return _object(value, field)

@@ -15,9 +15,15 @@ import torch
 from cleave.engine.grammar import GrammarCompiler
 from cleave.errors import InvalidArgument
 from cleave.generation.reasoning import Phase
-from cleave.generation.structured_output import StructuredKind, StructuredOutput
+from cleave.generation.structured_output import MAX_SCHEMA_DEPTH, StructuredKind, StructuredOutput, json_depth
 from cleave.model.tokenizer import Tokenizer
 from cleave.testing.tiny_models import write_tiny_checkpoint
+
+
+def nested_arrays(levels: int) -> str:
+    """A schema of arrays of arrays `levels` deep around a string: levels + 1 JSON levels."""
+    return '{"type":"array","items":' * levels + '{"type":"string"}' + "}" * levels
+
 
 SCHEMA = {
     "type": "object",
@@ -180,11 +186,30 @@ def test_bad_specs_are_refused_naming_the_field(compiler, spec, message):
     StructuredOutput(StructuredKind.CHOICE, choices=()),
     StructuredOutput(StructuredKind.CHOICE, choices=("a", "")),
     StructuredOutput(StructuredKind.GRAMMAR, "x" * 70_000),
+    StructuredOutput(StructuredKind.JSON_SCHEMA, nested_arrays(MAX_SCHEMA_DEPTH)),  # one level past the bound
+    StructuredOutput(StructuredKind.JSON_SCHEMA, '{"type":"array","items":' + "[" * 30_000 + "]" * 30_000 + "}"),
 ])
 def test_specs_are_validated_before_compiling(spec):
     with pytest.raises(InvalidArgument) as raised:
         spec.validate("sampling.structured_output")
     assert raised.value.field == "sampling.structured_output"
+
+
+def test_a_schema_nested_to_the_bound_compiles_at_once(compiler):
+    # 63 arrays around a string: 64 levels, the most taken; the compiler's time grows
+    # superlinearly with nesting (1000 levels took 46 s), so the bound keeps it short
+    spec = StructuredOutput(StructuredKind.JSON_SCHEMA, nested_arrays(MAX_SCHEMA_DEPTH - 1))
+    spec.validate()
+    assert compiler.compile(spec) is not None
+    with pytest.raises(InvalidArgument, match=f"nests {MAX_SCHEMA_DEPTH + 1} levels"):
+        StructuredOutput(StructuredKind.JSON_SCHEMA, nested_arrays(MAX_SCHEMA_DEPTH)).validate()
+
+
+@pytest.mark.parametrize(("value", "depth"), [
+    (1, 0), ({}, 1), ([], 1), ({"a": [1, {"b": []}]}, 4), ([[], [[[]]]], 4), ({"a": {"b": 1}, "c": 2}, 2),
+])
+def test_json_depth_counts_objects_and_arrays(value, depth):
+    assert json_depth(value) == depth
 
 
 def test_multi_token_tags_are_followed_token_by_token(tokenizer, compiler):

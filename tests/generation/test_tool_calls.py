@@ -80,6 +80,10 @@ def test_parse_call_refuses_what_is_not_a_call():
     assert parse_call('{"name": "f"}') == ToolCall("f", "{}")
     for body in ('{"name": ""}', '{"name": 3}', "[1]", '{"name": "f", "arguments": "not json"}', "", "{"):
         assert parse_call(body) is None, body
+    # nested past what Python's JSON parser takes (a model can write anything): not a call, no error
+    deep = "[" * 100_000 + "]" * 100_000
+    for body in (deep, '{"name": "f", "arguments": ' + json.dumps('{"a": ' + deep + "}") + "}"):
+        assert parse_call(body) is None
 
 
 def test_the_format_comes_from_the_chat_template():

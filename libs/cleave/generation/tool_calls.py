@@ -78,12 +78,12 @@ def tool_call_format(chat_template: str | None) -> str | None:
 
 def _arguments(value: object) -> str | None:
     """Call arguments (an object, or JSON text of one) as JSON text; None when not an object."""
-    if isinstance(value, str):
-        try:
+    try:
+        if isinstance(value, str):
             value = json.loads(value)
-        except ValueError:
-            return None
-    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+        return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+    except (ValueError, RecursionError):  # not JSON, or nested past what the parser takes
+        return None
 
 
 def parse_call(body: str) -> ToolCall | None:
@@ -91,7 +91,7 @@ def parse_call(body: str) -> ToolCall | None:
     ("parameters" is taken for "arguments", as some models write it); None when it is not one."""
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return call_of(value)
 
@@ -331,7 +331,7 @@ class ForcedCallParser:
             return () if arguments is None else (ToolCall(self._forced.name, arguments),)
         try:
             entries = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             return ()
         if not isinstance(entries, list):
             return ()

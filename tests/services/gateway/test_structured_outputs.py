@@ -34,6 +34,7 @@ SCHEMA = {
     "additionalProperties": False,
 }
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "sky", "schema": SCHEMA, "strict": True}}
+DEEP_SCHEMA = json.loads('{"type":"array","items":' * 200 + '{"type":"string"}' + "}" * 200)
 THINK = {"max_thinking_tokens": 2}  # the random model would think to the token limit; the grammar starts after
 
 
@@ -105,6 +106,9 @@ async def test_a_regex_answer_after_a_forced_end_of_thinking(stack):
     ({"guided_choice": []}, None),  # asks for nothing
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
     ({"tool_choice": "required"}, "tool_choice"),
+    # nested past MAX_SCHEMA_DEPTH: compiling such schemas takes superlinear time (1000 levels: 46 s)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP_SCHEMA}}},
+     "response_format.json_schema.schema"),
 ])
 async def test_bad_constraints_are_refused_naming_the_field(stack, body, param):
     request = client(stack).chat.completions.create(
@@ -144,3 +148,11 @@ async def test_grpc_clients_set_the_constraint_in_sampling_params(stack):
                                   structured_output=common_pb2.StructuredOutput(regex="((("))
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "sampling.structured_output" in raised.value.details()
+    # 2000 levels in 50 KB (under the size bound): refused, where compiling it would take minutes
+    deep = '{"type":"array","items":' * 2000 + '{"type":"string"}' + "}" * 2000
+    async with GatewayClient(stack.gateway_address) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await client.complete(MESSAGES, max_tokens=5, reasoning=reasoning,
+                                  structured_output=common_pb2.StructuredOutput(json_schema=deep))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.structured_output" in raised.value.details() and "levels" in raised.value.details()

@@ -269,6 +269,9 @@ async def test_a_forced_answer_the_token_limit_cut_stays_content(api):
     ({"messages": MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]},
      "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 100_000 + "]" * 100_000}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
     ({"messages": MESSAGES + [{"role": "tool", "content": "sunny"}]}, "messages[1].tool_call_id"),
     ({"messages": MESSAGES + [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "messages[1].tool_call_id"),
     ({"messages": MESSAGES + [{"role": "assistant", "content": None}]}, "messages[1].content"),
