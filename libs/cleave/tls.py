@@ -11,7 +11,9 @@ the certificate authority that signed its peers' (`--tls-ca-file`):
   against the CA (without one: the system's roots) and against the host it dialled, and
   presents the pair.
 
-The internal token is still sent and checked on top. NCCL and CUDA IPC are not encrypted: CUDA
+Servers follow the files: a rotated certificate is served to new connections within a second
+of its files changing, without a restart (`cleave.tls_reload`). The internal token is still
+sent and checked on top. NCCL and CUDA IPC are not encrypted: CUDA
 IPC stays inside one host, NCCL runs over the fabric it picks (NVLink, InfiniBand, sockets).
 `cleave tls-certs DIR` writes a CA and a certificate for a stack.
 """
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+from cleave.tls_reload import CertificateFiles, ReloadingServerContext, reloading_server_credentials
 
 CERT_FLAG, KEY_FLAG, CA_FLAG = "--tls-cert-file", "--tls-key-file", "--tls-ca-file"
 
@@ -69,11 +73,8 @@ class TlsConfig:
 
     def server_credentials(self, *, mutual: bool) -> grpc.ServerCredentials:
         """A gRPC server's credentials; `mutual` (with a CA): clients must present a
-        certificate the CA signed."""
-        pair = [(self.key_file.read_bytes(), self.cert_file.read_bytes())]
-        asks = mutual and self.ca_file is not None
-        return grpc.ssl_server_credentials(pair, root_certificates=self._ca() if asks else None,
-                                           require_client_auth=asks)
+        certificate the CA signed. They follow the files when they change (`cleave.tls_reload`)."""
+        return reloading_server_credentials(CertificateFiles(self), mutual)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """A gRPC channel's credentials: the server checked against the CA, the pair presented."""
@@ -81,14 +82,9 @@ class TlsConfig:
                                             certificate_chain=self.cert_file.read_bytes())
 
     def server_context(self, *, mutual: bool) -> ssl.SSLContext:
-        """An ssl context for a listening socket (bulk KV endpoint, HTTP API)."""
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.minimum_version = ssl.TLSVersion.TLSv1_2
-        context.load_cert_chain(self.cert_file, self.key_file)
-        if mutual and self.ca_file is not None:
-            context.load_verify_locations(cafile=self.ca_file)
-            context.verify_mode = ssl.CERT_REQUIRED
-        return context
+        """An ssl context for a listening socket (bulk KV endpoint, HTTP API) that follows the
+        files when they change (`cleave.tls_reload`)."""
+        return ReloadingServerContext(CertificateFiles(self), mutual)
 
     def client_context(self) -> ssl.SSLContext:
         """An ssl context for a connection this process opens: the server's certificate and
