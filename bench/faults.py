@@ -1,4 +1,4 @@
-"""Fault tolerance of the stack as processes, measured at full scale on CPU.
+"""Fault tolerance of the stack as processes, measured at full scale on CPU (or one GPU).
 
 The stack runs as `cleave up --prefill 2 --decode 2` runs it: a `ProcessStack` (kvstore, two
 prefill workers, two decode workers, gateway; disaggregated, the shipped model) with its
@@ -28,7 +28,8 @@ on one stack:
     python bench/faults.py            # full: 800 / 8 clients, 1,000 mixed, 1 GB, 200 MB
     python bench/faults.py --quick    # 80 requests, 100 mixed, 64 MB bodies and message
 
-`--tls` runs the same stack as `cleave up --tls` does (mutual TLS between the services, TLS
+`--device cuda` puts the four workers on one GPU (KV over CUDA IPC). `--tls` runs the same
+stack as `cleave up --tls` does (mutual TLS between the services, TLS
 bulk KV, HTTPS and TLS on the gateway), every client checking the stack's CA, the attacks
 included.
 """
@@ -555,9 +556,9 @@ def figures(kill: dict | None, drains: list[dict], mix: dict | None, attack: dic
     return rows
 
 
-def start_stack(model: Path, workdir: Path, tls: bool = False) -> FaultStack:
+def start_stack(model: Path, workdir: Path, tls: bool = False, device: str = "cpu") -> FaultStack:
     spec = StackSpec(model=model, mode="disaggregated", num_prefill=2, num_decode=2, grpc_port=0, http_port=0,
-                     log_level="WARNING", metrics=False, tls=tls)
+                     log_level="WARNING", metrics=False, tls=tls, device=device)
     stack = ProcessStack(spec, workdir)
     stack.start(timeout_s=600)
     return FaultStack(stack)
@@ -588,6 +589,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--parts", default="kill,drain,mixed,oversized", help="comma-separated, run in this order")
     parser.add_argument("--model", type=Path, default=SHIPPED_MODEL_DIR)
     parser.add_argument("--tls", action="store_true", help="a TLS stack (cleave up --tls), every client over TLS")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the workers run (cuda: all four on one GPU, KV over CUDA IPC)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "faults")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else Settings()
@@ -595,18 +598,20 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = set(parts) - {"kill", "drain", "mixed", "oversized"}
     if unknown:
         parser.error(f"--parts: unknown {sorted(unknown)}")
-    name = run_name("faults" + ("-quick" if args.quick else "") + ("-tls" if args.tls else ""))
+    name = run_name("faults" + ("-quick" if args.quick else "") + ("-tls" if args.tls else "")
+                    + ("-cuda" if args.device == "cuda" else ""))
 
     def save(results: dict) -> None:
         rows = figures(results["kill"], results["drain"], results["mixed"], results["oversized"])
-        stack = "disaggregated, 2 prefill + 2 decode, CPU, supervised" + (", TLS everywhere" if args.tls else "")
+        stack = (f"disaggregated, 2 prefill + 2 decode, {'one GPU' if args.device == 'cuda' else 'CPU'}, supervised"
+                 + (", TLS everywhere" if args.tls else ""))
         summary = {"settings": asdict(settings), "stack": stack,
                    **{key: value for key, value in results.items() if value}}
         write_results(args.out, name, rows, COLUMNS, summary=summary,
                       argv=[sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
 
     with tempfile.TemporaryDirectory(prefix="cleave-faults-") as workdir:
-        supervised = start_stack(args.model, Path(workdir), tls=args.tls)
+        supervised = start_stack(args.model, Path(workdir), tls=args.tls, device=args.device)
         try:
             results = asyncio.run(run(supervised, settings, parts, save))
         finally:
