@@ -22,11 +22,12 @@ tokens reach the host:
 sequences: first every running sequence, decodes (1 token) before unfinished prefills, then
 waiting sequences in (priority, arrival) order, each possibly resuming from a prefix-cache
 hit. A sequence whose prompt KV arrived from elsewhere (`add_prefilled`) waits for a seat
-holding its blocks and takes a free one before any waiting prompt. A prompt longer than what is left of the budget is cut into chunks; the rest continues
-next step, ahead of new arrivals. When KV blocks run out, the running sequence with the
-lowest priority (highest number), latest arrival, is preempted: its blocks are freed, it goes
-back to waiting with `num_computed_tokens = 0`, and its prompt *and* generated tokens are
-recomputed on readmission. A step that preempted admits nobody new. A pure decode step
+holding its blocks and takes a free one before any waiting prompt. A prompt longer than what
+is left of the budget is cut into chunks; the rest continues next step, ahead of new
+arrivals. When KV blocks run out, the running sequence with the lowest priority (highest
+number), latest arrival, is preempted: its blocks are freed, it goes back to waiting with
+`num_computed_tokens = 0`, and its prompt *and* generated tokens are recomputed on
+readmission. A step that preempted admits nobody new. A pure decode step
 (nothing waits, no fork pending, one free block per sequence) is planned in one pass.
 
 For each `ScheduledSequence` the runner feeds `token_ids` at positions `start_position ..
