@@ -17,17 +17,6 @@ from cleave.tls import TlsConfig, TlsConfigError, server_name
 from tests.tls_files import stack_tls
 
 
-@pytest.fixture
-def tls(tmp_path) -> TlsConfig:
-    return stack_tls(tmp_path / "stack")
-
-
-@pytest.fixture
-def stranger(tmp_path) -> TlsConfig:
-    """A certificate of another stack: another CA signed it."""
-    return stack_tls(tmp_path / "stranger")
-
-
 async def health(address: str, credentials: grpc.ChannelCredentials | None) -> str:
     """The server's health over a channel with `credentials` (plain text without), or the
     status code name of the failed call."""

@@ -18,7 +18,6 @@ from cleave import tls_reload
 from cleave.rpc.client import tls_credentials
 from cleave.tls import TlsConfig
 from tests.rpc.test_tls import health, serving
-from tests.tls_files import stack_tls
 
 
 @pytest.fixture(autouse=True)
@@ -27,14 +26,9 @@ def every_handshake_checks(monkeypatch):
 
 
 @pytest.fixture
-def tls(tmp_path) -> TlsConfig:
-    return stack_tls(tmp_path / "stack")
-
-
-@pytest.fixture
-def renewed(tmp_path) -> TlsConfig:
+def renewed(stranger) -> TlsConfig:
     """The files a rotation brings: a new CA, certificate and key."""
-    return stack_tls(tmp_path / "renewed")
+    return stranger
 
 
 def replace(target: Path, source: Path) -> None:
