@@ -232,8 +232,10 @@ def _sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
     if body.get("priority") is not None:  # vLLM's: lower first, with --scheduling-policy priority
         options["priority"] = _integer(body["priority"], "priority", PRIORITY_MIN, PRIORITY_MAX)
     if chat:
-        if body.get("logprobs"):
-            options["logprobs"] = _uint(body.get("top_logprobs") or 0, "top_logprobs")
+        top = body.get("top_logprobs")
+        top = 0 if top is None else _uint(top, "top_logprobs")
+        if body.get("logprobs") is not None and _bool(body["logprobs"], "logprobs"):
+            options["logprobs"] = top
     elif body.get("logprobs") is not None:
         options["logprobs"] = _uint(body["logprobs"], "logprobs")
         if body.get("echo") is True:  # the echoed prompt's tokens get logprobs too
@@ -268,7 +270,7 @@ def _reasoning(body: dict[str, Any]) -> ReasoningOptions:
     mode_name = body.get("reasoning_mode")
     if mode_name is not None and (not isinstance(mode_name, str) or mode_name not in _REASONING_MODES):
         raise InvalidArgument(f"must be one of {', '.join(_REASONING_MODES)}", field="reasoning_mode")
-    if body.get("include_reasoning") is False:
+    if body.get("include_reasoning") is not None and not _bool(body["include_reasoning"], "include_reasoning"):
         mode_name = "hidden"
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
@@ -403,6 +405,8 @@ def generate_spec(body: Any, request_id: str, model: str, chat: bool,
     if not isinstance(stream, bool):
         raise InvalidArgument(f"must be true or false, got {stream!r}", field="stream")
     include_usage(body, stream)
+    if body.get("user") is not None:  # OpenAI's end-user id: taken, not used
+        text_field(body["user"], "user")
     parallel = parallel_tool_calls(body)
     shape = answer_shape(body, prompt.tools, parallel, chat)
     sampling.structured_output = shape.structured_output

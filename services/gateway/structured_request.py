@@ -24,6 +24,11 @@ from services.gateway.openai_tools import json_type, string_field
 _VLLM_KEYS = {"json": StructuredKind.JSON_SCHEMA, "regex": StructuredKind.REGEX, "choice": StructuredKind.CHOICE,
               "grammar": StructuredKind.GRAMMAR, "json_object": StructuredKind.JSON_OBJECT}
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# vLLM's other `structured_outputs` options: these ask for what the workers do anyway (no
+# backend fallback, no free whitespace, no properties beyond a schema's), so they are taken;
+# any other key (its `structural_tag` and `whitespace_pattern` included) is refused, so that a
+# misspelt constraint never yields free text.
+_VLLM_TAKEN = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties")
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,11 @@ def _vllm(body: dict[str, Any]) -> AnswerShape:
     if options is not None:
         if not isinstance(options, dict):
             raise InvalidArgument(f"must be an object, got {json_type(options)}", field="structured_outputs")
+        unknown = sorted(key for key in options if key not in _VLLM_KEYS and key not in _VLLM_TAKEN
+                         and options[key] is not None)
+        if unknown:
+            raise InvalidArgument(f"is not supported (the forms are {', '.join(_VLLM_KEYS)})",
+                                  field=f"structured_outputs.{unknown[0]}")
         given.append(("structured_outputs", options))
     forms = [(name, key, value) for name, options in given for key, value in options.items()
              if key in _VLLM_KEYS and value not in (None, False, "", [])]

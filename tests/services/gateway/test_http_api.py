@@ -106,6 +106,20 @@ async def test_errors_are_openai_shaped(stack):
     assert response.status_code == 400
 
 
+@pytest.mark.parametrize("extra", [{"logprobs": "yes"}, {"logprobs": True, "top_logprobs": "5"},
+                                   {"top_logprobs": [1]}, {"include_reasoning": 0}, {"user": {"id": 1}}])
+async def test_flags_and_names_of_the_wrong_type_are_refused_naming_them(stack, extra):
+    """OpenAI's booleans, counts and end-user id, sent with another JSON type: a 400 naming
+    the field, not a request read as if the value were truthy (or never read)."""
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client(stack).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, extra_body=extra)
+    assert bad.value.body["param"] == list(extra)[-1]
+    response = await client(stack).chat.completions.create(  # the same fields, of their types
+        model="tiny", messages=MESSAGES, max_tokens=2, logprobs=True, top_logprobs=2, user="end-user-7",
+        extra_body={"include_reasoning": False})
+    assert len(response.choices[0].logprobs.content[0].top_logprobs) == 2
+
+
 async def test_logit_bias_reaches_every_token_and_min_tokens_outlasts_a_stop_string(stack, model_dir):
     """+100 on one token makes greedy output that token throughout (in disaggregated mode the
     prefill worker samples the first); a stop string the answer starts with cannot end it

@@ -103,6 +103,9 @@ async def test_a_regex_answer_after_a_forced_end_of_thinking(stack):
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"structured_outputs": {"regex": "((("}}, "structured_output"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"jsn": {"type": "object"}}}, "structured_outputs.jsn"),  # misspelt: not free text
+    ({"structured_outputs": {"regex": "[a-z]+", "disable_fallback": True}}, None),  # what the workers do anyway
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
     ({"guided_choice": []}, None),  # asks for nothing
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
     ({"tool_choice": "required"}, "tool_choice"),
