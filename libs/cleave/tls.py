@@ -13,9 +13,9 @@ the certificate authority that signed its peers' (`--tls-ca-file`):
 
 Servers follow the files: a rotated certificate is served to new connections within a second
 of its files changing, without a restart (`cleave.tls_reload`). The internal token is still
-sent and checked on top. NCCL and CUDA IPC are not encrypted: CUDA
-IPC stays inside one host, NCCL runs over the fabric it picks (NVLink, InfiniBand, sockets).
-`cleave tls-certs DIR` writes a CA and a certificate for a stack.
+sent and checked on top. NCCL and CUDA IPC are not encrypted: CUDA IPC stays inside one host,
+NCCL runs over the fabric it picks (NVLink, InfiniBand, sockets). `cleave tls-certs DIR`
+writes a CA and a certificate for a stack.
 """
 
 from __future__ import annotations
