@@ -219,12 +219,12 @@ class EngineDecodeBackend:
             return WorkerLoad(worker_id=self.worker_id)
         started, scheduler = self.admissions.num_started, self.engine.scheduler
         kv = self.engine.handoff.snapshot()
-        # lengths only: the step thread changes these lists (a length is safe to read)
-        in_engine = len(scheduler.waiting) + scheduler.num_parked  # started, waiting for a seat
         return WorkerLoad(
             worker_id=self.worker_id,
             num_running=scheduler.num_running,
-            num_waiting=self.admissions.num_held - started + self.admissions.queue.num_waiting + in_engine,
+            # admitted and not started, queued for blocks, or started and waiting for a seat
+            num_waiting=(self.admissions.num_held - started + self.admissions.queue.num_waiting
+                         + scheduler.num_waiting_for_seat),
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_usable_blocks,
             max_num_running=self.engine.config.scheduler.max_num_seqs,

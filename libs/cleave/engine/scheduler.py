@@ -140,6 +140,12 @@ class Scheduler:
         """Received sequences waiting for a seat (`add_prefilled`)."""
         return len(self._queues.parked)
 
+    @property
+    def num_waiting_for_seat(self) -> int:
+        """Waiting prompts and received sequences: lengths only, so safe to read from another
+        thread while the step thread runs (`num_waiting` walks the pending forks' dict)."""
+        return len(self._queues.waiting) + len(self._queues.parked)
+
     def has_unfinished(self) -> bool:
         return self._queues.has_unfinished()
 

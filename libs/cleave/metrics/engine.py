@@ -87,9 +87,9 @@ class EngineMetrics:
         stats = scheduler.stats if scheduler is not None else None
         yield gauge("num_sequences_running", "Sequences holding KV blocks in the engine",
                     scheduler.num_running if scheduler else None)
-        # the queue's length, not `num_waiting`: that walks a dict the step thread may be resizing
+        # the queues' lengths, not `num_waiting`: that walks a dict the step thread may be resizing
         yield gauge("num_sequences_waiting", "Sequences waiting to be (re)admitted, or with their KV received, "
-                    "for a seat", len(scheduler.waiting) + scheduler.num_parked if scheduler else None)
+                    "for a seat", scheduler.num_waiting_for_seat if scheduler else None)
         yield gauge("kv_cache_usage_perc", "Share of usable KV blocks held by sequences (0..1; cached free "
                     "blocks count as free)", engine.kv.usage if engine else None)
         yield gauge("kv_cache_num_blocks", "Usable KV blocks", engine.kv.num_usable_blocks if engine else None)

@@ -83,12 +83,6 @@ async def _http_tokens(client: openai.AsyncOpenAI, priority: int):  # type: igno
         yield bool(chunk.choices and (chunk.choices[0].text or getattr(chunk.choices[0], "reasoning_content", None)))
 
 
-def _waiting_in_engine(backend) -> int:  # type: ignore[no-untyped-def]
-    """Sequences in the worker's engine waiting for its seat: prompts, or received KV."""
-    scheduler = backend.engine.scheduler
-    return len(scheduler.waiting) + scheduler.num_parked
-
-
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_later_request_of_a_lower_value_runs_first_when_the_seat_frees(one_seat_stack):
     stack = one_seat_stack
@@ -104,9 +98,9 @@ async def test_a_later_request_of_a_lower_value_runs_first_when_the_seat_frees(o
             await until(lambda: decode.engine.scheduler.num_running == 1, TIMEOUT_S)
             later, sooner = _http_tokens(http, 5), _http_tokens(http, -5)
             waits = [asyncio.ensure_future(_run(later, "priority 5", order))]
-            await until(lambda: _waiting_in_engine(decode) == 1, TIMEOUT_S)
+            await until(lambda: decode.engine.scheduler.num_waiting_for_seat == 1, TIMEOUT_S)
             waits.append(asyncio.ensure_future(_run(sooner, "priority -5", order)))
-            await until(lambda: _waiting_in_engine(decode) == 2, TIMEOUT_S)
+            await until(lambda: decode.engine.scheduler.num_waiting_for_seat == 2, TIMEOUT_S)
             load = decode.load()
             assert (load.num_running, load.num_waiting) == (1, 2)  # the seat's bound holds
             assert order == []
