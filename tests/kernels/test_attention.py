@@ -225,34 +225,6 @@ def test_decode_with_several_splits_gqa(dtype, num_splits):
     torch.testing.assert_close(out.float(), expected.float(), **tolerance(dtype))
 
 
-@pytest.mark.parametrize(("min_split_tiles", "window"), [(2, None), (3, None), (8, None), (2, 20)])
-def test_decode_partitions_of_a_least_length_read_short_contexts_in_one_program(min_split_tiles, window):
-    # 16-token tiles over 4 splits, partitions at least `min_split_tiles` tiles: seq 0 (37
-    # tokens, 3 tiles) splits in two at 2 tiles and is read by one program from 3 up (no merge),
-    # seq 1 (5) by one program, seq 2 (60, 4 tiles) by 2 / 2 / 1 programs; the counters come
-    # back zeroed for the next launch.
-    cache = random_cache(num_blocks=40, num_kv_heads=2, dtype=torch.float32)
-    metadata = AttentionMetadata.build(
-        [1, 1, 1], [37, 5, 60], [list(range(19, 9, -1)), [3, 8], list(range(39, 24, -1))], BLOCK_SIZE
-    )
-    metadata.split_counters = torch.zeros(6, dtype=torch.int32)
-    query = random_query(3, 4, torch.float32)
-
-    out = paged_decode_attention(query, cache, metadata, SCALE, num_splits=4, block_n=16,
-                                 min_split_tiles=min_split_tiles, sliding_window=window)
-
-    expected = paged_attention_reference(query, cache, metadata, SCALE, sliding_window=window)
-    torch.testing.assert_close(out, expected, **tolerance(torch.float32))
-    assert torch.count_nonzero(metadata.split_counters) == 0
-
-
-def test_decode_refuses_partitions_shorter_than_a_tile():
-    cache = random_cache(num_blocks=4, num_kv_heads=2, dtype=torch.float32)
-    metadata = AttentionMetadata.build([1], [5], [[3, 1]], BLOCK_SIZE)
-    with pytest.raises(ValueError, match="min_split_tiles"):
-        paged_decode_attention(random_query(1, 4, torch.float32), cache, metadata, SCALE, min_split_tiles=0)
-
-
 @pytest.mark.parametrize("num_warps", [2, 4])
 def test_wide_heads_merge_their_splits_in_smaller_chunks(num_warps):
     """Eight query heads of 128 per KV head (Qwen3-30B-A3B's shape) merge 4 splits per chunk

@@ -180,17 +180,15 @@ def _rotated_rows(
 
 
 @triton.jit
-def _split_range(seq_len, split, window, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr,
-                 MIN_SPLIT_TILES: tl.constexpr):
+def _split_range(seq_len, split, window, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr):
     """[start, end) of `split`'s partition of the keys a `seq_len`-token context's last query
     sees (all of them, or the last `window` when SLIDING; may be empty), and how many splits
-    cover keys (at least one, so an empty sequence still writes zeros). A partition is at
-    least MIN_SPLIT_TILES tiles long, so a context that short is read by one program."""
+    cover keys (at least one, so an empty sequence still writes zeros)."""
     first = 0
     if SLIDING:
         first = tl.maximum(seq_len - window, 0)
     num_keys = seq_len - first
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(num_keys, BLOCK_N), NUM_SPLITS), MIN_SPLIT_TILES) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(num_keys, BLOCK_N), NUM_SPLITS) * BLOCK_N
     start = first + split * split_len
     num_active = tl.maximum(tl.cdiv(num_keys, tl.maximum(split_len, 1)), 1)
     return start, tl.minimum(seq_len, start + split_len), num_active
@@ -258,7 +256,6 @@ def _paged_decode_split_kernel(
     PDL: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     HEAD_NORM: tl.constexpr,
-    MIN_SPLIT_TILES: tl.constexpr,
 ):
     if HEADS_FIRST:  # grid (KV heads, splits, sequences): a block's heads are read together
         kv_head = tl.program_id(0)
@@ -275,7 +272,7 @@ def _paged_decode_split_kernel(
     # before the previous kernel runs, so with PREFETCH (short partitions, where the load
     # latency is most of a program's time) the first tile is loaded before waiting on it.
     seq_len = tl.load(seq_lens_ptr + seq)
-    part_start, part_end, num_active = _split_range(seq_len, split, window, NUM_SPLITS, BLOCK_N, SLIDING, MIN_SPLIT_TILES)
+    part_start, part_end, num_active = _split_range(seq_len, split, window, NUM_SPLITS, BLOCK_N, SLIDING)
     q_token = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) == q_token:
         return
@@ -538,7 +535,6 @@ def paged_decode_attention(
     prefetch: bool | None = None,
     heads_first: bool | None = None,
     sinks: torch.Tensor | None = None,
-    min_split_tiles: int = 1,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Split-KV decode attention: every sequence's single new token over its paged context
     (its last `sliding_window` positions only, when given), with programmatic dependent
@@ -550,10 +546,6 @@ def paged_decode_attention(
     `num_stages` None leaves the pipeline depth to triton. With `new_kv` the query and the new
     key are unrotated: the kernel applies the rotary embedding (full head width) and writes
     the new key and value into their slots first.
-
-    `min_split_tiles`: the shortest partition in `block_n` tiles, so that contexts up to that
-    long are read by one program (which writes the output itself) and longer ones by as
-    many splits as that length needs, up to `num_splits`.
 
     `prefetch` (None: from `num_splits`, see PREFETCH_MIN_SPLITS) loads each program's first
     KV tile before the PDL wait; `heads_first` (None: from the number of sequences, see
@@ -576,8 +568,6 @@ def paged_decode_attention(
         num_splits = choose_num_splits(num_seqs, num_kv_heads, visible, block_n, merge_chunk)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
-    if min_split_tiles < 1:
-        raise ValueError(f"min_split_tiles must be at least 1, got {min_split_tiles}")
     dot_dtype, precision = dot_settings(query)
     rotary = new_kv is not None
     if new_kv is None:
@@ -639,7 +629,7 @@ def paged_decode_attention(
          block_n, block_d, triton.next_power_of_2(queries_per_kv), merge_block_s(queries_per_kv, block_d, num_splits, num_warps),
          dot_dtype, precision,
          prefetch, rotary, new_kv.is_neox, norm.enabled, norm.block,
-         heads_first, pdl, sinks is not None, head_norms is not None, min_split_tiles),
+         heads_first, pdl, sinks is not None, head_norms is not None),
         num_warps, **launch,
     )
     return out
