@@ -16,13 +16,14 @@ from tests.graphs.test_runner import tiny_config
 BLOCK_SIZE = 16
 
 
-def _runner(budget: int, num_blocks: int, paired: bool = False) -> ModelRunner:
-    """A runner with a tiny model on the CPU and only what the warm-up reads."""
+def _runner(budget: int, num_blocks: int, paired: bool = False, max_model_len: int = 4096) -> ModelRunner:
+    """A runner with a tiny model on the CPU and only what the warm-up reads; its rotary table
+    ends at `max_model_len`, as an engine's max_model_len ends at the model's."""
     torch.manual_seed(0)
-    config = dataclasses.replace(tiny_config(), num_hidden_layers=1)
+    config = dataclasses.replace(tiny_config(), num_hidden_layers=1, max_position_embeddings=max_model_len)
     runner = object.__new__(ModelRunner)
-    runner.config = EngineConfig(model="unused", device="cpu",
-                                 scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8))
+    scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=max_model_len)
+    runner.config = EngineConfig(model="unused", device="cpu", scheduler=scheduler)
     runner.device = torch.device("cpu")
     runner.block_size = BLOCK_SIZE
     runner.kv_dtype = torch.float32
@@ -84,3 +85,27 @@ def test_a_paired_cache_warms_with_a_window_table_on_blocks_of_its_own():
     assert runner._warm_prefill_shapes() == 3
     assert [(length, window, prompts) for length, _, window, prompts in seen] == [
         (16, True, 1), (32, True, 1), (16, True, 2)]
+
+
+def test_no_warm_prompt_is_longer_than_max_model_len():
+    """A model whose positions end before the step budget (the shipped reasoner: 512 against
+    2048) warms on prompts of at most max_model_len tokens: a longer one would read its rotary
+    table past the end (an illegal address on the GPU)."""
+    runner = _runner(4096, 18, max_model_len=24)
+    seen = _recorded_forwards(runner)
+    assert runner._warm_prefill_shapes() == 3
+    assert [(length, prompts) for length, _, _, prompts in seen] == [(16, 1), (24, 1), (16, 2)]
+
+
+def test_the_profile_step_fills_the_budget_with_prompts_no_longer_than_max_model_len():
+    runner = _runner(100, 12, max_model_len=24)
+    prompts = runner._budget_prompts(100)
+    assert prompts == [24, 24, 24, 24, 4]
+
+    with torch.inference_mode():
+        hidden = runner._dummy_prefill(prompts, allocate_kv_cache(runner.model_config, 12, BLOCK_SIZE))
+
+    assert hidden.shape == (100, runner.model_config.hidden_size) and torch.isfinite(hidden).all()
+    assert runner._budget_prompts(24) == [24] and runner._budget_prompts(7) == [7]
+    with pytest.raises(ValueError, match="longer than max_model_len"):
+        runner._dummy_prefill([25], runner.kv_cache)

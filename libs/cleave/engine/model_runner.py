@@ -260,12 +260,14 @@ class ModelRunner:
         sched = self.config.scheduler
         num_tokens = sched.max_num_batched_tokens
         num_rows = min(sched.max_num_seqs, num_tokens)
-        blocks = -(-num_tokens // self.block_size)
+        prompts = self._budget_prompts(num_tokens)
+        blocks = sum(-(-length // self.block_size) for length in prompts)
         kv = allocate_kv_cache(self.model_config, blocks + 1, self.block_size, self.kv_dtype, self.device)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        hidden = self._dummy_prefill(num_tokens, kv)  # a scratch cache: the real one is sized from this run
+        # a scratch cache: the real one is sized from this run
+        hidden = self._dummy_prefill(prompts, kv)
         logits = self.model.compute_logits(hidden[-num_rows:].contiguous())
         del hidden
         params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=50)] * num_rows
@@ -279,21 +281,30 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def _dummy_prefill(self, num_tokens: int, kv: torch.Tensor, paired: bool = False,
-                       num_prompts: int = 1) -> torch.Tensor:
-        """The model over `num_prompts` prompts of `num_tokens` zeros each in blocks 1.. of `kv`
-        (and, `paired`, window tables on the blocks after them, as a paired cache's steps
-        have): their hidden states."""
-        pages = -(-num_tokens // self.block_size)
+    def _budget_prompts(self, num_tokens: int) -> list[int]:
+        """Prompt lengths that fill a step of `num_tokens`: as long as a prompt may be
+        (`max_model_len`; a model's rotary table ends there), the last one shorter."""
+        longest = self.config.scheduler.max_model_len
+        return [min(longest, num_tokens - start) for start in range(0, num_tokens, longest)]
+
+    def _dummy_prefill(self, lengths: Seq[int], kv: torch.Tensor, paired: bool = False) -> torch.Tensor:
+        """The model over prompts of `lengths` zeros each (none longer than `max_model_len`)
+        in blocks 1.. of `kv` (and, `paired`, window tables on the blocks after them, as a
+        paired cache's steps have): their hidden states."""
+        if max(lengths) > self.config.scheduler.max_model_len:
+            raise ValueError(f"a warm-up prompt of {max(lengths)} tokens is longer than max_model_len "
+                             f"{self.config.scheduler.max_model_len}")
+        pages = [-(-length // self.block_size) for length in lengths]
 
         def tables(first: int) -> list[list[int]]:
-            return [list(range(first + index * pages, first + (index + 1) * pages)) for index in range(num_prompts)]
+            starts = [first + sum(pages[:index]) for index in range(len(pages))]
+            return [list(range(start, start + count)) for start, count in zip(starts, pages)]
 
-        window_tables = tables(1 + num_prompts * pages) if paired else None
-        metadata = AttentionMetadata.build([num_tokens] * num_prompts, [num_tokens] * num_prompts, tables(1),
-                                           self.block_size, self.device, window_tables=window_tables)
-        input_ids = torch.zeros(num_tokens * num_prompts, dtype=torch.int64, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device).repeat(num_prompts)
+        window_tables = tables(1 + sum(pages)) if paired else None
+        metadata = AttentionMetadata.build(list(lengths), list(lengths), tables(1), self.block_size, self.device,
+                                           window_tables=window_tables)
+        input_ids = torch.zeros(sum(lengths), dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(length, device=self.device) for length in lengths])
         return self.model(input_ids, positions, kv, metadata)
 
     @torch.inference_mode()
@@ -306,18 +317,21 @@ class ModelRunner:
         an H200, and its first serving step compiled the prefill and KV-write kernels again).
         Nothing is cached yet, so the blocks written are free. Returns the forwards run."""
         budget = self.config.scheduler.max_num_batched_tokens
+        longest = self.config.scheduler.max_model_len  # no prompt is longer (a model's rotary table ends there)
         paired = self.kv_groups.is_paired
         usable = (self.num_blocks - 1) // (2 if paired else 1)
 
         def fits(length: int, num_prompts: int) -> bool:
-            return length * num_prompts <= budget and num_prompts * -(-length // self.block_size) <= usable
+            return (length <= longest and length * num_prompts <= budget
+                    and num_prompts * -(-length // self.block_size) <= usable)
 
-        lengths = list(dict.fromkeys(length for length in (*WARM_PREFILL_TOKENS, budget) if fits(length, 1)))
+        full_step = min(budget, longest)
+        lengths = list(dict.fromkeys(length for length in (*WARM_PREFILL_TOKENS, full_step) if fits(length, 1)))
         pairs = [length for length in PAGED_WARM_TOKENS if fits(length, 2)]
         for length in lengths:
-            self._dummy_prefill(length, self.kv_cache, paired)
+            self._dummy_prefill([length], self.kv_cache, paired)
         for length in pairs:
-            self._dummy_prefill(length, self.kv_cache, paired, num_prompts=2)
+            self._dummy_prefill([length, length], self.kv_cache, paired)
         return len(lengths) + len(pairs)
 
     @torch.inference_mode()
