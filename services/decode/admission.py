@@ -154,7 +154,8 @@ class Admissions:
             raise ResourceExhausted(f"the {len(prompt)}-token prompt needs {needed} KV blocks; this decode worker "
                                     f"has {usable} in all", field="prompt_token_ids")
         block_ids = await self.queue.reserve(
-            lambda: async_engine.call(lambda e: e.handoff.reserve(request_id, len(prompt))), spec.sampling.priority)
+            lambda: async_engine.call(lambda e: e.handoff.reserve(request_id, len(prompt), spec.sampling.priority)),
+            spec.sampling.priority)
         if self.gate.is_draining:  # the drain began while this admission waited
             self._release_reservation(request_id)
             raise self.gate.error()

@@ -1,8 +1,10 @@
 """Admissions that wait for KV blocks instead of being refused.
 
-When a decode worker's pool cannot hold a new prompt, its Admit waits here, in order of
-priority (the request's `priority`, lower first) and then of arrival, until running requests
-finish or reservations are released; only past
+When a decode worker's pool cannot hold a new prompt, or a preempted sequence of the same
+or a more urgent priority waits to be recomputed (freed blocks go to it first:
+`KVHandoff.reserve`), its Admit waits here, in order of priority (the request's `priority`,
+lower first) and then of arrival, until running requests finish or reservations are
+released; only past
 `max_waiting` waiting admissions is it refused (RESOURCE_EXHAUSTED with a retry hint), as a
 colocated worker's scheduler queues prompts rather than refusing them. A prompt larger than
 the whole pool is refused at once: no amount of waiting would make it fit.

@@ -202,3 +202,44 @@ def test_kvstore_hold_without_room_holds_nothing(checkpoint):
     handoff.release_hold("k")  # nothing held: no-op
     handoff.release("big")
     assert used(engine) == 0
+
+
+def test_new_reservations_wait_while_a_preempted_sequence_waits_to_be_recomputed(checkpoint):
+    # 7 usable blocks of 4 tokens: two received 10-token prompts (3 blocks each) outgrow the
+    # pool at token 13, and the later arrival is preempted, its blocks freed. Those go to its
+    # recompute, not to a new arrival of its priority or a less urgent one; a more urgent one
+    # (-1) may take them, and once it is running again reservations are taken as before.
+    engine = make_engine(checkpoint, num_blocks=8, max_model_len=28)
+    handoff, scheduler = engine.handoff, engine.handoff.scheduler
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    tokens: dict[str, int] = {}
+
+    def step() -> None:
+        for output in engine.step():
+            tokens[output.request_id] = tokens.get(output.request_id, 0) + len(output.outputs[0].token_ids)
+
+    for request_id in ("early", "late"):
+        handoff.reserve(request_id, len(PROMPT))
+        handoff.receive(request_id, PROMPT, [5], params)
+    while not scheduler.num_preempted_ahead_of(0):
+        assert engine.has_unfinished()
+        step()
+    assert [seq.seq_id for seq in scheduler.waiting] == ["late/0"] and engine.handoff.snapshot().num_free_blocks >= 1
+    assert scheduler.num_preempted_ahead_of(-1) == 0 and scheduler.num_preempted_ahead_of(5) == 1
+
+    with pytest.raises(OutOfBlocksError, match="preempted"):
+        handoff.reserve("newcomer", 4, priority=0)
+    with pytest.raises(OutOfBlocksError, match="preempted"):
+        handoff.reserve("newcomer", 4, priority=3)
+    assert handoff.reserve("urgent", 4, priority=-1) and handoff.reserve("unchecked", 4)
+    handoff.release("urgent")
+    handoff.release("unchecked")
+
+    while scheduler.num_preempted_ahead_of(0):
+        step()
+    assert handoff.reserve("newcomer", 4, priority=0)
+    handoff.release("newcomer")
+    while engine.has_unfinished():
+        step()
+    assert tokens == {"early": 8, "late": 8}
+    assert used(engine) == 0

@@ -45,6 +45,7 @@ from cleave.engine.scheduler import Scheduler
 from cleave.engine.sequence import Sequence, SequenceStatus
 from cleave.errors import InvalidArgument, NotFound
 from cleave.generation.sampling_params import SamplingParams
+from cleave.kv.block_pool import OutOfBlocksError
 from cleave.kv.manager import KVCacheManager
 from cleave.kv.prefix_hash import block_hashes, salt_root
 
@@ -274,16 +275,24 @@ class KVHandoff:
 
     # ---- decode side: a prompt computed elsewhere -----------------------------------------
 
-    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int]:
+    def reserve(self, request_id: str, num_prompt_tokens: int, priority: int | None = None) -> list[int]:
         """Decode side: allocate the blocks a prompt's KV arrives in (once, whatever the
         request's n); returns their ids, in token order, for the transport. The caller owns
         them until `receive` returns (then the engine does) or `release`. Raises
         OutOfBlocksError (RESOURCE_EXHAUSTED), or InvalidArgument when the request id already
-        holds blocks here. A paired cache's pages come as `export`'s."""
+        holds blocks here. A paired cache's pages come as `export`'s.
+
+        With the request's `priority`, also OutOfBlocksError while a preempted sequence of
+        that priority or a more urgent one waits to be recomputed: blocks that running
+        requests free go to it first. Else every freed block could go to a new arrival, and
+        under steady load a preempted sequence (the most recent arrival of the lowest
+        priority, usually deep into its output) would wait as long as arrivals keep coming."""
         seq_id = _first_sample_id(request_id)
         if self.kv.has(seq_id):
             raise InvalidArgument(f"{request_id!r} already holds KV blocks on this worker; use a unique id",
                                   field="request_id")
+        if priority is not None and (preempted := self.scheduler.num_preempted_ahead_of(priority)):
+            raise OutOfBlocksError(f"{preempted} preempted sequences wait to be recomputed before new arrivals")
         return self.kv.reserve(seq_id, num_prompt_tokens)
 
     def release(self, request_id: str) -> None:

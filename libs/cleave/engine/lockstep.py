@@ -195,8 +195,9 @@ class _LockstepHandoff(KVHandoff):
         super().__init__(*args, **kwargs)
         self._record = record
 
-    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int]:
-        block_ids = super().reserve(request_id, num_prompt_tokens)
+    def reserve(self, request_id: str, num_prompt_tokens: int, priority: int | None = None) -> list[int]:
+        # followers replay the reservation without `priority`: they take what the leader took
+        block_ids = super().reserve(request_id, num_prompt_tokens, priority)
         self._record(Reserve(request_id, num_prompt_tokens, tuple(block_ids)))
         return block_ids
 

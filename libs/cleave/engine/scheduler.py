@@ -146,6 +146,11 @@ class Scheduler:
         thread while the step thread runs (`num_waiting` walks the pending forks' dict)."""
         return len(self._queues.waiting) + len(self._queues.parked)
 
+    def num_preempted_ahead_of(self, priority: int) -> int:
+        """Preempted sequences waiting to be recomputed whose priority value is at most
+        `priority` (a decode worker's new reservations wait for them: `KVHandoff.reserve`)."""
+        return sum(1 for seq in self._queues.waiting if seq.status is PREEMPTED and seq.priority <= priority)
+
     def has_unfinished(self) -> bool:
         return self._queues.has_unfinished()
 
