@@ -7,17 +7,24 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from cleave.engine.llm import default_model_path
 
+ON_A_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
-def test_cleave_up_demo_prints_reasoning_and_answer(mode, tmp_path):
+@pytest.mark.parametrize(("mode", "device"), [
+    ("disaggregated", "cpu"), ("colocated", "cpu"),
+    # the README's first command on a GPU host: KV over CUDA IPC between the workers
+    pytest.param("disaggregated", "cuda", marks=ON_A_GPU),
+])
+def test_cleave_up_demo_prints_reasoning_and_answer(mode, device, tmp_path):
     if default_model_path() is None:
         pytest.skip("the shipped reasoner (cleave/assets/reasoner) is not in this checkout")
     completed = subprocess.run(
-        [sys.executable, "-m", "cleave.cli.main", "up", "--demo", "--mode", mode, "--grpc-port", "0",
+        [sys.executable, "-m", "cleave.cli.main", "up", "--demo", "--mode", mode, "--device", device, "--grpc-port", "0",
          "--http-port", "0", "--workdir", str(tmp_path)],
         capture_output=True, text=True, timeout=170,
     )
