@@ -241,9 +241,10 @@ async def test_n_samples_fail_unavailable_past_their_migration_budget(model_dir)
             with pytest.raises(grpc.aio.AioRpcError) as failure:
                 await _responses_across_loss(stack, "budget", stream, lose=lambda s, _: _stop_server(s, second))
         assert failure.value.code() is grpc.StatusCode.UNAVAILABLE
-        # lost while streaming, or (on a busy machine) while the part's Start was still in flight there
+        # lost while streaming, or while the moved part's Start was still in flight there (that
+        # call then ends UNAVAILABLE or CANCELLED, as the server's shutdown reaches it)
         assert ("lost decode worker (internal address)" in failure.value.details()
-                or "Start on decode worker (internal address) failed (UNAVAILABLE" in failure.value.details())
+                or "Start on decode worker (internal address) failed (" in failure.value.details())
         assert second not in failure.value.details() and "request id budget" in failure.value.details()
         assert "already moved 1 time(s) (max_migrations=1)" in failure.value.details()
         full = [backend.load().num_total_blocks for backend in stack.decode]
