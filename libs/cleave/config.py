@@ -22,6 +22,7 @@ from cleave.tls import CA_FLAG, CERT_FLAG, KEY_FLAG, TlsConfig, TlsConfigError
 
 ENV_PREFIX = "CLEAVE_"
 SCHEDULING_POLICIES = ("fcfs", "priority")  # the gateway's --scheduling-policy
+PRIORITY_FLOOR_PREFIX = "priority>="  # after a key on its line of --api-key-file: the key's priority floor
 # The reasoning model shipped inside the package: every service defaults to it, so the stack
 # runs with no download.
 SHIPPED_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "reasoner"
@@ -345,6 +346,7 @@ def gateway_api_keys(environ: Mapping[str, str]) -> ApiKeys | None:
 def _api_keys(api_key: str | None, key_file: Path | None) -> ApiKeys | None:
     """The gateway's keys: --api-key's, then each line of --api-key-file; None: none."""
     keys = [api_key] if api_key is not None else []
+    floors: dict[str, int] = {}
     if key_file is not None:
         try:
             lines = key_file.read_text().splitlines()
@@ -353,11 +355,27 @@ def _api_keys(api_key: str | None, key_file: Path | None) -> ApiKeys | None:
         from_file = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
         if not from_file:
             raise SystemExit(f"--api-key-file: {key_file} holds no key; write one a line or leave the flag out")
-        keys += from_file
+        for line in from_file:
+            key, floor = _key_line(line)
+            keys.append(key)
+            if floor is not None:
+                floors[key] = floor
     try:
-        return ApiKeys(tuple(keys)) if keys else None
+        return ApiKeys(tuple(keys), floors) if keys else None
     except ValueError as exc:
         raise SystemExit(f"--api-key / --api-key-file: {exc}") from None
+
+
+def _key_line(line: str) -> tuple[str, int | None]:
+    """A key file's line: the key, and its priority floor when `priority>=N` follows it."""
+    parts = line.rsplit(None, 1)
+    if len(parts) == 2 and parts[1].startswith(PRIORITY_FLOOR_PREFIX):
+        value = parts[1].removeprefix(PRIORITY_FLOOR_PREFIX)
+        try:
+            return parts[0], int(value)
+        except ValueError:
+            raise SystemExit(f"--api-key-file: {PRIORITY_FLOOR_PREFIX} takes an integer, got {value!r}") from None
+    return line, None
 
 
 def _tls(args: argparse.Namespace) -> TlsConfig | None:
@@ -467,7 +485,9 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
     flags.add("--api-key", None, "clients of the HTTP /v1 routes and the gRPC Gateway service must send "
               "'Authorization: Bearer <key>' (unset: no key asked; prefer the env variable, `ps` shows flags)")
     flags.add("--api-key-file", None, "more API keys, one a line ('#' comments): any one is taken, and with "
-              "two or more in all each key's requests share cached prompt prefixes only with each other",
+              "two or more in all each key's requests share cached prompt prefixes only with each other; "
+              "'<key> priority>=N': with --scheduling-policy priority, the key's requests run at priority N or a "
+              "less urgent one (a more urgent or absent priority is raised to N)",
               type=Path)
     flags.add("--max-requests-per-key", 0, "requests one API key may have running at once (with one key or none: "
               "all callers together); more are refused at once (RESOURCE_EXHAUSTED / 429, Retry-After 1 s); 0: no cap",
@@ -491,6 +511,10 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
         if getattr(args, flag.lstrip("-").replace("-", "_")) < 0:
             raise SystemExit(f"{flag} must be >= 0")
     service = _service("gateway", args)
+    api_keys = _api_keys(args.api_key or None, args.api_key_file)
+    if api_keys is not None and api_keys.has_priority_floors and args.scheduling_policy != "priority":
+        raise SystemExit(f"--api-key-file: a key's {PRIORITY_FLOOR_PREFIX} takes effect only with "
+                         f"--scheduling-policy priority; add it or drop the floors")
     return GatewayConfig(
         service=replace(service, rpc=replace(service.rpc, share_port=args.share_port)),
         share_port=args.share_port,
@@ -508,7 +532,7 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
         remote_prefill_busy_max_queue_tokens=args.remote_prefill_busy_max_queue_tokens,
         max_request_bytes=args.max_request_bytes,
         max_prompt_bytes=args.max_prompt_bytes,
-        api_keys=_api_keys(args.api_key or None, args.api_key_file),
+        api_keys=api_keys,
         max_requests_per_key=args.max_requests_per_key,
         tenant_metrics=args.tenant_metrics,
         scheduling_policy=args.scheduling_policy,

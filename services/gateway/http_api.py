@@ -317,7 +317,9 @@ class OpenAIApi:
     def _backend(self, request: web.Request) -> GatewayBackend:
         """The backend as the request's tenant reaches it (the backend itself with one key)."""
         tenant = request.get(TENANT_KEY)
-        return self.backend if tenant is None else TenantBackend(self.backend, tenant)
+        if tenant is None or self.api_keys is None:
+            return self.backend
+        return TenantBackend(self.backend, tenant, self.api_keys.priority_floor(tenant))
 
     async def _complete_batch(self, request: web.Request, body: dict[str, Any], request_id: str, model: str,
                               prompts: list[Prompt]) -> dict[str, Any]:

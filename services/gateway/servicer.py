@@ -275,7 +275,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        spec = for_tenant(self.generate_spec(request), self._tenant(context))
+        tenant = self._tenant(context)
+        floor = None if tenant is None or self.api_keys is None else self.api_keys.priority_floor(tenant)
+        spec = for_tenant(self.generate_spec(request), tenant, floor)
         if spec.tenant:  # the call's log lines, its "rpc" line included, name the tenant (its task's alone)
             structlog.contextvars.bind_contextvars(tenant=spec.tenant)
         remaining = context.time_remaining()

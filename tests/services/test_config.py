@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from cleave.api_keys import bearer
 from cleave.config import DEFAULT_MAX_MESSAGE_BYTES, gateway_api_keys, gateway_config, kvstore_config, worker_config
 from cleave.worker import engine_config_from_worker
 from tests.tls_files import stack_tls
@@ -139,6 +140,32 @@ def test_a_bad_api_key_file_stops_the_gateway_naming_the_flag(tmp_path, content,
     with pytest.raises(SystemExit, match=message) as raised:
         gateway_config(["--api-key-file", str(keys)], {})
     assert "--api-key-file" in str(raised.value)
+
+
+def test_a_key_line_may_carry_a_priority_floor_taken_with_the_priority_policy(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("sk-batch   priority>=5\nsk-vip priority>=-10\nsk plain\n")
+    config = gateway_config(["--api-key-file", str(keys), "--scheduling-policy", "priority"], {})
+    api_keys = config.api_keys
+    assert api_keys.keys == ("sk-batch", "sk-vip", "sk plain") and api_keys.has_priority_floors
+    floors = [api_keys.priority_floor(api_keys.tenant(bearer(key))) for key in api_keys.keys]
+    assert floors == [5, -10, None]
+    assert "sk-batch" not in repr(config)
+    with pytest.raises(SystemExit, match="--scheduling-policy priority"):
+        gateway_config(["--api-key-file", str(keys)], {})
+
+
+@pytest.mark.parametrize("content, message", [
+    ("sk-a priority>=high\nsk-b\n", "takes an integer, got 'high'"),
+    ("sk-a priority>=2147483648\nsk-b\n", "must be an integer in"),
+    ("sk-a priority>=1\n", "two or more keys"),
+])
+def test_a_bad_priority_floor_stops_the_gateway_naming_the_flag(tmp_path, content, message):
+    keys = tmp_path / "keys"
+    keys.write_text(content)
+    with pytest.raises(SystemExit, match=message) as raised:
+        gateway_config(["--api-key-file", str(keys), "--scheduling-policy", "priority"], {})
+    assert "--api-key-file" in str(raised.value) and "sk-a" not in str(raised.value)
 
 
 def test_internal_services_listen_on_loopback_by_default_the_gateway_everywhere():

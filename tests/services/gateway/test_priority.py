@@ -3,7 +3,8 @@ takes priorities (`--scheduling-policy priority`); taken, it reaches the engines
 workers a disaggregated request runs on (over HTTP and gRPC), and orders waiting requests: with
 the one seat of a decode worker held, colocated or disaggregated (where requests whose KV
 arrived wait for the seat holding it), a later request of a lower value runs before an earlier
-one of a higher value. (Priorities also order the admissions that wait for a disaggregated
+one of a higher value; a key's priority floor raises its requests' more urgent or absent
+priorities to the floor, over HTTP and gRPC, and leaves the other key's alone. (Priorities also order the admissions that wait for a disaggregated
 decode worker's KV blocks: tests/services/decode.)"""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import openai
 import pytest
 import pytest_asyncio
 
+from cleave.api_keys import ApiKeys
 from cleave.client import GatewayClient
 from cleave.proto.cleave.v1 import gateway_pb2
 from tests.services.gateway.stack import MODEL_NAME, start_stack
@@ -131,3 +133,40 @@ async def test_a_disaggregated_requests_priority_reaches_the_prefill_and_the_dec
     # (the decode worker builds a request twice: to validate it at Admit, and to run it)
     assert {(worker, priority) for worker, _, priority in built} == {
         ("decode-0", -7), ("decode-0", 7), ("prefill-0", -7), ("prefill-0", 7)}
+
+
+FLOORED, FREE = "sk-batch", "sk-interactive"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def floored_stack(model_dir):
+    """A gateway taking priorities with two keys, the first with a priority floor of 5."""
+    running = await start_stack(model_dir, "colocated", priorities=True,
+                                api_key=ApiKeys((FLOORED, FREE), priority_floors={FLOORED: 5}))
+    yield running
+    await running.close()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_keys_priority_floor_raises_its_more_urgent_or_absent_priorities(floored_stack, monkeypatch):
+    stack = floored_stack
+    backend = stack.decode[0]
+    built: list[tuple[str, int]] = []  # (prompt, its samples' priority) per request the engine built
+    prepare = backend.engine.prepare_request
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        state = prepare(*args, **kwargs)
+        built.append(state.samples[0].seq.priority)
+        return state
+
+    monkeypatch.setattr(backend.engine, "prepare_request", recording)
+    asked: list[int | None] = [-5, None, 9]
+    for key in (FLOORED, FREE):
+        async with openai.AsyncOpenAI(base_url=stack.http_url, api_key=key, max_retries=0) as http:
+            for priority in asked:
+                extra = {} if priority is None else {"priority": priority}
+                await http.completions.create(model=MODEL_NAME, prompt="floored", max_tokens=1, extra_body=extra)
+        async with GatewayClient(stack.gateway_address, api_key=key) as client:
+            for priority in asked:
+                await client.complete("floored", max_tokens=1, priority=priority or 0)
+    assert built == [5, 5, 9] * 2 + [-5, 0, 9] * 2
