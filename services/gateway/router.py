@@ -237,7 +237,7 @@ class RoutingBackend:
     async def _generate(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
         prompt_ids, spec = await self._prepare_off_loop(spec)
         if spec.request_id in self._running:  # checked after the await, right before the id is taken
-            raise InvalidArgument(f"{spec.request_id!r} is already running; use a unique id", field="request_id")
+            raise InvalidArgument("a request of this id is already running; use a unique id", field="request_id")
         running = self.placement.place(len(prompt_ids), spec.sampling.n)
         self._running[spec.request_id] = running
         worker_finished = [False] * spec.sampling.n

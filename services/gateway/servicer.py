@@ -49,7 +49,7 @@ from services.gateway.backend import (
 from services.gateway.openai_tools import MAX_TOOLS, json_object, new_call_id
 from services.gateway.request_names import chat_role, resolve_model
 from services.gateway.structured_request import forced_call_output
-from services.gateway.tenants import for_tenant
+from services.gateway.tenants import for_tenant, scoped_request_id
 
 DEADLINE_MARGIN_S = 0.05
 _STRATEGIES = {
@@ -219,7 +219,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     the client's own choice, so another client could know one, and a caller that is not the
     request's gets `found: false`, as for an id that is not running. With several API keys
     (`api_keys`, checked by the server's interceptor before a call gets here) a request
-    runs as the tenant of the key it sent (`services.gateway.tenants`).
+    runs as the tenant of the key it sent (`services.gateway.tenants`), its id in that
+    tenant's own scope (`scoped_request_id`).
     """
 
     def __init__(self, backend: GatewayBackend, models: Sequence[ModelConfig], api_keys: ApiKeys | None = None) -> None:
@@ -278,6 +279,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         tenant = self._tenant(context)
         floor = None if tenant is None or self.api_keys is None else self.api_keys.priority_floor(tenant)
         spec = for_tenant(self.generate_spec(request), tenant, floor)
+        client_request_id = spec.request_id  # what the caller sees; it runs under its tenant's scope
+        spec = replace(spec, request_id=scoped_request_id(tenant, client_request_id))
         if spec.tenant:  # the call's log lines, its "rpc" line included, name the tenant (its task's alone)
             structlog.contextvars.bind_contextvars(tenant=spec.tenant)
         remaining = context.time_remaining()
@@ -298,7 +301,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     if not sent_tokens and chunk.samples:  # samples carry tokens
                         sent_tokens = True
                         mark("gateway.first_byte", request_id=spec.request_id)
-                    yield chunk_to_proto(chunk, spec.request_id, spec.model)
+                    yield chunk_to_proto(chunk, client_request_id, spec.model)
         finally:
             if owns:
                 del callers[spec.request_id]
@@ -307,6 +310,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
         request_id, sample_index = abort_target(request)
+        request_id = scoped_request_id(self._tenant(context), request_id)
         if self._callers.get(request_id) != context.peer():
             return common_pb2.AbortResponse(found=False)
         return common_pb2.AbortResponse(found=await self.backend.abort(request_id, sample_index))

@@ -9,7 +9,9 @@ another (`cleave.kv.prefix_hash.salt_root`), while a tenant's own salts still sp
 share of the cache further. With `--tenant-metrics` the gateway's metrics count each
 tenant's finished requests and their tokens (`cleave:tenant_requests_total`,
 `cleave:tenant_tokens_total{kind}`). A key with a priority floor (`priority>=N` in the key
-file) has its requests run at N or a less urgent priority.
+file) has its requests run at N or a less urgent priority. Request ids a client chooses
+(gRPC) are its tenant's own: another tenant's request of the same id is a different request
+(`scoped_request_id`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ _TAG = b"cleave.tenant-salt/v1\x00"
 def tenant_salt(tenant: str, cache_salt: str) -> str:
     """The cache salt a request of `tenant` (a `key_tag`) that sent `cache_salt` runs with."""
     return hashlib.sha256(_TAG + tenant.encode() + b"\x00" + cache_salt.encode()).hexdigest()
+
+
+def scoped_request_id(tenant: str | None, request_id: str) -> str:
+    """The id a request whose id the client chose (gRPC) runs under inside the gateway: with
+    several keys, prefixed with its tenant's tag, so equal ids of two tenants never meet (one
+    tenant cannot learn that another runs an id, or block it, by starting the same one).
+    With one key or none every caller is one tenant: the id as sent."""
+    return request_id if tenant is None else f"{tenant}/{request_id}"
 
 
 def for_tenant(spec: GenerateSpec, tenant: str | None, priority_floor: int | None = None) -> GenerateSpec:

@@ -1,10 +1,12 @@
 """A gateway with several API keys: each key is a tenant whose requests share cached prompt
 prefixes only with each other, over HTTP (the openai client) and gRPC alike; a request's own
 cache salt splits its tenant's cache further; outputs never change; a request's log lines name
-its tenant (the key's tag, never the key), and no other request's do."""
+its tenant (the key's tag, never the key), and no other request's do; a request id a client
+chose is its tenant's own (another tenant's equal id neither fails nor reaches it)."""
 
 from __future__ import annotations
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -13,6 +15,7 @@ import structlog
 
 from cleave.api_keys import ApiKeys, key_tag
 from cleave.client import GatewayClient
+from cleave.client.gateway import build_request, collect
 from cleave.proto.cleave.v1 import gateway_pb2
 from services.gateway.tenants import tenant_salt
 from tests.services.gateway.stack import MODEL_NAME, start_stack
@@ -25,7 +28,8 @@ IDS = gateway_pb2.StreamOptions(include_token_ids=True)
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(model_dir):
-    running = await start_stack(model_dir, "colocated", api_key=ApiKeys(KEYS))
+    # a context long enough for a request that runs far longer than a test needs it to
+    running = await start_stack(model_dir, "colocated", api_key=ApiKeys(KEYS), max_model_len=1024)
     yield running
     await running.close()
 
@@ -95,3 +99,23 @@ async def test_a_requests_log_lines_name_its_tenant_and_no_other_requests_do(sta
     prepared = [entry.get("tenant") for entry in logs if entry["event"] == "preparing"]
     assert prepared == [key_tag(KEYS[0]), key_tag(KEYS[1]), key_tag(KEYS[1]), key_tag(KEYS[0])]
     assert not any(key in repr(entry) for entry in logs for key in KEYS)  # tags only, never a key
+
+
+async def test_a_request_id_is_its_tenants_own(stack):
+    held = build_request("hold job-1", request_id="job-1", max_tokens=1000, ignore_eos=True)
+    async with GatewayClient(stack.gateway_address, api_key=KEYS[0]) as first, \
+            GatewayClient(stack.gateway_address, api_key=KEYS[1]) as second:
+        call = first.stream(held)
+        assert (await anext(aiter(call))).request_id == "job-1"  # running under tenant A
+        # tenant B's job-1 is another request: it runs (no "already running"), and its
+        # abort, from B's own connection, cannot reach A's
+        other = await collect(second.stream(build_request("B's", request_id="job-1", max_tokens=2)))
+        assert other.request_id == "job-1" and other.samples[0].finish_reason == "length"
+        assert await second.abort("job-1") is False
+        # tenant A's own second job-1 is refused while the first runs, and A's abort ends it
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await collect(first.stream(build_request("again", request_id="job-1", max_tokens=2)))
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "request_id" in refused.value.details() and key_tag(KEYS[0]) not in refused.value.details()
+        assert await first.abort("job-1") is True
+        assert (await collect(call)).samples[0].finish_reason == "abort"
