@@ -64,19 +64,19 @@ from services.gateway.openai_request import (
     generate_spec,
     http_error,
     include_usage,
+    param_names,
     retry_after_headers,
 )
 from services.gateway.openai_tools import call_json
 from services.gateway.readiness import Routability
 from services.gateway.request_names import resolve_model
-from services.gateway.responses_api import PARAM_NAMES as RESPONSES_PARAMS
 from services.gateway.responses_api import ResponseShaper, responses_body
+from services.gateway.responses_api import param_names as responses_param_names
 from services.gateway.tenants import TenantBackend
+from services.gateway.tokenize_api import PARAM_NAMES as TOKENIZE_PARAMS
 from services.gateway.tokenize_api import detokenize, tokenize
 
 log = structlog.get_logger("cleave.gateway.http")
-_CHAT_PARAMS = {"input": "messages", "chat.messages": "messages", "sampling.logprobs": "top_logprobs"}
-_COMPLETION_PARAMS = {"input": "prompt", "text": "prompt", "token_ids.ids": "prompt"}
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # served without the API key (probes, Prometheus)
 # a request's tenant, with several API keys (`_authorized`); older aiohttp keys requests by str
 TENANT_KEY = web.RequestKey("cleave.tenant", str) if hasattr(web, "RequestKey") else "cleave.tenant"
@@ -233,7 +233,7 @@ class OpenAIApi:
                 self._model(body)
                 return web.json_response(await answer(self.served_model, body))
             except Exception as error:
-                return _error_response(http_error(error, {}))
+                return _error_response(http_error(error, TOKENIZE_PARAMS))
         return handle
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -249,17 +249,19 @@ class OpenAIApi:
             shaper = ResponseShaper(spec, body)
             return await self._generated(request, spec, stream, shaper, shaper.response, self._stream_response)
 
-        return await self._handle(request, f"resp-{uuid.uuid4().hex}", RESPONSES_PARAMS, respond)
+        return await self._handle(request, f"resp-{uuid.uuid4().hex}", responses_param_names, respond)
 
-    async def _handle(self, request: web.Request, request_id: str, params: dict[str, str],
+    async def _handle(self, request: web.Request, request_id: str, params: Callable[[Any], dict[str, str]],
                       respond: Callable[[Any, str], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         """Read the body and answer it with `respond(body, request_id)`; every failure becomes an
-        OpenAI error body (its field named as `params` maps it)."""
+        OpenAI error body (its field named as `params(body)` maps it; None: no body read)."""
         annotate(request_id=request_id)
+        body = None
         try:
-            return await respond(await read_json(request, self.max_request_bytes, self.body_timeout_s), request_id)
+            body = await read_json(request, self.max_request_bytes, self.body_timeout_s)
+            return await respond(body, request_id)
         except Exception as error:
-            mapped = http_error(error, params)
+            mapped = http_error(error, params(body))
             if mapped.status == 500:
                 log.exception("request failed", request_id=request_id)
             return _error_response(mapped)
@@ -293,7 +295,7 @@ class OpenAIApi:
             except Exception as error:  # after the headers went out, an error travels as an event
                 if isinstance(error, ConnectionResetError):
                     raise
-                await response.write(shaper.error_event(http_error(error, RESPONSES_PARAMS).body))
+                await response.write(shaper.error_event(http_error(error, responses_param_names(shaper.request)).body))
             await response.write_eof()
         return response
 
@@ -312,7 +314,7 @@ class OpenAIApi:
             return await self._generated(request, spec, stream, shaper, shaper.complete, self._stream)
 
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        return await self._handle(request, request_id, _CHAT_PARAMS if chat else _COMPLETION_PARAMS, respond)
+        return await self._handle(request, request_id, lambda body: param_names(body, chat), respond)
 
     def _backend(self, request: web.Request) -> GatewayBackend:
         """The backend as the request's tenant reaches it (the backend itself with one key)."""

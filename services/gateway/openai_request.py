@@ -9,6 +9,7 @@ the OpenAI parameter (`temperature`, `max_tokens`, `messages`).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -48,6 +49,9 @@ MAX_UINT64 = 2**64 - 1
 _REASONING_MODES = {"separate": ReasoningMode.SEPARATE, "hidden": ReasoningMode.HIDDEN, "inline": ReasoningMode.INLINE}
 _TEMPLATE_KWARGS = ("enable_thinking", "reasoning_effort")  # the chat_template_kwargs the gateway passes on
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request (lm-eval sends batches of them)
+_CHAT_PARAMS = {"input": "messages", "chat.messages": "messages", "sampling.logprobs": "top_logprobs"}
+_COMPLETION_PARAMS = {"input": "prompt", "text": "prompt", "token_ids.ids": "prompt"}
+_PATH_HEAD = re.compile(r"[.\[]")  # where a field path's first name ends
 
 
 class BodyError(CleaveError):
@@ -99,7 +103,7 @@ def http_error(error: BaseException, param_names: dict[str, str]) -> HttpError:
     """The HTTP status and OpenAI error body for an exception."""
     if isinstance(error, CleaveError):
         status = error.http_status if isinstance(error, BodyError) else _HTTP_STATUS.get(error.status_code, 500)
-        param = param_names.get(error.field or "", _openai_param(error.field))
+        param = _param(error.field, param_names)
         code = "model_not_found" if status == 404 and error.field == "model" else None
         code = "invalid_api_key" if status == 401 else code
         message = error.message if param is None else f"{param}: {error.message}"
@@ -109,6 +113,21 @@ def http_error(error: BaseException, param_names: dict[str, str]) -> HttpError:
     return HttpError(500, {"error": body})
 
 
+def _param(field: str | None, param_names: dict[str, str]) -> str | None:
+    """The body's name for an error's field: as `param_names` maps the field or its gRPC request
+    path without the section (`sampling.`); for a path under a field it renames, the renamed
+    field (the path's positions may not be the body's: `messages[2]` of a translated body);
+    else that path."""
+    name = _openai_param(field)
+    if field is None or name is None:
+        return None
+    for key in (field, name):
+        if key in param_names:
+            return param_names[key]
+    head = _PATH_HEAD.split(name, maxsplit=1)[0]
+    return param_names[head] if param_names.get(head, head) != head else name
+
+
 def _openai_param(field: str | None) -> str | None:
     if not field:
         return None
@@ -116,6 +135,32 @@ def _openai_param(field: str | None) -> str | None:
         if field.startswith(prefix):
             return field[len(prefix):]
     return field
+
+
+def param_names(body: Any, chat: bool) -> dict[str, str]:
+    """How errors raised past the parsing of a /v1/completions or /v1/chat/completions `body`
+    name its fields -> the body's names: the gRPC request's (`chat.messages`, `text`), the
+    engine's (`max_tokens`, which the body may have sent as `max_completion_tokens`) and the
+    workers' grammar compiler's (`structured_output`: the field the constraint came from)."""
+    names = dict(_CHAT_PARAMS if chat else _COMPLETION_PARAMS)
+    if not isinstance(body, dict):
+        return names
+    if chat and body.get("max_completion_tokens") is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    constraint = _answer_field(body, chat)
+    if constraint:
+        names["structured_output"] = constraint
+    return names
+
+
+def _answer_field(body: dict[str, Any], chat: bool) -> str | None:
+    """The field of `body` its answer's constraint came from (None: none, or the body was
+    refused before any worker saw it)."""
+    try:
+        tools = request_tools(body) if chat else ()
+        return answer_shape(body, tools, parallel_tool_calls(body), chat).field
+    except InvalidArgument:
+        return None
 
 
 def _uint(value: Any, param: str, high: int = MAX_UINT32) -> int:

@@ -27,12 +27,13 @@ from cleave.errors import InvalidArgument
 from cleave.generation.tool_calls import ToolCall
 from cleave.rpc.types import Usage
 from services.gateway.backend import GenerateChunk, GenerateSpec, SampleOutput
-from services.gateway.openai_request import content_text
+from services.gateway.openai_request import content_text, text_field
+from services.gateway.openai_request import param_names as chat_param_names
 from services.gateway.openai_tools import json_object, json_type, new_call_id, string_field
 from services.gateway.request_names import chat_role
 
 # chat-completions names of the fields a translated request may be refused for -> the Responses API's
-PARAM_NAMES = {
+_PARAM_NAMES = {
     "response_format": "text.format",
     "response_format.type": "text.format.type",
     "response_format.json_schema": "text.format",
@@ -55,6 +56,18 @@ _PASSED_ON = ("model", "temperature", "top_p", "parallel_tool_calls", "stream", 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
+def param_names(body: Any) -> dict[str, str]:
+    """How errors name the fields of a Responses `body` -> its own names: the chat body it runs
+    as names them as a chat request's (`openai_request.param_names`), in chat-completions
+    names, which map on to the Responses API's."""
+    try:
+        chat = responses_body(body)
+    except InvalidArgument:  # refused while translated: such errors name the Responses fields
+        chat = None
+    names = {field: _PARAM_NAMES.get(name, name) for field, name in chat_param_names(chat, chat=True).items()}
+    return {**_PARAM_NAMES, **names}
+
+
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The request's `instructions` and `input` as chat messages."""
     messages: list[dict[str, Any]] = []
@@ -62,10 +75,10 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     if instructions is not None:
         if not isinstance(instructions, str):
             raise InvalidArgument(f"must be a string, got {json_type(instructions)}", field="instructions")
-        messages.append({"role": "system", "content": instructions})
+        messages.append({"role": "system", "content": text_field(instructions, "instructions")})
     items = body.get("input")
     if isinstance(items, str):
-        return messages + [{"role": "user", "content": items}]
+        return messages + [{"role": "user", "content": text_field(items, "input")}]
     if not isinstance(items, list) or not items:
         raise InvalidArgument("must be a string or a non-empty list of items", field="input")
     reasoning = ""  # a reasoning item's text, for the assistant turn after it

@@ -20,6 +20,9 @@ from services.gateway.backend import Prompt
 from services.gateway.model import ServedModel
 from services.gateway.openai_request import chat_prompt, text_field
 
+# the gRPC request's names that the model's checks give fields (`ServedModel`) -> the body's
+PARAM_NAMES = {"text": "prompt", "chat.messages": "messages", "input": "messages"}
+
 
 def tokenize_body(model: ServedModel, body: Any) -> dict[str, Any]:
     """The /tokenize answer for a parsed body (runs the tokenizer: call off the event loop)."""

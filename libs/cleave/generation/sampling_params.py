@@ -314,7 +314,7 @@ class SamplingParams:
         if self.max_tokens is not None and prompt_len + self.max_tokens > max_model_len:
             raise InvalidArgument(
                 f"{self.max_tokens} plus the prompt's {prompt_len} tokens exceeds the "
-                f"model's context of {max_model_len}; set max_tokens to at most "
+                f"model's context of {max_model_len}; set it to at most "
                 f"{max_model_len - prompt_len}",
                 field="max_tokens",
             )

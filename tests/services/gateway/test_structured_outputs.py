@@ -96,12 +96,16 @@ async def test_a_regex_answer_after_a_forced_end_of_thinking(stack):
 
 
 @pytest.mark.parametrize(("body", "param"), [
+    # the workers' compiler refuses these: named as the client sent them, not `structured_output`
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
-     "structured_output"),
+     "response_format.json_schema.schema"),
+    ({"guided_regex": "("}, "guided_regex"),
+    ({"guided_grammar": "x"}, "guided_grammar"),
+    ({"guided_json": {"type": "nonsense"}}, "guided_json"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
-    ({"structured_outputs": {"regex": "((("}}, "structured_output"),
+    ({"structured_outputs": {"regex": "((("}}, "structured_outputs.regex"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"jsn": {"type": "object"}}}, "structured_outputs.jsn"),  # misspelt: not free text
     ({"structured_outputs": {"regex": "[a-z]+", "disable_fallback": True}}, None),  # what the workers do anyway
@@ -123,6 +127,17 @@ async def test_bad_constraints_are_refused_naming_the_field(stack, body, param):
         await request
     assert raised.value.body["param"] == param, raised.value.body
     assert "worker" not in raised.value.body["message"], raised.value.body  # the request's fault, not a worker's
+
+
+async def test_a_constraint_the_workers_cannot_compile_is_named_as_each_route_took_it(stack):
+    with pytest.raises(openai.BadRequestError) as raised:
+        await client(stack).completions.create(model="tiny", prompt="Sky:", max_tokens=5,
+                                               extra_body={"guided_regex": "("})
+    assert raised.value.body["param"] == "guided_regex", raised.value.body
+    with pytest.raises(openai.BadRequestError) as raised:
+        await client(stack).responses.create(model="tiny", input="Sky?", max_output_tokens=5, text={"format": {
+            "type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}})
+    assert raised.value.body["param"] == "text.format.schema", raised.value.body
 
 
 async def test_refused_constraints_leave_no_kv_behind(stack):
