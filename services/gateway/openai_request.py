@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cleave.errors import CleaveError, InvalidArgument
-from cleave.generation.sampling_params import PRIORITY_MAX, PRIORITY_MIN
+from cleave.generation.sampling_params import MAX_LOGPROBS, PRIORITY_MAX, PRIORITY_MIN
 from cleave.generation.sampling_request import MAX_SAMPLES, SamplingRequest, to_sampling_params
 from cleave.rpc.convert import checked_reasoning_effort, thinking_options
 from cleave.rpc.types import ReasoningMode, ReasoningOptions
@@ -278,7 +278,7 @@ def _sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
         options["priority"] = _integer(body["priority"], "priority", PRIORITY_MIN, PRIORITY_MAX)
     if chat:
         top = body.get("top_logprobs")
-        top = 0 if top is None else _uint(top, "top_logprobs")
+        top = 0 if top is None else _integer(top, "top_logprobs", 0, MAX_LOGPROBS)  # bounded, asked for or not
         if body.get("logprobs") is not None and _bool(body["logprobs"], "logprobs"):
             options["logprobs"] = top
     elif body.get("logprobs") is not None:

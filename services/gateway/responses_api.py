@@ -51,6 +51,14 @@ _REFUSED = {
     "background": "background responses are not supported",
     "prompt": "stored prompt templates are not supported",
 }
+# `include` values that ask for nothing here: the outputs of built-in tools and images, which
+# the gateway refuses in a request, and the reasoning, which a response carries in clear and
+# the input takes back as it is
+_INCLUDED_ANYWAY = ("web_search_call.action.sources", "code_interpreter_call.outputs",
+                    "computer_call_output.output.image_url", "file_search_call.results",
+                    "message.input_image.image_url", "reasoning.encrypted_content")
+_NOT_INCLUDED = {"message.output_text.logprobs": "logprobs are not returned here; use /v1/chat/completions "
+                                                 "with logprobs"}
 _PASSED_ON = ("model", "temperature", "top_p", "parallel_tool_calls", "stream", "seed", "top_logprobs", "user",
               "cache_salt", "priority")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -151,6 +159,7 @@ def responses_body(body: Any) -> dict[str, Any]:
     for name, reason in _REFUSED.items():
         if body.get(name) not in (None, False, ""):
             raise InvalidArgument(reason, field=name)
+    _refuse_unhonoured(body)
     chat: dict[str, Any] = {"messages": _messages(body)}
     response_format = _response_format(body.get("text"))
     if response_format is not None:
@@ -173,6 +182,32 @@ def responses_body(body: Any) -> dict[str, Any]:
         if reasoning.get("effort") is not None:
             chat["reasoning_effort"] = reasoning["effort"]
     return chat
+
+
+def _refuse_unhonoured(body: dict[str, Any]) -> None:
+    """Refuse `truncation`, `include` and `max_tool_calls` values of the wrong type, or that ask
+    for what the gateway does not do (as `openai_fields` does for the chat API's fields)."""
+    truncation = body.get("truncation")
+    if truncation not in (None, "disabled"):
+        if truncation == "auto":
+            raise InvalidArgument("only \"disabled\" is supported: the input is never truncated; shorten it",
+                                  field="truncation")
+        raise InvalidArgument(f"must be \"auto\" or \"disabled\", got {truncation!r}", field="truncation")
+    include = body.get("include")
+    if include is not None and not isinstance(include, list):
+        raise InvalidArgument(f"must be a list of strings, got {json_type(include)}", field="include")
+    for position, value in enumerate(include or ()):
+        if not isinstance(value, str):
+            raise InvalidArgument(f"must be a string, got {json_type(value)}", field=f"include[{position}]")
+        if value in _NOT_INCLUDED:
+            raise InvalidArgument(_NOT_INCLUDED[value], field=f"include[{position}]")
+        if value not in _INCLUDED_ANYWAY:
+            raise InvalidArgument(f"{value[:64]!r} is not an include value of the Responses API",
+                                  field=f"include[{position}]")
+    max_tool_calls = body.get("max_tool_calls")  # a bound on built-in tools' calls: there are none
+    if max_tool_calls is not None and (isinstance(max_tool_calls, bool) or not isinstance(max_tool_calls, int)
+                                       or max_tool_calls < 0):
+        raise InvalidArgument(f"must be a non-negative integer, got {max_tool_calls!r}", field="max_tool_calls")
 
 
 def _response_format(text: Any) -> dict[str, Any] | None:

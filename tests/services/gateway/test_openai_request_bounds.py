@@ -142,3 +142,47 @@ def test_a_priority_travels_in_the_sampling_params_and_must_be_an_int32():
     assert completion(priority=None).sampling.priority == 0 == completion().sampling.priority
     for bad in (True, 1.0, "1", [1], 2**31, -(2**31) - 1):
         assert refused_field(completion, priority=bad) == "priority"
+
+
+@pytest.mark.parametrize("build, options, field", [
+    # best_of must be a count: a negative one asked for nothing only by the "<= n" comparison
+    (completion, {"best_of": -1}, "best_of"),
+    (completion, {"best_of": -2**70}, "best_of"),
+    (completion, {"best_of": 0}, "best_of"),
+    (completion, {"best_of": 3, "n": 2}, "best_of"),
+    # completions' fields on chat were never read there
+    (chat, {"best_of": "x"}, "best_of"),
+    (chat, {"best_of": 2}, "best_of"),
+    (chat, {"echo": 5}, "echo"),
+    (chat, {"echo": True}, "echo"),
+    (chat, {"suffix": {"a": 1}}, "suffix"),
+    (chat, {"suffix": "tail"}, "suffix"),
+    # vLLM's extensions were ignored at any value
+    *((build, {name: "x"}, name) for build in (completion, chat) for name in (
+        "prompt_logprobs", "truncate_prompt_tokens", "include_stop_str_in_output", "add_special_tokens",
+        "return_token_ids")),
+    *((build, {"prompt_logprobs": 1}, "prompt_logprobs") for build in (completion, chat)),
+    *((build, {"truncate_prompt_tokens": 8}, "truncate_prompt_tokens") for build in (completion, chat)),
+    *((build, {"include_stop_str_in_output": True}, "include_stop_str_in_output") for build in (completion, chat)),
+    *((build, {"return_token_ids": True}, "return_token_ids") for build in (completion, chat)),
+    (completion, {"add_special_tokens": False}, "add_special_tokens"),
+    (chat, {"add_special_tokens": True}, "add_special_tokens"),
+    # at most 20 alternatives, whether or not logprobs asks for them
+    (chat, {"top_logprobs": 21}, "top_logprobs"),
+    (chat, {"top_logprobs": 21, "logprobs": False}, "top_logprobs"),
+])
+def test_fields_the_gateway_does_not_honour_are_refused_and_checked(build, options, field):
+    assert refused_field(build, **options) == field
+
+
+@pytest.mark.parametrize("build, options", [
+    (completion, {"best_of": 1}),
+    (completion, {"best_of": 2, "n": 2}),
+    (completion, {"best_of": None, "suffix": "", "add_special_tokens": True}),
+    (chat, {"best_of": 1, "echo": False, "suffix": None, "add_special_tokens": False}),
+    *((build, {"prompt_logprobs": None, "truncate_prompt_tokens": None, "include_stop_str_in_output": False,
+               "return_token_ids": False}) for build in (completion, chat)),
+    (chat, {"top_logprobs": 20}),
+])
+def test_their_no_op_values_are_accepted(build, options):
+    build(**options)

@@ -126,12 +126,29 @@ async def test_a_json_schema_format_and_a_forced_call_constrain_the_answer(tool_
     ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"tool_choice": {"type": "function", "name": "get_stock"}, "tools": [WEATHER]}, "tool_choice.name"),
     ({"tool_choice": "required"}, "tool_choice"),
+    # once ignored at any value
+    ({"truncation": "auto"}, "truncation"),
+    ({"truncation": "x"}, "truncation"),
+    ({"include": "x"}, "include"),
+    ({"include": ["reasoning.encrypted_content", "message.output_text.logprobs"]}, "include[1]"),
+    ({"include": ["x"]}, "include[0]"),
+    ({"max_tool_calls": "x"}, "max_tool_calls"),
+    ({"max_tool_calls": -1}, "max_tool_calls"),
+    ({"top_logprobs": 50}, "top_logprobs"),
 ])
 async def test_what_cannot_be_honoured_is_a_400_naming_the_field(tool_model, fields, param):  # noqa: F811
     async with serving(tool_model) as (client, _):
         with pytest.raises(openai.BadRequestError) as raised:
             await client.responses.create(model="tiny-tools", **{"input": "hi", **fields})
     assert raised.value.body["param"] == param
+
+
+def test_fields_that_ask_for_nothing_here_are_accepted():
+    from services.gateway.responses_api import responses_body
+
+    responses_body({"input": "hi", "truncation": "disabled", "include": ["reasoning.encrypted_content"],
+                    "max_tool_calls": 3, "top_logprobs": 20})
+    responses_body({"input": "hi", "truncation": None, "include": [], "max_tool_calls": None})
 
 
 def test_a_cache_salt_is_passed_on_to_the_chat_request():
