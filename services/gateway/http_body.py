@@ -5,7 +5,9 @@ A body whose Content-Length is over the limit is refused with 413 before it is r
 chunked body is cut off by aiohttp's `client_max_size` (the same limit) once it passes it.
 A body that is not JSON (bad UTF-8, bad syntax, nesting deeper than the parser's recursion
 limit), or that does not decode as its `Content-Encoding` says, is a 400 naming `body`; one
-that has not all arrived within the body timeout is a 408, and the connection closes. A body
+in a coding aiohttp does not know (it hands such bytes on undecoded) is a 415 naming
+`Content-Encoding`; one that has not all arrived within the body timeout is a 408, and the
+connection closes. A body
 over `INLINE_PARSE_MAX_BYTES` is parsed in a worker thread, so other requests' streams go on
 meanwhile.
 """
@@ -21,11 +23,20 @@ from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_urldispatcher import _default_expect_handler  # "100 Continue", as aiohttp answers it
 
 from cleave.errors import InvalidArgument
-from services.gateway.openai_request import BodyTimedOut, BodyTooLarge, http_error
+from services.gateway.openai_request import BodyEncodingUnsupported, BodyTimedOut, BodyTooLarge, http_error
 
 _EXPECTATION_FAILED = 417
 DEFAULT_BODY_TIMEOUT_S = 60.0  # a body must arrive whole within this (else 408)
 INLINE_PARSE_MAX_BYTES = 1 << 20  # a larger body is parsed in a worker thread, off the event loop
+# no coding, or one aiohttp's parser decodes (br and zstd without their packages fail in the
+# parser itself: `http_errors`)
+_READABLE_CODINGS = frozenset({"", "identity", "gzip", "deflate", "br", "zstd"})
+
+
+def _content_coding(request: web.Request) -> str:
+    """The request's Content-Encoding as aiohttp's parser compares it (case-folded if ASCII)."""
+    coding = request.headers.get("Content-Encoding", "")
+    return coding.lower() if coding.isascii() else coding
 
 
 def body_too_large(max_bytes: int, num_bytes: int | None) -> BodyTooLarge:
@@ -62,6 +73,8 @@ async def read_json(request: web.Request, max_bytes: int, timeout_s: float = DEF
     all arrived within `timeout_s`, InvalidArgument (field `body`) when it is not JSON."""
     if request.content_length is not None and request.content_length > max_bytes:
         raise body_too_large(max_bytes, request.content_length)
+    if _content_coding(request) not in _READABLE_CODINGS:
+        raise BodyEncodingUnsupported()  # aiohttp hands an unknown coding's bytes on as they came
     try:
         async with asyncio.timeout(timeout_s):
             raw = await request.read()

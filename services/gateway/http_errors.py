@@ -42,7 +42,6 @@ from cleave.errors import CleaveError, InvalidArgument, Unavailable
 from services.gateway.openai_request import BodyEncodingUnsupported, http_error
 
 log = structlog.get_logger("cleave.gateway.http")
-DECODED_ENCODINGS = ("gzip", "deflate")  # what aiohttp always decodes (br and zstd need optional packages)
 _MAX_REASON_CHARS = 200
 REFUSED_LINGER_S = 2.0  # longest a refused connection stays open for its client to read the 503
 _QUOTED_BYTES = re.compile(r"""(?:^|[\s:(]+)(?:bytearray\(|b?['"]|\^)""")  # where a parser message quotes the request
@@ -77,8 +76,7 @@ def _parser_reason(error: BaseException) -> str:
 
 def _client_error(error: HttpProcessingError) -> CleaveError:
     if isinstance(error, ContentEncodingError):  # raised with the head: a coding aiohttp has no decoder for
-        return BodyEncodingUnsupported(f"is not supported; send the body uncompressed or encoded as "
-                                       f"{' or '.join(DECODED_ENCODINGS)}", field="Content-Encoding")
+        return BodyEncodingUnsupported()
     return InvalidArgument(f"the HTTP request is malformed ({_parser_reason(error)})")
 
 
@@ -93,10 +91,7 @@ class OpenAIProtocol(web.RequestHandler):
             return super().handle_error(request, status, exc, message)
         mapped = http_error(_client_error(exc), {})
         log.warning("malformed HTTP request", status=mapped.status, reason=_parser_reason(exc), peer=request.remote)
-        headers = dict(mapped.headers)
-        if isinstance(exc, ContentEncodingError):
-            headers["Accept-Encoding"] = ", ".join(DECODED_ENCODINGS)
-        response = web.json_response(mapped.body, status=mapped.status, headers=headers)
+        response = web.json_response(mapped.body, status=mapped.status, headers=mapped.headers)
         response.force_close()  # the rest of the connection's bytes cannot be framed
         return response
 

@@ -48,6 +48,7 @@ MAX_UINT32 = 2**32 - 1  # the widths the gRPC API's wire types give each option
 MAX_UINT64 = 2**64 - 1
 _REASONING_MODES = {"separate": ReasoningMode.SEPARATE, "hidden": ReasoningMode.HIDDEN, "inline": ReasoningMode.INLINE}
 _TEMPLATE_KWARGS = ("enable_thinking", "reasoning_effort")  # the chat_template_kwargs the gateway passes on
+DECODED_ENCODINGS = ("gzip", "deflate")  # what aiohttp always decodes (br and zstd need optional packages)
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request (lm-eval sends batches of them)
 _CHAT_PARAMS = {"input": "messages", "chat.messages": "messages", "sampling.logprobs": "top_logprobs"}
 _COMPLETION_PARAMS = {"input": "prompt", "text": "prompt", "token_ids.ids": "prompt"}
@@ -78,10 +79,14 @@ class BodyTimedOut(BodyError):
 
 class BodyEncodingUnsupported(BodyError):
     """An HTTP body in a Content-Encoding the gateway cannot decode (HTTP 415, answered with
-    the codings it can in `Accept-Encoding`: `http_errors`)."""
+    the codings it can in `Accept-Encoding`)."""
 
     status_code = "INVALID_ARGUMENT"
     http_status = 415
+
+    def __init__(self) -> None:
+        super().__init__(f"is not supported; send the body uncompressed or encoded as "
+                         f"{' or '.join(DECODED_ENCODINGS)}", field="Content-Encoding")
 
 
 @dataclass(frozen=True)
@@ -108,7 +113,10 @@ def http_error(error: BaseException, param_names: dict[str, str]) -> HttpError:
         code = "invalid_api_key" if status == 401 else code
         message = error.message if param is None else f"{param}: {error.message}"
         body = {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}
-        return HttpError(status, {"error": body}, retry_after_headers(error.retry_after_s))
+        headers = retry_after_headers(error.retry_after_s)
+        if isinstance(error, BodyEncodingUnsupported):
+            headers["Accept-Encoding"] = ", ".join(DECODED_ENCODINGS)
+        return HttpError(status, {"error": body}, headers)
     body = {"message": "internal server error", "type": "server_error", "param": None, "code": None}
     return HttpError(500, {"error": body})
 

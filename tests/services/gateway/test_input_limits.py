@@ -412,6 +412,27 @@ async def test_malformed_http_requests_get_openai_errors_and_one_log_line(caplog
     assert SECRET not in str(line)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+@pytest.mark.parametrize(("coding", "status"), [("foo", 415), ("gzip, foo", 415), ("identity", 400)])
+async def test_a_content_encoding_aiohttp_does_not_know_is_a_415(path, coding, status):
+    # aiohttp passes such a body on undecoded: it was read as JSON, and answered "not valid JSON"
+    api = OpenAIApi(GatedBackend(), [ModelConfig(source="tiny")], str)
+    runner = await start_http(api, "127.0.0.1:0")
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{bound_port(runner)}", timeout=10) as client:
+            response = await client.post(path, content=b"not json", headers={"Content-Type": "application/json",
+                                                                            "Content-Encoding": coding})
+    finally:
+        await runner.cleanup()
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    if status == 415:
+        assert error["param"] == "Content-Encoding" and error["type"] == "invalid_request_error"
+        assert response.headers["Accept-Encoding"] == "gzip, deflate"
+    else:  # no coding: the bytes as sent
+        assert error["param"] == "body"
+
+
 # ---- large bodies parse off the event loop ----------------------------------------------------
 
 LARGE = INLINE_PARSE_MAX_BYTES + 1024
