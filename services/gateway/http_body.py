@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from typing import Any
 
 from aiohttp import HttpVersion11, web
@@ -40,9 +41,10 @@ def _content_coding(request: web.Request) -> str:
 
 
 def body_too_large(max_bytes: int, num_bytes: int | None) -> BodyTooLarge:
-    size = f"{num_bytes} bytes" if num_bytes is not None else "more"
+    """The 413 of a body of `num_bytes` (None: one cut off past `max_bytes`, its size unknown)."""
+    size = f"is {num_bytes} bytes" if num_bytes is not None else f"is over {max_bytes} bytes"
     return BodyTooLarge(
-        f"the request body is {size}; this gateway accepts at most {max_bytes} bytes (--max-request-bytes)",
+        f"the request body {size}; this gateway accepts at most {max_bytes} bytes (--max-request-bytes)",
         field="body",
     )
 
@@ -92,5 +94,8 @@ async def read_json(request: web.Request, max_bytes: int, timeout_s: float = DEF
         return json.loads(raw)
     except RecursionError:
         raise InvalidArgument("is nested too deeply to parse", field="body") from None
-    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise InvalidArgument(f"is not valid JSON ({error})", field="body") from None
+    except ValueError:  # int() refuses a number this long (its message tells a programmer what to change)
+        raise InvalidArgument(f"holds an integer of more than {sys.get_int_max_str_digits()} digits",
+                              field="body") from None

@@ -10,8 +10,10 @@ tokenized before it would need one.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import logging
+import sys
 import threading
 
 import grpc
@@ -142,7 +144,14 @@ async def test_body_over_the_limit_is_413_while_a_stream_goes_on():
                         yield b" " * (MAX_REQUEST_BYTES // 2)
 
                 response = await client.post("/v1/completions", content=chunked())
-                assert response.status_code == 413 and str(MAX_REQUEST_BYTES) in response.json()["error"]["message"]
+                assert response.status_code == 413
+                # its size unknown past the limit (once "the request body is more; ...")
+                cut_off = (f"body: the request body is over {MAX_REQUEST_BYTES} bytes; this gateway accepts at "
+                           f"most {MAX_REQUEST_BYTES} bytes (--max-request-bytes)")
+                assert response.json()["error"]["message"] == cut_off
+                bomb = gzip.compress(b" " * (4 * MAX_REQUEST_BYTES))  # small on the wire, cut off as it decodes
+                response = await client.post("/v1/completions", content=bomb, headers={"Content-Encoding": "gzip"})
+                assert response.status_code == 413 and response.json()["error"]["message"] == cut_off
                 backend.go.set()
                 rest = [line async for line in lines if line]
             assert rest[-1] == "data: [DONE]" and '"text": "b"' in rest[-2]
@@ -153,6 +162,22 @@ async def test_body_over_the_limit_is_413_while_a_stream_goes_on():
         assert raised.value.status_code == 413
     finally:
         await runner.cleanup()
+
+
+async def test_an_integer_too_long_to_convert_is_a_400_that_says_so():
+    # json.loads' ValueError told the client to call sys.set_int_max_str_digits()
+    api = OpenAIApi(GatedBackend(), [ModelConfig(source="tiny")], str)
+    runner = await start_http(api, "127.0.0.1:0")
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{bound_port(runner)}", timeout=10) as client:
+            response = await client.post("/v1/completions", content=b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000
+                                         + b"}", headers={"Content-Type": "application/json"})
+    finally:
+        await runner.cleanup()
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "body"
+    assert error["message"] == f"body: holds an integer of more than {sys.get_int_max_str_digits()} digits"
 
 
 async def _raw_post(port: int, head: str, body: bytes = b"") -> tuple[bytes, asyncio.StreamReader, asyncio.StreamWriter]:
