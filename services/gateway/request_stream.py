@@ -100,6 +100,10 @@ async def stream_samples(
     held: dict[int, list[SampleOutput]] = {}  # with `hold`: each sample's outputs, merged at the end
     stopped_here: set[int] = set()  # samples the gateway ended (stop strings)
     prompt_scores: list[tuple[TopLogprobs, ...]] = []  # sent by a worker, until a chunk carries them
+    if spec.sampling.prompt_logprobs is not None and len(prompt_ids) == 1:
+        # a one-token prompt has no scores for a worker to send (its token is scored null), but
+        # a chunk still carries its ids: completions' echo lists that token
+        prompt_scores.append(())
 
     def usage() -> Usage:
         return Usage(

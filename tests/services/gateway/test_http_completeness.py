@@ -78,6 +78,19 @@ async def test_lm_eval_loglikelihood_requests_score_the_continuation(stack, mode
     assert response.choices[0].text == CONTEXT + CONTINUATION  # echo alone: the prompt's text
 
 
+async def test_the_echo_of_a_one_token_prompt_lists_that_token_scored_null(stack):
+    # such a prompt has no scores for a worker to send, and its echo listed no tokens at all
+    token_id = 42
+    for max_tokens in (0, 1):
+        response = await client(stack).completions.create(
+            model="tiny", prompt=[token_id], echo=True, max_tokens=max_tokens, logprobs=1, temperature=0.0)
+        logprobs = response.choices[0].logprobs
+        assert len(logprobs.tokens) == 1 + max_tokens, logprobs
+        assert response.choices[0].text.startswith(logprobs.tokens[0]) and logprobs.tokens[0]
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        assert logprobs.text_offset[0] == 0
+
+
 async def test_a_list_of_prompts_gets_one_choice_per_prompt_in_order(stack):
     prompts = ["The quick brown fox", "Why is the sky", "Once upon a time there"]
     batch = await client(stack).completions.create(model="tiny", prompt=prompts, max_tokens=4, temperature=0.0, n=2)
