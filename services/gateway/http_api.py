@@ -20,9 +20,10 @@ Every request runs in a server span under its `traceparent` header (`cleave.trac
 malformed one is a 400 naming it); a stream's first chunk with tokens is `gateway.first_byte`.
 With an API key, every /v1 route asks for `Authorization: Bearer <key>` (401 otherwise).
 A body over `max_request_bytes` is a 413, one that is not JSON a 400, one in a
-Content-Encoding no decoder knows a 415, one that stops arriving a 408 (`http_body`); a connection that sends no whole request head within the idle
-timeout is closed, as is one idle that long between requests, and one past the connection
-cap is answered 503 (`http_errors`). Every other malformed field
+Content-Encoding no decoder knows a 415, one that stops arriving a 408 (`http_body`); a
+connection that sends no whole request head within the idle timeout is closed, as is one
+idle that long between requests, and one past the connection cap is answered 503
+(`http_errors`). Every other malformed field
 is a 400 naming it (`openai_request`), and so is a field the gateway cannot honour
 (`openai_fields`); unknown paths are OpenAI-shaped 404s, and requests aiohttp cannot parse
 OpenAI-shaped 400s (415 for a Content-Encoding it cannot decode), each logged in one WARNING

@@ -7,9 +7,8 @@ A body that is not JSON (bad UTF-8, bad syntax, nesting deeper than the parser's
 limit), or that does not decode as its `Content-Encoding` says, is a 400 naming `body`; one
 in a coding aiohttp does not know (it hands such bytes on undecoded) is a 415 naming
 `Content-Encoding`; one that has not all arrived within the body timeout is a 408, and the
-connection closes. A body
-over `INLINE_PARSE_MAX_BYTES` is parsed in a worker thread, so other requests' streams go on
-meanwhile.
+connection closes. A body over `INLINE_PARSE_MAX_BYTES` is parsed in a worker thread, so
+other requests' streams go on meanwhile.
 """
 
 from __future__ import annotations
