@@ -10,7 +10,8 @@ Input: a string (one user turn) or items: messages (`role`, text `content` or te
 assistant turn; `instructions` is a system turn before them. Tools are function tools
 (`{"type": "function", "name", "parameters"}`). Responses are not stored: `store` changes
 nothing, and `previous_response_id`, `conversation` and `background` are a 400 naming the
-field, as is every malformed item (`input[3].call_id`). `text.format` (JSON mode, a JSON
+field, as is every malformed item (`input[3].call_id`), `truncation: "auto"` and an `include`
+of what a response here never holds (`message.output_text.logprobs`). `text.format` (JSON mode, a JSON
 schema) and `tool_choice` "required" or a named function decode the answer under their
 constraint, as on the chat route.
 """
