@@ -154,7 +154,7 @@ class Admissions:
             raise ResourceExhausted(f"the {len(prompt)}-token prompt needs {needed} KV blocks; this decode worker "
                                     f"has {usable} in all", field="prompt_token_ids")
         block_ids = await self.queue.reserve(
-            lambda: async_engine.call(lambda e: e.handoff.reserve(request_id, len(prompt), spec.sampling.priority)),
+            lambda: self._reserve(async_engine, request_id, len(prompt), spec.sampling.priority),
             spec.sampling.priority)
         if self.gate.is_draining:  # the drain began while this admission waited
             self._release_reservation(request_id)
@@ -185,6 +185,22 @@ class Admissions:
         request.timer = asyncio.get_running_loop().call_later(self.transfer_timeout_s, self._expire, request_id)
         self._spawn(self._watch_transfer(request))
         return handle
+
+    async def _reserve(self, async_engine: AsyncEngine, request_id: str, num_tokens: int, priority: int) -> list[int]:
+        """`handoff.reserve` on the step thread. The step thread reserves whether or not the
+        Admit still waits for the blocks, so an Admit cancelled meanwhile (its prefill worker
+        gave up or died) releases them once they come back: nothing else knows of them (no
+        HeldRequest, no deadline), so they would stay reserved for good. A later admission of
+        the id reserves on the same thread after this one: before the release, it finds the id
+        holding blocks and is refused; so the release never frees its blocks."""
+        reserving = asyncio.ensure_future(async_engine.call(lambda e: e.handoff.reserve(request_id, num_tokens,
+                                                                                         priority)))
+        try:
+            return await asyncio.shield(reserving)
+        except asyncio.CancelledError:
+            reserving.add_done_callback(
+                lambda done: done.cancelled() or done.exception() is not None or self._release_reservation(request_id))
+            raise
 
     async def _watch_transfer(self, request: HeldRequest) -> None:
         assert request.transfer is not None

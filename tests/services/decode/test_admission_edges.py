@@ -1,12 +1,13 @@
 """Admissions at their edges on the engine-backed decode worker: a prompt that needs exactly
 every usable block, a drain that begins while an admission reserves, an abort that disarms
 the deadline, the bound on remembered failures (the oldest is forgotten first), sample aborts
-before Start, a gateway's detach, a re-admitted id, and a Start or an Admit that fails
-halfway (each frees what it took)."""
+before Start, a gateway's detach, a re-admitted id, a Start or an Admit that fails halfway,
+and an Admit cancelled while the step thread reserves its blocks (each frees what it took)."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 import pytest
@@ -200,3 +201,38 @@ async def test_an_admission_whose_transfer_cannot_register_leaves_nothing_held(d
     await decode.stub.Admit(admit("unregistered", PROMPT))  # the id is free again
     assert (await decode.stub.Abort(c.AbortRequest(request_id="unregistered"))).found
     await wait_pool_full(decode.stub)
+
+
+async def test_an_admit_cancelled_while_the_step_thread_reserves_frees_the_blocks(decode, monkeypatch):
+    """The prefill worker that sent it died or gave up: the step thread reserves anyway, and
+    nothing else would ever free those blocks."""
+    admissions, async_engine = decode.backend.admissions, decode.backend.async_engine
+    stalled, go_on = threading.Event(), threading.Event()
+    stall = asyncio.ensure_future(async_engine.call(lambda engine: (stalled.set(), go_on.wait(60))))
+    try:
+        await asyncio.to_thread(stalled.wait, 60)  # the step thread runs nothing else until go_on
+        asked, cut = asyncio.Event(), asyncio.Event()
+        call, reserve = async_engine.call, admissions.queue.reserve
+
+        def asking(fn):  # type: ignore[no-untyped-def]
+            asked.set()  # the Admit asks the step thread for its blocks
+            return call(fn)
+
+        async def noting_the_cut(attempt, priority=0):  # type: ignore[no-untyped-def]
+            try:
+                return await reserve(attempt, priority)
+            except asyncio.CancelledError:
+                cut.set()
+                raise
+
+        monkeypatch.setattr(async_engine, "call", asking)
+        monkeypatch.setattr(admissions.queue, "reserve", noting_the_cut)
+        admitting = decode.stub.Admit(admit("cut", PROMPT))
+        await asyncio.wait_for(asked.wait(), 60)
+        admitting.cancel()
+        await asyncio.wait_for(cut.wait(), 60)  # the cancel reached the worker's Admit
+    finally:
+        go_on.set()
+        await stall
+    await wait_pool_full(decode.stub)  # the 5 blocks the step thread reserved after the cancel came back
+    assert admissions.held("cut") is None
