@@ -17,6 +17,13 @@ a block evicted a moment ago makes the Get return fewer blocks (the prompt compu
 rest), one stored a moment ago is a missed reuse. Until the index is live (start-up, after
 its stream broke) a fetch asks the store (Lookup), as it always did.
 
+On the request's path the store is an optimisation, so it gets short deadlines (a Lookup
+`LOOKUP_TIMEOUT_S`; a Get that plus its bytes at `GET_MIN_BYTES_PER_S`) rather than the
+client's 30 s: a hung or overloaded store would otherwise hold every prefill that asks it
+(and the decode worker's reservation for it) until then. A fetch that fails or times out
+makes the worker skip the store for `SKIP_AFTER_FAILURE_S` (those prompts are computed), so
+a hung store costs one short wait per period, not one per request.
+
 Short prefixes stay out of the store both ways (`min_prefix_tokens`): a fetch costs a lookup,
 a wait for the engine thread's next step boundary (to ask its prefix cache what
 it holds) and a Get, which is more than computing a few blocks; chat prompts that share
@@ -46,10 +53,12 @@ the full pages of the repeated prefix and the window pages in view at its end.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import grpc
 import torch
 
 from cleave.engine.async_engine import AsyncEngine
@@ -81,6 +90,10 @@ class StorePayload:
     window_blocks: torch.Tensor | None = None  # [w, L, 2, BS, Hkv, D] on the CPU
 
 
+LOOKUP_TIMEOUT_S = 1.0  # a Lookup is one small message each way: a store that takes longer is not well
+GET_TIMEOUT_S = 1.0  # a Get's deadline: this plus its blocks' bytes at GET_MIN_BYTES_PER_S
+GET_MIN_BYTES_PER_S = 100e6  # far below loopback or a data-centre link: only a stalled store misses it
+SKIP_AFTER_FAILURE_S = 5.0  # after a failed fetch, prompts are computed without asking the store this long
 SEEN_CAPACITY = 1 << 18  # block hashes remembered (32 bytes each: ~8 MB with the dict)
 DEFAULT_MIN_PREFIX_TOKENS = 256
 
@@ -98,6 +111,7 @@ class KVStorePrefix:
         # blocks a fetch must be able to load, and a put to send, to be worth its round trips
         self.min_blocks = max(1, -(-min_prefix_tokens // self.block_size))
         self._stream: torch.cuda.Stream | None = None
+        self._skip_until = 0.0  # time.monotonic() before which fetches do not ask the store
         self._put_turn = asyncio.Lock()  # one put stream at a time, in arrival order (FIFO)
         self._seen: OrderedDict[bytes, None] = OrderedDict()  # block hashes computed here, LRU
 
@@ -111,13 +125,14 @@ class KVStorePrefix:
         window pages in view after them): from the client's index while it is live, else by
         a Lookup (a paired cache's second Lookup tries the longest such prefix only)."""
         index = self.client.index
-        num_full = index.num_leading(hashes) if index.is_live else await self.client.lookup(list(hashes))
+        num_full = (index.num_leading(hashes) if index.is_live
+                    else await self.client.lookup(list(hashes), LOOKUP_TIMEOUT_S))
         if not self.paired or num_full == 0:
             return num_full
         window = self.engine.handoff.window_page_hashes(hashes[:num_full])
         if not index.is_live:
             first = self.first_window_page(num_full)
-            found = await self.client.lookup(window[first:])
+            found = await self.client.lookup(window[first:], LOOKUP_TIMEOUT_S)
             return num_full if found == num_full - first else 0
         last_missing = -1  # the last block before `num_hit` whose window page the store lacks
         missing_before = []
@@ -150,7 +165,18 @@ class KVStorePrefix:
         """Load the stored prefix that the engine does not hold yet into its prefix cache.
         At most len(prompt) - 1 tokens: the last prompt token always runs for the logits.
         Blocks may stay held for the request even when none were loaded: the caller releases
-        the hold (`engine.handoff.release_hold`) after the prefill, on every path."""
+        the hold (`engine.handoff.release_hold`) after the prefill, on every path. Nothing
+        is asked of a store that failed a fetch less than `SKIP_AFTER_FAILURE_S` ago; a store
+        call that fails raises (grpc.aio.AioRpcError) and starts that period."""
+        if time.monotonic() < self._skip_until:
+            return PrefixFetch(0, 0, cache_salt=cache_salt)
+        try:
+            return await self._fetch(request_id, prompt, cache_salt)
+        except grpc.aio.AioRpcError:
+            self._skip_until = time.monotonic() + SKIP_AFTER_FAILURE_S
+            raise
+
+    async def _fetch(self, request_id: str, prompt: Sequence[int], cache_salt: str) -> PrefixFetch:
         usable = (len(prompt) - 1) // self.block_size
         if usable < self.min_blocks:
             return PrefixFetch(0, 0, cache_salt=cache_salt)  # too short to be worth a lookup
@@ -166,7 +192,8 @@ class KVStorePrefix:
         first_window = max(num_local, self.first_window_page(num_hit))  # window pages the engine lacks
         if self.paired:
             keys += self.engine.handoff.window_page_hashes(hashes[first_window:num_hit])
-        got = await self.client.get(keys)  # [n, L, 2, BS, Hkv, D]
+        timeout_s = GET_TIMEOUT_S + len(keys) * self.client.block_num_bytes / GET_MIN_BYTES_PER_S
+        got = await self.client.get(keys, timeout_s)  # [n, L, 2, BS, Hkv, D]
         if self.paired and got.shape[0] < len(keys):
             return PrefixFetch(num_hit, 0, all_hashes, cache_salt)  # a page left the store meanwhile: computed here
         num_hit = num_local + min(got.shape[0], num_hit - num_local)  # fewer when blocks left the store meanwhile

@@ -212,14 +212,15 @@ class KVStoreClient:
         layout = self._require()
         return (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
 
-    async def lookup(self, block_hashes: Sequence[bytes]) -> int:
-        """How many leading blocks of the chain the store holds."""
+    async def lookup(self, block_hashes: Sequence[bytes], timeout_s: float | None = None) -> int:
+        """How many leading blocks of the chain the store holds (`timeout_s`: this call's
+        deadline, else the client's)."""
         self._require()
         if not block_hashes:
             return 0
         response = await self._stub.Lookup(
             kvstore_pb2.LookupRequest(layout_id=self.layout_id, block_hashes=list(block_hashes)),
-            timeout=self.timeout_s)
+            timeout=self.timeout_s if timeout_s is None else timeout_s)
         return response.num_hit_blocks
 
     def _messages(self, block_hashes: Sequence[bytes], blocks: torch.Tensor, parent_hash: bytes,
@@ -262,8 +263,9 @@ class KVStoreClient:
         response = await self._put(self._message_stream(block_hashes, blocks, parent_hash), timeout=self.timeout_s)
         return KVStorePutResult(response.num_stored, response.num_already_present)
 
-    async def get(self, block_hashes: Sequence[bytes]) -> torch.Tensor:
-        """The stored leading blocks of the chain: [hit, L, 2, BS, Hkv, D] on the CPU."""
+    async def get(self, block_hashes: Sequence[bytes], timeout_s: float | None = None) -> torch.Tensor:
+        """The stored leading blocks of the chain: [hit, L, 2, BS, Hkv, D] on the CPU
+        (`timeout_s`: this call's deadline, else the client's)."""
         layout = self._require()
         dtype = torch_dtype(layout.dtype)
         out = torch.empty(len(block_hashes), *self.block_shape, dtype=dtype)
@@ -272,7 +274,7 @@ class KVStoreClient:
         count = 0
         call = self._get(
             kvstore_pb2.GetRequest(layout_id=self.layout_id, block_hashes=list(block_hashes)),
-            timeout=self.timeout_s)
+            timeout=self.timeout_s if timeout_s is None else timeout_s)
         async for message in call:
             block = decode_kv_block(message)
             if block.hash != block_hashes[count] or block.shape != self.block_shape:
