@@ -3,6 +3,8 @@ both modes and every reasoning mode, thinking before the answer."""
 
 from __future__ import annotations
 
+import threading
+
 import openai
 import pytest
 
@@ -14,10 +16,43 @@ PROMPT = "The quick brown fox"
 MAX_TOKENS = 40
 THINKING = 20  # then the end tag, then the answer
 MIN_MESSAGES = 15  # of 40 tokens (steps the gateway fell behind on may share a message)
+LEAD = 2  # tokens the decode engine may make ahead of what the client has received (`Pace`)
+PACE_TIMEOUT_S = 60.0  # a guard against a hang: a token the client never gets fails the test
+
+
+class Pace:
+    """Lets the decode worker's engine take a step only while the client has received all
+    but `LEAD` of the tokens it made. A message held back until later steps would stall
+    the request (the step waits for the client, which waits for that message: the guard
+    fails the test), and however busy the machine, the gateway cannot fall further behind
+    than that and merge the steps it missed into one message."""
+
+    def __init__(self, engine) -> None:  # type: ignore[no-untyped-def]
+        self._step = engine.step
+        self._changed = threading.Condition()
+        self.made = 0  # the request's tokens, as the engine counts them (the first included)
+        self.seen = 0
+
+    def step(self):  # type: ignore[no-untyped-def]
+        with self._changed:
+            if not self._changed.wait_for(lambda: self.made - self.seen < LEAD, PACE_TIMEOUT_S):
+                raise TimeoutError(f"the client got {self.seen} of {self.made} tokens and no more")
+        outputs = self._step()
+        with self._changed:
+            self.made = max([self.made] + [output.usage.completion_tokens for output in outputs])
+        return outputs
+
+    def saw(self, num_tokens: int) -> None:
+        with self._changed:
+            self.seen += num_tokens
+            self._changed.notify_all()
 
 
 @pytest.mark.parametrize("mode", [c.REASONING_MODE_SEPARATE, c.REASONING_MODE_HIDDEN, c.REASONING_MODE_INLINE])
-async def test_generate_streams_tokens_as_they_come(stack, mode):
+async def test_generate_streams_tokens_as_they_come(stack, mode, monkeypatch):
+    engine = stack.decode[0].engine
+    pace = Pace(engine)
+    monkeypatch.setattr(engine, "step", pace.step)
     messages = []
     async with GatewayClient(stack.gateway_address) as client:
         async for response in client.generate(
@@ -25,11 +60,11 @@ async def test_generate_streams_tokens_as_they_come(stack, mode):
             reasoning=c.ReasoningOptions(mode=mode, max_thinking_tokens=THINKING),
         ):
             messages.extend(response.samples)  # the last response carries only the usage
+            pace.saw(sum(len(sample.token_ids) for sample in response.samples))
     assert sum(len(m.token_ids) for m in messages) == MAX_TOKENS
     with_tokens = [m for m in messages[:-1] if m.token_ids]
     assert len(with_tokens) >= MIN_MESSAGES, [len(m.token_ids) for m in messages]
-    # never the bulk of the request at once (a loaded gateway may merge the few steps the
-    # decode worker made while the prefill worker's answer with the first token was on its way)
+    # never the bulk of the request at once
     assert max(len(m.token_ids) for m in messages) <= MAX_TOKENS // 4
     thinking = [i for i, m in enumerate(messages) if m.reasoning_text]
     answer = [i for i, m in enumerate(messages) if m.text]
