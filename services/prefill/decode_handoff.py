@@ -14,8 +14,11 @@ the decode worker, so nothing on the first token's path waits for a hop it could
                     worker frees the reservation now, not at its transfer deadline
 
 Errors from the decode worker keep their status (RESOURCE_EXHAUSTED: no free blocks there);
-one that says the decode worker is unreachable becomes UNAVAILABLE with field "decode", so
-the gateway does not take this prefill worker out of rotation for it.
+one that says the decode worker is unreachable, or a call to it that ran past
+`CONTROL_TIMEOUT_S` (it did not answer: hung, or its admissions queue never moved), becomes
+UNAVAILABLE with field "decode": the gateway moves the request to another decode worker and
+does not take this prefill worker out of rotation for it. That timeout is this hop's, not
+the client's deadline, so it is never reported as DEADLINE_EXCEEDED.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ def decode_error(error: grpc.aio.AioRpcError, method: str, address: str) -> Clea
     """A decode worker's failed call as the error this prefill call ends with."""
     where = f"{method} on decode worker {address}"
     error_type = error_type_for(error.code())
+    if error.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+        error_type = None  # this hop's own timeout (module docstring): the decode worker failed
     if error_type is not None:
         return error_type(f"{where}: {error.details()}")
     return Unavailable(f"{where} failed ({error.code().name}: {error.details()}); retry", field="decode")
