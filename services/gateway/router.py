@@ -24,6 +24,14 @@ the request runs as several worker requests (`placement.RunningRequest`), all fe
 queue, and the client's stream goes on without a gap. One loss (or a failed restart) counts
 as one migration of the whole request, at most `GatewayOptions.max_migrations`; past that, or
 when no healthy worker is left, the request fails with UNAVAILABLE naming the lost worker.
+
+A start waits on workers that may hang rather than fail (stopped, not dead: their
+connections stay open). Each of its calls also ends when the pool declares a worker it waits
+on lost (`worker_rpc.call_worker`): the prefill worker of a Prefill, which is then retried
+like a failed one, or the decode worker it was placed on (a Prefill's target, or a
+colocated Start's worker), and the start moves to another decode worker as one migration.
+A worker's own call running out of time is that worker failing, retried the same way; the
+client sees DEADLINE_EXCEEDED only once its own deadline passed.
 """
 
 from __future__ import annotations
@@ -161,6 +169,8 @@ class RoutingBackend:
         await self.routability.update()
 
     async def _on_worker_lost(self, worker: WorkerHandle) -> None:
+        # The starts waiting on it, in any role, gave up already (`WorkerHandle.next_loss`);
+        # what is left is a decode worker's streaming requests.
         await self.placement.on_worker_lost(worker)
         await self.routability.update()
 
@@ -268,10 +278,11 @@ class RoutingBackend:
     async def _start(self, spec: GenerateSpec, prompt_ids: list[int], running: RunningRequest) -> int:
         """Get the request running on its decode worker; returns the cached prompt tokens.
 
-        A prefill worker that fails the call is retried once on another prefill worker in
-        rotation; when that fails too (or there is none), the decode worker prefills the
-        prompt itself (the colocated path) before the request fails. Each new try runs under
-        a new worker request id (`DecodePlacement.renew`)."""
+        A prefill worker that fails the call (or is declared lost while the call waits) is
+        retried once on another prefill worker in rotation; when that fails too (or there is
+        none), the decode worker prefills the prompt itself (the colocated path) before the
+        request fails. Each new try runs under a new worker request id
+        (`DecodePlacement.renew`)."""
         (part,) = running.parts.values()
         # prefix hashes of the prompt's leading blocks, for prefill affinity and conditional mode alike
         colocated = self.options.mode == "colocated"
@@ -311,7 +322,8 @@ class RoutingBackend:
         return self.conditional.choose(part.decode, self.pool.of_role("prefill"), prompt_ids, hashes)
 
     async def _start_anywhere(self, spec: GenerateSpec, prompt_ids: list[int], running: RunningRequest) -> int:
-        """`_start`, moved to another decode worker when its own is lost during the start."""
+        """`_start`, moved to another decode worker when its own is lost during the start or
+        fails it (a prefill worker's Admit there failed or timed out)."""
         while True:
             try:
                 return await self._start(spec, prompt_ids, running)

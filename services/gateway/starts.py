@@ -15,9 +15,11 @@ Colocated (and every migrated restart, one per moved sample):
     Decode.Start(prefill_locally): the decode worker prefills the prompt itself.
 
 Both return the prompt tokens a worker's prefix cache already held. A Prefill that fails on
-the prefill worker itself (not on the decode worker behind it) before its first tokens
-raises `PrefillFailed`, naming that worker, so the caller can retry elsewhere
-(`RoutingBackend._start`).
+the prefill worker itself (not on the decode worker behind it) before its first tokens, or
+whose prefill worker the pool declares lost while it waits, raises `PrefillFailed`, naming
+that worker, so the caller can retry elsewhere (`RoutingBackend._start`); one whose decode
+worker fails it or is declared lost raises Unavailable with field "decode", and the caller
+moves the request to another decode worker (`RoutingBackend._start_anywhere`).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ async def start_disaggregated(
     call = prefill.stub.Prefill(request, timeout=time_left(spec.deadline))
     prefill.in_flight_prompt_tokens += len(prompt_ids)
     try:
-        first = await call_worker(pool, call.read(), prefill, "Prefill")
+        first = await call_worker(pool, call.read(), prefill, "Prefill", deadline=spec.deadline, behind=decode)
         if first is grpc.aio.EOF:
             raise Unavailable(f"Prefill on prefill worker {prefill.address} ended without first tokens")
     except BaseException as error:
@@ -94,13 +96,14 @@ async def start_disaggregated(
         prefill.in_flight_prompt_tokens -= len(prompt_ids)
     affinity.record(prompt_ids, prefill.address, hashes)
     deliver_first_tokens(queue, request_id, first)
-    placed.handoff = asyncio.ensure_future(follow_handoff(pool, call, prefill, queue, request_id))
+    placed.handoff = asyncio.ensure_future(
+        follow_handoff(pool, call, prefill, decode, queue, request_id, deadline=spec.deadline))
     return first.num_cached_tokens
 
 
 async def follow_handoff(
-    pool: WorkerPool, call: grpc.aio.UnaryStreamCall, prefill: WorkerHandle, queue: asyncio.Queue,
-    worker_request_id: str,
+    pool: WorkerPool, call: grpc.aio.UnaryStreamCall, prefill: WorkerHandle, decode: WorkerHandle,
+    queue: asyncio.Queue, worker_request_id: str, *, deadline: float | None,
 ) -> bool:
     """Read a Prefill stream past its first tokens; True once the KV was delivered and the
     decode started. A failure there means the decode never started: the request's queue
@@ -108,9 +111,11 @@ async def follow_handoff(
     already has. Cancelled (the request ended or moved), it cancels the call: the prefill
     worker aborts the request and the decode worker's reservation."""
     try:
-        while await call_worker(pool, call.read(), prefill, "Prefill") is not grpc.aio.EOF:
+        while await call_worker(pool, call.read(), prefill, "Prefill", deadline=deadline,
+                                behind=decode) is not grpc.aio.EOF:
             pass  # the transfer's statistics
     except CleaveError as error:
+        call.cancel()  # a no-op once the call ended; when its worker was lost, the worker aborts it if it wakes
         queue.put_nowait(WorkerLost(f"the KV handoff from prefill worker {prefill.address} failed after the "
                                     f"first tokens ({error.message})", worker_request_id))
         return False
@@ -155,6 +160,6 @@ async def start_colocated(
             ),
             timeout=time_left(spec.deadline),
         ),
-        decode, "Start",
+        decode, "Start", deadline=spec.deadline,
     )
     return started.num_cached_tokens

@@ -4,8 +4,10 @@ Every configured worker gets one channel. A monitor task asks each worker's
 `grpc.health.v1` service and `GetLoad` every `health_interval_s`; a worker that is not
 SERVING (or does not answer in `check_timeout_s`) leaves the rotation and comes back once it
 reports SERVING again. A worker that answered NOT_SERVING is draining and still finishes what
-it runs; one that has not answered `lost_after_failed_checks` checks in a row is lost, and
-`on_lost` is told (the gateway migrates its requests). Routing reads `WorkerHandle.load` (last poll) plus the live count of
+it runs; one that has not answered `lost_after_failed_checks` checks in a row is lost: every
+call still waiting on it gives up (`WorkerHandle.next_loss`: a hung worker never answers
+them, and nothing else would end a call without a deadline), and `on_lost` is told (the
+gateway migrates its requests). Routing reads `WorkerHandle.load` (last poll) plus the live count of
 requests this gateway routed there (`in_flight`), which is fresher than any poll. A prefill
 worker's queue changes by whole prompts that other gateways send, so its load alone is asked
 again every `prefill_load_interval_s` (a decode worker's comes with its step outputs).
@@ -58,10 +60,24 @@ class WorkerHandle:
     in_flight: int = 0  # requests this gateway routed here that have not ended
     in_flight_prompt_tokens: int = 0  # prompt tokens sent here and not yet prefilled
     failed_checks: int = 0  # health checks in a row that got no answer
+    _next_loss: asyncio.Future[None] | None = field(default=None, init=False, repr=False)
 
     @property
     def worker_id(self) -> str:
         return self.load.worker_id or self.address
+
+    def next_loss(self) -> asyncio.Future[None]:
+        """Done when the pool next declares this worker lost; calls in flight to it wait on
+        this beside their answer (`worker_rpc.call_worker`). One future serves every waiter."""
+        if self._next_loss is None:
+            self._next_loss = asyncio.get_running_loop().create_future()
+        return self._next_loss
+
+    def declare_lost(self) -> None:
+        """End the waits of `next_loss`; a call made from now on waits for a later loss."""
+        loss, self._next_loss = self._next_loss, None
+        if loss is not None and not loss.done():
+            loss.set_result(None)
 
 
 ChangeCallback = Callable[[WorkerHandle], Awaitable[None]]
@@ -151,10 +167,16 @@ class WorkerPool:
             serving = False
             worker.failed_checks += 1
         await self.set_healthy(worker, serving)
-        if worker.failed_checks == self.options.lost_after_failed_checks and self._on_lost is not None:
+        if worker.failed_checks == self.options.lost_after_failed_checks:
             log.warning("worker lost: health checks unanswered", role=worker.role, address=worker.address,
                         failed_checks=worker.failed_checks)
-            await self._on_lost(worker)
+            worker.declare_lost()  # first: the starts in flight there give up and retry elsewhere
+            if self._on_lost is not None:
+                await self._on_lost(worker)
+
+    def is_lost(self, worker: WorkerHandle) -> bool:
+        """Whether the worker was declared lost and has not answered a health check since."""
+        return worker.failed_checks >= self.options.lost_after_failed_checks
 
     async def set_healthy(self, worker: WorkerHandle, healthy: bool) -> None:
         """Put a worker into or out of rotation (and tell the owner when that changed)."""
