@@ -8,6 +8,7 @@ to pair its sends with the receiver's receives.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from cleave.errors import (
     CleaveError,
@@ -65,6 +66,11 @@ class BulkConnection:
     @property
     def is_closed(self) -> bool:
         return self._reader_task.done() or self._writer.is_closing()
+
+    def on_closed(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` once the connection is closed (by either end: a receiver that
+        died closes it too)."""
+        self._reader_task.add_done_callback(lambda _: callback())
 
     def result(self, transfer_id: str) -> asyncio.Future:
         """Future of the receiver's verdict on a transfer (registered before its first chunk)."""

@@ -176,16 +176,38 @@ def import_tensor(handle: IpcTensorHandle) -> torch.Tensor:
 
 
 class IpcCacheMap:
-    """A sender's opened peer caches, by handle bytes: each handle is opened once."""
+    """A sender's opened peer caches, by handle bytes: each handle is opened once, and kept
+    until its peer is gone (`forget_peer`).
+
+    A mapped cache keeps the peer's allocation alive on the GPU after the peer died: the
+    device frees it only once every process that mapped it let go. A decode worker's cache is
+    most of its share of the device, so a restarted decode worker would find its share still
+    taken by its dead predecessor's cache, mapped here, and fail to start.
+    """
 
     def __init__(self) -> None:
-        self._tensors: dict[bytes, torch.Tensor] = {}
+        self._tensors: dict[bytes, tuple[str, torch.Tensor]] = {}  # handle bytes -> (peer, its mapped cache)
 
-    def open(self, handle_bytes: bytes) -> torch.Tensor:
-        tensor = self._tensors.get(handle_bytes)
-        if tensor is None:
-            tensor = self._tensors[handle_bytes] = import_tensor(IpcTensorHandle.from_bytes(handle_bytes))
-        return tensor
+    def open(self, handle_bytes: bytes, peer: str = "") -> torch.Tensor:
+        """The cache `handle_bytes` exports, mapped on first use; `peer`: who exported it (the
+        receiver's bulk address), for `forget_peer`."""
+        opened = self._tensors.get(handle_bytes)
+        if opened is None:
+            opened = self._tensors[handle_bytes] = (peer, import_tensor(IpcTensorHandle.from_bytes(handle_bytes)))
+        return opened[1]
+
+    def forget_peer(self, peer: str) -> int:
+        """Let go of every cache `peer` exported (it died, or its connection broke: a live
+        peer's cache is mapped again on its next transfer); returns how many. A copy still in
+        flight into one must have finished (the caller synchronises its copy streams)."""
+        gone = [handle for handle, (owner, _) in self._tensors.items() if owner == peer]
+        for handle in gone:
+            del self._tensors[handle]
+        return len(gone)
+
+    def peers(self) -> set[str]:
+        """The peers whose caches are mapped now."""
+        return {owner for owner, _ in self._tensors.values()}
 
     def __len__(self) -> int:
         return len(self._tensors)
@@ -231,7 +253,7 @@ class CudaIpcKVSender(BaseKVSender):
                         is_last: bool) -> None:
         if not cache.is_cuda:
             raise FailedPrecondition("the CUDA IPC transport needs a CUDA KV cache")
-        dst = self._caches.open(self.handle.cuda_ipc_handle)
+        dst = self._caches.open(self.handle.cuda_ipc_handle, self.handle.address)
         if dst.shape[0] != cache.shape[0] or dst.shape[3:] != cache.shape[3:] or dst.dtype != cache.dtype:
             raise FailedPrecondition(
                 f"receiver cache {dst.dtype} {list(dst.shape)} does not match {cache.dtype} {list(cache.shape)}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
+import structlog
 import torch
 
 from cleave.errors import FailedPrecondition, InvalidArgument
@@ -23,6 +24,8 @@ from cleave.transfer.connection import BulkConnection
 from cleave.transfer.cuda_ipc import CudaIpcKVSender, IpcCacheMap
 from cleave.transfer.nccl import NcclCommunicator, NcclKVSender
 from cleave.transfer.tcp import TcpKVSender
+
+log = structlog.get_logger(__name__)
 
 # The type `KVTransferClient.open` returns, under the name callers have used.
 KVSender = BaseKVSender
@@ -64,7 +67,19 @@ class KVTransferClient:
             if connection is None or connection.is_closed:
                 connection = self._connections[address] = await BulkConnection.open(
                     address, internal_token=self._internal_token, tls=self._tls)
+                connection.on_closed(lambda: self._receiver_gone(address))
             return connection
+
+    def _receiver_gone(self, address: str) -> None:
+        """A receiver's connection closed: let go of its mapped CUDA IPC cache (else a dead
+        decode worker's cache stays allocated on the GPU, `IpcCacheMap`), after the copies
+        in flight (into it, among others) finished."""
+        if address not in self.ipc_caches.peers():
+            return
+        for stream in self._copy_streams.values():
+            stream.synchronize()
+        forgotten = self.ipc_caches.forget_peer(address)
+        log.info("released a KV receiver's mapped cache", receiver=address, num_caches=forgotten)
 
     async def open(self, handle: TransferHandle) -> BaseKVSender:
         """A sender for one transfer, of the handle's transport (connects to the receiver on
