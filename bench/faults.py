@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing
 import random
 import signal
@@ -592,6 +593,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the workers run (cuda: all four on one GPU, KV over CUDA IPC)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "faults")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="the stack's directory, its services' logs kept there (default: a temporary one)")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else Settings()
     parts = tuple(part for part in args.parts.split(",") if part)
@@ -610,8 +613,10 @@ def main(argv: list[str] | None = None) -> dict:
         write_results(args.out, name, rows, COLUMNS, summary=summary,
                       argv=[sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
 
-    with tempfile.TemporaryDirectory(prefix="cleave-faults-") as workdir:
-        supervised = start_stack(args.model, Path(workdir), tls=args.tls, device=args.device)
+    with contextlib.ExitStack() as scope:
+        workdir = args.workdir or Path(scope.enter_context(tempfile.TemporaryDirectory(prefix="cleave-faults-")))
+        workdir.mkdir(parents=True, exist_ok=True)
+        supervised = start_stack(args.model, workdir, tls=args.tls, device=args.device)
         try:
             results = asyncio.run(run(supervised, settings, parts, save))
         finally:
