@@ -1,7 +1,9 @@
-"""The request interceptor: request-id binding, call logs, exceptions -> status codes."""
+"""The request interceptor: request-id binding, call logs, exceptions -> status codes; a
+handler that fails writing to a call its client cancelled is a cancel, not a bug."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 
@@ -189,3 +191,42 @@ async def test_an_overlong_request_id_is_replaced(running):
     ((seen, _),) = servicer.seen
     assert len(seen) == 32 and error_detail(raised.value).request_id == seen
     assert ("x-request-id", seen) in tuple(raised.value.trailing_metadata())
+
+
+class CleanupServicer(gateway_pb2_grpc.GatewayServicer):
+    """Generate writes one response, runs its cleanup to the end when the call is cancelled
+    (as the prefill worker's does), then writes again, to the finished call."""
+
+    def __init__(self) -> None:
+        self.waiting, self.done = asyncio.Event(), asyncio.Event()
+
+    async def Generate(self, request, context):
+        await context.write(gateway_pb2.GenerateResponse(request_id="first"))
+        try:
+            self.waiting.set()
+            await asyncio.Event().wait()  # until the call is cancelled
+        except asyncio.CancelledError:
+            pass  # the cleanup goes on
+        try:
+            await context.write(gateway_pb2.GenerateResponse(request_id="late"))
+        finally:
+            self.done.set()
+
+
+async def test_a_handler_that_fails_writing_to_a_cancelled_call_is_logged_as_cancelled():
+    servicer = CleanupServicer()
+    registration = ServiceRegistration("cleave.v1.Gateway", servicer, gateway_pb2_grpc.add_GatewayServicer_to_server)
+    server = await serve([registration], "127.0.0.1:0", handle_signals=False)
+    channel = aio_channel(server.address)
+    with structlog.testing.capture_logs() as logs:
+        try:
+            call = gateway_pb2_grpc.GatewayStub(channel).Generate(gateway_pb2.GenerateRequest())
+            assert (await call.read()).request_id == "first"
+            await asyncio.wait_for(servicer.waiting.wait(), 30)
+            call.cancel()
+            await asyncio.wait_for(servicer.done.wait(), 30)
+        finally:
+            await channel.close()
+            await server.drain(0)  # after the handler's end (and its call's log line)
+    rpc = [entry for entry in logs if entry["event"] in ("rpc", "rpc handler failed")]
+    assert [(entry["event"], entry.get("code")) for entry in rpc] == [("rpc", "CANCELLED")]

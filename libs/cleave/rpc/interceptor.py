@@ -93,7 +93,10 @@ class _Call:
         if isinstance(exc, grpc.aio.AbortError):  # the servicer set the status itself
             self._finish(context, context.code() or grpc.StatusCode.UNKNOWN)
             raise exc
-        if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        if isinstance(exc, (asyncio.CancelledError, GeneratorExit)) or _cancelled():
+            # After a cancel (the caller went away, or the server stops) a handler that ran its
+            # cleanup to the end may fail on a write to the finished call (grpc's
+            # ExecuteBatchError): that is the cancel, not a bug to log with a traceback.
             self._finish(context, grpc.StatusCode.CANCELLED)
             raise exc
         mapped = map_exception(exc, self.request_id)
@@ -109,6 +112,12 @@ class _Call:
         return structlog.contextvars.bound_contextvars(
             request_id=self.request_id, rpc=self.method
         )
+
+
+def _cancelled() -> bool:
+    """Whether the task running the handler was cancelled (the handler may have gone on)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 class _Undecodable:
