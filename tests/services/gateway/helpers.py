@@ -29,6 +29,13 @@ async def wait_for_free_blocks(stack: Stack, expected: list[int], timeout_s: flo
     return free_blocks(stack)
 
 
+async def assert_decode_pools_full(stack: Stack) -> None:
+    """Every decode worker's KV pool is (back to) full and runs nothing."""
+    full = [backend.load().num_total_blocks for backend in stack.decode]
+    assert await wait_for_free_blocks(stack, full) == full
+    assert [backend.load().num_running for backend in stack.decode] == [0] * len(stack.decode)
+
+
 async def wait_for_no_running(stack: Stack, timeout_s: float = 5.0) -> dict:
     """Poll until the gateway tracks no running request (a handler whose client gave up ends
     a moment after the client saw its stream end); returns what is still running."""

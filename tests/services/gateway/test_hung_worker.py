@@ -26,7 +26,7 @@ from cleave.proto.cleave.v1 import common_pb2, gateway_pb2 as g
 from cleave.rpc.errors import ERROR_DETAIL_KEY
 from services.gateway.worker_rpc import call_worker
 from services.gateway.workers import WorkerHandle
-from tests.services.gateway.helpers import reference_llm, wait_for_free_blocks
+from tests.services.gateway.helpers import assert_decode_pools_full, reference_llm
 from tests.services.gateway.stack import Stack, start_stack
 
 MAX_TOKENS = 16
@@ -119,12 +119,6 @@ async def _lose_when_entered(hang: Hang, worker: WorkerHandle, faults: Faults) -
     faults.stop_answering(worker)
 
 
-async def _pools_full(stack: Stack) -> None:
-    full = [backend.load().num_total_blocks for backend in stack.decode]
-    assert await wait_for_free_blocks(stack, full) == full
-    assert [backend.load().num_running for backend in stack.decode] == [0] * len(stack.decode)
-
-
 async def test_starts_on_a_hung_prefill_worker_move_to_the_other_once_it_is_lost(model_dir):
     stack = await start_stack(model_dir, "disaggregated", num_prefill=2, health_interval_s=0.1)
     faults = Faults()
@@ -145,7 +139,7 @@ async def test_starts_on_a_hung_prefill_worker_move_to_the_other_once_it_is_lost
         assert retried and {entry["prefill"] for entry in retried} == {hung.address}
         assert all("is lost" in entry["reason"] for entry in retried)
         assert (hung.healthy, alive.healthy) == (False, True)
-        await _pools_full(stack)
+        await assert_decode_pools_full(stack)
     finally:
         faults.undo()
         await stack.close()
@@ -177,7 +171,7 @@ async def test_starts_on_a_hung_decode_worker_move_to_the_other_once_it_is_lost(
         assert "is lost" in moved["reason"]
         # The hung worker wakes: what it admits for the abandoned start is aborted (or expires).
         hang.release()
-        await _pools_full(stack)
+        await assert_decode_pools_full(stack)
     finally:
         faults.undo()
         await stack.close()
@@ -210,7 +204,7 @@ async def test_a_decode_worker_whose_admit_times_out_is_moved_off_not_a_client_d
         (moved,) = [entry for entry in logs if entry["event"] == "request migrated"]
         assert moved["lost_worker"] == slow.address and "Admit on decode worker" in moved["reason"]
         assert slow.healthy  # one slow admission is no health verdict
-        await _pools_full(stack)
+        await assert_decode_pools_full(stack)
     finally:
         await stack.close()
 
@@ -238,7 +232,7 @@ async def test_a_prefill_worker_reporting_its_own_deadline_is_retried_on_the_oth
         (retried,) = [entry for entry in logs if entry["event"] == "prefill failed; retrying on another prefill worker"]
         assert retried["prefill"] == failing.address and "DEADLINE_EXCEEDED" in retried["reason"]
         assert (failing.healthy, alive.healthy) == (True, True)
-        await _pools_full(stack)
+        await assert_decode_pools_full(stack)
     finally:
         await stack.close()
 

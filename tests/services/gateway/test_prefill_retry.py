@@ -11,7 +11,7 @@ import structlog
 from cleave.client import GatewayClient
 from cleave.generation.sampling_params import SamplingParams
 from cleave.proto.cleave.v1 import gateway_pb2 as g
-from tests.services.gateway.helpers import reference_llm, wait_for_free_blocks
+from tests.services.gateway.helpers import assert_decode_pools_full, reference_llm
 from tests.services.gateway.stack import Stack, start_stack
 
 MAX_TOKENS = 24
@@ -39,12 +39,6 @@ def _expected(model_dir, prompts: list[str]) -> list[list[int]]:  # type: ignore
     return [output.outputs[0].token_ids for output in outputs]
 
 
-async def _pools_full(stack: Stack) -> None:
-    full = [backend.load().num_total_blocks for backend in stack.decode]
-    assert await wait_for_free_blocks(stack, full) == full
-    assert [backend.load().num_running for backend in stack.decode] == [0] * len(stack.decode)
-
-
 async def test_a_dead_prefill_worker_is_retried_on_the_other(model_dir):
     stack = await start_stack(model_dir, "disaggregated", num_prefill=2, health_interval_s=30.0)
     try:
@@ -58,7 +52,7 @@ async def test_a_dead_prefill_worker_is_retried_on_the_other(model_dir):
         assert retried and {entry["prefill"] for entry in retried} == {dead.address}
         assert not [entry for entry in logs if entry["event"] == "prefill failed; prefilling on the decode worker"]
         assert (dead.healthy, alive.healthy) == (False, True)
-        await _pools_full(stack)
+        await assert_decode_pools_full(stack)
         alive_backend = stack.prefill[1]
         load = alive_backend.load()
         assert load.num_free_blocks == load.num_total_blocks
@@ -79,6 +73,6 @@ async def test_with_every_prefill_worker_dead_the_decode_worker_prefills(model_d
         events = [entry["event"] for entry in logs if entry["event"].startswith("prefill failed")]
         assert events == ["prefill failed; retrying on another prefill worker",
                           "prefill failed; prefilling on the decode worker"]
-        await _pools_full(stack)
+        await assert_decode_pools_full(stack)
     finally:
         await stack.close()
