@@ -38,6 +38,9 @@ class PrefillSpec:
     destination: TransferHandle | None  # blocks reserved by the caller; neither: the KV stays local
     store_to_kvstore: bool = False
     decode: DecodeTarget | None = None  # admit, fill and start the decode there
+    # the caller's deadline (event-loop time): an Admit waiting for the decode worker's KV
+    # blocks may wait until then (None: `decode_handoff.CONTROL_TIMEOUT_S`)
+    deadline: float | None = None
 
 
 @dataclass(frozen=True)

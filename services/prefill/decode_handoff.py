@@ -18,7 +18,9 @@ one that says the decode worker is unreachable, or a call to it that ran past
 `CONTROL_TIMEOUT_S` (it did not answer: hung, or its admissions queue never moved), becomes
 UNAVAILABLE with field "decode": the gateway moves the request to another decode worker and
 does not take this prefill worker out of rotation for it. That timeout is this hop's, not
-the client's deadline, so it is never reported as DEADLINE_EXCEEDED.
+the client's deadline, so it is never reported as DEADLINE_EXCEEDED. An Admit of a request
+with a deadline (`PrefillSpec.deadline`, from the Prefill call's) waits until then instead:
+in a full decode worker's admissions queue a request waits as long as its client lets it.
 """
 
 from __future__ import annotations
@@ -108,8 +110,13 @@ class DecodeHandoff:
         self._admit = asyncio.ensure_future(self._call_admit(request))
 
     async def _call_admit(self, request: decode_pb2.AdmitRequest) -> TransferHandle:
+        deadline = self.spec.deadline
+        # an Admit may wait in the decode worker's queue for KV blocks as long as the caller
+        # lets the request wait (a hung decode worker is the gateway's to detect: it gives
+        # the Prefill up, which cancels this)
+        timeout = CONTROL_TIMEOUT_S if deadline is None else max(deadline - asyncio.get_running_loop().time(), 0.0)
         try:
-            response = await self._stub.Admit(request, timeout=CONTROL_TIMEOUT_S)
+            response = await self._stub.Admit(request, timeout=timeout)
         except grpc.aio.AioRpcError as error:
             raise decode_error(error, "Admit", self.target.address) from None
         return transfer_handle_from_proto(response.handle)

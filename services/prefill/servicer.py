@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import replace
+
 import grpc
 
 from cleave.errors import InvalidArgument
@@ -88,6 +91,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         """One message with everything, or (with `decode`) the first tokens at once and the
         transfer once the KV is delivered (see the proto)."""
         spec = prefill_spec_from_proto(request, self.model_id)
+        remaining = context.time_remaining()
+        if remaining is not None:
+            spec = replace(spec, deadline=asyncio.get_running_loop().time() + remaining)
         sent_early = False
 
         async def early(first: PrefillResult) -> None:
