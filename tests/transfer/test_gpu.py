@@ -1,5 +1,6 @@
-"""GPU transports: CUDA IPC between two processes on one GPU, NCCL between two GPUs,
-TCP from/to CUDA caches, and the block-copy kernel on the device."""
+"""GPU transports: CUDA IPC between two processes on one GPU (and the device memory of a peer
+that died coming back once its mapping is let go), NCCL between two GPUs, TCP from/to CUDA
+caches, and the block-copy kernel on the device."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from cleave.proto.cleave.v1 import common_pb2
 from cleave.rpc.convert import transfer_handle_from_proto
-from cleave.transfer import KVReceiver, KVTransferClient, copy_blocks, copy_blocks_reference
+from cleave.transfer import IpcCacheMap, KVReceiver, KVTransferClient, copy_blocks, copy_blocks_reference
 from tests.transfer.peer import SHAPE
 
 PEER = Path(__file__).with_name("peer.py")
@@ -80,10 +81,11 @@ async def run_peer(transport: str, device: int, dst_ids: list[int], src_ids: lis
         result = (await _peer_line(process, stderr, 60)).split()
         assert result == ["DIGEST", digest(src, src_ids)]
         # The peer shuts its receiver down while this side still holds the connection (and
-        # the mapping), as a decode worker stopping under a live prefill worker would.
+        # the mapping), as a decode worker stopping under a live prefill worker would; its
+        # exit closes the connection, and this side lets go of the mapping with it.
         assert await _peer_exit(process, stderr, 60) == 0
         if transport == "cuda_ipc":
-            assert len(client.ipc_caches) == 1
+            await _until(lambda: len(client.ipc_caches) == 0, 30, "the dead peer's cache is still mapped")
         return sender.num_frames
     finally:
         await client.close()
@@ -97,6 +99,14 @@ async def _peer_line(process: asyncio.subprocess.Process, stderr: IO[bytes], tim
     """The peer's next stdout line; on a timeout, fail with what the peer wrote to stderr."""
     reading = process.stdout.readline()
     return (await _bounded(reading, process, stderr, timeout_s, "said nothing")).decode()
+
+
+async def _until(condition, timeout_s: float, failure: str) -> None:  # type: ignore[no-untyped-def]
+    """Until `condition()` holds (it turns on an event of another task: a connection's close)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, failure
+        await asyncio.sleep(0.01)
 
 
 async def _peer_exit(process: asyncio.subprocess.Process, stderr: IO[bytes], timeout_s: float) -> int:
@@ -172,3 +182,43 @@ async def test_nccl_between_two_gpus():
 
     unique_id = NcclLibrary().unique_id()
     await run_peer("nccl", 1, dst_ids=[4, 5, 6, 20], src_ids=[0, 2, 30, 12], sender_device=0, nccl_id=unique_id)
+
+
+EXPORTER = """
+import sys, torch
+from cleave.transfer import export_tensor
+cache = torch.empty(int(sys.argv[1]), dtype=torch.uint8, device="cuda:0")
+print(export_tensor(cache).to_bytes().hex(), flush=True)
+sys.stdin.readline()  # alive until killed
+"""
+
+
+@pytest.mark.gpu
+async def test_a_dead_peers_cache_is_freed_once_its_mapping_is_let_go():
+    """A decode worker's KV cache, mapped by a prefill worker, outlives the decode worker's
+    death while mapped: its restart would find its share of the device taken."""
+    size = 2 << 30
+    torch.cuda.init()
+    free_before = torch.cuda.mem_get_info(0)[0]
+    stderr = tempfile.TemporaryFile()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", EXPORTER, str(size), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=stderr)
+    caches = IpcCacheMap()
+    try:
+        handle = bytes.fromhex(await _peer_line(process, stderr, 90))
+        caches.open(handle, "decode-0")
+        process.kill()  # as a SIGKILLed decode worker
+        await _peer_exit(process, stderr, 60)
+        held = free_before - torch.cuda.mem_get_info(0)[0]  # its cache, while mapped here (diagnostic)
+        assert caches.forget_peer("decode-0") == 1
+        torch.cuda.synchronize()
+        deadline = asyncio.get_running_loop().time() + 30
+        while free_before - torch.cuda.mem_get_info(0)[0] > size // 4:  # the driver frees it a moment after
+            assert asyncio.get_running_loop().time() < deadline, f"still taken after the unmapping ({held} bytes while mapped)"
+            await asyncio.sleep(0.05)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        stderr.close()
