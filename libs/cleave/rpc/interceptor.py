@@ -97,6 +97,8 @@ class _Call:
             # After a cancel (the caller went away, or the server stops) a handler that ran its
             # cleanup to the end may fail on a write to the finished call (grpc's
             # ExecuteBatchError): that is the cancel, not a bug to log with a traceback.
+            if not isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+                self.log.info("rpc handler failed after its call was cancelled", error=repr(exc))
             self._finish(context, grpc.StatusCode.CANCELLED)
             raise exc
         mapped = map_exception(exc, self.request_id)
