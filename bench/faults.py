@@ -5,7 +5,7 @@ prefill workers, two decode workers, gateway; disaggregated, the shipped model) 
 `Supervisor` polled on a thread, so a dead child comes back on its address. Two prefill
 workers, because a draining prefill worker refuses the prompts that had not reached it and
 the gateway retries them on another; with only one, disaggregated mode has none left
-(`services/gateway/readiness.py`) and those requests fail UNAVAILABLE. Four parts, in order,
+(`services/gateway/readiness.py`) and those requests fail UNAVAILABLE. Five parts, in order,
 on one stack:
 
 1. kill: `num_requests` greedy requests from `num_clients` clients, once undisturbed (the
@@ -15,12 +15,16 @@ on one stack:
 2. drain: per service, SIGTERM while `num_drain` requests stream: admitted-and-lost
    (failed or not token-identical to an undisturbed pass), exit code, drain time (signal to
    exit); the supervisor then restarts it and the next service is tried.
-3. mixed: `num_mixed` requests that finish, are cancelled at a random point, or run into
+3. hang: per worker (prefill-0, decode-0), SIGSTOP while `num_drain` requests stream (hung,
+   its connections still open), SIGCONT once they all ended: completed / token-identical
+   to an undisturbed pass, the pass's wall time against the undisturbed one (the stall), and
+   whether the worker serves again.
+4. mixed: `num_mixed` requests that finish, are cancelled at a random point, or run into
    their deadline; afterwards every worker's KV pool must be full again (GetLoad
    num_free_blocks == num_total_blocks). Transfer failures are not injected: a process stack
    has no fault hook for its bulk connections (tests/services/gateway/test_no_leaks.py tears
    them in process), and cutting a loopback TCP connection from outside needs privileges.
-4. oversized: an HTTP body of `body_bytes` (declared Content-Length, and chunked without
+5. oversized: an HTTP body of `body_bytes` (declared Content-Length, and chunked without
    one), streamed from a generator, and a gRPC message of `grpc_bytes`: time to refusal,
    growth of the gateway's resident memory, and the inter-token gap p99 of 4 streams during
    the attacks against 4 streams alone.
@@ -47,6 +51,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -66,6 +71,8 @@ from common import nearest_rank, run_name, write_results  # noqa: E402
 
 IDS = gateway_pb2.StreamOptions(include_token_ids=True)
 DRAINED = ("decode-0", "prefill-0", "kvstore", "gateway")
+HUNG = ("prefill-0", "decode-0")
+HANG_MAX_S = 120.0  # a guard: the requests of a hang part end long before (the worker is lost in seconds)
 MIXED_KINDS = ("finish", "cancel_early", "cancel_streaming", "timeout")
 MIXED_CONCURRENCY = 12
 CHUNK_BYTES = 1 << 20
@@ -271,7 +278,59 @@ async def drain(supervised: FaultStack, name: str, settings: Settings) -> dict:
     }
 
 
-# ---- 3. mixed endings, KV pools back to full --------------------------------------------------
+# ---- 3. SIGSTOP of a worker ------------------------------------------------------------------
+
+
+async def hang(supervised: FaultStack, name: str, settings: Settings) -> dict:
+    prompts = [f"hang {name} {index}: the quick brown fox jumps over the lazy dog" for index in range(settings.num_drain)]
+    start = time.monotonic()
+    (reference,) = await run_clients(supervised, [prompts], settings.drain_max_tokens)
+    undisturbed_s = time.monotonic() - start
+    victim = supervised.child(name)
+    migrated_before = supervised.migrations()
+    streaming = asyncio.Event()
+
+    async def one(client: GatewayClient, prompt: str) -> list[int] | str:
+        try:
+            return await greedy(client, prompt, settings.drain_max_tokens, streaming.set)
+        except grpc.aio.AioRpcError as error:
+            return f"{error.code().name}: {error.details()}"
+
+    async with supervised.client() as client:
+        start = time.monotonic()
+        tasks = [asyncio.ensure_future(one(client, prompt)) for prompt in prompts]
+        await asyncio.wait_for(streaming.wait(), 120)
+        victim.process.send_signal(signal.SIGSTOP)
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*tasks), HANG_MAX_S)
+        finally:
+            victim.process.send_signal(signal.SIGCONT)
+        hung_s = time.monotonic() - start
+    serving_again = await asyncio.to_thread(_serving_within, supervised, victim, 60.0)
+    return {
+        "service": name,
+        "requests": len(prompts),
+        "completed": sum(not isinstance(got, str) for got in results),
+        "identical": sum(got == want for want, got in zip(reference, results)),
+        "migrated": supervised.migrations() - migrated_before,
+        "undisturbed_s": round(undisturbed_s, 2),
+        "hung_s": round(hung_s, 2),
+        "serving_again": serving_again,
+        "errors": sorted({got for got in results if isinstance(got, str)})[:3],
+    }
+
+
+def _serving_within(supervised: FaultStack, worker: Child, timeout_s: float) -> bool:
+    """Whether the (continued) worker answers SERVING within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if supervised.stack.is_serving(worker):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# ---- 4. mixed endings, KV pools back to full --------------------------------------------------
 
 
 async def mixed_request(client: GatewayClient, index: int, kind: str, rng: random.Random) -> str:
@@ -340,7 +399,7 @@ async def mixed(supervised: FaultStack, settings: Settings, seed: int = 11) -> d
     }
 
 
-# ---- 4. oversized input ---------------------------------------------------------------------------
+# ---- 5. oversized input ---------------------------------------------------------------------------
 
 
 def rss_bytes(pid: int) -> int:
@@ -511,7 +570,8 @@ async def oversized(supervised: FaultStack, settings: Settings) -> dict:
 # ---- the run --------------------------------------------------------------------------------------
 
 
-def figures(kill: dict | None, drains: list[dict], mix: dict | None, attack: dict | None) -> list[dict]:
+def figures(kill: dict | None, drains: list[dict], mix: dict | None, attack: dict | None,
+            hangs: Sequence[dict] = ()) -> list[dict]:
     """One row per reported figure, with its target and whether it was met."""
     rows = []
 
@@ -534,6 +594,13 @@ def figures(kill: dict | None, drains: list[dict], mix: dict | None, attack: dic
         row(part, "admitted and lost", drained["admitted_lost"], "0", drained["admitted_lost"] == 0)
         row(part, "exit code", drained["exit"], "0", drained["exit"] == 0)
         row(part, "drain time (s)", drained["drain_s"], "-", None)
+    for hung in hangs:
+        part = f"hang {hung['service']}"
+        total = hung["requests"]
+        row(part, "completed", f"{hung['completed']}/{total}", f"{total}", hung["completed"] == total)
+        row(part, "token-identical", f"{hung['identical']}/{total}", f"{total}", hung["identical"] == total)
+        row(part, "pass (s), undisturbed -> hung", f"{hung['undisturbed_s']} -> {hung['hung_s']}", "-", None)
+        row(part, "serving again after SIGCONT", hung["serving_again"], "yes", hung["serving_again"])
     if mix is not None:
         outcomes = " ".join(f"{name}={count}" for name, count in mix["outcomes"].items())
         clean = not any(name.startswith(("error", "short")) for name in mix["outcomes"])
@@ -567,13 +634,17 @@ def start_stack(model: Path, workdir: Path, tls: bool = False, device: str = "cp
 
 async def run(supervised: FaultStack, settings: Settings, parts: tuple[str, ...], save) -> dict:  # type: ignore[no-untyped-def]
     """Run the asked parts in order; `save(results)` after each keeps partial results."""
-    results: dict = {"kill": None, "drain": [], "mixed": None, "oversized": None}
+    results: dict = {"kill": None, "drain": [], "hang": [], "mixed": None, "oversized": None}
     if "kill" in parts:
         results["kill"] = await kill_decode(supervised, settings)
         save(results)
     if "drain" in parts:
         for name in DRAINED:
             results["drain"].append(await drain(supervised, name, settings))
+            save(results)
+    if "hang" in parts:
+        for name in HUNG:
+            results["hang"].append(await hang(supervised, name, settings))
             save(results)
     if "mixed" in parts:
         results["mixed"] = await mixed(supervised, settings)
@@ -587,7 +658,7 @@ async def run(supervised: FaultStack, settings: Settings, parts: tuple[str, ...]
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="80 requests, 100 mixed, 64 MB bodies")
-    parser.add_argument("--parts", default="kill,drain,mixed,oversized", help="comma-separated, run in this order")
+    parser.add_argument("--parts", default="kill,drain,hang,mixed,oversized", help="comma-separated, run in this order")
     parser.add_argument("--model", type=Path, default=SHIPPED_MODEL_DIR)
     parser.add_argument("--tls", action="store_true", help="a TLS stack (cleave up --tls), every client over TLS")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -598,14 +669,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else Settings()
     parts = tuple(part for part in args.parts.split(",") if part)
-    unknown = set(parts) - {"kill", "drain", "mixed", "oversized"}
+    unknown = set(parts) - {"kill", "drain", "hang", "mixed", "oversized"}
     if unknown:
         parser.error(f"--parts: unknown {sorted(unknown)}")
     name = run_name("faults" + ("-quick" if args.quick else "") + ("-tls" if args.tls else "")
                     + ("-cuda" if args.device == "cuda" else ""))
 
     def save(results: dict) -> None:
-        rows = figures(results["kill"], results["drain"], results["mixed"], results["oversized"])
+        rows = figures(results["kill"], results["drain"], results["mixed"], results["oversized"], results["hang"])
         stack = (f"disaggregated, 2 prefill + 2 decode, {'one GPU' if args.device == 'cuda' else 'CPU'}, supervised"
                  + (", TLS everywhere" if args.tls else ""))
         summary = {"settings": asdict(settings), "stack": stack,
@@ -622,7 +693,7 @@ def main(argv: list[str] | None = None) -> dict:
         finally:
             supervised.close()
     results["files"] = [str(args.out / f"{name}.json"), str(args.out / f"{name}.md")]
-    results["rows"] = figures(results["kill"], results["drain"], results["mixed"], results["oversized"])
+    results["rows"] = figures(results["kill"], results["drain"], results["mixed"], results["oversized"], results["hang"])
     for row in results["rows"]:
         print(f"{row['part']:>18}  {row['figure']:<32} {row['value']!s:<28} target {row['target']:<12} {row['met']}")
     return results

@@ -1,6 +1,6 @@
-"""bench/faults.py --quick end to end: a supervised process stack loses no request to a killed
-or drained service, leaks no KV block, and refuses oversized input; the result files record
-the command and every figure."""
+"""bench/faults.py --quick end to end: a supervised process stack loses no request to a killed,
+drained or hung (SIGSTOPped) service, leaks no KV block, and refuses oversized input; the
+result files record the command and every figure."""
 
 from __future__ import annotations
 
@@ -28,6 +28,11 @@ def test_quick_run_loses_nothing_and_leaks_nothing(monkeypatch, tmp_path):
     for drained in results["drain"]:
         assert drained["in_flight"] > 0 and drained["admitted_lost"] == 0, drained
         assert drained["exit"] == 0 and drained["restarted"], drained
+
+    assert [hung["service"] for hung in results["hang"]] == list(faults.HUNG)
+    for hung in results["hang"]:  # a stopped worker's requests move on once it is lost
+        assert hung["completed"] == hung["identical"] == hung["requests"], hung
+        assert hung["serving_again"], hung
 
     mixed = results["mixed"]
     assert sum(mixed["outcomes"].values()) == faults.QUICK.num_mixed
