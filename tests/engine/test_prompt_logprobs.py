@@ -52,6 +52,10 @@ def test_prompt_logprobs_match_transformers(checkpoint, hf_logprobs, max_num_bat
     assert [entry.top_token_ids for entry in scores[1:]] == top_ids.tolist()
     for entry, values in zip(scores[1:], top_values.tolist()):
         assert entry.top_logprobs == pytest.approx(values, abs=1e-4)
+    for position, entry in enumerate(scores[1:]):  # vLLM's rank: tokens at least as likely, itself included
+        row, target = hf_logprobs[position], hf_logprobs[position, PROMPT[position + 1]]
+        assert (row > target + 1e-4).sum().item() + 1 <= entry.rank <= (row >= target - 1e-4).sum().item()
+    assert max(entry.rank for entry in scores[1:]) > 2  # some token outside the top 2: ranked all the same
 
 
 def test_a_cached_prefix_is_scored_again_and_others_are_not_scored(checkpoint, hf_logprobs):

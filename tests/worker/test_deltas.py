@@ -67,3 +67,9 @@ def test_prompt_logprobs_ride_on_the_first_delta_only_or_alone():
     assert len(first.prompt_logprobs) == 1 and second.prompt_logprobs == ()
     (alone,) = builder.build(step("q", prompt_logprobs=prompt))
     assert alone.token_ids == () and len(alone.prompt_logprobs) == 1
+
+
+def test_a_prompt_tokens_rank_from_the_engine_is_kept_where_the_alternatives_miss_it():
+    (delta,) = DeltaBuilder().build(step("r", prompt_logprobs=[None, TokenLogprob(3, -4.0, [8], [-0.5], rank=57)]))
+    assert delta.prompt_logprobs[0].sampled == WireLogprob(token_id=3, logprob=-4.0, rank=57)
+    assert delta.prompt_logprobs[0].top == (WireLogprob(token_id=8, logprob=-0.5, rank=1),)

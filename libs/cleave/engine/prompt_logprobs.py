@@ -9,7 +9,7 @@ loglikelihood) is thus one prefill, chunked or not.
     SchedulerOutput (prefill entries at the end, in batch order)
       -> `prompt_logprob_rows`: which hidden rows score which prompt tokens (host, no tensors)
       -> `score_prompt_rows`: logits of those rows only, log-softmax, the target's logprob and
-         the top-k, in sub-chunks so a long prompt never holds [P, V] logits at once
+         rank and the top-k, in sub-chunks so a long prompt never holds [P, V] logits at once
       -> `PromptLogprobChunk` per entry, into `RunnerOutput.prompt_logprobs`
 
 Such requests take no prefix-cache hit (`SchedulerPlanner`): a cached prefix has no hidden
@@ -88,15 +88,18 @@ def score_prompt_rows(
             logits = compute_logits(hidden[start : start + len(targets)])  # [C, V]
             logprobs = torch.log_softmax(logits.float(), dim=-1)
             target_ids = torch.tensor(targets, dtype=torch.int64, device=logprobs.device)
-            chosen = logprobs.gather(1, target_ids[:, None]).squeeze(1).tolist()  # [C]
+            chosen_values = logprobs.gather(1, target_ids[:, None])  # [C, 1]
+            chosen = chosen_values.squeeze(1).tolist()  # [C]
+            # vLLM's rank: the tokens at least as likely as the target, the target included
+            ranks = (logprobs >= chosen_values).sum(dim=-1).tolist()  # [C]
             if spec.num_top:
                 top_values, top_ids = logprobs.topk(spec.num_top, dim=-1)  # [C, K]
                 top = zip(top_ids.tolist(), top_values.tolist())
             else:
                 top = (([], []) for _ in targets)
             entries.extend(
-                TokenLogprob(token_id, logprob, ids, values)
-                for token_id, logprob, (ids, values) in zip(targets, chosen, top)
+                TokenLogprob(token_id, logprob, ids, values, rank)
+                for token_id, logprob, (ids, values), rank in zip(targets, chosen, top, ranks)
             )
         chunks.append(PromptLogprobChunk(spec.seq, spec.first_position, entries))
     return chunks

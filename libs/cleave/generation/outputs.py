@@ -25,12 +25,18 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """Logprob of one generated token and its most likely alternatives (raw model logits)."""
+    """Logprob of one generated token and its most likely alternatives (raw model logits).
+
+    `rank` is the token's 1-based rank among the whole vocabulary, where it was computed (a
+    prompt token's: vLLM returns it with prompt logprobs); 0: not ranked, known only when
+    the token is among the alternatives.
+    """
 
     token_id: int
     logprob: float
     top_token_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
+    rank: int = 0
 
 
 @dataclass(slots=True)

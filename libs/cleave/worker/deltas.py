@@ -18,12 +18,13 @@ from cleave.rpc.types import RequestDelta, TokenLogprob, TopLogprobs
 
 def top_logprobs_from_engine(logprob: EngineLogprob) -> TopLogprobs:
     """The engine's logprob of one token as the wire's TopLogprobs (ranks are 1-based; the
-    sampled token's rank is 0 when it is not among the returned alternatives)."""
+    sampled token's rank is 0 when the engine did not rank it and it is not among the
+    returned alternatives)."""
     top = tuple(
         TokenLogprob(token_id=token_id, logprob=value, rank=rank)
         for rank, (token_id, value) in enumerate(zip(logprob.top_token_ids, logprob.top_logprobs), start=1)
     )
-    rank = next((entry.rank for entry in top if entry.token_id == logprob.token_id), 0)
+    rank = logprob.rank or next((entry.rank for entry in top if entry.token_id == logprob.token_id), 0)
     return TopLogprobs(sampled=TokenLogprob(token_id=logprob.token_id, logprob=logprob.logprob, rank=rank), top=top)
 
 
