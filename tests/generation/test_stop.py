@@ -165,6 +165,23 @@ def test_process_stop_string_and_eos():
     assert updates[-1].finish_reason is FinishReason.STOP and updates[-1].stop_reason is None
 
 
+def test_include_stop_str_keeps_the_stop_string_and_the_stop_tokens_text():
+    tokenizer = PieceTokenizer(["x", "a", "bcd", "!", "<eos>"], special={4})
+    checker = StopChecker(SamplingParams(stop=["bc"], max_tokens=None), include_stop_str=True)
+    detok = IncrementalDetokenizer(tokenizer, [])
+    updates = [checker.process(t, detok) for t in [0, 1, 2, 3]]
+    assert [u.text for u in updates] == ["x", "a", "bc", ""]  # cut after the stop string, as vLLM does
+    assert updates[2].stop_reason == "bc" and checker.text == "xabc"
+    # a stop token id's text stays too, and eos text where special tokens are kept
+    for token_ids, skip_special, expected in (([0, 1, 3], True, "xa!"), ([0, 1, 4], True, "xa"),
+                                              ([0, 1, 4], False, "xa<eos>")):
+        checker = StopChecker(SamplingParams(stop_token_ids=[3], max_tokens=None), eos_token_ids=[4],
+                              include_stop_str=True)
+        detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip_special)
+        updates = [checker.process(t, detok) for t in token_ids]
+        assert updates[-1].finish_reason is FinishReason.STOP and checker.text == expected
+
+
 @pytest.mark.parametrize("final", [False, True])
 def test_nothing_after_finish(final):
     checker = StopChecker(SamplingParams(stop=["z"]))

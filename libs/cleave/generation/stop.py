@@ -3,7 +3,8 @@
 Stop strings are matched on text, which may span tokens. While streaming, text that could
 still turn out to be the start of a stop string is held back, so a client never sees part
 of a stop string; once a stop string completes, the output is cut before it (OpenAI: the
-stop string is not part of the output).
+stop string is not part of the output), or after it with `include_stop_str` (vLLM's
+`include_stop_str_in_output`, which also keeps the text of a stop token id).
 
 Why only held-back text needs searching: text is emitted only up to the longest suffix that
 is a prefix of some stop string, so no stop string can start inside already-emitted text.
@@ -79,6 +80,9 @@ class StopChecker:
         eos_token_ids: the model's end-of-sequence ids.
         max_new_tokens: most tokens to generate (`params.max_new_tokens(...)` resolves
             max_tokens=None against the context window); None: no limit here.
+        include_stop_str: a stop string that ends the sample stays in its text, and so does
+            the text of the eos or stop token id that ends it (vLLM's
+            `include_stop_str_in_output`).
     """
 
     def __init__(
@@ -86,7 +90,9 @@ class StopChecker:
         params: SamplingParams,
         eos_token_ids: Collection[int] = (),
         max_new_tokens: int | None = None,
+        include_stop_str: bool = False,
     ) -> None:
+        self._include_stop_str = include_stop_str
         self._stop_strings: Sequence[str] = tuple(params.stop)
         self._stop_token_ids = frozenset(params.stop_token_ids)
         self._eos_token_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
@@ -127,8 +133,8 @@ class StopChecker:
         self._num_tokens += 1
         if token_id in self._any_stop_ids and self._num_tokens > self._min_tokens:
             if token_id in self._eos_token_ids:
-                return TokenStop(FinishReason.STOP, None, include_token_text=False)
-            return TokenStop(FinishReason.STOP, token_id, include_token_text=False)
+                return TokenStop(FinishReason.STOP, None, include_token_text=self._include_stop_str)
+            return TokenStop(FinishReason.STOP, token_id, include_token_text=self._include_stop_str)
         if self._num_tokens >= self._token_limit:
             return TokenStop(FinishReason.LENGTH, None, include_token_text=True)
         return None
@@ -148,7 +154,8 @@ class StopChecker:
         if matched is not None:
             self._finished = True
             self._held_back = ""
-            return self._emit(buffer[:match_at], FinishReason.STOP, matched)
+            end = match_at + len(matched) if self._include_stop_str else match_at
+            return self._emit(buffer[:end], FinishReason.STOP, matched)
         hold = 0 if final else self._stop_prefix_length(buffer)
         self._held_back = buffer[len(buffer) - hold :]
         if final:
