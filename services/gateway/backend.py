@@ -90,6 +90,7 @@ class StreamShape:
     aggregate: bool = False
     include_token_ids: bool = False
     continuous_usage: bool = False
+    include_prompt_token_ids: bool = False  # the first chunk carries the prompt's token ids
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,7 @@ class GenerateSpec:
     parallel_tool_calls: bool = True  # False: an answer's first call only
     forced_call: ForcedCall | None = None  # tool_choice forced calls: the answer is their JSON
     tenant: str = ""  # with several API keys, the tag of the key it came with (`services.gateway.tenants`)
+    include_stop_str: bool = False  # a stop string that ends a sample stays in its text (vLLM's option)
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,7 @@ class GenerateChunk:
     selected_index: int | None = None
     votes: tuple[AnswerVotes, ...] = ()
     # with sampling.prompt_logprobs, on one chunk: scores of the prompt tokens after the first,
-    # and the prompt's token ids
+    # and the prompt's token ids (with stream.include_prompt_token_ids, the ids on the first chunk too)
     prompt_logprobs: tuple[TopLogprobs, ...] = ()
     prompt_token_ids: tuple[int, ...] = ()
 

@@ -9,7 +9,9 @@ null: nothing precedes it), then the generated ones, as vLLM answers:
     -> logprobs.tokens ["The", " cat", " sat"], token_logprobs [null, -3.1, -2.4]
 
 `max_tokens: 0` with `echo` leaves the sampled token out (the engine samples at least one),
-so the answer scores the prompt alone. Such a request answers whole: a stream of several
+so the answer scores the prompt alone. The echoed prompt is scored with `prompt_logprobs`'
+count where the body sent one, else with `logprobs`', as vLLM does; and each choice then
+carries vLLM's `prompt_logprobs` field too (`prompt_scores`), as vLLM's do. Such a request answers whole: a stream of several
 prompts or of an echo is a 400 naming `stream`.
 """
 
@@ -79,8 +81,11 @@ async def complete_batch(
             if echo.prompt_only:
                 choice.update(text="", finish_reason="length",
                               logprobs=None if choice["logprobs"] is None else _no_logprobs())
+                if "token_ids" in choice:  # return_token_ids: the sampled token was left out
+                    choice["token_ids"] = []
             if echo.echo and choice["logprobs"] is not None:
-                prompt_part = prompt_logprobs(shaper.prompt_token_ids, shaper.prompt_logprobs, token_text)
+                prompt_part = prompt_logprobs(shaper.prompt_token_ids, shaper.prompt_logprobs, token_text,
+                                              spec.sampling.logprobs or 0)
                 choice["logprobs"] = joined(prompt_part, choice["logprobs"], len(prefix))
             choice["text"] = prefix + choice["text"]
             choice["index"] = position * spec.sampling.n + choice["index"]
@@ -97,17 +102,18 @@ def _no_logprobs() -> dict[str, list[Any]]:
 
 
 def prompt_logprobs(
-    prompt_token_ids: Sequence[int], scores: Sequence[TopLogprobs], token_text: Callable[[int], str]
+    prompt_token_ids: Sequence[int], scores: Sequence[TopLogprobs], token_text: Callable[[int], str], num_top: int
 ) -> dict[str, list[Any]]:
     """OpenAI completions logprobs of a prompt: its first token scored null, the others by
-    `scores` (one per prompt token after the first)."""
+    `scores` (one per prompt token after the first), each with at most `num_top` alternatives
+    (the prompt was scored with `prompt_logprobs`' count where one was sent, as vLLM does)."""
     if len(scores) != max(len(prompt_token_ids) - 1, 0):
         raise RuntimeError(f"{len(scores)} prompt scores for {len(prompt_token_ids)} prompt tokens")
     tokens = [token_text(token_id) for token_id in prompt_token_ids]
     return {
         "tokens": tokens,
         "token_logprobs": [None, *(entry.sampled.logprob for entry in scores)][: len(tokens)],
-        "top_logprobs": [None, *({token_text(t.token_id): t.logprob for t in entry.top} for entry in scores)][
+        "top_logprobs": [None, *({token_text(t.token_id): t.logprob for t in entry.top[:num_top]} for entry in scores)][
             : len(tokens)],
         "text_offset": list(itertools.accumulate((len(token) for token in tokens[:-1]), initial=0)) if tokens else [],
     }

@@ -14,6 +14,8 @@
 Streaming answers are server-sent events (`data: {...}\\n\\n`, then `data: [DONE]\\n\\n`).
 Reasoning models put their thinking in `reasoning_content` of the chat message (or delta),
 as vLLM and DeepSeek do, and count it in `usage.completion_tokens_details.reasoning_tokens`.
+vLLM's `prompt_logprobs`, `return_token_ids` and `include_stop_str_in_output` are answered
+in vLLM's shapes (`_Shaper`, `prompt_scores`).
 A client that disconnects cancels its handler (or fails its next write), which aborts the
 request on the worker and is logged once at INFO, without an error answer.
 Every request runs in a server span under its `traceparent` header (`cleave.tracing`; a
@@ -69,6 +71,7 @@ from services.gateway.openai_request import (
     retry_after_headers,
 )
 from services.gateway.openai_tools import call_json
+from services.gateway.prompt_scores import vllm_prompt_logprobs
 from services.gateway.readiness import Routability
 from services.gateway.request_names import resolve_model
 from services.gateway.responses_api import ResponseShaper, responses_body
@@ -397,7 +400,7 @@ def _model_card(model: ModelConfig) -> dict[str, Any]:
 
 def _sample_state() -> dict[str, Any]:
     """What `_Shaper` gathers of one sample for a whole response."""
-    return {"text": [], "reasoning": [], "finish_reason": None, "logprobs": [], "tool_calls": []}
+    return {"text": [], "reasoning": [], "finish_reason": None, "logprobs": [], "tool_calls": [], "token_ids": []}
 
 
 def _finish_reason(reason: str | None, num_tool_calls: int) -> str | None:
@@ -410,7 +413,13 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 
 class _Shaper:
-    """Builds OpenAI response objects from GenerateChunks (whole or streamed)."""
+    """Builds OpenAI response objects from GenerateChunks (whole or streamed).
+
+    vLLM's extra fields, where the request asked for them: `prompt_logprobs` (`prompt_scores`;
+    chat: at the top level, completions: on each choice; never streamed) and, with
+    `return_token_ids`, `prompt_token_ids` (chat: at the top level, completions: on each
+    choice; streamed: on each choice's first event) and each choice's `token_ids` (streamed:
+    the event's new ones)."""
 
     def __init__(self, spec: GenerateSpec, chat: bool, token_text, include_usage: bool) -> None:  # type: ignore[no-untyped-def]
         self.spec = spec
@@ -420,7 +429,7 @@ class _Shaper:
         self.created = int(time.time())
         self.usage = Usage()
         self.samples: dict[int, dict[str, Any]] = {i: _sample_state() for i in range(spec.sampling.n)}
-        self._sent_role: set[int] = set()
+        self._started: set[int] = set()  # samples whose first event went out (streamed)
         self._sse_prefix: bytes | None = None  # b'data: {"id": ..., "choices": ' of every streamed event
         self._streamed_chars: dict[int, int] = {}  # completions: characters of text streamed per sample
         self._streamed_calls: dict[int, int] = {}  # chat: tool calls streamed per sample
@@ -430,16 +439,35 @@ class _Shaper:
     def add(self, chunk: GenerateChunk) -> None:
         if chunk.usage is not None:
             self.usage = chunk.usage
-        if chunk.prompt_token_ids:
-            self.prompt_logprobs, self.prompt_token_ids = chunk.prompt_logprobs, chunk.prompt_token_ids
+        self._take_prompt(chunk)
         for sample in chunk.samples:
             state = self.samples.setdefault(sample.index, _sample_state())
+            state["token_ids"].extend(sample.token_ids)
             state["text"].append(sample.text)
             state["reasoning"].append(sample.reasoning_text)
             state["logprobs"].extend(sample.logprobs)
             state["tool_calls"].extend(sample.tool_calls)
             if sample.finish_reason is not None:
                 state["finish_reason"] = sample.finish_reason.value
+
+    def _take_prompt(self, chunk: GenerateChunk) -> None:
+        """The prompt's ids and scores, from the chunk that carries them (the ids may come
+        first alone, with `return_token_ids`)."""
+        if chunk.prompt_token_ids:
+            self.prompt_token_ids = chunk.prompt_token_ids
+        if chunk.prompt_logprobs:
+            self.prompt_logprobs = chunk.prompt_logprobs
+
+    def _prompt_fields(self) -> dict[str, Any]:
+        """vLLM's `prompt_logprobs` and `prompt_token_ids`, those the request asked for."""
+        fields: dict[str, Any] = {}
+        num_top = self.spec.sampling.prompt_logprobs
+        if num_top is not None:
+            fields["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_token_ids, self.prompt_logprobs, num_top,
+                                                             self.token_text)
+        if self.spec.stream.include_prompt_token_ids:
+            fields["prompt_token_ids"] = list(self.prompt_token_ids)
+        return fields
 
     def _logprobs(self, entries: Sequence[TopLogprobs], text_start: int = 0) -> dict[str, Any] | None:
         """OpenAI logprobs of `entries`; completions' `text_offset` counts from `text_start`
@@ -464,6 +492,8 @@ class _Shaper:
 
     def complete(self) -> dict[str, Any]:
         choices = []
+        prompt_fields = self._prompt_fields()
+        return_token_ids = self.spec.stream.include_prompt_token_ids
         for index in sorted(self.samples):
             state = self.samples[index]
             text = "".join(state["text"])
@@ -478,8 +508,11 @@ class _Shaper:
                     choice["message"]["tool_calls"] = [call_json(call) for call in calls]
             else:
                 choice["text"] = text
+                choice.update(prompt_fields)
+            if return_token_ids:
+                choice["token_ids"] = list(state["token_ids"])
             choices.append(choice)
-        return {
+        response = {
             "id": self.spec.request_id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
@@ -487,6 +520,7 @@ class _Shaper:
             "choices": choices,
             "usage": usage_json(self.usage),
         }
+        return {**response, **prompt_fields} if self.chat else response
 
     def _event(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -502,23 +536,45 @@ class _Shaper:
         `_sse(self._event([delta]))`, with the event's fixed fields encoded once per request."""
         if chunk.usage is not None:
             self.usage = chunk.usage
+        self._take_prompt(chunk)
         if self._sse_prefix is None:
             head = json.dumps(self._event([]), ensure_ascii=False).encode()
             assert head.endswith(b', "choices": []}')  # "choices" is the event's last key
             self._sse_prefix = b"data: " + head[:-len(b"[]}")]
-        return b"".join(self._sse_prefix + json.dumps([self._choice_delta(sample)], ensure_ascii=False).encode()
-                        + b"}\n\n" for sample in chunk.samples)
+        prefix = self._sse_prefix
+        return b"".join(self._sample_event(prefix, sample) for sample in chunk.samples)
 
-    def _choice_delta(self, sample: SampleOutput) -> dict[str, Any]:
+    def _sample_event(self, prefix: bytes, sample: SampleOutput) -> bytes:
+        """One sample's event: `prefix`, its choice, then the fields after the choices."""
+        choice, after = self._streamed(sample)
+        tail = b"}\n\n" if not after else b", " + json.dumps(after, ensure_ascii=False).encode()[1:] + b"\n\n"
+        return prefix + json.dumps([choice], ensure_ascii=False).encode() + tail
+
+    def _streamed(self, sample: SampleOutput) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A sample's streamed choice, and the event's fields after `choices`: with
+        `return_token_ids`, a chat sample's first event carries the prompt's ids, as vLLM's
+        first chunk of each choice does."""
+        first = sample.index not in self._started
+        self._started.add(sample.index)
+        choice = self._choice_delta(sample, first)
+        if self.chat and first and self.spec.stream.include_prompt_token_ids:
+            return choice, {"prompt_token_ids": list(self.prompt_token_ids)}
+        return choice, {}
+
+    def _choice_delta(self, sample: SampleOutput, first: bool) -> dict[str, Any]:
         finish = sample.finish_reason.value if sample.finish_reason is not None else None
         text_start = self._streamed_chars.get(sample.index, 0)
         self._streamed_chars[sample.index] = text_start + len(sample.text)
         logprobs = self._logprobs(sample.logprobs, text_start) if sample.logprobs else None
+        return_token_ids = self.spec.stream.include_prompt_token_ids
         if not self.chat:
-            return {"index": sample.index, "text": sample.text, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": sample.index, "text": sample.text, "logprobs": logprobs, "finish_reason": finish}
+            if return_token_ids:  # vLLM's stream: the prompt's ids on a choice's first chunk, null after
+                choice["prompt_token_ids"] = list(self.prompt_token_ids) if first else None
+                choice["token_ids"] = list(sample.token_ids)
+            return choice
         delta: dict[str, Any] = {}
-        if sample.index not in self._sent_role:
-            self._sent_role.add(sample.index)
+        if first:
             delta["role"] = "assistant"
         if sample.text:
             delta["content"] = sample.text
@@ -528,8 +584,11 @@ class _Shaper:
         if sample.tool_calls:
             delta["tool_calls"] = [{"index": num_calls + k, **call_json(call)} for k, call in enumerate(sample.tool_calls)]
             num_calls = self._streamed_calls[sample.index] = num_calls + len(sample.tool_calls)
-        return {"index": sample.index, "delta": delta, "logprobs": logprobs,
-                "finish_reason": _finish_reason(finish, num_calls)}
+        choice = {"index": sample.index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": _finish_reason(finish, num_calls)}
+        if return_token_ids:
+            choice["token_ids"] = list(sample.token_ids)
+        return choice
 
     def usage_event(self) -> dict[str, Any]:
         event = self._event([])

@@ -5,12 +5,13 @@ field were absent is worse than an error. So, as vLLM does for what it cannot se
 field below is a 400 naming it when it asks for something (a null, an empty list or the
 field's no-op value such as `function_call: "none"` asks for nothing and passes). A value of
 the wrong type is a 400 too, whatever it would ask for. Completions' fields sent to chat
-(`best_of`, `suffix`, `echo`) and vLLM's extensions (`prompt_logprobs`,
-`include_stop_str_in_output`, ...) are read the same way. Fields that change nothing
-about the output (`user`, `metadata`, `store`, `service_tier`) are accepted.
-Tools (`tools`, `tool_choice`, `parallel_tool_calls`) are served: `openai_tools`; structured
-outputs (`response_format`, `structured_outputs`, `guided_*`): `structured_request`; the
-Responses API's own fields: `responses_api`.
+(`best_of`, `suffix`, `echo`) and vLLM's `truncate_prompt_tokens` are read the same way.
+Fields that change nothing about the output (`user`, `metadata`, `store`, `service_tier`)
+are accepted. Tools (`tools`, `tool_choice`, `parallel_tool_calls`) are served:
+`openai_tools`; structured outputs (`response_format`, `structured_outputs`, `guided_*`):
+`structured_request`; vLLM's `prompt_logprobs`, `return_token_ids` and
+`include_stop_str_in_output`: `openai_request`; the Responses API's own fields:
+`responses_api`.
 """
 
 from __future__ import annotations
@@ -71,13 +72,7 @@ _BEST_OF = _Unhonoured("best_of larger than n is not supported; use n, or the gR
 _SUFFIX = _Unhonoured("suffix (insertion) is not supported", "a string")
 # vLLM's extensions, on both routes
 _EXTENSIONS = {
-    "prompt_logprobs": _Unhonoured("prompt logprobs are returned by /v1/completions with echo and logprobs",
-                                   "an integer", _never),
     "truncate_prompt_tokens": _Unhonoured("prompts are never truncated; shorten the prompt", "an integer", _never),
-    "include_stop_str_in_output": _Unhonoured("a stop string that ends the answer is always left out of it",
-                                              "true or false", _is(False)),
-    "return_token_ids": _Unhonoured("token ids are not returned over HTTP; use /tokenize or the gRPC API",
-                                    "true or false", _is(False)),
 }
 _REFUSED_CHAT = {
     "functions": _Unhonoured("the legacy functions API is not supported; use tools"),

@@ -291,9 +291,30 @@ def _sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
             options["logprobs"] = top
     elif body.get("logprobs") is not None:
         options["logprobs"] = _uint(body["logprobs"], "logprobs")
-        if body.get("echo") is True:  # the echoed prompt's tokens get logprobs too
-            options["prompt_logprobs"] = options["logprobs"]
+    prompt_top = _prompt_logprobs(body)
+    if prompt_top is None and not chat and body.get("echo") is True:
+        prompt_top = options.get("logprobs")  # the echoed prompt's tokens get logprobs too (vLLM's default)
+    if prompt_top is not None:
+        options["prompt_logprobs"] = prompt_top
     return SamplingRequest(**options)
+
+
+def _prompt_logprobs(body: dict[str, Any]) -> int | None:
+    """vLLM's `prompt_logprobs`: score every prompt token, with this many top alternatives
+    (bounded as `top_logprobs` is). vLLM returns no prompt scores in a stream, and refuses
+    them there; so does the gateway, rather than drop what was asked for."""
+    value = body.get("prompt_logprobs")
+    if value is None:
+        return None
+    top = _integer(value, "prompt_logprobs", 0, MAX_LOGPROBS)
+    if body.get("stream") is True:
+        raise InvalidArgument("prompt logprobs are not streamed; send stream: false", field="prompt_logprobs")
+    return top
+
+
+def _optional_bool(body: dict[str, Any], name: str) -> bool:
+    """A true/false field of `body` (absent or null: false)."""
+    return False if body.get(name) is None else _bool(body[name], name)
 
 
 def _cache_salt(value: Any) -> str:
@@ -470,9 +491,10 @@ def generate_spec(body: Any, request_id: str, model: str, chat: bool,
         sampling=sampling,
         reasoning=reasoning,
         scaling=Scaling(num_samples=sampling.n),
-        stream=StreamShape(include_token_ids=True),
+        stream=StreamShape(include_token_ids=True, include_prompt_token_ids=_optional_bool(body, "return_token_ids")),
         parse_tool_calls=chat and parses_tool_calls(body, prompt.tools),
         parallel_tool_calls=parallel,
         forced_call=shape.forced_call,
+        include_stop_str=_optional_bool(body, "include_stop_str_in_output"),
     )
     return spec, stream

@@ -89,7 +89,7 @@ async def stream_samples(
         SampleText(i, model.tokenizer, prompt_ids, spec.sampling, model.eos_token_ids, model.reasoning,
                    mode, spec.stream.include_token_ids, tag_tokens, model.token_pieces,
                    spec.forced_call or (model.tool_call_format if spec.parse_tool_calls else None),
-                   spec.parallel_tool_calls)
+                   spec.parallel_tool_calls, spec.include_stop_str)
         for i in range(spec.sampling.n)
     ]
     strategy = spec.scaling.strategy
@@ -104,6 +104,15 @@ async def stream_samples(
         # a one-token prompt has no scores for a worker to send (its token is scored null), but
         # a chunk still carries its ids: completions' echo lists that token
         prompt_scores.append(())
+    prompt_ids_due = spec.stream.include_prompt_token_ids  # until the first chunk carried them
+
+    def with_prompt(chunk: GenerateChunk) -> GenerateChunk:
+        nonlocal prompt_ids_due
+        chunk = with_prompt_scores(chunk, prompt_scores, prompt_ids)
+        if prompt_ids_due:
+            prompt_ids_due = False
+            chunk = replace(chunk, prompt_token_ids=tuple(prompt_ids))
+        return chunk
 
     def usage() -> Usage:
         return Usage(
@@ -154,13 +163,13 @@ async def stream_samples(
                 for index, outputs in news.items():
                     held.setdefault(index, []).extend(outputs)
             elif news:
-                yield with_prompt_scores(GenerateChunk(
+                yield with_prompt(GenerateChunk(
                     samples=tuple(merge_outputs(news[i]) for i in sorted(news)),
                     usage=usage() if spec.stream.continuous_usage else None,
-                ), prompt_scores, prompt_ids)
+                ))
         collected = {index: merge_outputs(outputs) for index, outputs in held.items()}
         final = await final_chunk(spec, texts, collected, usage(), hold, verify_on)
-        yield with_prompt_scores(final, prompt_scores, prompt_ids)
+        yield with_prompt(final)
     finally:
         if on_end is not None:
             on_end(usage())

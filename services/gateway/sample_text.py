@@ -56,6 +56,8 @@ class SampleText:
         tool_format: the format to parse tool calls out of ("hermes", "harmony": a request
             with tools, `ServedModel.tool_call_format`), or None.
         parallel_tool_calls: False keeps the answer's first call only (the others are dropped).
+        include_stop_str: a stop string (or stop token's text) that ends the sample stays in
+            its text (vLLM's `include_stop_str_in_output`).
     """
 
     def __init__(
@@ -72,13 +74,14 @@ class SampleText:
         pieces: TokenPieces | None = None,
         tool_format: str | None = None,
         parallel_tool_calls: bool = True,
+        include_stop_str: bool = False,
     ) -> None:
         self.index = index
         self._tag_tokens = (tag_tokens or {}) if params.skip_special_tokens else {}
         self._detokenizer = IncrementalDetokenizer(
             tokenizer, prompt_token_ids, params.skip_special_tokens, pieces
         )
-        self._stop = StopChecker(params, eos_token_ids)
+        self._stop = StopChecker(params, eos_token_ids, include_stop_str=include_stop_str)
         self._parser = ReasoningParser.for_config(reasoning) if reasoning is not None else None
         self._mode = mode
         self._include_token_ids = include_token_ids

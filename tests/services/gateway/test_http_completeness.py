@@ -1,7 +1,8 @@
 """The parts of the OpenAI HTTP API that clients beyond chat rely on: lm-eval's harness
-(echo, prompt logprobs, batches of prompts, /tokenize), model lookup, OpenAI-shaped errors
-for every path, and refusing what the gateway cannot honour. Each test runs on a
-disaggregated and a colocated stack."""
+(echo, prompt logprobs, batches of prompts, /tokenize), vLLM's extensions (`prompt_logprobs`,
+`return_token_ids`, `include_stop_str_in_output`) in vLLM's response shapes, model lookup,
+OpenAI-shaped errors for every path, and refusing what the gateway cannot honour. Each test
+runs on a disaggregated and a colocated stack."""
 
 from __future__ import annotations
 
@@ -41,10 +42,10 @@ def hf_continuation_logprob(hf_model, context_ids: list[int], continuation_ids: 
     return sum(logprobs[p - 1, ids[p]].item() for p in range(len(context_ids), len(ids)))
 
 
-async def tokenize(stack, text: str) -> list[int]:
+async def tokenize(stack, text: str, add_special_tokens: bool = False) -> list[int]:
     async with httpx.AsyncClient() as http:
         response = await http.post(f"{root(stack)}/tokenize", json={"model": "tiny", "prompt": text,
-                                                                     "add_special_tokens": False})
+                                                                     "add_special_tokens": add_special_tokens})
     assert response.status_code == 200, response.text
     return response.json()["tokens"]
 
@@ -156,6 +157,7 @@ async def test_unknown_paths_and_methods_answer_openai_shaped_json(stack):
     ("tool_choice", "required"),
     ("functions", [{"name": "f", "parameters": {}}]),
     ("modalities", ["audio"]),
+    ("truncate_prompt_tokens", 8),
 ])
 async def test_what_cannot_be_honoured_is_refused_by_name(stack, field, value):
     with pytest.raises(openai.BadRequestError) as raised:
@@ -197,3 +199,95 @@ async def test_grpc_generate_returns_the_prompts_scores_once(stack, model_dir):
     assert [e.sampled.logprob for e in scored[0].prompt_logprobs] == pytest.approx(
         [entry.logprob for entry in engine.prompt_logprobs[1:]], abs=1e-4)
     assert all(len(e.top) == 2 for e in scored[0].prompt_logprobs)
+
+
+async def test_completion_prompt_logprobs_are_vllms_on_each_choice_and_score_as_the_echo_does(stack):
+    prompts = [[5, 17, 42, 9, 33, 71], [88, 14, 60]]
+    answer = await client(stack).completions.create(model="tiny", prompt=prompts, max_tokens=2, temperature=0.0, n=2,
+                                                    extra_body={"prompt_logprobs": 2})
+    echo = await client(stack).completions.create(model="tiny", prompt=prompts, echo=True, max_tokens=0, logprobs=2,
+                                                  temperature=0.0)
+    assert [choice.index for choice in answer.choices] == [0, 1, 2, 3]
+    for choice in answer.choices:  # choice i * n + j: sample j of prompt i
+        prompt, echoed = prompts[choice.index // 2], echo.choices[choice.index // 2].logprobs
+        scores = choice.prompt_logprobs
+        assert scores[0] is None and len(scores) == len(prompt)
+        for token_id, position, logprob, token, top in zip(
+                prompt[1:], scores[1:], echoed.token_logprobs[1:], echoed.tokens[1:], echoed.top_logprobs[1:]):
+            first_key, scored = next(iter(position.items()))  # the prompt token comes first
+            assert first_key == str(token_id) and scored["decoded_token"] == token
+            assert scored["logprob"] == pytest.approx(logprob, abs=1e-4)
+            ranked = sorted(position.values(), key=lambda entry: entry["rank"])
+            assert [entry["rank"] for entry in ranked][:2] == [1, 2] and len(position) in (2, 3)
+            assert ranked[0]["logprob"] == pytest.approx(max(top.values()), abs=1e-4)
+            # a prompt token among the two most likely is listed once; any other ranks below them
+            assert (scored["rank"] <= 2) == (len(position) == 2)
+            assert scored["rank"] <= 2 or scored["logprob"] <= ranked[1]["logprob"]
+    assert answer.choices[0].prompt_logprobs == answer.choices[1].prompt_logprobs
+    assert echo.choices[0].prompt_logprobs[1:] and all(len(position) <= 3 for position in echo.choices[0].prompt_logprobs[1:])
+
+
+async def test_chat_prompt_logprobs_and_prompt_token_ids_are_vllms_top_level_fields(stack):
+    response = await client(stack).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0.0, n=2,
+        extra_body={"prompt_logprobs": 0, "return_token_ids": True})
+    prompt, scores = response.prompt_token_ids, response.prompt_logprobs
+    assert len(prompt) == len(scores) == response.usage.prompt_tokens and scores[0] is None
+    assert [list(position) for position in scores[1:]] == [[str(token_id)] for token_id in prompt[1:]]
+    echo = await client(stack).completions.create(model="tiny", prompt=prompt, echo=True, max_tokens=0, logprobs=0,
+                                                  temperature=0.0)
+    assert [position[str(token_id)]["logprob"] for token_id, position in zip(prompt[1:], scores[1:])] == pytest.approx(
+        echo.choices[0].logprobs.token_logprobs[1:], abs=1e-4)
+    assert all(position[str(token_id)]["rank"] >= 1 for token_id, position in zip(prompt[1:], scores[1:]))
+    assert [len(choice.token_ids) for choice in response.choices] == [3, 3]
+    assert sum(len(choice.token_ids) for choice in response.choices) == response.usage.completion_tokens
+
+
+async def test_return_token_ids_whole_and_streamed_as_vllm_does(stack, model_dir):
+    (reference,) = reference_llm(model_dir).generate(CONTEXT, SamplingParams(max_tokens=4, temperature=0.0), raw=True)
+    options = {"model": "tiny", "max_tokens": 4, "temperature": 0.0, "extra_body": {"return_token_ids": True}}
+    whole = await client(stack).completions.create(prompt=CONTEXT, **options)
+    chunks = [chunk async for chunk in await client(stack).completions.create(prompt=CONTEXT, stream=True, **options)]
+    assert whole.choices[0].prompt_token_ids == await tokenize(stack, CONTEXT, add_special_tokens=True)
+    assert whole.choices[0].token_ids == list(reference.outputs[0].token_ids)
+    # a choice's first chunk carries the prompt's ids, the later ones null; each its new ids
+    assert chunks[0].choices[0].prompt_token_ids == whole.choices[0].prompt_token_ids
+    assert all(chunk.choices[0].prompt_token_ids is None for chunk in chunks[1:])
+    assert [token_id for chunk in chunks for token_id in chunk.choices[0].token_ids] == whole.choices[0].token_ids
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat = await client(stack).chat.completions.create(messages=messages, **options)
+    stream = await client(stack).chat.completions.create(messages=messages, stream=True, **options)
+    chat_chunks = [chunk async for chunk in stream]
+    assert chat_chunks[0].prompt_token_ids == chat.prompt_token_ids and len(chat.prompt_token_ids) > 1
+    assert all(getattr(chunk, "prompt_token_ids", None) is None for chunk in chat_chunks[1:])
+    streamed = [token_id for chunk in chat_chunks for token_id in chunk.choices[0].token_ids]
+    assert streamed == chat.choices[0].token_ids and len(streamed) == 4
+
+
+async def test_include_stop_str_in_output_keeps_the_stop_string_whole_and_streamed(stack):
+    plain = await client(stack).completions.create(model="tiny", prompt=CONTEXT, max_tokens=8, temperature=0.0)
+    text = plain.choices[0].text
+    stop = text[len(text) // 2:][:2]
+    end = text.find(stop)
+    assert len(stop) == 2 and end >= 0, text
+    for include, expected in ((True, text[:end + len(stop)]), (False, text[:end])):
+        options = {"model": "tiny", "prompt": CONTEXT, "max_tokens": 8, "temperature": 0.0, "stop": [stop],
+                   "extra_body": {"include_stop_str_in_output": include}}
+        whole = await client(stack).completions.create(**options)
+        chunks = [chunk async for chunk in await client(stack).completions.create(stream=True, **options)]
+        assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "stop"
+        assert "".join(chunk.choices[0].text for chunk in chunks) == expected
+
+
+@pytest.mark.parametrize("chat", [False, True])
+async def test_prompt_logprobs_are_refused_in_a_stream_and_out_of_bounds(stack, chat):
+    create = client(stack).chat.completions.create if chat else client(stack).completions.create
+    body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": CONTEXT}
+    for stream, value in ((True, 1), (False, 21), (False, -1)):
+        with pytest.raises(openai.BadRequestError) as raised:
+            await create(model="tiny", max_tokens=2, stream=stream, extra_body={"prompt_logprobs": value}, **body)
+        assert raised.value.body["param"] == "prompt_logprobs"
+    with pytest.raises(openai.BadRequestError) as raised:
+        await create(model="tiny", max_tokens=2, extra_body={"return_token_ids": "yes"}, **body)
+    assert raised.value.body["param"] == "return_token_ids"

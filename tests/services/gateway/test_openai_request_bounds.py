@@ -161,10 +161,12 @@ def test_a_priority_travels_in_the_sampling_params_and_must_be_an_int32():
     *((build, {name: "x"}, name) for build in (completion, chat) for name in (
         "prompt_logprobs", "truncate_prompt_tokens", "include_stop_str_in_output", "add_special_tokens",
         "return_token_ids")),
-    *((build, {"prompt_logprobs": 1}, "prompt_logprobs") for build in (completion, chat)),
     *((build, {"truncate_prompt_tokens": 8}, "truncate_prompt_tokens") for build in (completion, chat)),
-    *((build, {"include_stop_str_in_output": True}, "include_stop_str_in_output") for build in (completion, chat)),
-    *((build, {"return_token_ids": True}, "return_token_ids") for build in (completion, chat)),
+    # served ones are bounded as top_logprobs is, and prompt scores are never streamed (vLLM's too)
+    *((build, {"prompt_logprobs": bad}, "prompt_logprobs") for build in (completion, chat) for bad in (-1, 21, True)),
+    *((build, {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs") for build in (completion, chat)),
+    *((build, {name: 1}, name) for build in (completion, chat) for name in ("include_stop_str_in_output",
+                                                                            "return_token_ids")),
     (completion, {"add_special_tokens": False}, "add_special_tokens"),
     (chat, {"add_special_tokens": True}, "add_special_tokens"),
     # at most 20 alternatives, whether or not logprobs asks for them
@@ -186,3 +188,18 @@ def test_fields_the_gateway_does_not_honour_are_refused_and_checked(build, optio
 ])
 def test_their_no_op_values_are_accepted(build, options):
     build(**options)
+
+
+@pytest.mark.parametrize("build", [completion, chat])
+def test_vllms_served_extensions_reach_the_spec(build):
+    spec = build(prompt_logprobs=20, return_token_ids=True, include_stop_str_in_output=True)
+    assert spec.sampling.prompt_logprobs == 20 and spec.stream.include_prompt_token_ids and spec.include_stop_str
+    plain = build()
+    assert plain.sampling.prompt_logprobs is None and not plain.stream.include_prompt_token_ids
+    assert not plain.include_stop_str
+
+
+def test_an_echo_scores_its_prompt_with_prompt_logprobs_count_else_with_logprobs():
+    assert completion(echo=True, logprobs=3).sampling.prompt_logprobs == 3  # vLLM's default
+    assert completion(echo=True, logprobs=3, prompt_logprobs=1).sampling.prompt_logprobs == 1
+    assert completion(logprobs=3).sampling.prompt_logprobs is None
