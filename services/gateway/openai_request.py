@@ -467,7 +467,7 @@ def generate_spec(body: Any, request_id: str, model: str, chat: bool,
     `prompt` overrides the body's (one prompt of a completions batch)."""
     if not isinstance(body, dict):
         raise InvalidArgument("the request body must be a JSON object", field="body")
-    refuse_unsupported(body, chat)
+    refuse_unsupported(body, "chat" if chat else "completions")
     if prompt is None:
         prompt = chat_prompt(body) if chat else completion_prompt(body)
     reasoning = _reasoning(body)

@@ -10,10 +10,11 @@ Input: a string (one user turn) or items: messages (`role`, text `content` or te
 assistant turn; `instructions` is a system turn before them. Tools are function tools
 (`{"type": "function", "name", "parameters"}`). Responses are not stored: `store` changes
 nothing, and `previous_response_id`, `conversation` and `background` are a 400 naming the
-field, as is every malformed item (`input[3].call_id`), `truncation: "auto"` and an `include`
-of what a response here never holds (`message.output_text.logprobs`). `text.format` (JSON mode, a JSON
-schema) and `tool_choice` "required" or a named function decode the answer under their
-constraint, as on the chat route.
+field, as are `truncation: "auto"` and an `include` of what a response here never holds
+(`message.output_text.logprobs`), refused as the chat API's fields are (`openai_fields`),
+and every malformed item (`input[3].call_id`). `text.format` (JSON mode, a JSON schema) and
+`tool_choice` "required" or a named function decode the answer under their constraint, as
+on the chat route.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from cleave.errors import InvalidArgument
 from cleave.generation.tool_calls import ToolCall
 from cleave.rpc.types import Usage
 from services.gateway.backend import GenerateChunk, GenerateSpec, SampleOutput
+from services.gateway.openai_fields import refuse_unsupported
 from services.gateway.openai_request import content_text, text_field
 from services.gateway.openai_request import param_names as chat_param_names
 from services.gateway.openai_tools import json_object, json_type, new_call_id, string_field
@@ -46,20 +48,6 @@ _PARAM_NAMES = {
     "messages": "input",
     "input": "input",
 }
-_REFUSED = {
-    "previous_response_id": "responses are not stored; send the whole conversation as input",
-    "conversation": "conversations are not stored; send the whole conversation as input",
-    "background": "background responses are not supported",
-    "prompt": "stored prompt templates are not supported",
-}
-# `include` values that ask for nothing here: the outputs of built-in tools and images, which
-# the gateway refuses in a request, and the reasoning, which a response carries in clear and
-# the input takes back as it is
-_INCLUDED_ANYWAY = ("web_search_call.action.sources", "code_interpreter_call.outputs",
-                    "computer_call_output.output.image_url", "file_search_call.results",
-                    "message.input_image.image_url", "reasoning.encrypted_content")
-_NOT_INCLUDED = {"message.output_text.logprobs": "logprobs are not returned here; use /v1/chat/completions "
-                                                 "with logprobs"}
 _PASSED_ON = ("model", "temperature", "top_p", "parallel_tool_calls", "stream", "seed", "top_logprobs", "user",
               "cache_salt", "priority")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -157,10 +145,7 @@ def responses_body(body: Any) -> dict[str, Any]:
     Raises InvalidArgument naming the Responses field."""
     if not isinstance(body, dict):
         raise InvalidArgument("the request body must be a JSON object", field="body")
-    for name, reason in _REFUSED.items():
-        if body.get(name) not in (None, False, ""):
-            raise InvalidArgument(reason, field=name)
-    _refuse_unhonoured(body)
+    refuse_unsupported(body, "responses")
     chat: dict[str, Any] = {"messages": _messages(body)}
     response_format = _response_format(body.get("text"))
     if response_format is not None:
@@ -183,32 +168,6 @@ def responses_body(body: Any) -> dict[str, Any]:
         if reasoning.get("effort") is not None:
             chat["reasoning_effort"] = reasoning["effort"]
     return chat
-
-
-def _refuse_unhonoured(body: dict[str, Any]) -> None:
-    """Refuse `truncation`, `include` and `max_tool_calls` values of the wrong type, or that ask
-    for what the gateway does not do (as `openai_fields` does for the chat API's fields)."""
-    truncation = body.get("truncation")
-    if truncation not in (None, "disabled"):
-        if truncation == "auto":
-            raise InvalidArgument("only \"disabled\" is supported: the input is never truncated; shorten it",
-                                  field="truncation")
-        raise InvalidArgument(f"must be \"auto\" or \"disabled\", got {truncation!r}", field="truncation")
-    include = body.get("include")
-    if include is not None and not isinstance(include, list):
-        raise InvalidArgument(f"must be a list of strings, got {json_type(include)}", field="include")
-    for position, value in enumerate(include or ()):
-        if not isinstance(value, str):
-            raise InvalidArgument(f"must be a string, got {json_type(value)}", field=f"include[{position}]")
-        if value in _NOT_INCLUDED:
-            raise InvalidArgument(_NOT_INCLUDED[value], field=f"include[{position}]")
-        if value not in _INCLUDED_ANYWAY:
-            raise InvalidArgument(f"{value[:64]!r} is not an include value of the Responses API",
-                                  field=f"include[{position}]")
-    max_tool_calls = body.get("max_tool_calls")  # a bound on built-in tools' calls: there are none
-    if max_tool_calls is not None and (isinstance(max_tool_calls, bool) or not isinstance(max_tool_calls, int)
-                                       or max_tool_calls < 0):
-        raise InvalidArgument(f"must be a non-negative integer, got {max_tool_calls!r}", field="max_tool_calls")
 
 
 def _response_format(text: Any) -> dict[str, Any] | None:

@@ -9,6 +9,7 @@ import json
 import openai
 import pytest
 
+from cleave.errors import InvalidArgument
 from cleave.proto.cleave.v1 import common_pb2
 from tests.services.gateway.test_harmony_reasoning import harmony_dir  # noqa: F401  (a fixture)
 from tests.services.gateway.test_tool_calls import (  # noqa: F401  (fixtures)
@@ -141,6 +142,26 @@ async def test_what_cannot_be_honoured_is_a_400_naming_the_field(tool_model, fie
         with pytest.raises(openai.BadRequestError) as raised:
             await client.responses.create(model="tiny-tools", **{"input": "hi", **fields})
     assert raised.value.body["param"] == param
+
+
+@pytest.mark.parametrize("fields, param, reason", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "send the whole conversation"),
+    ({"truncation": "auto"}, "truncation", "the input is never truncated"),
+    ({"truncation": 5}, "truncation", "must be \"auto\" or \"disabled\""),
+    ({"include": ["reasoning.encrypted_content", "message.output_text.logprobs"]}, "include[1]",
+     "use /v1/chat/completions with logprobs"),
+    ({"include": ["file_search_call.results", 3]}, "include[1]", "must be a string"),
+    ({"include": ["x"]}, "include[0]", "not an include value"),
+    ({"include": {"a": 1}}, "include", "must be a list of strings"),
+    ({"max_tool_calls": True}, "max_tool_calls", "must be an integer"),
+    ({"max_tool_calls": -1}, "max_tool_calls", "must be an integer >= 0"),
+])
+def test_refusals_name_the_field_and_say_why(fields, param, reason):
+    from services.gateway.responses_api import responses_body
+
+    with pytest.raises(InvalidArgument) as raised:
+        responses_body({"input": "hi", **fields})
+    assert raised.value.field == param and reason in raised.value.message
 
 
 def test_fields_that_ask_for_nothing_here_are_accepted():
