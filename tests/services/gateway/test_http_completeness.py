@@ -254,6 +254,9 @@ async def test_return_token_ids_whole_and_streamed_as_vllm_does(stack, model_dir
     assert chunks[0].choices[0].prompt_token_ids == whole.choices[0].prompt_token_ids
     assert all(chunk.choices[0].prompt_token_ids is None for chunk in chunks[1:])
     assert [token_id for chunk in chunks for token_id in chunk.choices[0].token_ids] == whole.choices[0].token_ids
+    scored = await client(stack).completions.create(prompt=CONTEXT, echo=True, **{**options, "max_tokens": 0})
+    assert scored.choices[0].prompt_token_ids == whole.choices[0].prompt_token_ids
+    assert scored.choices[0].token_ids == []  # the prompt scored alone: the sampled token is left out
 
     messages = [{"role": "user", "content": "hi"}]
     chat = await client(stack).chat.completions.create(messages=messages, **options)
