@@ -15,6 +15,7 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_CACHE_SALT_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
 VOCAB_SIZE = 2048
 
 
@@ -31,6 +32,7 @@ VOCAB_SIZE = 2048
         dict(logit_bias={i: MAX_ABS_LOGIT_BIAS for i in range(MAX_LOGIT_BIAS_TOKENS)}),
         dict(logit_bias={0: -MAX_ABS_LOGIT_BIAS, VOCAB_SIZE - 1: MAX_ABS_LOGIT_BIAS}),
         dict(cache_salt="s" * MAX_CACHE_SALT_CHARS),
+        dict(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS))),
     ],
 )
 def test_values_exactly_at_a_limit_are_taken(options):
@@ -54,6 +56,7 @@ def test_values_exactly_at_a_limit_are_taken(options):
         (dict(cache_salt="s" * (MAX_CACHE_SALT_CHARS + 1)), "cache_salt"),
         (dict(cache_salt=b"tenant"), "cache_salt"),
         (dict(cache_salt="\udc80"), "cache_salt"),
+        (dict(stop_token_ids=[7] * (MAX_STOP_TOKEN_IDS + 1)), "stop_token_ids"),
     ],
 )
 def test_values_one_past_a_limit_are_refused_by_name(options, field):

@@ -32,6 +32,11 @@ MAX_LOGIT_BIAS_TOKENS = 1024
 # 64 stop strings of this length followed and then broken).
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
+# Each hop converts and checks a request's stop token ids one by one (gateway, prefill and
+# decode workers, each on its event loop): a 30 MB message of them held a worker's loop so long
+# that its health checks went unanswered and the gateway dropped it. A vocabulary's special
+# tokens number in the hundreds.
+MAX_STOP_TOKEN_IDS = 1024
 # A cache salt is hashed once per admission; 256 characters hold any random key (vLLM
 # suggests 43 base64 characters, 256 bits) or a tenant's name and a key.
 MAX_CACHE_SALT_CHARS = 256
@@ -54,7 +59,8 @@ class SamplingParams:
         stop: strings that end generation (at most MAX_STOP_STRINGS, each at most
             MAX_STOP_STRING_CHARS characters); the matched string is
             not part of the output.
-        stop_token_ids: token ids that end generation (their text is not part of the output).
+        stop_token_ids: token ids that end generation (their text is not part of the output;
+            at most MAX_STOP_TOKEN_IDS).
         ignore_eos: keep generating past the model's end-of-sequence token.
         n: number of independent samples for the prompt (they share the prompt's KV).
         logprobs: return the chosen token's logprob and this many top alternatives (0..20);
@@ -244,6 +250,9 @@ class SamplingParams:
         if longest > MAX_STOP_STRING_CHARS:
             raise InvalidArgument(f"holds a string of {longest} characters; at most {MAX_STOP_STRING_CHARS} each",
                                   field="stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgument(f"holds {len(self.stop_token_ids)} token ids; at most {MAX_STOP_TOKEN_IDS}",
+                                  field="stop_token_ids")
         for token_id in self.stop_token_ids:
             _require_int("stop_token_ids", token_id)
             if token_id < 0:

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from cleave.errors import InvalidArgument
-from cleave.generation.sampling_params import MAX_LOGPROBS, SamplingParams
+from cleave.generation.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
 from cleave.generation.structured_output import StructuredOutput
 
 MAX_SAMPLES = 1024  # samples of one request
@@ -110,6 +110,9 @@ def to_sampling_params(
     for position, stop in enumerate(request.stop):
         if not stop:
             raise InvalidArgument("stop strings must not be empty", field=f"{field}.stop[{position}]")
+    if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # before the loop over them
+        raise InvalidArgument(f"holds {len(request.stop_token_ids)} token ids; at most {MAX_STOP_TOKEN_IDS}",
+                              field=f"{field}.stop_token_ids")
     for position, token_id in enumerate(request.stop_token_ids):
         if not 0 <= token_id <= MAX_TOKEN_ID:
             raise InvalidArgument(f"token id {token_id} is out of range", field=f"{field}.stop_token_ids[{position}]")

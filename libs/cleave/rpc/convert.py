@@ -16,7 +16,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from cleave.errors import InvalidArgument
 from cleave.generation.outputs import FinishReason
-from cleave.generation.sampling_params import SamplingParams
+from cleave.generation.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from cleave.generation.sampling_request import MAX_SAMPLES, MAX_TOKEN_ID, SamplingRequest, to_sampling_params
 from cleave.generation.structured_output import StructuredKind, StructuredOutput
 from cleave.proto.cleave.v1 import common_pb2
@@ -54,8 +54,12 @@ def _optional(message, name: str):
     return getattr(message, name) if message.HasField(name) else None
 
 
-def token_ids_from_proto(ids: Iterable[int], field: str, allow_empty: bool = False) -> tuple[int, ...]:
-    """Validated token ids (uint32 on the wire; must fit int32 for the engine)."""
+def token_ids_from_proto(ids: Sequence[int], field: str, allow_empty: bool = False,
+                         max_count: int | None = None) -> tuple[int, ...]:
+    """Validated token ids (uint32 on the wire; must fit int32 for the engine), at most
+    `max_count` of them: counted before they are converted, since a message may hold millions."""
+    if max_count is not None and len(ids) > max_count:
+        raise InvalidArgument(f"holds {len(ids)} token ids; at most {max_count}", field=field)
     token_ids = tuple(ids)
     if not token_ids and not allow_empty:
         raise InvalidArgument("must contain at least one token id", field=field)
@@ -83,7 +87,8 @@ def sampling_from_proto(
         min_p=message.min_p,
         seed=_optional(message, "seed"),
         stop=tuple(message.stop),
-        stop_token_ids=token_ids_from_proto(message.stop_token_ids, f"{field}.stop_token_ids", allow_empty=True),
+        stop_token_ids=token_ids_from_proto(message.stop_token_ids, f"{field}.stop_token_ids", allow_empty=True,
+                                            max_count=MAX_STOP_TOKEN_IDS),
         n=message.n or None,
         logprobs=_optional(message, "logprobs"),
         prompt_logprobs=_optional(message, "prompt_logprobs"),

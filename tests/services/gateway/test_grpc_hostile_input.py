@@ -1,0 +1,56 @@
+"""Hostile gRPC input found by probing the gateway field by field: each case is refused with
+INVALID_ARGUMENT naming the field, before its cost is paid, and the stack serves afterwards
+with its decode pools full again."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from cleave.generation.sampling_params import MAX_STOP_TOKEN_IDS
+from cleave.proto.cleave.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from cleave.rpc import aio_channel
+from cleave.rpc.errors import error_detail
+from tests.services.gateway.helpers import assert_decode_pools_full
+from tests.services.gateway.stack import start_stack
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(model_dir):
+    running = await start_stack(model_dir, "disaggregated")
+    yield running
+    await running.close()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def gateway(stack):
+    async with aio_channel(stack.gateway_address) as channel:
+        yield gateway_pb2_grpc.GatewayStub(channel)
+    await assert_decode_pools_full(stack)
+
+
+async def finish_reasons(gateway, request: gateway_pb2.GenerateRequest) -> list[int]:  # type: ignore[no-untyped-def]
+    return [sample.finish_reason async for response in gateway.Generate(request, timeout=30)
+            for sample in response.samples if sample.finish_reason]
+
+
+async def refused_field(gateway, request: gateway_pb2.GenerateRequest) -> str:  # type: ignore[no-untyped-def]
+    """The field an INVALID_ARGUMENT refusal of `request` names."""
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await finish_reasons(gateway, request)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
+    detail = error_detail(raised.value)
+    assert detail is not None and raised.value.details().startswith(f"{detail.field}: ")
+    return detail.field
+
+
+async def test_stop_token_ids_are_bounded(gateway):
+    # unbounded, a 30 MB list of them held each worker's event loop past its health checks
+    at_limit = common_pb2.SamplingParams(max_tokens=2, stop_token_ids=[3] * MAX_STOP_TOKEN_IDS)
+    assert len(await finish_reasons(gateway, gateway_pb2.GenerateRequest(text="Hi", sampling=at_limit))) == 1
+    over = common_pb2.SamplingParams(max_tokens=2, stop_token_ids=[3] * (MAX_STOP_TOKEN_IDS + 1))
+    request = gateway_pb2.GenerateRequest(text="Hi", sampling=over)
+    assert await refused_field(gateway, request) == "sampling.stop_token_ids"
