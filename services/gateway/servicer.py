@@ -14,6 +14,7 @@ import structlog
 from cleave.api_keys import ApiKeys
 from cleave.config import ModelConfig
 from cleave.errors import InvalidArgument, Unauthenticated
+from cleave.generation.sampling_params import check_prompt_fits
 from cleave.generation.tool_calls import ForcedCall
 from cleave.proto.cleave.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from cleave.rpc import current_request_id
@@ -67,7 +68,11 @@ _VERIFIERS = {
 }
 
 
-def prompt_from_proto(request: gateway_pb2.GenerateRequest) -> Prompt:
+def prompt_from_proto(request: gateway_pb2.GenerateRequest, max_context_length: int = 0) -> Prompt:
+    """The request's prompt. Its token ids, turns and earlier tool calls each take a token of
+    the context at least, so more than `max_context_length` (the model's; 0: unknown) of them
+    are refused before they are converted: a message may hold millions, and converting them
+    one by one held the event loop (every other stream) for up to 35 s."""
     which = request.WhichOneof("input")
     if which is None:
         raise InvalidArgument("set one of text, token_ids or chat", field="input")
@@ -78,12 +83,18 @@ def prompt_from_proto(request: gateway_pb2.GenerateRequest) -> Prompt:
             raise InvalidArgument("must not be empty", field="text")
         return Prompt(text=request.text, raw=request.raw_prompt)
     if which == "token_ids":
+        if max_context_length:
+            check_prompt_fits(len(request.token_ids.ids), max_context_length, field="input")
         return Prompt(token_ids=token_ids_from_proto(request.token_ids.ids, "token_ids.ids"))
     if not request.chat.messages:
         raise InvalidArgument("must contain at least one message", field="chat.messages")
+    _within_context(len(request.chat.messages), max_context_length, "chat.messages", "messages")
     messages = []
+    num_calls = 0
     for position, message in enumerate(request.chat.messages):
         field = f"chat.messages[{position}]"
+        num_calls += len(message.tool_calls)
+        _within_context(num_calls, max_context_length, f"{field}.tool_calls", "tool calls in the turns up to this one")
         role = chat_role(message.role, f"{field}.role")
         if message.tool_calls and role != "assistant":
             raise InvalidArgument("only an assistant turn holds tool calls", field=f"{field}.tool_calls")
@@ -100,6 +111,14 @@ def prompt_from_proto(request: gateway_pb2.GenerateRequest) -> Prompt:
         messages.append(ChatMessage(role, message.content, message.reasoning_content, message.name, calls,
                                     message.tool_call_id))
     return Prompt(chat=tuple(messages))
+
+
+def _within_context(count: int, max_context_length: int, field: str, what: str) -> None:
+    """Refuse `count` elements of a prompt, each a token at least, that leave no room for an
+    answer in a context of `max_context_length` tokens (0: unknown, nothing refused)."""
+    if max_context_length and count >= max_context_length:
+        raise InvalidArgument(f"holds {count} {what}, each a prompt token at least, but this model's context is "
+                              f"{max_context_length} tokens; shorten the prompt", field=field)
 
 
 def tools_from_proto(tools: Sequence[gateway_pb2.Tool]) -> tuple[dict[str, Any], ...]:
@@ -248,7 +267,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
         # an unset message is all defaults, so both cases go through the same validation
         sampling = sampling_from_proto(request.sampling, reasoning=reasoning)
-        prompt, parse_tool_calls, forced = with_tools(request, prompt_from_proto(request))
+        model = resolve_model(self.models, request.model)
+        max_context_length = next(entry.max_context_length for entry in self.models if entry.id == model)
+        prompt, parse_tool_calls, forced = with_tools(request, prompt_from_proto(request, max_context_length))
         if forced is not None:
             parallel = not request.HasField("parallel_tool_calls") or request.parallel_tool_calls
             constraint = forced_call_output(forced, prompt.tools, parallel, "tool_choice", "tool_choice_function")
@@ -258,7 +279,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             sampling.structured_output = constraint
         return GenerateSpec(
             request_id=require_request_id(request_id),
-            model=resolve_model(self.models, request.model),
+            model=model,
             prompt=prompt,
             sampling=sampling,
             reasoning=reasoning,

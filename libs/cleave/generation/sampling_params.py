@@ -314,12 +314,7 @@ class SamplingParams:
                 raise InvalidArgument(f"must be >= 1, got {self.max_tokens}", field="max_tokens")
         if max_model_len is None or prompt_len is None:
             return
-        if prompt_len >= max_model_len:
-            raise InvalidArgument(
-                f"has {prompt_len} tokens but the model's context is {max_model_len} tokens; "
-                "shorten the prompt to leave room for at least one generated token",
-                field="prompt",
-            )
+        check_prompt_fits(prompt_len, max_model_len)
         if self.max_tokens is not None and prompt_len + self.max_tokens > max_model_len:
             raise InvalidArgument(
                 f"{self.max_tokens} plus the prompt's {prompt_len} tokens exceeds the "
@@ -327,6 +322,17 @@ class SamplingParams:
                 f"{max_model_len - prompt_len}",
                 field="max_tokens",
             )
+
+
+def check_prompt_fits(prompt_len: int, max_model_len: int, field: str = "prompt") -> None:
+    """Raise InvalidArgument naming `field` unless a prompt of `prompt_len` tokens leaves room
+    for a generated token in a context of `max_model_len`."""
+    if prompt_len >= max_model_len:
+        raise InvalidArgument(
+            f"has {prompt_len} tokens but the model's context is {max_model_len} tokens; "
+            "shorten the prompt to leave room for at least one generated token",
+            field=field,
+        )
 
 
 def _require_real(name: str, value: object) -> None:

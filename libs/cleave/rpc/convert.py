@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Sized
 from typing import Any
 
 import grpc
@@ -16,9 +16,14 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from cleave.errors import InvalidArgument
 from cleave.generation.outputs import FinishReason
-from cleave.generation.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from cleave.generation.sampling_params import (
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 from cleave.generation.sampling_request import MAX_SAMPLES, MAX_TOKEN_ID, SamplingRequest, to_sampling_params
-from cleave.generation.structured_output import StructuredKind, StructuredOutput
+from cleave.generation.structured_output import MAX_CHOICES, StructuredKind, StructuredOutput
 from cleave.proto.cleave.v1 import common_pb2
 from cleave.rpc import types
 from cleave.rpc.errors import error_code_for
@@ -54,12 +59,19 @@ def _optional(message, name: str):
     return getattr(message, name) if message.HasField(name) else None
 
 
+def at_most(values: Sized, limit: int, field: str, what: str) -> None:
+    """Refuse a repeated field of more than `limit` elements, named `field`; call it before
+    the elements are converted."""
+    if len(values) > limit:
+        raise InvalidArgument(f"holds {len(values)} {what}; at most {limit}", field=field)
+
+
 def token_ids_from_proto(ids: Sequence[int], field: str, allow_empty: bool = False,
                          max_count: int | None = None) -> tuple[int, ...]:
     """Validated token ids (uint32 on the wire; must fit int32 for the engine), at most
     `max_count` of them: counted before they are converted, since a message may hold millions."""
-    if max_count is not None and len(ids) > max_count:
-        raise InvalidArgument(f"holds {len(ids)} token ids; at most {max_count}", field=field)
+    if max_count is not None:
+        at_most(ids, max_count, field, "token ids")
     token_ids = tuple(ids)
     if not token_ids and not allow_empty:
         raise InvalidArgument("must contain at least one token id", field=field)
@@ -78,6 +90,10 @@ def sampling_from_proto(
     the HTTP API shares); unset fields take the engine defaults (temperature, top_p and
     repetition_penalty 1.0; max_tokens 0 -> None: fill the context). `reasoning` adds the
     thinking budget and whether reasoning text is returned."""
+    # counted before they are converted: a message may hold millions of tiny elements, and
+    # converting them one by one held the event loop for seconds before the validator's refusal
+    at_most(message.stop, MAX_STOP_STRINGS, f"{field}.stop", "strings")
+    at_most(message.logit_bias, MAX_LOGIT_BIAS_TOKENS, f"{field}.logit_bias", "biased tokens")
     request = SamplingRequest(
         max_tokens=message.max_tokens or None,
         min_tokens=message.min_tokens,
@@ -115,6 +131,7 @@ def structured_from_proto(message: common_pb2.StructuredOutput, field: str = "sa
     if form is None or (form == "json_object" and not message.json_object):
         raise InvalidArgument("set one of json_schema, json_object, regex, choice or grammar", field=field)
     if form == "choice":
+        at_most(message.choice.choices, MAX_CHOICES, field, "choices")  # before they are converted
         return StructuredOutput(StructuredKind.CHOICE, choices=tuple(message.choice.choices))
     if form == "json_object":
         return StructuredOutput(StructuredKind.JSON_OBJECT)

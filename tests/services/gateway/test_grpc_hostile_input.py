@@ -8,14 +8,16 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from cleave.generation.sampling_params import MAX_STOP_TOKEN_IDS
+from cleave.generation.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from cleave.proto.cleave.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from cleave.rpc import aio_channel
 from cleave.rpc.errors import error_detail
 from tests.services.gateway.helpers import assert_decode_pools_full
-from tests.services.gateway.stack import start_stack
+from tests.services.gateway.stack import MAX_MODEL_LEN, start_stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
+g = gateway_pb2
+MANY = 100_000
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -54,3 +56,36 @@ async def test_stop_token_ids_are_bounded(gateway):
     over = common_pb2.SamplingParams(max_tokens=2, stop_token_ids=[3] * (MAX_STOP_TOKEN_IDS + 1))
     request = gateway_pb2.GenerateRequest(text="Hi", sampling=over)
     assert await refused_field(gateway, request) == "sampling.stop_token_ids"
+
+
+# Each list is too long and its first element is bad too: the field named shows that the length
+# was checked first, before the elements were converted one by one on the gateway's event loop
+# (32 MB of them held every other stream for up to 35 s).
+TOO_LONG = {
+    "prompt token ids": (g.GenerateRequest(token_ids=g.TokenIds(ids=[2**32 - 1] + [5] * MANY)), "input"),
+    "chat turns": (g.GenerateRequest(chat=g.ChatMessages(messages=[g.ChatMessage(role="nobody")] * MANY)),
+                   "chat.messages"),
+    "earlier tool calls": (g.GenerateRequest(chat=g.ChatMessages(messages=[
+        g.ChatMessage(role="assistant", tool_calls=[g.ToolCall(name="")] * MAX_MODEL_LEN),
+        g.ChatMessage(role="user", content="Hi")])), "chat.messages[0].tool_calls"),
+    "stop strings": (g.GenerateRequest(text="Hi", sampling=common_pb2.SamplingParams(stop=[""] + ["x"] * MANY)),
+                     "sampling.stop"),
+    "stop token ids": (g.GenerateRequest(text="Hi", sampling=common_pb2.SamplingParams(
+        stop_token_ids=[2**32 - 1] + [3] * MANY)), "sampling.stop_token_ids"),
+}
+
+
+@pytest.mark.parametrize(("request_", "field"), TOO_LONG.values(), ids=TOO_LONG.keys())
+async def test_a_list_too_long_is_refused_before_its_elements_are_read(gateway, request_, field):
+    assert await refused_field(gateway, request_) == field
+
+
+async def test_prompts_within_the_limits_are_served(gateway):
+    filling = g.GenerateRequest(token_ids=g.TokenIds(ids=[5] * (MAX_MODEL_LEN - 1)),
+                                sampling=common_pb2.SamplingParams(max_tokens=1))
+    turns = [g.ChatMessage(role="user", content="Hi"), g.ChatMessage(role="assistant", tool_calls=[g.ToolCall(name="f")]),
+             g.ChatMessage(role="tool", content="1", tool_call_id="call-1")]
+    conversation = g.GenerateRequest(chat=g.ChatMessages(messages=turns), sampling=common_pb2.SamplingParams(
+        max_tokens=2, stop=["x"] * MAX_STOP_STRINGS))
+    for request in (filling, conversation):
+        assert len(await finish_reasons(gateway, request)) == 1
