@@ -109,6 +109,31 @@ class ServedModel:
             )
         return num_bytes
 
+    def renders_short(self, prompt: Prompt, max_bytes: int) -> bool:
+        """Whether what the chat template may render from `prompt` holds at most `max_bytes`
+        bytes (token ids: 4 each): every string of every turn, of its earlier tool calls and
+        of the tools, which `check_prompt_size` leaves out (a template may drop them) and which
+        may be megabytes. Counting stops past `max_bytes`, so millions of parts cost no more
+        than a few."""
+        if prompt.token_ids is not None:
+            return 4 * len(prompt.token_ids) <= max_bytes
+        turns = [(m.role, m.content, m.reasoning_content, m.name, m.tool_calls, m.tool_call_id)
+                 for m in prompt.chat or ()]
+        pending: list[Any] = [prompt.text or "", prompt.tools, turns]
+        total = 0
+        while pending and total <= max_bytes:
+            part = pending.pop()
+            if isinstance(part, str):
+                total += _utf8_len(part)
+            elif isinstance(part, dict):
+                pending.extend(part.keys())
+                pending.extend(part.values())
+            elif isinstance(part, (list, tuple)):
+                pending.extend(part)
+            else:  # a number, bool or null in a schema or in arguments
+                total += 1
+        return total <= max_bytes
+
     def encode(self, prompt: Prompt, reasoning: ReasoningOptions | None = None) -> list[int]:
         """Token ids of a prompt; text and chat go through the chat template unless raw, with
         the template variables `reasoning` sets (`enable_thinking`, `reasoning_effort`).

@@ -211,8 +211,10 @@ class RoutingBackend:
         return None
 
     async def _prepare_off_loop(self, spec: GenerateSpec) -> tuple[list[int], GenerateSpec]:
-        """`_prepare` after the prompt's size check; in a worker thread unless it is short."""
-        if self.model.check_prompt_size(spec.prompt) <= INLINE_TOKENIZE_MAX_BYTES:
+        """`_prepare` after the prompt's size check; in a worker thread unless all it may render
+        is short (a prompt of small content may carry megabytes of tools or earlier calls)."""
+        self.model.check_prompt_size(spec.prompt)
+        if self.model.renders_short(spec.prompt, INLINE_TOKENIZE_MAX_BYTES):
             return self._prepare(spec)
         # the copied context makes the thread's gateway.tokenize span a child of the request's
         context = contextvars.copy_context()

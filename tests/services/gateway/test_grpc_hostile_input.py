@@ -4,16 +4,25 @@ with its decode pools full again."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import threading
+
 import grpc
 import pytest
 import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cleave.generation.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from cleave.proto.cleave.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from cleave.rpc import aio_channel
+from cleave.rpc import aio_channel, serve
 from cleave.rpc.errors import error_detail
+from services.gateway.__main__ import registration
+from services.gateway.router import INLINE_TOKENIZE_MAX_BYTES, GatewayOptions, RoutingBackend
+from services.gateway.servicer import GatewayServicer
 from tests.services.gateway.helpers import assert_decode_pools_full
 from tests.services.gateway.stack import MAX_MODEL_LEN, start_stack
+from tests.services.gateway.test_tool_calls import tool_model  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 g = gateway_pb2
@@ -89,3 +98,44 @@ async def test_prompts_within_the_limits_are_served(gateway):
         max_tokens=2, stop=["x"] * MAX_STOP_STRINGS))
     for request in (filling, conversation):
         assert len(await finish_reasons(gateway, request)) == 1
+
+
+async def test_a_short_turn_with_long_tool_schemas_renders_off_the_event_loop(tool_model, monkeypatch):  # noqa: F811
+    # the content alone is short, and was rendered and tokenized on the event loop: 25 MB of
+    # tool schemas held every other stream there for 10 s
+    encode = tool_model.tokenizer.encode_without_gil
+    tokenizing, health_answered = threading.Event(), threading.Event()
+    answered_while_tokenizing = []
+
+    def held_encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        tokenizing.set()  # on the event loop, the health check below could not be answered
+        answered_while_tokenizing.append(health_answered.wait(timeout=5))
+        return encode(text, add_special_tokens=add_special_tokens)
+
+    monkeypatch.setattr(tool_model.tokenizer, "encode_without_gil", held_encode)
+    unreachable = "127.0.0.1:9"  # discard port: the request never gets past tokenizing
+    backend = RoutingBackend(tool_model, [unreachable], [unreachable], GatewayOptions(mode="disaggregated"))
+    server = await serve([registration(GatewayServicer(backend, [tool_model.config]))], "127.0.0.1:0",
+                         handle_signals=False)
+    try:
+        await server.set_ready()
+        schema = {"type": "object", "properties": {"city": {"type": "string", "description": "x" * INLINE_TOKENIZE_MAX_BYTES}}}
+        request = g.GenerateRequest(chat=g.ChatMessages(messages=[g.ChatMessage(role="user", content="Hi")]),
+                                    tools=[g.Tool(name="get_weather", parameters_json=json.dumps(schema))])
+        async with aio_channel(server.address) as channel:
+            generating = asyncio.ensure_future(finish_reasons(gateway_pb2_grpc.GatewayStub(channel), request))
+            try:
+                assert await asyncio.to_thread(tokenizing.wait, 5)
+                health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert health.status == health_pb2.HealthCheckResponse.SERVING
+                health_answered.set()
+                with pytest.raises(grpc.aio.AioRpcError) as raised:  # too long for the context, or no worker
+                    await generating
+            finally:
+                health_answered.set()
+                generating.cancel()
+        assert raised.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE)
+        assert answered_while_tokenizing == [True]
+    finally:
+        await server.drain(0)
+        await backend.shutdown()
