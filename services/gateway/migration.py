@@ -9,6 +9,7 @@ samples becomes up to n worker requests, one per moved sample.
 
     prompt      = original prompt ids + the sample's tokens already streamed
     max_tokens  = what was left of the original budget (max_tokens, or the context window)
+    min_tokens  = what was left of the original minimum (the tokens already streamed count)
     thinking    = budgets less the reasoning tokens already spent (inside the thinking block);
                   none once the block closed; unchanged before it opened
     seed        = the key the sample's seeded stream had reached (`row_key(seed, sample,
@@ -113,6 +114,7 @@ def continuation(
         prompt_logprobs=None,  # the client has the prompt's scores; the new prompt holds output too
         seed=None if params.seed is None else row_key(params.seed, sample_index, len(generated_token_ids)),
         max_tokens=None if params.max_tokens is None else left,
+        min_tokens=max(params.min_tokens - len(generated_token_ids), 0),
         max_thinking_tokens=budgets.max_thinking_tokens,
         min_thinking_tokens=budgets.min_thinking_tokens or 0,
     )
