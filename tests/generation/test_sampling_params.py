@@ -71,6 +71,13 @@ def test_length_against_context_window():
     SamplingParams(max_tokens=None).validate(max_model_len=128, prompt_len=127)
 
 
+def test_min_tokens_against_context_window():
+    SamplingParams(max_tokens=None, min_tokens=28).validate(max_model_len=128, prompt_len=100)
+    with pytest.raises(InvalidArgument) as info:  # no max_tokens: the context would end it sooner
+        SamplingParams(max_tokens=None, min_tokens=29).validate(max_model_len=128, prompt_len=100)
+    assert info.value.field == "min_tokens" and "at most 28" in info.value.message
+
+
 def test_max_new_tokens_and_greedy():
     assert SamplingParams(max_tokens=None).max_new_tokens(128, 100) == 28
     assert SamplingParams(max_tokens=10).max_new_tokens(128, 100) == 10

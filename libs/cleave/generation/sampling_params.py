@@ -322,6 +322,13 @@ class SamplingParams:
                 f"{max_model_len - prompt_len}",
                 field="max_tokens",
             )
+        if self.min_tokens > max_model_len - prompt_len:  # else the sample ends at the context, short of it
+            raise InvalidArgument(
+                f"{self.min_tokens} plus the prompt's {prompt_len} tokens exceeds the "
+                f"model's context of {max_model_len}; set it to at most "
+                f"{max_model_len - prompt_len}",
+                field="min_tokens",
+            )
 
 
 def check_prompt_fits(prompt_len: int, max_model_len: int, field: str = "prompt") -> None:

@@ -100,6 +100,12 @@ async def test_prompts_within_the_limits_are_served(gateway):
         assert len(await finish_reasons(gateway, request)) == 1
 
 
+async def test_min_tokens_past_the_context_is_refused(gateway):
+    # without max_tokens the sample would end at the context, short of its min_tokens
+    sampling = common_pb2.SamplingParams(min_tokens=MAX_MODEL_LEN)
+    assert await refused_field(gateway, g.GenerateRequest(text="Hi", sampling=sampling)) == "sampling.min_tokens"
+
+
 async def test_a_short_turn_with_long_tool_schemas_renders_off_the_event_loop(tool_model, monkeypatch):  # noqa: F811
     # the content alone is short, and was rendered and tokenized on the event loop: 25 MB of
     # tool schemas held every other stream there for 10 s
