@@ -7,7 +7,8 @@ checkpoint, or named by `--reasoning-parser`), and turns a `Prompt` into token i
 
 Before tokenizing, a prompt's text is measured in UTF-8 bytes: no token covers more bytes
 than the vocabulary's longest, so text over `max_model_len` times that many bytes cannot fit
-the context whatever it tokenizes to, and is refused without running the tokenizer.
+the context whatever it tokenizes to, and is refused without running the tokenizer (a chat's
+content before its template runs, and all the template rendered, tools included, after).
 """
 
 from __future__ import annotations
@@ -166,6 +167,12 @@ class ServedModel:
         except (jinja2.TemplateError, TypeError, ValueError) as error:  # the template refused what it was given
             raise InvalidArgument(f"the model's chat template cannot render this conversation: {error}",
                                   field="input") from None
+        num_bytes = _utf8_len(text)
+        if num_bytes > self.max_prompt_bytes:  # tools and earlier calls may render to megabytes: tokenizing took seconds
+            raise InvalidArgument(
+                f"renders to {num_bytes} bytes of text (tools and earlier tool calls included), more than this "
+                f"model's context of {self.max_model_len} tokens can hold (at most {self.max_prompt_bytes} bytes); "
+                "shorten the conversation or the tools", field="input")
         token_ids = self.tokenizer.encode_without_gil(text, add_special_tokens=False)
         if not token_ids:
             raise InvalidArgument("renders to an empty prompt", field="input")

@@ -106,7 +106,31 @@ async def test_min_tokens_past_the_context_is_refused(gateway):
     assert await refused_field(gateway, g.GenerateRequest(text="Hi", sampling=sampling)) == "sampling.min_tokens"
 
 
-async def test_a_short_turn_with_long_tool_schemas_renders_off_the_event_loop(tool_model, monkeypatch):  # noqa: F811
+@pytest_asyncio.fixture(loop_scope="module")
+async def tools_gateway(tool_model):  # noqa: F811
+    """A gateway over the tools model whose workers never answer: a request ends once tokenized."""
+    unreachable = "127.0.0.1:9"  # discard port
+    backend = RoutingBackend(tool_model, [unreachable], [unreachable], GatewayOptions(mode="disaggregated"))
+    server = await serve([registration(GatewayServicer(backend, [tool_model.config]))], "127.0.0.1:0",
+                         handle_signals=False)
+    try:
+        await server.set_ready()
+        async with aio_channel(server.address) as channel:
+            yield channel
+    finally:
+        await server.drain(0)
+        await backend.shutdown()
+
+
+def with_tool(description: str) -> gateway_pb2.GenerateRequest:
+    """A short turn and one tool described at length."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "description": description}}}
+    return g.GenerateRequest(chat=g.ChatMessages(messages=[g.ChatMessage(role="user", content="Hi")]),
+                             tools=[g.Tool(name="get_weather", parameters_json=json.dumps(schema))])
+
+
+async def test_a_short_turn_with_long_tool_schemas_renders_off_the_event_loop(tool_model, tools_gateway,  # noqa: F811
+                                                                               monkeypatch):
     # the content alone is short, and was rendered and tokenized on the event loop: 25 MB of
     # tool schemas held every other stream there for 10 s
     encode = tool_model.tokenizer.encode_without_gil
@@ -119,29 +143,30 @@ async def test_a_short_turn_with_long_tool_schemas_renders_off_the_event_loop(to
         return encode(text, add_special_tokens=add_special_tokens)
 
     monkeypatch.setattr(tool_model.tokenizer, "encode_without_gil", held_encode)
-    unreachable = "127.0.0.1:9"  # discard port: the request never gets past tokenizing
-    backend = RoutingBackend(tool_model, [unreachable], [unreachable], GatewayOptions(mode="disaggregated"))
-    server = await serve([registration(GatewayServicer(backend, [tool_model.config]))], "127.0.0.1:0",
-                         handle_signals=False)
+    request = with_tool("x" * INLINE_TOKENIZE_MAX_BYTES)
+    generating = asyncio.ensure_future(finish_reasons(gateway_pb2_grpc.GatewayStub(tools_gateway), request))
     try:
-        await server.set_ready()
-        schema = {"type": "object", "properties": {"city": {"type": "string", "description": "x" * INLINE_TOKENIZE_MAX_BYTES}}}
-        request = g.GenerateRequest(chat=g.ChatMessages(messages=[g.ChatMessage(role="user", content="Hi")]),
-                                    tools=[g.Tool(name="get_weather", parameters_json=json.dumps(schema))])
-        async with aio_channel(server.address) as channel:
-            generating = asyncio.ensure_future(finish_reasons(gateway_pb2_grpc.GatewayStub(channel), request))
-            try:
-                assert await asyncio.to_thread(tokenizing.wait, 5)
-                health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-                assert health.status == health_pb2.HealthCheckResponse.SERVING
-                health_answered.set()
-                with pytest.raises(grpc.aio.AioRpcError) as raised:  # too long for the context, or no worker
-                    await generating
-            finally:
-                health_answered.set()
-                generating.cancel()
-        assert raised.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE)
-        assert answered_while_tokenizing == [True]
+        assert await asyncio.to_thread(tokenizing.wait, 5)
+        health = await health_pb2_grpc.HealthStub(tools_gateway).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        health_answered.set()
+        with pytest.raises(grpc.aio.AioRpcError) as raised:  # too long for the context, or no worker
+            await generating
     finally:
-        await server.drain(0)
-        await backend.shutdown()
+        health_answered.set()
+        generating.cancel()
+    assert raised.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE)
+    assert answered_while_tokenizing == [True]
+
+
+async def test_tools_rendering_past_the_byte_bound_are_refused_before_tokenizing(tool_model, tools_gateway,  # noqa: F811
+                                                                                 monkeypatch):
+    # tokenizing 25 MB of rendered tool schemas took 8 s of one of the gateway's few tokenizer
+    # threads, only to find the prompt too long
+    encoded = []
+    encode = tool_model.tokenizer.encode_without_gil
+    monkeypatch.setattr(tool_model.tokenizer, "encode_without_gil",
+                        lambda text, add_special_tokens=True: encoded.append(text) or encode(text, add_special_tokens))
+    stub = gateway_pb2_grpc.GatewayStub(tools_gateway)
+    assert await refused_field(stub, with_tool("x" * tool_model.max_prompt_bytes)) == "input"
+    assert encoded == []
