@@ -19,6 +19,7 @@ from cleave.generation.tool_calls import ForcedCall, ToolCall
 from cleave.rpc.types import ReasoningOptions, TopLogprobs, Usage
 from cleave.scaling.code_verifier import CodeTest
 from cleave.scaling.strategies import AnswerVotes, Strategy
+from services.gateway.prompt_truncation import PromptTruncation
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class GenerateSpec:
     forced_call: ForcedCall | None = None  # tool_choice forced calls: the answer is their JSON
     tenant: str = ""  # with several API keys, the tag of the key it came with (`services.gateway.tenants`)
     include_stop_str: bool = False  # a stop string that ends a sample stays in its text (vLLM's option)
+    truncation: PromptTruncation | None = None  # vLLM's truncate_prompt_tokens: the prompt's last tokens alone run
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ field were absent is worse than an error. So, as vLLM does for what it cannot se
 field below is a 400 naming it when it asks for something (a null, an empty list or the
 field's no-op value such as `function_call: "none"` asks for nothing and passes). A value of
 the wrong type is a 400 too, whatever it would ask for. Completions' fields sent to chat
-(`best_of`, `suffix`, `echo`) and vLLM's `truncate_prompt_tokens` are read the same way.
+(`best_of`, `suffix`, `echo`) are read the same way.
 Fields that change nothing about the output (`user`, `metadata`, `store`, `service_tier`)
 are accepted. The Responses API's own are refused here too: the stored state it cannot
 reach (`previous_response_id`, `conversation`, `background`, `prompt`), `truncation: "auto"`
@@ -13,8 +13,8 @@ and an `include` of what a response here never holds (each item judged, the erro
 it: `include[1]`). Tools (`tools`, `tool_choice`, `parallel_tool_calls`) are served:
 `openai_tools`; structured outputs (`response_format`, `structured_outputs`, `guided_*`):
 `structured_request`; vLLM's `prompt_logprobs`, `return_token_ids` and
-`include_stop_str_in_output`: `openai_request`; the rest of the Responses API:
-`responses_api`.
+`include_stop_str_in_output`: `openai_request`; its `truncate_prompt_tokens`:
+`prompt_truncation`; the rest of the Responses API: `responses_api`.
 """
 
 from __future__ import annotations
@@ -87,10 +87,6 @@ def _is(expected: Any) -> Callable[[Any, dict[str, Any]], bool]:
     return lambda value, body: value == expected or _empty(value, body)
 
 
-def _never(value: Any, body: dict[str, Any]) -> bool:
-    return False
-
-
 def _always(value: Any, body: dict[str, Any]) -> bool:
     return True
 
@@ -103,10 +99,6 @@ def _among(values: tuple[Any, ...]) -> Callable[[Any, dict[str, Any]], bool]:
 _BEST_OF = _Unhonoured("best_of larger than n is not supported; use n, or the gRPC API's best-of-N scaling",
                        "an integer", _no_more_than_n, lowest=1)
 _SUFFIX = _Unhonoured("suffix (insertion) is not supported", "a string")
-# vLLM's extensions, on both routes
-_EXTENSIONS = {
-    "truncate_prompt_tokens": _Unhonoured("prompts are never truncated; shorten the prompt", "an integer", _never),
-}
 _REFUSED_CHAT = {
     "functions": _Unhonoured("the legacy functions API is not supported; use tools"),
     "function_call": _Unhonoured("the legacy functions API is not supported (only \"none\"); use tool_choice",
@@ -121,14 +113,12 @@ _REFUSED_CHAT = {
     "echo": _Unhonoured("echo is only served by /v1/completions", "true or false", _is(False)),
     "add_special_tokens": _Unhonoured("only false is supported: the chat template places the special tokens",
                                       "true or false", _is(False)),
-    **_EXTENSIONS,
 }
 _REFUSED_COMPLETIONS = {
     "suffix": _SUFFIX,
     "best_of": _BEST_OF,
     "add_special_tokens": _Unhonoured("only true is supported: a prompt's text is tokenized with the tokenizer's "
                                       "special tokens", "true or false", _is(True)),
-    **_EXTENSIONS,
 }
 
 

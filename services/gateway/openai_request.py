@@ -28,6 +28,7 @@ from services.gateway.openai_tools import (
     request_tools,
     tool_call_id,
 )
+from services.gateway.prompt_truncation import PromptTruncation
 from services.gateway.request_names import chat_role
 from services.gateway.structured_request import answer_shape
 
@@ -312,6 +313,13 @@ def _prompt_logprobs(body: dict[str, Any]) -> int | None:
     return top
 
 
+def _truncation(body: dict[str, Any]) -> PromptTruncation | None:
+    """vLLM's `truncate_prompt_tokens` (absent or null: the prompt runs whole, or is refused
+    when it does not fit)."""
+    value = body.get("truncate_prompt_tokens")
+    return None if value is None else PromptTruncation.checked(value)
+
+
 def _optional_bool(body: dict[str, Any], name: str) -> bool:
     """A true/false field of `body` (absent or null: false)."""
     return False if body.get(name) is None else _bool(body[name], name)
@@ -496,5 +504,6 @@ def generate_spec(body: Any, request_id: str, model: str, chat: bool,
         parallel_tool_calls=parallel,
         forced_call=shape.forced_call,
         include_stop_str=_optional_bool(body, "include_stop_str_in_output"),
+        truncation=_truncation(body),
     )
     return spec, stream

@@ -1,7 +1,8 @@
 """`RoutingBackend`: the gateway's serving logic over prefill and decode workers.
 
 One request: check the prompt's size in bytes -> tokenize (in a worker thread unless the
-prompt is short, so a long one never stalls the event loop) -> validate -> place it on a
+prompt is short, so a long one never stalls the event loop) -> keep the prompt's last tokens
+where the request asks (`prompt_truncation`) -> validate -> place it on a
 decode worker (`placement`: free blocks, load) -> start it there (`starts`: disaggregated —
 one Prefill on a prefill worker picked by load and prefix affinity, which admits and starts
 the decode worker itself, its first tokens streamed at once — for any n, the samples
@@ -224,6 +225,8 @@ class RoutingBackend:
     def _prepare(self, spec: GenerateSpec) -> tuple[list[int], GenerateSpec]:
         with span("gateway.tokenize", request_id=spec.request_id):
             prompt_ids = self.model.encode(spec.prompt, spec.reasoning)
+        if spec.truncation is not None:  # before the context check: a prompt cut to fit passes it
+            prompt_ids = spec.truncation.apply(prompt_ids, self.model.max_model_len, spec.sampling)
         sampling = spec.sampling
         if spec.scaling.strategy is not Strategy.NONE:
             sampling = replace(sampling, n=spec.scaling.num_samples)

@@ -157,7 +157,6 @@ async def test_unknown_paths_and_methods_answer_openai_shaped_json(stack):
     ("tool_choice", "required"),
     ("functions", [{"name": "f", "parameters": {}}]),
     ("modalities", ["audio"]),
-    ("truncate_prompt_tokens", 8),
 ])
 async def test_what_cannot_be_honoured_is_refused_by_name(stack, field, value):
     with pytest.raises(openai.BadRequestError) as raised:

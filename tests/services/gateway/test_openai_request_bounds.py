@@ -15,6 +15,7 @@ from services.gateway.openai_request import (
     completion_prompts,
     generate_spec,
 )
+from services.gateway.prompt_truncation import PromptTruncation
 
 
 def completion(**options):
@@ -161,7 +162,9 @@ def test_a_priority_travels_in_the_sampling_params_and_must_be_an_int32():
     *((build, {name: "x"}, name) for build in (completion, chat) for name in (
         "prompt_logprobs", "truncate_prompt_tokens", "include_stop_str_in_output", "add_special_tokens",
         "return_token_ids")),
-    *((build, {"truncate_prompt_tokens": 8}, "truncate_prompt_tokens") for build in (completion, chat)),
+    # vLLM's range: k >= 1, or -1 (as many as the context holds); 0 would keep an empty prompt
+    *((build, {"truncate_prompt_tokens": bad}, "truncate_prompt_tokens") for build in (completion, chat)
+      for bad in (0, -2, True, 1.5, [8])),
     # served ones are bounded as top_logprobs is, and prompt scores are never streamed (vLLM's too)
     *((build, {"prompt_logprobs": bad}, "prompt_logprobs") for build in (completion, chat) for bad in (-1, 21, True)),
     *((build, {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs") for build in (completion, chat)),
@@ -192,11 +195,13 @@ def test_their_no_op_values_are_accepted(build, options):
 
 @pytest.mark.parametrize("build", [completion, chat])
 def test_vllms_served_extensions_reach_the_spec(build):
-    spec = build(prompt_logprobs=20, return_token_ids=True, include_stop_str_in_output=True)
+    spec = build(prompt_logprobs=20, return_token_ids=True, include_stop_str_in_output=True, truncate_prompt_tokens=8)
     assert spec.sampling.prompt_logprobs == 20 and spec.stream.include_prompt_token_ids and spec.include_stop_str
+    assert spec.truncation == PromptTruncation(8)
+    assert build(truncate_prompt_tokens=-1).truncation == PromptTruncation(-1)
     plain = build()
     assert plain.sampling.prompt_logprobs is None and not plain.stream.include_prompt_token_ids
-    assert not plain.include_stop_str
+    assert not plain.include_stop_str and plain.truncation is None
 
 
 def test_an_echo_scores_its_prompt_with_prompt_logprobs_count_else_with_logprobs():
