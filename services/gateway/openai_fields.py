@@ -5,7 +5,8 @@ field were absent is worse than an error. So, as vLLM does for what it cannot se
 field below is a 400 naming it when it asks for something (a null, an empty list or the
 field's no-op value such as `function_call: "none"` asks for nothing and passes). A value of
 the wrong type is a 400 too, whatever it would ask for. Completions' fields sent to chat
-(`best_of`, `suffix`, `echo`) are read the same way.
+(`best_of`, `suffix`, `echo`) are read the same way, and vLLM's `truncation_side`, of which
+only "left" (its default) is served.
 Fields that change nothing about the output (`user`, `metadata`, `store`, `service_tier`)
 are accepted. The Responses API's own are refused here too: the stored state it cannot
 reach (`previous_response_id`, `conversation`, `background`, `prompt`), `truncation: "auto"`
@@ -99,6 +100,10 @@ def _among(values: tuple[Any, ...]) -> Callable[[Any, dict[str, Any]], bool]:
 _BEST_OF = _Unhonoured("best_of larger than n is not supported; use n, or the gRPC API's best-of-N scaling",
                        "an integer", _no_more_than_n, lowest=1)
 _SUFFIX = _Unhonoured("suffix (insertion) is not supported", "a string")
+# vLLM's side for truncate_prompt_tokens (`prompt_truncation`): its default for generating
+# models, the left, keeps the prompt's last tokens, the only side served here
+_TRUNCATION_SIDE = _Unhonoured("only \"left\" is supported: truncate_prompt_tokens keeps the prompt's last tokens",
+                               "a string", _among(("left",)))
 _REFUSED_CHAT = {
     "functions": _Unhonoured("the legacy functions API is not supported; use tools"),
     "function_call": _Unhonoured("the legacy functions API is not supported (only \"none\"); use tool_choice",
@@ -113,12 +118,14 @@ _REFUSED_CHAT = {
     "echo": _Unhonoured("echo is only served by /v1/completions", "true or false", _is(False)),
     "add_special_tokens": _Unhonoured("only false is supported: the chat template places the special tokens",
                                       "true or false", _is(False)),
+    "truncation_side": _TRUNCATION_SIDE,
 }
 _REFUSED_COMPLETIONS = {
     "suffix": _SUFFIX,
     "best_of": _BEST_OF,
     "add_special_tokens": _Unhonoured("only true is supported: a prompt's text is tokenized with the tokenizer's "
                                       "special tokens", "true or false", _is(True)),
+    "truncation_side": _TRUNCATION_SIDE,
 }
 
 

@@ -165,6 +165,8 @@ def test_a_priority_travels_in_the_sampling_params_and_must_be_an_int32():
     # vLLM's range: k >= 1, or -1 (as many as the context holds); 0 would keep an empty prompt
     *((build, {"truncate_prompt_tokens": bad}, "truncate_prompt_tokens") for build in (completion, chat)
       for bad in (0, -2, True, 1.5, [8])),
+    # vLLM's truncation_side: only its default for generating models, the left, is served
+    *((build, {"truncation_side": bad}, "truncation_side") for build in (completion, chat) for bad in ("right", "", 1)),
     # served ones are bounded as top_logprobs is, and prompt scores are never streamed (vLLM's too)
     *((build, {"prompt_logprobs": bad}, "prompt_logprobs") for build in (completion, chat) for bad in (-1, 21, True)),
     *((build, {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs") for build in (completion, chat)),
@@ -187,6 +189,8 @@ def test_fields_the_gateway_does_not_honour_are_refused_and_checked(build, optio
     (chat, {"best_of": 1, "echo": False, "suffix": None, "add_special_tokens": False}),
     *((build, {"prompt_logprobs": None, "truncate_prompt_tokens": None, "include_stop_str_in_output": False,
                "return_token_ids": False}) for build in (completion, chat)),
+    *((build, {"truncate_prompt_tokens": 8, "truncation_side": side}) for build in (completion, chat)
+      for side in ("left", None)),
     (chat, {"top_logprobs": 20}),
 ])
 def test_their_no_op_values_are_accepted(build, options):
