@@ -73,7 +73,7 @@ from services.gateway.openai_request import (
 from services.gateway.openai_tools import call_json
 from services.gateway.prompt_scores import vllm_prompt_logprobs
 from services.gateway.readiness import Routability
-from services.gateway.request_names import resolve_model
+from services.gateway.request_names import context_length, resolve_model
 from services.gateway.responses_api import ResponseShaper, responses_body
 from services.gateway.responses_api import param_names as responses_param_names
 from services.gateway.tenants import TenantBackend
@@ -249,7 +249,10 @@ class OpenAIApi:
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """OpenAI's Responses API on the chat path (`responses_api`)."""
         async def respond(body: Any, request_id: str) -> web.StreamResponse:
-            spec, stream = generate_spec(responses_body(body), request_id, self._model(body), chat=True)
+            model = self._model(body)
+            context = context_length(self.models, model)
+            spec, stream = generate_spec(responses_body(body, context), request_id, model, chat=True,
+                                         max_context_length=context)
             shaper = ResponseShaper(spec, body)
             return await self._generated(request, spec, stream, shaper, shaper.response, self._stream_response)
 
@@ -309,11 +312,14 @@ class OpenAIApi:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         async def respond(body: Any, request_id: str) -> web.StreamResponse:
             model = self._model(body)
+            context = context_length(self.models, model)
+            prompt = None
             if not chat and isinstance(body, dict):
-                prompts = completion_prompts(body)
+                prompts = completion_prompts(body, context)
                 if len(prompts) > 1 or body.get("echo"):
                     return web.json_response(await self._complete_batch(request, body, request_id, model, prompts))
-            spec, stream = generate_spec(body, request_id, model, chat)
+                prompt = prompts[0]
+            spec, stream = generate_spec(body, request_id, model, chat, prompt, max_context_length=context)
             shaper = _Shaper(spec, chat, self.token_text, include_usage=include_usage(body, stream))
             return await self._generated(request, spec, stream, shaper, shaper.complete, self._stream)
 

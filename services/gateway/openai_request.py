@@ -3,7 +3,8 @@
 Sampling options are read from the JSON body into a `SamplingRequest` (types checked here,
 as the protobuf wire types check them for gRPC) and validated by `to_sampling_params`, the
 validator the gRPC API uses too, so both APIs accept and reject the same values; errors name
-the OpenAI parameter (`temperature`, `max_tokens`, `messages`).
+the OpenAI parameter (`temperature`, `max_tokens`, `messages`). A prompt's lists are counted
+before their elements are read, as the gRPC API counts its repeated fields (`prompt_bounds`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from services.gateway.openai_tools import (
     request_tools,
     tool_call_id,
 )
+from services.gateway.prompt_bounds import token_ids_to_read, within_context
 from services.gateway.prompt_truncation import PromptTruncation
 from services.gateway.request_names import chat_role
 from services.gateway.structured_request import answer_shape
@@ -399,54 +401,76 @@ def _optional_text(value: Any, field: str) -> str:
     return "" if value is None else text_field(value, field)
 
 
-def chat_prompt(body: dict[str, Any]) -> Prompt:
+def chat_prompt(body: dict[str, Any], max_context_length: int = 0) -> Prompt:
+    """The prompt of a chat body's `messages` and `tools`. Its turns, and the tool calls of
+    those up to each, are counted against the model's context (`max_context_length`; 0:
+    unknown) before they are read (`prompt_bounds`): a million empty turns held the event
+    loop for seconds."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("must be a non-empty list of messages", field="messages")
+    within_context(len(messages), max_context_length, "messages", "messages, each a prompt token at least")
     turns = []
+    num_calls = 0
     for position, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidArgument(f"must be a message object, got {json_type(message)}", field=f"messages[{position}]")
         role = chat_role(message.get("role"), f"messages[{position}].role")
-        tool_calls = assistant_tool_calls(message.get("tool_calls"), position) if role == "assistant" else ()
-        content = message.get("content")
-        turns.append(ChatMessage(
-            role=role,
-            content="" if content is None and tool_calls else content_text(content, f"messages[{position}].content"),
-            reasoning_content=_optional_text(message.get("reasoning_content"), f"messages[{position}].reasoning_content"),
-            name=_optional_text(message.get("name"), f"messages[{position}].name"),
-            tool_calls=tool_calls,
-            tool_call_id=tool_call_id(message.get("tool_call_id"), position, role),
-        ))
+        calls = message.get("tool_calls") if role == "assistant" else None
+        num_calls += len(calls) if isinstance(calls, list) else 0
+        within_context(num_calls, max_context_length, f"messages[{position}].tool_calls",
+                       "tool calls in the turns up to this one, each a prompt token at least")
+        turns.append(_chat_turn(message, position, role))
     return Prompt(chat=tuple(turns), tools=request_tools(body))
 
 
-def _one_prompt(prompt: Any, field: str) -> Prompt:
+def _chat_turn(message: dict[str, Any], position: int, role: str) -> ChatMessage:
+    """One of a body's `messages`, its `role` already read."""
+    tool_calls = assistant_tool_calls(message.get("tool_calls"), position) if role == "assistant" else ()
+    content = message.get("content")
+    return ChatMessage(
+        role=role,
+        content="" if content is None and tool_calls else content_text(content, f"messages[{position}].content"),
+        reasoning_content=_optional_text(message.get("reasoning_content"), f"messages[{position}].reasoning_content"),
+        name=_optional_text(message.get("name"), f"messages[{position}].name"),
+        tool_calls=tool_calls,
+        tool_call_id=tool_call_id(message.get("tool_call_id"), position, role),
+    )
+
+
+def _one_prompt(prompt: Any, field: str, max_context_length: int = 0, truncating: bool = False) -> Prompt:
+    """One prompt of a completions body: text, or token ids counted before they are read
+    (`prompt_bounds`: with `truncating`, the last context's worth alone are read)."""
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidArgument("must not be empty", field=field)
         return Prompt(text=text_field(prompt, field), raw=True)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-        return Prompt(token_ids=tuple(prompt))
+    if isinstance(prompt, list) and prompt:
+        token_ids = token_ids_to_read(prompt, max_context_length, truncating, field)
+        if all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids):
+            return Prompt(token_ids=tuple(token_ids))
     raise InvalidArgument("must be a non-empty string or list of token ids", field=field)
 
 
-def completion_prompts(body: dict[str, Any]) -> list[Prompt]:
+def completion_prompts(body: dict[str, Any], max_context_length: int = 0) -> list[Prompt]:
     """The prompts of a /v1/completions body: one string or token-id list, or a list of them
-    (one choice group per prompt, in order)."""
+    (one choice group per prompt, in order). A list is counted before its elements are read
+    (prompts against MAX_PROMPTS, token ids against the model's context: `_one_prompt`)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(item, (str, list)) for item in prompt):
+    truncating = body.get("truncate_prompt_tokens") is not None
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):  # a batch, not token ids
         if len(prompt) > MAX_PROMPTS:
             raise InvalidArgument(f"holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request", field="prompt")
-        return [_one_prompt(item, f"prompt[{position}]") for position, item in enumerate(prompt)]
+        return [_one_prompt(item, f"prompt[{position}]", max_context_length, truncating)
+                for position, item in enumerate(prompt)]
     if isinstance(prompt, (str, list)):
-        return [_one_prompt(prompt, "prompt")]
+        return [_one_prompt(prompt, "prompt", max_context_length, truncating)]
     raise InvalidArgument("must be a string, a list of token ids, or a list of either", field="prompt")
 
 
-def completion_prompt(body: dict[str, Any]) -> Prompt:
+def completion_prompt(body: dict[str, Any], max_context_length: int = 0) -> Prompt:
     """The one prompt of a /v1/completions body (a batch of one counts)."""
-    prompts = completion_prompts(body)
+    prompts = completion_prompts(body, max_context_length)
     if len(prompts) != 1:
         raise InvalidArgument("must hold one prompt here", field="prompt")
     return prompts[0]
@@ -469,15 +493,16 @@ class CompletionEcho:
         return cls(echo=bool(echo), prompt_only=bool(echo) and body.get("max_tokens") == 0)
 
 
-def generate_spec(body: Any, request_id: str, model: str, chat: bool,
-                  prompt: Prompt | None = None) -> tuple[GenerateSpec, bool]:
+def generate_spec(body: Any, request_id: str, model: str, chat: bool, prompt: Prompt | None = None,
+                  max_context_length: int = 0) -> tuple[GenerateSpec, bool]:
     """(validated spec, whether to stream) of a /v1/completions or /v1/chat/completions body;
-    `prompt` overrides the body's (one prompt of a completions batch)."""
+    `prompt` overrides the body's (one prompt of a completions batch). The body's prompt is
+    counted against `max_context_length`, the model's (0: unknown), before it is read."""
     if not isinstance(body, dict):
         raise InvalidArgument("the request body must be a JSON object", field="body")
     refuse_unsupported(body, "chat" if chat else "completions")
     if prompt is None:
-        prompt = chat_prompt(body) if chat else completion_prompt(body)
+        prompt = chat_prompt(body, max_context_length) if chat else completion_prompt(body, max_context_length)
     reasoning = _reasoning(body)
     if not chat and reasoning.mode is ReasoningMode.DEFAULT:
         # a raw completion is the model's text whole, thinking included (as vLLM returns it)

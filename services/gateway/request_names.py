@@ -38,3 +38,10 @@ def resolve_model(models: Sequence[ModelConfig], name: Any) -> str:
         served = ", ".join(entry.id for entry in models)
         raise NotFound(f"model {name!r} is not served here; served: {served}", field="model")
     return name
+
+
+def context_length(models: Sequence[ModelConfig], model_id: str) -> int:
+    """The context of the served model `model_id` (a `resolve_model` id), in tokens; 0 when
+    its configuration leaves it unknown. Both APIs count a prompt's parts against it before
+    reading them (`prompt_bounds`)."""
+    return next(entry.max_context_length for entry in models if entry.id == model_id)

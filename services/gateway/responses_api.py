@@ -33,6 +33,7 @@ from services.gateway.openai_fields import refuse_unsupported
 from services.gateway.openai_request import content_text, text_field
 from services.gateway.openai_request import param_names as chat_param_names
 from services.gateway.openai_tools import json_object, json_type, new_call_id, string_field
+from services.gateway.prompt_bounds import within_context
 from services.gateway.request_names import chat_role
 
 # chat-completions names of the fields a translated request may be refused for -> the Responses API's
@@ -57,16 +58,18 @@ def param_names(body: Any) -> dict[str, str]:
     """How errors name the fields of a Responses `body` -> its own names: the chat body it runs
     as names them as a chat request's (`openai_request.param_names`), in chat-completions
     names, which map on to the Responses API's."""
-    try:
-        chat = responses_body(body)
+    try:  # the fields whose names depend on the body; not the input, which may be long
+        chat = _chat_fields(body)
     except InvalidArgument:  # refused while translated: such errors name the Responses fields
         chat = None
     names = {field: _PARAM_NAMES.get(name, name) for field, name in chat_param_names(chat, chat=True).items()}
     return {**_PARAM_NAMES, **names}
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The request's `instructions` and `input` as chat messages."""
+def _messages(body: dict[str, Any], max_context_length: int = 0) -> list[dict[str, Any]]:
+    """The request's `instructions` and `input` as chat messages. The input's items are
+    counted against the model's context (`max_context_length`; 0: unknown) before they are
+    read (`prompt_bounds`)."""
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if instructions is not None:
@@ -78,6 +81,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         return messages + [{"role": "user", "content": text_field(items, "input")}]
     if not isinstance(items, list) or not items:
         raise InvalidArgument("must be a string or a non-empty list of items", field="input")
+    within_context(len(items), max_context_length, "input", "items (turns, tool calls and their reasoning)")
     reasoning = ""  # a reasoning item's text, for the assistant turn after it
     for position, item in enumerate(items):
         where = f"input[{position}]"
@@ -140,13 +144,21 @@ def _tools(value: Any) -> list[dict[str, Any]] | None:
     return tools
 
 
-def responses_body(body: Any) -> dict[str, Any]:
-    """The chat-completions body a Responses API request runs as (see the module docstring).
-    Raises InvalidArgument naming the Responses field."""
+def responses_body(body: Any, max_context_length: int = 0) -> dict[str, Any]:
+    """The chat-completions body a Responses API request runs as (see the module docstring),
+    its input counted against `max_context_length`, the model's context (0: unknown), before
+    it is read. Raises InvalidArgument naming the Responses field."""
     if not isinstance(body, dict):
         raise InvalidArgument("the request body must be a JSON object", field="body")
     refuse_unsupported(body, "responses")
-    chat: dict[str, Any] = {"messages": _messages(body)}
+    return {"messages": _messages(body, max_context_length), **_chat_fields(body)}
+
+
+def _chat_fields(body: Any) -> dict[str, Any]:
+    """The chat-completions fields of a Responses body but its messages."""
+    if not isinstance(body, dict):
+        raise InvalidArgument("the request body must be a JSON object", field="body")
+    chat: dict[str, Any] = {}
     response_format = _response_format(body.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format

@@ -48,7 +48,8 @@ from services.gateway.backend import (
     VerifierSpec,
 )
 from services.gateway.openai_tools import MAX_TOOLS, json_object, new_call_id
-from services.gateway.request_names import chat_role, resolve_model
+from services.gateway.prompt_bounds import within_context
+from services.gateway.request_names import chat_role, context_length, resolve_model
 from services.gateway.structured_request import forced_call_output
 from services.gateway.tenants import for_tenant, scoped_request_id
 
@@ -88,13 +89,15 @@ def prompt_from_proto(request: gateway_pb2.GenerateRequest, max_context_length: 
         return Prompt(token_ids=token_ids_from_proto(request.token_ids.ids, "token_ids.ids"))
     if not request.chat.messages:
         raise InvalidArgument("must contain at least one message", field="chat.messages")
-    _within_context(len(request.chat.messages), max_context_length, "chat.messages", "messages")
+    within_context(len(request.chat.messages), max_context_length, "chat.messages",
+                   "messages, each a prompt token at least")
     messages = []
     num_calls = 0
     for position, message in enumerate(request.chat.messages):
         field = f"chat.messages[{position}]"
         num_calls += len(message.tool_calls)
-        _within_context(num_calls, max_context_length, f"{field}.tool_calls", "tool calls in the turns up to this one")
+        within_context(num_calls, max_context_length, f"{field}.tool_calls",
+                       "tool calls in the turns up to this one, each a prompt token at least")
         role = chat_role(message.role, f"{field}.role")
         if message.tool_calls and role != "assistant":
             raise InvalidArgument("only an assistant turn holds tool calls", field=f"{field}.tool_calls")
@@ -111,14 +114,6 @@ def prompt_from_proto(request: gateway_pb2.GenerateRequest, max_context_length: 
         messages.append(ChatMessage(role, message.content, message.reasoning_content, message.name, calls,
                                     message.tool_call_id))
     return Prompt(chat=tuple(messages))
-
-
-def _within_context(count: int, max_context_length: int, field: str, what: str) -> None:
-    """Refuse `count` elements of a prompt, each a token at least, that leave no room for an
-    answer in a context of `max_context_length` tokens (0: unknown, nothing refused)."""
-    if max_context_length and count >= max_context_length:
-        raise InvalidArgument(f"holds {count} {what}, each a prompt token at least, but this model's context is "
-                              f"{max_context_length} tokens; shorten the prompt", field=field)
 
 
 def tools_from_proto(tools: Sequence[gateway_pb2.Tool]) -> tuple[dict[str, Any], ...]:
@@ -268,8 +263,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # an unset message is all defaults, so both cases go through the same validation
         sampling = sampling_from_proto(request.sampling, reasoning=reasoning)
         model = resolve_model(self.models, request.model)
-        max_context_length = next(entry.max_context_length for entry in self.models if entry.id == model)
-        prompt, parse_tool_calls, forced = with_tools(request, prompt_from_proto(request, max_context_length))
+        prompt = prompt_from_proto(request, context_length(self.models, model))
+        prompt, parse_tool_calls, forced = with_tools(request, prompt)
         if forced is not None:
             parallel = not request.HasField("parallel_tool_calls") or request.parallel_tool_calls
             constraint = forced_call_output(forced, prompt.tools, parallel, "tool_choice", "tool_choice_function")

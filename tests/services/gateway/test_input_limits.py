@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import importlib
 import json
 import logging
 import sys
@@ -377,6 +378,70 @@ async def test_grpc_out_of_range_fields_are_invalid_argument(gateway, field, val
             pass
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error_detail(raised.value).field == path
+
+
+# ---- long lists are counted before they are read ---------------------------------------------
+# A million empty chat turns (33 MB, within the body limit) were converted one by one on the event
+# loop, holding every other client's stream for seconds, before the prompt was refused as too long
+# once rendered. Each list below is too long and its first element is bad too: the field and the
+# message named show that the list was counted first, and the per-element reader, wrapped, shows
+# that no element was read.
+
+RESPONSES = "/v1/responses"
+EMPTY_TURN = {"role": "user", "content": ""}
+COUNTED_FIRST = {
+    "chat turns": (CHAT, {"messages": [{"role": "nobody"}] + [EMPTY_TURN] * MAX_MODEL_LEN},
+                   "messages", f"holds {MAX_MODEL_LEN + 1} messages", "openai_request._chat_turn"),
+    "earlier tool calls": (CHAT, {"messages": [{"role": "assistant", "tool_calls": [{}] * MAX_MODEL_LEN}, USER]},
+                           "messages[0].tool_calls", f"holds {MAX_MODEL_LEN} tool calls",
+                           "openai_request.assistant_tool_calls"),
+    "responses items": (RESPONSES, {"input": [{"type": "bogus"}] + [EMPTY_TURN] * MAX_MODEL_LEN},
+                        "input", f"holds {MAX_MODEL_LEN + 1} items", "responses_api.chat_role"),
+    "prompt token ids": (COMPLETIONS, {"prompt": [-1] + [5] * MAX_MODEL_LEN}, "prompt",
+                         f"has {MAX_MODEL_LEN + 1} tokens", None),
+}
+
+
+@pytest.mark.parametrize(("path", "body", "param", "message", "reader"), COUNTED_FIRST.values(),
+                         ids=COUNTED_FIRST.keys())
+async def test_a_list_too_long_is_refused_before_its_elements_are_read(gateway, monkeypatch, path, body, param,
+                                                                        message, reader):
+    client, _, tokenizer, _ = gateway
+    reads = []
+    if reader is not None:
+        module_name, name = reader.split(".")
+        module = importlib.import_module(f"services.gateway.{module_name}")
+        read = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args, **kwargs: reads.append(args) or read(*args, **kwargs))
+    response = await client.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: {message}"), error
+    assert reads == [] and tokenizer.calls == 0
+
+
+async def test_the_real_client_gets_the_refusal_by_name(gateway):
+    client, _, _, _ = gateway
+    async with openai.AsyncOpenAI(base_url=str(client.base_url).rstrip("/") + "/v1", api_key="unused",
+                                  max_retries=0) as openai_client:
+        with pytest.raises(openai.BadRequestError) as raised:
+            await openai_client.chat.completions.create(model="tiny", messages=[EMPTY_TURN] * MAX_MODEL_LEN)
+    assert raised.value.body["param"] == "messages"
+    assert f"this model's context is {MAX_MODEL_LEN} tokens" in raised.value.body["message"]
+
+
+async def test_with_truncation_token_ids_past_the_context_are_read_from_their_end(gateway):
+    client, _, _, _ = gateway
+    # the ids before the context's worth are dropped unread (a bad one among them is not
+    # refused); the rest fit, and the request goes on to the workers, which never answer
+    long_ids = {"prompt": [-1] + [5] * (2 * MAX_MODEL_LEN), "truncate_prompt_tokens": 8, "max_tokens": 1}
+    response = await client.post(COMPLETIONS, json=long_ids)
+    assert response.status_code == 503, response.text
+    # turns are still counted: each renders to a token at least, so all but the last
+    # context's worth would be cut whole
+    turns = {"messages": [EMPTY_TURN] * MAX_MODEL_LEN, "truncate_prompt_tokens": 8, "max_tokens": 1}
+    response = await client.post(CHAT, json=turns)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
 
 
 # ---- malformed HTTP requests ----------------------------------------------------------------
