@@ -3,8 +3,9 @@
 Sampling options are read from the JSON body into a `SamplingRequest` (types checked here,
 as the protobuf wire types check them for gRPC) and validated by `to_sampling_params`, the
 validator the gRPC API uses too, so both APIs accept and reject the same values; errors name
-the OpenAI parameter (`temperature`, `max_tokens`, `messages`). A prompt's lists are counted
-before their elements are read, as the gRPC API counts its repeated fields (`prompt_bounds`).
+the OpenAI parameter (`temperature`, `max_tokens`, `messages`). Lists are counted against
+their caps before their elements are read, as the gRPC API counts its repeated fields: the
+prompt's (`prompt_bounds`), stop strings and ids, logit biases.
 """
 
 from __future__ import annotations
@@ -15,9 +16,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cleave.errors import CleaveError, InvalidArgument
-from cleave.generation.sampling_params import MAX_LOGPROBS, PRIORITY_MAX, PRIORITY_MIN
+from cleave.generation.sampling_params import (
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+)
 from cleave.generation.sampling_request import MAX_SAMPLES, SamplingRequest, to_sampling_params
-from cleave.rpc.convert import checked_reasoning_effort, thinking_options
+from cleave.rpc.convert import at_most, checked_reasoning_effort, thinking_options
 from cleave.rpc.types import ReasoningMode, ReasoningOptions
 from services.gateway.backend import ChatMessage, GenerateSpec, Prompt, Scaling, StreamShape
 from services.gateway.openai_fields import refuse_unsupported
@@ -239,6 +247,7 @@ def _stop(value: Any) -> list[str]:
     if isinstance(value, str):
         return [text_field(value, "stop")]
     if isinstance(value, list):
+        at_most(value, MAX_STOP_STRINGS, "stop", "strings")  # before they are read, as the gRPC API's
         return [text_field(item, f"stop[{position}]") for position, item in enumerate(value)]
     raise InvalidArgument("must be a string or a list of strings", field="stop")
 
@@ -273,6 +282,7 @@ def _sampling(body: dict[str, Any], chat: bool) -> SamplingRequest:
     if stop_ids is not None:
         if not isinstance(stop_ids, list):
             raise InvalidArgument(f"must be a list of token ids, got {json_type(stop_ids)}", field="stop_token_ids")
+        at_most(stop_ids, MAX_STOP_TOKEN_IDS, "stop_token_ids", "token ids")
         options["stop_token_ids"] = tuple(_uint(token_id, f"stop_token_ids[{position}]")
                                           for position, token_id in enumerate(stop_ids))
     if body.get("logit_bias") is not None:
@@ -340,6 +350,7 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     if not isinstance(value, dict):
         raise InvalidArgument(f"must be an object mapping token ids to biases, got {json_type(value)}",
                               field="logit_bias")
+    at_most(value, MAX_LOGIT_BIAS_TOKENS, "logit_bias", "biased tokens")
     pairs = []
     for key, bias in value.items():
         if not (isinstance(key, str) and key.isdigit() and key.isascii()):

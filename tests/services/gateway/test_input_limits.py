@@ -32,6 +32,7 @@ from cleave.config import (
     worker_config,
 )
 from cleave.generation.outputs import FinishReason
+from cleave.generation.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from cleave.proto.cleave.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from cleave.rpc import aio_channel, serve
 from cleave.rpc.errors import error_detail
@@ -399,6 +400,12 @@ COUNTED_FIRST = {
                         "input", f"holds {MAX_MODEL_LEN + 1} items", "responses_api.chat_role"),
     "prompt token ids": (COMPLETIONS, {"prompt": [-1] + [5] * MAX_MODEL_LEN}, "prompt",
                          f"has {MAX_MODEL_LEN + 1} tokens", None),
+    "stop strings": (CHAT, {"messages": [USER], "stop": [""] + ["x"] * MAX_STOP_STRINGS}, "stop",
+                     f"holds {MAX_STOP_STRINGS + 1} strings", None),
+    "stop token ids": (CHAT, {"messages": [USER], "stop_token_ids": [-1] + [3] * MAX_STOP_TOKEN_IDS},
+                       "stop_token_ids", f"holds {MAX_STOP_TOKEN_IDS + 1} token ids", None),
+    "logit biases": (CHAT, {"messages": [USER], "logit_bias": {"5": "x", **{str(k): 1 for k in range(6, 6 + 1024)}}},
+                     "logit_bias", "holds 1025 biased tokens", None),
 }
 
 
