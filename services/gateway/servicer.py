@@ -287,6 +287,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             parse_tool_calls=parse_tool_calls,
             parallel_tool_calls=not request.HasField("parallel_tool_calls") or request.parallel_tool_calls,
             forced_call=forced,
+            include_stop_str=request.sampling.include_stop_str_in_output,
         )
 
     async def Generate(

@@ -163,3 +163,18 @@ async def test_deadline_aborts_with_deadline_exceeded(stack):
             await client.complete(PROMPT, timeout=0.3, max_tokens=240, ignore_eos=True, n=8, temperature=1.0)
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert await wait_for_free_blocks(stack, before) == before
+
+
+# ---- vLLM's extensions, served as the HTTP API serves them ------------------------------------
+
+async def test_include_stop_str_in_output_keeps_the_stop_string(stack):
+    inline = c.ReasoningOptions(mode=c.REASONING_MODE_INLINE)
+    async with GatewayClient(stack.gateway_address) as client:
+        full = await client.complete(PROMPT, max_tokens=16, temperature=0.0, reasoning=inline)
+        text = full.samples[0].text
+        stop = text[5:8]
+        end = text.index(stop)
+        for include, expected in ((True, text[:end + len(stop)]), (False, text[:end])):
+            cut = await client.complete(PROMPT, max_tokens=16, temperature=0.0, stop=[stop], reasoning=inline,
+                                        include_stop_str_in_output=include)
+            assert (cut.samples[0].text, cut.samples[0].finish_reason) == (expected, "stop"), include
