@@ -1,7 +1,8 @@
 """vLLM's `truncate_prompt_tokens`: a prompt longer than asked keeps its last tokens.
 
-The HTTP API reads the field (`openai_request`) into a `PromptTruncation` on the request's
-`GenerateSpec`; the router applies it to the prompt's token ids right after tokenizing (for
+The HTTP API reads the field (`openai_request`), and the gRPC API its
+`GenerateRequest.truncate_prompt_tokens` (`servicer`), into a `PromptTruncation` on the
+request's `GenerateSpec`; the router applies it to the prompt's token ids right after tokenizing (for
 chat, to the chat template's whole rendering) and before the context check, so a prompt too
 long for the context fits, and the workers, `usage.prompt_tokens`, `prompt_token_ids` and the
 prompt's logprobs all see the kept tokens alone. vLLM truncates a generating model's prompt

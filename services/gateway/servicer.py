@@ -14,7 +14,6 @@ import structlog
 from cleave.api_keys import ApiKeys
 from cleave.config import ModelConfig
 from cleave.errors import InvalidArgument, Unauthenticated
-from cleave.generation.sampling_params import check_prompt_fits
 from cleave.generation.tool_calls import ForcedCall
 from cleave.proto.cleave.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from cleave.rpc import current_request_id
@@ -48,7 +47,8 @@ from services.gateway.backend import (
     VerifierSpec,
 )
 from services.gateway.openai_tools import MAX_TOOLS, json_object, new_call_id
-from services.gateway.prompt_bounds import within_context
+from services.gateway.prompt_bounds import token_ids_to_read, within_context
+from services.gateway.prompt_truncation import PromptTruncation
 from services.gateway.request_names import chat_role, context_length, resolve_model
 from services.gateway.structured_request import forced_call_output
 from services.gateway.tenants import for_tenant, scoped_request_id
@@ -73,7 +73,8 @@ def prompt_from_proto(request: gateway_pb2.GenerateRequest, max_context_length: 
     """The request's prompt. Its token ids, turns and earlier tool calls each take a token of
     the context at least, so more than `max_context_length` (the model's; 0: unknown) of them
     are refused before they are converted: a message may hold millions, and converting them
-    one by one held the event loop (every other stream) for up to 35 s."""
+    one by one held the event loop (every other stream) for up to 35 s. With
+    `truncate_prompt_tokens` the token ids are read from their end alone (`prompt_bounds`)."""
     which = request.WhichOneof("input")
     if which is None:
         raise InvalidArgument("set one of text, token_ids or chat", field="input")
@@ -84,9 +85,9 @@ def prompt_from_proto(request: gateway_pb2.GenerateRequest, max_context_length: 
             raise InvalidArgument("must not be empty", field="text")
         return Prompt(text=request.text, raw=request.raw_prompt)
     if which == "token_ids":
-        if max_context_length:
-            check_prompt_fits(len(request.token_ids.ids), max_context_length, field="input")
-        return Prompt(token_ids=token_ids_from_proto(request.token_ids.ids, "token_ids.ids"))
+        ids = request.token_ids.ids
+        read = token_ids_to_read(ids, max_context_length, request.HasField("truncate_prompt_tokens"), "input")
+        return Prompt(token_ids=token_ids_from_proto(read, "token_ids.ids", first_position=len(ids) - len(read)))
     if not request.chat.messages:
         raise InvalidArgument("must contain at least one message", field="chat.messages")
     within_context(len(request.chat.messages), max_context_length, "chat.messages",
@@ -114,6 +115,13 @@ def prompt_from_proto(request: gateway_pb2.GenerateRequest, max_context_length: 
         messages.append(ChatMessage(role, message.content, message.reasoning_content, message.name, calls,
                                     message.tool_call_id))
     return Prompt(chat=tuple(messages))
+
+
+def truncation_from_proto(request: gateway_pb2.GenerateRequest) -> PromptTruncation | None:
+    """`truncate_prompt_tokens`, checked as the HTTP API checks it (unset: the prompt runs whole)."""
+    if not request.HasField("truncate_prompt_tokens"):
+        return None
+    return PromptTruncation.checked(request.truncate_prompt_tokens)
 
 
 def tools_from_proto(tools: Sequence[gateway_pb2.Tool]) -> tuple[dict[str, Any], ...]:
@@ -263,6 +271,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # an unset message is all defaults, so both cases go through the same validation
         sampling = sampling_from_proto(request.sampling, reasoning=reasoning)
         model = resolve_model(self.models, request.model)
+        truncation = truncation_from_proto(request)  # named before a prompt it lets run long is read
         prompt = prompt_from_proto(request, context_length(self.models, model))
         prompt, parse_tool_calls, forced = with_tools(request, prompt)
         if forced is not None:
@@ -288,6 +297,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             parallel_tool_calls=not request.HasField("parallel_tool_calls") or request.parallel_tool_calls,
             forced_call=forced,
             include_stop_str=request.sampling.include_stop_str_in_output,
+            truncation=truncation,
         )
 
     async def Generate(

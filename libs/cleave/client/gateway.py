@@ -51,14 +51,17 @@ def build_request(
     stream: gateway_pb2.StreamOptions | None = None,
     request_id: str = "",
     model: str = "",
+    truncate_prompt_tokens: int | None = None,
     **sampling: Any,
 ) -> gateway_pb2.GenerateRequest:
-    """A GenerateRequest from a text, token-id or chat prompt and SamplingParams fields."""
+    """A GenerateRequest from a text, token-id or chat prompt and SamplingParams fields
+    (`truncate_prompt_tokens`: run the prompt's last k tokens; None: all)."""
     unknown = set(sampling) - _SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling fields: {', '.join(sorted(unknown))}")
     request = gateway_pb2.GenerateRequest(
-        request_id=request_id, model=model, raw_prompt=raw, sampling=common_pb2.SamplingParams(**sampling)
+        request_id=request_id, model=model, raw_prompt=raw, sampling=common_pb2.SamplingParams(**sampling),
+        truncate_prompt_tokens=truncate_prompt_tokens,
     )
     if isinstance(prompt, str):
         request.text = prompt

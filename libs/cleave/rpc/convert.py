@@ -67,15 +67,17 @@ def at_most(values: Sized, limit: int, field: str, what: str) -> None:
 
 
 def token_ids_from_proto(ids: Sequence[int], field: str, allow_empty: bool = False,
-                         max_count: int | None = None) -> tuple[int, ...]:
+                         max_count: int | None = None, first_position: int = 0) -> tuple[int, ...]:
     """Validated token ids (uint32 on the wire; must fit int32 for the engine), at most
-    `max_count` of them: counted before they are converted, since a message may hold millions."""
+    `max_count` of them: counted before they are converted, since a message may hold millions.
+    `first_position`: where `ids` starts in the field (errors name the field's positions), for
+    ids read from a field's end."""
     if max_count is not None:
         at_most(ids, max_count, field, "token ids")
     token_ids = tuple(ids)
     if not token_ids and not allow_empty:
         raise InvalidArgument("must contain at least one token id", field=field)
-    for position, token_id in enumerate(token_ids):
+    for position, token_id in enumerate(token_ids, start=first_position):
         if token_id > MAX_TOKEN_ID:
             raise InvalidArgument(f"token id {token_id} is out of range", field=f"{field}[{position}]")
     return token_ids

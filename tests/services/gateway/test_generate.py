@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import httpx
 import pytest
 
 from cleave.client import GatewayClient
 from cleave.client.gateway import build_request, collect
 from cleave.generation.sampling_params import SamplingParams
 from cleave.proto.cleave.v1 import common_pb2 as c, gateway_pb2 as g
+from cleave.rpc.errors import error_detail
 from tests.services.gateway.helpers import free_blocks, reference_llm, wait_for_free_blocks, wait_for_no_running
+from tests.services.gateway.stack import MAX_MODEL_LEN
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 PROMPT = "The quick brown fox"
@@ -166,6 +169,71 @@ async def test_deadline_aborts_with_deadline_exceeded(stack):
 
 
 # ---- vLLM's extensions, served as the HTTP API serves them ------------------------------------
+
+# head and tail differ, so keeping the wrong end answers differently
+HEAD = "The quick brown fox jumps over the lazy dog. " * 12
+TAIL = "Once upon a time there was a little green frog who sang all day long by the river"
+KEEP = 24
+GREEDY = dict(max_tokens=6, temperature=0.0, stream=IDS)
+
+
+async def http_tokenize(stack, body: dict) -> list[int]:
+    """The prompt's token ids as the gateway's tokenizer makes them (vLLM's /tokenize)."""
+    async with httpx.AsyncClient() as http:
+        response = await http.post(f"{stack.http_url.removesuffix('/v1')}/tokenize", json={"model": "tiny", **body})
+    assert response.status_code == 200, response.text
+    return response.json()["tokens"]
+
+
+async def greedy_run(client: GatewayClient, prompt, **options) -> tuple[list[int], int, list[int]]:
+    """(sampled token ids, prompt tokens counted, the prompt's token ids as run) of one greedy
+    request."""
+    responses = [response async for response in client.stream(build_request(prompt, prompt_logprobs=0,
+                                                                            **{**GREEDY, **options}))]
+    sampled = [token for response in responses for sample in response.samples for token in sample.token_ids]
+    prompt_ids = [token for response in responses for token in response.prompt_token_ids]
+    return sampled, responses[-1].usage.prompt_tokens, prompt_ids
+
+
+async def test_truncation_runs_a_prompt_as_its_last_tokens(stack):
+    text_ids = await http_tokenize(stack, {"prompt": HEAD + TAIL, "add_special_tokens": True})
+    messages = [{"role": "system", "content": HEAD}, {"role": "user", "content": TAIL}]
+    chat_ids = await http_tokenize(stack, {"messages": messages})
+    assert len(text_ids) > MAX_MODEL_LEN and len(chat_ids) > MAX_MODEL_LEN
+    async with GatewayClient(stack.gateway_address) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as whole:  # it does not fit untruncated
+            await greedy_run(client, HEAD + TAIL, raw=True)
+        for prompt, full_ids, raw in ((HEAD + TAIL, text_ids, True), (messages, chat_ids, False)):
+            cut = await greedy_run(client, prompt, raw=raw, truncate_prompt_tokens=KEEP)
+            tail = await greedy_run(client, full_ids[-KEEP:])
+            head = await greedy_run(client, full_ids[:KEEP])
+            assert cut == tail and cut[1:] == (KEEP, full_ids[-KEEP:])
+            assert cut[0] != head[0]
+    assert whole.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error_detail(whole.value).field == "input"
+
+
+async def test_truncation_minus_one_keeps_what_fits_of_a_token_id_prompt_past_the_context(stack):
+    prompt_ids = list(range(1, 2 * MAX_MODEL_LEN))
+    kept = prompt_ids[-(MAX_MODEL_LEN - 5):]
+    async with GatewayClient(stack.gateway_address) as client:
+        fit = await greedy_run(client, prompt_ids, truncate_prompt_tokens=-1, max_tokens=5)
+        direct = await greedy_run(client, kept, max_tokens=5)
+        short = await greedy_run(client, prompt_ids[:8], truncate_prompt_tokens=KEEP)
+    assert fit == direct and fit[1:] == (MAX_MODEL_LEN - 5, kept)
+    assert short[1] == 8  # no longer than asked: whole
+
+
+async def test_bad_truncation_counts_are_refused_by_name(stack):
+    # out of vLLM's range; then over what the context holds beside max_tokens, however short the prompt
+    async with GatewayClient(stack.gateway_address) as client:
+        for value in (0, -2, MAX_MODEL_LEN - 1):
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await client.complete(PROMPT, max_tokens=2, truncate_prompt_tokens=value)
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, value
+            assert error_detail(raised.value).field == "truncate_prompt_tokens", raised.value.details()
+        fits = await client.complete(PROMPT, max_tokens=2, ignore_eos=True, truncate_prompt_tokens=MAX_MODEL_LEN - 2)
+    assert fits.usage.completion_tokens == 2
+
 
 async def test_include_stop_str_in_output_keeps_the_stop_string(stack):
     inline = c.ReasoningOptions(mode=c.REASONING_MODE_INLINE)

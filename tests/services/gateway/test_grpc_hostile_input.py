@@ -89,6 +89,23 @@ async def test_a_list_too_long_is_refused_before_its_elements_are_read(gateway, 
     assert await refused_field(gateway, request_) == field
 
 
+async def test_with_truncation_token_ids_past_the_context_are_read_from_their_end(gateway):
+    # the raw count is bounded by the message size alone; only the last context's worth is
+    # read (no truncation keeps more), so an out-of-range id before it is never converted
+    one_token = common_pb2.SamplingParams(max_tokens=1)
+    long_ids = [2**32 - 1] + [5] * MANY + [7] * MAX_MODEL_LEN
+    served = g.GenerateRequest(token_ids=g.TokenIds(ids=long_ids), truncate_prompt_tokens=8, sampling=one_token)
+    assert len(await finish_reasons(gateway, served)) == 1
+    # one in what is read is refused at its place in the field
+    bad_end = g.GenerateRequest(token_ids=g.TokenIds(ids=[5] * MANY + [2**32 - 1]), truncate_prompt_tokens=8)
+    assert await refused_field(gateway, bad_end) == f"token_ids.ids[{MANY}]"
+    # turns keep their bound: each renders to a token at least, so all but the last context's
+    # worth would be cut whole
+    turns = g.GenerateRequest(chat=g.ChatMessages(messages=[g.ChatMessage(role="user")] * MAX_MODEL_LEN),
+                              truncate_prompt_tokens=8, sampling=one_token)
+    assert await refused_field(gateway, turns) == "chat.messages"
+
+
 async def test_prompts_within_the_limits_are_served(gateway):
     filling = g.GenerateRequest(token_ids=g.TokenIds(ids=[5] * (MAX_MODEL_LEN - 1)),
                                 sampling=common_pb2.SamplingParams(max_tokens=1))

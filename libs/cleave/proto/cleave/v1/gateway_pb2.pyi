@@ -133,7 +133,7 @@ class TestTimeScaling(_message.Message):
     def __init__(self, strategy: _Optional[_Union[TestTimeScaling.Strategy, str]] = ..., num_samples: _Optional[int] = ..., verifier: _Optional[_Union[Verifier, _Mapping]] = ..., return_all_samples: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "sampling", "reasoning", "scaling", "raw_prompt", "stream", "tools", "tool_choice", "parallel_tool_calls", "tool_choice_function")
+    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "sampling", "reasoning", "scaling", "raw_prompt", "stream", "tools", "tool_choice", "parallel_tool_calls", "tool_choice_function", "truncate_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class GenerateRequest(_message.Message):
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -162,7 +163,8 @@ class GenerateRequest(_message.Message):
     tool_choice: ToolChoice
     parallel_tool_calls: bool
     tool_choice_function: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., reasoning: _Optional[_Union[_common_pb2.ReasoningOptions, _Mapping]] = ..., scaling: _Optional[_Union[TestTimeScaling, _Mapping]] = ..., raw_prompt: _Optional[bool] = ..., stream: _Optional[_Union[StreamOptions, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., parallel_tool_calls: _Optional[bool] = ..., tool_choice_function: _Optional[str] = ...) -> None: ...
+    truncate_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., reasoning: _Optional[_Union[_common_pb2.ReasoningOptions, _Mapping]] = ..., scaling: _Optional[_Union[TestTimeScaling, _Mapping]] = ..., raw_prompt: _Optional[bool] = ..., stream: _Optional[_Union[StreamOptions, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., parallel_tool_calls: _Optional[bool] = ..., tool_choice_function: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class SampleDelta(_message.Message):
     __slots__ = ("index", "text", "token_ids", "reasoning_text", "finish_reason", "logprobs", "reward", "advantage", "answer", "error", "tool_calls")
