@@ -5,8 +5,8 @@
 call ("required", or a named function: the answer is decoded under the calls' JSON schema and
 returned as `tool_calls`). One source per request; each refusal names the field.
 
-The gateway checks the form (a schema is a JSON object, choices are strings, sizes); the
-workers compile it for the model's vocabulary and refuse what their grammar compiler cannot
+The gateway checks the form (a schema is a JSON object whose `$ref`s are local, choices are
+strings, sizes); the workers compile it for the model's vocabulary and refuse what their grammar compiler cannot
 read (an unsupported schema keyword, a bad regex) as INVALID_ARGUMENT naming
 `structured_output`, which the HTTP API answers naming the field the constraint came from
 (`AnswerShape.field`). The gateway imports no grammar engine (it runs without torch).

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from cleave.errors import InvalidArgument
+from cleave.generation.schema_refs import check_refs
 
 # A schema, regex or grammar larger than this is refused before it is compiled (compiling is
 # done per request on the serving engine's thread).
@@ -85,6 +86,7 @@ class StructuredOutput:
             if (depth := json_depth(schema)) > MAX_SCHEMA_DEPTH:
                 raise InvalidArgument(f"schema nests {depth} levels of objects and arrays; at most {MAX_SCHEMA_DEPTH}",
                                       field=field)
+            check_refs(schema, field)
         elif self.kind in (StructuredKind.REGEX, StructuredKind.GRAMMAR) and not self.spec:
             raise InvalidArgument(f"{self.kind.value} must not be empty", field=field)
 

@@ -140,6 +140,39 @@ async def test_a_constraint_the_workers_cannot_compile_is_named_as_each_route_to
     assert raised.value.body["param"] == "text.format.schema", raised.value.body
 
 
+async def test_a_reference_out_of_the_schema_is_refused_on_every_route(stack):
+    # nothing is fetched: xgrammar compiled such a $ref as any JSON value, and the answer went
+    # unconstrained there ("sky": true); a local one constrains it
+    remote = {"type": "object", "properties": {"sky": {"$ref": "https://example.com/sky.json"}}, "required": ["sky"]}
+    local = {**remote, "properties": {"sky": {"$ref": "#/$defs/sky"}}, "$defs": {"sky": SCHEMA}}
+    refusals = {
+        "response_format.json_schema.schema": lambda: client(stack).chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=5, extra_body={**THINK, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "x", "schema": remote}}}),
+        "guided_json": lambda: client(stack).chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=5, extra_body={**THINK, "guided_json": remote}),
+        "text.format.schema": lambda: client(stack).responses.create(
+            model="tiny", input="Sky?", max_output_tokens=5,
+            text={"format": {"type": "json_schema", "name": "x", "schema": remote}}),
+    }
+    for param, request in refusals.items():
+        with pytest.raises(openai.BadRequestError) as raised:
+            await request()
+        assert raised.value.body["param"] == param, raised.value.body
+        assert "only local references are supported" in raised.value.body["message"], raised.value.body
+    reasoning = common_pb2.ReasoningOptions(max_thinking_tokens=2)
+    async with GatewayClient(stack.gateway_address) as grpc_client:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await grpc_client.complete(MESSAGES, max_tokens=5, reasoning=reasoning,
+                                       structured_output=common_pb2.StructuredOutput(json_schema=json.dumps(remote)))
+        result = await grpc_client.complete(
+            MESSAGES, max_tokens=150, temperature=1.0, seed=3, reasoning=reasoning,
+            structured_output=common_pb2.StructuredOutput(json_schema=json.dumps(local)))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details().startswith("sampling.structured_output: schema's $ref 'https://example.com/sky.json'")
+    jsonschema.validate(json.loads(result.samples[0].text), local)
+
+
 async def test_refused_constraints_leave_no_kv_behind(stack):
     before = free_blocks(stack)
     for _ in range(3):
