@@ -205,6 +205,28 @@ def test_a_schema_nested_to_the_bound_compiles_at_once(compiler):
         StructuredOutput(StructuredKind.JSON_SCHEMA, nested_arrays(MAX_SCHEMA_DEPTH)).validate()
 
 
+@pytest.mark.parametrize(("schema", "is_loop"), [
+    ({"$ref": "#"}, True),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a", "type": "string"}}}, True),
+    ({"properties": {"p": {"$ref": "#/$defs/a"}}, "required": ["p"], "$defs": {"a": {"$ref": "#/$defs/a"}}}, True),
+    ({"type": "object", "properties": {"next": {"$ref": "#"}}}, False),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/a"}]}}}, False),
+    ({"allOf": [{"$ref": "#"}]}, False),
+])
+def test_the_gateway_refuses_the_reference_loops_the_compiler_refuses(compiler, schema, is_loop):
+    # the gateway's check (`cleave.generation.schema_refs`) saves a worker's compile; it must
+    # refuse no recursion the compiler takes
+    spec = StructuredOutput.json_schema(schema)
+    if not is_loop:
+        spec.validate()
+        assert compiler.compile(spec) is not None
+        return
+    with pytest.raises(InvalidArgument, match="comes back to itself"):
+        spec.validate()
+    with pytest.raises(InvalidArgument, match="Circular"):
+        compiler.compile(spec)
+
+
 @pytest.mark.parametrize(("value", "depth"), [
     (1, 0), ({}, 1), ([], 1), ({"a": [1, {"b": []}]}, 4), ([[], [[[]]]], 4), ({"a": {"b": 1}, "c": 2}, 2),
 ])

@@ -55,3 +55,43 @@ def test_validate_checks_the_references_of_a_json_schema():
     with pytest.raises(InvalidArgument, match="not a local reference") as raised:
         StructuredOutput.json_schema({"$ref": REMOTE}).validate("sampling.structured_output")
     assert raised.value.field == "sampling.structured_output"
+
+
+@pytest.mark.parametrize(("schema", "loop"), [
+    ({"$ref": "#"}, "# -> #"),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}},
+     "#/$defs/a -> #/$defs/b -> #/$defs/a"),
+    ({"properties": {"p": {"$ref": "#/$defs/a"}}, "$defs": {"a": {"$ref": "#/$defs/a", "type": "string"}}},
+     "#/$defs/a -> #/$defs/a"),  # a reference's siblings are not read: no content
+    ({"$ref": "#/definitions/t/0", "definitions": {"t": [{"$ref": "#/definitions/t/0"}]}},
+     "#/definitions/t/0 -> #/definitions/t/0"),
+    ({"$ref": "#/not", "not": {"$ref": "#"}}, "# -> #/not -> #"),
+])
+def test_a_chain_of_references_back_to_itself_is_refused_naming_it(schema, loop):
+    with pytest.raises(InvalidArgument) as raised:
+        check_refs(schema, "sampling.structured_output")
+    assert raised.value.field == "sampling.structured_output"
+    assert f"$ref chain {loop} comes back to itself with no schema on the way" in raised.value.message
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"next": {"$ref": "#"}}},
+    {"$ref": "#/$defs/n", "$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}}},
+    {"$ref": "#/$defs/a", "$defs": {"a": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/a"}]}}},
+    {"allOf": [{"$ref": "#"}]},
+    {"$ref": "#/$defs/a0", "$defs": {**{f"a{i}": {"$ref": f"#/$defs/a{i + 1}"} for i in range(100)},
+                                      "a100": {"type": "string"}}},
+    {"properties": {f"p{i}": {"$ref": "#/$defs/a"} for i in range(50)}, "$defs": {"a": {"$ref": "#/$defs/b"},
+                                                                                "b": {"type": "integer"}}},
+])
+def test_recursion_through_a_schema_with_content_passes(schema):
+    check_refs(schema, "guided_json")
+
+
+def test_a_long_loop_is_named_by_its_ends():
+    links = {f"a{i}": {"$ref": f"#/$defs/a{(i + 1) % 2000}"} for i in range(2000)}
+    with pytest.raises(InvalidArgument) as raised:
+        check_refs({"$ref": "#/$defs/a0", "$defs": links}, "guided_json")
+    assert "#/$defs/a0 -> #/$defs/a1 -> #/$defs/a2 -> ... (1996 more) -> #/$defs/a1999 -> #/$defs/a0 " \
+        in raised.value.message
+    assert len(raised.value.message) < 300

@@ -6,10 +6,18 @@ xgrammar resolves local references only: JSON pointers into the schema itself ("
 compiles as any JSON value, with a warning on the worker's stderr and the reference's
 siblings ("type", ...) dropped with it, and nothing is fetched: the answer would silently go
 unconstrained there. Such a reference is refused.
+
+A chain of references that comes back to itself with no schema on the way (`{"$ref": "#"}`,
+a -> b -> a; a reference's siblings do not count, as xgrammar reads none) the compiler
+refuses too, but on a worker, after compiling whatever it reached first (0.37 s for a chain of
+1000 references ahead of the loop): it is refused here, in one pass (4 ms for a loop of 2000
+references in 64 KiB). A loop through a schema with content (a property, an item, an anyOf
+branch) is recursion, and legal.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from urllib.parse import unquote
 
@@ -28,14 +36,41 @@ _SUBSCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "defini
 
 def check_refs(schema: object, field: str) -> None:
     """Raise InvalidArgument (naming `field`) when a `$ref` of `schema` (parsed JSON) is not
-    a JSON pointer into `schema` itself."""
+    a JSON pointer into `schema` itself, or a chain of them loops."""
+    settled: set[int] = set()  # schemas whose chain of references ends (in content, or nowhere)
     for node, pointer in _schemas(schema):
         ref = node.get("$ref")
-        if isinstance(ref, str) and not _is_local(ref):
+        if not isinstance(ref, str):
+            continue
+        if _is_local(ref):
+            _check_chain(schema, node, pointer, settled, field)
+        else:
             raise InvalidArgument(
                 f"schema's $ref {ref!r} at {pointer} is not a local reference; only local references are "
                 "supported (\"#\" or \"#/...\": JSON pointers into this schema), and nothing is fetched: "
                 "copy the schema it names under $defs and refer to it as \"#/$defs/<name>\"", field=field)
+
+
+def _check_chain(root: object, node: dict, pointer: str, settled: set[int], field: str) -> None:
+    """Follow references from `node` (at `pointer`) while each leads to another; refuse a
+    chain that comes back to a schema on it. Each schema is followed once over all calls."""
+    on_chain: dict[int, int] = {}  # a schema of the chain -> its place in `pointers`
+    pointers: list[str] = []
+    while isinstance(node, dict) and isinstance(node.get("$ref"), str) and id(node) not in settled:
+        if id(node) in on_chain:
+            loop = [*pointers[on_chain[id(node)]:], pointer]
+            if len(loop) > 6:  # a long loop is named by its ends
+                loop = [*loop[:3], f"... ({len(loop) - 5} more)", *loop[-2:]]
+            raise InvalidArgument(f"schema's $ref chain {' -> '.join(loop)} comes back to itself with no schema "
+                                  "on the way; point the $ref at a schema with content (a type, properties, "
+                                  "anyOf, ...)", field=field)
+        on_chain[id(node)] = len(pointers)
+        pointers.append(pointer)
+        pointer = node["$ref"]
+        if not _is_local(pointer):  # refused where the walk reaches it
+            break
+        node = _resolve(root, pointer)
+    settled.update(on_chain)
 
 
 def _is_local(ref: str) -> bool:
@@ -59,12 +94,13 @@ def _resolve(root: object, ref: str) -> object | None:
 
 
 def _schemas(root: object) -> Iterator[tuple[dict, str]]:
-    """Every schema object of `root` once, with its JSON pointer: those under the schema
-    keywords, and those a local reference points to (wherever they are), without recursion."""
+    """Every schema object of `root` once, with its JSON pointer, breadth first in the
+    document's order (so a loop is named from where the schema first enters it): those under
+    the schema keywords, and those a local reference points to (wherever they are)."""
     seen: set[int] = set()
-    pending: list[tuple[object, str]] = [(root, "#")]
+    pending: deque[tuple[object, str]] = deque([(root, "#")])
     while pending:
-        node, pointer = pending.pop()
+        node, pointer = pending.popleft()
         if not isinstance(node, dict) or id(node) in seen:
             continue
         seen.add(id(node))

@@ -173,6 +173,24 @@ async def test_a_reference_out_of_the_schema_is_refused_on_every_route(stack):
     jsonschema.validate(json.loads(result.samples[0].text), local)
 
 
+async def test_a_loop_of_references_is_refused_by_the_gateway(stack):
+    # the workers' compiler refuses it too ("Circular $ref chain"), after compiling what it reached first
+    loop = {"type": "object", "properties": {"sky": {"$ref": "#/$defs/a"}}, "required": ["sky"],
+            "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}
+    named = "$ref chain #/$defs/a -> #/$defs/b -> #/$defs/a comes back to itself"
+    with pytest.raises(openai.BadRequestError) as raised:
+        await client(stack).chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=5, extra_body={**THINK, "structured_outputs": {"json": loop}})
+    assert raised.value.body["param"] == "structured_outputs.json", raised.value.body
+    assert named in raised.value.body["message"] and "compile" not in raised.value.body["message"], raised.value.body
+    async with GatewayClient(stack.gateway_address) as grpc_client:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await grpc_client.complete(MESSAGES, max_tokens=5,
+                                       structured_output=common_pb2.StructuredOutput(json_schema=json.dumps(loop)))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details().startswith(f"sampling.structured_output: schema's {named}"), raised.value.details()
+
+
 async def test_refused_constraints_leave_no_kv_behind(stack):
     before = free_blocks(stack)
     for _ in range(3):
