@@ -17,7 +17,8 @@ from cleave.generation.outputs import FinishReason
 from cleave.generation.sampling_params import SamplingParams
 from cleave.generation.tool_calls import ForcedCall, ToolCall
 from cleave.rpc.types import ReasoningOptions, TopLogprobs, Usage
-from cleave.scaling.code_verifier import CodeTest
+from cleave.scaling.code_verifier import CodeTest, check_tests
+from cleave.scaling.math_verifier import check_expected_answer
 from cleave.scaling.strategies import AnswerVotes, Strategy
 from services.gateway.prompt_truncation import PromptTruncation
 
@@ -72,6 +73,12 @@ class VerifierSpec:
     expected_answer: str = ""
     tests: tuple[CodeTest, ...] = ()
     timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse inputs past the verifiers' bounds when the request is read, before any
+        sample is drawn (InvalidArgument naming the GenerateRequest's field)."""
+        check_expected_answer(self.expected_answer, "scaling.verifier.expected_answer")
+        check_tests(self.tests, "scaling.verifier.tests")
 
 
 @dataclass(frozen=True)

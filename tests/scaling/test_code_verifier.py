@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cleave.scaling.code_verifier import CodeTest, CodeVerifier, FailureReason
+from cleave.errors import InvalidArgument
+from cleave.scaling.code_verifier import MAX_TEST_IO_CHARS, CodeTest, CodeVerifier, FailureReason
 from cleave.scaling.sandbox import SandboxLimits, run_sandboxed
 
 FAST = SandboxLimits(wall_timeout_s=3.0, cpu_time_s=3, memory_bytes=256 * 1024**2, max_stdout_bytes=4096)
@@ -184,3 +185,12 @@ def test_total_timeout_budget_covers_all_tests():
     verification = verifier.verify_program("while True:\n    pass\n")
     assert time.monotonic() - started < 2.0
     assert [outcome.reason for outcome in verification.outcomes] == [FailureReason.TIMEOUT] * 3
+
+
+def test_a_tests_stdin_and_expected_output_are_bounded_together():
+    half = MAX_TEST_IO_CHARS // 2
+    echo = "import sys\nsys.stdout.write(sys.stdin.read())\n"
+    assert CodeVerifier([CodeTest("1 2\n" * (half // 4), "1 2\n" * (half // 4))]).verify_program(echo).passed
+    with pytest.raises(InvalidArgument, match=f"at most {MAX_TEST_IO_CHARS} characters together, got") as raised:
+        CodeVerifier([CodeTest("1\n", "1"), CodeTest("x" * half, "y" * (half + 1))])
+    assert raised.value.field == "tests[1]"

@@ -1,6 +1,7 @@
 import pytest
 
-from cleave.scaling.math_verifier import MathVerifier
+from cleave.errors import InvalidArgument
+from cleave.scaling.math_verifier import MAX_EXPECTED_ANSWER_CHARS, MathVerifier
 from cleave.scaling.symbolic import UnsafeExpression, to_sympy_syntax
 
 
@@ -57,6 +58,14 @@ def test_score_uses_the_final_answer_only():
     assert verifier.score("<think>5790?</think> The answer is 5791.") == 1.0
     assert verifier.score("<think>5791</think> The answer is 5790.") == 0.0
     assert verifier.score("<think>5791") == 0.0
+
+
+def test_an_expected_answer_is_bounded():
+    longest = "1" * MAX_EXPECTED_ANSWER_CHARS
+    assert MathVerifier(longest, use_sympy=False).score(f"\\boxed{{{longest}}}") == 1.0
+    with pytest.raises(InvalidArgument, match=f"at most {MAX_EXPECTED_ANSWER_CHARS} characters, got") as raised:
+        MathVerifier(longest + "1", use_sympy=False)
+    assert raised.value.field == "expected_answer"
 
 
 @pytest.mark.parametrize("text", ["a.b", "x_1", "open(1)", "'1'", "lambda"])

@@ -52,6 +52,9 @@ CASES = [
     ("Gateway", "Generate", g.GenerateRequest(text="hi", scaling=g.TestTimeScaling(verifier=g.Verifier(kind=g.Verifier.KIND_CODE))), INVALID, "scaling.verifier.tests"),
     ("Gateway", "Generate", g.GenerateRequest(text="hi", scaling=g.TestTimeScaling(verifier=g.Verifier(kind=g.Verifier.KIND_CODE, tests=[g.CodeTest()] * 65))), INVALID, "scaling.verifier.tests: at most 64 tests, got 65"),
     ("Gateway", "Generate", g.GenerateRequest(text="hi", scaling=g.TestTimeScaling(verifier=g.Verifier(kind=g.Verifier.KIND_CODE, tests=[g.CodeTest()], timeout=Duration(seconds=10**9)))), INVALID, "scaling.verifier.timeout: must be positive and at most 30s per test"),
+    # 30 MB were read, normalised and compared for every sample (1-2 s); an expected output past the sandbox's 1 MiB of stdout can never match
+    ("Gateway", "Generate", g.GenerateRequest(text="hi", scaling=g.TestTimeScaling(verifier=g.Verifier(kind=g.Verifier.KIND_MATH, expected_answer="7" * (64 * 1024 + 1)))), INVALID, "scaling.verifier.expected_answer: at most 65536 characters, got 65537"),
+    ("Gateway", "Generate", g.GenerateRequest(text="hi", scaling=g.TestTimeScaling(verifier=g.Verifier(kind=g.Verifier.KIND_CODE, tests=[g.CodeTest(stdin="1\n", expected_stdout="1"), g.CodeTest(stdin="x" * 2**19, expected_stdout="y" * (2**19 + 1))]))), INVALID, "scaling.verifier.tests[1]: stdin and expected_stdout hold at most 1048576 characters together, got 1048577"),
     ("Gateway", "Generate", g.GenerateRequest(text="hi", model="tiny"), UNIMPLEMENTED, "Generate is not wired"),
     ("Gateway", "Abort", c.AbortRequest(), INVALID, "request_id: must be set"),
     ("Prefill", "Prefill", p.PrefillRequest(), INVALID, "request_id: must be set"),

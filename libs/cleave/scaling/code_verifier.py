@@ -16,10 +16,17 @@ from dataclasses import dataclass
 
 import structlog
 
+from cleave.errors import InvalidArgument
 from cleave.scaling.answers import extract_code
 from cleave.scaling.sandbox import EXIT_CHECK_FAILED, EXIT_MEMORY, SandboxLimits, SandboxRun, run_sandboxed
 
 MAX_CODE_TESTS = 64  # test cases one verifier runs per candidate
+# A test's stdin and expected stdout together. The sandbox cuts a program's stdout at 1 MiB
+# (`SandboxLimits.max_stdout_bytes`), so a longer expected output could never be matched (a
+# 15 MB one failed every candidate as OUTPUT_LIMIT); within it, a test's input and output
+# cost each candidate about 15 ms a MiB (written, read, compared) beside its sandbox's 30 ms,
+# so MAX_CODE_TESTS bounds their sum as it bounds the runs.
+MAX_TEST_IO_CHARS = 1024 * 1024
 MAX_CANDIDATE_TIMEOUT_S = 120.0  # wall-clock budget of all of one candidate's tests, at most
 
 
@@ -41,6 +48,16 @@ class CodeTest:
     stdin: str = ""
     expected_stdout: str | None = None
     check_code: str | None = None
+
+
+def check_tests(tests: Sequence[CodeTest], field: str = "tests") -> None:
+    """Raise InvalidArgument (naming `field[i]`) for the first test whose stdin and expected
+    stdout hold more than MAX_TEST_IO_CHARS characters."""
+    for index, test in enumerate(tests):
+        size = len(test.stdin) + len(test.expected_stdout or "")
+        if size > MAX_TEST_IO_CHARS:
+            raise InvalidArgument(f"stdin and expected_stdout hold at most {MAX_TEST_IO_CHARS} characters together, "
+                                  f"got {size}", field=f"{field}[{index}]")
 
 
 @dataclass(frozen=True)
@@ -95,7 +112,7 @@ class CodeVerifier:
     """Scores completions by the fraction of `tests` their last code block passes.
 
     Args:
-        tests: the test cases (at least one).
+        tests: the test cases (1 to MAX_CODE_TESTS, each within MAX_TEST_IO_CHARS).
         limits: sandbox limits of each test run.
         language: fence tag of the code block to take from completions.
         total_timeout_s: wall-clock budget for all tests of one candidate (None: no budget).
@@ -112,6 +129,7 @@ class CodeVerifier:
             raise ValueError("CodeVerifier needs at least one test case")
         if len(tests) > MAX_CODE_TESTS:
             raise ValueError(f"CodeVerifier runs at most {MAX_CODE_TESTS} test cases, got {len(tests)}")
+        check_tests(tests)
         self.tests = list(tests)
         self.limits = limits
         self.language = language

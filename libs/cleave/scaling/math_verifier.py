@@ -11,8 +11,22 @@ from __future__ import annotations
 import importlib.util
 import threading
 
+from cleave.errors import InvalidArgument
 from cleave.scaling.answers import extract_final_answer, normalize_answer, parse_number, strip_latex
 from cleave.scaling.symbolic import SymbolicWorker, UnsafeExpression, to_sympy_syntax
+
+# Real answers are short (a number, an expression, a tuple; symbolic comparison takes 200
+# characters at most), and each sample's comparison reads the expected answer again: 30 MB
+# took 0.9 s to normalise and 0.5 s a sample, 64 KiB (a structured-output spec's bound) 3 ms.
+MAX_EXPECTED_ANSWER_CHARS = 64 * 1024
+
+
+def check_expected_answer(expected_answer: str, field: str = "expected_answer") -> None:
+    """Raise InvalidArgument (naming `field`) when `expected_answer` is longer than
+    MAX_EXPECTED_ANSWER_CHARS."""
+    if len(expected_answer) > MAX_EXPECTED_ANSWER_CHARS:
+        raise InvalidArgument(f"at most {MAX_EXPECTED_ANSWER_CHARS} characters, got {len(expected_answer)}; "
+                              "give the final answer alone", field=field)
 
 
 def _looks_symbolic(text: str) -> bool:
@@ -27,7 +41,8 @@ class MathVerifier:
     """Scores completions 1.0 when their final answer equals `expected_answer`, else 0.0.
 
     Args:
-        expected_answer: the reference answer (plain, LaTeX or `\\boxed{}`).
+        expected_answer: the reference answer (plain, LaTeX or `\\boxed{}`), at most
+            MAX_EXPECTED_ANSWER_CHARS characters.
         timeout_s: time limit of one symbolic comparison.
         use_sympy: allow symbolic comparison (only when sympy is installed).
 
@@ -35,6 +50,7 @@ class MathVerifier:
     """
 
     def __init__(self, expected_answer: str, *, timeout_s: float = 2.0, use_sympy: bool = True) -> None:
+        check_expected_answer(expected_answer)
         self.expected_answer = expected_answer
         self.timeout_s = timeout_s
         self.use_sympy = use_sympy and importlib.util.find_spec("sympy") is not None
