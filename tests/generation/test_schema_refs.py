@@ -5,10 +5,12 @@ refused naming the request's field, wherever a schema may hold it; local referen
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from cleave.errors import InvalidArgument
-from cleave.generation.schema_refs import check_refs
+from cleave.generation.schema_refs import MAX_REF_CHAIN, check_refs
 from cleave.generation.structured_output import StructuredOutput
 
 REMOTE = "https://example.com/s.json"
@@ -79,8 +81,8 @@ def test_a_chain_of_references_back_to_itself_is_refused_naming_it(schema, loop)
     {"$ref": "#/$defs/n", "$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}}},
     {"$ref": "#/$defs/a", "$defs": {"a": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/a"}]}}},
     {"allOf": [{"$ref": "#"}]},
-    {"$ref": "#/$defs/a0", "$defs": {**{f"a{i}": {"$ref": f"#/$defs/a{i + 1}"} for i in range(100)},
-                                      "a100": {"type": "string"}}},
+    {"$ref": "#/$defs/a0", "$defs": {**{f"a{i}": {"$ref": f"#/$defs/a{i + 1}"} for i in range(63)},
+                                      "a63": {"type": "string"}}},  # 64 references in a row: the most
     {"properties": {f"p{i}": {"$ref": "#/$defs/a"} for i in range(50)}, "$defs": {"a": {"$ref": "#/$defs/b"},
                                                                                 "b": {"type": "integer"}}},
 ])
@@ -95,3 +97,46 @@ def test_a_long_loop_is_named_by_its_ends():
     assert "#/$defs/a0 -> #/$defs/a1 -> #/$defs/a2 -> ... (1996 more) -> #/$defs/a1999 -> #/$defs/a0 " \
         in raised.value.message
     assert len(raised.value.message) < 300
+
+
+def chain(links: int, start: str) -> dict:
+    """A schema whose $ref chain from `start` ("root" or "property") follows `links` references
+    in a row, then a string; the later links sit first under $defs, so the check meets them
+    before the chain's start."""
+    defs = {f"a{i}": {"$ref": f"#/$defs/a{i + 1}"} for i in reversed(range(links - 1))}
+    defs[f"a{links - 1}"] = {"type": "string"}
+    if start == "root":
+        return {"$defs": defs, "$ref": "#/$defs/a0"}
+    return {"$defs": defs, "properties": {"p": {"$ref": "#/$defs/a0"}}}
+
+
+@pytest.mark.parametrize("start", ["root", "property"])
+@pytest.mark.parametrize("links", [MAX_REF_CHAIN + 1, 2000])
+def test_a_chain_longer_than_the_bound_is_refused_naming_the_field(start, links):
+    with pytest.raises(InvalidArgument) as raised:
+        check_refs(chain(links, start), "response_format.json_schema.schema")
+    assert raised.value.field == "response_format.json_schema.schema"
+    assert f"at most {MAX_REF_CHAIN}" in raised.value.message
+    if links == MAX_REF_CHAIN + 1:  # only the chain's start sees it whole
+        where = "#" if start == "root" else "#/properties/p"
+        assert f"$ref chain from {where} follows {links} references in a row" in raised.value.message
+    else:  # refused where the check first meets it past the bound (from the root, or a later link)
+        followed = re.search(r"\$ref chain from \S+ follows (\d+) references in a row", raised.value.message)
+        assert followed and MAX_REF_CHAIN < int(followed[1]) <= links
+
+
+@pytest.mark.parametrize("start", ["root", "property"])
+def test_a_chain_at_the_bound_passes(start):
+    check_refs(chain(MAX_REF_CHAIN, start), "guided_json")
+    # many chains of the bound's length, sharing their links, pass too
+    schema = chain(MAX_REF_CHAIN, start)
+    schema["properties"] = {f"p{i}": {"$ref": f"#/$defs/a{i}"} for i in range(MAX_REF_CHAIN)}
+    check_refs(schema, "guided_json")
+
+
+def test_validate_refuses_a_long_chain():
+    spec = StructuredOutput.json_schema(chain(2000, "root"))
+    assert len(spec.spec) <= 64 * 1024
+    with pytest.raises(InvalidArgument, match="chain from # follows 2000 references in a row") as raised:
+        spec.validate("guided_json")
+    assert raised.value.field == "guided_json"
