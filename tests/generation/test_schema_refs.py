@@ -10,7 +10,7 @@ import re
 import pytest
 
 from cleave.errors import InvalidArgument
-from cleave.generation.schema_refs import MAX_REF_CHAIN, check_refs
+from cleave.generation.schema_refs import MAX_REF_CHAIN, check_refs, relocated
 from cleave.generation.structured_output import StructuredOutput
 
 REMOTE = "https://example.com/s.json"
@@ -140,3 +140,18 @@ def test_validate_refuses_a_long_chain():
     with pytest.raises(InvalidArgument, match="chain from # follows 2000 references in a row") as raised:
         spec.validate("guided_json")
     assert raised.value.field == "guided_json"
+
+
+def test_a_relocated_schema_refers_into_its_new_place():
+    tool = {"type": "object", "$defs": {"a": {"type": "integer"}},
+            "properties": {"a": {"$ref": "#/$defs/a"}, "self": {"anyOf": [{"type": "null"}, {"$ref": "#"}]},
+                           "far": {"$ref": REMOTE}},
+            "default": {"$ref": "#/$defs/a"}}
+    moved = relocated(tool, "#/properties/p")
+    assert moved["properties"]["a"] == {"$ref": "#/properties/p/$defs/a"}
+    assert moved["properties"]["self"]["anyOf"][1] == {"$ref": "#/properties/p"}
+    assert moved["properties"]["far"] == {"$ref": REMOTE}  # left for check_refs to refuse
+    assert moved["default"] == {"$ref": "#/$defs/a"}  # data
+    assert tool["properties"]["a"] == {"$ref": "#/$defs/a"}  # a copy
+    del moved["properties"]["far"]
+    check_refs({"type": "object", "properties": {"p": moved}}, "tool_choice")

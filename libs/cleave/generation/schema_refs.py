@@ -22,6 +22,7 @@ time grows superlinearly with a chain's length (250 references 0.008 s, 1000 0.3
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from collections.abc import Iterator
 from urllib.parse import unquote
@@ -57,6 +58,20 @@ def check_refs(schema: object, field: str) -> None:
                 f"schema's $ref {ref!r} at {pointer} is not a local reference; only local references are "
                 "supported (\"#\" or \"#/...\": JSON pointers into this schema), and nothing is fetched: "
                 "copy the schema it names under $defs and refer to it as \"#/$defs/<name>\"", field=field)
+
+
+def relocated(schema: object, pointer: str) -> object:
+    """A copy of `schema` (parsed JSON) to be placed at `pointer` ("#/..."), a JSON pointer
+    into another schema: its local `$ref`s ("#", "#/$defs/name", ...) rewritten to point where
+    their targets now sit, under `pointer` (a tool's parameters with their own $defs, nested
+    in the list of calls a forced tool choice decodes under). Other references stay as they
+    are, for `check_refs` to refuse."""
+    copy = json.loads(json.dumps(schema))
+    for node in [node for node, _ in _schemas(copy)]:  # all found before any is rewritten
+        ref = node.get("$ref")
+        if isinstance(ref, str) and _is_local(ref):
+            node["$ref"] = pointer + ref[1:]
+    return copy
 
 
 def _check_chain(root: object, node: dict, pointer: str, settled: dict[int, int], field: str) -> None:

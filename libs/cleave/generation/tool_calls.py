@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cleave.generation.reasoning import longest_suffix_prefix
+from cleave.generation.schema_refs import relocated
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -291,14 +292,19 @@ class ForcedCall:
 def forced_call_schema(forced: ForcedCall, tools: Sequence[dict], parallel: bool = True) -> dict:
     """The JSON schema the answer is decoded under: the named function's parameters, or a
     list of {"name": <a tool>, "parameters": <its parameters>} (at most one without
-    `parallel`), as vLLM constrains tool_choice "required". `tools` are OpenAI's tool objects."""
+    `parallel`), as vLLM constrains tool_choice "required". `tools` are OpenAI's tool objects.
+    A tool's local `$ref`s (to its own `$defs`, as pydantic writes them) are rewritten to
+    point into its branch of the list, so two tools' same-named `$defs` stay apart."""
     def parameters(tool: dict) -> dict:
         return tool["function"].get("parameters") or {"type": "object"}
 
     if forced.name is not None:
         return next(parameters(tool) for tool in tools if tool["function"]["name"] == forced.name)
-    calls = [{"type": "object", "properties": {"name": {"const": tool["function"]["name"]}, "parameters": parameters(tool)},
-              "required": ["name", "parameters"], "additionalProperties": False} for tool in tools]
+    calls = [{"type": "object", "properties": {
+                 "name": {"const": tool["function"]["name"]},
+                 "parameters": relocated(parameters(tool), f"#/items/anyOf/{index}/properties/parameters")},
+              "required": ["name", "parameters"], "additionalProperties": False}
+             for index, tool in enumerate(tools)]
     schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1

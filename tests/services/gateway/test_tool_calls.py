@@ -20,13 +20,17 @@ from collections.abc import AsyncIterator
 import grpc
 import jsonschema
 import openai
+import pydantic
 import pytest
+import xgrammar
 
 from cleave.config import ModelConfig as ServedModelConfig
+from cleave.engine.grammar import GrammarCompiler
 from cleave.errors import InvalidArgument
 from cleave.generation.outputs import FinishReason
 from cleave.generation.reasoning_formats import special_tag_tokens
 from cleave.generation.sampling_params import SamplingParams
+from cleave.generation.structured_output import StructuredOutput
 from cleave.proto.cleave.v1 import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc
 from cleave.rpc import aio_channel, serve
 from cleave.rpc.types import ReasoningMode
@@ -241,6 +245,67 @@ async def test_a_forced_choice_is_decoded_under_the_calls_schema_and_comes_back_
     await client.chat.completions.create(model="tiny-tools", messages=MESSAGES, tools=[WEATHER_TOOL, TIME_TOOL],
                                          tool_choice="required", parallel_tool_calls=False)
     assert json.loads(backend.specs[-1].sampling.structured_output.spec)["maxItems"] == 1
+
+
+class Place(pydantic.BaseModel):
+    city: str
+
+
+class Trip(pydantic.BaseModel):
+    start: Place
+    stops: list[Place]
+
+
+class Booking(pydantic.BaseModel):
+    """Another tool whose $defs also name a "Place", a different one."""
+
+    class Place(pydantic.BaseModel):
+        seat: int
+
+    place: Place
+
+
+TRIP_TOOL = openai.pydantic_function_tool(Trip)  # parameters refer to "#/$defs/Place"
+BOOKING_TOOL = openai.pydantic_function_tool(Booking, name="book")
+
+
+def compiles_and_accepts(model: ServedModel, spec: str, answer: str) -> bool:
+    """Whether a worker compiles `spec` (as its GrammarCompiler does) and the grammar takes `answer` whole."""
+    compiled = GrammarCompiler(model.tokenizer, model.vocab_size, sorted(model.eos_token_ids)).compile(
+        StructuredOutput.json_schema(spec))
+    matcher = xgrammar.GrammarMatcher(compiled)
+    return matcher.accept_string(answer) and matcher.is_completed()
+
+
+async def test_a_forced_call_of_a_tool_with_defs_is_served(api, tool_model):
+    client, backend = api
+    tools = [TRIP_TOOL, BOOKING_TOOL]
+    assert set(TRIP_TOOL["function"]["parameters"]["$defs"]) == set(BOOKING_TOOL["function"]["parameters"]["$defs"])
+    trip = {"start": {"city": "Paris"}, "stops": [{"city": "Lyon"}]}
+    backend.answer = "Trip.</think>\n\n" + json.dumps(trip)
+    response = await client.chat.completions.create(model="tiny-tools", messages=MESSAGES, tools=tools,
+                                                    tool_choice={"type": "function", "function": {"name": "Trip"}})
+    (call,) = response.choices[0].message.tool_calls
+    assert call.function.name == "Trip"
+    jsonschema.validate(json.loads(call.function.arguments), TRIP_TOOL["function"]["parameters"])
+    spec = backend.specs[-1].sampling.structured_output.spec
+    assert compiles_and_accepts(tool_model, spec, json.dumps(trip))
+
+    # "required": each tool's refs lead into its own branch, its own Place
+    calls = [{"name": "Trip", "parameters": trip}, {"name": "book", "parameters": {"place": {"seat": 12}}}]
+    backend.answer = "Both.</think>\n\n" + json.dumps(calls)
+    response = await client.chat.completions.create(model="tiny-tools", messages=MESSAGES, tools=tools,
+                                                    tool_choice="required")
+    served = [(c.function.name, json.loads(c.function.arguments)) for c in response.choices[0].message.tool_calls]
+    assert served == [("Trip", trip), ("book", {"place": {"seat": 12}})]
+    jsonschema.validate(served[0][1], TRIP_TOOL["function"]["parameters"])
+    jsonschema.validate(served[1][1], BOOKING_TOOL["function"]["parameters"])
+    spec = backend.specs[-1].sampling.structured_output.spec
+    assert compiles_and_accepts(tool_model, spec, json.dumps(calls))
+    swapped = [{"name": "book", "parameters": {"place": {"city": "Paris"}}}]  # Trip's Place under book
+    assert not compiles_and_accepts(tool_model, spec, json.dumps(swapped))
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(swapped, json.loads(spec))
 
 
 async def test_a_forced_answer_the_token_limit_cut_stays_content(api):
