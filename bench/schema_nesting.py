@@ -1,8 +1,10 @@
 """What a JSON schema's nesting costs the grammar compiler: the time and peak memory of
-compiling schemas of arrays (or objects) nested N deep, each in a process of its own, beside
-the size bound's worst flat case. The workers refuse schemas nested past
-`MAX_SCHEMA_DEPTH` (`cleave.generation.structured_output`) before compiling them; this
-compiles them directly, past the bound, to show why it is there.
+compiling schemas of arrays (or objects) nested N deep, and of chains of N `$ref`s (each
+definition only a reference to the next, the last a string), each in a process of its own,
+beside the size bound's worst flat case. The gateway refuses schemas nested past
+`MAX_SCHEMA_DEPTH` (`cleave.generation.structured_output`) and chains past `MAX_REF_CHAIN`
+(`cleave.generation.schema_refs`) before they are compiled; this compiles them directly,
+past the bounds, to show why they are there.
 
     python bench/schema_nesting.py --out bench/results/grammar
 """
@@ -26,12 +28,17 @@ REASONER = Path(__file__).resolve().parent.parent / "libs" / "cleave" / "assets"
 
 
 def schema(shape: str, levels: int) -> str:
-    """`levels` arrays (or objects of one required property) around a string; `flat`: that
-    many properties side by side, one level deep."""
+    """`levels` arrays (or objects of one required property) around a string; `ref_chain`:
+    that many `$ref`s in a row, d0 -> d1 -> ... -> a string; `flat`: that many properties side
+    by side, one level deep."""
     if shape == "arrays":
         return '{"type":"array","items":' * levels + '{"type":"string"}' + "}" * levels
     if shape == "objects":
         return '{"type":"object","required":["a"],"properties":{"a":' * levels + '{"type":"string"}' + "}}" * levels
+    if shape == "ref_chain":
+        defs = {f"d{index}": {"$ref": f"#/$defs/d{index + 1}"} for index in range(levels)}
+        defs[f"d{levels}"] = {"type": "string"}
+        return json.dumps({"$ref": "#/$defs/d0", "$defs": defs}, separators=(",", ":"))
     properties = {f"p{index}": {"type": "string"} for index in range(levels)}
     return json.dumps({"type": "object", "properties": properties, "required": list(properties)})
 
@@ -66,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arrays", default="16,64,250,500,1000", help="nesting depths of arrays")
     parser.add_argument("--objects", default="16,64,250,500", help="nesting depths of objects")
+    parser.add_argument("--ref-chain", default="64,250,500,1000,2000", help="$refs in a row")
     parser.add_argument("--flat", default="2000", help="properties of one flat object (the size bound's worst)")
     parser.add_argument("--timeout-s", type=float, default=180.0, help="per compile")
     parser.add_argument("--child", nargs=2, metavar=("SHAPE", "LEVELS"), help=argparse.SUPPRESS)
@@ -75,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         child(args.child[0], int(args.child[1]))
         return 0
     rows = []
-    for shape in ("arrays", "objects", "flat"):
+    for shape in ("arrays", "objects", "ref_chain", "flat"):
         for levels in (int(value) for value in getattr(args, shape).split(",") if value):
             rows.append(measure(shape, levels, args.timeout_s))
             print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
