@@ -36,10 +36,12 @@ def detached(delta: decode_pb2.RequestDelta) -> decode_pb2.RequestDelta:
     A parsed message's sub-messages live in the memory of the whole parse, so a delta kept
     from a `StepOutput` keeps every other request's deltas of that step alive with it. A
     request whose client reads slowly (or not at all) would keep one whole step per step it
-    lags: with 256 requests on the worker, ~66 KB a step, 2 GB over a 32k-token answer
-    (`bench/unread_stream_memory.py`). The reader puts a delta as it came only into an empty
-    queue (its consumer takes it within the step) and copies the rest, so a lagging request
-    holds its own deltas alone; a copy costs ~0.3 us.
+    lags: one unread request beside 255 read ones grew the process 172.7 MB over 4000 steps,
+    626.5 MB with 5 top logprobs (`bench/unread_stream_memory.py`,
+    `bench/results/gateway/unread-stream-memory-20261207T182614Z.md`). The reader puts a delta as
+    it came only into an empty queue (its consumer takes it within the step) and copies the
+    rest (2.9 and 6.5 MB there), so a lagging request holds its own deltas alone; a copy
+    costs ~0.3 us.
     """
     copy = decode_pb2.RequestDelta()
     copy.CopyFrom(delta)
