@@ -165,6 +165,8 @@ class GatewayConfig:
     # (--api-key and each line of --api-key-file); None: open
     api_keys: ApiKeys | None = field(default=None, repr=False)
     max_requests_per_key: int = 0  # requests one API key (with one key or none: all) may run at once; 0: no cap
+    # samples (n, or scaling.num_samples under a strategy) one API key may have running at once; 0: no cap
+    max_samples_per_key: int = 0
     tenant_metrics: bool = False  # per-key (tag) request and token counters on /metrics
     # "priority": requests may set `priority` (lower scheduled first); "fcfs": a non-zero one is refused
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
@@ -492,6 +494,10 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
     flags.add("--max-requests-per-key", 0, "requests one API key may have running at once (with one key or none: "
               "all callers together); more are refused at once (RESOURCE_EXHAUSTED / 429, Retry-After 1 s); 0: no cap",
               type=int)
+    flags.add("--max-samples-per-key", 0, "samples one API key may have running at once, summed over its "
+              "requests (a request's n, or scaling.num_samples under a scaling strategy; with one key or none: all "
+              "callers together); a request that would pass it is refused at once (RESOURCE_EXHAUSTED / 429, "
+              "Retry-After 1 s), one asking for more by itself is INVALID_ARGUMENT / 400; 0: no cap", type=int)
     flags.add("--tenant-metrics", False, "with several API keys, count each key's finished requests and tokens "
               "under its tag on /metrics (whoever reads /metrics, which asks for no key, sees every key's usage)",
               action=argparse.BooleanOptionalAction)
@@ -506,6 +512,8 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
         raise SystemExit("--max-request-bytes must be positive and --max-prompt-bytes >= 0")
     if args.max_requests_per_key < 0:
         raise SystemExit(f"--max-requests-per-key must be >= 0 (0: no cap), got {args.max_requests_per_key}")
+    if args.max_samples_per_key < 0:
+        raise SystemExit(f"--max-samples-per-key must be >= 0 (0: no cap), got {args.max_samples_per_key}")
     for flag in ("--local-prefill-max-tokens", "--remote-prefill-max-queue-tokens", "--remote-prefill-idle-tokens",
                  "--local-prefill-max-running", "--remote-prefill-busy-max-queue-tokens"):
         if getattr(args, flag.lstrip("-").replace("-", "_")) < 0:
@@ -534,6 +542,7 @@ def gateway_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Ga
         max_prompt_bytes=args.max_prompt_bytes,
         api_keys=api_keys,
         max_requests_per_key=args.max_requests_per_key,
+        max_samples_per_key=args.max_samples_per_key,
         tenant_metrics=args.tenant_metrics,
         scheduling_policy=args.scheduling_policy,
         http_port_file=args.http_port_file,

@@ -97,7 +97,9 @@ def build(config: GatewayConfig, tracing: Tracing = TRACING_OFF,
         observer=requests,
     )
     requests.track_decode_workers(backend.decode_loads)
-    limited = TenantLimits(backend, config.max_requests_per_key) if config.max_requests_per_key else backend
+    capped = config.max_requests_per_key or config.max_samples_per_key
+    limited = (TenantLimits(backend, config.max_requests_per_key, config.max_samples_per_key) if capped
+               else backend)
     metered = ClientSafeBackend(MeteredBackend(limited, requests))  # what both public APIs reach
     servicer = GatewayServicer(metered, [served], api_keys=config.api_keys)
     token_text = lambda token_id: model.tokenizer.decode([token_id])  # noqa: E731

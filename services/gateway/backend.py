@@ -121,6 +121,17 @@ class GenerateSpec:
     truncation: PromptTruncation | None = None  # vLLM's truncate_prompt_tokens: the prompt's last tokens alone run
 
 
+def num_samples(spec: GenerateSpec) -> int:
+    """Samples `spec` runs on the workers: `scaling.num_samples` under a scaling strategy,
+    else `sampling.n`."""
+    return spec.scaling.num_samples if spec.scaling.strategy is not Strategy.NONE else spec.sampling.n
+
+
+def num_samples_field(spec: GenerateSpec) -> str:
+    """The GenerateRequest field `num_samples(spec)` comes from (an error about it names this)."""
+    return "scaling.num_samples" if spec.scaling.strategy is not Strategy.NONE else "sampling.n"
+
+
 @dataclass(frozen=True)
 class SampleOutput:
     """New output of one sample since the previous chunk."""

@@ -53,10 +53,9 @@ from cleave.generation.outputs import FinishReason
 from cleave.generation.reasoning_formats import special_tag_tokens
 from cleave.proto.cleave.v1 import common_pb2
 from cleave.rpc.drain import DrainGate, wait_until
-from cleave.scaling.strategies import Strategy
 from cleave.tracing import span
 from services.gateway.attach import WorkerLost
-from services.gateway.backend import GenerateChunk, GenerateSpec
+from services.gateway.backend import GenerateChunk, GenerateSpec, num_samples
 from services.gateway.convert import TokenDelta, request_field
 from services.gateway.disagg_policy import ConditionalPrefill, DisaggregationPolicy
 from services.gateway.migration import Continuation, continuation
@@ -228,8 +227,9 @@ class RoutingBackend:
         if spec.truncation is not None:  # before the context check: a prompt cut to fit passes it
             prompt_ids = spec.truncation.apply(prompt_ids, self.model.max_model_len, spec.sampling)
         sampling = spec.sampling
-        if spec.scaling.strategy is not Strategy.NONE:
-            sampling = replace(sampling, n=spec.scaling.num_samples)
+        samples = num_samples(spec)
+        if samples != sampling.n:  # a scaling strategy's samples
+            sampling = replace(sampling, n=samples)
         try:
             sampling.validate(self.model.max_model_len, len(prompt_ids), self.model.vocab_size)
         except InvalidArgument as error:

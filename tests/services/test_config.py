@@ -247,6 +247,17 @@ def test_max_requests_per_key_defaults_to_no_cap_and_refuses_a_negative_one():
         gateway_config(["--max-requests-per-key", "-1"], {})
 
 
+def test_max_samples_per_key_defaults_to_no_cap_and_refuses_a_negative_one():
+    assert gateway_config([], {}).max_samples_per_key == 0
+    assert gateway_config([], {"CLEAVE_MAX_SAMPLES_PER_KEY": "64"}).max_samples_per_key == 64
+    flag_over_env = gateway_config(["--max-samples-per-key", "8"], {"CLEAVE_MAX_SAMPLES_PER_KEY": "64"})
+    assert flag_over_env.max_samples_per_key == 8
+    with pytest.raises(SystemExit, match="--max-samples-per-key must be >= 0"):
+        gateway_config(["--max-samples-per-key", "-1"], {})
+    with pytest.raises(SystemExit, match="--max-samples-per-key must be >= 0"):
+        gateway_config([], {"CLEAVE_MAX_SAMPLES_PER_KEY": "-2"})
+
+
 def test_scheduling_policy_is_fcfs_by_default_and_priority_from_flag_or_environment():
     assert gateway_config([], {}).scheduling_policy == "fcfs"
     assert gateway_config(["--scheduling-policy", "priority"], {}).scheduling_policy == "priority"
