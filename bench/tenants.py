@@ -1,20 +1,26 @@
 """One tenant's flood against another tenant's requests, through a gateway with two API keys,
-without and with `--max-requests-per-key`, and with B's requests at other priorities.
+without and with `--max-requests-per-key` and `--max-samples-per-key`, and with B's requests at
+other priorities.
 
 The stack runs as `cleave up` runs it (colocated by default, the shipped model, the CPU unless
 `--device`), its gateway taking two keys from a key file. Tenant A keeps `--flood` streams
-open (greedy requests of `--flood-tokens` tokens each, a new one as each ends; one the gateway
-refuses is sent again after the Retry-After it came with, as a well-behaved client does);
-tenant B sends `--calm-requests` requests of `--calm-tokens` tokens one after another once
-the flood streams, at each priority of `--calm-priorities` (A's are 0; a non-zero one runs
-the gateway with `--scheduling-policy priority`). Per cap (0: none) and priority: B's time to
-first token and request time (p50, p90), A's finished and refused requests and its generated
-tokens per second. `--max-num-seqs` bounds each worker's running requests, so that a flood
-larger than it waits (priorities order only what waits).
+open (greedy requests of `--flood-tokens` tokens each and `--flood-samples` samples (n), a new
+one as each ends; one the gateway refuses is sent again after the Retry-After it came with, as
+a well-behaved client does); tenant B sends `--calm-requests` requests of `--calm-tokens`
+tokens one after another once the flood streams, at each priority of `--calm-priorities` (A's
+are 0; a non-zero one runs the gateway with `--scheduling-policy priority`). Per request cap
+(`--caps`), samples cap (`--samples-caps`; 0: none, each) and priority: B's time to first
+token and request time (p50, p90), A's finished and refused requests and its generated tokens
+(all samples') per second. `--max-num-seqs` bounds each worker's running sequences (a request
+of n samples takes n seats, all at once), so that a flood larger than it waits (priorities
+order only what waits). A request of more samples than a samples cap, or than a worker's
+seats, could never run (INVALID_ARGUMENT): such a configuration is refused before any stack
+starts.
 
     python bench/tenants.py                      # caps 0 and 4, 32 flood streams
     python bench/tenants.py --caps 0,2,8 --flood 64
     python bench/tenants.py --caps 0 --calm-priorities 0,-1 --max-num-seqs 8
+    python bench/tenants.py --caps 0 --samples-caps 0,8 --flood 4 --flood-samples 8 --flood-tokens 128 --max-num-seqs 16
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import grpc
 
 from cleave.cli._stack import ProcessStack, StackSpec
 from cleave.client import GatewayClient
-from cleave.config import SHIPPED_MODEL_DIR
+from cleave.config import SHIPPED_MODEL_DIR, WorkerConfig
 from cleave.proto.cleave.v1 import gateway_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,7 +45,8 @@ from common import format_table, nearest_rank, run_name, write_results  # noqa: 
 
 KEYS = ("sk-flood", "sk-calm")
 IDS = gateway_pb2.StreamOptions(include_token_ids=True)
-COLUMNS = ("cap", "calm_priority", "calm_ttft_p50_ms", "calm_ttft_p90_ms", "calm_e2e_p50_ms", "calm_e2e_p90_ms", "calm_failed",
+COLUMNS = ("cap", "samples_cap", "calm_priority",
+           "calm_ttft_p50_ms", "calm_ttft_p90_ms", "calm_e2e_p50_ms", "calm_e2e_p90_ms", "calm_failed",
            "flood_finished", "flood_refused", "flood_tok_per_s")
 
 
@@ -58,14 +65,16 @@ def retry_after_s(error: grpc.aio.AioRpcError) -> float:
     return int(metadata.get("retry-after-ms", "1000")) / 1000
 
 
-async def flood_stream(client: GatewayClient, index: int, tokens: int, flood: Flood, stop: asyncio.Event) -> None:
-    """One of tenant A's streams: a request after another until `stop`."""
+async def flood_stream(client: GatewayClient, index: int, tokens: int, samples: int, flood: Flood,
+                       stop: asyncio.Event) -> None:
+    """One of tenant A's streams: a request of `samples` samples after another until `stop`."""
+    many = {"n": samples} if samples > 1 else {}  # one sample: n unset, the request of the default flood
     turn = 0
     while not stop.is_set():
         turn += 1
         try:
             async for response in client.generate(f"flood {index}.{turn}: tell me a long story", max_tokens=tokens,
-                                                  temperature=0.0, ignore_eos=True, stream=IDS):
+                                                  temperature=0.0, ignore_eos=True, stream=IDS, **many):
                 got = sum(len(sample.token_ids) for sample in response.samples)
                 flood.tokens += got
                 if got:
@@ -102,7 +111,8 @@ async def calm_requests(client: GatewayClient, count: int, tokens: int,
 async def load(address: str, args: argparse.Namespace, priority: int) -> dict:
     flood, stop = Flood(), asyncio.Event()
     async with GatewayClient(address, api_key=KEYS[0]) as flooder, GatewayClient(address, api_key=KEYS[1]) as calm:
-        streams = [asyncio.ensure_future(flood_stream(flooder, index, args.flood_tokens, flood, stop))
+        streams = [asyncio.ensure_future(flood_stream(flooder, index, args.flood_tokens, args.flood_samples,
+                                                      flood, stop))
                    for index in range(args.flood)]
         try:
             await asyncio.wait_for(flood.streaming.wait(), args.start_timeout_s)
@@ -123,18 +133,20 @@ async def load(address: str, args: argparse.Namespace, priority: int) -> dict:
     }
 
 
-def run_cap(cap: int, priority: int, args: argparse.Namespace, workdir: Path) -> dict:
+def run_cap(cap: int, samples_cap: int, priority: int, args: argparse.Namespace, workdir: Path) -> dict:
     key_file = workdir / "api-keys"
     key_file.write_text("\n".join(KEYS) + "\n")
     policy = ("--scheduling-policy", "priority") if priority else ()
     seats = ("--max-num-seqs", str(args.max_num_seqs)) if args.max_num_seqs else ()
     spec = StackSpec(model=args.model, mode=args.mode, grpc_port=0, http_port=None, device=args.device,
                      log_level="WARNING", metrics=False, worker_args=seats,
-                     gateway_args=("--api-key-file", str(key_file), "--max-requests-per-key", str(cap), *policy))
-    stack = ProcessStack(spec, workdir / f"cap-{cap}-priority-{priority}")
+                     gateway_args=("--api-key-file", str(key_file), "--max-requests-per-key", str(cap),
+                                   "--max-samples-per-key", str(samples_cap), *policy))
+    stack = ProcessStack(spec, workdir / f"cap-{cap}-samples-{samples_cap}-priority-{priority}")
     stack.start(timeout_s=args.start_timeout_s)
     try:
-        row = {"cap": cap, "calm_priority": priority, **asyncio.run(load(stack.gateway_address, args, priority))}
+        row = {"cap": cap, "samples_cap": samples_cap, "calm_priority": priority,
+               **asyncio.run(load(stack.gateway_address, args, priority))}
     finally:
         stack.stop()
     print(format_table([row], COLUMNS), flush=True)
@@ -146,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--caps", default="0,4", help="--max-requests-per-key values, comma-separated (0: none)")
     parser.add_argument("--flood", type=int, default=32, help="tenant A's streams open at once")
     parser.add_argument("--flood-tokens", type=int, default=64, help="tokens of each of A's requests")
+    parser.add_argument("--flood-samples", type=int, default=1, help="samples (n) of each of A's requests")
+    parser.add_argument("--samples-caps", default="0", help="--max-samples-per-key values, comma-separated, "
+                        "each run with each of --caps (0: none)")
     parser.add_argument("--calm-requests", type=int, default=20, help="tenant B's requests, one after another")
     parser.add_argument("--calm-tokens", type=int, default=8, help="tokens of each of B's requests")
     parser.add_argument("--calm-priorities", default="0", help="priorities of B's requests, comma-separated, "
@@ -160,16 +175,32 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     caps = [int(cap) for cap in args.caps.split(",") if cap]
     priorities = [int(priority) for priority in args.calm_priorities.split(",") if priority]
-    if any(cap < 0 for cap in caps) or args.flood < 1 or args.calm_requests < 1 or args.max_num_seqs < 0:
-        parser.error("caps and --max-num-seqs must be >= 0, --flood and --calm-requests >= 1")
+    samples_caps = [int(cap) for cap in args.samples_caps.split(",") if cap]
+    if (any(cap < 0 for cap in caps + samples_caps) or args.flood < 1 or args.calm_requests < 1
+            or args.flood_samples < 1 or args.max_num_seqs < 0):
+        parser.error("caps and --max-num-seqs must be >= 0, --flood, --flood-samples and --calm-requests >= 1")
+    too_small = [cap for cap in samples_caps if 0 < cap < args.flood_samples]
+    if too_small:
+        parser.error(f"--samples-caps {','.join(map(str, too_small))} is less than --flood-samples "
+                     f"{args.flood_samples}: the gateway refuses a request of more samples than the cap "
+                     "(INVALID_ARGUMENT), so tenant A could send nothing; give caps of at least "
+                     f"{args.flood_samples}, or fewer samples")
+    seats = args.max_num_seqs or WorkerConfig.max_num_seqs
+    if args.flood_samples > seats:
+        parser.error(f"--flood-samples {args.flood_samples} is more than a worker's {seats} seats "
+                     "(--max-num-seqs): the engine refuses a request of more samples than it can run at once "
+                     "(INVALID_ARGUMENT); give at most that many samples, or more seats")
     rows = []
     with tempfile.TemporaryDirectory(prefix="cleave-tenants-") as workdir:
         for cap in caps:
-            for priority in priorities:
-                rows.append(run_cap(cap, priority, args, Path(workdir)))
+            for samples_cap in samples_caps:
+                for priority in priorities:
+                    rows.append(run_cap(cap, samples_cap, priority, args, Path(workdir)))
     print(format_table(rows, COLUMNS))
     summary = {"stack": f"{args.mode}, {args.device}, {args.model.name}, two API keys",
-               "flood": f"{args.flood} streams of {args.flood_tokens} tokens (tenant A)",
+               "flood": f"{args.flood} streams of {args.flood_tokens} tokens"
+                        + (f", {args.flood_samples} samples a request" if args.flood_samples > 1 else "")
+                        + " (tenant A)",
                "calm": f"{args.calm_requests} requests of {args.calm_tokens} tokens one after another (tenant B)",
                "max_num_seqs": args.max_num_seqs or "the workers' default"}
     write_results(args.out, run_name("tenants"), rows, COLUMNS, summary)
