@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                 set_prefill_launch(engine.model, launch)
                 engine.runner.sampler = Sampler(engine.config.seed, impl=sampler)
                 summary[f"startup_s_{label}"] = round(time.perf_counter() - start, 1)
-                summary["kv_blocks"] = engine.runner.num_blocks
+                summary[f"kv_blocks_{label}"] = engine.runner.num_blocks  # an fp8 cache holds twice the blocks
                 seconds, num_output, steps = run_requests(engine, args.num_requests, args, seed=0,
                                                           penalised_share=share, compile_log=compiles)
             details[f"compiles_{label}"] = compiles.summary()
