@@ -45,3 +45,27 @@ def test_a_short_run_with_the_calm_tenant_at_a_lower_priority(tmp_path):
     (row,) = json.loads(result.read_text())["rows"]
     assert (row["cap"], row["calm_priority"], row["calm_failed"]) == (0, -1, 0), row
     assert len(row["calm_ttfts_ms"]) == 2
+
+
+@pytest.mark.timeout(600)  # a guard against a hang
+def test_a_short_run_of_many_sample_requests_under_a_samples_cap(tmp_path):
+    """Three streams of 4-sample requests on workers of 8 seats, without and with
+    `--max-samples-per-key 4`: the capped run refuses some of the flood (one request at a
+    time), the calm key gets every answer both times; a samples cap under the flood's n, which
+    the gateway would refuse outright, is refused before any stack starts."""
+    out = tmp_path / "out"
+    command = [sys.executable, str(ROOT / "bench" / "tenants.py"), "--caps", "0", "--samples-caps", "0,4",
+               "--flood", "3", "--flood-samples", "4", "--flood-tokens", "8", "--max-num-seqs", "8",
+               "--calm-requests", "2", "--calm-tokens", "2", "--out", str(out)]
+    finished = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    (result,) = out.glob("tenants-*.json")
+    uncapped, capped = json.loads(result.read_text())["rows"]
+    assert (uncapped["samples_cap"], capped["samples_cap"]) == (0, 4)
+    assert uncapped["flood_refused"] == 0 and capped["flood_refused"] > 0
+    for row in (uncapped, capped):
+        assert row["calm_failed"] == 0 and len(row["calm_ttfts_ms"]) == 2, row
+
+    refused = subprocess.run([*command[:2], "--samples-caps", "2", "--flood-samples", "4", "--out", str(out)],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--samples-caps" in refused.stderr, refused.stderr[-2000:]
