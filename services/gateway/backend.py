@@ -119,6 +119,7 @@ class GenerateSpec:
     tenant: str = ""  # with several API keys, the tag of the key it came with (`services.gateway.tenants`)
     include_stop_str: bool = False  # a stop string that ends a sample stays in its text (vLLM's option)
     truncation: PromptTruncation | None = None  # vLLM's truncate_prompt_tokens: the prompt's last tokens alone run
+    batch_size: int = 1  # requests its body runs at once, itself included (a completions body's list of prompts)
 
 
 def num_samples(spec: GenerateSpec) -> int:

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any, Protocol
 
 from cleave.errors import InvalidArgument
@@ -57,7 +57,7 @@ async def complete_batch(
     echo = CompletionEcho.of(body)
     if body.get("stream"):
         raise InvalidArgument("a list of prompts or echo is answered whole; send stream: false", field="stream")
-    specs = [generate_spec(body, f"{request_id}-{position}", model, False, prompt)[0]
+    specs = [replace(generate_spec(body, f"{request_id}-{position}", model, False, prompt)[0], batch_size=len(prompts))
              for position, prompt in enumerate(prompts)]
     shapers = [shaper_for(spec) for spec in specs]
 

@@ -16,7 +16,9 @@ A refused request is refused at once (RESOURCE_EXHAUSTED over gRPC, 429 over HTT
 one-second Retry-After) instead of queueing; the others' requests are untouched. With several
 API keys each key is counted on its own (`GenerateSpec.tenant`); with one key or none, every
 request counts against one shared limit. A request counts from its arrival to its end, however
-it ends; each prompt of a completions batch is a request of its own and counts its samples.
+it ends; each prompt of a completions batch is a request of its own and counts its samples, and
+a batch whose prompts together could never fit under a cap is INVALID_ARGUMENT / 400 naming
+`prompt` (refused with a Retry-After, its client would retry it forever).
 """
 
 from __future__ import annotations
@@ -89,6 +91,16 @@ class TenantLimits(BackendLayer):
             raise InvalidArgument(f"{samples} samples are more than one API key may have running at once on this "
                                   f"gateway (--max-samples-per-key {self.max_samples}); ask for at most "
                                   f"{self.max_samples}", field=num_samples_field(spec))
+        # A body's prompts run at once: a list that could never fit is the body's fault, not a wait.
+        if self.max_requests is not None and spec.batch_size > self.max_requests:
+            raise InvalidArgument(f"a list of {spec.batch_size} prompts runs as many requests at once, more than "
+                                  f"one API key may have running on this gateway (--max-requests-per-key "
+                                  f"{self.max_requests}); send at most {self.max_requests} a body", field="prompt")
+        if self.max_samples is not None and samples * spec.batch_size > self.max_samples:
+            raise InvalidArgument(f"a list of {spec.batch_size} prompts of {samples} samples each runs "
+                                  f"{samples * spec.batch_size} samples at once, more than one API key may have "
+                                  f"running on this gateway (--max-samples-per-key {self.max_samples}); send at most "
+                                  f"{self.max_samples // samples} prompts a body", field="prompt")
         running = self._running.get(spec.tenant) or _Running()
         if self.max_requests is not None and running.requests >= self.max_requests:
             raise TenantBusy(f"this API key has {running.requests} requests running, the most the gateway takes "

@@ -246,3 +246,26 @@ async def test_each_prompt_of_a_completions_batch_counts_its_samples():
         assert limits.running_samples(busy_tag) == 0
     finally:
         await runner.cleanup()
+
+
+async def test_a_completions_batch_that_could_never_fit_under_a_cap_is_a_400_naming_prompt():
+    """Its prompts run at once: three prompts under a cap of two requests, or two prompts of
+    n = 3 under a cap of four samples, would be refused with a Retry-After however long the
+    client waited; they are the body's fault (400), and none of its prompts starts."""
+    held = HeldBackend()
+    held.go.set()
+    cases = [(TenantLimits(held, max_requests=2), {"prompt": ["a", "b", "c"]}, "--max-requests-per-key 2"),
+             (TenantLimits(held, max_samples=4), {"prompt": ["a", "b"], "n": 3}, "--max-samples-per-key 4")]
+    for limits, body, flag in cases:
+        runner = await start_http(OpenAIApi(ClientSafeBackend(limits), [MODEL], str, api_keys=KEYS), "127.0.0.1:0")
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{bound_port(runner)}", timeout=10,
+                                         headers={"Authorization": "Bearer sk-busy"}) as busy:
+                refused = await busy.post("/v1/completions", json=body)
+                assert refused.status_code == 400, refused.text
+                assert refused.json()["error"]["param"] == "prompt" and flag in refused.json()["error"]["message"]
+                fits = await busy.post("/v1/completions", json={**body, "prompt": body["prompt"][:1]})
+                assert fits.status_code == 200, fits.text
+        finally:
+            await runner.cleanup()
+    assert held.started == 2  # the two bodies of one prompt; no prompt of a refused body started
