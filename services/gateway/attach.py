@@ -40,8 +40,8 @@ def detached(delta: decode_pb2.RequestDelta) -> decode_pb2.RequestDelta:
     626.5 MB with 5 top logprobs (`bench/unread_stream_memory.py`,
     `bench/results/gateway/unread-stream-memory-20261207T182614Z.md`). The reader puts a delta as
     it came only into an empty queue (its consumer takes it within the step) and copies the
-    rest (2.9 and 6.5 MB there), so a lagging request holds its own deltas alone; a copy
-    costs ~0.3 us.
+    rest (2.9 and 6.5 MB there, the event loop's time a step unchanged beyond its noise), so a
+    lagging request holds its own deltas alone.
     """
     copy = decode_pb2.RequestDelta()
     copy.CopyFrom(delta)
