@@ -5,10 +5,11 @@ request of the gateway there; `AttachStream` drops each delta into its request's
 a fake worker sends `--steps` steps of `--batch` requests (each step parsed from its bytes,
 as gRPC's deserializer does), `--batch` - 1 requests are read as they arrive, and one request
 is never read, as a stalled or hostile client leaves it. The table gives the process's
-resident memory grown over the run, with the deltas put as they came (`views`: each keeps
-its whole step's parse alive) and as the gateway puts them (`detached`,
-`services.gateway.attach.detached`), and the event loop's time a step (the reader filing
-the step, the readers taking their deltas). Each case runs in a process of its own.
+resident memory grown over the run, with the deltas queued as they came (`views`: each keeps
+its whole step's parse alive), copied when queued behind another (`detached`: a message a
+delta), and as the gateway queues them (`merged`: `services.gateway.delta_queue.DeltaQueue`,
+a lagging sample's deltas merged into one copy), and the event loop's time a step (the reader
+filing the step, the readers taking their deltas). Each case runs in a process of its own.
 
     python bench/unread_stream_memory.py --out bench/results/gateway
 """
@@ -31,8 +32,9 @@ from common import format_table, run_name, write_results  # noqa: E402
 
 from cleave.proto.cleave.v1 import common_pb2, decode_pb2  # noqa: E402
 from services.gateway import attach  # noqa: E402
+from services.gateway.delta_queue import DeltaQueue, detached  # noqa: E402
 
-COLUMNS = ["mode", "batch", "top_logprobs", "steps", "rss_growth_mb", "loop_us_per_step"]
+COLUMNS = ["mode", "batch", "top_logprobs", "steps", "queued_deltas", "rss_growth_mb", "loop_us_per_step"]
 UNREAD = "req-unread"
 
 
@@ -74,16 +76,25 @@ class _Call:
             await asyncio.sleep(0)
 
 
+class _CopyingQueue(asyncio.Queue):
+    """The `detached` mode: a delta queued behind another is copied, never merged."""
+
+    def _put(self, item: object) -> None:
+        self._queue.append(detached(item) if self._queue and isinstance(item, decode_pb2.RequestDelta) else item)
+
+
+QUEUES = {"views": asyncio.Queue, "detached": _CopyingQueue, "merged": DeltaQueue}
+
+
 async def _one_case(mode: str, batch: int, top_logprobs: int, steps: int) -> dict:
-    if mode == "views":
-        attach.detached = lambda delta: delta  # what the reader did before
+    queue_type = QUEUES[mode]
     call = _Call(_step_bytes(batch, top_logprobs), steps)
     worker = SimpleNamespace(address="fake:0", load=common_pb2.WorkerLoad(),
                              stub=SimpleNamespace(Attach=lambda request: call))
     stream = attach.AttachStream(worker, "gateway-0")  # type: ignore[arg-type]
     stream.is_open = True
-    unread = stream.register(UNREAD)
-    queues = [stream.register(f"req-{index:06d}") for index in range(1, batch)]
+    unread = stream.register(UNREAD, queue_type())  # type: ignore[arg-type]
+    queues = [stream.register(f"req-{index:06d}", queue_type()) for index in range(1, batch)]  # type: ignore[arg-type]
 
     async def drain(queue: asyncio.Queue) -> None:
         while True:
@@ -96,8 +107,10 @@ async def _one_case(mode: str, batch: int, top_logprobs: int, steps: int) -> dic
     grown = _rss_mb() - before
     for task in readers:
         task.cancel()
-    assert unread.qsize() == steps + 1, unread.qsize()  # every delta, then the stream's end
-    return {"mode": mode, "batch": batch, "top_logprobs": top_logprobs, "steps": steps,
+    held = [unread.get_nowait() for _ in range(unread.qsize())]
+    assert isinstance(held.pop(), attach.WorkerLost)  # the stream's end, after every delta:
+    assert sum(len(delta.token_ids) for delta in held) == steps, len(held)
+    return {"mode": mode, "batch": batch, "top_logprobs": top_logprobs, "steps": steps, "queued_deltas": len(held),
             "rss_growth_mb": round(grown, 1), "loop_us_per_step": round(call.reader_s / steps * 1e6, 1)}
 
 
@@ -106,7 +119,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=4000)
     parser.add_argument("--top-logprobs", default="0,5", help="comma-separated")
-    parser.add_argument("--modes", default="views,detached")
+    parser.add_argument("--modes", default="views,detached,merged")
     parser.add_argument("--out", default=None)
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # MODE:TOP_LOGPROBS, in a child process
     args = parser.parse_args(argv)

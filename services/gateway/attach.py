@@ -25,27 +25,10 @@ import structlog
 
 from cleave.errors import CleaveError, Unavailable
 from cleave.proto.cleave.v1 import decode_pb2
+from services.gateway.delta_queue import DeltaQueue
 from services.gateway.workers import WorkerHandle
 
 log = structlog.get_logger("cleave.gateway.attach")
-
-
-def detached(delta: decode_pb2.RequestDelta) -> decode_pb2.RequestDelta:
-    """A copy of `delta` that holds its own memory.
-
-    A parsed message's sub-messages live in the memory of the whole parse, so a delta kept
-    from a `StepOutput` keeps every other request's deltas of that step alive with it. A
-    request whose client reads slowly (or not at all) would keep one whole step per step it
-    lags: one unread request beside 255 read ones grew the process 172.7 MB over 4000 steps,
-    626.5 MB with 5 top logprobs (`bench/unread_stream_memory.py`,
-    `bench/results/gateway/unread-stream-memory-20261207T182614Z.md`). The reader puts a delta as
-    it came only into an empty queue (its consumer takes it within the step) and copies the
-    rest (2.9 and 6.5 MB there, the event loop's time a step unchanged beyond its noise), so a
-    lagging request holds its own deltas alone.
-    """
-    copy = decode_pb2.RequestDelta()
-    copy.CopyFrom(delta)
-    return copy
 
 
 class WorkerLost(Unavailable):
@@ -79,7 +62,7 @@ class AttachStream:
         self.worker = worker
         self.gateway_id = gateway_id
         self._on_broken = on_broken
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, DeltaQueue] = {}
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._task: asyncio.Task[None] | None = None
         self._closing = False
@@ -108,13 +91,13 @@ class AttachStream:
             self.is_open = False
             self._call.cancel()
 
-    def register(self, request_id: str, queue: asyncio.Queue | None = None) -> asyncio.Queue:
+    def register(self, request_id: str, queue: DeltaQueue | None = None) -> DeltaQueue:
         """A queue (`queue`, or a new one) that receives the request's RequestDelta messages
         (or an exception)."""
         if not self.is_open:
             raise Unavailable(f"decode worker {self.worker.address} has no open token stream")
         if queue is None:
-            queue = asyncio.Queue()
+            queue = DeltaQueue()
         self._queues[request_id] = queue
         return queue
 
@@ -131,7 +114,7 @@ class AttachStream:
                 for delta in step.deltas:
                     queue = self._queues.get(delta.request_id)
                     if queue is not None:
-                        queue.put_nowait(delta if queue.empty() else detached(delta))
+                        queue.put_nowait(delta)  # copied or merged once queued behind another
             error = WorkerLost(f"decode worker {self.worker.address} closed its token stream")
         except asyncio.CancelledError:
             error = Unavailable("the gateway is shutting down")

@@ -26,6 +26,7 @@ import grpc
 from cleave.errors import CleaveError, Unavailable
 from cleave.proto.cleave.v1 import common_pb2, decode_pb2
 from services.gateway.attach import AttachStream, WorkerLost
+from services.gateway.delta_queue import DeltaQueue
 from services.gateway.routing import pick_decode
 from services.gateway.workers import WorkerHandle, WorkerPool
 
@@ -60,7 +61,7 @@ class RunningRequest:
     worker request id; they change when it migrates), the queue all their deltas arrive in,
     and how many times it moved."""
 
-    queue: asyncio.Queue
+    queue: DeltaQueue
     parts: dict[str, WorkerRequest] = field(default_factory=dict)
     num_migrations: int = 0
 
@@ -160,12 +161,12 @@ class DecodePlacement:
 
     def place(self, num_prompt_tokens: int, num_samples: int) -> RunningRequest:
         """Place a new request's samples as one worker request (they share the prompt's KV)."""
-        running = RunningRequest(asyncio.Queue())
+        running = RunningRequest(DeltaQueue())
         running.add(self.place_samples(num_prompt_tokens, tuple(range(num_samples)), running.queue))
         return running
 
     def place_samples(
-        self, num_prompt_tokens: int, sample_indices: tuple[int, ...], queue: asyncio.Queue,
+        self, num_prompt_tokens: int, sample_indices: tuple[int, ...], queue: DeltaQueue,
         avoid: WorkerHandle | None = None,
     ) -> WorkerRequest:
         """Pick a decode worker for some of a request's samples and register the request's
@@ -178,7 +179,7 @@ class DecodePlacement:
             raise Unavailable("no decode worker is in rotation; check the workers' health and retry")
         return self._register(decode, sample_indices, queue)
 
-    def _register(self, decode: WorkerHandle, sample_indices: tuple[int, ...], queue: asyncio.Queue) -> WorkerRequest:
+    def _register(self, decode: WorkerHandle, sample_indices: tuple[int, ...], queue: DeltaQueue) -> WorkerRequest:
         worker_request_id = f"req-{uuid.uuid4().hex}"
         stream = self.streams[decode.address]
         stream.register(worker_request_id, queue)

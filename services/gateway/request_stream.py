@@ -26,6 +26,7 @@ from cleave.scaling.strategies import Strategy
 from services.gateway.attach import WorkerLost
 from services.gateway.backend import GenerateChunk, GenerateSpec, SampleOutput
 from services.gateway.convert import TokenDelta, token_delta_from_proto
+from services.gateway.delta_queue import DeltaQueue
 from services.gateway.model import ServedModel
 from services.gateway.placement import RunningRequest
 from services.gateway.sample_text import SampleText, resolve_mode
@@ -54,7 +55,7 @@ def merge_outputs(outputs: Sequence[SampleOutput]) -> SampleOutput:
     )
 
 
-async def next_items(spec: GenerateSpec, queue: asyncio.Queue) -> list:
+async def next_items(spec: GenerateSpec, queue: DeltaQueue) -> list:
     """The next queued deltas (at least one, all that are ready)."""
     timeout = time_left(spec.deadline)  # raises once past it, before a get() is made
     try:

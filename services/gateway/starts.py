@@ -34,6 +34,7 @@ from cleave.proto.cleave.v1 import decode_pb2, prefill_pb2
 from cleave.rpc.convert import reasoning_to_proto, sampling_to_proto
 from services.gateway.attach import WorkerLost
 from services.gateway.backend import GenerateSpec
+from services.gateway.delta_queue import DeltaQueue
 from services.gateway.placement import WorkerRequest
 from services.gateway.routing import PrefixAffinity, pick_prefill
 from services.gateway.worker_rpc import call_worker, time_left
@@ -59,7 +60,7 @@ async def start_disaggregated(
     spec: GenerateSpec,
     prompt_ids: list[int],
     placed: WorkerRequest,
-    queue: asyncio.Queue,
+    queue: DeltaQueue,
     *,
     gateway_id: str,
     store_to_kvstore: bool,
@@ -103,7 +104,7 @@ async def start_disaggregated(
 
 async def follow_handoff(
     pool: WorkerPool, call: grpc.aio.UnaryStreamCall, prefill: WorkerHandle, decode: WorkerHandle,
-    queue: asyncio.Queue, worker_request_id: str, *, deadline: float | None,
+    queue: DeltaQueue, worker_request_id: str, *, deadline: float | None,
 ) -> bool:
     """Read a Prefill stream past its first tokens; True once the KV was delivered and the
     decode started. A failure there means the decode never started: the request's queue
@@ -125,7 +126,7 @@ async def follow_handoff(
     return True
 
 
-def deliver_first_tokens(queue: asyncio.Queue, worker_request_id: str, result: prefill_pb2.PrefillResponse) -> None:
+def deliver_first_tokens(queue: DeltaQueue, worker_request_id: str, result: prefill_pb2.PrefillResponse) -> None:
     """Put each sample's first token (a RequestDelta, as the decode stream's) at the head of
     the request's queue: the decode worker's stream may already have brought the tokens
     after it. Nothing consumes the queue until the start returns, and no await separates

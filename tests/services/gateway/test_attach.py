@@ -1,6 +1,7 @@
 """The decode worker's token stream demultiplexed into request queues: a delta that waits in
-a queue behind another holds its own memory, not its whole step's (`attach.detached`), so a
-client that stops reading keeps its own tokens alone, never the other requests' of each step."""
+a queue behind another holds its own memory, not its whole step's, and a sample's later deltas
+merge into it (`DeltaQueue`), so a client that stops reading keeps its own tokens alone, in one
+message a sample, never the other requests' deltas of each step."""
 
 from __future__ import annotations
 
@@ -55,21 +56,21 @@ def views_of_the_steps(call: StepsCall, items: list) -> list[int]:
             if isinstance(item, decode_pb2.RequestDelta) and marker in item.token_ids]
 
 
-async def test_an_unread_request_holds_at_most_its_first_delta_as_a_view_of_its_step():
+async def test_an_unread_request_holds_its_tokens_in_one_copy_behind_its_first_delta():
     steps = [step(number, ("unread", 0, 10 + number), ("other", 0, 20 + number)) for number in range(5)]
     call, queued = await read_all(steps, "unread", "other")
     items = queued["unread"]
-    assert [list(item.token_ids) for item in items[:-1]] == [[10 + number] for number in range(5)]
+    assert [list(item.token_ids) for item in items[:-1]] == [[10], [11, 12, 13, 14]]
     assert isinstance(items[-1], WorkerLost)  # the stream's end follows the deltas
-    assert views_of_the_steps(call, items) == [0]  # behind the first, every delta is a copy
+    assert views_of_the_steps(call, items) == [0]  # the first as it came (taken within its step), then a copy
     assert all(item.request_id == "unread" for item in items[:-1])
 
 
-async def test_a_requests_samples_in_one_step_are_queued_in_order_the_second_detached():
-    steps = [step(0, ("n2", 0, 1), ("n2", 1, 2)), step(1, ("n2", 1, 3), ("n2", 0, 4))]
+async def test_a_requests_samples_keep_their_own_tokens_in_order():
+    steps = [step(0, ("n2", 0, 1), ("n2", 1, 2)), step(1, ("n2", 1, 3), ("n2", 0, 4)), step(2, ("n2", 0, 5))]
     call, queued = await read_all(steps, "n2")
     items = queued["n2"][:-1]
-    assert [(item.sample_index, list(item.token_ids)) for item in items] == [(0, [1]), (1, [2]), (1, [3]), (0, [4])]
+    assert [(item.sample_index, list(item.token_ids)) for item in items] == [(0, [1]), (1, [2, 3]), (0, [4, 5])]
     assert views_of_the_steps(call, items) == [0]
 
 

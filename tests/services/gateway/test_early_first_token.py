@@ -93,12 +93,13 @@ async def test_an_abort_before_the_handoff_delivered_moves_the_request():
     """The decode worker's ABORT of a worker request counts as a loss while its handoff is
     pending or failed (in either order with the handoff's own error), not once delivered."""
     from cleave.proto.cleave.v1 import common_pb2 as c, decode_pb2 as d
+    from services.gateway.delta_queue import DeltaQueue
     from services.gateway.placement import RunningRequest, WorkerRequest
     from services.gateway.workers import WorkerHandle
 
     decode = WorkerHandle("decode", "d:1", None, None, None, healthy=True)  # type: ignore[arg-type]
     part = WorkerRequest("w-1", decode, None, (0,))  # type: ignore[arg-type]
-    running = RunningRequest(asyncio.Queue())
+    running = RunningRequest(DeltaQueue())
     running.add(part)
     abort = d.RequestDelta(request_id="w-1", finish_reason=c.FINISH_REASON_ABORT)
     finished = d.RequestDelta(request_id="w-1", finish_reason=c.FINISH_REASON_LENGTH)

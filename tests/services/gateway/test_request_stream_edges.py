@@ -10,7 +10,6 @@ chr(i + 28): "A" is 37), except where a think block is the point.
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 
 import pytest
@@ -24,6 +23,7 @@ from cleave.rpc.types import ReasoningOptions
 from cleave.scaling.strategies import Strategy
 from services.gateway.attach import WorkerLost
 from services.gateway.backend import GenerateChunk, GenerateSpec, Prompt, Scaling, StreamShape
+from services.gateway.delta_queue import DeltaQueue
 from services.gateway.model import ServedModel
 from services.gateway.placement import RunningRequest, WorkerRequest
 from services.gateway.request_stream import stream_samples
@@ -73,7 +73,7 @@ class Worker:
     (per-sample aborts, migrations)."""
 
     def __init__(self, n: int) -> None:
-        self.running = RunningRequest(asyncio.Queue())
+        self.running = RunningRequest(DeltaQueue())
         self.add("w1", tuple(range(n)))
         self.finished = [False] * n
         self.aborted: list[int] = []

@@ -11,7 +11,6 @@ tags arrive split over tokens and steps.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import shutil
@@ -37,6 +36,7 @@ from cleave.rpc.types import ReasoningMode
 from services.gateway.__main__ import registration
 from services.gateway.backend import GenerateChunk, GenerateSpec, Prompt
 from services.gateway.convert import TokenDelta
+from services.gateway.delta_queue import DeltaQueue
 from services.gateway.http_api import OpenAIApi, bound_port, start_http
 from services.gateway.model import ServedModel
 from services.gateway.placement import RunningRequest, WorkerRequest
@@ -95,7 +95,7 @@ class ScriptedBackend:
         self.prompts.append(model.tokenizer.decode(prompt_ids))
         self.specs.append(spec)
         ids = model.tokenizer.encode(self.answer, add_special_tokens=False)
-        running = RunningRequest(asyncio.Queue())
+        running = RunningRequest(DeltaQueue())
         running.add(WorkerRequest("worker-request", decode=None, stream=None, sample_indices=(0,)))  # type: ignore[arg-type]
         for start in range(0, len(ids), 3):
             last = start + 3 >= len(ids)
