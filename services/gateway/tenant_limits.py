@@ -16,7 +16,9 @@ A refused request is refused at once (RESOURCE_EXHAUSTED over gRPC, 429 over HTT
 one-second Retry-After) instead of queueing; the others' requests are untouched. With several
 API keys each key is counted on its own (`GenerateSpec.tenant`); with one key or none, every
 request counts against one shared limit. A request counts from its arrival to its end, however
-it ends; each prompt of a completions batch is a request of its own and counts its samples, and
+it ends, and each of its samples until the stream reports it finished (a streamed sample that
+ends early frees its place at once; held answers, as majority vote's, report their samples at
+the request's end); each prompt of a completions batch is a request of its own and counts its samples, and
 a batch whose prompts together could never fit under a cap is INVALID_ARGUMENT / 400 naming
 `prompt` (refused with a Retry-After, its client would retry it forever).
 """
@@ -117,12 +119,17 @@ class TenantLimits(BackendLayer):
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[GenerateChunk]:
         samples = num_samples(spec)
         running = self._admit(spec, samples)
+        finished: set[int] = set()
         try:
             async with contextlib.aclosing(self.backend.generate(spec)) as chunks:
                 async for chunk in chunks:
+                    for sample in chunk.samples:
+                        if sample.finish_reason is not None and sample.index not in finished and len(finished) < samples:
+                            finished.add(sample.index)
+                            running.samples -= 1
                     yield chunk
         finally:
             running.requests -= 1
-            running.samples -= samples
+            running.samples -= samples - len(finished)
             if not running.requests:
                 del self._running[spec.tenant]

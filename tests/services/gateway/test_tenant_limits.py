@@ -226,6 +226,37 @@ async def test_both_caps_hold_together_and_a_failed_request_gives_its_samples_ba
     assert (limits.running(), limits.running_samples()) == (0, 0)
 
 
+class StaggeredBackend:
+    """Streams the request's samples ending one after another, each end when `step` is set."""
+
+    def __init__(self) -> None:
+        self.step = asyncio.Event()
+
+    async def generate(self, spec):  # type: ignore[no-untyped-def]
+        for index in range(num_samples(spec)):
+            await self.step.wait()
+            self.step.clear()
+            yield GenerateChunk(samples=(SampleOutput(index=index, text="a", token_ids=(1,),
+                                                      finish_reason=FinishReason.STOP),))
+
+
+async def test_a_streamed_sample_that_ends_gives_its_place_back_before_its_request_ends():
+    staggered = StaggeredBackend()
+    limits = TenantLimits(staggered, max_samples=4)  # type: ignore[arg-type]
+    long = limits.generate(with_samples("r0", n=3))
+    staggered.step.set()
+    assert (await anext(long)).samples[0].finish_reason is FinishReason.STOP
+    assert limits.running_samples() == 2  # sample 0 ended; 1 and 2 still run
+    with pytest.raises(TenantBusy, match="--max-samples-per-key"):  # 2 + 3 > 4
+        await anext(limits.generate(with_samples("r1", n=3)))
+    other = limits.generate(with_samples("r1", n=2))  # 2 + 2 fits only because sample 0 gave its place back
+    staggered.step.set()
+    await anext(other)
+    assert limits.running_samples() == 3
+    await long.aclose(), await other.aclose()
+    assert (limits.running(), limits.running_samples()) == (0, 0)  # never below: an ended sample counts once
+
+
 async def test_each_prompt_of_a_completions_batch_counts_its_samples():
     held = HeldBackend()
     limits = TenantLimits(held, max_samples=4)
