@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import openai
 from prometheus_client import CollectorRegistry
 
 from cleave.config import ModelConfig
@@ -68,8 +69,21 @@ class Stack:
     gateway_address: str = ""
     http_url: str = ""
     http_runner: object = None
+    openai_clients: dict[str, openai.AsyncOpenAI] = field(default_factory=dict)
+
+    def openai(self, api_key: str = "unused") -> openai.AsyncOpenAI:
+        """The real OpenAI client of this stack's HTTP API for `api_key`, one a key, closed with
+        the stack (in its event loop: a client left open is closed by its finalizer in whatever
+        loop runs then, and fails there once its own loop has closed)."""
+        client = self.openai_clients.get(api_key)
+        if client is None:
+            client = openai.AsyncOpenAI(base_url=self.http_url, api_key=api_key, max_retries=0)
+            self.openai_clients[api_key] = client
+        return client
 
     async def close(self) -> None:
+        for client in self.openai_clients.values():
+            await client.close()
         if self.http_runner is not None:
             await self.http_runner.cleanup()  # type: ignore[attr-defined]
         for server in reversed(self.servers):

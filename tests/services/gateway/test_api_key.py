@@ -28,7 +28,7 @@ async def stack(model_dir):
 
 
 def client(stack, api_key: str) -> openai.AsyncOpenAI:  # type: ignore[no-untyped-def]
-    return openai.AsyncOpenAI(base_url=stack.http_url, api_key=api_key, max_retries=0)
+    return stack.openai(api_key)  # closed with the stack
 
 
 async def test_the_right_key_is_served(stack):

@@ -59,15 +59,14 @@ async def test_an_http_connection_past_the_cap_is_answered_503_until_one_closes(
     held: list[asyncio.StreamWriter] = []
     try:
         held = [await _held_connection(port), await _held_connection(port)]
-        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        with pytest.raises(openai.APIStatusError) as refused:
-            await client.completions.create(model="tiny", prompt="hi", max_tokens=1)
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0) as client:
+            with pytest.raises(openai.APIStatusError) as refused:
+                await client.completions.create(model="tiny", prompt="hi", max_tokens=1)
         assert refused.value.status_code == 503
         assert refused.value.response.headers["retry-after"] == "1"
         error = refused.value.response.json()["error"]
         assert error["message"] == ("the server is at its limit of 2 open HTTP connections; retry later, "
                                     "or reuse a connection (keep-alive)")
-        await client.close()
         # a connection past the cap is answered and half-closed without reading its request
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:

@@ -14,7 +14,7 @@ MESSAGES = [{"role": "user", "content": "Why is the sky blue?"}]
 
 
 def client(stack) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=stack.http_url, api_key="unused", max_retries=0)
+    return stack.openai()  # closed with the stack
 
 
 async def test_models(stack):

@@ -20,7 +20,7 @@ CONTINUATION = " jumps over the lazy dog"
 
 
 def client(stack) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=stack.http_url, api_key="unused", max_retries=0)
+    return stack.openai()  # closed with the stack
 
 
 def root(stack) -> str:

@@ -158,9 +158,9 @@ async def test_body_over_the_limit_is_413_while_a_stream_goes_on():
                 rest = [line async for line in lines if line]
             assert rest[-1] == "data: [DONE]" and '"text": "b"' in rest[-2]
         # the real client sees the same 413
-        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
-        with pytest.raises(openai.APIStatusError) as raised:
-            await client.completions.create(model="tiny", prompt="x" * (2 * MAX_REQUEST_BYTES))
+        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as real:
+            with pytest.raises(openai.APIStatusError) as raised:
+                await real.completions.create(model="tiny", prompt="x" * (2 * MAX_REQUEST_BYTES))
         assert raised.value.status_code == 413
     finally:
         await runner.cleanup()
@@ -256,9 +256,10 @@ async def test_prompt_over_the_byte_bound_is_refused_without_tokenizing(gateway)
     assert "bytes" in response.json()["error"]["message"]
     response = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": over}]})
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
-    with pytest.raises(openai.BadRequestError) as raised:
-        await openai.AsyncOpenAI(base_url=str(client.base_url).rstrip("/") + "/v1", api_key="unused", max_retries=0) \
-            .completions.create(model="tiny", prompt=over)
+    async with openai.AsyncOpenAI(base_url=str(client.base_url).rstrip("/") + "/v1", api_key="unused",
+                                  max_retries=0) as real:
+        with pytest.raises(openai.BadRequestError) as raised:
+            await real.completions.create(model="tiny", prompt=over)
     assert raised.value.body["param"] == "prompt"
     stub = gateway_pb2_grpc.GatewayStub(channel)
     with pytest.raises(grpc.aio.AioRpcError) as raised_rpc:

@@ -259,7 +259,7 @@ async def test_openai_stream_of_n_samples_continues_on_the_other_worker(two_work
     (expected,) = reference_llm(model_dir).generate(
         messages, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, n=2)
     )
-    api = openai.AsyncOpenAI(base_url=stack.http_url, api_key="unused", max_retries=0)
+    api = stack.openai()
     stream = await api.chat.completions.create(
         model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0.0, n=2, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True},

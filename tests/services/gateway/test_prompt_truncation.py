@@ -23,7 +23,7 @@ KEEP = 24
 
 
 def client(stack) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=stack.http_url, api_key="unused", max_retries=0)
+    return stack.openai()  # closed with the stack
 
 
 async def tokenize(stack, body: dict) -> list[int]:

@@ -68,7 +68,7 @@ async def qwen3_stack(qwen3_dir):
 
 
 def client(stack) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=stack.http_url, api_key="unused", max_retries=0)
+    return stack.openai()  # closed with the stack
 
 
 def test_the_gateway_recognises_qwen3_unless_told_otherwise(qwen3_dir):

@@ -80,7 +80,7 @@ async def test_generate_streams_tokens_as_they_come(stack, mode, monkeypatch):
 
 
 async def test_chat_sse_streams_reasoning_then_content(stack):
-    client = openai.AsyncOpenAI(base_url=stack.http_url, api_key="unused", max_retries=0)
+    client = stack.openai()
     stream = await client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX_TOKENS, temperature=0.0,
         stream=True, extra_body={"max_thinking_tokens": THINKING, "ignore_eos": True},

@@ -39,7 +39,7 @@ THINK = {"max_thinking_tokens": 2}  # the random model would think to the token 
 
 
 def client(stack) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=stack.http_url, api_key="unused", max_retries=0)
+    return stack.openai()  # closed with the stack
 
 
 async def test_a_json_schema_answer_is_an_instance_and_equals_the_engines(stack, model_dir):
