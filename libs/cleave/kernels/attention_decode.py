@@ -303,14 +303,18 @@ def _paged_decode_split_kernel(
     release_dependents(PDL)
 
     if ROTARY:
-        # The query, the new key and value (loaded together, so no program waits on them later;
-        # only the last split, whose partition holds the newest position, writes the key and
-        # value), then the deferred norm's row: its reduction's barrier would hold back loads
-        # issued after it.
+        rstd = 1.0
+        if ROW_NORM:
+            rstd = row_inverse_rms(norm_src_ptr + q_token64 * stride_norm_row, norm_hidden, norm_eps, NORM_BLOCK)
         q = _rotated_rows(
             query_ptr + q_token64 * stride_q_token, q_heads, stride_q_head, group_valid, dims, partner, cos,
             signed_sin, q_norm_w, q_norm_w_partner, head_norm_eps, HEAD_DIM, HEAD_NORM,
         )
+        if ROW_NORM:
+            q = q * rstd
+        q = q.to(query_ptr.dtype.element_ty).to(DOT_DTYPE)  # rounded as a rotated query in memory would be
+        # The new key and value (loaded beside the query, so no program waits on them later);
+        # only the last split, whose partition holds the newest position, writes them.
         head = kv_head + tl.arange(0, 1)  # [1]
         one = head == kv_head
         key = _rotated_rows(key_ptr + q_token64 * stride_k_token, head, stride_k_head, one, dims, partner, cos,
@@ -318,11 +322,8 @@ def _paged_decode_split_kernel(
         value = tl.load(value_ptr + q_token64 * stride_v_token + head[:, None] * stride_v_head + dims[None, :],
                         mask=one[:, None] & dim_valid[None, :])
         if ROW_NORM:
-            rstd = row_inverse_rms(norm_src_ptr + q_token64 * stride_norm_row, norm_hidden, norm_eps, NORM_BLOCK)
-            q = q * rstd
             key = key * rstd
             value = value.to(tl.float32) * rstd
-        q = q.to(query_ptr.dtype.element_ty).to(DOT_DTYPE)  # rounded as a rotated query in memory would be
         # rounded to the activations' dtype first, as the unfused rotary + KV write stores them
         key = to_cache(key.to(key_ptr.dtype.element_ty), cache_ptr)  # [1, BLOCK_D]
         value = to_cache(value.to(value_ptr.dtype.element_ty), cache_ptr)
