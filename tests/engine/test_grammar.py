@@ -158,6 +158,28 @@ def test_a_constraint_nothing_satisfies_ends_the_sample(tokenizer, compiler):
     assert set(allowed(bitmask)) == set(tokenizer.eos_token_ids)
 
 
+def test_a_constraint_no_token_can_start_is_refused_and_one_that_dead_ends_ends_the_sample():
+    """The shipped reasoner writes digits, letters and a few signs, no "{": JSON can never
+    start (refused, naming the field, instead of an empty answer that claims to have stopped);
+    `a{` starts, then nothing continues it, so the sample ends there."""
+    from cleave.config import SHIPPED_MODEL_DIR
+
+    shipped = Tokenizer.from_pretrained(SHIPPED_MODEL_DIR)
+    vocab_size = shipped.backend.get_vocab_size()
+    compiler = GrammarCompiler(shipped, vocab_size, sorted(shipped.eos_token_ids))
+    with pytest.raises(InvalidArgument) as raised:
+        compiler.compile(StructuredOutput(StructuredKind.JSON_OBJECT), field="response_format")
+    assert raised.value.field == "response_format" and "no token of its vocabulary" in raised.value.message
+    constraint = compiler.constraint(compiler.compile(StructuredOutput(StructuredKind.REGEX, r"a\{")))
+    bitmask = torch.full((1, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    assert constraint.fill_bitmask([], bitmask, 0) and not constraint.failed
+    words = bitmask[0].tolist()
+    assert [v for v in range(vocab_size) if (words[v // 32] >> (v % 32)) & 1] == [shipped.token_to_id("a")]
+    assert constraint.fill_bitmask([shipped.token_to_id("a")], bitmask, 0) and constraint.failed
+    words = bitmask[0].tolist()
+    assert {v for v in range(vocab_size) if (words[v // 32] >> (v % 32)) & 1} == set(shipped.eos_token_ids)
+
+
 def test_a_given_token_the_grammar_refuses_frees_the_sample(tokenizer, compiler):
     constraint = compiler.constraint(compiler.compile(StructuredOutput(StructuredKind.JSON_OBJECT)))
     bitmask = torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32)
@@ -211,12 +233,17 @@ def test_a_schema_nested_to_the_bound_compiles_at_once(compiler):
     ({"properties": {"p": {"$ref": "#/$defs/a"}}, "required": ["p"], "$defs": {"a": {"$ref": "#/$defs/a"}}}, True),
     ({"type": "object", "properties": {"next": {"$ref": "#"}}}, False),
     ({"$ref": "#/$defs/a", "$defs": {"a": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/a"}]}}}, False),
-    ({"allOf": [{"$ref": "#"}]}, False),
+    ({"allOf": [{"$ref": "#"}]}, "can start"),  # compiles, but nothing ends the recursion: no answer at all
 ])
 def test_the_gateway_refuses_the_reference_loops_the_compiler_refuses(compiler, schema, is_loop):
     # the gateway's check (`cleave.generation.schema_refs`) saves a worker's compile; it must
     # refuse no recursion the compiler takes
     spec = StructuredOutput.json_schema(schema)
+    if is_loop == "can start":
+        spec.validate()
+        with pytest.raises(InvalidArgument, match="no token of its vocabulary can start one"):
+            compiler.compile(spec)
+        return
     if not is_loop:
         spec.validate()
         assert compiler.compile(spec) is not None

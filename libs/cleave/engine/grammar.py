@@ -86,21 +86,37 @@ class GrammarCompiler:
         return thread
 
     def compile(self, spec: StructuredOutput, field: str = "structured_output") -> Any:
-        """The compiled grammar of `spec`; InvalidArgument naming `field` when it has none."""
+        """The compiled grammar of `spec`; InvalidArgument naming `field` when it has none, or
+        when no token of the vocabulary can start an answer it accepts (`{"anyOf": []}`, or JSON
+        for a vocabulary without "{"): such a request could only end at once, empty."""
         compiler = self._compiler
         try:
             if spec.kind is StructuredKind.JSON_SCHEMA:
-                return compiler.compile_json_schema(spec.spec, any_whitespace=False, strict_mode=True)
-            if spec.kind is StructuredKind.JSON_OBJECT:
-                return compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False)
-            if spec.kind is StructuredKind.REGEX:
-                return compiler.compile_regex(spec.spec)
-            ebnf = spec.ebnf_of_choices() if spec.kind is StructuredKind.CHOICE else spec.spec
-            return compiler.compile_grammar(ebnf)
+                compiled = compiler.compile_json_schema(spec.spec, any_whitespace=False, strict_mode=True)
+            elif spec.kind is StructuredKind.JSON_OBJECT:
+                compiled = compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False)
+            elif spec.kind is StructuredKind.REGEX:
+                compiled = compiler.compile_regex(spec.spec)
+            else:
+                compiled = compiler.compile_grammar(spec.ebnf_of_choices() if spec.kind is StructuredKind.CHOICE
+                                                    else spec.spec)
         except (RuntimeError, ValueError) as error:  # xgrammar's parse errors: the request's fault
             text = str(error).strip()
             message = _without_source(text.splitlines()[-1]) if text else type(error).__name__
             raise InvalidArgument(f"cannot compile the {spec.kind.value}: {message}", field=field) from None
+        if not self._can_start(compiled):
+            raise InvalidArgument(f"no answer this model can write satisfies the {spec.kind.value}: no token of its "
+                                  "vocabulary can start one", field=field)
+        return compiled
+
+    def _can_start(self, compiled: Any) -> bool:
+        """Whether some token (a stop token included, for a grammar that accepts nothing at
+        all) may begin an answer `compiled` accepts."""
+        import xgrammar
+
+        bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+        return bool(bitmask.any())
 
     def constraint(
         self,
