@@ -8,6 +8,8 @@ functions cannot be compiled. Prints one line per compiled variant.
 from __future__ import annotations
 
 import inspect
+import multiprocessing
+import os
 import re
 import subprocess
 import tempfile
@@ -67,8 +69,13 @@ FEATURE_DIMS = {"N", "K", "num_in", "num_out", "hidden_size", "k_per_split"}  # 
 FLOATS = {"eps", "scale_log2", "norm_eps", "alpha", "limit", "head_norm_eps"}
 
 
+class VariantError(Exception):
+    """A variant that would not launch as compiled (shared memory, spilled registers)."""
+
+
 def compile_variant(kernel, constexprs: dict, num_warps: int, pointers: dict | None = None,
-                    num_stages: int = 3) -> None:
+                    num_stages: int = 3) -> str:
+    """Compile one variant; its line ("compiled ..."), or VariantError."""
     names = list(inspect.signature(kernel.fn).parameters)
     types = {**POINTERS, **(pointers or {})}
     signature = {
@@ -86,11 +93,11 @@ def compile_variant(kernel, constexprs: dict, num_warps: int, pointers: dict | N
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, aligned), target=TARGET,
                               options={"num_warps": num_warps, "num_stages": num_stages})
     if compiled.metadata.shared > SHARED_MEMORY_BYTES:  # a launch would fail for lack of shared memory
-        raise SystemExit(f"{kernel.fn.__name__} {constexprs} needs {compiled.metadata.shared} bytes of shared memory")
+        raise VariantError(f"{kernel.fn.__name__} {constexprs} needs {compiled.metadata.shared} bytes of shared memory")
     registers, spilled = resource_usage(compiled.asm["cubin"])
     if spilled:  # local memory: registers spilled to HBM in a kernel whose time is its bytes
-        raise SystemExit(f"{kernel.fn.__name__} {constexprs} spills {spilled} bytes ({registers} registers)")
-    print("compiled", kernel.fn.__name__, constexprs, f"registers={registers}", flush=True)
+        raise VariantError(f"{kernel.fn.__name__} {constexprs} spills {spilled} bytes ({registers} registers)")
+    return f"compiled {kernel.fn.__name__} {constexprs} registers={registers}"
 
 
 def resource_usage(cubin: bytes) -> tuple[int, int]:
@@ -108,7 +115,13 @@ def resource_usage(cubin: bytes) -> tuple[int, int]:
     return int(registers.group(1)), int(local.group(1))
 
 
-def main() -> None:
+def variants() -> list[tuple[tuple, dict]]:
+    """Every variant to compile: `compile_variant`'s arguments."""
+    jobs: list[tuple[tuple, dict]] = []
+
+    def compile_variant(*args, **kwargs) -> None:  # noqa: F811 (collects; compiled by `main`)
+        jobs.append((args, kwargs))
+
     gemv = dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, K_TILES=1, NORM=False, GATED=False, BIAS=False, ADD=False,
                 ROTARY=False, IS_NEOX=True, HEAD_DIM=64, ROT_HALF=32, NUM_Q_HEADS=32, NUM_KV_HEADS=8, PDL=True,
                 AHEAD=1)
@@ -250,6 +263,31 @@ def main() -> None:
     race = {"logits_ptr": "*fp32", "temperatures_ptr": "*fp32", "greedy_ptr": "*i1", "keys_ptr": "*i64",
             "part_score_ptr": "*fp32", "part_index_ptr": "*i32", "out_ptr": "*i64"}
     compile_variant(_race_kernel, dict(MAX_SPLITS=RACE_MAX_SPLITS, BLOCK_V=BLOCK_V), 8, pointers=race)
+    return jobs
+
+
+_VARIANTS: list[tuple[tuple, dict]] = []  # set by `main` before its pool forks
+
+
+def _compile_nth(index: int) -> str:
+    args, kwargs = _VARIANTS[index]
+    try:
+        return compile_variant(*args, **kwargs)
+    except Exception as error:  # reported by the parent: a worker's exception may not pickle
+        return f"FAILED {args[0].fn.__name__} {args[1]}: {type(error).__name__}: {error}"
+
+
+def main() -> None:
+    """Compile every variant on all cores (each compile is one process's work: the Triton
+    front end, then ptxas), print a line each, and exit non-zero naming any that failed."""
+    _VARIANTS[:] = variants()
+    with multiprocessing.get_context("fork").Pool(os.cpu_count() or 1) as pool:
+        lines = pool.map(_compile_nth, range(len(_VARIANTS)))
+    for line in lines:
+        print(line, flush=True)
+    failed = [line for line in lines if line.startswith("FAILED")]
+    if failed:
+        raise SystemExit("\n".join(failed))
 
 
 if __name__ == "__main__":
