@@ -56,3 +56,29 @@ def test_cpu_is_always_usable():
 def test_a_cuda_index_on_cpu_only_torch_names_it():
     with pytest.raises(DeviceUnavailable, match=r"^--device cuda:1: .*without CUDA"):
         check_device("cuda:1")
+
+
+def test_auto_is_cpu_without_a_driver_and_asks_torch_with_one(tmp_path, monkeypatch):
+    import cleave.cli._device as device
+
+    assert device.resolve_device("cuda:1") == "cuda:1" and device.resolve_device("cpu") == "cpu"  # given: as is
+    monkeypatch.setattr(device, "NVIDIA_DRIVER", tmp_path / "absent")
+    if sys.platform.startswith("linux"):
+        assert device.resolve_device("auto") == "cpu"
+    driver = tmp_path / "version"
+    driver.write_text("NVRM version: 1.0\n")
+    monkeypatch.setattr(device, "NVIDIA_DRIVER", driver)
+    assert device.resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the driver check reads Linux's /proc")
+def test_up_resolves_auto_without_importing_torch_on_a_host_without_the_driver(tmp_path):
+    from cleave.cli._device import NVIDIA_DRIVER
+
+    if NVIDIA_DRIVER.exists():
+        pytest.skip("this host has the NVIDIA driver: auto asks torch")
+    probe = ("import sys; from cleave.cli.main import build_parser; from cleave.cli.up import stack_spec; "
+             "from pathlib import Path; args = build_parser().parse_args(['up']); "
+             "print(stack_spec(args, Path('/models/tiny'), 'tiny').device, 'torch' in sys.modules)")
+    completed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert completed.stdout.split() == ["cpu", "False"], completed.stdout + completed.stderr

@@ -203,5 +203,5 @@ def test_gpu_placement_needs_cuda_and_indexes(capsys):
     assert "CUDA device indexes" in capsys.readouterr().err
     from cleave.cli.up import run
 
-    assert run(build_parser().parse_args(["up", "--decode-gpus", "1"])) == 2  # --device defaults to cpu
+    assert run(build_parser().parse_args(["up", "--decode-gpus", "1"])) == 2  # --device auto is cpu on this host
     assert "pass --device cuda" in capsys.readouterr().err

@@ -3,12 +3,18 @@
 Without this check a CUDA device on a CPU-only torch fails deep inside model loading with
 torch's `AssertionError: Torch not compiled with CUDA enabled` (under `cleave up`, as a
 worker's log tail); the check turns it into one line naming the flag and the fix. A CPU
-device needs no check, so `cleave up --device cpu` never imports torch in its own process.
+device needs no check, so `cleave up --device cpu` never imports torch in its own process;
+nor does `--device auto` (`resolve_device`) on a host without an NVIDIA driver.
 """
 
 from __future__ import annotations
 
-__all__ = ["DeviceUnavailable", "check_device"]
+import sys
+from pathlib import Path
+
+__all__ = ["DeviceUnavailable", "check_device", "resolve_device"]
+
+NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")  # Linux's NVIDIA kernel driver, when loaded
 
 
 class DeviceUnavailable(ValueError):
@@ -38,3 +44,16 @@ def check_device(device: str) -> None:
                                 "and the driver (nvidia-smi), or use --device cpu")
     if parsed.index is not None and parsed.index >= count:
         raise DeviceUnavailable(f"--device {device}: only {count} CUDA device(s) are visible (cuda:0..cuda:{count - 1})")
+
+
+def resolve_device(device: str) -> str:
+    """`device`, with `auto` made `cuda` where torch sees a CUDA device and `cpu` elsewhere
+    (as `cleave generate` and the engine choose). On Linux a host without the NVIDIA driver
+    is `cpu` at once, without importing torch."""
+    if device != "auto":
+        return device
+    if sys.platform.startswith("linux") and not NVIDIA_DRIVER.exists():
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -102,6 +102,7 @@ async def demo(address: str, out=sys.stdout, api_key: str | None = None,  # type
 
 def stack_spec(args: argparse.Namespace, model: Path, default_name: str) -> "StackSpec":
     """The stack `cleave up`'s flags describe (`model`: the resolved checkpoint directory)."""
+    from cleave.cli._device import resolve_device
     from cleave.cli._stack import StackSpec
 
     # the thinking tags: every service reads them from the model unless told (gateway and workers alike)
@@ -116,7 +117,7 @@ def stack_spec(args: argparse.Namespace, model: Path, default_name: str) -> "Sta
     return StackSpec(
         model=model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode, num_gateways=args.gateways,
         grpc_port=args.grpc_port, http_port=None if args.http_port < 0 else args.http_port,
-        device=args.device, num_kv_blocks=args.num_kv_blocks, served_model_name=args.served_model_name or default_name,
+        device=resolve_device(args.device), num_kv_blocks=args.num_kv_blocks, served_model_name=args.served_model_name or default_name,
         host=args.host, store_to_kvstore=args.store_to_kvstore,
         trace_dir=Path(args.trace_dir) if args.trace_dir else None,
         gpu_memory_utilization=args.gpu_memory_utilization, gpu_memory_split=args.gpu_memory_split,
@@ -127,7 +128,7 @@ def stack_spec(args: argparse.Namespace, model: Path, default_name: str) -> "Sta
 
 
 def run(args: argparse.Namespace) -> int:
-    from cleave.cli._device import DeviceUnavailable, check_device
+    from cleave.cli._device import DeviceUnavailable, check_device, resolve_device
     from cleave.cli._model import ModelNotFound, model_dir, served_name
     from cleave.cli._stack import ProcessStack
     from cleave.cli._supervisor import RestartPolicy, Supervisor
@@ -135,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     if args.gateways < 1:
         print(f"--gateways must be at least 1, got {args.gateways}", file=sys.stderr)
         return 2
+    args.device = resolve_device(args.device)
     if (args.prefill_gpus or args.decode_gpus) and not args.device.startswith("cuda"):
         print(f"--prefill-gpus / --decode-gpus place workers on CUDA devices; pass --device cuda, not {args.device}",
               file=sys.stderr)
@@ -241,7 +243,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--http-port", type=int, default=8000,
                         help="OpenAI-compatible HTTP port (0: any free port, -1: no HTTP)")
     parser.add_argument("--host", default="127.0.0.1", help="address every service listens on")
-    parser.add_argument("--device", default="cpu", help="torch device of the workers: cpu or cuda (default cpu)")
+    parser.add_argument("--device", default="auto",
+                        help="torch device of the workers: cpu, cuda, or auto (default: cuda where torch sees a CUDA "
+                             "device, else cpu)")
     parser.add_argument("--num-kv-blocks", type=int, default=0, help="KV blocks per worker (0: automatic)")
     parser.add_argument("--gpu-memory-utilization", type=_utilization, default=DEFAULT_GPU_MEMORY_UTILIZATION,
                         help="share of each GPU the workers on it use together (default 0.9)")
