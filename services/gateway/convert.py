@@ -35,12 +35,13 @@ class TokenDelta:
     prompt_logprobs: tuple[TopLogprobs, ...] = ()  # the request's prompt tokens after the first
 
 
-def token_delta_from_proto(delta: Any) -> TokenDelta:
+def token_delta_from_proto(delta: Any, sample_index: int | None = None) -> TokenDelta:
     """decode_pb2.RequestDelta -> TokenDelta (once per sample per step: the fields a delta
-    leaves unset are not read)."""
+    leaves unset are not read), for `sample_index` when given (the request's own index of
+    the worker's sample) else the delta's."""
     finish = delta.finish_reason
     return TokenDelta(
-        delta.sample_index,
+        delta.sample_index if sample_index is None else sample_index,
         tuple(delta.token_ids),
         finish_reason_from_proto(finish) if finish else None,
         top_logprobs_from_proto(delta.logprobs) if delta.logprobs else (),

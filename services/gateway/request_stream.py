@@ -156,7 +156,7 @@ async def stream_samples(
                 else:
                     index = running.request_sample(item.request_id, item.sample_index)
                     if index is not None:  # None: a worker request this request left
-                        take(replace(token_delta_from_proto(item), sample_index=index), news)
+                        take(token_delta_from_proto(item, index), news)
             if lost:
                 for delta in await migrate(lost, texts):
                     take(delta, news)
