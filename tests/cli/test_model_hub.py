@@ -87,7 +87,7 @@ def test_offline_and_not_cached_is_one_line_naming_the_model(hf_home):
 def test_a_local_directory_wins_over_a_hub_id_of_the_same_spelling(tmp_path, monkeypatch):
     local = tmp_path / "acme" / "tiny"
     local.mkdir(parents=True)
-    (local / "config.json").write_text("{}")
+    (local / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     monkeypatch.chdir(tmp_path)
     from cleave.model.source import resolve_model_dir
 

@@ -128,6 +128,16 @@ def test_unknown_architecture_lists_supported_ones(tmp_path, tiny_checkpoints):
         load_model(path)
 
 
+def test_another_families_config_is_refused_by_its_architecture_and_a_missing_field_by_its_name():
+    from cleave.model.config import ModelConfig
+
+    gpt2 = {"architectures": ["GPT2LMHeadModel"], "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 100}
+    with pytest.raises(ValueError, match=r"^unsupported architecture 'GPT2LMHeadModel'; supported: "):
+        ModelConfig.from_dict(gpt2)  # not a KeyError on the first Llama field it lacks
+    with pytest.raises(ValueError, match=r"^config.json of a LlamaForCausalLM has no 'num_hidden_layers'$"):
+        ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "num_attention_heads": 2})
+
+
 def test_in_memory_state_dict_matches_files(tiny_checkpoints, hf_models):
     from cleave.model.loader import empty_model, load_hf_state_dict
 

@@ -12,16 +12,7 @@ from typing import Any
 
 import torch
 
-from cleave.model.text_config import TextConfig, read_config_json
-
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "GptOssForCausalLM",
-)
+from cleave.model.text_config import SUPPORTED_ARCHITECTURES, TextConfig, architecture_of, read_config_json
 
 # Architectures whose q/k/v projections always carry a bias (Qwen2 has no config flag for it).
 _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
@@ -145,13 +136,15 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         """Build from the parsed contents of an HF `config.json`."""
-        architectures = raw.get("architectures") or []
-        if len(architectures) != 1:
-            raise ValueError(
-                f"config.json must name exactly one architecture, got {architectures!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        architecture = architectures[0]
+        architecture = architecture_of(raw)
+        try:
+            return cls._from_dict(architecture, raw)
+        except KeyError as missing:
+            raise ValueError(f"config.json of a {architecture} has no {missing.args[0]!r}") from None
+
+    @classmethod
+    def _from_dict(cls, architecture: str, raw: dict[str, Any]) -> "ModelConfig":
+        """`from_dict` of a supported architecture (a missing field raises KeyError)."""
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{architecture} with hidden_act={raw['hidden_act']!r} is not supported (only silu)")
         if raw.get("mlp_bias"):

@@ -12,8 +12,11 @@ Torch-free: the gateway resolves its model the same way.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+
+from cleave.model.text_config import architecture_of, read_config_json
 
 # config.json, generation_config.json, tokenizer*.json, cleave_config.json; weights; templates
 HUB_FILES = ("*.json", "*.safetensors", "*.jinja", "tokenizer.model")
@@ -55,6 +58,12 @@ def _checkpoint_dir(path: Path, model_arg: str) -> Path:
     if not (path / "config.json").is_file():
         raise ModelNotFound(f"--model {model_arg}: not a checkpoint directory (it has no config.json); give a "
                             "directory with config.json, the *.safetensors weights and the tokenizer files")
+    try:  # before any process loads it: one line, not a KeyError in a worker's log
+        architecture_of(read_config_json(path))
+    except json.JSONDecodeError as error:
+        raise ModelNotFound(f"--model {model_arg}: its config.json is not JSON ({error})") from None
+    except ValueError as error:
+        raise ModelNotFound(f"--model {model_arg}: {error}") from None
     return path
 
 

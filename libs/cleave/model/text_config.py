@@ -13,6 +13,29 @@ from pathlib import Path
 from typing import Any
 
 
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "GptOssForCausalLM",
+)
+
+
+def architecture_of(raw: dict[str, Any]) -> str:
+    """The one architecture a parsed `config.json` names; ValueError naming the supported
+    ones when it names another, several or none (checked before any other field is read)."""
+    architectures = raw.get("architectures") or []
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    if len(architectures) != 1:
+        raise ValueError(f"config.json must name exactly one architecture, got {architectures!r}; "
+                         f"supported: {supported}")
+    if architectures[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {architectures[0]!r}; supported: {supported}")
+    return architectures[0]
+
+
 def read_config_json(path: str | Path) -> dict[str, Any]:
     """The parsed `config.json` of a checkpoint directory (or the file itself)."""
     path = Path(path)
