@@ -333,12 +333,14 @@ def _serving_within(supervised: FaultStack, worker: Child, timeout_s: float) -> 
 # ---- 4. mixed endings, KV pools back to full --------------------------------------------------
 
 
-async def mixed_request(client: GatewayClient, index: int, kind: str, rng: random.Random) -> str:
-    """Run one request the way `kind` says; returns how it ended."""
+async def mixed_request(client: GatewayClient, index: int, kind: str, rng: random.Random,
+                        prompt: str | None = None) -> str:
+    """Run one request the way `kind` says (on `prompt`, or on one of its own); returns how it ended."""
     max_tokens = rng.randint(2, 24)
     timeout = rng.uniform(0.01, 0.3) if kind == "timeout" else 120.0
-    call = client.generate(f"mixed {index}: " + "word " * rng.randint(1, 40), max_tokens=max_tokens,
-                           temperature=0.0, ignore_eos=True, stream=IDS, timeout=timeout)
+    text = prompt if prompt is not None else f"mixed {index}: " + "word " * rng.randint(1, 40)
+    call = client.generate(text, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stream=IDS,
+                           timeout=timeout)
     try:
         if kind == "cancel_early":
             await asyncio.sleep(rng.uniform(0.0, 0.05))  # in tokenize, admission, prefill, transfer or start
@@ -365,6 +367,20 @@ async def mixed_request(client: GatewayClient, index: int, kind: str, rng: rando
         return f"error {error.code().name}"
 
 
+async def settled_loads(supervised: FaultStack, timeout_s: float = 30.0) -> dict[str, common_pb2.WorkerLoad]:
+    """Every worker's load once its KV pool is full again and nothing runs or waits there, or
+    as it stands after `timeout_s` (what is still held then is leaked)."""
+    workers = [child for child in supervised.stack.children if child.name.startswith(("decode", "prefill"))]
+    deadline = time.monotonic() + timeout_s
+    while True:  # handlers of clients that gave up end a moment after them
+        loads = {worker.name: await worker_load(supervised, worker) for worker in workers}
+        idle = all(load.num_free_blocks == load.num_total_blocks and load.num_running == load.num_waiting == 0
+                   for load in loads.values())
+        if idle or time.monotonic() > deadline:
+            return loads
+        await asyncio.sleep(0.1)
+
+
 async def mixed(supervised: FaultStack, settings: Settings, seed: int = 11) -> dict:
     rng = random.Random(seed)
     limit = asyncio.Semaphore(MIXED_CONCURRENCY)
@@ -379,15 +395,7 @@ async def mixed(supervised: FaultStack, settings: Settings, seed: int = 11) -> d
     async with supervised.client() as client:
         await asyncio.gather(*(bounded(client, index) for index in range(settings.num_mixed)))
     run_s = time.monotonic() - start
-    workers = [child for child in supervised.stack.children if child.name.startswith(("decode", "prefill"))]
-    deadline = time.monotonic() + 30
-    while True:  # handlers of clients that gave up end a moment after them
-        loads = {worker.name: await worker_load(supervised, worker) for worker in workers}
-        idle = all(load.num_free_blocks == load.num_total_blocks and load.num_running == load.num_waiting == 0
-                   for load in loads.values())
-        if idle or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.1)
+    loads = await settled_loads(supervised)
     return {
         "requests": settings.num_mixed,
         "outcomes": dict(sorted(outcomes.items())),

@@ -97,8 +97,13 @@ async def start_disaggregated(
         prefill.in_flight_prompt_tokens -= len(prompt_ids)
     affinity.record(prompt_ids, prefill.address, hashes)
     deliver_first_tokens(queue, request_id, first)
-    placed.handoff = asyncio.ensure_future(
-        follow_handoff(pool, call, prefill, decode, queue, request_id, deadline=spec.deadline))
+    handoff = asyncio.ensure_future(follow_handoff(pool, call, prefill, decode, queue, request_id,
+                                                   deadline=spec.deadline))
+    # however the handoff ends, its call ends with it (a no-op once the stream ended), also
+    # when it was cancelled before its first step and never ran: that call, unread, would
+    # stay open for the gateway's lifetime
+    handoff.add_done_callback(lambda _: call.cancel())
+    placed.handoff = handoff
     return first.num_cached_tokens
 
 
@@ -109,20 +114,18 @@ async def follow_handoff(
     """Read a Prefill stream past its first tokens; True once the KV was delivered and the
     decode started. A failure there means the decode never started: the request's queue
     gets a `WorkerLost` (False), and its samples move on, resumed from what the client
-    already has. Cancelled (the request ended or moved), it cancels the call: the prefill
-    worker aborts the request and the decode worker's reservation."""
+    already has. However it ends (cancelled too: the request ended or moved), the call is
+    cancelled as its task ends (`start_disaggregated`): the prefill worker aborts the request
+    and the decode worker's reservation; when its worker was lost, the worker aborts it if it
+    wakes."""
     try:
         while await call_worker(pool, call.read(), prefill, "Prefill", deadline=deadline,
                                 behind=decode) is not grpc.aio.EOF:
             pass  # the transfer's statistics
     except CleaveError as error:
-        call.cancel()  # a no-op once the call ended; when its worker was lost, the worker aborts it if it wakes
         queue.put_nowait(WorkerLost(f"the KV handoff from prefill worker {prefill.address} failed after the "
                                     f"first tokens ({error.message})", worker_request_id))
         return False
-    except BaseException:
-        call.cancel()
-        raise
     return True
 
 
