@@ -87,8 +87,10 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutput, field: str = "structured_output") -> Any:
         """The compiled grammar of `spec`; InvalidArgument naming `field` when it has none, or
-        when no token of the vocabulary can start an answer it accepts (`{"anyOf": []}`, or JSON
-        for a vocabulary without "{"): such a request could only end at once, empty."""
+        when no token of the vocabulary can start an answer it accepts (JSON for a vocabulary
+        without "{", a schema whose recursion never ends: `{"allOf": [{"$ref": "#"}]}`): such a
+        request could only end at once, empty. (xgrammar compiles `{"anyOf": []}` to the empty
+        answer, which a stop token starts.)"""
         compiler = self._compiler
         try:
             if spec.kind is StructuredKind.JSON_SCHEMA:
