@@ -36,3 +36,10 @@ def test_a_model_cleave_cannot_load_is_one_line_naming_why(command, config, reas
     assert main([command[0], "--model", str(tmp_path), *command[1:]]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: --model {tmp_path}: {reason}") and "\n" not in err, err
+
+
+def test_generate_names_a_field_its_architectures_config_lacks(capsys, tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "vocab_size": 10}')
+    assert main(["generate", "--model", str(tmp_path), "hello"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: --model {tmp_path}: config.json of a LlamaForCausalLM has no 'num_attention_heads'", err

@@ -32,6 +32,13 @@ def run(args: argparse.Namespace) -> int:
     except (ModelNotFound, DeviceUnavailable) as error:  # before the engine loads: one line, not a traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
+    from cleave.model.config import ModelConfig
+
+    try:  # a config.json its architecture cannot read (a field missing): one line too
+        ModelConfig.from_pretrained(model)
+    except ValueError as error:
+        print(f"error: --model {args.model or model}: {error}", file=sys.stderr)
+        return 2
     import torch
 
     from cleave.engine.llm import LLM
