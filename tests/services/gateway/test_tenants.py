@@ -65,7 +65,7 @@ async def test_over_grpc_a_prompt_is_cached_for_its_tenant_only(stack):
     assert tokens == other_tokens
 
 
-def test_tenant_salts_differ_by_tenant_and_by_salt_and_stay_bounded():
+async def test_tenant_salts_differ_by_tenant_and_by_salt_and_stay_bounded():  # async as the module mark asks
     salts = {tenant_salt(tenant, salt) for tenant in ("t1", "t2") for salt in ("", "x", "x" * 256)}
     assert len(salts) == 6 and all(len(salt) == 64 for salt in salts)
     assert tenant_salt("t1", "x") == tenant_salt("t1", "x")
