@@ -55,14 +55,20 @@ def merge_outputs(outputs: Sequence[SampleOutput]) -> SampleOutput:
     )
 
 
-async def next_items(spec: GenerateSpec, queue: DeltaQueue) -> list:
+def expire(spec: GenerateSpec, queue: DeltaQueue) -> asyncio.TimerHandle | None:
+    """Queues `DeadlineExceeded` behind the request's deltas when its deadline passes (None
+    without one; raises at once when it passed already): one timer a request, where a timeout
+    on each wait for a delta cost a task and a timer a token."""
+    timeout = time_left(spec.deadline)
+    if timeout is None:
+        return None
+    error = DeadlineExceeded("the request's deadline passed; allow more time or ask for fewer tokens")
+    return asyncio.get_running_loop().call_later(timeout, queue.put_nowait, error)
+
+
+async def next_items(queue: DeltaQueue) -> list:
     """The next queued deltas (at least one, all that are ready)."""
-    timeout = time_left(spec.deadline)  # raises once past it, before a get() is made
-    try:
-        first = await asyncio.wait_for(queue.get(), timeout)
-    except asyncio.TimeoutError:
-        raise DeadlineExceeded("the request's deadline passed; allow more time or ask for fewer tokens") from None
-    items = [first]
+    items = [await queue.get()]
     while not queue.empty():
         items.append(queue.get_nowait())
     return items
@@ -142,11 +148,13 @@ async def stream_samples(
             if len(texts) > 1:
                 abort_sample(text.index)
 
+    expiry: asyncio.TimerHandle | None = None
     try:
+        expiry = expire(spec, running.queue)
         while not all(t.finished for t in texts):
             news: dict[int, list[SampleOutput]] = {}
             lost: list[WorkerLost] = []
-            for item in await next_items(spec, running.queue):
+            for item in await next_items(running.queue):
                 if isinstance(item, WorkerLost):
                     lost.append(item)  # its worker request's deltas all came before it
                 elif isinstance(item, BaseException):
@@ -172,6 +180,8 @@ async def stream_samples(
         final = await final_chunk(spec, texts, collected, usage(), hold, verify_on)
         yield with_prompt(final)
     finally:
+        if expiry is not None:
+            expiry.cancel()
         if on_end is not None:
             on_end(usage())
 
