@@ -206,21 +206,29 @@ def scaling_from_proto(message: gateway_pb2.TestTimeScaling, num_samples: int) -
 def chunk_to_proto(
     chunk: GenerateChunk, request_id: str, model: str
 ) -> gateway_pb2.GenerateResponse:
-    response = gateway_pb2.GenerateResponse(request_id=request_id, model=model,
-                                            prompt_logprobs=top_logprobs_to_proto(chunk.prompt_logprobs),
-                                            prompt_token_ids=chunk.prompt_token_ids)
+    """The chunk as a response message. Once a token per request: only the fields a chunk
+    sets are written (a field set to its default costs as much as any other)."""
+    response = gateway_pb2.GenerateResponse(request_id=request_id, model=model)
+    if chunk.prompt_logprobs:
+        response.prompt_logprobs.extend(top_logprobs_to_proto(chunk.prompt_logprobs))
+    if chunk.prompt_token_ids:
+        response.prompt_token_ids.extend(chunk.prompt_token_ids)
     for sample in chunk.samples:
-        delta = response.samples.add(
-            index=sample.index,
-            text=sample.text,
-            token_ids=sample.token_ids,
-            reasoning_text=sample.reasoning_text,
-            finish_reason=finish_reason_to_proto(sample.finish_reason),
-            logprobs=top_logprobs_to_proto(sample.logprobs),
-        )
-        for name in ("reward", "advantage", "answer"):
-            if getattr(sample, name) is not None:
-                setattr(delta, name, getattr(sample, name))
+        delta = response.samples.add(index=sample.index, text=sample.text)
+        if sample.token_ids:
+            delta.token_ids.extend(sample.token_ids)
+        if sample.reasoning_text:
+            delta.reasoning_text = sample.reasoning_text
+        if sample.finish_reason is not None:
+            delta.finish_reason = finish_reason_to_proto(sample.finish_reason)
+        if sample.logprobs:
+            delta.logprobs.extend(top_logprobs_to_proto(sample.logprobs))
+        if sample.reward is not None:
+            delta.reward = sample.reward
+        if sample.advantage is not None:
+            delta.advantage = sample.advantage
+        if sample.answer is not None:
+            delta.answer = sample.answer
         for call in sample.tool_calls:
             delta.tool_calls.add(id=new_call_id(), name=call.name, arguments_json=call.arguments)
     if chunk.usage is not None:
