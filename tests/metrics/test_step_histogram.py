@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.registry import Collector
 
-from cleave.metrics.step_histogram import StepHistogram
+from cleave.metrics.step_histogram import RegisteredHistogram, StepHistogram
 
 
 class _One(Collector):
@@ -32,3 +32,22 @@ def test_samples_land_in_le_buckets_cumulatively():
 def test_bounds_must_increase():
     with pytest.raises(ValueError, match="increase"):
         StepHistogram([0.1, 0.01])
+
+
+def test_a_registered_histogram_reads_as_prometheus_clients_own():
+    bounds, samples = [0.0005, 0.01, 0.5], (0.0001, 0.0005, 0.003, 0.01, 0.2, 7.0, 0.0)
+    ours_registry, theirs_registry = CollectorRegistry(), CollectorRegistry()
+    ours = RegisteredHistogram(ours_registry, "cleave:itl_seconds", "gaps", {"model_name": "m", "worker_id": "g"},
+                               bounds)
+    theirs = Histogram("cleave:itl_seconds", "gaps", ["model_name", "worker_id"], buckets=bounds,
+                       registry=theirs_registry).labels("m", "g")
+    for sample in samples:
+        ours.observe(sample)
+        theirs.observe(sample)
+
+    def series(registry: CollectorRegistry) -> dict:
+        return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+                for family in registry.collect() for sample in family.samples if not sample.name.endswith("_created")}
+
+    assert series(ours_registry) == pytest.approx(series(theirs_registry))
+    assert series(ours_registry)[("cleave:itl_seconds_count", (("model_name", "m"), ("worker_id", "g")))] == 7

@@ -29,6 +29,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from cleave.metrics.labels import (
     PER_TOKEN_BUCKETS, PREFIX, REQUEST_SECONDS_BUCKETS, TTFT_BUCKETS, MetricLabels, one_two_five_buckets,
 )
+from cleave.metrics.step_histogram import RegisteredHistogram
 from cleave.rpc.types import Usage
 
 
@@ -116,8 +117,10 @@ class GatewayMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to the first streamed token", TTFT_BUCKETS)
         self.tpot = histogram("time_per_output_token_seconds",
                               "Per request: (e2e - TTFT) / (generation tokens - 1)", PER_TOKEN_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between two streamed chunks of a request",
-                             PER_TOKEN_BUCKETS)
+        # once a chunk, on the event loop alone: no lock a sample
+        self.itl = RegisteredHistogram(registry, f"{PREFIX}inter_token_latency_seconds",
+                                       "Time between two streamed chunks of a request", dict(zip(names, values)),
+                                       PER_TOKEN_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last chunk", REQUEST_SECONDS_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds",
                                     "Arrival to the request's start on a worker (tokenize, place)",
