@@ -67,7 +67,7 @@ class ServedModel:
         self.config = config
         self.path = path
         self.tokenizer = Tokenizer.from_pretrained(path)
-        # One piece table for every sample's detokenizer (None: not a byte-level tokenizer).
+        # One piece table for every sample's detokenizer (None: neither a byte-level nor a `Fuse` decoder).
         self.token_pieces: TokenPieces | None = TokenPieces.for_tokenizer(self.tokenizer)
         model_config = TextConfig.from_pretrained(path)
         self.vocab_size = model_config.vocab_size

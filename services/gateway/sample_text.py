@@ -9,7 +9,7 @@ what the client sees. A request with tools has a tool-call parser too
 (`cleave.generation.tool_calls`): hermes blocks are taken out of the answer text, harmony
 messages to a function out of the model's text before the reasoning parser reads it; the
 calls come out apart from the content (not in INLINE mode, where the text is the model's,
-whole). With a byte-level tokenizer the detokenizer takes the model's shared
+whole). With a byte-level (or `Fuse`) tokenizer the detokenizer takes the model's shared
 `TokenPieces` (`ServedModel.token_pieces`), as the engine's do, so most tokens cost a table
 lookup instead of two window decodes.
 """

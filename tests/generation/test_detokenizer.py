@@ -9,6 +9,7 @@ import random
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from cleave.config import SHIPPED_MODEL_DIR
 from cleave.generation.detokenizer import IncrementalDetokenizer
 from cleave.generation.token_pieces import TokenPieces
 from cleave.model.tokenizer import Tokenizer as CleaveTokenizer
@@ -157,7 +158,7 @@ def test_textless_tokens_keep_the_window_bounded(byte_level):
     assert widest <= 2 * 16 + 2
 
 
-# ---- TokenPieces: the decode-free path for byte-level tokenizers ---------------------------
+# ---- TokenPieces: the decode-free path for byte-level and Fuse tokenizers -------------------
 
 
 def test_token_pieces_only_for_byte_level_decoders_without_clean_up(byte_level, llama_like):
@@ -165,6 +166,32 @@ def test_token_pieces_only_for_byte_level_decoders_without_clean_up(byte_level, 
     assert TokenPieces.for_tokenizer(CleaveTokenizer(byte_level, {})) is not None
     assert TokenPieces.for_tokenizer(llama_like) is None  # leading-space rules: context matters
     assert TokenPieces.for_tokenizer(CleaveTokenizer(byte_level, {}, clean_up_tokenization_spaces=True)) is None
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_fuse_decoders_pieces_stream_as_decoding_does(skip_special_tokens):
+    """The built-in reasoner's character vocabulary (a `Fuse` decoder) gets pieces, and random
+    ids (its added tokens among them) stream the same deltas and text on the pieces path as on
+    the decoding one, and as the tokenizers library decodes the whole."""
+    shipped = CleaveTokenizer.from_pretrained(SHIPPED_MODEL_DIR)
+    pieces = TokenPieces.for_tokenizer(shipped)
+    assert pieces is not None
+    rng = random.Random(3)
+    vocab_size = shipped.vocab_size
+    num_fast = 0
+    for _ in range(10):
+        prompt_ids = [rng.randrange(vocab_size) for _ in range(rng.randrange(1, 12))]
+        output_ids = [rng.randrange(vocab_size) for _ in range(80)]
+        decoding = IncrementalDetokenizer(shipped, prompt_ids, skip_special_tokens)
+        fast = IncrementalDetokenizer(shipped, prompt_ids, skip_special_tokens, pieces)
+        for token_id in output_ids:
+            num_fast += fast._read_offset == fast._window_start + len(fast._window) and bool(pieces.piece(token_id))
+            assert fast.push(token_id) == decoding.push(token_id)
+        assert fast.finish() == decoding.finish()
+        whole = shipped.backend.decode(prompt_ids + output_ids, skip_special_tokens=skip_special_tokens)
+        assert whole == shipped.backend.decode(prompt_ids, skip_special_tokens=skip_special_tokens) + fast.text
+        assert fast.text == decoding.text
+    assert num_fast > 500  # most tokens took the pieces path
 
 
 def test_token_pieces_exclude_added_and_partial_character_tokens(byte_level):

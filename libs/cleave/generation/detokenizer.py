@@ -8,7 +8,7 @@ emitted part `[prefix_offset, read_offset)` and the whole window `[prefix_offset
 and emits only the difference. Text that ends in U+FFFD is an unfinished character: it is
 held back until a later token completes it (or `finish()` flushes it).
 
-With byte-level tokenizers most tokens append the same text whatever precedes them (their
+With byte-level (and `Fuse`) tokenizers most tokens append the same text whatever precedes them (their
 `TokenPieces` piece). When nothing is held back, such a token's text is its piece and the
 window state after it is known, so `push` skips both decodes: the same text and state as
 the decoding path, at a dictionary lookup per token.

@@ -13,6 +13,8 @@ window again. Tokens outside the rule get no piece: added tokens (special or not
 tokenizer decodes them apart from the bytes around them), tokens whose bytes are an
 unfinished or invalid character (their text shows U+FFFD), and tokens without text.
 
+A `Fuse` decoder (the tokens' strings joined as they are: a character-level vocabulary such
+as the built-in reasoner's) splits at every token by construction, so the same rule holds.
 Other decoders (SentencePiece's leading-space rules, WordPiece's "##" merges) make a
 token's text depend on its neighbours; `TokenPieces.for_tokenizer` returns None for them.
 
@@ -30,12 +32,15 @@ from tokenizers import decoders
 
 from cleave.generation.detokenizer import REPLACEMENT_CHAR
 
+# decoders whose text splits at a token that is valid text alone (the module docstring)
+_SPLITTING_DECODERS = (decoders.ByteLevel, decoders.Fuse)
+
 
 class TokenPieces:
     """Pieces of one tokenizer's tokens, looked up once per token id and kept.
 
     Args:
-        decode: `decode(ids, skip_special_tokens)` of a tokenizer with a byte-level decoder
+        decode: `decode(ids, skip_special_tokens)` of a tokenizer with a byte-level or `Fuse` decoder
             and no clean-up (see the module docstring; `for_tokenizer` checks).
         added_token_ids: ids of the tokenizer's added tokens (never given a piece).
 
@@ -53,9 +58,9 @@ class TokenPieces:
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> TokenPieces | None:
         """Pieces for a `cleave.model.tokenizer.Tokenizer` or a `tokenizers.Tokenizer` with
-        a byte-level decoder and no text clean-up; None for any other tokenizer."""
+        a byte-level or `Fuse` decoder and no text clean-up; None for any other tokenizer."""
         backend = getattr(tokenizer, "backend", tokenizer)
-        if not isinstance(backend, BackendTokenizer) or not isinstance(backend.decoder, decoders.ByteLevel):
+        if not isinstance(backend, BackendTokenizer) or not isinstance(backend.decoder, _SPLITTING_DECODERS):
             return None
         if getattr(tokenizer, "clean_up_tokenization_spaces", False):
             return None  # a text rewrite across token boundaries
