@@ -76,6 +76,21 @@ def _expected(tokenizer, prompt_ids, output_ids, skip_special_tokens=True):
     return full[len(prompt) :]
 
 
+def _pieces_against_decoding(tokenizer, pieces, prompt_ids, output_ids, skip_special_tokens) -> tuple[str, int]:
+    """`output_ids` streamed on the pieces path and on the decoding path side by side, the same
+    delta asserted at every token and the same finish: the text, and how many tokens took the
+    pieces path."""
+    decoding = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+    fast = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens, pieces)
+    num_fast = 0
+    for token_id in output_ids:
+        num_fast += fast._read_offset == fast._window_start + len(fast._window) and bool(pieces.piece(token_id))
+        assert fast.push(token_id) == decoding.push(token_id)
+    assert fast.finish() == decoding.finish()
+    assert fast.text == decoding.text
+    return fast.text, num_fast
+
+
 @pytest.mark.parametrize("tokenizer_name", ["byte_level", "llama_like"])
 @pytest.mark.parametrize("text", TEXTS)
 def test_multibyte_text_streams_without_replacement_chars(request, tokenizer_name, text):
@@ -182,15 +197,9 @@ def test_a_fuse_decoders_pieces_stream_as_decoding_does(skip_special_tokens):
     for _ in range(10):
         prompt_ids = [rng.randrange(vocab_size) for _ in range(rng.randrange(1, 12))]
         output_ids = [rng.randrange(vocab_size) for _ in range(80)]
-        decoding = IncrementalDetokenizer(shipped, prompt_ids, skip_special_tokens)
-        fast = IncrementalDetokenizer(shipped, prompt_ids, skip_special_tokens, pieces)
-        for token_id in output_ids:
-            num_fast += fast._read_offset == fast._window_start + len(fast._window) and bool(pieces.piece(token_id))
-            assert fast.push(token_id) == decoding.push(token_id)
-        assert fast.finish() == decoding.finish()
-        whole = shipped.backend.decode(prompt_ids + output_ids, skip_special_tokens=skip_special_tokens)
-        assert whole == shipped.backend.decode(prompt_ids, skip_special_tokens=skip_special_tokens) + fast.text
-        assert fast.text == decoding.text
+        text, fast = _pieces_against_decoding(shipped, pieces, prompt_ids, output_ids, skip_special_tokens)
+        assert text == _expected(shipped.backend, prompt_ids, output_ids, skip_special_tokens)
+        num_fast += fast
     assert num_fast > 500  # most tokens took the pieces path
 
 
@@ -216,13 +225,9 @@ def test_pieces_path_matches_the_decoding_path(byte_level, skip_special_tokens):
     for _ in range(20):
         prompt_ids = byte_level.encode(rng.choice(CORPUS)).ids
         output_ids = [rng.choice(plain) if rng.random() < 0.6 else rng.randrange(vocab_size) for _ in range(150)]
-        decoding = IncrementalDetokenizer(byte_level, prompt_ids, skip_special_tokens)
-        fast = IncrementalDetokenizer(byte_level, prompt_ids, skip_special_tokens, pieces)
-        for token_id in output_ids:
-            num_fast += fast._read_offset == fast._window_start + len(fast._window) and bool(pieces.piece(token_id))
-            assert fast.push(token_id) == decoding.push(token_id)
-        assert fast.finish() == decoding.finish()
-        assert fast.text == decoding.text == _expected(byte_level, prompt_ids, output_ids, skip_special_tokens)
+        text, fast = _pieces_against_decoding(byte_level, pieces, prompt_ids, output_ids, skip_special_tokens)
+        assert text == _expected(byte_level, prompt_ids, output_ids, skip_special_tokens)
+        num_fast += fast
     assert num_fast > 1000  # the pieces path ran (most tokens), not only the decoding one
 
 
