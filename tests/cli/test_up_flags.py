@@ -44,3 +44,24 @@ def test_bad_values_are_refused_by_the_parser(flags, capsys):
     with pytest.raises(SystemExit) as exited:
         build_parser().parse_args(["up", *flags])
     assert exited.value.code == 2 and flags[0] in capsys.readouterr().err
+
+
+def test_auto_gateways_are_one_on_the_cpu_and_one_per_four_cores_up_to_four_on_a_gpu(monkeypatch):
+    from cleave.cli import up
+
+    assert spec_of("--device", "cpu").num_gateways == 1  # the default is auto
+    assert spec_of("--device", "cpu", "--gateways", "3").num_gateways == 3
+    for cores, expected in ((2, 1), (8, 2), (16, 4), (128, 4)):
+        monkeypatch.setattr(up.os, "cpu_count", lambda: cores)
+        assert up.resolve_gateways("auto", "cuda") == expected, cores
+        assert up.resolve_gateways("auto", "cuda:1") == expected, cores
+        assert up.resolve_gateways("auto", "cpu") == 1
+        assert up.resolve_gateways(2, "cuda") == 2
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x", ""])
+def test_a_gateway_count_below_one_or_not_a_number_is_refused_by_the_parser(value, capsys):
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["up", "--gateways", value])
+    assert exited.value.code == 2
+    assert "--gateways: must be auto or a positive integer" in capsys.readouterr().err

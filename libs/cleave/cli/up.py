@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from cleave.cli._stack import StackSpec
 
 DEMO_MAX_TOKENS = 256
+# `--gateways auto` on a GPU: a gateway process for every CORES_PER_GATEWAY host cores, at most MAX_AUTO_GATEWAYS
+CORES_PER_GATEWAY = 4
+MAX_AUTO_GATEWAYS = 4
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -100,6 +103,28 @@ async def demo(address: str, out=sys.stdout, api_key: str | None = None,  # type
     return "".join(answer)
 
 
+def gateway_count(text: str) -> int | str:
+    """`--gateways`: "auto" or a count of at least 1."""
+    if text == "auto":
+        return text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be auto or a positive integer, got {text!r}") from None
+
+
+def resolve_gateways(gateways: int | str, device: str) -> int:
+    """The gateway processes to start: a count as given; "auto" is 1 on the CPU (where the
+    workers need the cores more) and, on a GPU, one per `CORES_PER_GATEWAY` host cores up to
+    `MAX_AUTO_GATEWAYS` (one Python gateway streams less than one GPU decodes; the served
+    stack's benches ran 4, bench/results/disagg/)."""
+    if gateways != "auto":
+        return int(gateways)
+    if not device.startswith("cuda"):
+        return 1
+    return max(1, min(MAX_AUTO_GATEWAYS, (os.cpu_count() or 1) // CORES_PER_GATEWAY))
+
+
 def stack_spec(args: argparse.Namespace, model: Path, default_name: str) -> "StackSpec":
     """The stack `cleave up`'s flags describe (`model`: the resolved checkpoint directory)."""
     from cleave.cli._device import resolve_device
@@ -114,10 +139,12 @@ def stack_spec(args: argparse.Namespace, model: Path, default_name: str) -> "Sta
         worker_args += ("--packed-experts",)
     if args.kv_cache_dtype != "auto":  # every worker alike: a hand-off needs equal KV dtypes
         worker_args += ("--kv-cache-dtype", args.kv_cache_dtype)
+    device = resolve_device(args.device)
     return StackSpec(
-        model=model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode, num_gateways=args.gateways,
+        model=model, mode=args.mode, num_prefill=args.prefill, num_decode=args.decode,
+        num_gateways=resolve_gateways(args.gateways, device),
         grpc_port=args.grpc_port, http_port=None if args.http_port < 0 else args.http_port,
-        device=resolve_device(args.device), num_kv_blocks=args.num_kv_blocks, served_model_name=args.served_model_name or default_name,
+        device=device, num_kv_blocks=args.num_kv_blocks, served_model_name=args.served_model_name or default_name,
         host=args.host, store_to_kvstore=args.store_to_kvstore,
         trace_dir=Path(args.trace_dir) if args.trace_dir else None,
         gpu_memory_utilization=args.gpu_memory_utilization, gpu_memory_split=args.gpu_memory_split,
@@ -133,9 +160,6 @@ def run(args: argparse.Namespace) -> int:
     from cleave.cli._stack import ProcessStack
     from cleave.cli._supervisor import RestartPolicy, Supervisor
 
-    if args.gateways < 1:
-        print(f"--gateways must be at least 1, got {args.gateways}", file=sys.stderr)
-        return 2
     args.device = resolve_device(args.device)
     if (args.prefill_gpus or args.decode_gpus) and not args.device.startswith("cuda"):
         print(f"--prefill-gpus / --decode-gpus place workers on CUDA devices; pass --device cuda, not {args.device}",
@@ -236,9 +260,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="separate prefill and decode workers, or decode workers that prefill too")
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated; default 1)")
     parser.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
-    parser.add_argument("--gateways", type=int, default=1,
-                        help="gateway processes sharing the gRPC and HTTP ports (default 1; a Python gateway "
-                             "streams ~10k tokens/s, so add one per ~8k tokens/s served)")
+    parser.add_argument("--gateways", type=gateway_count, default="auto", metavar="auto|N",
+                        help="gateway processes sharing the gRPC and HTTP ports (default auto: 1 on the CPU; on "
+                             f"a GPU one per {CORES_PER_GATEWAY} host cores, at most {MAX_AUTO_GATEWAYS}, as the "
+                             "served-stack benches ran; a Python gateway streams ~10k tokens/s, so add one per "
+                             "~8k tokens/s served)")
     parser.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port (0: any free port)")
     parser.add_argument("--http-port", type=int, default=8000,
                         help="OpenAI-compatible HTTP port (0: any free port, -1: no HTTP)")
