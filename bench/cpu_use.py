@@ -10,6 +10,7 @@ window are left out (measure those in the process itself, with `time.process_tim
     meter = CpuMeter({"gateway": [pid1, pid2], "decode": [pid3]})
     ...                                     # the measured window
     meter.cores(wall_s)                     # {"gateway": 1.7, "decode": 1.0}
+    meter.seconds()                         # {"gateway": 25.5, "decode": 15.0}: CPU seconds
 
 Linux only: elsewhere every group reads 0 CPU seconds.
 """
@@ -77,10 +78,14 @@ class CpuMeter:
     def _seconds(self) -> dict[str, float]:
         return {name: sum(cpu_seconds(pid) for pid in pids) for name, pids in self._pids.items()}
 
+    def seconds(self) -> dict[str, float]:
+        """Each group's CPU seconds since the meter started."""
+        end = self._seconds()
+        return {name: end[name] - self._start[name] for name in end}
+
     def cores(self, wall_s: float) -> dict[str, float]:
         """Each group's CPU seconds since the meter started, per second of `wall_s`."""
-        end = self._seconds()
-        return {name: round((end[name] - self._start[name]) / max(wall_s, 1e-9), 2) for name in end}
+        return {name: round(used / max(wall_s, 1e-9), 2) for name, used in self.seconds().items()}
 
 
 def role_of(child_name: str) -> str:

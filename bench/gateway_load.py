@@ -232,7 +232,7 @@ def run_api(api: str, args: argparse.Namespace, workdir: Path, vocab: int,
         asyncio.run(warm_up(replace(load, output_len=(WARM_UP_TOKENS, WARM_UP_TOKENS)), min(args.users, 8)))
         meter = CpuMeter({"gateway": [gateway.process.pid], "fake_decode": [fake.process.pid]})
         run = run_load(load, args.client_procs)
-        cpu_s = meter.cores(1.0)  # CPU seconds since the meter started (per second of 1 s)
+        cpu_s = meter.seconds()
         for child in children:
             child.check_running()
         finished = True

@@ -72,11 +72,13 @@ def test_a_group_counts_the_cpu_its_processes_and_their_children_spent(processes
         process.stdin.write("go\n")
         process.stdin.flush()
     assert spinner.stdout.readline().strip() == "spun" and parent.stdout.readline().strip() == "spun"
-    used = meter.cores(1.0)  # per second of a 1 s window: the CPU seconds themselves
+    used = meter.seconds()
     # each spun 0.3 s of CPU after the meter started (counted in ticks of 10 ms)
     assert BUSY_S - 0.02 <= used["spinner"] <= BUSY_S + 0.05
     assert BUSY_S - 0.02 <= used["tree"] <= BUSY_S + 0.1  # the grandchild's spin, its parent's reads
     assert used["nobody"] == 0.0
+    cores = meter.cores(2.0)  # per second of a 2 s window (the spinners idle now: nothing more to count)
+    assert cores["spinner"] == pytest.approx(used["spinner"] / 2, abs=0.03) and cores["nobody"] == 0.0
 
 
 def test_a_process_that_is_gone_reads_zero(processes):
